@@ -1,0 +1,13 @@
+from django.urls import path
+
+from memories.api import views
+
+# Keys never contain "/" (see memories/validation.py), so <str:key> takes the whole key.
+urlpatterns = [
+    path("tools", views.ToolListView.as_view(), name="tools-list"),
+    path("tools/call", views.ToolCallView.as_view(), name="tools-call"),
+    path("tools/batch", views.ToolBatchView.as_view(), name="tools-batch"),
+    path("memories", views.MemoryListView.as_view(), name="memories-list"),
+    path("memories/<str:key>", views.MemoryDetailView.as_view(), name="memories-detail"),
+    path("memories/<str:key>/history", views.MemoryHistoryView.as_view(), name="memories-history"),
+]

@@ -1,0 +1,228 @@
+"""Tenants, their members and API keys, and the memories agents keep.
+
+Every data row carries its tenant and every index leads with it, so one tenant's rows sit
+together and the data can later be distributed by tenant (e.g. Citus).
+"""
+
+import hashlib
+import secrets
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class Tenant(models.Model):
+    slug = models.SlugField(max_length=63, unique=True)
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(default=timezone.now)
+    # Serialized-size cap of one memory value; null means the server default. Never above
+    # settings.ZEROMEM_VALUE_HARD_CAP_BYTES (enforced by the service, not trusted from here).
+    value_max_bytes = models.PositiveIntegerField(null=True, blank=True)
+    trash_retention_days = models.PositiveIntegerField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return self.slug
+
+    @property
+    def effective_value_max_bytes(self) -> int:
+        cap = settings.ZEROMEM_VALUE_HARD_CAP_BYTES
+        return min(self.value_max_bytes or settings.ZEROMEM_VALUE_MAX_BYTES, cap)
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        VIEWER = "viewer"
+        SUPPORT = "support"
+        ADMIN = "admin"
+        COMPLIANCE = "compliance"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "user"], name="membership_one_per_user_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.user} @ {self.tenant} ({self.role})"
+
+
+class Scope(models.TextChoices):
+    MEMORY_READ = "memory:read"
+    MEMORY_WRITE = "memory:write"
+    MEMORY_DELETE = "memory:delete"
+    MEMORY_SEARCH = "memory:search"
+    FORGET_CREATE = "forget:create"
+    AUDIT_READ = "audit:read"
+
+
+ALL_SCOPES = [s.value for s in Scope]
+DEFAULT_AGENT_SCOPES = [Scope.MEMORY_READ, Scope.MEMORY_WRITE, Scope.MEMORY_DELETE, Scope.MEMORY_SEARCH]
+
+API_KEY_PREFIX = "zm_"
+
+
+def hash_api_key(raw_key: str) -> str:
+    # Keys carry 256 bits of randomness, so a fast hash is enough (no password stretching):
+    # a leaked table still cannot be reversed, and auth stays one indexed lookup.
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+class ApiKeyQuerySet(models.QuerySet):
+    def usable(self):
+        now = timezone.now()
+        return self.filter(revoked_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+
+class ApiKey(models.Model):
+    """An agent's credential. The secret is shown once at creation; only its hash is kept.
+
+    Format: ``zm_<lookup>_<secret>``. The ``zm_`` prefix lets secret scanners spot leaked keys;
+    ``lookup`` (public, indexed) finds the row, the hash of the whole key proves it.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    lookup = models.CharField(max_length=16, unique=True)
+    key_hash = models.CharField(max_length=64)
+    scopes = models.JSONField(default=list)
+    # Key prefixes this key may touch, e.g. ["user:u10086:"]; empty means the whole tenant.
+    allowed_prefixes = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+
+    objects = ApiKeyQuerySet.as_manager()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"], name="apikey_tenant_created")]
+
+    def __str__(self) -> str:
+        return f"{self.display_prefix} ({self.name})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"{API_KEY_PREFIX}{self.lookup}"
+
+    @staticmethod
+    def generate() -> tuple[str, str, str]:
+        """Return (raw key, lookup, hash). The raw key is never stored."""
+        lookup = secrets.token_hex(6)
+        raw = f"{API_KEY_PREFIX}{lookup}_{secrets.token_urlsafe(32)}"
+        return raw, lookup, hash_api_key(raw)
+
+    def is_usable(self, now=None) -> bool:
+        now = now or timezone.now()
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+class MemoryQuerySet(models.QuerySet):
+    def for_tenant(self, tenant):
+        return self.filter(tenant=tenant)
+
+    def live(self, now=None):
+        """Not trashed and not expired: what every read path sees, before any cleanup runs."""
+        now = now or timezone.now()
+        return self.filter(deleted_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+    def trashed(self):
+        return self.filter(deleted_at__isnull=False)
+
+    def under_prefix(self, prefix: str):
+        return self.filter(key__startswith=prefix) if prefix else self
+
+
+class Memory(models.Model):
+    class Category(models.TextChoices):
+        USER = "user"
+        TASK = "task"
+        DECISION = "decision"
+        FACT = "fact"
+        SUMMARY = "summary"
+        NOTE = "note"
+
+    # No single-column index: every composite index below leads with the tenant.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memories", db_index=False)
+    key = models.CharField(max_length=512)
+    # Everything before the key's last segment ("user:u1" for "user:u1:pref_lang").
+    namespace = models.CharField(max_length=512)
+    value = models.JSONField()
+    # Words of key and value as the search index wants them (see memories/search.py);
+    # maintained by the service on every write, never shown.
+    search_text = models.TextField(default="", blank=True)
+    category = models.CharField(max_length=32, default=Category.NOTE)
+    subject = models.CharField(max_length=255, blank=True, default="")
+    tags = models.JSONField(default=list, blank=True)
+    importance = models.PositiveSmallIntegerField(default=5)
+    source = models.CharField(max_length=255, blank=True, default="")
+    expires_at = models.DateTimeField(null=True, blank=True)
+    version = models.PositiveIntegerField(default=1)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+    last_accessed_at = models.DateTimeField(null=True, blank=True)
+    access_count = models.PositiveIntegerField(default=0)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    objects = MemoryQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            # One live memory per key; trashed copies may pile up beside it until purged.
+            models.UniqueConstraint(
+                fields=["tenant", "key"], condition=Q(deleted_at__isnull=True), name="memory_one_live_key_per_tenant"
+            ),
+            models.CheckConstraint(condition=Q(importance__lte=10), name="memory_importance_0_10"),
+        ]
+        indexes = [
+            # list/clear by prefix: key LIKE 'p%' needs text_pattern_ops on PostgreSQL
+            # (see migration 0002); this one serves equality and ordering.
+            models.Index(fields=["tenant", "namespace", "key"], name="memory_tenant_namespace"),
+            models.Index(fields=["tenant", "subject"], name="memory_tenant_subject", condition=~Q(subject="")),
+            models.Index(fields=["tenant", "category"], name="memory_tenant_category"),
+            models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
+            models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
+        ]
+
+    def __str__(self) -> str:
+        return self.key
+
+    @property
+    def etag(self) -> str:
+        # Row id as well as version: a key deleted and written again restarts at version 1.
+        return f'"{self.pk}-{self.version}"'
+
+
+class MemoryVersion(models.Model):
+    """One row per version of a memory, written with the change that made it.
+
+    The latest row equals the memory's current value; earlier rows are its history, so a
+    bad write can be seen and undone.
+    """
+
+    class Op(models.TextChoices):
+        WRITE = "write"
+        UPDATE = "update"
+        DELETE = "delete"
+        RESTORE = "restore"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
+    memory = models.ForeignKey(Memory, on_delete=models.CASCADE, related_name="versions", db_index=False)
+    version = models.PositiveIntegerField()
+    value = models.JSONField()
+    op = models.CharField(max_length=16, choices=Op.choices)
+    actor_kind = models.CharField(max_length=16)
+    actor_id = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["memory", "version"], name="memoryversion_one_per_version")
+        ]
+        # The unique (memory, version) index serves history reads; tenant-wide erasure
+        # (forget requests) uses this one.
+        indexes = [models.Index(fields=["tenant", "memory"], name="memoryversion_tenant")]

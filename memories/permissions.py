@@ -1,0 +1,69 @@
+"""Who is acting, and what they may touch.
+
+An :class:`Actor` is built once per request (from the API key, the staff user, the portal
+link or a job) and handed to every service; the services call the checks below before
+touching data, and audit denials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from memories.errors import Forbidden
+
+
+@dataclass(frozen=True)
+class Actor:
+    kind: str  # an audit.models.AuditEvent.ActorKind value
+    id: str = ""
+    label: str = ""
+    scopes: frozenset[str] = field(default_factory=frozenset)
+    # Key prefixes this actor may touch; empty means every key of the tenant.
+    allowed_prefixes: tuple[str, ...] = ()
+    surface: str = ""
+    request_id: str = ""
+    client_ip: str | None = None
+
+    @classmethod
+    def system(cls, *, job: str = "", scopes: Iterable[str] | None = None) -> Actor:
+        from memories.models import ALL_SCOPES
+
+        return cls(kind="system", id=job, label="system", scopes=frozenset(scopes or ALL_SCOPES), surface="job")
+
+    def with_surface(self, surface: str) -> Actor:
+        return Actor(**{**self.__dict__, "surface": surface})
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scopes
+
+    def may_touch(self, key: str) -> bool:
+        return not self.allowed_prefixes or any(key.startswith(p) for p in self.allowed_prefixes)
+
+    def prefix_filters(self, prefix: str) -> list[str]:
+        """The key prefixes a prefix query must be restricted to (one SQL OR each)."""
+        if not self.allowed_prefixes:
+            return [prefix]
+        narrowed = []
+        for allowed in self.allowed_prefixes:
+            if allowed.startswith(prefix):
+                narrowed.append(allowed)  # query is broader than the allowance
+            elif prefix.startswith(allowed):
+                narrowed.append(prefix)  # query lies inside the allowance
+        return sorted(set(narrowed))
+
+
+def require_scope(actor: Actor, scope: str) -> None:
+    if not actor.has_scope(scope):
+        raise Forbidden(
+            code="missing_scope", message=f"this API key lacks the '{scope}' scope", field=None, scope=scope
+        )
+
+
+def require_key_allowed(actor: Actor, key: str) -> None:
+    if not actor.may_touch(key):
+        raise Forbidden(
+            code="key_not_allowed",
+            message="this API key may not touch keys outside its allowed prefixes",
+            field="key",
+        )

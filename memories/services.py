@@ -1,0 +1,559 @@
+"""The one place that decides what a memory operation means.
+
+Every surface — tool calls, REST, admin, portal, jobs — calls these functions. Each one
+validates its input, checks the actor's scope and key allowlist, does its work and writes
+exactly one audit event, all in one transaction. A refused call (bad input, missing scope,
+forbidden key) changes nothing and is audited with outcome ``invalid`` or ``denied``.
+
+``not_found`` and ``conflict`` are results, not errors: they go back to the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import validate_slug
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from audit.services import audit_record
+from memories import search, selectors, validation
+from memories.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
+from memories.models import ALL_SCOPES, DEFAULT_AGENT_SCOPES, ApiKey, Memory, MemoryVersion, Scope, Tenant
+from memories.permissions import Actor, require_key_allowed, require_scope
+
+Outcome = AuditEvent.Outcome
+_UNSET: Any = object()
+
+# Categories inferred from a key's first segment when the caller gives none.
+_KNOWN_CATEGORIES = {c.value for c in Memory.Category}
+
+
+@dataclass
+class MemoryResult:
+    status: str  # ok | not_found | conflict
+    key: str
+    memory: Memory | None = None
+    created: bool = False
+    current_version: int | None = None
+
+
+@dataclass
+class ListResult:
+    keys: list = field(default_factory=list)
+    next_cursor: str | None = None
+
+
+def _outcome_of(exc: ServiceError) -> str:
+    if isinstance(exc, Forbidden):
+        return Outcome.DENIED
+    if isinstance(exc, PreconditionFailed):
+        return Outcome.PRECONDITION_FAILED
+    return Outcome.INVALID
+
+
+@contextmanager
+def _operation(*, tenant: Tenant, actor: Actor, action: str, target: Any = "") -> Iterator[None]:
+    """One transaction for the operation; a refused call is rolled back and then audited."""
+    try:
+        with transaction.atomic():
+            yield
+    except ServiceError as exc:
+        exc.audited = True
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action=action,
+            target=target if isinstance(target, str) else "",
+            outcome=_outcome_of(exc),
+            detail={"code": exc.code, "field": exc.field},
+        )
+        raise
+
+
+def _infer_subject(key: str) -> str:
+    # "user:u10086:pref_lang" is about end user u10086: forget requests find it by subject.
+    parts = key.split(":")
+    return parts[1] if len(parts) >= 3 and parts[0] in ("user", "usr") else ""
+
+
+def _infer_category(key: str) -> str:
+    first = key.split(":", 1)[0]
+    return first if first in _KNOWN_CATEGORIES else Memory.Category.NOTE
+
+
+def _record_version(memory: Memory, op: str, actor: Actor, now) -> None:
+    MemoryVersion.objects.create(
+        tenant_id=memory.tenant_id,
+        memory=memory,
+        version=memory.version,
+        value=memory.value,
+        op=op,
+        actor_kind=actor.kind,
+        actor_id=actor.id,
+        created_at=now,
+    )
+
+
+def memory_write(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    key: Any,
+    value: Any,
+    ttl_seconds: Any = None,
+    tags: Any = None,
+    subject: Any = None,
+    category: Any = None,
+    importance: Any = None,
+    source: Any = None,
+) -> MemoryResult:
+    """Upsert. Fields left out keep their current value (or a default on create).
+
+    Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT.
+    """
+    with _operation(tenant=tenant, actor=actor, action="memory.write", target=key):
+        key = validation.key(key)
+        require_scope(actor, Scope.MEMORY_WRITE)
+        require_key_allowed(actor, key)
+        validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+        ttl = validation.ttl_seconds(ttl_seconds)
+        tags = validation.tags(tags)
+        subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
+        category = validation.category(category)
+        importance = validation.importance(importance)
+        source = validation.short_text(source, field="source", max_len=validation.SOURCE_MAX_LEN)
+
+        now = timezone.now()
+        fields = {
+            "value": value,
+            "search_text": search.index_text(key=key, value=value),
+            "updated_at": now,
+        }
+        for name, given in (
+            ("tags", tags),
+            ("subject", subject),
+            ("category", category),
+            ("importance", importance),
+            ("source", source),
+            ("expires_at", now + ttl if ttl is not None else None),
+        ):
+            if given is not None:
+                fields[name] = given
+
+        memory, created = _upsert(tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label)
+        _record_version(memory, MemoryVersion.Op.WRITE, actor, now)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.write",
+            target=key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            version=memory.version,
+            detail={"created": created},
+        )
+        return MemoryResult(status="ok", key=key, memory=memory, created=created)
+
+
+def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str) -> tuple[Memory, bool]:
+    # Expired-but-not-yet-purged rows still hold the (tenant, key) slot of the partial
+    # unique index; a write over one trashes it first, so it behaves like a fresh key.
+    for _ in range(3):
+        existing = Memory.objects.for_tenant(tenant).filter(key=key, deleted_at__isnull=True).select_for_update().first()
+        if existing is not None and existing.expires_at is not None and existing.expires_at <= now:
+            existing.deleted_at = now
+            existing.save(update_fields=["deleted_at"])
+            existing = None
+        if existing is not None:
+            for name, val in fields.items():
+                setattr(existing, name, val)
+            existing.version += 1
+            existing.save(update_fields=[*fields, "version"])
+            return existing, False
+        create = {
+            "subject": _infer_subject(key),
+            "category": _infer_category(key),
+            "source": source_default,
+            **fields,
+        }
+        try:
+            # A savepoint, so a concurrent insert of the same key only costs a retry.
+            with transaction.atomic():
+                memory = Memory.objects.create(
+                    tenant=tenant, key=key, namespace=validation.namespace_of(key), created_at=now, **create
+                )
+            return memory, True
+        except IntegrityError:
+            continue
+    raise RuntimeError(f"could not upsert {key!r} after concurrent inserts")
+
+
+def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
+    """One indexed SELECT, an access-counter UPDATE by primary key, the audit INSERT."""
+    with _operation(tenant=tenant, actor=actor, action="memory.read", target=key):
+        key = validation.key(key)
+        require_scope(actor, Scope.MEMORY_READ)
+        require_key_allowed(actor, key)
+        memory = selectors.memory_get_live(tenant=tenant, key=key)
+        if memory is None:
+            audit_record(tenant=tenant, actor=actor, action="memory.read", target=key, outcome=Outcome.NOT_FOUND)
+            return MemoryResult(status="not_found", key=key)
+        now = timezone.now()
+        Memory.objects.filter(pk=memory.pk).update(access_count=F("access_count") + 1, last_accessed_at=now)
+        memory.access_count += 1
+        memory.last_accessed_at = now
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.read",
+            target=key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            version=memory.version,
+        )
+        return MemoryResult(status="ok", key=key, memory=memory)
+
+
+def memory_update(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    key: Any,
+    value: Any = _UNSET,
+    expected_version: Any = None,
+    ttl_seconds: Any = None,
+    tags: Any = None,
+    category: Any = None,
+    importance: Any = None,
+    source: Any = None,
+    if_match: tuple[int, int] | None = None,
+) -> MemoryResult:
+    """Change an existing memory. The version check lives in the UPDATE's WHERE clause, so
+    two concurrent updates with the same ``expected_version`` cannot both win.
+
+    ``if_match=(memory id, version)`` (REST If-Match) is checked the same way, and a
+    mismatch — or a missing memory — is HTTP 412 instead of a result.
+    """
+    with _operation(tenant=tenant, actor=actor, action="memory.update", target=key):
+        key = validation.key(key)
+        require_scope(actor, Scope.MEMORY_WRITE)
+        require_key_allowed(actor, key)
+        expected = validation.version(expected_version)
+        if value is not _UNSET:
+            validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+        ttl = validation.ttl_seconds(ttl_seconds)
+        changes: dict[str, Any] = {}
+        for name, given in (
+            ("tags", validation.tags(tags)),
+            ("category", validation.category(category)),
+            ("importance", validation.importance(importance)),
+            ("source", validation.short_text(source, field="source", max_len=validation.SOURCE_MAX_LEN)),
+        ):
+            if given is not None:
+                changes[name] = given
+
+        now = timezone.now()
+        if value is not _UNSET:
+            changes["value"] = value
+            changes["search_text"] = search.index_text(key=key, value=value)
+        if ttl is not None:
+            changes["expires_at"] = now + ttl
+        live = selectors.memories_live(tenant=tenant).filter(key=key)
+        target = live if expected is None else live.filter(version=expected)
+        if if_match is not None:
+            target = target.filter(pk=if_match[0], version=if_match[1])
+        updated = target.update(version=F("version") + 1, updated_at=now, **changes)
+        if not updated:
+            current = live.values_list("version", flat=True).first()
+            if if_match is not None:
+                raise PreconditionFailed("the memory changed since you read it (ETag mismatch)", field="If-Match")
+            if current is None:
+                audit_record(tenant=tenant, actor=actor, action="memory.update", target=key, outcome=Outcome.NOT_FOUND)
+                return MemoryResult(status="not_found", key=key)
+            audit_record(
+                tenant=tenant,
+                actor=actor,
+                action="memory.update",
+                target=key,
+                outcome=Outcome.CONFLICT,
+                version=current,
+                detail={"expected_version": expected},
+            )
+            return MemoryResult(status="conflict", key=key, current_version=current)
+        # Our UPDATE holds the row lock until commit, so this read sees our own version.
+        memory = live.get()
+        _record_version(memory, MemoryVersion.Op.UPDATE, actor, now)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.update",
+            target=key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            version=memory.version,
+        )
+        return MemoryResult(status="ok", key=key, memory=memory)
+
+
+def memory_delete(
+    *, tenant: Tenant, actor: Actor, key: Any, if_match: tuple[int, int] | None = None
+) -> MemoryResult:
+    """Soft delete: the memory moves to the trash (restorable until purged).
+    ``if_match=(memory id, version)``: delete only that version, else HTTP 412."""
+    with _operation(tenant=tenant, actor=actor, action="memory.delete", target=key):
+        key = validation.key(key)
+        require_scope(actor, Scope.MEMORY_DELETE)
+        require_key_allowed(actor, key)
+        memory = selectors.memories_live(tenant=tenant).filter(key=key).select_for_update().first()
+        if if_match is not None and (memory is None or (memory.pk, memory.version) != tuple(if_match)):
+            raise PreconditionFailed("the memory changed since you read it (ETag mismatch)", field="If-Match")
+        if memory is None:
+            audit_record(tenant=tenant, actor=actor, action="memory.delete", target=key, outcome=Outcome.NOT_FOUND)
+            return MemoryResult(status="not_found", key=key)
+        now = timezone.now()
+        memory.deleted_at = now
+        memory.version += 1
+        memory.updated_at = now
+        memory.save(update_fields=["deleted_at", "version", "updated_at"])
+        _record_version(memory, MemoryVersion.Op.DELETE, actor, now)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.delete",
+            target=key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            version=memory.version,
+        )
+        return MemoryResult(status="ok", key=key, memory=memory)
+
+
+def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryResult:
+    """Bring a trashed memory back, unless a live memory has taken its key meanwhile."""
+    memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory_id).first()
+    key = memory.key if memory else ""
+    with _operation(tenant=tenant, actor=actor, action="memory.restore", target=key):
+        require_scope(actor, Scope.MEMORY_WRITE)
+        if memory is None:
+            audit_record(tenant=tenant, actor=actor, action="memory.restore", target="", outcome=Outcome.NOT_FOUND)
+            return MemoryResult(status="not_found", key="")
+        require_key_allowed(actor, key)
+        if selectors.memory_get_live(tenant=tenant, key=key) is not None:
+            audit_record(tenant=tenant, actor=actor, action="memory.restore", target=key, outcome=Outcome.CONFLICT)
+            return MemoryResult(status="conflict", key=key)
+        now = timezone.now()
+        memory = Memory.objects.select_for_update().get(pk=memory.pk)
+        memory.deleted_at = None
+        memory.version += 1
+        memory.updated_at = now
+        if memory.expires_at is not None and memory.expires_at <= now:
+            memory.expires_at = None  # restoring an expired memory would leave it invisible
+        memory.save(update_fields=["deleted_at", "version", "updated_at", "expires_at"])
+        _record_version(memory, MemoryVersion.Op.RESTORE, actor, now)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.restore",
+            target=key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            version=memory.version,
+        )
+        return MemoryResult(status="ok", key=key, memory=memory)
+
+
+def memory_list(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    prefix: Any = "",
+    limit: Any = None,
+    cursor: Any = None,
+    category: Any = None,
+    subject: Any = None,
+    tag: Any = None,
+    keys_only: bool = True,
+) -> ListResult:
+    """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch."""
+    with _operation(tenant=tenant, actor=actor, action="memory.list", target=prefix):
+        prefix = validation.prefix(prefix)
+        require_scope(actor, Scope.MEMORY_READ)
+        limit = validation.limit(limit, default=50)
+        after = validation.decode_cursor(cursor)
+        category = validation.category(category)
+        subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
+        if tag is not None:
+            tag = validation.tags([tag], field="tag")[0]
+        rows, last = selectors.memory_keys_page(
+            tenant=tenant,
+            prefixes=actor.prefix_filters(prefix),
+            limit=limit,
+            after=after,
+            category=category,
+            subject=subject,
+            tag=tag,
+            keys_only=keys_only,
+        )
+        audit_record(
+            tenant=tenant, actor=actor, action="memory.list", target=prefix, outcome=Outcome.OK, count=len(rows)
+        )
+        return ListResult(keys=rows, next_cursor=validation.encode_cursor(last) if last else None)
+
+
+def memory_search(
+    *, tenant: Tenant, actor: Actor, query: Any, prefix: Any = "", limit: Any = None
+) -> list[tuple[Memory, float]]:
+    """Ranked matches of a natural-language question or keywords (see memories/search.py).
+    The audit event records the prefix and the count, not the query text (it may be personal)."""
+    with _operation(tenant=tenant, actor=actor, action="memory.search", target=prefix):
+        query = validation.query(query)
+        prefix = validation.prefix(prefix)
+        require_scope(actor, Scope.MEMORY_SEARCH)
+        limit = validation.limit(limit, default=5)
+        results = selectors.memory_search(
+            tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit
+        )
+        audit_record(
+            tenant=tenant, actor=actor, action="memory.search", target=prefix, outcome=Outcome.OK, count=len(results)
+        )
+        return results
+
+
+def memory_recall(
+    *, tenant: Tenant, actor: Actor, query: Any, prefix: Any = "", max_chars: Any = None
+) -> dict:
+    """The best matches packed into one text block of at most ``max_chars`` characters,
+    one ``key: value`` line each, best first; a line that does not fit is cut, not dropped,
+    when at least 40 characters remain."""
+    with _operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix):
+        query = validation.query(query)
+        prefix = validation.prefix(prefix)
+        require_scope(actor, Scope.MEMORY_SEARCH)
+        max_chars = validation.bounded_int(
+            max_chars, field="max_chars", default=500, low=50, high=validation.RECALL_MAX_CHARS
+        )
+        results = selectors.memory_search(tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=20)
+        lines: list[str] = []
+        used = 0
+        keys = []
+        for memory, _score in results:
+            line = f"{memory.key}: {search.compact(memory.value)}"
+            room = max_chars - used - (1 if lines else 0)
+            if len(line) > room:
+                if room >= 40:
+                    lines.append(line[: room - 1] + "…")
+                    keys.append(memory.key)
+                break
+            lines.append(line)
+            keys.append(memory.key)
+            used += len(line) + (1 if len(lines) > 1 else 0)
+        audit_record(
+            tenant=tenant, actor=actor, action="memory.recall", target=prefix, outcome=Outcome.OK, count=len(keys)
+        )
+        return {"text": "\n".join(lines), "keys": keys}
+
+
+def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None) -> MemoryResult | list:
+    """Versions of the live memory at ``key``, newest first (values included: a read)."""
+    with _operation(tenant=tenant, actor=actor, action="memory.history", target=key):
+        key = validation.key(key)
+        require_scope(actor, Scope.MEMORY_READ)
+        require_key_allowed(actor, key)
+        limit = validation.limit(limit, default=50)
+        memory = selectors.memory_get_live(tenant=tenant, key=key)
+        if memory is None:
+            audit_record(tenant=tenant, actor=actor, action="memory.history", target=key, outcome=Outcome.NOT_FOUND)
+            return MemoryResult(status="not_found", key=key)
+        versions = list(selectors.memory_history(memory=memory)[:limit])
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.history",
+            target=key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            count=len(versions),
+            version=memory.version,
+        )
+        return versions
+
+
+# --- tenants and keys -------------------------------------------------------------------
+
+
+def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant:
+    try:
+        validate_slug(slug)
+    except DjangoValidationError:
+        raise InvalidInput("must be letters, digits, hyphens or underscores", field="slug") from None
+    with transaction.atomic():
+        if Tenant.objects.filter(slug=slug).exists():
+            raise InvalidInput(f"tenant '{slug}' already exists", field="slug", code="exists")
+        tenant = Tenant.objects.create(slug=slug, name=name or slug)
+        audit_record(tenant=tenant, actor=actor, action="tenant.create", target=slug, outcome=Outcome.OK)
+    return tenant
+
+
+def api_key_create(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    name: str,
+    scopes: list[str] | None = None,
+    allowed_prefixes: list[str] | None = None,
+    expires_in_days: int | None = None,
+    created_by=None,
+) -> tuple[ApiKey, str]:
+    """Create a key and return it with its secret, the only time the secret exists."""
+    scopes = [str(s) for s in (scopes if scopes is not None else DEFAULT_AGENT_SCOPES)]
+    unknown = sorted(set(scopes) - set(ALL_SCOPES))
+    if unknown:
+        raise InvalidInput(f"unknown scope {unknown[0]!r}; known: {', '.join(ALL_SCOPES)}", field="scopes")
+    prefixes = [validation.prefix(p, field="allowed_prefixes") for p in (allowed_prefixes or [])]
+    if expires_in_days is not None and expires_in_days < 1:
+        raise InvalidInput("must be at least 1", field="expires_in_days")
+    raw, lookup, key_hash = ApiKey.generate()
+    with transaction.atomic():
+        key = ApiKey.objects.create(
+            tenant=tenant,
+            name=name,
+            lookup=lookup,
+            key_hash=key_hash,
+            scopes=scopes,
+            allowed_prefixes=prefixes,
+            expires_at=timezone.now() + timedelta(days=expires_in_days) if expires_in_days else None,
+            created_by=created_by,
+        )
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="api_key.create",
+            target=key.display_prefix,
+            outcome=Outcome.OK,
+            detail={"scopes": scopes, "allowed_prefixes": prefixes},
+        )
+    return key, raw
+
+
+def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
+    with transaction.atomic():
+        updated = ApiKey.objects.filter(tenant=tenant, pk=key_id, revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
+        key = ApiKey.objects.filter(tenant=tenant, pk=key_id).first()
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="api_key.revoke",
+            target=key.display_prefix if key else "",
+            outcome=Outcome.OK if updated else Outcome.NOT_FOUND,
+        )
+    return bool(updated)

@@ -1,0 +1,300 @@
+"""The tool registry: each tool's name, description, parameters and the service it calls,
+side by side. The OpenAI, Anthropic and MCP schemas are all generated from it.
+
+Results are compact dicts that go straight back to the model; ``not_found`` and
+``conflict`` are results. Wrong calls raise :class:`memories.errors.ServiceError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memories import services, validation
+from memories.errors import InvalidInput
+from memories.models import Memory, Tenant
+from memories.permissions import Actor
+
+# A memory value is any JSON. OpenAI's strict mode cannot express a free-form object, so
+# the strict schema offers scalars (a structured value can be sent as a JSON string);
+# `?strict=false` and the Anthropic/MCP schemas accept any JSON.
+ANY_JSON: dict = {"description": "any JSON value"}
+STRICT_SCALAR: list[dict] = [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    schema: dict  # JSON Schema of a present value
+    description: str
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    params: tuple[Param, ...]
+    run: Callable[[Tenant, Actor, dict], dict]
+
+    def input_schema(self) -> dict:
+        """Plain JSON Schema (Anthropic ``input_schema``, MCP ``inputSchema``)."""
+        return {
+            "type": "object",
+            "properties": {p.name: {**p.schema, "description": p.description} for p in self.params},
+            "required": [p.name for p in self.params if p.required],
+            "additionalProperties": False,
+        }
+
+    def openai(self, *, strict: bool = True) -> dict:
+        if not strict:
+            parameters = self.input_schema()
+        else:
+            # Strict mode: every property listed in `required`; optional ones accept null.
+            props = {}
+            for p in self.params:
+                schema = _strict(p.schema)
+                if not p.required:
+                    schema = _nullable(schema)
+                props[p.name] = {**schema, "description": p.description}
+            parameters = {
+                "type": "object",
+                "properties": props,
+                "required": [p.name for p in self.params],
+                "additionalProperties": False,
+            }
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": parameters,
+                "strict": strict,
+            },
+        }
+
+    def anthropic(self) -> dict:
+        return {"name": self.name, "description": self.description, "input_schema": self.input_schema()}
+
+    def mcp(self) -> dict:
+        return {"name": self.name, "description": self.description, "inputSchema": self.input_schema()}
+
+
+def _strict(schema: dict) -> dict:
+    return {"anyOf": STRICT_SCALAR} if schema is ANY_JSON else dict(schema)
+
+
+def _nullable(schema: dict) -> dict:
+    if "anyOf" in schema:
+        return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+def _updated_at(memory: Memory) -> str:
+    return memory.updated_at.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+# --- the tools --------------------------------------------------------------------------
+
+
+def _write(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    r = services.memory_write(
+        tenant=tenant,
+        actor=actor,
+        key=a["key"],
+        value=a["value"],
+        ttl_seconds=a.get("ttl_seconds"),
+        tags=a.get("tags"),
+        subject=a.get("subject"),
+        category=a.get("category"),
+    )
+    return {"status": "ok", "key": r.key, "version": r.memory.version, "created": r.created}
+
+
+def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    r = services.memory_read(tenant=tenant, actor=actor, key=a["key"])
+    if r.status == "not_found":
+        out = {"status": "not_found", "key": r.key}
+        if a.get("default") is not None:
+            out["value"] = a["default"]  # the caller's fallback, as the seeds' degradation advice asks
+        return out
+    m = r.memory
+    return {"status": "ok", "key": r.key, "value": m.value, "version": m.version, "updated_at": _updated_at(m)}
+
+
+def _update(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    r = services.memory_update(
+        tenant=tenant, actor=actor, key=a["key"], value=a["value"], expected_version=a.get("expected_version")
+    )
+    if r.status == "not_found":
+        return {"status": "not_found", "key": r.key}
+    if r.status == "conflict":
+        return {"status": "conflict", "key": r.key, "current_version": r.current_version}
+    return {"status": "ok", "key": r.key, "version": r.memory.version, "created": False}
+
+
+def _delete(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    r = services.memory_delete(tenant=tenant, actor=actor, key=a["key"])
+    return {"status": r.status} if r.status == "ok" else {"status": "not_found", "key": r.key}
+
+
+def _list(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    r = services.memory_list(
+        tenant=tenant, actor=actor, prefix=a.get("prefix") or "", limit=a.get("limit"), cursor=a.get("cursor")
+    )
+    return {"status": "ok", "keys": r.keys, "next_cursor": r.next_cursor}
+
+
+def _search(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    results = services.memory_search(
+        tenant=tenant, actor=actor, query=a["query"], prefix=a.get("prefix") or "", limit=a.get("limit")
+    )
+    return {
+        "status": "ok",
+        "results": [{"key": m.key, "value": m.value, "score": round(s, 3)} for m, s in results],
+    }
+
+
+def _recall(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    r = services.memory_recall(
+        tenant=tenant, actor=actor, query=a["query"], prefix=a.get("prefix") or "", max_chars=a.get("max_chars")
+    )
+    return {"status": "ok", "text": r["text"], "count": len(r["keys"])}
+
+
+KEY = Param("key", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "e.g. user:u10086:pref_lang", True)
+PREFIX = Param("prefix", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "key prefix, e.g. user:u10086:")
+QUERY = Param("query", {"type": "string", "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True)
+
+TOOLS: dict[str, Tool] = {
+    t.name: t
+    for t in (
+        Tool(
+            "memory_write",
+            "Save a memory under a key (creates or replaces).",
+            (
+                KEY,
+                Param("value", ANY_JSON, "what to remember", True),
+                Param("ttl_seconds", {"type": "integer", "minimum": 1}, "expire after this many seconds"),
+                Param("tags", {"type": "array", "items": {"type": "string"}}, "labels"),
+                Param("subject", {"type": "string"}, "end user this is about"),
+                Param("category", {"type": "string"}, "user, task, decision, fact"),
+            ),
+            _write,
+        ),
+        Tool(
+            "memory_read",
+            "Read the memory at a key.",
+            (KEY, Param("default", ANY_JSON, "returned as value if the key is missing")),
+            _read,
+        ),
+        Tool(
+            "memory_update",
+            "Change an existing memory; pass expected_version to avoid overwriting a newer one.",
+            (
+                KEY,
+                Param("value", ANY_JSON, "new value", True),
+                Param("expected_version", {"type": "integer", "minimum": 1}, "version you read"),
+            ),
+            _update,
+        ),
+        Tool("memory_delete", "Delete the memory at a key.", (KEY,), _delete),
+        Tool(
+            "memory_list",
+            "List keys under a prefix.",
+            (
+                PREFIX,
+                Param("limit", {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}, "max keys"),
+                Param("cursor", {"type": "string"}, "next_cursor of the previous page"),
+            ),
+            _list,
+        ),
+        Tool(
+            "memory_search",
+            "Find memories relevant to a question or keywords, best first.",
+            (
+                QUERY,
+                PREFIX,
+                Param("limit", {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}, "default 5"),
+            ),
+            _search,
+        ),
+        Tool(
+            "memory_recall",
+            "Get the memories relevant to a question as one short text block.",
+            (
+                QUERY,
+                PREFIX,
+                Param(
+                    "max_chars",
+                    {"type": "integer", "minimum": 50, "maximum": validation.RECALL_MAX_CHARS},
+                    "default 500",
+                ),
+            ),
+            _recall,
+        ),
+    )
+}
+
+
+def tool_schemas(fmt: str, *, strict: bool = True) -> list[dict]:
+    if fmt == "openai":
+        return [t.openai(strict=strict) for t in TOOLS.values()]
+    if fmt == "anthropic":
+        return [t.anthropic() for t in TOOLS.values()]
+    if fmt == "mcp":
+        return [t.mcp() for t in TOOLS.values()]
+    raise InvalidInput("must be openai, anthropic or mcp", field="format")
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: dict
+    call_id: str | None
+
+
+def parse_call(body: Any) -> ParsedCall:
+    """Accept a call as models emit it: ``{"name", "arguments"}`` or an OpenAI tool call
+    ``{"id", "type": "function", "function": {"name", "arguments"}}``; arguments may be an
+    object or a JSON string."""
+    if not isinstance(body, dict):
+        raise InvalidInput("a tool call must be a JSON object", field="body")
+    call_id = body.get("id") if isinstance(body.get("id"), str) else body.get("tool_call_id")
+    if not (call_id is None or isinstance(call_id, str)):
+        call_id = None
+    prefix = ""
+    if "function" in body:
+        if not isinstance(body["function"], dict):
+            raise InvalidInput("must be an object with name and arguments", field="function")
+        body, prefix = body["function"], "function."
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidInput("the tool name is required", field=f"{prefix}name", code="required")
+    arguments = body.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise InvalidInput(f"is not valid JSON ({exc.msg})", field=f"{prefix}arguments", code="malformed_json") from None
+    if not isinstance(arguments, dict):
+        raise InvalidInput("must be a JSON object", field=f"{prefix}arguments")
+    return ParsedCall(name=name, arguments=arguments, call_id=call_id)
+
+
+def tool_call(*, tenant: Tenant, actor: Actor, name: str, arguments: dict) -> dict:
+    tool = TOOLS.get(name)
+    if tool is None:
+        raise InvalidInput(f"unknown tool; available: {', '.join(TOOLS)}", field="name", code="unknown_tool")
+    known = {p.name for p in tool.params}
+    for arg in arguments:
+        if arg not in known:
+            raise InvalidInput(f"{name} takes no argument '{arg}'", field=arg, code="unknown_argument")
+    for p in tool.params:
+        if p.required and p.name not in arguments:
+            raise InvalidInput("is required", field=p.name, code="required")
+    # Strict-mode models send null for optional arguments they leave out.
+    arguments = {k: v for k, v in arguments.items() if v is not None or k == "value"}
+    return tool.run(tenant, actor, arguments)

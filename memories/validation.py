@@ -1,0 +1,174 @@
+"""Input rules shared by every surface. Each failure names the field at fault.
+
+Key grammar (see README "Keys"): segments joined by ``:``; each segment is one or more
+Unicode letters or digits, or ``_ - . @ + = ~``; no empty segment, no whitespace or control
+characters, no ``/``; at most 512 characters. Recommended shape, as the seeds advise:
+``{namespace}:{user or session id}:{name}``, e.g. ``user:u10086:pref_lang``.
+"""
+
+import base64
+import json
+import re
+from datetime import timedelta
+
+from memories.errors import InvalidInput, PayloadTooLarge
+
+KEY_MAX_LEN = 512
+_SEGMENT = r"[\w.@+=~-]+"
+KEY_RE = re.compile(rf"{_SEGMENT}(?::{_SEGMENT})*")
+# A prefix is a key, optionally ending in ":" (a whole subtree) or cut mid-segment.
+PREFIX_RE = re.compile(rf"(?:{_SEGMENT}:?)(?:{_SEGMENT}:?)*")
+
+TTL_MAX_SECONDS = 10 * 365 * 24 * 3600
+TAG_RE = re.compile(r"[\w.@+=~:-]{1,64}")
+TAGS_MAX = 20
+SUBJECT_MAX_LEN = 255
+SOURCE_MAX_LEN = 255
+CATEGORY_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+LIMIT_MAX = 200
+QUERY_MAX_LEN = 500
+RECALL_MAX_CHARS = 8000
+
+
+def key(value, field: str = "key") -> str:
+    if not isinstance(value, str):
+        raise InvalidInput("must be a string", field=field)
+    if not value:
+        raise InvalidInput("must not be empty", field=field)
+    if len(value) > KEY_MAX_LEN:
+        raise InvalidInput(f"must be at most {KEY_MAX_LEN} characters", field=field, code="too_long")
+    if not KEY_RE.fullmatch(value):
+        raise InvalidInput(
+            "must be ':'-separated segments of letters, digits or _-.@+=~ with no empty segment, "
+            "e.g. 'user:u10086:pref_lang'",
+            field=field,
+            code="invalid_key",
+        )
+    return value
+
+
+def prefix(value, field: str = "prefix") -> str:
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str):
+        raise InvalidInput("must be a string", field=field)
+    if len(value) > KEY_MAX_LEN:
+        raise InvalidInput(f"must be at most {KEY_MAX_LEN} characters", field=field, code="too_long")
+    if not PREFIX_RE.fullmatch(value):
+        raise InvalidInput("must be the start of a key, e.g. 'user:u10086:'", field=field, code="invalid_prefix")
+    return value
+
+
+def namespace_of(key_: str) -> str:
+    return key_.rpartition(":")[0]
+
+
+def value(raw, *, max_bytes: int, field: str = "value") -> None:
+    """Any JSON value up to ``max_bytes`` serialized (compact, UTF-8)."""
+    try:
+        text = json.dumps(raw, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"must be JSON-serializable ({exc})", field=field) from None
+    if "\\u0000" in text:  # PostgreSQL's jsonb cannot hold NUL in text
+        raise InvalidInput("must not contain NUL characters", field=field)
+    size = len(text.encode())
+    if size > max_bytes:
+        raise PayloadTooLarge(f"serialized value is {size} bytes; the limit is {max_bytes}", field=field)
+
+
+def ttl_seconds(raw, field: str = "ttl_seconds") -> timedelta | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise InvalidInput("must be an integer number of seconds", field=field)
+    if raw < 1 or raw > TTL_MAX_SECONDS:
+        raise InvalidInput(f"must be between 1 and {TTL_MAX_SECONDS}", field=field, code="out_of_range")
+    return timedelta(seconds=raw)
+
+
+def tags(raw, field: str = "tags") -> list[str] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise InvalidInput("must be a list of strings", field=field)
+    if len(raw) > TAGS_MAX:
+        raise InvalidInput(f"at most {TAGS_MAX} tags", field=field, code="out_of_range")
+    for t in raw:
+        if not TAG_RE.fullmatch(t):
+            raise InvalidInput("each tag is 1-64 letters, digits or _-.@+=~:", field=field)
+    return list(dict.fromkeys(raw))
+
+
+def short_text(raw, *, field: str, max_len: int) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise InvalidInput("must be a string", field=field)
+    if len(raw) > max_len:
+        raise InvalidInput(f"must be at most {max_len} characters", field=field, code="too_long")
+    if any(ord(c) < 32 or ord(c) == 127 for c in raw):
+        raise InvalidInput("must not contain control characters", field=field)
+    return raw
+
+
+def category(raw, field: str = "category") -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not CATEGORY_RE.fullmatch(raw):
+        raise InvalidInput("must be a lowercase word such as user, task, decision, fact", field=field)
+    return raw
+
+
+def importance(raw, field: str = "importance") -> int | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= 10:
+        raise InvalidInput("must be an integer from 0 to 10", field=field, code="out_of_range")
+    return raw
+
+
+def bounded_int(raw, *, field: str, default: int, low: int, high: int) -> int:
+    if raw is None:
+        return default
+    if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+        raw = int(raw)
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise InvalidInput("must be an integer", field=field)
+    if not low <= raw <= high:
+        raise InvalidInput(f"must be between {low} and {high}", field=field, code="out_of_range")
+    return raw
+
+
+def limit(raw, *, default: int, field: str = "limit") -> int:
+    return bounded_int(raw, field=field, default=default, low=1, high=LIMIT_MAX)
+
+
+def version(raw, field: str = "expected_version") -> int | None:
+    if raw is None:
+        return None
+    return bounded_int(raw, field=field, default=0, low=1, high=2**31 - 1)
+
+
+def query(raw, field: str = "query") -> str:
+    if not isinstance(raw, str) or not raw.strip():
+        raise InvalidInput("must be a non-empty string", field=field)
+    if len(raw) > QUERY_MAX_LEN:
+        raise InvalidInput(f"must be at most {QUERY_MAX_LEN} characters", field=field, code="too_long")
+    return raw
+
+
+# Cursors are opaque to callers: base64 of the last key seen (keyset pagination on key).
+def encode_cursor(last_key: str) -> str:
+    return base64.urlsafe_b64encode(last_key.encode()).decode().rstrip("=")
+
+
+def decode_cursor(raw, field: str = "cursor") -> str | None:
+    if raw is None or raw == "":
+        return None
+    if not isinstance(raw, str) or len(raw) > 1024:
+        raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor")
+    try:
+        decoded = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode()
+        return key(decoded, field=field)
+    except (ValueError, InvalidInput):
+        raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor") from None

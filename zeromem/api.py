@@ -1,0 +1,92 @@
+"""What every ZeroMem API endpoint shares: the tenant-scoped base view, the error shape,
+(the compact JSON renderer is in zeromem/renderers.py).
+
+Error shape, on every surface and status: ``{"error": {"code", "message", "field"}}``.
+"""
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.db import InterfaceError, OperationalError
+from django.http import Http404
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from memories.errors import ServiceError
+from memories.models import Tenant
+from memories.permissions import Actor
+
+
+_DRF_CODES = {
+    exceptions.NotAuthenticated: "missing_credentials",
+    exceptions.AuthenticationFailed: "invalid_credentials",
+    exceptions.PermissionDenied: "forbidden",
+    exceptions.NotFound: "not_found",
+    exceptions.MethodNotAllowed: "method_not_allowed",
+    exceptions.NotAcceptable: "not_acceptable",
+    exceptions.UnsupportedMediaType: "unsupported_media_type",
+    exceptions.Throttled: "rate_limited",
+    exceptions.ParseError: "malformed_json",
+}
+
+
+def _first_error(detail, path=""):
+    """(field, message, code) of the first error in a DRF ValidationError detail."""
+    if isinstance(detail, dict):
+        for name, sub in detail.items():
+            field = name if name != "non_field_errors" else path
+            return _first_error(sub, f"{path}.{field}" if path and field != path else field)
+    if isinstance(detail, list) and detail:
+        return _first_error(detail[0], path)
+    return path or None, str(detail), getattr(detail, "code", "invalid")
+
+
+def error_body(code: str, message: str, field: str | None = None, **extra) -> dict:
+    return {"error": {"code": code, "message": message, "field": field, **extra}}
+
+
+def exception_handler(exc, context):
+    if isinstance(exc, ServiceError):
+        return Response({"error": exc.as_dict()}, status=exc.http_status)
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        # The database is unreachable (restart, failover, pool exhausted): tell the client
+        # to retry rather than answering 500 or hanging.
+        return Response(
+            error_body("database_unavailable", "the database is unavailable; retry shortly"),
+            status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": "2"},
+        )
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound()
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, exceptions.ValidationError):
+        field, message, code = _first_error(exc.detail)
+        response.data = error_body(code if code != "invalid" else "invalid", message, field)
+        return response
+    code = getattr(exc, "zeromem_code", None) or _DRF_CODES.get(type(exc), exc.default_code)
+    field = getattr(exc, "zeromem_field", None)
+    if isinstance(exc, (exceptions.NotAuthenticated, exceptions.AuthenticationFailed)):
+        field = field or "Authorization"
+    message = str(exc.detail) if not isinstance(exc.detail, (dict, list)) else exc.default_detail
+    extra = {"retry_after": int(exc.wait or 1)} if isinstance(exc, exceptions.Throttled) else {}
+    response.data = error_body(code, message, field, **extra)
+    return response
+
+
+class TenantAPIView(APIView):
+    """Base of every tenant endpoint: the tenant and actor come from the API key, resolved
+    once by authentication; nothing in the payload can name another tenant."""
+
+    surface = "rest"
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.request.user.tenant
+
+    @property
+    def actor(self) -> Actor:
+        return self.request.user.actor_for(self.request, self.surface)

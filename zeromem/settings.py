@@ -1,0 +1,233 @@
+"""ZeroMem settings, read from the environment (django-environ).
+
+Two shapes of deployment share this file:
+
+* embedded (no ``DATABASE_URL``): a SQLite file under ``var/`` and django-q2's ORM broker,
+  so one command starts everything on a fresh machine;
+* production (``DATABASE_URL=postgres://...``): PostgreSQL through psycopg 3 with a
+  connection pool, optionally Redis (``REDIS_URL``) for the shared cache / rate limits.
+
+``ZEROMEM_ENV=development`` turns on DEBUG and allows a throw-away SECRET_KEY; in any other
+mode SECRET_KEY must be set and the deploy checks pass (see README "Settings").
+"""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(environ.Env().str("ZEROMEM_VAR_DIR", default=str(BASE_DIR / "var")))
+
+env = environ.Env()
+# A git-ignored .env (written by `python3 -m zeromem up`) keeps the dev settings for manage.py.
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+ZEROMEM_ENV = env.str("ZEROMEM_ENV", default="production")
+DEVELOPMENT = ZEROMEM_ENV == "development"
+
+DEBUG = env.bool("DEBUG", default=DEVELOPMENT)
+if DEVELOPMENT:
+    SECRET_KEY = env.str("SECRET_KEY", default="dev-only-insecure-key-" + "x" * 40)
+else:
+    SECRET_KEY = env.str("SECRET_KEY")  # required: raises ImproperlyConfigured when missing
+
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.postgres",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "django_q",
+    "memories",
+    "audit",
+]
+
+MIDDLEWARE = [
+    "zeromem.middleware.RequestIdMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "zeromem.urls"
+WSGI_APPLICATION = "zeromem.wsgi.application"
+ASGI_APPLICATION = "zeromem.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------
+if env.str("DATABASE_URL", default=""):
+    DATABASES = {"default": env.db("DATABASE_URL")}
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # A psycopg_pool pool per process: under ASGI every request runs in a fresh thread,
+        # so CONN_MAX_AGE would open a connection per request; the pool hands out warm ones.
+        DATABASES["default"]["CONN_MAX_AGE"] = 0
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": env.int("DB_POOL_MIN_SIZE", default=2),
+            "max_size": env.int("DB_POOL_MAX_SIZE", default=20),
+            "timeout": env.float("DB_POOL_TIMEOUT", default=5.0),
+        }
+        DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", env.int("DB_CONNECT_TIMEOUT", default=3))
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": VAR_DIR / "zeromem.sqlite3",
+            # WAL lets the web server and the django-q2 workers read while one writes;
+            # IMMEDIATE transactions avoid "database is locked" on read-then-write upgrades.
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Cache (rate limits live here, so it must be shared by every worker process) -------
+if env.str("REDIS_URL", default=""):
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": env.str("REDIS_URL"),
+        }
+    }
+else:
+    CACHES = {
+        "default": {
+            # Shared across processes on one machine (web server and workers) with no service.
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(VAR_DIR / "cache"),
+        }
+    }
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"
+        if not DEBUG
+        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+    },
+}
+WHITENOISE_USE_FINDERS = DEBUG
+
+# --- Security (production values make `manage.py check --deploy` silent) ----------------
+if not DEVELOPMENT:
+    SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=True)
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=31536000)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=True)
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    # Probes and the load balancer speak plain HTTP to /healthz.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+
+# Request bodies: the JSON value cap is enforced by the service; this is the transport cap
+# (a 50-call batch of maximal values still fits). Larger bodies get 413.
+ZEROMEM_MAX_BODY_BYTES = env.int("ZEROMEM_MAX_BODY_BYTES", default=1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = ZEROMEM_MAX_BODY_BYTES
+
+# --- ZeroMem ---------------------------------------------------------------------------
+# Default and hard cap of a memory value's serialized size; tenants may lower or raise the
+# default up to the hard cap.
+ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
+ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
+ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
+ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default=6000)
+# Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
+# only when this is set (as DRF's NUM_PROXIES).
+ZEROMEM_NUM_PROXIES = env.int("ZEROMEM_NUM_PROXIES", default=0)
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["memories.api.auth.HasApiKey"],
+    "DEFAULT_THROTTLE_CLASSES": ["memories.api.auth.ApiKeyRateThrottle"],
+    "DEFAULT_RENDERER_CLASSES": ["zeromem.renderers.CompactJSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "zeromem.api.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+    "NUM_PROXIES": ZEROMEM_NUM_PROXIES or None,
+    # `?format=` belongs to GET /api/v1/tools (openai|anthropic|mcp), not to renderer choice.
+    "URL_FORMAT_OVERRIDE": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "ZeroMem API",
+    "DESCRIPTION": "Memory for LLM agents through tool calls: namespaced keys, TTL, search, audit.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/api/v1",
+}
+
+# --- django-q2 -------------------------------------------------------------------------
+Q_CLUSTER = {
+    "name": "zeromem",
+    "workers": env.int("Q_WORKERS", default=2),
+    "timeout": env.int("Q_TIMEOUT", default=300),
+    # retry must exceed timeout, or a long task is handed to a second worker while running.
+    "retry": env.int("Q_RETRY", default=360),
+    "max_attempts": env.int("Q_MAX_ATTEMPTS", default=5),
+    "catch_up": False,
+    "orm": "default",
+}
+if env.str("REDIS_URL", default=""):
+    Q_CLUSTER.pop("orm")
+    Q_CLUSTER["redis"] = env.str("REDIS_URL")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

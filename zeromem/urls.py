@@ -1,0 +1,43 @@
+from django.contrib import admin
+from django.db import DatabaseError, connection
+from django.http import JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from zeromem.middleware import error_response
+
+
+def healthz(request):
+    """200 when the database answers a query, 503 otherwise (for load balancers)."""
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+    except DatabaseError:
+        return error_response(503, "database_unavailable", "the database does not answer")
+    return JsonResponse({"status": "ok", "database": connection.vendor})
+
+
+def api_not_found(request, exception=None):
+    if request.path.startswith("/api/"):
+        return error_response(404, "not_found", "no such endpoint")
+    from django.views.defaults import page_not_found
+
+    return page_not_found(request, exception)
+
+
+def server_error(request):
+    return error_response(500, "server_error", "internal error; the request id is in X-Request-ID")
+
+
+handler404 = api_not_found
+handler500 = server_error
+
+urlpatterns = [
+    path("healthz", healthz, name="healthz"),
+    path("api/v1/", include("memories.api.urls")),
+    path("api/v1/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("api/v1/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/v1/redoc", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
+    path("admin/", admin.site.urls),
+]
