@@ -1,0 +1,52 @@
+"""Search and recall: ranked OR-style matching in Chinese and English."""
+
+import pytest
+
+
+@pytest.fixture
+def seeded(api):
+    for key, value in [
+        ("task:t1:weekly_report", "周报发送时间改为每周五下午五点"),
+        ("user:u10086:pref_lang", "zh-CN"),
+        ("user:u10086:pref_format", "以后生成周报时都用表格格式"),
+        ("fact:office:wifi", "The office wifi password is on the fridge"),
+        ("user:u10086:diet", "vegetarian, no mushrooms"),
+    ]:
+        status, body = api.call("memory_write", key=key, value=value)
+        assert status == 200, body
+    return api
+
+
+def test_chinese_question_finds_the_memory_that_answers_it(seeded):
+    status, body = seeded.call("memory_search", query="周报什么时候发送？")
+    assert status == 200
+    assert body["results"][0]["key"] == "task:t1:weekly_report"
+
+
+def test_chinese_substring_is_found(seeded):
+    _, body = seeded.call("memory_search", query="周报")
+    keys = [r["key"] for r in body["results"]]
+    assert "task:t1:weekly_report" in keys and "user:u10086:pref_format" in keys
+
+
+def test_english_question_matches_key_words(seeded):
+    _, body = seeded.call("memory_search", query="which language does the user prefer?")
+    assert body["results"][0]["key"] == "user:u10086:pref_lang"
+
+
+def test_partial_word_overlap_still_ranks(seeded):
+    # Only "wifi" of the three content words appears in the memory: OR-style, not AND.
+    _, body = seeded.call("memory_search", query="wifi router admin")
+    assert [r["key"] for r in body["results"]][:1] == ["fact:office:wifi"]
+
+
+def test_recall_packs_best_matches_under_budget(seeded):
+    _, body = seeded.call("memory_recall", query="周报什么时候发送？", max_chars=60)
+    assert body["status"] == "ok"
+    assert len(body["text"]) <= 60
+    assert body["text"].startswith("task:t1:weekly_report: 周报发送时间")
+
+
+def test_search_is_scoped_to_prefix(seeded):
+    _, body = seeded.call("memory_search", query="周报", prefix="user:")
+    assert [r["key"] for r in body["results"]] == ["user:u10086:pref_format"]

@@ -1,0 +1,125 @@
+"""The README's two commands, runnable with nothing but Python 3.11+:
+
+    python3 -m zeromem up     # venv, install, migrate, demo tenant + admin + key, web + workers
+    python3 -m zeromem test   # venv, install, run the whole test suite
+
+Standard library only: this runs before any dependency is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("ZEROMEM_VENV", ROOT / ".venv"))
+PY = VENV / "bin" / "python"
+REQUIREMENTS = ROOT / "requirements.txt"
+
+
+def say(msg: str) -> None:
+    print(f"[zeromem] {msg}", flush=True)
+
+
+def ensure_venv() -> None:
+    """Create .venv and install requirements.txt, skipping the install when unchanged."""
+    if not PY.exists():
+        say(f"creating virtualenv in {VENV}")
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    stamp = VENV / ".requirements.sha256"
+    digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    if not stamp.exists() or stamp.read_text() != digest:
+        say("installing requirements.txt")
+        subprocess.run([PY, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
+        subprocess.run([PY, "-m", "pip", "install", "-q", "-r", REQUIREMENTS], check=True)
+        stamp.write_text(digest)
+
+
+def write_dev_env() -> None:
+    """A git-ignored .env so plain `python manage.py ...` uses the same dev settings."""
+    env_file = ROOT / ".env"
+    if not env_file.exists():
+        env_file.write_text(f"ZEROMEM_ENV=development\nSECRET_KEY={secrets.token_urlsafe(48)}\n")
+        say("wrote .env (development settings, git-ignored)")
+
+
+def manage(*args: str, env: dict | None = None) -> None:
+    subprocess.run([PY, "manage.py", *args], cwd=ROOT, check=True, env=env)
+
+
+def up(argv: list[str]) -> int:
+    ensure_venv()
+    write_dev_env()
+    env = {**os.environ, "ZEROMEM_ENV": os.environ.get("ZEROMEM_ENV", "development")}
+    manage("migrate", "--noinput", env=env)
+    manage("demo_setup", env=env)
+    host = os.environ.get("HOST", "127.0.0.1")
+    port = os.environ.get("PORT", "8000")
+    procs = [
+        subprocess.Popen(
+            [PY, "-m", "uvicorn", "zeromem.asgi:application", "--host", host, "--port", port], cwd=ROOT, env=env
+        ),
+        subprocess.Popen([PY, "manage.py", "qcluster"], cwd=ROOT, env=env),
+    ]
+    say(f"web server on http://{host}:{port}/ and django-q2 workers running; Ctrl-C stops both")
+
+    def stop(*_):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    stop()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return max((p.returncode or 0) for p in procs)
+
+
+def test(argv: list[str]) -> int:
+    ensure_venv()
+    env = {**os.environ, "ZEROMEM_ENV": "development"}
+    db = env.get("DATABASE_URL", "")
+    if db:
+        # When a database is named, it must answer: CI fails here rather than skipping.
+        check = subprocess.run(
+            [PY, "-c", "import os, psycopg; psycopg.connect(os.environ['DATABASE_URL'], connect_timeout=5).close()"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if check.returncode != 0:
+            say(f"DATABASE_URL is set but the database is unreachable:\n{check.stderr.strip()[-600:]}")
+            return 2
+        say(f"database: PostgreSQL ({db.rsplit('@', 1)[-1]})")
+    else:
+        say("database: SQLite (set DATABASE_URL=postgres://... to test on PostgreSQL; CI does)")
+    return subprocess.run([PY, "-m", "pytest", *argv], cwd=ROOT, env=env).returncode
+
+
+COMMANDS = {"up": up, "test": test}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(__doc__)
+        return 64
+    return COMMANDS[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
