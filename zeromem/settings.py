@@ -202,6 +202,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Memory for LLM agents through tool calls: namespaced keys, TTL, search, audit.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The schema and docs hold no tenant data: readable without a key.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",

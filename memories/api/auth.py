@@ -15,6 +15,7 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db import transaction
 from django.utils import timezone
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
@@ -155,3 +156,13 @@ class ApiKeyRateThrottle(BaseThrottle):
 
     def wait(self):
         return max(1.0, self._wait)
+
+
+class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
+    """Tells the OpenAPI schema (and schemathesis, Swagger UI) how to authenticate."""
+
+    target_class = "memories.api.auth.ApiKeyAuthentication"
+    name = "ApiKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "bearerFormat": "zm_<lookup>_<secret>"}
