@@ -1,5 +1,6 @@
 """Demo tenant, admin user and API key for the embedded quick start (idempotent)."""
 
+import os
 import secrets
 
 from django.contrib.auth import get_user_model
@@ -19,6 +20,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, tenant, username, **options):
         actor = Actor.system(job="demo_setup")
+        base = f"http://{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
         t = Tenant.objects.filter(slug=tenant).first() or services.tenant_create(
             actor=actor, slug=tenant, name="Demo tenant"
         )
@@ -36,9 +38,9 @@ class Command(BaseCommand):
                 [
                     "",
                     f"  tenant:   {t.slug}",
-                    f"  admin:    {username} / {password_note}   → http://127.0.0.1:8000/admin/",
+                    f"  admin:    {username} / {password_note}   → {base}/admin/",
                     f"  API key:  {raw}",
-                    "  API docs: http://127.0.0.1:8000/api/v1/docs",
+                    f"  API docs: {base}/api/v1/docs",
                     "",
                 ]
             )
