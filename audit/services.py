@@ -11,6 +11,18 @@ if TYPE_CHECKING:
     from memories.permissions import Actor
 
 
+def _storable(value):
+    """Refused input is recorded as sent (a key, an argument name), but PostgreSQL text and
+    jsonb cannot hold NUL: it is replaced, so recording the refusal cannot fail."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_storable(k): _storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_storable(v) for v in value]
+    return value
+
+
 def audit_record(
     *,
     tenant: Tenant | None,
@@ -28,15 +40,15 @@ def audit_record(
         tenant=tenant,
         actor_kind=actor.kind,
         actor_id=actor.id,
-        actor_label=actor.label,
+        actor_label=_storable(actor.label),
         surface=actor.surface,
         action=action,
-        target=target[:512],
-        subject=subject[:255],
+        target=_storable(target[:512]),
+        subject=_storable(subject[:255]),
         outcome=outcome,
         request_id=actor.request_id,
         client_ip=actor.client_ip,
         count=count,
         version=version,
-        detail=detail or {},
+        detail=_storable(detail or {}),
     )

@@ -249,6 +249,15 @@ def tool_schemas(fmt: str, *, strict: bool = True) -> list[dict]:
     raise InvalidInput("must be openai, anthropic or mcp", field="format")
 
 
+def call_id_of(body: Any) -> str | None:
+    """The id a model gave its call (OpenAI ``id``, or ``tool_call_id``), if any; read
+    before anything else so that even a call too broken to parse is answered with it."""
+    if not isinstance(body, dict):
+        return None
+    call_id = body.get("id") if isinstance(body.get("id"), str) else body.get("tool_call_id")
+    return call_id if isinstance(call_id, str) else None
+
+
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
@@ -262,9 +271,7 @@ def parse_call(body: Any) -> ParsedCall:
     object or a JSON string."""
     if not isinstance(body, dict):
         raise InvalidInput("a tool call must be a JSON object", field="body")
-    call_id = body.get("id") if isinstance(body.get("id"), str) else body.get("tool_call_id")
-    if not (call_id is None or isinstance(call_id, str)):
-        call_id = None
+    call_id = call_id_of(body)
     prefix = ""
     if "function" in body:
         if not isinstance(body["function"], dict):
@@ -292,9 +299,11 @@ def tool_call(*, tenant: Tenant, actor: Actor, name: str, arguments: dict) -> di
     for arg in arguments:
         if arg not in known:
             raise InvalidInput(f"{name} takes no argument '{arg}'", field=arg, code="unknown_argument")
+    # Strict-mode models send null for optional arguments they leave out; a required one
+    # sent as null is as missing as one left out. A null ``value`` goes on to the service,
+    # which refuses it with its reason.
+    arguments = {k: v for k, v in arguments.items() if v is not None or k == "value"}
     for p in tool.params:
         if p.required and p.name not in arguments:
             raise InvalidInput("is required", field=p.name, code="required")
-    # Strict-mode models send null for optional arguments they leave out.
-    arguments = {k: v for k, v in arguments.items() if v is not None or k == "value"}
     return tool.run(tenant, actor, arguments)

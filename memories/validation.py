@@ -64,7 +64,12 @@ def namespace_of(key_: str) -> str:
 
 
 def value(raw, *, max_bytes: int, field: str = "value") -> None:
-    """Any JSON value up to ``max_bytes`` serialized (compact, UTF-8)."""
+    """Any JSON value but null, up to ``max_bytes`` serialized (compact, UTF-8).
+
+    Null is refused: the value column cannot hold SQL NULL, and "nothing to remember" is a
+    delete."""
+    if raw is None:
+        raise InvalidInput("must not be null (delete the memory instead)", field=field)
     try:
         text = json.dumps(raw, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -71,6 +71,8 @@ def exception_handler(exc, context):
     field = getattr(exc, "zeromem_field", None)
     if isinstance(exc, (exceptions.NotAuthenticated, exceptions.AuthenticationFailed)):
         field = field or "Authorization"
+    elif isinstance(exc, exceptions.ParseError):
+        field = field or "body"
     message = str(exc.detail) if not isinstance(exc.detail, (dict, list)) else exc.default_detail
     extra = {"retry_after": int(exc.wait or 1)} if isinstance(exc, exceptions.Throttled) else {}
     response.data = error_body(code, message, field, **extra)

@@ -2,13 +2,19 @@ from django.contrib import admin
 from django.db import DatabaseError, connection
 from django.http import JsonResponse
 from django.urls import include, path
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from zeromem.middleware import error_response
 
 
+@csrf_exempt  # no cookie auth and no state: a POST gets 405 below, not a CSRF page
 def healthz(request):
     """200 when the database answers a query, 503 otherwise (for load balancers)."""
+    if request.method not in ("GET", "HEAD"):
+        response = error_response(405, "method_not_allowed", f'Method "{request.method}" not allowed.')
+        response["Allow"] = "GET, HEAD"
+        return response
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
@@ -30,14 +36,26 @@ def server_error(request):
     return error_response(500, "server_error", "internal error; the request id is in X-Request-ID")
 
 
+READ_ONLY = ["get", "head"]
+
 handler404 = api_not_found
 handler500 = server_error
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("api/v1/", include("memories.api.urls")),
-    path("api/v1/schema", SpectacularAPIView.as_view(), name="schema"),
-    path("api/v1/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
-    path("api/v1/redoc", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
+    # Read-only pages: other methods are 405 (OPTIONS on the Swagger page was a 500: DRF's
+    # metadata response rendered through its HTML template).
+    path("api/v1/schema", SpectacularAPIView.as_view(http_method_names=READ_ONLY), name="schema"),
+    path(
+        "api/v1/docs",
+        SpectacularSwaggerView.as_view(url_name="schema", http_method_names=READ_ONLY),
+        name="api-docs",
+    ),
+    path(
+        "api/v1/redoc",
+        SpectacularRedocView.as_view(url_name="schema", http_method_names=READ_ONLY),
+        name="api-redoc",
+    ),
     path("admin/", admin.site.urls),
 ]

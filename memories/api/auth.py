@@ -130,6 +130,8 @@ class HasApiKey(BasePermission):
     def has_permission(self, request, view):
         if isinstance(request.user, KeyPrincipal):
             return True
+        # No Authorization header at all: audited like every other failed authentication.
+        _audit_failure(request, code="missing_credentials", tenant=None, label="")
         raise exceptions.NotAuthenticated("send 'Authorization: Bearer zm_...'")
 
 

@@ -60,12 +60,12 @@ class _MemoryFieldsIn(serializers.Serializer):
 
 
 class MemoryPutSerializer(_MemoryFieldsIn):
-    value = serializers.JSONField(allow_null=True, help_text="any JSON value (16 KiB serialized by default)")
+    value = serializers.JSONField(help_text="any JSON value but null (16 KiB serialized by default)")
     subject = serializers.CharField(required=False, allow_null=True, max_length=validation.SUBJECT_MAX_LEN)
 
 
 class MemoryPatchSerializer(_MemoryFieldsIn):
-    value = serializers.JSONField(required=False, allow_null=True)
+    value = serializers.JSONField(required=False)
     expected_version = serializers.IntegerField(required=False, allow_null=True, min_value=1)
 
 

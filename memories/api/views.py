@@ -67,10 +67,9 @@ class ToolListView(TenantAPIView):
 
 def _run_call(view, body) -> tuple[dict, int]:
     """One tool call → (body for the model, HTTP status). Errors keep the call id."""
-    call_id = None
+    call_id = tools.call_id_of(body)
     try:
         call = tools.parse_call(body)
-        call_id = call.call_id
         result = tools.tool_call(tenant=view.tenant, actor=view.actor, name=call.name, arguments=call.arguments)
         code = status.HTTP_200_OK
     except ServiceError as exc:
@@ -89,8 +88,10 @@ def _run_call(view, body) -> tuple[dict, int]:
     return result, code
 
 
-class ToolCallView(TenantAPIView):
+class ToolCallView(AuditedAPIView):
     surface = "tool"
+    # A body that is not JSON never reaches _run_call; it is audited as a refused call.
+    audit_actions = {"POST": "tool.call"}
 
     @extend_schema(
         operation_id="tools_call",
@@ -103,8 +104,10 @@ class ToolCallView(TenantAPIView):
         return Response(result, status=code)
 
 
-class ToolBatchView(TenantAPIView):
+class ToolBatchView(AuditedAPIView):
     surface = "tool"
+    # Each call is audited by itself; a batch refused as a whole is one "tool.batch" event.
+    audit_actions = {"POST": "tool.batch"}
     MAX_CALLS = 50
 
     @extend_schema(

@@ -1,0 +1,671 @@
+"""Authorization matrix: every API route × every HTTP method × every identity.
+
+The routes are not listed by hand: they are read from the URL resolver
+(``get_resolver().url_patterns``, walked recursively), and ``ROUTES`` below only says what
+each one is. A route the table does not classify fails ``test_every_route_is_classified``
+(and a table row whose route is gone fails it too), so a new endpoint cannot ship without
+its row. The admin (``/admin/...``) is out of scope for now: its built-in pages and the
+ModelAdmins of ``auth`` and ``django_q`` are classified as such, and any other ModelAdmin
+(e.g. one for memories or audit events) is *unclassified* and fails the same test.
+
+Identities (built once for the module by the ``identities`` fixture, inside a transaction
+rolled back at the end; each cell runs in its own nested, rolled-back transaction):
+
+* ``owner``        – tenant A's key with every scope;
+* ``wrong_scope``  – tenant A's key holding every scope *except* the one the cell needs
+                     (no scope at all where a route needs none);
+* ``not_allowed``  – tenant A's key, every scope, allowlist ``["agent:"]``, which excludes
+                     the target key ``user:u10086:pref_lang``;
+* ``other_tenant`` – tenant B's key with every scope;
+* ``revoked``, ``expired`` – tenant A keys with every scope, revoked / past expiry;
+* ``no_key``       – no Authorization header;
+* ``malformed``    – ``Authorization: Bearer <not a zm_ key>``.
+
+Methods: GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS on every route. POST on
+``tools/call`` and ``tools/batch`` is split into one row per tool (memory_write, _read,
+_update, _delete, _list, _search, _recall), each run with sensible arguments.
+
+Matrix size when written: 10 routes × 7 methods × 8 identities = 560 combinations; with
+the 2 tool-endpoint POSTs split into 7 tools each, 82 rows × 8 identities = **656 cells**
+(``test_matrix[<route>-<METHOD>[-<tool>]-<identity>]``).
+``test_matrix_size`` prints the current numbers (``pytest -s``).
+
+Every cell checks, besides its expected status (and error code / tool result):
+
+* no 5xx;
+* another tenant's object answers exactly as a key that exists nowhere (404 / ``not_found``
+  / a fresh create in the caller's own tenant), never 403 or 200 with the owner's data;
+* no canary value of data the identity may not see appears in the response body
+  (tenant A's target, tenant A's ``agent:`` memory, tenant B's memory);
+* tenant A's memories are unchanged after a non-owner's request (key, value, version,
+  deleted_at, and the target's access count); refused requests change no row anywhere;
+* another tenant's request writes no audit event into tenant A's log;
+* a refused request carries no ETag (it names a row id and version);
+* list / search / recall return exactly the rows the identity may see (and the owner's
+  canary for the owner: a positive control that the search would find it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+from django.db import transaction
+from django.test import Client
+from django.urls import URLPattern, URLResolver, get_resolver, reverse
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from memories import services, tools
+from memories.models import ALL_SCOPES, Memory, MemoryVersion, Scope
+from tests.conftest import SYSTEM, KeyedClient, make_key, make_tenant
+
+# --- the data every cell starts from --------------------------------------------------------
+
+CANARY_A = "CANARY-acme-7f3a91c2"  # in tenant A's target memory: only the owner may see it
+CANARY_AGENT = "CANARY-agent-51be0d47"  # in tenant A's agent: memory (inside not_allowed's allowlist)
+CANARY_B = "CANARY-globex-c09e6a18"  # in tenant B's memory: only other_tenant may see it
+ALL_CANARIES = (CANARY_A, CANARY_AGENT, CANARY_B)
+
+TARGET = "user:u10086:pref_lang"  # tenant A's memory every keyed cell aims at
+AGENT_KEY = "agent:a1:pref_lang"  # tenant A, inside the not_allowed key's allowlist
+B_KEY = "user:u20002:pref_lang"  # tenant B's own memory
+GHOST = "user:u99999:pref_lang"  # exists in no tenant: what "not found" looks like
+ATTACK = "written-by-the-caller"  # the value write/update cells send (never a canary)
+QUERY = "which language does the user prefer?"
+
+SEED = {
+    "owner": {
+        TARGET: f"{CANARY_A} the user prefer language Klingon",
+        AGENT_KEY: f"{CANARY_AGENT} agent prefer language Python",
+    },
+    "other": {B_KEY: f"{CANARY_B} the user prefer language Esperanto"},
+}
+
+# What each identity may see: the keys a list returns, and the canaries it may read.
+VISIBLE_KEYS = {"owner": [AGENT_KEY, TARGET], "not_allowed": [AGENT_KEY], "other_tenant": [B_KEY]}
+VISIBLE_CANARIES = {"owner": {CANARY_A, CANARY_AGENT}, "not_allowed": {CANARY_AGENT}, "other_tenant": {CANARY_B}}
+
+IDENTITIES = ("owner", "wrong_scope", "not_allowed", "other_tenant", "revoked", "expired", "no_key", "malformed")
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+# --- expected outcomes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expect:
+    status: int
+    code: str | None = None  # error.code of a refused request
+    result: str | None = None  # tool-level "status" of a tool call that ran ("ok", "not_found")
+    check: str | None = None  # extra body check, see _check_body
+    # What the request may change: None = nothing anywhere; "update"/"delete" = the owner's
+    # target; "create_own" = the caller's own tenant gains the key (tenant A unchanged).
+    writes: str | None = None
+
+
+BAD_CREDENTIALS = {
+    "revoked": Expect(401, "key_revoked"),
+    "expired": Expect(401, "key_expired"),
+    "no_key": Expect(401, "missing_credentials"),
+    "malformed": Expect(401, "malformed_credentials"),
+}
+
+
+def _keyed(owner: Expect, wrong_scope: Expect, not_allowed: Expect, other_tenant: Expect) -> dict[str, Expect]:
+    return {
+        "owner": owner,
+        "wrong_scope": wrong_scope,
+        "not_allowed": not_allowed,
+        "other_tenant": other_tenant,
+        **BAD_CREDENTIALS,
+    }
+
+
+def _every(expect: Expect) -> dict[str, Expect]:
+    return dict.fromkeys(IDENTITIES, expect)
+
+
+MISSING_SCOPE = Expect(403, "missing_scope")
+NOT_ALLOWED = Expect(403, "key_not_allowed")
+NOT_FOUND = Expect(404, "not_found")
+METHOD_NOT_ALLOWED = Expect(405, "method_not_allowed")
+
+# kind of operation → identity → expected outcome. Routes map their methods to these kinds.
+OUTCOMES: dict[str, dict[str, Expect]] = {
+    # public, read-only: health check, OpenAPI schema and docs hold no tenant data
+    "public": _every(Expect(200)),
+    "public_405": _every(METHOD_NOT_ALLOWED),
+    # authenticated routes: bad credentials are 401 before anything else, even the method check
+    "405": _keyed(METHOD_NOT_ALLOWED, METHOD_NOT_ALLOWED, METHOD_NOT_ALLOWED, METHOD_NOT_ALLOWED),
+    "options": _keyed(Expect(200), Expect(200), Expect(200), Expect(200)),
+    "tool_schemas": _keyed(Expect(200), Expect(200), Expect(200), Expect(200)),
+    # REST resources
+    "rest_read": _keyed(Expect(200, check="sees_target"), MISSING_SCOPE, NOT_ALLOWED, NOT_FOUND),
+    "rest_put": _keyed(Expect(200, writes="update"), MISSING_SCOPE, NOT_ALLOWED, Expect(201, writes="create_own")),
+    "rest_patch": _keyed(Expect(200, writes="update"), MISSING_SCOPE, NOT_ALLOWED, NOT_FOUND),
+    "rest_delete": _keyed(Expect(204, writes="delete"), MISSING_SCOPE, NOT_ALLOWED, NOT_FOUND),
+    "rest_list": _keyed(
+        Expect(200, check="lists_visible"),
+        MISSING_SCOPE,
+        Expect(200, check="lists_visible"),
+        Expect(200, check="lists_visible"),
+    ),
+    # tools (tools/call; tools/batch derives its outcomes from these, see _batch_expect)
+    "tool_write": _keyed(
+        Expect(200, result="ok", writes="update"),
+        MISSING_SCOPE,
+        NOT_ALLOWED,
+        Expect(200, result="ok", writes="create_own"),
+    ),
+    "tool_read": _keyed(
+        Expect(200, result="ok", check="sees_target"), MISSING_SCOPE, NOT_ALLOWED, Expect(200, result="not_found")
+    ),
+    "tool_update": _keyed(
+        Expect(200, result="ok", writes="update"), MISSING_SCOPE, NOT_ALLOWED, Expect(200, result="not_found")
+    ),
+    "tool_delete": _keyed(
+        Expect(200, result="ok", writes="delete"), MISSING_SCOPE, NOT_ALLOWED, Expect(200, result="not_found")
+    ),
+    "tool_list": _keyed(
+        *(
+            Expect(200, result="ok", check="lists_visible") if i != "wrong_scope" else MISSING_SCOPE
+            for i in ("owner", "wrong_scope", "not_allowed", "other_tenant")
+        )
+    ),
+    "tool_search": _keyed(
+        *(
+            Expect(200, result="ok", check="finds_visible") if i != "wrong_scope" else MISSING_SCOPE
+            for i in ("owner", "wrong_scope", "not_allowed", "other_tenant")
+        )
+    ),
+    "tool_recall": _keyed(
+        *(
+            Expect(200, result="ok", check="recalls_visible") if i != "wrong_scope" else MISSING_SCOPE
+            for i in ("owner", "wrong_scope", "not_allowed", "other_tenant")
+        )
+    ),
+}
+
+# The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
+NEEDED_SCOPE = {
+    "rest_read": Scope.MEMORY_READ,
+    "rest_list": Scope.MEMORY_READ,
+    "rest_put": Scope.MEMORY_WRITE,
+    "rest_patch": Scope.MEMORY_WRITE,
+    "rest_delete": Scope.MEMORY_DELETE,
+    "tool_read": Scope.MEMORY_READ,
+    "tool_list": Scope.MEMORY_READ,
+    "tool_write": Scope.MEMORY_WRITE,
+    "tool_update": Scope.MEMORY_WRITE,
+    "tool_delete": Scope.MEMORY_DELETE,
+    "tool_search": Scope.MEMORY_SEARCH,
+    "tool_recall": Scope.MEMORY_SEARCH,
+}
+
+# Kinds that address one key: another tenant must get what a key that exists nowhere gets.
+KEYED_KINDS = {
+    "rest_read",
+    "rest_put",
+    "rest_patch",
+    "rest_delete",
+    "tool_read",
+    "tool_write",
+    "tool_update",
+    "tool_delete",
+}
+
+# Every tool: its kind and the arguments its row sends.
+TOOL_ROWS: dict[str, tuple[str, dict]] = {
+    "memory_write": ("tool_write", {"key": TARGET, "value": ATTACK}),
+    "memory_read": ("tool_read", {"key": TARGET}),
+    "memory_update": ("tool_update", {"key": TARGET, "value": ATTACK}),
+    "memory_delete": ("tool_delete", {"key": TARGET}),
+    "memory_list": ("tool_list", {"prefix": "", "limit": 50}),
+    "memory_search": ("tool_search", {"query": QUERY, "limit": 20}),
+    "memory_recall": ("tool_recall", {"query": QUERY, "max_chars": 2000}),
+}
+TOOLS_POST = "tools"  # marker: POST runs one row per tool
+
+
+# --- the route table -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    public: bool  # answers without a key (and ignores one)
+    ops: dict[str, str] = field(default_factory=dict)  # method → kind; others are 405
+
+    def kind(self, method: str) -> str:
+        return self.ops.get(method, "public_405" if self.public else "405")
+
+
+_READ_ONLY_PUBLIC = {"GET": "public", "HEAD": "public"}
+
+# Route pattern exactly as the resolver spells it → what it is.
+ROUTES: dict[str, Route] = {
+    "healthz": Route(public=True, ops={"GET": "public", "HEAD": "public"}),
+    "api/v1/schema": Route(public=True, ops=_READ_ONLY_PUBLIC),
+    "api/v1/docs": Route(public=True, ops=_READ_ONLY_PUBLIC),
+    "api/v1/redoc": Route(public=True, ops=_READ_ONLY_PUBLIC),
+    "api/v1/tools": Route(public=False, ops={"GET": "tool_schemas", "HEAD": "tool_schemas", "OPTIONS": "options"}),
+    "api/v1/tools/call": Route(public=False, ops={"POST": TOOLS_POST, "OPTIONS": "options"}),
+    "api/v1/tools/batch": Route(public=False, ops={"POST": TOOLS_POST, "OPTIONS": "options"}),
+    "api/v1/memories": Route(public=False, ops={"GET": "rest_list", "HEAD": "rest_list", "OPTIONS": "options"}),
+    "api/v1/memories/<str:key>": Route(
+        public=False,
+        ops={
+            "GET": "rest_read",
+            "HEAD": "rest_read",
+            "PUT": "rest_put",
+            "PATCH": "rest_patch",
+            "DELETE": "rest_delete",
+            "OPTIONS": "options",
+        },
+    ),
+    "api/v1/memories/<str:key>/history": Route(
+        public=False, ops={"GET": "rest_read", "HEAD": "rest_read", "OPTIONS": "options"}
+    ),
+}
+
+# Out of scope for now: the admin site's own pages and the ModelAdmins Django and django-q2
+# register themselves. Any other admin route (a ModelAdmin of ours) is unclassified.
+ADMIN_SITE_PAGES = {
+    "index",
+    "login",
+    "logout",
+    "password_change",
+    "password_change_done",
+    "autocomplete",
+    "jsi18n",
+    "view_on_site",
+}
+ADMIN_OUT_OF_SCOPE_MODELS = {
+    "auth/group",
+    "auth/user",
+    "django_q/schedule",
+    "django_q/success",
+    "django_q/failure",
+    "django_q/ormq",
+}
+ADMIN_OUT_OF_SCOPE_APPS = {"auth", "django_q"}
+
+# Values for URL parameters: every <key> names tenant A's target memory.
+URL_PARAMETERS = {"key": TARGET}
+
+
+@dataclass(frozen=True)
+class ResolvedRoute:
+    route: str  # "api/v1/memories/<str:key>"
+    name: str | None  # "memories-detail" (namespaced when included with a namespace)
+    converters: tuple[str, ...]
+
+
+def walk(patterns, prefix: str = "", namespace: str = "") -> Iterator[ResolvedRoute]:
+    for p in patterns:
+        route = prefix + str(p.pattern)
+        if isinstance(p, URLResolver):
+            ns = f"{namespace}{p.namespace}:" if p.namespace else namespace
+            yield from walk(p.url_patterns, route, ns)
+        elif isinstance(p, URLPattern):
+            converters = tuple(getattr(p.pattern, "converters", {}))
+            yield ResolvedRoute(route, f"{namespace}{p.name}" if p.name else None, converters)
+        else:  # pragma: no cover - a new kind of pattern must be understood first
+            raise AssertionError(f"unknown URL pattern type {type(p)!r} at {route!r}")
+
+
+def classify(r: ResolvedRoute) -> str | None:
+    """'api' for a matrix route, 'admin' for the out-of-scope admin, None if unclassified."""
+    if r.route in ROUTES:
+        return "api"
+    if r.route.startswith("admin/"):
+        rest = r.route[len("admin/") :]
+        short_name = (r.name or "").rsplit(":", 1)[-1]
+        if short_name in ADMIN_SITE_PAGES or rest == "(?P<url>.*)$":
+            return "admin"
+        if short_name == "app_list":
+            apps = re.search(r"\(\?P<app_label>([^)]*)\)", rest)
+            return "admin" if apps and set(apps.group(1).split("|")) <= ADMIN_OUT_OF_SCOPE_APPS else None
+        if any(rest.startswith(model + "/") for model in ADMIN_OUT_OF_SCOPE_MODELS):
+            return "admin"
+    return None
+
+
+ALL_ROUTES = list(walk(get_resolver().url_patterns))
+API_ROUTES = [r for r in ALL_ROUTES if classify(r) == "api"]
+
+
+def _route_id(r: ResolvedRoute) -> str:
+    return (r.name or r.route).rsplit(":", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Row:
+    route: ResolvedRoute
+    method: str
+    kind: str
+    tool: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{_route_id(self.route)}-{self.method}" + (f"-{self.tool}" if self.tool else "")
+
+
+def _rows() -> list[Row]:
+    rows = []
+    for r in API_ROUTES:
+        spec = ROUTES[r.route]
+        for method in METHODS:
+            kind = spec.kind(method)
+            if kind == TOOLS_POST:
+                rows.extend(Row(r, method, TOOL_ROWS[t][0], t) for t in TOOL_ROWS)
+            else:
+                rows.append(Row(r, method, kind))
+    return rows
+
+
+ROWS = _rows()
+CELLS = [pytest.param(row, identity, id=f"{row.id}-{identity}") for row in ROWS for identity in IDENTITIES]
+
+
+# --- the identities ------------------------------------------------------------------------
+
+# One test client for every cell: a new Client builds a new handler, and with
+# WHITENOISE_USE_FINDERS (development) each new handler scans every static file (~40 ms).
+SHARED_CLIENT = Client()
+
+
+class Identities:
+    """The two tenants with their seed memories, and a client for each identity."""
+
+    def __init__(self):
+        self.a = make_tenant("matrix-owner")
+        self.b = make_tenant("matrix-other")
+        for tenant, seed in ((self.a, SEED["owner"]), (self.b, SEED["other"])):
+            for key, value in seed.items():
+                services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value)
+        self._clients = {
+            "owner": self._keyed(self.a),
+            "not_allowed": self._keyed(self.a, allow=["agent:"]),
+            "other_tenant": self._keyed(self.b),
+            "revoked": self._keyed(self.a, revoked=True),
+            "expired": self._keyed(self.a, expires_at=timezone.now() - timedelta(seconds=1)),
+            "no_key": KeyedClient(None, None, SHARED_CLIENT),
+            "malformed": KeyedClient("definitely-not-a-zeromem-key", None, SHARED_CLIENT),
+        }
+        # Every scope but the one a cell needs; no scope at all where a route needs none.
+        self._wrong_scope = {
+            scope: self._keyed(self.a, scopes=[s for s in ALL_SCOPES if s != scope])
+            for scope in set(NEEDED_SCOPE.values())
+        }
+        self._wrong_scope[None] = self._keyed(self.a, scopes=[])
+
+    def _keyed(self, tenant, *, scopes=None, allow=None, revoked=False, expires_at=None) -> KeyedClient:
+        key, raw = make_key(tenant, scopes=scopes, allow=allow)
+        if revoked:
+            services.api_key_revoke(tenant=tenant, actor=SYSTEM, key_id=key.pk)
+        if expires_at is not None:
+            key.expires_at = expires_at
+            key.save(update_fields=["expires_at"])
+        return KeyedClient(raw, tenant, SHARED_CLIENT)
+
+    def client(self, identity: str, scope: str | None = None) -> KeyedClient:
+        return self._wrong_scope[scope] if identity == "wrong_scope" else self._clients[identity]
+
+
+@pytest.fixture(scope="module")
+def identities(django_db_setup, django_db_blocker):
+    """Built once for the module inside a transaction that is rolled back at its end; every
+    cell runs in its own nested transaction (the ``db`` fixture), so what a cell writes is
+    undone before the next one. (656 cells × tenants, keys and audited seed writes would
+    otherwise dominate the run.)"""
+    with django_db_blocker.unblock():
+        outer = transaction.atomic()
+        outer.__enter__()
+        try:
+            built = Identities()
+        except BaseException:
+            transaction.set_rollback(True)
+            outer.__exit__(None, None, None)
+            raise
+    yield built
+    with django_db_blocker.unblock():
+        transaction.set_rollback(True)
+        outer.__exit__(None, None, None)
+
+
+# --- requests ------------------------------------------------------------------------------
+
+
+def _request_for(row: Row, key: str) -> tuple[str, str | None]:
+    """(path, JSON body or None) of a row, aimed at ``key``."""
+    unknown = set(row.route.converters) - set(URL_PARAMETERS)
+    assert not unknown, f"{row.route.route}: no test value for URL parameter(s) {sorted(unknown)}"
+    kwargs = {name: (key if name == "key" else URL_PARAMETERS[name]) for name in row.route.converters}
+    assert row.route.name, f"{row.route.route} has no URL name; name it so the matrix can reverse it"
+    path = reverse(row.route.name, kwargs=kwargs or None)
+    if row.tool:
+        arguments = {k: (key if k == "key" else v) for k, v in TOOL_ROWS[row.tool][1].items()}
+        call = {"id": "call_1", "name": row.tool, "arguments": arguments}
+        body = {"calls": [call]} if row.route.route.endswith("/batch") else call
+        return path, json.dumps(body)
+    if row.method in ("POST", "PUT", "PATCH"):
+        return path, json.dumps({"value": ATTACK})
+    return path, None
+
+
+def _send(client: KeyedClient, method: str, path: str, body: str | None):
+    headers = {} if client.raw_key is None else {"Authorization": f"Bearer {client.raw_key}"}
+    if body is None:
+        return client.client.generic(method, path, headers=headers)
+    return client.client.generic(method, path, body, content_type="application/json", headers=headers)
+
+
+def _json(response) -> dict:
+    if not response.content:
+        return {}
+    assert response["Content-Type"].startswith("application/json"), response["Content-Type"]
+    return json.loads(response.content)
+
+
+def _tool_result(row: Row, body: dict) -> dict:
+    if row.route.route.endswith("/batch"):
+        assert len(body["results"]) == 1, body
+        return body["results"][0]
+    return body
+
+
+def _batch_expect(expect: Expect) -> tuple[Expect, str | None]:
+    """A batch answers 200 once authenticated; each call's outcome (and error code) is inside
+    its result. Returns (expectation of the HTTP answer, error code of the one call)."""
+    if expect.status == 401:
+        return expect, None
+    return Expect(200, result=expect.result, check=expect.check, writes=expect.writes), expect.code
+
+
+# --- state ---------------------------------------------------------------------------------
+
+
+def _state(tenant_a, tenant_b) -> dict:
+    rows = Memory.objects.filter(tenant__in=[tenant_a, tenant_b]).order_by("pk")
+    rows = list(rows.values_list("tenant_id", "key", "value", "version", "deleted_at", "access_count"))
+    return {
+        "a": [row[1:5] for row in rows if row[0] == tenant_a.pk],
+        "b": [row[1:5] for row in rows if row[0] == tenant_b.pk],
+        "target_access_count": next(row[5] for row in rows if row[0] == tenant_a.pk and row[1] == TARGET),
+        "versions": MemoryVersion.objects.count(),
+    }
+
+
+def _check_writes(expect: Expect, identity: str, before: dict, after: dict) -> None:
+    if identity != "owner":
+        assert after["a"] == before["a"], "a non-owner request changed tenant A's memories"
+        assert after["target_access_count"] == before["target_access_count"], "a non-owner request read the target"
+    if expect.writes is None:
+        assert after == {**before, "target_access_count": after["target_access_count"]}, "a refused/read request wrote"
+        return
+    if expect.writes == "create_own":
+        assert identity == "other_tenant"
+        new = [m for m in after["b"] if m not in before["b"]]
+        assert [(k, v, ver) for k, v, ver, _ in new] == [(TARGET, ATTACK, 1)], new
+        return
+    assert identity == "owner"
+    assert after["b"] == before["b"], "the owner's request changed tenant B"
+    live = [m for m in after["a"] if m[0] == TARGET and m[3] is None]
+    if expect.writes == "update":
+        assert [(k, v, ver) for k, v, ver, _ in live] == [(TARGET, ATTACK, 2)], after["a"]
+    elif expect.writes == "delete":
+        assert live == [], after["a"]
+        assert [m for m in after["a"] if m[0] == TARGET][0][3] is not None
+    else:  # pragma: no cover
+        raise AssertionError(expect.writes)
+
+
+# --- body checks ---------------------------------------------------------------------------
+
+
+def _check_body(check: str | None, identity: str, result: dict, text: str) -> None:
+    if check is None:
+        return
+    visible = VISIBLE_KEYS[identity]
+    if check == "sees_target":
+        assert identity == "owner" and CANARY_A in text, text
+    elif check == "lists_visible":
+        keys = result["keys"] if "keys" in result else [m["key"] for m in result["results"]]
+        assert keys == visible, (identity, keys)
+    elif check == "finds_visible":
+        keys = [r["key"] for r in result["results"]]
+        assert keys and set(keys) <= set(visible), (identity, keys)
+        if identity == "owner":
+            assert TARGET in keys, keys  # positive control: the search does find the canary
+    elif check == "recalls_visible":
+        lines = result["text"].splitlines()
+        assert lines and result["count"] == len(lines), result
+        assert {line.split(": ", 1)[0] for line in lines} <= set(visible), (identity, lines)
+        if identity == "owner":
+            assert CANARY_A in result["text"], result
+    else:  # pragma: no cover
+        raise AssertionError(check)
+
+
+def _signature(row: Row, response) -> tuple:
+    """What distinguishes two answers apart from the key they name and the times."""
+    if row.method == "HEAD" or not response.content:
+        return (response.status_code,)
+    body = _json(response)
+    if row.kind == "options":
+        return response.status_code, body
+    result = _tool_result(row, body) if row.tool else body
+    error = result.get("error") or {}
+    return (
+        response.status_code,
+        error.get("code"),
+        result.get("status"),
+        result.get("created"),
+        result.get("version"),
+        result.get("value"),
+    )
+
+
+# --- the matrix ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("row", "identity"), CELLS)
+def test_matrix(row: Row, identity: str, identities, db):
+    tenant_a, tenant_b = identities.a, identities.b
+    route = ROUTES[row.route.route]
+    expect = OUTCOMES[row.kind][identity]
+    inner_code = None
+    if row.tool and row.route.route.endswith("/batch"):
+        expect, inner_code = _batch_expect(expect)
+    client = identities.client(identity, NEEDED_SCOPE.get(row.kind))
+    path, body = _request_for(row, TARGET)
+
+    before = _state(tenant_a, tenant_b)
+    if identity == "other_tenant":
+        audit_mark = AuditEvent.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+    response = _send(client, row.method, path, body)
+    text = response.content.decode("utf-8", errors="replace")
+
+    assert response.status_code < 500, f"server error {response.status_code}: {text[:500]}"
+    assert response.status_code == expect.status, f"expected {expect.status}, got {response.status_code}: {text[:500]}"
+
+    # Nothing the identity may not see, whatever the status.
+    for canary in ALL_CANARIES:
+        if canary not in VISIBLE_CANARIES.get(identity, set()):
+            assert canary not in text, f"{identity} saw {canary}: {text[:500]}"
+
+    if row.method == "HEAD":
+        assert response.content == b""
+    elif expect.code is not None and not (route.public and not response["Content-Type"].startswith("application/json")):
+        # (the schema and docs pages answer errors in their own format: YAML, HTML)
+        assert _json(response)["error"]["code"] == expect.code, text
+    if expect.status == 401:
+        assert response.has_header("WWW-Authenticate"), "401 without WWW-Authenticate"
+    if response.status_code >= 400:
+        assert not response.has_header("ETag"), "a refused request carries an ETag (row id and version)"
+    if expect.status == 405:
+        assert set(re.split(r",\s*", response["Allow"])) >= set(route.ops) - {"HEAD"}, response["Allow"]
+        assert row.method not in re.split(r",\s*", response["Allow"]), response["Allow"]
+
+    if row.tool and row.method != "HEAD" and expect.status != 401:
+        result = _tool_result(row, _json(response))
+        assert result.get("tool_call_id") == "call_1", result
+        if inner_code is not None or (expect.code is not None):
+            assert result["status"] == "error" and result["error"]["code"] == (inner_code or expect.code), result
+        else:
+            assert result["status"] == expect.result, result
+        _check_body(expect.check, identity, result, text)
+    elif row.method != "HEAD" and expect.check:
+        _check_body(expect.check, identity, _json(response), text)
+
+    after = _state(tenant_a, tenant_b)
+    writes = expect.writes if (inner_code is None and expect.code is None) else None
+    _check_writes(Expect(expect.status, writes=writes), identity, before, after)
+
+    if identity == "other_tenant":
+        leaked = AuditEvent.objects.filter(pk__gt=audit_mark, tenant=tenant_a).count()
+        assert leaked == 0, "another tenant's request was audited in tenant A's log"
+        if row.kind in KEYED_KINDS or (row.kind == "options" and "key" in row.route.converters):
+            # Indistinguishable from a key that exists nowhere.
+            ghost_path, ghost_body = _request_for(row, GHOST)
+            ghost = _send(client, row.method, ghost_path, ghost_body)
+            assert ghost.status_code < 500
+            assert _signature(row, response) == _signature(row, ghost), (text, ghost.content)
+
+
+# --- the matrix covers everything ----------------------------------------------------------
+
+
+def test_every_route_is_classified():
+    unclassified = [r.route for r in ALL_ROUTES if classify(r) is None]
+    assert not unclassified, (
+        "routes the authorization matrix does not know; add them to ROUTES in "
+        f"tests/test_authorization_matrix.py (or to the out-of-scope admin): {unclassified}"
+    )
+    stale = set(ROUTES) - {r.route for r in ALL_ROUTES}
+    assert not stale, f"ROUTES lists routes that no longer exist: {sorted(stale)}"
+    for spec in ROUTES.values():
+        assert set(spec.ops) <= set(METHODS)
+        assert all(kind == TOOLS_POST or kind in OUTCOMES for kind in spec.ops.values())
+    assert all(set(table) == set(IDENTITIES) for table in OUTCOMES.values())
+
+
+def test_every_tool_has_a_row():
+    assert set(TOOL_ROWS) == set(tools.TOOLS), "add a matrix row (kind, arguments) for each new tool"
+
+
+def test_matrix_size():
+    tool_rows = sum(1 for row in ROWS if row.tool)
+    summary = (
+        f"authorization matrix: {len(API_ROUTES)} routes × {len(METHODS)} methods × {len(IDENTITIES)} identities "
+        f"= {len(API_ROUTES) * len(METHODS) * len(IDENTITIES)} combinations; POST on the tool endpoints split "
+        f"into {len(TOOL_ROWS)} tools → {len(ROWS)} rows ({tool_rows} tool rows) × {len(IDENTITIES)} identities "
+        f"= {len(CELLS)} cells"
+    )
+    print(summary)
+    assert len(CELLS) == len(ROWS) * len(IDENTITIES)
+    assert len(API_ROUTES) == len(ROUTES)

@@ -1,0 +1,306 @@
+"""REST resources: /api/v1/memories (list), /{key} (GET/PUT/PATCH/DELETE with ETag and
+If-Match) and /{key}/history."""
+
+import pytest
+
+from memories.models import ApiKey, Memory
+from tests.helpers import rest_error, row_counts
+
+KEY = "user:u1:pref_lang"
+URL = f"/api/v1/memories/{KEY}"
+
+
+def _state(key=KEY):
+    m = Memory.objects.get(key=key, deleted_at__isnull=True)
+    return (m.pk, m.value, m.version, m.tags, m.updated_at)
+
+
+@pytest.fixture
+def stored(api):
+    r = api.put(URL, {"value": "zh-CN", "tags": ["lang"]})
+    assert r.status_code == 201
+    return api
+
+
+# --- list -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def many(api):
+    rows = [
+        ("user:u1:lang", "zh", {"tags": ["pref", "lang"]}),
+        ("user:u1:diet", "veg", {"tags": ["pref"]}),
+        ("user:u2:lang", "en", {"tags": ["lang"]}),
+        ("task:t1:status", "done", {}),
+        ("task:t2:status", "open", {"category": "decision"}),
+        ("fact:office:wifi", "fridge", {"subject": "u2"}),
+    ]
+    for key, value, extra in rows:
+        assert api.put(f"/api/v1/memories/{key}", {"value": value, **extra}).status_code == 201
+    return api
+
+
+def _keys(response):
+    assert response.status_code == 200, response.content
+    return [m["key"] for m in response.json()["results"]]
+
+
+def test_list_returns_full_memories_ordered_by_key(many):
+    r = many.get("/api/v1/memories")
+    assert _keys(r) == sorted(
+        ["user:u1:lang", "user:u1:diet", "user:u2:lang", "task:t1:status", "task:t2:status", "fact:office:wifi"]
+    )
+    first = r.json()["results"][0]
+    assert first["key"] == "fact:office:wifi" and first["value"] == "fridge"
+    assert set(first) >= {"namespace", "category", "subject", "tags", "version", "created_at", "updated_at"}
+    assert r.json()["next_cursor"] is None
+
+
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        ({"prefix": "user:u1:"}, ["user:u1:diet", "user:u1:lang"]),
+        ({"prefix": "task:"}, ["task:t1:status", "task:t2:status"]),
+        ({"category": "user"}, ["user:u1:diet", "user:u1:lang", "user:u2:lang"]),
+        ({"category": "decision"}, ["task:t2:status"]),
+        ({"category": "task"}, ["task:t1:status"]),
+        ({"subject": "u2"}, ["fact:office:wifi", "user:u2:lang"]),
+        ({"subject": "u1", "tag": "lang"}, ["user:u1:lang"]),
+        ({"tag": "pref"}, ["user:u1:diet", "user:u1:lang"]),
+        ({"tag": "lang", "prefix": "user:u2:"}, ["user:u2:lang"]),
+        ({"tag": "nope"}, []),
+        ({"prefix": "zzz:"}, []),
+    ],
+)
+def test_list_filters(many, params, expected):
+    assert _keys(many.get("/api/v1/memories", params)) == expected
+
+
+def test_list_tag_filter_is_exact_not_substring(many):
+    many.put("/api/v1/memories/user:u3:x", {"value": 1, "tags": ["preference"]})
+    assert _keys(many.get("/api/v1/memories", {"tag": "pref"})) == ["user:u1:diet", "user:u1:lang"]
+
+
+def test_list_cursor_pagination_walks_every_memory_once(api):
+    keys = sorted(f"task:t{i:02d}:s" for i in range(11))
+    for key in keys:
+        api.put(f"/api/v1/memories/{key}", {"value": key})
+    seen, cursor, pages = [], None, 0
+    while True:
+        params = {"prefix": "task:", "limit": "4"}
+        if cursor:
+            params["cursor"] = cursor
+        r = api.get("/api/v1/memories", params)
+        page = _keys(r)
+        assert len(page) <= 4
+        seen += page
+        pages += 1
+        cursor = r.json()["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == keys and pages == 3
+
+
+def test_list_cursor_is_shared_with_the_tool(api):
+    for i in range(5):
+        api.put(f"/api/v1/memories/task:t{i}:s", {"value": i})
+    _, body = api.call("memory_list", prefix="task:", limit=2)
+    r = api.get("/api/v1/memories", {"prefix": "task:", "cursor": body["next_cursor"]})
+    assert _keys(r) == ["task:t2:s", "task:t3:s", "task:t4:s"]
+
+
+# --- GET / PUT --------------------------------------------------------------------------
+
+
+def test_get_returns_the_memory_with_an_etag(stored):
+    r = stored.get(URL)
+    assert r.status_code == 200
+    body = r.json()
+    assert (body["key"], body["value"], body["version"], body["tags"]) == (KEY, "zh-CN", 1, ["lang"])
+    assert body["namespace"] == "user:u1" and body["subject"] == "u1" and body["category"] == "user"
+    memory = Memory.objects.get(key=KEY)
+    assert r["ETag"] == f'"{memory.pk}-1"'
+
+
+def test_get_of_missing_key_is_404(api):
+    r = api.get("/api/v1/memories/user:u1:none")
+    assert r.status_code == 404
+    assert rest_error(r) == {"code": "not_found", "message": "no memory at this key", "field": "key"}
+
+
+def test_put_creates_201_then_replaces_200(api):
+    r = api.put(URL, {"value": "zh-CN", "tags": ["a"], "importance": 8})
+    assert r.status_code == 201
+    assert r.json()["version"] == 1
+    first_etag = r["ETag"]
+    r = api.put(URL, {"value": "en"})
+    assert r.status_code == 200
+    body = r.json()
+    assert (body["value"], body["version"], body["tags"], body["importance"]) == ("en", 2, ["a"], 8)
+    assert r["ETag"] != first_etag and r["ETag"] == api.get(URL)["ETag"]
+
+
+def test_put_with_stale_if_match_is_412_and_changes_nothing(stored):
+    etag = stored.get(URL)["ETag"]
+    stored.put(URL, {"value": "en"})  # moves to version 2
+    before, counts = _state(), row_counts()
+    r = stored.put(URL, {"value": "fr"}, headers={"If-Match": etag})
+    assert r.status_code == 412
+    error = rest_error(r)
+    assert error["code"] == "precondition_failed" and error["field"] == "If-Match"
+    assert _state() == before and row_counts() == counts
+
+
+def test_put_with_current_etag_replaces(stored):
+    etag = stored.get(URL)["ETag"]
+    r = stored.put(URL, {"value": "fr"}, headers={"If-Match": etag})
+    assert r.status_code == 200
+    assert r.json()["value"] == "fr" and r.json()["version"] == 2
+    assert _state()[1:3] == ("fr", 2)
+    # The old ETag no longer matches.
+    assert stored.put(URL, {"value": "de"}, headers={"If-Match": etag}).status_code == 412
+
+
+def test_put_with_if_match_on_missing_key_is_412_and_creates_nothing(api):
+    counts = row_counts()
+    r = api.put(URL, {"value": "x"}, headers={"If-Match": '"1-1"'})
+    assert r.status_code == 412
+    assert row_counts() == counts
+
+
+@pytest.mark.parametrize("bogus", ['"garbage"', "*x", '"12"', "W/"])
+def test_unrecognised_if_match_is_412(stored, bogus):
+    before = _state()
+    assert stored.put(URL, {"value": "x"}, headers={"If-Match": bogus}).status_code == 412
+    assert stored.patch(URL, {"value": "x"}, headers={"If-Match": bogus}).status_code == 412
+    assert stored.delete(URL, headers={"If-Match": bogus}).status_code == 412
+    assert _state() == before
+
+
+def test_weak_form_of_current_etag_matches(stored):
+    etag = stored.get(URL)["ETag"]
+    assert stored.patch(URL, {"value": "x"}, headers={"If-Match": "W/" + etag}).status_code == 200
+
+
+def test_etag_of_a_recreated_key_differs_from_the_deleted_one(stored):
+    old = stored.get(URL)["ETag"]
+    stored.delete(URL)
+    stored.put(URL, {"value": "again"})
+    new = stored.get(URL)["ETag"]
+    assert new != old
+    assert stored.put(URL, {"value": "x"}, headers={"If-Match": old}).status_code == 412
+
+
+# --- PATCH ------------------------------------------------------------------------------
+
+
+def test_patch_changes_only_given_fields(stored):
+    r = stored.patch(URL, {"tags": ["x", "y"]})
+    assert r.status_code == 200
+    body = r.json()
+    assert (body["value"], body["tags"], body["version"]) == ("zh-CN", ["x", "y"], 2)
+    r = stored.patch(URL, {"value": {"lang": "en"}})
+    assert (r.json()["value"], r.json()["tags"], r.json()["version"]) == ({"lang": "en"}, ["x", "y"], 3)
+    assert r["ETag"] == stored.get(URL)["ETag"]
+
+
+def test_patch_with_stale_if_match_is_412_and_changes_nothing(stored):
+    etag = stored.get(URL)["ETag"]
+    stored.patch(URL, {"value": "en"})
+    before, counts = _state(), row_counts()
+    r = stored.patch(URL, {"value": "fr"}, headers={"If-Match": etag})
+    assert r.status_code == 412
+    assert _state() == before and row_counts() == counts
+
+
+def test_patch_with_current_etag_succeeds(stored):
+    r = stored.patch(URL, {"value": "fr"}, headers={"If-Match": stored.get(URL)["ETag"]})
+    assert r.status_code == 200 and r.json()["version"] == 2
+
+
+def test_patch_with_stale_expected_version_is_409_with_current_version(stored):
+    stored.patch(URL, {"value": "en"})
+    before = _state()
+    r = stored.patch(URL, {"value": "fr", "expected_version": 1})
+    assert r.status_code == 409
+    error = rest_error(r)
+    assert error["code"] == "conflict" and error["current_version"] == 2
+    assert _state() == before
+
+
+def test_patch_of_missing_key_is_404_and_creates_nothing(api):
+    counts = row_counts()
+    r = api.patch("/api/v1/memories/user:u1:none", {"value": "x"})
+    assert r.status_code == 404
+    assert rest_error(r)["code"] == "not_found"
+    assert row_counts() == counts
+
+
+# --- DELETE -----------------------------------------------------------------------------
+
+
+def test_delete_is_204_then_get_is_404(stored):
+    r = stored.delete(URL)
+    assert r.status_code == 204
+    assert r.content == b""
+    assert stored.get(URL).status_code == 404
+    assert stored.delete(URL).status_code == 404
+    assert Memory.objects.trashed().filter(key=KEY).count() == 1
+
+
+def test_delete_with_stale_if_match_is_412_and_changes_nothing(stored):
+    etag = stored.get(URL)["ETag"]
+    stored.put(URL, {"value": "en"})
+    before, counts = _state(), row_counts()
+    r = stored.delete(URL, headers={"If-Match": etag})
+    assert r.status_code == 412
+    assert _state() == before and row_counts() == counts
+    assert stored.get(URL).status_code == 200
+
+
+def test_delete_with_current_etag_succeeds(stored):
+    r = stored.delete(URL, headers={"If-Match": stored.get(URL)["ETag"]})
+    assert r.status_code == 204
+    assert stored.get(URL).status_code == 404
+
+
+# --- history ----------------------------------------------------------------------------
+
+
+def test_history_lists_versions_newest_first_with_op_and_actor(stored):
+    stored.patch(URL, {"value": "en"})
+    stored.put(URL, {"value": "fr"})
+    stored.call("memory_update", key=KEY, value="de")
+    r = stored.get(f"{URL}/history")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["key"] == KEY
+    key = ApiKey.objects.get(tenant=stored.tenant)
+    assert [(v["version"], v["op"], v["value"]) for v in body["results"]] == [
+        (4, "update", "de"),
+        (3, "write", "fr"),
+        (2, "update", "en"),
+        (1, "write", "zh-CN"),
+    ]
+    assert {(v["actor_kind"], v["actor_id"]) for v in body["results"]} == {("api_key", str(key.pk))}
+    assert all(v["created_at"] for v in body["results"])
+
+
+def test_history_limit(stored):
+    for value in ["a", "b", "c"]:
+        stored.put(URL, {"value": value})
+    r = stored.get(f"{URL}/history", {"limit": "2"})
+    assert [v["version"] for v in r.json()["results"]] == [4, 3]
+
+
+def test_history_of_missing_or_deleted_key_is_404(stored):
+    assert stored.get("/api/v1/memories/user:u1:none/history").status_code == 404
+    stored.delete(URL)
+    assert stored.get(f"{URL}/history").status_code == 404
+
+
+def test_history_of_recreated_key_starts_over(stored):
+    stored.delete(URL)
+    stored.put(URL, {"value": "new"})
+    r = stored.get(f"{URL}/history")
+    assert [(v["version"], v["op"]) for v in r.json()["results"]] == [(1, "write")]

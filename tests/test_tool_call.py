@@ -1,0 +1,472 @@
+"""POST /api/v1/tools/call and /api/v1/tools/batch: every tool's outcomes and both call shapes."""
+
+import json
+
+import pytest
+
+from memories.models import Memory, MemoryVersion
+from tests.helpers import row_counts, tool_error
+
+CALL = "/api/v1/tools/call"
+BATCH = "/api/v1/tools/batch"
+
+
+# --- memory_write -----------------------------------------------------------------------
+
+
+def test_write_of_new_key_is_created_at_version_1(api):
+    status, body = api.call("memory_write", key="user:u1:pref_lang", value="zh-CN")
+    assert status == 200
+    assert body == {"status": "ok", "key": "user:u1:pref_lang", "version": 1, "created": True}
+    assert Memory.objects.get(tenant=api.tenant, key="user:u1:pref_lang").value == "zh-CN"
+
+
+def test_write_of_existing_key_replaces_value_and_increments_version(api):
+    api.call("memory_write", key="user:u1:pref_lang", value="zh-CN")
+    status, body = api.call("memory_write", key="user:u1:pref_lang", value="en")
+    assert status == 200
+    assert body == {"status": "ok", "key": "user:u1:pref_lang", "version": 2, "created": False}
+    _, body = api.call("memory_write", key="user:u1:pref_lang", value={"lang": "fr"})
+    assert body["version"] == 3
+    memory = Memory.objects.get(tenant=api.tenant, key="user:u1:pref_lang")
+    assert memory.value == {"lang": "fr"}
+    assert list(memory.versions.order_by("version").values_list("version", "value")) == [
+        (1, "zh-CN"),
+        (2, "en"),
+        (3, {"lang": "fr"}),
+    ]
+
+
+def test_write_keeps_fields_it_omits(api):
+    api.call(
+        "memory_write",
+        key="task:t1:status",
+        value="running",
+        tags=["urgent", "q3"],
+        subject="u42",
+        category="decision",
+        ttl_seconds=3600,
+    )
+    first = Memory.objects.get(tenant=api.tenant, key="task:t1:status")
+    status, body = api.call("memory_write", key="task:t1:status", value="done")
+    assert status == 200 and body["version"] == 2
+    memory = Memory.objects.get(tenant=api.tenant, key="task:t1:status")
+    assert memory.value == "done"
+    assert memory.tags == ["urgent", "q3"]
+    assert memory.subject == "u42"
+    assert memory.category == "decision"
+    assert memory.expires_at == first.expires_at
+
+
+def test_write_accepts_any_json_value(api):
+    value = {"a": [1, 2.5, True, None], "b": {"c": "周报"}}
+    api.call("memory_write", key="fact:x:y", value=value)
+    _, body = api.call("memory_read", key="fact:x:y")
+    assert body["value"] == value
+
+
+# --- memory_read ------------------------------------------------------------------------
+
+
+def test_read_returns_value_version_and_updated_at(api):
+    api.call("memory_write", key="user:u1:pref_lang", value="zh-CN")
+    status, body = api.call("memory_read", key="user:u1:pref_lang")
+    assert status == 200
+    assert body["status"] == "ok"
+    assert body["key"] == "user:u1:pref_lang"
+    assert body["value"] == "zh-CN"
+    assert body["version"] == 1
+    assert body["updated_at"].endswith("Z")
+    assert Memory.objects.get(key="user:u1:pref_lang").access_count == 1
+
+
+def test_read_of_missing_key_is_not_found(api):
+    status, body = api.call("memory_read", key="user:u1:nothing")
+    assert status == 200
+    assert body == {"status": "not_found", "key": "user:u1:nothing"}
+
+
+def test_read_of_missing_key_returns_the_default(api):
+    status, body = api.call("memory_read", key="user:u1:pref_lang", default="en")
+    assert status == 200
+    assert body == {"status": "not_found", "key": "user:u1:pref_lang", "value": "en"}
+
+
+def test_read_of_present_key_ignores_the_default(api):
+    api.call("memory_write", key="user:u1:pref_lang", value="zh-CN")
+    _, body = api.call("memory_read", key="user:u1:pref_lang", default="en")
+    assert body["status"] == "ok" and body["value"] == "zh-CN"
+
+
+# --- memory_update ----------------------------------------------------------------------
+
+
+def test_update_changes_value_and_increments_version(api):
+    api.call("memory_write", key="task:t1:status", value="running", tags=["a"])
+    status, body = api.call("memory_update", key="task:t1:status", value="done")
+    assert status == 200
+    assert body == {"status": "ok", "key": "task:t1:status", "version": 2, "created": False}
+    memory = Memory.objects.get(key="task:t1:status")
+    assert (memory.value, memory.version, memory.tags) == ("done", 2, ["a"])
+    assert MemoryVersion.objects.filter(memory=memory, version=2, op="update", value="done").exists()
+
+
+def test_update_with_matching_expected_version_succeeds(api):
+    api.call("memory_write", key="task:t1:status", value="running")
+    _, body = api.call("memory_update", key="task:t1:status", value="done", expected_version=1)
+    assert body["status"] == "ok" and body["version"] == 2
+
+
+def test_update_of_missing_key_is_not_found_and_creates_nothing(api):
+    before = row_counts()
+    status, body = api.call("memory_update", key="task:t1:status", value="done")
+    assert status == 200
+    assert body == {"status": "not_found", "key": "task:t1:status"}
+    assert row_counts() == before
+
+
+def test_update_with_stale_expected_version_is_conflict_with_current_version(api):
+    api.call("memory_write", key="task:t1:status", value="v1")
+    api.call("memory_write", key="task:t1:status", value="v2")
+    status, body = api.call("memory_update", key="task:t1:status", value="v3", expected_version=1)
+    assert status == 200
+    assert body == {"status": "conflict", "key": "task:t1:status", "current_version": 2}
+    memory = Memory.objects.get(key="task:t1:status")
+    assert (memory.value, memory.version) == ("v2", 2)
+
+
+# --- memory_delete ----------------------------------------------------------------------
+
+
+def test_delete_then_read_is_not_found_and_trash_keeps_the_row(api):
+    api.call("memory_write", key="task:t1:status", value="running")
+    status, body = api.call("memory_delete", key="task:t1:status")
+    assert status == 200
+    assert body == {"status": "ok"}
+    _, body = api.call("memory_read", key="task:t1:status")
+    assert body == {"status": "not_found", "key": "task:t1:status"}
+    trashed = Memory.objects.trashed().get(tenant=api.tenant, key="task:t1:status")
+    assert trashed.value == "running"
+    assert trashed.versions.filter(op="delete").count() == 1
+
+
+def test_delete_of_missing_key_is_not_found(api):
+    status, body = api.call("memory_delete", key="task:t1:status")
+    assert status == 200
+    assert body == {"status": "not_found", "key": "task:t1:status"}
+
+
+def test_delete_twice_is_not_found_the_second_time(api):
+    api.call("memory_write", key="task:t1:status", value="x")
+    api.call("memory_delete", key="task:t1:status")
+    _, body = api.call("memory_delete", key="task:t1:status")
+    assert body["status"] == "not_found"
+
+
+def test_write_after_delete_creates_a_fresh_memory(api):
+    api.call("memory_write", key="task:t1:status", value="old")
+    api.call("memory_delete", key="task:t1:status")
+    _, body = api.call("memory_write", key="task:t1:status", value="new")
+    assert body == {"status": "ok", "key": "task:t1:status", "version": 1, "created": True}
+    assert Memory.objects.filter(key="task:t1:status").count() == 2  # one live, one in the trash
+
+
+# --- memory_list ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def listed(api):
+    for key in ["user:u1:a", "user:u1:b", "user:u1:c", "user:u10:a", "user:u2:a", "task:t1:a"]:
+        api.call("memory_write", key=key, value=key)
+    return api
+
+
+def test_list_returns_sorted_keys_under_prefix(listed):
+    status, body = listed.call("memory_list", prefix="user:u1:")
+    assert status == 200
+    assert body == {"status": "ok", "keys": ["user:u1:a", "user:u1:b", "user:u1:c"], "next_cursor": None}
+
+
+def test_list_prefix_cut_mid_segment_matches_by_string_prefix(listed):
+    _, body = listed.call("memory_list", prefix="user:u1")
+    # Ordered by the key string: "0" sorts before ":".
+    assert body["keys"] == ["user:u10:a", "user:u1:a", "user:u1:b", "user:u1:c"]
+
+
+def test_list_without_prefix_returns_every_key(listed):
+    _, body = listed.call("memory_list")
+    assert len(body["keys"]) == 6
+
+
+def test_list_limit_caps_the_page_and_gives_a_cursor(listed):
+    _, body = listed.call("memory_list", prefix="user:u1:", limit=2)
+    assert body["keys"] == ["user:u1:a", "user:u1:b"]
+    assert isinstance(body["next_cursor"], str) and body["next_cursor"]
+
+
+def test_list_cursor_pagination_walks_every_key_exactly_once(api):
+    keys = sorted(f"task:t{i:02d}:status" for i in range(23))
+    for key in keys:
+        api.call("memory_write", key=key, value="x")
+    api.call("memory_write", key="user:u1:other", value="x")
+    seen, cursor, pages = [], None, 0
+    while True:
+        _, body = api.call("memory_list", prefix="task:", limit=5, cursor=cursor)
+        assert body["status"] == "ok"
+        seen.extend(body["keys"])
+        pages += 1
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+        assert pages < 10
+    assert seen == keys
+    assert pages == 5
+
+
+def test_list_hides_deleted_keys(listed):
+    listed.call("memory_delete", key="user:u1:b")
+    _, body = listed.call("memory_list", prefix="user:u1:")
+    assert body["keys"] == ["user:u1:a", "user:u1:c"]
+
+
+# --- memory_search and memory_recall ----------------------------------------------------
+
+
+def test_search_returns_ranked_results_with_key_value_and_score(api):
+    api.call("memory_write", key="fact:office:wifi", value="The office wifi password is on the fridge")
+    api.call("memory_write", key="fact:office:parking", value="Parking is in the basement")
+    status, body = api.call("memory_search", query="wifi password")
+    assert status == 200
+    assert body["status"] == "ok"
+    assert body["results"][0]["key"] == "fact:office:wifi"
+    assert body["results"][0]["value"] == "The office wifi password is on the fridge"
+    assert isinstance(body["results"][0]["score"], float | int) and body["results"][0]["score"] > 0
+    assert "fact:office:parking" not in [r["key"] for r in body["results"]]
+
+
+def test_search_limit_caps_results(api):
+    for i in range(8):
+        api.call("memory_write", key=f"fact:f{i}:note", value=f"report number {i}")
+    _, body = api.call("memory_search", query="report")
+    assert len(body["results"]) == 5  # the default
+    _, body = api.call("memory_search", query="report", limit=3)
+    assert len(body["results"]) == 3
+
+
+def test_search_with_no_match_returns_empty_results(api):
+    api.call("memory_write", key="fact:a:b", value="hello world")
+    _, body = api.call("memory_search", query="zebra")
+    assert body == {"status": "ok", "results": []}
+
+
+def test_recall_respects_max_chars(api):
+    for i in range(10):
+        api.call("memory_write", key=f"fact:f{i}:report", value=f"the weekly report {i} " + "x" * 40)
+    for max_chars in (50, 120, 300):
+        status, body = api.call("memory_recall", query="weekly report", max_chars=max_chars)
+        assert status == 200 and body["status"] == "ok"
+        assert 0 < len(body["text"]) <= max_chars
+        assert body["count"] >= 1
+    _, body = api.call("memory_recall", query="weekly report", max_chars=8000)
+    assert body["count"] == 10
+    assert len(body["text"].splitlines()) == 10
+
+
+def test_recall_text_has_key_value_lines(api):
+    api.call("memory_write", key="user:u1:pref_lang", value="zh-CN")
+    _, body = api.call("memory_recall", query="language preference")
+    assert body == {"status": "ok", "text": "user:u1:pref_lang: zh-CN", "count": 1}
+
+
+# --- call shapes ------------------------------------------------------------------------
+
+
+def test_arguments_may_be_a_json_string(api):
+    args = json.dumps({"key": "user:u1:pref_lang", "value": "zh-CN"})
+    r = api.post(CALL, {"name": "memory_write", "arguments": args})
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "key": "user:u1:pref_lang", "version": 1, "created": True}
+
+
+def test_openai_tool_call_shape_echoes_tool_call_id(api):
+    call = {
+        "id": "call_abc123",
+        "type": "function",
+        "function": {"name": "memory_write", "arguments": json.dumps({"key": "user:u1:x", "value": 1})},
+    }
+    r = api.post(CALL, call)
+    assert r.status_code == 200
+    assert r.json() == {
+        "status": "ok",
+        "key": "user:u1:x",
+        "version": 1,
+        "created": True,
+        "tool_call_id": "call_abc123",
+    }
+    call = {"id": "call_2", "type": "function", "function": {"name": "memory_read", "arguments": {"key": "user:u1:x"}}}
+    body = api.post(CALL, call).json()
+    assert body["value"] == 1 and body["tool_call_id"] == "call_2"
+
+
+def test_openai_shape_error_keeps_tool_call_id(api):
+    call = {"id": "call_bad", "type": "function", "function": {"name": "memory_read", "arguments": "{}"}}
+    r = api.post(CALL, call)
+    assert r.status_code == 400
+    body = r.json()
+    assert body["tool_call_id"] == "call_bad"
+    assert tool_error(body)["field"] == "key"
+
+
+def test_strict_mode_nulls_for_optional_arguments_are_accepted(api):
+    status, body = api.call(
+        "memory_write", key="user:u1:x", value="v", ttl_seconds=None, tags=None, subject=None, category=None
+    )
+    assert status == 200 and body["created"] is True
+
+
+def test_unknown_tool_is_400_naming_the_field(api):
+    before = row_counts()
+    status, body = api.call("memory_explode", key="user:u1:x")
+    assert status == 400
+    error = tool_error(body)
+    assert error["code"] == "unknown_tool" and error["field"] == "name"
+    assert row_counts() == before
+
+
+def test_unknown_argument_is_400_naming_it(api):
+    before = row_counts()
+    status, body = api.call("memory_write", key="user:u1:x", value="v", colour="red")
+    assert status == 400
+    error = tool_error(body)
+    assert error["code"] == "unknown_argument" and error["field"] == "colour"
+    assert row_counts() == before
+
+
+@pytest.mark.parametrize(
+    "name,arguments,field",
+    [
+        ("memory_write", {"key": "user:u1:x"}, "value"),
+        ("memory_write", {"value": "v"}, "key"),
+        ("memory_read", {}, "key"),
+        ("memory_update", {"key": "user:u1:x"}, "value"),
+        ("memory_delete", {}, "key"),
+        ("memory_search", {}, "query"),
+        ("memory_recall", {"prefix": "user:"}, "query"),
+    ],
+)
+def test_missing_required_argument_is_400_naming_it(api, name, arguments, field):
+    before = row_counts()
+    r = api.post(CALL, {"name": name, "arguments": arguments})
+    assert r.status_code == 400
+    error = tool_error(r.json())
+    assert error["code"] == "required" and error["field"] == field
+    assert row_counts() == before
+
+
+def test_malformed_arguments_json_is_400(api):
+    r = api.post(CALL, {"name": "memory_write", "arguments": '{"key": "user:u1:x", "value": '})
+    assert r.status_code == 400
+    error = tool_error(r.json())
+    assert error["code"] == "malformed_json" and error["field"] == "arguments"
+
+
+def test_malformed_arguments_json_in_openai_shape_names_function_arguments(api):
+    r = api.post(CALL, {"id": "c1", "type": "function", "function": {"name": "memory_read", "arguments": "{key"}})
+    assert r.status_code == 400
+    body = r.json()
+    assert tool_error(body)["field"] == "function.arguments"
+    assert body["tool_call_id"] == "c1"
+
+
+def test_arguments_that_are_not_an_object_are_400(api):
+    r = api.post(CALL, {"name": "memory_read", "arguments": '["user:u1:x"]'})
+    assert r.status_code == 400
+    assert tool_error(r.json())["field"] == "arguments"
+
+
+def test_missing_tool_name_is_400(api):
+    r = api.post(CALL, {"arguments": {"key": "user:u1:x"}})
+    assert r.status_code == 400
+    error = tool_error(r.json())
+    assert error["code"] == "required" and error["field"] == "name"
+
+
+def test_body_that_is_not_an_object_is_400(api):
+    r = api.post(CALL, ["memory_read"])
+    assert r.status_code == 400
+    assert tool_error(r.json())["field"] == "body"
+
+
+# --- batch ------------------------------------------------------------------------------
+
+
+def test_batch_runs_several_calls_in_order(api):
+    r = api.post(
+        BATCH,
+        {
+            "calls": [
+                {"name": "memory_write", "arguments": {"key": "user:u1:a", "value": 1}},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "memory_write", "arguments": '{"key": "user:u1:b", "value": 2}'},
+                },
+                {"name": "memory_read", "arguments": {"key": "user:u1:a"}},
+                {"name": "memory_list", "arguments": {"prefix": "user:u1:"}},
+            ]
+        },
+    )
+    assert r.status_code == 200
+    results = r.json()["results"]
+    assert len(results) == 4
+    assert results[0] == {"status": "ok", "key": "user:u1:a", "version": 1, "created": True}
+    assert results[1]["tool_call_id"] == "c2" and results[1]["created"] is True
+    assert results[2]["value"] == 1
+    assert results[3]["keys"] == ["user:u1:a", "user:u1:b"]
+
+
+def test_batch_bad_call_does_not_undo_the_others(api):
+    r = api.post(
+        BATCH,
+        {
+            "calls": [
+                {"name": "memory_write", "arguments": {"key": "user:u1:a", "value": 1}},
+                {"name": "memory_write", "arguments": {"key": "bad::key", "value": 2}},
+                {"name": "no_such_tool", "arguments": {}},
+                {"name": "memory_write", "arguments": {"key": "user:u1:c", "value": "x" * 20000}},
+                {"name": "memory_write", "arguments": {"key": "user:u1:d", "value": 4}},
+            ]
+        },
+    )
+    assert r.status_code == 200
+    results = r.json()["results"]
+    assert [res["status"] for res in results] == ["ok", "error", "error", "error", "ok"]
+    assert results[1]["error"]["field"] == "key"
+    assert results[2]["error"]["code"] == "unknown_tool"
+    assert results[3]["error"]["code"] == "too_large"
+    assert sorted(Memory.objects.filter(tenant=api.tenant).values_list("key", flat=True)) == ["user:u1:a", "user:u1:d"]
+
+
+def test_batch_of_more_than_50_calls_is_400_and_runs_none(api):
+    calls = [{"name": "memory_write", "arguments": {"key": f"user:u1:k{i}", "value": i}} for i in range(51)]
+    before = row_counts()
+    r = api.post(BATCH, {"calls": calls})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["field"] == "calls" and error["code"] == "too_many"
+    assert row_counts() == before
+
+
+def test_batch_of_exactly_50_calls_runs_them_all(api):
+    calls = [{"name": "memory_write", "arguments": {"key": f"user:u1:k{i:02d}", "value": i}} for i in range(50)]
+    r = api.post(BATCH, {"calls": calls})
+    assert r.status_code == 200
+    assert all(res["status"] == "ok" for res in r.json()["results"])
+    assert Memory.objects.filter(tenant=api.tenant).count() == 50
+
+
+@pytest.mark.parametrize("body", [{"calls": []}, {}, {"calls": "memory_read"}])
+def test_empty_or_missing_batch_is_400(api, body):
+    r = api.post(BATCH, body)
+    assert r.status_code == 400
+    assert r.json()["error"]["field"] == "calls"

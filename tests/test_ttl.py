@@ -1,0 +1,128 @@
+"""TTL: an expired memory is invisible on every read path at once, before any cleanup job,
+and a new write on its key starts a fresh memory."""
+
+from contextlib import contextmanager
+from datetime import timedelta
+from unittest import mock
+
+import pytest
+from django.utils import timezone
+
+from memories.models import Memory
+
+KEY = "user:u1:otp"
+_real_now = timezone.now
+
+
+@contextmanager
+def clock_at(offset: timedelta):
+    """Move the clock that services, selectors and querysets read (timezone.now)."""
+    moment = _real_now() + offset
+    with mock.patch("django.utils.timezone.now", return_value=moment):
+        yield moment
+
+
+@pytest.fixture
+def expiring(api):
+    api.call("memory_write", key=KEY, value="zebra code 4711", ttl_seconds=60)
+    api.call("memory_write", key="user:u1:name", value="zebra Alice")  # never expires
+    return api
+
+
+def assert_invisible(client, key=KEY):
+    _, body = client.call("memory_read", key=key)
+    assert body == {"status": "not_found", "key": key}
+    _, body = client.call("memory_read", key=key, default="gone")
+    assert body["value"] == "gone"
+    _, body = client.call("memory_list", prefix="user:u1:")
+    assert key not in body["keys"]
+    _, body = client.call("memory_search", query="zebra code 4711", limit=50)
+    assert key not in [r["key"] for r in body["results"]]
+    _, body = client.call("memory_recall", query="zebra code 4711", max_chars=8000)
+    assert key not in body["text"]
+    assert client.get(f"/api/v1/memories/{key}").status_code == 404
+    assert client.get(f"/api/v1/memories/{key}/history").status_code == 404
+    r = client.get("/api/v1/memories", {"prefix": "user:u1:"})
+    assert key not in [m["key"] for m in r.json()["results"]]
+
+
+def test_write_with_ttl_sets_expires_at(expiring):
+    memory = Memory.objects.get(key=KEY)
+    assert memory.expires_at is not None
+    assert timedelta(seconds=55) < memory.expires_at - timezone.now() <= timedelta(seconds=60)
+    assert Memory.objects.get(key="user:u1:name").expires_at is None
+
+
+def test_memory_is_visible_before_it_expires(expiring):
+    with clock_at(timedelta(seconds=50)):
+        _, body = expiring.call("memory_read", key=KEY)
+        assert body["status"] == "ok" and body["value"] == "zebra code 4711"
+        _, body = expiring.call("memory_list", prefix="user:u1:")
+        assert KEY in body["keys"]
+        _, body = expiring.call("memory_search", query="zebra code 4711")
+        assert KEY in [r["key"] for r in body["results"]]
+        assert expiring.get(f"/api/v1/memories/{KEY}").status_code == 200
+
+
+def test_expired_memory_is_invisible_everywhere_once_the_clock_passes(expiring):
+    with clock_at(timedelta(seconds=61)):
+        assert_invisible(expiring)
+        # The memory that never expires is still there.
+        _, body = expiring.call("memory_read", key="user:u1:name")
+        assert body["status"] == "ok"
+    # No cleanup job ran: the row is still in the table, only hidden.
+    assert Memory.objects.filter(key=KEY, deleted_at__isnull=True).exists()
+
+
+def test_expired_memory_set_in_the_past_in_the_db_is_invisible(expiring):
+    Memory.objects.filter(key=KEY).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert_invisible(expiring)
+
+
+def test_update_and_delete_of_expired_memory_are_not_found(expiring):
+    with clock_at(timedelta(minutes=5)):
+        _, body = expiring.call("memory_update", key=KEY, value="new", expected_version=1)
+        assert body == {"status": "not_found", "key": KEY}
+        _, body = expiring.call("memory_delete", key=KEY)
+        assert body == {"status": "not_found", "key": KEY}
+        assert expiring.patch(f"/api/v1/memories/{KEY}", {"value": "x"}).status_code == 404
+        assert expiring.delete(f"/api/v1/memories/{KEY}").status_code == 404
+    memory = Memory.objects.get(key=KEY)
+    assert (memory.value, memory.version, memory.deleted_at) == ("zebra code 4711", 1, None)
+
+
+def test_write_on_expired_key_creates_a_fresh_memory(expiring):
+    old = Memory.objects.get(key=KEY)
+    with clock_at(timedelta(seconds=61)):
+        status, body = expiring.call("memory_write", key=KEY, value="fresh")
+        assert status == 200
+        assert body == {"status": "ok", "key": KEY, "version": 1, "created": True}
+        _, body = expiring.call("memory_read", key=KEY)
+        assert body["value"] == "fresh" and body["version"] == 1
+        r = expiring.get(f"/api/v1/memories/{KEY}/history")
+        assert [v["value"] for v in r.json()["results"]] == ["fresh"]
+    live = Memory.objects.live().get(key=KEY)
+    assert live.pk != old.pk and live.expires_at is None
+    assert Memory.objects.filter(key=KEY).count() == 2
+
+
+def test_rest_put_on_expired_key_is_201_created(expiring):
+    with clock_at(timedelta(hours=1)):
+        r = expiring.put(f"/api/v1/memories/{KEY}", {"value": "fresh"})
+        assert r.status_code == 201
+        assert r.json()["version"] == 1
+
+
+def test_rewrite_with_new_ttl_extends_life(expiring):
+    with clock_at(timedelta(seconds=30)):
+        expiring.call("memory_write", key=KEY, value="zebra code 4711", ttl_seconds=3600)
+    with clock_at(timedelta(seconds=120)):
+        _, body = expiring.call("memory_read", key=KEY)
+        assert body["status"] == "ok" and body["version"] == 2
+
+
+def test_rewrite_without_ttl_keeps_the_expiry(expiring):
+    expiring.call("memory_write", key=KEY, value="zebra code 4711 again")
+    with clock_at(timedelta(seconds=61)):
+        _, body = expiring.call("memory_read", key=KEY)
+        assert body["status"] == "not_found"
