@@ -192,6 +192,9 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
                 )
             return memory, True
         except IntegrityError:
+            # Only a concurrent insert of the same key is worth a retry; anything else is a bug.
+            if not Memory.objects.for_tenant(tenant).filter(key=key, deleted_at__isnull=True).exists():
+                raise
             continue
     raise RuntimeError(f"could not upsert {key!r} after concurrent inserts")
 
@@ -234,13 +237,14 @@ def memory_update(
     category: Any = None,
     importance: Any = None,
     source: Any = None,
-    if_match: tuple[int, int] | None = None,
+    if_match: tuple[int, int] | str | None = None,
 ) -> MemoryResult:
     """Change an existing memory. The version check lives in the UPDATE's WHERE clause, so
     two concurrent updates with the same ``expected_version`` cannot both win.
 
     ``if_match=(memory id, version)`` (REST If-Match) is checked the same way, and a
-    mismatch — or a missing memory — is HTTP 412 instead of a result.
+    mismatch — or a missing memory — is HTTP 412 instead of a result; ``"*"`` matches any
+    current version.
     """
     with _operation(tenant=tenant, actor=actor, action="memory.update", target=key):
         key = validation.key(key)
@@ -268,7 +272,7 @@ def memory_update(
             changes["expires_at"] = now + ttl
         live = selectors.memories_live(tenant=tenant).filter(key=key)
         target = live if expected is None else live.filter(version=expected)
-        if if_match is not None:
+        if isinstance(if_match, tuple):
             target = target.filter(pk=if_match[0], version=if_match[1])
         updated = target.update(version=F("version") + 1, updated_at=now, **changes)
         if not updated:
@@ -304,16 +308,18 @@ def memory_update(
 
 
 def memory_delete(
-    *, tenant: Tenant, actor: Actor, key: Any, if_match: tuple[int, int] | None = None
+    *, tenant: Tenant, actor: Actor, key: Any, if_match: tuple[int, int] | str | None = None
 ) -> MemoryResult:
     """Soft delete: the memory moves to the trash (restorable until purged).
-    ``if_match=(memory id, version)``: delete only that version, else HTTP 412."""
+    ``if_match=(memory id, version)``: delete only that version, else HTTP 412 ("*": any)."""
     with _operation(tenant=tenant, actor=actor, action="memory.delete", target=key):
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_DELETE)
         require_key_allowed(actor, key)
         memory = selectors.memories_live(tenant=tenant).filter(key=key).select_for_update().first()
-        if if_match is not None and (memory is None or (memory.pk, memory.version) != tuple(if_match)):
+        if if_match is not None and (
+            memory is None or (if_match != "*" and (memory.pk, memory.version) != tuple(if_match))
+        ):
             raise PreconditionFailed("the memory changed since you read it (ETag mismatch)", field="If-Match")
         if memory is None:
             audit_record(tenant=tenant, actor=actor, action="memory.delete", target=key, outcome=Outcome.NOT_FOUND)

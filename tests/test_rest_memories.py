@@ -304,3 +304,23 @@ def test_history_of_recreated_key_starts_over(stored):
     stored.put(URL, {"value": "new"})
     r = stored.get(f"{URL}/history")
     assert [(v["version"], v["op"]) for v in r.json()["results"]] == [(1, "write")]
+
+
+def test_if_match_star_matches_any_current_version_but_not_a_missing_memory(stored):
+    assert stored.patch(URL, {"value": "x"}, headers={"If-Match": "*"}).status_code == 200
+    assert stored.put(URL, {"value": "y"}, headers={"If-Match": "*"}).status_code == 200
+    assert stored.get(URL).json()["value"] == "y"
+    assert stored.delete(URL, headers={"If-Match": "*"}).status_code == 204
+    counts = row_counts()
+    assert stored.put(URL, {"value": "z"}, headers={"If-Match": "*"}).status_code == 412
+    assert stored.delete(URL, headers={"If-Match": "*"}).status_code == 412
+    assert row_counts() == counts
+
+
+@pytest.mark.parametrize("field", ["ttl_seconds", "importance"])
+def test_numeric_strings_are_not_integers(api, field):
+    counts = row_counts()
+    r = api.put(URL, {"value": "x", field: "5"})
+    assert r.status_code == 400
+    assert r.json()["error"]["field"] == field
+    assert row_counts() == counts

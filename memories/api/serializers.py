@@ -44,8 +44,18 @@ class MemoryListSerializer(serializers.Serializer):
     next_cursor = serializers.CharField(allow_null=True)
 
 
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer, not a numeric string: the schema says integer, and the tool
+    endpoint (no serializer) refuses "60" too."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class _MemoryFieldsIn(serializers.Serializer):
-    ttl_seconds = serializers.IntegerField(
+    ttl_seconds = StrictIntegerField(
         required=False, allow_null=True, min_value=1, max_value=validation.TTL_MAX_SECONDS
     )
     tags = serializers.ListField(
@@ -55,7 +65,7 @@ class _MemoryFieldsIn(serializers.Serializer):
         max_length=validation.TAGS_MAX,
     )
     category = serializers.RegexField(validation.CATEGORY_RE.pattern, required=False, allow_null=True)
-    importance = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=10)
+    importance = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=10)
     source = serializers.CharField(required=False, allow_null=True, max_length=validation.SOURCE_MAX_LEN)
 
 
@@ -66,7 +76,7 @@ class MemoryPutSerializer(_MemoryFieldsIn):
 
 class MemoryPatchSerializer(_MemoryFieldsIn):
     value = serializers.JSONField(required=False)
-    expected_version = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    expected_version = StrictIntegerField(required=False, allow_null=True, min_value=1)
 
 
 class MemoryVersionSerializer(serializers.ModelSerializer):

@@ -131,10 +131,13 @@ class ToolBatchView(AuditedAPIView):
 _ETAG_RE = re.compile(r'^(?:W/)?"(\d+)-(\d+)"$')
 
 
-def _if_match(request) -> tuple[int, int] | None:
+def _if_match(request) -> tuple[int, int] | str | None:
+    """(memory id, version) from an ETag we issued; "*" (any current version) as is."""
     header = request.headers.get("If-Match")
     if header is None:
         return None
+    if header.strip() == "*":
+        return "*"
     match = _ETAG_RE.match(header.strip())
     if not match:
         # An ETag we never issued cannot match the current one.
