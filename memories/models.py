@@ -167,6 +167,9 @@ class Memory(models.Model):
     last_accessed_at = models.DateTimeField(null=True, blank=True)
     access_count = models.PositiveIntegerField(default=0)
     deleted_at = models.DateTimeField(null=True, blank=True)
+    # Keys a summary was derived from (its lineage): forgetting any of them, or the
+    # summary's subject, forgets the summary too.
+    sources = models.JSONField(default=list, blank=True)
 
     objects = MemoryQuerySet.as_manager()
 
@@ -226,3 +229,116 @@ class MemoryVersion(models.Model):
         # The unique (memory, version) index serves history reads; tenant-wide erasure
         # (forget requests) uses this one.
         indexes = [models.Index(fields=["tenant", "memory"], name="memoryversion_tenant")]
+
+
+class RetentionRule(models.Model):
+    """A tenant's lifetimes for keys under a prefix (the longest matching prefix wins).
+
+    * ``default_ttl_seconds``: a write without ``ttl_seconds`` that creates a memory here
+      expires after this long (e.g. ``session:`` → 24 h).
+    * ``trash_retention_days``: deleted memories here stay restorable this long before the
+      purge job erases them (else the tenant's, else the server's default).
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="retention_rules", db_index=False)
+    prefix = models.CharField(max_length=512)
+    default_ttl_seconds = models.PositiveIntegerField(null=True, blank=True)
+    trash_retention_days = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "prefix"], name="retentionrule_one_per_prefix")]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}*"
+
+
+class Job(models.Model):
+    """A background job an API caller can follow (``GET /api/v1/jobs/{id}``).
+
+    ``params`` and ``result`` hold keys, prefixes and counts — never memory values — so
+    queue and job tables keep nothing a forget request would have to erase.
+    """
+
+    class Kind(models.TextChoices):
+        SUMMARIZE = "summarize"
+        PURGE = "purge"
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs", db_index=False)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    params = models.JSONField(default=dict, blank=True)
+    result = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True, default="")
+    attempts = models.PositiveSmallIntegerField(default=0)
+    requested_by = models.CharField(max_length=150, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"], name="job_tenant_created")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.pk} ({self.status})"
+
+
+class ForgetRequest(models.Model):
+    """An end user's or tenant's request to erase memories, durable from the moment it
+    is accepted. Status only moves forward: received → running → completed | failed.
+
+    The receipt holds counts and times, never erased content.
+    """
+
+    class Status(models.TextChoices):
+        RECEIVED = "received"
+        RUNNING = "running"
+        COMPLETED = "completed"
+        FAILED = "failed"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="forget_requests", db_index=False)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.RECEIVED)
+    # Exactly one target: a subject, a key prefix, or a list of keys.
+    subject = models.CharField(max_length=255, blank=True, default="")
+    prefix = models.CharField(max_length=512, blank=True, default="")
+    keys = models.JSONField(default=list, blank=True)
+    reason = models.TextField(blank=True, default="")
+    requested_by_kind = models.CharField(max_length=16)
+    requested_by = models.CharField(max_length=150, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    due_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    # Running totals, updated in the same transaction as each erased batch, so a retry
+    # after a crash continues the count instead of starting it again.
+    receipt = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "status", "due_at"], name="forget_tenant_status_due"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=(
+                    (~Q(subject="") & Q(prefix="") & Q(keys=[]))
+                    | (Q(subject="") & ~Q(prefix="") & Q(keys=[]))
+                    | (Q(subject="") & Q(prefix="") & ~Q(keys=[]))
+                ),
+                name="forget_exactly_one_target",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"forget #{self.pk} ({self.status})"
+
+    @property
+    def is_overdue(self) -> bool:
+        return self.status not in (self.Status.COMPLETED,) and self.due_at <= timezone.now()

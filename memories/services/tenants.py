@@ -1,0 +1,90 @@
+"""Tenants and API keys: created and revoked here, audited in the same transaction."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import validate_slug
+from django.db import transaction
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from audit.services import audit_record
+from memories import validation
+from memories.errors import InvalidInput
+from memories.models import ALL_SCOPES, DEFAULT_AGENT_SCOPES, ApiKey, Tenant
+from memories.permissions import Actor
+
+Outcome = AuditEvent.Outcome
+
+
+def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant:
+    try:
+        validate_slug(slug)
+    except DjangoValidationError:
+        raise InvalidInput("must be letters, digits, hyphens or underscores", field="slug") from None
+    with transaction.atomic():
+        if Tenant.objects.filter(slug=slug).exists():
+            raise InvalidInput(f"tenant '{slug}' already exists", field="slug", code="exists")
+        tenant = Tenant.objects.create(slug=slug, name=name or slug)
+        audit_record(tenant=tenant, actor=actor, action="tenant.create", target=slug, outcome=Outcome.OK)
+    return tenant
+
+
+def api_key_create(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    name: str,
+    scopes: list[str] | None = None,
+    allowed_prefixes: list[str] | None = None,
+    expires_in_days: int | None = None,
+    created_by=None,
+) -> tuple[ApiKey, str]:
+    """Create a key and return it with its secret, the only time the secret exists."""
+    scopes = [str(s) for s in (scopes if scopes is not None else DEFAULT_AGENT_SCOPES)]
+    unknown = sorted(set(scopes) - set(ALL_SCOPES))
+    if unknown:
+        raise InvalidInput(f"unknown scope {unknown[0]!r}; known: {', '.join(ALL_SCOPES)}", field="scopes")
+    prefixes = [validation.prefix(p, field="allowed_prefixes") for p in (allowed_prefixes or [])]
+    if expires_in_days is not None and expires_in_days < 1:
+        raise InvalidInput("must be at least 1", field="expires_in_days")
+    raw, lookup, key_hash = ApiKey.generate()
+    with transaction.atomic():
+        key = ApiKey.objects.create(
+            tenant=tenant,
+            name=name,
+            lookup=lookup,
+            key_hash=key_hash,
+            scopes=scopes,
+            allowed_prefixes=prefixes,
+            expires_at=timezone.now() + timedelta(days=expires_in_days) if expires_in_days else None,
+            created_by=created_by,
+        )
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="api_key.create",
+            target=key.display_prefix,
+            outcome=Outcome.OK,
+            detail={"scopes": scopes, "allowed_prefixes": prefixes},
+        )
+    return key, raw
+
+
+def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
+    with transaction.atomic():
+        updated = ApiKey.objects.filter(tenant=tenant, pk=key_id, revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
+        key = ApiKey.objects.filter(tenant=tenant, pk=key_id).first()
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="api_key.revoke",
+            target=key.display_prefix if key else "",
+            outcome=Outcome.OK if updated else Outcome.NOT_FOUND,
+        )
+    return bool(updated)
