@@ -35,6 +35,15 @@ def _lazy_static_files(settings):
     settings.WHITENOISE_AUTOREFRESH = True
 
 
+@pytest.fixture(autouse=True)
+def _tasks_run_inline(monkeypatch):
+    """django-q2 runs tasks in the calling process ("sync" mode), so a test sees a job's
+    effect at once; tests/test_qcluster.py runs a real cluster instead."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", True)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("postgres") and connection.vendor != "postgresql":

@@ -1,0 +1,29 @@
+"""django-q2 tasks: dotted-path functions that take ids and call a service.
+
+Payloads carry only ids, never memory values, so the queue tables hold nothing that a
+forget request would have to erase. Every task is idempotent: django-q2 may deliver one
+twice (a retry after a killed worker), and each service bounds its own attempts because
+django-q2 does not count a killed worker's attempt (django-q2 issue #327).
+"""
+
+from memories.services import forget, retention, summaries
+
+
+def purge_expired_task() -> dict:
+    return retention.purge_expired()
+
+
+def forget_request_task(request_id: int) -> dict:
+    return forget.forget_request_execute(request_id=request_id)
+
+
+def forget_requests_resume_task() -> int:
+    return forget.forget_requests_resume()
+
+
+def summarize_task(job_id: int) -> dict:
+    return summaries.summarize_run(job_id=job_id)
+
+
+def summarize_idle_sessions_task() -> int:
+    return summaries.summarize_idle_sessions()

@@ -1,0 +1,43 @@
+"""Recurring jobs, declared in code and applied with ``python manage.py zeromem_schedules``
+(``update_or_create`` by name, so re-running changes nothing). ``python3 -m zeromem up``
+applies them before starting the workers.
+
+Each entry: django-q2 schedule name → (task dotted path, schedule type, minutes).
+"""
+
+from django_q.models import Schedule
+
+SCHEDULE_PREFIX = "zeromem:"
+
+SCHEDULES = {
+    # Expired memories are invisible at once; this erases them (and old trash) in batches.
+    "zeromem:purge-expired": ("memories.tasks.purge_expired_task", Schedule.MINUTES, 5),
+    # Forget requests whose worker died (or whose queue entry was lost, as with the Redis
+    # broker) are picked up again; each request's own attempt counter bounds the retries.
+    "zeromem:forget-requests-resume": ("memories.tasks.forget_requests_resume_task", Schedule.MINUTES, 10),
+    # Sessions idle longer than ZEROMEM_SUMMARIZE_IDLE_MINUTES are compacted into summaries.
+    "zeromem:summarize-idle-sessions": ("memories.tasks.summarize_idle_sessions_task", Schedule.MINUTES, 15),
+}
+
+
+def apply_schedules() -> dict[str, str]:
+    """Create or update every declared schedule and delete stale ``zeromem:`` ones.
+    Returns {name: "created" | "updated" | "unchanged" | "deleted"}."""
+    outcome: dict[str, str] = {}
+    for name, (func, schedule_type, minutes) in SCHEDULES.items():
+        wanted = {"func": func, "schedule_type": schedule_type, "minutes": minutes, "repeats": -1}
+        current = Schedule.objects.filter(name=name).first()
+        if current is None:
+            Schedule.objects.create(name=name, **wanted)
+            outcome[name] = "created"
+        elif any(getattr(current, k) != v for k, v in wanted.items()):
+            for k, v in wanted.items():
+                setattr(current, k, v)
+            current.save()
+            outcome[name] = "updated"
+        else:
+            outcome[name] = "unchanged"
+    for stale in Schedule.objects.filter(name__startswith=SCHEDULE_PREFIX).exclude(name__in=SCHEDULES):
+        outcome[stale.name] = "deleted"
+        stale.delete()
+    return outcome
