@@ -59,6 +59,7 @@ def up(argv: list[str]) -> int:
     write_dev_env()
     env = {**os.environ, "ZEROMEM_ENV": os.environ.get("ZEROMEM_ENV", "development")}
     manage("migrate", "--noinput", env=env)
+    manage("zeromem_schedules", env=env)
     manage("demo_setup", env=env)
     host = os.environ.get("HOST", "127.0.0.1")
     port = os.environ.get("PORT", "8000")
