@@ -29,8 +29,9 @@ def memories_live(*, tenant: Tenant, prefixes: list[str] | None = None) -> Query
 
 
 def memory_get_live(*, tenant: Tenant, key: str) -> Memory | None:
-    """One index lookup on (tenant, key) among live rows."""
-    return Memory.objects.for_tenant(tenant).live().filter(key=key).first()
+    """One index lookup on (tenant, key) among live rows (unique, so no ORDER BY)."""
+    rows = list(Memory.objects.for_tenant(tenant).live().filter(key=key)[:1])
+    return rows[0] if rows else None
 
 
 def memory_keys_page(

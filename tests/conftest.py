@@ -29,10 +29,10 @@ def _isolated_cache(settings):
 
 @pytest.fixture(autouse=True)
 def _lazy_static_files(settings):
-    # Tests run with DEBUG off, so WhiteNoise would scan every static file (through the
+    # Tests run with DEBUG off, so ServeStatic would scan every static file (through the
     # finders) each time a test Client builds its middleware: ~50 ms per client. Looking
     # files up on request instead keeps the suite fast and still serves them.
-    settings.WHITENOISE_AUTOREFRESH = True
+    settings.SERVESTATIC_AUTOREFRESH = True
 
 
 @pytest.fixture(autouse=True)

@@ -65,7 +65,10 @@ def up(argv: list[str]) -> int:
     port = os.environ.get("PORT", "8000")
     procs = [
         subprocess.Popen(
-            [PY, "-m", "uvicorn", "zeromem.asgi:application", "--host", host, "--port", port], cwd=ROOT, env=env
+            [PY, "-m", "uvicorn", "zeromem.asgi:application", "--host", host, "--port", port,
+             "--http", "zeromem.server:NoDelayH11Protocol"],
+            cwd=ROOT,
+            env=env,
         ),
         subprocess.Popen([PY, "manage.py", "qcluster"], cwd=ROOT, env=env),
     ]

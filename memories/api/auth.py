@@ -147,12 +147,12 @@ class ApiKeyRateThrottle(BaseThrottle):
         now = time.time()
         window = int(now // 60)
         bucket = f"zm:rl:{principal.api_key.pk}:{window}"
-        cache.add(bucket, 0, timeout=120)
+        # One round trip in the steady state: incr, and only on a window's first request
+        # (the key is missing) an add; if another worker added it first, incr again.
         try:
             count = cache.incr(bucket)
-        except ValueError:  # evicted between add and incr
-            cache.set(bucket, 1, timeout=120)
-            count = 1
+        except ValueError:
+            count = 1 if cache.add(bucket, 1, timeout=120) else cache.incr(bucket)
         self._wait = (window + 1) * 60 - now
         return count <= limit
 
