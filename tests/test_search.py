@@ -50,3 +50,30 @@ def test_recall_packs_best_matches_under_budget(seeded):
 def test_search_is_scoped_to_prefix(seeded):
     _, body = seeded.call("memory_search", query="周报", prefix="user:")
     assert [r["key"] for r in body["results"]] == ["user:u10086:pref_format"]
+
+
+def test_word_forms_match_but_words_merely_sharing_four_letters_do_not(api):
+    for key, value in [
+        ("fact:apt", "Install the package with apt"),
+        ("fact:web", "Use the web app instead"),
+    ]:
+        api.call("memory_write", key=key, value=value)
+    _, body = api.call("memory_search", query="installing packages")
+    assert [r["key"] for r in body["results"]] == ["fact:apt"]
+
+
+def test_repeating_a_word_does_not_outrank_matching_more_words(api):
+    api.call("memory_write", key="note:log", value="deploy " * 40)
+    api.call("memory_write", key="note:billing", value="We deploy the billing service on Fridays")
+    _, body = api.call("memory_search", query="when do we deploy the billing service?")
+    assert body["results"][0]["key"] == "note:billing"
+
+
+def test_query_terms_drop_filler_words_and_count_a_stem_once():
+    from memories import search
+
+    assert search.query_terms("Could you tell me whether the packages or the package are just installed?") == [
+        "packages",
+        "installed",
+    ]
+    assert search.query_terms("我应该如何安装这个软件包？") == ["安装", "软件", "件包"]
