@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from audit.models import AuditEvent
@@ -52,3 +53,18 @@ def audit_record(
         version=version,
         detail=_storable(detail or {}),
     )
+
+
+def audit_redact_subject(*, tenant: Tenant, subject: str = "", keys: Iterable[str] = (), prefix: str = "") -> int:
+    """Hook for forget requests: blank the identifying fields (``target``, ``subject``) of
+    old audit events about a forgotten subject, key prefix or list of keys. Returns how many
+    events it redacted.
+
+    A documented no-op returning 0 for now: redaction must keep the hash chain verifiable,
+    and both arrive with the audit issue (hash-chained, redactable events), which replaces
+    this body. Audit rows hold identifiers only — keys, prefixes, subjects — never memory
+    values, so until then a forget request leaves no erased content in the audit log.
+    ``memories.services.forget.forget_request_execute`` calls it once per request, after the
+    last batch, and calls it again on a retry: an implementation must be idempotent.
+    """
+    return 0

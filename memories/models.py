@@ -316,6 +316,10 @@ class ForgetRequest(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveSmallIntegerField(default=0)
+    # When the request last moved (accepted, attempt started, batch erased, re-enqueued): a
+    # pending request that has not moved for Q_CLUSTER["retry"] seconds lost its worker or
+    # its queue entry, and forget_requests_resume() enqueues it again.
+    progress_at = models.DateTimeField(default=timezone.now)
     # Running totals, updated in the same transaction as each erased batch, so a retry
     # after a crash continues the count instead of starting it again.
     receipt = models.JSONField(default=dict, blank=True)
@@ -324,6 +328,10 @@ class ForgetRequest(models.Model):
     class Meta:
         indexes = [
             models.Index(fields=["tenant", "status", "due_at"], name="forget_tenant_status_due"),
+            # forget_requests_resume() scans the pending requests of every tenant.
+            models.Index(
+                fields=["progress_at"], name="forget_pending", condition=Q(status__in=["received", "running"])
+            ),
         ]
         constraints = [
             models.CheckConstraint(

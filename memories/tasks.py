@@ -27,3 +27,7 @@ def summarize_task(job_id: int) -> dict:
 
 def summarize_idle_sessions_task() -> int:
     return summaries.summarize_idle_sessions()
+
+
+def summarize_jobs_resume_task() -> int:
+    return summaries.summarize_jobs_resume()

@@ -16,6 +16,7 @@ from memories import services, validation
 from memories.errors import InvalidInput
 from memories.models import Memory, Tenant
 from memories.permissions import Actor
+from memories.services import summaries
 
 # A memory value is any JSON. OpenAI's strict mode cannot express a free-form object, so
 # the strict schema offers scalars (a structured value can be sent as a JSON string);
@@ -164,6 +165,12 @@ def _recall(tenant: Tenant, actor: Actor, a: dict) -> dict:
     return {"status": "ok", "text": r["text"], "count": len(r["keys"])}
 
 
+def _summarize(tenant: Tenant, actor: Actor, a: dict) -> dict:
+    # Returns at once; the summary lands at summary:<prefix> (memories/services/summaries.py).
+    job = services.summarize_start(tenant=tenant, actor=actor, prefix=a["prefix"])
+    return {"status": "ok", "job_id": job.pk}
+
+
 KEY = Param("key", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "e.g. user:u10086:pref_lang", True)
 PREFIX = Param("prefix", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "key prefix, e.g. user:u10086:")
 QUERY = Param("query", {"type": "string", "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True)
@@ -234,6 +241,12 @@ TOOLS: dict[str, Tool] = {
                 ),
             ),
             _recall,
+        ),
+        Tool(
+            "memory_summarize",
+            "Compact the memories under a prefix into one summary memory (a background job).",
+            (Param("prefix", {"type": "string", "maxLength": summaries.PREFIX_MAX_LEN}, "e.g. session:s1:", True),),
+            _summarize,
         ),
     )
 }

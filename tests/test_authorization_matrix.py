@@ -190,6 +190,22 @@ OUTCOMES: dict[str, dict[str, Expect]] = {
     ),
 }
 
+# Summaries and jobs. A summarize call only queues a job (its work runs after commit, which
+# these rolled-back cells never reach): another tenant's call queues a job in its own tenant.
+OUTCOMES["rest_summarize"] = _keyed(Expect(202), MISSING_SCOPE, NOT_ALLOWED, Expect(202))
+OUTCOMES["tool_summarize"] = _keyed(Expect(200, result="ok"), MISSING_SCOPE, NOT_ALLOWED, Expect(200, result="ok"))
+# The owner's job summarizes user:u10086: (outside not_allowed's allowlist): not found for
+# not_allowed and for another tenant, like a job that does not exist.
+OUTCOMES["job_read"] = _keyed(Expect(200), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
+
+# Forget requests. Creating one only stores and queues it (the job runs after commit, which
+# these rolled-back cells never reach, so no memory changes); another tenant's request is
+# stored in its own tenant. The owner's request (keys [TARGET]) was made by SYSTEM: a key
+# limited to other prefixes sees only its own requests, another tenant none of A's.
+OUTCOMES["forget_create"] = _keyed(Expect(202), MISSING_SCOPE, NOT_ALLOWED, Expect(202))
+OUTCOMES["forget_list"] = _keyed(Expect(200), MISSING_SCOPE, Expect(200), Expect(200))
+OUTCOMES["forget_read"] = _keyed(Expect(200), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
+
 # The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
 NEEDED_SCOPE = {
     "rest_read": Scope.MEMORY_READ,
@@ -204,6 +220,12 @@ NEEDED_SCOPE = {
     "tool_delete": Scope.MEMORY_DELETE,
     "tool_search": Scope.MEMORY_SEARCH,
     "tool_recall": Scope.MEMORY_SEARCH,
+    "rest_summarize": Scope.MEMORY_WRITE,
+    "tool_summarize": Scope.MEMORY_WRITE,
+    "job_read": Scope.MEMORY_READ,
+    "forget_create": Scope.FORGET_CREATE,
+    "forget_list": Scope.FORGET_CREATE,
+    "forget_read": Scope.FORGET_CREATE,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -227,6 +249,7 @@ TOOL_ROWS: dict[str, tuple[str, dict]] = {
     "memory_list": ("tool_list", {"prefix": "", "limit": 50}),
     "memory_search": ("tool_search", {"query": QUERY, "limit": 20}),
     "memory_recall": ("tool_recall", {"query": QUERY, "max_chars": 2000}),
+    "memory_summarize": ("tool_summarize", {"prefix": "user:u10086:"}),
 }
 TOOLS_POST = "tools"  # marker: POST runs one row per tool
 
@@ -269,6 +292,17 @@ ROUTES: dict[str, Route] = {
     "api/v1/memories/<str:key>/history": Route(
         public=False, ops={"GET": "rest_read", "HEAD": "rest_read", "OPTIONS": "options"}
     ),
+    "api/v1/summaries": Route(public=False, ops={"POST": "rest_summarize", "OPTIONS": "options"}),
+    "api/v1/jobs/<int:job_id>": Route(
+        public=False, ops={"GET": "job_read", "HEAD": "job_read", "OPTIONS": "options"}
+    ),
+    "api/v1/forget-requests": Route(
+        public=False,
+        ops={"GET": "forget_list", "HEAD": "forget_list", "POST": "forget_create", "OPTIONS": "options"},
+    ),
+    "api/v1/forget-requests/<int:request_id>": Route(
+        public=False, ops={"GET": "forget_read", "HEAD": "forget_read", "OPTIONS": "options"}
+    ),
 }
 
 # Out of scope for now: the admin site's own pages and the ModelAdmins Django and django-q2
@@ -294,7 +328,12 @@ ADMIN_OUT_OF_SCOPE_MODELS = {
 ADMIN_OUT_OF_SCOPE_APPS = {"auth", "django_q"}
 
 # Values for URL parameters: every <key> names tenant A's target memory.
-URL_PARAMETERS = {"key": TARGET}
+URL_PARAMETERS = {"key": TARGET, "job_id": 0}  # job_id: the owner's job, set by Identities
+URL_PARAMETERS["request_id"] = 0  # the owner's forget request, set by Identities
+
+# Bodies of the POST routes that are not tool calls (others send {"value": ATTACK}).
+ROUTE_BODIES = {"api/v1/summaries": {"prefix": "user:u10086:"}}
+ROUTE_BODIES["api/v1/forget-requests"] = {"keys": [TARGET], "reason": "matrix"}
 
 
 @dataclass(frozen=True)
@@ -374,7 +413,7 @@ CELLS = [pytest.param(row, identity, id=f"{row.id}-{identity}") for row in ROWS 
 # --- the identities ------------------------------------------------------------------------
 
 # One test client for every cell: a new Client builds a new handler, and with
-# WHITENOISE_USE_FINDERS (development) each new handler scans every static file (~40 ms).
+# SERVESTATIC_USE_FINDERS (development) each new handler scans every static file (~40 ms).
 SHARED_CLIENT = Client()
 
 
@@ -387,6 +426,10 @@ class Identities:
         for tenant, seed in ((self.a, SEED["owner"]), (self.b, SEED["other"])):
             for key, value in seed.items():
                 services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value)
+        # The job every jobs/<job_id> cell asks for: tenant A's, about the target's namespace.
+        URL_PARAMETERS["job_id"] = services.summarize_start(tenant=self.a, actor=SYSTEM, prefix="user:u10086:").pk
+        # The forget request every forget-requests/<request_id> cell asks for: tenant A's.
+        URL_PARAMETERS["request_id"] = services.forget_request_create(tenant=self.a, actor=SYSTEM, keys=[TARGET]).pk
         self._clients = {
             "owner": self._keyed(self.a),
             "not_allowed": self._keyed(self.a, allow=["agent:"]),
@@ -453,7 +496,7 @@ def _request_for(row: Row, key: str) -> tuple[str, str | None]:
         body = {"calls": [call]} if row.route.route.endswith("/batch") else call
         return path, json.dumps(body)
     if row.method in ("POST", "PUT", "PATCH"):
-        return path, json.dumps({"value": ATTACK})
+        return path, json.dumps(ROUTE_BODIES.get(row.route.route, {"value": ATTACK}))
     return path, None
 
 

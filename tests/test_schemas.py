@@ -17,6 +17,7 @@ TOOL_NAMES = {
     "memory_list",
     "memory_search",
     "memory_recall",
+    "memory_summarize",
 }
 REQUIRED = {
     "memory_write": {"key", "value"},
@@ -26,6 +27,7 @@ REQUIRED = {
     "memory_list": set(),
     "memory_search": {"query"},
     "memory_recall": {"query"},
+    "memory_summarize": {"prefix"},
 }
 
 

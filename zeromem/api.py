@@ -16,7 +16,6 @@ from memories.errors import ServiceError
 from memories.models import Tenant
 from memories.permissions import Actor
 
-
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
     exceptions.AuthenticationFailed: "invalid_credentials",
@@ -30,14 +29,14 @@ _DRF_CODES = {
 }
 
 
-def _first_error(detail, path=""):
+def first_error(detail, path=""):
     """(field, message, code) of the first error in a DRF ValidationError detail."""
     if isinstance(detail, dict):
         for name, sub in detail.items():
             field = name if name != "non_field_errors" else path
-            return _first_error(sub, f"{path}.{field}" if path and field != path else field)
+            return first_error(sub, f"{path}.{field}" if path and field != path else field)
     if isinstance(detail, list) and detail:
-        return _first_error(detail[0], path)
+        return first_error(detail[0], path)
     return path or None, str(detail), getattr(detail, "code", "invalid")
 
 
@@ -64,7 +63,7 @@ def exception_handler(exc, context):
     if response is None:
         return None
     if isinstance(exc, exceptions.ValidationError):
-        field, message, code = _first_error(exc.detail)
+        field, message, code = first_error(exc.detail)
         response.data = error_body(code if code != "invalid" else "invalid", message, field)
         return response
     code = getattr(exc, "zeromem_code", None) or _DRF_CODES.get(type(exc), exc.default_code)
@@ -77,6 +76,25 @@ def exception_handler(exc, context):
     extra = {"retry_after": int(exc.wait or 1)} if isinstance(exc, exceptions.Throttled) else {}
     response.data = error_body(code, message, field, **extra)
     return response
+
+
+# Request bodies whose unknown fields are refused (400 unknown_field, memories.api.views._validated).
+CLOSED_REQUEST_COMPONENTS = (
+    "MemoryPutRequest",
+    "PatchedMemoryPatchRequest",
+    "SummaryStartRequest",
+    "ForgetRequestCreateRequest",
+)
+
+
+def schema_closed_request_bodies(result, generator, request, public):
+    """drf-spectacular postprocessing hook: mark the bodies that refuse unknown fields with
+    ``additionalProperties: false``, so the schema says what the server does."""
+    schemas = result.get("components", {}).get("schemas", {})
+    for name in CLOSED_REQUEST_COMPONENTS:
+        if name in schemas:
+            schemas[name]["additionalProperties"] = False
+    return result
 
 
 class TenantAPIView(APIView):

@@ -17,6 +17,9 @@ SCHEDULES = {
     "zeromem:forget-requests-resume": ("memories.tasks.forget_requests_resume_task", Schedule.MINUTES, 10),
     # Sessions idle longer than ZEROMEM_SUMMARIZE_IDLE_MINUTES are compacted into summaries.
     "zeromem:summarize-idle-sessions": ("memories.tasks.summarize_idle_sessions_task", Schedule.MINUTES, 15),
+    # Summarize jobs whose queue entry was lost, or that django-q2 stopped retrying, are
+    # enqueued again; each job's own attempt counter bounds the retries.
+    "zeromem:summarize-jobs-resume": ("memories.tasks.summarize_jobs_resume_task", Schedule.MINUTES, 10),
 }
 
 

@@ -11,6 +11,7 @@ Two shapes of deployment share this file:
 mode SECRET_KEY must be set and the deploy checks pass (see README "Settings").
 """
 
+import os
 from pathlib import Path
 
 import environ
@@ -95,6 +96,11 @@ if env.str("DATABASE_URL", default=""):
             "timeout": env.float("DB_POOL_TIMEOUT", default=5.0),
         }
         DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", env.int("DB_CONNECT_TIMEOUT", default=3))
+        # django-q2 forks its workers from a process that has opened the pool: without this
+        # a child would reuse the parent's sockets (zeromem/forking.py).
+        from zeromem.forking import forget_inherited_connections
+
+        os.register_at_fork(after_in_child=forget_inherited_connections)
 else:
     DATABASES = {
         "default": {
@@ -182,6 +188,20 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
 # only when this is set (as DRF's NUM_PROXIES).
 ZEROMEM_NUM_PROXIES = env.int("ZEROMEM_NUM_PROXIES", default=0)
+# Summarization (memories/services/summaries.py): the digest's size budget, and the
+# sessions the schedule compacts once idle.
+ZEROMEM_SUMMARY_MAX_CHARS = env.int("ZEROMEM_SUMMARY_MAX_CHARS", default=2000)
+ZEROMEM_SUMMARIZE_IDLE_PREFIXES = env.list("ZEROMEM_SUMMARIZE_IDLE_PREFIXES", default=["session:"])
+ZEROMEM_SUMMARIZE_IDLE_MINUTES = env.int("ZEROMEM_SUMMARIZE_IDLE_MINUTES", default=60)
+# Optional LLM summarizer: an OpenAI-compatible endpoint ({base}/chat/completions). Empty
+# base URL: the deterministic digest, no LLM, zero tokens.
+ZEROMEM_LLM_BASE_URL = env.str("ZEROMEM_LLM_BASE_URL", default="")
+ZEROMEM_LLM_MODEL = env.str("ZEROMEM_LLM_MODEL", default="")
+ZEROMEM_LLM_API_KEY = env.str("ZEROMEM_LLM_API_KEY", default="")
+ZEROMEM_LLM_TIMEOUT_SECONDS = env.float("ZEROMEM_LLM_TIMEOUT_SECONDS", default=30.0)
+# How many times a job (e.g. a forget request) is started before it is marked failed. Counted
+# by the job itself: django-q2's max_attempts misses tasks of killed workers (issue #327).
+ZEROMEM_JOB_MAX_ATTEMPTS = env.int("ZEROMEM_JOB_MAX_ATTEMPTS", default=5)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],
@@ -210,6 +230,12 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
     "SCHEMA_PATH_PREFIX": r"/api/v1",
+    # Several components have a "status" field with different choices: name them.
+    "ENUM_NAME_OVERRIDES": {"JobStatusEnum": "memories.models.Job.Status"},
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",  # the default
+        "zeromem.api.schema_closed_request_bodies",
+    ],
 }
 
 # --- django-q2 -------------------------------------------------------------------------

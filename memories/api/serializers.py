@@ -2,10 +2,26 @@
 check types; the services check the rules (key grammar, sizes, scopes) once for every
 surface."""
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from memories import validation
-from memories.models import Memory, MemoryVersion
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion
+from memories.services import forget as forget_rules
+
+
+# The rules of memories/validation.py as OpenAPI patterns: anchored (a JSON Schema ``pattern``
+# matches anywhere otherwise) and in ECMA-262 syntax, where ``\w`` is ASCII-only while Python's
+# is Unicode (keys such as ``user:张三:偏好`` are valid). The services still check every value.
+def _ecma(python_pattern: str) -> str:
+    return "^" + python_pattern.replace(r"\w", r"\p{L}\p{N}_") + "$"
+
+
+KEY_PATTERN = _ecma(validation.KEY_RE.pattern)
+PREFIX_PATTERN = _ecma(rf"(?:{validation._SEGMENT}:?)*")
+TAG_PATTERN = _ecma(validation.TAG_RE.pattern)
+CATEGORY_PATTERN = _ecma(validation.CATEGORY_RE.pattern)
+NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
 
 
 class ErrorDetailSerializer(serializers.Serializer):
@@ -16,6 +32,10 @@ class ErrorDetailSerializer(serializers.Serializer):
 
 class ErrorSerializer(serializers.Serializer):
     error = ErrorDetailSerializer()
+
+
+class StringListField(serializers.ListField):
+    child = serializers.CharField()
 
 
 class MemoryOutSerializer(serializers.ModelSerializer):
@@ -37,6 +57,35 @@ class MemoryOutSerializer(serializers.ModelSerializer):
             "last_accessed_at",
             "access_count",
         ]
+        # Every field is in every response (OpenAPI: required).
+        extra_kwargs = {name: {"required": True} for name in fields}
+
+    tags = StringListField(required=True)
+
+
+class _OnlyStrings:
+    """Only JSON strings: DRF's CharField turns 5 into "5"; the tool endpoint refuses it."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            raise serializers.ValidationError("Not a valid string.", code="invalid")
+        return super().to_internal_value(data)
+
+
+class StrictCharField(_OnlyStrings, serializers.CharField):
+    pass
+
+
+class StrictRegexField(_OnlyStrings, serializers.RegexField):
+    pass
+
+
+@extend_schema_field({"type": "string", "minLength": 1, "maxLength": 64, "pattern": TAG_PATTERN})
+class TagField(StrictCharField):
+    """A tag; its grammar (TAG_PATTERN) is checked by the service."""
+
+    def __init__(self, **kwargs):
+        super().__init__(max_length=64, trim_whitespace=False, **kwargs)
 
 
 class MemoryListSerializer(serializers.Serializer):
@@ -54,29 +103,50 @@ class StrictIntegerField(serializers.IntegerField):
         return super().to_internal_value(data)
 
 
+@extend_schema_field(
+    {
+        "anyOf": [
+            {"type": "object", "additionalProperties": True},
+            {"type": "array", "items": {}},
+            {"type": "string"},
+            {"type": "number"},
+            {"type": "boolean"},
+        ]
+    }
+)
+class MemoryValueField(serializers.JSONField):
+    """A memory's value: any JSON but null (JSONField refuses null unless allow_null)."""
+
+
 class _MemoryFieldsIn(serializers.Serializer):
     ttl_seconds = StrictIntegerField(
         required=False, allow_null=True, min_value=1, max_value=validation.TTL_MAX_SECONDS
     )
     tags = serializers.ListField(
-        child=serializers.RegexField(validation.TAG_RE.pattern, max_length=64),
+        child=TagField(),
         required=False,
         allow_null=True,
         max_length=validation.TAGS_MAX,
     )
-    category = serializers.RegexField(validation.CATEGORY_RE.pattern, required=False, allow_null=True)
+    category = StrictRegexField(
+        CATEGORY_PATTERN, required=False, allow_null=True, max_length=32, trim_whitespace=False
+    )
     importance = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=10)
-    source = serializers.CharField(required=False, allow_null=True, max_length=validation.SOURCE_MAX_LEN)
+    source = StrictRegexField(
+        NO_CONTROL_CHARS, required=False, allow_null=True, max_length=validation.SOURCE_MAX_LEN, trim_whitespace=False
+    )
 
 
 class MemoryPutSerializer(_MemoryFieldsIn):
-    value = serializers.JSONField(help_text="any JSON value but null (16 KiB serialized by default)")
-    subject = serializers.CharField(required=False, allow_null=True, max_length=validation.SUBJECT_MAX_LEN)
+    value = MemoryValueField(help_text="any JSON value but null (16 KiB serialized by default)")
+    subject = StrictRegexField(
+        NO_CONTROL_CHARS, required=False, allow_null=True, max_length=validation.SUBJECT_MAX_LEN, trim_whitespace=False
+    )
 
 
 class MemoryPatchSerializer(_MemoryFieldsIn):
-    value = serializers.JSONField(required=False)
-    expected_version = StrictIntegerField(required=False, allow_null=True, min_value=1)
+    value = MemoryValueField(required=False, help_text="any JSON value but null")
+    expected_version = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=2**31 - 1)
 
 
 class MemoryVersionSerializer(serializers.ModelSerializer):
@@ -90,24 +160,250 @@ class HistorySerializer(serializers.Serializer):
     results = MemoryVersionSerializer(many=True)
 
 
-class ToolCallSerializer(serializers.Serializer):
-    """Either {name, arguments} or an OpenAI tool call {id, type, function: {name, arguments}}."""
+@extend_schema_field(
+    {
+        "oneOf": [{"type": "object", "additionalProperties": True}, {"type": "string"}],
+        "description": "object, or the object as a JSON string",
+    }
+)
+class ToolArgumentsField(serializers.JSONField):
+    """A tool call's arguments: an object, or that object as a JSON string (how OpenAI sends
+    them). Whether the string parses, and what the arguments say, is the tool's business."""
 
-    id = serializers.CharField(required=False, help_text="echoed back as tool_call_id")
-    name = serializers.CharField(required=False)
-    arguments = serializers.JSONField(required=False, help_text="object, or the object as a JSON string")
+    default_error_messages = {"invalid": "must be an object, or the object as a JSON string"}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, (dict, str)):
+            self.fail("invalid")
+        return data
+
+
+class ToolFunctionSerializer(serializers.Serializer):
+    name = StrictCharField()
+    arguments = ToolArgumentsField(required=False)
+
+
+class ToolCallSerializer(serializers.Serializer):
+    """Either {name, arguments} or an OpenAI tool call {id, type, function: {name, arguments}}.
+
+    It checks the shape of a call; the tool checks the call itself (name, arguments)."""
+
+    id = StrictCharField(required=False, allow_null=True, help_text="echoed back as tool_call_id")
+    name = StrictCharField(required=False)
+    arguments = ToolArgumentsField(required=False)
     type = serializers.ChoiceField(choices=["function"], required=False)
-    function = serializers.DictField(required=False)
+    function = ToolFunctionSerializer(required=False)
 
 
 class ToolBatchSerializer(serializers.Serializer):
-    calls = ToolCallSerializer(many=True, max_length=50)
+    calls = serializers.ListField(child=ToolCallSerializer(), min_length=1, max_length=50)
+
+
+class ToolSearchHitSerializer(serializers.Serializer):
+    key = serializers.CharField()
+    value = serializers.JSONField()
+    score = serializers.FloatField()
 
 
 class ToolResultSerializer(serializers.Serializer):
-    status = serializers.CharField()
+    """What goes back to the model. ``status`` says which of the other fields are there:
+    ``ok`` (the tool's fields), ``not_found`` (key), ``conflict`` (key, current_version),
+    ``error`` (error)."""
+
+    status = serializers.ChoiceField(choices=["ok", "not_found", "conflict", "error"])
     tool_call_id = serializers.CharField(required=False)
+    key = serializers.CharField(required=False)
+    value = serializers.JSONField(required=False)
+    version = serializers.IntegerField(required=False)
+    created = serializers.BooleanField(required=False)
+    updated_at = serializers.DateTimeField(required=False)
+    current_version = serializers.IntegerField(required=False)
+    keys = StringListField(required=False)
+    next_cursor = serializers.CharField(required=False, allow_null=True)
+    results = ToolSearchHitSerializer(many=True, required=False)
+    text = serializers.CharField(required=False)
+    count = serializers.IntegerField(required=False)
+    job_id = serializers.IntegerField(required=False)
+    error = ErrorDetailSerializer(required=False)
 
 
 class ToolBatchResultSerializer(serializers.Serializer):
     results = ToolResultSerializer(many=True)
+
+
+class ToolListSerializer(serializers.Serializer):
+    format = serializers.ChoiceField(choices=["openai", "anthropic", "mcp"])
+    tools = serializers.ListField(child=serializers.DictField())
+
+
+# --- summaries and jobs ------------------------------------------------------------------
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """A JSON boolean only: DRF's BooleanField also takes "true", 1 and "yes"."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
+def _summary_prefix_max_len() -> int:
+    from memories.services.summaries import PREFIX_MAX_LEN
+
+    return PREFIX_MAX_LEN
+
+
+@extend_schema_field(
+    {"type": "string", "minLength": 1, "maxLength": _summary_prefix_max_len(), "pattern": PREFIX_PATTERN}
+)
+class SummaryPrefixField(StrictCharField):
+    """The namespace to summarize; its grammar (PREFIX_PATTERN) is checked by the service."""
+
+    def __init__(self, **kwargs):
+        super().__init__(max_length=_summary_prefix_max_len(), trim_whitespace=False, **kwargs)
+
+
+class SummaryStartSerializer(serializers.Serializer):
+    prefix = SummaryPrefixField(help_text="the namespace to compact, e.g. session:s1:")
+    archive = StrictBooleanField(
+        required=False, help_text="move the summarized memories to the trash (default false)"
+    )
+
+
+class JobStartedSerializer(serializers.Serializer):
+    job_id = serializers.IntegerField()
+    status = serializers.ChoiceField(choices=Job.Status.choices)
+
+
+class JobSerializer(serializers.ModelSerializer):
+    """A background job: what it was asked (params), how it went (status, attempts, error)
+    and what it did (result). Keys, prefixes and counts only, never memory values.
+    ``started_at`` is when the latest attempt began."""
+
+    params = serializers.DictField()
+    result = serializers.DictField()
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "kind",
+            "status",
+            "params",
+            "result",
+            "error",
+            "attempts",
+            "created_at",
+            "started_at",
+            "finished_at",
+        ]
+        extra_kwargs = {name: {"required": True} for name in fields}
+
+
+# --- forget requests ---------------------------------------------------------------------
+
+
+@extend_schema_field({"type": "string", "minLength": 1, "maxLength": validation.KEY_MAX_LEN, "pattern": KEY_PATTERN})
+class ForgetKeyField(StrictCharField):
+    """A key to forget; its grammar (KEY_PATTERN) is checked by the service."""
+
+    def __init__(self, **kwargs):
+        super().__init__(max_length=validation.KEY_MAX_LEN, trim_whitespace=False, **kwargs)
+
+
+@extend_schema_field(
+    {"type": "string", "minLength": 1, "maxLength": validation.KEY_MAX_LEN, "pattern": PREFIX_PATTERN}
+)
+class ForgetPrefixField(StrictCharField):
+    """A key prefix to forget; its grammar (PREFIX_PATTERN) is checked by the service."""
+
+    def __init__(self, **kwargs):
+        super().__init__(max_length=validation.KEY_MAX_LEN, trim_whitespace=False, **kwargs)
+
+
+class ForgetRequestCreateSerializer(serializers.Serializer):
+    """Exactly one of ``subject``, ``prefix`` or ``keys`` (the service names the field at
+    fault when there are none or several)."""
+
+    subject = StrictRegexField(
+        NO_CONTROL_CHARS,
+        required=False,
+        min_length=1,
+        max_length=validation.SUBJECT_MAX_LEN,
+        trim_whitespace=False,
+        help_text="the end user whose memories to forget (their summaries too)",
+    )
+    prefix = ForgetPrefixField(required=False, help_text="forget every key under this prefix, e.g. user:u10086:")
+    keys = serializers.ListField(
+        child=ForgetKeyField(), required=False, min_length=1, max_length=forget_rules.KEYS_MAX
+    )
+    reason = StrictCharField(
+        required=False, allow_blank=True, max_length=forget_rules.REASON_MAX_LEN, trim_whitespace=False
+    )
+    due_in_days = StrictIntegerField(
+        required=False,
+        min_value=1,
+        max_value=forget_rules.DUE_IN_DAYS_MAX,
+        help_text=f"deadline in days (default {forget_rules.DUE_IN_DAYS_DEFAULT})",
+    )
+
+
+class ForgetTargetSerializer(serializers.Serializer):
+    """What the request forgets: exactly one of the three fields is present."""
+
+    subject = serializers.CharField(required=False)
+    prefix = serializers.CharField(required=False)
+    keys = StringListField(required=False)
+
+
+class ForgetReceiptSerializer(serializers.Serializer):
+    """What a completed request erased: counts and times, never erased content."""
+
+    memories = serializers.IntegerField()
+    versions = serializers.IntegerField()
+    summaries = serializers.IntegerField()
+    admin_log_entries = serializers.IntegerField()
+    batches = serializers.IntegerField()
+    audit_events_redacted = serializers.IntegerField()
+    received_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField()
+    completed_at = serializers.DateTimeField()
+
+
+class ForgetRequestOutSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    status = serializers.ChoiceField(choices=ForgetRequest.Status.choices)
+    target = serializers.SerializerMethodField()
+    reason = serializers.CharField()
+    created_at = serializers.DateTimeField()
+    due_at = serializers.DateTimeField()
+    overdue = serializers.BooleanField(source="is_overdue", help_text="past due and not completed")
+    started_at = serializers.DateTimeField(allow_null=True)
+    completed_at = serializers.DateTimeField(allow_null=True)
+    attempts = serializers.IntegerField()
+    receipt = serializers.SerializerMethodField()
+    error = serializers.SerializerMethodField()
+
+    @extend_schema_field(ForgetTargetSerializer)
+    def get_target(self, obj) -> dict:
+        if obj.subject:
+            return {"subject": obj.subject}
+        if obj.prefix:
+            return {"prefix": obj.prefix}
+        return {"keys": list(obj.keys)}
+
+    @extend_schema_field(ForgetReceiptSerializer(allow_null=True, help_text="when completed; else null"))
+    def get_receipt(self, obj) -> dict | None:
+        if obj.status != ForgetRequest.Status.COMPLETED:
+            return None
+        return ForgetReceiptSerializer(obj.receipt).data
+
+    @extend_schema_field({"type": "string", "nullable": True, "description": "why it failed; else null"})
+    def get_error(self, obj) -> str | None:
+        return obj.error or None if obj.status == ForgetRequest.Status.FAILED else None
+
+
+class ForgetRequestListSerializer(serializers.Serializer):
+    results = ForgetRequestOutSerializer(many=True)
+    next_cursor = serializers.CharField(allow_null=True)

@@ -10,4 +10,10 @@ urlpatterns = [
     path("memories", views.MemoryListView.as_view(), name="memories-list"),
     path("memories/<str:key>", views.MemoryDetailView.as_view(), name="memories-detail"),
     path("memories/<str:key>/history", views.MemoryHistoryView.as_view(), name="memories-history"),
+    path("summaries", views.SummaryStartView.as_view(), name="summaries-create"),
+    path("jobs/<int:job_id>", views.JobDetailView.as_view(), name="jobs-detail"),
+    path("forget-requests", views.ForgetRequestListView.as_view(), name="forget-requests-list"),
+    path(
+        "forget-requests/<int:request_id>", views.ForgetRequestDetailView.as_view(), name="forget-requests-detail"
+    ),
 ]

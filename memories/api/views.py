@@ -2,7 +2,7 @@
 
 import re
 
-from drf_spectacular.types import OpenApiTypes
+from django.urls import reverse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -12,15 +12,35 @@ from audit.services import audit_record
 from memories import services, tools, validation
 from memories.api import serializers as s
 from memories.errors import InvalidInput, ServiceError
-from zeromem.api import TenantAPIView
+from zeromem.api import TenantAPIView, first_error
 
+# Every status a view can answer is declared (schemathesis checks it: tests/test_schema_fuzz.py).
 ERRORS = {
     400: OpenApiResponse(s.ErrorSerializer, description="bad input; `field` names what is wrong"),
     401: OpenApiResponse(s.ErrorSerializer, description="missing, malformed, revoked or expired key"),
     403: OpenApiResponse(s.ErrorSerializer, description="scope missing or key outside the allowlist"),
     413: OpenApiResponse(s.ErrorSerializer, description="body or value too large"),
     429: OpenApiResponse(s.ErrorSerializer, description="rate limited; see Retry-After"),
+    503: OpenApiResponse(s.ErrorSerializer, description="the database is unavailable; retry after Retry-After"),
 }
+NOT_FOUND = OpenApiResponse(s.ErrorSerializer, description="no memory at this key")
+PRECONDITION_FAILED = OpenApiResponse(
+    s.ErrorSerializer, description="If-Match does not match the current version (or there is no memory)"
+)
+
+# Path and query parameters, with the rules the services enforce (memories/validation.py).
+KEY_PARAM = OpenApiParameter(
+    "key",
+    {"type": "string", "minLength": 1, "maxLength": validation.KEY_MAX_LEN, "pattern": s.KEY_PATTERN},
+    OpenApiParameter.PATH,
+    required=True,
+    description="':'-separated segments, e.g. user:u10086:pref_lang",
+)
+LIMIT_PARAM = OpenApiParameter(
+    "limit",
+    {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX},
+    description=f"1-{validation.LIMIT_MAX}, default 50",
+)
 
 
 class AuditedAPIView(TenantAPIView):
@@ -55,20 +75,35 @@ class ToolListView(TenantAPIView):
         summary="Tool schemas, ready to paste into an OpenAI, Anthropic or MCP tool list",
         parameters=[
             OpenApiParameter("format", str, enum=["openai", "anthropic", "mcp"], description="default openai"),
-            OpenApiParameter("strict", bool, description="OpenAI strict mode (default true)"),
+            OpenApiParameter("strict", bool, description="OpenAI strict mode: true (default) or false"),
         ],
-        responses={200: OpenApiTypes.OBJECT, **ERRORS},
+        responses={200: s.ToolListSerializer, **ERRORS},
     )
     def get(self, request):
         fmt = request.query_params.get("format", "openai")
-        strict = request.query_params.get("strict", "true").lower() not in ("false", "0", "no")
-        return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict)})
+        strict = request.query_params.get("strict", "true").lower()
+        if strict not in ("true", "false"):
+            raise InvalidInput("must be true or false", field="strict")
+        return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict == "true")})
+
+
+def _check_call_shape(body, field_prefix: str = "") -> None:
+    """Refuse a call that is not shaped like a tool call (ToolCallSerializer: an object whose
+    ``id``/``name`` are strings, ``arguments`` an object or JSON string, ``function`` an object
+    with a name); what a well-shaped call asks for is the tool's business."""
+    if not isinstance(body, dict):
+        raise InvalidInput("a tool call must be a JSON object", field=field_prefix.rstrip(".") or "body")
+    serializer = s.ToolCallSerializer(data=body)
+    if not serializer.is_valid():
+        field, message, code = first_error(serializer.errors)
+        raise InvalidInput(message, field=f"{field_prefix}{field}", code=code)
 
 
 def _run_call(view, body) -> tuple[dict, int]:
     """One tool call → (body for the model, HTTP status). Errors keep the call id."""
     call_id = tools.call_id_of(body)
     try:
+        _check_call_shape(body)
         call = tools.parse_call(body)
         result = tools.tool_call(tenant=view.tenant, actor=view.actor, name=call.name, arguments=call.arguments)
         code = status.HTTP_200_OK
@@ -122,6 +157,10 @@ class ToolBatchView(AuditedAPIView):
             raise InvalidInput("must be a non-empty list of tool calls", field="calls")
         if len(calls) > self.MAX_CALLS:
             raise InvalidInput(f"at most {self.MAX_CALLS} calls per batch", field="calls", code="too_many")
+        # A batch with a call that is not shaped like a tool call is malformed: refused whole,
+        # nothing runs. Well-shaped calls that fail (unknown tool, bad key) fail alone, below.
+        for i, body in enumerate(calls):
+            _check_call_shape(body, field_prefix=f"calls.{i}.")
         # Each call runs in its own transaction: one failing call does not undo the others.
         return Response({"results": [_run_call(self, body)[0] for body in calls]})
 
@@ -163,12 +202,21 @@ class MemoryListView(AuditedAPIView):
         operation_id="memories_list",
         summary="Memories under a prefix, ordered by key, cursor-paginated",
         parameters=[
-            OpenApiParameter("prefix", str, description="key prefix, e.g. user:u10086:"),
-            OpenApiParameter("category", str),
-            OpenApiParameter("subject", str),
-            OpenApiParameter("tag", str),
-            OpenApiParameter("limit", int, description=f"1-{validation.LIMIT_MAX}, default 50"),
-            OpenApiParameter("cursor", str, description="next_cursor of the previous page"),
+            OpenApiParameter(
+                "prefix",
+                {"type": "string", "maxLength": validation.KEY_MAX_LEN, "pattern": s.PREFIX_PATTERN},
+                description="key prefix, e.g. user:u10086:",
+            ),
+            OpenApiParameter("category", {"type": "string", "maxLength": 32, "pattern": s.CATEGORY_PATTERN}),
+            OpenApiParameter(
+                "subject",
+                {"type": "string", "maxLength": validation.SUBJECT_MAX_LEN, "pattern": s.NO_CONTROL_CHARS},
+            ),
+            OpenApiParameter("tag", {"type": "string", "maxLength": 64, "pattern": s.TAG_PATTERN}),
+            LIMIT_PARAM,
+            OpenApiParameter(
+                "cursor", {"type": "string", "maxLength": 1024}, description="next_cursor of the previous page"
+            ),
         ],
         responses={200: s.MemoryListSerializer, **ERRORS},
     )
@@ -196,7 +244,8 @@ class MemoryDetailView(AuditedAPIView):
     @extend_schema(
         operation_id="memories_read",
         summary="Read one memory (ETag header for If-Match)",
-        responses={200: s.MemoryOutSerializer, 404: s.ErrorSerializer, **ERRORS},
+        parameters=[KEY_PARAM],
+        responses={200: s.MemoryOutSerializer, 404: NOT_FOUND, **ERRORS},
     )
     def get(self, request, key):
         r = services.memory_read(tenant=self.tenant, actor=self.actor, key=key)
@@ -205,8 +254,15 @@ class MemoryDetailView(AuditedAPIView):
     @extend_schema(
         operation_id="memories_put",
         summary="Create or replace a memory; with If-Match, only that version",
+        parameters=[KEY_PARAM],
         request=s.MemoryPutSerializer,
-        responses={200: s.MemoryOutSerializer, 201: s.MemoryOutSerializer, 412: s.ErrorSerializer, **ERRORS},
+        responses={
+            200: s.MemoryOutSerializer,
+            201: s.MemoryOutSerializer,
+            404: OpenApiResponse(s.ErrorSerializer, description="no such endpoint (the key is not a key)"),
+            412: PRECONDITION_FAILED,
+            **ERRORS,
+        },
     )
     def put(self, request, key):
         data = _validated(s.MemoryPutSerializer, request.data)
@@ -221,8 +277,15 @@ class MemoryDetailView(AuditedAPIView):
     @extend_schema(
         operation_id="memories_patch",
         summary="Change fields of an existing memory (If-Match or expected_version guard it)",
+        parameters=[KEY_PARAM],
         request=s.MemoryPatchSerializer,
-        responses={200: s.MemoryOutSerializer, 404: s.ErrorSerializer, 409: s.ErrorSerializer, 412: s.ErrorSerializer, **ERRORS},
+        responses={
+            200: s.MemoryOutSerializer,
+            404: NOT_FOUND,
+            409: OpenApiResponse(s.ErrorSerializer, description="expected_version is not the current version"),
+            412: PRECONDITION_FAILED,
+            **ERRORS,
+        },
     )
     def patch(self, request, key):
         data = _validated(s.MemoryPatchSerializer, request.data)
@@ -242,7 +305,8 @@ class MemoryDetailView(AuditedAPIView):
     @extend_schema(
         operation_id="memories_delete",
         summary="Move a memory to the trash (If-Match guards it)",
-        responses={204: None, 404: s.ErrorSerializer, 412: s.ErrorSerializer, **ERRORS},
+        parameters=[KEY_PARAM],
+        responses={204: None, 404: NOT_FOUND, 412: PRECONDITION_FAILED, **ERRORS},
     )
     def delete(self, request, key):
         r = services.memory_delete(tenant=self.tenant, actor=self.actor, key=key, if_match=_if_match(request))
@@ -257,8 +321,8 @@ class MemoryHistoryView(AuditedAPIView):
     @extend_schema(
         operation_id="memories_history",
         summary="Versions of a memory, newest first, with who and which operation",
-        parameters=[OpenApiParameter("limit", int, description=f"1-{validation.LIMIT_MAX}, default 50")],
-        responses={200: s.HistorySerializer, 404: s.ErrorSerializer, **ERRORS},
+        parameters=[KEY_PARAM, LIMIT_PARAM],
+        responses={200: s.HistorySerializer, 404: NOT_FOUND, **ERRORS},
     )
     def get(self, request, key):
         r = services.memory_history(tenant=self.tenant, actor=self.actor, key=key, limit=request.query_params.get("limit"))
@@ -277,3 +341,163 @@ def _validated(serializer_class, data) -> dict:
         name = sorted(unknown)[0]
         raise InvalidInput(f"unknown field '{name}'", field=name, code="unknown_field")
     return {k: v for k, v in serializer.validated_data.items() if v is not None or k == "value"}
+
+
+# --- summaries and jobs ---------------------------------------------------------------
+
+JOB_ID_PARAM = OpenApiParameter(
+    "job_id",
+    {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+    OpenApiParameter.PATH,
+    required=True,
+    description="the job_id a start endpoint returned",
+)
+
+
+class SummaryStartView(AuditedAPIView):
+    """Queue a job that compacts the live memories under ``prefix`` into one memory at
+    ``summary:<prefix without its trailing ':'>`` (category ``summary``, with its sources);
+    ``archive`` moves the summarized memories to the trash. Needs memory:read and
+    memory:write (and memory:delete to archive); follow the job at ``Location``."""
+
+    audit_actions = {"POST": "memory.summarize"}
+
+    @extend_schema(
+        operation_id="summaries_create",
+        summary="Start summarizing a namespace into summary:<prefix>; returns the job at once",
+        request=s.SummaryStartSerializer,
+        responses={202: s.JobStartedSerializer, **ERRORS},
+    )
+    def post(self, request):
+        data = _validated(s.SummaryStartSerializer, request.data)
+        job = services.summarize_start(
+            tenant=self.tenant, actor=self.actor, prefix=data["prefix"], archive=data.get("archive", False)
+        )
+        return Response(
+            {"job_id": job.pk, "status": job.status},
+            status=status.HTTP_202_ACCEPTED,
+            headers={"Location": reverse("jobs-detail", kwargs={"job_id": job.pk})},
+        )
+
+
+class JobDetailView(AuditedAPIView):
+    """A job of this tenant: ``queued`` → ``running`` → ``succeeded`` or ``failed`` (a failed
+    attempt that will be retried is ``queued`` again, its error shown). Needs memory:read;
+    a job about keys outside the key's allowlist is not found."""
+
+    audit_actions = {"GET": "job.read"}
+
+    @extend_schema(
+        operation_id="jobs_read",
+        summary="A background job's status, params, result and error",
+        parameters=[JOB_ID_PARAM],
+        responses={
+            200: s.JobSerializer,
+            404: OpenApiResponse(s.ErrorSerializer, description="no such job for this key"),
+            **ERRORS,
+        },
+    )
+    def get(self, request, job_id):
+        job = services.job_get(tenant=self.tenant, actor=self.actor, job_id=job_id)
+        if job is None:
+            return Response(
+                {"error": {"code": "not_found", "message": "no such job", "field": "job_id"}},
+                status=status.HTTP_404_NOT_FOUND,
+            )
+        return Response(s.JobSerializer(job).data)
+
+
+# --- forget requests ----------------------------------------------------------------------
+
+FORGET_REQUEST_ID_PARAM = OpenApiParameter(
+    "request_id",
+    {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+    OpenApiParameter.PATH,
+    required=True,
+    description="the id POST /api/v1/forget-requests returned",
+)
+FORGET_REQUEST_LOCATION = OpenApiParameter(
+    "Location",
+    str,
+    OpenApiParameter.HEADER,
+    response=[202],
+    description="where to follow the request: /api/v1/forget-requests/{id}",
+)
+
+
+class ForgetRequestListView(AuditedAPIView):
+    """Forget requests of this tenant (scope forget:create). A key limited to some prefixes
+    sees only the requests it made, and may forget only keys and prefixes inside them."""
+
+    audit_actions = {"GET": "forget.list", "POST": "forget.create"}
+
+    @extend_schema(
+        operation_id="forget_requests_create",
+        summary="Ask to forget a subject, a key prefix or a list of keys; runs in the background",
+        description=(
+            "Exactly one of `subject`, `prefix` or `keys` (at most 1000). The request is stored "
+            "before the 202 answer and erases live, trashed and expired memories, their history "
+            "and the summaries derived from them. Due in `due_in_days` (1-30, default 30) days."
+        ),
+        request=s.ForgetRequestCreateSerializer,
+        parameters=[FORGET_REQUEST_LOCATION],
+        responses={202: s.ForgetRequestOutSerializer, **ERRORS},
+    )
+    def post(self, request):
+        data = _validated(s.ForgetRequestCreateSerializer, request.data)
+        forget_request = services.forget_request_create(tenant=self.tenant, actor=self.actor, **data)
+        return Response(
+            s.ForgetRequestOutSerializer(forget_request).data,
+            status=status.HTTP_202_ACCEPTED,
+            headers={"Location": reverse("forget-requests-detail", kwargs={"request_id": forget_request.pk})},
+        )
+
+    @extend_schema(
+        operation_id="forget_requests_list",
+        summary="Forget requests, newest first; filter by status or find the overdue ones",
+        parameters=[
+            OpenApiParameter("status", str, enum=[c.value for c in services.forget.Status]),
+            OpenApiParameter(
+                "overdue", bool, description="true: not completed and past due (failed ones too); false: the others"
+            ),
+            LIMIT_PARAM,
+            OpenApiParameter(
+                "cursor", {"type": "string", "maxLength": 1024}, description="next_cursor of the previous page"
+            ),
+        ],
+        responses={200: s.ForgetRequestListSerializer, **ERRORS},
+    )
+    def get(self, request):
+        q = request.query_params
+        rows, next_cursor = services.forget_request_list(
+            tenant=self.tenant,
+            actor=self.actor,
+            status=q.get("status"),
+            overdue=q.get("overdue"),
+            limit=q.get("limit"),
+            cursor=q.get("cursor"),
+        )
+        return Response({"results": s.ForgetRequestOutSerializer(rows, many=True).data, "next_cursor": next_cursor})
+
+
+class ForgetRequestDetailView(AuditedAPIView):
+    audit_actions = {"GET": "forget.read"}
+
+    @extend_schema(
+        operation_id="forget_requests_read",
+        summary="A forget request's status, deadline and, once completed, its receipt",
+        parameters=[FORGET_REQUEST_ID_PARAM],
+        responses={
+            200: s.ForgetRequestOutSerializer,
+            404: OpenApiResponse(s.ErrorSerializer, description="no such forget request for this key"),
+            **ERRORS,
+        },
+    )
+    def get(self, request, request_id):
+        forget_request = services.forget_request_get(tenant=self.tenant, actor=self.actor, request_id=request_id)
+        if forget_request is None:
+            return Response(
+                {"error": {"code": "not_found", "message": "no such forget request", "field": "request_id"}},
+                status=status.HTTP_404_NOT_FOUND,
+            )
+        return Response(s.ForgetRequestOutSerializer(forget_request).data)

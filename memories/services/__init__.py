@@ -3,9 +3,20 @@ functions; each validates, checks the actor's permissions and writes its audit e
 the same transaction as the change.
 
 Modules: ``memories`` (write, read, update, delete, restore, list, search, recall,
-history), ``tenants`` (tenants and API keys).
+history), ``tenants`` (tenants and API keys), ``summaries`` (summarize a namespace, the
+idle-sessions schedule), ``jobs`` (background jobs as callers see them), ``retention``
+(default TTLs by prefix, the purge of expired memories and old trash), ``forget``
+(forget requests: accept, carry out, resume).
 """
 
+from memories.services.forget import (
+    forget_request_create,
+    forget_request_execute,
+    forget_request_get,
+    forget_request_list,
+    forget_requests_resume,
+)
+from memories.services.jobs import job_get
 from memories.services.memories import (
     _UNSET,
     ListResult,
@@ -20,9 +31,21 @@ from memories.services.memories import (
     memory_update,
     memory_write,
 )
+from memories.services.retention import purge_expired, purge_pending, retention_rule_set
+from memories.services.summaries import (
+    summarize_idle_sessions,
+    summarize_jobs_resume,
+    summarize_run,
+    summarize_start,
+)
 from memories.services.tenants import api_key_create, api_key_revoke, tenant_create
 
 __all__ = [
+    "forget_request_create",
+    "forget_request_execute",
+    "forget_request_get",
+    "forget_request_list",
+    "forget_requests_resume",
     "_UNSET",
     "ListResult",
     "MemoryResult",
@@ -37,5 +60,13 @@ __all__ = [
     "memory_search",
     "memory_update",
     "memory_write",
+    "purge_expired",
+    "purge_pending",
+    "retention_rule_set",
+    "job_get",
+    "summarize_idle_sessions",
+    "summarize_jobs_resume",
+    "summarize_run",
+    "summarize_start",
     "tenant_create",
 ]

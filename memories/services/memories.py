@@ -25,6 +25,7 @@ from memories import search, selectors, validation
 from memories.errors import Forbidden, PreconditionFailed, ServiceError
 from memories.models import Memory, MemoryVersion, Scope, Tenant
 from memories.permissions import Actor, require_key_allowed, require_scope
+from memories.services import retention
 
 Outcome = AuditEvent.Outcome
 _UNSET: Any = object()
@@ -181,6 +182,9 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
             "source": source_default,
             **fields,
         }
+        if "expires_at" not in create:
+            # No ttl_seconds given: a new memory takes its prefix's default TTL (one query, on create only).
+            create["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
         try:
             # A savepoint, so a concurrent insert of the same key only costs a retry.
             with transaction.atomic():

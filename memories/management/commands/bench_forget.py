@@ -1,0 +1,198 @@
+"""``python manage.py bench_forget``: how long a forget request takes, from its 202 to
+completed, for a subject with 10k memories (DESIGN "Quality bars": ≤ 10 s). PostgreSQL only.
+
+1. Seeds a throw-away tenant (``forgetbench-<random>``): ``--memories`` memories of one
+   subject, each with ``--versions`` versions, a summary derived from some of them, and as
+   many memories of other subjects (which must survive), by ``bulk_create``.
+2. ``POST /api/v1/forget-requests {"subject": ...}`` through the whole Django/DRF stack
+   (in-process test client, no socket): the request is stored, committed and enqueued on
+   the ORM broker; the clock starts before the POST.
+3. Runs ``forget_request_execute`` in this process, as a django-q2 worker would, and stops
+   the clock when it returns ``completed``; the queue entry the POST left is removed.
+
+Prints the seed, the 202 latency, the time to completed, the throughput and the receipt
+(``--json``: one JSON object). The tenant and its audit events stay (audit rows are
+append-only); the bench key is revoked. Use a throw-away database, e.g.::
+
+    createdb -h 127.0.0.1 -U postgres zeromem_forgetbench
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/zeromem_forgetbench \\
+        ZEROMEM_ENV=development python manage.py migrate
+    DATABASE_URL=... ZEROMEM_ENV=development python manage.py bench_forget
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connection, transaction
+from django.test import Client
+from django.utils import timezone
+from django_q.models import OrmQ
+
+from memories import search, services
+from memories.models import ForgetRequest, Memory, MemoryVersion, Scope
+from memories.permissions import Actor
+
+TARGET_SECONDS = 10.0
+SEED_BATCH = 2000
+
+
+class Command(BaseCommand):
+    help = "Time a forget request of a subject with 10k memories, from its 202 to completed (PostgreSQL)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--memories", type=int, default=10_000, help="memories of the subject (10000)")
+        parser.add_argument("--versions", type=int, default=2, help="versions per memory (2)")
+        parser.add_argument("--others", type=int, default=10_000, help="memories of other subjects (10000)")
+        parser.add_argument("--batch-size", type=int, default=0, help="erase batch size (default: the job's)")
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def handle(self, *args, **opts):
+        if connection.vendor != "postgresql":
+            raise CommandError("bench_forget measures PostgreSQL: set DATABASE_URL=postgres://...")
+        for name in ("memories", "versions"):
+            if opts[name] < 1:
+                raise CommandError(f"--{name} must be at least 1")
+        system = Actor.system(job="bench_forget")
+        tenant = services.tenant_create(actor=system, slug=f"forgetbench-{secrets.token_hex(4)}")
+        subject = "bench-user"
+        seeded = self._seed(tenant, subject, n=opts["memories"], versions=opts["versions"], others=opts["others"])
+        key, raw = services.api_key_create(
+            tenant=tenant, actor=system, name="bench_forget", scopes=[Scope.FORGET_CREATE]
+        )
+        client = Client()
+        batch_size = opts["batch_size"] or services.forget.ERASE_BATCH_SIZE
+        try:
+            started = time.perf_counter()
+            response = client.post(
+                "/api/v1/forget-requests",
+                json.dumps({"subject": subject, "reason": "bench_forget"}),
+                content_type="application/json",
+                headers={"Authorization": f"Bearer {raw}"},
+            )
+            accepted = time.perf_counter()
+            if response.status_code != 202:
+                raise CommandError(f"POST answered {response.status_code}: {response.content[:300]!r}")
+            request_id = response.json()["id"]
+            result = services.forget_request_execute(request_id=request_id, batch_size=batch_size)
+            finished = time.perf_counter()
+        finally:
+            services.api_key_revoke(tenant=tenant, actor=system, key_id=key.pk)
+        self._drop_queue_entry(request_id)
+
+        if result["status"] != "completed":
+            raise CommandError(
+                f"the request ended {result['status']}: {ForgetRequest.objects.get(pk=request_id).error}"
+            )
+        left = Memory.objects.filter(tenant=tenant, subject=subject).count()
+        survivors = Memory.objects.filter(tenant=tenant).exclude(subject=subject).count()
+        receipt = result["receipt"]
+        total = finished - started
+        report = {
+            "tenant": tenant.slug,
+            "seeded": seeded,
+            "batch_size": batch_size,
+            "accepted_ms": round((accepted - started) * 1000, 1),
+            "completed_s": round(total, 3),
+            "memories_per_s": round((receipt["memories"] + receipt["summaries"]) / total),
+            "target_s": TARGET_SECONDS,
+            "meets_target": total <= TARGET_SECONDS and left == 0,
+            "left_of_subject": left,
+            "other_subjects_kept": survivors,
+            "receipt": receipt,
+        }
+        if opts["json"]:
+            self.stdout.write(json.dumps(report))
+            return
+        self.stdout.write(
+            f"seeded {seeded['memories']} memories of '{subject}' × {opts['versions']} versions "
+            f"(+{seeded['summaries']} summary, {seeded['others']} of other subjects) in {tenant.slug}"
+        )
+        self.stdout.write(f"POST /api/v1/forget-requests → 202 in {report['accepted_ms']} ms")
+        self.stdout.write(
+            f"202 → completed: {report['completed_s']} s ({report['memories_per_s']} memories/s, "
+            f"{receipt['batches']} batches of ≤{batch_size}); target ≤ {TARGET_SECONDS:g} s: "
+            f"{'met' if report['meets_target'] else 'MISSED'}"
+        )
+        self.stdout.write(
+            f"receipt: {receipt['memories']} memories, {receipt['versions']} versions, "
+            f"{receipt['summaries']} summaries; {left} left of the subject, {survivors} of others kept"
+        )
+
+    def _seed(self, tenant, subject: str, *, n: int, versions: int, others: int) -> dict:
+        """Rows as the services write them (key, namespace, search text, versions), in bulk."""
+        now = timezone.now()
+
+        def rows(count: int, key_of, subject_of):
+            for i in range(count):
+                key = key_of(i)
+                value = {"note": f"remembered fact number {i}", "n": i}
+                yield Memory(
+                    tenant=tenant,
+                    key=key,
+                    namespace=key.rpartition(":")[0],
+                    value=value,
+                    search_text=search.index_text(key=key, value=value),
+                    category=Memory.Category.USER,
+                    subject=subject_of(i),
+                    version=versions,
+                    created_at=now,
+                    updated_at=now,
+                )
+
+        def insert(memories) -> int:
+            batch, count = [], 0
+            for memory in memories:
+                batch.append(memory)
+                if len(batch) == SEED_BATCH:
+                    count += self._insert(batch, versions, now)
+                    batch = []
+            if batch:
+                count += self._insert(batch, versions, now)
+            return count
+
+        with transaction.atomic():
+            mine = insert(rows(n, lambda i: f"user:{subject}:m{i:06}", lambda i: subject))
+            theirs = insert(rows(others, lambda i: f"user:other{i % 100}:m{i:06}", lambda i: f"other{i % 100}"))
+            summary = Memory.objects.create(
+                tenant=tenant,
+                key=f"summary:user:{subject}",
+                namespace=f"summary:user:{subject}".rpartition(":")[0],
+                value="digest of the first hundred",
+                category=Memory.Category.SUMMARY,
+                sources=[f"user:{subject}:m{i:06}" for i in range(100)],
+            )
+            MemoryVersion.objects.create(
+                tenant=tenant, memory=summary, version=1, value=summary.value, op="write", actor_kind="system"
+            )
+        return {"memories": mine, "summaries": 1, "others": theirs}
+
+    @staticmethod
+    def _insert(batch: list[Memory], versions: int, now) -> int:
+        Memory.objects.bulk_create(batch)
+        MemoryVersion.objects.bulk_create(
+            MemoryVersion(
+                tenant_id=m.tenant_id,
+                memory_id=m.pk,
+                version=v,
+                value=m.value,
+                op=MemoryVersion.Op.WRITE if v == 1 else MemoryVersion.Op.UPDATE,
+                actor_kind="system",
+                actor_id="bench_forget",
+                created_at=now,
+            )
+            for m in batch
+            for v in range(1, versions + 1)
+        )
+        return len(batch)
+
+    @staticmethod
+    def _drop_queue_entry(request_id: int) -> None:
+        # The POST enqueued the job on the ORM broker; this process ran it, so no worker must.
+        name = f"forget-request-{request_id}"
+        for entry in OrmQ.objects.all():
+            if entry.name() == name:
+                entry.delete()

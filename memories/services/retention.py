@@ -1,0 +1,321 @@
+"""Retention: how long memories live, and the job that erases them once they are gone.
+
+* **Default TTL by prefix.** A tenant's :class:`~memories.models.RetentionRule` rows give
+  keys under a prefix a lifetime (``session:`` → 24 h). ``memory_write`` applies the
+  longest matching prefix's ``default_ttl_seconds`` when it *creates* a memory without
+  ``ttl_seconds`` (:func:`default_ttl_seconds_for`); updates never change an expiry
+  implicitly.
+* **Purge.** Expired memories are invisible at once (every read filters on
+  ``expires_at``); :func:`purge_expired` erases them for good, with their version history,
+  and erases trashed memories once their trash retention has passed.
+
+Each setting is looked up field by field: the longest matching prefix among the rules
+that *set* it wins, so a rule that only sets a TTL does not reset the trash retention of
+a broader rule. Trash retention then falls back to ``Tenant.trash_retention_days`` and
+``settings.ZEROMEM_TRASH_RETENTION_DAYS``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Case, CharField, DateTimeField, F, Q, QuerySet, Value, When
+from django.db.models.functions import Length, Substr
+from django.db.models.lookups import Exact
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from audit.services import audit_record
+from memories import validation
+from memories.errors import Forbidden, InvalidInput, ServiceError
+from memories.models import Memory, MemoryVersion, RetentionRule, Scope, Tenant
+from memories.permissions import Actor, require_key_allowed, require_scope
+
+Outcome = AuditEvent.Outcome
+
+DEFAULT_BATCH_SIZE = 1000
+TRASH_RETENTION_MAX_DAYS = 3650
+PURGE_JOB = "purge_expired"
+
+
+# --- default TTL (the write hot path) ----------------------------------------------------
+
+
+def default_ttl_seconds_for(*, tenant: Tenant, key: str) -> int | None:
+    """The ``default_ttl_seconds`` of the longest rule prefix that ``key`` starts with.
+
+    Cost: one query, a range scan of the tenant's rules on the (tenant, prefix) unique
+    index; the prefix match (``substr(key, 1, length(prefix)) = prefix``) is exact, with no
+    LIKE wildcards to escape. Called only when a write creates a memory.
+    """
+    return (
+        RetentionRule.objects.filter(tenant=tenant, default_ttl_seconds__isnull=False)
+        .alias(head=Substr(Value(key, output_field=CharField()), 1, Length("prefix")))
+        .filter(head=F("prefix"))
+        .order_by(Length("prefix").desc())
+        .values_list("default_ttl_seconds", flat=True)
+        .first()
+    )
+
+
+def default_expiry_for(*, tenant: Tenant, key: str, now: datetime) -> datetime | None:
+    """When a memory created at ``now`` under ``key`` expires by its tenant's rules (or None)."""
+    ttl = default_ttl_seconds_for(tenant=tenant, key=key)
+    return now + timedelta(seconds=ttl) if ttl is not None else None
+
+
+def retention_rule_set(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    prefix: Any,
+    default_ttl_seconds: Any = None,
+    trash_retention_days: Any = None,
+) -> RetentionRule | None:
+    """Create or change the tenant's rule for ``prefix``; with both settings None, remove it.
+
+    Returns the rule (None when removed). A rule changes when memories under it expire and
+    are erased, so the actor needs ``memory:write`` and ``memory:delete``, and a key limited
+    to some prefixes may only set rules inside them. Cost: one upsert and the audit INSERT.
+    """
+    target = prefix if isinstance(prefix, str) else ""
+    try:
+        prefix = validation.prefix(prefix)
+        require_scope(actor, Scope.MEMORY_WRITE)
+        require_scope(actor, Scope.MEMORY_DELETE)
+        require_key_allowed(actor, prefix)
+        ttl = validation.ttl_seconds(default_ttl_seconds, field="default_ttl_seconds")
+        if trash_retention_days is not None:
+            trash_retention_days = validation.bounded_int(
+                trash_retention_days,
+                field="trash_retention_days",
+                default=0,
+                low=0,
+                high=TRASH_RETENTION_MAX_DAYS,
+            )
+    except ServiceError as exc:
+        exc.audited = True
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="retention_rule.set",
+            target=target,
+            outcome=Outcome.DENIED if isinstance(exc, Forbidden) else Outcome.INVALID,
+            detail={"code": exc.code, "field": exc.field},
+        )
+        raise
+
+    ttl_seconds = int(ttl.total_seconds()) if ttl is not None else None
+    with transaction.atomic():
+        if ttl_seconds is None and trash_retention_days is None:
+            removed, _ = RetentionRule.objects.filter(tenant=tenant, prefix=prefix).delete()
+            rule = None
+        else:
+            removed = 0
+            rule, _ = RetentionRule.objects.update_or_create(
+                tenant=tenant,
+                prefix=prefix,
+                defaults={"default_ttl_seconds": ttl_seconds, "trash_retention_days": trash_retention_days},
+            )
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="retention_rule.set",
+            target=prefix,
+            outcome=Outcome.OK,
+            detail={
+                "default_ttl_seconds": ttl_seconds,
+                "trash_retention_days": trash_retention_days,
+                "removed": bool(removed),
+            },
+        )
+    return rule
+
+
+# --- the purge job ------------------------------------------------------------------------
+
+
+def _expired(now: datetime) -> QuerySet[Memory]:
+    # Served by the partial index memory_expiring (expires_at) WHERE expires_at IS NOT NULL.
+    return Memory.objects.filter(expires_at__lte=now)
+
+
+def _starts_with(prefix: str) -> Exact:
+    # Not key__startswith: that is a LIKE, case-insensitive on SQLite, and keys are not.
+    return Exact(Substr("key", 1, len(prefix)), Value(prefix, output_field=CharField()))
+
+
+def _old_trash_by_tenant(now: datetime) -> Iterable[tuple[int, QuerySet[Memory]]]:
+    """Per tenant, the trashed memories whose retention has passed.
+
+    One query loads every rule that sets a trash retention; then each tenant is one probe of
+    the partial index memory_trash (tenant, deleted_at), bounded by its shortest retention.
+    Within that range a CASE picks each row's cutoff by the longest matching prefix.
+    """
+    rules: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for tenant_id, prefix, days in (
+        RetentionRule.objects.filter(trash_retention_days__isnull=False)
+        .order_by("tenant_id", Length("prefix").desc(), "prefix")
+        .values_list("tenant_id", "prefix", "trash_retention_days")
+    ):
+        rules[tenant_id].append((prefix, days))
+    server_days = settings.ZEROMEM_TRASH_RETENTION_DAYS
+    for tenant_id, tenant_days in Tenant.objects.order_by("pk").values_list("pk", "trash_retention_days"):
+        fallback = now - timedelta(days=server_days if tenant_days is None else tenant_days)
+        tenant_rules = [(prefix, now - timedelta(days=days)) for prefix, days in rules.get(tenant_id, [])]
+        latest_cutoff = max([fallback, *(cutoff for _, cutoff in tenant_rules)])
+        qs = Memory.objects.filter(tenant_id=tenant_id, deleted_at__isnull=False, deleted_at__lt=latest_cutoff)
+        if tenant_rules:
+            cutoff = Case(
+                *(When(_starts_with(prefix), then=Value(c)) for prefix, c in tenant_rules),
+                default=Value(fallback),
+                output_field=DateTimeField(),
+            )
+            qs = qs.alias(cutoff=cutoff).filter(deleted_at__lt=F("cutoff"))
+        yield tenant_id, qs
+
+
+# PostgreSQL erases a batch in ONE statement: the ids never travel to Python and back
+# (with Django's client-side parameter binding, quoting a 1000-element id array costs more
+# CPU than the deletes themselves). ``picked`` is the candidates' SELECT ... LIMIT n FOR
+# UPDATE SKIP LOCKED; ``= ANY(ARRAY(...))`` keeps both DELETEs on their id indexes.
+_ERASE_SQL = """
+WITH picked(id) AS MATERIALIZED ({picked}),
+versions AS (
+    DELETE FROM {versions} WHERE memory_id = ANY(ARRAY(SELECT id FROM picked)) RETURNING tenant_id
+),
+erased AS (
+    DELETE FROM {memories} WHERE id = ANY(ARRAY(SELECT id FROM picked)) RETURNING tenant_id
+)
+SELECT 'memories', tenant_id, count(*) FROM erased GROUP BY tenant_id
+UNION ALL
+SELECT 'versions', tenant_id, count(*) FROM versions GROUP BY tenant_id
+"""
+
+
+def _erase_postgresql(candidates: QuerySet[Memory], batch_size: int) -> tuple[Counter, Counter]:
+    # Rows another purge worker (or a writer) holds are skipped, not waited for: that worker
+    # erases them, or the next run does. Readers never wait on row locks.
+    picked = candidates.order_by().select_for_update(skip_locked=True).values("pk")[:batch_size]
+    picked_sql, params = picked.query.get_compiler(connection=connection).as_sql()
+    sql = _ERASE_SQL.format(
+        picked=picked_sql,
+        versions=connection.ops.quote_name(MemoryVersion._meta.db_table),
+        memories=connection.ops.quote_name(Memory._meta.db_table),
+    )
+    erased: Counter = Counter()
+    versions: Counter = Counter()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        for kind, tenant_id, count in cursor.fetchall():
+            (erased if kind == "memories" else versions)[tenant_id] = count
+    return erased, versions
+
+
+def _erase_sqlite(candidates: QuerySet[Memory], batch_size: int) -> tuple[Counter, Counter]:
+    # SQLite has no row locks (its IMMEDIATE transactions serialize writers) and no DELETE
+    # in a CTE: pick the ids, then delete versions and memories by id list. The counts come
+    # from RETURNING, i.e. what was erased, not what the SELECT saw.
+    ids = list(candidates.order_by().values_list("pk", flat=True)[:batch_size])
+    if not ids:
+        return Counter(), Counter()
+    marks = ", ".join(["%s"] * len(ids))
+    counts = []
+    with connection.cursor() as cursor:
+        for model, column in ((MemoryVersion, "memory_id"), (Memory, "id")):
+            table = connection.ops.quote_name(model._meta.db_table)
+            cursor.execute(f"DELETE FROM {table} WHERE {column} IN ({marks}) RETURNING tenant_id", ids)
+            counts.append(Counter(tenant_id for (tenant_id,) in cursor.fetchall()))
+    versions, erased = counts
+    return erased, versions
+
+
+def _purge_batch(candidates: QuerySet[Memory], *, reason: str, batch_size: int, tenants: dict) -> tuple[int, int]:
+    """Erase up to ``batch_size`` candidates, with their versions, in one short transaction;
+    returns (memories, versions) erased. Audited: one event per tenant in the batch."""
+    erase = _erase_postgresql if connection.vendor == "postgresql" else _erase_sqlite
+    with transaction.atomic():
+        erased, versions = erase(candidates, batch_size)
+        if not erased:
+            return 0, 0
+        missing = [t for t in erased if t not in tenants]
+        if missing:
+            tenants.update(Tenant.objects.in_bulk(missing))
+        actor = Actor.system(job=PURGE_JOB)
+        for tenant_id, count in sorted(erased.items()):
+            audit_record(
+                tenant=tenants[tenant_id],
+                actor=actor,
+                action="memory.purge",
+                outcome=Outcome.OK,
+                count=count,
+                detail={"reason": reason, "versions": versions.get(tenant_id, 0)},
+            )
+        return sum(erased.values()), sum(versions.values())
+
+
+def purge_expired(
+    *,
+    now: datetime | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_batches: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
+    """Erase (hard delete) expired memories — live or trashed — and trash older than its
+    retention, each with its whole version history.
+
+    Works in batches of ``batch_size`` memories, each its own short transaction: on
+    PostgreSQL the batch is picked with ``FOR UPDATE SKIP LOCKED``, so several workers can
+    run at once, each row is erased by exactly one of them, and nobody waits on anyone.
+    Every batch writes one ``memory.purge`` audit event per tenant with the count (never a
+    key or a value). Idempotent: a second run finds nothing. Rows that expire after ``now``
+    (default: the start of the run) wait for the next run, so a run always ends.
+
+    Cost per batch: one statement on PostgreSQL (an index range scan of memory_expiring or
+    memory_trash, two DELETEs by id list), one audit INSERT per tenant, a commit — where PostgreSQL runs the deferred
+    foreign-key check (no version left) once per erased memory, the largest single part of
+    a batch. ``progress(erased_so_far)`` is called
+    after each batch. Returns {"expired", "trash", "versions", "batches", "seconds"}.
+    """
+    if batch_size < 1:
+        raise InvalidInput("must be at least 1", field="batch_size")
+    started = time.monotonic()
+    now = now or timezone.now()
+    totals = {"expired": 0, "trash": 0, "versions": 0, "batches": 0}
+    tenants: dict[int, Tenant] = {}
+
+    def drain(reason: str, candidates: QuerySet[Memory]) -> bool:
+        """Purge until the candidates run out; False once max_batches is reached."""
+        while True:
+            if max_batches is not None and totals["batches"] >= max_batches:
+                return False
+            memories, versions = _purge_batch(candidates, reason=reason, batch_size=batch_size, tenants=tenants)
+            if not memories:
+                return True
+            totals["batches"] += 1
+            totals[reason] += memories
+            totals["versions"] += versions
+            if progress is not None:
+                progress(totals["expired"] + totals["trash"])
+
+    if drain("expired", _expired(now)):
+        for _tenant_id, candidates in _old_trash_by_tenant(now):
+            if not drain("trash", candidates):
+                break
+    return {**totals, "seconds": round(time.monotonic() - started, 3)}
+
+
+def purge_pending(*, now: datetime | None = None) -> dict:
+    """How many memories a purge at ``now`` would erase: {"expired": n, "trash": n}.
+    Counts over the same indexes the purge uses (the command's progress bar needs a total)."""
+    now = now or timezone.now()
+    expired = _expired(now).count()
+    not_expired = Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+    trash = sum(qs.filter(not_expired).count() for _, qs in _old_trash_by_tenant(now))
+    return {"expired": expired, "trash": trash}

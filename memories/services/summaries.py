@@ -1,0 +1,477 @@
+"""Summarization: compact a namespace (e.g. a finished session) into one summary memory.
+
+``summarize_start`` checks the caller and queues a :class:`~memories.models.Job`;
+``summarize_run`` (the django-q2 task ``memories.tasks.summarize_task``) does the work.
+
+The summary lands at a documented key: ``summary:<prefix without its trailing ':'>``, so
+``session:s1:`` is summarized into ``summary:session:s1`` and ``user:u10086:`` into
+``summary:user:u10086``. It is a normal memory (versioned, audited, readable with
+``memory_read``) with category ``summary``, the sources' subject when they all share one,
+and ``sources``: the keys it was derived from (its lineage, which forget requests follow).
+
+Summarizers:
+
+* ``digest`` (default, no LLM, zero tokens): one ``key = value`` line per memory, the key
+  relative to the prefix, most important first, then most recent, within
+  ``settings.ZEROMEM_SUMMARY_MAX_CHARS``; a last line says how many were left out.
+* ``llm`` (when ``settings.ZEROMEM_LLM_BASE_URL`` is set): the digest is sent to an
+  OpenAI-compatible ``{base}/chat/completions`` endpoint and its answer is the summary.
+
+Lineage lists the memories the summary really covers: those whose lines are in the digest.
+With ``archive=True`` exactly those are moved to the trash; memories left out of the digest
+stay live, so archiving never loses anything the summary does not hold.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from audit.services import audit_record
+from memories import validation
+from memories.errors import Forbidden, InvalidInput
+from memories.models import Job, Memory, Scope, Tenant
+from memories.permissions import Actor, require_scope
+from memories.services.memories import Outcome, _operation, memory_delete, memory_write
+
+SUMMARY_KEY_PREFIX = "summary:"
+# The summary key must fit the key grammar's 512 characters.
+PREFIX_MAX_LEN = validation.KEY_MAX_LEN - len(SUMMARY_KEY_PREFIX)
+# A digest line is cut (not dropped) when at least this much room is left for it.
+MIN_CUT_LINE = 40
+# At most this many jobs per run of the idle-sessions schedule (the next run takes the rest).
+IDLE_BATCH = 200
+# A chat completion larger than this is refused rather than read into memory.
+LLM_MAX_ANSWER_BYTES = 1024 * 1024
+
+LLM_INSTRUCTIONS = (
+    "You compact an AI agent's memory. Below are memories as 'key = value' lines, most "
+    "important first. Write a short summary that keeps every fact, preference, decision "
+    "and open task an agent would need later. Plain text, no preamble."
+)
+
+
+class SummarizerError(RuntimeError):
+    """The summarizer could not produce a summary (the LLM endpoint failed). The job's
+    attempt fails and django-q2 retries it; nothing has been written."""
+
+
+def summary_key(prefix: str) -> str:
+    """``session:s1:`` → ``summary:session:s1`` (see the module docstring)."""
+    return SUMMARY_KEY_PREFIX + prefix.rstrip(":")
+
+
+def _max_attempts() -> int:
+    return getattr(settings, "ZEROMEM_JOB_MAX_ATTEMPTS", 5)
+
+
+# --- start -------------------------------------------------------------------------------
+
+
+def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any = False) -> Job:
+    """Queue a summarization of the live memories under ``prefix``; returns the job at once.
+
+    Needs ``memory:read`` and ``memory:write`` (and ``memory:delete`` with ``archive``), and
+    an allowlist that covers both the prefix and the summary key: the job writes (and may
+    archive) on the caller's behalf. The job row holds the prefix and the flag, no values.
+    Cost: the job INSERT and the audit INSERT; the work is enqueued after commit.
+    """
+    with _operation(tenant=tenant, actor=actor, action="memory.summarize", target=prefix):
+        prefix = validation.prefix(prefix)
+        if not prefix:
+            raise InvalidInput(
+                "must not be empty: name the namespace to summarize, e.g. 'session:s1:'",
+                field="prefix",
+                code="required",
+            )
+        if len(prefix) > PREFIX_MAX_LEN:
+            raise InvalidInput(
+                f"must be at most {PREFIX_MAX_LEN} characters (the summary key is '{SUMMARY_KEY_PREFIX}' + prefix)",
+                field="prefix",
+                code="too_long",
+            )
+        if not isinstance(archive, bool):
+            raise InvalidInput("must be true or false", field="archive")
+        require_scope(actor, Scope.MEMORY_READ)
+        require_scope(actor, Scope.MEMORY_WRITE)
+        if archive:
+            require_scope(actor, Scope.MEMORY_DELETE)
+        if not _allowlist_covers(actor, prefix) or not actor.may_touch(summary_key(prefix)):
+            raise Forbidden(
+                code="key_not_allowed",
+                message="this API key may not touch keys outside its allowed prefixes "
+                f"(the prefix and its summary key '{summary_key(prefix)}')",
+                field="prefix",
+            )
+        job = Job.objects.create(
+            tenant=tenant,
+            kind=Job.Kind.SUMMARIZE,
+            params={"prefix": prefix, "archive": archive},
+            requested_by=actor.label[:150],
+        )
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.summarize",
+            target=prefix,
+            outcome=Outcome.OK,
+            detail={"job_id": job.pk, "archive": archive},
+        )
+        # robust: a broker that refuses the task must not turn the accepted job into a 500.
+        transaction.on_commit(lambda: _enqueue(job.pk), robust=True)
+        return job
+
+
+def _allowlist_covers(actor: Actor, prefix: str) -> bool:
+    """Every key under ``prefix`` is inside the actor's allowlist."""
+    return not actor.allowed_prefixes or any(prefix.startswith(p) for p in actor.allowed_prefixes)
+
+
+def _enqueue(job_id: int) -> None:
+    from django_q.tasks import async_task
+
+    async_task("memories.tasks.summarize_task", job_id)
+
+
+# --- run ---------------------------------------------------------------------------------
+
+
+def summarize_run(*, job_id: int) -> dict:
+    """Run one attempt of a summarize job (the django-q2 task). Idempotent.
+
+    * A finished job (succeeded or failed) is left alone: a duplicate delivery does nothing.
+    * The attempt is counted first, in its own transaction, so an attempt whose worker is
+      killed still counts (django-q2 does not count those: its issue #327); past
+      ``ZEROMEM_JOB_MAX_ATTEMPTS`` the job is marked failed and not run again.
+    * The summary write, its lineage, the archiving and the job's success commit together:
+      a failure at any point leaves nothing half-written. A failed attempt records its error
+      on the job (``queued`` again while attempts remain, ``failed`` after the last) and
+      re-raises, so django-q2 retries it.
+
+    Cost: one query for the sources (ordered by importance and recency, read until the
+    budget is full) and a count; then per write the usual memory_write/memory_delete cost.
+    """
+    job = _attempt_begin(job_id)
+    if job is not None and job.status == Job.Status.SUCCEEDED:
+        return job.result
+    if job is None or job.status != Job.Status.RUNNING:
+        return {"status": job.status if job else "missing", "job_id": job_id}
+    tenant = job.tenant
+    prefix, archive = job.params["prefix"], bool(job.params.get("archive"))
+    try:
+        digest = _digest(tenant=tenant, prefix=prefix, max_chars=settings.ZEROMEM_SUMMARY_MAX_CHARS)
+        text, summarizer, tokens = digest.text, "digest", 0
+        if digest.sources and settings.ZEROMEM_LLM_BASE_URL:
+            # Outside any transaction: no lock or connection is held while the LLM thinks.
+            text, tokens = _llm_summarize(digest.text)
+            summarizer = "llm"
+        with transaction.atomic():
+            result = _write_summary(job=job, digest=digest, text=text, archive=archive)
+            result.update(summarizer=summarizer, tokens=tokens)
+            Job.objects.filter(pk=job.pk).update(
+                status=Job.Status.SUCCEEDED, result=result, error="", finished_at=timezone.now()
+            )
+            audit_record(
+                tenant=tenant,
+                actor=_job_actor(job),
+                action="memory.summarize.run",
+                target=prefix,
+                outcome=Outcome.OK,
+                count=result["sources"],
+                detail={"job_id": job.pk, "summarizer": summarizer, "tokens": tokens, "archived": result["archived"]},
+            )
+        return result
+    except Exception as exc:
+        _attempt_failed(job, exc)
+        raise
+
+
+def _attempt_begin(job_id: int) -> Job | None:
+    """Count the attempt and mark the job running (its own transaction, committed at once).
+    Returns the job; its status is ``running`` only if this attempt should do the work."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().select_related("tenant").filter(pk=job_id).first()
+        if job is None or job.status in (Job.Status.SUCCEEDED, Job.Status.FAILED):
+            return job
+        now = timezone.now()
+        job.attempts += 1
+        if job.attempts > _max_attempts():
+            job.status = Job.Status.FAILED
+            job.error = (
+                f"gave up after {_max_attempts()} attempts"
+                + (f"; last error: {job.error}" if job.error else " (the worker stopped)")
+            )[:2000]
+            job.finished_at = now
+        else:
+            # started_at is when the latest attempt began: summarize_jobs_resume() reads it.
+            job.status = Job.Status.RUNNING
+            job.started_at = now
+        job.save(update_fields=["attempts", "status", "error", "started_at", "finished_at"])
+        return job
+
+
+def _attempt_failed(job: Job, exc: Exception) -> None:
+    # Never a memory value here: the error text is the exception's own message (ours name
+    # only the endpoint's status or the kind of bad answer).
+    error = f"{type(exc).__name__}: {exc}"[:2000]
+    last = job.attempts >= _max_attempts()
+    with transaction.atomic():
+        Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(
+            status=Job.Status.FAILED if last else Job.Status.QUEUED,
+            error=f"attempt {job.attempts} of {_max_attempts()} failed: {error}",
+            finished_at=timezone.now() if last else None,
+        )
+
+
+def summarize_jobs_resume(*, now: datetime | None = None) -> int:
+    """Enqueue again the summarize jobs that are pending (queued or running) but have not
+    started an attempt for twice ``Q_CLUSTER["retry"]`` seconds (django-q2's own redelivery
+    comes first): their queue entry was lost (a refused enqueue, a broker without
+    redelivery) or django-q2 stopped retrying them before their own attempts ran out.
+    Returns how many. The job's attempt counter still bounds how
+    often it runs, and a duplicate delivery of a finished job does nothing.
+
+    Cost: one query over the pending jobs (at most ``IDLE_BATCH``), one enqueue each.
+    """
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=2 * settings.Q_CLUSTER.get("retry", 360))
+    stale = list(
+        Job.objects.filter(kind=Job.Kind.SUMMARIZE, status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
+        .filter(Q(started_at__lt=cutoff) | Q(started_at__isnull=True, created_at__lt=cutoff))
+        .order_by("created_at")
+        .values_list("pk", flat=True)[:IDLE_BATCH]
+    )
+    for job_id in stale:
+        _enqueue(job_id)
+    return len(stale)
+
+
+def _job_actor(job: Job) -> Actor:
+    # The caller's permissions were checked when the job was accepted; the work is done
+    # (and audited) as this job.
+    return Actor.system(job=f"summarize#{job.pk}")
+
+
+@dataclass
+class Digest:
+    text: str
+    sources: list[Memory] = field(default_factory=list)
+    left_out: int = 0
+
+
+def _digest(*, tenant: Tenant, prefix: str, max_chars: int) -> Digest:
+    """The deterministic, LLM-free summary of the live memories under ``prefix``."""
+    base = prefix[: prefix.rfind(":") + 1]  # keys are shown relative to this
+    candidates = (
+        Memory.objects.for_tenant(tenant)
+        .live()
+        .under_prefix(prefix)
+        .exclude(category=Memory.Category.SUMMARY)
+        .order_by("-importance", "-updated_at", "key")
+    )
+    total = candidates.count()
+    # No line is shorter than "k = " plus its newline: more rows than this can never fit.
+    most = max_chars // 5 + 1
+    lines: list[str] = []
+    sources: list[Memory] = []
+    used = 0
+    # Room kept for the "left out" line; it is at most this long.
+    footer_room = len(f"(+{total} more not shown)") + 1
+    for memory in candidates[:most]:
+        rest = total - len(sources) - 1  # memories after this one
+        room = max_chars - used - (1 if lines else 0) - (footer_room if rest else 0)
+        line = _digest_line(memory.key[len(base) :] or memory.key, memory.value)
+        if len(line) > room:
+            if room >= MIN_CUT_LINE:
+                lines.append(line[: room - 1] + "…")
+                sources.append(memory)
+            break
+        lines.append(line)
+        sources.append(memory)
+        used += len(line) + (1 if len(lines) > 1 else 0)
+    left_out = total - len(sources)
+    if left_out:
+        lines.append(f"(+{left_out} more not shown)")
+    return Digest(text="\n".join(lines), sources=sources, left_out=left_out)
+
+
+def _digest_line(relative_key: str, value: Any) -> str:
+    # Sorted keys: PostgreSQL's jsonb does not keep the order an object was written in, and
+    # the same memories must give the same digest on every database.
+    text = (
+        value
+        if isinstance(value, str)
+        else json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    )
+    return f"{relative_key} = {' '.join(text.splitlines())}"
+
+
+def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dict:
+    """Write the summary memory with its lineage and archive its sources (caller's transaction)."""
+    tenant, prefix = job.tenant, job.params["prefix"]
+    key = summary_key(prefix)
+    result = {"key": key, "sources": len(digest.sources), "left_out": digest.left_out, "chars": 0, "archived": 0}
+    if not digest.sources:
+        return result  # nothing to summarize: no empty summary is written
+    actor = _job_actor(job)
+    subjects = {m.subject for m in digest.sources}
+    subject = subjects.pop() if len(subjects) == 1 else ""
+    text = text[: settings.ZEROMEM_SUMMARY_MAX_CHARS]
+    written = memory_write(
+        tenant=tenant,
+        actor=actor,
+        key=key,
+        value=text,
+        subject=subject,
+        category=Memory.Category.SUMMARY,
+        source=f"job:summarize#{job.pk}",
+    )
+    # Lineage: memory_write keeps no sources, so they are set here, in the same transaction.
+    Memory.objects.filter(pk=written.memory.pk).update(sources=[m.key for m in digest.sources])
+    if archive:
+        for memory in digest.sources:
+            # If-Match on the version summarized: a memory changed since it was read makes
+            # the whole attempt fail (and retry) instead of archiving what the summary lacks.
+            memory_delete(tenant=tenant, actor=actor, key=memory.key, if_match=(memory.pk, memory.version))
+        result["archived"] = len(digest.sources)
+    result["chars"] = len(text)
+    return result
+
+
+# --- the optional LLM summarizer ---------------------------------------------------------
+
+
+def _llm_summarize(digest_text: str) -> tuple[str, int]:
+    """POST the digest to ``{ZEROMEM_LLM_BASE_URL}/chat/completions`` (OpenAI-compatible).
+    Returns (summary text, total tokens). Any failure raises :class:`SummarizerError`."""
+    url = settings.ZEROMEM_LLM_BASE_URL.rstrip("/") + "/chat/completions"
+    body = {
+        "model": settings.ZEROMEM_LLM_MODEL,
+        "messages": [
+            {"role": "system", "content": LLM_INSTRUCTIONS},
+            {"role": "user", "content": digest_text},
+        ],
+        "temperature": 0,
+    }
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if settings.ZEROMEM_LLM_API_KEY:
+        headers["Authorization"] = f"Bearer {settings.ZEROMEM_LLM_API_KEY}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    timeout = settings.ZEROMEM_LLM_TIMEOUT_SECONDS
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read(LLM_MAX_ANSWER_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        # The body is not kept: an endpoint may echo the prompt, i.e. memory values.
+        raise SummarizerError(f"the LLM endpoint answered HTTP {exc.code}") from None
+    except TimeoutError:
+        raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s") from None
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s") from None
+        raise SummarizerError(f"the LLM endpoint is unreachable ({type(exc.reason).__name__})") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise SummarizerError(f"the LLM endpoint connection failed ({type(exc).__name__})") from None
+    if len(raw) > LLM_MAX_ANSWER_BYTES:
+        raise SummarizerError(f"the LLM endpoint's answer is larger than {LLM_MAX_ANSWER_BYTES} bytes")
+    try:
+        answer = json.loads(raw)
+        text = answer["choices"][0]["message"]["content"]
+        usage = answer.get("usage") or {}
+        tokens = usage.get("total_tokens", 0)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise SummarizerError("the LLM endpoint's answer is not a chat completion") from None
+    if not isinstance(text, str) or not text.strip():
+        raise SummarizerError("the LLM endpoint answered an empty summary")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise SummarizerError("the LLM endpoint's usage.total_tokens is not a count")
+    return text.strip(), tokens
+
+
+# --- idle sessions -----------------------------------------------------------------------
+
+
+def summarize_idle_sessions(*, idle_minutes: int | None = None, now: datetime | None = None) -> int:
+    """Start a summarize job for each idle session: a namespace directly under one of
+    ``settings.ZEROMEM_SUMMARIZE_IDLE_PREFIXES`` (``session:s1:`` under ``session:``) whose
+    newest live memory is older than ``idle_minutes`` (default
+    ``ZEROMEM_SUMMARIZE_IDLE_MINUTES``), with no summary written since and no summarize job
+    pending for it. Returns the number of jobs started (at most ``IDLE_BATCH`` per run).
+
+    Cost: three aggregate queries (newest memory per namespace, summaries, pending jobs),
+    whatever the number of memories; then one job and audit INSERT per session started.
+    """
+    now = now or timezone.now()
+    idle = timedelta(minutes=settings.ZEROMEM_SUMMARIZE_IDLE_MINUTES if idle_minutes is None else idle_minutes)
+    roots = [p for p in settings.ZEROMEM_SUMMARIZE_IDLE_PREFIXES if p]
+    if not roots:
+        return 0
+    under_roots = Q()
+    for root in roots:
+        under_roots |= Q(key__startswith=root)
+    per_namespace = (
+        Memory.objects.live(now=now)
+        .filter(under_roots)
+        .exclude(category=Memory.Category.SUMMARY)
+        .values("tenant_id", "namespace")
+        .annotate(newest=Max("updated_at"))
+    )
+    # Roll nested namespaces up into their session: session:s1:sub → session:s1:.
+    newest: dict[tuple[int, str], datetime] = {}
+    for row in per_namespace:
+        session = _session_prefix(row["namespace"] + ":", roots)
+        if session is None:
+            continue
+        slot = (row["tenant_id"], session)
+        if slot not in newest or row["newest"] > newest[slot]:
+            newest[slot] = row["newest"]
+    idle_sessions = {slot: t for slot, t in newest.items() if t <= now - idle}
+    if not idle_sessions:
+        return 0
+
+    summarized = {
+        (tenant_id, key): updated
+        for tenant_id, key, updated in Memory.objects.live(now=now)
+        .filter(tenant_id__in={t for t, _p in idle_sessions}, key__in={summary_key(p) for _t, p in idle_sessions})
+        .values_list("tenant_id", "key", "updated_at")
+    }
+    pending = set(
+        Job.objects.filter(
+            kind=Job.Kind.SUMMARIZE,
+            status__in=[Job.Status.QUEUED, Job.Status.RUNNING],
+            tenant_id__in={t for t, _p in idle_sessions},
+        ).values_list("tenant_id", "params__prefix")
+    )
+
+    def needs_summary(slot, newest_at) -> bool:
+        summary_at = summarized.get((slot[0], summary_key(slot[1])))
+        return slot not in pending and (summary_at is None or summary_at < newest_at)
+
+    # Longest idle first, so a backlog larger than one batch drains in order.
+    due = sorted((t, slot) for slot, t in idle_sessions.items() if needs_summary(slot, t))[:IDLE_BATCH]
+    tenants = Tenant.objects.in_bulk({tenant_id for _t, (tenant_id, _p) in due})
+    actor = Actor.system(job="summarize_idle")
+    for _t, (tenant_id, prefix) in due:
+        summarize_start(tenant=tenants[tenant_id], actor=actor, prefix=prefix)
+    return len(due)
+
+
+def _session_prefix(namespace_prefix: str, roots: list[str]) -> str | None:
+    """``session:s1:sub:`` under root ``session:`` → ``session:s1:``; None if not under a root."""
+    for root in roots:
+        if namespace_prefix.startswith(root) and len(namespace_prefix) > len(root):
+            rest = namespace_prefix[len(root) :]
+            if not root.endswith(":"):
+                continue  # roots name whole segments, e.g. "session:"
+            return root + rest.split(":", 1)[0] + ":"
+    return None

@@ -1,0 +1,675 @@
+"""Forget requests: POST/GET /api/v1/forget-requests, the job that carries them out
+(memories.services.forget), its receipt, deadline, retries and the residue it must not leave."""
+
+from datetime import datetime, timedelta
+
+import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.auth import get_user_model
+from django.contrib.contenttypes.models import ContentType
+from django.db import connection
+from django.utils import timezone
+from django_q.models import OrmQ, Task
+from django_q.signing import SignedPackage
+
+from audit.models import AuditEvent
+from memories import services
+from memories.models import ForgetRequest, Memory, MemoryVersion, Scope
+from memories.services import forget
+from tests.conftest import SYSTEM
+from tests.helpers import rest_error
+
+URL = "/api/v1/forget-requests"
+RECEIPT_FIELDS = {
+    "memories",
+    "versions",
+    "summaries",
+    "admin_log_entries",
+    "batches",
+    "audit_events_redacted",
+    "received_at",
+    "started_at",
+    "completed_at",
+}
+CANARY = "CANARY-7d1e-ZZ"
+
+
+def write(tenant, key, value, **extra):
+    return services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value, **extra).memory
+
+
+def summarize(tenant, prefix, capture):
+    """Run the real summarizer (deterministic digest) into summary:<prefix>, with lineage."""
+    with capture(execute=True):
+        services.summarize_start(tenant=tenant, actor=SYSTEM, prefix=prefix)
+    summary = Memory.objects.get(tenant=tenant, key="summary:" + prefix.rstrip(":"), deleted_at__isnull=True)
+    assert summary.category == "summary" and summary.sources, summary.sources
+    return summary
+
+
+def seed_user(tenant, user="u1", n=3, versions=2):
+    """``n`` memories of subject ``user`` under ``user:<user>:``, each with ``versions``
+    versions; one more trashed and one expired (same data until purged)."""
+    for i in range(n):
+        for v in range(versions):
+            write(tenant, f"user:{user}:k{i}", f"{user} value {i}.{v}")
+    write(tenant, f"user:{user}:gone", "trashed value")
+    services.memory_delete(tenant=tenant, actor=SYSTEM, key=f"user:{user}:gone")
+    write(tenant, f"user:{user}:old", "expired value")
+    Memory.objects.filter(tenant=tenant, key=f"user:{user}:old").update(expires_at=timezone.now() - timedelta(hours=1))
+
+
+def memory_rows(tenant, **filters):
+    return sorted(Memory.objects.filter(tenant=tenant, **filters).values_list("key", "version", "deleted_at"))
+
+
+def post(client, capture, body, run=True):
+    """POST a forget request; with ``run`` its job runs inline once the request commits."""
+    with capture(execute=run):
+        return client.post(URL, body)
+
+
+def get(client, pk):
+    r = client.get(f"{URL}/{pk}")
+    assert r.status_code == 200, r.content
+    return r.json()
+
+
+# --- accepting a request ------------------------------------------------------------------
+
+
+def test_request_is_stored_and_answered_202_before_the_job_runs(api, tenant_a, django_capture_on_commit_callbacks):
+    seed_user(tenant_a)
+    before = memory_rows(tenant_a)
+    with django_capture_on_commit_callbacks() as callbacks:
+        r = api.post(URL, {"subject": "u1", "reason": "user asked"})
+    assert r.status_code == 202, r.content
+    body = r.json()
+    assert r["Location"] == f"{URL}/{body['id']}"
+    assert body["status"] == "received" and body["target"] == {"subject": "u1"} and body["receipt"] is None
+    assert body["overdue"] is False and body["reason"] == "user asked"
+    due = datetime.fromisoformat(body["due_at"].replace("Z", "+00:00"))
+    assert timedelta(days=29, hours=23) < due - timezone.now() <= timedelta(days=30)
+
+    # Stored (and committed: the enqueue waits for the commit) before the answer; the job
+    # has not run yet, and its queue payload is the id alone.
+    stored = ForgetRequest.objects.get(pk=body["id"])
+    assert stored.status == "received" and stored.tenant == tenant_a and stored.subject == "u1"
+    assert memory_rows(tenant_a) == before
+    assert len(callbacks) == 1
+    assert callbacks[0].func is forget._enqueue and callbacks[0].args == (stored.pk,)
+
+    callbacks[0]()  # the worker picks it up (django-q2 runs it inline in tests)
+    done = get(api, stored.pk)
+    assert done["status"] == "completed" and done["receipt"]["memories"] == 5
+    assert memory_rows(tenant_a, subject="u1") == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_request_is_committed_before_it_is_enqueued(monkeypatch, make_client):
+    from tests.conftest import make_tenant
+
+    tenant = make_tenant("durable")
+    client, _key = make_client(tenant, scopes=[Scope.FORGET_CREATE])
+    seen = []
+
+    def record_enqueue(func, request_id, **options):
+        # Enqueued outside any transaction, with the row already there for any worker.
+        seen.append(
+            (func, request_id, connection.in_atomic_block, ForgetRequest.objects.filter(pk=request_id).exists())
+        )
+
+    monkeypatch.setattr(forget, "async_task", record_enqueue)
+    r = client.post(URL, {"keys": ["user:u1:a"]})
+    assert r.status_code == 202
+    assert seen == [("memories.tasks.forget_request_task", r.json()["id"], False, True)]
+
+
+def test_forget_by_subject_erases_memories_versions_trash_and_summaries(
+    api, api_b, tenant_a, tenant_b, django_capture_on_commit_callbacks
+):
+    seed_user(tenant_a, "u1", n=3, versions=2)  # 5 memories, 3×2 + 2 + 1 versions
+    seed_user(tenant_a, "u2", n=2)
+    seed_user(tenant_b, "u1", n=2)  # same subject, another tenant
+    summary = summarize(tenant_a, "user:u1:", django_capture_on_commit_callbacks)  # subject u1
+    other_summary = summarize(tenant_a, "user:u2:", django_capture_on_commit_callbacks)
+    untouched = (memory_rows(tenant_a, subject="u2"), memory_rows(tenant_b))
+    versions_u2 = MemoryVersion.objects.filter(memory__subject="u2").count()
+
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "u1"})
+    assert r.status_code == 202, r.content
+    done = get(api, r.json()["id"])
+
+    assert done["status"] == "completed" and done["completed_at"] and done["started_at"]
+    receipt = done["receipt"]
+    assert set(receipt) == RECEIPT_FIELDS
+    assert {k: receipt[k] for k in ("memories", "versions", "summaries", "admin_log_entries")} == {
+        "memories": 5,
+        "versions": 3 * 2 + 2 + 1 + 1,  # + the summary's one version
+        "summaries": 1,
+        "admin_log_entries": 0,
+    }
+    assert receipt["batches"] >= 1 and receipt["audit_events_redacted"] == 0
+    for name in ("received_at", "started_at", "completed_at"):
+        datetime.fromisoformat(receipt[name].replace("Z", "+00:00"))
+    assert receipt["received_at"] <= receipt["started_at"] <= receipt["completed_at"]
+
+    assert Memory.objects.filter(tenant=tenant_a, subject="u1").count() == 0
+    assert not Memory.objects.filter(pk=summary.pk).exists()
+    assert not MemoryVersion.objects.filter(memory_id=summary.pk).exists()
+    assert MemoryVersion.objects.filter(tenant=tenant_a, memory__subject="u1").count() == 0
+    assert Memory.objects.filter(pk=other_summary.pk).exists()
+    assert (memory_rows(tenant_a, subject="u2"), memory_rows(tenant_b)) == untouched
+    assert MemoryVersion.objects.filter(memory__subject="u2").count() == versions_u2
+
+
+def test_forget_by_prefix_follows_lineage_to_summaries_without_the_subject(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    # A team namespace with memories of two subjects: its summary has no subject, only sources.
+    write(tenant_a, "team:t1:lead", "Ann leads", subject="u1")
+    write(tenant_a, "team:t1:plan", "ship it", subject="u2")
+    write(tenant_a, "doc:d1:intro", "unrelated")
+    write(tenant_a, "doc:d2:intro", "doc two")
+    team_summary = summarize(tenant_a, "team:t1:", django_capture_on_commit_callbacks)
+    doc_summary = summarize(tenant_a, "doc:", django_capture_on_commit_callbacks)
+    assert team_summary.subject == "" and set(team_summary.sources) == {"team:t1:lead", "team:t1:plan"}
+
+    r = post(api, django_capture_on_commit_callbacks, {"prefix": "team:t1:"})
+    receipt = get(api, r.json()["id"])["receipt"]
+
+    assert (receipt["memories"], receipt["summaries"]) == (2, 1)
+    assert not Memory.objects.filter(key__startswith="team:t1:").exists()
+    assert not Memory.objects.filter(pk=team_summary.pk).exists()
+    assert Memory.objects.filter(pk=doc_summary.pk).exists()
+    assert memory_rows(tenant_a, key__startswith="doc:") == [
+        ("doc:d1:intro", 1, None),
+        ("doc:d2:intro", 1, None),
+    ]
+
+
+def test_forget_by_keys_erases_those_keys_and_summaries_of_summaries(api, tenant_a, django_capture_on_commit_callbacks):
+    write(tenant_a, "note:n1:a", "first")
+    write(tenant_a, "note:n1:a", "first, again")
+    write(tenant_a, "note:n1:b", "second")
+    write(tenant_a, "note:n1:c", "kept")
+    level1 = summarize(tenant_a, "note:n1:", django_capture_on_commit_callbacks)
+    # A summary made from that summary (lineage as the summarizer records it).
+    level2 = write(tenant_a, "summary:weekly", "digest of digests", category="summary")
+    Memory.objects.filter(pk=level2.pk).update(sources=[level1.key])
+    unrelated = write(tenant_a, "summary:other", "other digest", category="summary")
+    Memory.objects.filter(pk=unrelated.pk).update(sources=["note:n2:x"])
+
+    r = post(api, django_capture_on_commit_callbacks, {"keys": ["note:n1:a", "note:n1:b", "note:n1:none"]})
+    assert r.status_code == 202 and r.json()["target"] == {"keys": ["note:n1:a", "note:n1:b", "note:n1:none"]}
+    receipt = get(api, r.json()["id"])["receipt"]
+
+    assert (receipt["memories"], receipt["versions"], receipt["summaries"]) == (2, 3 + 2, 2)
+    assert memory_rows(tenant_a, key__startswith="note:") == [("note:n1:c", 1, None)]
+    assert not Memory.objects.filter(pk__in=[level1.pk, level2.pk]).exists()
+    assert Memory.objects.filter(pk=unrelated.pk).exists()
+
+
+def test_the_job_is_audited_per_batch_with_counts_and_never_values(api, tenant_a, django_capture_on_commit_callbacks):
+    for i in range(7):
+        write(tenant_a, f"user:u1:k{i}", f"secret value {i}")
+    with django_capture_on_commit_callbacks() as callbacks:
+        r = api.post(URL, {"subject": "u1"})
+    pk = r.json()["id"]
+    forget.forget_request_execute(request_id=pk, batch_size=3)
+    assert len(callbacks) == 1
+
+    events = list(AuditEvent.objects.filter(tenant=tenant_a, action__startswith="forget.").order_by("pk"))
+    assert [e.action for e in events] == [
+        "forget.create",
+        "forget.start",
+        "forget.erase",
+        "forget.erase",
+        "forget.erase",
+        "forget.complete",
+    ]
+    create, erases = events[0], events[2:5]
+    assert create.actor_kind == "api_key" and create.detail["forget_request"] == pk
+    assert [e.count for e in erases] == [3, 3, 1]
+    assert all(e.actor_kind == "system" and e.actor_id == "forget" and e.surface == "job" for e in erases)
+    assert all(e.detail["forget_request"] == pk for e in events)
+    for e in events:
+        assert "secret" not in repr((e.target, e.subject, e.detail)) and e.subject == ""
+
+
+def test_the_audit_redaction_hook_is_called_with_the_target(
+    api, tenant_a, monkeypatch, django_capture_on_commit_callbacks
+):
+    calls = []
+    monkeypatch.setattr(forget, "audit_redact_subject", lambda **kw: calls.append(kw) or 0)
+    post(api, django_capture_on_commit_callbacks, {"prefix": "user:u1:"})
+    assert calls == [{"tenant": tenant_a, "subject": "", "keys": [], "prefix": "user:u1:"}]
+
+
+def test_the_queue_and_task_rows_carry_only_the_id(api, tenant_a, django_capture_on_commit_callbacks):
+    write(tenant_a, "user:u1:k", "value")
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "u1"})
+    pk = r.json()["id"]
+    task = Task.objects.get(name=f"forget-request-{pk}")
+    assert task.success and task.func == "memories.tasks.forget_request_task"
+    assert task.args == (pk,) and task.kwargs == {}
+    assert task.result["status"] == "completed" and set(task.result["receipt"]) == RECEIPT_FIELDS
+
+
+# --- refused requests ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body,field,code",
+    [
+        ({}, "subject", "missing_target"),
+        ({"reason": "no target"}, "subject", "missing_target"),
+        ({"subject": "u1", "prefix": "user:u1:"}, "prefix", "conflicting_target"),
+        ({"prefix": "user:u1:", "keys": ["user:u1:a"]}, "keys", "conflicting_target"),
+        ({"subject": ""}, "subject", "blank"),
+        ({"subject": 5}, "subject", "invalid"),
+        ({"subject": "u\x01"}, "subject", "invalid"),
+        ({"subject": "u" * 256}, "subject", "max_length"),
+        ({"prefix": "user::"}, "prefix", "invalid_prefix"),
+        ({"keys": []}, "keys", "min_length"),
+        ({"keys": "user:u1:a"}, "keys", "not_a_list"),
+        ({"keys": ["user:u1:a", "bad key"]}, "keys.1", "invalid_key"),
+        ({"keys": [f"user:u1:k{i}" for i in range(1001)]}, "keys", "max_length"),
+        ({"subject": "u1", "due_in_days": 31}, "due_in_days", "max_value"),
+        ({"subject": "u1", "due_in_days": 0}, "due_in_days", "min_value"),
+        ({"subject": "u1", "due_in_days": "5"}, "due_in_days", "invalid"),
+        ({"subject": "u1", "reason": "x" * 1001}, "reason", "max_length"),
+        ({"subject": "u1", "reason": "nul\x00"}, "reason", "null_characters_not_allowed"),
+        ({"subject": "u1", "reason": "bell\x07"}, "reason", "invalid"),
+        ({"subject": "u1", "value": "x"}, "value", "unknown_field"),
+    ],
+)
+def test_bad_input_is_400_naming_the_field_and_stores_nothing(
+    api, body, field, code, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks() as callbacks:
+        r = api.post(URL, body)
+    assert r.status_code == 400, r.content
+    error = rest_error(r)
+    assert (error["field"], error["code"]) == (field, code), error
+    assert ForgetRequest.objects.count() == 0 and callbacks == []
+    refused = AuditEvent.objects.filter(action="forget.create").get()
+    assert refused.outcome == "invalid"
+
+
+def test_bad_input_is_refused_by_the_service_too(tenant_a):
+    with pytest.raises(forget.InvalidInput) as exc:
+        services.forget_request_create(tenant=tenant_a, actor=SYSTEM, keys=["a"] * 2, subject="u1")
+    assert exc.value.field == "keys"
+    with pytest.raises(forget.InvalidInput) as exc:
+        services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1", due_in_days=31)
+    assert exc.value.field == "due_in_days"
+    assert ForgetRequest.objects.count() == 0
+
+
+def test_missing_scope_is_403_and_stores_nothing(tenant_a, make_client, django_capture_on_commit_callbacks):
+    client, _ = make_client(tenant_a, scopes=[Scope.MEMORY_READ, Scope.MEMORY_WRITE, Scope.MEMORY_DELETE])
+    write(tenant_a, "user:u1:k", "value")
+    r = post(client, django_capture_on_commit_callbacks, {"subject": "u1"})
+    assert r.status_code == 403 and rest_error(r)["code"] == "missing_scope"
+    assert ForgetRequest.objects.count() == 0 and Memory.objects.filter(key="user:u1:k").exists()
+    assert AuditEvent.objects.filter(action="forget.create", outcome="denied").count() == 1
+
+    assert client.get(URL).status_code == 403
+    pk = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1").pk
+    assert client.get(f"{URL}/{pk}").status_code == 403
+
+
+def test_a_key_limited_to_prefixes_forgets_only_inside_them(tenant_a, make_client, django_capture_on_commit_callbacks):
+    client, _ = make_client(tenant_a, allow=["user:u1:"])
+    for body, field in (
+        ({"subject": "u1"}, "subject"),
+        ({"prefix": "user:"}, "prefix"),
+        ({"keys": ["user:u1:a", "user:u2:a"]}, "keys.1"),
+    ):
+        r = post(client, django_capture_on_commit_callbacks, body)
+        assert r.status_code == 403 and (rest_error(r)["code"], rest_error(r)["field"]) == ("key_not_allowed", field)
+    assert ForgetRequest.objects.count() == 0
+
+    write(tenant_a, "user:u1:a", "mine")
+    write(tenant_a, "user:u2:a", "not mine")
+    r = post(client, django_capture_on_commit_callbacks, {"prefix": "user:u1:"})
+    assert r.status_code == 202
+    assert memory_rows(tenant_a) == [("user:u2:a", 1, None)]
+
+
+# --- reading requests ---------------------------------------------------------------------
+
+
+def test_another_tenants_request_is_not_found_like_a_missing_one(api, api_b, tenant_a, tenant_b):
+    theirs = services.forget_request_create(tenant=tenant_b, actor=SYSTEM, subject="u1")
+    r = api.get(f"{URL}/{theirs.pk}")
+    missing = api.get(f"{URL}/{theirs.pk + 1000}")
+    assert r.status_code == missing.status_code == 404
+    assert (
+        r.json()
+        == missing.json()
+        == {"error": {"code": "not_found", "message": "no such forget request", "field": "request_id"}}
+    )
+    assert api.get(f"{URL}/{2**63}").status_code == 404  # beyond bigint: not found, no 500
+    assert api.get(URL).json()["results"] == []
+    assert [x["id"] for x in api_b.get(URL).json()["results"]] == [theirs.pk]
+    assert (
+        not AuditEvent.objects.filter(tenant=tenant_b, action__in=["forget.read", "forget.list"])
+        .filter(actor_kind="api_key", actor_id__in=[str(k.pk) for k in tenant_a.api_keys.all()])
+        .exists()
+    )
+
+
+def test_a_key_limited_to_prefixes_sees_only_its_own_requests(api, tenant_a, make_client):
+    limited, key = make_client(tenant_a, allow=["user:u1:"])
+    tenant_wide = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u2")
+    r = limited.post(URL, {"prefix": "user:u1:"})
+    own = r.json()["id"]
+    assert [x["id"] for x in limited.get(URL).json()["results"]] == [own]
+    assert limited.get(f"{URL}/{tenant_wide.pk}").status_code == 404
+    assert get(limited, own)["target"] == {"prefix": "user:u1:"}
+    # An unrestricted key of the tenant sees both.
+    assert [x["id"] for x in api.get(URL).json()["results"]] == [own, tenant_wide.pk]
+
+
+def _age(request, *, due_days_ago):
+    # The clock: the request was due this many days ago.
+    ForgetRequest.objects.filter(pk=request.pk).update(due_at=timezone.now() - timedelta(days=due_days_ago))
+
+
+def test_overdue_and_status_filters(api, tenant_a, django_capture_on_commit_callbacks):
+    def create(**target):
+        return services.forget_request_create(tenant=tenant_a, actor=SYSTEM, **target)
+
+    late = create(subject="late")
+    _age(late, due_days_ago=1)
+    on_time = create(subject="on-time")
+    done_late = create(subject="done-late")
+    forget.forget_request_execute(request_id=done_late.pk)
+    _age(done_late, due_days_ago=2)
+    failed = create(subject="failed")
+    ForgetRequest.objects.filter(pk=failed.pk).update(attempts=99)
+    forget.forget_request_execute(request_id=failed.pk)  # gives up: failed
+    _age(failed, due_days_ago=3)
+
+    def ids(**params):
+        r = api.get(URL, params)
+        assert r.status_code == 200, r.content
+        return [x["id"] for x in r.json()["results"]]
+
+    assert ids(overdue="true") == [failed.pk, late.pk]
+    assert ids(overdue="false") == [done_late.pk, on_time.pk]
+    assert ids(status="failed") == [failed.pk]
+    assert ids(status="completed", overdue="true") == []
+    assert ids(status="received") == [on_time.pk, late.pk]
+    assert ids() == [failed.pk, done_late.pk, on_time.pk, late.pk]
+    assert get(api, late.pk)["overdue"] is True and get(api, done_late.pk)["overdue"] is False
+    failed_body = get(api, failed.pk)
+    assert failed_body["overdue"] is True and failed_body["receipt"] is None
+    assert failed_body["error"].startswith("gave up after")
+
+    for params, field in (
+        ({"status": "done"}, "status"),
+        ({"status": ""}, "status"),
+        ({"overdue": "yes"}, "overdue"),
+        ({"overdue": ""}, "overdue"),
+        ({"limit": 0}, "limit"),
+    ):
+        r = api.get(URL, params)
+        assert r.status_code == 400 and rest_error(r)["field"] == field
+
+
+def test_list_is_cursor_paginated_newest_first(api, tenant_a):
+    created = [services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject=f"s{i}").pk for i in range(5)]
+    seen, cursor = [], None
+    while True:
+        body = api.get(URL, {"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+        seen += [x["id"] for x in body["results"]]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == created[::-1]
+    r = api.get(URL, {"cursor": "not-a-cursor!"})
+    assert r.status_code == 400 and rest_error(r)["field"] == "cursor"
+
+
+# --- status, retries and idempotency ------------------------------------------------------
+
+
+def test_status_only_moves_forward(api, tenant_a, monkeypatch, django_capture_on_commit_callbacks):
+    for i in range(4):
+        write(tenant_a, f"user:u1:k{i}", "v")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    seen = [ForgetRequest.objects.get(pk=request.pk).status]
+    real = forget._erase_batch
+
+    def watching(request_id, *, batch_size):
+        seen.append(ForgetRequest.objects.get(pk=request_id).status)
+        return real(request_id, batch_size=batch_size)
+
+    monkeypatch.setattr(forget, "_erase_batch", watching)
+    forget.forget_request_execute(request_id=request.pk, batch_size=2)
+    seen.append(ForgetRequest.objects.get(pk=request.pk).status)
+    assert seen == ["received", "running", "running", "running", "completed"]
+
+    # A late or duplicate delivery changes nothing: no new attempt, same receipt, no events.
+    done = ForgetRequest.objects.get(pk=request.pk)
+    events = AuditEvent.objects.count()
+    result = forget.forget_request_execute(request_id=request.pk)
+    again = ForgetRequest.objects.get(pk=request.pk)
+    assert result["status"] == again.status == "completed"
+    assert (again.attempts, again.receipt, again.completed_at) == (done.attempts, done.receipt, done.completed_at)
+    assert AuditEvent.objects.count() == events
+    # Nor does any other transition: completed is final, and nothing leads back to received.
+    assert forget._advance(request.pk, "running") is False and forget._advance(request.pk, "failed") is False
+    assert "received" not in forget._FORWARD
+    assert ForgetRequest.objects.get(pk=request.pk).status == "completed"
+
+
+def _seed_for_interruption(tenant, capture):
+    for i in range(12):
+        write(tenant, f"user:u7:k{i:02}", f"value {i}")
+        write(tenant, f"user:u7:k{i:02}", f"value {i} again")
+    summarize(tenant, "user:u7:", capture)
+    write(tenant, "user:u8:k", "someone else")
+
+
+def test_a_job_interrupted_after_its_first_batch_completes_on_retry_with_the_same_result(
+    tenant_a, tenant_b, monkeypatch, django_capture_on_commit_callbacks
+):
+    _seed_for_interruption(tenant_a, django_capture_on_commit_callbacks)
+    _seed_for_interruption(tenant_b, django_capture_on_commit_callbacks)
+    interrupted = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u7")
+    straight = services.forget_request_create(tenant=tenant_b, actor=SYSTEM, subject="u7")
+
+    real = forget._erase_batch
+    batches = []
+
+    def killed_after_first_batch(request_id, *, batch_size):
+        if batches:
+            raise ConnectionError("worker killed")
+        batches.append(request_id)
+        return real(request_id, batch_size=batch_size)
+
+    monkeypatch.setattr(forget, "_erase_batch", killed_after_first_batch)
+    with pytest.raises(ConnectionError):
+        forget.forget_request_execute(request_id=interrupted.pk, batch_size=5)
+    halfway = ForgetRequest.objects.get(pk=interrupted.pk)
+    assert halfway.status == "running" and halfway.attempts == 1
+    # The first batch took 5 memories and, through its lineage, the summary made from them.
+    assert (halfway.receipt["batches"], halfway.receipt["memories"], halfway.receipt["summaries"]) == (1, 5, 1)
+    assert halfway.error == "builtins.ConnectionError"
+    assert Memory.objects.filter(tenant=tenant_a, subject="u7").count() == 12 - 5
+
+    monkeypatch.setattr(forget, "_erase_batch", real)
+    forget.forget_request_execute(request_id=interrupted.pk, batch_size=5)
+    forget.forget_request_execute(request_id=straight.pk, batch_size=5)
+
+    a, b = ForgetRequest.objects.get(pk=interrupted.pk), ForgetRequest.objects.get(pk=straight.pk)
+    counts = ("memories", "versions", "summaries", "admin_log_entries", "batches", "audit_events_redacted")
+    assert a.status == b.status == "completed" and (a.attempts, b.attempts) == (2, 1)
+    assert {k: a.receipt[k] for k in counts} == {k: b.receipt[k] for k in counts}
+    assert a.receipt["memories"] == 12 and a.receipt["summaries"] == 1 and a.receipt["versions"] == 25
+    assert a.error == ""
+    for tenant in (tenant_a, tenant_b):
+        assert memory_rows(tenant) == [("user:u8:k", 1, None)]
+        assert MemoryVersion.objects.filter(tenant=tenant).count() == 1
+
+
+def test_attempts_are_bounded_and_then_the_request_fails(
+    tenant_a, monkeypatch, settings, django_capture_on_commit_callbacks
+):
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 2
+    write(tenant_a, "user:u1:k", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+
+    def always_killed(request_id, *, batch_size):
+        raise ConnectionError("worker killed")
+
+    monkeypatch.setattr(forget, "_erase_batch", always_killed)
+    for _ in range(2):
+        with pytest.raises(ConnectionError):
+            forget.forget_request_execute(request_id=request.pk)
+    result = forget.forget_request_execute(request_id=request.pk)
+
+    failed = ForgetRequest.objects.get(pk=request.pk)
+    assert result["status"] == failed.status == "failed"
+    assert failed.attempts == 3 and failed.completed_at is None
+    assert failed.error == "gave up after 2 attempts; last error: builtins.ConnectionError"
+    assert AuditEvent.objects.filter(action="forget.fail", detail__forget_request=request.pk).count() == 1
+    assert Memory.objects.filter(key="user:u1:k").exists()  # nothing half-claimed as done
+    # Final: later deliveries neither retry nor count.
+    assert forget.forget_request_execute(request_id=request.pk)["status"] == "failed"
+    assert ForgetRequest.objects.get(pk=request.pk).attempts == 3
+
+
+def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django_capture_on_commit_callbacks):
+    write(tenant_a, "user:u1:k", "value")
+    write(tenant_a, "user:u2:k", "value")
+    stuck = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")  # its enqueue was lost
+    fresh = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u2")
+    done = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u3")
+    forget.forget_request_execute(request_id=done.pk)
+    long_ago = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"] + 1)
+    ForgetRequest.objects.filter(pk__in=[stuck.pk, done.pk]).update(progress_at=long_ago)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.forget_requests_resume() == 1
+    assert ForgetRequest.objects.get(pk=stuck.pk).status == "completed"
+    assert ForgetRequest.objects.get(pk=fresh.pk).status == "received"
+    assert not Memory.objects.filter(key="user:u1:k").exists()
+    assert AuditEvent.objects.filter(action="forget.resume", detail__forget_request=stuck.pk).count() == 1
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.forget_requests_resume() == 0  # nothing pending is old
+
+
+def test_the_resume_schedule_is_declared():
+    from zeromem.schedules import SCHEDULES
+
+    func, _type, minutes = SCHEDULES["zeromem:forget-requests-resume"]
+    assert func == "memories.tasks.forget_requests_resume_task" and minutes <= 10
+
+
+# --- residue ------------------------------------------------------------------------------
+
+
+def tables_holding(text: str) -> dict[str, int]:
+    """Every table (and every django-q2 pickle, decoded) that holds ``text``: table → rows."""
+    found: dict[str, int] = {}
+    with connection.cursor() as cursor:
+        for table in connection.introspection.table_names():
+            name = connection.ops.quote_name(table)
+            if connection.vendor == "postgresql":
+                cursor.execute(f"SELECT count(*) FROM {name} AS t WHERE t::text LIKE %s", [f"%{text}%"])
+                rows = cursor.fetchone()[0]
+            else:
+                cursor.execute(f"SELECT * FROM {name}")
+                rows = sum(1 for row in cursor.fetchall() if text in repr(row))
+            if rows:
+                found[table] = rows
+    # django-q2 keeps task arguments and results pickled (base64 text): a LIKE cannot see them.
+    tasks = sum(1 for t in Task.objects.all() if text in repr((t.name, t.args, t.kwargs, t.result)))
+    queued = sum(1 for q in OrmQ.objects.all() if text in repr(SignedPackage.loads(q.payload)))
+    if tasks:
+        found["django_q_task (unpickled)"] = tasks
+    if queued:
+        found["django_q_ormq (unpickled)"] = queued
+    return found
+
+
+def test_the_residue_scanner_sees_pickled_queue_payloads(db, monkeypatch):
+    from django_q.conf import Conf
+    from django_q.tasks import async_task
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # a real ORM-broker queue entry
+    async_task("math.floor", 1.5, task_name="probe", note=f"leaky {CANARY}")
+    assert tables_holding(CANARY) == {"django_q_ormq (unpickled)": 1}
+
+
+def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
+    api, tenant_a, tenant_b, monkeypatch, django_capture_on_commit_callbacks
+):
+    from django_q.conf import Conf
+
+    for v in range(3):  # three versions
+        write(tenant_a, "user:u9:diary", f"{CANARY} entry {v}", tags=["diary"])
+    write(tenant_a, "user:u9:secret", {"text": f"the {CANARY} secret", "n": 1})
+    write(tenant_a, "user:u9:trashed", f"{CANARY} in the trash")
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="user:u9:trashed")
+    write(tenant_a, "user:u9:expired", f"{CANARY} expired")
+    Memory.objects.filter(key="user:u9:expired").update(expires_at=timezone.now() - timedelta(minutes=1))
+    summary = summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)  # a job, a django-q2 task row
+    assert summary.sources and CANARY in str(summary.value)
+    write(tenant_a, "user:u10:diary", "not the canary")  # another subject stays
+    # Support staff changed the memory in the admin, and the change message quoted it.
+    staff = get_user_model().objects.create_user("support", password="x" * 12)
+    diary = Memory.objects.get(key="user:u9:diary")
+    LogEntry.objects.create(
+        user=staff,
+        content_type=ContentType.objects.get_for_model(Memory),
+        object_id=str(diary.pk),
+        object_repr=str(diary),
+        action_flag=CHANGE,
+        change_message=f"value was {CANARY}",
+    )
+
+    # Positive control: the scanner finds the canary where it is.
+    before = tables_holding(CANARY)
+    assert {"memories_memory", "memories_memoryversion", "django_admin_log"} <= set(before), before
+
+    # The request goes through a real ORM-broker queue entry (left behind, as a worker that
+    # died would leave it), and the job runs in-process as a worker would run it.
+    monkeypatch.setattr(Conf, "SYNC", False)
+    with django_capture_on_commit_callbacks(execute=True):
+        r = api.post(URL, {"subject": "u9", "reason": "GDPR art. 17"})
+    assert r.status_code == 202
+    assert OrmQ.objects.count() == 1
+    assert SignedPackage.loads(OrmQ.objects.get().payload)["args"] == (r.json()["id"],)
+    forget.forget_request_execute(request_id=r.json()["id"])
+
+    done = get(api, r.json()["id"])
+    assert done["status"] == "completed"
+    assert (done["receipt"]["memories"], done["receipt"]["summaries"], done["receipt"]["admin_log_entries"]) == (
+        4,
+        1,
+        1,
+    )
+    assert tables_holding(CANARY) == {}
+    assert CANARY not in str(done)
+    assert memory_rows(tenant_a) == [("user:u10:diary", 1, None)]
+
+
+# --- benchmark ----------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_bench_forget_command_reports_the_time_to_completed(db, capsys):
+    import json
+
+    from django.core.management import call_command
+
+    call_command("bench_forget", memories=60, versions=2, others=20, batch_size=25, json=True)
+    report = json.loads(capsys.readouterr().out)
+    assert report["meets_target"] and report["left_of_subject"] == 0 and report["other_subjects_kept"] == 20
+    assert (report["receipt"]["memories"], report["receipt"]["versions"], report["receipt"]["batches"]) == (60, 121, 3)

@@ -1,0 +1,688 @@
+"""Summarization: memory_summarize / POST /api/v1/summaries start a job at once, the job
+writes summary:<prefix> (category summary, subject, sources) through memory_write, and
+GET /api/v1/jobs/{id} reports it. The default digest uses no LLM; the optional LLM
+summarizer is tested against a small HTTP server on 127.0.0.1 standing in for the LLM.
+
+Only the outside world is faked: the LLM endpoint and the clock.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from memories import services
+from memories.models import Job, Memory, MemoryVersion
+from memories.permissions import Actor
+from memories.services import summaries
+from tests.conftest import SYSTEM
+from tests.helpers import rest_error, tool_error
+
+CANARY = "CANARY-summary-4b1d9e"
+
+
+def write(tenant, key, value, **extra):
+    return services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value, **extra).memory
+
+
+def live(tenant, key):
+    return Memory.objects.for_tenant(tenant).live().filter(key=key).first()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake clock: ``timezone.now()`` returns ``clock.now``, one millisecond later on each
+    call, so writes are strictly ordered in time."""
+
+    class Clock:
+        now = timezone.now().replace(microsecond=0)
+
+        def __call__(self):
+            self.now += timedelta(milliseconds=1)
+            return self.now
+
+        def advance(self, **delta):
+            self.now += timedelta(**delta)
+
+    fake = Clock()
+    monkeypatch.setattr(timezone, "now", fake)
+    return fake
+
+
+@pytest.fixture
+def session(tenant_a, clock):
+    """Tenant A's session:s1: namespace, written oldest first."""
+    write(tenant_a, "session:s1:lang", "zh-CN", importance=5)
+    write(tenant_a, "session:s1:plan", {"steps": 3, "done": False}, importance=5)
+    write(tenant_a, "session:s1:goal", "ship v2", importance=9)
+    write(tenant_a, "session:s1:mood", "curious", importance=1)
+    write(tenant_a, "session:s1:topic", "weekly report\non Friday", importance=5)
+    return "session:s1:"
+
+
+DIGEST = "\n".join(
+    [
+        "goal = ship v2",  # importance 9
+        "topic = weekly report on Friday",  # importance 5, newest (newlines become spaces)
+        'plan = {"done":false,"steps":3}',  # importance 5; object keys sorted
+        "lang = zh-CN",  # importance 5, oldest
+        "mood = curious",  # importance 1
+    ]
+)
+DIGEST_ORDER = ["session:s1:goal", "session:s1:topic", "session:s1:plan", "session:s1:lang", "session:s1:mood"]
+
+
+def start(api, django_capture_on_commit_callbacks, **body):
+    """POST /api/v1/summaries and run the job it queues (django-q2 runs inline in tests)."""
+    with django_capture_on_commit_callbacks(execute=True):
+        return api.post("/api/v1/summaries", body)
+
+
+def job_of(response) -> Job:
+    return Job.objects.get(pk=response.json()["job_id"])
+
+
+# --- starting a job and following it ---------------------------------------------------
+
+
+def test_tool_returns_the_job_id_at_once_and_the_job_runs_after_commit(
+    api, session, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks() as callbacks:
+        status, body = api.call("memory_summarize", prefix=session)
+        assert status == 200, body
+        assert set(body) == {"status", "job_id"} and body["status"] == "ok"
+        job = Job.objects.get(pk=body["job_id"])
+        # Answered before any work: the job is queued and nothing is written yet.
+        assert (job.kind, job.status, job.attempts) == ("summarize", "queued", 0)
+        assert job.params == {"prefix": "session:s1:", "archive": False}
+        assert live(api.tenant, "summary:session:s1") is None
+    assert len(callbacks) == 1
+    callbacks[0]()  # the on-commit enqueue: django-q2 (sync in tests) runs the task
+    job.refresh_from_db()
+    assert job.status == "succeeded", job.error
+    assert live(api.tenant, "summary:session:s1").value == DIGEST
+
+
+def test_rest_start_is_202_and_the_job_reports_its_result(api, session, django_capture_on_commit_callbacks):
+    r = start(api, django_capture_on_commit_callbacks, prefix=session)
+    assert r.status_code == 202, r.content
+    body = r.json()
+    assert body == {"job_id": body["job_id"], "status": "queued"}  # the state when it answered
+    assert r["Location"] == f"/api/v1/jobs/{body['job_id']}"
+
+    got = api.get(r["Location"])
+    assert got.status_code == 200, got.content
+    job = got.json()
+    assert job["id"] == body["job_id"]
+    assert (job["kind"], job["status"], job["attempts"], job["error"]) == ("summarize", "succeeded", 1, "")
+    assert job["params"] == {"prefix": "session:s1:", "archive": False}
+    assert job["result"] == {
+        "key": "summary:session:s1",
+        "sources": 5,
+        "left_out": 0,
+        "chars": len(DIGEST),
+        "archived": 0,
+        "summarizer": "digest",
+        "tokens": 0,
+    }
+    assert job["created_at"] and job["started_at"] and job["finished_at"]
+
+
+def test_start_and_run_are_audited_without_values(api, session, django_capture_on_commit_callbacks):
+    mark = AuditEvent.objects.order_by("-pk").values_list("pk", flat=True).first()
+    r = start(api, django_capture_on_commit_callbacks, prefix=session)
+    events = list(AuditEvent.objects.filter(pk__gt=mark).order_by("pk"))
+    started = [e for e in events if e.action == "memory.summarize"]
+    assert [(e.outcome, e.target, e.actor_kind) for e in started] == [("ok", "session:s1:", "api_key")]
+    assert started[0].detail == {"job_id": r.json()["job_id"], "archive": False}
+    ran = [e for e in events if e.action == "memory.summarize.run"]
+    assert [(e.outcome, e.count, e.actor_kind) for e in ran] == [("ok", 5, "system")]
+    # The summary write is audited like any write, by the job.
+    writes = [e for e in events if e.action == "memory.write"]
+    assert [(e.target, e.actor_id) for e in writes] == [("summary:session:s1", f"summarize#{r.json()['job_id']}")]
+    for e in events:
+        assert "ship v2" not in json.dumps([e.target, e.detail, e.subject])
+
+
+# --- the digest --------------------------------------------------------------------------
+
+
+def test_digest_is_ordered_by_importance_then_recency_and_deterministic(
+    api, session, django_capture_on_commit_callbacks
+):
+    first = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    summary = live(api.tenant, "summary:session:s1")
+    assert summary.value == DIGEST
+    # Again over the same memories: the same text (the summary itself is not a source).
+    second = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    summary.refresh_from_db()
+    assert summary.value == DIGEST and summary.version == 2
+    assert first.result == second.result
+    assert second.result["tokens"] == 0 and second.result["summarizer"] == "digest"
+
+
+def test_digest_keeps_within_its_budget_and_says_how_many_it_left_out(
+    api, tenant_a, clock, settings, django_capture_on_commit_callbacks
+):
+    settings.ZEROMEM_SUMMARY_MAX_CHARS = 200
+    for i in range(30):
+        write(tenant_a, f"task:t1:step{i:02d}", f"done step {i}", importance=5)
+    r = start(api, django_capture_on_commit_callbacks, prefix="task:t1:")
+    job = job_of(r)
+    text = live(tenant_a, "summary:task:t1").value
+    lines = text.split("\n")
+    assert len(text) <= 200
+    assert job.result["chars"] == len(text)
+    # Most recent first; the last line counts the memories that did not fit.
+    assert lines[0] == "step29 = done step 29"
+    shown = lines[:-1]
+    assert lines[-1] == f"(+{30 - len(shown)} more not shown)"
+    assert job.result["sources"] == len(shown) and job.result["left_out"] == 30 - len(shown)
+    # Lineage lists exactly the memories the summary holds.
+    assert live(tenant_a, "summary:task:t1").sources == [f"task:t1:step{i:02d}" for i in range(29, 29 - len(shown), -1)]
+
+
+def test_a_long_value_is_cut_not_dropped(api, tenant_a, clock, settings, django_capture_on_commit_callbacks):
+    settings.ZEROMEM_SUMMARY_MAX_CHARS = 100
+    write(tenant_a, "task:t2:notes", "x" * 500, importance=9)
+    write(tenant_a, "task:t2:status", "open", importance=1)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix="task:t2:"))
+    text = live(tenant_a, "summary:task:t2").value
+    assert len(text) <= 100
+    first, footer = text.split("\n")
+    assert first.startswith("notes = xxx") and first.endswith("…")
+    assert footer == "(+1 more not shown)"
+    assert job.result["sources"] == 1
+
+
+def test_empty_namespace_writes_no_summary(api, django_capture_on_commit_callbacks):
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix="session:nothing:"))
+    assert job.status == "succeeded"
+    assert job.result["sources"] == 0
+    assert live(api.tenant, "summary:session:nothing") is None
+
+
+# --- the summary memory ------------------------------------------------------------------
+
+
+def test_summary_memory_has_category_subject_and_sources(api, tenant_a, clock, django_capture_on_commit_callbacks):
+    write(tenant_a, "user:u7:pref_lang", "de")  # subject inferred: u7
+    write(tenant_a, "user:u7:city", "Berlin")
+    job_of(start(api, django_capture_on_commit_callbacks, prefix="user:u7:"))
+    summary = live(tenant_a, "summary:user:u7")
+    assert (summary.category, summary.subject) == ("summary", "u7")
+    assert summary.sources == ["user:u7:city", "user:u7:pref_lang"]
+    assert summary.value == "city = Berlin\npref_lang = de"
+    # A normal memory: readable by the agent, versioned.
+    status, body = api.call("memory_read", key="summary:user:u7")
+    assert (status, body["status"], body["value"]) == (200, "ok", summary.value)
+    assert MemoryVersion.objects.filter(memory=summary).count() == 1
+
+
+def test_sources_without_one_common_subject_give_no_subject(api, tenant_a, clock, django_capture_on_commit_callbacks):
+    write(tenant_a, "team:t1:a", "1", subject="u1")
+    write(tenant_a, "team:t1:b", "2", subject="u2")
+    job_of(start(api, django_capture_on_commit_callbacks, prefix="team:t1:"))
+    assert live(tenant_a, "summary:team:t1").subject == ""
+
+
+def test_archive_moves_the_summarized_memories_to_the_trash(api, tenant_a, session, django_capture_on_commit_callbacks):
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session, archive=True))
+    assert job.result["archived"] == 5
+    assert not Memory.objects.for_tenant(tenant_a).live().under_prefix(session).exists()
+    trashed = Memory.objects.for_tenant(tenant_a).trashed().under_prefix(session)
+    assert sorted(trashed.values_list("key", flat=True)) == sorted(DIGEST_ORDER)
+    summary = live(tenant_a, "summary:session:s1")
+    assert summary.value == DIGEST and summary.sources == DIGEST_ORDER
+    # Archived, not erased: each can be restored.
+    memory = trashed.get(key="session:s1:goal")
+    assert services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=memory.pk).status == "ok"
+
+
+def test_other_tenants_and_other_prefixes_are_untouched(
+    api, tenant_a, tenant_b, session, django_capture_on_commit_callbacks
+):
+    write(tenant_a, "session:s10:lang", "en")  # shares the text "session:s1" but not the prefix
+    write(tenant_a, "session:s2:lang", "fr")
+    write(tenant_b, "session:s1:lang", "es")
+
+    def snapshot():
+        rows = Memory.objects.exclude(tenant=tenant_a, key__startswith=session).exclude(category="summary")
+        return sorted(rows.values_list("tenant_id", "key", "value", "version", "deleted_at"))
+
+    before = snapshot()
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session, archive=True))
+    assert job.result["sources"] == 5
+    assert snapshot() == before
+    assert not Memory.objects.filter(tenant=tenant_b, category="summary").exists()
+
+
+# --- refused requests --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prefix": ""}, "prefix"),
+        ({"prefix": "bad prefix"}, "prefix"),
+        ({"prefix": "a::b"}, "prefix"),
+        ({"prefix": 5}, "prefix"),
+        ({"prefix": "x" * 505}, "prefix"),
+        ({}, "prefix"),
+        ({"prefix": "session:s1:", "archive": "yes"}, "archive"),
+        ({"prefix": "session:s1:", "archive": None}, "archive"),
+        ({"prefix": "session:s1:", "keys": ["a"]}, "keys"),
+    ],
+)
+def test_bad_rest_request_is_400_naming_the_field(api, body, field, django_capture_on_commit_callbacks):
+    r = start(api, django_capture_on_commit_callbacks, **body)
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == field
+    assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize("prefix", ["", "bad prefix", "a::b", 5, "x" * 505, None])
+def test_bad_tool_call_is_an_error_naming_prefix(api, prefix):
+    status, body = api.call("memory_summarize", prefix=prefix)
+    assert status == 400, body
+    assert tool_error(body)["field"] == "prefix"
+    assert not Job.objects.exists()
+
+
+def test_longest_prefix_gives_a_valid_summary_key(api, tenant_a, django_capture_on_commit_callbacks):
+    prefix = "a" * summaries.PREFIX_MAX_LEN
+    write(tenant_a, prefix, "edge")
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=prefix))
+    assert job.status == "succeeded", job.error
+    assert len(job.result["key"]) == 512
+
+
+@pytest.mark.parametrize(
+    ("scopes", "archive", "expected"),
+    [
+        (["memory:read"], False, 403),
+        (["memory:write"], False, 403),
+        (["memory:read", "memory:write"], False, 202),
+        (["memory:read", "memory:write"], True, 403),  # archiving deletes
+        (["memory:read", "memory:write", "memory:delete"], True, 202),
+    ],
+)
+def test_scopes_are_enforced(
+    tenant_a, make_client, scopes, archive, expected, session, django_capture_on_commit_callbacks
+):
+    client, _key = make_client(tenant_a, scopes=scopes)
+    r = start(client, django_capture_on_commit_callbacks, prefix=session, archive=archive)
+    assert r.status_code == expected, r.content
+    if expected == 403:
+        assert rest_error(r)["code"] == "missing_scope"
+        assert not Job.objects.exists()
+        assert AuditEvent.objects.filter(action="memory.summarize", outcome="denied").count() == 1
+
+
+@pytest.mark.parametrize(
+    ("allow", "prefix", "expected"),
+    [
+        (["session:s1:"], "session:", 403),  # broader than the allowlist
+        (["session:s1:"], "session:s1:", 403),  # the summary key summary:session:s1 is outside
+        (["session:s1:", "summary:session:s1"], "session:s1:", 202),
+        (["session:s1:", "summary:"], "session:s1:lang", 202),
+        (["agent:"], "session:s1:", 403),
+    ],
+)
+def test_allowlist_must_cover_the_prefix_and_the_summary_key(
+    tenant_a, make_client, allow, prefix, expected, session, django_capture_on_commit_callbacks
+):
+    client, _key = make_client(tenant_a, allow=allow)
+    r = start(client, django_capture_on_commit_callbacks, prefix=prefix)
+    assert r.status_code == expected, r.content
+    if expected == 403:
+        error = rest_error(r)
+        assert (error["code"], error["field"]) == ("key_not_allowed", "prefix")
+        assert not Job.objects.exists()
+    else:
+        assert job_of(r).status == "succeeded"
+    status, body = client.call("memory_summarize", prefix=prefix)
+    if expected == 403:
+        assert tool_error(body)["code"] == "key_not_allowed"
+
+
+# --- reading jobs ------------------------------------------------------------------------
+
+
+def test_another_tenants_job_is_not_found(api, api_b, session, django_capture_on_commit_callbacks):
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    theirs = api_b.get(f"/api/v1/jobs/{job.pk}")
+    nowhere = api_b.get(f"/api/v1/jobs/{job.pk + 1000}")
+    assert theirs.status_code == nowhere.status_code == 404
+    assert theirs.json() == nowhere.json()
+    assert rest_error(theirs)["field"] == "job_id"
+    assert "session:s1" not in theirs.content.decode()
+
+
+def test_job_outside_the_allowlist_is_not_found_and_reading_needs_memory_read(
+    api, tenant_a, make_client, session, django_capture_on_commit_callbacks
+):
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    inside, _ = make_client(tenant_a, allow=["session:"])
+    outside, _ = make_client(tenant_a, allow=["agent:"])
+    no_read, _ = make_client(tenant_a, scopes=["memory:write"])
+    assert inside.get(f"/api/v1/jobs/{job.pk}").status_code == 200
+    assert outside.get(f"/api/v1/jobs/{job.pk}").status_code == 404
+    r = no_read.get(f"/api/v1/jobs/{job.pk}")
+    assert r.status_code == 403 and rest_error(r)["code"] == "missing_scope"
+
+
+@pytest.mark.parametrize("job_id", ["0", "99999999999999999999"])
+def test_job_id_out_of_range_is_400(api, job_id):
+    r = api.get(f"/api/v1/jobs/{job_id}")
+    assert r.status_code == 400 and rest_error(r)["field"] == "job_id"
+
+
+# --- attempts, retries, idempotence ----------------------------------------------------
+
+
+def test_a_finished_job_runs_once(api, session, django_capture_on_commit_callbacks):
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    versions = MemoryVersion.objects.count()
+    # django-q2 may deliver a task twice (a retry after a lost acknowledgement).
+    assert services.summarize_run(job_id=job.pk) == job.result
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == ("succeeded", 1)
+    assert MemoryVersion.objects.count() == versions
+
+
+def test_a_job_whose_worker_died_on_its_last_attempt_fails_visibly(api, session, settings):
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 3
+    job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
+    # Three attempts began and none finished (workers killed with -9): django-q2 does not
+    # count those (its issue #327), the job does.
+    Job.objects.filter(pk=job.pk).update(attempts=3, status=Job.Status.RUNNING)
+    assert services.summarize_run(job_id=job.pk)["status"] == "failed"  # no exception: no retry
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == ("failed", 4)
+    assert job.error == "gave up after 3 attempts (the worker stopped)"
+    assert job.finished_at is not None
+    assert live(api.tenant, "summary:session:s1") is None
+
+
+def test_lost_jobs_are_enqueued_again_and_still_bounded(api, session, settings, django_capture_on_commit_callbacks):
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 2
+    stale_after = timedelta(seconds=2 * settings.Q_CLUSTER["retry"])
+    # Accepted, but its queue entry never made it (no commit callback ran): still queued.
+    lost = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
+    assert services.summarize_jobs_resume(now=lost.created_at + stale_after / 2) == 0  # not stale yet
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.summarize_jobs_resume(now=lost.created_at + stale_after * 2) == 1
+    lost.refresh_from_db()
+    assert (lost.status, lost.attempts) == ("succeeded", 1)
+    assert live(api.tenant, "summary:session:s1").value == DIGEST
+    # A finished job is never enqueued again.
+    assert services.summarize_jobs_resume(now=timezone.now() + stale_after * 2) == 0
+
+    # A job whose worker died on every attempt: resumed, then failed once its attempts run out.
+    dead = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix="session:s9:")
+    Job.objects.filter(pk=dead.pk).update(
+        status=Job.Status.RUNNING, attempts=2, started_at=timezone.now() - stale_after * 2
+    )
+    assert services.summarize_jobs_resume() == 1  # runs inline in tests (django-q2 sync)
+    dead.refresh_from_db()
+    assert (dead.status, dead.attempts) == ("failed", 3)
+    assert services.summarize_jobs_resume(now=timezone.now() + stale_after * 2) == 0
+
+
+def test_idle_sessions_skip_namespaces_with_a_pending_job(tenant_a, clock):
+    write(tenant_a, "session:p1:lang", "en")
+    services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="session:p1:")  # never run (no commit)
+    assert services.summarize_idle_sessions(now=clock.now + timedelta(hours=2)) == 0
+
+
+# --- the optional LLM summarizer ---------------------------------------------------------
+
+
+class FakeLLM:
+    """An OpenAI-compatible chat-completions endpoint on 127.0.0.1 (a random port)."""
+
+    def __init__(self):
+        self.mode = "ok"
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                mode = fake.mode if isinstance(fake.mode, str) else fake.mode.pop(0)
+                if mode == "slow":
+                    time.sleep(1.0)
+                    mode = "ok"
+                if mode == "error":
+                    # An endpoint that echoes the prompt in its error: none of it may be kept.
+                    self._send(500, json.dumps({"error": body["messages"][-1]["content"]}).encode())
+                elif mode == "bad_json":
+                    self._send(200, b"{not json")
+                elif mode == "no_choices":
+                    self._send(200, json.dumps({"choices": [], "usage": {"total_tokens": 3}}).encode())
+                else:
+                    answer = {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {
+                                    "role": "assistant",
+                                    "content": "The user is curious and prefers zh-CN; goal: ship v2.",
+                                },
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 80, "completion_tokens": 14, "total_tokens": 94},
+                    }
+                    self._send(200, json.dumps(answer).encode())
+
+            def _send(self, code, payload):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                try:
+                    self.wfile.write(payload)
+                except OSError:
+                    pass  # the client gave up (the timeout case)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def llm(settings, monkeypatch):
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    fake = FakeLLM()
+    settings.ZEROMEM_LLM_BASE_URL = fake.url
+    settings.ZEROMEM_LLM_MODEL = "fake-model"
+    settings.ZEROMEM_LLM_API_KEY = "sk-test-only"
+    settings.ZEROMEM_LLM_TIMEOUT_SECONDS = 0.3
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 3
+    yield fake
+    fake.close()
+
+
+def test_llm_summarizer_writes_the_models_summary_and_records_tokens(
+    api, session, llm, django_capture_on_commit_callbacks
+):
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "succeeded", job.error
+    assert (job.result["summarizer"], job.result["tokens"]) == ("llm", 94)
+    summary = live(api.tenant, "summary:session:s1")
+    assert summary.value == "The user is curious and prefers zh-CN; goal: ship v2."
+    assert (summary.category, summary.sources) == ("summary", DIGEST_ORDER)
+    assert job.result["chars"] == len(summary.value)
+    [request] = llm.requests
+    assert request["path"] == "/v1/chat/completions"
+    assert request["headers"]["Authorization"] == "Bearer sk-test-only"
+    assert request["body"]["model"] == "fake-model"
+    assert request["body"]["messages"][-1] == {"role": "user", "content": DIGEST}
+
+
+def test_llm_is_not_called_for_an_empty_namespace(api, llm, django_capture_on_commit_callbacks):
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix="session:empty:"))
+    assert job.status == "succeeded" and job.result["tokens"] == 0
+    assert llm.requests == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("error", "the LLM endpoint answered HTTP 500"),
+        ("slow", "the LLM endpoint did not answer within 0.3 s"),
+        ("bad_json", "the LLM endpoint's answer is not a chat completion"),
+        ("no_choices", "the LLM endpoint's answer is not a chat completion"),
+    ],
+)
+def test_llm_failure_fails_the_job_visibly_after_its_attempts_and_writes_nothing(
+    api, tenant_a, session, llm, mode, error, django_capture_on_commit_callbacks
+):
+    llm.mode = mode
+    write(tenant_a, "session:s1:secret", CANARY)
+    before = sorted(Memory.objects.values_list("key", "value", "version", "deleted_at"))
+    versions = MemoryVersion.objects.count()
+
+    # The first attempt runs after commit; its failure does not undo the accepted job.
+    r = start(api, django_capture_on_commit_callbacks, prefix=session, archive=True)
+    assert r.status_code == 202
+    job = job_of(r)
+    assert (job.status, job.attempts) == ("queued", 1)  # waiting for django-q2's retry
+    assert job.error == f"attempt 1 of 3 failed: SummarizerError: {error}"
+    assert api.get(f"/api/v1/jobs/{job.pk}").json()["error"] == job.error
+
+    # django-q2 retries a task that raised; each attempt raises again.
+    for attempt in (2, 3):
+        with pytest.raises(summaries.SummarizerError, match=re.escape(error)):
+            services.summarize_run(job_id=job.pk)
+        job.refresh_from_db()
+        assert job.attempts == attempt
+    assert job.status == "failed" and job.finished_at is not None
+    assert job.error == f"attempt 3 of 3 failed: SummarizerError: {error}"
+    assert job.result == {}
+    # A further delivery does nothing: the attempts are bounded.
+    assert services.summarize_run(job_id=job.pk)["status"] == "failed"
+    assert len(llm.requests) == 3
+
+    # Nothing written, nothing half-written: no summary (not even trashed), no archived
+    # original, no new version; and nothing of the memories in the job row.
+    assert sorted(Memory.objects.values_list("key", "value", "version", "deleted_at")) == before
+    assert MemoryVersion.objects.count() == versions
+    assert not Memory.objects.filter(key="summary:session:s1").exists()
+    job_row = json.dumps([job.params, job.result, job.error])
+    assert CANARY not in job_row and "ship v2" not in job_row
+
+
+def test_llm_failure_then_success_on_retry(api, session, llm, django_capture_on_commit_callbacks):
+    llm.mode = ["error", "ok"]
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "queued" and "HTTP 500" in job.error
+    result = services.summarize_run(job_id=job.pk)  # django-q2's retry
+    job.refresh_from_db()
+    assert (job.status, job.attempts, job.error) == ("succeeded", 2, "")
+    assert result == job.result and result["summarizer"] == "llm"
+    assert live(api.tenant, "summary:session:s1").version == 1  # written once
+
+
+def test_unreachable_llm_endpoint_fails_the_attempt(api, session, settings, django_capture_on_commit_callbacks):
+    settings.ZEROMEM_LLM_BASE_URL = "http://127.0.0.1:9/v1"  # discard port: connection refused
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "queued" and "unreachable" in job.error
+    assert live(api.tenant, "summary:session:s1") is None
+
+
+# --- idle sessions -----------------------------------------------------------------------
+
+
+def test_idle_sessions_job_picks_only_idle_namespaces_without_a_fresh_summary(
+    tenant_a, tenant_b, clock, settings, django_capture_on_commit_callbacks
+):
+    settings.ZEROMEM_SUMMARIZE_IDLE_MINUTES = 60
+    write(tenant_a, "session:old:lang", "en")
+    write(tenant_a, "session:old:sub:step", "3")  # nested: part of session:old:
+    write(tenant_a, "session:stale:lang", "de")
+    write(tenant_a, "session:done:lang", "fr")
+    write(tenant_b, "session:old:lang", "es")  # another tenant's idle session: its own job
+    write(tenant_a, "user:u1:lang", "it")  # not under a configured prefix
+    with django_capture_on_commit_callbacks(execute=True):
+        services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="session:done:")
+        services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="session:stale:")
+    Job.objects.all().delete()  # only the summaries matter from here on
+    clock.advance(minutes=10)
+    write(tenant_a, "session:stale:lang", "de-AT")  # changed after its summary
+    clock.advance(minutes=40)
+    write(tenant_a, "session:fresh:lang", "nl")
+    clock.advance(minutes=25)  # idle: old and done 75 min, stale 65 min, fresh only 25 min
+
+    with django_capture_on_commit_callbacks(execute=True):
+        started = services.summarize_idle_sessions()
+    assert started == 3
+    jobs = sorted(Job.objects.values_list("tenant__slug", "params__prefix", "status", "requested_by"))
+    assert jobs == [
+        ("acme", "session:old:", "succeeded", "system"),
+        ("acme", "session:stale:", "succeeded", "system"),
+        ("globex", "session:old:", "succeeded", "system"),
+    ]
+    assert live(tenant_a, "summary:session:old").value == "sub:step = 3\nlang = en"
+    assert live(tenant_a, "summary:session:stale").value == "lang = de-AT"
+    assert live(tenant_b, "summary:session:old").value == "lang = es"
+    assert live(tenant_a, "summary:user:u1") is None
+    assert AuditEvent.objects.filter(action="memory.summarize", actor_id="summarize_idle").count() == 3
+
+    # Everything idle now has a fresh summary: the next run starts nothing.
+    clock.advance(minutes=15)
+    assert services.summarize_idle_sessions() == 0
+
+
+def test_idle_sessions_detection_is_a_few_aggregate_queries(tenant_a, clock):
+    for s in range(20):
+        for k in range(5):
+            write(tenant_a, f"session:s{s}:k{k}", k)
+    with CaptureQueriesContext(connection) as queries:
+        assert services.summarize_idle_sessions(now=clock.now + timedelta(minutes=10)) == 0  # none idle yet
+    assert len(queries) == 1
+    with CaptureQueriesContext(connection) as queries:
+        assert services.summarize_idle_sessions(idle_minutes=0, now=clock.now + timedelta(minutes=1)) == 20
+    detection = [q for q in queries.captured_queries if "INSERT" not in q["sql"] and "SAVEPOINT" not in q["sql"]]
+    assert len(detection) <= 4, [q["sql"] for q in detection]
+
+
+def test_idle_prefixes_are_configurable(tenant_a, clock, settings):
+    settings.ZEROMEM_SUMMARIZE_IDLE_PREFIXES = ["chat:"]
+    write(tenant_a, "chat:c1:lang", "en")
+    write(tenant_a, "session:s1:lang", "en")
+    assert services.summarize_idle_sessions(idle_minutes=0, now=clock.now + timedelta(minutes=1)) == 1
+    assert list(Job.objects.values_list("params__prefix", flat=True)) == ["chat:c1:"]
+
+
+def test_system_actor_label(tenant_a):
+    # The idle schedule acts as the system, recorded as such on the job it starts.
+    actor = Actor.system(job="summarize_idle")
+    job = services.summarize_start(tenant=tenant_a, actor=actor, prefix="session:x:")
+    assert job.requested_by == "system"
