@@ -99,9 +99,15 @@ def test(argv: list[str]) -> int:
     env = {**os.environ, "ZEROMEM_ENV": "development"}
     db = env.get("DATABASE_URL", "")
     if db:
-        # When a database is named, it must answer: CI fails here rather than skipping.
+        # When a database is named, its server must answer: CI fails here rather than skipping.
+        # (The server, not the database: pytest-django creates test_<name> from the
+        # maintenance database, so <name> itself need not exist.)
+        probe = (
+            "import os, psycopg; from psycopg.conninfo import make_conninfo; "
+            "psycopg.connect(make_conninfo(os.environ['DATABASE_URL'], dbname='postgres'), connect_timeout=5).close()"
+        )
         check = subprocess.run(
-            [PY, "-c", "import os, psycopg; psycopg.connect(os.environ['DATABASE_URL'], connect_timeout=5).close()"],
+            [PY, "-c", probe],
             env=env,
             capture_output=True,
             text=True,
