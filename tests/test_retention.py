@@ -10,7 +10,7 @@ from io import StringIO
 from unittest import mock
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 from django.utils import timezone
 from django_q.models import Schedule
@@ -536,3 +536,18 @@ def test_purge_skips_a_row_a_writer_holds_instead_of_waiting():
     assert keys(tenant) == {"bulk:0:k"}
     assert services.purge_expired()["expired"] == 1
     assert keys(tenant) == set()
+
+
+def test_set_retention_rule_command_sets_and_removes_a_rule(tenant_a):
+    from memories.models import RetentionRule
+
+    out = StringIO()
+    call_command(
+        "set_retention_rule", tenant=tenant_a.slug, prefix="session:", default_ttl_seconds=86400, stdout=out
+    )
+    rule = RetentionRule.objects.get(tenant=tenant_a, prefix="session:")
+    assert rule.default_ttl_seconds == 86400 and "86400" in out.getvalue()
+    call_command("set_retention_rule", tenant=tenant_a.slug, prefix="session:", stdout=StringIO())
+    assert not RetentionRule.objects.filter(tenant=tenant_a).exists()
+    with pytest.raises(CommandError):
+        call_command("set_retention_rule", tenant=tenant_a.slug, prefix="bad::p", default_ttl_seconds=5)
