@@ -223,12 +223,13 @@ class MemoryVersion(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        constraints = [
-            models.UniqueConstraint(fields=["memory", "version"], name="memoryversion_one_per_version")
-        ]
+        constraints = [models.UniqueConstraint(fields=["memory", "version"], name="memoryversion_one_per_version")]
         # The unique (memory, version) index serves history reads; tenant-wide erasure
         # (forget requests) uses this one.
         indexes = [models.Index(fields=["tenant", "memory"], name="memoryversion_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.memory_id} v{self.version} ({self.op})"
 
 
 class RetentionRule(models.Model):

@@ -72,9 +72,7 @@ def memories_with_tag(qs: QuerySet[Memory], tag: str) -> QuerySet[Memory]:
     return qs.filter(tags__icontains=f'"{tag}"')
 
 
-def memory_search(
-    *, tenant: Tenant, prefixes: list[str], query: str, limit: int
-) -> list[tuple[Memory, float]]:
+def memory_search(*, tenant: Tenant, prefixes: list[str], query: str, limit: int) -> list[tuple[Memory, float]]:
     """Ranked OR-style match of the query's terms (see memories/search.py).
 
     PostgreSQL: GIN full-text index on to_tsvector('simple', search_text) plus a pg_trgm

@@ -298,7 +298,9 @@ def parse_call(body: Any) -> ParsedCall:
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError as exc:
-            raise InvalidInput(f"is not valid JSON ({exc.msg})", field=f"{prefix}arguments", code="malformed_json") from None
+            raise InvalidInput(
+                f"is not valid JSON ({exc.msg})", field=f"{prefix}arguments", code="malformed_json"
+            ) from None
     if not isinstance(arguments, dict):
         raise InvalidInput("must be a JSON object", field=f"{prefix}arguments")
     return ParsedCall(name=name, arguments=arguments, call_id=call_id)

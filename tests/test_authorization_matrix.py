@@ -293,9 +293,7 @@ ROUTES: dict[str, Route] = {
         public=False, ops={"GET": "rest_read", "HEAD": "rest_read", "OPTIONS": "options"}
     ),
     "api/v1/summaries": Route(public=False, ops={"POST": "rest_summarize", "OPTIONS": "options"}),
-    "api/v1/jobs/<int:job_id>": Route(
-        public=False, ops={"GET": "job_read", "HEAD": "job_read", "OPTIONS": "options"}
-    ),
+    "api/v1/jobs/<int:job_id>": Route(public=False, ops={"GET": "job_read", "HEAD": "job_read", "OPTIONS": "options"}),
     "api/v1/forget-requests": Route(
         public=False,
         ops={"GET": "forget_list", "HEAD": "forget_list", "POST": "forget_create", "OPTIONS": "options"},

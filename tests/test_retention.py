@@ -542,9 +542,7 @@ def test_set_retention_rule_command_sets_and_removes_a_rule(tenant_a):
     from memories.models import RetentionRule
 
     out = StringIO()
-    call_command(
-        "set_retention_rule", tenant=tenant_a.slug, prefix="session:", default_ttl_seconds=86400, stdout=out
-    )
+    call_command("set_retention_rule", tenant=tenant_a.slug, prefix="session:", default_ttl_seconds=86400, stdout=out)
     rule = RetentionRule.objects.get(tenant=tenant_a, prefix="session:")
     assert rule.default_ttl_seconds == 86400 and "86400" in out.getvalue()
     call_command("set_retention_rule", tenant=tenant_a.slug, prefix="session:", stdout=StringIO())

@@ -65,8 +65,18 @@ def up(argv: list[str]) -> int:
     port = os.environ.get("PORT", "8000")
     procs = [
         subprocess.Popen(
-            [PY, "-m", "uvicorn", "zeromem.asgi:application", "--host", host, "--port", port,
-             "--http", "zeromem.server:NoDelayH11Protocol"],
+            [
+                PY,
+                "-m",
+                "uvicorn",
+                "zeromem.asgi:application",
+                "--host",
+                host,
+                "--port",
+                port,
+                "--http",
+                "zeromem.server:NoDelayH11Protocol",
+            ],
             cwd=ROOT,
             env=env,
         ),

@@ -6,7 +6,6 @@ import re
 import uuid
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
 from django.conf import settings
 from django.http import HttpResponse
 

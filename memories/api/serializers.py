@@ -119,18 +119,14 @@ class MemoryValueField(serializers.JSONField):
 
 
 class _MemoryFieldsIn(serializers.Serializer):
-    ttl_seconds = StrictIntegerField(
-        required=False, allow_null=True, min_value=1, max_value=validation.TTL_MAX_SECONDS
-    )
+    ttl_seconds = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=validation.TTL_MAX_SECONDS)
     tags = serializers.ListField(
         child=TagField(),
         required=False,
         allow_null=True,
         max_length=validation.TAGS_MAX,
     )
-    category = StrictRegexField(
-        CATEGORY_PATTERN, required=False, allow_null=True, max_length=32, trim_whitespace=False
-    )
+    category = StrictRegexField(CATEGORY_PATTERN, required=False, allow_null=True, max_length=32, trim_whitespace=False)
     importance = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=10)
     source = StrictRegexField(
         NO_CONTROL_CHARS, required=False, allow_null=True, max_length=validation.SOURCE_MAX_LEN, trim_whitespace=False
@@ -266,9 +262,7 @@ class SummaryPrefixField(StrictCharField):
 
 class SummaryStartSerializer(serializers.Serializer):
     prefix = SummaryPrefixField(help_text="the namespace to compact, e.g. session:s1:")
-    archive = StrictBooleanField(
-        required=False, help_text="move the summarized memories to the trash (default false)"
-    )
+    archive = StrictBooleanField(required=False, help_text="move the summarized memories to the trash (default false)")
 
 
 class JobStartedSerializer(serializers.Serializer):
@@ -312,9 +306,7 @@ class ForgetKeyField(StrictCharField):
         super().__init__(max_length=validation.KEY_MAX_LEN, trim_whitespace=False, **kwargs)
 
 
-@extend_schema_field(
-    {"type": "string", "minLength": 1, "maxLength": validation.KEY_MAX_LEN, "pattern": PREFIX_PATTERN}
-)
+@extend_schema_field({"type": "string", "minLength": 1, "maxLength": validation.KEY_MAX_LEN, "pattern": PREFIX_PATTERN})
 class ForgetPrefixField(StrictCharField):
     """A key prefix to forget; its grammar (PREFIX_PATTERN) is checked by the service."""
 
@@ -335,9 +327,7 @@ class ForgetRequestCreateSerializer(serializers.Serializer):
         help_text="the end user whose memories to forget (their summaries too)",
     )
     prefix = ForgetPrefixField(required=False, help_text="forget every key under this prefix, e.g. user:u10086:")
-    keys = serializers.ListField(
-        child=ForgetKeyField(), required=False, min_length=1, max_length=forget_rules.KEYS_MAX
-    )
+    keys = serializers.ListField(child=ForgetKeyField(), required=False, min_length=1, max_length=forget_rules.KEYS_MAX)
     reason = StrictCharField(
         required=False, allow_blank=True, max_length=forget_rules.REASON_MAX_LEN, trim_whitespace=False
     )

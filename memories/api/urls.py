@@ -13,7 +13,5 @@ urlpatterns = [
     path("summaries", views.SummaryStartView.as_view(), name="summaries-create"),
     path("jobs/<int:job_id>", views.JobDetailView.as_view(), name="jobs-detail"),
     path("forget-requests", views.ForgetRequestListView.as_view(), name="forget-requests-list"),
-    path(
-        "forget-requests/<int:request_id>", views.ForgetRequestDetailView.as_view(), name="forget-requests-detail"
-    ),
+    path("forget-requests/<int:request_id>", views.ForgetRequestDetailView.as_view(), name="forget-requests-detail"),
 ]

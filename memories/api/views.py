@@ -54,7 +54,9 @@ class AuditedAPIView(TenantAPIView):
         )
         principal = getattr(self.request, "_user", None)
         if refused and principal is not None and hasattr(principal, "tenant"):
-            outcome = AuditEvent.Outcome.DENIED if getattr(exc, "http_status", 400) == 403 else AuditEvent.Outcome.INVALID
+            outcome = (
+                AuditEvent.Outcome.DENIED if getattr(exc, "http_status", 400) == 403 else AuditEvent.Outcome.INVALID
+            )
             audit_record(
                 tenant=self.tenant,
                 actor=self.actor,
@@ -233,9 +235,7 @@ class MemoryListView(AuditedAPIView):
             tag=q.get("tag"),
             keys_only=False,
         )
-        return Response(
-            {"results": s.MemoryOutSerializer(r.keys, many=True).data, "next_cursor": r.next_cursor}
-        )
+        return Response({"results": s.MemoryOutSerializer(r.keys, many=True).data, "next_cursor": r.next_cursor})
 
 
 class MemoryDetailView(AuditedAPIView):
@@ -296,8 +296,14 @@ class MemoryDetailView(AuditedAPIView):
             return _not_found(key)
         if r.status == "conflict":
             return Response(
-                {"error": {"code": "conflict", "message": "the version moved", "field": "expected_version",
-                           "current_version": r.current_version}},
+                {
+                    "error": {
+                        "code": "conflict",
+                        "message": "the version moved",
+                        "field": "expected_version",
+                        "current_version": r.current_version,
+                    }
+                },
                 status=status.HTTP_409_CONFLICT,
             )
         return _memory_response(r.memory)
@@ -325,7 +331,9 @@ class MemoryHistoryView(AuditedAPIView):
         responses={200: s.HistorySerializer, 404: NOT_FOUND, **ERRORS},
     )
     def get(self, request, key):
-        r = services.memory_history(tenant=self.tenant, actor=self.actor, key=key, limit=request.query_params.get("limit"))
+        r = services.memory_history(
+            tenant=self.tenant, actor=self.actor, key=key, limit=request.query_params.get("limit")
+        )
         if isinstance(r, services.MemoryResult):
             return _not_found(key)
         return Response({"key": key, "results": s.MemoryVersionSerializer(r, many=True).data})

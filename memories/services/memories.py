@@ -165,7 +165,9 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
     # Expired-but-not-yet-purged rows still hold the (tenant, key) slot of the partial
     # unique index; a write over one trashes it first, so it behaves like a fresh key.
     for _ in range(3):
-        existing = Memory.objects.for_tenant(tenant).filter(key=key, deleted_at__isnull=True).select_for_update().first()
+        existing = (
+            Memory.objects.for_tenant(tenant).filter(key=key, deleted_at__isnull=True).select_for_update().first()
+        )
         if existing is not None and existing.expires_at is not None and existing.expires_at <= now:
             existing.deleted_at = now
             existing.save(update_fields=["deleted_at"])
@@ -434,9 +436,7 @@ def memory_search(
         return results
 
 
-def memory_recall(
-    *, tenant: Tenant, actor: Actor, query: Any, prefix: Any = "", max_chars: Any = None
-) -> dict:
+def memory_recall(*, tenant: Tenant, actor: Actor, query: Any, prefix: Any = "", max_chars: Any = None) -> dict:
     """The best matches packed into one text block of at most ``max_chars`` characters,
     one ``key: value`` line each, best first; a line that does not fit is cut, not dropped,
     when at least 40 characters remain."""
