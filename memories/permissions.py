@@ -67,3 +67,31 @@ def require_key_allowed(actor: Actor, key: str) -> None:
             message="this API key may not touch keys outside its allowed prefixes",
             field="key",
         )
+
+
+# --- staff (the admin console) ----------------------------------------------------------------
+
+# What each Membership role may do in the admin, as the scopes its Actor carries. Compliance
+# reviewers hold no memory:read: the services refuse them every value, whatever page asks.
+ROLE_SCOPES: dict[str, frozenset[str]] = {
+    "viewer": frozenset({"memory:read", "memory:search"}),
+    "support": frozenset({"memory:read", "memory:write", "memory:delete", "memory:search", "forget:create"}),
+    "compliance": frozenset({"audit:read", "forget:create"}),
+    "admin": frozenset(
+        {"memory:read", "memory:write", "memory:delete", "memory:search", "forget:create", "audit:read"}
+    ),
+}
+
+
+def staff_actor(*, user, role: str, request_id: str = "", client_ip: str | None = None) -> Actor:
+    """The Actor of a staff user acting in one tenant with ``role`` (a Membership role; a
+    superuser acts as ``admin``). The audit log names the user by pk and username."""
+    return Actor(
+        kind="staff",
+        id=str(user.pk),
+        label=user.get_username(),
+        scopes=ROLE_SCOPES.get(role, frozenset()),
+        surface="admin",
+        request_id=request_id,
+        client_ip=client_ip,
+    )

@@ -1,0 +1,174 @@
+"""The figures of a tenant's admin dashboard, and the geometry of its charts.
+
+Charts are server-rendered SVG (the template draws the shapes computed here): no
+JavaScript, no CDN, readable without network access. Each figure is one aggregate query
+over the tenant's rows (indexes lead with the tenant); the operations chart reads the
+audit log of the last ``DAYS`` days through the (tenant, occurred_at) index.
+
+**Estimated prompt tokens saved** (documented in the README, "Admin console"): for every
+successful agent read in the window (``memory.read``, ``memory.search``, ``memory.recall``
+by an API key), the agent fetched memory on demand instead of carrying the whole namespace
+it reads from in its prompt. Without ZeroMem that turn's prompt would hold the average
+namespace's memories — ``total JSON characters of live memories ÷ distinct namespaces ÷ 4``
+tokens (≈ 4 characters per token) — and with ZeroMem it pays the call and its result:
+``CALL_TOKENS`` plus one average memory. So::
+
+    saved ≈ reads × max(0, namespace_tokens − CALL_TOKENS − memory_tokens)
+
+An estimate, not a measurement: it assumes one read per turn and that the alternative is
+the namespace in the prompt, and it ignores prompt caching.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db.models import Count, Q, Sum, TextField
+from django.db.models.functions import Cast, Length, TruncDate
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from memories.models import ForgetRequest, Memory, Tenant
+
+DAYS = 14
+CHARS_PER_TOKEN = 4
+CALL_TOKENS = 40  # a memory_read call and the JSON around its result, as the model sees them
+READ_ACTIONS = ("memory.read", "memory.search", "memory.recall", "memory.list", "memory.history", "memory.view")
+AGENT_READ_ACTIONS = ("memory.read", "memory.search", "memory.recall")
+WRITE_ACTIONS = ("memory.write", "memory.update", "memory.delete", "memory.restore", "memory.restore_version")
+SERIES = (("reads", "#417690"), ("writes", "#5b9b3a"), ("misses", "#d9a400"), ("denials", "#ba2121"))
+
+BAR_WIDTH = 320
+BAR_HEIGHT = 18
+BAR_GAP = 6
+LINE_W, LINE_H = 560, 160
+
+
+def tenant_dashboard(*, tenant: Tenant, now=None) -> dict:
+    now = now or timezone.now()
+    live = Memory.objects.for_tenant(tenant).live(now)
+    by_category = list(live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12])
+    by_namespace = list(live.values_list("namespace").annotate(n=Count("pk")).order_by("-n", "namespace")[:10])
+    soon = live.filter(expires_at__isnull=False, expires_at__lte=now + timedelta(hours=24))
+    forget = ForgetRequest.objects.filter(tenant=tenant)
+    late = ~Q(status=ForgetRequest.Status.COMPLETED) & Q(due_at__lte=now)
+    forget_counts = forget.aggregate(
+        open=Count("pk", filter=Q(status__in=[ForgetRequest.Status.RECEIVED, ForgetRequest.Status.RUNNING])),
+        overdue=Count("pk", filter=late),
+        failed=Count("pk", filter=Q(status=ForgetRequest.Status.FAILED)),
+        completed=Count("pk", filter=Q(status=ForgetRequest.Status.COMPLETED)),
+    )
+    days, series = operations_per_day(tenant=tenant, now=now)
+    tokens = tokens_saved(tenant=tenant, now=now)
+    return {
+        "memory_count": live.count(),
+        "trash_count": Memory.objects.for_tenant(tenant).trashed().count(),
+        "category_chart": bar_chart([(c or "-", n) for c, n in by_category]),
+        "namespace_chart": bar_chart([(ns or "(top level)", n) for ns, n in by_namespace]),
+        "expiring_count": soon.count(),
+        "expiring": list(soon.order_by("expires_at").values_list("pk", "key", "expires_at")[:10]),
+        "forget": forget_counts,
+        "ops_chart": line_chart(days, series),
+        "ops_totals": {name: sum(values) for name, values in series.items()},
+        "tokens": tokens,
+        "days": DAYS,
+    }
+
+
+def operations_per_day(*, tenant: Tenant, now) -> tuple[list, dict[str, list[int]]]:
+    """Reads, writes, misses (not found) and denials per day over the last ``DAYS`` days."""
+    start_day = (now - timedelta(days=DAYS - 1)).date()
+    days = [start_day + timedelta(days=i) for i in range(DAYS)]
+    index = {d: i for i, d in enumerate(days)}
+    series = {name: [0] * DAYS for name, _ in SERIES}
+    rows = (
+        AuditEvent.objects.for_tenant(tenant)
+        .filter(occurred_at__gte=now - timedelta(days=DAYS), action__startswith="memory.")
+        .annotate(day=TruncDate("occurred_at"))
+        .values_list("day", "action", "outcome")
+        .annotate(n=Count("pk"))
+    )
+    for day, action, outcome, n in rows:
+        i = index.get(day)
+        if i is None:
+            continue
+        if outcome == AuditEvent.Outcome.DENIED:
+            series["denials"][i] += n
+        elif outcome == AuditEvent.Outcome.NOT_FOUND:
+            series["misses"][i] += n
+        elif outcome == AuditEvent.Outcome.OK and action in READ_ACTIONS:
+            series["reads"][i] += n
+        elif outcome == AuditEvent.Outcome.OK and action in WRITE_ACTIONS:
+            series["writes"][i] += n
+    return days, series
+
+
+def tokens_saved(*, tenant: Tenant, now) -> dict:
+    """The estimate described in the module docstring, with its inputs (shown on the page)."""
+    live = Memory.objects.for_tenant(tenant).live(now)
+    sizes = live.aggregate(
+        chars=Sum(Length(Cast("value", output_field=TextField()))),
+        memories=Count("pk"),
+        namespaces=Count("namespace", distinct=True),
+    )
+    reads = (
+        AuditEvent.objects.for_tenant(tenant)
+        .filter(
+            occurred_at__gte=now - timedelta(days=DAYS),
+            action__in=AGENT_READ_ACTIONS,
+            outcome=AuditEvent.Outcome.OK,
+            actor_kind=AuditEvent.ActorKind.API_KEY,
+        )
+        .count()
+    )
+    chars = sizes["chars"] or 0
+    memories = sizes["memories"] or 0
+    namespaces = max(sizes["namespaces"] or 0, 1 if memories else 0)
+    namespace_tokens = chars / namespaces / CHARS_PER_TOKEN if namespaces else 0
+    memory_tokens = chars / memories / CHARS_PER_TOKEN if memories else 0
+    per_read = max(0.0, namespace_tokens - CALL_TOKENS - memory_tokens)
+    return {
+        "reads": reads,
+        "namespace_tokens": round(namespace_tokens),
+        "memory_tokens": round(memory_tokens),
+        "call_tokens": CALL_TOKENS,
+        "per_read": round(per_read),
+        "saved": round(reads * per_read),
+    }
+
+
+def bar_chart(items: list[tuple[str, int]]) -> dict:
+    """Horizontal bars: label, value and the bar's y and width in SVG units."""
+    top = max((n for _, n in items), default=0) or 1
+    bars = [
+        {
+            "label": label,
+            "value": n,
+            "y": i * (BAR_HEIGHT + BAR_GAP),
+            "text_y": i * (BAR_HEIGHT + BAR_GAP) + BAR_HEIGHT - 5,
+            "width": max(1, round(BAR_WIDTH * n / top)),
+        }
+        for i, (label, n) in enumerate(items)
+    ]
+    return {"bars": bars, "height": max(len(bars), 1) * (BAR_HEIGHT + BAR_GAP), "bar_height": BAR_HEIGHT}
+
+
+def line_chart(days: list, series: dict[str, list[int]]) -> dict:
+    """One polyline per series over the days, scaled to the largest daily figure."""
+    top = max((v for values in series.values() for v in values), default=0) or 1
+    step = LINE_W / max(len(days) - 1, 1)
+
+    def y(v):
+        return round(LINE_H - LINE_H * v / top, 1)
+
+    lines = [
+        {
+            "name": name,
+            "color": color,
+            "points": " ".join(f"{round(i * step, 1)},{y(v)}" for i, v in enumerate(series[name])),
+            "total": sum(series[name]),
+        }
+        for name, color in SERIES
+    ]
+    ticks = [{"x": round(i * step, 1), "label": d.strftime("%m-%d")} for i, d in enumerate(days) if i % 2 == 0]
+    return {"lines": lines, "ticks": ticks, "width": LINE_W, "height": LINE_H, "top": top}
