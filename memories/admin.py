@@ -50,6 +50,7 @@ class TenantAdmin(TenantScopedAdmin):
     view_capability = "tenant.view"
     list_display = ("slug", "name", "your_role", "dashboard_link", "created_at")
     search_fields = ("slug", "name")
+    ordering = ("slug",)
     fields = ("slug", "name", "value_max_bytes", "trash_retention_days", "created_at")
     readonly_fields = ("created_at",)
 

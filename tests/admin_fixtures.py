@@ -32,6 +32,12 @@ def write(tenant, key, value, **kwargs):
     return services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value, **kwargs).memory
 
 
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings):
+    # Logging staff in is not what these tests measure; PBKDF2's 1M rounds would dominate them.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture
 def staff_clients(tenant_a):
     """{role: (user, client)} for members of tenant A, one per role."""

@@ -1,0 +1,250 @@
+"""Memories in the admin: opening a value is audited, edits go through the services (new
+version + audit event), bad values are clear form errors, versions can be restored, and the
+list's filters and actions do what they say."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from memories import services
+from memories.models import ForgetRequest, Memory, MemoryVersion
+from tests.admin_fixtures import write
+from tests.conftest import SYSTEM
+
+KEY = "user:u10086:pref_lang"
+
+pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
+
+
+def _change_data(memory, **overrides):
+    data = {
+        "value": json.dumps(memory.value),
+        "category": memory.category,
+        "tags": ", ".join(memory.tags),
+        "importance": memory.importance,
+        "ttl_seconds": "",
+        "version": memory.version,
+    }
+    data.update(overrides)
+    return data
+
+
+def _events(tenant, action):
+    return list(AuditEvent.objects.filter(tenant=tenant, action=action).order_by("pk"))
+
+
+def test_opening_a_memory_writes_a_view_audit_event(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "zh-CN")
+    user, client = staff_clients["viewer"]
+    response = client.get(f"/admin/memories/memory/{memory.pk}/change/")
+    assert response.status_code == 200 and b"zh-CN" in response.content
+    (event,) = _events(tenant_a, "memory.view")
+    assert (event.actor_kind, event.actor_id, event.actor_label, event.surface) == (
+        "staff",
+        str(user.pk),
+        user.username,
+        "admin",
+    )
+    assert (event.target, event.subject, event.outcome, event.version) == (KEY, "u10086", "ok", 1)
+    assert event.request_id and "zh-CN" not in json.dumps(event.detail)
+
+
+def test_history_shows_each_version_with_who_when_and_op_and_is_audited(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en")
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key=KEY, value="zh-CN")
+    _user, client = staff_clients["viewer"]
+    body = client.get(f"/admin/memories/memory/{memory.pk}/history/").content.decode()
+    assert body.index('data-version="2"') < body.index('data-version="1"')  # newest first
+    assert "&quot;en&quot;" in body and "&quot;zh-CN&quot;" in body and "update" in body and "system" in body
+    assert "Restore this version" not in body  # a viewer cannot restore
+    (event,) = _events(tenant_a, "memory.history")
+    assert (event.target, event.count, event.outcome) == (KEY, 2, "ok")
+
+
+def test_support_edit_goes_through_the_service_new_version_and_audit(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en", tags=["lang"])
+    user, client = staff_clients["support"]
+    response = client.post(
+        f"/admin/memories/memory/{memory.pk}/change/",
+        _change_data(memory, value='{"lang": "zh-CN", "since": 2024}', tags="lang, pref", importance=8),
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    memory.refresh_from_db()
+    assert memory.value == {"lang": "zh-CN", "since": 2024}
+    assert (memory.version, memory.tags, memory.importance) == (2, ["lang", "pref"], 8)
+    latest = MemoryVersion.objects.get(memory=memory, version=2)
+    assert (latest.op, latest.actor_kind, latest.actor_id, latest.value) == (
+        "update",
+        "staff",
+        str(user.pk),
+        memory.value,
+    )
+    (event,) = _events(tenant_a, "memory.update")
+    assert (event.actor_label, event.surface, event.version, event.outcome) == (user.username, "admin", 2, "ok")
+    assert "zh-CN" not in json.dumps(event.detail)
+
+
+def test_support_adds_a_memory_through_memory_write(tenant_a, staff_clients):
+    _user, client = staff_clients["support"]
+    response = client.post(
+        "/admin/memories/memory/add/",
+        {"tenant": tenant_a.pk, "key": "user:u7:diet", "value": '"vegetarian"', "importance": 5, "tags": ""},
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    memory = Memory.objects.get(tenant=tenant_a, key="user:u7:diet")
+    assert (memory.value, memory.subject, memory.category, memory.version) == ("vegetarian", "u7", "user", 1)
+    assert [e.outcome for e in _events(tenant_a, "memory.write")] == ["ok"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"lang": zh}', "Not valid JSON: Expecting value (line 1, column 10)"),
+        ("'single quotes'", "Not valid JSON"),
+        ("null", "must not be null"),
+        (json.dumps("x" * 20000), "serialized value is 20002 bytes; the limit is 16384"),
+        (json.dumps("a\u0000b"), "must not contain NUL characters"),
+    ],
+)
+def test_invalid_value_is_a_clear_form_error_and_changes_nothing(tenant_a, staff_clients, value, message):
+    memory = write(tenant_a, KEY, "en")
+    _user, client = staff_clients["support"]
+    audit_before = AuditEvent.objects.count()
+    response = client.post(f"/admin/memories/memory/{memory.pk}/change/", _change_data(memory, value=value))
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert "value" in errors and message in errors["value"][0], errors
+    memory.refresh_from_db()
+    assert (memory.value, memory.version) == ("en", 1)
+    assert MemoryVersion.objects.filter(memory=memory).count() == 1
+    assert not AuditEvent.objects.filter(pk__gt=audit_before).exclude(action="memory.view").exists()
+
+
+def test_invalid_tags_and_key_are_form_errors_naming_the_field(tenant_a, staff_clients):
+    _user, client = staff_clients["support"]
+    response = client.post(
+        "/admin/memories/memory/add/",
+        {"tenant": tenant_a.pk, "key": "bad key with spaces", "value": '"x"', "importance": 5, "tags": "ok, not ok!"},
+    )
+    errors = response.context["adminform"].form.errors
+    assert set(errors) >= {"key", "tags"}, errors
+    assert not Memory.objects.filter(tenant=tenant_a).exists()
+
+
+def test_an_edit_over_a_newer_version_is_refused_not_lost(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en")
+    _user, client = staff_clients["support"]
+    opened = _change_data(memory, value='"fr"')
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key=KEY, value="de")  # someone else, meanwhile
+    response = client.post(f"/admin/memories/memory/{memory.pk}/change/", opened)
+    assert response.status_code == 200
+    assert "Someone changed this memory" in str(response.context["adminform"].form.non_field_errors())
+    memory.refresh_from_db()
+    assert (memory.value, memory.version) == ("de", 2)
+
+
+def test_restore_version_creates_a_new_version_and_an_audit_event(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en")
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key=KEY, value="garbage written by a bad agent")
+    user, client = staff_clients["support"]
+    history = client.get(f"/admin/memories/memory/{memory.pk}/history/").content.decode()
+    assert "Restore this version" in history
+    response = client.post(f"/admin/memories/memory/{memory.pk}/history/1/restore/")
+    assert response.status_code == 302
+    memory.refresh_from_db()
+    assert (memory.value, memory.version) == ("en", 3)
+    versions = list(
+        MemoryVersion.objects.filter(memory=memory).order_by("version").values_list("version", "op", "value")
+    )
+    assert versions == [(1, "write", "en"), (2, "update", "garbage written by a bad agent"), (3, "restore", "en")]
+    (event,) = _events(tenant_a, "memory.restore_version")
+    assert (event.actor_id, event.version, event.detail, event.outcome) == (str(user.pk), 3, {"from_version": 1}, "ok")
+    # the search index follows the restored value
+    assert "garbage" not in Memory.objects.get(pk=memory.pk).search_text
+
+
+def test_restore_version_needs_post_and_an_existing_version(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en")
+    _user, client = staff_clients["support"]
+    assert client.get(f"/admin/memories/memory/{memory.pk}/history/1/restore/").status_code == 405
+    client.post(f"/admin/memories/memory/{memory.pk}/history/7/restore/")
+    memory.refresh_from_db()
+    assert memory.version == 1
+    assert [e.outcome for e in _events(tenant_a, "memory.restore_version")] == ["not_found"]
+
+
+def test_forget_selected_files_a_forget_request_that_erases_the_memories(
+    tenant_a, staff_clients, django_capture_on_commit_callbacks
+):
+    kept = write(tenant_a, "user:u2:pref_lang", "keep me")
+    gone = [write(tenant_a, f"user:u1:k{i}", f"value {i}") for i in range(3)]
+    _user, client = staff_clients["support"]
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(
+            "/admin/memories/memory/",
+            {"action": "forget_selected", "_selected_action": [m.pk for m in gone], "reason": "customer asked"},
+        )
+    assert response.status_code == 302
+    request = ForgetRequest.objects.get(tenant=tenant_a)
+    assert (sorted(request.keys), request.reason, request.requested_by_kind) == (
+        sorted(m.key for m in gone),
+        "customer asked",
+        "staff",
+    )
+    request.refresh_from_db()
+    assert request.status == "completed" and request.receipt["memories"] == 3  # tasks run inline in tests
+    assert list(Memory.objects.filter(tenant=tenant_a).values_list("key", flat=True)) == [kept.key]
+
+
+def test_extend_ttl_and_trash_and_restore_actions(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en", ttl_seconds=60)
+    _user, client = staff_clients["support"]
+    client.post("/admin/memories/memory/", {"action": "extend_ttl", "_selected_action": [memory.pk], "ttl_days": 10})
+    memory.refresh_from_db()
+    assert timezone.now() + timedelta(days=9, hours=23) < memory.expires_at <= timezone.now() + timedelta(days=10)
+    client.post("/admin/memories/memory/", {"action": "move_to_trash", "_selected_action": [memory.pk]})
+    memory.refresh_from_db()
+    assert memory.deleted_at is not None
+    trash = client.get("/admin/memories/memory/?state=trash").content.decode()
+    assert KEY in trash and KEY not in client.get("/admin/memories/memory/").content.decode()
+    client.post(
+        "/admin/memories/memory/?state=trash", {"action": "restore_from_trash", "_selected_action": [memory.pk]}
+    )
+    memory.refresh_from_db()
+    assert memory.deleted_at is None
+    ops = list(MemoryVersion.objects.filter(memory=memory).order_by("version").values_list("op", flat=True))
+    assert ops == ["write", "update", "delete", "restore"]
+    actions = [e.action for e in AuditEvent.objects.filter(tenant=tenant_a, actor_kind="staff").order_by("pk")]
+    assert actions == ["memory.update", "memory.delete", "memory.restore"]
+
+
+def test_list_filters_drill_down_the_key_tree_and_find_by_subject_tag_expiry_and_text(tenant_a, staff_clients):
+    write(tenant_a, "user:u1:pref_lang", "en", tags=["lang"])
+    write(tenant_a, "user:u2:pref_lang", "fr")
+    write(tenant_a, "task:t1:status", "the weekly report goes out on friday", ttl_seconds=3600)
+    expired = write(tenant_a, "task:t2:status", "old", ttl_seconds=1)
+    Memory.objects.filter(pk=expired.pk).update(expires_at=timezone.now() - timedelta(seconds=5))
+    _user, client = staff_clients["viewer"]
+
+    def keys(query):
+        response = client.get(f"/admin/memories/memory/?{query}")
+        assert response.status_code == 200, query
+        return sorted(m.key for m in response.context["cl"].result_list)
+
+    top = client.get("/admin/memories/memory/").content.decode()
+    assert "?prefix=user%3A" in top and "?prefix=task%3A" in top
+    assert keys("prefix=user:") == ["user:u1:pref_lang", "user:u2:pref_lang"]
+    assert "prefix=user%3Au1%3A" in client.get("/admin/memories/memory/?prefix=user:").content.decode()
+    assert keys("prefix=user:u1:") == ["user:u1:pref_lang"]
+    assert keys("subject=u2") == ["user:u2:pref_lang"]
+    assert keys("tag=lang") == ["user:u1:pref_lang"]
+    assert keys("category=task") == ["task:t1:status", "task:t2:status"]
+    assert keys("expiry=soon") == ["task:t1:status"]
+    assert keys("expiry=expired") == ["task:t2:status"]
+    assert keys("q=weekly") == ["task:t1:status"]
+    assert keys("q=u2") == ["user:u2:pref_lang"]
