@@ -32,12 +32,15 @@ def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
     raw = (raw or "").strip()
     if not raw:
         return None
-    moment = parse_datetime(raw.replace(" ", "T"))
-    if moment is None:
-        day = parse_date(raw)
-        if day is None:
-            raise ValueError(raw)
+    try:
+        day = parse_date(raw)  # (parse_datetime would read a bare date as its midnight)
+        moment = None if day else parse_datetime(raw.replace(" ", "T"))
+    except ValueError:
+        raise ValueError(raw) from None
+    if day is not None:
         moment = datetime.combine(day, time.max if end_of_day else time.min)
+    elif moment is None:
+        raise ValueError(raw)
     if timezone.is_naive(moment):
         moment = timezone.make_aware(moment)
     return moment

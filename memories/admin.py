@@ -12,6 +12,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
+from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.db.models import Case, IntegerField, OuterRef, Q, Subquery, Value, When
 from django.http import Http404, HttpResponseRedirect
@@ -897,6 +898,12 @@ class MembershipForm(forms.ModelForm):
         model = Membership
         fields = ("tenant", "role")
 
+    def clean_username(self):
+        username = self.cleaned_data["username"]
+        if not get_user_model().objects.filter(username=username).exists():
+            raise forms.ValidationError(f"No user named {username!r}: create the user first.")
+        return username
+
     def _post_clean(self):
         pass  # membership_set validates and stores it
 
@@ -930,7 +937,7 @@ class MembershipAdmin(TenantScopedAdmin):
         membership = staff.membership_set(
             tenant=tenant, actor=actor_for(request, tenant.pk), username=username, role=form.cleaned_data["role"]
         )
-        obj.pk = membership.pk
+        obj.pk, obj.user, obj.tenant, obj.created_at = membership.pk, membership.user, tenant, membership.created_at
 
     def delete_model(self, request, obj):
         staff.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)

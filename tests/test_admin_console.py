@@ -1,0 +1,351 @@
+"""API keys, memberships, the forget-request queue, the dashboard and the audit log in the
+admin; and compliance reviewers never receive a memory value from any admin page."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.urls import reverse
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from memories import services
+from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
+from memories.models import ApiKey, ForgetRequest, Membership, hash_api_key
+from tests.admin_fixtures import ROLES, logged_in, make_staff, write
+from tests.conftest import SYSTEM, make_key
+
+pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
+
+CANARY = "CANARY-value-compliance-5b1e"
+
+
+# --- API keys -------------------------------------------------------------------------------
+
+
+def test_admin_creates_a_key_shown_once_with_a_copy_button(tenant_a, staff_clients, client):
+    user, admin_client = staff_clients["admin"]
+    response = admin_client.post(
+        "/admin/memories/apikey/add/",
+        {
+            "tenant": tenant_a.pk,
+            "name": "support-bot",
+            "scopes": ["memory:read", "memory:search"],
+            "allowed_prefixes": "user:u10086:\n",
+            "expires_in_days": "30",
+        },
+    )
+    assert response.status_code == 200, response.content.decode()[:2000]
+    body = response.content.decode()
+    raw = re.search(r'id="new-api-key"[^>]*value="(zm_[^"]+)"', body).group(1)
+    assert 'id="copy-api-key"' in body and "no-store" in response["Cache-Control"]
+    key = ApiKey.objects.get(tenant=tenant_a, name="support-bot")
+    assert key.key_hash == hash_api_key(raw) and raw.startswith(key.display_prefix + "_")
+    assert (key.scopes, key.allowed_prefixes, key.created_by) == (
+        ["memory:read", "memory:search"],
+        ["user:u10086:"],
+        user,
+    )
+    assert key.expires_at > timezone.now() + timedelta(days=29)
+    # shown once: the key's page and the list show only the public prefix
+    for url in (f"/admin/memories/apikey/{key.pk}/change/", "/admin/memories/apikey/"):
+        page = admin_client.get(url).content.decode()
+        assert key.display_prefix in page and raw not in page
+    (event,) = AuditEvent.objects.filter(tenant=tenant_a, action="api_key.create", actor_kind="staff")
+    assert event.target == key.display_prefix and raw not in str(event.detail)
+    # and it works
+    used = client.get("/api/v1/memories", headers={"Authorization": f"Bearer {raw}"})
+    assert used.status_code == 200
+
+
+def test_key_form_rejects_a_bad_prefix_with_a_clear_error(tenant_a, staff_clients):
+    _user, client = staff_clients["admin"]
+    response = client.post(
+        "/admin/memories/apikey/add/",
+        {"tenant": tenant_a.pk, "name": "x", "scopes": ["memory:read"], "allowed_prefixes": "bad prefix"},
+    )
+    assert response.status_code == 200
+    assert "allowed_prefixes" in response.context["adminform"].form.errors
+    assert not ApiKey.objects.filter(tenant=tenant_a).exists()
+
+
+def test_admin_revokes_a_key_and_sees_last_used(tenant_a, staff_clients, client):
+    key, raw = make_key(tenant_a, name="old-bot")
+    client.get("/api/v1/memories", headers={"Authorization": f"Bearer {raw}"})
+    _user, admin_client = staff_clients["admin"]
+    listing = admin_client.get("/admin/memories/apikey/")
+    key.refresh_from_db()
+    assert key.last_used_at is not None
+    assert "active" in listing.content.decode()
+    admin_client.post("/admin/memories/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    assert client.get("/api/v1/memories", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="api_key.revoke", actor_kind="staff").count() == 1
+
+
+# --- memberships -----------------------------------------------------------------------------
+
+
+def test_admin_adds_changes_and_removes_members_through_the_service(tenant_a, staff_clients):
+    _user, client = staff_clients["admin"]
+    newcomer = get_user_model().objects.create_user(username="newcomer", password="x")
+    response = client.post(
+        "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "newcomer", "role": "viewer"}
+    )
+    assert response.status_code == 302, response.content.decode()[:1500]
+    membership = Membership.objects.get(tenant=tenant_a, user=newcomer)
+    newcomer.refresh_from_db()
+    assert membership.role == "viewer" and newcomer.is_staff
+    client.post(f"/admin/memories/membership/{membership.pk}/change/", {"role": "support"})
+    membership.refresh_from_db()
+    assert membership.role == "support"
+    client.post(f"/admin/memories/membership/{membership.pk}/delete/", {"post": "yes"})
+    assert not Membership.objects.filter(pk=membership.pk).exists()
+    events = AuditEvent.objects.filter(tenant=tenant_a, actor_kind="staff", action__startswith="membership.")
+    assert [(e.action, e.target, e.detail.get("role")) for e in events.order_by("pk")] == [
+        ("membership.set", "newcomer", "viewer"),
+        ("membership.set", "newcomer", "support"),
+        ("membership.remove", "newcomer", "support"),
+    ]
+
+
+def test_membership_for_an_unknown_user_is_a_clear_error(tenant_a, staff_clients):
+    _user, client = staff_clients["admin"]
+    response = client.post(
+        "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "nobody", "role": "viewer"}
+    )
+    errors = response.context["adminform"].form.errors
+    assert errors["username"] == ["No user named 'nobody': create the user first."]
+    assert not Membership.objects.filter(user__username="nobody").exists()
+
+
+def test_an_admin_cannot_add_members_to_a_tenant_they_do_not_administer(tenant_a, tenant_b, staff_clients):
+    _user, client = staff_clients["admin"]
+    get_user_model().objects.create_user(username="spy", password="x")
+    response = client.post(
+        "/admin/memories/membership/add/", {"tenant": tenant_b.pk, "username": "spy", "role": "admin"}
+    )
+    assert response.status_code == 200  # the tenant is not a valid choice
+    assert "tenant" in response.context["adminform"].form.errors
+    assert not Membership.objects.filter(tenant=tenant_b).exists()
+
+
+# --- forget requests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["support", "compliance", "admin"])
+def test_staff_files_a_forget_request_for_a_subject_and_sees_the_receipt(
+    role, tenant_a, staff_clients, django_capture_on_commit_callbacks
+):
+    write(tenant_a, "user:u10086:pref_lang", CANARY)
+    write(tenant_a, "user:u10086:diet", "vegan")
+    write(tenant_a, "user:u2:pref_lang", "en")
+    user, client = staff_clients[role]
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(
+            "/admin/memories/forgetrequest/add/",
+            {"tenant": tenant_a.pk, "subject": "u10086", "reason": "GDPR art. 17 request by email", "due_in_days": 7},
+        )
+    request = ForgetRequest.objects.get(tenant=tenant_a)
+    assert response.status_code == 302 and response["Location"] == reverse(
+        "admin:memories_forgetrequest_change", args=[request.pk]
+    )
+    assert (request.subject, request.reason, request.requested_by_kind, request.requested_by) == (
+        "u10086",
+        "GDPR art. 17 request by email",
+        "staff",
+        str(user.pk),
+    )
+    page = client.get(response["Location"]).content.decode()
+    assert "completed" in page and "&quot;memories&quot;: 2" in page and user.username in page
+    assert CANARY not in page
+
+
+def test_viewer_cannot_file_a_forget_request(tenant_a, staff_clients):
+    _user, client = staff_clients["viewer"]
+    response = client.post(
+        "/admin/memories/forgetrequest/add/", {"tenant": tenant_a.pk, "subject": "u1", "reason": "x", "due_in_days": 7}
+    )
+    assert response.status_code == 403 and not ForgetRequest.objects.exists()
+
+
+def test_forget_request_form_errors_name_the_field(tenant_a, staff_clients):
+    _user, client = staff_clients["support"]
+    response = client.post(
+        "/admin/memories/forgetrequest/add/",
+        {"tenant": tenant_a.pk, "subject": "", "reason": "x", "due_in_days": 45},
+    )
+    errors = response.context["adminform"].form.errors
+    assert set(errors) == {"subject", "due_in_days"} and not ForgetRequest.objects.exists()
+
+
+def test_forget_queue_lists_overdue_first_then_by_due_date(tenant_a, staff_clients):
+    now = timezone.now()
+    made = {}
+    for name, days, status in (
+        ("done", -5, "completed"),
+        ("later", 20, "received"),
+        ("late", -1, "received"),
+        ("soon", 2, "running"),
+    ):
+        fr = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject=name, reason=name)
+        ForgetRequest.objects.filter(pk=fr.pk).update(due_at=now + timedelta(days=days), status=status)
+        made[name] = fr.pk
+    _user, client = staff_clients["compliance"]
+    rows = client.get("/admin/memories/forgetrequest/").context["cl"].result_list
+    assert [r.subject for r in rows] == ["late", "soon", "later", "done"]
+    overdue = client.get("/admin/memories/forgetrequest/?overdue=yes").context["cl"].result_list
+    assert [r.subject for r in overdue] == ["late"]
+
+
+# --- dashboard -------------------------------------------------------------------------------
+
+
+def test_dashboard_charts_and_figures_per_tenant(tenant_a, tenant_b, staff_clients, api):
+    write(tenant_a, "user:u1:pref_lang", "en")
+    write(tenant_a, "user:u1:diet", "vegan and no nuts at all, please")
+    write(tenant_a, "task:t1:status", "done", ttl_seconds=3600)
+    write(tenant_b, "user:u9:pref_lang", "fr")
+    for _ in range(3):
+        api.call("memory_read", key="user:u1:pref_lang")
+    api.call("memory_read", key="user:u1:missing")
+    late = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u5", reason="x")
+    ForgetRequest.objects.filter(pk=late.pk).update(due_at=timezone.now() - timedelta(days=1))
+    _user, client = staff_clients["compliance"]
+    response = client.get(f"/admin/memories/tenant/{tenant_a.pk}/dashboard/")
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert body.count("<svg") >= 3 and "http://" not in body.split("<svg", 1)[1].split("</svg>")[0]
+    assert 'aria-label="memories by category"' in body and "<title>user: 2</title>" in body
+    assert "<title>user:u1: 2</title>" in body and "<title>task:t1: 1</title>" in body
+    assert re.search(r'class="ops-reads">3<', body) and re.search(r'class="ops-misses">1<', body)
+    assert re.search(r'class="zm-figure forget-open">1<', body)
+    assert re.search(r'class="zm-figure forget-overdue"[^>]*>1<', body)
+    assert "u9" not in body  # tenant B's data stays out
+    tokens = response.context["tokens"]
+    assert tokens["reads"] == 3 and tokens["saved"] == 3 * tokens["per_read"]
+    # compliance sees figures, never the expiring keys' links into memories
+    assert response.context["expiring_count"] == 1 and "task:t1:status</a>" not in body
+
+
+def test_dashboard_uses_no_external_assets(tenant_a, staff_clients):
+    _user, client = staff_clients["viewer"]
+    body = client.get(f"/admin/memories/tenant/{tenant_a.pk}/dashboard/").content.decode()
+    assert not re.search(r'(src|href)="(https?:)?//', body)
+
+
+# --- audit log -------------------------------------------------------------------------------
+
+
+def test_audit_log_filters(tenant_a, staff_clients):
+    user, support = staff_clients["support"]
+    memory = write(tenant_a, "user:u10086:pref_lang", "en")
+    support.get(f"/admin/memories/memory/{memory.pk}/change/")
+    services.memory_read(tenant=tenant_a, actor=SYSTEM, key="user:u404:x")
+    _user, client = staff_clients["compliance"]
+
+    def actions(query):
+        response = client.get(f"/admin/audit/auditevent/?{query}")
+        assert response.status_code == 200, query
+        return [e.action for e in response.context["cl"].result_list]
+
+    assert actions(f"actor={user.username}") == ["memory.view"]
+    assert actions(f"actor={user.pk}") == ["memory.view"]
+    assert actions("action=memory.write") == ["memory.write"]
+    assert actions("key_prefix=user:u10086:") == ["memory.view", "memory.write"]
+    assert actions("subject=u10086") == ["memory.view", "memory.write"]
+    assert actions("outcome=not_found") == ["memory.read"]
+    today = timezone.localdate().isoformat()
+    assert "memory.view" in actions(f"since={today}&until={today}")
+    assert actions("since=2000-01-01&until=2000-01-02") == []
+    assert actions("since=yesterday-ish") == []  # a bad date selects nothing, with a message
+
+
+def test_audit_changelist_does_not_count_the_whole_table(tenant_a, staff_clients, django_assert_max_num_queries):
+    for i in range(5):
+        write(tenant_a, f"user:u{i}:k", "v")
+    _user, client = staff_clients["compliance"]
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as queries:
+        assert client.get("/admin/audit/auditevent/").status_code == 200
+    counts = [
+        q["sql"] for q in queries.captured_queries if "COUNT(" in q["sql"].upper() and "audit_auditevent" in q["sql"]
+    ]
+    assert counts and all("LIMIT" in sql.upper() for sql in counts), counts
+
+
+# --- compliance never receives a value ---------------------------------------------------------
+
+
+def test_compliance_never_receives_a_memory_value_from_any_admin_page(
+    tenant_a, staff_clients, django_capture_on_commit_callbacks
+):
+    memory = write(tenant_a, "user:u10086:pref_lang", f"{CANARY} v1", tags=["lang"])
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key=memory.key, value=f"{CANARY} v2")
+    trashed = write(tenant_a, "user:u10086:old", f"{CANARY} trashed")
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=trashed.key)
+    _s, support = staff_clients["support"]
+    support.get(f"/admin/memories/memory/{memory.pk}/change/")
+    support.get(f"/admin/memories/memory/{memory.pk}/history/")
+    with django_capture_on_commit_callbacks(execute=True):
+        fr = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, keys=[trashed.key], reason="x")
+    _c, client = staff_clients["compliance"]
+    event_ids = list(AuditEvent.objects.filter(tenant=tenant_a).values_list("pk", flat=True))
+    urls = [
+        "/admin/",
+        "/admin/memories/",
+        "/admin/audit/",
+        f"/admin/memories/tenant/{tenant_a.pk}/dashboard/",
+        "/admin/memories/tenant/",
+        f"/admin/memories/tenant/{tenant_a.pk}/change/",
+        "/admin/audit/auditevent/",
+        "/admin/audit/auditevent/?q=CANARY",
+        "/admin/memories/forgetrequest/",
+        f"/admin/memories/forgetrequest/{fr.pk}/change/",
+        "/admin/memories/forgetrequest/add/",
+        "/admin/memories/memory/",
+        "/admin/memories/memory/?q=CANARY",
+        "/admin/memories/memory/?state=trash",
+        f"/admin/memories/memory/{memory.pk}/change/",
+        f"/admin/memories/memory/{memory.pk}/history/",
+        f"/admin/memories/memory/{trashed.pk}/change/",
+        "/admin/autocomplete/?app_label=memories&model_name=memory&field_name=tenant&term=",
+        "/admin/jsi18n/",
+        *[f"/admin/audit/auditevent/{pk}/change/" for pk in event_ids],
+    ]
+    seen_ok = 0
+    for url in urls:
+        response = client.get(url)
+        body = b"".join(response.streaming_content) if response.streaming else response.content
+        assert CANARY.encode() not in body, url
+        seen_ok += response.status_code == 200
+    assert seen_ok >= 10 + len(event_ids)  # the audit trail itself is open to compliance
+    # the audit trail names the steps (and the staff user) without any value
+    trail = client.get("/admin/audit/auditevent/?key_prefix=user:u10086:pref_lang").context["cl"].result_list
+    assert {e.action for e in trail} >= {"memory.write", "memory.update", "memory.view", "memory.history"}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_every_role_gets_an_index_and_a_dashboard_of_its_tenant(role, tenant_a, staff_clients):
+    _user, client = staff_clients[role]
+    index = client.get("/admin/").content.decode()
+    assert reverse("admin:memories_tenant_dashboard", args=[tenant_a.pk]) in index
+    assert client.get(f"/admin/memories/tenant/{tenant_a.pk}/dashboard/").status_code == 200
+
+
+def test_a_member_of_two_tenants_acts_with_each_tenants_role(tenant_a, tenant_b):
+    user = make_staff(tenant_a, "support", "two-hats")
+    Membership.objects.create(tenant=tenant_b, user=user, role="compliance")
+    mine = write(tenant_a, "user:u1:k", "a-value")
+    theirs = write(tenant_b, "user:u2:k", f"{CANARY} b-value")
+    client = logged_in(user)
+    assert client.get(f"/admin/memories/memory/{mine.pk}/change/").status_code == 200
+    response = client.get(f"/admin/memories/memory/{theirs.pk}/change/")
+    assert response.status_code == 404 and CANARY.encode() not in response.content
+    assert client.get(f"/admin/audit/auditevent/?tenant={tenant_b.pk}").status_code == 200
