@@ -4,9 +4,9 @@ The routes are not listed by hand: they are read from the URL resolver
 (``get_resolver().url_patterns``, walked recursively), and ``ROUTES`` below only says what
 each one is. A route the table does not classify fails ``test_every_route_is_classified``
 (and a table row whose route is gone fails it too), so a new endpoint cannot ship without
-its row. The admin (``/admin/...``) is out of scope for now: its built-in pages and the
-ModelAdmins of ``auth`` and ``django_q`` are classified as such, and any other ModelAdmin
-(e.g. one for memories or audit events) is *unclassified* and fails the same test.
+its row. Admin routes (``/admin/...``) are the admin matrix's, with staff users of each
+role and of another tenant (tests/test_authorization_matrix_admin.py); an admin route that
+matrix does not classify fails the same test.
 
 Identities (built once for the module by the ``identities`` fixture, inside a transaction
 rolled back at the end; each cell runs in its own nested, rolled-back transaction):
@@ -303,28 +303,6 @@ ROUTES: dict[str, Route] = {
     ),
 }
 
-# Out of scope for now: the admin site's own pages and the ModelAdmins Django and django-q2
-# register themselves. Any other admin route (a ModelAdmin of ours) is unclassified.
-ADMIN_SITE_PAGES = {
-    "index",
-    "login",
-    "logout",
-    "password_change",
-    "password_change_done",
-    "autocomplete",
-    "jsi18n",
-    "view_on_site",
-}
-ADMIN_OUT_OF_SCOPE_MODELS = {
-    "auth/group",
-    "auth/user",
-    "django_q/schedule",
-    "django_q/success",
-    "django_q/failure",
-    "django_q/ormq",
-}
-ADMIN_OUT_OF_SCOPE_APPS = {"auth", "django_q"}
-
 # Values for URL parameters: every <key> names tenant A's target memory.
 URL_PARAMETERS = {"key": TARGET, "job_id": 0}  # job_id: the owner's job, set by Identities
 URL_PARAMETERS["request_id"] = 0  # the owner's forget request, set by Identities
@@ -355,19 +333,14 @@ def walk(patterns, prefix: str = "", namespace: str = "") -> Iterator[ResolvedRo
 
 
 def classify(r: ResolvedRoute) -> str | None:
-    """'api' for a matrix route, 'admin' for the out-of-scope admin, None if unclassified."""
+    """'api' for a route of this matrix, 'admin' for an admin route that the admin matrix
+    (tests/test_authorization_matrix_admin.py) classifies, None if unclassified."""
     if r.route in ROUTES:
         return "api"
     if r.route.startswith("admin/"):
-        rest = r.route[len("admin/") :]
-        short_name = (r.name or "").rsplit(":", 1)[-1]
-        if short_name in ADMIN_SITE_PAGES or rest == "(?P<url>.*)$":
-            return "admin"
-        if short_name == "app_list":
-            apps = re.search(r"\(\?P<app_label>([^)]*)\)", rest)
-            return "admin" if apps and set(apps.group(1).split("|")) <= ADMIN_OUT_OF_SCOPE_APPS else None
-        if any(rest.startswith(model + "/") for model in ADMIN_OUT_OF_SCOPE_MODELS):
-            return "admin"
+        from tests.test_authorization_matrix_admin import admin_route_kind
+
+        return "admin" if admin_route_kind(r) else None
     return None
 
 
