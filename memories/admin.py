@@ -345,6 +345,7 @@ class MemoryAdmin(TenantScopedAdmin):
     search_help_text = "Search keys and the words of values."
     ordering = ("key",)
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 50
     actions = ("forget_selected", "extend_ttl", "move_to_trash", "restore_from_trash")
     autocomplete_fields = ("tenant",)
@@ -564,7 +565,15 @@ class MemoryAdmin(TenantScopedAdmin):
                 continue
             link = reverse("admin:memories_forgetrequest_change", args=[fr.pk])
             self.message_user(
-                request, format_html('Forget request <a href="{}">#{}</a> filed for {} keys.', link, fr.pk, len(keys))
+                request,
+                format_html(
+                    'Forget request <a href="{}">#{}</a> filed for {} key{}.',
+                    link,
+                    fr.pk,
+                    len(keys),
+                    "" if len(keys) == 1 else "s",
+                ),
+                messages.SUCCESS,
             )
 
     @admin.action(permissions=["edit"], description="Extend TTL (expire that many days from now)")
