@@ -53,7 +53,9 @@ class TenantAdmin(TenantScopedAdmin):
     search_fields = ("slug", "name")
     ordering = ("slug",)
     fields = ("slug", "name", "value_max_bytes", "trash_retention_days", "created_at")
-    readonly_fields = ("created_at",)
+
+    def get_readonly_fields(self, request, obj=None):
+        return ("slug", "created_at") if obj else ("created_at",)
 
     def has_add_permission(self, request):
         return request.user.is_active and request.user.is_superuser
@@ -86,7 +88,14 @@ class TenantAdmin(TenantScopedAdmin):
 
     def save_model(self, request, obj, form, change):
         if change:
-            super().save_model(request, obj, form, change)
+            original = Tenant.objects.get(pk=obj.pk)  # form.save() already set the new values on obj
+            staff.tenant_settings_update(
+                tenant=original,
+                actor=actor_for(request, obj.pk),
+                name=form.cleaned_data["name"],
+                value_max_bytes=form.cleaned_data.get("value_max_bytes"),
+                trash_retention_days=form.cleaned_data.get("trash_retention_days"),
+            )
             return
         created = services.tenant_create(actor=actor_for(request, 0), slug=obj.slug, name=obj.name)
         obj.pk = created.pk
@@ -213,7 +222,7 @@ class KeyTreeFilter(admin.SimpleListFilter):
             lookups.append((parent + ":" if parent else "", f"↑ {parent + ':' if parent else 'top'}"))
             lookups.append((prefix, f"● {prefix}"))
         lookups.extend((child, child) for child in children)
-        return [(value, label) for value, label in lookups if value != ""] or [(prefix or "_", prefix or "")]
+        return [(value, label) for value, label in lookups if value != ""]
 
     def queryset(self, request, queryset):
         return queryset.filter(key__startswith=self.value()) if self.value() else queryset
@@ -416,14 +425,6 @@ class MemoryAdmin(TenantScopedAdmin):
                 raise PermissionDenied from None
         extra_context = {**(extra_context or {}), "show_history_link": True}
         return super().change_view(request, object_id, form_url, extra_context)
-
-    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
-        try:
-            return super().changeform_view(request, object_id, form_url, extra_context)
-        except ServiceError as exc:
-            # A refusal the form could not foresee (a concurrent write): nothing was saved.
-            self.message_user(request, _service_error_text(exc), messages.ERROR)
-            return HttpResponseRedirect(request.get_full_path())
 
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data
@@ -750,13 +751,6 @@ class ForgetRequestAdmin(TenantScopedAdmin):
         )
         obj.pk = created.pk
 
-    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
-        try:
-            return super().changeform_view(request, object_id, form_url, extra_context)
-        except ServiceError as exc:
-            self.message_user(request, _service_error_text(exc), messages.ERROR)
-            return HttpResponseRedirect(request.get_full_path())
-
     def log_addition(self, request, obj, message):
         return None  # audited by forget_request_create
 
@@ -868,13 +862,6 @@ class ApiKeyAdmin(TenantScopedAdmin):
         obj.pk = key.pk
         obj._raw_key = raw
 
-    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
-        try:
-            return super().changeform_view(request, object_id, form_url, extra_context)
-        except ServiceError as exc:
-            self.message_user(request, _service_error_text(exc), messages.ERROR)
-            return HttpResponseRedirect(request.get_full_path())
-
     def log_addition(self, request, obj, message):
         return None  # audited by api_key_create
 
@@ -954,13 +941,6 @@ class MembershipAdmin(TenantScopedAdmin):
     def delete_queryset(self, request, queryset):
         for membership in queryset.filter(tenant_id__in=tenant_ids_with(request, "members.manage")):
             self.delete_model(request, membership)
-
-    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
-        try:
-            return super().changeform_view(request, object_id, form_url, extra_context)
-        except ServiceError as exc:
-            self.message_user(request, _service_error_text(exc), messages.ERROR)
-            return HttpResponseRedirect(request.get_full_path())
 
 
 admin.site.register(Membership, MembershipAdmin)

@@ -349,3 +349,22 @@ def test_a_member_of_two_tenants_acts_with_each_tenants_role(tenant_a, tenant_b)
     response = client.get(f"/admin/memories/memory/{theirs.pk}/change/")
     assert response.status_code == 404 and CANARY.encode() not in response.content
     assert client.get(f"/admin/audit/auditevent/?tenant={tenant_b.pk}").status_code == 200
+
+
+def test_superuser_changes_tenant_settings_through_an_audited_service(tenant_a, superuser_client, staff_clients):
+    user, client = superuser_client
+    response = client.post(
+        f"/admin/memories/tenant/{tenant_a.pk}/change/",
+        {"slug": "renamed", "name": "Acme Corporation", "value_max_bytes": "4096", "trash_retention_days": ""},
+    )
+    assert response.status_code == 302, response.content.decode()[:1500]
+    tenant_a.refresh_from_db()
+    assert (tenant_a.slug, tenant_a.name, tenant_a.value_max_bytes) == ("acme", "Acme Corporation", 4096)
+    (event,) = AuditEvent.objects.filter(tenant=tenant_a, action="tenant.update")
+    assert (event.actor_id, event.detail) == (str(user.pk), {"changed": ["name", "value_max_bytes"]})
+    # a tenant admin may not change them
+    _admin, admin_client = staff_clients["admin"]
+    response = admin_client.post(f"/admin/memories/tenant/{tenant_a.pk}/change/", {"name": "Hijacked"})
+    assert response.status_code == 403
+    tenant_a.refresh_from_db()
+    assert tenant_a.name == "Acme Corporation"

@@ -10,12 +10,13 @@ choices and autocomplete. Another tenant's object — or one the role may not op
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.paginator import Paginator
-from django.http import Http404
+from django.http import Http404, HttpResponseRedirect
 from django.utils.functional import cached_property
 
 from memories.api.auth import client_ip
+from memories.errors import ServiceError
 from memories.models import Membership, Tenant
 from memories.permissions import Actor, staff_actor
 
@@ -155,6 +156,16 @@ class TenantScopedAdmin(admin.ModelAdmin):
             # the same: a 404, not the admin's "does not exist" redirect.
             raise Http404("no such object")
         return obj
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        try:
+            return super().changeform_view(request, object_id, form_url, extra_context)
+        except ServiceError as exc:
+            # A refusal the form could not foresee (e.g. a concurrent write). The admin's
+            # transaction was rolled back, so nothing was saved; say why and start over.
+            text = f"{exc.field}: {exc.message}" if exc.field else exc.message
+            self.message_user(request, text, messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         if db_field.related_model is Tenant:

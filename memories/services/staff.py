@@ -192,3 +192,36 @@ def _pk(raw: Any) -> int:
     except (TypeError, ValueError):
         return 0
     return pk if 0 < pk < 2**63 else 0
+
+
+def tenant_settings_update(*, tenant: Tenant, actor: Actor, name: Any, value_max_bytes: Any, trash_retention_days: Any):
+    """Change a tenant's name and limits (the admin's Tenant page; superusers only, which the
+    admin checks). Audited as ``tenant.update`` with the fields that changed."""
+    with _operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug):
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise InvalidInput("must be 1-200 characters", field="name")
+        for field, raw in (("value_max_bytes", value_max_bytes), ("trash_retention_days", trash_retention_days)):
+            if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
+                raise InvalidInput("must be a positive whole number or empty", field=field)
+        changes = {
+            field: new
+            for field, new in (
+                ("name", name),
+                ("value_max_bytes", value_max_bytes),
+                ("trash_retention_days", trash_retention_days),
+            )
+            if getattr(tenant, field) != new
+        }
+        if changes:
+            Tenant.objects.filter(pk=tenant.pk).update(**changes)
+            for field, new in changes.items():
+                setattr(tenant, field, new)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="tenant.update",
+            target=tenant.slug,
+            outcome=Outcome.OK,
+            detail={"changed": sorted(changes)},
+        )
+        return tenant
