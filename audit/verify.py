@@ -202,7 +202,9 @@ def _check_checkpoint(checkpoint: dict, by_seq: dict[int, str], result: VerifyRe
     if seq not in by_seq:
         head = result.head.seq if result.head else 0
         result.problems.append(
-            Problem(f"the checkpoint names seal {seq} but the chain ends at seal {head}: its tail was cut off", seal=seq)
+            Problem(
+                f"the checkpoint names seal {seq} but the chain ends at seal {head}: its tail was cut off", seal=seq
+            )
         )
     elif by_seq[seq] != checkpoint.get("head_hash"):
         result.problems.append(Problem("differs from the kept checkpoint (hash mismatch)", seal=seq))

@@ -27,9 +27,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, tenant=None, out=None, **options):
         actor = Actor.system(job="audit_checkpoint")
-        items = [
-            audit_checkpoint_create(tenant=t, actor=actor).as_dict() for _, t in chains(tenant) if t is not None
-        ]
+        items = [audit_checkpoint_create(tenant=t, actor=actor).as_dict() for _, t in chains(tenant) if t is not None]
         text = json.dumps(items[0] if tenant else items, indent=2)
         if out:
             Path(out).write_text(text + "\n")

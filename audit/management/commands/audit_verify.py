@@ -76,8 +76,6 @@ def _as_json(label: str, result, rate: float) -> str:
             "purged_seals": result.purged_seals,
             "unsealed": result.unsealed,
             "events_per_second": round(rate),
-            "problems": [
-                {"event": p.event_id, "seal": p.seal, "message": p.message} for p in result.problems
-            ],
+            "problems": [{"event": p.event_id, "seal": p.seal, "message": p.message} for p in result.problems],
         }
     )
