@@ -13,10 +13,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -25,6 +25,11 @@ from django.utils import timezone
 
 from audit import chain
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
+from audit.selectors import AuditFilters, audit_events
+from memories import validation
+from memories.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
+from memories.models import Scope
+from memories.permissions import require_scope
 
 if TYPE_CHECKING:
     from memories.models import Tenant
@@ -89,6 +94,34 @@ def audit_record(
         "detail": _storable(detail or {}),
     }
     return AuditEvent.objects.create(**fields, digest=chain.digest(fields))
+
+
+def _outcome_of(exc: ServiceError) -> str:
+    if isinstance(exc, Forbidden):
+        return AuditEvent.Outcome.DENIED
+    if isinstance(exc, PreconditionFailed):
+        return AuditEvent.Outcome.PRECONDITION_FAILED
+    return AuditEvent.Outcome.INVALID
+
+
+@contextmanager
+def audited_operation(*, tenant: Tenant | None, actor: Actor, action: str, target: Any = "") -> Iterator[None]:
+    """One transaction for a service operation; a refused call (bad input, missing scope,
+    forbidden key) is rolled back — it changes nothing — and then audited on its own."""
+    try:
+        with transaction.atomic():
+            yield
+    except ServiceError as exc:
+        exc.audited = True
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action=action,
+            target=target if isinstance(target, str) else "",
+            outcome=_outcome_of(exc),
+            detail={"code": exc.code, "field": exc.field},
+        )
+        raise
 
 
 def event_fields(row: dict) -> dict:
@@ -207,7 +240,14 @@ def _checkpoint(*, tenant_id: int | None, reason: str, purged_through: int | Non
 
 def audit_checkpoint_create(*, tenant: Tenant, actor: Actor) -> AuditCheckpoint:
     """Seal the tail, then record the chain head: the checkpoint to keep outside the
-    database (``manage.py audit_checkpoint`` prints it). Audited."""
+    database (``manage.py audit_checkpoint`` prints it). Scope ``audit:read``, and no key
+    allowlist: the head covers the whole tenant's log. Audited."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.checkpoint"):
+        require_scope(actor, Scope.AUDIT_READ)
+        if actor.allowed_prefixes:
+            raise Forbidden(
+                "a checkpoint covers the whole tenant; this key is limited to some prefixes", code="key_not_allowed"
+            )
     audit_seal(tenant_id=tenant.pk)
     with transaction.atomic():
         checkpoint = _checkpoint(tenant_id=tenant.pk, reason=AuditCheckpoint.Reason.EXPORT)
@@ -367,3 +407,67 @@ def audit_purge_all(*, now=None) -> dict:
     from memories.models import Tenant
 
     return {t.slug: audit_purge(tenant=t, now=now)["events"] for t in Tenant.objects.order_by("pk")}
+
+
+# --- reading the log (compliance review) ----------------------------------------------------
+
+
+def _reader_prefixes(actor: Actor, key_prefix: str | None) -> list[str] | None:
+    # A key limited to some prefixes sees only events about keys under them.
+    return actor.prefix_filters(key_prefix or "") if actor.allowed_prefixes else None
+
+
+def audit_event_list(
+    *, tenant: Tenant, actor: Actor, filters: AuditFilters, limit=None, cursor=None
+) -> tuple[list[AuditEvent], str | None]:
+    """Newest first, keyset-paginated on the id. Scope ``audit:read``; the reading is itself
+    an ``audit.list`` event. Cost: one index range scan, limit + 1 rows, one INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or ""):
+        require_scope(actor, Scope.AUDIT_READ)
+        limit = validation.limit(limit, default=50)
+        before = None
+        if cursor not in (None, ""):
+            text = validation.decode_cursor(cursor)
+            if not text or not text.isdigit() or not 1 <= int(text) <= 2**63 - 1:
+                raise InvalidInput("is not a cursor this API returned", field="cursor", code="invalid_cursor")
+            before = int(text)
+        qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
+        if before is not None:
+            qs = qs.filter(pk__lt=before)
+        rows = list(qs[: limit + 1])
+        next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
+        rows = rows[:limit]
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="audit.list",
+            outcome=AuditEvent.Outcome.OK,
+            target=filters.key_prefix or "",
+            subject=filters.subject or "",
+            count=len(rows),
+            detail=filters.as_detail(),
+        )
+        return rows, next_cursor
+
+
+def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, fmt: str):
+    """Check the reader may export, record the ``audit.export`` event (committed before the
+    first row is sent: an export the client abandons halfway was still an export) and
+    return the queryset to stream. Scope ``audit:read``."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.export", target=filters.key_prefix or ""):
+        require_scope(actor, Scope.AUDIT_READ)
+        if fmt not in EXPORT_FORMATS:
+            raise InvalidInput(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="audit.export",
+            outcome=AuditEvent.Outcome.OK,
+            target=filters.key_prefix or "",
+            subject=filters.subject or "",
+            detail={**filters.as_detail(), "format": fmt},
+        )
+    return audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
+
+
+EXPORT_FORMATS = ("csv", "jsonl")
