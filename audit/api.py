@@ -17,9 +17,7 @@ from memories.api.views import ERRORS, AuditedAPIView
 
 TEXT = {"type": "string", "maxLength": TEXT_MAX_LEN, "pattern": NO_CONTROL_CHARS}
 FILTER_PARAMS = [
-    OpenApiParameter(
-        "since", {"type": "string", "format": "date-time"}, description="occurred at or after (ISO 8601)"
-    ),
+    OpenApiParameter("since", {"type": "string", "format": "date-time"}, description="occurred at or after (ISO 8601)"),
     OpenApiParameter("until", {"type": "string", "format": "date-time"}, description="occurred before (ISO 8601)"),
     OpenApiParameter("actor", TEXT, description="an actor's id or label: a key's zm_ prefix, a username"),
     OpenApiParameter("actor_kind", str, enum=AuditEvent.ActorKind.values),
