@@ -161,8 +161,8 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
     """Seal the tenant's unsealed events in id order, ``batch_size`` per seal, each seal its
     own short transaction. Returns how many events it sealed.
 
-    Cost per seal: one SELECT on the partial ``audit_unsealed`` index, one UPDATE per event
-    (pipelined), one seal INSERT.
+    Cost per seal: one SELECT on the partial ``audit_unsealed`` index, one UPDATE of the
+    batch (on PostgreSQL one statement over unnest()), a COUNT and one seal INSERT.
     """
     batch_size = batch_size or settings.ZEROMEM_AUDIT_SEAL_BATCH
     sealed = 0
@@ -184,10 +184,8 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
             links = []
             for event_id, event_digest in rows:
                 value = chain.link(value, event_id, event_digest)
-                links.append((seq, value, event_id))
-            table = AuditEvent._meta.db_table
-            with connection.cursor() as cursor:
-                cursor.executemany(f"UPDATE {table} SET seal = %s, chain = %s WHERE id = %s AND seal IS NULL", links)
+                links.append((event_id, value))
+            _store_links(seq, links)
             if AuditEvent.objects.filter(_tenant_q(tenant_id), seal=seq).count() != len(rows):
                 raise RuntimeError(f"sealing raced: events of seal {seq} changed underneath it")
             first, last = rows[0][0], rows[-1][0]
@@ -211,6 +209,24 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
                 ),
             )
         sealed += len(rows)
+
+
+def _store_links(seq: int, links: list[tuple[int, str]]) -> None:
+    table = AuditEvent._meta.db_table
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            # One statement for the whole batch (a 5000-row seal in one round trip).
+            cursor.execute(
+                f"""UPDATE {table} AS e SET seal = %s, chain = l.chain
+                    FROM unnest(%s::bigint[], %s::text[]) AS l(id, chain)
+                    WHERE e.id = l.id AND e.seal IS NULL""",
+                [seq, [i for i, _ in links], [c for _, c in links]],
+            )
+        else:
+            cursor.executemany(
+                f"UPDATE {table} SET seal = %s, chain = %s WHERE id = %s AND seal IS NULL",
+                [(seq, c, i) for i, c in links],
+            )
 
 
 def audit_seal_all(*, batch_size: int | None = None) -> dict:

@@ -214,7 +214,7 @@ ZEROMEM_AUDIT_KEY = env.str(
 # Audit events older than this are purged (whole sealed batches, after a checkpoint);
 # tenants may set their own (Tenant.audit_retention_days).
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)
-# Events per seal: the sealing job's batch (one transaction, one UPDATE per event).
+# Events per seal: the sealing job's batch (one transaction, one UPDATE statement).
 ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
 
 REST_FRAMEWORK = {
