@@ -3,21 +3,46 @@
 Rows hold who, what, when, from where, the outcome, counts and versions — never a memory
 value and never a key secret. They are written by ``audit.services.audit_record`` in the
 same transaction as the operation they describe.
+
+Tamper evidence (see ``audit/chain.py``) comes in two steps, so that no API request waits
+on a lock shared with other requests:
+
+1. On insert each event gets a keyed ``digest`` over its fields — the identifying fields
+   enter through a per-field commitment, so they can later be redacted without changing
+   the digest. Inserting is a plain INSERT, concurrent with every other one.
+2. A sealing job (every minute, and before a verification or purge) takes a tenant's
+   unsealed events in id order, links each to the previous one (``chain`` = HMAC of the
+   previous chain value and this event's id and digest) and closes the batch with an
+   :class:`AuditSeal` that links to the tenant's previous seal. Only sealers of the same
+   tenant wait for each other.
+
+On PostgreSQL a trigger (migration 0003) refuses UPDATE and DELETE of events and seals
+except the three maintenance paths, each of which leaves a record: sealing (sets
+``seal``/``chain`` once), redaction (replaces identifying fields, keeps their commitments)
+and the retention purge (deletes whole sealed batches after writing a checkpoint).
 """
 
+import uuid
+
 from django.db import models
+from django.db.models import Q
 from django.utils import timezone
 
 
-class AuditEventQuerySet(models.QuerySet):
+class AppendOnlyQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        raise TypeError("audit records are append-only")
+
+    def delete(self):
+        raise TypeError("audit records are append-only")
+
+
+class AuditEventQuerySet(AppendOnlyQuerySet):
     def for_tenant(self, tenant):
         return self.filter(tenant=tenant)
 
-    def update(self, **kwargs):
-        raise TypeError("audit events are append-only")
-
-    def delete(self):
-        raise TypeError("audit events are append-only")
+    def unsealed(self):
+        return self.filter(seal__isnull=True)
 
 
 class AuditEvent(models.Model):
@@ -39,6 +64,8 @@ class AuditEvent(models.Model):
 
     # Null only for failed authentication with a key that matches no tenant.
     tenant = models.ForeignKey("memories.Tenant", null=True, on_delete=models.PROTECT, related_name="+", db_index=False)
+    # Random, so that a copied row (same fields, new id) cannot reuse a valid digest.
+    uid = models.UUIDField(default=uuid.uuid4, editable=False)
     occurred_at = models.DateTimeField(default=timezone.now)
     actor_kind = models.CharField(max_length=16, choices=ActorKind.choices)
     actor_id = models.CharField(max_length=64, blank=True, default="")
@@ -56,6 +83,14 @@ class AuditEvent(models.Model):
     # Small structured extras (error code, missing scope, field). Never values.
     detail = models.JSONField(default=dict, blank=True)
 
+    # Tamper evidence (audit/chain.py). digest: keyed hash over the fields, set on insert.
+    digest = models.CharField(max_length=64, editable=False)
+    # Set once by the sealing job: the tenant's seal sequence number and the chain value.
+    seal = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    chain = models.CharField(max_length=64, blank=True, default="", editable=False)
+    # Redacted fields' commitments ({field: hex}); the field itself then holds a pseudonym.
+    redacted = models.JSONField(default=dict, blank=True, editable=False)
+
     objects = AuditEventQuerySet.as_manager()
 
     class Meta:
@@ -63,6 +98,9 @@ class AuditEvent(models.Model):
             models.Index(fields=["tenant", "occurred_at"], name="audit_tenant_time"),
             models.Index(fields=["tenant", "target"], name="audit_tenant_target"),
             models.Index(fields=["tenant", "actor_kind", "actor_id"], name="audit_tenant_actor"),
+            models.Index(fields=["tenant", "subject"], name="audit_tenant_subject", condition=~Q(subject="")),
+            # The sealing job finds the unsealed tail without scanning sealed history.
+            models.Index(fields=["tenant", "id"], name="audit_unsealed", condition=Q(seal__isnull=True)),
         ]
 
     def __str__(self) -> str:
@@ -75,3 +113,84 @@ class AuditEvent(models.Model):
 
     def delete(self, *args, **kwargs):
         raise TypeError("audit events are append-only")
+
+
+class AuditSeal(models.Model):
+    """A sealed batch of one tenant's events: links to the tenant's previous seal, so the
+    seals form one chain per tenant (tenant null: the chain of failed authentications that
+    matched no tenant). Kept forever — counts and hashes only — even after the retention
+    purge has removed the batch's events."""
+
+    tenant = models.ForeignKey("memories.Tenant", null=True, on_delete=models.PROTECT, related_name="+", db_index=False)
+    seq = models.PositiveIntegerField()  # 1, 2, 3, ... per tenant
+    first_event_id = models.BigIntegerField()
+    last_event_id = models.BigIntegerField()
+    count = models.PositiveIntegerField()
+    # Events in this seal and all earlier ones: a checkpoint's count.
+    total = models.BigIntegerField()
+    prev_hash = models.CharField(max_length=64)
+    # HMAC over the previous seal's hash, this seal's numbers and its last event's chain value.
+    hash = models.CharField(max_length=64)
+    sealed_at = models.DateTimeField(default=timezone.now)
+    # Set by the retention purge when this batch's events were deleted on purpose.
+    purged_at = models.DateTimeField(null=True, blank=True)
+
+    objects = AppendOnlyQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "seq"], name="auditseal_one_per_seq"),
+            # The NULL-tenant chain needs its own uniqueness (NULLs are distinct in a unique index).
+            models.UniqueConstraint(fields=["seq"], condition=Q(tenant__isnull=True), name="auditseal_untenanted_seq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"seal {self.seq} ({self.count} events)"
+
+    def save(self, *args, **kwargs):
+        if self.pk is not None and not self._state.adding:
+            raise TypeError("audit seals are append-only")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise TypeError("audit seals are append-only")
+
+
+class AuditCheckpoint(models.Model):
+    """The head of a tenant's chain at a moment: its seal, hash and event count. Written
+    by ``audit_checkpoint`` (to be exported and kept outside the database) and by the
+    retention purge before it deletes anything. Comparing a kept checkpoint with the chain
+    detects a cut-off tail."""
+
+    class Reason(models.TextChoices):
+        EXPORT = "export"
+        PURGE = "purge"
+
+    tenant = models.ForeignKey("memories.Tenant", null=True, on_delete=models.PROTECT, related_name="+", db_index=False)
+    seal_seq = models.PositiveIntegerField()
+    head_hash = models.CharField(max_length=64)
+    total = models.BigIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+    reason = models.CharField(max_length=16, choices=Reason.choices)
+    # For a purge: events with seal <= purged_through were deleted on purpose.
+    purged_through = models.PositiveIntegerField(null=True, blank=True)
+    # Keyed hash over the fields above, so a forged checkpoint (say, one that claims a
+    # purge to excuse deleted events) does not verify.
+    mac = models.CharField(max_length=64)
+
+    objects = AppendOnlyQuerySet.as_manager()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"], name="auditcheckpoint_tenant")]
+
+    def __str__(self) -> str:
+        return f"checkpoint seal {self.seal_seq} ({self.reason})"
+
+    def as_dict(self) -> dict:
+        return {
+            "tenant": self.tenant.slug if self.tenant_id else None,
+            "seal": self.seal_seq,
+            "head_hash": self.head_hash,
+            "events": self.total,
+            "at": self.created_at.isoformat(),
+        }

@@ -1,15 +1,43 @@
-"""Writing audit events. Called by services inside the transaction of the operation."""
+"""Writing the audit log: recording events, sealing them into the chain, redacting a
+forgotten subject's identifiers, checkpoints and the retention purge.
+
+``audit_record`` is called by every service inside the transaction of the operation it
+records. The maintenance paths (seal, redact, purge) are the only writers that change or
+delete rows; on PostgreSQL each announces itself to the append-only trigger with a
+transaction-local setting (``zeromem.audit_mode``), and each leaves a record: the seal
+itself, the ``redacted`` commitments, or a checkpoint plus an ``audit.purge`` event.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import ipaddress
+import json
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
-from audit.models import AuditEvent
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from audit import chain
+from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
+from audit.selectors import AuditFilters, audit_events
+from memories import validation
+from memories.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
+from memories.models import Scope
+from memories.permissions import require_scope
 
 if TYPE_CHECKING:
     from memories.models import Tenant
     from memories.permissions import Actor
+
+# Two ints for pg_advisory_xact_lock: this namespace, and the tenant id (0: no tenant).
+_SEAL_LOCK_NAMESPACE = 0x5A4D  # "ZM"
+SYSTEM_AUDIT_JOB = "audit"
 
 
 def _storable(value):
@@ -24,6 +52,15 @@ def _storable(value):
     return value
 
 
+def _ip(value: str | None) -> str | None:
+    if not value:
+        return None
+    try:
+        return ipaddress.ip_address(value).compressed
+    except ValueError:
+        return None
+
+
 def audit_record(
     *,
     tenant: Tenant | None,
@@ -36,35 +73,417 @@ def audit_record(
     version: int | None = None,
     detail: dict | None = None,
 ) -> AuditEvent:
-    """Append one event (one INSERT). Never pass a memory value or a key secret here."""
-    return AuditEvent.objects.create(
-        tenant=tenant,
-        actor_kind=actor.kind,
-        actor_id=actor.id,
-        actor_label=_storable(actor.label),
-        surface=actor.surface,
-        action=action,
-        target=_storable(target[:512]),
-        subject=_storable(subject[:255]),
-        outcome=outcome,
-        request_id=actor.request_id,
-        client_ip=actor.client_ip,
-        count=count,
-        version=version,
-        detail=_storable(detail or {}),
+    """Append one event: one INSERT, no lock shared with other requests (the chain is
+    built later by :func:`audit_seal`). Never pass a memory value or a key secret here."""
+    fields = {
+        "uid": uuid.uuid4(),
+        "tenant_id": tenant.pk if tenant is not None else None,
+        "occurred_at": timezone.now(),
+        "actor_kind": actor.kind,
+        "actor_id": _storable(actor.id)[:64],
+        "actor_label": _storable(actor.label)[:150],
+        "surface": actor.surface,
+        "action": action,
+        "target": _storable(target)[:512],
+        "subject": _storable(subject)[:255],
+        "outcome": outcome,
+        "request_id": _storable(actor.request_id)[:64],
+        "client_ip": _ip(actor.client_ip),
+        "count": count,
+        "version": version,
+        "detail": _storable(detail or {}),
+    }
+    return AuditEvent.objects.create(**fields, digest=chain.digest(fields))
+
+
+def _outcome_of(exc: ServiceError) -> str:
+    if isinstance(exc, Forbidden):
+        return AuditEvent.Outcome.DENIED
+    if isinstance(exc, PreconditionFailed):
+        return AuditEvent.Outcome.PRECONDITION_FAILED
+    return AuditEvent.Outcome.INVALID
+
+
+@contextmanager
+def audited_operation(*, tenant: Tenant | None, actor: Actor, action: str, target: Any = "") -> Iterator[None]:
+    """One transaction for a service operation; a refused call (bad input, missing scope,
+    forbidden key) is rolled back — it changes nothing — and then audited on its own."""
+    try:
+        with transaction.atomic():
+            yield
+    except ServiceError as exc:
+        exc.audited = True
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action=action,
+            target=target if isinstance(target, str) else "",
+            outcome=_outcome_of(exc),
+            detail={"code": exc.code, "field": exc.field},
+        )
+        raise
+
+
+def event_fields(row: dict) -> dict:
+    """The digest's fields of a stored event (a ``values()`` row)."""
+    return {name: row[name] for name in chain.DIGEST_FIELDS}
+
+
+@contextmanager
+def _maintenance(mode: str):
+    """One transaction in which the append-only trigger lets ``mode`` through."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT set_config('zeromem.audit_mode', %s, true)", [mode])
+        yield
+
+
+def _lock_chain(tenant_id: int | None) -> None:
+    # Sealers and purgers of one tenant take turns; API requests never take this lock.
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_SEAL_LOCK_NAMESPACE, tenant_id or 0])
+
+
+def _tenant_q(tenant_id: int | None) -> Q:
+    return Q(tenant__isnull=True) if tenant_id is None else Q(tenant_id=tenant_id)
+
+
+def head_seal(tenant_id: int | None) -> AuditSeal | None:
+    return AuditSeal.objects.filter(_tenant_q(tenant_id)).order_by("-seq").first()
+
+
+# --- sealing ------------------------------------------------------------------------------
+
+
+def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
+    """Seal the tenant's unsealed events in id order, ``batch_size`` per seal, each seal its
+    own short transaction. Returns how many events it sealed.
+
+    Cost per seal: one SELECT on the partial ``audit_unsealed`` index, one UPDATE of the
+    batch (on PostgreSQL one statement over unnest()), a COUNT and one seal INSERT.
+    """
+    batch_size = batch_size or settings.ZEROMEM_AUDIT_SEAL_BATCH
+    sealed = 0
+    while True:
+        with _maintenance("seal"):
+            _lock_chain(tenant_id)
+            rows = list(
+                AuditEvent.objects.filter(_tenant_q(tenant_id), seal__isnull=True)
+                .order_by("id")
+                .values_list("id", "digest")[:batch_size]
+            )
+            if not rows:
+                return sealed
+            head = head_seal(tenant_id)
+            seq = head.seq + 1 if head else 1
+            prev_hash = head.hash if head else chain.genesis(tenant_id)
+            total = (head.total if head else 0) + len(rows)
+            value = prev_hash
+            links = []
+            for event_id, event_digest in rows:
+                value = chain.link(value, event_id, event_digest)
+                links.append((event_id, value))
+            _store_links(seq, links)
+            if AuditEvent.objects.filter(_tenant_q(tenant_id), seal=seq).count() != len(rows):
+                raise RuntimeError(f"sealing raced: events of seal {seq} changed underneath it")
+            first, last = rows[0][0], rows[-1][0]
+            AuditSeal.objects.create(
+                tenant_id=tenant_id,
+                seq=seq,
+                first_event_id=first,
+                last_event_id=last,
+                count=len(rows),
+                total=total,
+                prev_hash=prev_hash,
+                hash=chain.seal_hash(
+                    prev_hash=prev_hash,
+                    tenant_id=tenant_id,
+                    seq=seq,
+                    first=first,
+                    last=last,
+                    count=len(rows),
+                    total=total,
+                    last_chain=value,
+                ),
+            )
+        sealed += len(rows)
+
+
+def _store_links(seq: int, links: list[tuple[int, str]]) -> None:
+    table = AuditEvent._meta.db_table
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            # One statement for the whole batch (a 5000-row seal in one round trip).
+            cursor.execute(
+                f"""UPDATE {table} AS e SET seal = %s, chain = l.chain
+                    FROM unnest(%s::bigint[], %s::text[]) AS l(id, chain)
+                    WHERE e.id = l.id AND e.seal IS NULL""",
+                [seq, [i for i, _ in links], [c for _, c in links]],
+            )
+        else:
+            cursor.executemany(
+                f"UPDATE {table} SET seal = %s, chain = %s WHERE id = %s AND seal IS NULL",
+                [(seq, c, i) for i, c in links],
+            )
+
+
+def audit_seal_all(*, batch_size: int | None = None) -> dict:
+    """Seal every tenant's tail (the scheduled job). Returns {tenant id: events sealed}."""
+    tenant_ids = AuditEvent.objects.unsealed().order_by().values_list("tenant_id", flat=True).distinct()
+    return {tid: audit_seal(tenant_id=tid, batch_size=batch_size) for tid in list(tenant_ids)}
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def _checkpoint(*, tenant_id: int | None, reason: str, purged_through: int | None = None) -> AuditCheckpoint:
+    head = head_seal(tenant_id)
+    seq, head_hash, total = (head.seq, head.hash, head.total) if head else (0, chain.genesis(tenant_id), 0)
+    return AuditCheckpoint.objects.create(
+        tenant_id=tenant_id,
+        seal_seq=seq,
+        head_hash=head_hash,
+        total=total,
+        reason=reason,
+        purged_through=purged_through,
+        mac=chain.checkpoint_mac(
+            tenant_id=tenant_id, seal_seq=seq, head_hash=head_hash, total=total, reason=reason, purged=purged_through
+        ),
     )
 
 
-def audit_redact_subject(*, tenant: Tenant, subject: str = "", keys: Iterable[str] = (), prefix: str = "") -> int:
-    """Hook for forget requests: blank the identifying fields (``target``, ``subject``) of
-    old audit events about a forgotten subject, key prefix or list of keys. Returns how many
-    events it redacted.
+def audit_checkpoint_create(*, tenant: Tenant, actor: Actor) -> AuditCheckpoint:
+    """Seal the tail, then record the chain head: the checkpoint to keep outside the
+    database (``manage.py audit_checkpoint`` prints it). Scope ``audit:read``, and no key
+    allowlist: the head covers the whole tenant's log. Audited."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.checkpoint"):
+        require_scope(actor, Scope.AUDIT_READ)
+        if actor.allowed_prefixes:
+            raise Forbidden(
+                "a checkpoint covers the whole tenant; this key is limited to some prefixes", code="key_not_allowed"
+            )
+    audit_seal(tenant_id=tenant.pk)
+    with transaction.atomic():
+        checkpoint = _checkpoint(tenant_id=tenant.pk, reason=AuditCheckpoint.Reason.EXPORT)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="audit.checkpoint",
+            outcome=AuditEvent.Outcome.OK,
+            count=checkpoint.total,
+            detail={"seal": checkpoint.seal_seq},
+        )
+    return checkpoint
 
-    A documented no-op returning 0 for now: redaction must keep the hash chain verifiable,
-    and both arrive with the audit issue (hash-chained, redactable events), which replaces
-    this body. Audit rows hold identifiers only — keys, prefixes, subjects — never memory
-    values, so until then a forget request leaves no erased content in the audit log.
-    ``memories.services.forget.forget_request_execute`` calls it once per request, after the
-    last batch, and calls it again on a retry: an implementation must be idempotent.
+
+# --- redaction ------------------------------------------------------------------------------
+
+
+def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str) -> Q:
+    q = Q(pk__in=[])
+    if subject:
+        # The subject's own events, events an end user (the subject) made in the portal,
+        # and events about keys that name the subject by convention (user:<id>:...).
+        q |= Q(subject=subject) | Q(target=subject)
+        q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id=subject)
+        q |= Q(target__startswith=f"user:{subject}:") | Q(target__startswith=f"usr:{subject}:")
+    if prefix:
+        q |= Q(target__startswith=prefix) | Q(target=prefix)
+    keys = [k for k in keys if k]
+    if keys:
+        q |= Q(target__in=keys)
+    return q
+
+
+def _redacted_values(row: dict) -> tuple[dict, dict]:
+    """(new field values, commitments to keep) for one event row."""
+    tenant_id = row["tenant_id"]
+    fields = ["target", "subject"]
+    if row["actor_kind"] == AuditEvent.ActorKind.END_USER:
+        fields += ["actor_id", "actor_label", "client_ip"]
+    kept = dict(row["redacted"] or {})
+    new = {}
+    for name in fields:
+        if name in kept or row[name] in ("", None):
+            continue
+        kept[name] = chain.commitment(row["uid"], name, row[name])
+        new[name] = None if name == "client_ip" else chain.pseudonym(tenant_id, str(row[name]))
+    return new, kept
+
+
+def audit_redact_subject(
+    *, tenant: Tenant, subject: str = "", keys: Iterable[str] = (), prefix: str = "", batch_size: int = 1000
+) -> int:
+    """Replace the identifying fields (key, subject; for the end user's own portal events
+    also actor and client address) of a forgotten subject's, prefix's or keys' events with
+    a keyed pseudonym, keeping each field's commitment so the chain still verifies.
+
+    Called by ``forget_request_execute`` after the last erased batch, and again on a retry:
+    idempotent (a field already redacted is left alone). Returns how many events changed.
+    Cost: the tenant's subject/target indexes, one UPDATE per redacted event.
     """
-    return 0
+    q = _redaction_q(subject=subject, keys=keys, prefix=prefix)
+    columns = ["id", "uid", "tenant_id", "actor_kind", "redacted", *chain.COMMITTED_FIELDS]
+    table = AuditEvent._meta.db_table
+    changed = 0
+    after = 0
+    while True:
+        with _maintenance("redact"):
+            rows = list(
+                AuditEvent.objects.filter(q, tenant=tenant, pk__gt=after).order_by("id").values(*columns)[:batch_size]
+            )
+            if not rows:
+                return changed
+            after = rows[-1]["id"]
+            updates = []
+            for row in rows:
+                new, kept = _redacted_values(row)
+                if new:
+                    updates.append((row["id"], new, kept))
+            with connection.cursor() as cursor:
+                for event_id, new, kept in updates:
+                    sets = ", ".join(f"{name} = %s" for name in new)
+                    cursor.execute(
+                        f"UPDATE {table} SET {sets}, redacted = %s WHERE id = %s",
+                        [*new.values(), json.dumps(kept, sort_keys=True), event_id],
+                    )
+            changed += len(updates)
+
+
+# --- retention purge ------------------------------------------------------------------------
+
+
+def audit_retention_cutoff(tenant: Tenant, now=None):
+    days = tenant.audit_retention_days or settings.ZEROMEM_AUDIT_RETENTION_DAYS
+    return (now or timezone.now()) - timedelta(days=days)
+
+
+def audit_purge(*, tenant: Tenant, now=None) -> dict:
+    """Delete the tenant's audit events older than its retention period, in whole sealed
+    batches (a seal whose newest event is still inside the period is kept entirely), so the
+    remaining chain still verifies from the kept seal rows.
+
+    Order: seal the tail; write a purge checkpoint naming the last seal to delete (the
+    record that excuses the missing events, committed before anything is deleted); delete
+    seal by seal, each in its own transaction that also marks the seal purged; finally one
+    ``audit.purge`` event with the count. A purge killed halfway leaves a checkpoint and
+    some purged seals; running it again finishes the job.
+    """
+    from memories.permissions import Actor
+
+    now = now or timezone.now()
+    cutoff = audit_retention_cutoff(tenant, now)
+    audit_seal(tenant_id=tenant.pk)
+    through = 0
+    for seal in AuditSeal.objects.filter(tenant=tenant, purged_at__isnull=True).order_by("seq"):
+        newest = (
+            AuditEvent.objects.filter(
+                tenant=tenant, seal=seal.seq, id__gte=seal.first_event_id, id__lte=seal.last_event_id
+            )
+            .order_by("-occurred_at")
+            .values_list("occurred_at", flat=True)
+            .first()
+        )
+        if newest is not None and newest >= cutoff:
+            break
+        through = seal.seq
+    if not through:
+        return {"events": 0, "seals": 0, "through": None}
+    with transaction.atomic():
+        _lock_chain(tenant.pk)
+        _checkpoint(tenant_id=tenant.pk, reason=AuditCheckpoint.Reason.PURGE, purged_through=through)
+    deleted = 0
+    seals = 0
+    events_table = AuditEvent._meta.db_table
+    seals_table = AuditSeal._meta.db_table
+    for seal in AuditSeal.objects.filter(tenant=tenant, purged_at__isnull=True, seq__lte=through).order_by("seq"):
+        with _maintenance("purge"), connection.cursor() as cursor:
+            cursor.execute(
+                f"DELETE FROM {events_table} WHERE tenant_id = %s AND seal = %s AND id BETWEEN %s AND %s",
+                [tenant.pk, seal.seq, seal.first_event_id, seal.last_event_id],
+            )
+            deleted += cursor.rowcount
+            cursor.execute(f"UPDATE {seals_table} SET purged_at = %s WHERE id = %s", [now, seal.pk])
+        seals += 1
+    audit_record(
+        tenant=tenant,
+        actor=Actor.system(job=SYSTEM_AUDIT_JOB),
+        action="audit.purge",
+        outcome=AuditEvent.Outcome.OK,
+        count=deleted,
+        detail={"through_seal": through, "seals": seals, "cutoff": cutoff.isoformat()},
+    )
+    return {"events": deleted, "seals": seals, "through": through}
+
+
+def audit_purge_all(*, now=None) -> dict:
+    """The scheduled retention purge over every tenant. Returns {slug: events deleted}."""
+    from memories.models import Tenant
+
+    return {t.slug: audit_purge(tenant=t, now=now)["events"] for t in Tenant.objects.order_by("pk")}
+
+
+# --- reading the log (compliance review) ----------------------------------------------------
+
+
+def _reader_prefixes(actor: Actor, key_prefix: str | None) -> list[str] | None:
+    # A key limited to some prefixes sees only events about keys under them.
+    return actor.prefix_filters(key_prefix or "") if actor.allowed_prefixes else None
+
+
+def audit_event_list(
+    *, tenant: Tenant, actor: Actor, filters: AuditFilters, limit=None, cursor=None
+) -> tuple[list[AuditEvent], str | None]:
+    """Newest first, keyset-paginated on the id. Scope ``audit:read``; the reading is itself
+    an ``audit.list`` event. Cost: one index range scan, limit + 1 rows, one INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or ""):
+        require_scope(actor, Scope.AUDIT_READ)
+        limit = validation.limit(limit, default=50)
+        before = None
+        if cursor not in (None, ""):
+            text = validation.decode_cursor(cursor)
+            if not text or not text.isdigit() or not 1 <= int(text) <= 2**63 - 1:
+                raise InvalidInput("is not a cursor this API returned", field="cursor", code="invalid_cursor")
+            before = int(text)
+        qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
+        if before is not None:
+            qs = qs.filter(pk__lt=before)
+        rows = list(qs[: limit + 1])
+        next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
+        rows = rows[:limit]
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="audit.list",
+            outcome=AuditEvent.Outcome.OK,
+            target=filters.key_prefix or "",
+            subject=filters.subject or "",
+            count=len(rows),
+            detail=filters.as_detail(),
+        )
+        return rows, next_cursor
+
+
+def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, fmt: str):
+    """Check the reader may export, record the ``audit.export`` event (committed before the
+    first row is sent: an export the client abandons halfway was still an export) and
+    return the queryset to stream. Scope ``audit:read``."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.export", target=filters.key_prefix or ""):
+        require_scope(actor, Scope.AUDIT_READ)
+        if fmt not in EXPORT_FORMATS:
+            raise InvalidInput(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="audit.export",
+            outcome=AuditEvent.Outcome.OK,
+            target=filters.key_prefix or "",
+            subject=filters.subject or "",
+            detail={**filters.as_detail(), "format": fmt},
+        )
+    return audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
+
+
+EXPORT_FORMATS = ("csv", "jsonl")

@@ -21,6 +21,9 @@ class Tenant(models.Model):
     # settings.ZEROMEM_VALUE_HARD_CAP_BYTES (enforced by the service, not trusted from here).
     value_max_bytes = models.PositiveIntegerField(null=True, blank=True)
     trash_retention_days = models.PositiveIntegerField(null=True, blank=True)
+    # Audit events older than this many days are purged; null means the server default
+    # (settings.ZEROMEM_AUDIT_RETENTION_DAYS).
+    audit_retention_days = models.PositiveIntegerField(null=True, blank=True)
 
     def __str__(self) -> str:
         return self.slug

@@ -8,9 +8,12 @@ from types import SimpleNamespace
 import pytest
 from django.test import Client
 
+from audit import services as audit_services
 from audit.models import AuditEvent
+from audit.verify import audit_verify
+from memories import services
 from memories.models import ApiKey
-from tests.conftest import KeyedClient, make_key
+from tests.conftest import SYSTEM, KeyedClient, make_key
 
 CANARY = "CANARY-5f3a"
 KEY = "user:u1:lang"
@@ -158,6 +161,24 @@ SCENARIOS = [
     case("rest-history-denied", 403, "memory.history denied", KEY, rest("u2", "get", f"{U}/history")),
     case("rest-list-ok", 200, "memory.list ok", "user:", rest("api", "get", "/api/v1/memories", params={"prefix": "user:"})),
     case("rest-list-bad", 400, "memory.list invalid", "", rest("api", "get", "/api/v1/memories", params={"limit": "0"})),
+    # summaries, jobs, forget requests
+    case("summarize-tool", 200, "memory.summarize ok", "user:u1:", tool("api", "memory_summarize", prefix="user:u1:")),
+    case("summarize-rest", 202, "memory.summarize ok", "user:u1:", post("/api/v1/summaries", {"prefix": "user:u1:"})),
+    case("summarize-denied", 403, "memory.summarize denied", "user:u1:", tool("ro", "memory_summarize", prefix="user:u1:")),
+    case("job-miss", 404, "job.read not_found", "999999", rest("api", "get", "/api/v1/jobs/999999")),
+    case("forget-create", 202, "forget.create ok", "", post("/api/v1/forget-requests", {"subject": "u9"})),
+    case("forget-create-bad", 400, "forget.create invalid", "", post("/api/v1/forget-requests", {"subject": "u9", "prefix": "user:"})),
+    case("forget-create-denied", 403, "forget.create denied", "", rest("ro", "post", "/api/v1/forget-requests", {"subject": "u9"})),
+    case("forget-list", 200, "forget.list ok", "", rest("api", "get", "/api/v1/forget-requests")),
+    case("forget-read-miss", 404, "forget.read not_found", "", rest("api", "get", "/api/v1/forget-requests/999999")),
+    # the audit log itself: reading it is an event too
+    case("audit-list", 200, "audit.list ok", "user:", rest("api", "get", "/api/v1/audit-events", params={"key_prefix": "user:"})),
+    case("audit-list-bad", 400, "audit.list invalid", "", rest("api", "get", "/api/v1/audit-events", params={"since": "x"})),
+    case("audit-list-denied", 403, "audit.list denied", "", rest("ro", "get", "/api/v1/audit-events")),
+    case("audit-export", 200, "audit.export ok", "", rest("api", "get", "/api/v1/audit-events/export", params={"format": "jsonl"})),
+    case("audit-export-bad", 400, "audit.export invalid", "", rest("api", "get", "/api/v1/audit-events/export", params={"format": "xml"})),
+    case("audit-checkpoint", 201, "audit.checkpoint ok", "", rest("api", "post", "/api/v1/audit-checkpoints")),
+    case("audit-checkpoint-denied", 403, "audit.checkpoint denied", "", rest("u2", "post", "/api/v1/audit-checkpoints")),
 ]  # fmt: skip
 
 
@@ -309,3 +330,43 @@ def test_memory_values_never_appear_in_any_audit_row(w):
     dump = json.dumps(rows, default=str, ensure_ascii=False)
     assert CANARY not in dump
     assert CANARY.lower() not in dump.lower()
+
+
+# --- services without an HTTP surface (commands, jobs, admin) -------------------------------
+
+
+def _svc(id_, action_outcome, run):
+    action, outcome = action_outcome.split()
+    return pytest.param(run, action, outcome, id=id_)
+
+
+SERVICE_SCENARIOS = [
+    _svc("tenant-create", "tenant.create ok", lambda w, t: services.tenant_create(actor=SYSTEM, slug="initech")),
+    _svc("key-create", "api_key.create ok", lambda w, t: services.api_key_create(tenant=t, actor=SYSTEM, name="k")),
+    _svc("key-revoke", "api_key.revoke ok", lambda w, t: services.api_key_revoke(tenant=t, actor=SYSTEM, key_id=w.ro_key.pk)),
+    _svc("retention-rule", "retention_rule.set ok",
+         lambda w, t: services.retention_rule_set(tenant=t, actor=SYSTEM, prefix="session:", default_ttl_seconds=60)),
+    _svc("restore-miss", "memory.restore not_found", lambda w, t: services.memory_restore(tenant=t, actor=SYSTEM, memory_id=999999)),
+    _svc("audit-checkpoint", "audit.checkpoint ok", lambda w, t: audit_services.audit_checkpoint_create(tenant=t, actor=SYSTEM)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("run,action,outcome", SERVICE_SCENARIOS)
+def test_every_service_without_http_writes_exactly_one_event(w, tenant_a, run, action, outcome):
+    before = set(AuditEvent.objects.values_list("pk", flat=True))
+    run(w, tenant_a)
+    events = list(AuditEvent.objects.exclude(pk__in=before))
+    assert [(e.action, e.outcome) for e in events] == [(action, outcome)]
+    event = events[0]
+    assert event.tenant_id is not None and event.occurred_at is not None
+    assert (event.actor_kind, event.actor_id, event.surface) == ("system", "tests", "job")
+    assert len(event.digest) == 64 and event.seal is None
+
+
+def test_every_recorded_event_verifies_once_sealed(w, tenant_a):
+    for scenario in SCENARIOS:
+        scenario.values[0](w)
+    audit_services.audit_seal(tenant_id=tenant_a.pk)
+    result = audit_verify(tenant_id=tenant_a.pk)
+    assert result.ok, result.problems
+    assert result.events >= len(SCENARIOS)

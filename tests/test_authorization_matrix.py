@@ -47,6 +47,8 @@ Every cell checks, besides its expected status (and error code / tool result):
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -206,6 +208,22 @@ OUTCOMES["forget_create"] = _keyed(Expect(202), MISSING_SCOPE, NOT_ALLOWED, Expe
 OUTCOMES["forget_list"] = _keyed(Expect(200), MISSING_SCOPE, Expect(200), Expect(200))
 OUTCOMES["forget_read"] = _keyed(Expect(200), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
 
+# The audit log. A key limited to some prefixes reads only the events about keys under them;
+# another tenant reads its own log. A checkpoint covers the whole log: refused to a limited key.
+OUTCOMES["audit_list"] = _keyed(
+    *(
+        Expect(200, check="audit_visible") if i != "wrong_scope" else MISSING_SCOPE
+        for i in ("owner", "wrong_scope", "not_allowed", "other_tenant")
+    )
+)
+OUTCOMES["audit_export"] = _keyed(
+    *(
+        Expect(200, check="export_visible") if i != "wrong_scope" else MISSING_SCOPE
+        for i in ("owner", "wrong_scope", "not_allowed", "other_tenant")
+    )
+)
+OUTCOMES["audit_checkpoint"] = _keyed(Expect(201), MISSING_SCOPE, NOT_ALLOWED, Expect(201))
+
 # The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
 NEEDED_SCOPE = {
     "rest_read": Scope.MEMORY_READ,
@@ -226,6 +244,9 @@ NEEDED_SCOPE = {
     "forget_create": Scope.FORGET_CREATE,
     "forget_list": Scope.FORGET_CREATE,
     "forget_read": Scope.FORGET_CREATE,
+    "audit_list": Scope.AUDIT_READ,
+    "audit_export": Scope.AUDIT_READ,
+    "audit_checkpoint": Scope.AUDIT_READ,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -301,6 +322,11 @@ ROUTES: dict[str, Route] = {
     "api/v1/forget-requests/<int:request_id>": Route(
         public=False, ops={"GET": "forget_read", "HEAD": "forget_read", "OPTIONS": "options"}
     ),
+    "api/v1/audit-events": Route(public=False, ops={"GET": "audit_list", "HEAD": "audit_list", "OPTIONS": "options"}),
+    "api/v1/audit-events/export": Route(
+        public=False, ops={"GET": "audit_export", "HEAD": "audit_export", "OPTIONS": "options"}
+    ),
+    "api/v1/audit-checkpoints": Route(public=False, ops={"POST": "audit_checkpoint", "OPTIONS": "options"}),
 }
 
 # Values for URL parameters: every <key> names tenant A's target memory.
@@ -478,11 +504,19 @@ def _send(client: KeyedClient, method: str, path: str, body: str | None):
     return client.client.generic(method, path, body, content_type="application/json", headers=headers)
 
 
+def _content(response) -> bytes:
+    # The audit export streams its body.
+    if response.streaming:
+        response._consumed = getattr(response, "_consumed", None) or b"".join(response.streaming_content)
+        return response._consumed
+    return response.content
+
+
 def _json(response) -> dict:
-    if not response.content:
+    if not _content(response):
         return {}
     assert response["Content-Type"].startswith("application/json"), response["Content-Type"]
-    return json.loads(response.content)
+    return json.loads(_content(response))
 
 
 def _tool_result(row: Row, body: dict) -> dict:
@@ -555,6 +589,16 @@ def _check_body(check: str | None, identity: str, result: dict, text: str) -> No
         assert keys and set(keys) <= set(visible), (identity, keys)
         if identity == "owner":
             assert TARGET in keys, keys  # positive control: the search does find the canary
+    elif check == "audit_visible":
+        targets = [e["target"] for e in result["results"]]
+        assert targets, result
+        mentions_a = [t for t in targets if t in (TARGET, AGENT_KEY) or t.startswith("matrix-owner")]
+        if identity == "owner":
+            assert TARGET in targets and AGENT_KEY in targets, targets  # positive control
+        elif identity == "not_allowed":
+            assert AGENT_KEY in targets and all(t.startswith("agent:") for t in targets), targets
+        else:
+            assert not mentions_a, (identity, mentions_a)
     elif check == "recalls_visible":
         lines = result["text"].splitlines()
         assert lines and result["count"] == len(lines), result
@@ -567,7 +611,7 @@ def _check_body(check: str | None, identity: str, result: dict, text: str) -> No
 
 def _signature(row: Row, response) -> tuple:
     """What distinguishes two answers apart from the key they name and the times."""
-    if row.method == "HEAD" or not response.content:
+    if row.method == "HEAD" or not _content(response):
         return (response.status_code,)
     body = _json(response)
     if row.kind == "options":
@@ -602,7 +646,7 @@ def test_matrix(row: Row, identity: str, identities, db):
     if identity == "other_tenant":
         audit_mark = AuditEvent.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
     response = _send(client, row.method, path, body)
-    text = response.content.decode("utf-8", errors="replace")
+    text = _content(response).decode("utf-8", errors="replace")
 
     assert response.status_code < 500, f"server error {response.status_code}: {text[:500]}"
     assert response.status_code == expect.status, f"expected {expect.status}, got {response.status_code}: {text[:500]}"
@@ -613,7 +657,7 @@ def test_matrix(row: Row, identity: str, identities, db):
             assert canary not in text, f"{identity} saw {canary}: {text[:500]}"
 
     if row.method == "HEAD":
-        assert response.content == b""
+        assert _content(response) == b""
     elif expect.code is not None and not (route.public and not response["Content-Type"].startswith("application/json")):
         # (the schema and docs pages answer errors in their own format: YAML, HTML)
         assert _json(response)["error"]["code"] == expect.code, text
@@ -633,6 +677,9 @@ def test_matrix(row: Row, identity: str, identities, db):
         else:
             assert result["status"] == expect.result, result
         _check_body(expect.check, identity, result, text)
+    elif row.method != "HEAD" and expect.check == "export_visible":
+        rows = list(csv.DictReader(io.StringIO(text)))
+        _check_body("audit_visible", identity, {"results": rows}, text)
     elif row.method != "HEAD" and expect.check:
         _check_body(expect.check, identity, _json(response), text)
 

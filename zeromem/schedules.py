@@ -20,6 +20,11 @@ SCHEDULES = {
     # Summarize jobs whose queue entry was lost, or that django-q2 stopped retrying, are
     # enqueued again; each job's own attempt counter bounds the retries.
     "zeromem:summarize-jobs-resume": ("memories.tasks.summarize_jobs_resume_task", Schedule.MINUTES, 10),
+    # Audit events are chained into seals (tamper evidence) a minute or so after they happen;
+    # requests never wait for this (see audit/models.py).
+    "zeromem:audit-seal": ("audit.tasks.audit_seal_task", Schedule.MINUTES, 1),
+    # Audit events past each tenant's retention are deleted, whole seals at a time.
+    "zeromem:audit-purge": ("audit.tasks.audit_purge_task", Schedule.DAILY, None),
 }
 
 

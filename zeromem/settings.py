@@ -11,6 +11,7 @@ Two shapes of deployment share this file:
 mode SECRET_KEY must be set and the deploy checks pass (see README "Settings").
 """
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -203,6 +204,18 @@ ZEROMEM_LLM_TIMEOUT_SECONDS = env.float("ZEROMEM_LLM_TIMEOUT_SECONDS", default=3
 # How many times a job (e.g. a forget request) is started before it is marked failed. Counted
 # by the job itself: django-q2's max_attempts misses tasks of killed workers (issue #327).
 ZEROMEM_JOB_MAX_ATTEMPTS = env.int("ZEROMEM_JOB_MAX_ATTEMPTS", default=5)
+# Audit log (audit/chain.py). The key of its hashes must live outside the database: whoever
+# holds it could forge a chain. Derived from SECRET_KEY unless set, so set it explicitly in
+# production and keep it when SECRET_KEY rotates (a new key cannot verify old events).
+ZEROMEM_AUDIT_KEY = env.str(
+    "ZEROMEM_AUDIT_KEY",
+    default=hashlib.sha256(f"zeromem-audit-key:{SECRET_KEY}".encode()).hexdigest(),
+)
+# Audit events older than this are purged (whole sealed batches, after a checkpoint);
+# tenants may set their own (Tenant.audit_retention_days).
+ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)
+# Events per seal: the sealing job's batch (one transaction, one UPDATE statement).
+ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],

@@ -44,6 +44,7 @@ handler500 = server_error
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("api/v1/", include("memories.api.urls")),
+    path("api/v1/", include("audit.urls")),
     # Read-only pages: other methods are 405 (OPTIONS on the Swagger page was a 500: DRF's
     # metadata response rendered through its HTML template).
     path("api/v1/schema", SpectacularAPIView.as_view(http_method_names=READ_ONLY), name="schema"),

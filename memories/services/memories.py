@@ -10,8 +10,6 @@ forbidden key) changes nothing and is audited with outcome ``invalid`` or ``deni
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +19,9 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.services import audit_record
+from audit.services import audited_operation as _operation
 from memories import search, selectors, validation
-from memories.errors import Forbidden, PreconditionFailed, ServiceError
+from memories.errors import PreconditionFailed
 from memories.models import Memory, MemoryVersion, Scope, Tenant
 from memories.permissions import Actor, require_key_allowed, require_scope
 from memories.services import retention
@@ -47,33 +46,6 @@ class MemoryResult:
 class ListResult:
     keys: list = field(default_factory=list)
     next_cursor: str | None = None
-
-
-def _outcome_of(exc: ServiceError) -> str:
-    if isinstance(exc, Forbidden):
-        return Outcome.DENIED
-    if isinstance(exc, PreconditionFailed):
-        return Outcome.PRECONDITION_FAILED
-    return Outcome.INVALID
-
-
-@contextmanager
-def _operation(*, tenant: Tenant, actor: Actor, action: str, target: Any = "") -> Iterator[None]:
-    """One transaction for the operation; a refused call is rolled back and then audited."""
-    try:
-        with transaction.atomic():
-            yield
-    except ServiceError as exc:
-        exc.audited = True
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action=action,
-            target=target if isinstance(target, str) else "",
-            outcome=_outcome_of(exc),
-            detail={"code": exc.code, "field": exc.field},
-        )
-        raise
 
 
 def _infer_subject(key: str) -> str:

@@ -249,7 +249,10 @@ class RawSQL:
         return {self.conn.info.backend_pid, self.ac.info.backend_pid}
 
     def _audit_params(self, *, action: str, key: str, subject: str, version: int, detail: dict, now) -> tuple:
+        from audit import chain
+
         row = {
+            "uid": uuid.uuid4(),
             "tenant_id": self.tenant_id,
             "occurred_at": now,
             "actor_kind": "api_key",
@@ -264,8 +267,11 @@ class RawSQL:
             "client_ip": LOOPBACK,
             "count": None,
             "version": version,
-            "detail": self.Jsonb(detail),
+            "detail": detail,
         }
+        # The same keyed digest audit_record computes (tamper evidence costs the raw side too).
+        row.update(digest=chain.digest(row), seal=None, chain="", redacted=self.Jsonb({}))
+        row["detail"] = self.Jsonb(detail)
         return tuple(row[c] for c in self.audit_cols)
 
     # Each method returns the elapsed nanoseconds of its statements (commit included).

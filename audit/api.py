@@ -1,0 +1,136 @@
+"""Compliance review over REST (scope ``audit:read``): the audit log filtered and paginated,
+streamed exports, and checkpoints to keep outside the database. Every one of these reads
+is itself an audit event."""
+
+from django.core.handlers.asgi import ASGIRequest
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+
+from audit import services
+from audit.exports import CONTENT_TYPES, audit_export_response
+from audit.models import AuditCheckpoint, AuditEvent
+from audit.selectors import TEXT_MAX_LEN, audit_filters
+from memories import validation
+from memories.api.serializers import NO_CONTROL_CHARS
+from memories.api.views import ERRORS, AuditedAPIView
+
+TEXT = {"type": "string", "maxLength": TEXT_MAX_LEN, "pattern": NO_CONTROL_CHARS}
+FILTER_PARAMS = [
+    OpenApiParameter("since", {"type": "string", "format": "date-time"}, description="occurred at or after (ISO 8601)"),
+    OpenApiParameter("until", {"type": "string", "format": "date-time"}, description="occurred before (ISO 8601)"),
+    OpenApiParameter("actor", TEXT, description="an actor's id or label: a key's zm_ prefix, a username"),
+    OpenApiParameter("actor_kind", str, enum=AuditEvent.ActorKind.values),
+    OpenApiParameter("action", TEXT, description="exact (memory.read), or a family ending in '.' (memory.)"),
+    OpenApiParameter("key_prefix", TEXT, description="the target key starts with this, e.g. user:u10086:"),
+    OpenApiParameter("subject", TEXT, description="the end user the event is about"),
+    OpenApiParameter("outcome", str, enum=AuditEvent.Outcome.values),
+]
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditEvent
+        fields = [
+            "id",
+            "occurred_at",
+            "actor_kind",
+            "actor_id",
+            "actor_label",
+            "surface",
+            "action",
+            "target",
+            "subject",
+            "outcome",
+            "request_id",
+            "client_ip",
+            "count",
+            "version",
+            "detail",
+            "seal",
+        ]
+
+
+class AuditEventListSerializer(serializers.Serializer):
+    results = AuditEventSerializer(many=True)
+    next_cursor = serializers.CharField(allow_null=True)
+
+
+class AuditCheckpointSerializer(serializers.Serializer):
+    tenant = serializers.CharField()
+    seal = serializers.IntegerField(help_text="the chain's head seal (0: nothing sealed yet)")
+    head_hash = serializers.CharField()
+    events = serializers.IntegerField(help_text="events sealed up to and including that seal")
+    at = serializers.DateTimeField()
+
+
+class AuditEventListView(AuditedAPIView):
+    audit_actions = {"GET": "audit.list"}
+
+    @extend_schema(
+        operation_id="audit_events_list",
+        summary="The tenant's audit events, newest first, filtered; never memory values",
+        parameters=[
+            *FILTER_PARAMS,
+            OpenApiParameter(
+                "limit",
+                {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX},
+                description=f"1-{validation.LIMIT_MAX}, default 50",
+            ),
+            OpenApiParameter(
+                "cursor", {"type": "string", "maxLength": 1024}, description="next_cursor of the previous page"
+            ),
+        ],
+        responses={200: AuditEventListSerializer, **ERRORS},
+    )
+    def get(self, request):
+        q = request.query_params
+        rows, next_cursor = services.audit_event_list(
+            tenant=self.tenant, actor=self.actor, filters=audit_filters(q), limit=q.get("limit"), cursor=q.get("cursor")
+        )
+        return Response({"results": AuditEventSerializer(rows, many=True).data, "next_cursor": next_cursor})
+
+
+class AuditExportView(AuditedAPIView):
+    audit_actions = {"GET": "audit.export"}
+
+    def perform_content_negotiation(self, request, force=False):
+        # The body is CSV or JSON Lines whatever the Accept header says; errors are JSON.
+        return super().perform_content_negotiation(request, force=True)
+
+    @extend_schema(
+        operation_id="audit_events_export",
+        summary="Export the filtered audit events as CSV or JSON Lines, streamed (newest first)",
+        parameters=[
+            *FILTER_PARAMS,
+            OpenApiParameter("format", str, enum=list(CONTENT_TYPES), description="csv (default) or jsonl"),
+        ],
+        responses={
+            (200, "text/csv"): OpenApiResponse(str, description="a header row, then one row per event"),
+            (200, "application/x-ndjson"): OpenApiResponse(str, description="one JSON object per line"),
+            **ERRORS,
+        },
+    )
+    def get(self, request):
+        q = request.query_params
+        return audit_export_response(
+            tenant=self.tenant,
+            actor=self.actor,
+            filters=audit_filters(q),
+            fmt=q.get("format", "csv"),
+            asynchronous=isinstance(request._request, ASGIRequest),
+        )
+
+
+class AuditCheckpointView(AuditedAPIView):
+    audit_actions = {"POST": "audit.checkpoint"}
+
+    @extend_schema(
+        operation_id="audit_checkpoints_create",
+        summary="Seal the log and return its head: keep it outside ZeroMem to detect a cut-off tail",
+        request=None,
+        responses={201: AuditCheckpointSerializer, **ERRORS},
+    )
+    def post(self, request):
+        checkpoint: AuditCheckpoint = services.audit_checkpoint_create(tenant=self.tenant, actor=self.actor)
+        return Response(AuditCheckpointSerializer(checkpoint.as_dict()).data, status=status.HTTP_201_CREATED)

@@ -1,0 +1,119 @@
+"""Reading the audit log: the filters compliance reviewers use, shared by the REST list,
+the exports and the admin. No permission checks and no audit here; services wrap these."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+from django.db.models import Q, QuerySet
+from django.utils.dateparse import parse_datetime
+
+from audit.models import AuditEvent
+from memories.errors import InvalidInput
+
+TEXT_MAX_LEN = 512
+
+
+@dataclass(frozen=True)
+class AuditFilters:
+    since: datetime | None = None  # occurred_at >= since
+    until: datetime | None = None  # occurred_at < until
+    actor: str | None = None  # an actor's id or label: key id or zm_ prefix, username, subject
+    action: str | None = None  # exact ("memory.read"), or a family when it ends with "." ("memory.")
+    key_prefix: str | None = None  # the target key starts with this
+    subject: str | None = None
+    outcome: str | None = None
+    actor_kind: str | None = None
+
+    def as_detail(self) -> dict:
+        """What an audit event about a read of the log records of its filters. The key prefix
+        and subject go in the event's own target/subject fields (so a forget request redacts
+        them there), not here."""
+        out = {}
+        for name, value in asdict(self).items():
+            if value is None or name in ("key_prefix", "subject"):
+                continue
+            out[name] = value.isoformat() if isinstance(value, datetime) else value
+        return out
+
+
+def _datetime(raw, field: str) -> datetime | None:
+    if raw is None:
+        return None
+    try:
+        parsed = parse_datetime(raw) if isinstance(raw, str) else None
+        if parsed is not None:
+            # In UTC: the database takes any instant, not every offset (+16:03 is valid ISO).
+            return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        pass
+    raise InvalidInput("must be an ISO 8601 date-time, e.g. 2026-01-31T00:00:00Z", field=field)
+
+
+def _text(raw, field: str) -> str | None:
+    if raw in (None, ""):
+        return None
+    if not isinstance(raw, str) or len(raw) > TEXT_MAX_LEN or any(ord(c) < 32 for c in raw):
+        raise InvalidInput(f"must be text of at most {TEXT_MAX_LEN} characters", field=field)
+    return raw
+
+
+def _choice(raw, field: str, choices) -> str | None:
+    if raw is None:
+        return None
+    if raw not in choices:
+        raise InvalidInput(f"must be one of {', '.join(choices)}", field=field)
+    return raw
+
+
+def audit_filters(raw: Mapping) -> AuditFilters:
+    """Parse filters from query parameters (or a form); bad input names its field."""
+    filters = AuditFilters(
+        since=_datetime(raw.get("since"), "since"),
+        until=_datetime(raw.get("until"), "until"),
+        actor=_text(raw.get("actor"), "actor"),
+        action=_text(raw.get("action"), "action"),
+        key_prefix=_text(raw.get("key_prefix"), "key_prefix"),
+        subject=_text(raw.get("subject"), "subject"),
+        outcome=_choice(raw.get("outcome"), "outcome", AuditEvent.Outcome.values),
+        actor_kind=_choice(raw.get("actor_kind"), "actor_kind", AuditEvent.ActorKind.values),
+    )
+    if filters.since and filters.until and filters.since >= filters.until:
+        raise InvalidInput("must be later than since", field="until")
+    return filters
+
+
+def audit_events(*, tenant, filters: AuditFilters, prefixes: list[str] | None = None) -> QuerySet[AuditEvent]:
+    """The tenant's events matching ``filters``, newest first. ``prefixes`` (an API key's
+    allowlist) restricts them to targets under those prefixes.
+
+    Indexes: (tenant, occurred_at) for time ranges, (tenant, target) for key prefixes,
+    (tenant, actor_kind, actor_id) and (tenant, subject) for the rest."""
+    qs = AuditEvent.objects.for_tenant(tenant)
+    f = filters
+    if f.since:
+        qs = qs.filter(occurred_at__gte=f.since)
+    if f.until:
+        qs = qs.filter(occurred_at__lt=f.until)
+    if f.actor:
+        qs = qs.filter(Q(actor_id=f.actor) | Q(actor_label=f.actor))
+    if f.actor_kind:
+        qs = qs.filter(actor_kind=f.actor_kind)
+    if f.action:
+        qs = qs.filter(action__startswith=f.action) if f.action.endswith(".") else qs.filter(action=f.action)
+    if f.key_prefix:
+        qs = qs.filter(target__startswith=f.key_prefix)
+    if f.subject:
+        qs = qs.filter(subject=f.subject)
+    if f.outcome:
+        qs = qs.filter(outcome=f.outcome)
+    if prefixes is not None:
+        if not prefixes:
+            return qs.none()
+        allowed = Q(pk__in=[])
+        for p in prefixes:
+            allowed |= Q(target__startswith=p)
+        qs = qs.filter(allowed)
+    return qs.order_by("-id")

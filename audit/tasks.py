@@ -1,0 +1,11 @@
+"""django-q2 tasks of the audit log: dotted-path functions that call a service."""
+
+from audit import services
+
+
+def audit_seal_task() -> dict:
+    return {str(k): v for k, v in services.audit_seal_all().items()}
+
+
+def audit_purge_task() -> dict:
+    return services.audit_purge_all()

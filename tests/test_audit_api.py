@@ -1,0 +1,208 @@
+"""Compliance review over REST: filters, pagination, exports, checkpoints — scoped to the
+key's tenant (and allowlist), never a memory value, and every read of the log audited."""
+
+import csv
+import io
+import json
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.utils import timezone
+
+from audit.exports import audit_export_response
+from audit.models import AuditEvent
+from audit.selectors import AuditFilters
+from memories.permissions import Actor
+from tests.helpers import rest_error
+
+CANARY = "CANARY-audit-api-9d2e"
+EVENTS = "/api/v1/audit-events"
+EXPORT = "/api/v1/audit-events/export"
+
+
+@pytest.fixture
+def log(api, api_b, tenant_a, make_client):
+    """Tenant A: writes and reads of two users' memories, a denial; tenant B: its own."""
+    for user in ("u1", "u2"):
+        for name in ("lang", "tz", "plan"):
+            api.call("memory_write", key=f"user:{user}:{name}", value=f"{CANARY} {name}")
+    api.call("memory_read", key="user:u1:lang")
+    api.call("memory_read", key="user:u1:missing")
+    ro, _ = make_client(tenant_a, scopes=["memory:read"])
+    ro.call("memory_write", key="user:u1:lang", value=CANARY)  # denied
+    api_b.call("memory_write", key="user:u1:lang", value=f"{CANARY} b")
+    auditor, auditor_key = make_client(tenant_a, scopes=["audit:read"])
+    return auditor
+
+
+def events(client, **params):
+    r = client.get(EVENTS, params)
+    assert r.status_code == 200, r.content
+    return r.json()
+
+
+def stream(response) -> str:
+    return b"".join(response.streaming_content).decode()
+
+
+def test_lists_only_the_tenants_events_newest_first_without_values(log, tenant_b):
+    body = events(log, limit=200)
+    ids = [e["id"] for e in body["results"]]
+    assert ids == sorted(ids, reverse=True)
+    assert not AuditEvent.objects.filter(pk__in=ids, tenant=tenant_b).exists()
+    assert CANARY not in json.dumps(body)
+
+
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        ({"key_prefix": "user:u1:"}, lambda e: e["target"].startswith("user:u1:")),
+        ({"subject": "u2"}, lambda e: e["subject"] == "u2"),
+        ({"action": "memory.read"}, lambda e: e["action"] == "memory.read"),
+        ({"action": "memory."}, lambda e: e["action"].startswith("memory.")),
+        ({"outcome": "denied"}, lambda e: e["outcome"] == "denied"),
+        ({"actor_kind": "system"}, lambda e: e["actor_kind"] == "system"),
+    ],
+)
+def test_filters_return_exactly_the_matching_events(log, tenant_a, params, expected):
+    got = events(log, limit=200, **params)["results"]
+    everything = [e for e in events(log, limit=200)["results"] if e["action"] != "audit.list"]
+    want = [e["id"] for e in everything if expected(e)]
+    assert want, "the filter must match something for the test to mean anything"
+    assert [e["id"] for e in got if e["action"] != "audit.list"] == want
+
+
+def test_actor_filter_matches_a_keys_public_prefix(log, api):
+    label = AuditEvent.objects.filter(action="memory.write", tenant=api.tenant).first().actor_label
+    got = events(log, actor=label, limit=200)["results"]
+    assert got and {e["actor_label"] for e in got} == {label}
+
+
+def test_time_range_filter(log, tenant_a):
+    middle = AuditEvent.objects.filter(tenant=tenant_a).order_by("id")[4].occurred_at
+    before = events(log, until=middle.isoformat(), limit=200)["results"]
+    after = events(log, since=middle.isoformat(), limit=200)["results"]
+    assert before and after
+    assert all(e["occurred_at"] < middle.isoformat().replace("+00:00", "Z") for e in before)
+    assert not {e["id"] for e in before} & {e["id"] for e in after}
+
+
+def test_cursor_pagination_walks_every_event_once(log, tenant_a):
+    seen, cursor = [], None
+    while True:
+        page = events(log, limit=3, key_prefix="user:", **({"cursor": cursor} if cursor else {}))
+        seen += [e["id"] for e in page["results"]]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    expected = AuditEvent.objects.filter(tenant=tenant_a, target__startswith="user:").order_by("-id")
+    # (each page's own audit.list event is newer than the first page: not part of the walk)
+    assert seen == list(expected.exclude(action="audit.list").values_list("id", flat=True))
+
+
+def test_a_key_limited_to_a_prefix_reads_only_events_under_it(log, tenant_a, make_client):
+    limited, _ = make_client(tenant_a, scopes=["audit:read"], allow=["user:u2:"])
+    got = events(limited, limit=200)["results"]
+    assert got and all(e["target"].startswith("user:u2:") for e in got)
+
+
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        ({"since": "yesterday"}, "since"),
+        ({"until": "2026-13-01T00:00:00Z"}, "until"),
+        ({"since": "2026-02-01T00:00:00Z", "until": "2026-01-01T00:00:00Z"}, "until"),
+        ({"outcome": "maybe"}, "outcome"),
+        ({"actor_kind": "robot"}, "actor_kind"),
+        ({"limit": "0"}, "limit"),
+        ({"cursor": "!!"}, "cursor"),
+        ({"key_prefix": "x" * 513}, "key_prefix"),
+    ],
+)
+def test_bad_filters_are_400_naming_the_field(log, params, field):
+    r = log.get(EVENTS, params)
+    assert r.status_code == 400
+    assert rest_error(r)["field"] == field
+
+
+def test_reading_the_log_needs_the_audit_scope(api, make_client, tenant_a):
+    reader, _ = make_client(tenant_a, scopes=["memory:read"])
+    for path in (EVENTS, EXPORT):
+        r = reader.get(path)
+        assert r.status_code == 403 and rest_error(r)["code"] == "missing_scope"
+
+
+def test_every_read_of_the_log_is_itself_an_event(log, tenant_a):
+    events(log, key_prefix="user:u1:", subject="u1", action="memory.")
+    listed = AuditEvent.objects.filter(tenant=tenant_a, action="audit.list").latest("pk")
+    assert (listed.target, listed.subject, listed.detail) == ("user:u1:", "u1", {"action": "memory."})
+    r = log.get(EXPORT, {"format": "jsonl", "outcome": "denied"})
+    stream(r)
+    exported = AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").latest("pk")
+    assert exported.detail == {"format": "jsonl", "outcome": "denied"} and exported.outcome == "ok"
+
+
+# --- exports --------------------------------------------------------------------------------
+
+
+def test_csv_export_streams_the_filtered_events_with_a_header(log, tenant_a):
+    r = log.get(EXPORT, {"key_prefix": "user:u1:"})
+    assert r.status_code == 200 and r.streaming
+    assert r["Content-Type"].startswith("text/csv")
+    assert "attachment" in r["Content-Disposition"] and r["Cache-Control"] == "no-store"
+    rows = list(csv.DictReader(io.StringIO(stream(r))))
+    expected = AuditEvent.objects.filter(tenant=tenant_a, target__startswith="user:u1:").order_by("-id")
+    assert [int(row["id"]) for row in rows] == list(expected.values_list("id", flat=True))
+    assert rows[0]["digest"] and CANARY not in json.dumps(rows)
+
+
+def test_jsonl_export_is_one_object_per_line(log, tenant_a):
+    r = log.get(EXPORT, {"format": "jsonl", "subject": "u2"})
+    assert r["Content-Type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in stream(r).splitlines()]
+    assert lines and all(e["subject"] == "u2" for e in lines)
+    assert len(lines) == AuditEvent.objects.filter(tenant=tenant_a, subject="u2").count()
+
+
+def test_csv_export_defuses_cells_a_spreadsheet_would_run(log, api, tenant_a):
+    api.call("memory_read", key="=cmd:x:y")  # a valid key that starts like a formula
+    rows = list(csv.DictReader(io.StringIO(stream(log.get(EXPORT, {"action": "memory.read"})))))
+    assert "'=cmd:x:y" in [row["target"] for row in rows]
+    lines = stream(log.get(EXPORT, {"format": "jsonl", "action": "memory.read"}))
+    assert '"target":"=cmd:x:y"' in lines  # JSON Lines keep the text as it is
+
+
+def test_export_under_asgi_streams_an_async_iterator(log, tenant_a):
+    actor = Actor(kind="api_key", id="1", label="zm_t", scopes=frozenset(["audit:read"]), surface="rest")
+    response = audit_export_response(
+        tenant=tenant_a, actor=actor, filters=AuditFilters(key_prefix="user:"), fmt="jsonl", asynchronous=True
+    )
+    assert response.is_async
+
+    async def collect():
+        return [chunk async for chunk in response.streaming_content]
+
+    chunks = async_to_sync(collect)()
+    lines = b"".join(chunks).decode().splitlines()
+    assert len(lines) == AuditEvent.objects.filter(tenant=tenant_a, target__startswith="user:").count()
+
+
+def test_export_of_an_empty_range_is_just_the_header(log):
+    future = (timezone.now() + timedelta(days=1)).isoformat()
+    assert stream(log.get(EXPORT, {"since": future})).splitlines() == [
+        "id,occurred_at,actor_kind,actor_id,actor_label,surface,action,target,subject,outcome,request_id,"
+        "client_ip,count,version,detail,seal,digest"
+    ]
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def test_checkpoint_endpoint_seals_and_returns_the_head(log, tenant_a):
+    r = log.post("/api/v1/audit-checkpoints")
+    assert r.status_code == 201, r.content
+    body = r.json()
+    assert body["tenant"] == tenant_a.slug and body["seal"] >= 1
+    assert body["events"] == AuditEvent.objects.filter(tenant=tenant_a, seal__isnull=False).count()
+    assert not AuditEvent.objects.filter(tenant=tenant_a, seal__isnull=True).exclude(action="audit.checkpoint").exists()
