@@ -10,17 +10,23 @@ audits the export).
 from __future__ import annotations
 
 import json
-from datetime import datetime, time
+from datetime import datetime, time, timedelta
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.http import Http404
+from django.core.handlers.asgi import ASGIRequest
+from django.db.models import Q
+from django.http import HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.html import format_html
 
+from audit.exports import audit_export_response
 from audit.models import AuditEvent
+from audit.selectors import AuditFilters
+from audit.services import audit_record
+from memories.errors import InvalidInput, ServiceError
 from zeromem.admin_scoping import InputFilter, TenantScopedAdmin, actor_for, tenant_ids_with
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
@@ -28,7 +34,8 @@ FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "
 
 def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
     """``2026-12-01`` or ``2026-12-01T10:00[:00][+00:00]``; a date alone means its start (or,
-    for ``until``, its end). Naive times are in the server's time zone."""
+    for ``until``, which is exclusive like ``AuditFilters.until``, the next day's start).
+    Naive times are in the server's time zone."""
     raw = (raw or "").strip()
     if not raw:
         return None
@@ -38,7 +45,7 @@ def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
     except ValueError:
         raise ValueError(raw) from None
     if day is not None:
-        moment = datetime.combine(day, time.max if end_of_day else time.min)
+        moment = datetime.combine(day + timedelta(days=1) if end_of_day else day, time.min)
     elif moment is None:
         raise ValueError(raw)
     if timezone.is_naive(moment):
@@ -66,9 +73,9 @@ class SinceFilter(_MomentFilter):
 
 
 class UntilFilter(_MomentFilter):
-    title = "until (date or time)"
+    title = "until (date: through that day)"
     parameter_name = "until"
-    lookup = "occurred_at__lte"
+    lookup = "occurred_at__lt"
     end_of_day = True
 
 
@@ -77,21 +84,21 @@ class ActorFilter(InputFilter):
     parameter_name = "actor"
 
     def queryset(self, request, queryset):
+        # As audit.selectors.audit_events: an actor's id (key or user pk) or its label
+        # (zm_ prefix, username).
         value = self.value()
-        return queryset.filter(**actor_lookup(value)) if value else queryset
-
-
-def actor_lookup(value: str) -> dict:
-    # zm_xxxx and usernames are labels; a bare number is the actor id (key or user pk).
-    return {"actor_id": value} if value.isdigit() else {"actor_label": value}
+        return queryset.filter(Q(actor_id=value) | Q(actor_label=value)) if value else queryset
 
 
 class ActionFilter(InputFilter):
-    title = "action (e.g. memory.update)"
+    title = "action (memory.update, or memory. for all)"
     parameter_name = "action"
 
     def queryset(self, request, queryset):
-        return queryset.filter(action=self.value()) if self.value() else queryset
+        value = self.value()
+        if not value:
+            return queryset
+        return queryset.filter(action__startswith=value) if value.endswith(".") else queryset.filter(action=value)
 
 
 class KeyPrefixFilter(InputFilter):
@@ -172,10 +179,34 @@ class AuditEventAdmin(TenantScopedAdmin):
     def changelist_view(self, request, extra_context=None):
         extra_context = {
             **(extra_context or {}),
-            "export_available": _export_response() is not None,
             "export_url": reverse("admin:audit_auditevent_export"),
         }
-        return super().changelist_view(request, extra_context)
+        response = super().changelist_view(request, extra_context)
+        changelist = (getattr(response, "context_data", None) or {}).get("cl")
+        if changelist is not None:
+            self._audit_reading(request, changelist.result_list)
+        return response
+
+    def _audit_reading(self, request, rows) -> None:
+        """Reading the log is itself recorded (``audit.list``, as the audit API does), in
+        each tenant whose events the page showed — after the page's rows were read, so the
+        record of this reading is not among them."""
+        shown: dict = {}
+        for event in rows:
+            shown.setdefault(event.tenant, 0)
+            shown[event.tenant] += 1
+        params = {k: request.GET[k] for k in FILTER_PARAMS if request.GET.get(k)}
+        for tenant, count in shown.items():
+            audit_record(
+                tenant=tenant,
+                actor=actor_for(request, tenant),
+                action="audit.list",
+                outcome=AuditEvent.Outcome.OK,
+                target=params.get("key_prefix", ""),
+                subject=params.get("subject", ""),
+                count=count,
+                detail={k: v for k, v in params.items() if k not in ("key_prefix", "subject")},
+            )
 
     def get_urls(self):
         return [
@@ -188,15 +219,10 @@ class AuditEventAdmin(TenantScopedAdmin):
         the export is recorded in that tenant's audit log)."""
         if not self.has_view_permission(request):
             raise PermissionDenied
-        export = _export_response()
-        if export is None:
-            raise Http404("audit export is not available")
         ids = tenant_ids_with(request, self.view_capability)
         tenant_id = request.GET.get("tenant") or (str(next(iter(ids))) if len(ids) == 1 else "")
         if not tenant_id.isdigit() or int(tenant_id) not in ids:
             messages.error(request, "Choose one tenant (the tenant filter) before exporting.")
-            from django.http import HttpResponseRedirect
-
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
         from memories.models import Tenant
 
@@ -204,28 +230,27 @@ class AuditEventAdmin(TenantScopedAdmin):
         fmt = request.GET.get("fmt", "csv")
         if fmt not in ("csv", "jsonl"):
             fmt = "csv"
-        filters = audit_filters_from(request.GET)
-        return export(tenant=tenant, actor=actor_for(request, tenant), filters=filters, fmt=fmt)
+        try:
+            filters = audit_filters_from(request.GET)
+            return audit_export_response(
+                tenant=tenant,
+                actor=actor_for(request, tenant),
+                filters=filters,
+                fmt=fmt,
+                asynchronous=isinstance(request, ASGIRequest),
+            )
+        except ServiceError as exc:
+            messages.error(request, f"{exc.field}: {exc.message}" if exc.field else exc.message)
+            return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
 
 
-def audit_filters_from(params):
-    """The list's filter parameters as an ``audit.selectors.AuditFilters``."""
-    from audit.selectors import AuditFilters
-
+def audit_filters_from(params) -> AuditFilters:
+    """The list's filter parameters as an ``audit.selectors.AuditFilters``; a bad date names
+    its field (InvalidInput)."""
     values = {name: (params.get(name) or "").strip() or None for name in FILTER_PARAMS}
-    try:
-        values["since"] = parse_moment(values["since"] or "")
-        values["until"] = parse_moment(values["until"] or "", end_of_day=True)
-    except ValueError:
-        values["since"] = values["until"] = None
+    for name, end_of_day in (("since", False), ("until", True)):
+        try:
+            values[name] = parse_moment(values[name] or "", end_of_day=end_of_day)
+        except ValueError:
+            raise InvalidInput("not a date or time (use 2026-12-01 or 2026-12-01T10:00)", field=name) from None
     return AuditFilters(**values)
-
-
-def _export_response():
-    """``audit.exports.audit_export_response`` once it exists (the audit work adds it)."""
-    try:
-        from audit.exports import audit_export_response
-        from audit.selectors import AuditFilters  # noqa: F401
-    except ImportError:
-        return None
-    return audit_export_response

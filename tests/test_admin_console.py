@@ -368,3 +368,44 @@ def test_superuser_changes_tenant_settings_through_an_audited_service(tenant_a, 
     assert response.status_code == 403
     tenant_a.refresh_from_db()
     assert tenant_a.name == "Acme Corporation"
+
+
+def test_compliance_exports_the_filtered_audit_log_of_one_tenant(tenant_a, tenant_b, staff_clients):
+    import csv
+    import io
+    import json as jsonlib
+
+    write(tenant_a, "user:u10086:pref_lang", CANARY)
+    write(tenant_a, "user:u2:pref_lang", "x")
+    write(tenant_b, "user:u10086:pref_lang", "globex's")
+    user, client = staff_clients["compliance"]
+    page = client.get("/admin/audit/auditevent/?key_prefix=user:u10086:").content.decode()
+    assert 'id="audit-export-csv"' in page
+    response = client.get("/admin/audit/auditevent/export/?fmt=csv&key_prefix=user:u10086:")
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
+    body = b"".join(response.streaming_content).decode()
+    rows = list(csv.DictReader(io.StringIO(body)))
+    memory_rows = [(r["action"], r["target"]) for r in rows if r["action"].startswith("memory.")]
+    assert memory_rows == [("memory.write", "user:u10086:pref_lang")]
+    assert {r["action"] for r in rows} == {"memory.write", "audit.list", "audit.export"}  # reading is recorded
+    assert CANARY not in body and "globex" not in body
+    (event,) = AuditEvent.objects.filter(tenant=tenant_a, action="audit.export")
+    assert (event.actor_kind, event.actor_id, event.target, event.detail["format"]) == (
+        "staff",
+        str(user.pk),
+        "user:u10086:",
+        "csv",
+    )
+    jsonl = client.get("/admin/audit/auditevent/export/?fmt=jsonl&action=memory.write")
+    lines = [jsonlib.loads(line) for line in b"".join(jsonl.streaming_content).decode().splitlines()]
+    assert sorted(line["target"] for line in lines) == ["user:u10086:pref_lang", "user:u2:pref_lang"]
+    bad = client.get("/admin/audit/auditevent/export/?fmt=csv&since=soon", follow=True)
+    assert "Since: not a date or time" in bad.content.decode()
+
+
+def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_clients):
+    write(tenant_a, "user:u1:k", "v")
+    user, client = staff_clients["compliance"]
+    client.get("/admin/audit/auditevent/?key_prefix=user:u1:&outcome=ok")
+    (event,) = AuditEvent.objects.filter(tenant=tenant_a, action="audit.list")
+    assert (event.actor_id, event.target, event.count, event.detail) == (str(user.pk), "user:u1:", 1, {"outcome": "ok"})
