@@ -349,6 +349,7 @@ class MemoryAdmin(TenantScopedAdmin):
     change_capability = "memory.edit"
     delete_capability = None  # a delete moves to the trash or forgets: both are actions
     list_display = ("key", "tenant", "category", "subject", "version", "updated_at", "expires_at", "state")
+    list_select_related = ("tenant",)
     list_filter = ("tenant", StateFilter, KeyTreeFilter, CategoryFilter, SubjectFilter, TagFilter, ExpiryFilter)
     search_fields = ("key", "search_text")
     search_help_text = "Search keys and the words of values."
@@ -674,6 +675,7 @@ class ForgetRequestAdmin(TenantScopedAdmin):
     view_capability = "forget.view"
     add_capability = "forget.create"
     list_display = ("id", "tenant", "status", "target", "due_at", "overdue", "created_at", "completed_at")
+    list_select_related = ("tenant",)
     list_filter = ("tenant", OverdueFilter, "status")
     search_fields = ("subject", "prefix")
     show_full_result_count = False
@@ -798,6 +800,7 @@ class ApiKeyAdmin(TenantScopedAdmin):
     view_capability = "keys.manage"
     add_capability = "keys.manage"
     list_display = ("display_prefix", "name", "tenant", "scopes", "allowed_prefixes", "status", "last_used_at")
+    list_select_related = ("tenant",)
     list_filter = ("tenant",)
     search_fields = ("name", "lookup")
     readonly_fields = (

@@ -1,45 +1,21 @@
-"""Staff users of each role for the admin tests (imported by tests/test_admin_*.py)."""
+"""Fixtures of the admin tests (a plugin: ``pytest_plugins = ["tests.admin_fixtures"]``)."""
 
 from __future__ import annotations
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.test import Client
 
-from memories import services
-from memories.models import Membership
-from memories.services import staff
-from tests.conftest import SYSTEM
-
-ROLES = tuple(Membership.Role.values)
-PASSWORD = "correct horse battery staple"
+from tests.staff_users import PASSWORD, ROLES, logged_in, make_staff
 
 
-def make_staff(tenant, role: str, username: str | None = None):
-    user = get_user_model().objects.create_user(username=username or f"{role}-{tenant.slug}", password=PASSWORD)
-    staff.membership_set(tenant=tenant, actor=SYSTEM, username=user.username, role=role)
-    user.refresh_from_db()
-    return user
-
-
-def logged_in(user) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
-
-
-def write(tenant, key, value, **kwargs):
-    return services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value, **kwargs).memory
-
-
-@pytest.fixture(autouse=True)
-def _fast_password_hashing(settings):
+@pytest.fixture
+def fast_password_hashing(settings):
     # Logging staff in is not what these tests measure; PBKDF2's 1M rounds would dominate them.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
 @pytest.fixture
-def staff_clients(tenant_a):
+def staff_clients(tenant_a, fast_password_hashing):
     """{role: (user, client)} for members of tenant A, one per role."""
     out = {}
     for role in ROLES:
@@ -49,6 +25,6 @@ def staff_clients(tenant_a):
 
 
 @pytest.fixture
-def superuser_client(db):
+def superuser_client(db, fast_password_hashing):
     user = get_user_model().objects.create_superuser(username="root", password=PASSWORD)
     return user, logged_in(user)

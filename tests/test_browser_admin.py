@@ -14,10 +14,10 @@ from django.contrib.auth import get_user_model
 from audit.models import AuditEvent
 from memories.models import ForgetRequest, Memory
 from memories.services import staff
-from tests.admin_fixtures import write
 from tests.conftest import SYSTEM, make_tenant
+from tests.staff_users import write
 
-pytest_plugins = ["tests.admin_fixtures"]  # fast password hashing
+pytest_plugins = ["tests.admin_fixtures"]
 
 KEY = "user:u10086:pref_lang"
 OLD_VALUE = "prefers English (CANARY-old-1f3a)"
@@ -40,7 +40,7 @@ def _log_in(page, base, username):
 
 
 def test_support_edits_and_forgets_a_memory_and_compliance_sees_the_trail_without_values(
-    browser_page, live_server, screenshot
+    browser_page, live_server, screenshot, fast_password_hashing
 ):
     page, base = browser_page, live_server.url
     tenant = make_tenant("acme")
