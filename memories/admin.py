@@ -38,6 +38,10 @@ admin.site.index_template = "zeromem_admin/index.html"
 EXPIRING_SOON = timedelta(hours=24)
 
 
+def _when(moment, empty: str = "-") -> str:
+    return timezone.localtime(moment).strftime("%Y-%m-%d %H:%M:%S %Z") if moment else empty
+
+
 def _service_error_text(exc: ServiceError) -> str:
     return f"{exc.field}: {exc.message}" if exc.field else exc.message
 
@@ -261,7 +265,10 @@ class MemoryForm(forms.ModelForm):
     )
     tags = forms.CharField(required=False, help_text="Comma-separated.")
     ttl_seconds = forms.IntegerField(
-        required=False, min_value=1, help_text="Expire this many seconds from now (empty: keep the expiry)."
+        required=False,
+        min_value=1,
+        label="Expire in (seconds)",
+        help_text="Expire this many seconds from now (empty: keep the expiry).",
     )
     version = forms.IntegerField(widget=forms.HiddenInput, required=False)
 
@@ -399,11 +406,11 @@ class MemoryAdmin(TenantScopedAdmin):
             "version {} · state {} · created {} · updated {} · expires {} · read {} times, last {} · source {}",
             obj.version,
             self.state(obj),
-            obj.created_at,
-            obj.updated_at,
-            obj.expires_at or "never",
+            _when(obj.created_at),
+            _when(obj.updated_at),
+            _when(obj.expires_at, "never"),
             obj.access_count,
-            obj.last_accessed_at or "never",
+            _when(obj.last_accessed_at, "never"),
             obj.source or "-",
         )
 

@@ -177,6 +177,7 @@ class Memory(models.Model):
     objects = MemoryQuerySet.as_manager()
 
     class Meta:
+        verbose_name_plural = "memories"
         constraints = [
             # One live memory per key; trashed copies may pile up beside it until purged.
             models.UniqueConstraint(
