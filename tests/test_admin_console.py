@@ -225,7 +225,7 @@ def test_dashboard_charts_and_figures_per_tenant(tenant_a, tenant_b, staff_clien
     assert re.search(r'class="ops-reads">3<', body) and re.search(r'class="ops-misses">1<', body)
     assert re.search(r'class="zm-figure forget-open">1<', body)
     assert re.search(r'class="zm-figure forget-overdue"[^>]*>1<', body)
-    assert "u9" not in body  # tenant B's data stays out
+    assert "user:u9" not in body  # tenant B's data stays out
     tokens = response.context["tokens"]
     assert tokens["reads"] == 3 and tokens["saved"] == 3 * tokens["per_read"]
     # compliance sees figures, never the expiring keys' links into memories
@@ -409,3 +409,28 @@ def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_cl
     client.get("/admin/audit/auditevent/?key_prefix=user:u1:&outcome=ok")
     (event,) = AuditEvent.objects.filter(tenant=tenant_a, action="audit.list")
     assert (event.actor_id, event.target, event.count, event.detail) == (str(user.pk), "user:u1:", 1, {"outcome": "ok"})
+
+
+def test_the_services_refuse_staff_whose_role_lacks_the_power_and_audit_it(tenant_a):
+    from memories.errors import Forbidden
+    from memories.permissions import staff_actor
+    from memories.services import staff as staff_services
+
+    memory = write(tenant_a, "user:u1:k", CANARY)
+    reviewer = make_staff(tenant_a, "compliance", "rita")
+    helper = make_staff(tenant_a, "support", "sue")
+    as_compliance = staff_actor(user=reviewer, role="compliance")
+    as_support = staff_actor(user=helper, role="support")
+    for call in (
+        lambda: staff_services.memory_view(tenant=tenant_a, actor=as_compliance, memory_id=memory.pk),
+        lambda: staff_services.memory_versions_view(tenant=tenant_a, actor=as_compliance, memory_id=memory.pk),
+        lambda: staff_services.memory_restore_version(
+            tenant=tenant_a, actor=as_compliance, memory_id=memory.pk, version=1
+        ),
+        lambda: staff_services.membership_set(tenant=tenant_a, actor=as_support, username="rita", role="admin"),
+    ):
+        with pytest.raises(Forbidden):
+            call()
+    denied = AuditEvent.objects.filter(tenant=tenant_a, outcome="denied").order_by("pk")
+    assert [e.action for e in denied] == ["memory.view", "memory.history", "memory.restore_version", "membership.set"]
+    assert Membership.objects.get(tenant=tenant_a, user=reviewer).role == "compliance"

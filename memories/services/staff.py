@@ -18,7 +18,7 @@ from audit.services import audit_record
 from memories import search, validation
 from memories.errors import Forbidden, InvalidInput
 from memories.models import Membership, Memory, MemoryVersion, Scope, Tenant
-from memories.permissions import Actor, require_key_allowed, require_scope
+from memories.permissions import ROLE_SCOPES, Actor, require_key_allowed, require_scope
 from memories.services.memories import MemoryResult, _operation, _record_version
 
 Outcome = AuditEvent.Outcome
@@ -180,9 +180,8 @@ def membership_remove(*, tenant: Tenant, actor: Actor, membership_id: int) -> bo
 
 
 def _require_admin(actor: Actor) -> None:
-    from memories.models import ALL_SCOPES
-
-    if actor.kind != "system" and not set(ALL_SCOPES) <= actor.scopes:
+    # The admin role is the only one whose actor holds all of the admin role's scopes.
+    if actor.kind != "system" and not ROLE_SCOPES["admin"] <= actor.scopes:
         raise Forbidden(code="admin_role_required", message="only a tenant admin manages members", field=None)
 
 
