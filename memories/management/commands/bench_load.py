@@ -314,6 +314,7 @@ class Command(BaseCommand):
             bindir=bindir, log=self.log, datadir=opts["pg_datadir"] or None, port=opts["pg_port"] or None
         )
         server = None
+        var_dir = tempfile.mkdtemp(prefix="zeromem-load-var-")  # the server's file cache
         previous_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
         try:
             self.log(f"PostgreSQL: {'initdb in ' + str(cluster.datadir) if cluster.own else cluster.datadir}")
@@ -336,7 +337,7 @@ class Command(BaseCommand):
                 database_url=cluster.url,
                 workers=opts["workers"],
                 log=self.log,
-                extra_env={"ZEROMEM_VAR_DIR": str(Path(tempfile.gettempdir()) / f"zeromem-load-var-{cluster.port}")},
+                extra_env={"ZEROMEM_VAR_DIR": var_dir},
             )
             result = self.run_all(cluster, server, api_key)
             server["keep_log"] = False
@@ -349,6 +350,7 @@ class Command(BaseCommand):
                 else:
                     self.stderr.write(f"server log kept: {server['log']}")
             cluster.destroy()
+            shutil.rmtree(var_dir, ignore_errors=True)
         if opts["json"]:
             self.stdout.write(json.dumps(result, default=str))
         else:
