@@ -92,10 +92,19 @@ if env.str("DATABASE_URL", default=""):
         # A psycopg_pool pool per process: under ASGI every request runs in a fresh thread,
         # so CONN_MAX_AGE would open a connection per request; the pool hands out warm ones.
         DATABASES["default"]["CONN_MAX_AGE"] = 0
+        # The pool checks a connection before handing it out (an empty query): after a
+        # database restart its idle connections are dead, and without the check each would
+        # cost one request a 503 (tests/test_database_outage.py).
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env.int("DB_POOL_MIN_SIZE", default=2),
             "max_size": env.int("DB_POOL_MAX_SIZE", default=20),
             "timeout": env.float("DB_POOL_TIMEOUT", default=5.0),
+            # While the database is down the pool retries connecting with exponential
+            # backoff (1, 2, 4, 8 ... s) until it gives up after this long; the next waiting
+            # request starts a new attempt. Short, so the API is back within ~1 s of the
+            # database, not one backoff step (up to minutes) later (manage.py bench_load).
+            "reconnect_timeout": env.float("DB_POOL_RECONNECT_TIMEOUT", default=2.0),
         }
         DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", env.int("DB_CONNECT_TIMEOUT", default=3))
         # django-q2 forks its workers from a process that has opened the pool: without this
