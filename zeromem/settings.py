@@ -51,6 +51,7 @@ INSTALLED_APPS = [
     "django_q",
     "memories",
     "audit",
+    "portal",
 ]
 
 MIDDLEWARE = [
@@ -203,6 +204,12 @@ ZEROMEM_LLM_TIMEOUT_SECONDS = env.float("ZEROMEM_LLM_TIMEOUT_SECONDS", default=3
 # How many times a job (e.g. a forget request) is started before it is marked failed. Counted
 # by the job itself: django-q2's max_attempts misses tasks of killed workers (issue #327).
 ZEROMEM_JOB_MAX_ATTEMPTS = env.int("ZEROMEM_JOB_MAX_ATTEMPTS", default=5)
+# End-user portal (portal/): how long a portal link stays valid before its first open, and
+# how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
+# is the origin links are built with; empty: the origin the API request came to.
+ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)
+ZEROMEM_PORTAL_SESSION_SECONDS = env.int("ZEROMEM_PORTAL_SESSION_SECONDS", default=1800)
+ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],
