@@ -119,7 +119,9 @@ def link_open(request, token):
         return _error(request, exc.http_status, title, message, has_session=_session_link(request) is not None)
     if not use:
         response = render(request, "portal/open.html", {"tenant": link.tenant})
-        response["Referrer-Policy"] = "no-referrer"  # the token is in this page's URL
+        # The token is in this page's URL: never sent to another site. (Not "no-referrer":
+        # the button's POST would then carry "Origin: null" and fail Django's CSRF check.)
+        response["Referrer-Policy"] = "same-origin"
         return response
     response = HttpResponseRedirect(reverse("portal-home"))
     response.set_signed_cookie(

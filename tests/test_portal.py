@@ -134,7 +134,7 @@ def test_looking_at_a_link_does_not_use_it_up(api, seeded):
     for _ in range(2):  # e.g. a chat app's link preview, then the user
         r = client.get(path_of(url))
         assert r.status_code == 200 and "Continue to my page" in page_text(r)
-        assert r["Cache-Control"].startswith("max-age=0") and r["Referrer-Policy"] == "no-referrer"
+        assert r["Cache-Control"].startswith("max-age=0") and r["Referrer-Policy"] == "same-origin"
     assert PortalLink.objects.get().opened_at is None
     assert COOKIE not in client.cookies
 
@@ -281,7 +281,7 @@ def test_forgetting_one_memory_erases_it_and_shows_the_receipt(api, seeded, djan
     text = page_text(page)
     assert page.status_code == 200 and "One memory: Preferred language" in text
     assert "Receipt" in text and "<th>Memories erased</th><td>1</td>" in text
-    assert "<th>Earlier versions erased</th><td>1</td>" in text
+    assert "<th>Saved versions erased</th><td>1</td>" in text
     assert CANARY_U1 not in text and 'http-equiv="refresh"' not in text
 
 
