@@ -103,13 +103,17 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
     audit INSERT."""
     claims = _claims(token)
     tenant = Tenant.objects.filter(pk=claims["t"]).first() if claims else None
+    now = timezone.now()
+    # The signed expiry first: a link's row is purged some time after it expired
+    # (portal_links_purge), and the link must still read as expired, not as altered.
+    if tenant is not None and claims["e"] <= now.timestamp():
+        _refuse(tenant, actor_for(None), "expired", subject=claims["s"])
     link = None
     if tenant is not None:
         link = PortalLink.objects.filter(nonce=claims["n"], tenant=tenant, subject=claims["s"]).first()
     if link is None:
         _refuse(tenant, actor_for(None), "altered", subject=claims["s"] if tenant else "")
-    now = timezone.now()
-    if link.expires_at <= now or claims["e"] <= now.timestamp():
+    if link.expires_at <= now:
         _refuse(tenant, actor_for(None), "expired", subject=link.subject, link=link)
     if link.opened_at is not None:
         _refuse(tenant, actor_for(None), "replayed", subject=link.subject, link=link)
@@ -185,3 +189,23 @@ def _refuse(tenant: Tenant | None, actor: Actor, reason: str, *, subject: str = 
             detail={"code": f"link_{reason}", "portal_link": link.pk if link else None},
         )
     raise LinkRefused(reason, link)
+
+
+def portal_links_purge() -> int:
+    """Delete the links no one can use any more: past their expiry, and past the longest
+    portal session one of them could have started (``ZEROMEM_PORTAL_SESSION_SECONDS``). Their
+    rows name a subject, so they are not kept longer than they serve. Returns how many; one
+    audit event per tenant. Cost: one DELETE per tenant with such links (few: links are
+    short-lived), found by a scan of expires_at (no index: the table stays small)."""
+    cutoff = timezone.now() - timedelta(seconds=settings.ZEROMEM_PORTAL_SESSION_SECONDS)
+    done = 0
+    actor = Actor.system(job="portal-links-purge")
+    tenant_ids = PortalLink.objects.filter(expires_at__lt=cutoff).values_list("tenant_id", flat=True).distinct()
+    for tenant_id in sorted(set(tenant_ids)):
+        with transaction.atomic():
+            count, _ = PortalLink.objects.filter(tenant_id=tenant_id, expires_at__lt=cutoff).delete()
+            if count:
+                tenant = Tenant(pk=tenant_id)
+                audit_record(tenant=tenant, actor=actor, action="portal.links_purge", outcome=Outcome.OK, count=count)
+            done += count
+    return done

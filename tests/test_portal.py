@@ -483,3 +483,30 @@ def test_a_long_subject_gets_a_stable_actor_id_that_fits_the_audit_log(api, tena
     event = AuditEvent.objects.filter(actor_kind="end_user", action="subject.memories").get()
     assert event.actor_id == subjects.end_user_actor_id(subject) and len(event.actor_id) <= 64
     assert event.subject == subject
+
+
+# --- purging spent links -------------------------------------------------------------------
+
+
+def test_spent_links_are_purged_after_expiry_and_session_and_still_read_as_expired(api, seeded, settings, monkeypatch):
+    from portal.services import portal_links_purge
+    from zeromem.schedules import SCHEDULES
+
+    assert SCHEDULES["zeromem:portal-links-purge"][0] == "portal.tasks.portal_links_purge_task"
+    settings.ZEROMEM_PORTAL_LINK_SECONDS = 60
+    settings.ZEROMEM_PORTAL_SESSION_SECONDS = 600
+    opened = issue(api)["url"]
+    client = open_portal(opened)
+    unused = issue(api)["url"]
+    start = timezone.now()
+
+    monkeypatch.setattr(timezone, "now", lambda: start + timedelta(seconds=60 + 590))
+    assert portal_links_purge() == 0  # a session opened at the last moment may still be open
+    monkeypatch.setattr(timezone, "now", lambda: start + timedelta(seconds=61 + 601))
+    assert portal_links_purge() == 2
+    assert not PortalLink.objects.exists()
+    assert AuditEvent.objects.get(action="portal.links_purge").count == 2
+    for url in (opened, unused):
+        r = Client().get(path_of(url))
+        assert r.status_code == 410 and "This link has expired" in page_text(r)
+    assert client.get("/portal/").status_code == 403
