@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("ZEROMEM_VENV", ROOT / ".venv"))
 PY = VENV / "bin" / "python"
 REQUIREMENTS = ROOT / "requirements.txt"
+# The browser tests (tests/browser.py) drive Debian's Chromium: Playwright cannot download
+# its own browser builds here, so the test command installs the distribution's package.
+CHROMIUM = Path(os.environ.get("ZEROMEM_CHROMIUM", "/usr/bin/chromium"))
 
 
 def say(msg: str) -> None:
@@ -40,6 +44,34 @@ def ensure_venv() -> None:
         subprocess.run([PY, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
         subprocess.run([PY, "-m", "pip", "install", "-q", "-r", REQUIREMENTS], check=True)
         stamp.write_text(digest)
+
+
+def ensure_chromium() -> None:
+    """Install Debian's ``chromium`` with apt-get when it is missing (non-interactive).
+
+    When it cannot be installed the tests still run: the browser tests then fail with a
+    message naming the missing binary (tests/browser.py), they never skip silently.
+    """
+    if CHROMIUM.exists():
+        return
+    apt_get = shutil.which("apt-get")
+    if apt_get is None:
+        say(f"{CHROMIUM} is missing and there is no apt-get to install it: the browser tests will fail")
+        return
+    prefix = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    say(f"{CHROMIUM} is missing: installing Debian's chromium package with apt-get (for the browser tests)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # Wait for another apt/dpkg run to finish rather than failing on its lock.
+    apt = [*prefix, apt_get, "-q", "-y", "-o", "DPkg::Lock::Timeout=600"]
+    for step in (["update"], ["install", "--no-install-recommends", "chromium", "fonts-liberation"]):
+        result = subprocess.run([*apt, *step], env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            say(f"apt-get {step[0]} failed: the browser tests will fail\n{result.stderr.strip()[-600:]}")
+            return
+    if not CHROMIUM.exists():
+        say(f"apt-get installed chromium but {CHROMIUM} is still missing: the browser tests will fail")
+        return
+    say(f"installed {CHROMIUM}")
 
 
 def write_dev_env() -> None:
@@ -106,6 +138,7 @@ def up(argv: list[str]) -> int:
 
 def test(argv: list[str]) -> int:
     ensure_venv()
+    ensure_chromium()
     env = {**os.environ, "ZEROMEM_ENV": "development"}
     db = env.get("DATABASE_URL", "")
     if db:

@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "django_q",
     "memories",
     "audit",
+    "portal",
 ]
 
 MIDDLEWARE = [
@@ -225,6 +226,12 @@ ZEROMEM_AUDIT_KEY = env.str(
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)
 # Events per seal: the sealing job's batch (one transaction, one UPDATE statement).
 ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
+# End-user portal (portal/): how long a portal link stays valid before its first open, and
+# how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
+# is the origin links are built with; empty: the origin the API request came to.
+ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)
+ZEROMEM_PORTAL_SESSION_SECONDS = env.int("ZEROMEM_PORTAL_SESSION_SECONDS", default=1800)
+ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],
