@@ -1,6 +1,6 @@
 """CI: bandit (medium and high severity) on the code, pip-audit on the pinned requirements.
 
-    python .ci/supply_chain.py        # from the repository root, with requirements-ci.txt installed
+    python .ci/supply_chain.py        # from the repository root, with .ci/requirements.txt installed
 
 * bandit: any medium or high finding fails. Accepted findings carry ``# nosec Bxxx`` in the
   code, with the reason in the comment above; the configuration is ``[tool.bandit]`` in

@@ -302,7 +302,11 @@ def _redacted_values(row: dict) -> tuple[dict, dict]:
     tenant_id = row["tenant_id"]
     fields = ["target", "subject"]
     if row["actor_kind"] == AuditEvent.ActorKind.END_USER:
-        fields += ["actor_id", "actor_label", "client_ip"]
+        # The end user's own events: who (their id) and from where identify them. A label is
+        # usually generic ("end user"); it is redacted only when it names them.
+        fields += ["actor_id", "client_ip"]
+        if row["actor_id"] and row["actor_id"] in (row["actor_label"] or ""):
+            fields.append("actor_label")
     kept = dict(row["redacted"] or {})
     new = {}
     for name in fields:

@@ -870,9 +870,9 @@ class PortalIdentities:
     def __init__(self):
         from django.http import HttpResponse
 
-        from portal.models import PortalLink
-        from portal.services import portal_link_create, portal_link_open
-        from portal.views import COOKIE, COOKIE_SALT
+        from memories.portal.models import PortalLink
+        from memories.portal.services import portal_link_create, portal_link_open
+        from memories.portal.views import COOKIE, COOKIE_SALT
 
         self.a = make_tenant("portal-owner")
         self.b = make_tenant("portal-other")

@@ -10,14 +10,15 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from audit import chain
 from audit.models import AuditEvent
 from memories import services
 from memories.errors import Forbidden
 from memories.models import ForgetRequest, Memory, Scope
 from memories.permissions import Actor
+from memories.portal.models import PortalLink
+from memories.portal.views import COOKIE
 from memories.services import subjects
-from portal.models import PortalLink
-from portal.views import COOKIE
 from tests.conftest import SYSTEM
 
 CANARY_U1 = "CANARY-u1-value-3b7e"
@@ -451,9 +452,14 @@ def test_every_portal_action_is_audited_with_the_end_user_as_actor(api, seeded, 
     actions = [e.action for e in by_user]
     assert actions[0] == "portal.open"
     assert {"subject.memories", "forget.list", "forget.create", "forget.read", "portal.sign_out"} <= set(actions)
+    # Events from before the forget request was carried out have the end user's identifiers
+    # redacted (a pseudonym, no address); later ones (reading the receipt, signing out) not.
+    pseudonym = chain.pseudonym(request.tenant_id, "u1")
+    who = {(e.actor_id, e.client_ip) for e in by_user}
+    assert who == {(pseudonym, None), ("u1", "127.0.0.1")}, who
     for event in by_user:
-        assert (event.actor_id, event.actor_label, event.surface) == ("u1", "end user", "portal"), event
-        assert event.client_ip == "127.0.0.1" and event.request_id
+        assert (event.actor_label, event.surface) == ("end user", "portal"), event
+        assert event.request_id
     assert by_user.filter(action="subject.memories", request_id="portal-req-0001").exists()
     created = by_user.get(action="forget.create")
     assert created.detail["forget_request"] == request.pk
@@ -489,10 +495,10 @@ def test_a_long_subject_gets_a_stable_actor_id_that_fits_the_audit_log(api, tena
 
 
 def test_spent_links_are_purged_after_expiry_and_session_and_still_read_as_expired(api, seeded, settings, monkeypatch):
-    from portal.services import portal_links_purge
+    from memories.portal.services import portal_links_purge
     from zeromem.schedules import SCHEDULES
 
-    assert SCHEDULES["zeromem:portal-links-purge"][0] == "portal.tasks.portal_links_purge_task"
+    assert SCHEDULES["zeromem:portal-links-purge"][0] == "memories.portal.tasks.portal_links_purge_task"
     settings.ZEROMEM_PORTAL_LINK_SECONDS = 60
     settings.ZEROMEM_PORTAL_SESSION_SECONDS = 600
     opened = issue(api)["url"]

@@ -52,7 +52,7 @@ INSTALLED_APPS = [
     "django_q",
     "memories",
     "audit",
-    "portal",
+    "memories.portal",
 ]
 
 MIDDLEWARE = [
@@ -226,7 +226,7 @@ ZEROMEM_AUDIT_KEY = env.str(
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)
 # Events per seal: the sealing job's batch (one transaction, one UPDATE statement).
 ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
-# End-user portal (portal/): how long a portal link stays valid before its first open, and
+# End-user portal (memories/portal/): how long a portal link stays valid before its first open, and
 # how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
 # is the origin links are built with; empty: the origin the API request came to.
 ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)

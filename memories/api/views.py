@@ -13,7 +13,7 @@ from audit.services import audit_record
 from memories import services, tools, validation
 from memories.api import serializers as s
 from memories.errors import InvalidInput, ServiceError
-from portal.services import portal_link_create
+from memories.portal.services import portal_link_create
 from zeromem.api import TenantAPIView, first_error
 
 # Every status a view can answer is declared (schemathesis checks it: tests/test_schema_fuzz.py).

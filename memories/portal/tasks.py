@@ -1,6 +1,6 @@
 """django-q2 tasks of the portal (see zeromem/schedules.py)."""
 
-from portal.services import portal_links_purge
+from memories.portal.services import portal_links_purge
 
 
 def portal_links_purge_task() -> int:

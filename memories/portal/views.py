@@ -21,10 +21,10 @@ from memories.api.auth import client_ip
 from memories.errors import Forbidden, InvalidInput
 from memories.models import ForgetRequest, Scope
 from memories.permissions import Actor
+from memories.portal import presentation
+from memories.portal.models import PortalLink
+from memories.portal.services import LinkRefused, portal_link_open, portal_session_link, portal_sign_out
 from memories.services import subjects
-from portal import presentation
-from portal.models import PortalLink
-from portal.services import LinkRefused, portal_link_open, portal_session_link, portal_sign_out
 
 COOKIE = "zm_portal"
 COOKIE_SALT = "zeromem.portal.session"

@@ -32,9 +32,9 @@ from audit.services import audit_record
 from memories.errors import Forbidden
 from memories.models import Scope, Tenant
 from memories.permissions import Actor, require_scope
+from memories.portal.models import PortalLink
 from memories.services.memories import _operation
 from memories.services.subjects import _validated_subject
-from portal.models import PortalLink
 
 Outcome = AuditEvent.Outcome
 LINK_SALT = "zeromem.portal.link"

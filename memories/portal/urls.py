@@ -1,6 +1,6 @@
 from django.urls import path
 
-from portal import views
+from memories.portal import views
 
 urlpatterns = [
     path("", views.home, name="portal-home"),
