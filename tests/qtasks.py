@@ -3,7 +3,8 @@
 
 Each one carries a forget request out through the real
 :func:`memories.services.forget.forget_request_execute` — its attempt counting, batches and
-receipt — and only changes *when the worker dies*: the patches below live in the worker
+receipt — or the purge through the real :func:`memories.services.retention.purge_expired`,
+and only changes *when the worker dies*: the patches below live in the worker
 process for the duration of one task, production code has no test hooks.
 
 Every start writes the worker's pid to ``$ZEROMEM_QTASKS_DIR/<request id>.<n>.pid`` so the
@@ -17,7 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 from memories.models import ForgetRequest
-from memories.services import forget
+from memories.services import forget, retention
 
 BATCH_SIZE = 5
 # Long enough for the test to see the pause and kill the worker, shorter than Q_TIMEOUT
@@ -25,14 +26,16 @@ BATCH_SIZE = 5
 PAUSE_SECONDS = 60
 
 
-def _note_pid(request_id: int) -> None:
+def _note_pid(request_id: int | str) -> int:
+    """Record this start's worker pid; returns which start of ``request_id`` this is (1, 2 ...)."""
     folder = os.environ.get("ZEROMEM_QTASKS_DIR")
     if not folder:
-        return
+        return 1
     n = 1
     while (Path(folder) / f"{request_id}.{n}.pid").exists():
         n += 1
     (Path(folder) / f"{request_id}.{n}.pid").write_text(str(os.getpid()))
+    return n
 
 
 def forget_in_batches(request_id: int) -> dict:
@@ -68,3 +71,26 @@ def forget_killed_every_time(request_id: int) -> dict:
 
     with mock.patch.object(forget, "_erase_batch", erase_batch):
         return forget.forget_request_execute(request_id=request_id, batch_size=BATCH_SIZE)
+
+
+def purge_pausing_inside_second_batch_of_first_delivery(batch_size: int) -> dict:
+    """The real purge job (memories.tasks.purge_expired_task) in batches of ``batch_size``.
+    On its first delivery the worker stops inside the second batch's transaction — its
+    DELETEs done, its audit event not yet written, nothing committed — and writes
+    ``purge.paused`` beside the pid files; the test kills it there. Later deliveries run
+    straight through."""
+    start = _note_pid("purge")
+    if start > 1:
+        return retention.purge_expired(batch_size=batch_size)
+    real = retention.audit_record
+    calls = []
+
+    def audit_record(**kwargs):
+        calls.append(kwargs.get("action"))
+        if len(calls) == 2:  # the second batch's event: inside its open transaction
+            (Path(os.environ["ZEROMEM_QTASKS_DIR"]) / "purge.paused").write_text(str(os.getpid()))
+            time.sleep(PAUSE_SECONDS)
+        return real(**kwargs)
+
+    with mock.patch.object(retention, "audit_record", audit_record):
+        return retention.purge_expired(batch_size=batch_size)

@@ -30,6 +30,10 @@ the 2 tool-endpoint POSTs split into 7 tools each, 82 rows × 8 identities = **6
 (``test_matrix[<route>-<METHOD>[-<tool>]-<identity>]``).
 ``test_matrix_size`` prints the current numbers (``pytest -s``).
 
+The end-user portal's pages (``portal/...``, HTML) have their own identities — valid link,
+another tenant's link, expired, altered, replayed, none — and their own table
+(``PORTAL_ROUTES``, ``test_portal_matrix``, at the end of this file).
+
 Every cell checks, besides its expected status (and error code / tool result):
 
 * no 5xx;
@@ -51,11 +55,15 @@ import csv
 import io
 import json
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from unittest import mock
 
 import pytest
+from django.conf import settings
+from django.core import signing
 from django.db import transaction
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
@@ -223,6 +231,10 @@ OUTCOMES["audit_export"] = _keyed(
     )
 )
 OUTCOMES["audit_checkpoint"] = _keyed(Expect(201), MISSING_SCOPE, NOT_ALLOWED, Expect(201))
+# Portal links. A link is issued for a subject of the key's own tenant: another tenant's key
+# gets a link to its own u10086 (which sees none of tenant A: test_portal_matrix below); a
+# key limited to some prefixes gets none (the portal shows the whole subject).
+OUTCOMES["portal_link"] = _keyed(Expect(201, check="portal_link"), MISSING_SCOPE, NOT_ALLOWED, Expect(201))
 
 # The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
 NEEDED_SCOPE = {
@@ -247,6 +259,7 @@ NEEDED_SCOPE = {
     "audit_list": Scope.AUDIT_READ,
     "audit_export": Scope.AUDIT_READ,
     "audit_checkpoint": Scope.AUDIT_READ,
+    "portal_link": Scope.FORGET_CREATE,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -327,15 +340,28 @@ ROUTES: dict[str, Route] = {
         public=False, ops={"GET": "audit_export", "HEAD": "audit_export", "OPTIONS": "options"}
     ),
     "api/v1/audit-checkpoints": Route(public=False, ops={"POST": "audit_checkpoint", "OPTIONS": "options"}),
+    "api/v1/subjects/<str:subject>/portal-link": Route(public=False, ops={"POST": "portal_link", "OPTIONS": "options"}),
+}
+
+# The end-user portal's pages (HTML; the link or its session cookie is the identity): their
+# own matrix, test_portal_matrix below. Method → kind; the other methods are 405.
+PORTAL_ROUTES: dict[str, dict[str, str]] = {
+    "portal/": {"GET": "portal_home", "HEAD": "portal_home"},
+    "portal/open/<str:token>": {"GET": "portal_look", "HEAD": "portal_look", "POST": "portal_open"},
+    "portal/forget": {"POST": "portal_forget"},
+    "portal/requests/<int:request_id>": {"GET": "portal_request", "HEAD": "portal_request"},
+    "portal/sign-out": {"POST": "portal_sign_out"},
 }
 
 # Values for URL parameters: every <key> names tenant A's target memory.
 URL_PARAMETERS = {"key": TARGET, "job_id": 0}  # job_id: the owner's job, set by Identities
 URL_PARAMETERS["request_id"] = 0  # the owner's forget request, set by Identities
+URL_PARAMETERS["subject"] = "u10086"  # the target's subject
 
 # Bodies of the POST routes that are not tool calls (others send {"value": ATTACK}).
 ROUTE_BODIES = {"api/v1/summaries": {"prefix": "user:u10086:"}}
 ROUTE_BODIES["api/v1/forget-requests"] = {"keys": [TARGET], "reason": "matrix"}
+ROUTE_BODIES["api/v1/subjects/<str:subject>/portal-link"] = {}
 
 
 @dataclass(frozen=True)
@@ -363,6 +389,8 @@ def classify(r: ResolvedRoute) -> str | None:
     (tests/test_authorization_matrix_admin.py) classifies, None if unclassified."""
     if r.route in ROUTES:
         return "api"
+    if r.route in PORTAL_ROUTES:
+        return "portal"
     if r.route.startswith("admin/"):
         from tests.test_authorization_matrix_admin import admin_route_kind
 
@@ -599,6 +627,8 @@ def _check_body(check: str | None, identity: str, result: dict, text: str) -> No
             assert AGENT_KEY in targets and all(t.startswith("agent:") for t in targets), targets
         else:
             assert not mentions_a, (identity, mentions_a)
+    elif check == "portal_link":
+        assert result["url"].startswith("http://testserver/portal/open/") and result["expires_at"], result
     elif check == "recalls_visible":
         lines = result["text"].splitlines()
         assert lines and result["count"] == len(lines), result
@@ -707,7 +737,7 @@ def test_every_route_is_classified():
         "routes the authorization matrix does not know; add them to ROUTES in "
         f"tests/test_authorization_matrix.py (or to the out-of-scope admin): {unclassified}"
     )
-    stale = set(ROUTES) - {r.route for r in ALL_ROUTES}
+    stale = (set(ROUTES) | set(PORTAL_ROUTES)) - {r.route for r in ALL_ROUTES}
     assert not stale, f"ROUTES lists routes that no longer exist: {sorted(stale)}"
     for spec in ROUTES.values():
         assert set(spec.ops) <= set(METHODS)
@@ -730,3 +760,240 @@ def test_matrix_size():
     print(summary)
     assert len(CELLS) == len(ROWS) * len(IDENTITIES)
     assert len(API_ROUTES) == len(ROUTES)
+
+
+# --- the end-user portal ---------------------------------------------------------------------
+#
+# Identities are portal links (for the open route) and the portal sessions they lead to (for
+# the other pages), of tenant A's end user u10086 unless said otherwise:
+#
+# * ``valid_link``        – a fresh link; a session opened from another fresh link;
+# * ``other_tenant_link`` – the same for tenant B's end user u10086 (same subject name);
+# * ``expired_link``      – a link past its expiry; a session cookie past its lifetime;
+# * ``altered_link``      – a link with one character changed; a session cookie renamed to
+#                           tenant B's session, keeping tenant A's signature;
+# * ``replayed_link``     – a link opened once already; its replayer holds no session;
+# * ``no_link``           – no link (a made-up token); no session cookie.
+#
+# 5 routes × 7 methods × 6 identities = 210 cells (``test_portal_matrix[<route>-<METHOD>-<identity>]``).
+# Each checks: the status; no 5xx and no stack trace; only the identity's own canary (tenant A's
+# u10086 for valid_link, tenant B's for other_tenant_link); tenant A's memories unchanged; a forget
+# request filed only by the valid link's forget; tenant A's objects answer another tenant's
+# session exactly like missing ones.
+
+PORTAL_IDENTITIES = ("valid_link", "other_tenant_link", "expired_link", "altered_link", "replayed_link", "no_link")
+PORTAL_SUBJECT = "u10086"
+PORTAL_CANARY_A = "CANARY-portal-acme-61f0d2"
+PORTAL_CANARY_A_OTHER_SUBJECT = "CANARY-portal-acme-u10087-0b44"
+PORTAL_CANARY_B = "CANARY-portal-globex-9e37aa"
+PORTAL_CANARIES = (PORTAL_CANARY_A, PORTAL_CANARY_A_OTHER_SUBJECT, PORTAL_CANARY_B)
+PORTAL_VISIBLE = {"valid_link": {PORTAL_CANARY_A}, "other_tenant_link": {PORTAL_CANARY_B}}
+
+NO_SESSION = Expect(403)
+LINK_REFUSED = {
+    "expired_link": Expect(410),
+    "altered_link": Expect(400),
+    "replayed_link": Expect(410),
+    "no_link": Expect(400),
+}
+
+
+def _portal(valid: Expect, other: Expect, refused: Expect | dict) -> dict[str, Expect]:
+    refused = refused if isinstance(refused, dict) else dict.fromkeys(PORTAL_IDENTITIES[2:], refused)
+    return {"valid_link": valid, "other_tenant_link": other, **refused}
+
+
+PORTAL_OUTCOMES: dict[str, dict[str, Expect]] = {
+    "portal_405": dict.fromkeys(PORTAL_IDENTITIES, Expect(405)),
+    "portal_home": _portal(Expect(200, check="sees_own"), Expect(200, check="sees_own"), NO_SESSION),
+    # Looking at a link (GET) never uses it up; opening it (POST) starts a session.
+    "portal_look": _portal(
+        Expect(200),
+        Expect(200),
+        {
+            "expired_link": Expect(410),
+            "altered_link": Expect(400),
+            "replayed_link": Expect(410),
+            "no_link": Expect(400),
+        },
+    ),
+    "portal_open": _portal(
+        Expect(302, check="session_started"),
+        Expect(302, check="session_started"),
+        {
+            "expired_link": Expect(410),
+            "altered_link": Expect(400),
+            "replayed_link": Expect(410),
+            "no_link": Expect(400),
+        },
+    ),
+    # Forgetting tenant A's memory of u10086: filed for the valid link; another tenant's user
+    # asking for it gets what a missing key gets.
+    "portal_forget": _portal(Expect(302, writes="forget_request"), Expect(404), NO_SESSION),
+    "portal_request": _portal(Expect(200), Expect(404), NO_SESSION),
+    # Closing the page answers the same to everyone (there may be nothing to close).
+    "portal_sign_out": _portal(Expect(200), Expect(200), Expect(200)),
+}
+
+PORTAL_CLIENT = Client()
+PORTAL_PARAMETERS = {"request_id": 0, "token": ""}  # set per identity / by PortalIdentities
+
+
+class PortalIdentities:
+    def __init__(self):
+        from django.http import HttpResponse
+
+        from memories.portal.models import PortalLink
+        from memories.portal.services import portal_link_create, portal_link_open
+        from memories.portal.views import COOKIE, COOKIE_SALT
+
+        self.a = make_tenant("portal-owner")
+        self.b = make_tenant("portal-other")
+        services.memory_write(tenant=self.a, actor=SYSTEM, key=TARGET, value=PORTAL_CANARY_A)
+        services.memory_write(
+            tenant=self.a, actor=SYSTEM, key="user:u10087:pref_lang", value=PORTAL_CANARY_A_OTHER_SUBJECT
+        )
+        # Tenant B's u10086 (same subject name) has memories, but not at tenant A's key.
+        services.memory_write(tenant=self.b, actor=SYSTEM, key="user:u10086:nickname", value=PORTAL_CANARY_B)
+        # The request every portal/requests/<id> cell asks for: tenant A's, about u10086.
+        PORTAL_PARAMETERS["request_id"] = services.forget_request_create(
+            tenant=self.a, actor=SYSTEM, subject=PORTAL_SUBJECT
+        ).pk
+
+        def token(tenant) -> str:
+            return portal_link_create(tenant=tenant, actor=SYSTEM, subject=PORTAL_SUBJECT)[1]
+
+        def session(tenant, *, age: int = 0) -> str:
+            link = portal_link_open(token=token(tenant), actor_for=lambda _link: SYSTEM, use=True)
+            response = HttpResponse()
+            with mock.patch("time.time", return_value=time.time() - age):
+                response.set_signed_cookie(COOKIE, str(link.pk), salt=COOKIE_SALT)
+            return response.cookies[COOKIE].value
+
+        valid = token(self.a)
+        expired = token(self.a)
+        PortalLink.objects.filter(nonce=signing.loads(expired, salt="zeromem.portal.link")["n"]).update(
+            expires_at=timezone.now() - timedelta(seconds=1)
+        )
+        replayed = token(self.a)
+        portal_link_open(token=replayed, actor_for=lambda _link: SYSTEM, use=True)
+        a_session, b_session = session(self.a), session(self.b)
+        b_link_id = b_session.split(":", 1)[0]
+        self.cookie = COOKIE
+        self.tokens = {
+            "valid_link": valid,
+            "other_tenant_link": token(self.b),
+            "expired_link": expired,
+            "altered_link": valid[:-1] + ("A" if valid[-1] != "A" else "B"),
+            "replayed_link": replayed,
+            "no_link": "none",
+        }
+        self.sessions = {
+            "valid_link": a_session,
+            "other_tenant_link": b_session,
+            "expired_link": session(self.a, age=settings.ZEROMEM_PORTAL_SESSION_SECONDS + 1),
+            "altered_link": b_link_id + a_session[a_session.index(":") :],
+            "replayed_link": None,
+            "no_link": None,
+        }
+
+
+@pytest.fixture(scope="module")
+def portal_identities(django_db_setup, django_db_blocker):
+    """Like ``identities``: built once, in a transaction rolled back at the module's end."""
+    with django_db_blocker.unblock():
+        outer = transaction.atomic()
+        outer.__enter__()
+        try:
+            built = PortalIdentities()
+        except BaseException:
+            transaction.set_rollback(True)
+            outer.__exit__(None, None, None)
+            raise
+    yield built
+    with django_db_blocker.unblock():
+        transaction.set_rollback(True)
+        outer.__exit__(None, None, None)
+
+
+PORTAL_ROUTES_RESOLVED = [r for r in ALL_ROUTES if classify(r) == "portal"]
+PORTAL_CELLS = [
+    pytest.param(r, method, identity, id=f"{_route_id(r)}-{method}-{identity}")
+    for r in PORTAL_ROUTES_RESOLVED
+    for method in METHODS
+    for identity in PORTAL_IDENTITIES
+]
+
+
+def _portal_request(r: ResolvedRoute, method: str, identity: str, ids: PortalIdentities, *, ghost: bool = False):
+    kwargs = {}
+    if "token" in r.converters:
+        kwargs["token"] = ids.tokens[identity]
+    if "request_id" in r.converters:
+        kwargs["request_id"] = 2**62 if ghost else PORTAL_PARAMETERS["request_id"]
+    path = reverse(r.name, kwargs=kwargs or None)
+    PORTAL_CLIENT.cookies.clear()
+    if ids.sessions[identity] and "token" not in r.converters:
+        PORTAL_CLIENT.cookies[ids.cookie] = ids.sessions[identity]
+    body = None
+    if method in ("POST", "PUT", "PATCH"):
+        body = {"what": "one", "key": GHOST if ghost else TARGET}
+    if body is None:
+        return PORTAL_CLIENT.generic(method, path)
+    from urllib.parse import urlencode
+
+    return PORTAL_CLIENT.generic(method, path, urlencode(body), content_type="application/x-www-form-urlencoded")
+
+
+@pytest.mark.parametrize(("route", "method", "identity"), PORTAL_CELLS)
+def test_portal_matrix(route: ResolvedRoute, method: str, identity: str, portal_identities, db):
+    from memories.models import ForgetRequest
+
+    ids = portal_identities
+    kind = PORTAL_ROUTES[route.route].get(method, "portal_405")
+    expect = PORTAL_OUTCOMES[kind][identity]
+    memories_before = list(Memory.objects.filter(tenant__in=[ids.a, ids.b]).order_by("pk").values_list())
+    requests_before = ForgetRequest.objects.filter(tenant__in=[ids.a, ids.b]).count()
+
+    response = _portal_request(route, method, identity, ids)
+    text = response.content.decode("utf-8", errors="replace")
+
+    assert response.status_code < 500, f"server error {response.status_code}: {text[:500]}"
+    assert response.status_code == expect.status, f"expected {expect.status}, got {response.status_code}: {text[:500]}"
+    assert "Traceback" not in text
+    for canary in PORTAL_CANARIES:
+        if canary not in PORTAL_VISIBLE.get(identity, set()):
+            assert canary not in text, f"{identity} saw {canary}"
+    if expect.check == "sees_own" and method == "GET":
+        assert PORTAL_VISIBLE[identity] <= {c for c in PORTAL_CANARIES if c in text}, text[:500]
+    if expect.check == "session_started":
+        assert response["Location"] == "/portal/" and ids.cookie in response.cookies
+    elif method in ("GET", "HEAD") or response.status_code >= 400:
+        assert ids.cookie not in response.cookies or not response.cookies[ids.cookie].value
+    if response.status_code >= 400 and response.status_code != 405 and method != "HEAD":
+        assert response["Content-Type"].startswith("text/html"), "a portal error is a page"
+
+    # The portal changes memories only through forget requests, which run later (never in
+    # these rolled-back cells); only the valid link's forget files one, in tenant A.
+    assert list(Memory.objects.filter(tenant__in=[ids.a, ids.b]).order_by("pk").values_list()) == memories_before
+    requests_after = ForgetRequest.objects.filter(tenant__in=[ids.a, ids.b]).count()
+    if expect.writes == "forget_request":
+        filed = ForgetRequest.objects.filter(tenant__in=[ids.a, ids.b]).order_by("-pk").first()
+        assert requests_after == requests_before + 1 and filed.tenant == ids.a and filed.keys == [TARGET]
+    else:
+        assert requests_after == requests_before, "a refused portal request filed a forget request"
+
+    if identity == "other_tenant_link" and expect.status == 404:
+        # Tenant A's memory or request answers tenant B's user exactly like a missing one.
+        ghost = _portal_request(route, method, identity, ids, ghost=True)
+        assert (ghost.status_code, ghost.content) == (response.status_code, response.content)
+
+
+def test_portal_matrix_covers_every_portal_route():
+    assert {r.route for r in PORTAL_ROUTES_RESOLVED} == set(PORTAL_ROUTES)
+    assert all(set(t) == set(PORTAL_IDENTITIES) for t in PORTAL_OUTCOMES.values())
+    assert all(k in PORTAL_OUTCOMES for ops in PORTAL_ROUTES.values() for k in ops.values())
+    print(
+        f"portal matrix: {len(PORTAL_ROUTES)} routes × {len(METHODS)} methods × {len(PORTAL_IDENTITIES)} identities "
+        f"= {len(PORTAL_CELLS)} cells"
+    )

@@ -142,3 +142,18 @@ def test_create_api_key_with_non_positive_expiry_is_a_command_error(umbrella, da
     with pytest.raises(CommandError, match="expires_in_days"):
         run("create_api_key", "--tenant", "umbrella", "--name", "x", "--expires-in-days", days)
     assert not ApiKey.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pg-datadir", "/var/lib/postgresql/15/main", "--pg-port", "5432"], "never the shared 5432"),
+        (["--pg-port", "6543"], "--pg-datadir"),
+        (["--pg-datadir", "/tmp/pg"], "--pg-datadir needs --pg-port"),
+        (["--fault-seconds", "20", "--outage-at", "15", "--outage-seconds", "10"], "before the fault phase does"),
+    ],
+)
+def test_bench_load_refuses_the_shared_cluster_and_impossible_timelines_before_touching_anything(args, message):
+    # Checked before any cluster is created, stopped or started (no database needed).
+    with pytest.raises(CommandError, match=message):
+        call_command("bench_load", *args, stdout=StringIO())

@@ -26,20 +26,23 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 from django.conf import settings
 from django.db import connection
+from django.utils import timezone
 from django_q.conf import Conf
 from django_q.models import OrmQ, Task
 from django_q.signing import SignedPackage
+from django_q.tasks import async_task
 
 from audit.models import AuditEvent
 from memories import services
 from memories.models import ForgetRequest, Memory, MemoryVersion
-from memories.services import forget
+from memories.services import forget, retention
 from tests import qtasks
 from tests.conftest import SYSTEM, make_tenant
 from tests.test_forget import memory_rows, seed_user, summarize
@@ -384,3 +387,103 @@ def test_a_task_that_kills_its_worker_every_time_is_not_retried_for_ever(cluster
     task = Task.objects.get(name=f"forget-request-{request.pk}")
     assert task.success and task.attempt_count == 1  # the only run django-q2 ever counted
     assert task.result["status"] == "failed"
+
+
+# --- the purge job ---------------------------------------------------------------------------
+
+PURGE_BATCH = 5
+PURGE_EXPIRED, PURGE_OLD_TRASH = 18, 4  # → batches of 5, 5, 5, 3 expired and 4 trash
+
+
+def _seed_purge_twin(slug: str):
+    """Memories the purge erases (18 expired, 4 trashed past retention, 2 versions each)
+    beside memories it keeps (3 live, 1 recently trashed)."""
+    tenant = make_tenant(slug)
+    for i in range(PURGE_EXPIRED + PURGE_OLD_TRASH + 4):
+        key = f"session:s{i:02}:step"
+        services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=f"value {i}.0")
+        if i < PURGE_EXPIRED:
+            services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=f"value {i}.1")
+        elif i < PURGE_EXPIRED + PURGE_OLD_TRASH + 1:
+            services.memory_delete(tenant=tenant, actor=SYSTEM, key=key)
+    now = timezone.now()
+    keys = [f"session:s{i:02}:step" for i in range(PURGE_EXPIRED + PURGE_OLD_TRASH)]
+    Memory.objects.filter(tenant=tenant, key__in=keys[:PURGE_EXPIRED]).update(expires_at=now - timedelta(minutes=1))
+    Memory.objects.filter(tenant=tenant, key__in=keys[PURGE_EXPIRED:]).update(
+        deleted_at=now - timedelta(days=settings.ZEROMEM_TRASH_RETENTION_DAYS + 1)
+    )
+    return tenant
+
+
+def _purge_state(tenant) -> dict:
+    """What a purge leaves of a tenant, and what it recorded: rows kept (key, version,
+    trashed?), their version rows, and the purge audit events (reason, count, versions)."""
+    return {
+        "memories": sorted(
+            (key, version, deleted_at is not None)
+            for key, version, deleted_at in Memory.objects.filter(tenant=tenant).values_list(
+                "key", "version", "deleted_at"
+            )
+        ),
+        "versions": sorted(MemoryVersion.objects.filter(tenant=tenant).values_list("memory__key", "version", "op")),
+        "purge_events": sorted(
+            (e.detail["reason"], e.count, e.detail["versions"])
+            for e in AuditEvent.objects.filter(tenant=tenant, action="memory.purge")
+        ),
+    }
+
+
+def test_a_worker_killed_inside_a_purge_batch_is_redelivered_and_ends_as_an_uninterrupted_purge(
+    cluster, monkeypatch, tmp_path
+):
+    """kill -9 of the worker while the purge's second batch is open (DELETEs run, nothing
+    committed), after the first batch committed.
+
+    Observed: PostgreSQL rolls the open batch back when the worker's connection drops; the
+    queue row is handed out again ~Q_RETRY s after the killed start; the new delivery erases
+    what is left. Final state — rows gone, rows kept, versions, the purge audit events with
+    their counts — equals an uninterrupted purge of an identical tenant."""
+    straight_tenant = _seed_purge_twin("purge-straight")
+    straight = retention.purge_expired(batch_size=PURGE_BATCH)  # the uninterrupted run, same code
+    assert (straight["expired"], straight["trash"], straight["batches"]) == (PURGE_EXPIRED, PURGE_OLD_TRASH, 5)
+    expected = _purge_state(straight_tenant)
+    assert len(expected["memories"]) == 4 and len(expected["purge_events"]) == 5
+
+    tenant = _seed_purge_twin("purge-killed")
+    doomed = PURGE_EXPIRED + PURGE_OLD_TRASH
+    assert Memory.objects.filter(tenant=tenant).count() == doomed + 4
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueue for real
+    async_task("tests.qtasks.purge_pausing_inside_second_batch_of_first_delivery", PURGE_BATCH, task_name="purge")
+    assert OrmQ.objects.count() == 1
+
+    cluster.start()
+    paused = cluster.pids_dir / "purge.paused"
+    cluster.wait_for("the purge to stop inside its second batch", paused.exists)
+    worker = int(paused.read_text())
+    assert cluster.worker_pids("purge") == [worker]
+    # Batch 1 committed; batch 2's DELETEs are not visible from outside its transaction.
+    assert Memory.objects.filter(tenant=tenant).count() == doomed + 4 - PURGE_BATCH
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.purge").count() == 1
+    os.kill(worker, signal.SIGKILL)
+    killed_at = time.monotonic()
+    cluster.wait_for("the worker to be gone", lambda: worker not in _descendants(cluster.process.pid))
+    # Its open batch was rolled back with the connection: the same rows are still there.
+    assert Memory.objects.filter(tenant=tenant).count() == doomed + 4 - PURGE_BATCH
+    assert OrmQ.objects.count() == 1  # not acknowledged
+
+    cluster.wait_for(
+        "the redelivered purge to finish",
+        lambda: Task.objects.filter(name="purge").exists(),
+        timeout=Q_RETRY + DEADLINE,
+    )
+    redelivered_after = time.monotonic() - killed_at
+    first, second = cluster.worker_pids("purge")
+    assert second != worker
+    print(f"purge: kill → redelivered run finished {redelivered_after:.1f} s")
+    assert redelivered_after <= Q_RETRY + 10, redelivered_after
+
+    task = Task.objects.get(name="purge")
+    assert task.success and task.attempt_count == 1  # django-q2 never counted the killed run
+    assert (task.result["expired"], task.result["trash"]) == (PURGE_EXPIRED - PURGE_BATCH, PURGE_OLD_TRASH)
+    assert _purge_state(tenant) == expected
+    cluster.wait_for("the queue row to be acknowledged", lambda: OrmQ.objects.count() == 0)

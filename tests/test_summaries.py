@@ -617,6 +617,15 @@ def test_unreachable_llm_endpoint_fails_the_attempt(api, session, settings, djan
     assert live(api.tenant, "summary:session:s1") is None
 
 
+def test_an_llm_base_url_that_is_not_http_is_refused_before_any_request(
+    api, session, settings, django_capture_on_commit_callbacks
+):
+    settings.ZEROMEM_LLM_BASE_URL = "file:///etc"  # urlopen would read local files
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "queued" and "must be an http:// or https:// URL" in job.error
+    assert live(api.tenant, "summary:session:s1") is None
+
+
 # --- idle sessions -----------------------------------------------------------------------
 
 

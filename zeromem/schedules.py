@@ -12,6 +12,8 @@ SCHEDULE_PREFIX = "zeromem:"
 SCHEDULES = {
     # Expired memories are invisible at once; this erases them (and old trash) in batches.
     "zeromem:purge-expired": ("memories.tasks.purge_expired_task", Schedule.MINUTES, 5),
+    # Portal links past their expiry and any session they could have started are deleted.
+    "zeromem:portal-links-purge": ("memories.portal.tasks.portal_links_purge_task", Schedule.HOURLY, None),
     # Forget requests whose worker died (or whose queue entry was lost, as with the Redis
     # broker) are picked up again; each request's own attempt counter bounds the retries.
     "zeromem:forget-requests-resume": ("memories.tasks.forget_requests_resume_task", Schedule.MINUTES, 10),

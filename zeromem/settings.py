@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "django_q",
     "memories",
     "audit",
+    "memories.portal",
 ]
 
 MIDDLEWARE = [
@@ -92,10 +93,19 @@ if env.str("DATABASE_URL", default=""):
         # A psycopg_pool pool per process: under ASGI every request runs in a fresh thread,
         # so CONN_MAX_AGE would open a connection per request; the pool hands out warm ones.
         DATABASES["default"]["CONN_MAX_AGE"] = 0
+        # The pool checks a connection before handing it out (an empty query): after a
+        # database restart its idle connections are dead, and without the check each would
+        # cost one request a 503 (tests/test_database_outage.py).
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env.int("DB_POOL_MIN_SIZE", default=2),
             "max_size": env.int("DB_POOL_MAX_SIZE", default=20),
             "timeout": env.float("DB_POOL_TIMEOUT", default=5.0),
+            # While the database is down the pool retries connecting with exponential
+            # backoff (1, 2, 4, 8 ... s) until it gives up after this long; the next waiting
+            # request starts a new attempt. Short, so the API is back within ~1 s of the
+            # database, not one backoff step (up to minutes) later (manage.py bench_load).
+            "reconnect_timeout": env.float("DB_POOL_RECONNECT_TIMEOUT", default=2.0),
         }
         DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", env.int("DB_CONNECT_TIMEOUT", default=3))
         # django-q2 forks its workers from a process that has opened the pool: without this
@@ -216,6 +226,12 @@ ZEROMEM_AUDIT_KEY = env.str(
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)
 # Events per seal: the sealing job's batch (one transaction, one UPDATE statement).
 ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
+# End-user portal (memories/portal/): how long a portal link stays valid before its first open, and
+# how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
+# is the origin links are built with; empty: the origin the API request came to.
+ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)
+ZEROMEM_PORTAL_SESSION_SECONDS = env.int("ZEROMEM_PORTAL_SESSION_SECONDS", default=1800)
+ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],

@@ -59,4 +59,5 @@ urlpatterns = [
         name="api-redoc",
     ),
     path("admin/", admin.site.urls),
+    path("portal/", include("memories.portal.urls")),
 ]

@@ -397,3 +397,11 @@ class ForgetRequestOutSerializer(serializers.Serializer):
 class ForgetRequestListSerializer(serializers.Serializer):
     results = ForgetRequestOutSerializer(many=True)
     next_cursor = serializers.CharField(allow_null=True)
+
+
+# --- end-user portal ---------------------------------------------------------------------
+
+
+class PortalLinkSerializer(serializers.Serializer):
+    url = serializers.URLField(help_text="the one-time link to hand to the end user")
+    expires_at = serializers.DateTimeField(help_text="the link does not open after this")

@@ -2,6 +2,7 @@
 
 import re
 
+from django.conf import settings
 from django.urls import reverse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, status
@@ -12,6 +13,7 @@ from audit.services import audit_record
 from memories import services, tools, validation
 from memories.api import serializers as s
 from memories.errors import InvalidInput, ServiceError
+from memories.portal.services import portal_link_create
 from zeromem.api import TenantAPIView, first_error
 
 # Every status a view can answer is declared (schemathesis checks it: tests/test_schema_fuzz.py).
@@ -509,3 +511,40 @@ class ForgetRequestDetailView(AuditedAPIView):
                 status=status.HTTP_404_NOT_FOUND,
             )
         return Response(s.ForgetRequestOutSerializer(forget_request).data)
+
+
+# --- end-user portal ----------------------------------------------------------------------
+
+SUBJECT_PARAM = OpenApiParameter(
+    "subject",
+    {"type": "string", "minLength": 1, "maxLength": validation.SUBJECT_MAX_LEN, "pattern": s.NO_CONTROL_CHARS},
+    OpenApiParameter.PATH,
+    required=True,
+    description="the end user, as memories name them in `subject` (e.g. u10086)",
+)
+
+
+class PortalLinkCreateView(AuditedAPIView):
+    """A signed, one-time link to the end-user portal for one subject of this tenant
+    (scope forget:create; not for keys limited to some prefixes)."""
+
+    audit_actions = {"POST": "portal.link_create"}
+
+    @extend_schema(
+        operation_id="subjects_portal_link",
+        summary="A link for an end user's page: what is remembered about them, and forgetting it",
+        description=(
+            "Hand `url` to the end user. It opens once (then a short portal session takes over) "
+            "and not after `expires_at` (ZEROMEM_PORTAL_LINK_SECONDS after issue). No request body."
+        ),
+        request=None,
+        parameters=[SUBJECT_PARAM],
+        responses={201: s.PortalLinkSerializer, **ERRORS},
+    )
+    def post(self, request, subject):
+        link, token = portal_link_create(tenant=self.tenant, actor=self.actor, subject=subject)
+        path = reverse("portal-open", kwargs={"token": token})
+        base = settings.ZEROMEM_PUBLIC_URL
+        url = f"{base}{path}" if base else request.build_absolute_uri(path)
+        body = s.PortalLinkSerializer({"url": url, "expires_at": link.expires_at}).data
+        return Response(body, status=status.HTTP_201_CREATED)

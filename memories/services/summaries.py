@@ -27,6 +27,7 @@ from __future__ import annotations
 import http.client
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -355,6 +356,9 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
     """POST the digest to ``{ZEROMEM_LLM_BASE_URL}/chat/completions`` (OpenAI-compatible).
     Returns (summary text, total tokens). Any failure raises :class:`SummarizerError`."""
     url = settings.ZEROMEM_LLM_BASE_URL.rstrip("/") + "/chat/completions"
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        # urlopen would also read file:// and ftp:// URLs (bandit B310, marked below).
+        raise SummarizerError("ZEROMEM_LLM_BASE_URL must be an http:// or https:// URL")
     body = {
         "model": settings.ZEROMEM_LLM_MODEL,
         "messages": [
@@ -369,7 +373,7 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     timeout = settings.ZEROMEM_LLM_TIMEOUT_SECONDS
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # nosec B310
             raw = response.read(LLM_MAX_ANSWER_BYTES + 1)
     except urllib.error.HTTPError as exc:
         # The body is not kept: an endpoint may echo the prompt, i.e. memory values.

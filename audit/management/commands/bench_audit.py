@@ -36,8 +36,7 @@ from audit.models import AuditEvent
 from audit.services import audit_seal
 from audit.verify import audit_verify
 from memories import services
-from memories.management.commands.bench import LOOPBACK, Samples, ratio
-from memories.management.commands.bench import Command as HttpBench
+from memories.management.commands.bench import LOOPBACK, Samples, ratio, start_server, stop_server
 from memories.permissions import Actor
 
 SYSTEM = Actor.system(job="bench_audit")
@@ -192,11 +191,8 @@ class Command(BaseCommand):
         insert_s = self._insert_events(tenant, count, batch=10000)
         self.log(f"inserted {count:,} events for the export in {insert_s:.1f} s")
         key, raw = services.api_key_create(tenant=tenant, actor=SYSTEM, name="bench", scopes=["audit:read"])
-        bench = HttpBench(stdout=self.stdout, stderr=self.stderr)
-        bench.opts = {"port": 0, "interface": "asgi", "workers": 1, "access_log": False, "uvicorn_args": ""}
-        bench.log = self.log
         connection.close()
-        server = bench.start_server()
+        server = start_server(database_url=os.environ["DATABASE_URL"], workers=1, log=self.log)
         pid = server["workers"][0]
         samples: list[int] = []
         stop = threading.Event()
@@ -232,7 +228,7 @@ class Command(BaseCommand):
             rss_after = _rss_kib(pid)
         finally:
             stop.set()
-            bench.stop_server(server)
+            stop_server(server)
             services.api_key_revoke(tenant=tenant, actor=SYSTEM, key_id=key.pk)
         rows = lines - 1
         if rows < count:

@@ -1,0 +1,7 @@
+"""django-q2 tasks of the portal (see zeromem/schedules.py)."""
+
+from memories.portal.services import portal_links_purge
+
+
+def portal_links_purge_task() -> int:
+    return portal_links_purge()

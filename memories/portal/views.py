@@ -1,0 +1,277 @@
+"""The end-user portal: the pages a tenant's end user reaches through a portal link.
+
+No JavaScript, no CDN: server-rendered pages with forms (CSRF-protected by Django's
+middleware). Who is asking is the link, then the portal session cookie it was exchanged
+for (signed, ``/portal/`` only, HttpOnly, ``ZEROMEM_PORTAL_SESSION_SECONDS``); every page
+builds the end-user actor from it and calls the services, which check that the subject is
+the actor's own and write the audit events.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import HttpResponse, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_http_methods
+
+from audit.models import AuditEvent
+from memories.api.auth import client_ip
+from memories.errors import Forbidden, InvalidInput
+from memories.models import ForgetRequest, Scope
+from memories.permissions import Actor
+from memories.portal import presentation
+from memories.portal.models import PortalLink
+from memories.portal.services import LinkRefused, portal_link_open, portal_session_link, portal_sign_out
+from memories.services import subjects
+
+COOKIE = "zm_portal"
+COOKIE_SALT = "zeromem.portal.session"
+COOKIE_PATH = "/portal/"
+END_USER_SCOPES = frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE})
+PENDING = (ForgetRequest.Status.RECEIVED, ForgetRequest.Status.RUNNING)
+REFRESH_SECONDS = 2
+
+REFUSED_LINK = {
+    "altered": (
+        "This link does not work",
+        "It may have been copied incompletely or changed on the way. Ask the app that sent it for a new link.",
+    ),
+    "expired": (
+        "This link has expired",
+        "Links to this page work for a short time only. Ask the app that sent it for a new link.",
+    ),
+    "replayed": (
+        "This link has already been used",
+        "Each link opens the page once. If that was not you, tell the app that sent it. "
+        "Ask the app for a new link to see your page again.",
+    ),
+}
+
+
+def end_user_actor(request, link: PortalLink) -> Actor:
+    """The end user of a portal link, as the services and the audit log see them."""
+    return Actor(
+        kind=AuditEvent.ActorKind.END_USER,
+        id=subjects.end_user_actor_id(link.subject),
+        label="end user",
+        scopes=END_USER_SCOPES,
+        surface="portal",
+        request_id=getattr(request, "request_id", ""),
+        client_ip=client_ip(request),
+    )
+
+
+def _link_holder(request) -> Actor:
+    # Whoever holds a link that is refused: not known to be the end user.
+    return Actor(
+        kind=AuditEvent.ActorKind.ANONYMOUS,
+        label="portal link",
+        surface="portal",
+        request_id=getattr(request, "request_id", ""),
+        client_ip=client_ip(request),
+    )
+
+
+def _error(request, status: int, title: str, message: str, *, has_session: bool = False) -> HttpResponse:
+    context = {"title": title, "message": message, "has_session": has_session}
+    return render(request, "portal/error.html", context, status=status)
+
+
+def _session_link(request) -> PortalLink | None:
+    raw = request.get_signed_cookie(
+        COOKIE, default=None, salt=COOKIE_SALT, max_age=settings.ZEROMEM_PORTAL_SESSION_SECONDS
+    )
+    return portal_session_link(link_id=int(raw)) if raw and raw.isdigit() else None
+
+
+def _no_session(request) -> HttpResponse:
+    return _error(
+        request,
+        403,
+        "Please open a new link",
+        "This page needs a link from the app you use, and your visit has ended or was never started. "
+        "Ask the app for a new link to see what is remembered about you.",
+    )
+
+
+def _service_error(request, exc) -> HttpResponse:
+    if isinstance(exc, Forbidden):
+        return _error(request, 403, "Not allowed", exc.message)
+    return _error(request, 400, "Something in this request was not right", f"{exc.field or 'input'}: {exc.message}")
+
+
+@never_cache
+@require_http_methods(["GET", "HEAD", "POST"])
+def link_open(request, token):
+    """GET shows the link's landing page without using the link up (link previews fetch
+    it); POST, the page's button, opens it: the link is spent and a portal session starts."""
+    use = request.method == "POST"
+    try:
+        link = portal_link_open(
+            token=token,
+            actor_for=lambda link: end_user_actor(request, link) if link else _link_holder(request),
+            use=use,
+        )
+    except LinkRefused as exc:
+        title, message = REFUSED_LINK[exc.reason]
+        return _error(request, exc.http_status, title, message, has_session=_session_link(request) is not None)
+    if not use:
+        response = render(request, "portal/open.html", {"tenant": link.tenant})
+        # The token is in this page's URL: never sent to another site. (Not "no-referrer":
+        # the button's POST would then carry "Origin: null" and fail Django's CSRF check.)
+        response["Referrer-Policy"] = "same-origin"
+        return response
+    response = HttpResponseRedirect(reverse("portal-home"))
+    response.set_signed_cookie(
+        COOKIE,
+        str(link.pk),
+        salt=COOKIE_SALT,
+        max_age=settings.ZEROMEM_PORTAL_SESSION_SECONDS,
+        path=COOKIE_PATH,
+        secure=settings.SESSION_COOKIE_SECURE,
+        httponly=True,
+        samesite="Lax",
+    )
+    return response
+
+
+@never_cache
+@require_http_methods(["GET", "HEAD"])
+def home(request):
+    link = _session_link(request)
+    if link is None:
+        return _no_session(request)
+    actor = end_user_actor(request, link)
+    memories, total = subjects.subject_memories(tenant=link.tenant, actor=actor, subject=link.subject)
+    requests = subjects.subject_forget_requests(tenant=link.tenant, actor=actor, subject=link.subject)
+    return _home(request, link, memories, total, requests)
+
+
+def _home(request, link, memories, total, requests, *, error: str = "", status: int = 200) -> HttpResponse:
+    items = [
+        {
+            "key": m.key,
+            "label": presentation.key_label(m.key),
+            "kind": presentation.category_label(m.category),
+            "value": presentation.readable_value(m.value),
+            "updated_at": m.updated_at,
+            "created_at": m.created_at,
+            "expires_at": m.expires_at,
+        }
+        for m in memories
+    ]
+    context = {
+        "tenant": link.tenant,
+        "memories": items,
+        "total": total,
+        "requests": [_request_view(r) for r in requests],
+        "error": error,
+        "refresh": REFRESH_SECONDS if any(r.status in PENDING for r in requests) else None,
+    }
+    return render(request, "portal/home.html", context, status=status)
+
+
+@never_cache
+@require_http_methods(["POST"])
+def forget(request):
+    """One memory (``what=one``, ``key``) or everything (``what=all`` with ``confirm=yes``)."""
+    link = _session_link(request)
+    if link is None:
+        return _no_session(request)
+    actor = end_user_actor(request, link)
+    what = request.POST.get("what")
+    try:
+        if what == "all":
+            if request.POST.get("confirm") != "yes":
+                memories, total = subjects.subject_memories(tenant=link.tenant, actor=actor, subject=link.subject)
+                requests = subjects.subject_forget_requests(tenant=link.tenant, actor=actor, subject=link.subject)
+                error = "Tick the box to confirm that everything should be forgotten."
+                return _home(request, link, memories, total, requests, error=error, status=400)
+            forget_request = subjects.subject_forget(tenant=link.tenant, actor=actor, subject=link.subject)
+        elif what == "one":
+            forget_request = subjects.subject_forget(
+                tenant=link.tenant, actor=actor, subject=link.subject, key=request.POST.get("key", "")
+            )
+            if forget_request is None:
+                return _error(
+                    request,
+                    404,
+                    "Nothing to forget there",
+                    "That memory is not among the ones kept about you (it may be gone already).",
+                )
+        else:
+            return _error(request, 400, "Something in this request was not right", "what: choose one or all")
+    except (InvalidInput, Forbidden) as exc:
+        return _service_error(request, exc)
+    return HttpResponseRedirect(reverse("portal-request", kwargs={"request_id": forget_request.pk}))
+
+
+@never_cache
+@require_http_methods(["GET", "HEAD"])
+def request_detail(request, request_id):
+    link = _session_link(request)
+    if link is None:
+        return _no_session(request)
+    actor = end_user_actor(request, link)
+    forget_request = subjects.subject_forget_request_get(
+        tenant=link.tenant, actor=actor, subject=link.subject, request_id=request_id
+    )
+    if forget_request is None:
+        return _error(request, 404, "No such request", "There is no request of yours with this number.")
+    view = _request_view(forget_request)
+    context = {"tenant": link.tenant, "r": view, "refresh": REFRESH_SECONDS if view["pending"] else None}
+    return render(request, "portal/request.html", context)
+
+
+@never_cache
+@require_http_methods(["POST"])
+def sign_out(request):
+    link = _session_link(request)
+    if link is not None:
+        portal_sign_out(link=link, actor=end_user_actor(request, link))
+    response = render(request, "portal/signed_out.html")
+    response.delete_cookie(COOKIE, path=COOKIE_PATH, samesite="Lax")
+    return response
+
+
+STEPS = [
+    (ForgetRequest.Status.RECEIVED, "Received"),
+    (ForgetRequest.Status.RUNNING, "Being carried out"),
+    (ForgetRequest.Status.COMPLETED, "Done"),
+]
+
+
+def _request_view(r: ForgetRequest) -> dict:
+    """A forget request as the page shows it: what, where it stands, and its receipt."""
+    if r.subject:
+        what = "Everything remembered about you"
+    elif r.keys:
+        labels = [presentation.key_label(k) for k in r.keys]
+        what = f"One memory: {labels[0]}" if len(labels) == 1 else f"{len(labels)} memories"
+    else:
+        what = "Memories under one heading"
+    order = [s for s, _ in STEPS]
+    reached = order.index(r.status) if r.status in order else -1
+    receipt = r.receipt or {}
+    return {
+        "id": r.pk,
+        "what": what,
+        "status": r.status,
+        "status_label": dict(STEPS).get(r.status, "Could not be completed"),
+        "steps": [{"label": label, "done": i <= reached} for i, (_, label) in enumerate(STEPS)],
+        "failed": r.status == ForgetRequest.Status.FAILED,
+        "pending": r.status in PENDING,
+        "created_at": r.created_at,
+        "started_at": r.started_at,
+        "completed_at": r.completed_at,
+        "due_at": r.due_at,
+        "receipt": {
+            "memories": receipt.get("memories", 0),
+            "versions": receipt.get("versions", 0),
+            "summaries": receipt.get("summaries", 0),
+        }
+        if r.status == ForgetRequest.Status.COMPLETED
+        else None,
+    }

@@ -1,0 +1,151 @@
+"""What ZeroMem keeps about one end user (a *subject*), as that user may see and forget it.
+
+The end-user portal (``portal/``) calls these with an ``end_user`` actor built from a signed
+link; an API key or staff actor may call them too. An end-user actor may only ever name
+its own subject (:func:`end_user_actor_id`), checked here, so no surface can widen it:
+
+* :func:`subject_memories` — the subject's live memories (scope ``memory:read``);
+* :func:`subject_forget` — forget one of them, or all of them (scope ``forget:create``),
+  through :func:`memories.services.forget.forget_request_create`;
+* :func:`subject_forget_requests` / :func:`subject_forget_request_get` — the requests about
+  the subject (filed for the subject, or filed by the end user), with progress and receipt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from django.db.models import Q
+
+from audit.models import AuditEvent
+from audit.services import audit_record
+from memories import selectors, validation
+from memories.errors import Forbidden, InvalidInput
+from memories.models import ForgetRequest, Memory, Scope, Tenant
+from memories.permissions import Actor, require_scope
+from memories.services.forget import PK_MAX, forget_request_create
+from memories.services.memories import _operation
+
+Outcome = AuditEvent.Outcome
+END_USER = AuditEvent.ActorKind.END_USER
+# A subject's page lists at most this many memories (the count says how many there are).
+SUBJECT_MEMORIES_MAX = 500
+SUBJECT_REQUESTS_MAX = 20
+PORTAL_REASON = "asked by the end user in the portal"
+_ACTOR_ID_MAX = 64  # AuditEvent.actor_id
+
+
+def end_user_actor_id(subject: str) -> str:
+    """The ``Actor.id`` of the end user ``subject``: the subject itself, or for a subject
+    longer than the audit log's actor column, a stable digest of it (the audit event's
+    ``subject`` field keeps the whole subject)."""
+    if len(subject) <= _ACTOR_ID_MAX:
+        return subject
+    return "sha256:" + hashlib.sha256(subject.encode()).hexdigest()[: _ACTOR_ID_MAX - 7]
+
+
+def _validated_subject(raw: Any) -> str:
+    subject = validation.short_text(raw, field="subject", max_len=validation.SUBJECT_MAX_LEN)
+    if not subject:
+        raise InvalidInput("must not be empty", field="subject")
+    return subject
+
+
+def _require_own_subject(actor: Actor, subject: str) -> None:
+    if actor.kind == END_USER and actor.id != end_user_actor_id(subject):
+        raise Forbidden(code="not_your_subject", message="an end user sees only their own memories", field="subject")
+
+
+def subject_memories(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[list[Memory], int]:
+    """The subject's live memories (not trashed, not expired), by key, at most
+    ``SUBJECT_MEMORIES_MAX``; returns (memories, how many there are). Restricted to the
+    actor's key allowlist. Cost: one COUNT and one SELECT on the (tenant, subject) index,
+    and the audit INSERT (``subject.memories``, the subject and the count; no values)."""
+    with _operation(tenant=tenant, actor=actor, action="subject.memories"):
+        require_scope(actor, Scope.MEMORY_READ)
+        subject = _validated_subject(subject)
+        _require_own_subject(actor, subject)
+        qs = selectors.memories_live(
+            tenant=tenant, prefixes=actor.prefix_filters("") if actor.allowed_prefixes else None
+        ).filter(subject=subject)
+        total = qs.count()
+        rows = list(qs.order_by("key")[:SUBJECT_MEMORIES_MAX])
+        audit_record(
+            tenant=tenant, actor=actor, action="subject.memories", outcome=Outcome.OK, subject=subject, count=total
+        )
+        return rows, total
+
+
+def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = None) -> ForgetRequest | None:
+    """Forget the live memory ``key`` of the subject, or (``key`` None) everything kept about
+    the subject: files a forget request (which runs in the background). Returns None, audited
+    as not found, when ``key`` is no live memory of this subject in this tenant — another
+    subject's or another tenant's key answers exactly like a missing one.
+
+    Cost: one index lookup for ``key``, then :func:`forget_request_create`."""
+    # The checks run (and a refusal is audited) here; forget_request_create is called after
+    # them, not inside: it audits its own refusals, and nesting would audit one twice.
+    with _operation(tenant=tenant, actor=actor, action="forget.create"):
+        require_scope(actor, Scope.FORGET_CREATE)
+        subject = _validated_subject(subject)
+        _require_own_subject(actor, subject)
+        if key is not None:
+            key = validation.key(key)
+            memory = selectors.memory_get_live(tenant=tenant, key=key)
+            if memory is None or memory.subject != subject or not actor.may_touch(key):
+                audit_record(
+                    tenant=tenant,
+                    actor=actor,
+                    action="forget.create",
+                    outcome=Outcome.NOT_FOUND,
+                    subject=subject,
+                    detail={"by": "keys"},
+                )
+                return None
+    if key is None:
+        return forget_request_create(tenant=tenant, actor=actor, subject=subject, reason=PORTAL_REASON)
+    return forget_request_create(tenant=tenant, actor=actor, keys=[key], reason=PORTAL_REASON)
+
+
+def _about_subject(*, tenant: Tenant, actor: Actor, subject: str):
+    mine = Q(subject=subject) | Q(requested_by_kind=END_USER, requested_by=end_user_actor_id(subject))
+    return ForgetRequest.objects.filter(tenant=tenant).filter(mine)
+
+
+def subject_forget_requests(*, tenant: Tenant, actor: Actor, subject: Any) -> list[ForgetRequest]:
+    """The newest ``SUBJECT_REQUESTS_MAX`` forget requests about the subject: filed for the
+    whole subject (by anyone), or filed by this end user (e.g. for one memory). Cost: one
+    SELECT of the tenant's requests and the audit INSERT."""
+    with _operation(tenant=tenant, actor=actor, action="forget.list"):
+        require_scope(actor, Scope.FORGET_CREATE)
+        subject = _validated_subject(subject)
+        _require_own_subject(actor, subject)
+        rows = list(_about_subject(tenant=tenant, actor=actor, subject=subject).order_by("-pk")[:SUBJECT_REQUESTS_MAX])
+        audit_record(
+            tenant=tenant, actor=actor, action="forget.list", outcome=Outcome.OK, subject=subject, count=len(rows)
+        )
+        return rows
+
+
+def subject_forget_request_get(*, tenant: Tenant, actor: Actor, subject: Any, request_id: Any) -> ForgetRequest | None:
+    """One request about the subject (as :func:`subject_forget_requests` sees them), or None
+    — also for another subject's or tenant's request. Cost: one primary-key SELECT and the
+    audit INSERT."""
+    with _operation(tenant=tenant, actor=actor, action="forget.read"):
+        require_scope(actor, Scope.FORGET_CREATE)
+        subject = _validated_subject(subject)
+        _require_own_subject(actor, subject)
+        valid = isinstance(request_id, int) and not isinstance(request_id, bool) and 1 <= request_id <= PK_MAX
+        request = (
+            _about_subject(tenant=tenant, actor=actor, subject=subject).filter(pk=request_id).first() if valid else None
+        )
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="forget.read",
+            outcome=Outcome.OK if request else Outcome.NOT_FOUND,
+            subject=subject,
+            detail={"forget_request": request_id if valid else None},
+        )
+        return request

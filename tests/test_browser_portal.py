@@ -1,0 +1,83 @@
+"""The end-user portal in a real browser (headless Chromium, phone-sized): an end user opens
+the link the app got for them, sees what is remembered, forgets everything and reads the
+receipt. The forget job really runs (django-q2 in sync mode, after the request's commit).
+Screenshots: test-artifacts/test_browser_portal/<test>/."""
+
+import re
+
+from memories import services
+from memories.models import ForgetRequest, Memory
+from tests.conftest import SYSTEM, make_key, make_tenant
+
+PHONE = {"width": 390, "height": 844}
+CANARY = "CANARY-browser-u1-4c1d"
+OTHER_SUBJECT = "CANARY-browser-u2-88e0"
+OTHER_TENANT = "CANARY-browser-globex-u1-7a51"
+
+
+def fits_the_screen(page) -> bool:
+    return page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+
+
+def test_end_user_opens_portal_link_forgets_everything_and_sees_the_receipt(browser_page, live_server, screenshot):
+    page = browser_page
+    tenant = make_tenant("acme")
+    other = make_tenant("globex")
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:pref_lang", value=f"Chinese {CANARY}")
+    services.memory_write(
+        tenant=tenant, actor=SYSTEM, key="user:u1:shipping_addr", value={"city": "Lyon", "floor": 3}, ttl_seconds=86400
+    )
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u2:pref_lang", value=OTHER_SUBJECT)
+    services.memory_write(tenant=other, actor=SYSTEM, key="user:u1:pref_lang", value=OTHER_TENANT)
+    _key, raw = make_key(tenant, scopes=["forget:create"])
+
+    # The tenant's application asks for a link (over HTTP, as it would).
+    answer = page.request.post(
+        f"{live_server.url}/api/v1/subjects/u1/portal-link", headers={"Authorization": f"Bearer {raw}"}
+    )
+    assert answer.status == 201, answer.text()
+    link = answer.json()["url"]
+    assert link.startswith(f"{live_server.url}/portal/open/")
+
+    page.set_viewport_size(PHONE)
+    page.goto(link)
+    assert page.get_by_role("heading", name="See what Acme remembers about you").is_visible()
+    screenshot("link-landing")
+    page.get_by_role("button", name="Continue to my page").click()
+
+    page.wait_for_url(f"{live_server.url}/portal/")
+    body = page.locator("main").inner_text()
+    assert "Preferred language" in body and CANARY in body
+    assert "Shipping address" in body and "Lyon" in body and "Forgotten automatically on" in body
+    assert OTHER_SUBJECT not in body and OTHER_TENANT not in body
+    assert page.locator(".card.memory").count() == 2
+    assert fits_the_screen(page), "the page scrolls sideways on a phone"
+    screenshot("what-is-remembered")
+
+    page.get_by_label("I understand that this cannot be undone").check()
+    page.get_by_role("button", name="Forget everything about me").click()
+
+    page.wait_for_url(re.compile(r"/portal/requests/\d+$"))
+    page.get_by_role("heading", name="Receipt").wait_for()  # the page refreshes itself until done
+    receipt = page.locator("table.receipt").inner_text()
+    assert re.search(r"Memories erased\s+2", receipt), receipt
+    assert re.search(r"Saved versions erased\s+2", receipt), receipt
+    assert "Completed" in receipt and CANARY not in page.content()
+    assert fits_the_screen(page)
+    screenshot("receipt")
+
+    request = ForgetRequest.objects.get()
+    assert (request.status, request.subject, request.requested_by_kind) == ("completed", "u1", "end_user")
+    assert not Memory.objects.filter(tenant=tenant, subject="u1").exists()
+    assert Memory.objects.filter(tenant=tenant, subject="u2").count() == 1
+    assert Memory.objects.filter(tenant=other, subject="u1").count() == 1
+
+    page.get_by_role("link", name="Back to what is remembered about you").click()
+    assert "Nothing is remembered about you right now." in page.locator("main").inner_text()
+    screenshot("nothing-left")
+
+    # The link was used: opening it again is refused (this browser is pointed to its page).
+    response = page.goto(link)
+    assert response.status == 410
+    assert page.get_by_role("heading", name="This link has already been used").is_visible()
+    screenshot("link-replayed")

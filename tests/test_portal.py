@@ -1,0 +1,518 @@
+"""The end-user portal: portal links (POST /api/v1/subjects/{subject}/portal-link) and the
+pages they open — what is remembered about the end user, forgetting one memory or all of
+them, the request's progress and receipt. Real database; only the clock is faked."""
+
+import re
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from audit import chain
+from audit.models import AuditEvent
+from memories import services
+from memories.errors import Forbidden
+from memories.models import ForgetRequest, Memory, Scope
+from memories.permissions import Actor
+from memories.portal.models import PortalLink
+from memories.portal.views import COOKIE
+from memories.services import subjects
+from tests.conftest import SYSTEM
+
+CANARY_U1 = "CANARY-u1-value-3b7e"
+CANARY_U2 = "CANARY-u2-value-9d1c"
+CANARY_B = "CANARY-globex-u1-5a02"
+
+
+@pytest.fixture
+def seeded(tenant_a, tenant_b):
+    """Tenant A: end users u1 (three memories) and u2; tenant B: its own u1."""
+    write = services.memory_write
+    write(tenant=tenant_a, actor=SYSTEM, key="user:u1:pref_lang", value=f"Chinese {CANARY_U1}")
+    write(
+        tenant=tenant_a,
+        actor=SYSTEM,
+        key="user:u1:shipping_addr",
+        value={"city": "Lyon", "postCode": "69001", "tags": ["home", "weekdays"]},
+    )
+    write(tenant=tenant_a, actor=SYSTEM, key="task:t9:status", value={"done": True}, subject="u1", ttl_seconds=3600)
+    write(tenant=tenant_a, actor=SYSTEM, key="user:u2:pref_lang", value=f"French {CANARY_U2}")
+    write(tenant=tenant_b, actor=SYSTEM, key="user:u1:pref_lang", value=f"Esperanto {CANARY_B}")
+    return tenant_a, tenant_b
+
+
+def issue(api, subject="u1"):
+    r = api.post(f"/api/v1/subjects/{subject}/portal-link")
+    assert r.status_code == 201, r.content
+    return r.json()
+
+
+def path_of(url: str) -> str:
+    return urlparse(url).path
+
+
+def open_portal(url: str, client=None) -> Client:
+    """A browser-like client that opened the link (landing page, then Continue)."""
+    client = client or Client(enforce_csrf_checks=True)
+    landing = client.get(path_of(url))
+    assert landing.status_code == 200, landing.content
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', landing.content.decode()).group(1)
+    r = client.post(path_of(url), {"csrfmiddlewaretoken": token})
+    assert r.status_code == 302 and r["Location"] == "/portal/", r.content
+    return client
+
+
+def csrf(client) -> str:
+    page = client.get("/portal/")
+    return re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.content.decode()).group(1)
+
+
+def forget_post(client, data, callbacks):
+    with callbacks(execute=True):
+        return client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), **data})
+
+
+def page_text(response) -> str:
+    return response.content.decode()
+
+
+# --- issuing links -------------------------------------------------------------------------
+
+
+def test_portal_link_answers_a_url_and_its_expiry(api, tenant_a, settings):
+    settings.ZEROMEM_PORTAL_LINK_SECONDS = 600
+    before = timezone.now()
+    body = issue(api)
+    assert set(body) == {"url", "expires_at"}
+    assert body["url"].startswith("http://testserver/portal/open/")
+    link = PortalLink.objects.get()
+    assert (link.tenant, link.subject, link.opened_at) == (tenant_a, "u1", None)
+    assert timedelta(seconds=598) <= link.expires_at - before <= timedelta(seconds=601)
+    assert body["expires_at"].startswith(link.expires_at.strftime("%Y-%m-%dT%H:%M:%S"))
+    event = AuditEvent.objects.get(action="portal.link_create")
+    assert (event.actor_kind, event.subject, event.outcome) == ("api_key", "u1", "ok")
+    assert urlparse(body["url"]).path.rsplit("/", 1)[-1] not in str(event.detail)  # the token is not logged
+
+
+def test_portal_link_is_built_on_the_public_url_when_set(api, seeded, settings):
+    settings.ZEROMEM_PUBLIC_URL = "https://memory.example.com"
+    assert issue(api)["url"].startswith("https://memory.example.com/portal/open/")
+
+
+def test_portal_link_needs_the_forget_create_scope(tenant_a, make_client):
+    client, _ = make_client(tenant_a, scopes=[s for s in Scope.values if s != Scope.FORGET_CREATE])
+    r = client.post("/api/v1/subjects/u1/portal-link")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "missing_scope"
+    assert not PortalLink.objects.exists()
+    assert AuditEvent.objects.get(action="portal.link_create").outcome == "denied"
+
+
+def test_portal_link_is_refused_to_a_key_limited_to_some_prefixes(tenant_a, make_client):
+    client, _ = make_client(tenant_a, allow=["user:u1:"])
+    r = client.post("/api/v1/subjects/u1/portal-link")
+    assert r.status_code == 403 and r.json()["error"] == {
+        "code": "key_not_allowed",
+        "message": "an API key limited to some prefixes cannot open a subject's whole portal",
+        "field": "subject",
+    }
+    assert not PortalLink.objects.exists()
+
+
+def test_portal_link_for_a_too_long_subject_is_400_naming_the_field(api):
+    r = api.post(f"/api/v1/subjects/{'u' * 256}/portal-link")
+    assert r.status_code == 400 and r.json()["error"]["field"] == "subject"
+    assert not PortalLink.objects.exists()
+
+
+# --- opening links -------------------------------------------------------------------------
+
+
+def test_looking_at_a_link_does_not_use_it_up(api, seeded):
+    url = issue(api)["url"]
+    client = Client()
+    for _ in range(2):  # e.g. a chat app's link preview, then the user
+        r = client.get(path_of(url))
+        assert r.status_code == 200 and "Continue to my page" in page_text(r)
+        assert r["Cache-Control"].startswith("max-age=0") and r["Referrer-Policy"] == "same-origin"
+    assert PortalLink.objects.get().opened_at is None
+    assert COOKIE not in client.cookies
+
+
+def test_a_link_opens_once_and_is_then_refused_as_replayed(api, seeded):
+    url = issue(api)["url"]
+    first = open_portal(url)
+    assert first.cookies[COOKIE]["httponly"] and first.cookies[COOKIE]["path"] == "/portal/"
+    assert PortalLink.objects.get().opened_at is not None
+
+    for method in ("get", "post"):
+        again = getattr(Client(), method)(path_of(url))
+        assert again.status_code == 410
+        assert "This link has already been used" in page_text(again)
+        assert COOKIE not in again.cookies
+    refused = AuditEvent.objects.filter(action="portal.open", outcome="denied")
+    assert [e.detail["code"] for e in refused] == ["link_replayed", "link_replayed"]
+    assert all(e.actor_kind == "anonymous" and e.subject == "u1" for e in refused)
+    # The first browser still has its page.
+    assert first.get("/portal/").status_code == 200
+
+
+def test_the_same_browser_opening_a_used_link_is_pointed_to_its_open_page(api, seeded):
+    url = issue(api)["url"]
+    client = open_portal(url)
+    r = client.get(path_of(url))
+    assert r.status_code == 410 and 'href="/portal/"' in page_text(r)
+
+
+def test_an_expired_link_is_refused_with_410(api, seeded, settings, monkeypatch):
+    settings.ZEROMEM_PORTAL_LINK_SECONDS = 60
+    url = issue(api)["url"]
+    later = timezone.now() + timedelta(seconds=61)
+    monkeypatch.setattr(timezone, "now", lambda: later)
+    for method in ("get", "post"):
+        r = getattr(Client(), method)(path_of(url))
+        assert r.status_code == 410 and "This link has expired" in page_text(r)
+    assert PortalLink.objects.get().opened_at is None
+    assert AuditEvent.objects.filter(action="portal.open", detail__code="link_expired").count() == 2
+
+
+@pytest.mark.parametrize(
+    "alter",
+    [
+        lambda t: t[:-1] + ("A" if t[-1] != "A" else "B"),  # signature changed
+        lambda t: t[:-6],  # truncated
+        lambda t: "x" + t,  # payload changed
+        lambda t: "not-a-token",
+    ],
+    ids=["signature", "truncated", "payload", "made_up"],
+)
+def test_an_altered_link_is_refused_with_400(api, seeded, alter):
+    url = issue(api)["url"]
+    token = path_of(url).rsplit("/", 1)[-1]
+    for method in ("get", "post"):
+        r = getattr(Client(), method)(f"/portal/open/{alter(token)}")
+        assert r.status_code == 400 and "This link does not work" in page_text(r)
+        assert "Traceback" not in page_text(r)
+    assert PortalLink.objects.get().opened_at is None
+    assert AuditEvent.objects.filter(action="portal.open", outcome="invalid", detail__code="link_altered").count() == 2
+
+
+def test_a_link_signed_for_another_purpose_does_not_open(api, seeded):
+    from django.core import signing
+
+    issue(api)
+    link = PortalLink.objects.get()
+    claims = {"t": link.tenant_id, "s": "u1", "n": link.nonce, "e": int(link.expires_at.timestamp())}
+    forged = signing.dumps(claims, salt="zeromem.portal.session", compress=True)  # right key, wrong salt
+    assert Client().get(f"/portal/open/{forged}").status_code == 400
+
+
+def test_a_link_re_signed_for_another_subject_or_tenant_does_not_open(api, seeded, tenant_b):
+    """Even a correctly signed token must match its row: tenant, subject and nonce."""
+    from django.core import signing
+
+    issue(api)
+    link = PortalLink.objects.get()
+    expiry = int(link.expires_at.timestamp())
+    for claims in (
+        {"t": link.tenant_id, "s": "u2", "n": link.nonce, "e": expiry},
+        {"t": tenant_b.pk, "s": "u1", "n": link.nonce, "e": expiry},
+    ):
+        token = signing.dumps(claims, salt="zeromem.portal.link", compress=True)
+        assert Client().post(f"/portal/open/{token}").status_code == 400
+    assert PortalLink.objects.get().opened_at is None
+
+
+# --- the page ------------------------------------------------------------------------------
+
+
+def test_the_page_lists_the_subjects_memories_in_plain_words(api, seeded):
+    client = open_portal(issue(api)["url"])
+    r = client.get("/portal/")
+    text = page_text(r)
+    assert r.status_code == 200 and r["Cache-Control"].startswith("max-age=0")
+    assert 'name="viewport"' in text and "<script" not in text and "http" not in text.split("<body>")[1]
+    assert text.count('class="card memory"') == 3
+    assert "Preferred language" in text and CANARY_U1 in text
+    assert "Shipping address" in text and "<dt>City</dt><dd>Lyon</dd>" in text and "Post code" in text
+    assert "home, weekdays" in text  # a list of words, not JSON
+    assert "A task" in text and "<dt>Done</dt><dd>Yes</dd>" in text and "Forgotten automatically on" in text
+    assert "Kept until you or the app remove it." in text
+
+
+def test_the_page_shows_no_other_subjects_or_tenants_memories(api, api_b, seeded):
+    text = page_text(open_portal(issue(api)["url"]).get("/portal/"))
+    assert CANARY_U1 in text and CANARY_U2 not in text and CANARY_B not in text
+    # Tenant B's u1 sees only tenant B's memory of u1.
+    text_b = page_text(open_portal(issue(api_b)["url"]).get("/portal/"))
+    assert CANARY_B in text_b and CANARY_U1 not in text_b and CANARY_U2 not in text_b
+
+
+def test_values_are_escaped_on_the_page(api, tenant_a):
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="user:u1:note", value={"<b>x</b>": "<script>1</script>"})
+    text = page_text(open_portal(issue(api)["url"]).get("/portal/"))
+    assert "<script>1</script>" not in text and "&lt;script&gt;1&lt;/script&gt;" in text
+    assert "<b>x</b>" not in text
+
+
+def test_an_expired_memory_is_not_listed(api, tenant_a):
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="user:u1:brief", value="gone soon", ttl_seconds=1)
+    Memory.objects.filter(key="user:u1:brief").update(expires_at=timezone.now() - timedelta(seconds=1))
+    text = page_text(open_portal(issue(api)["url"]).get("/portal/"))
+    assert "gone soon" not in text and "Nothing is remembered about you right now." in text
+
+
+# --- forgetting ----------------------------------------------------------------------------
+
+
+def test_forgetting_one_memory_erases_it_and_shows_the_receipt(api, seeded, django_capture_on_commit_callbacks):
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    r = forget_post(client, {"what": "one", "key": "user:u1:pref_lang"}, django_capture_on_commit_callbacks)
+    assert r.status_code == 302
+    request = ForgetRequest.objects.get()
+    assert r["Location"] == f"/portal/requests/{request.pk}"
+    assert (request.keys, request.requested_by_kind, request.requested_by) == (["user:u1:pref_lang"], "end_user", "u1")
+    assert request.status == "completed"
+    assert not Memory.objects.filter(tenant=tenant_a, key="user:u1:pref_lang").exists()
+    assert Memory.objects.filter(tenant=tenant_a, subject="u1").count() == 2
+
+    page = client.get(r["Location"])
+    text = page_text(page)
+    assert page.status_code == 200 and "One memory: Preferred language" in text
+    assert "Receipt" in text and "<th>Memories erased</th><td>1</td>" in text
+    assert "<th>Saved versions erased</th><td>1</td>" in text
+    assert CANARY_U1 not in text and 'http-equiv="refresh"' not in text
+
+
+def test_forgetting_everything_erases_only_this_subject_in_this_tenant(api, seeded, django_capture_on_commit_callbacks):
+    tenant_a, tenant_b = seeded
+    client = open_portal(issue(api)["url"])
+    r = forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
+    request = ForgetRequest.objects.get()
+    assert r["Location"] == f"/portal/requests/{request.pk}"
+    assert (request.subject, request.status, request.receipt["memories"]) == ("u1", "completed", 3)
+    assert not Memory.objects.filter(tenant=tenant_a, subject="u1").exists()
+    assert Memory.objects.filter(tenant=tenant_a, subject="u2").count() == 1
+    assert Memory.objects.filter(tenant=tenant_b, subject="u1").count() == 1
+    text = page_text(client.get(r["Location"]))
+    assert "Everything remembered about you" in text and "<th>Memories erased</th><td>3</td>" in text
+    home = page_text(client.get("/portal/"))
+    assert "Nothing is remembered about you right now." in home and "Done" in home
+
+
+def test_a_pending_request_page_refreshes_itself(api, seeded, django_capture_on_commit_callbacks):
+    client = open_portal(issue(api)["url"])
+    with django_capture_on_commit_callbacks(execute=False):  # the job has not run yet
+        r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "all", "confirm": "yes"})
+    text = page_text(client.get(r["Location"]))
+    assert 'http-equiv="refresh"' in text and '<li class="done">Received</li>' in text
+    assert '<li class="">Done</li>' in text and "Receipt" not in text
+
+
+def test_forgetting_everything_needs_the_confirmation(api, seeded):
+    client = open_portal(issue(api)["url"])
+    r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "all"})
+    assert r.status_code == 400 and "Tick the box" in page_text(r)
+    assert not ForgetRequest.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["user:u2:pref_lang", "user:u404:nothing", "user:u1:pref_lang@globex"],
+    ids=["other_subject", "missing", "unknown"],
+)
+def test_forgetting_a_key_that_is_not_the_users_is_404_and_changes_nothing(api, seeded, key):
+    before = list(Memory.objects.order_by("pk").values_list("pk", "value", "version"))
+    client = open_portal(issue(api)["url"])
+    r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": key})
+    assert r.status_code == 404 and "Nothing to forget there" in page_text(r)
+    assert not ForgetRequest.objects.exists()
+    assert list(Memory.objects.order_by("pk").values_list("pk", "value", "version")) == before
+    event = AuditEvent.objects.get(action="forget.create")
+    assert (event.actor_kind, event.outcome) == ("end_user", "not_found")
+
+
+def test_another_tenants_user_cannot_forget_this_tenants_memory(api_b, seeded):
+    """Tenant B's u1 posts tenant A's key of (the same-named) u1: not found, nothing filed."""
+    tenant_a, _ = seeded
+    client = open_portal(issue(api_b)["url"])
+    body = {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": "user:u1:shipping_addr"}
+    r = client.post("/portal/forget", body)
+    assert r.status_code == 404
+    assert not ForgetRequest.objects.exists()
+    assert Memory.objects.filter(tenant=tenant_a, subject="u1").count() == 3
+
+
+def test_a_bad_key_or_choice_is_400(api, seeded):
+    client = open_portal(issue(api)["url"])
+    token = csrf(client)
+    r = client.post("/portal/forget", {"csrfmiddlewaretoken": token, "what": "one", "key": "bad key with spaces"})
+    assert r.status_code == 400 and "key:" in page_text(r)
+    r = client.post("/portal/forget", {"csrfmiddlewaretoken": token, "what": "some"})
+    assert r.status_code == 400
+    assert not ForgetRequest.objects.exists()
+
+
+def test_request_pages_of_other_subjects_and_tenants_are_404(api, api_b, seeded, django_capture_on_commit_callbacks):
+    tenant_a, tenant_b = seeded
+    other_subject = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u2")
+    other_tenant = services.forget_request_create(tenant=tenant_b, actor=SYSTEM, subject="u1")
+    by_staff_about_keys = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, keys=["user:u1:pref_lang"])
+    about_u1 = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    client = open_portal(issue(api)["url"])
+    for request in (other_subject, other_tenant, by_staff_about_keys):
+        r = client.get(f"/portal/requests/{request.pk}")
+        assert r.status_code == 404 and "No such request" in page_text(r)
+    # A request the tenant filed for the whole subject is the user's to follow.
+    assert client.get(f"/portal/requests/{about_u1.pk}").status_code == 200
+    assert client.get("/portal/requests/999999999").status_code == 404
+
+
+# --- sessions, CSRF, methods ---------------------------------------------------------------
+
+
+def test_portal_pages_without_a_session_are_403(db):
+    client = Client()
+    for method, path in (("get", "/portal/"), ("post", "/portal/forget"), ("get", "/portal/requests/1")):
+        r = getattr(client, method)(path, {"what": "all", "confirm": "yes"} if method == "post" else None)
+        assert r.status_code == 403 and "Please open a new link" in page_text(r)
+    assert not ForgetRequest.objects.exists()
+
+
+def test_a_tampered_session_cookie_is_refused(api, api_b, seeded):
+    client = open_portal(issue(api)["url"])
+    other = open_portal(issue(api_b)["url"])
+    b_link = PortalLink.objects.get(tenant=seeded[1])
+    value = client.cookies[COOKIE].value
+    # Name tenant B's link with A's signature, and a signature-less value.
+    for forged in (value.replace(value.split(":", 1)[0], str(b_link.pk), 1), str(b_link.pk)):
+        client.cookies[COOKIE] = forged
+        r = client.get("/portal/")
+        assert r.status_code == 403 and CANARY_B not in page_text(r)
+    assert other.get("/portal/").status_code == 200
+
+
+def test_the_session_ends_after_its_lifetime(api, seeded, settings, monkeypatch):
+    settings.ZEROMEM_PORTAL_SESSION_SECONDS = 300
+    client = open_portal(issue(api)["url"])
+    assert client.get("/portal/").status_code == 200
+    import time
+
+    later = time.time() + 301
+    monkeypatch.setattr(time, "time", lambda: later)  # django.core.signing reads time.time()
+    assert client.get("/portal/").status_code == 403
+
+
+def test_closing_the_page_ends_the_session_on_the_server(api, seeded):
+    client = open_portal(issue(api)["url"])
+    cookie = client.cookies[COOKIE].value
+    r = client.post("/portal/sign-out", {"csrfmiddlewaretoken": csrf(client)})
+    assert r.status_code == 200 and "Page closed" in page_text(r)
+    assert PortalLink.objects.get().closed_at is not None
+    replay = Client()
+    replay.cookies[COOKIE] = cookie  # a copy of the cookie taken before
+    assert replay.get("/portal/").status_code == 403
+
+
+def test_portal_forms_are_csrf_protected(api, seeded):
+    url = issue(api)["url"]
+    strict = Client(enforce_csrf_checks=True)
+    assert strict.post(path_of(url)).status_code == 403  # opening without the page's token
+    assert PortalLink.objects.get().opened_at is None
+    client = open_portal(url, strict)
+    r = client.post("/portal/forget", {"what": "all", "confirm": "yes"})
+    assert r.status_code == 403
+    assert not ForgetRequest.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("put", "/portal/"), ("delete", "/portal/forget"), ("get", "/portal/forget"), ("patch", "/portal/sign-out")],
+)
+def test_other_methods_are_405(api, seeded, method, path):
+    # (A browser's PUT/DELETE/PATCH would first meet the CSRF check: 403; hence no CSRF here.)
+    client = open_portal(issue(api)["url"], Client())
+    assert getattr(client, method)(path).status_code == 405
+
+
+# --- audit ---------------------------------------------------------------------------------
+
+
+def test_every_portal_action_is_audited_with_the_end_user_as_actor(api, seeded, django_capture_on_commit_callbacks):
+    client = open_portal(issue(api)["url"])
+    client.get("/portal/", headers={"X-Request-ID": "portal-req-0001"})
+    forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
+    request = ForgetRequest.objects.get()
+    client.get(f"/portal/requests/{request.pk}")
+    client.post("/portal/sign-out", {"csrfmiddlewaretoken": csrf(client)})
+
+    by_user = AuditEvent.objects.filter(actor_kind="end_user").order_by("pk")
+    actions = [e.action for e in by_user]
+    assert actions[0] == "portal.open"
+    assert {"subject.memories", "forget.list", "forget.create", "forget.read", "portal.sign_out"} <= set(actions)
+    # Events from before the forget request was carried out have the end user's identifiers
+    # redacted (a pseudonym, no address); later ones (reading the receipt, signing out) not.
+    pseudonym = chain.pseudonym(request.tenant_id, "u1")
+    who = {(e.actor_id, e.client_ip) for e in by_user}
+    assert who == {(pseudonym, None), ("u1", "127.0.0.1")}, who
+    for event in by_user:
+        assert (event.actor_label, event.surface) == ("end user", "portal"), event
+        assert event.request_id
+    assert by_user.filter(action="subject.memories", request_id="portal-req-0001").exists()
+    created = by_user.get(action="forget.create")
+    assert created.detail["forget_request"] == request.pk
+    # Never a value in the audit log.
+    for event in AuditEvent.objects.all():
+        assert CANARY_U1 not in str(event.__dict__) and "Lyon" not in str(event.__dict__)
+
+
+def test_an_end_user_actor_cannot_name_another_subject(tenant_a):
+    actor = Actor(kind="end_user", id="u1", label="end user", scopes=frozenset(Scope.values), surface="portal")
+    for call in (
+        lambda: subjects.subject_memories(tenant=tenant_a, actor=actor, subject="u2"),
+        lambda: subjects.subject_forget(tenant=tenant_a, actor=actor, subject="u2"),
+        lambda: subjects.subject_forget_requests(tenant=tenant_a, actor=actor, subject="u2"),
+    ):
+        with pytest.raises(Forbidden):
+            call()
+    assert not ForgetRequest.objects.exists()
+    assert AuditEvent.objects.filter(outcome="denied", detail__code="not_your_subject").count() == 3
+
+
+def test_a_long_subject_gets_a_stable_actor_id_that_fits_the_audit_log(api, tenant_a):
+    subject = "s" * 200
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n1", value="x", subject=subject)
+    client = open_portal(issue(api, subject)["url"])
+    assert "Nothing is remembered" not in page_text(client.get("/portal/"))
+    event = AuditEvent.objects.filter(actor_kind="end_user", action="subject.memories").get()
+    assert event.actor_id == subjects.end_user_actor_id(subject) and len(event.actor_id) <= 64
+    assert event.subject == subject
+
+
+# --- purging spent links -------------------------------------------------------------------
+
+
+def test_spent_links_are_purged_after_expiry_and_session_and_still_read_as_expired(api, seeded, settings, monkeypatch):
+    from memories.portal.services import portal_links_purge
+    from zeromem.schedules import SCHEDULES
+
+    assert SCHEDULES["zeromem:portal-links-purge"][0] == "memories.portal.tasks.portal_links_purge_task"
+    settings.ZEROMEM_PORTAL_LINK_SECONDS = 60
+    settings.ZEROMEM_PORTAL_SESSION_SECONDS = 600
+    opened = issue(api)["url"]
+    client = open_portal(opened)
+    unused = issue(api)["url"]
+    start = timezone.now()
+
+    monkeypatch.setattr(timezone, "now", lambda: start + timedelta(seconds=60 + 590))
+    assert portal_links_purge() == 0  # a session opened at the last moment may still be open
+    monkeypatch.setattr(timezone, "now", lambda: start + timedelta(seconds=61 + 601))
+    assert portal_links_purge() == 2
+    assert not PortalLink.objects.exists()
+    assert AuditEvent.objects.get(action="portal.links_purge").count == 2
+    for url in (opened, unused):
+        r = Client().get(path_of(url))
+        assert r.status_code == 410 and "This link has expired" in page_text(r)
+    assert client.get("/portal/").status_code == 403
