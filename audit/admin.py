@@ -23,7 +23,7 @@ from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.html import format_html
 
 from audit.exports import audit_export_response
-from audit.models import AuditEvent
+from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters
 from audit.services import audit_record
 from memories.errors import InvalidInput, ServiceError
@@ -148,23 +148,7 @@ class AuditEventAdmin(TenantScopedAdmin):
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 100
     actions = None
-    fields = (
-        "occurred_at",
-        "tenant",
-        "actor_kind",
-        "actor_id",
-        "actor_label",
-        "surface",
-        "action",
-        "target",
-        "subject",
-        "outcome",
-        "count",
-        "version",
-        "request_id",
-        "client_ip",
-        "detail_display",
-    )
+    fields = ("occurred_at", "tenant", *REVIEW_FIELDS[2:-1], "detail_display")
     readonly_fields = fields
     change_list_template = "zeromem_admin/auditevent_change_list.html"
 

@@ -9,7 +9,7 @@ from rest_framework.response import Response
 
 from audit import services
 from audit.exports import CONTENT_TYPES, audit_export_response
-from audit.models import AuditCheckpoint, AuditEvent
+from audit.models import REVIEW_FIELDS, AuditCheckpoint, AuditEvent
 from audit.selectors import TEXT_MAX_LEN, audit_filters
 from memories import validation
 from memories.api.serializers import NO_CONTROL_CHARS
@@ -31,24 +31,7 @@ FILTER_PARAMS = [
 class AuditEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = AuditEvent
-        fields = [
-            "id",
-            "occurred_at",
-            "actor_kind",
-            "actor_id",
-            "actor_label",
-            "surface",
-            "action",
-            "target",
-            "subject",
-            "outcome",
-            "request_id",
-            "client_ip",
-            "count",
-            "version",
-            "detail",
-            "seal",
-        ]
+        fields = [*REVIEW_FIELDS, "seal"]
 
 
 class AuditEventListSerializer(serializers.Serializer):

@@ -17,29 +17,12 @@ from asgiref.sync import sync_to_async
 from django.http import StreamingHttpResponse
 from django.utils import timezone
 
+from audit.models import REVIEW_FIELDS
 from audit.selectors import AuditFilters
 from audit.services import audit_export_start
 
 CHUNK_ROWS = 2000
-COLUMNS = (
-    "id",
-    "occurred_at",
-    "actor_kind",
-    "actor_id",
-    "actor_label",
-    "surface",
-    "action",
-    "target",
-    "subject",
-    "outcome",
-    "request_id",
-    "client_ip",
-    "count",
-    "version",
-    "detail",
-    "seal",
-    "digest",
-)
+COLUMNS = (*REVIEW_FIELDS, "seal", "digest")
 CONTENT_TYPES = {"csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjson"}
 # Spreadsheets run a cell that starts with one of these as a formula (CSV injection);
 # such cells get a leading apostrophe in CSV exports (JSON Lines keep the text as it is).

@@ -28,6 +28,25 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+# What a reviewer sees of an event (REST list, exports, admin), in this order.
+REVIEW_FIELDS = (
+    "id",
+    "occurred_at",
+    "actor_kind",
+    "actor_id",
+    "actor_label",
+    "surface",
+    "action",
+    "target",
+    "subject",
+    "outcome",
+    "request_id",
+    "client_ip",
+    "count",
+    "version",
+    "detail",
+)
+
 
 class AppendOnlyQuerySet(models.QuerySet):
     def update(self, **kwargs):
