@@ -8,7 +8,7 @@ import json
 import re
 
 from django.utils.html import format_html, format_html_join
-from django.utils.safestring import SafeString, mark_safe
+from django.utils.safestring import SafeString
 
 # Abbreviations agents use in key names, spelled out.
 WORDS = {
@@ -63,31 +63,35 @@ def category_label(category: str) -> str:
     return CATEGORY_WORDS.get(category, plain_words(category))
 
 
+# A constant line break (no input in it): safe as it is.
+LINE_BREAK = SafeString("<br>")
+
+
 def readable_value(value, depth: int = 0) -> SafeString:
     """HTML (escaped) for a JSON value."""
     if value is None:
-        return mark_safe('<span class="muted">(nothing)</span>')
+        return format_html('<span class="muted">{}</span>', "(nothing)")
     if isinstance(value, bool):
         return format_html("{}", "Yes" if value else "No")
     if isinstance(value, int | float):
         return format_html("{}", value)
     if isinstance(value, str):
         if not value:
-            return mark_safe('<span class="muted">(empty)</span>')
+            return format_html('<span class="muted">{}</span>', "(empty)")
         lines = value.splitlines() or [value]
-        return format_html_join(mark_safe("<br>"), "{}", ((line,) for line in lines))
+        return format_html_join(LINE_BREAK, "{}", ((line,) for line in lines))
     if depth >= MAX_DEPTH:
         return format_html("<code>{}</code>", json.dumps(value, ensure_ascii=False))
     if isinstance(value, list):
         if not value:
-            return mark_safe('<span class="muted">(an empty list)</span>')
+            return format_html('<span class="muted">{}</span>', "(an empty list)")
         if all(isinstance(v, str | int | float) and not isinstance(v, bool) for v in value):
             return format_html("{}", ", ".join(str(v) for v in value))
         items = format_html_join("", "<li>{}</li>", ((readable_value(v, depth + 1),) for v in value))
         return format_html("<ul>{}</ul>", items)
     if isinstance(value, dict):
         if not value:
-            return mark_safe('<span class="muted">(nothing)</span>')
+            return format_html('<span class="muted">{}</span>', "(nothing)")
         rows = format_html_join(
             "",
             "<dt>{}</dt><dd>{}</dd>",
