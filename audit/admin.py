@@ -15,7 +15,6 @@ from datetime import datetime, time, timedelta
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
-from django.db.models import Q
 from django.http import HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils import timezone
@@ -24,7 +23,7 @@ from django.utils.html import format_html
 
 from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
-from audit.selectors import AuditFilters
+from audit.selectors import AuditFilters, audit_events_matching
 from audit.services import audit_record
 from memories.errors import InvalidInput, ServiceError
 from zeromem.admin_scoping import InputFilter, TenantScopedAdmin, actor_for, tenant_ids_with
@@ -53,9 +52,18 @@ def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
     return moment
 
 
+def _matching(queryset, field: str, value):
+    # The condition audit.selectors applies for this field (REST, exports and admin alike).
+    return audit_events_matching(queryset, AuditFilters(**{field: value})) if value else queryset
+
+
+class _FieldFilter(InputFilter):
+    def queryset(self, request, queryset):
+        return _matching(queryset, self.parameter_name, self.value())
+
+
 class _MomentFilter(InputFilter):
     end_of_day = False
-    lookup = ""
 
     def queryset(self, request, queryset):
         try:
@@ -63,58 +71,38 @@ class _MomentFilter(InputFilter):
         except ValueError:
             messages.error(request, f"{self.parameter_name}: not a date or time (use 2026-12-01 or 2026-12-01T10:00)")
             return queryset.none()
-        return queryset.filter(**{self.lookup: moment}) if moment else queryset
+        return _matching(queryset, self.parameter_name, moment)
 
 
 class SinceFilter(_MomentFilter):
     title = "since (date or time)"
     parameter_name = "since"
-    lookup = "occurred_at__gte"
 
 
 class UntilFilter(_MomentFilter):
     title = "until (date: through that day)"
     parameter_name = "until"
-    lookup = "occurred_at__lt"
     end_of_day = True
 
 
-class ActorFilter(InputFilter):
+class ActorFilter(_FieldFilter):
     title = "actor (username, key prefix or id)"
     parameter_name = "actor"
 
-    def queryset(self, request, queryset):
-        # As audit.selectors.audit_events: an actor's id (key or user pk) or its label
-        # (zm_ prefix, username).
-        value = self.value()
-        return queryset.filter(Q(actor_id=value) | Q(actor_label=value)) if value else queryset
 
-
-class ActionFilter(InputFilter):
+class ActionFilter(_FieldFilter):
     title = "action (memory.update, or memory. for all)"
     parameter_name = "action"
 
-    def queryset(self, request, queryset):
-        value = self.value()
-        if not value:
-            return queryset
-        return queryset.filter(action__startswith=value) if value.endswith(".") else queryset.filter(action=value)
 
-
-class KeyPrefixFilter(InputFilter):
+class KeyPrefixFilter(_FieldFilter):
     title = "key or key prefix"
     parameter_name = "key_prefix"
 
-    def queryset(self, request, queryset):
-        return queryset.filter(target__startswith=self.value()) if self.value() else queryset
 
-
-class SubjectFilter(InputFilter):
+class SubjectFilter(_FieldFilter):
     title = "subject (end user)"
     parameter_name = "subject"
-
-    def queryset(self, request, queryset):
-        return queryset.filter(subject=self.value()) if self.value() else queryset
 
 
 class OutcomeFilter(admin.SimpleListFilter):
@@ -125,7 +113,7 @@ class OutcomeFilter(admin.SimpleListFilter):
         return AuditEvent.Outcome.choices
 
     def queryset(self, request, queryset):
-        return queryset.filter(outcome=self.value()) if self.value() else queryset
+        return _matching(queryset, "outcome", self.value())
 
 
 @admin.register(AuditEvent)

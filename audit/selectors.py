@@ -91,7 +91,20 @@ def audit_events(*, tenant, filters: AuditFilters, prefixes: list[str] | None = 
 
     Indexes: (tenant, occurred_at) for time ranges, (tenant, target) for key prefixes,
     (tenant, actor_kind, actor_id) and (tenant, subject) for the rest."""
-    qs = AuditEvent.objects.for_tenant(tenant)
+    qs = audit_events_matching(AuditEvent.objects.for_tenant(tenant), filters)
+    if prefixes is not None:
+        if not prefixes:
+            return qs.none()
+        allowed = Q(pk__in=[])
+        for p in prefixes:
+            allowed |= Q(target__startswith=p)
+        qs = qs.filter(allowed)
+    return qs.order_by("-id")
+
+
+def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> QuerySet[AuditEvent]:
+    """``qs`` narrowed by ``filters`` (each set field is one condition). The admin's list
+    filters apply their single field through this too, so both read the log alike."""
     f = filters
     if f.since:
         qs = qs.filter(occurred_at__gte=f.since)
@@ -109,11 +122,4 @@ def audit_events(*, tenant, filters: AuditFilters, prefixes: list[str] | None = 
         qs = qs.filter(subject=f.subject)
     if f.outcome:
         qs = qs.filter(outcome=f.outcome)
-    if prefixes is not None:
-        if not prefixes:
-            return qs.none()
-        allowed = Q(pk__in=[])
-        for p in prefixes:
-            allowed |= Q(target__startswith=p)
-        qs = qs.filter(allowed)
-    return qs.order_by("-id")
+    return qs

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -28,12 +28,8 @@ from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from memories import validation
 from memories.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
-from memories.models import Scope
-from memories.permissions import require_scope
-
-if TYPE_CHECKING:
-    from memories.models import Tenant
-    from memories.permissions import Actor
+from memories.models import Scope, Tenant
+from memories.permissions import Actor, require_scope
 
 # Two ints for pg_advisory_xact_lock: this namespace, and the tenant id (0: no tenant).
 _SEAL_LOCK_NAMESPACE = 0x5A4D  # "ZM"
@@ -376,8 +372,6 @@ def audit_purge(*, tenant: Tenant, now=None) -> dict:
     ``audit.purge`` event with the count. A purge killed halfway leaves a checkpoint and
     some purged seals; running it again finishes the job.
     """
-    from memories.permissions import Actor
-
     now = now or timezone.now()
     cutoff = audit_retention_cutoff(tenant, now)
     audit_seal(tenant_id=tenant.pk)
@@ -426,8 +420,6 @@ def audit_purge(*, tenant: Tenant, now=None) -> dict:
 
 def audit_purge_all(*, now=None) -> dict:
     """The scheduled retention purge over every tenant. Returns {slug: events deleted}."""
-    from memories.models import Tenant
-
     return {t.slug: audit_purge(tenant=t, now=now)["events"] for t in Tenant.objects.order_by("pk")}
 
 

@@ -1,5 +1,10 @@
 """Small helpers shared by the test modules (fixtures live in conftest.py)."""
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from django.db import transaction
+
 from audit.models import AuditEvent
 from memories.models import Memory, MemoryVersion
 
@@ -24,3 +29,25 @@ def rest_error(response) -> dict:
     body = response.json()
     assert set(body["error"]) >= {"code", "message", "field"}, body
     return body["error"]
+
+
+@contextmanager
+def rolled_back_module_data(django_db_blocker, build: Callable) -> Iterator:
+    """What ``build()`` makes, for a module-scoped fixture: built once inside a transaction
+    that is rolled back when the module is done (each test's own ``db`` transaction nests
+    inside it, so a test's writes are undone before the next)."""
+    with django_db_blocker.unblock():
+        outer = transaction.atomic()
+        outer.__enter__()
+        try:
+            built = build()
+        except BaseException:
+            transaction.set_rollback(True)
+            outer.__exit__(None, None, None)
+            raise
+    try:
+        yield built
+    finally:
+        with django_db_blocker.unblock():
+            transaction.set_rollback(True)
+            outer.__exit__(None, None, None)

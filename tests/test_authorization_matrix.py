@@ -64,7 +64,6 @@ from unittest import mock
 import pytest
 from django.conf import settings
 from django.core import signing
-from django.db import transaction
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
 from django.utils import timezone
@@ -73,6 +72,7 @@ from audit.models import AuditEvent
 from memories import services, tools
 from memories.models import ALL_SCOPES, Memory, MemoryVersion, Scope
 from tests.conftest import SYSTEM, KeyedClient, make_key, make_tenant
+from tests.helpers import rolled_back_module_data
 
 # --- the data every cell starts from --------------------------------------------------------
 
@@ -490,19 +490,8 @@ def identities(django_db_setup, django_db_blocker):
     cell runs in its own nested transaction (the ``db`` fixture), so what a cell writes is
     undone before the next one. (656 cells × tenants, keys and audited seed writes would
     otherwise dominate the run.)"""
-    with django_db_blocker.unblock():
-        outer = transaction.atomic()
-        outer.__enter__()
-        try:
-            built = Identities()
-        except BaseException:
-            transaction.set_rollback(True)
-            outer.__exit__(None, None, None)
-            raise
-    yield built
-    with django_db_blocker.unblock():
-        transaction.set_rollback(True)
-        outer.__exit__(None, None, None)
+    with rolled_back_module_data(django_db_blocker, Identities) as built:
+        yield built
 
 
 # --- requests ------------------------------------------------------------------------------
@@ -901,19 +890,8 @@ class PortalIdentities:
 @pytest.fixture(scope="module")
 def portal_identities(django_db_setup, django_db_blocker):
     """Like ``identities``: built once, in a transaction rolled back at the module's end."""
-    with django_db_blocker.unblock():
-        outer = transaction.atomic()
-        outer.__enter__()
-        try:
-            built = PortalIdentities()
-        except BaseException:
-            transaction.set_rollback(True)
-            outer.__exit__(None, None, None)
-            raise
-    yield built
-    with django_db_blocker.unblock():
-        transaction.set_rollback(True)
-        outer.__exit__(None, None, None)
+    with rolled_back_module_data(django_db_blocker, PortalIdentities) as built:
+        yield built
 
 
 PORTAL_ROUTES_RESOLVED = [r for r in ALL_ROUTES if classify(r) == "portal"]

@@ -26,7 +26,6 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.contrib.contenttypes.models import ContentType
-from django.db import transaction
 from django.test import Client
 from django.utils import timezone
 from django_q.models import OrmQ, Schedule, Task
@@ -36,6 +35,7 @@ from memories import services
 from memories.models import ApiKey, ForgetRequest, Membership, Memory, MemoryVersion
 from memories.services import staff
 from tests.conftest import SYSTEM, make_key, make_tenant
+from tests.helpers import rolled_back_module_data
 
 CANARY_A = "CANARY-admin-matrix-acme-3c1f"
 CANARY_B = "CANARY-admin-matrix-globex-77d0"
@@ -308,19 +308,8 @@ class Staff:
 def staff_identities(django_db_setup, django_db_blocker):
     """Built once, inside a transaction rolled back at the module's end; each cell runs in a
     nested transaction of its own (the ``db`` fixture)."""
-    with django_db_blocker.unblock():
-        outer = transaction.atomic()
-        outer.__enter__()
-        try:
-            built = Staff()
-        except BaseException:
-            transaction.set_rollback(True)
-            outer.__exit__(None, None, None)
-            raise
-    yield built
-    with django_db_blocker.unblock():
-        transaction.set_rollback(True)
-        outer.__exit__(None, None, None)
+    with rolled_back_module_data(django_db_blocker, Staff) as built:
+        yield built
 
 
 def _path(row: Row, s: Staff, object_id=None) -> str:

@@ -32,12 +32,9 @@ def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory | Non
     SELECT and the audit INSERT (no access-counter update: staff reading is not agent use).
     """
     with _operation(tenant=tenant, actor=actor, action="memory.view"):
-        require_scope(actor, Scope.MEMORY_READ)
-        memory = Memory.objects.for_tenant(tenant).filter(pk=_pk(memory_id)).first()
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, action="memory.view")
         if memory is None:
-            audit_record(tenant=tenant, actor=actor, action="memory.view", outcome=Outcome.NOT_FOUND)
             return None
-        require_key_allowed(actor, memory.key)
         audit_record(
             tenant=tenant,
             actor=actor,
@@ -50,16 +47,24 @@ def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory | Non
         return memory
 
 
+def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, action: str) -> Memory | None:
+    """The tenant's memory (any state) the actor may read, or None after auditing the miss."""
+    require_scope(actor, Scope.MEMORY_READ)
+    memory = Memory.objects.for_tenant(tenant).filter(pk=_pk(memory_id)).first()
+    if memory is None:
+        audit_record(tenant=tenant, actor=actor, action=action, outcome=Outcome.NOT_FOUND)
+        return None
+    require_key_allowed(actor, memory.key)
+    return memory
+
+
 def memory_versions_view(*, tenant: Tenant, actor: Actor, memory_id: Any, limit: int = 200) -> list | None:
     """The versions of one memory (any state), newest first, values included: audited as
     ``memory.history``. None when the memory is not the tenant's."""
     with _operation(tenant=tenant, actor=actor, action="memory.history"):
-        require_scope(actor, Scope.MEMORY_READ)
-        memory = Memory.objects.for_tenant(tenant).filter(pk=_pk(memory_id)).first()
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, action="memory.history")
         if memory is None:
-            audit_record(tenant=tenant, actor=actor, action="memory.history", outcome=Outcome.NOT_FOUND)
             return None
-        require_key_allowed(actor, memory.key)
         versions = list(
             MemoryVersion.objects.filter(tenant=tenant, memory=memory).order_by("-version")[: max(1, limit)]
         )
