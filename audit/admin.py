@@ -25,8 +25,9 @@ from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching
 from audit.services import audit_record
-from memories.errors import InvalidInput, ServiceError
-from zeromem.admin_scoping import InputFilter, TenantScopedAdmin, actor_for, tenant_ids_with
+from zeromem.kernel.errors import InvalidInput, ServiceError
+from zeromem.kernel.tenancy import get_tenant_model
+from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, tenant_ids_with
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
 
@@ -196,9 +197,7 @@ class AuditEventAdmin(TenantScopedAdmin):
         if not tenant_id.isdigit() or int(tenant_id) not in ids:
             messages.error(request, "Choose one tenant (the tenant filter) before exporting.")
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
-        from memories.models import Tenant
-
-        tenant = Tenant.objects.get(pk=int(tenant_id))
+        tenant = get_tenant_model().objects.get(pk=int(tenant_id))
         fmt = request.GET.get("fmt", "csv")
         if fmt not in ("csv", "jsonl"):
             fmt = "csv"

@@ -11,9 +11,8 @@ from audit import services
 from audit.exports import CONTENT_TYPES, audit_export_response
 from audit.models import REVIEW_FIELDS, AuditCheckpoint, AuditEvent
 from audit.selectors import TEXT_MAX_LEN, audit_filters
-from memories import validation
-from memories.api.serializers import NO_CONTROL_CHARS
-from memories.api.views import ERRORS, AuditedAPIView
+from zeromem.kernel import validation
+from zeromem.kit.api import ERRORS, NO_CONTROL_CHARS, AuditedAPIView
 
 TEXT = {"type": "string", "maxLength": TEXT_MAX_LEN, "pattern": NO_CONTROL_CHARS}
 FILTER_PARAMS = [

@@ -28,6 +28,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from zeromem.kernel.outcomes import ActorKind, Outcome
+
 # What a reviewer sees of an event (REST list, exports, admin), in this order.
 REVIEW_FIELDS = (
     "id",
@@ -65,21 +67,8 @@ class AuditEventQuerySet(AppendOnlyQuerySet):
 
 
 class AuditEvent(models.Model):
-    class ActorKind(models.TextChoices):
-        API_KEY = "api_key"
-        STAFF = "staff"
-        END_USER = "end_user"
-        SYSTEM = "system"
-        ANONYMOUS = "anonymous"
-
-    class Outcome(models.TextChoices):
-        OK = "ok"
-        NOT_FOUND = "not_found"
-        CONFLICT = "conflict"
-        DENIED = "denied"
-        INVALID = "invalid"
-        UNAUTHENTICATED = "unauthenticated"
-        PRECONDITION_FAILED = "precondition_failed"
+    ActorKind = ActorKind
+    Outcome = Outcome
 
     # Null only for failed authentication with a key that matches no tenant.
     tenant = models.ForeignKey("memories.Tenant", null=True, on_delete=models.PROTECT, related_name="+", db_index=False)

@@ -11,7 +11,7 @@ from django.db.models import Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from audit.models import AuditEvent
-from memories.errors import InvalidInput
+from zeromem.kernel.errors import InvalidInput
 
 TEXT_MAX_LEN = 512
 

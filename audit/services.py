@@ -26,10 +26,11 @@ from django.utils import timezone
 from audit import chain
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
-from memories import validation
-from memories.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
-from memories.models import Scope, Tenant
-from memories.permissions import Actor, require_scope
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
+from zeromem.kernel.scopes import Scope
+from zeromem.kernel.tenancy import Tenant, get_tenant_model
 
 # Two ints for pg_advisory_xact_lock: this namespace, and the tenant id (0: no tenant).
 _SEAL_LOCK_NAMESPACE = 0x5A4D  # "ZM"
@@ -420,7 +421,7 @@ def audit_purge(*, tenant: Tenant, now=None) -> dict:
 
 def audit_purge_all(*, now=None) -> dict:
     """The scheduled retention purge over every tenant. Returns {slug: events deleted}."""
-    return {t.slug: audit_purge(tenant=t, now=now)["events"] for t in Tenant.objects.order_by("pk")}
+    return {t.slug: audit_purge(tenant=t, now=now)["events"] for t in get_tenant_model().objects.order_by("pk")}
 
 
 # --- reading the log (compliance review) ----------------------------------------------------

@@ -1,5 +1,5 @@
 """The admin console: tenants (with their dashboards), memories, forget requests, API keys and
-memberships. Scoping and roles come from :class:`zeromem.admin_scoping.TenantScopedAdmin`;
+memberships. Scoping and roles come from :class:`zeromem.kit.admin.TenantScopedAdmin`;
 every change goes through the service layer, which writes the version and the audit event.
 """
 
@@ -23,12 +23,14 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
-from memories import dashboard, services, validation
-from memories.errors import ServiceError
-from memories.models import ALL_SCOPES, ApiKey, ForgetRequest, Membership, Memory, Tenant
+from memories import dashboard, services
+from memories.models import ApiKey, ForgetRequest, Membership, Memory, Tenant
 from memories.selectors import memories_with_tag
 from memories.services import staff
-from zeromem.admin_scoping import InputFilter, TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
+from zeromem.kernel import validation
+from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.scopes import ALL_SCOPES
+from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
 
 admin.site.site_header = "ZeroMem admin"
 admin.site.site_title = "ZeroMem admin"

@@ -12,6 +12,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from zeromem.kernel.scopes import Role
+
 
 class Tenant(models.Model):
     slug = models.SlugField(max_length=63, unique=True)
@@ -35,11 +37,7 @@ class Tenant(models.Model):
 
 
 class Membership(models.Model):
-    class Role(models.TextChoices):
-        VIEWER = "viewer"
-        SUPPORT = "support"
-        ADMIN = "admin"
-        COMPLIANCE = "compliance"
+    Role = Role
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
@@ -52,18 +50,6 @@ class Membership(models.Model):
     def __str__(self) -> str:
         return f"{self.user} @ {self.tenant} ({self.role})"
 
-
-class Scope(models.TextChoices):
-    MEMORY_READ = "memory:read"
-    MEMORY_WRITE = "memory:write"
-    MEMORY_DELETE = "memory:delete"
-    MEMORY_SEARCH = "memory:search"
-    FORGET_CREATE = "forget:create"
-    AUDIT_READ = "audit:read"
-
-
-ALL_SCOPES = [s.value for s in Scope]
-DEFAULT_AGENT_SCOPES = [Scope.MEMORY_READ, Scope.MEMORY_WRITE, Scope.MEMORY_DELETE, Scope.MEMORY_SEARCH]
 
 API_KEY_PREFIX = "zm_"
 

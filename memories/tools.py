@@ -2,7 +2,7 @@
 side by side. The OpenAI, Anthropic and MCP schemas are all generated from it.
 
 Results are compact dicts that go straight back to the model; ``not_found`` and
-``conflict`` are results. Wrong calls raise :class:`memories.errors.ServiceError`.
+``conflict`` are results. Wrong calls raise :class:`zeromem.kernel.errors.ServiceError`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memories import services, validation
-from memories.errors import InvalidInput
+from memories import services
 from memories.models import Memory, Tenant
-from memories.permissions import Actor
 from memories.services import summaries
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import InvalidInput
 
 # A memory value is any JSON. OpenAI's strict mode cannot express a free-form object, so
 # the strict schema offers scalars (a structured value can be sent as a JSON string);

@@ -14,8 +14,9 @@ from django.test import Client
 from django.utils import timezone
 
 from memories import services
-from memories.models import ALL_SCOPES, Tenant
-from memories.permissions import Actor
+from memories.models import Tenant
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.scopes import ALL_SCOPES
 
 
 @pytest.fixture(autouse=True)

@@ -412,9 +412,9 @@ def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_cl
 
 
 def test_the_services_refuse_staff_whose_role_lacks_the_power_and_audit_it(tenant_a):
-    from memories.errors import Forbidden
-    from memories.permissions import staff_actor
     from memories.services import staff as staff_services
+    from zeromem.kernel.actors import staff_actor
+    from zeromem.kernel.errors import Forbidden
 
     memory = write(tenant_a, "user:u1:k", CANARY)
     reviewer = make_staff(tenant_a, "compliance", "rita")

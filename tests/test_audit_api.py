@@ -13,8 +13,8 @@ from django.utils import timezone
 from audit.exports import audit_export_response
 from audit.models import AuditEvent
 from audit.selectors import AuditFilters
-from memories.permissions import Actor
 from tests.helpers import rest_error
+from zeromem.kernel.actors import Actor
 
 CANARY = "CANARY-audit-api-9d2e"
 EVENTS = "/api/v1/audit-events"

@@ -27,8 +27,8 @@ from audit.services import (
 )
 from audit.verify import audit_verify
 from memories import services
-from memories.permissions import Actor
 from tests.conftest import SYSTEM, make_tenant
+from zeromem.kernel.actors import Actor
 
 TABLE = AuditEvent._meta.db_table
 SEALS = AuditSeal._meta.db_table

@@ -14,10 +14,11 @@ from django_q.signing import SignedPackage
 
 from audit.models import AuditEvent
 from memories import services
-from memories.models import ForgetRequest, Memory, MemoryVersion, Scope
+from memories.models import ForgetRequest, Memory, MemoryVersion
 from memories.services import forget
 from tests.conftest import SYSTEM
 from tests.helpers import rest_error
+from zeromem.kernel.scopes import Scope
 
 URL = "/api/v1/forget-requests"
 RECEIPT_FIELDS = {

@@ -13,13 +13,14 @@ from django.utils import timezone
 from audit import chain
 from audit.models import AuditEvent
 from memories import services
-from memories.errors import Forbidden
-from memories.models import ForgetRequest, Memory, Scope
-from memories.permissions import Actor
+from memories.models import ForgetRequest, Memory
 from memories.portal.models import PortalLink
 from memories.portal.views import COOKIE
 from memories.services import subjects
 from tests.conftest import SYSTEM
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import Forbidden
+from zeromem.kernel.scopes import Scope
 
 CANARY_U1 = "CANARY-u1-value-3b7e"
 CANARY_U2 = "CANARY-u2-value-9d1c"

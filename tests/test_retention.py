@@ -17,10 +17,10 @@ from django_q.models import Schedule
 
 from audit.models import AuditEvent
 from memories import services
-from memories.errors import Forbidden, InvalidInput
 from memories.models import Memory, MemoryVersion, RetentionRule
-from memories.permissions import Actor
 from tests.conftest import SYSTEM, make_tenant
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import Forbidden, InvalidInput
 
 _real_now = timezone.now
 DAY = timedelta(days=1)

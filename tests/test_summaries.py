@@ -23,10 +23,10 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from memories import services
 from memories.models import Job, Memory, MemoryVersion
-from memories.permissions import Actor
 from memories.services import summaries
 from tests.conftest import SYSTEM
 from tests.helpers import rest_error, tool_error
+from zeromem.kernel.actors import Actor
 
 CANARY = "CANARY-summary-4b1d9e"
 

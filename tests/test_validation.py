@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from memories import validation
 from memories.models import Memory
 from tests.helpers import rest_error, row_counts, tool_error
+from zeromem.kernel import validation
 
 CALL = "/api/v1/tools/call"
 BAD_KEYS = [

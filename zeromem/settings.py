@@ -54,6 +54,9 @@ INSTALLED_APPS = [
     "audit",
     "memories.portal",
 ]
+# The model every tenant-scoped row refers to; the audit app reaches it by this label
+# (zeromem/kernel/tenancy.py), so that it never imports the memories app.
+ZEROMEM_TENANT_MODEL = "memories.Tenant"
 
 MIDDLEWARE = [
     "zeromem.middleware.RequestIdMiddleware",
@@ -240,7 +243,7 @@ REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["zeromem.renderers.CompactJSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "zeromem.api.exception_handler",
+    "EXCEPTION_HANDLER": "zeromem.kit.api.exception_handler",
     "UNAUTHENTICATED_USER": None,
     "NUM_PROXIES": ZEROMEM_NUM_PROXIES or None,
     # `?format=` belongs to GET /api/v1/tools (openai|anthropic|mcp), not to renderer choice.
@@ -264,7 +267,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {"JobStatusEnum": "memories.models.Job.Status"},
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",  # the default
-        "zeromem.api.schema_closed_request_bodies",
+        "zeromem.kit.api.schema_closed_request_bodies",
     ],
 }
 

@@ -24,19 +24,11 @@ from rest_framework.throttling import BaseThrottle
 from audit.models import AuditEvent
 from audit.services import audit_record
 from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
-from memories.permissions import Actor
+from zeromem.kernel.actors import Actor
+from zeromem.kit.http import client_ip
 
 # last_used_at is refreshed at most this often, so a busy key costs no write per request.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
-
-
-def client_ip(request) -> str | None:
-    proxies = settings.ZEROMEM_NUM_PROXIES
-    forwarded = request.META.get("HTTP_X_FORWARDED_FOR")
-    if proxies and forwarded:
-        hops = [h.strip() for h in forwarded.split(",")]
-        return hops[-min(proxies, len(hops))] or None
-    return request.META.get("REMOTE_ADDR") or None
 
 
 @dataclass

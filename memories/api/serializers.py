@@ -5,9 +5,10 @@ surface."""
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from memories import validation
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget as forget_rules
+from zeromem.kernel import validation
+from zeromem.kit.api import NO_CONTROL_CHARS, ErrorDetailSerializer
 
 
 # The rules of memories/validation.py as OpenAPI patterns: anchored (a JSON Schema ``pattern``
@@ -21,17 +22,6 @@ KEY_PATTERN = _ecma(validation.KEY_RE.pattern)
 PREFIX_PATTERN = _ecma(rf"(?:{validation._SEGMENT}:?)*")
 TAG_PATTERN = _ecma(validation.TAG_RE.pattern)
 CATEGORY_PATTERN = _ecma(validation.CATEGORY_RE.pattern)
-NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
-
-
-class ErrorDetailSerializer(serializers.Serializer):
-    code = serializers.CharField()
-    message = serializers.CharField()
-    field = serializers.CharField(allow_null=True)
-
-
-class ErrorSerializer(serializers.Serializer):
-    error = ErrorDetailSerializer()
 
 
 class StringListField(serializers.ListField):

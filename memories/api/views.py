@@ -5,29 +5,21 @@ import re
 from django.conf import settings
 from django.urls import reverse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework import exceptions, status
+from rest_framework import status
 from rest_framework.response import Response
 
 from audit.models import AuditEvent
 from audit.services import audit_record
-from memories import services, tools, validation
+from memories import services, tools
 from memories.api import serializers as s
-from memories.errors import InvalidInput, ServiceError
 from memories.portal.services import portal_link_create
-from zeromem.api import TenantAPIView, first_error
+from zeromem.kernel import validation
+from zeromem.kernel.errors import InvalidInput, ServiceError
+from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, first_error
 
-# Every status a view can answer is declared (schemathesis checks it: tests/test_schema_fuzz.py).
-ERRORS = {
-    400: OpenApiResponse(s.ErrorSerializer, description="bad input; `field` names what is wrong"),
-    401: OpenApiResponse(s.ErrorSerializer, description="missing, malformed, revoked or expired key"),
-    403: OpenApiResponse(s.ErrorSerializer, description="scope missing or key outside the allowlist"),
-    413: OpenApiResponse(s.ErrorSerializer, description="body or value too large"),
-    429: OpenApiResponse(s.ErrorSerializer, description="rate limited; see Retry-After"),
-    503: OpenApiResponse(s.ErrorSerializer, description="the database is unavailable; retry after Retry-After"),
-}
-NOT_FOUND = OpenApiResponse(s.ErrorSerializer, description="no memory at this key")
+NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(
-    s.ErrorSerializer, description="If-Match does not match the current version (or there is no memory)"
+    ErrorSerializer, description="If-Match does not match the current version (or there is no memory)"
 )
 
 # Path and query parameters, with the rules the services enforce (memories/validation.py).
@@ -43,31 +35,6 @@ LIMIT_PARAM = OpenApiParameter(
     {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX},
     description=f"1-{validation.LIMIT_MAX}, default 50",
 )
-
-
-class AuditedAPIView(TenantAPIView):
-    # Refused requests that no service saw (malformed JSON, wrong types) are audited too.
-
-    audit_actions: dict[str, str] = {}
-
-    def handle_exception(self, exc):
-        refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError)) or (
-            isinstance(exc, ServiceError) and not exc.audited
-        )
-        principal = getattr(self.request, "_user", None)
-        if refused and principal is not None and hasattr(principal, "tenant"):
-            outcome = (
-                AuditEvent.Outcome.DENIED if getattr(exc, "http_status", 400) == 403 else AuditEvent.Outcome.INVALID
-            )
-            audit_record(
-                tenant=self.tenant,
-                actor=self.actor,
-                action=self.audit_actions.get(self.request.method, "api.request"),
-                target=self.kwargs.get("key", "")[:512] if isinstance(self.kwargs.get("key"), str) else "",
-                outcome=outcome,
-                detail={"code": getattr(exc, "code", None) or getattr(exc, "default_code", "invalid")},
-            )
-        return super().handle_exception(exc)
 
 
 # --- tools ------------------------------------------------------------------------------
@@ -261,7 +228,7 @@ class MemoryDetailView(AuditedAPIView):
         responses={
             200: s.MemoryOutSerializer,
             201: s.MemoryOutSerializer,
-            404: OpenApiResponse(s.ErrorSerializer, description="no such endpoint (the key is not a key)"),
+            404: OpenApiResponse(ErrorSerializer, description="no such endpoint (the key is not a key)"),
             412: PRECONDITION_FAILED,
             **ERRORS,
         },
@@ -284,7 +251,7 @@ class MemoryDetailView(AuditedAPIView):
         responses={
             200: s.MemoryOutSerializer,
             404: NOT_FOUND,
-            409: OpenApiResponse(s.ErrorSerializer, description="expected_version is not the current version"),
+            409: OpenApiResponse(ErrorSerializer, description="expected_version is not the current version"),
             412: PRECONDITION_FAILED,
             **ERRORS,
         },
@@ -403,7 +370,7 @@ class JobDetailView(AuditedAPIView):
         parameters=[JOB_ID_PARAM],
         responses={
             200: s.JobSerializer,
-            404: OpenApiResponse(s.ErrorSerializer, description="no such job for this key"),
+            404: OpenApiResponse(ErrorSerializer, description="no such job for this key"),
             **ERRORS,
         },
     )
@@ -499,7 +466,7 @@ class ForgetRequestDetailView(AuditedAPIView):
         parameters=[FORGET_REQUEST_ID_PARAM],
         responses={
             200: s.ForgetRequestOutSerializer,
-            404: OpenApiResponse(s.ErrorSerializer, description="no such forget request for this key"),
+            404: OpenApiResponse(ErrorSerializer, description="no such forget request for this key"),
             **ERRORS,
         },
     )

@@ -29,12 +29,13 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.services import audit_record
-from memories.errors import Forbidden
-from memories.models import Scope, Tenant
-from memories.permissions import Actor, require_scope
+from memories.models import Tenant
 from memories.portal.models import PortalLink
 from memories.services.memories import _operation
 from memories.services.subjects import _validated_subject
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.errors import Forbidden
+from zeromem.kernel.scopes import Scope
 
 Outcome = AuditEvent.Outcome
 LINK_SALT = "zeromem.portal.link"

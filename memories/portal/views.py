@@ -17,14 +17,15 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
 
 from audit.models import AuditEvent
-from memories.api.auth import client_ip
-from memories.errors import Forbidden, InvalidInput
-from memories.models import ForgetRequest, Scope
-from memories.permissions import Actor
+from memories.models import ForgetRequest
 from memories.portal import presentation
 from memories.portal.models import PortalLink
 from memories.portal.services import LinkRefused, portal_link_open, portal_session_link, portal_sign_out
 from memories.services import subjects
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.scopes import Scope
+from zeromem.kit.http import client_ip
 
 COOKIE = "zm_portal"
 COOKIE_SALT = "zeromem.portal.session"

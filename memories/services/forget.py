@@ -42,11 +42,12 @@ from django_q.tasks import async_task
 
 from audit.models import AuditEvent
 from audit.services import audit_record, audit_redact_subject
-from memories import validation
-from memories.errors import Forbidden, InvalidInput
-from memories.models import ForgetRequest, Memory, Scope, Tenant
-from memories.permissions import Actor, require_scope
+from memories.models import ForgetRequest, Memory, Tenant
 from memories.services.memories import _operation
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.scopes import Scope
 
 logger = logging.getLogger(__name__)
 

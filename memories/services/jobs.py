@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from audit.services import audit_record
-from memories import validation
-from memories.models import Job, Scope, Tenant
-from memories.permissions import Actor, require_scope
+from memories.models import Job, Tenant
 from memories.services.memories import Outcome, _operation
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.scopes import Scope
 
 
 def job_get(*, tenant: Tenant, actor: Actor, job_id: Any) -> Job | None:

@@ -20,11 +20,13 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from audit.services import audit_record
 from audit.services import audited_operation as _operation
-from memories import search, selectors, validation
-from memories.errors import PreconditionFailed
-from memories.models import Memory, MemoryVersion, Scope, Tenant
-from memories.permissions import Actor, require_key_allowed, require_scope
+from memories import search, selectors
+from memories.models import Memory, MemoryVersion, Tenant
 from memories.services import retention
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
+from zeromem.kernel.errors import PreconditionFailed
+from zeromem.kernel.scopes import Scope
 
 Outcome = AuditEvent.Outcome
 _UNSET: Any = object()

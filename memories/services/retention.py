@@ -32,10 +32,11 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.services import audit_record
-from memories import validation
-from memories.errors import Forbidden, InvalidInput, ServiceError
-from memories.models import Memory, MemoryVersion, RetentionRule, Scope, Tenant
-from memories.permissions import Actor, require_key_allowed, require_scope
+from memories.models import Memory, MemoryVersion, RetentionRule, Tenant
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
+from zeromem.kernel.errors import Forbidden, InvalidInput, ServiceError
+from zeromem.kernel.scopes import Scope
 
 Outcome = AuditEvent.Outcome
 

@@ -1,7 +1,7 @@
 """What the admin console does beyond the agents' operations: open a memory (an audited
 read of its value), open its history, restore an old version, and manage memberships.
 
-Each one checks the staff actor's scopes (see ``memories.permissions.ROLE_SCOPES``) and
+Each one checks the staff actor's scopes (see ``zeromem.kernel.actors.ROLE_SCOPES``) and
 writes its audit event in the same transaction, like every other service.
 """
 
@@ -15,11 +15,13 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.services import audit_record
-from memories import search, validation
-from memories.errors import Forbidden, InvalidInput
-from memories.models import Membership, Memory, MemoryVersion, Scope, Tenant
-from memories.permissions import ROLE_SCOPES, Actor, require_key_allowed, require_scope
+from memories import search
+from memories.models import Membership, Memory, MemoryVersion, Tenant
 from memories.services.memories import MemoryResult, _operation, _record_version
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
+from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.scopes import ROLE_SCOPES, Scope
 
 Outcome = AuditEvent.Outcome
 

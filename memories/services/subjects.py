@@ -20,12 +20,14 @@ from django.db.models import Q
 
 from audit.models import AuditEvent
 from audit.services import audit_record
-from memories import selectors, validation
-from memories.errors import Forbidden, InvalidInput
-from memories.models import ForgetRequest, Memory, Scope, Tenant
-from memories.permissions import Actor, require_scope
+from memories import selectors
+from memories.models import ForgetRequest, Memory, Tenant
 from memories.services.forget import PK_MAX, forget_request_create
 from memories.services.memories import _operation
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.scopes import Scope
 
 Outcome = AuditEvent.Outcome
 END_USER = AuditEvent.ActorKind.END_USER

@@ -39,11 +39,12 @@ from django.db.models import Max, Q
 from django.utils import timezone
 
 from audit.services import audit_record
-from memories import validation
-from memories.errors import Forbidden, InvalidInput
-from memories.models import Job, Memory, Scope, Tenant
-from memories.permissions import Actor, require_scope
+from memories.models import Job, Memory, Tenant
 from memories.services.memories import Outcome, _operation, memory_delete, memory_write
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.scopes import Scope
 
 SUMMARY_KEY_PREFIX = "summary:"
 # The summary key must fit the key grammar's 512 characters.

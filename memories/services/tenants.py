@@ -12,10 +12,11 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.services import audit_record
-from memories import validation
-from memories.errors import InvalidInput
-from memories.models import ALL_SCOPES, DEFAULT_AGENT_SCOPES, ApiKey, Tenant
-from memories.permissions import Actor
+from memories.models import ApiKey, Tenant
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES
 
 Outcome = AuditEvent.Outcome
 

@@ -3,7 +3,7 @@
 from django import template
 
 from memories.models import Tenant
-from zeromem.admin_scoping import staff_roles
+from zeromem.kit.admin import staff_roles
 
 register = template.Library()
 

@@ -2,7 +2,7 @@
 
 from django.core.management.base import CommandError
 
-from memories.models import Tenant
+from zeromem.kernel.tenancy import Tenant, get_tenant_model
 
 NO_TENANT = "-"  # the chain of failed authentications that matched no tenant
 
@@ -12,8 +12,8 @@ def chains(slug: str | None) -> list[tuple[str, Tenant | None]]:
     if slug == NO_TENANT:
         return [("(no tenant)", None)]
     if slug:
-        tenant = Tenant.objects.filter(slug=slug).first()
+        tenant = get_tenant_model().objects.filter(slug=slug).first()
         if tenant is None:
             raise CommandError(f"no tenant '{slug}'")
         return [(tenant.slug, tenant)]
-    return [(t.slug, t) for t in Tenant.objects.order_by("slug")] + [("(no tenant)", None)]
+    return [(t.slug, t) for t in get_tenant_model().objects.order_by("slug")] + [("(no tenant)", None)]

@@ -13,7 +13,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand
 
 from audit.services import audit_checkpoint_create
-from memories.permissions import Actor
+from zeromem.kernel.actors import Actor
 
 from ._tenants import chains
 

@@ -667,7 +667,7 @@ class Command(BaseCommand):
 
     def setup_tenant(self):
         from memories import search, services
-        from memories.permissions import Actor
+        from zeromem.kernel.actors import Actor
 
         actor = Actor.system(job="bench")
         slug = f"bench-{secrets.token_hex(4)}"
@@ -701,7 +701,7 @@ class Command(BaseCommand):
 
     def revoke_key(self):
         from memories import services
-        from memories.permissions import Actor
+        from zeromem.kernel.actors import Actor
 
         try:
             services.api_key_revoke(tenant=self.tenant, actor=Actor.system(job="bench"), key_id=self.api_key.pk)

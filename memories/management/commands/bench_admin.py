@@ -27,8 +27,8 @@ from django.db import connection
 from django.test import Client
 
 from memories.models import Tenant
-from memories.permissions import Actor
 from memories.services import staff
+from zeromem.kernel.actors import Actor
 
 PAGES = (
     "/admin/audit/auditevent/",

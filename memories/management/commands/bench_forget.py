@@ -33,8 +33,9 @@ from django.utils import timezone
 from django_q.models import OrmQ
 
 from memories import search, services
-from memories.models import ForgetRequest, Memory, MemoryVersion, Scope
-from memories.permissions import Actor
+from memories.models import ForgetRequest, Memory, MemoryVersion
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.scopes import Scope
 
 TARGET_SECONDS = 10.0
 SEED_BATCH = 2000

@@ -45,8 +45,8 @@ from django.utils import timezone
 
 from memories import services
 from memories.models import Memory, MemoryVersion
-from memories.permissions import Actor
 from memories.services import retention
+from zeromem.kernel.actors import Actor
 
 TARGET_ROWS_PER_S = 50_000
 TARGET_P99_RISE = 0.25

@@ -3,9 +3,10 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 
 from memories import services
-from memories.errors import ServiceError
-from memories.models import ALL_SCOPES, DEFAULT_AGENT_SCOPES, Tenant
-from memories.permissions import Actor
+from memories.models import Tenant
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES
 
 
 class Command(BaseCommand):

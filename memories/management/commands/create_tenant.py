@@ -1,8 +1,8 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from memories import services
-from memories.errors import ServiceError
-from memories.permissions import Actor
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import ServiceError
 
 
 class Command(BaseCommand):

@@ -7,8 +7,9 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
 from memories import services
-from memories.models import ALL_SCOPES, Membership, Tenant
-from memories.permissions import Actor
+from memories.models import Membership, Tenant
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.scopes import ALL_SCOPES
 
 
 class Command(BaseCommand):

@@ -11,8 +11,8 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
-from memories.errors import ServiceError
 from memories.services import retention
+from zeromem.kernel.errors import ServiceError
 
 BAR_WIDTH = 30
 

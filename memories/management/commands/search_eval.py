@@ -46,7 +46,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 
 from memories import services
-from memories.permissions import Actor
+from zeromem.kernel.actors import Actor
 
 MRR_DEPTH = 10
 

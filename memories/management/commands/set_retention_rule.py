@@ -1,9 +1,9 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from memories.errors import ServiceError
 from memories.models import Tenant
-from memories.permissions import Actor
 from memories.services import retention
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import ServiceError
 
 
 class Command(BaseCommand):

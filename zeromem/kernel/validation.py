@@ -11,7 +11,7 @@ import json
 import re
 from datetime import timedelta
 
-from memories.errors import InvalidInput, PayloadTooLarge
+from zeromem.kernel.errors import InvalidInput, PayloadTooLarge
 
 KEY_MAX_LEN = 512
 _SEGMENT = r"[\w.@+=~-]+"

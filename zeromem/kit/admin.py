@@ -15,10 +15,10 @@ from django.core.paginator import Paginator
 from django.http import Http404, HttpResponseRedirect
 from django.utils.functional import cached_property
 
-from memories.api.auth import client_ip
-from memories.errors import ServiceError
 from memories.models import Membership, Tenant
-from memories.permissions import Actor, staff_actor
+from zeromem.kernel.actors import Actor, staff_actor
+from zeromem.kernel.errors import ServiceError
+from zeromem.kit.http import client_ip
 
 Role = Membership.Role
 

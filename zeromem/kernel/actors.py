@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from memories.errors import Forbidden
+from zeromem.kernel.errors import Forbidden
+from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.scopes import ALL_SCOPES, ROLE_SCOPES
 
 
 @dataclass(frozen=True)
 class Actor:
-    kind: str  # an audit.models.AuditEvent.ActorKind value
+    kind: str  # an ActorKind value
     id: str = ""
     label: str = ""
     scopes: frozenset[str] = field(default_factory=frozenset)
@@ -27,9 +29,7 @@ class Actor:
 
     @classmethod
     def system(cls, *, job: str = "", scopes: Iterable[str] | None = None) -> Actor:
-        from memories.models import ALL_SCOPES
-
-        return cls(kind="system", id=job, label="system", scopes=frozenset(scopes or ALL_SCOPES), surface="job")
+        return cls(kind=ActorKind.SYSTEM, id=job, label="system", scopes=frozenset(scopes or ALL_SCOPES), surface="job")
 
     def with_surface(self, surface: str) -> Actor:
         return Actor(**{**self.__dict__, "surface": surface})
@@ -71,23 +71,12 @@ def require_key_allowed(actor: Actor, key: str) -> None:
 
 # --- staff (the admin console) ----------------------------------------------------------------
 
-# What each Membership role may do in the admin, as the scopes its Actor carries. Compliance
-# reviewers hold no memory:read: the services refuse them every value, whatever page asks.
-ROLE_SCOPES: dict[str, frozenset[str]] = {
-    "viewer": frozenset({"memory:read", "memory:search"}),
-    "support": frozenset({"memory:read", "memory:write", "memory:delete", "memory:search", "forget:create"}),
-    "compliance": frozenset({"audit:read", "forget:create"}),
-    "admin": frozenset(
-        {"memory:read", "memory:write", "memory:delete", "memory:search", "forget:create", "audit:read"}
-    ),
-}
-
 
 def staff_actor(*, user, role: str, request_id: str = "", client_ip: str | None = None) -> Actor:
     """The Actor of a staff user acting in one tenant with ``role`` (a Membership role; a
     superuser acts as ``admin``). The audit log names the user by pk and username."""
     return Actor(
-        kind="staff",
+        kind=ActorKind.STAFF,
         id=str(user.pk),
         label=user.get_username(),
         scopes=ROLE_SCOPES.get(role, frozenset()),

@@ -7,14 +7,17 @@ Error shape, on every surface and status: ``{"error": {"code", "message", "field
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.db import InterfaceError, OperationalError
 from django.http import Http404
-from rest_framework import exceptions, status
+from drf_spectacular.utils import OpenApiResponse
+from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from memories.errors import ServiceError
+from audit.services import audit_record
 from memories.models import Tenant
-from memories.permissions import Actor
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.outcomes import Outcome
 
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
@@ -110,3 +113,50 @@ class TenantAPIView(APIView):
     @property
     def actor(self) -> Actor:
         return self.request.user.actor_for(self.request, self.surface)
+
+
+NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
+
+
+class ErrorDetailSerializer(serializers.Serializer):
+    code = serializers.CharField()
+    message = serializers.CharField()
+    field = serializers.CharField(allow_null=True)
+
+
+class ErrorSerializer(serializers.Serializer):
+    error = ErrorDetailSerializer()
+
+
+# Every status a view can answer is declared (schemathesis checks it: tests/test_schema_fuzz.py).
+ERRORS = {
+    400: OpenApiResponse(ErrorSerializer, description="bad input; `field` names what is wrong"),
+    401: OpenApiResponse(ErrorSerializer, description="missing, malformed, revoked or expired key"),
+    403: OpenApiResponse(ErrorSerializer, description="scope missing or key outside the allowlist"),
+    413: OpenApiResponse(ErrorSerializer, description="body or value too large"),
+    429: OpenApiResponse(ErrorSerializer, description="rate limited; see Retry-After"),
+    503: OpenApiResponse(ErrorSerializer, description="the database is unavailable; retry after Retry-After"),
+}
+
+
+class AuditedAPIView(TenantAPIView):
+    # Refused requests that no service saw (malformed JSON, wrong types) are audited too.
+
+    audit_actions: dict[str, str] = {}
+
+    def handle_exception(self, exc):
+        refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError)) or (
+            isinstance(exc, ServiceError) and not exc.audited
+        )
+        principal = getattr(self.request, "_user", None)
+        if refused and principal is not None and hasattr(principal, "tenant"):
+            outcome = Outcome.DENIED if getattr(exc, "http_status", 400) == 403 else Outcome.INVALID
+            audit_record(
+                tenant=self.tenant,
+                actor=self.actor,
+                action=self.audit_actions.get(self.request.method, "api.request"),
+                target=self.kwargs.get("key", "")[:512] if isinstance(self.kwargs.get("key"), str) else "",
+                outcome=outcome,
+                detail={"code": getattr(exc, "code", None) or getattr(exc, "default_code", "invalid")},
+            )
+        return super().handle_exception(exc)
