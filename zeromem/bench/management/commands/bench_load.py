@@ -52,7 +52,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from memories.management.commands.bench import (
+from zeromem.bench.management.commands.bench import (
     LOOPBACK,
     ConnWatch,
     HttpClient,

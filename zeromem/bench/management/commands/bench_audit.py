@@ -36,7 +36,7 @@ from audit.models import AuditEvent
 from audit.services import audit_seal
 from audit.verify import audit_verify
 from memories import services
-from memories.management.commands.bench import LOOPBACK, Samples, ratio, start_server, stop_server
+from zeromem.bench.management.commands.bench import LOOPBACK, Samples, ratio, start_server, stop_server
 from zeromem.kernel.actors import Actor
 
 SYSTEM = Actor.system(job="bench_audit")
