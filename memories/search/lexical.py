@@ -87,6 +87,8 @@ def plan(terms: list[QueryTerm], df: dict[str, int], documents: int) -> Plan | N
     n = max(documents, max(df.values(), default=0), 1)
     usable: list[tuple[bool, int, QueryTerm]] = []
     for t in terms:
+        if t.boost < 1 and documents and t.term not in df:
+            continue  # an abbreviation no memory holds (as of the last statistics)
         d = df.get(t.term, 0)
         eligible = not t.weak or (t.term in df and d <= CANDIDATES)
         usable.append((eligible, d, t))
@@ -135,14 +137,23 @@ def deadline() -> Iterator[None]:
         with transaction.atomic():
             if connection.vendor == "postgresql":
                 with connection.cursor() as cursor:
+                    # Bitmap scans only: with the tenant filter written so that no btree can
+                    # serve it, the GIN index over tenant-prefixed terms is the one way in,
+                    # whatever the table's statistics say (a fresh or unanalyzed tenant made
+                    # the planner walk a btree over all the tenant's rows).
                     cursor.execute(
-                        "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true)",
+                        "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true),"
+                        " set_config('enable_seqscan', 'off', true), set_config('enable_indexscan', 'off', true)",
                         [f"{ms}ms"],
                     )
                     previous = cursor.fetchone()[0]
                 yield
                 with connection.cursor() as cursor:
-                    cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
+                    cursor.execute(
+                        "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
+                        " set_config('enable_indexscan', 'on', true)",
+                        [previous],
+                    )
             else:
                 connection.ensure_connection()
                 raw: sqlite3.Connection = connection.connection
@@ -233,14 +244,17 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
     rank_params: list = []
     for t in p.scoring_terms:
         rank_params += [t.idf * t.boost, weights, f"'{tenant_id}:{t.term}'"]
-    # The inner LIMIT stops the bitmap heap scan after CANDIDATES rows; the GIN index holds
+    # "tenant_id + 0" and the coalesce() (the same as "deleted_at IS NULL") keep the btrees
+    # on (tenant, ...) and those partial on live rows out of the plan: a BitmapAnd with the
+    # tenant's million rows would cost more than the search itself. The inner LIMIT stops the bitmap heap scan after CANDIDATES rows; the GIN index holds
     # only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
     # is filtered as well. Ranking re-reads each candidate's tsvector: cost ≈ candidates ×
     # terms.
     sql = f"""
         SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
         FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
-              WHERE tenant_id = %s AND search_tsv @@ %s::tsquery AND deleted_at IS NULL
+              WHERE tenant_id + 0 = %s AND search_tsv @@ %s::tsquery
+                AND coalesce(deleted_at, 'infinity') = 'infinity'
                 AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
               LIMIT {CANDIDATES}) c
         ORDER BY rank DESC LIMIT {CANDIDATES}"""
