@@ -193,15 +193,38 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]
             )
             rows = cursor.fetchall()
             df = {term: ndoc for term, ndoc, _ in rows}
-            documents = rows[0][2] if rows and rows[0][2] is not None else 0
+            documents = rows[0][2] if rows and rows[0][2] is not None else None
             if not rows:
                 cursor.execute("SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s", [tenant_id])
                 row = cursor.fetchone()
-                documents = row[0] if row else 0
+                documents = row[0] if row else None
+            if documents is None:
+                return _counted_frequencies(cursor, tenant_id, terms)
             return df, documents
         marks = ", ".join("%s" for _ in prefixed)
         cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
-        return {prefixed[term]: doc for term, doc in cursor.fetchall()}, 0
+        # Exact counts: a term missing here matches nothing (N is bm25()'s business on SQLite).
+        return {prefixed[term]: doc for term, doc in cursor.fetchall()}, 1
+
+
+# A tenant whose statistics were never counted (new, or just imported) has its terms counted
+# on the spot, each up to this many memories: exact for small tenants, "common" for the rest.
+COUNT_CAP = CANDIDATES + 1
+
+
+def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]:
+    cursor.execute(
+        f"""SELECT t, (SELECT count(*) FROM (SELECT 1 FROM memories_memory
+                        WHERE tenant_id + 0 = %s AND search_tsv @@ format('%%L', %s || t)::tsquery
+                        LIMIT {COUNT_CAP}) s)
+            FROM unnest(%s::text[]) t""",
+        [tenant_id, f"{tenant_id}:", list(terms)],
+    )
+    df = {t: n for t, n in cursor.fetchall() if n}
+    cursor.execute(
+        "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000) s", [tenant_id]
+    )
+    return df, cursor.fetchone()[0]
 
 
 # --- candidates ---------------------------------------------------------------------------
