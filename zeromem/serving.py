@@ -82,10 +82,10 @@ class ServingModel:
             str(self.processes),
             "--blocking-threads",
             str(self.threads),
-            # A process takes on no more requests than it has threads: the rest wait in the
-            # socket backlog, not inside a process whose threads are all busy.
-            "--backpressure",
-            str(self.threads),
+            # No --backpressure: granian counts it in *connections* (a keep-alive connection
+            # holds its permit while idle), so backpressure = threads left every client past
+            # the threads-th of a process waiting for ever (tests/test_serve.py). Requests
+            # beyond the threads wait in granian's queue, holding no thread.
             "--no-ws",
             "--respawn-failed-workers",
             "--log-level",
