@@ -77,14 +77,26 @@ class SlowRequests:
     on its own connection, sends a ``memory_write`` of that key (which waits on the lock,
     holding a request thread and a pooled connection) and commits ``seconds`` later."""
 
-    def __init__(self, *, conninfo: str, port: int, api_key: str, tenant_id: int, keys: list[str], seconds: float):
-        self.conninfo, self.port, self.api_key = conninfo, port, api_key
+    def __init__(
+        self,
+        *,
+        lockers: list[psycopg.Connection],
+        port: int,
+        api_key: str,
+        tenant_id: int,
+        keys: list[str],
+        seconds: float,
+    ):
+        self.port, self.api_key = port, api_key
         self.tenant_id, self.keys, self.seconds = tenant_id, keys, seconds
         self.stop_evt = threading.Event()
         self.durations: list[float] = []
         self.failures: list[str] = []
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._slot, args=(k,), daemon=True) for k in keys]
+        self.threads = [
+            threading.Thread(target=self._slot, args=(key, conn), daemon=True)
+            for key, conn in zip(keys, lockers, strict=True)
+        ]
 
     def __enter__(self):
         for th in self.threads:
@@ -96,28 +108,27 @@ class SlowRequests:
         for th in self.threads:
             th.join(timeout=self.seconds + 35)
 
-    def _slot(self, key: str):
+    def _slot(self, key: str, conn: psycopg.Connection):
         body = json.dumps({"name": "memory_write", "arguments": {"key": key, "value": {"slow": True}}}).encode()
         client = HttpClient(self.port, self.api_key, timeout=self.seconds + 30)
         try:
-            with psycopg.connect(self.conninfo, autocommit=False) as conn:
-                while not self.stop_evt.is_set():
-                    conn.execute(
-                        "SELECT id FROM memories_memory WHERE tenant_id = %s AND key = %s AND deleted_at IS NULL "
-                        "FOR UPDATE",
-                        (self.tenant_id, key),
-                    )
-                    release = threading.Timer(self.seconds, conn.commit)
-                    release.start()
-                    try:
-                        elapsed, status, data = client.request("POST", TOOL_CALL, body)
-                    finally:
-                        release.join()
-                    with self.lock:
-                        if status == 200:
-                            self.durations.append(elapsed / 1e9)
-                        else:
-                            self.failures.append(f"{status} {data[:120]!r}")
+            while not self.stop_evt.is_set():
+                conn.execute(
+                    "SELECT id FROM memories_memory WHERE tenant_id = %s AND key = %s AND deleted_at IS NULL "
+                    "FOR UPDATE",
+                    (self.tenant_id, key),
+                )
+                release = threading.Timer(self.seconds, conn.commit)
+                release.start()
+                try:
+                    elapsed, status, data = client.request("POST", TOOL_CALL, body)
+                finally:
+                    release.join()
+                with self.lock:
+                    if status == 200:
+                        self.durations.append(elapsed / 1e9)
+                    else:
+                        self.failures.append(f"{status} {data[:120]!r}")
         except (OSError, http.client.HTTPException, psycopg.Error) as exc:
             with self.lock:
                 self.failures.append(repr(exc))
@@ -281,6 +292,9 @@ class Command(BenchCommand):
         opts = self.opts
         port, conc = server["port"], opts["clients"]
         clients = [HttpClient(port, self.raw_key) for _ in range(conc)]
+        # The slow requests' lock holders: opened before the watch starts, and not counted.
+        lockers = [psycopg.connect(self.conninfo, autocommit=False) for _ in self.slow_keys]
+        watch.exclude |= {conn.info.backend_pid for conn in lockers}
         try:
             for c in clients:
                 c.request("GET", "/healthz")
@@ -299,7 +313,7 @@ class Command(BenchCommand):
                     cells["idle"][f"{op}@{n}"] = cell = self.run_cell(op, clients[:n], server, opts["seconds"])
                     requests += cell["n"] + cell["errors"]
                     with SlowRequests(
-                        conninfo=self.conninfo,
+                        lockers=lockers,
                         port=port,
                         api_key=self.raw_key,
                         tenant_id=self.tenant.pk,
@@ -315,6 +329,8 @@ class Command(BenchCommand):
         finally:
             for c in clients:
                 c.close()
+            for conn in lockers:
+                conn.close()
         return self.result(server, cells, conns, requests, warm, slow_stats)
 
     def result(self, server, cells, conns, requests, warm, slow_stats) -> dict:
