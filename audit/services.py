@@ -28,7 +28,7 @@ from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
+from zeromem.kernel.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError, Unavailable
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
 
@@ -98,6 +98,8 @@ def _outcome_of(exc: ServiceError) -> str:
         return AuditEvent.Outcome.DENIED
     if isinstance(exc, PreconditionFailed):
         return AuditEvent.Outcome.PRECONDITION_FAILED
+    if isinstance(exc, Unavailable):
+        return AuditEvent.Outcome.UNAVAILABLE
     return AuditEvent.Outcome.INVALID
 
 

@@ -21,6 +21,7 @@ BENCHMARKS = (
     "bench_purge",
     "bench_admin",
     "search_eval",
+    "bench_search",
 )
 
 
@@ -62,7 +63,11 @@ def test_benchmark_commands_keep_their_names_in_the_bench_app(name):
         ("bench_forget", {"json": False, "batch_size": 0}),
         ("bench_purge", {"max_seconds": 120.0, "rounds": 3}),
         ("bench_admin", {"events": 1_000_000, "repeat": 5}),
-        ("search_eval", {"json": False, "k": "1,3,5"}),
+        ("search_eval", {"json": False, "k": "1,5,10"}),
+        (
+            "bench_search",
+            {"sizes": "10000,100000,1000000", "others": 100000, "n": 200, "parallel": 20, "json": False},
+        ),
     ],
 )
 def test_shared_options_keep_each_commands_own_defaults(name, expected):

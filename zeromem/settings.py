@@ -255,7 +255,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["memories.api.auth.HasApiKey"],
     "DEFAULT_THROTTLE_CLASSES": ["memories.api.auth.ApiKeyRateThrottle"],
     "DEFAULT_RENDERER_CLASSES": ["zeromem.renderers.CompactJSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["zeromem.kit.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "zeromem.kit.api.exception_handler",
     "UNAUTHENTICATED_USER": None,

@@ -12,7 +12,7 @@ already has its rows is reused (``--rebuild`` builds it again). The GIN index is
 during a first big load and built again after it (a bench database only: it is a few
 minutes faster than maintaining it row by row).
 
-Then, against the README's production server (uvicorn, pooled connections):
+Then, against the README's production server (``python3 -m zeromem serve``):
 
 * realistic: ``--n`` questions made from 3-6 words of a random memory of the tenant (its key
   name and value words, with question words around them), p50/p95/p99 over HTTP;
@@ -74,8 +74,7 @@ def _vocabulary(rng: random.Random) -> tuple[list[str], list[str], list[str]]:
 
 class Command(BenchCommand):
     help = "Search latency over HTTP at 10k/100k/1M memories in one tenant: realistic and worst cases."
-    shared_options = ("json", "seed", "workers")
-    option_defaults = {"workers": 2}
+    shared_options = ("json", "seed", "processes", "threads")
     postgresql_needed = "bench_search measures PostgreSQL: run it with DATABASE_URL set to a database of its own"
 
     def add_bench_arguments(self, parser):
@@ -89,21 +88,23 @@ class Command(BenchCommand):
         parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
 
     def handle(
-        self, *args, sizes, others, n, worst_n, parallel, seconds, rebuild, build_only, seed, workers, **options
+        self, *args, sizes, others, n, worst_n, parallel, seconds, rebuild, build_only, seed, processes, threads, **options
     ):
         self.require_postgresql()
         rng = random.Random(seed)
         self.vocab = _vocabulary(rng)
         sizes = [int(s) for s in sizes.split(",") if s.strip()]
         other, other_key = self._tenant("bench-search-other", others, rebuild, rng)
-        report = {"sizes": {}, "workers": workers, "others": others}
+        report = {"sizes": {}, "processes": processes, "threads": threads, "others": others}
         tenants = {size: self._tenant(f"bench-search-{size}", size, rebuild, rng) for size in sizes}
         if build_only:
             return
         reader_key = other_key
         read_key = Memory.objects.filter(tenant=other).values_list("key", flat=True).first()
         url = _database_url()
-        with running_server(stderr=self.stderr, database_url=url, workers=workers, log=self.log) as server:
+        with running_server(
+            stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
+        ) as server:
             port = server["port"]
             for size, (tenant, raw_key) in tenants.items():
                 self.log(f"size {size}: measuring")
@@ -289,7 +290,10 @@ class Command(BenchCommand):
         w = self.stdout.write
         for size, r in report["sizes"].items():
             s = r["realistic"]
-            w(f"\n{size} memories in one tenant (+{report['others']} in another), {report['workers']} workers")
+            w(
+                f"\n{size} memories in one tenant (+{report['others']} in another), "
+                f"serve {report['processes']} processes × {report['threads']} threads"
+            )
             w(f"  realistic   p50 {s['p50_ms']:7.2f}  p95 {s['p95_ms']:7.2f}  p99 {s['p99_ms']:7.2f} ms  errors {s['errors']}")
             for name, ws in r["worst"].items():
                 w(f"  {name:22} p50 {ws['p50_ms']:7.2f}  max {ws['max_ms']:7.2f} ms  statuses {ws['statuses']}")

@@ -1,13 +1,14 @@
 """Measure search quality on question→answer data that this project did not write.
 
-    python manage.py search_eval [--dataset NAME ...] [--limit N] [--k 1,3,5] [--json] [--misses N]
+    python manage.py search_eval [--dataset NAME ...] [--limit N] [--k 1,5,10] [--json] [--misses N]
 
 Each dataset is loaded into its own throw-away tenant: every answer passage becomes one
 memory (key ``fact:<dataset>:<id>``, written through ``services.memory_write`` by a system
 actor), so for each question all the other passages are distractors. Every question is
 then asked through ``services.memory_search`` and the rank of the memory that answers it
-is recorded: hit@k (the answer is among the first k results), MRR (mean of 1/rank over the
-first 10 results, 0 when it is not there) and the search latency p50/p95, per dataset and
+is recorded: hit@k (an answer is among the first k results), recall@10 (the share of a
+question's answers among the first 10, averaged), MRR (mean of 1/rank over the first 10
+results, 0 when it is not there) and the search latency p50/p95, per dataset and
 per language. Everything runs in one transaction that is rolled back at the end (``--keep``
 commits it instead), so no tenant, memory or audit event is left behind.
 
@@ -31,6 +32,7 @@ from zeromem.bench.search_datasets import LOADERS, Dataset, Unavailable
 from zeromem.kernel.actors import Actor
 
 MRR_DEPTH = 10
+RECALL_DEPTH = 10
 
 
 class _Rollback(Exception):
@@ -41,11 +43,12 @@ def _percentile(values: list[float], p: float) -> float:
     return nearest_rank(sorted(values), p / 100) if values else 0.0
 
 
-def _summary(ranks: list[int | None], latencies: list[float], ks: list[int]) -> dict:
+def _summary(ranks: list[int | None], latencies: list[float], ks: list[int], recalls: list[float]) -> dict:
     n = len(ranks)
     out = {"questions": n}
     for k in ks:
         out[f"hit@{k}"] = round(sum(1 for r in ranks if r is not None and r <= k) / n, 4) if n else 0.0
+    out[f"recall@{RECALL_DEPTH}"] = round(sum(recalls) / n, 4) if n else 0.0
     out["mrr"] = round(sum(1 / r for r in ranks if r is not None and r <= MRR_DEPTH) / n, 4) if n else 0.0
     out["p50_ms"] = round(_percentile(latencies, 50), 2)
     out["p95_ms"] = round(_percentile(latencies, 95), 2)
@@ -66,7 +69,7 @@ class Command(BenchCommand):
             help="dataset to run (repeatable); default: every installed one",
         )
         parser.add_argument("--limit", type=int, default=None, help="at most N questions per dataset")
-        parser.add_argument("--k", default="1,3,5", help="cut-offs for hit@k, comma-separated (default 1,3,5)")
+        parser.add_argument("--k", default="1,5,10", help="cut-offs for hit@k, comma-separated (default 1,5,10)")
         parser.add_argument("--misses", type=int, default=0, help="list up to N missed questions per dataset")
         parser.add_argument("--keep", action="store_true", help="commit the evaluation tenants instead of rolling back")
 
@@ -109,10 +112,12 @@ class Command(BenchCommand):
         for row in per_question:
             by_lang.setdefault(row["lang"], []).append(row)
         languages = {
-            lang: _summary([r["rank"] for r in rows], [r["ms"] for r in rows], ks)
+            lang: _summary([r["rank"] for r in rows], [r["ms"] for r in rows], ks, [r["recall"] for r in rows])
             for lang, rows in sorted(by_lang.items())
         }
-        overall = _summary([r["rank"] for r in per_question], [r["ms"] for r in per_question], ks)
+        overall = _summary(
+            [r["rank"] for r in per_question], [r["ms"] for r in per_question], ks, [r["recall"] for r in per_question]
+        )
         report = {
             "backend": connection.vendor,
             "k": ks,
@@ -144,6 +149,7 @@ class Command(BenchCommand):
         rows = []
         latencies = []
         ranks = []
+        recalls = []
         for qid, question, answers in questions:
             relevant = {_key(ds.name, a) for a in answers}
             started = time.perf_counter()
@@ -151,7 +157,9 @@ class Command(BenchCommand):
             ms = (time.perf_counter() - started) * 1000
             keys = [m.key for m, _score in found]
             rank = next((i + 1 for i, key in enumerate(keys) if key in relevant), None)
+            recall = len(relevant & set(keys[:RECALL_DEPTH])) / len(relevant)
             ranks.append(rank)
+            recalls.append(recall)
             latencies.append(ms)
             rows.append(
                 {
@@ -161,11 +169,12 @@ class Command(BenchCommand):
                     "question": question,
                     "expected": sorted(relevant),
                     "rank": rank,
+                    "recall": recall,
                     "top": keys[:3],
                     "ms": round(ms, 2),
                 }
             )
-        summary = _summary(ranks, latencies, ks)
+        summary = _summary(ranks, latencies, ks, recalls)
         summary.update(lang=ds.lang, memories=len(ds.passages), source=ds.source)
         if truncated:
             summary["truncated_values"] = truncated
@@ -173,7 +182,7 @@ class Command(BenchCommand):
 
     def print_table(self, report: dict) -> None:
         ks = report["k"]
-        cols = [f"hit@{k}" for k in ks] + ["mrr"]
+        cols = [f"hit@{k}" for k in ks] + [f"recall@{RECALL_DEPTH}", "mrr"]
         header = f"{'':18} {'lang':4} {'qs':>5} {'mems':>5} " + " ".join(f"{c:>6}" for c in cols)
         header += f" {'p50ms':>7} {'p95ms':>7}"
         w = self.stdout.write
