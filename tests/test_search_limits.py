@@ -139,7 +139,7 @@ def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, setting
     settings.ZEROMEM_SEARCH_TIMEOUT_MS = 50
     real = lexical._frequencies
 
-    def slow(tenant_id, terms):
+    def slow(tenant_id, terms):  # noqa: ANN001
         with connection.cursor() as cursor:
             if connection.vendor == "postgresql":
                 cursor.execute("SELECT pg_sleep(2)")

@@ -82,18 +82,24 @@ def _idf(df: int, n: int) -> float:
     return math.log(1 + (n - df + 0.5) / (df + 0.5))
 
 
-def plan(terms: list[QueryTerm], df: dict[str, int], documents: int) -> Plan | None:
-    """Which terms pick candidates and which only score (see the module docstring)."""
+def plan(terms: list[QueryTerm], df: dict[str, int], documents: int, *, exact: bool = False) -> Plan | None:
+    """Which terms pick candidates and which only score (see the module docstring).
+
+    ``exact``: ``df`` counts every term now (a term missing from it matches nothing, and is
+    dropped); else it is the last refresh of the statistics, and a term missing from it may
+    be new: it is kept, after the known ones, so that a memory written since is found."""
     n = max(documents, max(df.values(), default=0), 1)
-    usable: list[tuple[bool, int, QueryTerm]] = []
+    usable: list[tuple[bool, bool, int, QueryTerm]] = []
     for t in terms:
-        if t.boost < 1 and documents and t.term not in df:
-            continue  # an abbreviation no memory holds (as of the last statistics)
+        known = t.term in df
+        if not known and (exact or (t.boost < 1 and documents)):
+            continue  # no memory holds it (an abbreviation: as of the last statistics)
         d = df.get(t.term, 0)
-        eligible = not t.weak or (t.term in df and d <= CANDIDATES)
-        usable.append((eligible, d, t))
-    # Candidate-picking terms first, rarest first; weak common terms last.
-    usable.sort(key=lambda u: (not u[0], u[1]))
+        eligible = not t.weak or (known and d <= CANDIDATES)
+        usable.append((eligible, known, d, t))
+    # Candidate-picking terms first, known ones rarest first, then unknown ones; weak common terms last.
+    usable.sort(key=lambda u: (not u[0], not u[1], u[2]))
+    usable = [(eligible, d, t) for eligible, _known, d, t in usable]
     kept = usable[:MAX_TERMS]
     if not any(eligible for eligible, _, _ in kept):
         return None
@@ -181,8 +187,9 @@ def _is_timeout(exc: OperationalError) -> bool:
 # --- document frequencies -----------------------------------------------------------------
 
 
-def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]:
-    """(df of each known term, the tenant's document count N) — one indexed lookup."""
+def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
+    """(df of each known term, the tenant's document count N, whether df is exact) — one
+    indexed lookup."""
     prefixed = {f"{tenant_id}:{t}": t for t in terms}
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
@@ -200,11 +207,11 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]
                 documents = row[0] if row else None
             if documents is None:
                 return _counted_frequencies(cursor, tenant_id, terms)
-            return df, documents
+            return df, documents, False
         marks = ", ".join("%s" for _ in prefixed)
         cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
         # Exact counts: a term missing here matches nothing (N is bm25()'s business on SQLite).
-        return {prefixed[term]: doc for term, doc in cursor.fetchall()}, 1
+        return {prefixed[term]: doc for term, doc in cursor.fetchall()}, 1, True
 
 
 # A tenant whose statistics were never counted (new, or just imported) has its terms counted
@@ -212,7 +219,7 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]
 COUNT_CAP = CANDIDATES + 1
 
 
-def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]:
+def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
     cursor.execute(
         f"""SELECT t, (SELECT count(*) FROM (SELECT 1 FROM memories_memory
                         WHERE tenant_id + 0 = %s AND search_tsv @@ format('%%L', %s || t)::tsquery
@@ -224,7 +231,7 @@ def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict
     cursor.execute(
         "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000) s", [tenant_id]
     )
-    return df, cursor.fetchone()[0]
+    return df, cursor.fetchone()[0], True
 
 
 # --- candidates ---------------------------------------------------------------------------
@@ -247,8 +254,8 @@ def lexical_candidates(
     now = now or timezone.now()
     limit = min(limit, CANDIDATES)
     with deadline():
-        df, documents = _frequencies(tenant_id, [t.term for t in terms])
-        p = plan(terms, df, documents)
+        df, documents, exact = _frequencies(tenant_id, [t.term for t in terms])
+        p = plan(terms, df, documents, exact=exact)
         if p is None:
             return []
         if connection.vendor == "postgresql":
