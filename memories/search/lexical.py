@@ -16,8 +16,8 @@ The plan (both backends):
    to at most ``CANDIDATES`` (the rarest always), at most ``CANDIDATES`` of them, from the
    GIN index over tenant-prefixed terms (PostgreSQL) or FTS5 (SQLite, newest first).
 5. Score: PostgreSQL Σ idf(t) · boost(t) · ts_rank(field weights, tsv, t, length-normalised),
-   idf = ln(1 + (N − df + 0.5)/(df + 0.5)) as in BM25; SQLite FTS5's own ``bm25()`` with the
-   same field weights. Then importance, recency and access multiply the score by at most
+   idf = ln(1 + (N − df + 0.5)/(df + 0.5)) as in BM25 (on SQLite the same sum, computed in
+   Python over the candidates' FTS5 columns). Then importance, recency and access multiply the score by at most
    ``1 + TIE_BREAK_MAX``: they order near-ties, they never lift a weaker match over a clearly
    better one.
 6. Everything runs under ``ZEROMEM_SEARCH_TIMEOUT_MS`` (PostgreSQL ``statement_timeout``,
@@ -210,8 +210,12 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int,
             return df, documents, False
         marks = ", ".join("%s" for _ in prefixed)
         cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
-        # Exact counts: a term missing here matches nothing (N is bm25()'s business on SQLite).
-        return {prefixed[term]: doc for term, doc in cursor.fetchall()}, 1, True
+        df = {prefixed[term]: doc for term, doc in cursor.fetchall()}
+        cursor.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000)", [tenant_id]
+        )
+        # Exact counts: a term missing here matches nothing.
+        return df, cursor.fetchone()[0], True
 
 
 # A tenant whose statistics were never counted (new, or just imported) has its terms counted
@@ -276,8 +280,8 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
         rank_params += [t.idf * t.boost, weights, f"'{tenant_id}:{t.term}'"]
     # "tenant_id + 0" and the coalesce() (the same as "deleted_at IS NULL") keep the btrees
     # on (tenant, ...) and those partial on live rows out of the plan: a BitmapAnd with the
-    # tenant's million rows would cost more than the search itself. The inner LIMIT stops the bitmap heap scan after CANDIDATES rows; the GIN index holds
-    # only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
+    # tenant's million rows would cost more than the search itself. The inner LIMIT stops
+    # the bitmap heap scan after CANDIDATES rows; the GIN index holds only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
     # is filtered as well. Ranking re-reads each candidate's tsvector: cost ≈ candidates ×
     # terms.
     sql = f"""
@@ -298,18 +302,33 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
 def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
     prefix_sql, prefix_params = _prefix_sql(prefixes, "m.key")
     # FTS5 walks the ORed doclists lazily, newest row first, and stops at CANDIDATES: every
-    # kept term can take part in both matching and bm25() at no extra cost.
+    # kept term can take part in matching at no extra cost. The score is computed here, as
+    # PostgreSQL's is, from the candidates' three term columns (FTS5's bm25() clamps the idf
+    # of any term in half the rows or more to ~0, which ranks nothing in a small tenant).
     match = " OR ".join(f'"{tenant_id}:{t.term}"' for t in p.scoring_terms)
-    d, _c, b, a = FIELD_WEIGHTS
     sql = f"""
-        SELECT m.id, -bm25(memories_memory_fts, {a}, {b}, {d}), m.importance, m.updated_at, m.access_count
+        SELECT m.id, f.k, f.t, f.b, m.importance, m.updated_at, m.access_count
         FROM memories_memory_fts f JOIN memories_memory m ON m.id = f.rowid
         WHERE memories_memory_fts MATCH %s AND m.tenant_id = %s AND m.deleted_at IS NULL
           AND (m.expires_at IS NULL OR m.expires_at > %s){prefix_sql}
         ORDER BY f.rowid DESC LIMIT {CANDIDATES}"""
     with connection.cursor() as cursor:
         cursor.execute(sql, [match, tenant_id, connection.ops.adapt_datetimefield_value(now), *prefix_params])
-        rows = [(i, r, imp, _sqlite_datetime(u), ac) for i, r, imp, u, ac in cursor.fetchall()]
+        found = cursor.fetchall()
+    wanted = {f"{tenant_id}:{t.term}": t.idf * t.boost for t in p.scoring_terms}
+    d, _c, b, a = FIELD_WEIGHTS
+    rows = []
+    for memory_id, key_terms, tag_terms, body_terms, importance, updated_at, access_count in found:
+        rank = 0.0
+        length = 0
+        for column, weight in ((key_terms, a), (tag_terms, b), (body_terms, d)):
+            words = column.split()
+            length += len(words)
+            for word in words:
+                if word in wanted:
+                    rank += weight * wanted[word]
+        # Like ts_rank's normalization 1: divided by 1 + log(document length).
+        rows.append((memory_id, rank / (1 + math.log(max(length, 1))), importance, _sqlite_datetime(updated_at), access_count))
     return _final(rows, limit, now)
 
 
