@@ -360,8 +360,9 @@ class MemoryAdmin(TenantScopedAdmin):
     list_display = ("key", "tenant", "category", "subject", "version", "updated_at", "expires_at", "state")
     list_select_related = ("tenant",)
     list_filter = ("tenant", StateFilter, KeyTreeFilter, CategoryFilter, SubjectFilter, TagFilter, ExpiryFilter)
-    search_fields = ("key", "search_text")
-    search_help_text = "Search keys and the words of values."
+    # The value's text as stored (search_text holds stemmed, tenant-prefixed index terms).
+    search_fields = ("key", "value")
+    search_help_text = "Search keys and the text of values."
     ordering = ("key",)
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
