@@ -255,3 +255,26 @@ def test_chinese_paraphrase_bigrams_and_key_words_find_their_memory(api):
     _, body = api.call("memory_search", query="周报什么时候发送？")
     assert body["results"][0]["key"] == "task:t1:weekly_report"
     assert json.dumps(body, ensure_ascii=False).count("fact:office:wifi") == 0
+
+
+# --- term statistics (PostgreSQL) -------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_term_statistics_are_counted_and_a_memory_written_since_is_still_found(api):
+    from django.core.management import call_command
+
+    from memories.models import SearchCorpus, SearchTerm
+    from memories.tasks import search_stats_refresh_task
+
+    api.call("memory_write", key="note:a", value="pelican report")
+    api.call("memory_write", key="note:b", value="pelican status")
+    assert api.tenant.pk in search_stats_refresh_task()
+    assert SearchTerm.objects.get(tenant=api.tenant, term="pelican").ndoc == 2
+    assert SearchCorpus.objects.get(tenant=api.tenant).documents == 2
+    assert search_stats_refresh_task() == {}  # nothing changed since
+    api.call("memory_write", key="note:c", value="flamingo sighting")
+    _, body = api.call("memory_search", query="flamingo")
+    assert [r["key"] for r in body["results"]] == ["note:c"]
+    call_command("search_reindex", tenant=api.tenant.slug, stdout=__import__("io").StringIO())
+    assert SearchTerm.objects.get(tenant=api.tenant, term="flamingo").ndoc == 1

@@ -22,6 +22,9 @@ SCHEDULES = {
     # Summarize jobs whose queue entry was lost, or that django-q2 stopped retrying, are
     # enqueued again; each job's own attempt counter bounds the retries.
     "zeromem:summarize-jobs-resume": ("memories.tasks.summarize_jobs_resume_task", Schedule.MINUTES, 10),
+    # Search term frequencies (idf) of tenants whose memories changed are recounted from the
+    # index; searches meanwhile use the last count (memories/search/index.py).
+    "zeromem:search-stats": ("memories.tasks.search_stats_refresh_task", Schedule.MINUTES, 10),
     # Audit events are chained into seals (tamper evidence) a minute or so after they happen;
     # requests never wait for this (see audit/models.py).
     "zeromem:audit-seal": ("audit.tasks.audit_seal_task", Schedule.MINUTES, 1),
