@@ -1,6 +1,6 @@
 """Builders of test data: tenants, API keys and the clients that send them, memories, staff
 users and their memberships. Test modules import these; the fixtures in conftest.py (and the
-plugins tests/admin_fixtures.py, tests/browser.py) call them, and are never imported.
+plugin tests/admin_fixtures.py) call them, and are never imported.
 
 Plain functions over the real services rather than model factories (factory_boy and the
 like): every row a test starts from is made the way production makes it — a tenant through
