@@ -6,7 +6,7 @@
 2. **Seal and verify rates** — ``--events`` events with real digests are inserted for a
    throw-away tenant, sealed (events/s) and verified (events/s).
 3. **Streamed export** — ``--export-events`` events (default 1,000,000) exported as CSV
-   through the production server (uvicorn, ASGI) while the worker's resident memory is
+   through the production server (`serve`: granian WSGI) while the worker's resident memory is
    sampled: RSS before, peak and after, rows/s. Flat memory means the export streams.
 
 Bench tenants (``bench-audit-…``) and their events stay (audit rows are append-only): run
@@ -26,7 +26,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from unittest import mock
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
 from django.utils import timezone
@@ -36,8 +36,11 @@ from audit.models import AuditEvent
 from audit.services import audit_seal
 from audit.verify import audit_verify
 from memories import services
-from memories.management.commands.bench import LOOPBACK, Samples, ratio, start_server, stop_server
+from zeromem.bench.harness import LOOPBACK, Samples, loadavg, ratio
+from zeromem.bench.options import BenchCommand
+from zeromem.bench.server import start_server, stop_server
 from zeromem.kernel.actors import Actor
+from zeromem.serving import DEFAULT_THREADS
 
 SYSTEM = Actor.system(job="bench_audit")
 
@@ -53,32 +56,28 @@ def _rss_kib(pid: int) -> int | None:
     return None
 
 
-class Command(BaseCommand):
+class Command(BenchCommand):
     help = "Audit cost (on vs off), seal/verify rates and a streamed 1M-event export's memory. PostgreSQL."
 
-    def add_arguments(self, parser):
-        parser.add_argument("--n", type=int, default=2000, help="reads per side in the on/off comparison")
+    shared_options = ("n", "json")
+    postgresql_needed = "bench_audit measures PostgreSQL: set DATABASE_URL=postgres://..."
+
+    def add_bench_arguments(self, parser):
         parser.add_argument("--events", type=int, default=200_000, help="events sealed and verified (200k)")
         parser.add_argument("--export-events", type=int, default=1_000_000, help="events exported (1M)")
         parser.add_argument("--skip", default="", help="comma-separated phases to skip: onoff,verify,export")
-        parser.add_argument("--json", action="store_true")
 
     def handle(self, *args, **opts):
-        if connection.vendor != "postgresql":
-            raise CommandError("bench_audit measures PostgreSQL: set DATABASE_URL=postgres://...")
+        self.require_postgresql()
         skip = set(filter(None, opts["skip"].split(",")))
-        self.log = self.stderr.write if opts["json"] else self.stdout.write
-        result = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
+        result = {"loadavg": loadavg()}
         if "onoff" not in skip:
             result["audit_on_off"] = self.phase_on_off(opts["n"])
         if "verify" not in skip:
             result["seal_verify"] = self.phase_seal_verify(opts["events"])
         if "export" not in skip:
             result["export"] = self.phase_export(opts["export_events"])
-        if opts["json"]:
-            self.stdout.write(json.dumps(result))
-        else:
-            self.print_table(result)
+        self.emit(result)
 
     def _tenant(self, what: str):
         return services.tenant_create(actor=SYSTEM, slug=f"bench-audit-{what}-{secrets.token_hex(3)}")
@@ -192,7 +191,9 @@ class Command(BaseCommand):
         self.log(f"inserted {count:,} events for the export in {insert_s:.1f} s")
         key, raw = services.api_key_create(tenant=tenant, actor=SYSTEM, name="bench", scopes=["audit:read"])
         connection.close()
-        server = start_server(database_url=os.environ["DATABASE_URL"], workers=1, log=self.log)
+        server = start_server(
+            database_url=os.environ["DATABASE_URL"], processes=1, threads=DEFAULT_THREADS, log=self.log
+        )
         pid = server["workers"][0]
         samples: list[int] = []
         stop = threading.Event()
