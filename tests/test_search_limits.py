@@ -10,17 +10,15 @@ from django.db import connection
 from django.utils import timezone
 
 from audit.models import AuditEvent
-from memories import services
 from memories.models import Memory
 from memories.search import lexical, text
+from tests.factories import write
 from zeromem.kernel import validation
 
 
 def _write(api, key, value, importance):
     # The memory_write tool takes no importance (it is an admin/REST field): the service does.
-    from tests.conftest import SYSTEM
-
-    services.memory_write(tenant=api.tenant, actor=SYSTEM, key=key, value=value, importance=importance)
+    write(api.tenant, key, value, importance=importance)
 
 
 def _nested(depth: int):
@@ -278,3 +276,12 @@ def test_term_statistics_are_counted_and_a_memory_written_since_is_still_found(a
     assert [r["key"] for r in body["results"]] == ["note:c"]
     call_command("search_reindex", tenant=api.tenant.slug, stdout=__import__("io").StringIO())
     assert SearchTerm.objects.get(tenant=api.tenant, term="flamingo").ndoc == 1
+
+
+def test_a_single_chinese_character_finds_the_words_it_starts(api):
+    api.call("memory_write", key="fact:wallet", value="钱包在桌子上")
+    api.call("memory_write", key="fact:gun", value="水枪")
+    _, body = api.call("memory_search", query="钱")
+    assert [r["key"] for r in body["results"]] == ["fact:wallet"]
+    _, body = api.call("memory_search", query="枪")  # a lone character
+    assert body["results"] == [] or [r["key"] for r in body["results"]] == ["fact:gun"]

@@ -43,7 +43,7 @@ from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from memories.search.text import QueryTerm, query_terms
+from memories.search.text import PREFIX_MARK, QueryTerm, query_terms
 from zeromem.kernel.errors import Unavailable
 
 MAX_QUERY_WORDS = 32  # distinct words of a question that are looked at; the rest are ignored
@@ -189,14 +189,16 @@ def _is_timeout(exc: OperationalError) -> bool:
 
 def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
     """(df of each known term, the tenant's document count N, whether df is exact) — one
-    indexed lookup."""
-    prefixed = {f"{tenant_id}:{t}": t for t in terms}
+    indexed lookup (plus one range sum per prefix term)."""
+    exact_terms = [t for t in terms if not t.endswith(PREFIX_MARK)]
+    prefix_terms = [t for t in terms if t.endswith(PREFIX_MARK)]
+    prefixed = {f"{tenant_id}:{t}": t for t in exact_terms}
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(
                 """SELECT term, ndoc, (SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s)
                    FROM memories_searchterm WHERE tenant_id = %s AND term = ANY(%s)""",
-                [tenant_id, tenant_id, list(terms)],
+                [tenant_id, tenant_id, exact_terms],
             )
             rows = cursor.fetchall()
             df = {term: ndoc for term, ndoc, _ in rows}
@@ -207,15 +209,42 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int,
                 documents = row[0] if row else None
             if documents is None:
                 return _counted_frequencies(cursor, tenant_id, terms)
+            for t in prefix_terms:
+                start = t[: -len(PREFIX_MARK)]
+                cursor.execute(
+                    "SELECT sum(ndoc) FROM memories_searchterm WHERE tenant_id = %s AND term >= %s AND term < %s",
+                    [tenant_id, start, start + "\U0010ffff"],
+                )
+                n = cursor.fetchone()[0]
+                if n:
+                    df[t] = int(n)
             return df, documents, False
-        marks = ", ".join("%s" for _ in prefixed)
-        cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
-        df = {prefixed[term]: doc for term, doc in cursor.fetchall()}
+        df = {}
+        if prefixed:
+            marks = ", ".join("%s" for _ in prefixed)
+            cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
+            df = {prefixed[term]: doc for term, doc in cursor.fetchall()}
+        for t in prefix_terms:
+            start = f"{tenant_id}:{t[: -len(PREFIX_MARK)]}"
+            cursor.execute(
+                "SELECT sum(doc) FROM memories_memory_fts_vocab WHERE term >= %s AND term < %s",
+                [start, start + "\U0010ffff"],
+            )
+            n = cursor.fetchone()[0]
+            if n:
+                df[t] = int(n)
         cursor.execute(
             "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000)", [tenant_id]
         )
         # Exact counts: a term missing here matches nothing.
         return df, cursor.fetchone()[0], True
+
+
+def _lexeme(tenant_id: int, term: str) -> str:
+    """One term as a tsquery operand: ``'17:term'``, or ``'17:钱':*`` for a prefix term."""
+    if term.endswith(PREFIX_MARK):
+        return f"'{tenant_id}:{term[: -len(PREFIX_MARK)]}':*"
+    return f"'{tenant_id}:{term}'"
 
 
 # A tenant whose statistics were never counted (new, or just imported) has its terms counted
@@ -226,10 +255,10 @@ COUNT_CAP = CANDIDATES + 1
 def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
     cursor.execute(
         f"""SELECT t, (SELECT count(*) FROM (SELECT 1 FROM memories_memory
-                        WHERE tenant_id + 0 = %s AND search_tsv @@ format('%%L', %s || t)::tsquery
+                        WHERE tenant_id + 0 = %s AND search_tsv @@ q::tsquery
                         LIMIT {COUNT_CAP}) s)
-            FROM unnest(%s::text[]) t""",
-        [tenant_id, f"{tenant_id}:", list(terms)],
+            FROM unnest(%s::text[], %s::text[]) AS u(t, q)""",
+        [tenant_id, list(terms), [_lexeme(tenant_id, t) for t in terms]],
     )
     df = {t: n for t, n in cursor.fetchall() if n}
     cursor.execute(
@@ -268,7 +297,7 @@ def lexical_candidates(
 
 
 def _tsquery(tenant_id: int, terms: list[ScoredTerm]) -> str:
-    return " | ".join(f"'{tenant_id}:{t.term}'" for t in terms)
+    return " | ".join(_lexeme(tenant_id, t.term) for t in terms)
 
 
 def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
@@ -277,7 +306,7 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
     rank_terms = " + ".join("%s * ts_rank(%s, c.search_tsv, %s::tsquery, 1)" for _ in p.scoring_terms)
     rank_params: list = []
     for t in p.scoring_terms:
-        rank_params += [t.idf * t.boost, weights, f"'{tenant_id}:{t.term}'"]
+        rank_params += [t.idf * t.boost, weights, _lexeme(tenant_id, t.term)]
     # "tenant_id + 0" and the coalesce() (the same as "deleted_at IS NULL") keep the btrees
     # on (tenant, ...) and those partial on live rows out of the plan: a BitmapAnd with the
     # tenant's million rows would cost more than the search itself. The inner LIMIT stops
@@ -305,7 +334,10 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
     # kept term can take part in matching at no extra cost. The score is computed here, as
     # PostgreSQL's is, from the candidates' three term columns (FTS5's bm25() clamps the idf
     # of any term in half the rows or more to ~0, which ranks nothing in a small tenant).
-    match = " OR ".join(f'"{tenant_id}:{t.term}"' for t in p.scoring_terms)
+    match = " OR ".join(
+        f'"{tenant_id}:{t.term[:-1]}"*' if t.term.endswith(PREFIX_MARK) else f'"{tenant_id}:{t.term}"'
+        for t in p.scoring_terms
+    )
     sql = f"""
         SELECT m.id, f.k, f.t, f.b, m.importance, m.updated_at, m.access_count
         FROM memories_memory_fts f JOIN memories_memory m ON m.id = f.rowid
@@ -315,7 +347,8 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
     with connection.cursor() as cursor:
         cursor.execute(sql, [match, tenant_id, connection.ops.adapt_datetimefield_value(now), *prefix_params])
         found = cursor.fetchall()
-    wanted = {f"{tenant_id}:{t.term}": t.idf * t.boost for t in p.scoring_terms}
+    wanted = {f"{tenant_id}:{t.term}": t.idf * t.boost for t in p.scoring_terms if not t.term.endswith(PREFIX_MARK)}
+    starts = [(f"{tenant_id}:{t.term[:-1]}", t.idf * t.boost) for t in p.scoring_terms if t.term.endswith(PREFIX_MARK)]
     d, _c, b, a = FIELD_WEIGHTS
     rows = []
     for memory_id, key_terms, tag_terms, body_terms, importance, updated_at, access_count in found:
@@ -327,6 +360,9 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
             for word in words:
                 if word in wanted:
                     rank += weight * wanted[word]
+                for start, w in starts:
+                    if word.startswith(start):
+                        rank += weight * w
         # Like ts_rank's normalization 1: divided by 1 + log(document length).
         rows.append((memory_id, rank / (1 + math.log(max(length, 1))), importance, _sqlite_datetime(updated_at), access_count))
     return _final(rows, limit, now)
