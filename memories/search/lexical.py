@@ -47,10 +47,10 @@ from memories.search.text import PREFIX_MARK, QueryTerm, query_terms
 from zeromem.kernel.errors import Unavailable
 
 MAX_QUERY_WORDS = 32  # distinct words of a question that are looked at; the rest are ignored
-MAX_TERMS = 8  # the rarest terms kept for candidates and scoring
+MAX_TERMS = 12  # the rarest terms kept for candidates and scoring
 CANDIDATES = 500  # memories ranked per search, at most
 # Field weights: value text, (unused), tags, key segments — PostgreSQL's {D, C, B, A}.
-FIELD_WEIGHTS = (0.2, 0.3, 0.5, 1.0)
+FIELD_WEIGHTS = (0.4, 0.5, 0.7, 1.0)
 TIE_BREAK_MAX = 0.03
 
 
