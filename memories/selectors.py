@@ -97,5 +97,7 @@ def memories_salient_rows(*, tenant: Tenant, prefixes: list[str] | None) -> list
     rows = list(memories_live(tenant=tenant).order_by("-importance", "-updated_at").values_list(*fields)[:SALIENT_SCAN])
     if not whole:
         rows = [r for r in rows if any(r[1].startswith(p) for p in prefixes)]
-        rows += list(memories_live(tenant=tenant, prefixes=prefixes).order_by("key").values_list(*fields)[:SALIENT_SCAN])
+        rows += list(
+            memories_live(tenant=tenant, prefixes=prefixes).order_by("key").values_list(*fields)[:SALIENT_SCAN]
+        )
     return list({r[0]: r for r in rows}.values())

@@ -80,7 +80,9 @@ def test_value_nested_deeper_than_the_documented_depth_is_400_naming_value(api):
 def test_a_value_thousands_of_levels_deep_is_a_4xx_not_a_500(api):
     # Deep enough that the JSON parser itself, or any recursion over it, would blow the stack.
     deep = "[" * 100_000 + "]" * 100_000
-    r = api.post("/api/v1/tools/call", raw='{"name": "memory_write", "arguments": {"key": "fact:x", "value": ' + deep + "}}")
+    r = api.post(
+        "/api/v1/tools/call", raw='{"name": "memory_write", "arguments": {"key": "fact:x", "value": ' + deep + "}}"
+    )
     assert 400 <= r.status_code < 500
 
 
@@ -142,9 +144,7 @@ def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, setting
             if connection.vendor == "postgresql":
                 cursor.execute("SELECT pg_sleep(2)")
             else:
-                cursor.execute(
-                    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
-                )
+                cursor.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c")
         return real(tenant_id, terms)
 
     monkeypatch.setattr(lexical, "_frequencies", slow)
@@ -206,7 +206,7 @@ def test_recall_with_only_a_prefix_returns_the_most_important_and_recent_memorie
     status, body = api.call("memory_recall", prefix="user:u1:", max_chars=500)
     assert status == 200, body
     assert body["text"].splitlines() == [
-        'user:u1:name: Ada',
+        "user:u1:name: Ada",
         "user:u1:mood: tired",
         "user:u1:old_note: liked jazz in 2019",
     ]
@@ -241,7 +241,9 @@ def test_recall_cuts_a_line_that_does_not_fit_or_skips_it_for_a_shorter_one(api)
 def test_recall_schema_makes_query_optional():
     from memories.tools import TOOLS
 
-    schema = TOOLS["memory_recall"].parameters_schema() if hasattr(TOOLS["memory_recall"], "parameters_schema") else None
+    schema = (
+        TOOLS["memory_recall"].parameters_schema() if hasattr(TOOLS["memory_recall"], "parameters_schema") else None
+    )
     tool = TOOLS["memory_recall"]
     assert "query" not in [p.name for p in tool.params if p.required]
     assert schema is None or "query" not in schema.get("required", [])

@@ -73,9 +73,7 @@ def stats_refresh(*, tenant_id: int) -> int:
             [tenant_id, len(prefix) + 1, inner, len(prefix), prefix, len(prefix)],
         )
         terms = cursor.rowcount
-        cursor.execute(
-            "SELECT count(*) FROM memories_memory WHERE tenant_id = %s AND deleted_at IS NULL", [tenant_id]
-        )
+        cursor.execute("SELECT count(*) FROM memories_memory WHERE tenant_id = %s AND deleted_at IS NULL", [tenant_id])
         documents = cursor.fetchone()[0]
         SearchCorpus.objects.update_or_create(
             tenant_id=tenant_id, defaults={"documents": documents, "refreshed_at": timezone.now()}

@@ -35,8 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime
 
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
@@ -310,9 +309,9 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
     # "tenant_id + 0" and the coalesce() (the same as "deleted_at IS NULL") keep the btrees
     # on (tenant, ...) and those partial on live rows out of the plan: a BitmapAnd with the
     # tenant's million rows would cost more than the search itself. The inner LIMIT stops
-    # the bitmap heap scan after CANDIDATES rows; the GIN index holds only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
-    # is filtered as well. Ranking re-reads each candidate's tsvector: cost ≈ candidates ×
-    # terms.
+    # the bitmap heap scan after CANDIDATES rows; the GIN index holds only this tenant's
+    # postings for these terms (tenant-prefixed lexemes), and tenant_id is filtered as well.
+    # Ranking re-reads each candidate's tsvector: cost ≈ candidates × terms.
     sql = f"""
         SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
         FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
@@ -364,7 +363,9 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
                     if word.startswith(start):
                         rank += weight * w
         # Like ts_rank's normalization 1: divided by 1 + log(document length).
-        rows.append((memory_id, rank / (1 + math.log(max(length, 1))), importance, _sqlite_datetime(updated_at), access_count))
+        rows.append(
+            (memory_id, rank / (1 + math.log(max(length, 1))), importance, _sqlite_datetime(updated_at), access_count)
+        )
     return _final(rows, limit, now)
 
 
@@ -372,7 +373,7 @@ def _sqlite_datetime(value) -> datetime:
     # A raw SQLite cursor returns the stored text (naive UTC, as Django writes it).
     if isinstance(value, str):
         value = parse_datetime(value)
-    return value if timezone.is_aware(value) else value.replace(tzinfo=dt_timezone.utc)
+    return value if timezone.is_aware(value) else value.replace(tzinfo=UTC)
 
 
 def _final(rows, limit: int, now: datetime) -> list[tuple[int, float]]:

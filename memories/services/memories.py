@@ -189,9 +189,7 @@ def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
             return MemoryResult(status="not_found", key=key)
         now = timezone.now()
         after_read(
-            lambda: Memory.objects.filter(pk=memory.pk).update(
-                access_count=F("access_count") + 1, last_accessed_at=now
-            )
+            lambda: Memory.objects.filter(pk=memory.pk).update(access_count=F("access_count") + 1, last_accessed_at=now)
         )
         memory.access_count += 1
         memory.last_accessed_at = now
@@ -417,9 +415,7 @@ def memory_search(
         return results
 
 
-def memory_recall(
-    *, tenant: Tenant, actor: Actor, query: Any = None, prefix: Any = "", max_chars: Any = None
-) -> dict:
+def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: Any = "", max_chars: Any = None) -> dict:
     """The best matches of ``query`` — or, with no query, the most important and most recent
     memories under ``prefix`` — packed into one text block of at most ``max_chars``
     characters (memories.search.ranking.recall_pack)."""

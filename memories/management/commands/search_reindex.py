@@ -35,4 +35,6 @@ class Command(BaseCommand):
             started = time.monotonic()
             rows = 0 if stats_only else index.reindex(memory_model=Memory, tenant_id=t.pk, batch=batch)
             terms = index.stats_refresh(tenant_id=t.pk)
-            self.stdout.write(f"{t.slug}: {rows} memories reindexed, {terms} terms counted ({time.monotonic() - started:.1f} s)")
+            self.stdout.write(
+                f"{t.slug}: {rows} memories reindexed, {terms} terms counted ({time.monotonic() - started:.1f} s)"
+            )

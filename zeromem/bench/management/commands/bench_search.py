@@ -42,7 +42,7 @@ from memories import services
 from memories.models import ApiKey, Memory, Tenant
 from memories.search import index as search_index
 from memories.search.text import STOPWORDS, stem
-from zeromem.bench.harness import HttpClient, Samples, client_loop, percentiles, ratio
+from zeromem.bench.harness import HttpClient, Samples, client_loop, ratio
 from zeromem.bench.options import BenchCommand
 from zeromem.bench.server import running_server
 from zeromem.kernel.actors import Actor
@@ -88,7 +88,20 @@ class Command(BenchCommand):
         parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
 
     def handle(
-        self, *args, sizes, others, n, worst_n, parallel, seconds, rebuild, build_only, seed, processes, threads, **options
+        self,
+        *args,
+        sizes,
+        others,
+        n,
+        worst_n,
+        parallel,
+        seconds,
+        rebuild,
+        build_only,
+        seed,
+        processes,
+        threads,
+        **options,
     ):
         self.require_postgresql()
         rng = random.Random(seed)
@@ -170,10 +183,14 @@ class Command(BenchCommand):
                     f["search_tsv"],
                 ]
                 buf.write("\t".join(_copy_escape(v) for v in row) + "\n")
-            with connection.cursor() as c, c.copy(
-                "COPY memories_memory (tenant_id, key, namespace, value, search_text, category, subject, tags,"
-                " importance, source, version, created_at, updated_at, access_count, sources, search_tsv) FROM STDIN"
-            ) as copy:
+            with (
+                connection.cursor() as c,
+                c.copy(
+                    "COPY memories_memory (tenant_id, key, namespace, value, search_text, category, subject,"
+                    " tags, importance, source, version, created_at, updated_at, access_count, sources,"
+                    " search_tsv) FROM STDIN"
+                ) as copy,
+            ):
                 copy.write(buf.getvalue())
             self.log(f"  {tenant.slug}: {min(start + batch, size)}/{size} rows ({time.monotonic() - started:.0f} s)")
         if big:
@@ -189,9 +206,7 @@ class Command(BenchCommand):
     # --- measuring --------------------------------------------------------------------------
 
     def _questions(self, tenant: Tenant, rng: random.Random, n: int) -> list[str]:
-        ids = list(
-            Memory.objects.filter(tenant=tenant).order_by("?").values_list("key", "value")[: max(n, 1)]
-        )
+        ids = list(Memory.objects.filter(tenant=tenant).order_by("?").values_list("key", "value")[: max(n, 1)])
         out = []
         for key, value in ids:
             name_words = key.split(":")[2].split("_")
@@ -213,7 +228,9 @@ class Command(BenchCommand):
             realistic.errors += status != 200
         worst_queries = {
             "ab": "ab",
-            "160 two-letter words": " ".join(rng.choice(["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]) for _ in range(160))[:500],
+            "160 two-letter words": " ".join(
+                rng.choice(["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]) for _ in range(160)
+            )[:500],
             "500-char paragraph": PARAGRAPH,
             "one CJK character": "一",
             "emoji only": EMOJI,
@@ -294,7 +311,10 @@ class Command(BenchCommand):
                 f"\n{size} memories in one tenant (+{report['others']} in another), "
                 f"serve {report['processes']} processes × {report['threads']} threads"
             )
-            w(f"  realistic   p50 {s['p50_ms']:7.2f}  p95 {s['p95_ms']:7.2f}  p99 {s['p99_ms']:7.2f} ms  errors {s['errors']}")
+            w(
+                f"  realistic   p50 {s['p50_ms']:7.2f}  p95 {s['p95_ms']:7.2f}  p99 {s['p99_ms']:7.2f} ms"
+                f"  errors {s['errors']}"
+            )
             for name, ws in r["worst"].items():
                 w(f"  {name:22} p50 {ws['p50_ms']:7.2f}  max {ws['max_ms']:7.2f} ms  statuses {ws['statuses']}")
             p = r["parallel"]
