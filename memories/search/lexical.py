@@ -125,7 +125,8 @@ def _prefix_sql(prefixes: list[str] | None, column: str) -> tuple[str, list]:
 
 
 def _tie_break(importance: int, updated_at: datetime, access_count: int, now: datetime) -> float:
-    """1 to 1 + TIE_BREAK_MAX: importance (0-10), recency (halves over 30 days), use."""
+    """1 to 1 + TIE_BREAK_MAX: importance (0-10), recency (halves over 30 days), use
+    (SQLite; PostgreSQL computes the same in SQL, ``_TIE_BREAK_SQL``)."""
     age_days = max((now - updated_at).total_seconds(), 0) / 86400
     return 1 + TIE_BREAK_MAX * (
         0.4 * importance / 10 + 0.4 / (1 + age_days / 30) + 0.2 * min(1.0, math.log1p(access_count) / math.log(101))
@@ -313,18 +314,25 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
     # postings for these terms (tenant-prefixed lexemes), and tenant_id is filtered as well.
     # Ranking re-reads each candidate's tsvector: cost ≈ candidates × terms.
     sql = f"""
-        SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
-        FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
-              WHERE tenant_id + 0 = %s AND search_tsv @@ %s::tsquery
-                AND coalesce(deleted_at, 'infinity') = 'infinity'
-                AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
-              LIMIT {CANDIDATES}) c
-        ORDER BY rank DESC LIMIT {CANDIDATES}"""
-    params = [*rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params]
+        SELECT id, round((rank * {_TIE_BREAK_SQL})::numeric, 6)::float8 AS score
+        FROM (SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
+              FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
+                    WHERE tenant_id + 0 = %s AND search_tsv @@ %s::tsquery
+                      AND coalesce(deleted_at, 'infinity') = 'infinity'
+                      AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
+                    LIMIT {CANDIDATES}) c) r
+        WHERE rank > 0
+        ORDER BY score DESC, id DESC LIMIT %s"""
+    params = [now, *rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params, limit]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        rows = cursor.fetchall()
-    return _final(rows, limit, now)
+        return [(memory_id, score) for memory_id, score in cursor.fetchall()]
+
+
+# _tie_break() in SQL (the first parameter is now), so that only ``limit`` rows leave the server.
+_TIE_BREAK_SQL = f"""(1 + {TIE_BREAK_MAX} * (0.4 * importance / 10.0
+    + 0.4 / (1 + greatest(extract(epoch FROM (%s - updated_at)), 0) / 86400.0 / 30)
+    + 0.2 * least(1.0, ln(1 + access_count) / ln(101))))"""
 
 
 def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
