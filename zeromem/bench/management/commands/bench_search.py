@@ -4,7 +4,8 @@
                                   [--worst-n 10] [--parallel 20] [--seconds 10] [--rebuild] [--json]
 
 For each size, a tenant ``bench-search-<size>`` holds that many synthetic memories (Zipfian
-English words and, in one row of five, Chinese two-character words; keys like
+English words — the standard library's vocabulary — and, in one row of five, Chinese
+two-character words; keys like
 ``task:u4711:deadline``; 0-3 tags), and a tenant ``bench-search-other`` holds ``--others``
 more. Rows are written with COPY, their search columns made by the same code a write uses
 (memories.search.index_fields), then the term statistics are refreshed; a tenant that
@@ -60,11 +61,24 @@ PARAGRAPH = (
 
 
 def _vocabulary(rng: random.Random) -> tuple[list[str], list[str], list[str]]:
-    """(English words, key names, Chinese two-character words), each word its own stem."""
-    import pydoc_data.topics as topics
+    """(English terms, key names, Chinese two-character words). The English words are those
+    of the standard library's source (comments, docstrings, names), as stems: tens of
+    thousands of them, so that a rare word is as rare as in real text."""
+    import os
+    import re
 
-    text = " ".join(topics.topics.values()).lower()
-    words = sorted({w for w in __import__("re").findall(r"[a-z]{3,12}", text) if w not in STOPWORDS and stem(w) == w})
+    word_re = re.compile(r"[a-z]{3,14}")
+    seen: set[str] = set()
+    root = os.path.dirname(os.__file__)
+    for folder, _dirs, files in os.walk(root):
+        if "site-packages" in folder or "test" in folder:
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="ignore") as f:
+                    seen.update(word_re.findall(f.read().lower()))
+    words = sorted({stem(w) for w in seen if w not in STOPWORDS})
+    words = [w for w in words if len(w) >= 3]
     rng.shuffle(words)
     names = [f"{a}_{b}" for a, b in zip(words[:300], words[300:600], strict=True)]
     common = [chr(c) for c in range(0x4E00, 0x4E00 + 2500)]
