@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,15 @@ CANDIDATES = 500  # memories ranked per search, at most
 # Field weights: value text, (unused), tags, key segments — PostgreSQL's {D, C, B, A}.
 FIELD_WEIGHTS = (0.4, 0.5, 0.7, 1.0)
 TIE_BREAK_MAX = 0.03
+
+
+class SearchBusy(Unavailable):
+    def __init__(self):
+        super().__init__(
+            "too many searches of this tenant are running; retry shortly",
+            code="search_busy",
+            retry_after=1,
+        )
 
 
 class SearchTimeout(Unavailable):
@@ -175,6 +185,39 @@ def deadline() -> Iterator[None]:
         raise
 
 
+# Namespace of the advisory locks that count a tenant's running searches (PostgreSQL).
+_SLOT_LOCKS = 0x5A4D_5345 << 24  # "ZMSE"
+_local_slots: dict[int, threading.BoundedSemaphore] = {}
+_local_slots_lock = threading.Lock()
+
+
+@contextmanager
+def search_slot(tenant_id: int) -> Iterator[None]:
+    """One of the tenant's ``ZEROMEM_SEARCH_CONCURRENCY`` search slots, or :class:`SearchBusy`
+    at once: 21 searches from one key must not take 21 pooled connections and every core
+    from the other tenants. PostgreSQL: a transaction-level advisory lock per slot (shared
+    by every server process, released at commit); SQLite: a semaphore of this process."""
+    slots = int(settings.ZEROMEM_SEARCH_CONCURRENCY)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT s FROM generate_series(0, %s - 1) s WHERE pg_try_advisory_xact_lock(%s + %s * 256 + s) LIMIT 1",
+                [slots, _SLOT_LOCKS, tenant_id],
+            )
+            if cursor.fetchone() is None:
+                raise SearchBusy()
+        yield
+        return
+    with _local_slots_lock:
+        semaphore = _local_slots.setdefault(tenant_id, threading.BoundedSemaphore(slots))
+    if not semaphore.acquire(blocking=False):
+        raise SearchBusy()
+    try:
+        yield
+    finally:
+        semaphore.release()
+
+
 def _is_timeout(exc: OperationalError) -> bool:
     cause = exc.__cause__
     if connection.vendor == "postgresql":
@@ -286,7 +329,7 @@ def lexical_candidates(
         return []
     now = now or timezone.now()
     limit = min(limit, CANDIDATES)
-    with deadline():
+    with transaction.atomic(), search_slot(tenant_id), deadline():
         df, documents, exact = _frequencies(tenant_id, [t.term for t in terms])
         p = plan(terms, df, documents, exact=exact)
         if p is None:
