@@ -20,9 +20,10 @@ Then, against the README's production server (``python3 -m zeromem serve``):
 * worst cases, each ``--worst-n`` times: ``ab``, 160 two-letter words, a 500-character
   paragraph, one CJK character, emoji only, stop words only — p50/max and the statuses
   (200, or 503 ``search_timeout``; never a 500);
-* ``--parallel`` clients sending worst cases back to back for ``--seconds`` while another
-  tenant's key reads one memory in a loop: that reader's p99 against its idle p99, and its
-  errors (a 503 counts).
+* ``--parallel`` clients sending worst cases (and a few realistic questions) back to back
+  for ``--seconds`` — waiting a 503's Retry-After as a well-behaved client does, unless
+  ``--ignore-retry-after`` — while another tenant's key reads one memory in a loop: that
+  reader's p99 against its idle p99, and its errors (a 503 counts).
 
 Use a database of its own (e.g. ``DATABASE_URL=postgres://…/zm_bench_search``): at 1M the
 data takes ~1.5 GB and about 10 minutes to build on a 2-core machine.
@@ -100,6 +101,11 @@ class Command(BenchCommand):
         parser.add_argument("--seconds", type=float, default=10.0, help="length of the parallel phase (%(default)s)")
         parser.add_argument("--rebuild", action="store_true", help="rebuild the tenants' data")
         parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
+        parser.add_argument(
+            "--ignore-retry-after",
+            action="store_true",
+            help="parallel clients retry a 503 at once instead of waiting its Retry-After",
+        )
 
     def handle(
         self,
@@ -283,6 +289,7 @@ class Command(BenchCommand):
                 busy.errors += status != 200
 
         mixed = list(worst_queries.values()) + self._questions(tenant, rng, 5)
+        ignore_retry_after = self.ignore_retry_after
 
         def make_step(t: int):
             c = HttpClient(port, raw_key, timeout=30)
@@ -292,6 +299,9 @@ class Command(BenchCommand):
                 _ns, status, _b = c.request("POST", TOOL_CALL, _search(qs[rng.randrange(len(qs))]))
                 with lock:
                     attack_status[status] = attack_status.get(status, 0) + 1
+                wait = c.last_headers.get("Retry-After") if c.last_headers is not None else None
+                if wait and not ignore_retry_after:
+                    time.sleep(float(wait))  # as a well-behaved client does
 
             return step
 
@@ -309,6 +319,7 @@ class Command(BenchCommand):
             "worst": worst,
             "parallel": {
                 "clients": parallel,
+                "retry_after_honoured": not self.ignore_retry_after,
                 "searches": attack_status,
                 "idle_reads": idle_s,
                 "busy_reads": busy_s,
