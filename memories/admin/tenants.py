@@ -11,8 +11,10 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
-from memories import dashboard, services
+from memories import services
+from memories.admin.charts import dashboard_context
 from memories.models import Membership, Tenant
+from memories.selectors.dashboard import tenant_dashboard
 from memories.services import staff
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
 
@@ -95,7 +97,7 @@ class TenantAdmin(TenantScopedAdmin):
             "role": role,
             "opts": self.opts,
             "show_keys": may(request, "memory.view", tenant.pk),
-            **dashboard.tenant_dashboard(tenant=tenant),
+            **dashboard_context(tenant_dashboard(tenant=tenant)),
         }
         return TemplateResponse(request, "zeromem_admin/dashboard.html", context)
 
