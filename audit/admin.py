@@ -26,8 +26,9 @@ from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching
 from audit.services import audit_record
 from zeromem.kernel.errors import InvalidInput, ServiceError
+from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
-from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, tenant_ids_with
+from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, service_error_text, tenant_ids_with
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
 
@@ -119,7 +120,7 @@ class OutcomeFilter(admin.SimpleListFilter):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(TenantScopedAdmin):
-    view_capability = "audit.view"
+    view_capability = Capability.AUDIT_VIEW
     list_display = ("occurred_at", "tenant", "actor", "surface", "action", "target", "subject", "outcome", "version")
     list_filter = (
         "tenant",
@@ -211,7 +212,7 @@ class AuditEventAdmin(TenantScopedAdmin):
                 asynchronous=isinstance(request, ASGIRequest),
             )
         except ServiceError as exc:
-            messages.error(request, f"{exc.field}: {exc.message}" if exc.field else exc.message)
+            messages.error(request, service_error_text(exc))
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
 
 

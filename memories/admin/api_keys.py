@@ -12,13 +12,13 @@ from memories import services
 from memories.models import ApiKey
 from zeromem.kernel import validation
 from zeromem.kernel.errors import ServiceError
-from zeromem.kernel.scopes import ALL_SCOPES
+from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
 
 
 class ApiKeyForm(forms.ModelForm):
     scopes = forms.MultipleChoiceField(
-        choices=[(s, s) for s in ALL_SCOPES], widget=forms.CheckboxSelectMultiple, initial=list(ALL_SCOPES[:4])
+        choices=[(s, s) for s in ALL_SCOPES], widget=forms.CheckboxSelectMultiple, initial=list(DEFAULT_AGENT_SCOPES)
     )
     allowed_prefixes = forms.CharField(
         required=False,
@@ -45,8 +45,8 @@ class ApiKeyForm(forms.ModelForm):
 
 
 class ApiKeyAdmin(TenantScopedAdmin):
-    view_capability = "keys.manage"
-    add_capability = "keys.manage"
+    view_capability = Capability.KEYS_MANAGE
+    add_capability = Capability.KEYS_MANAGE
     list_display = ("display_prefix", "name", "tenant", "scopes", "allowed_prefixes", "status", "last_used_at")
     list_select_related = ("tenant",)
     list_filter = ("tenant",)
@@ -87,19 +87,21 @@ class ApiKeyAdmin(TenantScopedAdmin):
         return "active"
 
     def has_revoke_permission(self, request):
-        return may(request, "keys.manage")
+        return may(request, Capability.KEYS_MANAGE)
 
     @admin.action(permissions=["revoke"], description="Revoke selected keys")
     def revoke(self, request, queryset):
         done = 0
-        for key in queryset.filter(tenant_id__in=tenant_ids_with(request, "keys.manage"), revoked_at__isnull=True):
+        for key in queryset.filter(
+            tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True
+        ):
             done += services.api_key_revoke(tenant=key.tenant, actor=actor_for(request, key.tenant_id), key_id=key.pk)
         self.message_user(request, f"{done} keys revoked.")
 
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data
         tenant = data["tenant"]
-        if change or not may(request, "keys.manage", tenant.pk):
+        if change or not may(request, Capability.KEYS_MANAGE, tenant.pk):
             raise PermissionDenied
         key, raw = services.api_key_create(
             tenant=tenant,

@@ -17,6 +17,7 @@ from django.utils.html import format_html
 from memories import services
 from memories.admin.display import actor_label
 from memories.models import ForgetRequest
+from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may
 
 
@@ -49,8 +50,8 @@ class ForgetRequestForm(forms.ModelForm):
 
 
 class ForgetRequestAdmin(TenantScopedAdmin):
-    view_capability = "forget.view"
-    add_capability = "forget.create"
+    view_capability = Capability.FORGET_VIEW
+    add_capability = Capability.FORGET_CREATE
     list_display = ("id", "tenant", "status", "target", "due_at", "overdue", "created_at", "completed_at")
     list_select_related = ("tenant",)
     list_filter = ("tenant", OverdueFilter, "status")
@@ -119,7 +120,7 @@ class ForgetRequestAdmin(TenantScopedAdmin):
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data
         tenant = data["tenant"]
-        if change or not may(request, "forget.create", tenant.pk):
+        if change or not may(request, Capability.FORGET_CREATE, tenant.pk):
             raise PermissionDenied
         created = services.forget_request_create(
             tenant=tenant,

@@ -9,6 +9,7 @@ from django.core.exceptions import PermissionDenied
 
 from memories.models import Membership
 from memories.services import staff
+from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
 
 
@@ -30,10 +31,10 @@ class MembershipForm(forms.ModelForm):
 
 
 class MembershipAdmin(TenantScopedAdmin):
-    view_capability = "members.manage"
-    add_capability = "members.manage"
-    change_capability = "members.manage"
-    delete_capability = "members.manage"
+    view_capability = Capability.MEMBERS_MANAGE
+    add_capability = Capability.MEMBERS_MANAGE
+    change_capability = Capability.MEMBERS_MANAGE
+    delete_capability = Capability.MEMBERS_MANAGE
     list_display = ("user", "tenant", "role", "created_at")
     list_filter = ("tenant", "role")
     search_fields = ("user__username",)
@@ -52,7 +53,7 @@ class MembershipAdmin(TenantScopedAdmin):
 
     def save_model(self, request, obj, form, change):
         tenant = obj.tenant if change else form.cleaned_data["tenant"]
-        if not may(request, "members.manage", tenant.pk):
+        if not may(request, Capability.MEMBERS_MANAGE, tenant.pk):
             raise PermissionDenied
         username = obj.user.get_username() if change else form.cleaned_data["username"]
         membership = staff.membership_set(
@@ -64,7 +65,7 @@ class MembershipAdmin(TenantScopedAdmin):
         staff.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
 
     def delete_queryset(self, request, queryset):
-        for membership in queryset.filter(tenant_id__in=tenant_ids_with(request, "members.manage")):
+        for membership in queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE)):
             self.delete_model(request, membership)
 
 

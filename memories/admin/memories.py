@@ -18,7 +18,7 @@ from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
 from memories import services
-from memories.admin.display import actor_label, service_error_text, when
+from memories.admin.display import actor_label, when
 from memories.admin.memory_filters import (
     CategoryFilter,
     ExpiryFilter,
@@ -31,7 +31,8 @@ from memories.models import Memory, Tenant
 from memories.services import staff
 from zeromem.kernel import validation
 from zeromem.kernel.errors import ServiceError
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
+from zeromem.kernel.scopes import Capability
+from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
 
 
 class MemoryActionForm(helpers.ActionForm):
@@ -137,9 +138,9 @@ class MemoryForm(forms.ModelForm):
 class MemoryAdmin(TenantScopedAdmin):
     form = MemoryForm
     action_form = MemoryActionForm
-    view_capability = "memory.view"
-    add_capability = "memory.edit"
-    change_capability = "memory.edit"
+    view_capability = Capability.MEMORY_VIEW
+    add_capability = Capability.MEMORY_EDIT
+    change_capability = Capability.MEMORY_EDIT
     delete_capability = None  # a delete moves to the trash or forgets: both are actions
     list_display = ("key", "tenant", "category", "subject", "version", "updated_at", "expires_at", "state")
     list_select_related = ("tenant",)
@@ -223,7 +224,7 @@ class MemoryAdmin(TenantScopedAdmin):
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data
         tenant = obj.tenant if change else data["tenant"]
-        if not may(request, "memory.edit", tenant.pk):
+        if not may(request, Capability.MEMORY_EDIT, tenant.pk):
             raise PermissionDenied
         actor = actor_for(request, tenant.pk)
         if change:
@@ -339,10 +340,10 @@ class MemoryAdmin(TenantScopedAdmin):
     # --- actions --------------------------------------------------------------------------
 
     def has_edit_permission(self, request):
-        return may(request, "memory.edit")
+        return may(request, Capability.MEMORY_EDIT)
 
     def _editable(self, request, queryset):
-        return queryset.filter(tenant_id__in=tenant_ids_with(request, "memory.edit")).select_related("tenant")
+        return queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMORY_EDIT)).select_related("tenant")
 
     @admin.action(permissions=["edit"], description="Forget selected memories (a forget request)")
     def forget_selected(self, request, queryset):

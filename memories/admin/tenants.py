@@ -16,13 +16,14 @@ from memories.admin.charts import dashboard_context
 from memories.models import Membership, Tenant
 from memories.selectors.dashboard import tenant_dashboard
 from memories.services import staff
+from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
 
 
 @admin.register(Tenant)
 class TenantAdmin(TenantScopedAdmin):
     tenant_field = "pk"
-    view_capability = "tenant.view"
+    view_capability = Capability.TENANT_VIEW
     list_display = ("slug", "name", "your_role", "dashboard_link", "created_at")
     search_fields = ("slug", "name")
     ordering = ("slug",)
@@ -86,7 +87,7 @@ class TenantAdmin(TenantScopedAdmin):
         ]
 
     def dashboard_view(self, request, tenant_id: int):
-        if not may(request, "dashboard.view", tenant_id):
+        if not may(request, Capability.DASHBOARD_VIEW, tenant_id):
             raise Http404("no such tenant")
         tenant = get_object_or_404(Tenant, pk=tenant_id)
         role = staff_roles(request).get(tenant.pk)
@@ -96,7 +97,7 @@ class TenantAdmin(TenantScopedAdmin):
             "tenant": tenant,
             "role": role,
             "opts": self.opts,
-            "show_keys": may(request, "memory.view", tenant.pk),
+            "show_keys": may(request, Capability.MEMORY_VIEW, tenant.pk),
             **dashboard_context(tenant_dashboard(tenant=tenant)),
         }
         return TemplateResponse(request, "zeromem_admin/dashboard.html", context)
