@@ -114,12 +114,6 @@ class MemoryForm(forms.ModelForm):
             )
         return data
 
-    def _validate_unique(self):
-        pass  # the service decides what an existing key means (an upsert)
-
-    def validate_unique(self):
-        pass
-
     def _service_check(self, check, raw, **kwargs):
         try:
             result = check(raw, **kwargs)
@@ -218,7 +212,6 @@ class MemoryAdmin(TenantScopedAdmin):
                 staff.memory_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
             except ServiceError:
                 raise PermissionDenied from None
-        extra_context = {**(extra_context or {}), "show_history_link": True}
         return super().change_view(request, object_id, form_url, extra_context)
 
     def save_model(self, request, obj, form, change):
