@@ -7,7 +7,6 @@ from django.test import Client
 
 from memories import services
 from memories.models import Membership
-from memories.services import staff
 from tests.conftest import SYSTEM
 
 ROLES = tuple(Membership.Role.values)
@@ -16,7 +15,7 @@ PASSWORD = "correct horse battery staple"
 
 def make_staff(tenant, role: str, username: str | None = None):
     user = get_user_model().objects.create_user(username=username or f"{role}-{tenant.slug}", password=None)
-    staff.membership_set(tenant=tenant, actor=SYSTEM, username=user.username, role=role)
+    services.membership_set(tenant=tenant, actor=SYSTEM, username=user.username, role=role)
     user.refresh_from_db()
     return user
 

@@ -412,7 +412,7 @@ def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_cl
 
 
 def test_the_services_refuse_staff_whose_role_lacks_the_power_and_audit_it(tenant_a):
-    from memories.services import staff as staff_services
+    from memories import services as staff_services
     from zeromem.kernel.actors import staff_actor
     from zeromem.kernel.errors import Forbidden
 

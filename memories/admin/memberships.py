@@ -7,8 +7,8 @@ from django.contrib import admin
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 
+from memories import services
 from memories.models import Membership
-from memories.services import staff
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
 
@@ -56,13 +56,13 @@ class MembershipAdmin(TenantScopedAdmin):
         if not may(request, Capability.MEMBERS_MANAGE, tenant.pk):
             raise PermissionDenied
         username = obj.user.get_username() if change else form.cleaned_data["username"]
-        membership = staff.membership_set(
+        membership = services.membership_set(
             tenant=tenant, actor=actor_for(request, tenant.pk), username=username, role=form.cleaned_data["role"]
         )
         obj.pk, obj.user, obj.tenant, obj.created_at = membership.pk, membership.user, tenant, membership.created_at
 
     def delete_model(self, request, obj):
-        staff.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
+        services.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
 
     def delete_queryset(self, request, queryset):
         for membership in queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE)):

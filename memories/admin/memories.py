@@ -28,7 +28,6 @@ from memories.admin.memory_filters import (
     TagFilter,
 )
 from memories.models import Memory, Tenant
-from memories.services import staff
 from zeromem.kernel import validation
 from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import Capability
@@ -209,7 +208,7 @@ class MemoryAdmin(TenantScopedAdmin):
         obj = self.get_object(request, unquote(object_id))
         if request.method == "GET":
             try:
-                staff.memory_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
+                services.memory_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
             except ServiceError:
                 raise PermissionDenied from None
         return super().change_view(request, object_id, form_url, extra_context)
@@ -267,7 +266,7 @@ class MemoryAdmin(TenantScopedAdmin):
         if not self.has_view_permission(request, obj):
             raise PermissionDenied
         try:
-            versions = staff.memory_versions_view(
+            versions = services.memory_versions_view(
                 tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk
             )
         except ServiceError:
@@ -316,7 +315,7 @@ class MemoryAdmin(TenantScopedAdmin):
         if not self.has_change_permission(request, obj):
             raise PermissionDenied
         try:
-            result = staff.memory_restore_version(
+            result = services.memory_restore_version(
                 tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk, version=version
             )
         except ServiceError as exc:

@@ -15,7 +15,6 @@ from memories import services
 from memories.admin.charts import dashboard_context
 from memories.models import Membership, Tenant
 from memories.selectors.dashboard import tenant_dashboard
-from memories.services import staff
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
 
@@ -64,7 +63,7 @@ class TenantAdmin(TenantScopedAdmin):
     def save_model(self, request, obj, form, change):
         if change:
             original = Tenant.objects.get(pk=obj.pk)  # form.save() already set the new values on obj
-            staff.tenant_settings_update(
+            services.tenant_settings_update(
                 tenant=original,
                 actor=actor_for(request, obj.pk),
                 name=form.cleaned_data["name"],

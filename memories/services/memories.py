@@ -25,7 +25,7 @@ from memories.models import Memory, MemoryVersion, Tenant
 from memories.services import retention
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
-from zeromem.kernel.errors import PreconditionFailed
+from zeromem.kernel.errors import InvalidInput, PreconditionFailed
 from zeromem.kernel.scopes import Scope
 
 Outcome = AuditEvent.Outcome
@@ -465,3 +465,121 @@ def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None)
             version=memory.version,
         )
         return versions
+
+
+def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory | None:
+    """Open one memory of ``tenant`` by id — live, expired or trashed — with its value.
+
+    Opening a value is a read: it needs ``memory:read`` and is audited as ``memory.view``.
+    Another tenant's id answers None, exactly like a missing one. Cost: one primary-key
+    SELECT and the audit INSERT (no access-counter update: staff reading is not agent use).
+    """
+    with _operation(tenant=tenant, actor=actor, action="memory.view"):
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, action="memory.view")
+        if memory is None:
+            return None
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.view",
+            target=memory.key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            version=memory.version,
+        )
+        return memory
+
+
+def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, action: str) -> Memory | None:
+    """The tenant's memory (any state) the actor may read, or None after auditing the miss."""
+    require_scope(actor, Scope.MEMORY_READ)
+    memory = Memory.objects.for_tenant(tenant).filter(pk=_pk(memory_id)).first()
+    if memory is None:
+        audit_record(tenant=tenant, actor=actor, action=action, outcome=Outcome.NOT_FOUND)
+        return None
+    require_key_allowed(actor, memory.key)
+    return memory
+
+
+def memory_versions_view(*, tenant: Tenant, actor: Actor, memory_id: Any, limit: int = 200) -> list | None:
+    """The versions of one memory (any state), newest first, values included: audited as
+    ``memory.history``. None when the memory is not the tenant's."""
+    with _operation(tenant=tenant, actor=actor, action="memory.history"):
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, action="memory.history")
+        if memory is None:
+            return None
+        versions = list(
+            MemoryVersion.objects.filter(tenant=tenant, memory=memory).order_by("-version")[: max(1, limit)]
+        )
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.history",
+            target=memory.key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            count=len(versions),
+            version=memory.version,
+        )
+        return versions
+
+
+def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, version: Any) -> MemoryResult:
+    """Make an old version's value current again: a *new* version (op ``restore``) holding
+    that value, so the history keeps the bad write too. Only live memories (restore a
+    trashed one from the trash first). Audited as ``memory.restore_version`` with the
+    version restored from in ``detail.from_version``.
+
+    Cost: the version SELECT, one conditional UPDATE, the version INSERT, the audit INSERT.
+    """
+    with _operation(tenant=tenant, actor=actor, action="memory.restore_version"):
+        require_scope(actor, Scope.MEMORY_WRITE)
+        version = validation.version(version, field="version")
+        if version is None:
+            raise InvalidInput("must be a version number", field="version")
+        memory = Memory.objects.for_tenant(tenant).live().filter(pk=_pk(memory_id)).select_for_update().first()
+        old = (
+            MemoryVersion.objects.filter(tenant=tenant, memory=memory, version=version).first()
+            if memory is not None
+            else None
+        )
+        if memory is None or old is None:
+            audit_record(
+                tenant=tenant,
+                actor=actor,
+                action="memory.restore_version",
+                target=memory.key if memory else "",
+                outcome=Outcome.NOT_FOUND,
+                detail={"from_version": version},
+            )
+            return MemoryResult(status="not_found", key=memory.key if memory else "")
+        require_key_allowed(actor, memory.key)
+        validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
+        now = timezone.now()
+        Memory.objects.filter(pk=memory.pk).update(
+            value=old.value,
+            search_text=search.index_text(key=memory.key, value=old.value),
+            version=F("version") + 1,
+            updated_at=now,
+        )
+        memory.refresh_from_db()
+        _record_version(memory, MemoryVersion.Op.RESTORE, actor, now)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.restore_version",
+            target=memory.key,
+            subject=memory.subject,
+            outcome=Outcome.OK,
+            version=memory.version,
+            detail={"from_version": version},
+        )
+        return MemoryResult(status="ok", key=memory.key, memory=memory)
+
+
+def _pk(raw: Any) -> int:
+    try:
+        pk = int(raw)
+    except (TypeError, ValueError):
+        return 0
+    return pk if 0 < pk < 2**63 else 0

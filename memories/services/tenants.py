@@ -1,4 +1,5 @@
-"""Tenants and API keys: created and revoked here, audited in the same transaction."""
+"""Tenants (created, their name and limits changed) and API keys (created, revoked), audited in
+the same transaction."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.services import audit_record
+from audit.services import audited_operation as _operation
 from memories.models import ApiKey, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
@@ -89,3 +91,36 @@ def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
             outcome=Outcome.OK if updated else Outcome.NOT_FOUND,
         )
     return bool(updated)
+
+
+def tenant_settings_update(*, tenant: Tenant, actor: Actor, name: Any, value_max_bytes: Any, trash_retention_days: Any):
+    """Change a tenant's name and limits (the admin's Tenant page; superusers only, which the
+    admin checks). Audited as ``tenant.update`` with the fields that changed."""
+    with _operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug):
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise InvalidInput("must be 1-200 characters", field="name")
+        for field, raw in (("value_max_bytes", value_max_bytes), ("trash_retention_days", trash_retention_days)):
+            if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
+                raise InvalidInput("must be a positive whole number or empty", field=field)
+        changes = {
+            field: new
+            for field, new in (
+                ("name", name),
+                ("value_max_bytes", value_max_bytes),
+                ("trash_retention_days", trash_retention_days),
+            )
+            if getattr(tenant, field) != new
+        }
+        if changes:
+            Tenant.objects.filter(pk=tenant.pk).update(**changes)
+            for field, new in changes.items():
+                setattr(tenant, field, new)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="tenant.update",
+            target=tenant.slug,
+            outcome=Outcome.OK,
+            detail={"changed": sorted(changes)},
+        )
+        return tenant
