@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "memories",
     "audit",
     "memories.portal",
+    "zeromem.bench",
 ]
 # The model every tenant-scoped row refers to; the audit app reaches it by this label
 # (zeromem/kernel/tenancy.py), so that it never imports the memories app.

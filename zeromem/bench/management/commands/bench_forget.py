@@ -26,14 +26,15 @@ import json
 import secrets
 import time
 
-from django.core.management.base import BaseCommand, CommandError
-from django.db import connection, transaction
+from django.core.management.base import CommandError
+from django.db import transaction
 from django.test import Client
 from django.utils import timezone
 from django_q.models import OrmQ
 
 from memories import search, services
 from memories.models import ForgetRequest, Memory, MemoryVersion
+from zeromem.bench.options import BenchCommand
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.scopes import Scope
 
@@ -41,19 +42,20 @@ TARGET_SECONDS = 10.0
 SEED_BATCH = 2000
 
 
-class Command(BaseCommand):
+class Command(BenchCommand):
     help = "Time a forget request of a subject with 10k memories, from its 202 to completed (PostgreSQL)."
 
-    def add_arguments(self, parser):
+    shared_options = ("json",)
+    postgresql_needed = "bench_forget measures PostgreSQL: set DATABASE_URL=postgres://..."
+
+    def add_bench_arguments(self, parser):
         parser.add_argument("--memories", type=int, default=10_000, help="memories of the subject (10000)")
         parser.add_argument("--versions", type=int, default=2, help="versions per memory (2)")
         parser.add_argument("--others", type=int, default=10_000, help="memories of other subjects (10000)")
         parser.add_argument("--batch-size", type=int, default=0, help="erase batch size (default: the job's)")
-        parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def handle(self, *args, **opts):
-        if connection.vendor != "postgresql":
-            raise CommandError("bench_forget measures PostgreSQL: set DATABASE_URL=postgres://...")
+        self.require_postgresql()
         for name in ("memories", "versions"):
             if opts[name] < 1:
                 raise CommandError(f"--{name} must be at least 1")
@@ -105,22 +107,26 @@ class Command(BaseCommand):
             "other_subjects_kept": survivors,
             "receipt": receipt,
         }
-        if opts["json"]:
-            self.stdout.write(json.dumps(report))
-            return
-        self.stdout.write(
-            f"seeded {seeded['memories']} memories of '{subject}' × {opts['versions']} versions "
-            f"(+{seeded['summaries']} summary, {seeded['others']} of other subjects) in {tenant.slug}"
+        self.subject, self.versions = subject, opts["versions"]
+        self.emit(report)
+
+    def print_table(self, report: dict) -> None:
+        w = self.stdout.write
+        seeded, receipt = report["seeded"], report["receipt"]
+        w(
+            f"seeded {seeded['memories']} memories of '{self.subject}' × {self.versions} versions "
+            f"(+{seeded['summaries']} summary, {seeded['others']} of other subjects) in {report['tenant']}"
         )
-        self.stdout.write(f"POST /api/v1/forget-requests → 202 in {report['accepted_ms']} ms")
-        self.stdout.write(
+        w(f"POST /api/v1/forget-requests → 202 in {report['accepted_ms']} ms")
+        w(
             f"202 → completed: {report['completed_s']} s ({report['memories_per_s']} memories/s, "
-            f"{receipt['batches']} batches of ≤{batch_size}); target ≤ {TARGET_SECONDS:g} s: "
+            f"{receipt['batches']} batches of ≤{report['batch_size']}); target ≤ {TARGET_SECONDS:g} s: "
             f"{'met' if report['meets_target'] else 'MISSED'}"
         )
-        self.stdout.write(
+        w(
             f"receipt: {receipt['memories']} memories, {receipt['versions']} versions, "
-            f"{receipt['summaries']} summaries; {left} left of the subject, {survivors} of others kept"
+            f"{receipt['summaries']} summaries; {report['left_of_subject']} left of the subject, "
+            f"{report['other_subjects_kept']} of others kept"
         )
 
     def _seed(self, tenant, subject: str, *, n: int, versions: int, others: int) -> dict:

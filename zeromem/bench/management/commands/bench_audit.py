@@ -26,7 +26,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from unittest import mock
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
 from django.utils import timezone
@@ -36,7 +36,9 @@ from audit.models import AuditEvent
 from audit.services import audit_seal
 from audit.verify import audit_verify
 from memories import services
-from memories.management.commands.bench import LOOPBACK, Samples, ratio, start_server, stop_server
+from zeromem.bench.harness import LOOPBACK, Samples, loadavg, ratio
+from zeromem.bench.options import BenchCommand
+from zeromem.bench.server import start_server, stop_server
 from zeromem.kernel.actors import Actor
 
 SYSTEM = Actor.system(job="bench_audit")
@@ -53,32 +55,28 @@ def _rss_kib(pid: int) -> int | None:
     return None
 
 
-class Command(BaseCommand):
+class Command(BenchCommand):
     help = "Audit cost (on vs off), seal/verify rates and a streamed 1M-event export's memory. PostgreSQL."
 
-    def add_arguments(self, parser):
-        parser.add_argument("--n", type=int, default=2000, help="reads per side in the on/off comparison")
+    shared_options = ("n", "json")
+    postgresql_needed = "bench_audit measures PostgreSQL: set DATABASE_URL=postgres://..."
+
+    def add_bench_arguments(self, parser):
         parser.add_argument("--events", type=int, default=200_000, help="events sealed and verified (200k)")
         parser.add_argument("--export-events", type=int, default=1_000_000, help="events exported (1M)")
         parser.add_argument("--skip", default="", help="comma-separated phases to skip: onoff,verify,export")
-        parser.add_argument("--json", action="store_true")
 
     def handle(self, *args, **opts):
-        if connection.vendor != "postgresql":
-            raise CommandError("bench_audit measures PostgreSQL: set DATABASE_URL=postgres://...")
+        self.require_postgresql()
         skip = set(filter(None, opts["skip"].split(",")))
-        self.log = self.stderr.write if opts["json"] else self.stdout.write
-        result = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
+        result = {"loadavg": loadavg()}
         if "onoff" not in skip:
             result["audit_on_off"] = self.phase_on_off(opts["n"])
         if "verify" not in skip:
             result["seal_verify"] = self.phase_seal_verify(opts["events"])
         if "export" not in skip:
             result["export"] = self.phase_export(opts["export_events"])
-        if opts["json"]:
-            self.stdout.write(json.dumps(result))
-        else:
-            self.print_table(result)
+        self.emit(result)
 
     def _tenant(self, what: str):
         return services.tenant_create(actor=SYSTEM, slug=f"bench-audit-{what}-{secrets.token_hex(3)}")

@@ -39,13 +39,15 @@ import threading
 import time
 from datetime import timedelta
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection
 from django.utils import timezone
 
 from memories import services
 from memories.models import Memory, MemoryVersion
 from memories.services import retention
+from zeromem.bench.harness import nearest_rank
+from zeromem.bench.options import BenchCommand
 from zeromem.kernel.actors import Actor
 
 TARGET_ROWS_PER_S = 50_000
@@ -56,10 +58,7 @@ ACTOR = Actor.system(job="bench_purge")
 
 def percentile(sorted_s: list[float], q: float) -> float:
     """Nearest-rank percentile of samples in seconds, in milliseconds."""
-    if not sorted_s:
-        return float("nan")
-    rank = max(1, math.ceil(q * len(sorted_s)))
-    return sorted_s[min(rank, len(sorted_s)) - 1] * 1000
+    return nearest_rank(sorted_s, q) * 1000
 
 
 class Reader(threading.Thread):
@@ -106,20 +105,22 @@ class Reader(threading.Thread):
             connection.close()
 
 
-class Command(BaseCommand):
+class Command(BenchCommand):
     help = "Benchmark the TTL purge (rows/s) and concurrent read latency (PostgreSQL only)."
 
-    def add_arguments(self, parser):
+    shared_options = ("max_seconds",)
+    option_defaults = {"max_seconds": 120.0}
+    postgresql_needed = "bench_purge needs PostgreSQL (set DATABASE_URL to a throw-away database)"
+
+    def add_bench_arguments(self, parser):
         parser.add_argument("--rows", type=int, default=100_000, help="expired memories per round (default 100000)")
         parser.add_argument("--live", type=int, default=5_000, help="live memories the reader reads (default 5000)")
         parser.add_argument("--rounds", type=int, default=3, help="seed + purge rounds (default 3)")
         parser.add_argument("--batch-size", type=int, default=retention.DEFAULT_BATCH_SIZE)
         parser.add_argument("--baseline-seconds", type=float, default=3.0, help="each no-purge read phase")
-        parser.add_argument("--max-seconds", type=float, default=120.0, help="bound on each purge")
 
     def handle(self, *args, rows, live, rounds, batch_size, baseline_seconds, max_seconds, **options):
-        if connection.vendor != "postgresql":
-            raise CommandError("bench_purge needs PostgreSQL (set DATABASE_URL to a throw-away database)")
+        self.require_postgresql()
         if min(rows, live, rounds, batch_size) < 1 or rounds > 20:
             raise CommandError("--rows, --live, --batch-size must be at least 1; --rounds 1 to 20")
         if not 0 < baseline_seconds <= 60:

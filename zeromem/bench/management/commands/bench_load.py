@@ -34,12 +34,12 @@ requirement fails. The private cluster is stopped and deleted at the end.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import random
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,87 +47,27 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import psycopg
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
-from memories.management.commands.bench import (
-    LOOPBACK,
-    ConnWatch,
+from zeromem.bench.cluster import PrivateCluster, find_bindir
+from zeromem.bench.harness import (
     HttpClient,
-    free_port,
+    client_loop,
+    cpu_busy_pct,
+    healthz,
+    loadavg,
     machine_cpu,
-    percentile,
-    start_server,
-    stop_server,
-    tail,
+    percentiles,
+    sigterm_unwinds,
 )
+from zeromem.bench.options import BenchCommand
+from zeromem.bench.pgwatch import ConnWatch, connections_text, warm_until_pools_settle
+from zeromem.bench.server import running_server, tail
 
 TOOL_CALL = "/api/v1/tools/call"
-LOAD_DB = "zeromem_load"
-
-
-# --- a PostgreSQL cluster this command may stop ------------------------------------------
-
-
-class PrivateCluster:
-    """A PostgreSQL cluster on 127.0.0.1:``port``: created here (initdb into a temp dir,
-    deleted at the end) or an existing ``datadir`` given by the operator (left in place)."""
-
-    def __init__(self, *, bindir: str, log, datadir: str | None = None, port: int | None = None):
-        self.bindir = Path(bindir)
-        self.log = log
-        self.own = datadir is None
-        self.port = port or free_port()
-        self.tmp = Path(tempfile.mkdtemp(prefix="zeromem-load-pg-")) if self.own else None
-        self.datadir = self.tmp / "data" if self.own else Path(datadir)
-        self.logfile = (self.tmp or Path(tempfile.gettempdir())) / f"zeromem-load-pg-{self.port}.log"
-        self.socket_dir = self.tmp or Path(tempfile.gettempdir())
-        # PostgreSQL refuses to run as root: as root, every pg_ctl/initdb runs as "postgres".
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-
-    @property
-    def url(self) -> str:
-        return f"postgres://postgres@{LOOPBACK}:{self.port}/{LOAD_DB}"
-
-    def conninfo(self, dbname: str = LOAD_DB) -> str:
-        return f"host={LOOPBACK} port={self.port} user=postgres dbname={dbname} connect_timeout=3"
-
-    def _run(self, tool: str, *args: str, timeout: float = 120) -> None:
-        cmd = [*self.as_user, str(self.bindir / tool), *args]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            raise CommandError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
-
-    def create(self) -> None:
-        if not self.own:
-            return
-        if self.as_user:
-            shutil.chown(self.tmp, user="postgres", group="postgres")
-        self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-
-    def start(self) -> None:
-        options = f"-p {self.port} -c listen_addresses={LOOPBACK} -k {self.socket_dir}"
-        self._run("pg_ctl", "-D", str(self.datadir), "-l", str(self.logfile), "-o", options, "-w", "-t", "60", "start")
-
-    def stop_immediate(self) -> None:
-        self._run("pg_ctl", "-D", str(self.datadir), "-m", "immediate", "-w", "-t", "60", "stop")
-
-    def destroy(self) -> None:
-        if self.own:
-            try:
-                self._run("pg_ctl", "-D", str(self.datadir), "-m", "fast", "-w", "-t", "60", "stop")
-            except (CommandError, subprocess.TimeoutExpired):
-                pass  # not running
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def create_database(self) -> None:
-        import psycopg
-
-        with psycopg.connect(self.conninfo("postgres"), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{LOAD_DB}"')
-            conn.execute(f'CREATE DATABASE "{LOAD_DB}"')
 
 
 # --- the load -----------------------------------------------------------------------------
@@ -175,23 +115,16 @@ class Load:
     def run(self, tag: str, seconds: float, max_requests: int, during=None) -> Run:
         """Load for ``seconds`` (or ``max_requests``); ``during(t0)`` runs in this thread
         meanwhile (the fault timeline)."""
-        budget = iter(range(max_requests))
-        lock = threading.Lock()
-        barrier = threading.Barrier(self.n + 1)
         per_client = [Run() for _ in range(self.n)]
 
-        def client_loop(t: int):
+        def make_step(t: int):
             rng = random.Random(f"{self.seed}:{tag}:{t}")
             client, out = self.clients[t], per_client[t]
-            barrier.wait(timeout=30)
-            stop_at = time.monotonic() + seconds
-            seq = 0
-            while time.monotonic() < stop_at:
-                with lock:
-                    if next(budget, None) is None:
-                        break
+            seqs = itertools.count(1)
+
+            def step():
                 if rng.random() < self.write_ratio:
-                    seq += 1
+                    seq = next(seqs)
                     kind, key = "write", f"fact:load:w:{tag}:c{t:02}:{seq:06}"
                     value = {"client": t, "seq": seq, "nonce": rng.getrandbits(48)}
                     body = json.dumps({"name": "memory_write", "arguments": {"key": key, "value": value}}).encode()
@@ -200,16 +133,17 @@ class Load:
                     body = self.read_bodies[rng.randrange(len(self.read_bodies))]
                 out.results.append(self._one(client, kind, body, value, out.acked, key))
 
-        threads = [threading.Thread(target=client_loop, args=(t,), daemon=True) for t in range(self.n)]
-        for th in threads:
-            th.start()
-        barrier.wait(timeout=30)
-        t0 = time.monotonic()
-        if during is not None:
-            during(t0)
-        for th in threads:
-            th.join(timeout=seconds + 2 * self.timeout + 30)
-        run = Run(wall_s=time.monotonic() - t0)
+            return step
+
+        times = client_loop(
+            clients=self.n,
+            seconds=seconds,
+            max_requests=max_requests,
+            make_step=make_step,
+            join_timeout=seconds + 2 * self.timeout + 30,
+            during=during,
+        )
+        run = Run(wall_s=times.joined - times.started)
         for r in per_client:
             run.results += r.results
             run.acked += r.acked
@@ -245,13 +179,7 @@ class Load:
 
 def latency(results: list[Result]) -> dict:
     ns = sorted(int((r.done - r.sent) * 1e9) for r in results)
-    return {
-        "n": len(ns),
-        "p50_ms": round(percentile(ns, 0.50), 2),
-        "p95_ms": round(percentile(ns, 0.95), 2),
-        "p99_ms": round(percentile(ns, 0.99), 2),
-        "max_ms": round(ns[-1] / 1e6, 2) if ns else None,
-    }
+    return {"n": len(ns), **percentiles(ns, digits=2), "max_ms": round(ns[-1] / 1e6, 2) if ns else None}
 
 
 def tally(results: list[Result]) -> dict:
@@ -271,22 +199,22 @@ def tally(results: list[Result]) -> dict:
 # --- the command ----------------------------------------------------------------------------
 
 
-class Command(BaseCommand):
+class Command(BenchCommand):
     help = (
         "Load (80% memory_read / 20% memory_write from 16 clients) against the production server "
         "set-up, then the same load while a private PostgreSQL is stopped hard and restarted: "
         "throughput, percentiles, 5xx, new connections, 503s during the outage, recovery, lost writes."
     )
 
-    def add_arguments(self, parser):
+    shared_options = ("clients", "workers", "keys", "json", "seed")
+    option_defaults = {"keys": 200}
+
+    def add_bench_arguments(self, parser):
         parser.add_argument("--seconds", type=float, default=180.0, help="steady phase length (180 s)")
         parser.add_argument("--fault-seconds", type=float, default=60.0, help="fault phase length (60 s)")
         parser.add_argument("--outage-at", type=float, default=15.0, help="stop PostgreSQL this far in (15 s)")
         parser.add_argument("--outage-seconds", type=float, default=10.0, help="how long it stays down (10 s)")
-        parser.add_argument("--clients", type=int, default=16, help="concurrent keep-alive clients (16)")
         parser.add_argument("--write-ratio", type=float, default=0.2, help="share of memory_write calls (0.2)")
-        parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes (2)")
-        parser.add_argument("--keys", type=int, default=200, help="seeded keys the reads pick from (200)")
         parser.add_argument("--max-requests", type=int, default=1_000_000, help="request cap per phase")
         parser.add_argument(
             "--client-timeout", type=float, default=15.0, help="bound of every client read, s (15; > DB_POOL_TIMEOUT)"
@@ -302,59 +230,45 @@ class Command(BaseCommand):
         )
         parser.add_argument("--pg-port", type=int, default=0, help="its port on 127.0.0.1 (with --pg-datadir)")
         parser.add_argument("--skip-steady", action="store_true", help="only the fault phase")
-        parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-        parser.add_argument("--seed", type=int, default=1)
 
     def handle(self, *args, **opts):
         self._check_options(opts)
         self.opts = opts
-        self.log = (lambda msg: self.stderr.write(msg)) if opts["json"] else (lambda msg: self.stdout.write(msg))
-        bindir = opts["pg_bindir"] or self._find_bindir()
+        bindir = opts["pg_bindir"] or find_bindir()
         cluster = PrivateCluster(
             bindir=bindir, log=self.log, datadir=opts["pg_datadir"] or None, port=opts["pg_port"] or None
         )
-        server = None
         var_dir = tempfile.mkdtemp(prefix="zeromem-load-var-")  # the server's file cache
-        previous_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
-        try:
-            self.log(f"PostgreSQL: {'initdb in ' + str(cluster.datadir) if cluster.own else cluster.datadir}")
-            cluster.create()
-            cluster.start()
-            cluster.create_database()
-            self.env = {**os.environ, "DATABASE_URL": cluster.url, "ZEROMEM_ENV": "development"}
-            self._manage("migrate", "--noinput", "-v", "0")
-            api_key = self._tenant_and_key()
-            pool = self._manage(
-                "shell",
-                "-v",
-                "0",
-                "-c",
-                "import json; from django.conf import settings as s; d = s.DATABASES['default']; "
-                "print(json.dumps({**d['OPTIONS']['pool'], 'health_checks': d['CONN_HEALTH_CHECKS']}))",
-            )
-            self.pool = json.loads(pool.strip().splitlines()[-1])
-            server = start_server(
-                database_url=cluster.url,
-                workers=opts["workers"],
-                log=self.log,
-                extra_env={"ZEROMEM_VAR_DIR": var_dir},
-            )
-            result = self.run_all(cluster, server, api_key)
-            server["keep_log"] = False
-        finally:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-            if server is not None:
-                stop_server(server)
-                if server.get("keep_log") is False:
-                    Path(server["log"]).unlink(missing_ok=True)
-                else:
-                    self.stderr.write(f"server log kept: {server['log']}")
-            cluster.destroy()
-            shutil.rmtree(var_dir, ignore_errors=True)
-        if opts["json"]:
-            self.stdout.write(json.dumps(result, default=str))
-        else:
-            self.print_table(result)
+        with sigterm_unwinds():
+            try:
+                self.log(f"PostgreSQL: {'initdb in ' + str(cluster.datadir) if cluster.own else cluster.datadir}")
+                cluster.create()
+                cluster.start()
+                cluster.create_database()
+                self.env = {**os.environ, "DATABASE_URL": cluster.url, "ZEROMEM_ENV": "development"}
+                self._manage("migrate", "--noinput", "-v", "0")
+                api_key = self._tenant_and_key()
+                pool = self._manage(
+                    "shell",
+                    "-v",
+                    "0",
+                    "-c",
+                    "import json; from django.conf import settings as s; d = s.DATABASES['default']; "
+                    "print(json.dumps({**d['OPTIONS']['pool'], 'health_checks': d['CONN_HEALTH_CHECKS']}))",
+                )
+                self.pool = json.loads(pool.strip().splitlines()[-1])
+                with running_server(
+                    stderr=self.stderr,
+                    database_url=cluster.url,
+                    workers=opts["workers"],
+                    log=self.log,
+                    extra_env={"ZEROMEM_VAR_DIR": var_dir},
+                ) as server:
+                    result = self.run_all(cluster, server, api_key)
+            finally:
+                cluster.destroy()
+                shutil.rmtree(var_dir, ignore_errors=True)
+        self.emit(result)
         failed = [name for name, check in result["checks"].items() if not check["ok"]]
         if failed:
             raise CommandError(f"requirements not met: {', '.join(failed)}")
@@ -373,16 +287,6 @@ class Command(BaseCommand):
             raise CommandError("--pg-datadir needs --pg-port")
         if opts["pg_port"] == 5432 or (opts["pg_port"] and not opts["pg_datadir"]):
             raise CommandError("name a cluster of your own with --pg-datadir and --pg-port (never the shared 5432)")
-
-    @staticmethod
-    def _find_bindir() -> str:
-        pg_ctl = shutil.which("pg_ctl")
-        if pg_ctl:
-            return str(Path(os.path.realpath(pg_ctl)).parent)
-        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
-        if found:
-            return str(found[-1].parent)
-        raise CommandError("pg_ctl not found: install PostgreSQL's server package or pass --pg-bindir")
 
     def _manage(self, *args: str) -> str:
         done = subprocess.run(
@@ -410,8 +314,6 @@ class Command(BaseCommand):
     # ------------------------------------------------------------------ phases
 
     def run_all(self, cluster: PrivateCluster, server: dict, api_key: str) -> dict:
-        import psycopg
-
         opts = self.opts
         port = server["port"]
         read_keys = [f"fact:load:r:{i:05d}" for i in range(opts["keys"])]
@@ -427,7 +329,7 @@ class Command(BaseCommand):
         self.log(f"tenant {self.slug}: {len(read_keys)} memories seeded")
 
         load = Load(port=port, api_key=api_key, clients=opts["clients"], read_keys=read_keys, opts=opts)
-        loadavg0 = [round(x, 2) for x in os.getloadavg()]
+        loadavg0 = loadavg()
         try:
             steady = None if opts["skip_steady"] else self.phase_steady(load, cluster)
             self.log(
@@ -437,7 +339,7 @@ class Command(BaseCommand):
             faults = self.phase_faults(load, cluster, port)
         finally:
             load.close()
-        loadavg1 = [round(x, 2) for x in os.getloadavg()]
+        loadavg1 = loadavg()
 
         self.log("verifying acknowledged writes")
         acked = (steady["run"].acked if steady else []) + faults["run"].acked
@@ -500,9 +402,7 @@ class Command(BaseCommand):
                 "cpus": os.cpu_count(),
                 "loadavg_at_start": loadavg0,
                 "loadavg_at_end": loadavg1,
-                "steady_cpu_busy_pct": round(100 * (m1[0] - m0[0]) / (m1[1] - m0[1]), 1)
-                if m0 and m1 and m1[1] > m0[1]
-                else None,
+                "steady_cpu_busy_pct": cpu_busy_pct(m0, m1),
                 "tenant": self.slug,
             },
             "steady": {k: v for k, v in steady.items() if k not in ("run", "machine_cpu")} if steady else None,
@@ -516,14 +416,7 @@ class Command(BaseCommand):
         watch = ConnWatch(cluster.conninfo(), set())
         try:
             # Warm-up until the workers' pools stop growing (rounds of 3 s, at most 6).
-            warm = []
-            for i in range(6):
-                before = watch.sessions()
-                load.run(f"warm{i}", 3.0, opts["max_requests"])
-                time.sleep(1.1)  # a new backend reports its session when it first goes idle
-                warm.append(watch.sessions() - before)
-                if warm[-1] == 0:
-                    break
+            warm = warm_until_pools_settle(watch, lambda i: load.run(f"warm{i}", 3.0, opts["max_requests"]))
             self.log(f"steady: {opts['seconds']:.0f} s, {opts['clients']} clients (warm-up opened {warm} connections)")
             watch.start()
             m0 = machine_cpu()
@@ -607,11 +500,7 @@ class Command(BaseCommand):
 
     def _healthz(self, port: int) -> int:
         try:
-            c = http.client.HTTPConnection(LOOPBACK, port, timeout=self.opts["client_timeout"])
-            c.request("GET", "/healthz")
-            code = c.getresponse().status
-            c.close()
-            return code
+            return healthz(port, timeout=self.opts["client_timeout"])[0]
         except OSError:
             return 0
 
@@ -693,9 +582,7 @@ class Command(BaseCommand):
                 w(f"    {name:<14}{x['n']:>8}{x['p50_ms']:>9}{x['p95_ms']:>9}{x['p99_ms']:>9}{x['max_ms']:>9}")
             cn = s["connections"]
             w(
-                f"    new DB connections during the run: {cn['new_sessions_pg_stat_database']} "
-                f"(pg_stat_database.sessions), {cn['new_backends_seen_pg_stat_activity']} (pg_stat_activity); "
-                f"client backends {cn['client_backends_before']} → {cn['client_backends_after']} "
+                f"    new DB connections during the run: {connections_text(cn)} "
                 f"(warm-up opened {s['warmup_new_connections']})"
             )
         f = r["faults"]
@@ -744,7 +631,3 @@ class Command(BaseCommand):
         for name, check in r["checks"].items():
             w(f"    {name:<54} {str(check['value']):>10}   {'PASS' if check['ok'] else 'FAIL'}")
         w(f"  tenant {c['tenant']} lived in the private cluster, which is deleted.")
-
-
-def _raise_system_exit(signum, frame):
-    raise SystemExit(128 + signum)

@@ -22,12 +22,13 @@ import time
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
 
 from memories import services
 from memories.models import Tenant
+from zeromem.bench.options import BenchCommand
 from zeromem.kernel.actors import Actor
 
 PAGES = (
@@ -44,17 +45,18 @@ PAGES = (
 )
 
 
-class Command(BaseCommand):
+class Command(BenchCommand):
     help = "Time admin pages on a tenant with many audit events and memories (PostgreSQL, throw-away DB)."
 
-    def add_arguments(self, parser):
+    postgresql_needed = "bench_admin needs PostgreSQL (set DATABASE_URL to a throw-away database)"
+
+    def add_bench_arguments(self, parser):
         parser.add_argument("--events", type=int, default=1_000_000)
         parser.add_argument("--memories", type=int, default=200_000)
         parser.add_argument("--repeat", type=int, default=5)
 
     def handle(self, *args, events: int, memories: int, repeat: int, **options):
-        if connection.vendor != "postgresql":
-            raise CommandError("bench_admin needs PostgreSQL (set DATABASE_URL to a throw-away database)")
+        self.require_postgresql()
         slug = f"adminbench-{secrets.token_hex(3)}"
         tenant = Tenant.objects.create(slug=slug, name=slug)
         started = time.perf_counter()

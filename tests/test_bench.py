@@ -1,0 +1,57 @@
+"""The benchmarks' app: where the commands live, the options they share, the harness's figures.
+
+The benchmarks themselves run against a server and PostgreSQL (``manage.py bench`` …); these
+tests check only what must not drift when the shared code changes, and need no database.
+"""
+
+import math
+
+import pytest
+from django.core.management import get_commands, load_command_class
+
+from zeromem.bench.harness import Samples, nearest_rank, percentile, ratio
+
+BENCHMARKS = ("bench", "bench_load", "bench_audit", "bench_forget", "bench_purge", "bench_admin", "search_eval")
+
+
+def defaults(name: str) -> dict:
+    command = load_command_class(get_commands()[name], name)
+    return vars(command.create_parser("manage.py", name).parse_args([]))
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_commands_keep_their_names_in_the_bench_app(name):
+    assert get_commands()[name] == "zeromem.bench"
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "bench",
+            {"n": 2000, "concurrency": 16, "workers": 2, "keys": 100, "max_seconds": 600.0, "seed": 1, "json": False},
+        ),
+        ("bench_load", {"clients": 16, "workers": 2, "keys": 200, "seed": 1, "json": False}),
+        ("bench_audit", {"n": 2000, "json": False}),
+        ("bench_forget", {"json": False, "batch_size": 0}),
+        ("bench_purge", {"max_seconds": 120.0, "rounds": 3}),
+        ("bench_admin", {"events": 1_000_000, "repeat": 5}),
+        ("search_eval", {"json": False, "k": "1,3,5"}),
+    ],
+)
+def test_shared_options_keep_each_commands_own_defaults(name, expected):
+    got = defaults(name)
+    assert {key: got[key] for key in expected} == expected
+
+
+def test_percentiles_are_nearest_rank_in_milliseconds():
+    ns = [1_000_000, 2_000_000, 3_000_000, 4_000_000]
+    assert (nearest_rank(ns, 0.5), percentile(ns, 0.5), percentile(ns, 0.99)) == (2_000_000, 2.0, 4.0)
+    assert math.isnan(percentile([], 0.5))
+    summary = Samples("read", "a read", ns=[3_000_000, 1_000_000]).summary()
+    assert list(summary) == ["what", "n", "errors", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "max_ms"]
+    assert (summary["p50_ms"], summary["max_ms"], summary["mean_ms"]) == (1.0, 3.0, 2.0)
+
+
+def test_ratio_is_none_when_a_side_is_missing():
+    assert (ratio(3.0, 2.0), ratio(None, 2.0), ratio(1.0, 0), ratio(float("nan"), 1.0)) == (1.5, None, None, None)

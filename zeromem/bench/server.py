@@ -1,0 +1,174 @@
+"""The server under test, as a process: the README's production command on loopback.
+
+``uvicorn zeromem.asgi:application --workers W --http zeromem.server:NoDelayH11Protocol
+--no-access-log`` on 127.0.0.1, with ``ZEROMEM_ENV=development DEBUG=false``, the given
+``DATABASE_URL`` (so the same psycopg pool settings) and a rate limit high enough not to
+interfere. It is always stopped, with every worker, by its process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import CommandError
+
+from zeromem.bench.harness import LOOPBACK, child_pids, healthz
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def tail(path: str, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def worker_pids(master: int, workers: int) -> list[int]:
+    """The uvicorn worker processes under ``master`` (the master itself with one worker)."""
+    if workers == 1:
+        return [master]
+    pids = []
+    for pid in child_pids(master):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            pids.append(pid)
+    return pids or [master]
+
+
+def start_server(
+    *,
+    database_url: str,
+    workers: int,
+    log,
+    port: int = 0,
+    interface: str = "asgi",
+    access_log: bool = False,
+    uvicorn_args: str = "",
+    extra_env: dict | None = None,
+) -> dict:
+    """``uvicorn zeromem.asgi:application --workers N`` on 127.0.0.1 as the README's production
+    command (TCP_NODELAY protocol, pooled connections from ``database_url``), with a rate
+    limit high enough not to interfere. Returns {"proc", "port", "log", "cmd", "workers"}
+    once /healthz answers 200 from PostgreSQL; raises CommandError otherwise."""
+    port = port or free_port()
+    env = dict(os.environ)
+    env.update(
+        ZEROMEM_ENV="development",
+        DEBUG="false",
+        DATABASE_URL=database_url,
+        ZEROMEM_RATE_LIMIT_PER_MINUTE=str(10**9),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra_env or {})
+    app = "zeromem.asgi:application" if interface == "asgi" else "zeromem.wsgi:application"
+    cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        app,
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--log-level",
+        "warning",
+        # As the README's production command: TCP_NODELAY (see zeromem/server.py).
+        "--http",
+        "zeromem.server:NoDelayH11Protocol",
+    ]
+    if interface == "wsgi":
+        cmd += ["--interface", "wsgi"]
+    if not access_log:
+        cmd.append("--no-access-log")
+    extra = shlex.split(uvicorn_args)
+    if any(a in ("--host", "--uds", "--fd") or a.startswith(("--host=", "--uds=", "--fd=")) for a in extra):
+        raise CommandError("--uvicorn-args may not move the server off 127.0.0.1")
+    cmd += extra
+    logfile = tempfile.NamedTemporaryFile(prefix="zeromem-bench-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=str(settings.BASE_DIR),
+        env=env,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    server = {"proc": proc, "port": port, "log": logfile.name, "cmd": cmd}
+    log(f"server: {' '.join(cmd[2:])} (pid {proc.pid}, log {logfile.name})")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            stop_server(server)
+            raise CommandError(f"the server exited with {proc.returncode}:\n{tail(logfile.name)}")
+        try:
+            status, body = healthz(port, timeout=2)
+            if status == 200 and b'"postgresql"' in body:
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    else:
+        stop_server(server)
+        raise CommandError(f"the server did not answer /healthz within 60 s:\n{tail(logfile.name)}")
+    time.sleep(1.0)  # let every worker finish importing before the first sample
+    server["workers"] = worker_pids(proc.pid, workers)
+    return server
+
+
+def stop_server(server: dict):
+    proc: subprocess.Popen = server["proc"]
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+    # Whatever is left of the group we started (its workers), by its process group id.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@contextlib.contextmanager
+def running_server(*, stderr, **start: object) -> Iterator[dict]:
+    """:func:`start_server` for the ``with`` block, stopped at its end. Its log is deleted when
+    the block succeeds and kept (its path written to ``stderr``) when it fails."""
+    server = start_server(**start)
+    ok = False
+    try:
+        yield server
+        ok = True
+    finally:
+        stop_server(server)
+        if ok:
+            Path(server["log"]).unlink(missing_ok=True)
+        else:
+            stderr.write(f"server log kept: {server['log']}")
