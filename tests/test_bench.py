@@ -10,8 +10,18 @@ import pytest
 from django.core.management import get_commands, load_command_class
 
 from zeromem.bench.harness import Samples, nearest_rank, percentile, ratio
+from zeromem.serving import DEFAULT_THREADS, default_processes
 
-BENCHMARKS = ("bench", "bench_load", "bench_audit", "bench_forget", "bench_purge", "bench_admin", "search_eval")
+BENCHMARKS = (
+    "bench",
+    "bench_serve",
+    "bench_load",
+    "bench_audit",
+    "bench_forget",
+    "bench_purge",
+    "bench_admin",
+    "search_eval",
+)
 
 
 def defaults(name: str) -> dict:
@@ -29,9 +39,25 @@ def test_benchmark_commands_keep_their_names_in_the_bench_app(name):
     [
         (
             "bench",
-            {"n": 2000, "concurrency": 16, "workers": 2, "keys": 100, "max_seconds": 600.0, "seed": 1, "json": False},
+            {
+                "n": 2000,
+                "concurrency": 16,
+                "processes": default_processes(),
+                "threads": DEFAULT_THREADS,
+                "keys": 100,
+                "max_seconds": 600.0,
+                "seed": 1,
+                "json": False,
+            },
         ),
-        ("bench_load", {"clients": 16, "workers": 2, "keys": 200, "seed": 1, "json": False}),
+        (
+            "bench_load",
+            {"clients": 16, "processes": default_processes(), "threads": 8, "keys": 200, "seed": 1, "json": False},
+        ),
+        (
+            "bench_serve",
+            {"clients": 16, "processes": default_processes(), "threads": 8, "seconds": 5.0, "slow": 4, "json": False},
+        ),
         ("bench_audit", {"n": 2000, "json": False}),
         ("bench_forget", {"json": False, "batch_size": 0}),
         ("bench_purge", {"max_seconds": 120.0, "rounds": 3}),
