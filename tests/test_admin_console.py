@@ -17,6 +17,7 @@ from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents wher
 from memories.models import ApiKey, ForgetRequest, Membership, hash_api_key
 from tests.conftest import SYSTEM, make_key
 from tests.staff_users import ROLES, logged_in, make_staff, write
+from zeromem.kernel.errors import NotFound
 
 pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
 
@@ -245,7 +246,8 @@ def test_audit_log_filters(tenant_a, staff_clients):
     user, support = staff_clients["support"]
     memory = write(tenant_a, "user:u10086:pref_lang", "en")
     support.get(f"/admin/memories/memory/{memory.pk}/change/")
-    services.memory_read(tenant=tenant_a, actor=SYSTEM, key="user:u404:x")
+    with pytest.raises(NotFound):
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key="user:u404:x")
     _user, client = staff_clients["compliance"]
 
     def actions(query):
