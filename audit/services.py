@@ -95,7 +95,7 @@ def audit_record(
 
 
 # A ServiceError an operation has recorded carries this attribute, so an enclosing operation
-# (a tool call around the service it runs) or the surface does not record it again.
+# or the surface (AuditedAPIView, through audit_refusal) does not record it again.
 _RECORDED = "_zeromem_audit_recorded"
 
 
@@ -183,8 +183,10 @@ def audited_operation(
     nothing — and is then recorded on its own: a refusal (bad input, missing scope, forbidden
     key) as ``invalid``/``denied``/``precondition_failed`` with its code and field,
     :class:`NotFound`/:class:`Conflict` as ``not_found``/``conflict``. The innermost operation
-    that sees an error records it; enclosing ones do not record it again. An operation that
-    ends without :meth:`~AuditedOperation.record` writes no event.
+    that sees an error records it; enclosing ones do not record it again (its event is written
+    in the enclosing transaction, so an enclosing operation that fails too takes it along, as
+    a summarize attempt's refused archive). An operation that ends without
+    :meth:`~AuditedOperation.record` writes no event.
     """
     op = AuditedOperation(tenant=tenant, actor=actor, action=action, target=target)
     try:
