@@ -13,73 +13,51 @@ from django.contrib.auth import get_user_model
 from django.db.models import F
 from django.utils import timezone
 
-from audit.models import AuditEvent
-from audit.services import audit_record
+from audit.services import AuditedOperation, audited_operation
 from memories import search
 from memories.models import Membership, Memory, MemoryVersion, Tenant
-from memories.services.memories import MemoryResult, _operation, _record_version
+from memories.services.memories import MemoryResult, _record_version
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput
-from zeromem.kernel.scopes import ROLE_SCOPES, Scope
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
+from zeromem.kernel.outcomes import ActorKind, Outcome
+from zeromem.kernel.scopes import ROLE_SCOPES, Role, Scope
 
-Outcome = AuditEvent.Outcome
 
-
-def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory | None:
+def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
     """Open one memory of ``tenant`` by id — live, expired or trashed — with its value.
 
     Opening a value is a read: it needs ``memory:read`` and is audited as ``memory.view``.
-    Another tenant's id answers None, exactly like a missing one. Cost: one primary-key
-    SELECT and the audit INSERT (no access-counter update: staff reading is not agent use).
+    Another tenant's id raises :class:`NotFound`, exactly like a missing one. Cost: one
+    primary-key SELECT and the audit INSERT (no access-counter update: staff reading is not
+    agent use).
     """
-    with _operation(tenant=tenant, actor=actor, action="memory.view"):
-        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, action="memory.view")
-        if memory is None:
-            return None
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.view",
-            target=memory.key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            version=memory.version,
-        )
+    with audited_operation(tenant=tenant, actor=actor, action="memory.view") as op:
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
+        op.record(subject=memory.subject, version=memory.version)
         return memory
 
 
-def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, action: str) -> Memory | None:
-    """The tenant's memory (any state) the actor may read, or None after auditing the miss."""
+def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, op: AuditedOperation) -> Memory:
+    """The tenant's memory (any state) the actor may read; it becomes the operation's target."""
     require_scope(actor, Scope.MEMORY_READ)
     memory = Memory.objects.for_tenant(tenant).filter(pk=_pk(memory_id)).first()
     if memory is None:
-        audit_record(tenant=tenant, actor=actor, action=action, outcome=Outcome.NOT_FOUND)
-        return None
+        raise NotFound("no such memory", field="memory_id")
     require_key_allowed(actor, memory.key)
+    op.target = memory.key
     return memory
 
 
-def memory_versions_view(*, tenant: Tenant, actor: Actor, memory_id: Any, limit: int = 200) -> list | None:
+def memory_versions_view(*, tenant: Tenant, actor: Actor, memory_id: Any, limit: int = 200) -> list[MemoryVersion]:
     """The versions of one memory (any state), newest first, values included: audited as
-    ``memory.history``. None when the memory is not the tenant's."""
-    with _operation(tenant=tenant, actor=actor, action="memory.history"):
-        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, action="memory.history")
-        if memory is None:
-            return None
+    ``memory.history``. :class:`NotFound` when the memory is not the tenant's."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.history") as op:
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
         versions = list(
             MemoryVersion.objects.filter(tenant=tenant, memory=memory).order_by("-version")[: max(1, limit)]
         )
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.history",
-            target=memory.key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            count=len(versions),
-            version=memory.version,
-        )
+        op.record(subject=memory.subject, count=len(versions), version=memory.version)
         return versions
 
 
@@ -87,11 +65,12 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
     """Make an old version's value current again: a *new* version (op ``restore``) holding
     that value, so the history keeps the bad write too. Only live memories (restore a
     trashed one from the trash first). Audited as ``memory.restore_version`` with the
-    version restored from in ``detail.from_version``.
+    version restored from in ``detail.from_version``. No such live memory or version raises
+    :class:`NotFound`.
 
     Cost: the version SELECT, one conditional UPDATE, the version INSERT, the audit INSERT.
     """
-    with _operation(tenant=tenant, actor=actor, action="memory.restore_version"):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.restore_version") as op:
         require_scope(actor, Scope.MEMORY_WRITE)
         version = validation.version(version, field="version")
         if version is None:
@@ -103,15 +82,8 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
             else None
         )
         if memory is None or old is None:
-            audit_record(
-                tenant=tenant,
-                actor=actor,
-                action="memory.restore_version",
-                target=memory.key if memory else "",
-                outcome=Outcome.NOT_FOUND,
-                detail={"from_version": version},
-            )
-            return MemoryResult(status="not_found", key=memory.key if memory else "")
+            op.record(outcome=Outcome.NOT_FOUND, target=memory.key if memory else "", detail={"from_version": version})
+            raise NotFound("no such version of a live memory", field="version")
         require_key_allowed(actor, memory.key)
         validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
         now = timezone.now()
@@ -123,16 +95,7 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
         )
         memory.refresh_from_db()
         _record_version(memory, MemoryVersion.Op.RESTORE, actor, now)
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.restore_version",
-            target=memory.key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            version=memory.version,
-            detail={"from_version": version},
-        )
+        op.record(target=memory.key, subject=memory.subject, version=memory.version, detail={"from_version": version})
         return MemoryResult(status="ok", key=memory.key, memory=memory)
 
 
@@ -140,7 +103,7 @@ def membership_set(*, tenant: Tenant, actor: Actor, username: Any, role: Any) ->
     """Give an existing user ``role`` in ``tenant`` (creating or changing the membership).
     A member may log in to the admin, so the user is marked staff. Needs the admin role
     (the only role whose actor holds every scope). Audited as ``membership.set``."""
-    with _operation(tenant=tenant, actor=actor, action="membership.set"):
+    with audited_operation(tenant=tenant, actor=actor, action="membership.set") as op:
         _require_admin(actor)
         if role not in Membership.Role.values:
             raise InvalidInput(f"must be one of {', '.join(Membership.Role.values)}", field="role")
@@ -153,42 +116,29 @@ def membership_set(*, tenant: Tenant, actor: Actor, username: Any, role: Any) ->
         if not user.is_staff:
             user.is_staff = True
             user.save(update_fields=["is_staff"])
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="membership.set",
-            target=user.get_username(),
-            outcome=Outcome.OK,
-            detail={"role": role, "created": created},
-        )
+        op.record(target=user.get_username(), detail={"role": role, "created": created})
         return membership
 
 
 def membership_remove(*, tenant: Tenant, actor: Actor, membership_id: int) -> bool:
-    """End a membership of ``tenant``. Audited as ``membership.remove``."""
-    with _operation(tenant=tenant, actor=actor, action="membership.remove"):
+    """End a membership of ``tenant``; False (audited as not found) when there is none.
+    Audited as ``membership.remove``."""
+    with audited_operation(tenant=tenant, actor=actor, action="membership.remove") as op:
         _require_admin(actor)
         membership = Membership.objects.filter(tenant=tenant, pk=membership_id).select_related("user").first()
         if membership is None:
-            audit_record(tenant=tenant, actor=actor, action="membership.remove", outcome=Outcome.NOT_FOUND)
+            op.record(outcome=Outcome.NOT_FOUND)
             return False
         username = membership.user.get_username()
         role = membership.role
         membership.delete()
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="membership.remove",
-            target=username,
-            outcome=Outcome.OK,
-            detail={"role": role},
-        )
+        op.record(target=username, detail={"role": role})
         return True
 
 
 def _require_admin(actor: Actor) -> None:
     # The admin role is the only one whose actor holds all of the admin role's scopes.
-    if actor.kind != "system" and not ROLE_SCOPES["admin"] <= actor.scopes:
+    if actor.kind != ActorKind.SYSTEM and not ROLE_SCOPES[Role.ADMIN] <= actor.scopes:
         raise Forbidden(code="admin_role_required", message="only a tenant admin manages members", field=None)
 
 
@@ -203,7 +153,7 @@ def _pk(raw: Any) -> int:
 def tenant_settings_update(*, tenant: Tenant, actor: Actor, name: Any, value_max_bytes: Any, trash_retention_days: Any):
     """Change a tenant's name and limits (the admin's Tenant page; superusers only, which the
     admin checks). Audited as ``tenant.update`` with the fields that changed."""
-    with _operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug):
+    with audited_operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug) as op:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise InvalidInput("must be 1-200 characters", field="name")
         for field, raw in (("value_max_bytes", value_max_bytes), ("trash_retention_days", trash_retention_days)):
@@ -222,12 +172,5 @@ def tenant_settings_update(*, tenant: Tenant, actor: Actor, name: Any, value_max
             Tenant.objects.filter(pk=tenant.pk).update(**changes)
             for field, new in changes.items():
                 setattr(tenant, field, new)
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="tenant.update",
-            target=tenant.slug,
-            outcome=Outcome.OK,
-            detail={"changed": sorted(changes)},
-        )
+        op.record(detail={"changed": sorted(changes)})
         return tenant
