@@ -6,7 +6,7 @@ import pytest
 from audit.models import AuditEvent
 from audit.services import audit_refusal, audited_operation
 from memories.models import Memory
-from tests.conftest import SYSTEM
+from tests.factories import SYSTEM
 from zeromem.kernel.errors import Conflict, InvalidInput, NotFound
 
 
