@@ -24,7 +24,7 @@ from django.utils.html import format_html
 from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching
-from audit.services import audit_record
+from audit.services import audit_list_record
 from zeromem.kernel.errors import InvalidInput, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
@@ -171,12 +171,10 @@ class AuditEventAdmin(TenantScopedAdmin):
             shown[event.tenant] += 1
         params = {k: request.GET[k] for k in FILTER_PARAMS if request.GET.get(k)}
         for tenant, count in shown.items():
-            audit_record(
+            audit_list_record(
                 tenant=tenant,
                 actor=actor_for(request, tenant),
-                action="audit.list",
-                outcome=AuditEvent.Outcome.OK,
-                target=params.get("key_prefix", ""),
+                key_prefix=params.get("key_prefix", ""),
                 subject=params.get("subject", ""),
                 count=count,
                 detail={k: v for k, v in params.items() if k not in ("key_prefix", "subject")},

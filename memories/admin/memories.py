@@ -10,7 +10,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.http import HttpResponseRedirect
+from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
@@ -29,7 +29,7 @@ from memories.admin.memory_filters import (
 )
 from memories.models import Memory, Tenant
 from zeromem.kernel import validation
-from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.errors import Conflict, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
 
@@ -209,6 +209,8 @@ class MemoryAdmin(TenantScopedAdmin):
         if request.method == "GET":
             try:
                 services.memory_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
+            except NotFound:
+                raise Http404("no such memory") from None
             except ServiceError:
                 raise PermissionDenied from None
         return super().change_view(request, object_id, form_url, extra_context)
@@ -220,24 +222,25 @@ class MemoryAdmin(TenantScopedAdmin):
             raise PermissionDenied
         actor = actor_for(request, tenant.pk)
         if change:
-            result = services.memory_update(
-                tenant=tenant,
-                actor=actor,
-                key=obj.key,
-                value=data["value"],
-                expected_version=data.get("version") or None,
-                ttl_seconds=data.get("ttl_seconds"),
-                tags=data["tags"],
-                category=data.get("category"),
-                importance=data.get("importance"),
-            )
-            if result.status == "conflict":
-                raise ServiceError(
-                    f"the memory changed meanwhile (now version {result.current_version}); reload and retry",
-                    field="value",
+            try:
+                result = services.memory_update(
+                    tenant=tenant,
+                    actor=actor,
+                    key=obj.key,
+                    value=data["value"],
+                    expected_version=data.get("version") or None,
+                    ttl_seconds=data.get("ttl_seconds"),
+                    tags=data["tags"],
+                    category=data.get("category"),
+                    importance=data.get("importance"),
                 )
-            if result.status != "ok":
-                raise ServiceError("the memory is gone (expired or moved to the trash)", field="key")
+            except Conflict as exc:
+                raise ServiceError(
+                    f"the memory changed meanwhile (now version {exc.extra['current_version']}); reload and retry",
+                    field="value",
+                ) from None
+            except NotFound:
+                raise ServiceError("the memory is gone (expired or moved to the trash)", field="key") from None
         else:
             result = services.memory_write(
                 tenant=tenant,
@@ -269,6 +272,8 @@ class MemoryAdmin(TenantScopedAdmin):
             versions = services.memory_versions_view(
                 tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk
             )
+        except NotFound:
+            raise Http404("no such memory") from None
         except ServiceError:
             raise PermissionDenied from None
         live = obj.deleted_at is None and (obj.expires_at is None or obj.expires_at > timezone.now())
@@ -318,15 +323,12 @@ class MemoryAdmin(TenantScopedAdmin):
             result = services.memory_restore_version(
                 tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk, version=version
             )
+        except NotFound:
+            self.message_user(request, f"{obj.key} has no version {version}.", messages.ERROR)
         except ServiceError as exc:
             self.message_user(request, service_error_text(exc), messages.ERROR)
         else:
-            if result.status == "ok":
-                self.message_user(
-                    request, f"Restored version {version} of {obj.key} as version {result.memory.version}."
-                )
-            else:
-                self.message_user(request, f"{obj.key} has no version {version}.", messages.ERROR)
+            self.message_user(request, f"Restored version {version} of {obj.key} as version {result.memory.version}.")
         return HttpResponseRedirect(reverse("admin:memories_memory_history", args=[obj.pk]))
 
     # --- actions --------------------------------------------------------------------------
@@ -375,35 +377,43 @@ class MemoryAdmin(TenantScopedAdmin):
             return
         done = 0
         for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
-            result = services.memory_update(
-                tenant=memory.tenant,
-                actor=actor_for(request, memory.tenant_id),
-                key=memory.key,
-                ttl_seconds=days * 86400,
-            )
-            done += result.status == "ok"
+            try:
+                services.memory_update(
+                    tenant=memory.tenant,
+                    actor=actor_for(request, memory.tenant_id),
+                    key=memory.key,
+                    ttl_seconds=days * 86400,
+                )
+            except NotFound:
+                continue  # expired meanwhile
+            done += 1
         self.message_user(request, f"{done} memories now expire in {days} days (expired ones cannot be extended).")
 
     @admin.action(permissions=["edit"], description="Move selected memories to the trash")
     def move_to_trash(self, request, queryset):
         done = 0
         for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
-            result = services.memory_delete(
-                tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), key=memory.key
-            )
-            done += result.status == "ok"
+            try:
+                services.memory_delete(tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), key=memory.key)
+            except NotFound:
+                continue  # expired or trashed meanwhile
+            done += 1
         self.message_user(request, f"{done} memories moved to the trash.")
 
     @admin.action(permissions=["edit"], description="Restore selected memories from the trash")
     def restore_from_trash(self, request, queryset):
         done, conflicts = 0, []
         for memory in self._editable(request, queryset).filter(deleted_at__isnull=False):
-            result = services.memory_restore(
-                tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), memory_id=memory.pk
-            )
-            done += result.status == "ok"
-            if result.status == "conflict":
+            try:
+                services.memory_restore(
+                    tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), memory_id=memory.pk
+                )
+            except Conflict:
                 conflicts.append(memory.key)
+                continue
+            except NotFound:
+                continue  # restored or purged meanwhile
+            done += 1
         self.message_user(request, f"{done} memories restored from the trash.")
         if conflicts:
             self.message_user(

@@ -7,23 +7,19 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 
-from audit.models import AuditEvent
-from audit.services import audit_record
-from audit.services import audited_operation as _operation
+from audit.services import audited_operation
 from memories.models import Membership, Tenant
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden, InvalidInput
-from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import TENANT_ADMIN_SCOPES
-
-Outcome = AuditEvent.Outcome
 
 
 def membership_set(*, tenant: Tenant, actor: Actor, username: Any, role: Any) -> Membership:
     """Give an existing user ``role`` in ``tenant`` (creating or changing the membership).
     A member may log in to the admin, so the user is marked staff. Needs the admin role
     (the only role whose actor holds every scope). Audited as ``membership.set``."""
-    with _operation(tenant=tenant, actor=actor, action="membership.set"):
+    with audited_operation(tenant=tenant, actor=actor, action="membership.set") as op:
         _require_admin(actor)
         if role not in Membership.Role.values:
             raise InvalidInput(f"must be one of {', '.join(Membership.Role.values)}", field="role")
@@ -36,36 +32,23 @@ def membership_set(*, tenant: Tenant, actor: Actor, username: Any, role: Any) ->
         if not user.is_staff:
             user.is_staff = True
             user.save(update_fields=["is_staff"])
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="membership.set",
-            target=user.get_username(),
-            outcome=Outcome.OK,
-            detail={"role": role, "created": created},
-        )
+        op.record(target=user.get_username(), detail={"role": role, "created": created})
         return membership
 
 
 def membership_remove(*, tenant: Tenant, actor: Actor, membership_id: int) -> bool:
-    """End a membership of ``tenant``. Audited as ``membership.remove``."""
-    with _operation(tenant=tenant, actor=actor, action="membership.remove"):
+    """End a membership of ``tenant``; False (audited as not found) when there is none.
+    Audited as ``membership.remove``."""
+    with audited_operation(tenant=tenant, actor=actor, action="membership.remove") as op:
         _require_admin(actor)
         membership = Membership.objects.filter(tenant=tenant, pk=membership_id).select_related("user").first()
         if membership is None:
-            audit_record(tenant=tenant, actor=actor, action="membership.remove", outcome=Outcome.NOT_FOUND)
+            op.record(outcome=Outcome.NOT_FOUND)
             return False
         username = membership.user.get_username()
         role = membership.role
         membership.delete()
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="membership.remove",
-            target=username,
-            outcome=Outcome.OK,
-            detail={"role": role},
-        )
+        op.record(target=username, detail={"role": role})
         return True
 
 
