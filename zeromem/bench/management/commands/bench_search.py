@@ -118,12 +118,14 @@ class Command(BenchCommand):
         seconds,
         rebuild,
         build_only,
+        ignore_retry_after,
         seed,
         processes,
         threads,
         **options,
     ):
         self.require_postgresql()
+        self.ignore_retry_after = ignore_retry_after
         rng = random.Random(seed)
         self.vocab = _vocabulary(rng)
         sizes = [int(s) for s in sizes.split(",") if s.strip()]
