@@ -322,3 +322,22 @@ def test_searches_past_the_tenants_concurrency_are_503_search_busy(api, api_b, s
             lexical._local_slots.pop(api.tenant.pk, None)
     status, body = api.call("memory_search", query="zebra")
     assert status == 200 and [x["key"] for x in body["results"]] == ["fact:a"]
+
+
+def test_a_value_of_one_huge_word_is_stored_and_the_word_not_indexed(api):
+    # PostgreSQL refuses a lexeme over 2 KiB; a 16 KiB run of one letter is no search term.
+    status, body = api.call("memory_write", key="fact:blob", value="x" * (16 * 1024 - 2) + "")
+    assert status == 200, body
+    status, body = api.call("memory_write", key="fact:mixed", value="pelican " + "y" * 5000)
+    assert status == 200, body
+    _, body = api.call("memory_search", query="pelican")
+    assert [r["key"] for r in body["results"]] == ["fact:mixed"]
+
+
+def test_a_value_of_many_distinct_chinese_bigrams_is_stored(api, tenant_a):
+    # ~87k distinct bigrams would pass PostgreSQL's 1 MB tsvector limit; the index keeps the first 20k.
+    tenant_a.value_max_bytes = 256 * 1024
+    tenant_a.save()
+    text_ = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(80000))
+    status, body = api.call("memory_write", key="fact:long_zh", value=text_)
+    assert status == 200, body

@@ -36,6 +36,12 @@ _WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
 
 # Each distinct term is indexed at most this many times (see the module docstring).
 TERM_CAP = 2
+# Longer "words" (hashes, base64, a 16 KiB run of one letter) are not indexed: nobody asks
+# for them, and PostgreSQL refuses a lexeme over 2 KiB.
+TERM_MAX_LEN = 64
+# Distinct terms indexed per memory, the first ones: PostgreSQL caps a tsvector at 1 MB,
+# which a 256 KiB value of Chinese text (~87k distinct bigrams) would pass.
+DOC_MAX_TERMS = 20000
 # PostgreSQL keeps positions up to 16383; later ones are clamped there.
 _MAX_POSITION = 16383
 # Field markers in ``Memory.search_text`` (key terms | tag terms | value terms); SQLite's
@@ -92,6 +98,8 @@ def tokenize(text: str) -> list[str]:
     text = unicodedata.normalize("NFKC", text).lower()
     terms: list[str] = []
     for word in _WORD_RE.findall(text):
+        if len(word) > TERM_MAX_LEN and not any(is_cjk(ch) for ch in word[:TERM_MAX_LEN]):
+            continue
         run: list[str] = []
         latin: list[str] = []
         for ch in word:
@@ -109,7 +117,7 @@ def tokenize(text: str) -> list[str]:
             terms.append("".join(latin))
         if run:
             terms.extend(_cjk_terms("".join(run)))
-    return terms
+    return [t for t in terms if len(t) <= TERM_MAX_LEN]
 
 
 # Longest first: the first that leaves a stem of at least 4 letters is cut.
@@ -198,6 +206,8 @@ def index_document(*, key: str, value, tags: list[str] | None = None) -> IndexDo
         for word in words:
             term = stem(word)
             n = seen.get(term, 0)
+            if n == 0 and len(seen) >= DOC_MAX_TERMS:
+                continue
             if n < TERM_CAP:
                 seen[term] = n + 1
                 kept.append(term)
