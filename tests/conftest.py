@@ -25,6 +25,16 @@ def _isolated_cache(settings):
 
 
 @pytest.fixture(autouse=True)
+def _fresh_key_cache():
+    # Each test starts with no API key verified by an earlier one (their rows are gone).
+    from memories.services import key_cache
+
+    key_cache.forget()
+    yield
+    key_cache.forget()
+
+
+@pytest.fixture(autouse=True)
 def _lazy_static_files(settings):
     # Tests run with DEBUG off, so ServeStatic would scan every static file (through the
     # finders) each time a test Client builds its middleware: ~50 ms per client. Looking

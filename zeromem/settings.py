@@ -211,6 +211,10 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = ZEROMEM_MAX_BODY_BYTES
 ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
 ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
+# A verified API key is reused for this long by the process that verified it, so a request
+# costs no key lookup; a revocation reaches every other process within this bound (the
+# process that revokes drops it at once). 0 turns the cache off. memories/services/key_cache.py
+ZEROMEM_API_KEY_CACHE_SECONDS = env.float("ZEROMEM_API_KEY_CACHE_SECONDS", default=10.0)
 ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default=6000)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
 # only when this is set (as DRF's NUM_PROXIES).

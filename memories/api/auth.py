@@ -1,7 +1,8 @@
 """API key authentication, the "has a key" permission and the per-key rate limit.
 
-The key resolves to its tenant here, once per request, in one indexed query
-(``ApiKey.lookup`` joined to its tenant); views never look the tenant up themselves.
+The key resolves to its tenant here, once per request — from the process's cache of keys it
+verified lately, else in one indexed query (``ApiKey.lookup`` joined to its tenant); views
+never look the tenant up themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rest_framework.throttling import BaseThrottle
 
 from audit.services import audit_auth_failure
 from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
+from memories.services import key_cache
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kit.http import client_ip
@@ -88,8 +90,14 @@ class ApiKeyAuthentication(BaseAuthentication):
             raise AuthFailed("malformed_credentials", "expected 'Authorization: Bearer zm_...'")
         lookup = raw[len(API_KEY_PREFIX) :].split("_", 1)[0]
         label = f"{API_KEY_PREFIX}{lookup}"[:24]
-        key = ApiKey.objects.select_related("tenant").filter(lookup=lookup).first()
-        if key is None or not hmac.compare_digest(key.key_hash, hash_api_key(raw)):
+        key_hash = hash_api_key(raw)
+        # A key this process verified lately costs no query (memories/services/key_cache.py:
+        # same hash required; revocations reach other processes within its TTL).
+        key = key_cache.get(lookup, key_hash)
+        cached = key is not None
+        if not cached:
+            key = ApiKey.objects.select_related("tenant").filter(lookup=lookup).first()
+        if key is None or not hmac.compare_digest(key.key_hash, key_hash):
             _audit_failure(request, code="invalid_key", tenant=key.tenant if key else None, label=label)
             raise AuthFailed("invalid_key", "this API key is not valid")
         now = timezone.now()
@@ -102,6 +110,8 @@ class ApiKeyAuthentication(BaseAuthentication):
         if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
             ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
             key.last_used_at = now
+        if not cached:
+            key_cache.put(key)
         return KeyPrincipal(api_key=key), key
 
     def authenticate_header(self, request):
