@@ -15,7 +15,7 @@ import ipaddress
 import json
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -171,7 +171,7 @@ class AuditedOperation:
 
 @contextmanager
 def audited_operation(
-    *, tenant: Tenant | None, actor: Actor, action: str, target: Any = ""
+    *, tenant: Tenant | None, actor: Actor, action: str, target: Any = "", atomic: bool = True
 ) -> Iterator[AuditedOperation]:
     """One transaction for a service operation and its one audit event::
 
@@ -187,10 +187,14 @@ def audited_operation(
     in the enclosing transaction, so an enclosing operation that fails too takes it along, as
     a summarize attempt's refused archive). An operation that ends without
     :meth:`~AuditedOperation.record` writes no event.
+
+    ``atomic=False`` is for an operation whose only write is its event (a read): the event
+    is one INSERT, a transaction of its own, so the operation saves the BEGIN and COMMIT
+    round trips. Inside an enclosing transaction (a batch) it is part of that one as before.
     """
     op = AuditedOperation(tenant=tenant, actor=actor, action=action, target=target)
     try:
-        with transaction.atomic():
+        with transaction.atomic() if atomic else nullcontext():
             yield op
             if op._row is not None:
                 op._write(op._row)

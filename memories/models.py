@@ -178,6 +178,19 @@ class Memory(models.Model):
         return f'"{self.pk}-{self.version}"'
 
 
+class AccessCountFold(models.Model):
+    """How far a tenant's reads are counted into ``Memory.access_count``: every
+    ``memory.read`` event of the tenant's audit seals up to ``seal`` is counted, none twice
+    (memories/services/access.py moves it in the same transaction as the counts)."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    seal = models.PositiveIntegerField(default=0)
+    folded_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"reads counted through seal {self.seal}"
+
+
 class MemoryVersion(models.Model):
     """One row per version of a memory, written with the change that made it.
 

@@ -389,7 +389,8 @@ def tool_call(*, tenant: Tenant, actor: Actor, call: Any) -> ToolAnswer:
     Cost: the service's, plus nothing for the parsing (no query)."""
     call_id = call_id_of(call)
     try:
-        with audited_operation(tenant=tenant, actor=actor, action="tool.call"):
+        # Parsing reads and writes nothing (a refusal's event is written after): no transaction.
+        with audited_operation(tenant=tenant, actor=actor, action="tool.call", atomic=False):
             tool, arguments = _resolve(*_parse(call))
         answer = ToolAnswer(_run(tool, tenant, actor, arguments), 200)
     except ServiceError as exc:

@@ -172,18 +172,19 @@ def _no_memory() -> NotFound:
 
 def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
     """The live memory at ``key``; :class:`NotFound` when there is none for this caller.
-    One indexed SELECT, an access-counter UPDATE by primary key, the audit INSERT."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key) as op:
+
+    Cost: two statements, no transaction around them — one indexed SELECT and the audit
+    INSERT (its own transaction). The read is counted through its audit event:
+    ``access_count``/``last_accessed_at`` are folded in off the request path by
+    :func:`memories.services.access.access_counts_fold` (every minute), so they lag the
+    reads by up to a minute or so and lose none."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key, atomic=False) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()
-        now = timezone.now()
-        Memory.objects.filter(pk=memory.pk).update(access_count=F("access_count") + 1, last_accessed_at=now)
-        memory.access_count += 1
-        memory.last_accessed_at = now
         op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
 
