@@ -206,3 +206,26 @@ def test_reads_of_a_deleted_then_rewritten_key_go_to_the_memory_read(tenant_a):
 def test_the_fold_is_scheduled_every_minute():
     func, _type, minutes = SCHEDULES["zeromem:access-counts"]
     assert func == "memories.tasks.access_counts_fold_task" and minutes == 1
+
+
+# --- middleware ----------------------------------------------------------------------------
+
+
+def test_static_files_are_still_served(settings, tmp_path, client):
+    settings.STATIC_ROOT = tmp_path
+    (tmp_path / "zm-probe.txt").write_text("probe")
+    r = client.get("/static/zm-probe.txt")
+    assert r.status_code == 200 and r["Content-Length"] == "5"
+    assert client.get("/static/missing.txt").status_code == 404
+
+
+def test_wsgi_requests_outside_static_go_through_no_async_adapter(db, client, monkeypatch):
+    # ServeStatic's middleware is async-only: adapted under WSGI it made every request run
+    # through async_to_sync (an event loop and thread hops). Only /static/ pays that now.
+    from asgiref import sync
+
+    calls = []
+    real = sync.AsyncToSync.__call__
+    monkeypatch.setattr(sync.AsyncToSync, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    assert client.get("/healthz").status_code == 200
+    assert calls == []

@@ -64,7 +64,7 @@ ZEROMEM_TENANT_MODEL = "memories.Tenant"
 MIDDLEWARE = [
     "zeromem.middleware.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "servestatic.middleware.ServeStaticMiddleware",
+    "zeromem.middleware.StaticFilesMiddleware",  # ServeStatic, on /static/ only
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
