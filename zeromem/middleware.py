@@ -1,6 +1,6 @@
 """Request context: an id for every request (echoed as X-Request-ID and kept in the audit
-log) and the transport body cap (413 before any parsing); static files without making every
-other request pay for them."""
+log) and the transport body cap (413 before any parsing); static files, sessions, CSRF, the
+staff user and messages only where browsers need them, so API requests do not pay for them."""
 
 import json
 import re
@@ -8,7 +8,11 @@ import uuid
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
+from django.contrib.auth.middleware import AuthenticationMiddleware
+from django.contrib.messages.middleware import MessageMiddleware
+from django.contrib.sessions.middleware import SessionMiddleware
 from django.http import HttpResponse
+from django.middleware.csrf import CsrfViewMiddleware
 from servestatic.middleware import ServeStaticMiddleware
 
 from zeromem.kit.api import error_body
@@ -86,3 +90,35 @@ class StaticFilesMiddleware:
         if self.is_async or request.path_info.startswith(self.prefix):
             return self.static(request)
         return self.get_response(request)
+
+
+# Paths for programs, not browsers: an API key or nothing authenticates them, never a cookie.
+# Session, CSRF, the staff user and messages are skipped there (the admin and the portal
+# keep all four); DRF's views are CSRF-exempt and set their own ``request.user`` anyway.
+API_PATHS = ("/api/", "/healthz")
+
+
+class _BrowserOnly:
+    def __call__(self, request):
+        if request.path_info.startswith(API_PATHS):
+            return self.get_response(request)
+        return super().__call__(request)
+
+
+class BrowserSessionMiddleware(_BrowserOnly, SessionMiddleware):
+    pass
+
+
+class BrowserCsrfViewMiddleware(_BrowserOnly, CsrfViewMiddleware):
+    def process_view(self, request, callback, callback_args, callback_kwargs):
+        if request.path_info.startswith(API_PATHS):
+            return None
+        return super().process_view(request, callback, callback_args, callback_kwargs)
+
+
+class BrowserAuthenticationMiddleware(_BrowserOnly, AuthenticationMiddleware):
+    pass
+
+
+class BrowserMessageMiddleware(_BrowserOnly, MessageMiddleware):
+    pass

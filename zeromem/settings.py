@@ -65,11 +65,13 @@ MIDDLEWARE = [
     "zeromem.middleware.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "zeromem.middleware.StaticFilesMiddleware",  # ServeStatic, on /static/ only
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    # Django's session, CSRF, auth and messages middleware, skipped on /api/ and /healthz
+    # (zeromem/middleware.py: API_PATHS); the admin and the portal get all four.
+    "zeromem.middleware.BrowserSessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "zeromem.middleware.BrowserCsrfViewMiddleware",
+    "zeromem.middleware.BrowserAuthenticationMiddleware",
+    "zeromem.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
