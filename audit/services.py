@@ -538,12 +538,7 @@ def audit_event_list(
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
-        before = None
-        if cursor not in (None, ""):
-            text = validation.decode_cursor(cursor)
-            if not text or not text.isdigit() or not 1 <= int(text) <= 2**63 - 1:
-                raise InvalidInput("is not a cursor this API returned", field="cursor", code="invalid_cursor")
-            before = int(text)
+        before = validation.decode_id_cursor(cursor)
         qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
         if before is not None:
             qs = qs.filter(pk__lt=before)

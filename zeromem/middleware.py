@@ -9,6 +9,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpResponse
 
+from zeromem.kernel import validation
 from zeromem.kit.api import error_body
 
 _INCOMING_ID = re.compile(r"[A-Za-z0-9._-]{8,64}")
@@ -37,8 +38,8 @@ class RequestIdMiddleware:
     def _before(self, request):
         incoming = request.headers.get("X-Request-ID", "")
         request.request_id = incoming if _INCOMING_ID.fullmatch(incoming) else uuid.uuid4().hex
-        length = request.META.get("CONTENT_LENGTH") or "0"
-        if length.isdigit() and int(length) > settings.ZEROMEM_MAX_BODY_BYTES:
+        length = validation.ascii_int(request.META.get("CONTENT_LENGTH") or "0")
+        if length is not None and length > settings.ZEROMEM_MAX_BODY_BYTES:
             return error_response(
                 413, "too_large", f"request body is over {settings.ZEROMEM_MAX_BODY_BYTES} bytes", field="body"
             )

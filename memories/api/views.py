@@ -89,7 +89,7 @@ class ToolBatchView(AuditedAPIView):
 
 # --- memories as resources ------------------------------------------------------------
 
-_ETAG_RE = re.compile(r'^(?:W/)?"(\d+)-(\d+)"$')
+_ETAG_RE = re.compile(r'^(?:W/)?"([0-9]{1,19})-([0-9]{1,10})"$')
 
 
 def _if_match(request) -> tuple[int, int] | str | None:
