@@ -83,6 +83,11 @@ class ToolBatchView(AuditedAPIView):
         request=s.ToolBatchSerializer,
         responses={200: s.ToolBatchResultSerializer, **ERRORS},
     )
+    def rate_cost(self, request) -> int:
+        """Each call counts against the rate limit (a malformed batch costs one)."""
+        calls = request.data.get("calls") if isinstance(request.data, dict) else None
+        return min(len(calls), tools.BATCH_MAX_CALLS) if isinstance(calls, list) and calls else 1
+
     def post(self, request):
         return Response({"results": tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data)})
 
