@@ -27,6 +27,7 @@ from django.conf import settings
 from django.db import connection
 
 from tests.factories import make_key, make_tenant
+from tests.helpers import REDIS_TEST_URL, redis_or_fail
 from zeromem import serving
 
 ROOT = Path(settings.BASE_DIR)
@@ -307,3 +308,44 @@ def test_serve_refuses_to_start_when_its_connections_exceed_the_budget(tmp_path)
     ).run()
     assert done.returncode == 3, done.stdout + done.stderr
     assert "refusing to start" in done.stderr and "2 processes × pool max 10" in done.stderr
+
+
+def _race(port: int, key: str, n: int) -> list[int]:
+    """``n`` tool calls released at once from ``n`` threads: their statuses."""
+    gate = threading.Barrier(n)
+    statuses: list[int] = []
+
+    def one():
+        gate.wait()
+        statuses.append(_request(port, "POST", "/api/v1/tools/call", key=key, body=LIST, timeout=60)[0])
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    return sorted(statuses)
+
+
+LIST = {"name": "memory_list", "arguments": {}}
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("store", ["database", "redis"])
+def test_80_parallel_requests_to_several_processes_pass_a_limit_of_20_exactly_20_times(served, store):
+    """Before: the file cache's read-then-write incr let 29-41 of 80 through."""
+    redis_url = ""
+    if store == "redis":
+        redis_or_fail()
+        redis_url = REDIS_TEST_URL
+    tenant = make_tenant("serve-limit")
+    _key, raw = make_key(tenant)
+    server = served(
+        "--processes", "2", "--threads", "8",
+        DATABASE_URL=_database_url(), REDIS_URL=redis_url, ZEROMEM_RATE_LIMIT_PER_MINUTE="20",
+    )  # fmt: skip
+    while time.time() % 60 > 45:  # all 80 in one window
+        time.sleep(0.5)
+    statuses = _race(server.port, raw, 80)
+    assert statuses.count(200) == 20 and statuses.count(429) == 60, statuses
