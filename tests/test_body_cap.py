@@ -1,0 +1,80 @@
+"""The body cap (ZEROMEM_MAX_BODY_BYTES) against the WSGI application itself, with a body
+stream that counts what is read from it: a declared 100 MiB body is refused from its
+Content-Length with nothing read; a chunked one (no Content-Length; granian streams the
+decoded chunks through wsgi.input) is refused after at most the cap plus one read, and a
+small chunked body is a body, not an empty one. The same over a real socket is in
+test_serve.py."""
+
+import io
+import json
+
+import pytest
+from django.core.handlers.wsgi import WSGIHandler
+
+from memories.models import Memory
+
+MiB = 1024 * 1024
+CALL = "/api/v1/tools/call"
+
+
+class CountingBody(io.RawIOBase):
+    """``size`` bytes of blanks, made as they are read; counts the bytes read."""
+
+    def __init__(self, size: int):
+        self.size, self.read_bytes = size, 0
+
+    def read(self, n: int = -1) -> bytes:
+        left = self.size - self.read_bytes
+        n = left if n is None or n < 0 else min(n, left)
+        self.read_bytes += n
+        return b" " * n
+
+
+def _call(body, *, key: str, content_length: int | None):
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": CALL,
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "REMOTE_ADDR": "127.0.0.1",
+        "CONTENT_TYPE": "application/json",
+        "HTTP_AUTHORIZATION": f"Bearer {key}",
+        "wsgi.input": body,
+        "wsgi.url_scheme": "http",
+        "wsgi.errors": io.StringIO(),
+    }
+    if content_length is None:
+        environ["HTTP_TRANSFER_ENCODING"] = "chunked"
+    else:
+        environ["CONTENT_LENGTH"] = str(content_length)
+    answer = {}
+    chunks = WSGIHandler()(environ, lambda status, headers, *_: answer.update(status=int(status.split()[0])))
+    return answer["status"], b"".join(chunks)
+
+
+@pytest.fixture
+def raw_key(make_client, tenant_a):
+    client, _key = make_client(tenant_a)
+    return client.raw_key
+
+
+def test_a_declared_100_mib_body_is_refused_before_a_byte_is_read(raw_key):
+    body = CountingBody(100 * MiB)
+    status, content = _call(body, key=raw_key, content_length=100 * MiB)
+    assert status == 413 and json.loads(content)["error"]["code"] == "too_large"
+    assert body.read_bytes == 0
+
+
+def test_a_chunked_100_mib_body_is_refused_after_reading_at_most_the_cap(raw_key, settings):
+    """Before: Django read a chunked body as empty (400 from the tool registry)."""
+    body = CountingBody(100 * MiB)
+    status, content = _call(body, key=raw_key, content_length=None)
+    assert status == 413 and json.loads(content)["error"]["field"] == "body"
+    assert body.read_bytes == settings.ZEROMEM_MAX_BODY_BYTES + 1
+
+
+def test_a_small_chunked_body_is_read_as_the_body(raw_key, tenant_a):
+    call = json.dumps({"name": "memory_write", "arguments": {"key": "user:u1:chunked", "value": "yes"}}).encode()
+    status, content = _call(io.BytesIO(call), key=raw_key, content_length=None)
+    assert status == 200, content
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:chunked").value == "yes"
