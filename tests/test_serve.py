@@ -349,3 +349,42 @@ def test_80_parallel_requests_to_several_processes_pass_a_limit_of_20_exactly_20
         time.sleep(0.5)
     statuses = _race(server.port, raw, 80)
     assert statuses.count(200) == 20 and statuses.count(429) == 60, statuses
+
+
+def _send_until_answered(port: int, head: bytes, body_chunks) -> tuple[bytes, int]:
+    """Send ``head`` then the body until the server answers or stops reading: (the
+    answer's first bytes, body bytes sent by then — an upper bound of what it read)."""
+    import select
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.sendall(head)
+        sent = 0
+        sock.settimeout(5)  # a server that no longer reads makes sendall time out
+        for chunk in body_chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # answered
+            try:
+                sock.sendall(chunk)  # whole chunks: a partial one would break the framing
+            except (TimeoutError, BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(chunk)
+        sock.settimeout(10)
+        return sock.recv(65536), sent
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_100_mib_body_is_refused_with_413_before_it_is_read(served, framing):
+    server = served("--processes", "1", "--threads", "2", DATABASE_URL="")
+    total, piece = 100 * 1024 * 1024, 64 * 1024
+    request = b"POST /api/v1/tools/call HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if framing == "chunked":
+        head = request + b"Transfer-Encoding: chunked\r\n\r\n"
+        chunks = (b"%x\r\n" % piece + b" " * piece + b"\r\n" for _ in range(total // piece))
+    else:
+        head = request + b"Content-Length: %d\r\n\r\n" % total
+        chunks = (b" " * piece for _ in range(total // piece))
+    answer, sent = _send_until_answered(server.port, head, chunks)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    # The cap is 1 MiB; what the socket took beyond it sits in kernel buffers, unread.
+    assert sent < 8 * 1024 * 1024, sent
