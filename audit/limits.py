@@ -15,13 +15,14 @@ each closed window's count out exactly once (the failed-authentication aggregati
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from functools import cache
 
 from django.conf import settings
 from django.db import connection
 
-from audit.models import RateCounter
+from audit.models import ConcurrencySlot, RateCounter
 
 # A closed window stays countable this long, for drain_tallies to pick up.
 KEEP_SECONDS = 3600
@@ -115,3 +116,54 @@ def _redis_drain(url: str, tally: str, before: float) -> list[tuple[str, int, in
         if count is not None:
             out.append((bucket, int(start_text), int(count)))
     return out
+
+
+# --- concurrency slots: at most N pieces of expensive work per holder at once -------------
+
+_ACQUIRE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+  return 1
+end
+return 0
+"""
+
+
+def slot_acquire(holder: str, *, limit: int, lease: int) -> str | None:
+    """Take one of ``holder``'s ``limit`` slots: a token for :func:`slot_release`, or None
+    when all are taken. A slot not released within ``lease`` seconds lapses (a crashed
+    process cannot keep it). Redis: one script (prune, count, add). Database: insert, then
+    count the live slots (the inserter that finds too many takes its row back), so
+    concurrent takers may both back off but never both get in past the limit."""
+    token = uuid.uuid4().hex
+    now = time.time()
+    url = settings.ZEROMEM_REDIS_URL
+    if url:
+        script = _slot_script(url)
+        taken = script(keys=[f"zm:slot:{holder}"], args=[now - lease, limit, now, token, lease])
+        return token if taken else None
+    ConcurrencySlot.objects.create(holder=holder, token=token, started_at=now)
+    live = ConcurrencySlot.objects.filter(holder=holder, started_at__gt=now - lease).count()
+    if live > limit:
+        ConcurrencySlot.objects.filter(token=token).delete()
+        return None
+    if live == 1:
+        ConcurrencySlot.objects.filter(holder=holder, started_at__lte=now - lease).delete()
+    return token
+
+
+def slot_release(holder: str, token: str) -> None:
+    url = settings.ZEROMEM_REDIS_URL
+    if url:
+        client, *_ = _redis(url)
+        client.zrem(f"zm:slot:{holder}", token)
+    else:
+        ConcurrencySlot.objects.filter(token=token).delete()
+
+
+@cache
+def _slot_script(url: str):
+    client, *_ = _redis(url)
+    return client.register_script(_ACQUIRE)

@@ -220,3 +220,19 @@ class RateCounter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.bucket} @{self.window_start}: {self.count}"
+
+
+class ConcurrencySlot(models.Model):
+    """One piece of expensive work in progress (a search, an export) of one holder, e.g.
+    ``tenant:7``, when no Redis is configured (audit/limits.py). A row older than its
+    lease is stale (a process died mid-request) and no longer counts."""
+
+    holder = models.CharField(max_length=100)
+    token = models.CharField(max_length=32, unique=True)
+    started_at = models.FloatField()  # Unix seconds
+
+    class Meta:
+        indexes = [models.Index(fields=["holder", "started_at"], name="slot_holder_started")]
+
+    def __str__(self) -> str:
+        return f"{self.holder} {self.token}"

@@ -13,7 +13,7 @@ from memories.api import serializers as s
 from memories.portal.services import portal_link_create
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
-from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView
+from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, TenantSlotMixin
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(
@@ -56,7 +56,11 @@ class ToolListView(TenantAPIView):
         return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict == "true")})
 
 
-class ToolCallView(AuditedAPIView):
+# Tools whose cost grows with the tenant's data: each call takes a tenant slot.
+EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
+
+
+class ToolCallView(TenantSlotMixin, AuditedAPIView):
     surface = "tool"
     # A body that is not JSON never reaches the registry; it is audited as a refused call.
     audit_actions = {"POST": "tool.call"}
@@ -67,12 +71,17 @@ class ToolCallView(AuditedAPIView):
         request=s.ToolCallSerializer,
         responses={200: s.ToolResultSerializer, **ERRORS},
     )
+    def needs_tenant_slot(self, request) -> bool:
+        data = request.data if isinstance(request.data, dict) else {}
+        function = data.get("function") if isinstance(data.get("function"), dict) else {}
+        return (data.get("name") or function.get("name")) in EXPENSIVE_TOOLS
+
     def post(self, request):
         answer = tools.tool_call(tenant=self.tenant, actor=self.actor, call=request.data)
         return Response(answer.result, status=answer.http_status)
 
 
-class ToolBatchView(AuditedAPIView):
+class ToolBatchView(TenantSlotMixin, AuditedAPIView):
     surface = "tool"
     # Each call is audited by itself; a batch refused as a whole is one "tool.batch" event.
     audit_actions = {"POST": "tool.batch"}
