@@ -388,3 +388,77 @@ def test_a_100_mib_body_is_refused_with_413_before_it_is_read(served, framing):
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     # The cap is 1 MiB; what the socket took beyond it sits in kernel buffers, unread.
     assert sent < 8 * 1024 * 1024, sent
+
+
+class SlowReader(threading.Thread):
+    """GET ``path`` and read the answer a few bytes at a time until told to stop."""
+
+    def __init__(self, port: int, path: str, key: str):
+        super().__init__(daemon=True)
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+        self.status = 0
+        self.stop = threading.Event()
+
+    def run(self):
+        self.sock.sendall(self.request)
+        head = self.sock.recv(64)
+        self.status = int(head.split()[1]) if head else -1
+        while not self.stop.is_set() and self.sock.recv(64):
+            time.sleep(0.1)
+        self.sock.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_20_slow_export_readers_of_one_tenant_leave_another_tenants_reads_without_a_503(served):
+    """Before: 21 slow export readers held all pooled connections and every tenant got 503."""
+    busy, other = make_tenant("serve-busy"), make_tenant("serve-other")
+    _k, busy_key = make_key(busy)
+    _k, other_key = make_key(other)
+    with connection.cursor() as cursor:  # an export of ~15 MB, far more than socket buffers
+        cursor.execute(
+            "INSERT INTO audit_auditevent (uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label, surface,"
+            " action, target, subject, outcome, request_id, detail, digest, chain, redacted)"
+            " SELECT gen_random_uuid(), %s, now(), 'system', '', 'system', 'job', 'memory.write',"
+            " 'user:u' || g || ':preference', '', 'ok', '', '{}'::jsonb, repeat('0', 64), '', '{}'::jsonb"
+            " FROM generate_series(1, 60000) g",
+            [busy.pk],
+        )
+    server = served("--processes", "1", "--threads", "8", DATABASE_URL=_database_url())
+    write = {"name": "memory_write", "arguments": {"key": "fact:other:1", "value": 1}}
+    assert _request(server.port, "POST", "/api/v1/tools/call", key=other_key, body=write)[0] == 200
+
+    readers = [SlowReader(server.port, "/api/v1/audit-events/export", busy_key) for _ in range(20)]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while any(r.status == 0 for r in readers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        statuses = sorted(r.status for r in readers)
+        assert statuses.count(200) == 4 and statuses.count(429) == 16, statuses  # ZEROMEM_TENANT_MAX_CONCURRENT
+        read = {"name": "memory_read", "arguments": {"key": "fact:other:1"}}
+        answers = []
+
+        def reads():
+            for _ in range(10):
+                answers.append(_request(server.port, "POST", "/api/v1/tools/call", key=other_key, body=read)[0])
+                answers.append(
+                    _request(server.port, "POST", "/api/v1/tools/call", key=other_key, body=SEARCH, timeout=30)[0]
+                )
+
+        threads = [threading.Thread(target=reads) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert answers == [200] * 60, answers
+        assert all(r.is_alive() for r in readers if r.status == 200)  # still reading, slowly
+    finally:
+        for reader in readers:
+            reader.stop.set()
+
+
+SEARCH = {"name": "memory_search", "arguments": {"query": "fact"}}
