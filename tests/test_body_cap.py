@@ -78,3 +78,34 @@ def test_a_small_chunked_body_is_read_as_the_body(raw_key, tenant_a):
     status, content = _call(io.BytesIO(call), key=raw_key, content_length=None)
     assert status == 200, content
     assert Memory.objects.get(tenant=tenant_a, key="user:u1:chunked").value == "yes"
+
+
+# --- under ASGI (zeromem/asgi.py): Django would read the whole body before any middleware
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_asgi_refuses_a_100_mib_body_reading_at_most_the_cap(declared, settings):
+    import asyncio
+
+    from zeromem.asgi import application
+
+    piece, total = 64 * 1024, 100 * MiB
+    received = {"bytes": 0}
+    sent = []
+
+    async def receive():
+        received["bytes"] += piece
+        return {"type": "http.request", "body": b" " * piece, "more_body": received["bytes"] < total}
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
+    if declared:
+        headers.append((b"content-length", str(total).encode()))
+    scope = {"type": "http", "method": "POST", "path": CALL, "headers": headers, "query_string": b""}
+    scope |= {"http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}
+    asyncio.run(application(scope, receive, send))
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["code"] == "too_large"
+    assert received["bytes"] == (0 if declared else settings.ZEROMEM_MAX_BODY_BYTES + piece)
