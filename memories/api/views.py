@@ -65,17 +65,17 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
     # A body that is not JSON never reaches the registry; it is audited as a refused call.
     audit_actions = {"POST": "tool.call"}
 
+    def needs_tenant_slot(self, request) -> bool:
+        data = request.data if isinstance(request.data, dict) else {}
+        function = data.get("function") if isinstance(data.get("function"), dict) else {}
+        return (data.get("name") or function.get("name")) in EXPENSIVE_TOOLS
+
     @extend_schema(
         operation_id="tools_call",
         summary="Run one tool call as the model emitted it",
         request=s.ToolCallSerializer,
         responses={200: s.ToolResultSerializer, **ERRORS},
     )
-    def needs_tenant_slot(self, request) -> bool:
-        data = request.data if isinstance(request.data, dict) else {}
-        function = data.get("function") if isinstance(data.get("function"), dict) else {}
-        return (data.get("name") or function.get("name")) in EXPENSIVE_TOOLS
-
     def post(self, request):
         answer = tools.tool_call(tenant=self.tenant, actor=self.actor, call=request.data)
         return Response(answer.result, status=answer.http_status)
@@ -86,17 +86,17 @@ class ToolBatchView(TenantSlotMixin, AuditedAPIView):
     # Each call is audited by itself; a batch refused as a whole is one "tool.batch" event.
     audit_actions = {"POST": "tool.batch"}
 
+    def rate_cost(self, request) -> int:
+        """Each call counts against the rate limit (a malformed batch costs one)."""
+        calls = request.data.get("calls") if isinstance(request.data, dict) else None
+        return min(len(calls), tools.BATCH_MAX_CALLS) if isinstance(calls, list) and calls else 1
+
     @extend_schema(
         operation_id="tools_batch",
         summary="Run up to 50 tool calls in one round trip; each result stands alone",
         request=s.ToolBatchSerializer,
         responses={200: s.ToolBatchResultSerializer, **ERRORS},
     )
-    def rate_cost(self, request) -> int:
-        """Each call counts against the rate limit (a malformed batch costs one)."""
-        calls = request.data.get("calls") if isinstance(request.data, dict) else None
-        return min(len(calls), tools.BATCH_MAX_CALLS) if isinstance(calls, list) and calls else 1
-
     def post(self, request):
         return Response({"results": tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data)})
 

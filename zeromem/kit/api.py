@@ -143,7 +143,7 @@ ERRORS = {
     401: OpenApiResponse(ErrorSerializer, description="missing, malformed, revoked or expired key"),
     403: OpenApiResponse(ErrorSerializer, description="scope missing or key outside the allowlist"),
     413: OpenApiResponse(ErrorSerializer, description="body or value too large"),
-    429: OpenApiResponse(ErrorSerializer, description="rate limited; see Retry-After"),
+    429: OpenApiResponse(ErrorSerializer, description="rate limited, or tenant_busy; see Retry-After"),
     503: OpenApiResponse(ErrorSerializer, description="the database is unavailable; retry after Retry-After"),
 }
 
