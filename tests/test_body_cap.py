@@ -10,6 +10,8 @@ import json
 
 import pytest
 from django.core.handlers.wsgi import WSGIHandler
+from django.core.signals import request_finished, request_started
+from django.db import close_old_connections
 
 from memories.models import Memory
 
@@ -48,8 +50,15 @@ def _call(body, *, key: str, content_length: int | None):
     else:
         environ["CONTENT_LENGTH"] = str(content_length)
     answer = {}
-    chunks = WSGIHandler()(environ, lambda status, headers, *_: answer.update(status=int(status.split()[0])))
-    return answer["status"], b"".join(chunks)
+    # As Django's test client does: the request signals must not close the test's connection.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        chunks = WSGIHandler()(environ, lambda status, headers, *_: answer.update(status=int(status.split()[0])))
+        return answer["status"], b"".join(chunks)
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
 
 
 @pytest.fixture

@@ -53,6 +53,5 @@ def test_a_streamed_export_holds_its_slot_until_its_last_byte(api, tenant_a, sto
     r = api.get(EXPORT)
     assert r.status_code == 200
     assert api.get(EXPORT).status_code == 429  # the first is still being streamed
-    b"".join(r.streaming_content)
-    r.close()
+    b"".join(r.streaming_content)  # the test client closes the response after the last chunk
     assert api.get(EXPORT).status_code == 200

@@ -68,7 +68,8 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
     def needs_tenant_slot(self, request) -> bool:
         data = request.data if isinstance(request.data, dict) else {}
         function = data.get("function") if isinstance(data.get("function"), dict) else {}
-        return (data.get("name") or function.get("name")) in EXPENSIVE_TOOLS
+        name = data.get("name") or function.get("name")
+        return isinstance(name, str) and name in EXPENSIVE_TOOLS
 
     @extend_schema(
         operation_id="tools_call",
