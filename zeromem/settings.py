@@ -144,7 +144,7 @@ else:
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-# --- Cache (rate limits live here, so it must be shared by every worker process) -------
+# --- Cache (rate limits no longer live here: audit/limits.py counts them exactly) ---------
 if env.str("REDIS_URL", default=""):
     CACHES = {
         "default": {
