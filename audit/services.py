@@ -14,10 +14,11 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -26,7 +27,7 @@ from django.db.models import Q
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
-from audit import chain
+from audit import chain, limits
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import validation
@@ -249,10 +250,43 @@ def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = ""
     )
 
 
+AUTH_FAILURE_TALLY = "authfail:src:"
+
+
+class AuthThrottled(Exception):
+    """Too many failed authentications from this address or with this key prefix."""
+
+    def __init__(self, retry_after: float):
+        super().__init__("too many failed authentications")
+        self.retry_after = retry_after
+
+
 def audit_auth_failure(*, tenant: Tenant | None, actor: Actor, target: str, code: str) -> None:
-    """A request whose credentials failed (``auth.failed``, ``unauthenticated``). Its own
-    transaction: the request fails, the record of the attempt stays. ``actor`` names only
-    the public part of a key, never its secret."""
+    """A request whose credentials failed. ``tenant``: the tenant of a key whose secret
+    matched (revoked, expired) — a verified claim, recorded in that tenant's log at once.
+    Anything else (no key, a malformed one, a wrong secret) is an unverified claim: never
+    a tenant's row, only counted, per source (address, failure code, route) and minute, and
+    written later as one tenant-less ``auth.failed`` event with the count
+    (:func:`audit_auth_failures_flush`). ``target`` is the route pattern, not the path the
+    client chose. ``actor`` names only the public part of a key, never its secret.
+
+    Throttled first: past ``ZEROMEM_AUTH_FAILURES_PER_MINUTE`` failures of the address, or
+    of the key prefix, it raises :class:`AuthThrottled` and writes nothing. Cost: two or
+    three counter increments (Redis or one UPSERT each); a verified failure adds one INSERT."""
+    limit = settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE
+    address = actor.client_ip or "unknown"
+    hits = [limits.hit(f"authfail:ip:{address}")]
+    if actor.label:
+        hits.append(limits.hit(f"authfail:key:{actor.label}"))
+    over = [h for h in hits if h.count > limit]
+    if over:
+        raise AuthThrottled(max(h.retry_after for h in over))
+    if tenant is None:
+        source = json.dumps([address, code, target[:100], actor.surface], separators=(",", ":"))
+        if limits.hit(AUTH_FAILURE_TALLY + source, tally=AUTH_FAILURE_TALLY).count == 1:
+            # The first failure of a source in a minute flushes the minutes that have closed.
+            audit_auth_failures_flush()
+        return
     with transaction.atomic():
         audit_record(
             tenant=tenant,
@@ -262,6 +296,30 @@ def audit_auth_failure(*, tenant: Tenant | None, actor: Actor, target: str, code
             outcome=AuditEvent.Outcome.UNAUTHENTICATED,
             detail={"code": code},
         )
+
+
+def audit_auth_failures_flush(*, now: float | None = None) -> int:
+    """Write one tenant-less ``auth.failed`` event (``count`` = the failures) per source
+    and closed minute of unverified failed authentications; each minute once, whoever
+    flushes (the next failure, or the every-minute schedule). Returns the events written."""
+    now = time.time() if now is None else now
+    with transaction.atomic():
+        tallies = limits.drain_tallies(AUTH_FAILURE_TALLY, before=int(now // 60) * 60)
+        for bucket, start, count in tallies:
+            address, code, route, surface = json.loads(bucket[len(AUTH_FAILURE_TALLY) :])
+            address = None if address == "unknown" else address
+            actor = Actor(kind=AuditEvent.ActorKind.ANONYMOUS, surface=surface, client_ip=address)
+            minute = datetime.fromtimestamp(start, tz=UTC)
+            audit_record(
+                tenant=None,
+                actor=actor,
+                action="auth.failed",
+                target=route,
+                outcome=AuditEvent.Outcome.UNAUTHENTICATED,
+                count=count,
+                detail={"code": code, "minute": minute.isoformat()},
+            )
+    return len(tallies)
 
 
 def event_fields(row: dict) -> dict:
@@ -570,12 +628,7 @@ def audit_event_list(
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
-        before = None
-        if cursor not in (None, ""):
-            text = validation.decode_cursor(cursor)
-            if not text or not text.isdigit() or not 1 <= int(text) <= 2**63 - 1:
-                raise InvalidInput("is not a cursor this API returned", field="cursor", code="invalid_cursor")
-            before = int(text)
+        before = validation.decode_id_cursor(cursor)
         qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
         if before is not None:
             qs = qs.filter(pk__lt=before)

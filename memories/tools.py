@@ -11,9 +11,12 @@ status, recorded as ``tool.call`` when it is the call itself that is malformed.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from django.db import DatabaseError
 
 from audit.services import audited_operation
 from memories import services
@@ -410,6 +413,7 @@ def _run(tool: Tool, tenant: Tenant, actor: Actor, arguments: dict) -> dict:
 
 
 BATCH_MAX_CALLS = 50
+logger = logging.getLogger(__name__)
 
 
 def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
@@ -424,4 +428,23 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
         raise InvalidInput(f"at most {BATCH_MAX_CALLS} calls per batch", field="calls", code="too_many")
     for i, call in enumerate(calls):
         _check_shape(call, f"calls.{i}.")
-    return [tool_call(tenant=tenant, actor=actor, call=call).result for call in calls]
+    return [_batch_call(tenant, actor, call) for call in calls]
+
+
+def _batch_call(tenant: Tenant, actor: Actor, call: Any) -> dict:
+    # Earlier calls have committed by the time a later one runs, so an unexpected failure
+    # (a bug, the database going away) must be that call's result, not a 500 for the batch
+    # that would hide what was already written.
+    try:
+        return tool_call(tenant=tenant, actor=actor, call=call).result
+    except DatabaseError:
+        logger.warning("tool batch: call failed on the database", exc_info=True)
+        error = {"code": "database_unavailable", "message": "the database is unavailable; retry", "field": None}
+    except Exception:
+        logger.exception("tool batch: call failed")
+        error = {"code": "internal_error", "message": "this call failed on the server", "field": None}
+    result = {"status": "error", "error": error}
+    call_id = call_id_of(call)
+    if call_id is not None:
+        result["tool_call_id"] = call_id
+    return result

@@ -17,7 +17,10 @@ from tests.factories import SYSTEM, anonymous_client, make_keyed_client, make_te
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(settings):
-    # Rate-limit counters live in the cache; each test gets its own, never the dev server's.
+    # Each test gets its own cache, never the dev server's; rate-limit counters and tenant
+    # slots live in the test database (rolled back with it) unless a test opts into Redis
+    # (tests/helpers.py REDIS_TEST_URL), whatever REDIS_URL the shell has.
+    settings.ZEROMEM_REDIS_URL = ""
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}
     from django.core.cache import cache
 

@@ -146,7 +146,7 @@ else:
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-# --- Cache (rate limits live here, so it must be shared by every worker process) -------
+# --- Cache (rate limits no longer live here: audit/limits.py counts them exactly) ---------
 if env.str("REDIS_URL", default=""):
     CACHES = {
         "default": {
@@ -217,7 +217,18 @@ ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=3
 # costs no key lookup; a revocation reaches every other process within this bound (the
 # process that revokes drops it at once). 0 turns the cache off. memories/services/key_cache.py
 ZEROMEM_API_KEY_CACHE_SECONDS = env.float("ZEROMEM_API_KEY_CACHE_SECONDS", default=10.0)
+# Rate limits (audit/limits.py): exact across processes, counted in Redis when REDIS_URL is
+# set, else in the database. Each call of a batch counts.
+ZEROMEM_REDIS_URL = env.str("REDIS_URL", default="")
 ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default=6000)
+# Expensive work (search, recall, export, batch) a tenant may run at once, across processes;
+# a request past it waits this long for a slot, then gets 429 tenant_busy. A slot held
+# longer than its lease (a crashed process) lapses.
+ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
+ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
+ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
+# Failed authentications per minute, per client address and per key prefix, before 429.
+ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
 # only when this is set (as DRF's NUM_PROXIES).
 ZEROMEM_NUM_PROXIES = env.int("ZEROMEM_NUM_PROXIES", default=0)

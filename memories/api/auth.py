@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.core.cache import cache
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
@@ -21,7 +20,8 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from rest_framework.throttling import BaseThrottle
 
-from audit.services import audit_auth_failure
+from audit import limits
+from audit.services import AuthThrottled, audit_auth_failure
 from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
 from memories.services import key_cache
 from zeromem.kernel.actors import Actor
@@ -64,6 +64,11 @@ class AuthFailed(exceptions.AuthenticationFailed):
         self.zeromem_code = code
 
 
+# Only these failures prove the caller holds the key's secret; any other claim of a key
+# (its public zm_<lookup> prefix) is unverified and never lands in that tenant's log.
+_VERIFIED_FAILURES = frozenset({"key_revoked", "key_expired"})
+
+
 def _audit_failure(request, *, code: str, tenant: Tenant | None, label: str) -> None:
     actor = Actor(
         kind=ActorKind.ANONYMOUS,
@@ -72,7 +77,13 @@ def _audit_failure(request, *, code: str, tenant: Tenant | None, label: str) -> 
         request_id=getattr(request, "request_id", ""),
         client_ip=client_ip(request),
     )
-    audit_auth_failure(tenant=tenant, actor=actor, target=request.path, code=code)
+    match = getattr(request, "resolver_match", None)
+    # The route pattern, not the path: the client chooses the path.
+    route = f"/{match.route}" if match is not None and match.route else "(unrouted)"
+    try:
+        audit_auth_failure(tenant=tenant if code in _VERIFIED_FAILURES else None, actor=actor, target=route, code=code)
+    except AuthThrottled as exc:
+        raise exceptions.Throttled(wait=exc.retry_after, detail="too many failed authentications") from None
 
 
 class ApiKeyAuthentication(BaseAuthentication):
@@ -128,25 +139,18 @@ class HasApiKey(BasePermission):
 
 
 class ApiKeyRateThrottle(BaseThrottle):
-    """Fixed one-minute window per API key, counted in the shared cache (Redis in
-    production), so every worker process enforces the same budget. 429 + Retry-After."""
+    """Fixed one-minute window per API key, exact across processes (audit/limits.py: Redis
+    when configured, else one UPSERT). A view may charge more than one unit per request
+    (``rate_cost``: a batch costs one per call). 429 + Retry-After."""
 
     def allow_request(self, request, view):
         principal = request.user
         if not isinstance(principal, KeyPrincipal):
             return True
-        limit = settings.ZEROMEM_RATE_LIMIT_PER_MINUTE
-        now = time.time()
-        window = int(now // 60)
-        bucket = f"zm:rl:{principal.api_key.pk}:{window}"
-        # One round trip in the steady state: incr, and only on a window's first request
-        # (the key is missing) an add; if another worker added it first, incr again.
-        try:
-            count = cache.incr(bucket)
-        except ValueError:
-            count = 1 if cache.add(bucket, 1, timeout=120) else cache.incr(bucket)
-        self._wait = (window + 1) * 60 - now
-        return count <= limit
+        cost = view.rate_cost(request) if hasattr(view, "rate_cost") else 1
+        hit = limits.hit(f"key:{principal.api_key.pk}", cost=cost, now=time.time())
+        self._wait = hit.retry_after
+        return hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE
 
     def wait(self):
         return max(1.0, self._wait)

@@ -241,7 +241,7 @@ def forget_request_list(
             raise InvalidInput(f"must be one of {', '.join(Status.values)}", field="status")
         overdue = _validated_bool(overdue, field="overdue")
         limit = validation.limit(limit, default=50)
-        before = _decode_id_cursor(cursor)
+        before = validation.decode_id_cursor(cursor, high=PK_MAX)
 
         qs = _visible(tenant=tenant, actor=actor).order_by("-pk")
         if before is not None:
@@ -266,15 +266,6 @@ def _validated_bool(raw: Any, *, field: str) -> bool | None:
     if isinstance(raw, str) and raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     raise InvalidInput("must be true or false", field=field)
-
-
-def _decode_id_cursor(raw: Any) -> int | None:
-    text = validation.decode_cursor(raw)
-    if text is None:
-        return None
-    if not text.isdigit() or not 1 <= int(text) <= PK_MAX:
-        raise InvalidInput("is not a cursor this API returned", field="cursor", code="invalid_cursor")
-    return int(text)
 
 
 # --- carrying a request out -------------------------------------------------------------

@@ -483,8 +483,5 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
 
 
 def _pk(raw: Any) -> int:
-    try:
-        pk = int(raw)
-    except (TypeError, ValueError):
-        return 0
-    return pk if 0 < pk < 2**63 else 0
+    pk = raw if isinstance(raw, int) and not isinstance(raw, bool) else validation.ascii_int(raw)
+    return pk if pk is not None and 0 < pk < 2**63 else 0

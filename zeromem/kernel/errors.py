@@ -62,3 +62,11 @@ class Conflict(ServiceError):
 
     http_status = 409
     default_code = "conflict"
+
+
+class TenantBusy(ServiceError):
+    """The tenant already runs as much expensive work (search, recall, export, batch) at
+    once as it may; ``retry_after`` seconds."""
+
+    http_status = 429
+    default_code = "tenant_busy"

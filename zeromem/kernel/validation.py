@@ -29,6 +29,25 @@ LIMIT_MAX = 200
 QUERY_MAX_LEN = 500
 RECALL_MAX_CHARS = 8000
 
+# Numbers are ASCII digits only. Python is generous: str.isdigit() is true for "²" and "①",
+# which int() then refuses (a 500), and int() reads "１２" (full-width) as 12. Every parse
+# of a number from outside (query strings, cursors, headers, form fields) goes through
+# ascii_int(); dates through ascii_text() before Django's parsers, whose \d is Unicode too.
+_ASCII_INT_RE = re.compile(r"-?[0-9]{1,19}")
+
+
+def ascii_int(raw) -> int | None:
+    """The integer an ASCII decimal string spells (surrounding blanks allowed), or None."""
+    if not isinstance(raw, str):
+        return None
+    text = raw.strip(" \t")
+    return int(text) if _ASCII_INT_RE.fullmatch(text) else None
+
+
+def ascii_text(raw) -> str | None:
+    """``raw`` if it is a string of printable ASCII (what dates and ids are made of), else None."""
+    return raw if isinstance(raw, str) and raw.isascii() and raw.isprintable() else None
+
 
 def key(value, field: str = "key") -> str:
     if not isinstance(value, str):
@@ -135,8 +154,11 @@ def importance(raw, field: str = "importance") -> int | None:
 def bounded_int(raw, *, field: str, default: int, low: int, high: int) -> int:
     if raw is None:
         return default
-    if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-        raw = int(raw)
+    if isinstance(raw, str):
+        parsed = ascii_int(raw)
+        if parsed is None:
+            raise InvalidInput("must be an integer (ASCII digits)", field=field)
+        raw = parsed
     if isinstance(raw, bool) or not isinstance(raw, int):
         raise InvalidInput("must be an integer", field=field)
     if not low <= raw <= high:
@@ -177,3 +199,14 @@ def decode_cursor(raw, field: str = "cursor") -> str | None:
         return key(decoded, field=field)
     except (ValueError, InvalidInput):
         raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor") from None
+
+
+def decode_id_cursor(raw, *, field: str = "cursor", high: int = 2**63 - 1) -> int | None:
+    """A cursor over row ids (audit events, forget requests): the id, or None for none."""
+    text = decode_cursor(raw, field=field)
+    if text is None:
+        return None
+    pk = ascii_int(text)
+    if pk is None or not 1 <= pk <= high or text != str(pk):
+        raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor")
+    return pk
