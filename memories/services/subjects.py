@@ -94,9 +94,12 @@ def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = Non
             if memory is None or memory.subject != subject or not actor.may_touch(key):
                 op.record(outcome=Outcome.NOT_FOUND, subject=subject, detail={"by": "keys"})
                 raise NotFound("no such memory of this subject", field="key")
+    mine = subject if actor.kind == END_USER else ""
     if key is None:
-        return forget_request_create(tenant=tenant, actor=actor, subject=subject, reason=PORTAL_REASON)
-    return forget_request_create(tenant=tenant, actor=actor, keys=[key], reason=PORTAL_REASON)
+        return forget_request_create(
+            tenant=tenant, actor=actor, subject=subject, reason=PORTAL_REASON, end_user_subject=mine
+        )
+    return forget_request_create(tenant=tenant, actor=actor, keys=[key], reason=PORTAL_REASON, end_user_subject=mine)
 
 
 def _about_subject(*, tenant: Tenant, actor: Actor, subject: str):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -129,7 +130,7 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
 
 def _allowlist_covers(actor: Actor, prefix: str) -> bool:
     """Every key under ``prefix`` is inside the actor's allowlist."""
-    return not actor.allowed_prefixes or any(prefix.startswith(p) for p in actor.allowed_prefixes)
+    return actor.may_touch_prefix(prefix)
 
 
 def _enqueue(job_id: int) -> None:
@@ -273,13 +274,63 @@ def _digest(*, tenant: Tenant, prefix: str, max_chars: int) -> Digest:
     )
     total = candidates.count()
     # No line is shorter than "k = " plus its newline: more rows than this can never fit.
-    most = max_chars // 5 + 1
+    return _digest_of(candidates[: max_chars // 5 + 1], total=total, base=base, max_chars=max_chars)
+
+
+def summary_without(
+    *, summary: Memory, forgotten: set[str], rewritten: dict[str, Any], remaining: list[Memory]
+) -> str | None:
+    """The text of ``summary`` without what its sources ``forgotten`` contributed: what a
+    forget request writes into a summary it may not erase. None when nothing else is left.
+
+    A digest (every line is ``<key relative to the prefix> = value`` of one of its sources,
+    or the "more not shown" line) loses exactly the forgotten sources' lines, and the lines
+    of sources ``rewritten`` (summaries rebuilt the same way: key -> new text) are made
+    again; lines of sources archived and purged since stay. Any other text (an LLM's) is
+    rebuilt as the digest of ``remaining``: the summary's other sources that still exist.
+    No query.
+    """
+    prefix = summary.key[len(SUMMARY_KEY_PREFIX) :] + ":"
+    base = prefix[: prefix.rfind(":") + 1]
+
+    def relative(key: str) -> str:
+        return (key[len(base) :] if key.startswith(base) else "") or key
+
+    if isinstance(summary.value, str):
+        heads = {relative(k) + " = ": k for k in summary.sources if isinstance(k, str)}
+        owners = []
+        for line in summary.value.split("\n"):
+            owner = next((k for head, k in heads.items() if line.startswith(head)), None)
+            if owner is None and not _FOOTER.fullmatch(line):
+                break  # not a digest
+            owners.append((line, owner))
+        else:
+            kept = [
+                _digest_line(relative(owner), rewritten[owner]) if owner in rewritten else line
+                for line, owner in owners
+                if owner not in forgotten
+            ]
+            if not any(owner and owner not in forgotten for _line, owner in owners):
+                return None
+            return "\n".join(kept)
+    if not remaining:
+        return None
+    ordered = sorted(remaining, key=lambda m: (-m.importance, -m.updated_at.timestamp(), m.key))
+    max_chars = settings.ZEROMEM_SUMMARY_MAX_CHARS
+    return _digest_of(ordered[: max_chars // 5 + 1], total=len(ordered), base=base, max_chars=max_chars).text
+
+
+_FOOTER = re.compile(r"\(\+\d+ more not shown\)")
+
+
+def _digest_of(candidates, *, total: int, base: str, max_chars: int) -> Digest:
+    """Digest lines of ``candidates`` (in the order given) within ``max_chars``."""
     lines: list[str] = []
     sources: list[Memory] = []
     used = 0
     # Room kept for the "left out" line; it is at most this long.
     footer_room = len(f"(+{total} more not shown)") + 1
-    for memory in candidates[:most]:
+    for memory in candidates:
         rest = total - len(sources) - 1  # memories after this one
         room = max_chars - used - (1 if lines else 0) - (footer_room if rest else 0)
         line = _digest_line(memory.key[len(base) :] or memory.key, memory.value)

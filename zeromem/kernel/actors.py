@@ -38,19 +38,37 @@ class Actor:
         return scope in self.scopes
 
     def may_touch(self, key: str) -> bool:
-        return not self.allowed_prefixes or any(key.startswith(p) for p in self.allowed_prefixes)
+        return not self.allowed_prefixes or any(allowlist_entry_covers(p, key) for p in self.allowed_prefixes)
+
+    def may_touch_prefix(self, prefix: str) -> bool:
+        """Every key under ``prefix`` is inside the allowlist."""
+        return not self.allowed_prefixes or any(prefix.startswith(p) for p in self._entries())
+
+    def _entries(self) -> list[str]:
+        # As prefixes: an entry stored before entries had to end in ':' names its segment.
+        return [p if p.endswith(":") else p + ":" for p in self.allowed_prefixes]
 
     def prefix_filters(self, prefix: str) -> list[str]:
         """The key prefixes a prefix query must be restricted to (one SQL OR each)."""
         if not self.allowed_prefixes:
             return [prefix]
         narrowed = []
-        for allowed in self.allowed_prefixes:
+        for allowed in self._entries():
             if allowed.startswith(prefix):
                 narrowed.append(allowed)  # query is broader than the allowance
             elif prefix.startswith(allowed):
                 narrowed.append(prefix)  # query lies inside the allowance
         return sorted(set(narrowed))
+
+
+def allowlist_entry_covers(entry: str, key: str) -> bool:
+    """Whether the allowlist ``entry`` covers ``key`` (or a prefix), on segment boundaries:
+    ``user:u1:`` covers ``user:u1:pref`` and never ``user:u10:secret``. Entries are stored
+    ending in ``:`` (:func:`zeromem.kernel.validation.allowlist`); one stored before that
+    rule covers exactly its own segment path, never a neighbour sharing its first letters."""
+    if entry.endswith(":"):
+        return key.startswith(entry)
+    return key == entry or key.startswith(entry + ":")
 
 
 def require_scope(actor: Actor, scope: str) -> None:
