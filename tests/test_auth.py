@@ -1,13 +1,16 @@
 """API keys: authentication failures, scopes, namespace allowlists and the rate limit."""
 
+import importlib
 from unittest import mock
 
 import pytest
+from django.apps import apps as django_apps
 from django.test import Client
 
 from audit.models import AuditEvent
+from memories import services
 from memories.models import ApiKey, Memory
-from tests.factories import KeyedClient
+from tests.factories import SYSTEM, KeyedClient, make_key
 from tests.helpers import rest_error, row_counts, tool_error
 
 READ, WRITE, DELETE, SEARCH = "memory:read", "memory:write", "memory:delete", "memory:search"
@@ -205,6 +208,34 @@ def test_key_with_no_scopes_can_do_nothing(seeded, make_client):
 def u1_client(seeded, make_client):
     client, _ = make_client(seeded.tenant, allow=["user:u1:"])
     return client
+
+
+def test_a_bare_entry_does_not_cover_neighbours(seeded, make_client):
+    # "user:u1" as a plain prefix covered user:u10:secret; on segments it does not.
+    client, key = make_client(seeded.tenant, allow=["user:u1:"])
+    ApiKey.objects.filter(pk=key.pk).update(allowed_prefixes=["user:u1"])
+    services.memory_write(tenant=seeded.tenant, actor=SYSTEM, key="user:u10:secret", value="u10's")
+    status, body = client.call("memory_read", key="user:u10:secret")
+    assert status == 403 and body["error"]["code"] == "key_not_allowed"
+    services.memory_write(tenant=seeded.tenant, actor=SYSTEM, key="user:u1:lang", value="en")
+    assert client.call("memory_read", key="user:u1:lang")[0] == 200
+
+
+def test_the_migration_ends_namespace_entries_with_a_colon(tenant_a):
+    migration = importlib.import_module("memories.migrations.0008_api_key_allowlist_entries_on_segments")
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n1", value="a key, not a namespace")
+    rows = {
+        "bare": (["user:u1", "task:", "user:u1:"], ["user:u1:", "task:"]),
+        "fine": (["agent:bot1:"], ["agent:bot1:"]),
+        "keys": (["summary:session:s1", "note:n1"], ["summary:session:s1", "note:n1"]),
+        "empty entry": (["", "user:u2"], []),  # "" covered everything: still the whole tenant
+    }
+    keys = {name: make_key(tenant_a, name=name)[0] for name in rows}
+    for name, (stored, _) in rows.items():
+        ApiKey.objects.filter(pk=keys[name].pk).update(allowed_prefixes=stored)
+    migration.forwards(django_apps, None)
+    for name, (_, expected) in rows.items():
+        assert ApiKey.objects.get(pk=keys[name].pk).allowed_prefixes == expected, name
 
 
 @pytest.mark.parametrize("key", ["user:u2:lang", "user:u10:lang", "task:t1:status", "user:u1"])
