@@ -10,6 +10,7 @@ from django.test import Client
 from audit.models import AuditEvent
 from memories import services
 from memories.models import ApiKey, Memory
+from memories.services import subjects
 from tests.factories import SYSTEM, KeyedClient, make_key
 from tests.helpers import rest_error, row_counts, tool_error
 
@@ -219,6 +220,32 @@ def test_a_bare_entry_does_not_cover_neighbours(seeded, make_client):
     assert status == 403 and body["error"]["code"] == "key_not_allowed"
     services.memory_write(tenant=seeded.tenant, actor=SYSTEM, key="user:u1:lang", value="en")
     assert client.call("memory_read", key="user:u1:lang")[0] == 200
+
+
+def test_a_limited_key_cannot_put_a_memory_on_another_end_users_page(seeded, make_client):
+    bot, _ = make_client(seeded.tenant, allow=["agent:bot1:"])
+    before = row_counts()
+    status, body = bot.call("memory_write", key="agent:bot1:note", value="click evil.example", subject="u2")
+    assert status == 403 and (body["error"]["code"], body["error"]["field"]) == ("subject_not_allowed", "subject")
+    assert row_counts() == before
+    page, _total = subjects.subject_memories(tenant=seeded.tenant, actor=SYSTEM, subject="u2")
+    assert "agent:bot1:note" not in [m.key for m in page]
+    assert bot.call("memory_write", key="agent:bot1:note", value="no subject")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("allow", "key", "subject"),
+    [
+        (["user:u1:"], "user:u1:lang", "u1"),  # the subject its key names
+        (["agent:bot1:", "user:u2:"], "agent:bot1:note", "u2"),  # u2's namespace is allowed
+        ([], "agent:bot1:note", "u2"),  # a tenant-wide key names anyone
+    ],
+)
+def test_a_subject_inside_the_keys_reach_is_accepted(seeded, make_client, allow, key, subject):
+    client, _ = make_client(seeded.tenant, allow=allow)
+    status, body = client.call("memory_write", key=key, value="v", subject=subject)
+    assert status == 200, body
+    assert Memory.objects.get(tenant=seeded.tenant, key=key).subject == subject
 
 
 def test_the_migration_ends_namespace_entries_with_a_colon(tenant_a):

@@ -87,6 +87,25 @@ def require_key_allowed(actor: Actor, key: str) -> None:
         )
 
 
+def require_subject_allowed(actor: Actor, *, key: str, subject: str | None) -> None:
+    """A key limited to some prefixes may name as a memory's ``subject`` (whose portal page
+    and forget requests then show it) only an end user inside its reach: the one its key
+    names (``user:<id>:…``) or one whose namespace ``user:<subject>:`` its allowlist covers.
+    Otherwise ``agent:bot1:`` could put text on anyone's portal page."""
+    if not actor.allowed_prefixes or not subject:
+        return
+    segments = key.split(":")
+    if len(segments) >= 3 and segments[0] in ("user", "usr") and segments[1] == subject:
+        return
+    if actor.may_touch_prefix(f"user:{subject}:"):
+        return
+    raise Forbidden(
+        code="subject_not_allowed",
+        message="this API key may name as subject only end users inside its allowed prefixes",
+        field="subject",
+    )
+
+
 # --- staff (the admin console) ----------------------------------------------------------------
 
 
