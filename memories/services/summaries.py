@@ -394,6 +394,17 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
 # --- the optional LLM summarizer ---------------------------------------------------------
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Refuse every redirect: urllib would follow it with the Authorization header (the LLM
+    API key) to wherever the Location points. The 3xx surfaces as an HTTPError."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_LLM_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def _llm_summarize(digest_text: str) -> tuple[str, int]:
     """POST the digest to ``{ZEROMEM_LLM_BASE_URL}/chat/completions`` (OpenAI-compatible).
     Returns (summary text, total tokens). Any failure raises :class:`SummarizerError`."""
@@ -415,10 +426,15 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     timeout = settings.ZEROMEM_LLM_TIMEOUT_SECONDS
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # nosec B310
+        with _LLM_OPENER.open(request, timeout=timeout) as response:  # nosec B310
             raw = response.read(LLM_MAX_ANSWER_BYTES + 1)
     except urllib.error.HTTPError as exc:
         # The body is not kept: an endpoint may echo the prompt, i.e. memory values.
+        if 300 <= exc.code < 400:
+            raise SummarizerError(
+                f"the LLM endpoint answered HTTP {exc.code}, a redirect, which is not followed "
+                "(it would carry the API key elsewhere): set ZEROMEM_LLM_BASE_URL to the final URL"
+            ) from None
         raise SummarizerError(f"the LLM endpoint answered HTTP {exc.code}") from None
     except TimeoutError:
         raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s") from None
