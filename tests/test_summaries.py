@@ -637,6 +637,20 @@ def test_the_llm_api_key_never_follows_a_redirect_to_another_server(
         elsewhere.close()
 
 
+def test_a_failed_jobs_error_shows_memory_read_keys_no_text_of_the_exception(
+    api, tenant_a, session, monkeypatch, make_client, django_capture_on_commit_callbacks
+):
+    def fail(**kwargs):
+        raise RuntimeError('duplicate key value violates "user:u2:secret" = (CANARY-NAMED-ROW)')
+
+    monkeypatch.setattr(summaries, "_write_summary", fail)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    reader, _ = make_client(tenant_a, scopes=["memory:read"])
+    shown = reader.get(f"/api/v1/jobs/{job.pk}").json()["error"]
+    assert shown == job.error and shown.endswith("failed: RuntimeError (details in the server log)")
+    assert "user:u2" not in job.error and "CANARY" not in job.error
+
+
 def test_unreachable_llm_endpoint_fails_the_attempt(api, session, settings, django_capture_on_commit_callbacks):
     settings.ZEROMEM_LLM_BASE_URL = "http://127.0.0.1:9/v1"  # discard port: connection refused
     job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import re
 import urllib.error
 import urllib.parse
@@ -46,6 +47,8 @@ from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput
 from zeromem.kernel.scopes import Scope
+
+logger = logging.getLogger(__name__)
 
 SUMMARY_KEY_PREFIX = "summary:"
 # The summary key must fit the key grammar's 512 characters.
@@ -214,9 +217,15 @@ def _attempt_begin(job_id: int) -> Job | None:
 
 
 def _attempt_failed(job: Job, exc: Exception) -> None:
-    # Never a memory value here: the error text is the exception's own message (ours name
-    # only the endpoint's status or the kind of bad answer).
-    error = f"{type(exc).__name__}: {exc}"[:2000]
+    # The job's error is shown to every memory:read key of the tenant (GET /api/v1/jobs/<id>):
+    # only our own SummarizerError messages (the endpoint's status, the kind of bad answer)
+    # are kept; any other exception's text can quote keys or values (a database error
+    # names the row it failed on), so it keeps its class name and goes to the log.
+    if isinstance(exc, SummarizerError):
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+    else:
+        error = f"{type(exc).__name__} (details in the server log)"
+        logger.warning("summarize job %s attempt %s failed", job.pk, job.attempts, exc_info=exc)
     last = job.attempts >= _max_attempts()
     with transaction.atomic():
         Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(
