@@ -7,8 +7,12 @@ touching data, and audit denials.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from django.conf import settings
 
 from zeromem.kernel.errors import Forbidden
 from zeromem.kernel.outcomes import ActorKind
@@ -104,6 +108,22 @@ def require_subject_allowed(actor: Actor, *, key: str, subject: str | None) -> N
         message="this API key may name as subject only end users inside its allowed prefixes",
         field="subject",
     )
+
+
+# --- end users (the portal) -------------------------------------------------------------------
+
+_END_USER_ID_MAX = 64  # AuditEvent.actor_id
+
+
+def end_user_actor_id(subject: str) -> str:
+    """The ``Actor.id`` of the end user ``subject``: the subject itself, or for a subject
+    longer than the audit log's actor column, a keyed digest of it (HMAC with the audit
+    key: an unkeyed hash could be recomputed by anyone who knows the subject). The audit
+    redaction of a forgotten subject finds their events by this id too."""
+    if len(subject) <= _END_USER_ID_MAX:
+        return subject
+    digest = hmac.new(settings.ZEROMEM_AUDIT_KEY.encode(), b"end-user:" + subject.encode(), hashlib.sha256)
+    return "hmac:" + digest.hexdigest()[: _END_USER_ID_MAX - 5]
 
 
 # --- staff (the admin console) ----------------------------------------------------------------
