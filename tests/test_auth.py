@@ -385,6 +385,14 @@ def test_rate_limit_window_resets_next_minute(api, settings):
         assert api.call("memory_list")[0] == 200
 
 
+def test_failed_authentication_records_the_route_not_the_keys_in_the_path(seeded):
+    client = KeyedClient(f"{_public_part(seeded.raw_key)}_wrong", None, Client())
+    client.get("/api/v1/memories/user:u2:addr")
+    event = AuditEvent.objects.filter(action="auth.failed").get()
+    assert "user:u2" not in str(AuditEvent.objects.filter(action="auth.failed").values())
+    assert event.target.startswith("/api/v1/memories/<"), event.target
+
+
 def test_failed_authentication_is_audited_without_the_secret(seeded):
     lookup_part = _public_part(seeded.raw_key)
     secret = "definitely-not-the-secret"

@@ -70,7 +70,10 @@ def _audit_failure(request, *, code: str, tenant: Tenant | None, label: str) -> 
         request_id=getattr(request, "request_id", ""),
         client_ip=client_ip(request),
     )
-    audit_auth_failure(tenant=tenant, actor=actor, target=request.path, code=code)
+    # The route, not the path: a path names keys (/api/v1/memories/user:u2:addr), and no
+    # forget could find them in an event about nobody's request.
+    match = getattr(request, "resolver_match", None)
+    audit_auth_failure(tenant=tenant, actor=actor, target="/" + match.route if match else "", code=code)
 
 
 class ApiKeyAuthentication(BaseAuthentication):
