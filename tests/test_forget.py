@@ -14,7 +14,7 @@ from django_q.signing import SignedPackage
 
 from audit.models import AuditEvent
 from memories import services
-from memories.models import ForgetRequest, Memory, MemoryVersion
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget, subjects
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
 from tests.helpers import memory_rows, rest_error
@@ -241,6 +241,21 @@ def test_a_summary_made_only_of_forgotten_memories_is_erased_even_outside_the_al
     done = get(client, post(client, django_capture_on_commit_callbacks, {"prefix": "user:u1:"}).json()["id"])
     assert (done["receipt"]["summaries"], done["receipt"]["summaries_rebuilt"]) == (1, [])
     assert not Memory.objects.filter(pk=summary.pk).exists()
+
+
+def test_forgetting_a_subject_drops_its_prefix_and_key_from_finished_summarize_jobs(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    write(tenant_a, "user:u9:lang", "de")
+    write(tenant_a, "team:t1:plan", "ship")
+    summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)
+    summarize(tenant_a, "team:t1:", django_capture_on_commit_callbacks)
+    post(api, django_capture_on_commit_callbacks, {"subject": "u9"})
+    jobs = {job.pk: (job.params, job.result) for job in Job.objects.order_by("pk")}
+    assert "u9" not in str(jobs)
+    (theirs, _), (other, other_result) = jobs.values()
+    assert theirs == {"archive": False, "redacted": True}
+    assert other["prefix"] == "team:t1:" and other_result["key"] == "summary:team:t1"
 
 
 def test_forget_by_keys_erases_those_keys_and_summaries_of_summaries(api, tenant_a, django_capture_on_commit_callbacks):

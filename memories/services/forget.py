@@ -42,7 +42,7 @@ from django_q.tasks import async_task
 
 from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import search
-from memories.models import ForgetRequest, Memory, MemoryVersion, Tenant
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
 from memories.services.summaries import summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
@@ -336,10 +336,35 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
         redacted = audit_redact_subject(
             tenant=request.tenant, subject=request.subject, keys=request.keys, prefix=request.prefix
         )
+        _redact_jobs(request)
         return _complete(request_id, audit_events_redacted=redacted)
     except Exception as exc:
         _note_error(request_id, exc)
         raise
+
+
+def _redact_jobs(request: ForgetRequest) -> int:
+    """Finished summarize jobs about the target name it (``params.prefix``, ``result.key``):
+    their prefix and key are dropped, their counts stay. Idempotent; pending jobs are left
+    to finish (their summary is then found by lineage on a later forget). Cost: one scan of
+    the tenant's finished summarize jobs, an UPDATE per job named."""
+    if request.subject:
+        names = (f"user:{request.subject}:", f"usr:{request.subject}:")
+        hit = lambda prefix: prefix.startswith(names)  # noqa: E731
+    elif request.prefix:
+        hit = lambda prefix: prefix.startswith(request.prefix)  # noqa: E731
+    else:
+        namespaces = {key.rpartition(":")[0] + ":" for key in request.keys}
+        hit = lambda prefix: prefix in namespaces  # noqa: E731
+    jobs = Job.objects.filter(
+        tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=[Job.Status.SUCCEEDED, Job.Status.FAILED]
+    ).only("pk", "params", "result")
+    named = [job for job in jobs.iterator() if isinstance(job.params.get("prefix"), str) and hit(job.params["prefix"])]
+    for job in named:
+        params = {k: v for k, v in job.params.items() if k != "prefix"} | {"redacted": True}
+        result = {k: v for k, v in (job.result or {}).items() if k != "key"}
+        Job.objects.filter(pk=job.pk).update(params=params, result=result)
+    return len(named)
 
 
 def _advance(request_id: int, to: str, **fields) -> bool:
