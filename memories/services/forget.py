@@ -459,7 +459,8 @@ def _erase_batch(request_id: int, *, batch_size: int) -> bool:
             for start in range(0, len(frontier), ERASE_BATCH_SIZE):
                 chunk = frontier[start : start + ERASE_BATCH_SIZE]
                 derived += _summaries_derived_from(request.tenant_id, chunk)
-            derived = [m for m in derived if m.pk not in ids and m.key not in rebuilt]
+            # Once each (a summary may come from several chunks), and not one already done.
+            derived = [m for m in {m.pk: m for m in derived}.values() if m.pk not in ids and m.key not in rebuilt]
             if not derived:
                 break
             for summary in derived:
