@@ -31,7 +31,7 @@ from audit import chain, limits
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import validation
-from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import Conflict, Forbidden, InvalidInput, NotFound, PreconditionFailed, ServiceError
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
@@ -478,7 +478,7 @@ def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str) -> Q:
         # The subject's own events, events an end user (the subject) made in the portal,
         # and events about keys that name the subject by convention (user:<id>:...).
         q |= Q(subject=subject) | Q(target=subject)
-        q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id=subject)
+        q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id__in={subject, end_user_actor_id(subject)})
         q |= Q(target__startswith=f"user:{subject}:") | Q(target__startswith=f"usr:{subject}:")
     if prefix:
         q |= Q(target__startswith=prefix) | Q(target=prefix)

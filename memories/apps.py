@@ -16,3 +16,5 @@ class MemoriesConfig(AppConfig):
         for signal, name in ((post_save, "save"), (post_delete, "delete")):
             signal.connect(key_cache.forget_key, sender=ApiKey, dispatch_uid=f"key_cache.key.{name}")
             signal.connect(key_cache.forget_all, sender=Tenant, dispatch_uid=f"key_cache.tenant.{name}")
+
+        from zeromem.kernel import checks  # noqa: F401  registers the deploy checks

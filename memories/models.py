@@ -316,6 +316,11 @@ class ForgetRequest(models.Model):
     # after a crash continues the count instead of starting it again.
     receipt = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True, default="")
+    # What the requester may touch, fixed when the request is accepted: {} the whole tenant,
+    # {"prefixes": [...]} an API key's allowlist, {"subject": s} an end user's own memories.
+    # Summaries derived from the target but outside it are rebuilt without the forgotten
+    # sources, never erased whole.
+    reach = models.JSONField(default=dict, blank=True)
 
     class Meta:
         indexes = [

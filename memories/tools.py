@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -346,7 +347,9 @@ def _parse(body: Any) -> tuple[str, dict]:
     arguments = body.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = (
+                json.loads(arguments, parse_constant=_no_constant, parse_float=_finite) if arguments.strip() else {}
+            )
         except ValueError as exc:
             raise InvalidInput(
                 f"is not valid JSON ({exc.msg})", field=f"{prefix}arguments", code="malformed_json"
@@ -354,6 +357,18 @@ def _parse(body: Any) -> tuple[str, dict]:
     if not isinstance(arguments, dict):
         raise InvalidInput("must be a JSON object", field=f"{prefix}arguments")
     return name, arguments
+
+
+def _no_constant(name: str):
+    # Python's json reads NaN and Infinity, which no JSON answer could carry back.
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):  # 1e999
+        raise json.JSONDecodeError(f"{text} is out of range", text, 0)
+    return number
 
 
 def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:

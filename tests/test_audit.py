@@ -3,6 +3,7 @@ never a memory value in the audit log."""
 # ruff: noqa: E501  (the scenario table reads best at one case per line)
 
 import json
+import re
 import time
 from types import SimpleNamespace
 from unittest import mock
@@ -223,12 +224,17 @@ def test_audit_event_counts_and_versions(w):
     assert denied.detail == {"code": "missing_scope", "field": None}
 
 
-def test_incoming_request_id_is_kept_in_the_audit_event(w):
-    r = w.api.post(
-        CALL, {"name": "memory_read", "arguments": {"key": KEY}}, headers={"X-Request-ID": "trace-0123456789"}
-    )
-    assert r.headers["X-Request-ID"] == "trace-0123456789"
-    assert AuditEvent.objects.latest("pk").request_id == "trace-0123456789"
+def test_incoming_request_id_is_kept_in_the_audit_event_after_ours(w):
+    ids = []
+    for _ in range(2):  # the same client id twice: two requests, two ids
+        r = w.api.post(
+            CALL, {"name": "memory_read", "arguments": {"key": KEY}}, headers={"X-Request-ID": "trace-0123456789"}
+        )
+        ours, theirs = r.headers["X-Request-ID"].split(".", 1)
+        assert re.fullmatch(r"[0-9a-f]{16}", ours) and theirs == "trace-0123456789"
+        assert AuditEvent.objects.latest("pk").request_id == r.headers["X-Request-ID"]
+        ids.append(r.headers["X-Request-ID"])
+    assert ids[0] != ids[1]
 
 
 def test_forwarded_client_ip_is_used_only_behind_configured_proxies(w, settings):

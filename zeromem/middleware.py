@@ -69,7 +69,10 @@ class RequestIdMiddleware:
 
     def _before(self, request):
         incoming = request.headers.get("X-Request-ID", "")
-        request.request_id = incoming if _INCOMING_ID.fullmatch(incoming) else uuid.uuid4().hex
+        # Ours first, theirs after: a client's id is kept for their tracing but can never
+        # collide with (or pose as) another request's id in the audit log.
+        ours = uuid.uuid4().hex
+        request.request_id = f"{ours[:16]}.{incoming[:47]}" if _INCOMING_ID.fullmatch(incoming) else ours
         cap = settings.ZEROMEM_MAX_BODY_BYTES
         length = validation.ascii_int(request.META.get("CONTENT_LENGTH") or "0")
         if length is not None and length > cap:

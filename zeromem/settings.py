@@ -36,7 +36,10 @@ if DEVELOPMENT:
 else:
     SECRET_KEY = env.str("SECRET_KEY")  # required: raises ImproperlyConfigured when missing
 
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+# "testserver" is Django's test client's host: development (and so the tests) only.
+ALLOWED_HOSTS = env.list(
+    "ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"] + (["testserver"] if DEVELOPMENT else [])
+)
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
 INSTALLED_APPS = [
@@ -253,6 +256,8 @@ ZEROMEM_AUDIT_KEY = env.str(
     "ZEROMEM_AUDIT_KEY",
     default=hashlib.sha256(f"zeromem-audit-key:{SECRET_KEY}".encode()).hexdigest(),
 )
+# `check --deploy` warns when it is derived (zeromem/kernel/checks.py).
+ZEROMEM_AUDIT_KEY_EXPLICIT = bool(env.str("ZEROMEM_AUDIT_KEY", default=""))
 # Audit events older than this are purged (whole sealed batches, after a checkpoint);
 # tenants may set their own (Tenant.audit_retention_days).
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)

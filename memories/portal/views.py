@@ -275,6 +275,8 @@ def _request_view(r: ForgetRequest) -> dict:
             "memories": receipt.get("memories", 0),
             "versions": receipt.get("versions", 0),
             "summaries": receipt.get("summaries", 0),
+            # Shared summaries (about other people too) lose only this user's part.
+            "summaries_rebuilt": len(receipt.get("summaries_rebuilt", [])),
         }
         if r.status == ForgetRequest.Status.COMPLETED
         else None,

@@ -24,7 +24,7 @@ from memories import search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
 from memories.services import retention
 from zeromem.kernel import validation
-from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
+from zeromem.kernel.actors import Actor, require_key_allowed, require_scope, require_subject_allowed
 from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PreconditionFailed
 from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
@@ -98,6 +98,7 @@ def memory_write(
         ttl = validation.ttl_seconds(ttl_seconds)
         tags = validation.tags(tags)
         subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
+        require_subject_allowed(actor, key=key, subject=subject)
         category = validation.category(category)
         importance = validation.importance(importance)
         source = validation.short_text(source, field="source", max_len=validation.SOURCE_MAX_LEN)

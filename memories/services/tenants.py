@@ -52,7 +52,7 @@ def api_key_create(
     unknown = sorted(set(scopes) - set(ALL_SCOPES))
     if unknown:
         raise InvalidInput(f"unknown scope {unknown[0]!r}; known: {', '.join(ALL_SCOPES)}", field="scopes")
-    prefixes = [validation.prefix(p, field="allowed_prefixes") for p in (allowed_prefixes or [])]
+    prefixes = validation.allowlist(allowed_prefixes)
     if expires_in_days is not None and expires_in_days < 1:
         raise InvalidInput("must be at least 1", field="expires_in_days")
     raw, lookup, key_hash = ApiKey.generate()

@@ -78,6 +78,37 @@ def prefix(value, field: str = "prefix") -> str:
     return value
 
 
+def allowlist(entries, field: str = "allowed_prefixes") -> list[str]:
+    """An API key's allowlist, normalised (whitespace around an entry dropped, duplicates
+    removed, order kept) and validated (each a key or a key prefix; none empty): the one
+    place every way of creating a key goes through. An empty list means the whole tenant.
+
+    Entries match on segment boundaries (:func:`zeromem.kernel.actors.allowlist_entry_covers`):
+    ``user:u1:`` covers the keys under ``user:u1:``; a bare ``user:u1`` covers that one key
+    and the keys under ``user:u1:`` (say a summary key, ``summary:session:s1``) — neither
+    ever ``user:u10:secret``."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list | tuple):
+        raise InvalidInput("must be a list of key prefixes", field=field)
+    normalised: list[str] = []
+    for raw in entries:
+        entry = raw.strip() if isinstance(raw, str) else raw
+        if entry == "":
+            raise InvalidInput("an entry must not be empty (no entries at all: the whole tenant)", field=field)
+        entry = prefix(entry, field=field)
+        if entry not in normalised:
+            normalised.append(entry)
+    return normalised
+
+
+def allowlist_entry_meaning(entry: str) -> str:
+    """What an allowlist entry covers, in words (the command and the admin form say it)."""
+    if entry.endswith(":"):
+        return f"'{entry}' covers the keys under {entry} (not {entry[:-1]}0:…)"
+    return f"'{entry}' covers the key {entry} and the keys under {entry}: (not {entry}0:…)"
+
+
 def namespace_of(key_: str) -> str:
     return key_.rpartition(":")[0]
 

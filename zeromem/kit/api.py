@@ -123,6 +123,14 @@ class TenantAPIView(APIView):
     def actor(self) -> Actor:
         return self.request.user.actor_for(self.request, self.surface)
 
+    def finalize_response(self, request, response, *args, **kwargs):
+        response = super().finalize_response(request, response, *args, **kwargs)
+        # Answers carry memory values, audit events and receipts: no browser or proxy cache
+        # may keep them (a shared machine, a caching proxy in front of the API).
+        if not response.has_header("Cache-Control"):
+            response["Cache-Control"] = "no-store"
+        return response
+
 
 NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
 
