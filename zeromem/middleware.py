@@ -14,7 +14,6 @@ from django.contrib.messages.middleware import MessageMiddleware
 from django.contrib.sessions.middleware import SessionMiddleware
 from django.core.handlers.wsgi import LimitedStream
 from django.http import HttpResponse
-from django.middleware.csrf import CsrfViewMiddleware
 from servestatic.middleware import ServeStaticMiddleware
 
 from zeromem.kernel import validation
@@ -125,8 +124,10 @@ class StaticFilesMiddleware:
 
 
 # Paths for programs, not browsers: an API key or nothing authenticates them, never a cookie.
-# Session, CSRF, the staff user and messages are skipped there (the admin and the portal
-# keep all four); DRF's views are CSRF-exempt and set their own ``request.user`` anyway.
+# Session, the staff user and messages are skipped there (the admin and the portal keep
+# them); DRF's views set their own ``request.user``. Django's own CSRF middleware stays in
+# place (``check --deploy`` looks for it by name); DRF's views are CSRF-exempt, so on API
+# paths it only reads no cookie and returns.
 API_PATHS = ("/api/", "/healthz")
 
 
@@ -139,13 +140,6 @@ class _BrowserOnly:
 
 class BrowserSessionMiddleware(_BrowserOnly, SessionMiddleware):
     pass
-
-
-class BrowserCsrfViewMiddleware(_BrowserOnly, CsrfViewMiddleware):
-    def process_view(self, request, callback, callback_args, callback_kwargs):
-        if request.path_info.startswith(API_PATHS):
-            return None
-        return super().process_view(request, callback, callback_args, callback_kwargs)
 
 
 class BrowserAuthenticationMiddleware(_BrowserOnly, AuthenticationMiddleware):

@@ -68,11 +68,11 @@ MIDDLEWARE = [
     "zeromem.middleware.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "zeromem.middleware.StaticFilesMiddleware",  # ServeStatic, on /static/ only
-    # Django's session, CSRF, auth and messages middleware, skipped on /api/ and /healthz
-    # (zeromem/middleware.py: API_PATHS); the admin and the portal get all four.
+    # Django's session, auth and messages middleware, skipped on /api/ and /healthz
+    # (zeromem/middleware.py: API_PATHS); the admin and the portal get all of them.
     "zeromem.middleware.BrowserSessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "zeromem.middleware.BrowserCsrfViewMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
     "zeromem.middleware.BrowserAuthenticationMiddleware",
     "zeromem.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
