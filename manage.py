@@ -12,6 +12,15 @@ def main() -> None:
         from pathlib import Path
 
         if not (Path(__file__).resolve().parent / ".env").exists():
+            if os.environ.get("DATABASE_URL"):
+                # A database of its own is a deployment's, not a bare checkout's: never run
+                # it with development's public SECRET_KEY (and audit key derived from it).
+                sys.stderr.write(
+                    "manage.py: DATABASE_URL is set but SECRET_KEY is not. Set SECRET_KEY (and "
+                    "ZEROMEM_AUDIT_KEY) for production, or ZEROMEM_ENV=development for a "
+                    "development database.\n"
+                )
+                sys.exit(2)
             os.environ["ZEROMEM_ENV"] = "development"
     from django.core.management import execute_from_command_line
 

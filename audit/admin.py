@@ -25,6 +25,7 @@ from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching
 from audit.services import audit_list_record
+from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
@@ -40,6 +41,8 @@ def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
     raw = (raw or "").strip()
     if not raw:
         return None
+    if not validation.ascii_text(raw):
+        raise ValueError(raw)
     try:
         day = parse_date(raw)  # (parse_datetime would read a bare date as its midnight)
         moment = None if day else parse_datetime(raw.replace(" ", "T"))
@@ -193,10 +196,10 @@ class AuditEventAdmin(TenantScopedAdmin):
             raise PermissionDenied
         ids = tenant_ids_with(request, self.view_capability)
         tenant_id = request.GET.get("tenant") or (str(next(iter(ids))) if len(ids) == 1 else "")
-        if not tenant_id.isdigit() or int(tenant_id) not in ids:
+        if validation.ascii_int(tenant_id) not in ids:
             messages.error(request, "Choose one tenant (the tenant filter) before exporting.")
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
-        tenant = get_tenant_model().objects.get(pk=int(tenant_id))
+        tenant = get_tenant_model().objects.get(pk=validation.ascii_int(tenant_id))
         fmt = request.GET.get("fmt", "csv")
         if fmt not in ("csv", "jsonl"):
             fmt = "csv"

@@ -12,7 +12,7 @@ from audit.exports import CONTENT_TYPES, audit_export_response
 from audit.models import REVIEW_FIELDS, AuditCheckpoint, AuditEvent
 from audit.selectors import TEXT_MAX_LEN, audit_filters
 from zeromem.kernel import validation
-from zeromem.kit.api import ERRORS, NO_CONTROL_CHARS, AuditedAPIView
+from zeromem.kit.api import ERRORS, NO_CONTROL_CHARS, AuditedAPIView, TenantSlotMixin
 
 TEXT = {"type": "string", "maxLength": TEXT_MAX_LEN, "pattern": NO_CONTROL_CHARS}
 FILTER_PARAMS = [
@@ -73,7 +73,7 @@ class AuditEventListView(AuditedAPIView):
         return Response({"results": AuditEventSerializer(rows, many=True).data, "next_cursor": next_cursor})
 
 
-class AuditExportView(AuditedAPIView):
+class AuditExportView(TenantSlotMixin, AuditedAPIView):
     audit_actions = {"GET": "audit.export"}
 
     def perform_content_negotiation(self, request, force=False):

@@ -202,3 +202,37 @@ class AuditCheckpoint(models.Model):
             "events": self.total,
             "at": self.created_at.isoformat(),
         }
+
+
+class RateCounter(models.Model):
+    """One fixed window of one rate-limit bucket (``key:<id>``, ``authfail:ip:<addr>``),
+    counted with an atomic UPSERT when no Redis is configured (audit/limits.py). It lives
+    beside the audit log because both apps count here and audit sits below memories."""
+
+    bucket = models.CharField(max_length=200)
+    window_start = models.BigIntegerField()  # Unix seconds at the window's start
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["bucket", "window_start"], name="ratecounter_one_per_window")]
+        # Old windows are deleted by age.
+        indexes = [models.Index(fields=["window_start"], name="ratecounter_window")]
+
+    def __str__(self) -> str:
+        return f"{self.bucket} @{self.window_start}: {self.count}"
+
+
+class ConcurrencySlot(models.Model):
+    """One piece of expensive work in progress (a search, an export) of one holder, e.g.
+    ``tenant:7``, when no Redis is configured (audit/limits.py). A row older than its
+    lease is stale (a process died mid-request) and no longer counts."""
+
+    holder = models.CharField(max_length=100)
+    token = models.CharField(max_length=32, unique=True)
+    started_at = models.FloatField()  # Unix seconds
+
+    class Meta:
+        indexes = [models.Index(fields=["holder", "started_at"], name="slot_holder_started")]
+
+    def __str__(self) -> str:
+        return f"{self.holder} {self.token}"

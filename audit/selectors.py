@@ -11,6 +11,7 @@ from django.db.models import Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from audit.models import AuditEvent
+from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
 
 TEXT_MAX_LEN = 512
@@ -43,7 +44,7 @@ def _datetime(raw, field: str) -> datetime | None:
     if raw is None:
         return None
     try:
-        parsed = parse_datetime(raw) if isinstance(raw, str) else None
+        parsed = parse_datetime(raw) if validation.ascii_text(raw) else None
         if parsed is not None:
             # In UTC: the database takes any instant, not every offset (+16:03 is valid ISO).
             return parsed.astimezone(UTC) if parsed.tzinfo else parsed.replace(tzinfo=UTC)

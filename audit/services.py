@@ -11,25 +11,27 @@ setting (``zeromem.audit_mode``), and each leaves a record: the seal itself, the
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
+import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from datetime import timedelta
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Q
+from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
-from audit import chain
+from audit import chain, limits
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import validation
-from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
     Conflict,
     Forbidden,
@@ -100,13 +102,33 @@ def audit_record(
         "version": version,
         "detail": _storable(detail or {}),
     }
-    pending = _READ_PHASE.get()
-    if pending is not None:
-        # A read operation on SQLite: the INSERT waits for the short write transaction that
-        # follows the read (see audited_operation).
-        pending.append(lambda: AuditEvent.objects.create(**fields, digest=chain.digest(fields)))
-        return AuditEvent(**fields)
-    return AuditEvent.objects.create(**fields, digest=chain.digest(fields))
+    event = AuditEvent(**fields, digest=chain.digest(fields))
+    sql, columns = _insert_sql(connection.vendor)
+    # What Model.save() would send, without compiling the INSERT again on every request.
+    params = [f.get_db_prep_save(f.pre_save(event, True), connection) for f in columns]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        event.pk = cursor.fetchone()[0]
+    event._state.adding = False
+    event._state.db = connection.alias
+    return event
+
+
+@functools.cache
+def _insert_sql(vendor: str) -> tuple[str, tuple]:
+    """The INSERT of one event as the ORM compiles it for this database (the columns
+    Model.save() writes, RETURNING the id), once per process: compiling it was a few percent
+    of every audited request's CPU."""
+    meta = AuditEvent._meta
+    columns = tuple(f for f in meta.local_concrete_fields if f is not meta.auto_field and not f.generated)
+    query = InsertQuery(AuditEvent)
+    query.insert_values(columns, [AuditEvent()], raw=False)
+    compiler = query.get_compiler(connection=connection)
+    compiler.returning_fields = [meta.pk]
+    ((sql, _params),) = compiler.as_sql()
+    if not connection.features.can_return_columns_from_insert:
+        raise RuntimeError("audit_record needs INSERT ... RETURNING (PostgreSQL, SQLite >= 3.35)")
+    return sql, columns
 
 
 # A ServiceError an operation has recorded carries this attribute, so an enclosing operation
@@ -126,35 +148,6 @@ def _outcome_of(exc: ServiceError) -> str:
     if isinstance(exc, Unavailable):
         return AuditEvent.Outcome.UNAVAILABLE
     return AuditEvent.Outcome.INVALID
-
-
-# The writes a read operation leaves for after its read (SQLite only; see audited_operation).
-_READ_PHASE: ContextVar[list[Callable[[], object]] | None] = ContextVar("zeromem_read_phase", default=None)
-
-
-def after_read(write: Callable[[], object]) -> None:
-    """Run ``write`` (e.g. an access counter UPDATE) in the operation's write transaction: at
-    once in an ordinary operation, after the read in a ``read_only`` one on SQLite."""
-    pending = _READ_PHASE.get()
-    if pending is None:
-        write()
-    else:
-        pending.append(write)
-
-
-@contextmanager
-def _deferred_transaction() -> Iterator[None]:
-    # settings.py makes SQLite transactions IMMEDIATE (they take the write lock at BEGIN);
-    # this one starts DEFERRED: a WAL snapshot that blocks no writer.
-    connection.ensure_connection()
-    mode = connection.transaction_mode
-    connection.transaction_mode = "DEFERRED"
-    try:
-        with transaction.atomic():
-            connection.transaction_mode = mode
-            yield
-    finally:
-        connection.transaction_mode = mode
 
 
 def _mark_recorded(exc: Exception) -> bool:
@@ -217,7 +210,7 @@ class AuditedOperation:
 
 @contextmanager
 def audited_operation(
-    *, tenant: Tenant | None, actor: Actor, action: str, target: Any = "", read_only: bool = False
+    *, tenant: Tenant | None, actor: Actor, action: str, target: Any = "", atomic: bool = True
 ) -> Iterator[AuditedOperation]:
     """One transaction for a service operation and its one audit event::
 
@@ -234,40 +227,13 @@ def audited_operation(
     a summarize attempt's refused archive). An operation that ends without
     :meth:`~AuditedOperation.record` writes no event.
 
-    ``read_only`` (reads, lists, searches, recall, history) on SQLite, outside any enclosing
-    transaction: the operation's queries run in a DEFERRED transaction — a WAL snapshot that
-    takes no lock, so a long search holds up no other request — and its event (plus any
-    :func:`after_read` write, such as the access counter) is written right after, in a short
-    IMMEDIATE transaction, before the result is returned. SQLite cannot upgrade a snapshot to
-    a writer once another connection has written (SQLITE_BUSY at once, no waiting), so
-    "read, then insert the event in the same transaction" would fail under any concurrent
-    write; for an operation that changes nothing, its event committed before its answer
-    leaves is what the audit promise needs. On PostgreSQL (reads never block there) and
-    inside an enclosing transaction: one transaction, as for every operation.
+    ``atomic=False`` is for an operation whose only write is its event (a read): the event
+    is one INSERT, a transaction of its own, so the operation saves the BEGIN and COMMIT
+    round trips. Inside an enclosing transaction (a batch) it is part of that one as before.
     """
     op = AuditedOperation(tenant=tenant, actor=actor, action=action, target=target)
-    if read_only and connection.vendor == "sqlite" and not connection.in_atomic_block:
-        pending: list[Callable[[], object]] = []
-        token = _READ_PHASE.set(pending)
-        try:
-            try:
-                with _deferred_transaction():
-                    yield op
-            finally:
-                _READ_PHASE.reset(token)
-        except ServiceError as exc:
-            if _mark_recorded(exc):
-                with transaction.atomic():
-                    op._write(op._row_for(exc))
-            raise
-        with transaction.atomic():
-            for write in pending:
-                write()
-            if op._row is not None:
-                op._write(op._row)
-        return
     try:
-        with transaction.atomic():
+        with transaction.atomic() if atomic else nullcontext():
             yield op
             if op._row is not None:
                 op._write(op._row)
@@ -294,10 +260,43 @@ def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = ""
     )
 
 
+AUTH_FAILURE_TALLY = "authfail:src:"
+
+
+class AuthThrottled(Exception):
+    """Too many failed authentications from this address or with this key prefix."""
+
+    def __init__(self, retry_after: float):
+        super().__init__("too many failed authentications")
+        self.retry_after = retry_after
+
+
 def audit_auth_failure(*, tenant: Tenant | None, actor: Actor, target: str, code: str) -> None:
-    """A request whose credentials failed (``auth.failed``, ``unauthenticated``). Its own
-    transaction: the request fails, the record of the attempt stays. ``actor`` names only
-    the public part of a key, never its secret."""
+    """A request whose credentials failed. ``tenant``: the tenant of a key whose secret
+    matched (revoked, expired) — a verified claim, recorded in that tenant's log at once.
+    Anything else (no key, a malformed one, a wrong secret) is an unverified claim: never
+    a tenant's row, only counted, per source (address, failure code, route) and minute, and
+    written later as one tenant-less ``auth.failed`` event with the count
+    (:func:`audit_auth_failures_flush`). ``target`` is the route pattern, not the path the
+    client chose. ``actor`` names only the public part of a key, never its secret.
+
+    Throttled first: past ``ZEROMEM_AUTH_FAILURES_PER_MINUTE`` failures of the address, or
+    of the key prefix, it raises :class:`AuthThrottled` and writes nothing. Cost: two or
+    three counter increments (Redis or one UPSERT each); a verified failure adds one INSERT."""
+    limit = settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE
+    address = actor.client_ip or "unknown"
+    hits = [limits.hit(f"authfail:ip:{address}")]
+    if actor.label:
+        hits.append(limits.hit(f"authfail:key:{actor.label}"))
+    over = [h for h in hits if h.count > limit]
+    if over:
+        raise AuthThrottled(max(h.retry_after for h in over))
+    if tenant is None:
+        source = json.dumps([address, code, target[:100], actor.surface], separators=(",", ":"))
+        if limits.hit(AUTH_FAILURE_TALLY + source, tally=AUTH_FAILURE_TALLY).count == 1:
+            # The first failure of a source in a minute flushes the minutes that have closed.
+            audit_auth_failures_flush()
+        return
     with transaction.atomic():
         audit_record(
             tenant=tenant,
@@ -307,6 +306,30 @@ def audit_auth_failure(*, tenant: Tenant | None, actor: Actor, target: str, code
             outcome=AuditEvent.Outcome.UNAUTHENTICATED,
             detail={"code": code},
         )
+
+
+def audit_auth_failures_flush(*, now: float | None = None) -> int:
+    """Write one tenant-less ``auth.failed`` event (``count`` = the failures) per source
+    and closed minute of unverified failed authentications; each minute once, whoever
+    flushes (the next failure, or the every-minute schedule). Returns the events written."""
+    now = time.time() if now is None else now
+    with transaction.atomic():
+        tallies = limits.drain_tallies(AUTH_FAILURE_TALLY, before=int(now // 60) * 60)
+        for bucket, start, count in tallies:
+            address, code, route, surface = json.loads(bucket[len(AUTH_FAILURE_TALLY) :])
+            address = None if address == "unknown" else address
+            actor = Actor(kind=AuditEvent.ActorKind.ANONYMOUS, surface=surface, client_ip=address)
+            minute = datetime.fromtimestamp(start, tz=UTC)
+            audit_record(
+                tenant=None,
+                actor=actor,
+                action="auth.failed",
+                target=route,
+                outcome=AuditEvent.Outcome.UNAUTHENTICATED,
+                count=count,
+                detail={"code": code, "minute": minute.isoformat()},
+            )
+    return len(tallies)
 
 
 def event_fields(row: dict) -> dict:
@@ -465,7 +488,7 @@ def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str) -> Q:
         # The subject's own events, events an end user (the subject) made in the portal,
         # and events about keys that name the subject by convention (user:<id>:...).
         q |= Q(subject=subject) | Q(target=subject)
-        q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id=subject)
+        q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id__in={subject, end_user_actor_id(subject)})
         q |= Q(target__startswith=f"user:{subject}:") | Q(target__startswith=f"usr:{subject}:")
     if prefix:
         q |= Q(target__startswith=prefix) | Q(target=prefix)
@@ -615,12 +638,7 @@ def audit_event_list(
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
-        before = None
-        if cursor not in (None, ""):
-            text = validation.decode_cursor(cursor)
-            if not text or not text.isdigit() or not 1 <= int(text) <= 2**63 - 1:
-                raise InvalidInput("is not a cursor this API returned", field="cursor", code="invalid_cursor")
-            before = int(text)
+        before = validation.decode_id_cursor(cursor)
         qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
         if before is not None:
             qs = qs.filter(pk__lt=before)

@@ -9,3 +9,7 @@ def audit_seal_task() -> dict:
 
 def audit_purge_task() -> dict:
     return services.audit_purge_all()
+
+
+def audit_auth_failures_flush_task() -> int:
+    return services.audit_auth_failures_flush()

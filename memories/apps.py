@@ -1,6 +1,20 @@
 from django.apps import AppConfig
+from django.db.models.signals import post_delete, post_save
 
 
 class MemoriesConfig(AppConfig):
     name = "memories"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self):
+        # A key or tenant changed by a model save (the admin, a shell) leaves this process's
+        # API key cache at once; the services call key_cache.forget themselves for their
+        # QuerySet.update()s, which send no signal.
+        from memories.models import ApiKey, Tenant
+        from memories.services import key_cache
+
+        for signal, name in ((post_save, "save"), (post_delete, "delete")):
+            signal.connect(key_cache.forget_key, sender=ApiKey, dispatch_uid=f"key_cache.key.{name}")
+            signal.connect(key_cache.forget_all, sender=Tenant, dispatch_uid=f"key_cache.tenant.{name}")
+
+        from zeromem.kernel import checks  # noqa: F401  registers the deploy checks

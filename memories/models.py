@@ -100,7 +100,7 @@ class ApiKey(models.Model):
 
 class TsVectorField(models.TextField):
     """PostgreSQL ``tsvector``; plain text (left empty) on SQLite, where FTS5 indexes
-    ``search_text`` instead (migration 0007)."""
+    ``search_text`` instead (migration 0010)."""
 
     def db_type(self, connection):
         return "tsvector" if connection.vendor == "postgresql" else "text"
@@ -162,7 +162,7 @@ class Memory(models.Model):
     sources = models.JSONField(default=list, blank=True)
 
     # The weighted, tenant-prefixed terms PostgreSQL searches (memories/search/text.py),
-    # under a GIN index (migration 0007); null until written or backfilled. Deferred by
+    # under a GIN index (migration 0010); null until written or backfilled. Deferred by
     # default: no read path needs it in Python.
     search_tsv = TsVectorField(null=True, blank=True, editable=False)
 
@@ -186,7 +186,7 @@ class Memory(models.Model):
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
             models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
             # recall with only a prefix: the tenant's most important, most recent memories
-            # (built CONCURRENTLY on PostgreSQL, migration 0007).
+            # (built CONCURRENTLY on PostgreSQL, migration 0010).
             # Not partial: a partial index on "deleted_at IS NULL" would be ANDed into the
             # search's bitmap scan (memories/search/lexical.py).
             models.Index(fields=["tenant", "-importance", "-updated_at"], name="memory_tenant_salience"),
@@ -199,6 +199,19 @@ class Memory(models.Model):
     def etag(self) -> str:
         # Row id as well as version: a key deleted and written again restarts at version 1.
         return f'"{self.pk}-{self.version}"'
+
+
+class AccessCountFold(models.Model):
+    """How far a tenant's reads are counted into ``Memory.access_count``: every
+    ``memory.read`` event of the tenant's audit seals up to ``seal`` is counted, none twice
+    (memories/services/access.py moves it in the same transaction as the counts)."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    seal = models.PositiveIntegerField(default=0)
+    folded_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"reads counted through seal {self.seal}"
 
 
 class MemoryVersion(models.Model):
@@ -326,6 +339,11 @@ class ForgetRequest(models.Model):
     # after a crash continues the count instead of starting it again.
     receipt = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True, default="")
+    # What the requester may touch, fixed when the request is accepted: {} the whole tenant,
+    # {"prefixes": [...]} an API key's allowlist, {"subject": s} an end user's own memories.
+    # Summaries derived from the target but outside it are rebuilt without the forgotten
+    # sources, never erased whole.
+    reach = models.JSONField(default=dict, blank=True)
 
     class Meta:
         indexes = [

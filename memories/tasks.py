@@ -7,7 +7,7 @@ django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 """
 
 from memories.search import index as search_index
-from memories.services import forget, retention, summaries
+from memories.services import access, forget, retention, summaries
 
 
 def purge_expired_task() -> dict:
@@ -32,6 +32,10 @@ def summarize_idle_sessions_task() -> int:
 
 def summarize_jobs_resume_task() -> int:
     return summaries.summarize_jobs_resume()
+
+
+def access_counts_fold_task() -> int:
+    return access.access_counts_fold()
 
 
 def search_stats_refresh_task() -> dict:

@@ -11,9 +11,13 @@ status, recorded as ``tool.call`` when it is the call itself that is malformed.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from django.db import DatabaseError
 
 from audit.services import audited_operation
 from memories import services
@@ -349,7 +353,9 @@ def _parse(body: Any) -> tuple[str, dict]:
     arguments = body.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = (
+                json.loads(arguments, parse_constant=_no_constant, parse_float=_finite) if arguments.strip() else {}
+            )
         except ValueError as exc:
             raise InvalidInput(
                 f"is not valid JSON ({exc.msg})", field=f"{prefix}arguments", code="malformed_json"
@@ -357,6 +363,18 @@ def _parse(body: Any) -> tuple[str, dict]:
     if not isinstance(arguments, dict):
         raise InvalidInput("must be a JSON object", field=f"{prefix}arguments")
     return name, arguments
+
+
+def _no_constant(name: str):
+    # Python's json reads NaN and Infinity, which no JSON answer could carry back.
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):  # 1e999
+        raise json.JSONDecodeError(f"{text} is out of range", text, 0)
+    return number
 
 
 def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
@@ -395,7 +413,8 @@ def tool_call(*, tenant: Tenant, actor: Actor, call: Any) -> ToolAnswer:
     Cost: the service's, plus nothing for the parsing (no query)."""
     call_id = call_id_of(call)
     try:
-        with audited_operation(tenant=tenant, actor=actor, action="tool.call"):
+        # Parsing reads and writes nothing (a refusal's event is written after): no transaction.
+        with audited_operation(tenant=tenant, actor=actor, action="tool.call", atomic=False):
             tool, arguments = _resolve(*_parse(call))
         answer = ToolAnswer(_run(tool, tenant, actor, arguments), 200)
     except ServiceError as exc:
@@ -415,6 +434,7 @@ def _run(tool: Tool, tenant: Tenant, actor: Actor, arguments: dict) -> dict:
 
 
 BATCH_MAX_CALLS = 50
+logger = logging.getLogger(__name__)
 
 
 def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
@@ -429,4 +449,23 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
         raise InvalidInput(f"at most {BATCH_MAX_CALLS} calls per batch", field="calls", code="too_many")
     for i, call in enumerate(calls):
         _check_shape(call, f"calls.{i}.")
-    return [tool_call(tenant=tenant, actor=actor, call=call).result for call in calls]
+    return [_batch_call(tenant, actor, call) for call in calls]
+
+
+def _batch_call(tenant: Tenant, actor: Actor, call: Any) -> dict:
+    # Earlier calls have committed by the time a later one runs, so an unexpected failure
+    # (a bug, the database going away) must be that call's result, not a 500 for the batch
+    # that would hide what was already written.
+    try:
+        return tool_call(tenant=tenant, actor=actor, call=call).result
+    except DatabaseError:
+        logger.warning("tool batch: call failed on the database", exc_info=True)
+        error = {"code": "database_unavailable", "message": "the database is unavailable; retry", "field": None}
+    except Exception:
+        logger.exception("tool batch: call failed")
+        error = {"code": "internal_error", "message": "this call failed on the server", "field": None}
+    result = {"status": "error", "error": error}
+    call_id = call_id_of(call)
+    if call_id is not None:
+        result["tool_call_id"] = call_id
+    return result

@@ -9,19 +9,44 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.db.backends.signals import connection_created
+from django.dispatch import receiver
 from django.utils import timezone
 
 from memories import services
 from tests.factories import SYSTEM, anonymous_client, make_keyed_client, make_tenant
 
 
+@receiver(connection_created)
+def _audit_tables_may_be_flushed(sender, connection, **kwargs):
+    # Transactional tests end with `flush`, a TRUNCATE of every table, which the audit
+    # tables' append-only trigger refuses unless the session says so (audit migration 0005).
+    # Only TRUNCATE reads this; UPDATE and DELETE stay refused.
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET zeromem.audit_mode = 'flush'")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(settings):
-    # Rate-limit counters live in the cache; each test gets its own, never the dev server's.
+    # Each test gets its own cache, never the dev server's; rate-limit counters and tenant
+    # slots live in the test database (rolled back with it) unless a test opts into Redis
+    # (tests/helpers.py REDIS_TEST_URL), whatever REDIS_URL the shell has.
+    settings.ZEROMEM_REDIS_URL = ""
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}
     from django.core.cache import cache
 
     cache.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_key_cache():
+    # Each test starts with no API key verified by an earlier one (their rows are gone).
+    from memories.services import key_cache
+
+    key_cache.forget()
+    yield
+    key_cache.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from memories import services
 from memories.models import ApiKey, Membership, Memory, Tenant
+from memories.services.access import access_counts_fold
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.scopes import ALL_SCOPES
 
@@ -79,8 +80,12 @@ class KeyedClient:
         return self.client.delete(path, headers=self._headers(headers))
 
     def call(self, name, headers=None, **arguments):
-        """POST /api/v1/tools/call; returns (status code, parsed body)."""
+        """POST /api/v1/tools/call; returns (status code, parsed body). After a
+        ``memory_read`` the access-count job runs, as the schedule would a minute later, so
+        a test sees the read counted (memories/services/access.py)."""
         r = self.post("/api/v1/tools/call", {"name": name, "arguments": arguments}, headers=headers)
+        if name == "memory_read":
+            access_counts_fold()
         return r.status_code, r.json()
 
 

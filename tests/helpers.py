@@ -1,9 +1,11 @@
 """Small helpers shared by the test modules: reading state and checking answers (data is
 built by tests/factories.py; fixtures live in conftest.py)."""
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 from django.db import transaction
 
 from audit.models import AuditEvent
@@ -57,3 +59,19 @@ def rolled_back_module_data(django_db_blocker, build: Callable) -> Iterator:
         with django_db_blocker.unblock():
             transaction.set_rollback(True)
             outer.__exit__(None, None, None)
+
+
+# Redis tests use this database and fail, not skip, when no Redis answers there.
+REDIS_TEST_URL = os.environ.get("ZEROMEM_TEST_REDIS_URL") or "redis://127.0.0.1:6379/7"
+
+
+def redis_or_fail(url: str = REDIS_TEST_URL):
+    """A client of the test Redis database, emptied; the test fails if Redis is missing."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    try:
+        client.flushdb()
+    except redis.RedisError as exc:
+        pytest.fail(f"this test needs Redis at {url} (set ZEROMEM_TEST_REDIS_URL): {exc}")
+    return client

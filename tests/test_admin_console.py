@@ -72,6 +72,23 @@ def test_key_form_rejects_a_bad_prefix_with_a_clear_error(tenant_a, staff_client
     assert not ApiKey.objects.filter(tenant=tenant_a).exists()
 
 
+def test_key_form_normalises_entries_and_says_what_each_covers(tenant_a, staff_clients):
+    _user, client = staff_clients["admin"]
+    response = client.post(
+        "/admin/memories/apikey/add/",
+        {
+            "tenant": tenant_a.pk,
+            "name": "x",
+            "scopes": ["memory:read"],
+            "allowed_prefixes": " user:u1 \ntask:\ntask:\n",
+        },
+    )
+    assert response.status_code == 200
+    assert ApiKey.objects.get(tenant=tenant_a).allowed_prefixes == ["user:u1", "task:"]
+    shown = [str(m) for m in response.wsgi_request._messages]
+    assert "Allowlist: 'user:u1' covers the key user:u1 and the keys under user:u1: (not user:u10:…)." in shown
+
+
 def test_admin_revokes_a_key_and_sees_last_used(tenant_a, staff_clients, client):
     key, raw = make_key(tenant_a, name="old-bot")
     client.get("/api/v1/memories", headers={"Authorization": f"Bearer {raw}"})

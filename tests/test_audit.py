@@ -3,7 +3,10 @@ never a memory value in the audit log."""
 # ruff: noqa: E501  (the scenario table reads best at one case per line)
 
 import json
+import re
+import time
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 from django.test import Client
@@ -221,12 +224,17 @@ def test_audit_event_counts_and_versions(w):
     assert denied.detail == {"code": "missing_scope", "field": None}
 
 
-def test_incoming_request_id_is_kept_in_the_audit_event(w):
-    r = w.api.post(
-        CALL, {"name": "memory_read", "arguments": {"key": KEY}}, headers={"X-Request-ID": "trace-0123456789"}
-    )
-    assert r.headers["X-Request-ID"] == "trace-0123456789"
-    assert AuditEvent.objects.latest("pk").request_id == "trace-0123456789"
+def test_incoming_request_id_is_kept_in_the_audit_event_after_ours(w):
+    ids = []
+    for _ in range(2):  # the same client id twice: two requests, two ids
+        r = w.api.post(
+            CALL, {"name": "memory_read", "arguments": {"key": KEY}}, headers={"X-Request-ID": "trace-0123456789"}
+        )
+        ours, theirs = r.headers["X-Request-ID"].split(".", 1)
+        assert re.fullmatch(r"[0-9a-f]{16}", ours) and theirs == "trace-0123456789"
+        assert AuditEvent.objects.latest("pk").request_id == r.headers["X-Request-ID"]
+        ids.append(r.headers["X-Request-ID"])
+    assert ids[0] != ids[1]
 
 
 def test_forwarded_client_ip_is_used_only_behind_configured_proxies(w, settings):
@@ -268,38 +276,62 @@ def _public(raw):
     return raw[: len("zm_") + 12]
 
 
-@pytest.mark.parametrize("path", [CALL, "/api/v1/memories/user:u1:lang"])
-def test_failed_authentication_writes_one_event_each(w, tenant_a, tenant_b, expired_client, revoked_client, path):
+@pytest.mark.parametrize(
+    "path,route", [(CALL, "/api/v1/tools/call"), ("/api/v1/memories/user:u1:lang", "/api/v1/memories/<str:key>")]
+)
+def test_failed_authentication_is_audited_by_verified_claim_and_route(
+    w, tenant_a, tenant_b, expired_client, revoked_client, path, route
+):
+    """A revoked or expired key (its secret matched) is one event in its tenant's log at
+    once; a claim nobody verified (no key, a malformed one, a wrong secret — even with a
+    real key's public prefix) is never in a tenant's log: it is counted per source and
+    minute, then written once, tenant-less, with the count and the route pattern."""
     _, b_raw = make_key(tenant_b)
-    cases = [
-        (KeyedClient(None, None, Client()), "missing_credentials", None, ""),
-        (KeyedClient("sk-not-ours", None, Client()), "malformed_credentials", None, ""),
-        (
-            KeyedClient(_public(w.api.raw_key) + "_wrong", None, Client()),
-            "invalid_key",
-            tenant_a,
-            _public(w.api.raw_key),
-        ),
-        (KeyedClient(_public(b_raw) + "_wrong", None, Client()), "invalid_key", tenant_b, _public(b_raw)),
-        (KeyedClient("zm_ffffffffffff_nosuchkey", None, Client()), "invalid_key", None, "zm_ffffffffffff"),
-        (expired_client, "key_expired", tenant_a, _public(expired_client.raw_key)),
-        (revoked_client, "key_revoked", tenant_a, _public(revoked_client.raw_key)),
+    verified = [
+        (expired_client, "key_expired", _public(expired_client.raw_key)),
+        (revoked_client, "key_revoked", _public(revoked_client.raw_key)),
     ]
-    for client, code, tenant, label in cases:
+    unverified = [
+        (KeyedClient(None, None, Client()), "missing_credentials"),
+        (KeyedClient("sk-not-ours", None, Client()), "malformed_credentials"),
+        (KeyedClient(_public(w.api.raw_key) + "_wrong", None, Client()), "invalid_key"),
+        (KeyedClient(_public(b_raw) + "_wrong", None, Client()), "invalid_key"),
+        (KeyedClient("zm_ffffffffffff_nosuchkey", None, Client()), "invalid_key"),
+    ]
+
+    def send(client):
+        return (
+            client.post(path, {"name": "memory_read", "arguments": {"key": KEY}}) if path == CALL else client.get(path)
+        )
+
+    for client, code, label in verified:
         before = set(AuditEvent.objects.values_list("pk", flat=True))
-        r = client.post(path, {"name": "memory_read", "arguments": {"key": KEY}}) if path == CALL else client.get(path)
-        assert r.status_code == 401
-        assert r.json()["error"]["code"] == code
-        events = list(AuditEvent.objects.exclude(pk__in=before))
-        assert len(events) == 1, code
-        event = events[0]
+        r = send(client)
+        assert (r.status_code, r.json()["error"]["code"]) == (401, code)
+        event = AuditEvent.objects.exclude(pk__in=before).get()
         assert (event.action, event.outcome, event.actor_kind) == ("auth.failed", "unauthenticated", "anonymous")
-        assert event.tenant_id == (tenant.pk if tenant else None), code
-        assert event.actor_label == label
-        assert event.detail == {"code": code}
-        assert event.target == path
+        assert (event.tenant_id, event.actor_label, event.detail) == (tenant_a.pk, label, {"code": code})
+        assert event.target == route
         assert event.request_id == r.headers["X-Request-ID"]
         assert event.client_ip == "127.0.0.1"
+
+    before = set(AuditEvent.objects.values_list("pk", flat=True))
+    minute = time.time() // 60 * 60
+    with mock.patch("audit.limits.time.time", return_value=minute + 1):  # one minute, however slow
+        for client, code in unverified:
+            r = send(client)
+            assert (r.status_code, r.json()["error"]["code"]) == (401, code)
+    assert not AuditEvent.objects.exclude(pk__in=before).exists()
+    assert audit_services.audit_auth_failures_flush(now=minute + 60) == 3
+    events = AuditEvent.objects.exclude(pk__in=before)
+    assert {(e.detail["code"], e.count) for e in events} == {
+        ("missing_credentials", 1),
+        ("malformed_credentials", 1),
+        ("invalid_key", 3),
+    }
+    for event in events:
+        assert (event.action, event.outcome, event.actor_kind) == ("auth.failed", "unauthenticated", "anonymous")
+        assert (event.tenant_id, event.actor_label, event.target, event.client_ip) == (None, "", route, "127.0.0.1")
 
 
 def test_key_secret_never_reaches_the_audit_log(w, expired_client):

@@ -298,6 +298,17 @@ def test_postgresql_refuses_changes_outside_the_maintenance_paths(chained, sql):
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("table", [TABLE, SEALS, "audit_auditcheckpoint"])
+def test_postgresql_refuses_truncate_of_the_audit_tables(chained, table):
+    before = AuditEvent.objects.count()
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL zeromem.audit_mode = ''")  # the suite's own flush sets 'flush'
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no pending FK checks from the inserts
+        cursor.execute(f"TRUNCATE {table} CASCADE")
+    assert AuditEvent.objects.count() == before
+
+
+@pytest.mark.postgres
 def test_postgresql_lets_the_redact_mode_change_only_identifying_fields(chained):
     victim = sealed_ids(chained)[0]
     with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:

@@ -1,13 +1,19 @@
 """API keys: authentication failures, scopes, namespace allowlists and the rate limit."""
 
+import importlib
+import time
 from unittest import mock
 
 import pytest
+from django.apps import apps as django_apps
 from django.test import Client
 
 from audit.models import AuditEvent
+from audit.services import audit_auth_failures_flush
+from memories import services
 from memories.models import ApiKey, Memory
-from tests.factories import KeyedClient
+from memories.services import subjects
+from tests.factories import SYSTEM, KeyedClient, make_key
 from tests.helpers import rest_error, row_counts, tool_error
 
 READ, WRITE, DELETE, SEARCH = "memory:read", "memory:write", "memory:delete", "memory:search"
@@ -207,6 +213,60 @@ def u1_client(seeded, make_client):
     return client
 
 
+def test_a_bare_entry_does_not_cover_neighbours(seeded, make_client):
+    # "user:u1" as a plain prefix covered user:u10:secret; on segments it does not.
+    client, key = make_client(seeded.tenant, allow=["user:u1:"])
+    ApiKey.objects.filter(pk=key.pk).update(allowed_prefixes=["user:u1"])
+    services.memory_write(tenant=seeded.tenant, actor=SYSTEM, key="user:u10:secret", value="u10's")
+    status, body = client.call("memory_read", key="user:u10:secret")
+    assert status == 403 and body["error"]["code"] == "key_not_allowed"
+    services.memory_write(tenant=seeded.tenant, actor=SYSTEM, key="user:u1:lang", value="en")
+    assert client.call("memory_read", key="user:u1:lang")[0] == 200
+
+
+def test_a_limited_key_cannot_put_a_memory_on_another_end_users_page(seeded, make_client):
+    bot, _ = make_client(seeded.tenant, allow=["agent:bot1:"])
+    before = row_counts()
+    status, body = bot.call("memory_write", key="agent:bot1:note", value="click evil.example", subject="u2")
+    assert status == 403 and (body["error"]["code"], body["error"]["field"]) == ("subject_not_allowed", "subject")
+    assert row_counts() == before
+    page, _total = subjects.subject_memories(tenant=seeded.tenant, actor=SYSTEM, subject="u2")
+    assert "agent:bot1:note" not in [m.key for m in page]
+    assert bot.call("memory_write", key="agent:bot1:note", value="no subject")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("allow", "key", "subject"),
+    [
+        (["user:u1:"], "user:u1:lang", "u1"),  # the subject its key names
+        (["agent:bot1:", "user:u2:"], "agent:bot1:note", "u2"),  # u2's namespace is allowed
+        ([], "agent:bot1:note", "u2"),  # a tenant-wide key names anyone
+    ],
+)
+def test_a_subject_inside_the_keys_reach_is_accepted(seeded, make_client, allow, key, subject):
+    client, _ = make_client(seeded.tenant, allow=allow)
+    status, body = client.call("memory_write", key=key, value="v", subject=subject)
+    assert status == 200, body
+    assert Memory.objects.get(tenant=seeded.tenant, key=key).subject == subject
+
+
+def test_the_migration_ends_namespace_entries_with_a_colon(tenant_a):
+    migration = importlib.import_module("memories.migrations.0009_api_key_allowlist_entries_on_segments")
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n1", value="a key, not a namespace")
+    rows = {
+        "bare": (["user:u1", "task:", "user:u1:"], ["user:u1:", "task:"]),
+        "fine": (["agent:bot1:"], ["agent:bot1:"]),
+        "keys": (["summary:session:s1", "note:n1"], ["summary:session:s1", "note:n1"]),
+        "empty entry": (["", "user:u2"], []),  # "" covered everything: still the whole tenant
+    }
+    keys = {name: make_key(tenant_a, name=name)[0] for name in rows}
+    for name, (stored, _) in rows.items():
+        ApiKey.objects.filter(pk=keys[name].pk).update(allowed_prefixes=stored)
+    migration.forwards(django_apps, None)
+    for name, (_, expected) in rows.items():
+        assert ApiKey.objects.get(pk=keys[name].pk).allowed_prefixes == expected, name
+
+
 @pytest.mark.parametrize("key", ["user:u2:lang", "user:u10:lang", "task:t1:status", "user:u1"])
 def test_key_outside_allowlist_is_403_key_not_allowed(u1_client, key):
     before = row_counts()
@@ -327,12 +387,21 @@ def test_rate_limit_window_resets_next_minute(api, settings):
         assert api.call("memory_list")[0] == 200
 
 
+def test_failed_authentication_records_the_route_not_the_keys_in_the_path(seeded):
+    client = KeyedClient(f"{_public_part(seeded.raw_key)}_wrong", None, Client())
+    client.get("/api/v1/memories/user:u2:addr")
+    audit_auth_failures_flush(now=time.time() + 60)  # an unverified claim is written when its minute closes
+    event = AuditEvent.objects.filter(action="auth.failed").get()
+    assert "user:u2" not in str(AuditEvent.objects.filter(action="auth.failed").values())
+    assert event.target.startswith("/api/v1/memories/<"), event.target
+
+
 def test_failed_authentication_is_audited_without_the_secret(seeded):
     lookup_part = _public_part(seeded.raw_key)
     secret = "definitely-not-the-secret"
     client = KeyedClient(f"{lookup_part}_{secret}", None, Client())
     client.call("memory_read", key="user:u1:lang")
+    audit_auth_failures_flush(now=time.time() + 60)
     event = AuditEvent.objects.filter(action="auth.failed").get()
-    assert event.actor_label == lookup_part
-    assert event.detail == {"code": "invalid_key"}
+    assert (event.tenant_id, event.count, event.detail["code"]) == (None, 1, "invalid_key")
     assert secret not in str(AuditEvent.objects.values())

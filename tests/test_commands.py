@@ -10,8 +10,10 @@ from django.test import Client
 from django.utils import timezone
 
 from audit.models import AuditEvent
+from memories import services
 from memories.models import ApiKey, Tenant, hash_api_key
 from tests.factories import KeyedClient
+from zeromem.kernel.actors import Actor
 
 
 def run(*args, **options):
@@ -135,6 +137,21 @@ def test_create_api_key_with_bad_allow_prefix_is_a_command_error(umbrella, prefi
     with pytest.raises(CommandError, match="allowed_prefixes"):
         run("create_api_key", "--tenant", "umbrella", "--name", "x", "--allow", prefix)
     assert not ApiKey.objects.exists()
+
+
+def test_create_api_key_with_a_bare_allow_entry_never_reaches_its_neighbours(umbrella):
+    # "user:u1" as a plain prefix would also cover user:u10:secret.
+    out, _ = run(
+        "create_api_key", "--tenant", "umbrella", "--name", "x", "--allow", " user:u1 ", "--scopes", "memory:read"
+    )
+    assert "'user:u1' covers the key user:u1 and the keys under user:u1: (not user:u10:…)" in out
+    raw = next(line for line in out.splitlines() if line.startswith("zm_"))
+    assert ApiKey.objects.get().allowed_prefixes == ["user:u1"]
+    for key, value in (("user:u10:secret", "u10's"), ("user:u1:lang", "en")):
+        services.memory_write(tenant=umbrella, actor=Actor.system(), key=key, value=value)
+    client = KeyedClient(raw, umbrella, Client())
+    assert client.call("memory_read", key="user:u10:secret")[0] == 403
+    assert client.call("memory_read", key="user:u1:lang")[0] == 200
 
 
 @pytest.mark.parametrize("days", ["0", "-3"])

@@ -10,6 +10,7 @@ import secrets
 import subprocess
 import sys
 
+import pytest
 from django.conf import settings
 
 PRODUCTION = {
@@ -17,13 +18,16 @@ PRODUCTION = {
     "SECRET_KEY": secrets.token_urlsafe(50),
     "ALLOWED_HOSTS": "zeromem.example.com",
     "DATABASE_URL": "postgres://zeromem:secret@db.example.com:5432/zeromem",
+    "ZEROMEM_AUDIT_KEY": secrets.token_urlsafe(50),
 }
 
 
-def _check_deploy(**overrides) -> subprocess.CompletedProcess:
+def _check_deploy(*args, without=(), **overrides) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", **PRODUCTION, **overrides}
+    for name in without:
+        env.pop(name)
     return subprocess.run(
-        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        [sys.executable, "manage.py", *(args or ("check", "--deploy", "--fail-level", "WARNING"))],
         cwd=settings.BASE_DIR,
         env=env,
         capture_output=True,
@@ -43,3 +47,38 @@ def test_check_deploy_fails_when_a_production_setting_is_insecure():
     done = _check_deploy(DEBUG="true")
     assert done.returncode != 0
     assert "security.W018" in done.stdout + done.stderr
+
+
+def test_check_deploy_warns_when_the_audit_key_is_derived_from_the_secret_key():
+    done = _check_deploy(without=["ZEROMEM_AUDIT_KEY"])
+    assert done.returncode != 0
+    assert "zeromem.W001" in done.stdout + done.stderr and "ZEROMEM_AUDIT_KEY is not set" in done.stderr
+
+
+def test_check_deploy_warns_on_development_mode_with_a_production_database():
+    done = _check_deploy(ZEROMEM_ENV="development")
+    assert done.returncode != 0
+    assert "zeromem.W002" in done.stdout + done.stderr
+
+
+@pytest.mark.skipif((settings.BASE_DIR / ".env").exists(), reason="a .env (from `up`) sets the mode")
+def test_manage_py_refuses_a_production_database_without_a_secret_key():
+    # Once it fell back to development mode, with a public SECRET_KEY and audit key.
+    done = _check_deploy("check", without=["ZEROMEM_ENV", "SECRET_KEY", "ZEROMEM_AUDIT_KEY"])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "DATABASE_URL is set but SECRET_KEY is not" in done.stderr
+    assert "System check" not in done.stdout
+
+
+@pytest.mark.skipif((settings.BASE_DIR / ".env").exists(), reason="a .env (from `up`) sets the mode")
+def test_manage_py_on_a_bare_checkout_still_runs_in_development_mode():
+    done = _check_deploy("check", without=["ZEROMEM_ENV", "SECRET_KEY", "ZEROMEM_AUDIT_KEY", "DATABASE_URL"])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_production_allowed_hosts_default_has_no_testserver():
+    done = _check_deploy(
+        "shell", "-c", "from django.conf import settings; print(settings.ALLOWED_HOSTS)", without=["ALLOWED_HOSTS"]
+    )
+    assert done.returncode == 0, done.stderr
+    assert "testserver" not in done.stdout and "localhost" in done.stdout

@@ -14,10 +14,12 @@ from django_q.signing import SignedPackage
 
 from audit.models import AuditEvent
 from memories import services
-from memories.models import ForgetRequest, Memory, MemoryVersion
-from memories.services import forget
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion
+from memories.services import forget, subjects
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
 from tests.helpers import memory_rows, rest_error
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
 
 URL = "/api/v1/forget-requests"
@@ -28,6 +30,7 @@ RECEIPT_FIELDS = {
     "admin_log_entries",
     "batches",
     "audit_events_redacted",
+    "summaries_rebuilt",
     "received_at",
     "started_at",
     "completed_at",
@@ -157,6 +160,102 @@ def test_forget_by_prefix_follows_lineage_to_summaries_without_the_subject(
         ("doc:d1:intro", 1, None),
         ("doc:d2:intro", 1, None),
     ]
+
+
+def _shared_summary(tenant, capture):
+    """summary:user over u1's, u2's and u10's memories (no subject: they are three people)."""
+    write(tenant, "user:u1:pref_lang", f"zh-CN {CANARY}")
+    write(tenant, "user:u2:addr", "u2 lives on Elm Street")
+    write(tenant, "user:u10:secret", "u10 keeps a secret")
+    summary = summarize(tenant, "user:", capture)
+    assert summary.subject == "" and CANARY in summary.value
+    return summary
+
+
+def _assert_rebuilt_without_the_canary(summary):
+    rebuilt = Memory.objects.get(pk=summary.pk)  # rebuilt in place, not erased
+    assert CANARY not in str(rebuilt.value) and "user:u1:pref_lang" not in rebuilt.sources
+    assert "u2 lives on Elm Street" in rebuilt.value and "u10 keeps a secret" in rebuilt.value
+    assert set(rebuilt.sources) == {"user:u2:addr", "user:u10:secret"}
+    history = list(MemoryVersion.objects.filter(memory_id=summary.pk).values_list("value", flat=True))
+    assert history == [rebuilt.value]  # the old versions held the forgotten line
+    assert CANARY not in rebuilt.search_text
+
+
+def test_a_limited_keys_forget_rebuilds_a_shared_summary_instead_of_erasing_it(
+    tenant_a, make_client, django_capture_on_commit_callbacks
+):
+    summary = _shared_summary(tenant_a, django_capture_on_commit_callbacks)
+    client, _ = make_client(tenant_a, allow=["user:u1:"])
+    r = post(client, django_capture_on_commit_callbacks, {"keys": ["user:u1:pref_lang"]})
+    assert r.status_code == 202, r.content
+    done = get(client, r.json()["id"])
+    assert done["status"] == "completed"
+    assert (done["receipt"]["memories"], done["receipt"]["summaries"]) == (1, 0)
+    assert done["receipt"]["summaries_rebuilt"] == ["summary:user"]
+    _assert_rebuilt_without_the_canary(summary)
+
+
+def test_a_limited_prefix_forget_rebuilds_summaries_of_summaries_outside_its_allowlist(
+    tenant_a, make_client, django_capture_on_commit_callbacks
+):
+    summary = _shared_summary(tenant_a, django_capture_on_commit_callbacks)
+    # A free-text (LLM-like) summary made from the shared summary and another memory.
+    write(tenant_a, "team:t1:plan", "ship on friday")
+    weekly = write(tenant_a, "summary:weekly", f"weekly: {CANARY} and a plan", category="summary")
+    Memory.objects.filter(pk=weekly.pk).update(sources=["summary:user", "team:t1:plan"])
+    client, _ = make_client(tenant_a, allow=["user:u1:"])
+    r = post(client, django_capture_on_commit_callbacks, {"prefix": "user:u1:"})
+    done = get(client, r.json()["id"])
+    assert done["receipt"]["summaries"] == 0
+    assert done["receipt"]["summaries_rebuilt"] == ["summary:user", "summary:weekly"]
+    _assert_rebuilt_without_the_canary(summary)
+    weekly = Memory.objects.get(pk=weekly.pk)
+    assert CANARY not in str(weekly.value) and "ship on friday" in weekly.value and "u2 lives" in weekly.value
+    assert [v for v in MemoryVersion.objects.filter(memory_id=weekly.pk).values_list("value", flat=True)] == [
+        weekly.value
+    ]
+
+
+def test_an_end_users_forget_of_one_memory_rebuilds_summaries_of_other_people(
+    tenant_a, django_capture_on_commit_callbacks
+):
+    summary = _shared_summary(tenant_a, django_capture_on_commit_callbacks)
+    own = summarize(tenant_a, "user:u1:", django_capture_on_commit_callbacks)  # subject u1: theirs
+    end_user = Actor(kind=ActorKind.END_USER, id="u1", scopes=frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE}))
+    with django_capture_on_commit_callbacks(execute=True):
+        request = subjects.subject_forget(tenant=tenant_a, actor=end_user, subject="u1", key="user:u1:pref_lang")
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert (request.receipt["summaries"], request.receipt["summaries_rebuilt"]) == (1, ["summary:user"])
+    assert not Memory.objects.filter(pk=own.pk).exists()
+    _assert_rebuilt_without_the_canary(summary)
+
+
+def test_a_summary_made_only_of_forgotten_memories_is_erased_even_outside_the_allowlist(
+    tenant_a, make_client, django_capture_on_commit_callbacks
+):
+    write(tenant_a, "user:u1:pref_lang", f"zh-CN {CANARY}")
+    summary = summarize(tenant_a, "user:u1:", django_capture_on_commit_callbacks)
+    client, _ = make_client(tenant_a, allow=["user:u1:"])  # summary:user:u1 is outside it
+    done = get(client, post(client, django_capture_on_commit_callbacks, {"prefix": "user:u1:"}).json()["id"])
+    assert (done["receipt"]["summaries"], done["receipt"]["summaries_rebuilt"]) == (1, [])
+    assert not Memory.objects.filter(pk=summary.pk).exists()
+
+
+def test_forgetting_a_subject_drops_its_prefix_and_key_from_finished_summarize_jobs(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    write(tenant_a, "user:u9:lang", "de")
+    write(tenant_a, "team:t1:plan", "ship")
+    summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)
+    summarize(tenant_a, "team:t1:", django_capture_on_commit_callbacks)
+    post(api, django_capture_on_commit_callbacks, {"subject": "u9"})
+    jobs = {job.pk: (job.params, job.result) for job in Job.objects.order_by("pk")}
+    assert "u9" not in str(jobs)
+    (theirs, _), (other, other_result) = jobs.values()
+    assert theirs == {"archive": False, "redacted": True}
+    assert other["prefix"] == "team:t1:" and other_result["key"] == "summary:team:t1"
 
 
 def test_forget_by_keys_erases_those_keys_and_summaries_of_summaries(api, tenant_a, django_capture_on_commit_callbacks):

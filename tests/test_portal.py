@@ -461,7 +461,7 @@ def test_every_portal_action_is_audited_with_the_end_user_as_actor(api, seeded, 
     for event in by_user:
         assert (event.actor_label, event.surface) == ("end user", "portal"), event
         assert event.request_id
-    assert by_user.filter(action="subject.memories", request_id="portal-req-0001").exists()
+    assert by_user.filter(action="subject.memories", request_id__endswith=".portal-req-0001").exists()
     created = by_user.get(action="forget.create")
     assert created.detail["forget_request"] == request.pk
     # Never a value in the audit log.
@@ -490,6 +490,26 @@ def test_a_long_subject_gets_a_stable_actor_id_that_fits_the_audit_log(api, tena
     event = AuditEvent.objects.filter(actor_kind="end_user", action="subject.memories").get()
     assert event.actor_id == subjects.end_user_actor_id(subject) and len(event.actor_id) <= 64
     assert event.subject == subject
+
+
+def test_a_long_subjects_actor_id_is_keyed_and_its_portal_events_are_redacted_by_a_forget(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    import hashlib
+
+    subject = "s" * 200
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n1", value="x", subject=subject)
+    client = open_portal(issue(api, subject)["url"])
+    client.get("/portal/")
+    actor_id = subjects.end_user_actor_id(subject)
+    # Not an unkeyed hash that anyone knowing the subject could recompute.
+    assert hashlib.sha256(subject.encode()).hexdigest()[:20] not in actor_id
+    by_user = AuditEvent.objects.filter(actor_kind="end_user", actor_id=actor_id)
+    assert by_user.filter(action="portal.open", client_ip__isnull=False).exists()
+    with django_capture_on_commit_callbacks(execute=True):
+        services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject=subject)
+    assert not AuditEvent.objects.filter(actor_kind="end_user", actor_id=actor_id).exists()
+    assert not AuditEvent.objects.filter(actor_kind="end_user", client_ip__isnull=False).exists()
 
 
 # --- purging spent links -------------------------------------------------------------------

@@ -324,3 +324,17 @@ def test_numeric_strings_are_not_integers(api, field):
     assert r.status_code == 400
     assert r.json()["error"]["field"] == field
     assert row_counts() == counts
+
+
+def test_answers_carrying_values_are_not_stored_by_caches(api):
+    assert api.put("/api/v1/memories/user:u1:lang", {"value": "zh-CN"})["Cache-Control"] == "no-store"
+    for r in (
+        api.get("/api/v1/memories/user:u1:lang"),
+        api.get("/api/v1/memories", {"prefix": "user:"}),
+        api.get("/api/v1/memories/user:u1:lang/history"),
+        api.post("/api/v1/tools/call", {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}),
+        api.get("/api/v1/audit-events"),
+        api.get("/api/v1/memories/user:u1:nothing"),  # errors too
+    ):
+        assert r.status_code in (200, 404), r.content
+        assert r["Cache-Control"] == "no-store", r.request["PATH_INFO"]

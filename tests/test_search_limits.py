@@ -289,41 +289,6 @@ def test_a_single_chinese_character_finds_the_words_it_starts(api):
     assert body["results"] == [] or [r["key"] for r in body["results"]] == ["fact:gun"]
 
 
-def test_searches_past_the_tenants_concurrency_are_503_search_busy(api, api_b, settings):
-    import threading
-
-    import psycopg
-
-    api.call("memory_write", key="fact:a", value="zebra orchid")
-    api_b.call("memory_write", key="fact:b", value="zebra orchid")
-    settings.ZEROMEM_SEARCH_CONCURRENCY = 1
-    holder = None
-    if connection.vendor == "postgresql":
-        # Another server process running a search of tenant A: it holds A's only slot.
-        s = connection.settings_dict
-        holder = psycopg.connect(
-            host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"], autocommit=True
-        )
-        holder.execute("SELECT pg_advisory_lock(%s + %s * 256)", [lexical._SLOT_LOCKS, api.tenant.pk])
-    else:
-        lexical._local_slots[api.tenant.pk] = threading.BoundedSemaphore(1)
-        lexical._local_slots[api.tenant.pk].acquire()
-    try:
-        r = api.post("/api/v1/tools/call", {"name": "memory_search", "arguments": {"query": "zebra"}})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "search_busy"
-        assert r.headers["Retry-After"] == "1"
-        # Another tenant's searches are not counted against it.
-        status, body = api_b.call("memory_search", query="zebra")
-        assert status == 200 and [x["key"] for x in body["results"]] == ["fact:b"]
-    finally:
-        if holder is not None:
-            holder.close()
-        else:
-            lexical._local_slots.pop(api.tenant.pk, None)
-    status, body = api.call("memory_search", query="zebra")
-    assert status == 200 and [x["key"] for x in body["results"]] == ["fact:a"]
-
-
 def test_a_value_of_one_huge_word_is_stored_and_the_word_not_indexed(api):
     # PostgreSQL refuses a lexeme over 2 KiB; a 16 KiB run of one letter is no search term.
     status, body = api.call("memory_write", key="fact:blob", value="x" * (16 * 1024 - 2) + "")

@@ -27,6 +27,7 @@ from django.conf import settings
 from django.db import connection
 
 from tests.factories import make_key, make_tenant
+from tests.helpers import REDIS_TEST_URL, redis_or_fail
 from zeromem import serving
 
 ROOT = Path(settings.BASE_DIR)
@@ -307,3 +308,157 @@ def test_serve_refuses_to_start_when_its_connections_exceed_the_budget(tmp_path)
     ).run()
     assert done.returncode == 3, done.stdout + done.stderr
     assert "refusing to start" in done.stderr and "2 processes × pool max 10" in done.stderr
+
+
+def _race(port: int, key: str, n: int) -> list[int]:
+    """``n`` tool calls released at once from ``n`` threads: their statuses."""
+    gate = threading.Barrier(n)
+    statuses: list[int] = []
+
+    def one():
+        gate.wait()
+        statuses.append(_request(port, "POST", "/api/v1/tools/call", key=key, body=LIST, timeout=60)[0])
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    return sorted(statuses)
+
+
+LIST = {"name": "memory_list", "arguments": {}}
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("store", ["database", "redis"])
+def test_80_parallel_requests_to_several_processes_pass_a_limit_of_20_exactly_20_times(served, store):
+    """Before: the file cache's read-then-write incr let 29-41 of 80 through."""
+    redis_url = ""
+    if store == "redis":
+        redis_or_fail()
+        redis_url = REDIS_TEST_URL
+    tenant = make_tenant("serve-limit")
+    _key, raw = make_key(tenant)
+    server = served(
+        "--processes", "2", "--threads", "8",
+        DATABASE_URL=_database_url(), REDIS_URL=redis_url, ZEROMEM_RATE_LIMIT_PER_MINUTE="20",
+    )  # fmt: skip
+    while time.time() % 60 > 45:  # all 80 in one window
+        time.sleep(0.5)
+    statuses = _race(server.port, raw, 80)
+    assert statuses.count(200) == 20 and statuses.count(429) == 60, statuses
+
+
+def _send_until_answered(port: int, head: bytes, body_chunks) -> tuple[bytes, int]:
+    """Send ``head`` then the body until the server answers or stops reading: (the
+    answer's first bytes, body bytes sent by then — an upper bound of what it read)."""
+    import select
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.sendall(head)
+        sent = 0
+        sock.settimeout(5)  # a server that no longer reads makes sendall time out
+        for chunk in body_chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # answered
+            try:
+                sock.sendall(chunk)  # whole chunks: a partial one would break the framing
+            except (TimeoutError, BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(chunk)
+        sock.settimeout(10)
+        return sock.recv(65536), sent
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_100_mib_body_is_refused_with_413_before_it_is_read(served, framing):
+    server = served("--processes", "1", "--threads", "2", DATABASE_URL="")
+    total, piece = 100 * 1024 * 1024, 64 * 1024
+    request = b"POST /api/v1/tools/call HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if framing == "chunked":
+        head = request + b"Transfer-Encoding: chunked\r\n\r\n"
+        chunks = (b"%x\r\n" % piece + b" " * piece + b"\r\n" for _ in range(total // piece))
+    else:
+        head = request + b"Content-Length: %d\r\n\r\n" % total
+        chunks = (b" " * piece for _ in range(total // piece))
+    answer, sent = _send_until_answered(server.port, head, chunks)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    # The cap is 1 MiB; what the socket took beyond it sits in kernel buffers, unread.
+    assert sent < 8 * 1024 * 1024, sent
+
+
+class SlowReader(threading.Thread):
+    """GET ``path`` and read the answer a few bytes at a time until told to stop."""
+
+    def __init__(self, port: int, path: str, key: str):
+        super().__init__(daemon=True)
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+        self.status = 0
+        self.stop = threading.Event()
+
+    def run(self):
+        self.sock.sendall(self.request)
+        head = self.sock.recv(64)
+        self.status = int(head.split()[1]) if head else -1
+        while not self.stop.is_set() and self.sock.recv(64):
+            time.sleep(0.1)
+        self.sock.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_20_slow_export_readers_of_one_tenant_leave_another_tenants_reads_without_a_503(served):
+    """Before: 21 slow export readers held all pooled connections and every tenant got 503."""
+    busy, other = make_tenant("serve-busy"), make_tenant("serve-other")
+    _k, busy_key = make_key(busy)
+    _k, other_key = make_key(other)
+    with connection.cursor() as cursor:  # an export of ~15 MB, far more than socket buffers
+        cursor.execute(
+            "INSERT INTO audit_auditevent (uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label, surface,"
+            " action, target, subject, outcome, request_id, detail, digest, chain, redacted)"
+            " SELECT gen_random_uuid(), %s, now(), 'system', '', 'system', 'job', 'memory.write',"
+            " 'user:u' || g || ':preference', '', 'ok', '', '{}'::jsonb, repeat('0', 64), '', '{}'::jsonb"
+            " FROM generate_series(1, 60000) g",
+            [busy.pk],
+        )
+    server = served("--processes", "1", "--threads", "8", DATABASE_URL=_database_url())
+    write = {"name": "memory_write", "arguments": {"key": "fact:other:1", "value": 1}}
+    assert _request(server.port, "POST", "/api/v1/tools/call", key=other_key, body=write)[0] == 200
+
+    readers = [SlowReader(server.port, "/api/v1/audit-events/export", busy_key) for _ in range(20)]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while any(r.status == 0 for r in readers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        statuses = sorted(r.status for r in readers)
+        assert statuses.count(200) == 4 and statuses.count(429) == 16, statuses  # ZEROMEM_TENANT_MAX_CONCURRENT
+        read = {"name": "memory_read", "arguments": {"key": "fact:other:1"}}
+        answers = []
+
+        def reads():
+            for _ in range(10):
+                answers.append(_request(server.port, "POST", "/api/v1/tools/call", key=other_key, body=read)[0])
+                answers.append(
+                    _request(server.port, "POST", "/api/v1/tools/call", key=other_key, body=SEARCH, timeout=30)[0]
+                )
+
+        threads = [threading.Thread(target=reads) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert answers == [200] * 60, answers
+        assert all(r.is_alive() for r in readers if r.status == 200)  # still reading, slowly
+    finally:
+        for reader in readers:
+            reader.stop.set()
+
+
+SEARCH = {"name": "memory_search", "arguments": {"query": "fact"}}

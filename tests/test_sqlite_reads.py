@@ -1,5 +1,6 @@
 """SQLite (the embedded default): reads, lists and searches take no write lock, and their
-audit events are still written before they answer (audit.services.audited_operation).
+audit events are still written before they answer (audit.services.audited_operation with
+atomic=False; the search's deadline opens no transaction there).
 
 Runs in a child process on a file database of its own: the test database is in memory,
 where another connection cannot reach it and WAL does not apply."""
@@ -57,8 +58,8 @@ def slow_ranker(**kw):
 ranking._candidate_lists = slow_ranker
 observed["results"] = [m.key for m, _ in services.memory_search(tenant=tenant, actor=actor, query="zebra")]
 observed["audited"] = AuditEvent.objects.filter(action="memory.search", outcome="ok").count()
-read = services.memory_read(tenant=tenant, actor=actor, key="fact:a")
-observed["access_count"] = type(read.memory).objects.get(pk=read.memory.pk).access_count
+services.memory_read(tenant=tenant, actor=actor, key="fact:a")
+observed["read_audited"] = AuditEvent.objects.filter(action="memory.read", outcome="ok").count()
 # The control: inside an ordinary (IMMEDIATE) transaction the same write has to wait.
 with transaction.atomic():
     another_request_writes("during_immediate")
@@ -83,6 +84,6 @@ def test_a_search_on_sqlite_blocks_no_writer_and_is_still_audited(tmp_path):
     assert observed["during_search"] == "ok" and observed["during_search_s"] < 0.25
     # ...and the search still answered, with its event written after its read.
     assert observed["results"] == ["fact:a"] and observed["audited"] == 1
-    assert observed["access_count"] == 1  # memory_read's counter, written with its event
+    assert observed["read_audited"] == 1
     # Under the write lock an ordinary transaction holds, the same write waits and gives up.
     assert observed["during_immediate"] == "database is locked"

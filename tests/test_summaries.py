@@ -450,22 +450,47 @@ def test_idle_sessions_skip_namespaces_with_a_pending_job(tenant_a, clock):
 # --- the optional LLM summarizer ---------------------------------------------------------
 
 
+OK_ANSWER = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "The user is curious and prefers zh-CN; goal: ship v2."},
+            "finish_reason": "stop",
+        }
+    ],
+    "usage": {"prompt_tokens": 80, "completion_tokens": 14, "total_tokens": 94},
+}
+
+
 class FakeLLM:
     """An OpenAI-compatible chat-completions endpoint on 127.0.0.1 (a random port)."""
 
     def __init__(self):
         self.mode = "ok"
         self.requests: list[dict] = []
+        self.redirect = (302, "")  # mode "redirect": (status, Location)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
+            def do_GET(self):  # where a followed 301/302/303 would arrive
+                fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": None})
+                self._send(200, json.dumps(OK_ANSWER).encode())
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
                 mode = fake.mode if isinstance(fake.mode, str) else fake.mode.pop(0)
+                if mode == "redirect":
+                    self.send_response(fake.redirect[0])
+                    self.send_header("Location", fake.redirect[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if mode == "slow":
                     time.sleep(1.0)
                     mode = "ok"
@@ -477,22 +502,7 @@ class FakeLLM:
                 elif mode == "no_choices":
                     self._send(200, json.dumps({"choices": [], "usage": {"total_tokens": 3}}).encode())
                 else:
-                    answer = {
-                        "id": "chatcmpl-1",
-                        "object": "chat.completion",
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {
-                                    "role": "assistant",
-                                    "content": "The user is curious and prefers zh-CN; goal: ship v2.",
-                                },
-                                "finish_reason": "stop",
-                            }
-                        ],
-                        "usage": {"prompt_tokens": 80, "completion_tokens": 14, "total_tokens": 94},
-                    }
-                    self._send(200, json.dumps(answer).encode())
+                    self._send(200, json.dumps(OK_ANSWER).encode())
 
             def _send(self, code, payload):
                 self.send_response(code)
@@ -608,6 +618,37 @@ def test_llm_failure_then_success_on_retry(api, session, llm, django_capture_on_
     assert (job.status, job.attempts, job.error) == ("succeeded", 2, "")
     assert result == job.result and result["summarizer"] == "llm"
     assert live(api.tenant, "summary:session:s1").version == 1  # written once
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_the_llm_api_key_never_follows_a_redirect_to_another_server(
+    api, session, llm, status, django_capture_on_commit_callbacks
+):
+    elsewhere = FakeLLM()  # another port: another server
+    try:
+        llm.mode = "redirect"
+        llm.redirect = (status, elsewhere.url + "/chat/completions")
+        job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+        assert job.status == "queued" and f"answered HTTP {status}, a redirect, which is not followed" in job.error
+        assert len(llm.requests) == 1 and llm.requests[0]["headers"]["Authorization"] == "Bearer sk-test-only"
+        assert [r["headers"].get("Authorization") for r in elsewhere.requests] == []
+        assert live(api.tenant, "summary:session:s1") is None
+    finally:
+        elsewhere.close()
+
+
+def test_a_failed_jobs_error_shows_memory_read_keys_no_text_of_the_exception(
+    api, tenant_a, session, monkeypatch, make_client, django_capture_on_commit_callbacks
+):
+    def fail(**kwargs):
+        raise RuntimeError('duplicate key value violates "user:u2:secret" = (CANARY-NAMED-ROW)')
+
+    monkeypatch.setattr(summaries, "_write_summary", fail)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    reader, _ = make_client(tenant_a, scopes=["memory:read"])
+    shown = reader.get(f"/api/v1/jobs/{job.pk}").json()["error"]
+    assert shown == job.error and shown.endswith("failed: RuntimeError (details in the server log)")
+    assert "user:u2" not in job.error and "CANARY" not in job.error
 
 
 def test_unreachable_llm_endpoint_fails_the_attempt(api, session, settings, django_capture_on_commit_callbacks):

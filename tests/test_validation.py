@@ -381,3 +381,45 @@ def test_batch_body_over_cap_is_413(existing, settings):
     r = existing.post("/api/v1/tools/batch", {"calls": calls})
     assert r.status_code == 413
     assert row_counts() == before
+
+
+def _strict_json(content: bytes):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(content, parse_constant=refuse)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "name"),
+    [
+        ('{"key": "a:b", "value": NaN}', "NaN"),
+        ('{"key": "a:b", "value": {"x": [-Infinity]}}', "-Infinity"),
+        ('{"key": "a:b", "value": "v", "ttl_seconds": Infinity}', "Infinity"),
+        ('{"key": "a:b", "value": 1e999}', "1e999"),
+    ],
+)
+def test_nan_or_infinity_in_string_arguments_is_400_naming_arguments(existing, arguments, name):
+    before = row_counts()
+    r = existing.post("/api/v1/tools/call", {"name": "memory_write", "arguments": arguments})
+    assert r.status_code == 400
+    body = _strict_json(r.content)  # the answer itself stays valid JSON
+    assert (body["error"]["code"], body["error"]["field"]) == ("malformed_json", "arguments")
+    assert name in body["error"]["message"]
+    assert row_counts() == before
+
+
+@pytest.mark.parametrize("body", ['{"value": NaN}', '{"value": 1e999}', '{"value": "v", "importance": Infinity}'])
+def test_nan_or_infinity_over_rest_is_400_and_valid_json(existing, body):
+    r = existing.client.put(
+        "/api/v1/memories/a:b", body, content_type="application/json", headers=existing._headers(None)
+    )
+    assert r.status_code == 400
+    assert _strict_json(r.content)["error"]["field"] in ("body", "value", "importance")
+
+
+def test_the_renderer_never_writes_nan_into_an_answer():
+    from zeromem.renderers import CompactJSONRenderer
+
+    with pytest.raises(ValueError):
+        CompactJSONRenderer().render({"score": float("nan")})

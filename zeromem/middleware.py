@@ -1,23 +1,55 @@
 """Request context: an id for every request (echoed as X-Request-ID and kept in the audit
-log) and the transport body cap (413 before any parsing)."""
+log) and the transport body cap (413 before any parsing); static files, sessions, CSRF, the
+staff user and messages only where browsers need them, so API requests do not pay for them."""
 
+import io
 import json
 import re
 import uuid
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
+from django.contrib.auth.middleware import AuthenticationMiddleware
+from django.contrib.messages.middleware import MessageMiddleware
+from django.contrib.sessions.middleware import SessionMiddleware
+from django.core.handlers.wsgi import LimitedStream
 from django.http import HttpResponse
+from servestatic.middleware import ServeStaticMiddleware
 
+from zeromem.kernel import validation
 from zeromem.kit.api import error_body
 
 _INCOMING_ID = re.compile(r"[A-Za-z0-9._-]{8,64}")
+_READ_SIZE = 64 * 1024
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None, **extra) -> HttpResponse:
     """The error envelope as a plain response, for answers given outside DRF."""
     body = error_body(code, message, field, **extra)
     return HttpResponse(json.dumps(body, separators=(",", ":")), status=status, content_type="application/json")
+
+
+def _too_large(cap: int) -> HttpResponse:
+    return error_response(413, "too_large", f"request body is over {cap} bytes", field="body")
+
+
+def _read_chunked(request, cap: int) -> HttpResponse | None:
+    """A chunked body under WSGI has no Content-Length, so Django reads it as empty (its
+    stream is limited to Content-Length, 0). The server (granian) streams the decoded
+    chunks through wsgi.input as they arrive: read at most cap + 1 bytes of them, refuse
+    past the cap, and hand Django the body with its length."""
+    stream = request.META["wsgi.input"]
+    body = bytearray()
+    while len(body) <= cap:
+        chunk = stream.read(min(_READ_SIZE, cap + 1 - len(body)))
+        if not chunk:
+            break
+        body += chunk
+    if len(body) > cap:
+        return _too_large(cap)
+    request.META["CONTENT_LENGTH"] = str(len(body))
+    request._stream = LimitedStream(io.BytesIO(body), len(body))  # what WSGIRequest builds
+    return None
 
 
 class RequestIdMiddleware:
@@ -36,12 +68,17 @@ class RequestIdMiddleware:
 
     def _before(self, request):
         incoming = request.headers.get("X-Request-ID", "")
-        request.request_id = incoming if _INCOMING_ID.fullmatch(incoming) else uuid.uuid4().hex
-        length = request.META.get("CONTENT_LENGTH") or "0"
-        if length.isdigit() and int(length) > settings.ZEROMEM_MAX_BODY_BYTES:
-            return error_response(
-                413, "too_large", f"request body is over {settings.ZEROMEM_MAX_BODY_BYTES} bytes", field="body"
-            )
+        # Ours first, theirs after: a client's id is kept for their tracing but can never
+        # collide with (or pose as) another request's id in the audit log.
+        ours = uuid.uuid4().hex
+        request.request_id = f"{ours[:16]}.{incoming[:47]}" if _INCOMING_ID.fullmatch(incoming) else ours
+        cap = settings.ZEROMEM_MAX_BODY_BYTES
+        length = validation.ascii_int(request.META.get("CONTENT_LENGTH") or "0")
+        if length is not None and length > cap:
+            # From the header alone: not one byte of the body has been read.
+            return _too_large(cap)
+        if "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower() and "wsgi.input" in request.META:
+            return _read_chunked(request, cap)
         return None
 
     def __call__(self, request):
@@ -55,3 +92,59 @@ class RequestIdMiddleware:
         response = self._before(request) or await self.get_response(request)
         response["X-Request-ID"] = request.request_id
         return response
+
+
+class StaticFilesMiddleware:
+    """ServeStatic, for the static files' prefix only.
+
+    ServeStatic's middleware is async-only. In the WSGI server (``python3 -m zeromem serve``)
+    Django adapts it for every request — an event loop and thread hops around the rest of
+    the chain, ~a third of ``/healthz``'s CPU — although only ``/static/`` paths can ever be
+    its files. Here a WSGI request goes through ServeStatic only on that prefix; under ASGI
+    it is ServeStatic itself, as before."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            self.static = ServeStaticMiddleware(get_response)
+            markcoroutinefunction(self)
+        else:
+            static = ServeStaticMiddleware(sync_to_async(get_response))
+            self.prefix = static.static_prefix
+            self.static = async_to_sync(static)
+
+    def __call__(self, request):
+        if self.is_async or request.path_info.startswith(self.prefix):
+            return self.static(request)
+        return self.get_response(request)
+
+
+# Paths for programs, not browsers: an API key or nothing authenticates them, never a cookie.
+# Session, the staff user and messages are skipped there (the admin and the portal keep
+# them); DRF's views set their own ``request.user``. Django's own CSRF middleware stays in
+# place (``check --deploy`` looks for it by name); DRF's views are CSRF-exempt, so on API
+# paths it only reads no cookie and returns.
+API_PATHS = ("/api/", "/healthz")
+
+
+class _BrowserOnly:
+    def __call__(self, request):
+        if request.path_info.startswith(API_PATHS):
+            return self.get_response(request)
+        return super().__call__(request)
+
+
+class BrowserSessionMiddleware(_BrowserOnly, SessionMiddleware):
+    pass
+
+
+class BrowserAuthenticationMiddleware(_BrowserOnly, AuthenticationMiddleware):
+    pass
+
+
+class BrowserMessageMiddleware(_BrowserOnly, MessageMiddleware):
+    pass

@@ -12,4 +12,6 @@ class CompactJSONRenderer(JSONRenderer):
     def render(self, data, accepted_media_type=None, renderer_context=None):
         if data is None:
             return b""
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str).encode()
+        # allow_nan=False: NaN or Infinity would make the answer invalid JSON; the inputs
+        # refuse them, and anything that slips through is an error, not a broken body.
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str, allow_nan=False).encode()

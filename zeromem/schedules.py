@@ -28,6 +28,12 @@ SCHEDULES = {
     # Audit events are chained into seals (tamper evidence) a minute or so after they happen;
     # requests never wait for this (see audit/models.py).
     "zeromem:audit-seal": ("audit.tasks.audit_seal_task", Schedule.MINUTES, 1),
+    # Reads are counted into access_count/last_accessed_at from their (sealed) audit events,
+    # so a read writes nothing but its event (memories/services/access.py).
+    "zeromem:access-counts": ("memories.tasks.access_counts_fold_task", Schedule.MINUTES, 1),
+    # Unverified failed authentications are counted per source and minute; each closed
+    # minute becomes one tenant-less auth.failed event with its count.
+    "zeromem:auth-failures-flush": ("audit.tasks.audit_auth_failures_flush_task", Schedule.MINUTES, 1),
     # Audit events past each tenant's retention are deleted, whole seals at a time.
     "zeromem:audit-purge": ("audit.tasks.audit_purge_task", Schedule.DAILY, None),
 }

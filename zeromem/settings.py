@@ -36,7 +36,10 @@ if DEVELOPMENT:
 else:
     SECRET_KEY = env.str("SECRET_KEY")  # required: raises ImproperlyConfigured when missing
 
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+# "testserver" is Django's test client's host: development (and so the tests) only.
+ALLOWED_HOSTS = env.list(
+    "ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"] + (["testserver"] if DEVELOPMENT else [])
+)
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
 INSTALLED_APPS = [
@@ -64,12 +67,14 @@ ZEROMEM_TENANT_MODEL = "memories.Tenant"
 MIDDLEWARE = [
     "zeromem.middleware.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "servestatic.middleware.ServeStaticMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    "zeromem.middleware.StaticFilesMiddleware",  # ServeStatic, on /static/ only
+    # Django's session, auth and messages middleware, skipped on /api/ and /healthz
+    # (zeromem/middleware.py: API_PATHS); the admin and the portal get all of them.
+    "zeromem.middleware.BrowserSessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "zeromem.middleware.BrowserAuthenticationMiddleware",
+    "zeromem.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
@@ -144,7 +149,7 @@ else:
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-# --- Cache (rate limits live here, so it must be shared by every worker process) -------
+# --- Cache (rate limits no longer live here: audit/limits.py counts them exactly) ---------
 if env.str("REDIS_URL", default=""):
     CACHES = {
         "default": {
@@ -212,10 +217,23 @@ ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
 # One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
-# Searches one tenant may run at once; more are 503 search_busy with Retry-After.
-ZEROMEM_SEARCH_CONCURRENCY = env.int("ZEROMEM_SEARCH_CONCURRENCY", default=4)
 ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
+# A verified API key is reused for this long by the process that verified it, so a request
+# costs no key lookup; a revocation reaches every other process within this bound (the
+# process that revokes drops it at once). 0 turns the cache off. memories/services/key_cache.py
+ZEROMEM_API_KEY_CACHE_SECONDS = env.float("ZEROMEM_API_KEY_CACHE_SECONDS", default=10.0)
+# Rate limits (audit/limits.py): exact across processes, counted in Redis when REDIS_URL is
+# set, else in the database. Each call of a batch counts.
+ZEROMEM_REDIS_URL = env.str("REDIS_URL", default="")
 ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default=6000)
+# Expensive work (search, recall, export, batch) a tenant may run at once, across processes;
+# a request past it waits this long for a slot, then gets 429 tenant_busy. A slot held
+# longer than its lease (a crashed process) lapses.
+ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
+ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
+ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
+# Failed authentications per minute, per client address and per key prefix, before 429.
+ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
 # only when this is set (as DRF's NUM_PROXIES).
 ZEROMEM_NUM_PROXIES = env.int("ZEROMEM_NUM_PROXIES", default=0)
@@ -240,6 +258,8 @@ ZEROMEM_AUDIT_KEY = env.str(
     "ZEROMEM_AUDIT_KEY",
     default=hashlib.sha256(f"zeromem-audit-key:{SECRET_KEY}".encode()).hexdigest(),
 )
+# `check --deploy` warns when it is derived (zeromem/kernel/checks.py).
+ZEROMEM_AUDIT_KEY_EXPLICIT = bool(env.str("ZEROMEM_AUDIT_KEY", default=""))
 # Audit events older than this are purged (whole sealed batches, after a checkpoint);
 # tenants may set their own (Tenant.audit_retention_days).
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)

@@ -23,7 +23,10 @@ class ApiKeyForm(forms.ModelForm):
     allowed_prefixes = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 3}),
-        help_text="One key prefix per line (e.g. user:u10086:); empty: the whole tenant.",
+        help_text=(
+            "One key prefix per line, matched on whole segments: user:u10086: covers the keys under it, "
+            "never user:u100860:…; empty: the whole tenant."
+        ),
     )
     expires_in_days = forms.IntegerField(required=False, min_value=1, max_value=3650)
 
@@ -32,13 +35,11 @@ class ApiKeyForm(forms.ModelForm):
         fields = ("tenant", "name")
 
     def clean_allowed_prefixes(self):
-        prefixes = [p.strip() for p in (self.cleaned_data.get("allowed_prefixes") or "").splitlines() if p.strip()]
-        for p in prefixes:
-            try:
-                validation.prefix(p, field="allowed_prefixes")
-            except ServiceError as exc:
-                raise forms.ValidationError(f"{p}: {exc.message}") from None
-        return prefixes
+        lines = [p for p in (self.cleaned_data.get("allowed_prefixes") or "").splitlines() if p.strip()]
+        try:
+            return validation.allowlist(lines)  # the rule api_key_create applies again
+        except ServiceError as exc:
+            raise forms.ValidationError(exc.message) from None
 
     def _post_clean(self):
         pass  # api_key_create validates and stores the key
@@ -114,6 +115,8 @@ class ApiKeyAdmin(TenantScopedAdmin):
         )
         obj.pk = key.pk
         obj._raw_key = raw
+        for entry in key.allowed_prefixes:
+            self.message_user(request, f"Allowlist: {validation.allowlist_entry_meaning(entry)}.")
 
     def log_addition(self, request, obj, message):
         return None  # audited by api_key_create

@@ -369,10 +369,7 @@ class MemoryAdmin(TenantScopedAdmin):
 
     @admin.action(permissions=["edit"], description="Extend TTL (expire that many days from now)")
     def extend_ttl(self, request, queryset):
-        try:
-            days = int(request.POST.get("ttl_days") or 7)
-        except ValueError:
-            days = 0
+        days = validation.ascii_int(request.POST.get("ttl_days") or "7") or 0
         if not 1 <= days <= 3650:
             self.message_user(request, "days (extend TTL): give a whole number from 1 to 3650.", messages.ERROR)
             return

@@ -1,7 +1,8 @@
 """API key authentication, the "has a key" permission and the per-key rate limit.
 
-The key resolves to its tenant here, once per request, in one indexed query
-(``ApiKey.lookup`` joined to its tenant); views never look the tenant up themselves.
+The key resolves to its tenant here, once per request — from the process's cache of keys it
+verified lately, else in one indexed query (``ApiKey.lookup`` joined to its tenant); views
+never look the tenant up themselves.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.core.cache import cache
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
@@ -20,8 +20,10 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from rest_framework.throttling import BaseThrottle
 
-from audit.services import audit_auth_failure
+from audit import limits
+from audit.services import AuthThrottled, audit_auth_failure
 from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
+from memories.services import key_cache
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kit.http import client_ip
@@ -62,6 +64,11 @@ class AuthFailed(exceptions.AuthenticationFailed):
         self.zeromem_code = code
 
 
+# Only these failures prove the caller holds the key's secret; any other claim of a key
+# (its public zm_<lookup> prefix) is unverified and never lands in that tenant's log.
+_VERIFIED_FAILURES = frozenset({"key_revoked", "key_expired"})
+
+
 def _audit_failure(request, *, code: str, tenant: Tenant | None, label: str) -> None:
     actor = Actor(
         kind=ActorKind.ANONYMOUS,
@@ -70,7 +77,13 @@ def _audit_failure(request, *, code: str, tenant: Tenant | None, label: str) -> 
         request_id=getattr(request, "request_id", ""),
         client_ip=client_ip(request),
     )
-    audit_auth_failure(tenant=tenant, actor=actor, target=request.path, code=code)
+    match = getattr(request, "resolver_match", None)
+    # The route pattern, not the path: the client chooses the path.
+    route = f"/{match.route}" if match is not None and match.route else "(unrouted)"
+    try:
+        audit_auth_failure(tenant=tenant if code in _VERIFIED_FAILURES else None, actor=actor, target=route, code=code)
+    except AuthThrottled as exc:
+        raise exceptions.Throttled(wait=exc.retry_after, detail="too many failed authentications") from None
 
 
 class ApiKeyAuthentication(BaseAuthentication):
@@ -88,8 +101,14 @@ class ApiKeyAuthentication(BaseAuthentication):
             raise AuthFailed("malformed_credentials", "expected 'Authorization: Bearer zm_...'")
         lookup = raw[len(API_KEY_PREFIX) :].split("_", 1)[0]
         label = f"{API_KEY_PREFIX}{lookup}"[:24]
-        key = ApiKey.objects.select_related("tenant").filter(lookup=lookup).first()
-        if key is None or not hmac.compare_digest(key.key_hash, hash_api_key(raw)):
+        key_hash = hash_api_key(raw)
+        # A key this process verified lately costs no query (memories/services/key_cache.py:
+        # same hash required; revocations reach other processes within its TTL).
+        key = key_cache.get(lookup, key_hash)
+        cached = key is not None
+        if not cached:
+            key = ApiKey.objects.select_related("tenant").filter(lookup=lookup).first()
+        if key is None or not hmac.compare_digest(key.key_hash, key_hash):
             _audit_failure(request, code="invalid_key", tenant=key.tenant if key else None, label=label)
             raise AuthFailed("invalid_key", "this API key is not valid")
         now = timezone.now()
@@ -102,6 +121,8 @@ class ApiKeyAuthentication(BaseAuthentication):
         if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
             ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
             key.last_used_at = now
+        if not cached:
+            key_cache.put(key)
         return KeyPrincipal(api_key=key), key
 
     def authenticate_header(self, request):
@@ -118,25 +139,18 @@ class HasApiKey(BasePermission):
 
 
 class ApiKeyRateThrottle(BaseThrottle):
-    """Fixed one-minute window per API key, counted in the shared cache (Redis in
-    production), so every worker process enforces the same budget. 429 + Retry-After."""
+    """Fixed one-minute window per API key, exact across processes (audit/limits.py: Redis
+    when configured, else one UPSERT). A view may charge more than one unit per request
+    (``rate_cost``: a batch costs one per call). 429 + Retry-After."""
 
     def allow_request(self, request, view):
         principal = request.user
         if not isinstance(principal, KeyPrincipal):
             return True
-        limit = settings.ZEROMEM_RATE_LIMIT_PER_MINUTE
-        now = time.time()
-        window = int(now // 60)
-        bucket = f"zm:rl:{principal.api_key.pk}:{window}"
-        # One round trip in the steady state: incr, and only on a window's first request
-        # (the key is missing) an add; if another worker added it first, incr again.
-        try:
-            count = cache.incr(bucket)
-        except ValueError:
-            count = 1 if cache.add(bucket, 1, timeout=120) else cache.incr(bucket)
-        self._wait = (window + 1) * 60 - now
-        return count <= limit
+        cost = view.rate_cost(request) if hasattr(view, "rate_cost") else 1
+        hit = limits.hit(f"key:{principal.api_key.pk}", cost=cost, now=time.time())
+        self._wait = hit.retry_after
+        return hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE
 
     def wait(self):
         return max(1.0, self._wait)

@@ -347,6 +347,8 @@ class ForgetReceiptSerializer(serializers.Serializer):
     admin_log_entries = serializers.IntegerField()
     batches = serializers.IntegerField()
     audit_events_redacted = serializers.IntegerField()
+    # Summaries outside the requester's reach, rebuilt without the forgotten memories.
+    summaries_rebuilt = serializers.ListField(child=serializers.CharField(), required=False)
     received_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField()
     completed_at = serializers.DateTimeField()

@@ -13,7 +13,7 @@ from memories.api import serializers as s
 from memories.portal.services import portal_link_create
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
-from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, retry_after
+from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, TenantSlotMixin, retry_after
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(
@@ -56,10 +56,20 @@ class ToolListView(TenantAPIView):
         return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict == "true")})
 
 
-class ToolCallView(AuditedAPIView):
+# Tools whose cost grows with the tenant's data: each call takes a tenant slot.
+EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
+
+
+class ToolCallView(TenantSlotMixin, AuditedAPIView):
     surface = "tool"
     # A body that is not JSON never reaches the registry; it is audited as a refused call.
     audit_actions = {"POST": "tool.call"}
+
+    def needs_tenant_slot(self, request) -> bool:
+        data = request.data if isinstance(request.data, dict) else {}
+        function = data.get("function") if isinstance(data.get("function"), dict) else {}
+        name = data.get("name") or function.get("name")
+        return isinstance(name, str) and name in EXPENSIVE_TOOLS
 
     @extend_schema(
         operation_id="tools_call",
@@ -72,10 +82,15 @@ class ToolCallView(AuditedAPIView):
         return Response(answer.result, status=answer.http_status, headers=retry_after(answer.result.get("error")))
 
 
-class ToolBatchView(AuditedAPIView):
+class ToolBatchView(TenantSlotMixin, AuditedAPIView):
     surface = "tool"
     # Each call is audited by itself; a batch refused as a whole is one "tool.batch" event.
     audit_actions = {"POST": "tool.batch"}
+
+    def rate_cost(self, request) -> int:
+        """Each call counts against the rate limit (a malformed batch costs one)."""
+        calls = request.data.get("calls") if isinstance(request.data, dict) else None
+        return min(len(calls), tools.BATCH_MAX_CALLS) if isinstance(calls, list) and calls else 1
 
     @extend_schema(
         operation_id="tools_batch",
@@ -89,7 +104,7 @@ class ToolBatchView(AuditedAPIView):
 
 # --- memories as resources ------------------------------------------------------------
 
-_ETAG_RE = re.compile(r'^(?:W/)?"(\d+)-(\d+)"$')
+_ETAG_RE = re.compile(r'^(?:W/)?"([0-9]{1,19})-([0-9]{1,10})"$')
 
 
 def _if_match(request) -> tuple[int, int] | str | None:

@@ -21,6 +21,7 @@ from memories.portal import presentation
 from memories.portal.models import PortalLink
 from memories.portal.services import LinkRefused, portal_link_open, portal_session_link, portal_sign_out
 from memories.services import subjects
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
 from zeromem.kernel.outcomes import ActorKind
@@ -84,7 +85,8 @@ def _session_link(request) -> PortalLink | None:
     raw = request.get_signed_cookie(
         COOKIE, default=None, salt=COOKIE_SALT, max_age=settings.ZEROMEM_PORTAL_SESSION_SECONDS
     )
-    return portal_session_link(link_id=int(raw)) if raw and raw.isdigit() else None
+    link_id = validation.ascii_int(raw)
+    return portal_session_link(link_id=link_id) if link_id else None
 
 
 def _no_session(request) -> HttpResponse:
@@ -273,6 +275,8 @@ def _request_view(r: ForgetRequest) -> dict:
             "memories": receipt.get("memories", 0),
             "versions": receipt.get("versions", 0),
             "summaries": receipt.get("summaries", 0),
+            # Shared summaries (about other people too) lose only this user's part.
+            "summaries_rebuilt": len(receipt.get("summaries_rebuilt", [])),
         }
         if r.status == ForgetRequest.Status.COMPLETED
         else None,

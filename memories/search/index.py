@@ -5,7 +5,7 @@
   :func:`index_fields`.
 * :func:`reindex` rewrites both for existing rows in batches of ``batch`` rows, each batch
   its own short transaction (keyset by id, row locks on that batch only): the backfill of
-  migration 0007 and ``manage.py search_reindex``.
+  migration 0010 and ``manage.py search_reindex``.
 * :func:`stats_refresh` recounts a tenant's term document frequencies (PostgreSQL
   ``ts_stat`` over the tenant's live rows, about 2 minutes per million memories on this
   project's 2-core test machine) into ``SearchTerm``/``SearchCorpus``; the ``search-stats``

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,15 +51,6 @@ CANDIDATES = 500  # memories ranked per search, at most
 # Field weights: value text, (unused), tags, key segments — PostgreSQL's {D, C, B, A}.
 FIELD_WEIGHTS = (0.4, 0.5, 0.7, 1.0)
 TIE_BREAK_MAX = 0.03
-
-
-class SearchBusy(Unavailable):
-    def __init__(self):
-        super().__init__(
-            "too many searches of this tenant are running; retry shortly",
-            code="search_busy",
-            retry_after=1,
-        )
 
 
 class SearchTimeout(Unavailable):
@@ -145,77 +135,45 @@ def _tie_break(importance: int, updated_at: datetime, access_count: int, now: da
 
 @contextmanager
 def deadline() -> Iterator[None]:
-    """Run the enclosed queries under the search timeout, in a savepoint (or a transaction)
-    so that a cancelled query leaves the caller's transaction usable (its audit event is
-    still written). Raises :class:`SearchTimeout` when the time runs out."""
+    """Run the enclosed queries under the search timeout — on PostgreSQL in a savepoint (or
+    a transaction), so that a cancelled query leaves the caller's transaction usable (its
+    audit event is still written). Raises :class:`SearchTimeout` when the time runs out."""
     ms = int(settings.ZEROMEM_SEARCH_TIMEOUT_MS)
     try:
-        with transaction.atomic():
-            if connection.vendor == "postgresql":
-                with connection.cursor() as cursor:
-                    # Bitmap scans only: with the tenant filter written so that no btree can
-                    # serve it, the GIN index over tenant-prefixed terms is the one way in,
-                    # whatever the table's statistics say (a fresh or unanalyzed tenant made
-                    # the planner walk a btree over all the tenant's rows).
-                    cursor.execute(
-                        "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true),"
-                        " set_config('enable_seqscan', 'off', true), set_config('enable_indexscan', 'off', true)",
-                        [f"{ms}ms"],
-                    )
-                    previous = cursor.fetchone()[0]
+        if connection.vendor == "postgresql":
+            with transaction.atomic(), connection.cursor() as cursor:
+                # Bitmap scans only: with the tenant filter written so that no btree can
+                # serve it, the GIN index over tenant-prefixed terms is the one way in,
+                # whatever the table's statistics say (a fresh or unanalyzed tenant made
+                # the planner walk a btree over all the tenant's rows).
+                cursor.execute(
+                    "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true),"
+                    " set_config('enable_seqscan', 'off', true), set_config('enable_indexscan', 'off', true)",
+                    [f"{ms}ms"],
+                )
+                previous = cursor.fetchone()[0]
                 yield
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
-                        " set_config('enable_indexscan', 'on', true)",
-                        [previous],
-                    )
-            else:
-                connection.ensure_connection()
-                raw: sqlite3.Connection = connection.connection
-                stop_at = time.monotonic() + ms / 1000
-                raw.set_progress_handler(lambda: int(time.monotonic() > stop_at), 2000)
-                try:
-                    yield
-                finally:
-                    raw.set_progress_handler(None, 0)
+                cursor.execute(
+                    "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
+                    " set_config('enable_indexscan', 'on', true)",
+                    [previous],
+                )
+        else:
+            # No transaction: settings.py makes SQLite's IMMEDIATE, which would hold the
+            # database-wide write lock for the whole search; a failed SELECT leaves nothing
+            # to roll back.
+            connection.ensure_connection()
+            raw: sqlite3.Connection = connection.connection
+            stop_at = time.monotonic() + ms / 1000
+            raw.set_progress_handler(lambda: int(time.monotonic() > stop_at), 2000)
+            try:
+                yield
+            finally:
+                raw.set_progress_handler(None, 0)
     except OperationalError as exc:
         if _is_timeout(exc):
             raise SearchTimeout() from None
         raise
-
-
-# Namespace of the advisory locks that count a tenant's running searches (PostgreSQL).
-_SLOT_LOCKS = 0x5A4D_5345 << 24  # "ZMSE"
-_local_slots: dict[int, threading.BoundedSemaphore] = {}
-_local_slots_lock = threading.Lock()
-
-
-@contextmanager
-def search_slot(tenant_id: int) -> Iterator[None]:
-    """One of the tenant's ``ZEROMEM_SEARCH_CONCURRENCY`` search slots, or :class:`SearchBusy`
-    at once: 21 searches from one key must not take 21 pooled connections and every core
-    from the other tenants. PostgreSQL: a transaction-level advisory lock per slot (shared
-    by every server process, released at commit); SQLite: a semaphore of this process."""
-    slots = int(settings.ZEROMEM_SEARCH_CONCURRENCY)
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT s FROM generate_series(0, %s - 1) s WHERE pg_try_advisory_xact_lock(%s + %s * 256 + s) LIMIT 1",
-                [slots, _SLOT_LOCKS, tenant_id],
-            )
-            if cursor.fetchone() is None:
-                raise SearchBusy()
-        yield
-        return
-    with _local_slots_lock:
-        semaphore = _local_slots.setdefault(tenant_id, threading.BoundedSemaphore(slots))
-    if not semaphore.acquire(blocking=False):
-        raise SearchBusy()
-    try:
-        yield
-    finally:
-        semaphore.release()
 
 
 def _is_timeout(exc: OperationalError) -> bool:
@@ -329,7 +287,7 @@ def lexical_candidates(
         return []
     now = now or timezone.now()
     limit = min(limit, CANDIDATES)
-    with transaction.atomic(), search_slot(tenant_id), deadline():
+    with deadline():
         df, documents, exact = _frequencies(tenant_id, [t.term for t in terms])
         p = plan(terms, df, documents, exact=exact)
         if p is None:

@@ -45,7 +45,7 @@ DOC_MAX_TERMS = 20000
 # PostgreSQL keeps positions up to 16383; later ones are clamped there.
 _MAX_POSITION = 16383
 # Field markers in ``Memory.search_text`` (key terms | tag terms | value terms); SQLite's
-# FTS5 table splits on them (migration 0007).
+# FTS5 table splits on them (migration 0010).
 FIELD_SEPARATOR = " | "
 # How deep ``value_text`` descends into a JSON value; validation refuses deeper values
 # (zeromem.kernel.validation.VALUE_MAX_DEPTH), this only guards rows written before that.

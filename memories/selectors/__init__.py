@@ -3,8 +3,12 @@
 The admin dashboard's figures are in :mod:`memories.selectors.dashboard`.
 """
 
+import functools
+from datetime import UTC, datetime
+
 from django.db import connection
 from django.db.models import Q, QuerySet
+from django.utils import timezone
 
 from memories.models import Memory, MemoryVersion, Tenant
 
@@ -31,9 +35,34 @@ def memories_live(*, tenant: Tenant, prefixes: list[str] | None = None) -> Query
 
 
 def memory_get_live(*, tenant: Tenant, key: str) -> Memory | None:
-    """One index lookup on (tenant, key) among live rows (unique, so no ORDER BY)."""
-    rows = list(Memory.objects.for_tenant(tenant).live().filter(key=key)[:1])
+    """One index lookup on (tenant, key) among live rows (unique, so no ORDER BY).
+
+    The hot read: the ORM builds its SQL once per process (:func:`_live_by_key_sql`), not on
+    every call — compiling it was about a tenth of a read's CPU."""
+    sql, order = _live_by_key_sql(connection.vendor)
+    values = {"tenant": tenant.pk, "key": key, "now": _EXPIRES_AT.get_db_prep_value(timezone.now(), connection)}
+    rows = list(Memory.objects.raw(sql, [values[name] for name in order]))
     return rows[0] if rows else None
+
+
+_EXPIRES_AT = Memory._meta.get_field("expires_at")
+_SENTINELS = {
+    "tenant": -7_919_101,
+    "key": "\x01zeromem-sentinel-key",
+    "now": datetime(2001, 2, 3, 4, 5, 6, 789_000, tzinfo=UTC),
+}
+
+
+@functools.cache
+def _live_by_key_sql(vendor: str) -> tuple[str, tuple[str, ...]]:
+    """The SQL of ``memories_live(tenant).filter(key=...)[:1]`` as the ORM compiles it for
+    this database, and which value each parameter is (found by compiling it with sentinels)."""
+    s = _SENTINELS
+    query = Memory.objects.filter(tenant_id=s["tenant"]).live(now=s["now"]).filter(key=s["key"])[:1]
+    sql, params = query.query.sql_with_params()
+    by_value = {s["tenant"]: "tenant", s["key"]: "key", _EXPIRES_AT.get_db_prep_value(s["now"], connection): "now"}
+    order = tuple(by_value[p] for p in params)  # a KeyError here: the query changed shape
+    return sql, order
 
 
 def memory_keys_page(

@@ -41,11 +41,13 @@ from django.utils import timezone
 from django_q.tasks import async_task
 
 from audit.services import audit_record, audit_redact_subject, audited_operation
-from memories.models import ForgetRequest, Memory, Tenant
+from memories import search
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
+from memories.services.summaries import summary_without
 from zeromem.kernel import validation
-from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
-from zeromem.kernel.outcomes import Outcome
+from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
 
 logger = logging.getLogger(__name__)
@@ -88,11 +90,16 @@ def forget_request_create(
     keys: Any = None,
     reason: Any = "",
     due_in_days: Any = None,
+    end_user_subject: str = "",
 ) -> ForgetRequest:
     """Accept a request to forget exactly one target: a ``subject``, a key ``prefix`` or a
     list of ``keys`` (at most 1000). Needs the ``forget:create`` scope; a key limited to some
     prefixes may forget only keys and prefixes inside them, and no whole subject (its
     memories may lie anywhere). Due ``due_in_days`` (1-30, default 30) days from now.
+
+    The request keeps the actor's reach (:func:`_reach`; ``end_user_subject`` is the
+    subject of an end-user actor): summaries derived from the target outside that reach
+    are rebuilt without the forgotten sources when it runs, never erased whole.
 
     Cost: one INSERT and the audit INSERT in one transaction; after its commit, the queue
     INSERT (ORM broker). A failed enqueue is logged, not raised: the request is stored, and
@@ -117,6 +124,7 @@ def forget_request_create(
             due_at=now + timedelta(days=days),
             progress_at=now,
             receipt={"received_at": _iso(now)},
+            reach=_reach(actor, target, end_user_subject=end_user_subject),
         )
         op.record(
             count=len(target.get("keys", ())) or None,
@@ -168,12 +176,30 @@ def _require_target_allowed(actor: Actor, target: dict) -> None:
             field="subject",
         )
     if "prefix" in target:
-        if not any(target["prefix"].startswith(allowed) for allowed in actor.allowed_prefixes):
+        if not actor.may_touch_prefix(target["prefix"]):
             raise Forbidden(code="key_not_allowed", message=message, field="prefix")
         return
     for i, key in enumerate(target["keys"]):
         if not actor.may_touch(key):
             raise Forbidden(code="key_not_allowed", message=message, field=f"keys.{i}")
+
+
+def _reach(actor: Actor, target: dict, *, end_user_subject: str) -> dict:
+    """What the requester may touch (``ForgetRequest.reach``)."""
+    if actor.allowed_prefixes:
+        return {"prefixes": list(actor.allowed_prefixes)}
+    if actor.kind == ActorKind.END_USER:
+        # An end user reaches their own memories only; with no subject known, nothing else.
+        return {"subject": end_user_subject or target.get("subject", "")}
+    return {}
+
+
+def _in_reach(reach: dict, *, key: str, subject: str) -> bool:
+    if "prefixes" in reach:
+        return any(allowlist_entry_covers(p, key) for p in reach["prefixes"])
+    if "subject" in reach:
+        return bool(reach["subject"]) and subject == reach["subject"]
+    return True
 
 
 def _validated_reason(raw: Any) -> str:
@@ -241,7 +267,7 @@ def forget_request_list(
             raise InvalidInput(f"must be one of {', '.join(Status.values)}", field="status")
         overdue = _validated_bool(overdue, field="overdue")
         limit = validation.limit(limit, default=50)
-        before = _decode_id_cursor(cursor)
+        before = validation.decode_id_cursor(cursor, high=PK_MAX)
 
         qs = _visible(tenant=tenant, actor=actor).order_by("-pk")
         if before is not None:
@@ -266,15 +292,6 @@ def _validated_bool(raw: Any, *, field: str) -> bool | None:
     if isinstance(raw, str) and raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     raise InvalidInput("must be true or false", field=field)
-
-
-def _decode_id_cursor(raw: Any) -> int | None:
-    text = validation.decode_cursor(raw)
-    if text is None:
-        return None
-    if not text.isdigit() or not 1 <= int(text) <= PK_MAX:
-        raise InvalidInput("is not a cursor this API returned", field="cursor", code="invalid_cursor")
-    return int(text)
 
 
 # --- carrying a request out -------------------------------------------------------------
@@ -310,10 +327,35 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
         redacted = audit_redact_subject(
             tenant=request.tenant, subject=request.subject, keys=request.keys, prefix=request.prefix
         )
+        _redact_jobs(request)
         return _complete(request_id, audit_events_redacted=redacted)
     except Exception as exc:
         _note_error(request_id, exc)
         raise
+
+
+def _redact_jobs(request: ForgetRequest) -> int:
+    """Finished summarize jobs about the target name it (``params.prefix``, ``result.key``):
+    their prefix and key are dropped, their counts stay. Idempotent; pending jobs are left
+    to finish (their summary is then found by lineage on a later forget). Cost: one scan of
+    the tenant's finished summarize jobs, an UPDATE per job named."""
+    if request.subject:
+        names = (f"user:{request.subject}:", f"usr:{request.subject}:")
+        hit = lambda prefix: prefix.startswith(names)  # noqa: E731
+    elif request.prefix:
+        hit = lambda prefix: prefix.startswith(request.prefix)  # noqa: E731
+    else:
+        namespaces = {key.rpartition(":")[0] + ":" for key in request.keys}
+        hit = lambda prefix: prefix in namespaces  # noqa: E731
+    jobs = Job.objects.filter(
+        tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=[Job.Status.SUCCEEDED, Job.Status.FAILED]
+    ).only("pk", "params", "result")
+    named = [job for job in jobs.iterator() if isinstance(job.params.get("prefix"), str) and hit(job.params["prefix"])]
+    for job in named:
+        params = {k: v for k, v in job.params.items() if k != "prefix"} | {"redacted": True}
+        result = {k: v for k, v in (job.result or {}).items() if k != "key"}
+        Job.objects.filter(pk=job.pk).update(params=params, result=result)
+    return len(named)
 
 
 def _advance(request_id: int, to: str, **fields) -> bool:
@@ -400,18 +442,34 @@ def _erase_batch(request_id: int, *, batch_size: int) -> bool:
             return False
         ids = {pk for pk, _, _ in rows}
         summary_ids = {pk for pk, _, category in rows if category == Memory.Category.SUMMARY}
-        frontier = sorted({key for _, key, _ in rows})
+        erased_keys = {key for _, key, _ in rows}
+        rebuilt: dict[str, Any] = {}  # key -> its new text, for summaries made from it
+        frontier = sorted(erased_keys)
         for _level in range(LINEAGE_DEPTH_MAX):
-            derived: list[tuple[int, str]] = []
+            derived: list[Memory] = []
             for start in range(0, len(frontier), ERASE_BATCH_SIZE):
                 chunk = frontier[start : start + ERASE_BATCH_SIZE]
-                derived += _summaries_derived_from(request.tenant_id, chunk).values_list("pk", "key")
-            derived = [(pk, key) for pk, key in derived if pk not in ids]
+                derived += _summaries_derived_from(request.tenant_id, chunk)
+            # Once each (a summary may come from several chunks), and not one already done.
+            derived = [m for m in {m.pk: m for m in derived}.values() if m.pk not in ids and m.key not in rebuilt]
             if not derived:
                 break
-            ids.update(pk for pk, _ in derived)
-            summary_ids.update(pk for pk, _ in derived)
-            frontier = sorted({key for _, key in derived})
+            for summary in derived:
+                if _in_reach(request.reach, key=summary.key, subject=summary.subject):
+                    ids.add(summary.pk)
+                    summary_ids.add(summary.pk)
+                    erased_keys.add(summary.key)
+                    continue
+                # Outside the requester's reach (it holds other people's memories too):
+                # rebuilt without the forgotten sources, never erased whole.
+                text = _summary_rebuild(request, summary, erased=erased_keys, rebuilt=rebuilt, erasing=ids)
+                if text is None:  # nothing but forgotten sources: nothing else is lost
+                    ids.add(summary.pk)
+                    summary_ids.add(summary.pk)
+                    erased_keys.add(summary.key)
+                else:
+                    rebuilt[summary.key] = text
+            frontier = sorted({m.key for m in derived})
 
         # Versions go with their memory (on_delete=CASCADE, one DELETE ... WHERE memory_id IN).
         _total, per_model = Memory.objects.filter(tenant_id=request.tenant_id, pk__in=ids).only("pk").delete()
@@ -430,6 +488,7 @@ def _erase_batch(request_id: int, *, batch_size: int) -> bool:
         receipt = dict(request.receipt)
         for name, n in counts.items():
             receipt[name] = receipt.get(name, 0) + n
+        receipt["summaries_rebuilt"] = sorted(set(receipt.get("summaries_rebuilt", [])) | set(rebuilt))
         now = timezone.now()
         ForgetRequest.objects.filter(pk=request_id).update(receipt=receipt, progress_at=now)
         audit_record(
@@ -438,9 +497,54 @@ def _erase_batch(request_id: int, *, batch_size: int) -> bool:
             action="forget.erase",
             outcome=Outcome.OK,
             count=len(ids),
-            detail={"forget_request": request_id, **counts},
+            detail={"forget_request": request_id, **counts, "summaries_rebuilt": len(rebuilt)},
         )
         return True
+
+
+def _summary_rebuild(
+    request: ForgetRequest, summary: Memory, *, erased: set[str], rebuilt: dict[str, Any], erasing: set[int]
+) -> Any:
+    """Rewrite ``summary`` without what its ``erased`` sources gave it (and with the new text
+    of sources ``rebuilt`` before it), drop its history (every old version holds the
+    forgotten text) and keep one version of the new text. Returns the new text, or None
+    (nothing changed) when nothing but forgotten sources is left, for the caller to erase.
+    Cost: a SELECT of its other sources, an UPDATE, a DELETE of its versions, an INSERT."""
+    forgotten = {k for k in summary.sources if k in erased}
+    keep = [k for k in summary.sources if k not in forgotten]
+    remaining = list(
+        Memory.objects.filter(tenant_id=request.tenant_id, key__in=keep)
+        .exclude(pk__in=erasing)
+        .exclude(pk__in=_target_memories(request).values("pk"))
+    )
+    for memory in remaining:
+        if memory.key in rebuilt:
+            memory.value = rebuilt[memory.key]
+    text = summary_without(summary=summary, forgotten=forgotten, rewritten=rebuilt, remaining=remaining)
+    if text is None:
+        return None
+    now = timezone.now()
+    version = summary.version + 1
+    Memory.objects.filter(pk=summary.pk).update(
+        value=text,
+        sources=keep,
+        search_text=search.index_text(key=summary.key, value=text),
+        version=version,
+        updated_at=now,
+    )
+    MemoryVersion.objects.filter(memory_id=summary.pk).delete()
+    actor = Actor.system(job=FORGET_JOB)
+    MemoryVersion.objects.create(
+        tenant_id=request.tenant_id,
+        memory_id=summary.pk,
+        version=version,
+        value=text,
+        op=MemoryVersion.Op.UPDATE,
+        actor_kind=actor.kind,
+        actor_id=actor.id,
+        created_at=now,
+    )
+    return text
 
 
 def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
@@ -451,6 +555,7 @@ def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
         now = timezone.now()
         receipt = {name: request.receipt.get(name, 0) for name in RECEIPT_COUNTS}
         receipt.update(
+            summaries_rebuilt=request.receipt.get("summaries_rebuilt", []),
             audit_events_redacted=audit_events_redacted,
             received_at=request.receipt.get("received_at") or _iso(request.created_at),
             started_at=request.receipt.get("started_at") or _iso(request.started_at or now),

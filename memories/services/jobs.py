@@ -35,4 +35,4 @@ def _visible(actor: Actor, job: Job) -> bool:
     if not actor.allowed_prefixes:
         return True
     prefix = job.params.get("prefix") if isinstance(job.params, dict) else None
-    return isinstance(prefix, str) and bool(prefix) and any(prefix.startswith(p) for p in actor.allowed_prefixes)
+    return isinstance(prefix, str) and bool(prefix) and actor.may_touch_prefix(prefix)

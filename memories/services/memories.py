@@ -19,12 +19,12 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from audit.services import AuditedOperation, after_read, audited_operation
+from audit.services import AuditedOperation, audited_operation
 from memories import search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
 from memories.services import retention
 from zeromem.kernel import validation
-from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
+from zeromem.kernel.actors import Actor, require_key_allowed, require_scope, require_subject_allowed
 from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PreconditionFailed
 from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
@@ -98,6 +98,7 @@ def memory_write(
         ttl = validation.ttl_seconds(ttl_seconds)
         tags = validation.tags(tags)
         subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
+        require_subject_allowed(actor, key=key, subject=subject)
         category = validation.category(category)
         importance = validation.importance(importance)
         source = validation.short_text(source, field="source", max_len=validation.SOURCE_MAX_LEN)
@@ -173,20 +174,19 @@ def _no_memory() -> NotFound:
 
 def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
     """The live memory at ``key``; :class:`NotFound` when there is none for this caller.
-    One indexed SELECT, an access-counter UPDATE by primary key, the audit INSERT."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key, read_only=True) as op:
+
+    Cost: two statements, no transaction around them — one indexed SELECT and the audit
+    INSERT (its own transaction). The read is counted through its audit event:
+    ``access_count``/``last_accessed_at`` are folded in off the request path by
+    :func:`memories.services.access.access_counts_fold` (every minute), so they lag the
+    reads by up to a minute or so and lose none."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key, atomic=False) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()
-        now = timezone.now()
-        after_read(
-            lambda: Memory.objects.filter(pk=memory.pk).update(access_count=F("access_count") + 1, last_accessed_at=now)
-        )
-        memory.access_count += 1
-        memory.last_accessed_at = now
         op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
 
@@ -326,7 +326,7 @@ def memory_list(
     keys_only: bool = True,
 ) -> ListResult:
     """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, read_only=True) as op:
+    with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_READ)
         limit = validation.limit(limit, default=50)
@@ -355,7 +355,7 @@ def memory_search(
     """Ranked matches of a natural-language question or keywords (memories/search/).
     Bounded cost; past ``ZEROMEM_SEARCH_TIMEOUT_MS`` it raises ``SearchTimeout`` (503).
     The audit event records the prefix and the count, not the query text (it may be personal)."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.search", target=prefix, read_only=True) as op:
+    with audited_operation(tenant=tenant, actor=actor, action="memory.search", target=prefix, atomic=False) as op:
         query = validation.query(query)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
@@ -369,7 +369,7 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
     """The best matches of ``query`` — or, with no query, the most important and most recent
     memories under ``prefix`` — packed into one text block of at most ``max_chars``
     characters (memories.search.ranking.recall_pack)."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix, read_only=True) as op:
+    with audited_operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix, atomic=False) as op:
         query = validation.query(query, required=False)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
@@ -386,7 +386,7 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
 def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None) -> list[MemoryVersion]:
     """Versions of the live memory at ``key``, newest first (values included: a read).
     No live memory at ``key`` raises :class:`NotFound`."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.history", target=key, read_only=True) as op:
+    with audited_operation(tenant=tenant, actor=actor, action="memory.history", target=key, atomic=False) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
@@ -407,7 +407,7 @@ def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
     primary-key SELECT and the audit INSERT (no access-counter update: staff reading is not
     agent use).
     """
-    with audited_operation(tenant=tenant, actor=actor, action="memory.view", read_only=True) as op:
+    with audited_operation(tenant=tenant, actor=actor, action="memory.view", atomic=False) as op:
         memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
         op.record(subject=memory.subject, version=memory.version)
         return memory
@@ -427,7 +427,7 @@ def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, op: Audite
 def memory_versions_view(*, tenant: Tenant, actor: Actor, memory_id: Any, limit: int = 200) -> list[MemoryVersion]:
     """The versions of one memory (any state), newest first, values included: audited as
     ``memory.history``. :class:`NotFound` when the memory is not the tenant's."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.history", read_only=True) as op:
+    with audited_operation(tenant=tenant, actor=actor, action="memory.history", atomic=False) as op:
         memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
         versions = list(
             MemoryVersion.objects.filter(tenant=tenant, memory=memory).order_by("-version")[: max(1, limit)]
@@ -475,8 +475,5 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
 
 
 def _pk(raw: Any) -> int:
-    try:
-        pk = int(raw)
-    except (TypeError, ValueError):
-        return 0
-    return pk if 0 < pk < 2**63 else 0
+    pk = raw if isinstance(raw, int) and not isinstance(raw, bool) else validation.ascii_int(raw)
+    return pk if pk is not None and 0 < pk < 2**63 else 0

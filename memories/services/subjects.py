@@ -13,7 +13,6 @@ its own subject (:func:`end_user_actor_id`), checked here, so no surface can wid
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from django.db.models import Q
@@ -23,7 +22,7 @@ from memories import selectors
 from memories.models import ForgetRequest, Memory, Tenant
 from memories.services.forget import PK_MAX, forget_request_create
 from zeromem.kernel import validation
-from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
 from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
@@ -33,16 +32,6 @@ END_USER = ActorKind.END_USER
 SUBJECT_MEMORIES_MAX = 500
 SUBJECT_REQUESTS_MAX = 20
 PORTAL_REASON = "asked by the end user in the portal"
-_ACTOR_ID_MAX = 64  # AuditEvent.actor_id
-
-
-def end_user_actor_id(subject: str) -> str:
-    """The ``Actor.id`` of the end user ``subject``: the subject itself, or for a subject
-    longer than the audit log's actor column, a stable digest of it (the audit event's
-    ``subject`` field keeps the whole subject)."""
-    if len(subject) <= _ACTOR_ID_MAX:
-        return subject
-    return "sha256:" + hashlib.sha256(subject.encode()).hexdigest()[: _ACTOR_ID_MAX - 7]
 
 
 def _validated_subject(raw: Any) -> str:
@@ -94,9 +83,12 @@ def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = Non
             if memory is None or memory.subject != subject or not actor.may_touch(key):
                 op.record(outcome=Outcome.NOT_FOUND, subject=subject, detail={"by": "keys"})
                 raise NotFound("no such memory of this subject", field="key")
+    mine = subject if actor.kind == END_USER else ""
     if key is None:
-        return forget_request_create(tenant=tenant, actor=actor, subject=subject, reason=PORTAL_REASON)
-    return forget_request_create(tenant=tenant, actor=actor, keys=[key], reason=PORTAL_REASON)
+        return forget_request_create(
+            tenant=tenant, actor=actor, subject=subject, reason=PORTAL_REASON, end_user_subject=mine
+        )
+    return forget_request_create(tenant=tenant, actor=actor, keys=[key], reason=PORTAL_REASON, end_user_subject=mine)
 
 
 def _about_subject(*, tenant: Tenant, actor: Actor, subject: str):

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -45,6 +47,8 @@ from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput
 from zeromem.kernel.scopes import Scope
+
+logger = logging.getLogger(__name__)
 
 SUMMARY_KEY_PREFIX = "summary:"
 # The summary key must fit the key grammar's 512 characters.
@@ -129,7 +133,7 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
 
 def _allowlist_covers(actor: Actor, prefix: str) -> bool:
     """Every key under ``prefix`` is inside the actor's allowlist."""
-    return not actor.allowed_prefixes or any(prefix.startswith(p) for p in actor.allowed_prefixes)
+    return actor.may_touch_prefix(prefix)
 
 
 def _enqueue(job_id: int) -> None:
@@ -213,9 +217,15 @@ def _attempt_begin(job_id: int) -> Job | None:
 
 
 def _attempt_failed(job: Job, exc: Exception) -> None:
-    # Never a memory value here: the error text is the exception's own message (ours name
-    # only the endpoint's status or the kind of bad answer).
-    error = f"{type(exc).__name__}: {exc}"[:2000]
+    # The job's error is shown to every memory:read key of the tenant (GET /api/v1/jobs/<id>):
+    # only our own SummarizerError messages (the endpoint's status, the kind of bad answer)
+    # are kept; any other exception's text can quote keys or values (a database error
+    # names the row it failed on), so it keeps its class name and goes to the log.
+    if isinstance(exc, SummarizerError):
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+    else:
+        error = f"{type(exc).__name__} (details in the server log)"
+        logger.warning("summarize job %s attempt %s failed", job.pk, job.attempts, exc_info=exc)
     last = job.attempts >= _max_attempts()
     with transaction.atomic():
         Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(
@@ -273,13 +283,63 @@ def _digest(*, tenant: Tenant, prefix: str, max_chars: int) -> Digest:
     )
     total = candidates.count()
     # No line is shorter than "k = " plus its newline: more rows than this can never fit.
-    most = max_chars // 5 + 1
+    return _digest_of(candidates[: max_chars // 5 + 1], total=total, base=base, max_chars=max_chars)
+
+
+def summary_without(
+    *, summary: Memory, forgotten: set[str], rewritten: dict[str, Any], remaining: list[Memory]
+) -> str | None:
+    """The text of ``summary`` without what its sources ``forgotten`` contributed: what a
+    forget request writes into a summary it may not erase. None when nothing else is left.
+
+    A digest (every line is ``<key relative to the prefix> = value`` of one of its sources,
+    or the "more not shown" line) loses exactly the forgotten sources' lines, and the lines
+    of sources ``rewritten`` (summaries rebuilt the same way: key -> new text) are made
+    again; lines of sources archived and purged since stay. Any other text (an LLM's) is
+    rebuilt as the digest of ``remaining``: the summary's other sources that still exist.
+    No query.
+    """
+    prefix = summary.key[len(SUMMARY_KEY_PREFIX) :] + ":"
+    base = prefix[: prefix.rfind(":") + 1]
+
+    def relative(key: str) -> str:
+        return (key[len(base) :] if key.startswith(base) else "") or key
+
+    if isinstance(summary.value, str):
+        heads = {relative(k) + " = ": k for k in summary.sources if isinstance(k, str)}
+        owners = []
+        for line in summary.value.split("\n"):
+            owner = next((k for head, k in heads.items() if line.startswith(head)), None)
+            if owner is None and not _FOOTER.fullmatch(line):
+                break  # not a digest
+            owners.append((line, owner))
+        else:
+            kept = [
+                _digest_line(relative(owner), rewritten[owner]) if owner in rewritten else line
+                for line, owner in owners
+                if owner not in forgotten
+            ]
+            if not any(owner and owner not in forgotten for _line, owner in owners):
+                return None
+            return "\n".join(kept)
+    if not remaining:
+        return None
+    ordered = sorted(remaining, key=lambda m: (-m.importance, -m.updated_at.timestamp(), m.key))
+    max_chars = settings.ZEROMEM_SUMMARY_MAX_CHARS
+    return _digest_of(ordered[: max_chars // 5 + 1], total=len(ordered), base=base, max_chars=max_chars).text
+
+
+_FOOTER = re.compile(r"\(\+\d+ more not shown\)")
+
+
+def _digest_of(candidates, *, total: int, base: str, max_chars: int) -> Digest:
+    """Digest lines of ``candidates`` (in the order given) within ``max_chars``."""
     lines: list[str] = []
     sources: list[Memory] = []
     used = 0
     # Room kept for the "left out" line; it is at most this long.
     footer_room = len(f"(+{total} more not shown)") + 1
-    for memory in candidates[:most]:
+    for memory in candidates:
         rest = total - len(sources) - 1  # memories after this one
         room = max_chars - used - (1 if lines else 0) - (footer_room if rest else 0)
         line = _digest_line(memory.key[len(base) :] or memory.key, memory.value)
@@ -343,6 +403,17 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
 # --- the optional LLM summarizer ---------------------------------------------------------
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Refuse every redirect: urllib would follow it with the Authorization header (the LLM
+    API key) to wherever the Location points. The 3xx surfaces as an HTTPError."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_LLM_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def _llm_summarize(digest_text: str) -> tuple[str, int]:
     """POST the digest to ``{ZEROMEM_LLM_BASE_URL}/chat/completions`` (OpenAI-compatible).
     Returns (summary text, total tokens). Any failure raises :class:`SummarizerError`."""
@@ -364,10 +435,15 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     timeout = settings.ZEROMEM_LLM_TIMEOUT_SECONDS
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # nosec B310
+        with _LLM_OPENER.open(request, timeout=timeout) as response:  # nosec B310
             raw = response.read(LLM_MAX_ANSWER_BYTES + 1)
     except urllib.error.HTTPError as exc:
         # The body is not kept: an endpoint may echo the prompt, i.e. memory values.
+        if 300 <= exc.code < 400:
+            raise SummarizerError(
+                f"the LLM endpoint answered HTTP {exc.code}, a redirect, which is not followed "
+                "(it would carry the API key elsewhere): set ZEROMEM_LLM_BASE_URL to the final URL"
+            ) from None
         raise SummarizerError(f"the LLM endpoint answered HTTP {exc.code}") from None
     except TimeoutError:
         raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s") from None

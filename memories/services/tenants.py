@@ -8,10 +8,12 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import validate_slug
+from django.db import transaction
 from django.utils import timezone
 
 from audit.services import audited_operation
 from memories.models import ApiKey, Tenant
+from memories.services import key_cache
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput
@@ -50,7 +52,7 @@ def api_key_create(
     unknown = sorted(set(scopes) - set(ALL_SCOPES))
     if unknown:
         raise InvalidInput(f"unknown scope {unknown[0]!r}; known: {', '.join(ALL_SCOPES)}", field="scopes")
-    prefixes = [validation.prefix(p, field="allowed_prefixes") for p in (allowed_prefixes or [])]
+    prefixes = validation.allowlist(allowed_prefixes)
     if expires_in_days is not None and expires_in_days < 1:
         raise InvalidInput("must be at least 1", field="expires_in_days")
     raw, lookup, key_hash = ApiKey.generate()
@@ -77,8 +79,18 @@ def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
             revoked_at=timezone.now()
         )
         key = ApiKey.objects.filter(tenant=tenant, pk=key_id).first()
+        if key is not None:
+            _forget_cached(key.lookup)
         op.record(target=key.display_prefix if key else "", outcome=Outcome.OK if updated else Outcome.NOT_FOUND)
     return bool(updated)
+
+
+def _forget_cached(lookup: str | None) -> None:
+    # This process stops using the cached key (or tenant) at once, and again after the
+    # commit (a request in between could have cached the old row); other processes within
+    # their cache's TTL (memories/services/key_cache.py).
+    key_cache.forget(lookup)
+    transaction.on_commit(lambda: key_cache.forget(lookup))
 
 
 def tenant_settings_update(*, tenant: Tenant, actor: Actor, name: Any, value_max_bytes: Any, trash_retention_days: Any):
@@ -101,6 +113,7 @@ def tenant_settings_update(*, tenant: Tenant, actor: Actor, name: Any, value_max
         }
         if changes:
             Tenant.objects.filter(pk=tenant.pk).update(**changes)
+            _forget_cached(None)
             for field, new in changes.items():
                 setattr(tenant, field, new)
         op.record(detail={"changed": sorted(changes)})

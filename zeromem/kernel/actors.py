@@ -7,8 +7,12 @@ touching data, and audit denials.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from django.conf import settings
 
 from zeromem.kernel.errors import Forbidden
 from zeromem.kernel.outcomes import ActorKind
@@ -38,19 +42,37 @@ class Actor:
         return scope in self.scopes
 
     def may_touch(self, key: str) -> bool:
-        return not self.allowed_prefixes or any(key.startswith(p) for p in self.allowed_prefixes)
+        return not self.allowed_prefixes or any(allowlist_entry_covers(p, key) for p in self.allowed_prefixes)
+
+    def may_touch_prefix(self, prefix: str) -> bool:
+        """Every key under ``prefix`` is inside the allowlist."""
+        return not self.allowed_prefixes or any(prefix.startswith(p) for p in self._entries())
+
+    def _entries(self) -> list[str]:
+        # As prefixes: an entry stored before entries had to end in ':' names its segment.
+        return [p if p.endswith(":") else p + ":" for p in self.allowed_prefixes]
 
     def prefix_filters(self, prefix: str) -> list[str]:
         """The key prefixes a prefix query must be restricted to (one SQL OR each)."""
         if not self.allowed_prefixes:
             return [prefix]
         narrowed = []
-        for allowed in self.allowed_prefixes:
+        for allowed in self._entries():
             if allowed.startswith(prefix):
                 narrowed.append(allowed)  # query is broader than the allowance
             elif prefix.startswith(allowed):
                 narrowed.append(prefix)  # query lies inside the allowance
         return sorted(set(narrowed))
+
+
+def allowlist_entry_covers(entry: str, key: str) -> bool:
+    """Whether the allowlist ``entry`` covers ``key`` (or a prefix), on segment boundaries:
+    ``user:u1:`` covers ``user:u1:pref`` and never ``user:u10:secret``. Entries are stored
+    ending in ``:`` (:func:`zeromem.kernel.validation.allowlist`); one stored before that
+    rule covers exactly its own segment path, never a neighbour sharing its first letters."""
+    if entry.endswith(":"):
+        return key.startswith(entry)
+    return key == entry or key.startswith(entry + ":")
 
 
 def require_scope(actor: Actor, scope: str) -> None:
@@ -67,6 +89,41 @@ def require_key_allowed(actor: Actor, key: str) -> None:
             message="this API key may not touch keys outside its allowed prefixes",
             field="key",
         )
+
+
+def require_subject_allowed(actor: Actor, *, key: str, subject: str | None) -> None:
+    """A key limited to some prefixes may name as a memory's ``subject`` (whose portal page
+    and forget requests then show it) only an end user inside its reach: the one its key
+    names (``user:<id>:…``) or one whose namespace ``user:<subject>:`` its allowlist covers.
+    Otherwise ``agent:bot1:`` could put text on anyone's portal page."""
+    if not actor.allowed_prefixes or not subject:
+        return
+    segments = key.split(":")
+    if len(segments) >= 3 and segments[0] in ("user", "usr") and segments[1] == subject:
+        return
+    if actor.may_touch_prefix(f"user:{subject}:"):
+        return
+    raise Forbidden(
+        code="subject_not_allowed",
+        message="this API key may name as subject only end users inside its allowed prefixes",
+        field="subject",
+    )
+
+
+# --- end users (the portal) -------------------------------------------------------------------
+
+_END_USER_ID_MAX = 64  # AuditEvent.actor_id
+
+
+def end_user_actor_id(subject: str) -> str:
+    """The ``Actor.id`` of the end user ``subject``: the subject itself, or for a subject
+    longer than the audit log's actor column, a keyed digest of it (HMAC with the audit
+    key: an unkeyed hash could be recomputed by anyone who knows the subject). The audit
+    redaction of a forgotten subject finds their events by this id too."""
+    if len(subject) <= _END_USER_ID_MAX:
+        return subject
+    digest = hmac.new(settings.ZEROMEM_AUDIT_KEY.encode(), b"end-user:" + subject.encode(), hashlib.sha256)
+    return "hmac:" + digest.hexdigest()[: _END_USER_ID_MAX - 5]
 
 
 # --- staff (the admin console) ----------------------------------------------------------------

@@ -64,6 +64,14 @@ class Conflict(ServiceError):
     default_code = "conflict"
 
 
+class TenantBusy(ServiceError):
+    """The tenant already runs as much expensive work (search, recall, export, batch) at
+    once as it may; ``retry_after`` seconds."""
+
+    http_status = 429
+    default_code = "tenant_busy"
+
+
 class Unavailable(ServiceError):
     """The work could not be done now (a search past its time limit): retry after
     ``retry_after`` seconds. Surfaces answer 503 with a Retry-After header."""

@@ -31,6 +31,25 @@ QUERY_MAX_LEN = 500
 VALUE_MAX_DEPTH = 32
 RECALL_MAX_CHARS = 8000
 
+# Numbers are ASCII digits only. Python is generous: str.isdigit() is true for "²" and "①",
+# which int() then refuses (a 500), and int() reads "１２" (full-width) as 12. Every parse
+# of a number from outside (query strings, cursors, headers, form fields) goes through
+# ascii_int(); dates through ascii_text() before Django's parsers, whose \d is Unicode too.
+_ASCII_INT_RE = re.compile(r"-?[0-9]{1,19}")
+
+
+def ascii_int(raw) -> int | None:
+    """The integer an ASCII decimal string spells (surrounding blanks allowed), or None."""
+    if not isinstance(raw, str):
+        return None
+    text = raw.strip(" \t")
+    return int(text) if _ASCII_INT_RE.fullmatch(text) else None
+
+
+def ascii_text(raw) -> str | None:
+    """``raw`` if it is a string of printable ASCII (what dates and ids are made of), else None."""
+    return raw if isinstance(raw, str) and raw.isascii() and raw.isprintable() else None
+
 
 def key(value, field: str = "key") -> str:
     if not isinstance(value, str):
@@ -59,6 +78,37 @@ def prefix(value, field: str = "prefix") -> str:
     if not PREFIX_RE.fullmatch(value):
         raise InvalidInput("must be the start of a key, e.g. 'user:u10086:'", field=field, code="invalid_prefix")
     return value
+
+
+def allowlist(entries, field: str = "allowed_prefixes") -> list[str]:
+    """An API key's allowlist, normalised (whitespace around an entry dropped, duplicates
+    removed, order kept) and validated (each a key or a key prefix; none empty): the one
+    place every way of creating a key goes through. An empty list means the whole tenant.
+
+    Entries match on segment boundaries (:func:`zeromem.kernel.actors.allowlist_entry_covers`):
+    ``user:u1:`` covers the keys under ``user:u1:``; a bare ``user:u1`` covers that one key
+    and the keys under ``user:u1:`` (say a summary key, ``summary:session:s1``) — neither
+    ever ``user:u10:secret``."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list | tuple):
+        raise InvalidInput("must be a list of key prefixes", field=field)
+    normalised: list[str] = []
+    for raw in entries:
+        entry = raw.strip() if isinstance(raw, str) else raw
+        if entry == "":
+            raise InvalidInput("an entry must not be empty (no entries at all: the whole tenant)", field=field)
+        entry = prefix(entry, field=field)
+        if entry not in normalised:
+            normalised.append(entry)
+    return normalised
+
+
+def allowlist_entry_meaning(entry: str) -> str:
+    """What an allowlist entry covers, in words (the command and the admin form say it)."""
+    if entry.endswith(":"):
+        return f"'{entry}' covers the keys under {entry} (not {entry[:-1]}0:…)"
+    return f"'{entry}' covers the key {entry} and the keys under {entry}: (not {entry}0:…)"
 
 
 def namespace_of(key_: str) -> str:
@@ -156,8 +206,11 @@ def importance(raw, field: str = "importance") -> int | None:
 def bounded_int(raw, *, field: str, default: int, low: int, high: int) -> int:
     if raw is None:
         return default
-    if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-        raw = int(raw)
+    if isinstance(raw, str):
+        parsed = ascii_int(raw)
+        if parsed is None:
+            raise InvalidInput("must be an integer (ASCII digits)", field=field)
+        raw = parsed
     if isinstance(raw, bool) or not isinstance(raw, int):
         raise InvalidInput("must be an integer", field=field)
     if not low <= raw <= high:
@@ -204,3 +257,14 @@ def decode_cursor(raw, field: str = "cursor") -> str | None:
         return key(decoded, field=field)
     except (ValueError, InvalidInput):
         raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor") from None
+
+
+def decode_id_cursor(raw, *, field: str = "cursor", high: int = 2**63 - 1) -> int | None:
+    """A cursor over row ids (audit events, forget requests): the id, or None for none."""
+    text = decode_cursor(raw, field=field)
+    if text is None:
+        return None
+    pk = ascii_int(text)
+    if pk is None or not 1 <= pk <= high or text != str(pk):
+        raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor")
+    return pk

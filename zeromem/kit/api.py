@@ -4,6 +4,10 @@
 Error shape, on every surface and status: ``{"error": {"code", "message", "field"}}``.
 """
 
+import functools
+import time
+
+from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.db import InterfaceError, OperationalError
 from django.http import Http404
@@ -13,10 +17,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from audit import limits
 from audit.services import audit_refusal
 from memories.models import Tenant
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.errors import ServiceError, TenantBusy
 
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
@@ -57,7 +62,9 @@ def retry_after(error: dict | None) -> dict:
 def exception_handler(exc, context):
     if isinstance(exc, ServiceError):
         # Refusals, and the services' NotFound (404) and Conflict (409, current_version).
-        return Response(error_body(**exc.as_dict()), status=exc.http_status)
+        retry_after = exc.extra.get("retry_after")
+        headers = {"Retry-After": str(retry_after)} if retry_after else None
+        return Response(error_body(**exc.as_dict()), status=exc.http_status, headers=headers)
     if isinstance(exc, (OperationalError, InterfaceError)):
         # The database is unreachable (restart, failover, pool exhausted): tell the client
         # to retry rather than answering 500 or hanging.
@@ -122,6 +129,14 @@ class TenantAPIView(APIView):
     def actor(self) -> Actor:
         return self.request.user.actor_for(self.request, self.surface)
 
+    def finalize_response(self, request, response, *args, **kwargs):
+        response = super().finalize_response(request, response, *args, **kwargs)
+        # Answers carry memory values, audit events and receipts: no browser or proxy cache
+        # may keep them (a shared machine, a caching proxy in front of the API).
+        if not response.has_header("Cache-Control"):
+            response["Cache-Control"] = "no-store"
+        return response
+
 
 NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
 
@@ -142,11 +157,54 @@ ERRORS = {
     401: OpenApiResponse(ErrorSerializer, description="missing, malformed, revoked or expired key"),
     403: OpenApiResponse(ErrorSerializer, description="scope missing or key outside the allowlist"),
     413: OpenApiResponse(ErrorSerializer, description="body or value too large"),
-    429: OpenApiResponse(ErrorSerializer, description="rate limited; see Retry-After"),
+    429: OpenApiResponse(ErrorSerializer, description="rate limited, or tenant_busy; see Retry-After"),
     503: OpenApiResponse(
         ErrorSerializer, description="the database is unavailable, or a search ran out of time; retry after Retry-After"
     ),
 }
+
+
+class TenantSlotMixin:
+    """Expensive work (search, recall, export, batch) takes one of the tenant's
+    ``ZEROMEM_TENANT_MAX_CONCURRENT`` slots for as long as it runs — a streamed response
+    until its last byte is sent — so one tenant cannot take every thread and pooled
+    connection. A tenant with all slots taken waits up to ``ZEROMEM_TENANT_BUSY_WAIT_SECONDS``
+    for one, then gets 429 ``tenant_busy`` with Retry-After. Slots are counted across
+    processes (audit/limits.py: Redis, or the database)."""
+
+    def needs_tenant_slot(self, request) -> bool:
+        return True
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        if self.needs_tenant_slot(request):
+            holder = f"tenant:{self.tenant.pk}"
+            token = _slot_wait(holder)
+            if token is None:
+                raise TenantBusy("this tenant already runs its limit of expensive requests; retry", retry_after=1)
+            self._tenant_slot = (holder, token)
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        response = super().finalize_response(request, response, *args, **kwargs)
+        slot = getattr(self, "_tenant_slot", None)
+        if slot is not None:
+            self._tenant_slot = None
+            release = functools.partial(limits.slot_release, *slot)
+            if response.streaming:
+                response._resource_closers.append(release)  # run by the server's close()
+            else:
+                release()
+        return response
+
+
+def _slot_wait(holder: str) -> str | None:
+    deadline = time.monotonic() + settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS
+    lease = settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS
+    while True:
+        token = limits.slot_acquire(holder, limit=settings.ZEROMEM_TENANT_MAX_CONCURRENT, lease=lease)
+        if token is not None or time.monotonic() >= deadline:
+            return token
+        time.sleep(0.05)
 
 
 class AuditedAPIView(TenantAPIView):

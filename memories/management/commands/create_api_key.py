@@ -4,6 +4,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from memories import services
 from memories.models import Tenant
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES
@@ -21,7 +22,11 @@ class Command(BaseCommand):
             help=f"comma-separated, from: {', '.join(ALL_SCOPES)} (default: the memory scopes)",
         )
         parser.add_argument(
-            "--allow", action="append", default=[], metavar="PREFIX", help="allowed key prefix (repeatable)"
+            "--allow",
+            action="append",
+            default=[],
+            metavar="PREFIX",
+            help="allowed key prefix (e.g. user:u1:), matched on whole segments; repeatable",
         )
         parser.add_argument("--expires-in-days", type=int, default=None)
         parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
@@ -58,5 +63,7 @@ class Command(BaseCommand):
             )
             return
         self.stdout.write(f"API key for tenant {tenant.slug} ({', '.join(key.scopes)}):")
+        for entry in key.allowed_prefixes:
+            self.stdout.write(f"  allowlist: {validation.allowlist_entry_meaning(entry)}")
         self.stdout.write(raw)
         self.stdout.write("Store it now: it is not shown again.")

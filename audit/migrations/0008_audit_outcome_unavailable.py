@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('audit', '0004_audit_target_prefix_index'),
+        ('audit', '0007_audit_refuse_truncate'),
     ]
 
     operations = [

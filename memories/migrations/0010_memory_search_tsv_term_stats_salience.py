@@ -100,7 +100,7 @@ def backfill(apps, schema_editor):
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("memories", "0006_memory_verbose_name_plural")]
+    dependencies = [("memories", "0009_api_key_allowlist_entries_on_segments")]
 
     operations = [
         migrations.CreateModel(

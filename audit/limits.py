@@ -1,0 +1,169 @@
+"""Exact fixed-window counters shared by every process: the per-key rate limit, the
+failed-authentication throttle and its per-minute tallies.
+
+With ``REDIS_URL`` configured a window is one Redis key, incremented and given its expiry
+in one Lua script (atomic, one round trip). Otherwise it is one :class:`RateCounter` row,
+incremented with ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` (PostgreSQL, and
+SQLite >= 3.35): one statement, atomic under concurrency, so N processes never let more
+than the limit through. Django's file cache is not used: its incr is a read and a write,
+and parallel requests raced past the limit (29-41 of 80 passed a limit of 20).
+
+A *tallied* bucket is also remembered as pending, so that :func:`drain_tallies` can hand
+each closed window's count out exactly once (the failed-authentication aggregation).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from functools import cache
+
+from django.conf import settings
+from django.db import connection
+
+from audit.models import ConcurrencySlot, RateCounter
+
+# A closed window stays countable this long, for drain_tallies to pick up.
+KEEP_SECONDS = 3600
+
+_INCR = """
+local n = redis.call('INCRBY', KEYS[1], ARGV[1])
+if n == tonumber(ARGV[1]) then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  if ARGV[3] ~= '' then redis.call('SADD', KEYS[2], ARGV[3]) end
+end
+return n
+"""
+_TAKE = """
+if redis.call('SREM', KEYS[1], ARGV[1]) == 1 then return redis.call('GET', KEYS[2]) end
+return false
+"""
+_PENDING = "zm:rl:pending:"
+
+
+@dataclass(frozen=True)
+class Hit:
+    count: int  # this window's count, this hit included
+    retry_after: float  # seconds until the window ends
+
+
+def hit(bucket: str, *, window: int = 60, cost: int = 1, tally: str = "", now: float | None = None) -> Hit:
+    """Count ``cost`` against ``bucket``'s current window. ``tally``: a prefix of ``bucket``
+    under which the window is remembered for :func:`drain_tallies`. One round trip."""
+    now = time.time() if now is None else now
+    start = int(now // window) * window
+    url = settings.ZEROMEM_REDIS_URL
+    count = _redis_hit(url, bucket, start, window, cost, tally) if url else _db_hit(bucket, start, cost)
+    return Hit(count=count, retry_after=start + window - now)
+
+
+def drain_tallies(tally: str, *, before: float) -> list[tuple[str, int, int]]:
+    """(bucket, window start, count) of every tallied window of ``tally`` that started
+    before ``before``, each handed out once across all callers and processes."""
+    url = settings.ZEROMEM_REDIS_URL
+    if url:
+        return _redis_drain(url, tally, before)
+    table = connection.ops.quote_name(RateCounter._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {table} WHERE bucket LIKE %s AND window_start < %s RETURNING bucket, window_start, count",
+            [f"{tally}%", int(before)],
+        )
+        return [(bucket, start, count) for bucket, start, count in cursor.fetchall()]
+
+
+def _db_hit(bucket: str, start: int, cost: int) -> int:
+    table = connection.ops.quote_name(RateCounter._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (bucket, window_start, count) VALUES (%s, %s, %s) "
+            f"ON CONFLICT (bucket, window_start) DO UPDATE SET count = {table}.count + EXCLUDED.count "
+            "RETURNING count",
+            [bucket[:200], start, cost],
+        )
+        count = cursor.fetchone()[0]
+        if count == cost:
+            # A bucket's first hit in a window: old windows go (index ratecounter_window).
+            cursor.execute(f"DELETE FROM {table} WHERE window_start < %s", [start - KEEP_SECONDS])
+    return count
+
+
+@cache
+def _redis(url: str):
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    return client, client.register_script(_INCR), client.register_script(_TAKE)
+
+
+def _redis_hit(url: str, bucket: str, start: int, window: int, cost: int, tally: str) -> int:
+    _client, incr, _take = _redis(url)
+    key = f"zm:rl:{bucket}:{start}"
+    member = f"{start}|{bucket}" if tally else ""
+    return int(incr(keys=[key, _PENDING + tally], args=[cost, window + KEEP_SECONDS, member]))
+
+
+def _redis_drain(url: str, tally: str, before: float) -> list[tuple[str, int, int]]:
+    client, _incr, take = _redis(url)
+    out = []
+    for raw in client.smembers(_PENDING + tally):
+        member = raw.decode()
+        start_text, _, bucket = member.partition("|")
+        if int(start_text) >= before:
+            continue
+        count = take(keys=[_PENDING + tally, f"zm:rl:{bucket}:{start_text}"], args=[member])
+        if count is not None:
+            out.append((bucket, int(start_text), int(count)))
+    return out
+
+
+# --- concurrency slots: at most N pieces of expensive work per holder at once -------------
+
+_ACQUIRE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+  return 1
+end
+return 0
+"""
+
+
+def slot_acquire(holder: str, *, limit: int, lease: int) -> str | None:
+    """Take one of ``holder``'s ``limit`` slots: a token for :func:`slot_release`, or None
+    when all are taken. A slot not released within ``lease`` seconds lapses (a crashed
+    process cannot keep it). Redis: one script (prune, count, add). Database: insert, then
+    count the live slots (the inserter that finds too many takes its row back), so
+    concurrent takers may both back off but never both get in past the limit."""
+    token = uuid.uuid4().hex
+    now = time.time()
+    url = settings.ZEROMEM_REDIS_URL
+    if url:
+        script = _slot_script(url)
+        taken = script(keys=[f"zm:slot:{holder}"], args=[now - lease, limit, now, token, lease])
+        return token if taken else None
+    ConcurrencySlot.objects.create(holder=holder, token=token, started_at=now)
+    live = ConcurrencySlot.objects.filter(holder=holder, started_at__gt=now - lease).count()
+    if live > limit:
+        ConcurrencySlot.objects.filter(token=token).delete()
+        return None
+    if live == 1:
+        ConcurrencySlot.objects.filter(holder=holder, started_at__lte=now - lease).delete()
+    return token
+
+
+def slot_release(holder: str, token: str) -> None:
+    url = settings.ZEROMEM_REDIS_URL
+    if url:
+        client, *_ = _redis(url)
+        client.zrem(f"zm:slot:{holder}", token)
+    else:
+        ConcurrencySlot.objects.filter(token=token).delete()
+
+
+@cache
+def _slot_script(url: str):
+    client, *_ = _redis(url)
+    return client.register_script(_ACQUIRE)

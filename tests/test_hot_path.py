@@ -1,0 +1,233 @@
+"""The read's hot path (issue 11 item 2): statements per authenticated, audited read, the
+API key cache and its revocation bound, access counts folded from the audit log."""
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from memories import services
+from memories.models import AccessCountFold, Memory
+from memories.services import access, key_cache
+from tests.factories import SYSTEM, make_keyed_client, write
+from zeromem.schedules import SCHEDULES
+
+KEY = "user:u1:pref_lang"
+
+
+def _tool_read(client, key=KEY):
+    return client.post("/api/v1/tools/call", {"name": "memory_read", "arguments": {"key": key}})
+
+
+def _statements(request) -> list[str]:
+    """The SQL a request sent, but a database rate-limit counter's: that one is in Redis in
+    production (REDIS_URL), the database's only without it."""
+    with CaptureQueriesContext(connection) as queries:
+        response = request()
+    assert response.status_code == 200, response.content
+    return [q["sql"] for q in queries.captured_queries if "ratecounter" not in q["sql"]]
+
+
+# --- statements per read -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        pytest.param(lambda c: _tool_read(c), id="tool memory_read"),
+        pytest.param(lambda c: c.get(f"/api/v1/memories/{KEY}"), id="REST GET"),
+    ],
+)
+def test_authenticated_audited_read_is_two_statements_after_warm_up(tenant_a, read):
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    read(client)  # warm-up: the key lookup (then cached) and last_used_at (then once a minute)
+    before = AuditEvent.objects.filter(action="memory.read").count()
+    sql = _statements(lambda: read(client))
+    assert len(sql) <= 2, sql
+    assert sql[0].startswith("SELECT") and "memories_memory" in sql[0]
+    assert sql[1].startswith("INSERT") and "audit_auditevent" in sql[1]
+    assert AuditEvent.objects.filter(action="memory.read").count() == before + 1
+
+
+def test_read_inside_a_batch_still_writes_its_event(tenant_a):
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    body = {"calls": [{"name": "memory_read", "arguments": {"key": KEY}}] * 3}
+    r = client.post("/api/v1/tools/batch", body)
+    assert r.status_code == 200 and all(x["value"] == "zh-CN" for x in r.json()["results"])
+    assert AuditEvent.objects.filter(action="memory.read", target=KEY, outcome="ok").count() == 3
+
+
+# --- the API key cache -------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(key_cache, "clock", lambda: now[0])
+    return now
+
+
+def test_revocation_through_the_service_is_refused_at_once(tenant_a):
+    write(tenant_a, KEY, "zh-CN")
+    client, key = make_keyed_client(tenant_a)
+    assert _tool_read(client).status_code == 200  # now cached
+    assert services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    r = _tool_read(client)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "key_revoked"
+
+
+def test_revocation_elsewhere_is_refused_once_the_cache_ttl_has_passed(tenant_a, settings, fake_clock):
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10
+    write(tenant_a, KEY, "zh-CN")
+    client, key = make_keyed_client(tenant_a)
+    assert _tool_read(client).status_code == 200  # cached at t=1000
+    # Another process (or instance) revokes: through the service, whose in-process
+    # invalidation happens there, not here — this process only has its TTL.
+    services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    key_cache.put(key)  # as if this process had never heard of it
+    fake_clock[0] += 9.9
+    assert _tool_read(client).status_code == 200  # within the documented bound
+    fake_clock[0] += 0.1
+    r = _tool_read(client)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "key_revoked"
+
+
+def test_cached_key_is_refused_once_it_expires(tenant_a, monkeypatch):
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a, expires_in_days=1)
+    assert _tool_read(client).status_code == 200
+    later = timezone.now() + timedelta(days=1, seconds=1)
+    monkeypatch.setattr(timezone, "now", lambda: later)
+    r = _tool_read(client)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "key_expired"
+
+
+def test_wrong_secret_with_a_cached_keys_lookup_is_invalid(tenant_a):
+    client, _ = make_keyed_client(tenant_a)
+    assert client.get("/api/v1/memories").status_code == 200
+    forged = make_keyed_client(tenant_a)[0]
+    forged.raw_key = client.raw_key[:-4] + ("AAAA" if not client.raw_key.endswith("AAAA") else "BBBB")
+    r = forged.get("/api/v1/memories")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_key"
+
+
+def test_scope_change_by_a_model_save_drops_the_cached_key(tenant_a):
+    write(tenant_a, KEY, "zh-CN")
+    client, key = make_keyed_client(tenant_a)
+    assert _tool_read(client).status_code == 200
+    key.scopes = ["memory:write"]
+    key.save(update_fields=["scopes"])  # as the admin's change form does
+    r = _tool_read(client)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "missing_scope"
+
+
+def test_cache_off_looks_the_key_up_every_time(tenant_a, settings):
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 0
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    _tool_read(client)
+    sql = _statements(lambda: _tool_read(client))
+    assert len(sql) == 3 and "memories_apikey" in sql[0]
+
+
+# --- access counts -----------------------------------------------------------------------
+
+
+def _counts(tenant, key=KEY):
+    m = Memory.objects.get(tenant=tenant, key=key, deleted_at__isnull=True)
+    return m.access_count, m.last_accessed_at
+
+
+def test_reads_are_counted_by_the_fold_exactly_once(tenant_a, tenant_b):
+    write(tenant_a, KEY, "zh-CN")
+    write(tenant_b, KEY, "en")
+    a, _ = make_keyed_client(tenant_a)
+    b, _ = make_keyed_client(tenant_b)
+    for _ in range(3):
+        assert _tool_read(a).status_code == 200
+    assert a.get(f"/api/v1/memories/{KEY}").status_code == 200
+    assert b.get(f"/api/v1/memories/{KEY}").status_code == 200
+    assert _tool_read(a, "user:u1:missing").status_code == 200  # not_found: not a read of anything
+    assert _counts(tenant_a)[0] == 0  # nothing on the request path
+    assert access.access_counts_fold() == 5
+    count, last = _counts(tenant_a)
+    assert count == 4 and last is not None
+    assert _counts(tenant_b)[0] == 1
+    assert access.access_counts_fold() == 0  # run again: nothing counted twice
+    assert _counts(tenant_a)[0] == 4
+    _tool_read(a)
+    assert access.access_counts_fold() == 1 and _counts(tenant_a)[0] == 5
+
+
+def test_reads_not_yet_sealed_wait_for_the_next_run(tenant_a):
+    write(tenant_a, KEY, "zh-CN")
+    a, _ = make_keyed_client(tenant_a)
+    access.access_counts_fold()
+    _tool_read(a)
+    assert access.access_counts_fold(seal=False) == 0  # its event is not in a seal yet
+    assert access.access_counts_fold() == 1 and _counts(tenant_a)[0] == 1
+
+
+def test_a_failed_fold_counts_nothing_and_the_next_one_counts_all(tenant_a, monkeypatch):
+    write(tenant_a, KEY, "zh-CN")
+    a, _ = make_keyed_client(tenant_a)
+    _tool_read(a)
+    _tool_read(a)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("worker killed")
+
+    monkeypatch.setattr(access, "_credited", crash)
+    with pytest.raises(RuntimeError):
+        access.access_counts_fold()
+    assert _counts(tenant_a)[0] == 0
+    assert not AccessCountFold.objects.filter(tenant=tenant_a, seal__gt=0).exists()
+    monkeypatch.undo()
+    assert access.access_counts_fold() == 2 and _counts(tenant_a)[0] == 2
+
+
+def test_reads_of_a_deleted_then_rewritten_key_go_to_the_memory_read(tenant_a):
+    write(tenant_a, KEY, "old")
+    a, _ = make_keyed_client(tenant_a)
+    _tool_read(a)
+    access.access_counts_fold()
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    write(tenant_a, KEY, "new")
+    _tool_read(a)
+    _tool_read(a)
+    access.access_counts_fold()
+    assert _counts(tenant_a)[0] == 2
+    assert Memory.objects.get(tenant=tenant_a, key=KEY, deleted_at__isnull=False).access_count == 1
+
+
+def test_the_fold_is_scheduled_every_minute():
+    func, _type, minutes = SCHEDULES["zeromem:access-counts"]
+    assert func == "memories.tasks.access_counts_fold_task" and minutes == 1
+
+
+# --- middleware ----------------------------------------------------------------------------
+
+
+def test_static_files_are_still_served(settings, tmp_path, client):
+    settings.STATIC_ROOT = tmp_path
+    (tmp_path / "zm-probe.txt").write_text("probe")
+    r = client.get("/static/zm-probe.txt")
+    assert r.status_code == 200 and r["Content-Length"] == "5"
+    assert client.get("/static/missing.txt").status_code == 404
+
+
+def test_wsgi_requests_outside_static_go_through_no_async_adapter(db, client, monkeypatch):
+    # ServeStatic's middleware is async-only: adapted under WSGI it made every request run
+    # through async_to_sync (an event loop and thread hops). Only /static/ pays that now.
+    from asgiref import sync
+
+    calls = []
+    real = sync.AsyncToSync.__call__
+    monkeypatch.setattr(sync.AsyncToSync, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    assert client.get("/healthz").status_code == 200
+    assert calls == []

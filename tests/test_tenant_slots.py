@@ -1,0 +1,57 @@
+"""Per-tenant limits on concurrent expensive work (search, recall, export, batch): past
+ZEROMEM_TENANT_MAX_CONCURRENT a tenant's request waits briefly, then gets 429 tenant_busy
+with Retry-After; other tenants are untouched. Slots are counted in the database or Redis
+(audit/limits.py). The real-server case (20 slow export readers) is in test_serve.py."""
+
+import pytest
+
+from audit import limits
+from tests.helpers import REDIS_TEST_URL, redis_or_fail
+
+EXPORT = "/api/v1/audit-events/export"
+
+
+@pytest.fixture(params=["database", "redis"])
+def store(request, settings):
+    settings.ZEROMEM_REDIS_URL = "" if request.param == "database" else REDIS_TEST_URL
+    if request.param == "redis":
+        redis_or_fail()
+    settings.ZEROMEM_TENANT_MAX_CONCURRENT = 2
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0.1
+    return request.param
+
+
+def test_slots_are_limited_per_holder_and_come_back_when_released(db, store):
+    first, second = (limits.slot_acquire("tenant:1", limit=2, lease=60) for _ in range(2))
+    assert first and second
+    assert limits.slot_acquire("tenant:1", limit=2, lease=60) is None
+    assert limits.slot_acquire("tenant:2", limit=2, lease=60)
+    limits.slot_release("tenant:1", first)
+    assert limits.slot_acquire("tenant:1", limit=2, lease=60)
+
+
+def test_a_slot_past_its_lease_lapses(db, store):
+    assert limits.slot_acquire("tenant:1", limit=1, lease=0)
+    assert limits.slot_acquire("tenant:1", limit=1, lease=0)
+
+
+def test_a_busy_tenant_gets_429_tenant_busy_and_another_tenant_is_served(api, api_b, tenant_a, store):
+    held = [limits.slot_acquire(f"tenant:{tenant_a.pk}", limit=2, lease=60) for _ in range(2)]
+    status, body = api.call("memory_search", query="anything")
+    assert (status, body["error"]["code"]) == (429, "tenant_busy")
+    r = api.get(EXPORT)
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    assert api.post("/api/v1/tools/batch", {"calls": [{"name": "memory_list", "arguments": {}}]}).status_code == 429
+    assert api.call("memory_list")[0] == 200  # cheap work takes no slot
+    assert api_b.call("memory_search", query="anything")[0] == 200
+    limits.slot_release(f"tenant:{tenant_a.pk}", held[0])
+    assert api.call("memory_search", query="anything")[0] == 200
+
+
+def test_a_streamed_export_holds_its_slot_until_its_last_byte(api, tenant_a, store, settings):
+    settings.ZEROMEM_TENANT_MAX_CONCURRENT = 1
+    r = api.get(EXPORT)
+    assert r.status_code == 200
+    assert api.get(EXPORT).status_code == 429  # the first is still being streamed
+    b"".join(r.streaming_content)  # the test client closes the response after the last chunk
+    assert api.get(EXPORT).status_code == 200
