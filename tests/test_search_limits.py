@@ -306,3 +306,23 @@ def test_a_value_of_many_distinct_chinese_bigrams_is_stored(api, tenant_a):
     text_ = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(80000))
     status, body = api.call("memory_write", key="fact:long_zh", value=text_)
     assert status == 200, body
+
+
+@pytest.mark.postgres
+def test_a_forgotten_memorys_words_leave_the_term_statistics(api):
+    from memories.models import Memory as M
+    from memories.models import SearchTerm
+    from memories.services import forget_request_create, forget_request_execute
+    from memories.tasks import search_stats_refresh_task
+    from tests.factories import SYSTEM
+
+    api.call("memory_write", key="user:u7:note", value="pelican zanzibar")
+    api.call("memory_write", key="user:u8:note", value="pelican")
+    search_stats_refresh_task()
+    assert SearchTerm.objects.filter(tenant=api.tenant, term="zanzibar").exists()
+    request = forget_request_create(tenant=api.tenant, actor=SYSTEM, subject="u7")
+    forget_request_execute(request_id=request.pk)
+    assert not M.objects.filter(key="user:u7:note").exists()
+    assert api.tenant.pk in search_stats_refresh_task()
+    assert not SearchTerm.objects.filter(tenant=api.tenant, term="zanzibar").exists()
+    assert SearchTerm.objects.get(tenant=api.tenant, term="pelican").ndoc == 1

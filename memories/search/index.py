@@ -82,7 +82,9 @@ def stats_refresh(*, tenant_id: int) -> int:
 
 
 def stale_tenant_ids() -> list[int]:
-    """Tenants with memories changed since their statistics were last refreshed (or never)."""
+    """Tenants with memories changed since their statistics were last refreshed (or never),
+    or with a forget request carried out since: the erased memories' terms must leave
+    ``SearchTerm`` too, not only their counts."""
     if connection.vendor != "postgresql":
         return []
     with connection.cursor() as cursor:
@@ -91,7 +93,10 @@ def stale_tenant_ids() -> list[int]:
                LEFT JOIN memories_searchcorpus c ON c.tenant_id = t.id
                WHERE EXISTS (SELECT 1 FROM memories_memory m
                              WHERE m.tenant_id = t.id AND m.deleted_at IS NULL
-                               AND (c.refreshed_at IS NULL OR m.updated_at > c.refreshed_at))"""
+                               AND (c.refreshed_at IS NULL OR m.updated_at > c.refreshed_at))
+                  OR (c.refreshed_at IS NOT NULL AND EXISTS (
+                        SELECT 1 FROM memories_forgetrequest f
+                        WHERE f.tenant_id = t.id AND f.completed_at > c.refreshed_at))"""
         )
         return [row[0] for row in cursor.fetchall()]
 
