@@ -179,6 +179,8 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "category"], name="memory_tenant_category"),
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
             models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
+            # The embedding job finds memories written since its watermark (memories/embeddings.py).
+            models.Index(fields=["updated_at"], name="memory_updated"),
         ]
 
     def __str__(self) -> str:
@@ -341,3 +343,42 @@ class ForgetRequest(models.Model):
     @property
     def is_overdue(self) -> bool:
         return self.status not in (self.Status.COMPLETED,) and self.due_at <= timezone.now()
+
+
+class MemoryEmbedding(models.Model):
+    """A memory's sentence embedding, for semantic search (memories/embeddings.py).
+
+    Derived from the memory's key and value, so it lives and dies with the memory: trashing
+    the memory deletes it, and erasing the memory (purge, forget, tenant deletion) takes it
+    along — on PostgreSQL the foreign key also cascades in the database (migration 0007), so
+    an embedding written by a job racing a forget cannot outlive its memory. Written only by
+    the embedding job, off the write path.
+
+    ``vector`` is ``dim`` little-endian float16 numbers, L2-normalised (a 512-dim vector is
+    1 KB, stored inline in the row, not TOASTed). ``text_hash`` lets the job skip re-encoding
+    a memory whose new version changed nothing it embeds (tags, TTL, importance).
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
+    memory = models.OneToOneField(Memory, on_delete=models.CASCADE, related_name="embedding")
+    model = models.CharField(max_length=64)
+    dim = models.PositiveSmallIntegerField()
+    vector = models.BinaryField()
+    text_hash = models.CharField(max_length=16)
+    # The memory's version and updated_at when embedded: a memory whose version moved on is
+    # embedded again; the job resumes from the newest memory_updated_at it has seen.
+    memory_version = models.PositiveIntegerField()
+    memory_updated_at = models.DateTimeField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [
+            # A tenant's newest embeddings first (the search cache loads the newest N, then
+            # only rows with a higher id than it holds).
+            models.Index(fields=["tenant", "id"], name="memoryembedding_tenant_id"),
+            # The job's watermark: max(memory_updated_at).
+            models.Index(fields=["memory_updated_at"], name="memoryembedding_updated"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.memory_id} ({self.model}, {self.dim}d)"

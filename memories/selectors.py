@@ -1,10 +1,11 @@
 """Read-only queries over memories. No permissions, no audit: services wrap these."""
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import BooleanField, Q, QuerySet
 from django.db.models.expressions import RawSQL
 
-from memories import search
+from memories import embeddings, search, semantic
 from memories.models import Memory, MemoryVersion, Tenant
 
 SQLITE_SEARCH_CANDIDATES = 1000
@@ -73,6 +74,39 @@ def memories_with_tag(qs: QuerySet[Memory], tag: str) -> QuerySet[Memory]:
 
 
 def memory_search(*, tenant: Tenant, prefixes: list[str], query: str, limit: int) -> list[tuple[Memory, float]]:
+    """Words and meaning: the word ranking (``memory_search_lexical``) fused with semantic
+    similarity (memories/semantic.py). When the question cannot be embedded (model not
+    loadable, still loading, switched off) the word ranking alone, as it was.
+
+    Cost on top of the word search: embedding the question (about 2 ms), one index probe,
+    the similarity over at most ZEROMEM_SEMANTIC_CANDIDATES cached vectors (2–4 ms at 20k),
+    and one SELECT of the semantic-only winners by primary key."""
+    lexical = memory_search_lexical(
+        tenant=tenant, prefixes=prefixes, query=query, limit=max(limit, semantic.LEXICAL_DEPTH)
+    )
+    query_vector = embeddings.query_vector(query) if prefixes else None
+    if query_vector is None:
+        return lexical[:limit]
+    sims = semantic.similarities(
+        tenant_id=tenant.pk,
+        prefixes=None if "" in prefixes else prefixes,
+        query_vector=query_vector,
+        also=[m.pk for m, _ in lexical],
+    )
+    if not sims:  # nothing embedded yet, or nothing near: the word ranking as it was
+        return lexical[:limit]
+    fused = semantic.fuse([(m.pk, s) for m, s in lexical], sims, weight=settings.ZEROMEM_SEMANTIC_WEIGHT)
+    # A few spare: a cached vector may belong to a memory trashed or erased since.
+    wanted = [memory_id for memory_id, _ in fused[: limit + 10]]
+    rows = {m.pk: m for m, _ in lexical}
+    missing = [memory_id for memory_id in wanted if memory_id not in rows]
+    if missing:
+        rows.update(memories_live(tenant=tenant, prefixes=prefixes).in_bulk(missing))
+    score = dict(fused)
+    return [(rows[memory_id], score[memory_id]) for memory_id in wanted if memory_id in rows][:limit]
+
+
+def memory_search_lexical(*, tenant: Tenant, prefixes: list[str], query: str, limit: int) -> list[tuple[Memory, float]]:
     """Ranked OR-style match of the query's terms (see memories/search.py).
 
     PostgreSQL: GIN full-text index on to_tsvector('simple', search_text) plus a pg_trgm

@@ -6,6 +6,7 @@ twice (a retry after a killed worker), and each service bounds its own attempts 
 django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 """
 
+from memories import embeddings
 from memories.services import forget, retention, summaries
 
 
@@ -31,3 +32,7 @@ def summarize_idle_sessions_task() -> int:
 
 def summarize_jobs_resume_task() -> int:
     return summaries.summarize_jobs_resume()
+
+
+def embed_memories_task() -> dict:
+    return embeddings.embeddings_refresh()

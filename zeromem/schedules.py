@@ -22,6 +22,9 @@ SCHEDULES = {
     # Summarize jobs whose queue entry was lost, or that django-q2 stopped retrying, are
     # enqueued again; each job's own attempt counter bounds the retries.
     "zeromem:summarize-jobs-resume": ("memories.tasks.summarize_jobs_resume_task", Schedule.MINUTES, 10),
+    # Memories written since the last run get their embeddings (semantic search); until then
+    # they are found by words only. Each run stops after ~50 s, so runs do not pile up.
+    "zeromem:embed-memories": ("memories.tasks.embed_memories_task", Schedule.MINUTES, 1),
     # Audit events are chained into seals (tamper evidence) a minute or so after they happen;
     # requests never wait for this (see audit/models.py).
     "zeromem:audit-seal": ("audit.tasks.audit_seal_task", Schedule.MINUTES, 1),

@@ -236,6 +236,17 @@ ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
 ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)
 ZEROMEM_PORTAL_SESSION_SECONDS = env.int("ZEROMEM_PORTAL_SESSION_SECONDS", default=1800)
 ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
+# Semantic search (memories/embeddings.py, memories/semantic.py). "off": words only, the
+# model is never loaded. LOAD_WAIT: a search waits for the model to load (about 3 s) instead
+# of searching by words until a background load finishes (tests and evaluations set it).
+ZEROMEM_EMBEDDINGS = env.str("ZEROMEM_EMBEDDINGS", default="on")
+ZEROMEM_EMBEDDINGS_LOAD_WAIT = env.bool("ZEROMEM_EMBEDDINGS_LOAD_WAIT", default=False)
+# The newest embeddings per tenant scored exactly on every search (the cost cap), the fusion
+# weight of meaning against words, and the per-process cache of those vectors.
+ZEROMEM_SEMANTIC_CANDIDATES = env.int("ZEROMEM_SEMANTIC_CANDIDATES", default=20000)
+ZEROMEM_SEMANTIC_WEIGHT = env.float("ZEROMEM_SEMANTIC_WEIGHT", default=0.4)
+ZEROMEM_SEMANTIC_CACHE_SECONDS = env.int("ZEROMEM_SEMANTIC_CACHE_SECONDS", default=300)
+ZEROMEM_SEMANTIC_CACHE_MB = env.int("ZEROMEM_SEMANTIC_CACHE_MB", default=256)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],

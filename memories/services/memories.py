@@ -20,7 +20,7 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from audit.services import audit_record
 from audit.services import audited_operation as _operation
-from memories import search, selectors
+from memories import embeddings, search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
 from memories.services import retention
 from zeromem.kernel import validation
@@ -145,6 +145,7 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
         if existing is not None and existing.expires_at is not None and existing.expires_at <= now:
             existing.deleted_at = now
             existing.save(update_fields=["deleted_at"])
+            embeddings.embeddings_delete(memory_ids=[existing.pk])
             existing = None
         if existing is not None:
             for name, val in fields.items():
@@ -306,6 +307,8 @@ def memory_delete(
         memory.version += 1
         memory.updated_at = now
         memory.save(update_fields=["deleted_at", "version", "updated_at"])
+        # Derived from the value: it goes with the memory (a restore is embedded again).
+        embeddings.embeddings_delete(memory_ids=[memory.pk])
         _record_version(memory, MemoryVersion.Op.DELETE, actor, now)
         audit_record(
             tenant=tenant,
