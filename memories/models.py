@@ -110,6 +110,14 @@ class ApiKey(models.Model):
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
 
 
+class TsVectorField(models.TextField):
+    """PostgreSQL ``tsvector``; plain text (left empty) on SQLite, where FTS5 indexes
+    ``search_text`` instead (migration 0008)."""
+
+    def db_type(self, connection):
+        return "tsvector" if connection.vendor == "postgresql" else "text"
+
+
 class MemoryQuerySet(models.QuerySet):
     def for_tenant(self, tenant):
         return self.filter(tenant=tenant)
@@ -124,6 +132,11 @@ class MemoryQuerySet(models.QuerySet):
 
     def under_prefix(self, prefix: str):
         return self.filter(key__startswith=prefix) if prefix else self
+
+
+class MemoryManager(models.Manager.from_queryset(MemoryQuerySet)):
+    def get_queryset(self):
+        return super().get_queryset().defer("search_tsv")
 
 
 class Memory(models.Model):
@@ -160,7 +173,12 @@ class Memory(models.Model):
     # summary's subject, forgets the summary too.
     sources = models.JSONField(default=list, blank=True)
 
-    objects = MemoryQuerySet.as_manager()
+    # The weighted, tenant-prefixed terms PostgreSQL searches (memories/search/text.py),
+    # under a GIN index (migration 0008); null until written or backfilled. Deferred by
+    # default: no read path needs it in Python.
+    search_tsv = TsVectorField(null=True, blank=True, editable=False)
+
+    objects = MemoryManager()
 
     class Meta:
         verbose_name_plural = "memories"
@@ -179,7 +197,14 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "category"], name="memory_tenant_category"),
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
             models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
-            # The embedding job finds memories written since its watermark (memories/embeddings.py).
+            # recall with only a prefix: the tenant's most important, most recent memories
+            # (built CONCURRENTLY on PostgreSQL, migration 0007).
+            models.Index(
+                fields=["tenant", "-importance", "-updated_at"],
+                name="memory_tenant_salience",
+                condition=Q(deleted_at__isnull=True),
+            ),
+            # The embedding job finds memories written since its watermark (memories/search/embeddings.py).
             models.Index(fields=["updated_at"], name="memory_updated"),
         ]
 
@@ -345,12 +370,43 @@ class ForgetRequest(models.Model):
         return self.status not in (self.Status.COMPLETED,) and self.due_at <= timezone.now()
 
 
+class SearchTerm(models.Model):
+    """How many of a tenant's memories hold a term (its document frequency), for the
+    ranking's idf and for picking a query's rarest terms. Refreshed from the index by
+    ``search_stats_refresh`` (a scheduled job and a command), not on every write: a count a
+    little stale only shifts weights slightly, and a term missing here counts as rare.
+    PostgreSQL only; SQLite reads the counts from its FTS5 index."""
+
+    pk = models.CompositePrimaryKey("tenant", "term")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False, related_name="+")
+    term = models.CharField(max_length=255)
+    ndoc = models.PositiveIntegerField()
+
+    def __str__(self) -> str:
+        return f"{self.term} ({self.ndoc})"
+
+
+class SearchCorpus(models.Model):
+    """A tenant's count of indexed live memories (BM25's N) as of the last refresh of its
+    ``SearchTerm`` rows."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    documents = models.PositiveIntegerField(default=0)
+    refreshed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name_plural = "search corpora"
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}: {self.documents}"
+
+
 class MemoryEmbedding(models.Model):
-    """A memory's sentence embedding, for semantic search (memories/embeddings.py).
+    """A memory's sentence embedding, for semantic search (memories/search/embeddings.py).
 
     Derived from the memory's key and value, so it lives and dies with the memory: trashing
     the memory deletes it, and erasing the memory (purge, forget, tenant deletion) takes it
-    along — on PostgreSQL the foreign key also cascades in the database (migration 0007), so
+    along — on PostgreSQL the foreign key also cascades in the database (migration 0008), so
     an embedding written by a job racing a forget cannot outlive its memory. Written only by
     the embedding job, off the write path.
 

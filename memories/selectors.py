@@ -1,14 +1,12 @@
 """Read-only queries over memories. No permissions, no audit: services wrap these."""
 
-from django.conf import settings
 from django.db import connection
-from django.db.models import BooleanField, Q, QuerySet
-from django.db.models.expressions import RawSQL
+from django.db.models import Q, QuerySet
 
-from memories import embeddings, search, semantic
 from memories.models import Memory, MemoryVersion, Tenant
 
-SQLITE_SEARCH_CANDIDATES = 1000
+# recall with only a prefix looks at no more than this many rows per index walk.
+SALIENT_SCAN = 1000
 
 
 def _prefix_q(prefixes: list[str]) -> Q:
@@ -73,83 +71,33 @@ def memories_with_tag(qs: QuerySet[Memory], tag: str) -> QuerySet[Memory]:
     return qs.filter(tags__icontains=f'"{tag}"')
 
 
-def memory_search(*, tenant: Tenant, prefixes: list[str], query: str, limit: int) -> list[tuple[Memory, float]]:
-    """Words and meaning: the word ranking (``memory_search_lexical``) fused with semantic
-    similarity (memories/semantic.py). When the question cannot be embedded (model not
-    loadable, still loading, switched off) the word ranking alone, as it was.
-
-    Cost on top of the word search: embedding the question (about 2 ms), one index probe,
-    the similarity over at most ZEROMEM_SEMANTIC_CANDIDATES cached vectors (2–4 ms at 20k),
-    and one SELECT of the semantic-only winners by primary key."""
-    lexical = memory_search_lexical(
-        tenant=tenant, prefixes=prefixes, query=query, limit=max(limit, semantic.LEXICAL_DEPTH)
-    )
-    query_vector = embeddings.query_vector(query) if prefixes else None
-    if query_vector is None:
-        return lexical[:limit]
-    sims = semantic.similarities(
-        tenant_id=tenant.pk,
-        prefixes=None if "" in prefixes else prefixes,
-        query_vector=query_vector,
-        also=[m.pk for m, _ in lexical],
-    )
-    if not sims:  # nothing embedded yet, or nothing near: the word ranking as it was
-        return lexical[:limit]
-    fused = semantic.fuse([(m.pk, s) for m, s in lexical], sims, weight=settings.ZEROMEM_SEMANTIC_WEIGHT)
-    # A few spare: a cached vector may belong to a memory trashed or erased since.
-    wanted = [memory_id for memory_id, _ in fused[: limit + 10]]
-    rows = {m.pk: m for m, _ in lexical}
-    missing = [memory_id for memory_id in wanted if memory_id not in rows]
-    if missing:
-        rows.update(memories_live(tenant=tenant, prefixes=prefixes).in_bulk(missing))
-    score = dict(fused)
-    return [(rows[memory_id], score[memory_id]) for memory_id in wanted if memory_id in rows][:limit]
-
-
-def memory_search_lexical(*, tenant: Tenant, prefixes: list[str], query: str, limit: int) -> list[tuple[Memory, float]]:
-    """Ranked OR-style match of the query's terms (see memories/search.py).
-
-    PostgreSQL: GIN full-text index on to_tsvector('simple', search_text) plus a pg_trgm
-    GIN index for the verbatim-substring match; cost grows with matching rows in the
-    tenant's prefix, not with the tenant's size.
-    """
-    terms = search.query_terms(query)
-    qs = memories_live(tenant=tenant, prefixes=prefixes)
-    raw = query.strip()
-    like = "%" + raw.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-    if connection.vendor == "postgresql":
-        tsq = search.tsquery(terms)
-        table = Memory._meta.db_table
-        if tsq:
-            # bandit B611 (marked): only the model's own table name is formatted in;
-            # the query's text goes in as %s parameters.
-            cond = RawSQL(  # nosec B611
-                f"""(to_tsvector('simple', "{table}"."search_text") @@ to_tsquery('simple', %s)
-                     OR "{table}"."search_text" ILIKE %s)""",
-                (tsq, like),
-                output_field=BooleanField(),
-            )
-            rank = RawSQL(  # nosec B611
-                f"""ts_rank_cd(to_tsvector('simple', "{table}"."search_text"), to_tsquery('simple', %s), 1)
-                    + CASE WHEN "{table}"."search_text" ILIKE %s THEN 1 ELSE 0 END""",
-                (tsq, like),
-            )
-        else:
-            cond = RawSQL(f'"{table}"."search_text" ILIKE %s', (like,), output_field=BooleanField())  # nosec B611
-            rank = RawSQL("1.0", ())
-        rows = qs.filter(cond).annotate(score=rank).order_by("-score", "-importance", "-updated_at")[:limit]
-        return [(m, float(m.score)) for m in rows]
-
-    patterns = search.like_patterns(terms)
-    q = Q(search_text__icontains=raw)
-    for p in patterns:
-        q |= Q(search_text__icontains=p)
-    candidates = qs.filter(q).order_by("-updated_at")[:SQLITE_SEARCH_CANDIDATES]
-    scored = [(m, search.score(m.search_text, terms, raw)) for m in candidates]
-    scored = [(m, s) for m, s in scored if s > 0]
-    scored.sort(key=lambda ms: (ms[1], ms[0].importance, ms[0].updated_at), reverse=True)
-    return scored[:limit]
-
-
 def memory_history(*, memory: Memory) -> QuerySet[MemoryVersion]:
     return MemoryVersion.objects.filter(tenant_id=memory.tenant_id, memory=memory).order_by("-version")
+
+
+def memories_by_ids(*, tenant: Tenant, ids: list[int]) -> dict[int, Memory]:
+    """Live memories by primary key (one IN lookup), as {id: memory}."""
+    if not ids:
+        return {}
+    return {m.pk: m for m in memories_live(tenant=tenant).filter(pk__in=ids)}
+
+
+def memories_salient_rows(*, tenant: Tenant, prefixes: list[str] | None) -> list[tuple]:
+    """Candidates for recall without a question: ``(id, key, importance, updated_at)`` of the
+    most important and most recent live memories under ``prefixes``; the caller ranks them.
+
+    Bounded: at most ``SALIENT_SCAN`` rows from the (tenant, importance desc, updated_at
+    desc) index — the tenant's most important, newest first, kept when under a prefix —
+    plus, for a prefix, at most ``SALIENT_SCAN`` rows of its key range (the whole subtree
+    when it is that small)."""
+    if prefixes is not None and not prefixes:
+        return []
+    fields = ("pk", "key", "importance", "updated_at")
+    whole = prefixes is None or "" in prefixes
+    rows = list(memories_live(tenant=tenant).order_by("-importance", "-updated_at").values_list(*fields)[:SALIENT_SCAN])
+    if not whole:
+        rows = [r for r in rows if any(r[1].startswith(p) for p in prefixes)]
+        rows += list(
+            memories_live(tenant=tenant, prefixes=prefixes).order_by("key").values_list(*fields)[:SALIENT_SCAN]
+        )
+    return list({r[0]: r for r in rows}.values())

@@ -6,7 +6,7 @@ twice (a retry after a killed worker), and each service bounds its own attempts 
 django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 """
 
-from memories import embeddings
+from memories.search import embeddings
 from memories.services import forget, retention, summaries
 
 

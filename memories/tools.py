@@ -161,7 +161,7 @@ def _search(tenant: Tenant, actor: Actor, a: dict) -> dict:
 
 def _recall(tenant: Tenant, actor: Actor, a: dict) -> dict:
     r = services.memory_recall(
-        tenant=tenant, actor=actor, query=a["query"], prefix=a.get("prefix") or "", max_chars=a.get("max_chars")
+        tenant=tenant, actor=actor, query=a.get("query"), prefix=a.get("prefix") or "", max_chars=a.get("max_chars")
     )
     return {"status": "ok", "text": r["text"], "count": len(r["keys"])}
 
@@ -175,6 +175,11 @@ def _summarize(tenant: Tenant, actor: Actor, a: dict) -> dict:
 KEY = Param("key", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "e.g. user:u10086:pref_lang", True)
 PREFIX = Param("prefix", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "key prefix, e.g. user:u10086:")
 QUERY = Param("query", {"type": "string", "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True)
+RECALL_QUERY = Param(
+    "query",
+    {"type": "string", "maxLength": validation.QUERY_MAX_LEN},
+    "question or keywords; leave out for the most important and recent memories under prefix",
+)
 
 TOOLS: dict[str, Tool] = {
     t.name: t
@@ -231,9 +236,10 @@ TOOLS: dict[str, Tool] = {
         ),
         Tool(
             "memory_recall",
-            "Get the memories relevant to a question as one short text block.",
+            "Get the memories relevant to a question (or, with only a prefix, the most important and "
+            "recent ones) as one short text block.",
             (
-                QUERY,
+                RECALL_QUERY,
                 PREFIX,
                 Param(
                     "max_chars",

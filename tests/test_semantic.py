@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from django.utils import timezone
 
-from memories import embeddings, semantic, services
+from memories import services
 from memories.models import Memory, MemoryEmbedding
+from memories.search import embeddings, semantic
 from memories.services import forget
 from tests.conftest import SYSTEM
 

@@ -199,6 +199,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = ZEROMEM_MAX_BODY_BYTES
 # default up to the hard cap.
 ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
+# One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
+ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
 ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
 ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default=6000)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
@@ -236,7 +238,7 @@ ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
 ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)
 ZEROMEM_PORTAL_SESSION_SECONDS = env.int("ZEROMEM_PORTAL_SESSION_SECONDS", default=1800)
 ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
-# Semantic search (memories/embeddings.py, memories/semantic.py). "off": words only, the
+# Semantic search (memories/search/embeddings.py, semantic.py). "off": words only, the
 # model is never loaded. LOAD_WAIT: a search waits for the model to load (about 3 s) instead
 # of searching by words until a background load finishes (tests and evaluations set it).
 ZEROMEM_EMBEDDINGS = env.str("ZEROMEM_EMBEDDINGS", default="on")
@@ -245,6 +247,8 @@ ZEROMEM_EMBEDDINGS_LOAD_WAIT = env.bool("ZEROMEM_EMBEDDINGS_LOAD_WAIT", default=
 # weight of meaning against words, and the per-process cache of those vectors.
 ZEROMEM_SEMANTIC_CANDIDATES = env.int("ZEROMEM_SEMANTIC_CANDIDATES", default=20000)
 ZEROMEM_SEMANTIC_WEIGHT = env.float("ZEROMEM_SEMANTIC_WEIGHT", default=0.4)
+# "weighted" (score fusion, the default) or "rrf" (reciprocal rank fusion), for comparison.
+ZEROMEM_SEMANTIC_FUSION = env.str("ZEROMEM_SEMANTIC_FUSION", default="weighted")
 ZEROMEM_SEMANTIC_CACHE_SECONDS = env.int("ZEROMEM_SEMANTIC_CACHE_SECONDS", default=300)
 ZEROMEM_SEMANTIC_CACHE_MB = env.int("ZEROMEM_SEMANTIC_CACHE_MB", default=256)
 

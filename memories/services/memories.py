@@ -20,8 +20,9 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from audit.services import audit_record
 from audit.services import audited_operation as _operation
-from memories import embeddings, search, selectors
+from memories import search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
+from memories.search import embeddings
 from memories.services import retention
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
@@ -106,7 +107,6 @@ def memory_write(
         now = timezone.now()
         fields = {
             "value": value,
-            "search_text": search.index_text(key=key, value=value),
             "updated_at": now,
         }
         for name, given in (
@@ -147,6 +147,8 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
             existing.save(update_fields=["deleted_at"])
             embeddings.embeddings_delete(memory_ids=[existing.pk])
             existing = None
+        tags = fields["tags"] if "tags" in fields else (existing.tags if existing is not None else [])
+        fields = {**fields, **search.index_fields(tenant_id=tenant.pk, key=key, value=fields["value"], tags=tags)}
         if existing is not None:
             for name, val in fields.items():
                 setattr(existing, name, val)
@@ -245,7 +247,6 @@ def memory_update(
         now = timezone.now()
         if value is not _UNSET:
             changes["value"] = value
-            changes["search_text"] = search.index_text(key=key, value=value)
         if ttl is not None:
             changes["expires_at"] = now + ttl
         live = selectors.memories_live(tenant=tenant).filter(key=key)
@@ -272,6 +273,10 @@ def memory_update(
             return MemoryResult(status="conflict", key=key, current_version=current)
         # Our UPDATE holds the row lock until commit, so this read sees our own version.
         memory = live.get()
+        if "value" in changes or "tags" in changes:
+            Memory.objects.filter(pk=memory.pk).update(
+                **search.index_fields(tenant_id=tenant.pk, key=key, value=memory.value, tags=memory.tags)
+            )
         _record_version(memory, MemoryVersion.Op.UPDATE, actor, now)
         audit_record(
             tenant=tenant,
@@ -397,52 +402,44 @@ def memory_list(
 def memory_search(
     *, tenant: Tenant, actor: Actor, query: Any, prefix: Any = "", limit: Any = None
 ) -> list[tuple[Memory, float]]:
-    """Ranked matches of a natural-language question or keywords (see memories/search.py).
+    """Ranked matches of a natural-language question or keywords (memories/search/).
+    Bounded cost; past ``ZEROMEM_SEARCH_TIMEOUT_MS`` it raises ``SearchTimeout`` (503).
     The audit event records the prefix and the count, not the query text (it may be personal)."""
     with _operation(tenant=tenant, actor=actor, action="memory.search", target=prefix):
         query = validation.query(query)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
         limit = validation.limit(limit, default=5)
-        results = selectors.memory_search(
-            tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit
-        )
+        results = search.search_ranked(tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit)
         audit_record(
             tenant=tenant, actor=actor, action="memory.search", target=prefix, outcome=Outcome.OK, count=len(results)
         )
         return results
 
 
-def memory_recall(*, tenant: Tenant, actor: Actor, query: Any, prefix: Any = "", max_chars: Any = None) -> dict:
-    """The best matches packed into one text block of at most ``max_chars`` characters,
-    one ``key: value`` line each, best first; a line that does not fit is cut, not dropped,
-    when at least 40 characters remain."""
+def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: Any = "", max_chars: Any = None) -> dict:
+    """The best matches of ``query`` — or, with no query, the most important and most recent
+    memories under ``prefix`` — packed into one text block of at most ``max_chars``
+    characters (memories.search.ranking.recall_pack)."""
     with _operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix):
-        query = validation.query(query)
+        query = validation.query(query, required=False)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
         max_chars = validation.bounded_int(
             max_chars, field="max_chars", default=500, low=50, high=validation.RECALL_MAX_CHARS
         )
-        results = selectors.memory_search(tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=20)
-        lines: list[str] = []
-        used = 0
-        keys = []
-        for memory, _score in results:
-            line = f"{memory.key}: {search.compact(memory.value)}"
-            room = max_chars - used - (1 if lines else 0)
-            if len(line) > room:
-                if room >= 40:
-                    lines.append(line[: room - 1] + "…")
-                    keys.append(memory.key)
-                break
-            lines.append(line)
-            keys.append(memory.key)
-            used += len(line) + (1 if len(lines) > 1 else 0)
-        audit_record(
-            tenant=tenant, actor=actor, action="memory.recall", target=prefix, outcome=Outcome.OK, count=len(keys)
+        packed = search.recall_pack(
+            tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, max_chars=max_chars
         )
-        return {"text": "\n".join(lines), "keys": keys}
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="memory.recall",
+            target=prefix,
+            outcome=Outcome.OK,
+            count=len(packed["keys"]),
+        )
+        return packed
 
 
 def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None) -> MemoryResult | list:

@@ -117,7 +117,7 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
         now = timezone.now()
         Memory.objects.filter(pk=memory.pk).update(
             value=old.value,
-            search_text=search.index_text(key=memory.key, value=old.value),
+            **search.index_fields(tenant_id=tenant.pk, key=memory.key, value=old.value, tags=memory.tags),
             version=F("version") + 1,
             updated_at=now,
         )

@@ -44,3 +44,11 @@ class Forbidden(ServiceError):
 class PreconditionFailed(ServiceError):
     http_status = 412
     default_code = "precondition_failed"
+
+
+class Unavailable(ServiceError):
+    """The work could not be done now (a search past its time limit): retry after
+    ``retry_after`` seconds. Surfaces answer 503 with a Retry-After header."""
+
+    http_status = 503
+    default_code = "unavailable"

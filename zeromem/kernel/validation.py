@@ -27,6 +27,8 @@ SOURCE_MAX_LEN = 255
 CATEGORY_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 LIMIT_MAX = 200
 QUERY_MAX_LEN = 500
+# Arrays/objects inside a memory value, at most this deep ({"a": {"b": 1}} is 2).
+VALUE_MAX_DEPTH = 32
 RECALL_MAX_CHARS = 8000
 
 
@@ -70,6 +72,7 @@ def value(raw, *, max_bytes: int, field: str = "value") -> None:
     delete."""
     if raw is None:
         raise InvalidInput("must not be null (delete the memory instead)", field=field)
+    depth_within(raw, field=field)
     try:
         text = json.dumps(raw, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -79,6 +82,24 @@ def value(raw, *, max_bytes: int, field: str = "value") -> None:
     size = len(text.encode())
     if size > max_bytes:
         raise PayloadTooLarge(f"serialized value is {size} bytes; the limit is {max_bytes}", field=field)
+
+
+def depth_within(raw, *, field: str, max_depth: int | None = None) -> None:
+    """Refuse JSON nested deeper than ``VALUE_MAX_DEPTH`` arrays/objects (checked without
+    recursion, so a hostile value cannot exhaust the stack)."""
+    limit = VALUE_MAX_DEPTH if max_depth is None else max_depth
+    stack = [(raw, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            raise InvalidInput(f"must not nest arrays or objects more than {limit} deep", field=field, code="too_deep")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def ttl_seconds(raw, field: str = "ttl_seconds") -> timedelta | None:
@@ -154,11 +175,17 @@ def version(raw, field: str = "expected_version") -> int | None:
     return bounded_int(raw, field=field, default=0, low=1, high=2**31 - 1)
 
 
-def query(raw, field: str = "query") -> str:
+def query(raw, field: str = "query", *, required: bool = True) -> str:
+    """A search question: 1-``QUERY_MAX_LEN`` characters, no NUL. ``required=False``: None or
+    blank is allowed and returned as ""."""
+    if not required and (raw is None or (isinstance(raw, str) and not raw.strip())):
+        return ""
     if not isinstance(raw, str) or not raw.strip():
         raise InvalidInput("must be a non-empty string", field=field)
     if len(raw) > QUERY_MAX_LEN:
         raise InvalidInput(f"must be at most {QUERY_MAX_LEN} characters", field=field, code="too_long")
+    if "\x00" in raw:
+        raise InvalidInput("must not contain NUL characters", field=field, code="invalid_characters")
     return raw
 
 

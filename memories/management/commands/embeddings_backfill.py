@@ -12,7 +12,7 @@ import json as jsonlib
 
 from django.core.management.base import BaseCommand, CommandError
 
-from memories import embeddings
+from memories.search import embeddings
 
 
 class Command(BaseCommand):

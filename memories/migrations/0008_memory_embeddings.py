@@ -4,13 +4,26 @@ On PostgreSQL the foreign key from an embedding to its memory also cascades in t
 (``ON DELETE CASCADE``). Django deletes a memory's embedding before the memory (forget) or
 the purge's statement deletes it explicitly, but an embedding the job commits in between
 would otherwise fail the eraser's deferred foreign-key check; with the database cascade it
-is erased with the memory instead. On SQLite writers are serialized, so the race cannot
+is erased with the memory instead. The index the job reads memories by is built
+CONCURRENTLY on PostgreSQL. On SQLite writers are serialized, so the race cannot
 happen and nothing is changed here.
 """
 
 import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
+
+
+def _updated_index(apps, schema_editor):
+    concurrently = "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
+    schema_editor.execute(
+        f"CREATE INDEX {concurrently}IF NOT EXISTS memory_updated ON memories_memory (updated_at)"
+    )
+
+
+def _updated_index_drop(apps, schema_editor):
+    concurrently = "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
+    schema_editor.execute(f"DROP INDEX {concurrently}IF EXISTS memory_updated")
 
 
 def _cascade_in_database(apps, schema_editor):
@@ -32,9 +45,10 @@ def _cascade_in_database(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
+    atomic = False
 
     dependencies = [
-        ('memories', '0006_memory_verbose_name_plural'),
+        ('memories', '0007_memory_search_tsv_term_stats_salience'),
     ]
 
     operations = [
@@ -51,9 +65,15 @@ class Migration(migrations.Migration):
                 ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
             ],
         ),
-        migrations.AddIndex(
-            model_name='memory',
-            index=models.Index(fields=['updated_at'], name='memory_updated'),
+        # Built CONCURRENTLY on PostgreSQL (this migration is not atomic): writes go on meanwhile.
+        migrations.SeparateDatabaseAndState(
+            state_operations=[
+                migrations.AddIndex(
+                    model_name='memory',
+                    index=models.Index(fields=['updated_at'], name='memory_updated'),
+                ),
+            ],
+            database_operations=[migrations.RunPython(_updated_index, _updated_index_drop)],
         ),
         migrations.AddField(
             model_name='memoryembedding',

@@ -38,8 +38,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Exists, Max, OuterRef, Q
 
-from memories import search
 from memories.models import Memory, MemoryEmbedding
+from memories.search.text import tokenize, value_text
 
 logger = logging.getLogger("zeromem.search")
 
@@ -177,8 +177,8 @@ def warm_up() -> None:
 
 def memory_text(*, key: str, value) -> str:
     """What is embedded for a memory: key words, then the value's text."""
-    words = " ".join(search.tokenize(key.replace(":", " ").replace("_", " ").replace("-", " ")))
-    return f"{words}: {search.value_text(value)}"[:TEXT_MAX_CHARS]
+    words = " ".join(tokenize(key.replace(":", " ").replace("_", " ").replace("-", " ")))
+    return f"{words}: {value_text(value)}"[:TEXT_MAX_CHARS]
 
 
 def to_bytes(vector: np.ndarray) -> bytes:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 from django.conf import settings
 
-from memories import embeddings
 from memories.models import MemoryEmbedding
+from memories.search import embeddings
 
 # How many of the best semantic matches enter the fusion, and the rank whose similarity is
 # the fusion's zero point.
@@ -187,6 +187,21 @@ def similarities(
                 if sim >= MIN_SIMILARITY:
                     out[memory_id] = sim
     return out
+
+
+def semantic_candidates(
+    *, tenant_id: int, prefixes: Sequence[str] | None, query: str, also: Sequence[int] = ()
+) -> list[tuple[int, float]]:
+    """[(memory id, similarity)] best first (see ``similarities``), or [] when the question
+    cannot be embedded now: the search then runs on words alone (a warning is logged once)."""
+    if prefixes is not None and not prefixes:
+        return []
+    vector = embeddings.query_vector(query)
+    if vector is None:
+        return []
+    whole = prefixes is None or "" in prefixes
+    sims = similarities(tenant_id=tenant_id, prefixes=None if whole else prefixes, query_vector=vector, also=also)
+    return sorted(sims.items(), key=lambda kv: -kv[1])
 
 
 def fuse(lexical: Sequence[tuple[int, float]], semantic: dict[int, float], *, weight: float) -> list[tuple[int, float]]:

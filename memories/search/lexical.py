@@ -1,0 +1,286 @@
+"""Lexical search: a question's terms → at most ``CANDIDATES`` memories from the index →
+ranked by BM25-style weights. The cost of one search is bounded by the caps below, never by
+the tenant's size.
+
+The plan (both backends):
+
+1. The question's first ``MAX_QUERY_WORDS`` distinct words (stop words dropped, stems,
+   CJK bigrams; memories/search/text.py), each with its four-letter abbreviation.
+2. Each term's document frequency in the tenant (PostgreSQL: ``SearchTerm``, refreshed by a
+   job, a term missing there counting as rare; SQLite: the FTS5 vocabulary). Latin terms of
+   one or two letters are *weak*: they pick candidates only when they are rare (df ≤
+   ``CANDIDATES``), else they only add to the score of memories other terms found.
+3. The ``MAX_TERMS`` rarest terms are kept. No usable term (``ab``, stop words only, emoji)
+   → no results, and no SQL.
+4. Candidates: memories matching any of the rarest terms whose document frequencies add up
+   to at most ``CANDIDATES`` (the rarest always), at most ``CANDIDATES`` of them, from the
+   GIN index over tenant-prefixed terms (PostgreSQL) or FTS5 (SQLite, newest first).
+5. Score: PostgreSQL Σ idf(t) · boost(t) · ts_rank(field weights, tsv, t, length-normalised),
+   idf = ln(1 + (N − df + 0.5)/(df + 0.5)) as in BM25; SQLite FTS5's own ``bm25()`` with the
+   same field weights. Then importance, recency and access multiply the score by at most
+   ``1 + TIE_BREAK_MAX``: they order near-ties, they never lift a weaker match over a clearly
+   better one.
+6. Everything runs under ``ZEROMEM_SEARCH_TIMEOUT_MS`` (PostgreSQL ``statement_timeout``,
+   SQLite a progress handler); past it the search raises :class:`SearchTimeout` (503
+   ``search_timeout`` with Retry-After), never a 500.
+
+Measured at 1M memories in one tenant: README "Search".
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from datetime import timezone as dt_timezone
+
+from django.conf import settings
+from django.db import OperationalError, connection, transaction
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from memories.search.text import QueryTerm, query_terms
+from zeromem.kernel.errors import Unavailable
+
+MAX_QUERY_WORDS = 32  # distinct words of a question that are looked at; the rest are ignored
+MAX_TERMS = 8  # the rarest terms kept for candidates and scoring
+CANDIDATES = 500  # memories ranked per search, at most
+# Field weights: value text, (unused), tags, key segments — PostgreSQL's {D, C, B, A}.
+FIELD_WEIGHTS = (0.2, 0.3, 0.5, 1.0)
+TIE_BREAK_MAX = 0.03
+
+
+class SearchTimeout(Unavailable):
+    def __init__(self):
+        super().__init__(
+            "the search took too long and was stopped; retry shortly or ask with fewer, rarer words",
+            code="search_timeout",
+            field="query",
+            retry_after=1,
+        )
+
+
+@dataclass(frozen=True)
+class ScoredTerm:
+    term: str
+    df: int
+    idf: float
+    boost: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    candidate_terms: list[ScoredTerm]  # ORed to pick candidates
+    scoring_terms: list[ScoredTerm]  # every kept term, for the score
+
+
+def _idf(df: int, n: int) -> float:
+    return math.log(1 + (n - df + 0.5) / (df + 0.5))
+
+
+def plan(terms: list[QueryTerm], df: dict[str, int], documents: int) -> Plan | None:
+    """Which terms pick candidates and which only score (see the module docstring)."""
+    n = max(documents, max(df.values(), default=0), 1)
+    usable: list[tuple[bool, int, QueryTerm]] = []
+    for t in terms:
+        d = df.get(t.term, 0)
+        eligible = not t.weak or (t.term in df and d <= CANDIDATES)
+        usable.append((eligible, d, t))
+    # Candidate-picking terms first, rarest first; weak common terms last.
+    usable.sort(key=lambda u: (not u[0], u[1]))
+    kept = usable[:MAX_TERMS]
+    if not any(eligible for eligible, _, _ in kept):
+        return None
+    scoring = [ScoredTerm(t.term, d, _idf(d, n), t.boost) for _, d, t in kept]
+    candidate_terms: list[ScoredTerm] = []
+    total = 0
+    for (eligible, d, _t), scored in zip(kept, scoring, strict=True):
+        if not eligible or (candidate_terms and total + d > CANDIDATES):
+            break
+        candidate_terms.append(scored)
+        total += d
+    return Plan(candidate_terms=candidate_terms, scoring_terms=scoring)
+
+
+def _like_escape(prefix: str) -> str:
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def _prefix_sql(prefixes: list[str] | None, column: str) -> tuple[str, list]:
+    if prefixes is None or "" in prefixes:
+        return "", []
+    clauses = " OR ".join(f"{column} LIKE %s ESCAPE '\\'" for _ in prefixes)
+    return f" AND ({clauses})", [_like_escape(p) for p in prefixes]
+
+
+def _tie_break(importance: int, updated_at: datetime, access_count: int, now: datetime) -> float:
+    """1 to 1 + TIE_BREAK_MAX: importance (0-10), recency (halves over 30 days), use."""
+    age_days = max((now - updated_at).total_seconds(), 0) / 86400
+    return 1 + TIE_BREAK_MAX * (
+        0.4 * importance / 10 + 0.4 / (1 + age_days / 30) + 0.2 * min(1.0, math.log1p(access_count) / math.log(101))
+    )
+
+
+@contextmanager
+def deadline() -> Iterator[None]:
+    """Run the enclosed queries under the search timeout, in a savepoint (or a transaction)
+    so that a cancelled query leaves the caller's transaction usable (its audit event is
+    still written). Raises :class:`SearchTimeout` when the time runs out."""
+    ms = int(settings.ZEROMEM_SEARCH_TIMEOUT_MS)
+    try:
+        with transaction.atomic():
+            if connection.vendor == "postgresql":
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true)",
+                        [f"{ms}ms"],
+                    )
+                    previous = cursor.fetchone()[0]
+                yield
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
+            else:
+                connection.ensure_connection()
+                raw: sqlite3.Connection = connection.connection
+                stop_at = time.monotonic() + ms / 1000
+                raw.set_progress_handler(lambda: int(time.monotonic() > stop_at), 2000)
+                try:
+                    yield
+                finally:
+                    raw.set_progress_handler(None, 0)
+    except OperationalError as exc:
+        if _is_timeout(exc):
+            raise SearchTimeout() from None
+        raise
+
+
+def _is_timeout(exc: OperationalError) -> bool:
+    cause = exc.__cause__
+    if connection.vendor == "postgresql":
+        from psycopg import errors
+
+        return isinstance(cause, errors.QueryCanceled)
+    return "interrupted" in str(exc)
+
+
+# --- document frequencies -----------------------------------------------------------------
+
+
+def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]:
+    """(df of each known term, the tenant's document count N) — one indexed lookup."""
+    prefixed = {f"{tenant_id}:{t}": t for t in terms}
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                """SELECT term, ndoc, (SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s)
+                   FROM memories_searchterm WHERE tenant_id = %s AND term = ANY(%s)""",
+                [tenant_id, tenant_id, list(terms)],
+            )
+            rows = cursor.fetchall()
+            df = {term: ndoc for term, ndoc, _ in rows}
+            documents = rows[0][2] if rows and rows[0][2] is not None else 0
+            if not rows:
+                cursor.execute("SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s", [tenant_id])
+                row = cursor.fetchone()
+                documents = row[0] if row else 0
+            return df, documents
+        marks = ", ".join("%s" for _ in prefixed)
+        cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
+        return {prefixed[term]: doc for term, doc in cursor.fetchall()}, 0
+
+
+# --- candidates ---------------------------------------------------------------------------
+
+
+def lexical_candidates(
+    *, tenant_id: int, prefixes: list[str] | None, query: str, limit: int, now: datetime | None = None
+) -> list[tuple[int, float]]:
+    """The tenant's live memories that match ``query`` lexically, best first, as
+    ``(memory id, score)``, at most ``limit`` (≤ ``CANDIDATES``). ``prefixes``: keys must
+    start with one of these (None or "" in it: the whole tenant; []: nothing).
+
+    Cost: one primary-key lookup per known term (document frequencies), then one query over
+    at most ``CANDIDATES`` index hits, all under the search timeout."""
+    if prefixes is not None and not prefixes:
+        return []
+    terms = query_terms(query, max_words=MAX_QUERY_WORDS)
+    if not terms:
+        return []
+    now = now or timezone.now()
+    limit = min(limit, CANDIDATES)
+    with deadline():
+        df, documents = _frequencies(tenant_id, [t.term for t in terms])
+        p = plan(terms, df, documents)
+        if p is None:
+            return []
+        if connection.vendor == "postgresql":
+            return _pg_candidates(tenant_id, prefixes, p, limit, now)
+        return _sqlite_candidates(tenant_id, prefixes, p, limit, now)
+
+
+def _tsquery(tenant_id: int, terms: list[ScoredTerm]) -> str:
+    return " | ".join(f"'{tenant_id}:{t.term}'" for t in terms)
+
+
+def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
+    prefix_sql, prefix_params = _prefix_sql(prefixes, "key")
+    weights = "{" + ",".join(str(w) for w in FIELD_WEIGHTS) + "}"
+    rank_terms = " + ".join("%s * ts_rank(%s, c.search_tsv, %s::tsquery, 1)" for _ in p.scoring_terms)
+    rank_params: list = []
+    for t in p.scoring_terms:
+        rank_params += [t.idf * t.boost, weights, f"'{tenant_id}:{t.term}'"]
+    # The inner LIMIT stops the bitmap heap scan after CANDIDATES rows; the GIN index holds
+    # only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
+    # is filtered as well. Ranking re-reads each candidate's tsvector: cost ≈ candidates ×
+    # terms.
+    sql = f"""
+        SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
+        FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
+              WHERE tenant_id = %s AND search_tsv @@ %s::tsquery AND deleted_at IS NULL
+                AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
+              LIMIT {CANDIDATES}) c
+        ORDER BY rank DESC LIMIT {CANDIDATES}"""
+    params = [*rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    return _final(rows, limit, now)
+
+
+def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
+    prefix_sql, prefix_params = _prefix_sql(prefixes, "m.key")
+    # FTS5 walks the ORed doclists lazily, newest row first, and stops at CANDIDATES: every
+    # kept term can take part in both matching and bm25() at no extra cost.
+    match = " OR ".join(f'"{tenant_id}:{t.term}"' for t in p.scoring_terms)
+    d, _c, b, a = FIELD_WEIGHTS
+    sql = f"""
+        SELECT m.id, -bm25(memories_memory_fts, {a}, {b}, {d}), m.importance, m.updated_at, m.access_count
+        FROM memories_memory_fts f JOIN memories_memory m ON m.id = f.rowid
+        WHERE memories_memory_fts MATCH %s AND m.tenant_id = %s AND m.deleted_at IS NULL
+          AND (m.expires_at IS NULL OR m.expires_at > %s){prefix_sql}
+        ORDER BY f.rowid DESC LIMIT {CANDIDATES}"""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [match, tenant_id, connection.ops.adapt_datetimefield_value(now), *prefix_params])
+        rows = [(i, r, imp, _sqlite_datetime(u), ac) for i, r, imp, u, ac in cursor.fetchall()]
+    return _final(rows, limit, now)
+
+
+def _sqlite_datetime(value) -> datetime:
+    # A raw SQLite cursor returns the stored text (naive UTC, as Django writes it).
+    if isinstance(value, str):
+        value = parse_datetime(value)
+    return value if timezone.is_aware(value) else value.replace(tzinfo=dt_timezone.utc)
+
+
+def _final(rows, limit: int, now: datetime) -> list[tuple[int, float]]:
+    scored = [
+        (memory_id, float(rank) * _tie_break(importance, updated_at, access_count, now))
+        for memory_id, rank, importance, updated_at, access_count in rows
+        if rank and rank > 0
+    ]
+    scored.sort(key=lambda s: (-s[1], -s[0]))
+    return [(memory_id, round(score, 6)) for memory_id, score in scored[:limit]]

@@ -1,0 +1,256 @@
+"""Turning memories and agents' questions into search terms.
+
+One tokenizer serves both sides, so a question finds what a write indexed:
+
+* Latin-script words are lowercased and cut to a light English stem at index time and at
+  query time alike ("packages", "packaging" → ``packag``; "installed" → ``install``); the
+  key's segments are split on ``_ - . :`` too (``pref_lang`` → ``pref``, ``lang``), so the
+  key's name is searchable.
+* CJK text has no spaces, so it is indexed as overlapping character bigrams — the usual
+  approach for Chinese full-text search. "周报发送时间" → 周报 报发 发送 送时 时间; the
+  question "周报什么时候发送？" shares 周报 and 发送 with it. A CJK run of one character is
+  indexed as that character.
+* Question words and stop words ("which", "does", "什么", "怎么") are dropped from queries.
+* A Latin query word also matches, at a lower weight, the word that is its first four
+  letters, for key abbreviations ("language" → lang, "preference" → pref). It does not match
+  every word sharing four letters ("install" does not find "instead").
+
+A memory's terms come from three fields, each with its weight in the ranking (see
+``memories.search.lexical``): key segments (PostgreSQL weight A), tags (B), the value's text
+(D). Each distinct term is indexed at most ``TERM_CAP`` times: how often a word is repeated
+says little once it is there (BM25's term-frequency saturation, done at write time).
+
+Every indexed term carries its tenant's id (``"17:packag"``), so a term's posting list in
+the index holds only that tenant's memories: another tenant's data can neither match nor
+slow a query down.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from dataclasses import dataclass
+
+_WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
+
+# Each distinct term is indexed at most this many times (see the module docstring).
+TERM_CAP = 2
+# PostgreSQL keeps positions up to 16383; later ones are clamped there.
+_MAX_POSITION = 16383
+# Field markers in ``Memory.search_text`` (key terms | tag terms | value terms); SQLite's
+# FTS5 table splits on them (migration 0007).
+FIELD_SEPARATOR = " | "
+# How deep ``value_text`` descends into a JSON value; validation refuses deeper values
+# (zeromem.kernel.validation.VALUE_MAX_DEPTH), this only guards rows written before that.
+_FLATTEN_MAX_DEPTH = 64
+
+
+def is_cjk(ch: str) -> bool:
+    cp = ord(ch)
+    return (
+        0x4E00 <= cp <= 0x9FFF
+        or 0x3400 <= cp <= 0x4DBF
+        or 0x3040 <= cp <= 0x30FF  # kana
+        or 0xAC00 <= cp <= 0xD7AF  # hangul
+        or 0xF900 <= cp <= 0xFAFF
+        or 0x20000 <= cp <= 0x2FFFF
+    )
+
+
+STOPWORDS = frozenset(
+    """a an and are as at be been but by can could did do does for from had has have how i if in
+    into is it its me my of on or our please should so than that the their them then there these
+    they this to was we were what when where which who whom why will with would you your about
+    tell know remember remembers am being having doing other others another some any each every both
+    all no not nor only own same such too very just also even still yet really now then again ever
+    else here over under up down out off once more most much many few whether between during before
+    after above below through until against while because he him his she her hers ours yours
+    theirs myself yourself itself ourselves themselves ok okay""".split()
+)
+# Question words and particles cut out of a question before it is split into bigrams, so
+# "周报什么时候发送" searches 周报 and 发送, not the junk bigrams 报什 and 候发.
+CJK_STOP_PHRASES = sorted(
+    "什么时候 为什么 是不是 怎么样 什么 怎么 怎样 如何 哪个 哪些 哪里 是否 请问 一下 可以 多少 几点 "
+    "哪一个 一个 这个 那个 这些 那些 还是 或者 应该 怎么办 我们 你们 他们 您 是什么 有没有 能不能 "
+    "吗 呢 吧 啊 呀 的 了 是 在 和 与 及 或 么 我 你 他 她 它 们 要 会 有".split(),
+    key=len,
+    reverse=True,
+)
+_CJK_STOP_RE = re.compile("|".join(map(re.escape, CJK_STOP_PHRASES)))
+
+
+def _cjk_terms(run: str) -> list[str]:
+    if len(run) == 1:
+        return [run]
+    return [run[i : i + 2] for i in range(len(run) - 1)]
+
+
+def tokenize(text: str) -> list[str]:
+    """Words of a text, in order, duplicates kept: Latin words lowercased (not stemmed),
+    CJK runs as bigrams."""
+    text = unicodedata.normalize("NFKC", text).lower()
+    terms: list[str] = []
+    for word in _WORD_RE.findall(text):
+        run: list[str] = []
+        latin: list[str] = []
+        for ch in word:
+            if is_cjk(ch):
+                if latin:
+                    terms.append("".join(latin))
+                    latin = []
+                run.append(ch)
+            else:
+                if run:
+                    terms.extend(_cjk_terms("".join(run)))
+                    run = []
+                latin.append(ch)
+        if latin:
+            terms.append("".join(latin))
+        if run:
+            terms.extend(_cjk_terms("".join(run)))
+    return terms
+
+
+# Longest first: the first that leaves a stem of at least 4 letters is cut.
+_SUFFIXES = sorted(
+    """ations ation ions ion ings ing ments ment ness ities ity ies ied ible able ences ence ances ance
+    edly ed es s ly ers er e""".split(),
+    key=len,
+    reverse=True,
+)
+
+
+def stem(term: str) -> str:
+    """A light English stem: "packages" → "packag", "installed" → "install",
+    "distributions" → "distribut", "compatible" → "compat". CJK terms are left alone."""
+    if not term or is_cjk(term[0]):
+        return term
+    for suffix in _SUFFIXES:
+        if term.endswith(suffix) and len(term) - len(suffix) >= 4:
+            return term[: -len(suffix)]
+    return term
+
+
+def value_text(value) -> str:
+    """The human text of a JSON value: strings as they are, object keys and scalars too.
+    Iterative, and no deeper than ``_FLATTEN_MAX_DEPTH`` levels."""
+    out: list[str] = []
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= _FLATTEN_MAX_DEPTH:
+                continue
+            if isinstance(item, dict):
+                children: list = []
+                for k, v in item.items():
+                    children.extend((str(k), v))
+            else:
+                children = list(item)
+            stack.extend((child, depth + 1) for child in reversed(children))
+        elif item is not None:
+            out.append(str(item))
+    return " ".join(out)
+
+
+@dataclass(frozen=True)
+class IndexDocument:
+    """A memory's indexed terms (stemmed), per field: key segments, tags, value text."""
+
+    key: list[str]
+    tags: list[str]
+    body: list[str]
+
+    def search_text(self, tenant_id: int) -> str:
+        """``Memory.search_text``: the tenant-prefixed terms, fields split by ``FIELD_SEPARATOR``."""
+        return FIELD_SEPARATOR.join(" ".join(f"{tenant_id}:{t}" for t in terms) for terms in self.fields)
+
+    def tsvector(self, tenant_id: int) -> str:
+        """A PostgreSQL ``tsvector`` literal: ``'17:task':1A '17:deadlin':2A '17:一万':9``
+        (weight A for key terms, B for tags, D — the default, unwritten — for the value)."""
+        positions: dict[str, list[str]] = {}
+        pos = 0
+        for terms, weight in zip(self.fields, ("A", "B", ""), strict=True):
+            for term in terms:
+                pos = min(pos + 1, _MAX_POSITION)
+                positions.setdefault(term, []).append(f"{pos}{weight}")
+        return " ".join(f"'{_tsquote(f'{tenant_id}:{term}')}':{','.join(p)}" for term, p in positions.items())
+
+    @property
+    def fields(self) -> tuple[list[str], list[str], list[str]]:
+        return self.key, self.tags, self.body
+
+
+def _tsquote(lexeme: str) -> str:
+    # Terms are runs of word characters, so this never changes anything; it is here so
+    # that the literal stays well-formed whatever a future tokenizer lets through.
+    return lexeme.replace("\\", "\\\\").replace("'", "''")
+
+
+def index_document(*, key: str, value, tags: list[str] | None = None) -> IndexDocument:
+    """The terms a memory is found by: each distinct term at most ``TERM_CAP`` times over all
+    fields, the key's occurrences counted first (so a word in the key keeps its weight)."""
+    seen: dict[str, int] = {}
+
+    def capped(words: list[str]) -> list[str]:
+        kept = []
+        for word in words:
+            term = stem(word)
+            n = seen.get(term, 0)
+            if n < TERM_CAP:
+                seen[term] = n + 1
+                kept.append(term)
+        return kept
+
+    key_terms = capped(tokenize(key.replace(":", " ")))
+    tag_terms = capped(tokenize(" ".join(tags or ())))
+    body_terms = capped(tokenize(value_text(value)))
+    return IndexDocument(key=key_terms, tags=tag_terms, body=body_terms)
+
+
+# --- queries ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueryTerm:
+    """One index term a query looks for. ``weak`` terms (Latin words of one or two letters)
+    may add to a match's score but are never enough on their own to pick candidates unless
+    they are rare; ``boost`` scales their score (an abbreviation counts less than the word)."""
+
+    term: str
+    boost: float = 1.0
+    weak: bool = False
+
+
+def query_words(query: str) -> list[str]:
+    """Distinct words of a question (stemmed), in order, stop words dropped."""
+    query = _CJK_STOP_RE.sub(" ", unicodedata.normalize("NFKC", query))
+    seen: dict[str, None] = {}
+    for word in tokenize(query):
+        if word in STOPWORDS or (len(word) == 1 and not is_cjk(word)):
+            continue
+        seen.setdefault(stem(word))
+    return list(seen)
+
+
+# A Latin query word also looks for its first four letters as a whole word, at this weight.
+ABBREVIATION_BOOST = 0.6
+
+
+def query_terms(query: str, *, max_words: int) -> list[QueryTerm]:
+    """The index terms a question looks for: its first ``max_words`` distinct words, each
+    with its abbreviation (see the module docstring)."""
+    out: dict[str, QueryTerm] = {}
+    for word in query_words(query)[:max_words]:
+        weak = not is_cjk(word[0]) and len(word) <= 2
+        out.setdefault(word, QueryTerm(word, 1.0, weak))
+        if not is_cjk(word[0]) and len(word) > 4:
+            abbrev = word[:4]
+            if abbrev not in out:
+                out[abbrev] = QueryTerm(abbrev, ABBREVIATION_BOOST, False)
+    return list(out.values())
+
+
+def compact(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
