@@ -3,6 +3,7 @@ only within the tenant, fused with the word ranking, and a search that still ans
 model cannot be used."""
 
 import logging
+import threading
 from datetime import timedelta
 
 import numpy as np
@@ -270,3 +271,23 @@ def test_fusion_ranks_a_paraphrase_that_no_word_matched():
 
 def test_fusion_without_similarities_keeps_the_word_order():
     assert [m for m, _ in semantic.fuse([(5, 2.0), (6, 2.0), (7, 1.0)], {}, weight=0.4)] == [5, 6, 7]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tenants_matrix_is_built_in_the_background_while_words_answer(settings):
+    # Committed data: the background thread reads through its own connection.
+    tenant = services.tenant_create(actor=SYSTEM, slug="bg", name="Bg")
+    write(tenant, "user:u10086:pref_lang", "zh-CN")
+    write(tenant, "note:cat", "the cat sleeps on the sofa")
+    embeddings.embeddings_refresh()
+    vector = embeddings.encode(["用户的语言偏好"])[0]
+    settings.ZEROMEM_EMBEDDINGS_LOAD_WAIT = False
+
+    assert semantic._cache.matrix(tenant.pk) is None  # not cached: build started, words only now
+    for thread in [t for t in threading.enumerate() if t.name == f"zeromem-semantic-{tenant.pk}"]:
+        thread.join(timeout=30)
+    matrix = semantic._cache.matrix(tenant.pk)
+    assert matrix is not None and len(matrix.keys) == 2
+    sims = semantic.similarities(tenant_id=tenant.pk, prefixes=None, query_vector=vector)
+    key_of = dict(Memory.objects.filter(tenant=tenant).values_list("pk", "key"))
+    assert key_of[max(sims, key=sims.get)] == "user:u10086:pref_lang"

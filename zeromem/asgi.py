@@ -6,3 +6,9 @@ from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "zeromem.settings")
 application = get_asgi_application()
+
+# Each server process starts loading the embedding model now, in a background thread
+# (about 3 s): searches meanwhile run on words alone instead of waiting for it.
+from memories.search.embeddings import warm_up  # noqa: E402
+
+warm_up()

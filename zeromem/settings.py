@@ -242,6 +242,11 @@ ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
 # model is never loaded. LOAD_WAIT: a search waits for the model to load (about 3 s) instead
 # of searching by words until a background load finishes (tests and evaluations set it).
 ZEROMEM_EMBEDDINGS = env.str("ZEROMEM_EMBEDDINGS", default="on")
+# numpy's BLAS on one thread per process, set before anything imports numpy: requests already
+# run in parallel, and a multi-threaded BLAS spinning on a busy machine turned a 2 ms question
+# embedding into 60–300 ms (measured). An operator's own value wins.
+for _blas_threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_blas_threads, "1")
 ZEROMEM_EMBEDDINGS_LOAD_WAIT = env.bool("ZEROMEM_EMBEDDINGS_LOAD_WAIT", default=False)
 # The newest embeddings per tenant scored exactly on every search (the cost cap), the fusion
 # weight of meaning against words, and the per-process cache of those vectors.

@@ -122,8 +122,15 @@ class _Encoder:
             self._error = None
             self._loading = False
 
+    def after_fork(self) -> None:
+        # A child forked while the parent's background load ran has the lock held and no
+        # thread to release it: start over (a loaded model is inherited and kept).
+        self._lock = threading.Lock()
+        self._loading = False
+
 
 _encoder = _Encoder()
+os.register_at_fork(after_in_child=lambda: _encoder.after_fork())
 
 
 def enabled() -> bool:
@@ -189,6 +196,13 @@ def from_bytes(data: bytes | memoryview, dim: int = DIM) -> np.ndarray:
     return np.frombuffer(bytes(data), dtype="<f2", count=dim).astype(np.float32)
 
 
+def from_bytes_many(blobs: Sequence[bytes | memoryview], dim: int = DIM) -> np.ndarray:
+    """(len(blobs), dim) float32 from stored vectors, in one conversion."""
+    if not blobs:
+        return np.empty((0, dim), dtype=np.float32)
+    return np.frombuffer(b"".join(blobs), dtype="<f2").reshape(len(blobs), dim).astype(np.float32)
+
+
 def _text_hash(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -203,20 +217,26 @@ def _stale():
 
 
 def embeddings_refresh(
-    *, full: bool = False, batch_size: int = BATCH_SIZE, max_batches: int | None = None, time_budget: float = 50.0
+    *,
+    full: bool = False,
+    tenant_id: int | None = None,
+    batch_size: int = BATCH_SIZE,
+    max_batches: int | None = None,
+    time_budget: float = 50.0,
 ) -> dict:
     """Embed the memories written since the last run (``full``: every live memory), in
     batches of ``batch_size``: encode outside any transaction, then store the batch in one
     short transaction. Idempotent; several workers may run it at once (a memory embedded
     twice keeps the last). Stops after ``max_batches`` or ``time_budget`` seconds, whichever
-    comes first (the schedule runs it every minute; the next run continues).
+    comes first (the schedule runs it every minute; the next run continues). ``tenant_id``:
+    that tenant's memories only.
 
     Returns {"embedded", "unchanged", "batches", "seconds"} (counts, never text)."""
     started = time.monotonic()
     totals = {"embedded": 0, "unchanged": 0, "batches": 0}
     if not enabled():
         return {**totals, "skipped": "ZEROMEM_EMBEDDINGS=off", "seconds": 0.0}
-    candidates = _stale()
+    candidates = _stale() if tenant_id is None else _stale().filter(tenant_id=tenant_id)
     if full:
         order, resume = ("pk",), None
     else:
