@@ -25,6 +25,7 @@ def _model_loaded_on_demand(settings):
     # searching by words until a background load finishes.
     settings.ZEROMEM_EMBEDDINGS = "on"
     settings.ZEROMEM_EMBEDDINGS_LOAD_WAIT = True
+    settings.ZEROMEM_SEMANTIC_PROBE_SECONDS = 0  # every search sees the newest embeddings
     semantic.cache_clear()
     yield
     semantic.cache_clear()

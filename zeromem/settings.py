@@ -256,6 +256,8 @@ ZEROMEM_SEMANTIC_WEIGHT = env.float("ZEROMEM_SEMANTIC_WEIGHT", default=0.4)
 ZEROMEM_SEMANTIC_FUSION = env.str("ZEROMEM_SEMANTIC_FUSION", default="weighted")
 ZEROMEM_SEMANTIC_CACHE_SECONDS = env.int("ZEROMEM_SEMANTIC_CACHE_SECONDS", default=300)
 ZEROMEM_SEMANTIC_CACHE_MB = env.int("ZEROMEM_SEMANTIC_CACHE_MB", default=256)
+# How often a search checks for embeddings newer than its cached matrix (one index probe).
+ZEROMEM_SEMANTIC_PROBE_SECONDS = env.float("ZEROMEM_SEMANTIC_PROBE_SECONDS", default=1.0)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],

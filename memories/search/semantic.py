@@ -6,8 +6,9 @@ similarity is exact, over a bounded set per query:
 * the tenant's **newest** ``ZEROMEM_SEMANTIC_CANDIDATES`` embeddings (default 20,000), held
   in this process as one float32 matrix per tenant (40 MB at 20k × 512) and scored with one
   matrix-vector product (about 2–4 ms at 20k on one core). The cache is refreshed
-  incrementally: each query asks for the tenant's highest embedding id (one probe of the
-  (tenant, id) index) and loads only newer rows; it is rebuilt from scratch after
+  incrementally: a query asks for the tenant's highest embedding id (one probe of the
+  (tenant, id) index; at most once per ``ZEROMEM_SEMANTIC_PROBE_SECONDS``) and loads only
+  newer rows; it is rebuilt from scratch after
   ``ZEROMEM_SEMANTIC_CACHE_SECONDS``, which also drops vectors of memories erased since.
   A vector still cached for an erased or trashed memory is never returned: results are read
   back from the tenant's live memories (and only rows under the caller's prefixes are scored);
@@ -102,10 +103,12 @@ class _MatrixCache:
         self._lock = threading.Lock()
         self._tenants: OrderedDict[int, _Matrix] = OrderedDict()
         self._building: set[int] = set()
+        self._probed: dict[int, float] = {}  # tenant → when its newest embedding id was last read
 
     def clear(self) -> None:
         with self._lock:
             self._tenants.clear()
+            self._probed.clear()
 
     def matrix(self, tenant_id: int) -> _Matrix | None:
         """The tenant's matrix, with every embedding up to the newest id included.
@@ -117,12 +120,20 @@ class _MatrixCache:
         request instead (tests, evaluation). Newer rows than a cached matrix holds are
         added in the request (a few rows: one index range scan)."""
         cap = settings.ZEROMEM_SEMANTIC_CANDIDATES
+        now = time.monotonic()
+        with self._lock:
+            cached = self._tenants.get(tenant_id)
+            recent = now - self._probed.get(tenant_id, -1e9) < settings.ZEROMEM_SEMANTIC_PROBE_SECONDS
+        if cached is not None and recent and now - cached.built_at < settings.ZEROMEM_SEMANTIC_CACHE_SECONDS:
+            # Probed a moment ago: embeddings arrive by the minute, a round trip per search buys nothing.
+            return cached
         newest = (
             MemoryEmbedding.objects.filter(tenant_id=tenant_id).order_by("-id").values_list("id", flat=True).first()
         )
         if newest is None or cap <= 0:
             return None
         with self._lock:
+            self._probed[tenant_id] = now
             cached = self._tenants.get(tenant_id)
             if cached is not None:
                 self._tenants.move_to_end(tenant_id)
