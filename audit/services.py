@@ -13,8 +13,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +29,7 @@ from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError
+from zeromem.kernel.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError, Unavailable
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
 
@@ -90,6 +91,12 @@ def audit_record(
         "version": version,
         "detail": _storable(detail or {}),
     }
+    pending = _READ_PHASE.get()
+    if pending is not None:
+        # A read operation on SQLite: the INSERT waits for the short write transaction that
+        # follows the read (see audited_operation).
+        pending.append(lambda: AuditEvent.objects.create(**fields, digest=chain.digest(fields)))
+        return AuditEvent(**fields)
     return AuditEvent.objects.create(**fields, digest=chain.digest(fields))
 
 
@@ -98,13 +105,83 @@ def _outcome_of(exc: ServiceError) -> str:
         return AuditEvent.Outcome.DENIED
     if isinstance(exc, PreconditionFailed):
         return AuditEvent.Outcome.PRECONDITION_FAILED
+    if isinstance(exc, Unavailable):
+        return AuditEvent.Outcome.UNAVAILABLE
     return AuditEvent.Outcome.INVALID
 
 
+# The writes a read operation leaves for after its read (SQLite only; see audited_operation).
+_READ_PHASE: ContextVar[list[Callable[[], object]] | None] = ContextVar("zeromem_read_phase", default=None)
+
+
+def after_read(write: Callable[[], object]) -> None:
+    """Run ``write`` (e.g. an access counter UPDATE) in the operation's write transaction: at
+    once in an ordinary operation, after the read in a ``read_only`` one on SQLite."""
+    pending = _READ_PHASE.get()
+    if pending is None:
+        write()
+    else:
+        pending.append(write)
+
+
 @contextmanager
-def audited_operation(*, tenant: Tenant | None, actor: Actor, action: str, target: Any = "") -> Iterator[None]:
+def _deferred_transaction() -> Iterator[None]:
+    # settings.py makes SQLite transactions IMMEDIATE (they take the write lock at BEGIN);
+    # this one starts DEFERRED: a WAL snapshot that blocks no writer.
+    connection.ensure_connection()
+    mode = connection.transaction_mode
+    connection.transaction_mode = "DEFERRED"
+    try:
+        with transaction.atomic():
+            connection.transaction_mode = mode
+            yield
+    finally:
+        connection.transaction_mode = mode
+
+
+@contextmanager
+def audited_operation(
+    *, tenant: Tenant | None, actor: Actor, action: str, target: Any = "", read_only: bool = False
+) -> Iterator[None]:
     """One transaction for a service operation; a refused call (bad input, missing scope,
-    forbidden key) is rolled back — it changes nothing — and then audited on its own."""
+    forbidden key) is rolled back — it changes nothing — and then audited on its own.
+
+    ``read_only`` (reads, lists, searches, recall, history) on SQLite, outside any enclosing
+    transaction: the operation's queries run in a DEFERRED transaction — a WAL snapshot that
+    takes no lock, so a long search holds up no other request — and its audit event (plus
+    any ``after_read`` write, such as the access counter) is written right after, in a short
+    IMMEDIATE transaction, before the result is returned. SQLite cannot upgrade a snapshot to
+    a writer once another connection has written (SQLITE_BUSY at once, no waiting), so
+    "read, then insert the event in the same transaction" would fail under any concurrent
+    write; for an operation that changes nothing, its event committed before its answer
+    leaves is what the audit promise needs. On PostgreSQL (reads never block there) and
+    inside an enclosing transaction, one transaction as for every operation."""
+    if read_only and connection.vendor == "sqlite" and not connection.in_atomic_block:
+        pending: list[Callable[[], object]] = []
+        token = _READ_PHASE.set(pending)
+        try:
+            try:
+                with _deferred_transaction():
+                    yield
+            finally:
+                _READ_PHASE.reset(token)
+        except ServiceError as exc:
+            exc.audited = True
+            with transaction.atomic():
+                audit_record(
+                    tenant=tenant,
+                    actor=actor,
+                    action=action,
+                    target=target if isinstance(target, str) else "",
+                    outcome=_outcome_of(exc),
+                    detail={"code": exc.code, "field": exc.field},
+                )
+            raise
+        if pending:
+            with transaction.atomic():
+                for write in pending:
+                    write()
+        return
     try:
         with transaction.atomic():
             yield

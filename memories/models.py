@@ -199,11 +199,9 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
             # recall with only a prefix: the tenant's most important, most recent memories
             # (built CONCURRENTLY on PostgreSQL, migration 0007).
-            models.Index(
-                fields=["tenant", "-importance", "-updated_at"],
-                name="memory_tenant_salience",
-                condition=Q(deleted_at__isnull=True),
-            ),
+            # Not partial: a partial index on "deleted_at IS NULL" would be ANDed into the
+            # search's bitmap scan (memories/search/lexical.py).
+            models.Index(fields=["tenant", "-importance", "-updated_at"], name="memory_tenant_salience"),
             # The embedding job finds memories written since its watermark (memories/search/embeddings.py).
             models.Index(fields=["updated_at"], name="memory_updated"),
         ]

@@ -10,8 +10,19 @@ import pytest
 from django.core.management import get_commands, load_command_class
 
 from zeromem.bench.harness import Samples, nearest_rank, percentile, ratio
+from zeromem.serving import DEFAULT_THREADS, default_processes
 
-BENCHMARKS = ("bench", "bench_load", "bench_audit", "bench_forget", "bench_purge", "bench_admin", "search_eval")
+BENCHMARKS = (
+    "bench",
+    "bench_serve",
+    "bench_load",
+    "bench_audit",
+    "bench_forget",
+    "bench_purge",
+    "bench_admin",
+    "search_eval",
+    "bench_search",
+)
 
 
 def defaults(name: str) -> dict:
@@ -29,14 +40,34 @@ def test_benchmark_commands_keep_their_names_in_the_bench_app(name):
     [
         (
             "bench",
-            {"n": 2000, "concurrency": 16, "workers": 2, "keys": 100, "max_seconds": 600.0, "seed": 1, "json": False},
+            {
+                "n": 2000,
+                "concurrency": 16,
+                "processes": default_processes(),
+                "threads": DEFAULT_THREADS,
+                "keys": 100,
+                "max_seconds": 600.0,
+                "seed": 1,
+                "json": False,
+            },
         ),
-        ("bench_load", {"clients": 16, "workers": 2, "keys": 200, "seed": 1, "json": False}),
+        (
+            "bench_load",
+            {"clients": 16, "processes": default_processes(), "threads": 8, "keys": 200, "seed": 1, "json": False},
+        ),
+        (
+            "bench_serve",
+            {"clients": 16, "processes": default_processes(), "threads": 8, "seconds": 5.0, "slow": 4, "json": False},
+        ),
         ("bench_audit", {"n": 2000, "json": False}),
         ("bench_forget", {"json": False, "batch_size": 0}),
         ("bench_purge", {"max_seconds": 120.0, "rounds": 3}),
         ("bench_admin", {"events": 1_000_000, "repeat": 5}),
-        ("search_eval", {"json": False, "k": "1,3,5"}),
+        ("search_eval", {"json": False, "k": "1,5,10"}),
+        (
+            "bench_search",
+            {"sizes": "10000,100000,1000000", "others": 100000, "n": 200, "parallel": 20, "json": False},
+        ),
     ],
 )
 def test_shared_options_keep_each_commands_own_defaults(name, expected):

@@ -26,7 +26,7 @@ REQUIRED = {
     "memory_delete": {"key"},
     "memory_list": set(),
     "memory_search": {"query"},
-    "memory_recall": {"query"},
+    "memory_recall": set(),  # a prefix alone recalls the most important and recent memories
     "memory_summarize": {"prefix"},
 }
 

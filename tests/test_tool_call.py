@@ -351,7 +351,6 @@ def test_unknown_argument_is_400_naming_it(api):
         ("memory_update", {"key": "user:u1:x"}, "value"),
         ("memory_delete", {}, "key"),
         ("memory_search", {}, "query"),
-        ("memory_recall", {"prefix": "user:"}, "query"),
     ],
 )
 def test_missing_required_argument_is_400_naming_it(api, name, arguments, field):

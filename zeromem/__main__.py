@@ -1,7 +1,9 @@
-"""The README's two commands, runnable with nothing but Python 3.11+:
+"""The README's commands, runnable with nothing but Python 3.11+:
 
     python3 -m zeromem up     # venv, install, migrate, demo tenant + admin + key, web + workers
     python3 -m zeromem test   # venv, install, run the whole test suite
+    python3 -m zeromem serve  # venv, install, the production web tier only (no migrate, no demo)
+                              #   [--processes N] [--threads N] [--host H] [--port P]
 
 Standard library only: this runs before any dependency is installed.
 """
@@ -18,6 +20,8 @@ import sys
 import time
 import venv
 from pathlib import Path
+
+from zeromem import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("ZEROMEM_VENV", ROOT / ".venv"))
@@ -86,6 +90,30 @@ def manage(*args: str, env: dict | None = None) -> None:
     subprocess.run([PY, "manage.py", *args], cwd=ROOT, check=True, env=env)
 
 
+def web_tier(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]] | None:
+    """The web server's command line and environment (zeromem/serving.py), once the database
+    connections it may open fit (None, after saying why, when they do not)."""
+    model = serving.parse(argv, env)
+    web_env = model.environment(env)
+    if subprocess.run([PY, "-m", "zeromem.serving", "check"], cwd=ROOT, env=web_env).returncode != 0:
+        return None
+    say(
+        f"web server: granian WSGI, {model.processes} processes × {model.threads} threads, http://{model.host}:{model.port}/"
+    )
+    return model.command(str(PY)), web_env
+
+
+def serve(argv: list[str]) -> int:
+    """The production web tier from the environment's settings; migrates nothing."""
+    ensure_venv()
+    web = web_tier(argv, dict(os.environ))
+    if web is None:
+        return 3
+    cmd, env = web
+    os.chdir(ROOT)
+    os.execve(cmd[0], cmd, env)  # the server replaces this process: signals reach it directly
+
+
 def up(argv: list[str]) -> int:
     ensure_venv()
     write_dev_env()
@@ -93,28 +121,15 @@ def up(argv: list[str]) -> int:
     manage("migrate", "--noinput", env=env)
     manage("zeromem_schedules", env=env)
     manage("demo_setup", env=env)
-    host = os.environ.get("HOST", "127.0.0.1")
-    port = os.environ.get("PORT", "8000")
+    web = web_tier(argv, env)
+    if web is None:
+        return 3
+    web_cmd, web_env = web
     procs = [
-        subprocess.Popen(
-            [
-                PY,
-                "-m",
-                "uvicorn",
-                "zeromem.asgi:application",
-                "--host",
-                host,
-                "--port",
-                port,
-                "--http",
-                "zeromem.server:NoDelayH11Protocol",
-            ],
-            cwd=ROOT,
-            env=env,
-        ),
+        subprocess.Popen(web_cmd, cwd=ROOT, env=web_env),
         subprocess.Popen([PY, "manage.py", "qcluster"], cwd=ROOT, env=env),
     ]
-    say(f"web server on http://{host}:{port}/ and django-q2 workers running; Ctrl-C stops both")
+    say("web server and django-q2 workers running; Ctrl-C stops both")
 
     def stop(*_):
         for p in procs:
@@ -164,7 +179,7 @@ def test(argv: list[str]) -> int:
     return subprocess.run([PY, "-m", "pytest", *argv], cwd=ROOT, env=env).returncode
 
 
-COMMANDS = {"up": up, "test": test}
+COMMANDS = {"up": up, "test": test, "serve": serve}
 
 
 def main() -> int:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import environ
 
+from zeromem.serving import pool_max_size, web_threads
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(environ.Env().str("ZEROMEM_VAR_DIR", default=str(BASE_DIR / "var")))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
@@ -94,8 +96,13 @@ TEMPLATES = [
 if env.str("DATABASE_URL", default=""):
     DATABASES = {"default": env.db("DATABASE_URL")}
     if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
-        # A psycopg_pool pool per process: under ASGI every request runs in a fresh thread,
-        # so CONN_MAX_AGE would open a connection per request; the pool hands out warm ones.
+        # A psycopg_pool pool per process. Under WSGI (`python3 -m zeromem serve`) a request
+        # thread checks a connection out at its first query and returns it when the request
+        # finishes, so a pool of one connection per thread (+ headroom, zeromem/serving.py)
+        # never makes a request wait, and `serve` keeps that many open (DB_POOL_MIN_SIZE =
+        # threads) so that no request opens one. Under ASGI every request runs in a fresh
+        # thread, so CONN_MAX_AGE would open a connection per request; the pool hands out
+        # warm ones there too (set DB_POOL_MAX_SIZE to the concurrency you allow).
         DATABASES["default"]["CONN_MAX_AGE"] = 0
         # The pool checks a connection before handing it out (an empty query): after a
         # database restart its idle connections are dead, and without the check each would
@@ -103,7 +110,11 @@ if env.str("DATABASE_URL", default=""):
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env.int("DB_POOL_MIN_SIZE", default=2),
-            "max_size": env.int("DB_POOL_MAX_SIZE", default=20),
+            "max_size": env.int("DB_POOL_MAX_SIZE", default=pool_max_size(web_threads(os.environ))),
+            # With a connection per request thread no request waits for one, except while the
+            # pool refills after a database restart: that took 2-3.6 s on a loaded 2-core
+            # machine, so a 2-s timeout turned recoverable waits into 503s
+            # (tests/test_database_outage.py). While the database is down: 503 after this.
             "timeout": env.float("DB_POOL_TIMEOUT", default=5.0),
             # While the database is down the pool retries connecting with exponential
             # backoff (1, 2, 4, 8 ... s) until it gives up after this long; the next waiting
@@ -264,7 +275,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["memories.api.auth.HasApiKey"],
     "DEFAULT_THROTTLE_CLASSES": ["memories.api.auth.ApiKeyRateThrottle"],
     "DEFAULT_RENDERER_CLASSES": ["zeromem.renderers.CompactJSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["zeromem.kit.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "zeromem.kit.api.exception_handler",
     "UNAUTHENTICATED_USER": None,

@@ -15,7 +15,7 @@ from memories.api import serializers as s
 from memories.portal.services import portal_link_create
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput, ServiceError
-from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, first_error
+from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, first_error, retry_after
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(
@@ -107,7 +107,7 @@ class ToolCallView(AuditedAPIView):
     )
     def post(self, request):
         result, code = _run_call(self, request.data)
-        return Response(result, status=code)
+        return Response(result, status=code, headers=retry_after(result.get("error")))
 
 
 class ToolBatchView(AuditedAPIView):

@@ -6,7 +6,7 @@
   does without rewriting the table; the index is built ``CONCURRENTLY`` (this migration is
   not atomic), so writes go on meanwhile.
 * The old ``to_tsvector(search_text)`` and trigram indexes are dropped (``CONCURRENTLY``).
-* ``memory_tenant_salience`` (tenant, importance desc, updated_at desc) over live rows, for
+* ``memory_tenant_salience`` (tenant, importance desc, updated_at desc), for
   recall with only a prefix; ``CONCURRENTLY`` on PostgreSQL.
 * ``SearchTerm`` / ``SearchCorpus``: per-tenant document frequencies (PostgreSQL).
 * SQLite: an FTS5 table ``memories_memory_fts`` (key, tag and value terms as three columns,
@@ -26,7 +26,7 @@ import memories.models
 
 SALIENCE = (
     "CREATE INDEX {concurrently} IF NOT EXISTS memory_tenant_salience ON memories_memory "
-    "(tenant_id, importance DESC, updated_at DESC) WHERE deleted_at IS NULL"
+    "(tenant_id, importance DESC, updated_at DESC)"
 )
 
 PG_FORWARD = [
@@ -149,11 +149,7 @@ class Migration(migrations.Migration):
             state_operations=[
                 migrations.AddIndex(
                     model_name="memory",
-                    index=models.Index(
-                        condition=models.Q(("deleted_at__isnull", True)),
-                        fields=["tenant", "-importance", "-updated_at"],
-                        name="memory_tenant_salience",
-                    ),
+                    index=models.Index(fields=["tenant", "-importance", "-updated_at"], name="memory_tenant_salience"),
                 )
             ],
             database_operations=[

@@ -16,8 +16,8 @@ The plan (both backends):
    to at most ``CANDIDATES`` (the rarest always), at most ``CANDIDATES`` of them, from the
    GIN index over tenant-prefixed terms (PostgreSQL) or FTS5 (SQLite, newest first).
 5. Score: PostgreSQL Σ idf(t) · boost(t) · ts_rank(field weights, tsv, t, length-normalised),
-   idf = ln(1 + (N − df + 0.5)/(df + 0.5)) as in BM25; SQLite FTS5's own ``bm25()`` with the
-   same field weights. Then importance, recency and access multiply the score by at most
+   idf = ln(1 + (N − df + 0.5)/(df + 0.5)) as in BM25 (on SQLite the same sum, computed in
+   Python over the candidates' FTS5 columns). Then importance, recency and access multiply the score by at most
    ``1 + TIE_BREAK_MAX``: they order near-ties, they never lift a weaker match over a clearly
    better one.
 6. Everything runs under ``ZEROMEM_SEARCH_TIMEOUT_MS`` (PostgreSQL ``statement_timeout``,
@@ -82,16 +82,24 @@ def _idf(df: int, n: int) -> float:
     return math.log(1 + (n - df + 0.5) / (df + 0.5))
 
 
-def plan(terms: list[QueryTerm], df: dict[str, int], documents: int) -> Plan | None:
-    """Which terms pick candidates and which only score (see the module docstring)."""
+def plan(terms: list[QueryTerm], df: dict[str, int], documents: int, *, exact: bool = False) -> Plan | None:
+    """Which terms pick candidates and which only score (see the module docstring).
+
+    ``exact``: ``df`` counts every term now (a term missing from it matches nothing, and is
+    dropped); else it is the last refresh of the statistics, and a term missing from it may
+    be new: it is kept, after the known ones, so that a memory written since is found."""
     n = max(documents, max(df.values(), default=0), 1)
-    usable: list[tuple[bool, int, QueryTerm]] = []
+    usable: list[tuple[bool, bool, int, QueryTerm]] = []
     for t in terms:
+        known = t.term in df
+        if not known and (exact or (t.boost < 1 and documents)):
+            continue  # no memory holds it (an abbreviation: as of the last statistics)
         d = df.get(t.term, 0)
-        eligible = not t.weak or (t.term in df and d <= CANDIDATES)
-        usable.append((eligible, d, t))
-    # Candidate-picking terms first, rarest first; weak common terms last.
-    usable.sort(key=lambda u: (not u[0], u[1]))
+        eligible = not t.weak or (known and d <= CANDIDATES)
+        usable.append((eligible, known, d, t))
+    # Candidate-picking terms first, known ones rarest first, then unknown ones; weak common terms last.
+    usable.sort(key=lambda u: (not u[0], not u[1], u[2]))
+    usable = [(eligible, d, t) for eligible, _known, d, t in usable]
     kept = usable[:MAX_TERMS]
     if not any(eligible for eligible, _, _ in kept):
         return None
@@ -135,14 +143,23 @@ def deadline() -> Iterator[None]:
         with transaction.atomic():
             if connection.vendor == "postgresql":
                 with connection.cursor() as cursor:
+                    # Bitmap scans only: with the tenant filter written so that no btree can
+                    # serve it, the GIN index over tenant-prefixed terms is the one way in,
+                    # whatever the table's statistics say (a fresh or unanalyzed tenant made
+                    # the planner walk a btree over all the tenant's rows).
                     cursor.execute(
-                        "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true)",
+                        "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true),"
+                        " set_config('enable_seqscan', 'off', true), set_config('enable_indexscan', 'off', true)",
                         [f"{ms}ms"],
                     )
                     previous = cursor.fetchone()[0]
                 yield
                 with connection.cursor() as cursor:
-                    cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
+                    cursor.execute(
+                        "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
+                        " set_config('enable_indexscan', 'on', true)",
+                        [previous],
+                    )
             else:
                 connection.ensure_connection()
                 raw: sqlite3.Connection = connection.connection
@@ -170,8 +187,9 @@ def _is_timeout(exc: OperationalError) -> bool:
 # --- document frequencies -----------------------------------------------------------------
 
 
-def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]:
-    """(df of each known term, the tenant's document count N) — one indexed lookup."""
+def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
+    """(df of each known term, the tenant's document count N, whether df is exact) — one
+    indexed lookup."""
     prefixed = {f"{tenant_id}:{t}": t for t in terms}
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
@@ -182,15 +200,42 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int]
             )
             rows = cursor.fetchall()
             df = {term: ndoc for term, ndoc, _ in rows}
-            documents = rows[0][2] if rows and rows[0][2] is not None else 0
+            documents = rows[0][2] if rows and rows[0][2] is not None else None
             if not rows:
                 cursor.execute("SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s", [tenant_id])
                 row = cursor.fetchone()
-                documents = row[0] if row else 0
-            return df, documents
+                documents = row[0] if row else None
+            if documents is None:
+                return _counted_frequencies(cursor, tenant_id, terms)
+            return df, documents, False
         marks = ", ".join("%s" for _ in prefixed)
         cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
-        return {prefixed[term]: doc for term, doc in cursor.fetchall()}, 0
+        df = {prefixed[term]: doc for term, doc in cursor.fetchall()}
+        cursor.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000)", [tenant_id]
+        )
+        # Exact counts: a term missing here matches nothing.
+        return df, cursor.fetchone()[0], True
+
+
+# A tenant whose statistics were never counted (new, or just imported) has its terms counted
+# on the spot, each up to this many memories: exact for small tenants, "common" for the rest.
+COUNT_CAP = CANDIDATES + 1
+
+
+def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
+    cursor.execute(
+        f"""SELECT t, (SELECT count(*) FROM (SELECT 1 FROM memories_memory
+                        WHERE tenant_id + 0 = %s AND search_tsv @@ format('%%L', %s || t)::tsquery
+                        LIMIT {COUNT_CAP}) s)
+            FROM unnest(%s::text[]) t""",
+        [tenant_id, f"{tenant_id}:", list(terms)],
+    )
+    df = {t: n for t, n in cursor.fetchall() if n}
+    cursor.execute(
+        "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000) s", [tenant_id]
+    )
+    return df, cursor.fetchone()[0], True
 
 
 # --- candidates ---------------------------------------------------------------------------
@@ -213,8 +258,8 @@ def lexical_candidates(
     now = now or timezone.now()
     limit = min(limit, CANDIDATES)
     with deadline():
-        df, documents = _frequencies(tenant_id, [t.term for t in terms])
-        p = plan(terms, df, documents)
+        df, documents, exact = _frequencies(tenant_id, [t.term for t in terms])
+        p = plan(terms, df, documents, exact=exact)
         if p is None:
             return []
         if connection.vendor == "postgresql":
@@ -233,14 +278,17 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
     rank_params: list = []
     for t in p.scoring_terms:
         rank_params += [t.idf * t.boost, weights, f"'{tenant_id}:{t.term}'"]
-    # The inner LIMIT stops the bitmap heap scan after CANDIDATES rows; the GIN index holds
-    # only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
+    # "tenant_id + 0" and the coalesce() (the same as "deleted_at IS NULL") keep the btrees
+    # on (tenant, ...) and those partial on live rows out of the plan: a BitmapAnd with the
+    # tenant's million rows would cost more than the search itself. The inner LIMIT stops
+    # the bitmap heap scan after CANDIDATES rows; the GIN index holds only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
     # is filtered as well. Ranking re-reads each candidate's tsvector: cost ≈ candidates ×
     # terms.
     sql = f"""
         SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
         FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
-              WHERE tenant_id = %s AND search_tsv @@ %s::tsquery AND deleted_at IS NULL
+              WHERE tenant_id + 0 = %s AND search_tsv @@ %s::tsquery
+                AND coalesce(deleted_at, 'infinity') = 'infinity'
                 AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
               LIMIT {CANDIDATES}) c
         ORDER BY rank DESC LIMIT {CANDIDATES}"""
@@ -254,18 +302,33 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
 def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
     prefix_sql, prefix_params = _prefix_sql(prefixes, "m.key")
     # FTS5 walks the ORed doclists lazily, newest row first, and stops at CANDIDATES: every
-    # kept term can take part in both matching and bm25() at no extra cost.
+    # kept term can take part in matching at no extra cost. The score is computed here, as
+    # PostgreSQL's is, from the candidates' three term columns (FTS5's bm25() clamps the idf
+    # of any term in half the rows or more to ~0, which ranks nothing in a small tenant).
     match = " OR ".join(f'"{tenant_id}:{t.term}"' for t in p.scoring_terms)
-    d, _c, b, a = FIELD_WEIGHTS
     sql = f"""
-        SELECT m.id, -bm25(memories_memory_fts, {a}, {b}, {d}), m.importance, m.updated_at, m.access_count
+        SELECT m.id, f.k, f.t, f.b, m.importance, m.updated_at, m.access_count
         FROM memories_memory_fts f JOIN memories_memory m ON m.id = f.rowid
         WHERE memories_memory_fts MATCH %s AND m.tenant_id = %s AND m.deleted_at IS NULL
           AND (m.expires_at IS NULL OR m.expires_at > %s){prefix_sql}
         ORDER BY f.rowid DESC LIMIT {CANDIDATES}"""
     with connection.cursor() as cursor:
         cursor.execute(sql, [match, tenant_id, connection.ops.adapt_datetimefield_value(now), *prefix_params])
-        rows = [(i, r, imp, _sqlite_datetime(u), ac) for i, r, imp, u, ac in cursor.fetchall()]
+        found = cursor.fetchall()
+    wanted = {f"{tenant_id}:{t.term}": t.idf * t.boost for t in p.scoring_terms}
+    d, _c, b, a = FIELD_WEIGHTS
+    rows = []
+    for memory_id, key_terms, tag_terms, body_terms, importance, updated_at, access_count in found:
+        rank = 0.0
+        length = 0
+        for column, weight in ((key_terms, a), (tag_terms, b), (body_terms, d)):
+            words = column.split()
+            length += len(words)
+            for word in words:
+                if word in wanted:
+                    rank += weight * wanted[word]
+        # Like ts_rank's normalization 1: divided by 1 + log(document length).
+        rows.append((memory_id, rank / (1 + math.log(max(length, 1))), importance, _sqlite_datetime(updated_at), access_count))
     return _final(rows, limit, now)
 
 

@@ -18,7 +18,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from audit.models import AuditEvent
-from audit.services import audit_record
+from audit.services import after_read, audit_record
 from audit.services import audited_operation as _operation
 from memories import search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
@@ -181,7 +181,7 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
 
 def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
     """One indexed SELECT, an access-counter UPDATE by primary key, the audit INSERT."""
-    with _operation(tenant=tenant, actor=actor, action="memory.read", target=key):
+    with _operation(tenant=tenant, actor=actor, action="memory.read", target=key, read_only=True):
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
@@ -190,7 +190,11 @@ def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
             audit_record(tenant=tenant, actor=actor, action="memory.read", target=key, outcome=Outcome.NOT_FOUND)
             return MemoryResult(status="not_found", key=key)
         now = timezone.now()
-        Memory.objects.filter(pk=memory.pk).update(access_count=F("access_count") + 1, last_accessed_at=now)
+        after_read(
+            lambda: Memory.objects.filter(pk=memory.pk).update(
+                access_count=F("access_count") + 1, last_accessed_at=now
+            )
+        )
         memory.access_count += 1
         memory.last_accessed_at = now
         audit_record(
@@ -374,7 +378,7 @@ def memory_list(
     keys_only: bool = True,
 ) -> ListResult:
     """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch."""
-    with _operation(tenant=tenant, actor=actor, action="memory.list", target=prefix):
+    with _operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, read_only=True):
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_READ)
         limit = validation.limit(limit, default=50)
@@ -405,7 +409,7 @@ def memory_search(
     """Ranked matches of a natural-language question or keywords (memories/search/).
     Bounded cost; past ``ZEROMEM_SEARCH_TIMEOUT_MS`` it raises ``SearchTimeout`` (503).
     The audit event records the prefix and the count, not the query text (it may be personal)."""
-    with _operation(tenant=tenant, actor=actor, action="memory.search", target=prefix):
+    with _operation(tenant=tenant, actor=actor, action="memory.search", target=prefix, read_only=True):
         query = validation.query(query)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
@@ -421,7 +425,7 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
     """The best matches of ``query`` — or, with no query, the most important and most recent
     memories under ``prefix`` — packed into one text block of at most ``max_chars``
     characters (memories.search.ranking.recall_pack)."""
-    with _operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix):
+    with _operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix, read_only=True):
         query = validation.query(query, required=False)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
@@ -444,7 +448,7 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
 
 def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None) -> MemoryResult | list:
     """Versions of the live memory at ``key``, newest first (values included: a read)."""
-    with _operation(tenant=tenant, actor=actor, action="memory.history", target=key):
+    with _operation(tenant=tenant, actor=actor, action="memory.history", target=key, read_only=True):
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)

@@ -14,6 +14,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
+from zeromem.serving import DEFAULT_THREADS, default_processes
+
 
 def _flag(flag: str, **spec) -> Callable[[ArgumentParser, Any], None]:
     def add(parser: ArgumentParser, default: Any) -> None:
@@ -27,7 +29,11 @@ OPTIONS: dict[str, Callable[[ArgumentParser, Any], None]] = {
     "seed": _flag("--seed", type=int, default=1, help="seed of the shuffles and random picks (%(default)s)"),
     "n": _flag("--n", type=int, default=2000, help="latency samples per operation (%(default)s)"),
     "keys": _flag("--keys", type=int, default=100, help="seeded keys the requests go to (%(default)s)"),
-    "workers": _flag("--workers", type=int, default=2, help="uvicorn worker processes (%(default)s)"),
+    # The serving model of `python3 -m zeromem serve` (zeromem/serving.py): its defaults.
+    "processes": _flag(
+        "--processes", type=int, default=default_processes(), help="server processes (the cores: %(default)s)"
+    ),
+    "threads": _flag("--threads", type=int, default=DEFAULT_THREADS, help="request threads per process (%(default)s)"),
     # The same option under two names: `bench` has always called its clients a concurrency.
     "clients": _flag("--clients", type=int, default=16, help="concurrent keep-alive clients (%(default)s)"),
     "concurrency": _flag("--concurrency", type=int, default=16, help="concurrent keep-alive clients (%(default)s)"),

@@ -9,6 +9,21 @@ from collections.abc import Callable
 from datetime import datetime
 
 
+def settings_conninfo() -> str:
+    """A psycopg conninfo string for Django's default database (the bench database)."""
+    from django.conf import settings
+    from psycopg.conninfo import make_conninfo
+
+    db = settings.DATABASES["default"]
+    return make_conninfo(
+        dbname=db["NAME"],
+        user=db.get("USER") or None,
+        password=db.get("PASSWORD") or None,
+        host=db.get("HOST") or None,
+        port=str(db["PORT"]) if db.get("PORT") else None,
+    )
+
+
 class ConnWatch:
     """New PostgreSQL connections to the bench database during a phase, two ways:
     the ``sessions`` counter of pg_stat_database (every session ever established), and

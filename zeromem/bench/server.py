@@ -1,16 +1,15 @@
-"""The server under test, as a process: the README's production command on loopback.
+"""The server under test, as a process: ``python3 -m zeromem serve``'s server on loopback.
 
-``uvicorn zeromem.asgi:application --workers W --http zeromem.server:NoDelayH11Protocol
---no-access-log`` on 127.0.0.1, with ``ZEROMEM_ENV=development DEBUG=false``, the given
-``DATABASE_URL`` (so the same psycopg pool settings) and a rate limit high enough not to
-interfere. It is always stopped, with every worker, by its process group.
+The command line and environment come from :mod:`zeromem.serving`, as for ``serve`` and ``up``
+(granian WSGI, processes × threads, the pool sized per thread), with ``ZEROMEM_ENV=development
+DEBUG=false``, the given ``DATABASE_URL`` and a rate limit high enough not to interfere. It is
+always stopped, with every worker, by its process group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from zeromem.bench.harness import LOOPBACK, child_pids, healthz
+from zeromem.serving import ServingModel, pool_max_size
 
 
 def free_port() -> int:
@@ -39,10 +39,8 @@ def tail(path: str, lines: int = 30) -> str:
         return ""
 
 
-def worker_pids(master: int, workers: int) -> list[int]:
-    """The uvicorn worker processes under ``master`` (the master itself with one worker)."""
-    if workers == 1:
-        return [master]
+def worker_pids(master: int) -> list[int]:
+    """The server's worker processes (children of its master that are not helpers)."""
     pids = []
     for pid in child_pids(master):
         try:
@@ -58,19 +56,18 @@ def worker_pids(master: int, workers: int) -> list[int]:
 def start_server(
     *,
     database_url: str,
-    workers: int,
+    processes: int,
+    threads: int,
     log,
     port: int = 0,
-    interface: str = "asgi",
     access_log: bool = False,
-    uvicorn_args: str = "",
     extra_env: dict | None = None,
 ) -> dict:
-    """``uvicorn zeromem.asgi:application --workers N`` on 127.0.0.1 as the README's production
-    command (TCP_NODELAY protocol, pooled connections from ``database_url``), with a rate
-    limit high enough not to interfere. Returns {"proc", "port", "log", "cmd", "workers"}
-    once /healthz answers 200 from PostgreSQL; raises CommandError otherwise."""
-    port = port or free_port()
+    """``python3 -m zeromem serve --processes P --threads T``'s server on 127.0.0.1, pooled
+    connections from ``database_url``, a rate limit high enough not to interfere. Returns
+    {"proc", "port", "log", "cmd", "model", "pool", "workers"} once /healthz answers 200 from
+    PostgreSQL; raises CommandError otherwise."""
+    model = ServingModel(host=LOOPBACK, port=port or free_port(), processes=processes, threads=threads)
     env = dict(os.environ)
     env.update(
         ZEROMEM_ENV="development",
@@ -80,32 +77,8 @@ def start_server(
         PYTHONUNBUFFERED="1",
     )
     env.update(extra_env or {})
-    app = "zeromem.asgi:application" if interface == "asgi" else "zeromem.wsgi:application"
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        app,
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--log-level",
-        "warning",
-        # As the README's production command: TCP_NODELAY (see zeromem/server.py).
-        "--http",
-        "zeromem.server:NoDelayH11Protocol",
-    ]
-    if interface == "wsgi":
-        cmd += ["--interface", "wsgi"]
-    if not access_log:
-        cmd.append("--no-access-log")
-    extra = shlex.split(uvicorn_args)
-    if any(a in ("--host", "--uds", "--fd") or a.startswith(("--host=", "--uds=", "--fd=")) for a in extra):
-        raise CommandError("--uvicorn-args may not move the server off 127.0.0.1")
-    cmd += extra
+    env = model.environment(env)
+    cmd = model.command(sys.executable, access_log=access_log, log_level="warning")
     logfile = tempfile.NamedTemporaryFile(prefix="zeromem-bench-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         cmd,
@@ -116,7 +89,11 @@ def start_server(
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
-    server = {"proc": proc, "port": port, "log": logfile.name, "cmd": cmd}
+    pool = {
+        "min_size": int(env["DB_POOL_MIN_SIZE"]),
+        "max_size": int(env.get("DB_POOL_MAX_SIZE") or pool_max_size(threads)),
+    }
+    server = {"proc": proc, "port": model.port, "log": logfile.name, "cmd": cmd, "model": model, "pool": pool}
     log(f"server: {' '.join(cmd[2:])} (pid {proc.pid}, log {logfile.name})")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -124,7 +101,7 @@ def start_server(
             stop_server(server)
             raise CommandError(f"the server exited with {proc.returncode}:\n{tail(logfile.name)}")
         try:
-            status, body = healthz(port, timeout=2)
+            status, body = healthz(model.port, timeout=2)
             if status == 200 and b'"postgresql"' in body:
                 break
         except OSError:
@@ -134,7 +111,7 @@ def start_server(
         stop_server(server)
         raise CommandError(f"the server did not answer /healthz within 60 s:\n{tail(logfile.name)}")
     time.sleep(1.0)  # let every worker finish importing before the first sample
-    server["workers"] = worker_pids(proc.pid, workers)
+    server["workers"] = worker_pids(proc.pid)
     return server
 
 

@@ -22,3 +22,4 @@ class Outcome(models.TextChoices):
     INVALID = "invalid"
     UNAUTHENTICATED = "unauthenticated"
     PRECONDITION_FAILED = "precondition_failed"
+    UNAVAILABLE = "unavailable"  # could not be done now (a search past its time limit)

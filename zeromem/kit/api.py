@@ -47,6 +47,12 @@ def error_body(code: str, message: str, field: str | None = None, **extra) -> di
     return {"error": {"code": code, "message": message, "field": field, **extra}}
 
 
+def retry_after(error: dict | None) -> dict:
+    """The Retry-After header of an error that says when to retry (503 search_timeout)."""
+    seconds = (error or {}).get("retry_after")
+    return {"Retry-After": str(seconds)} if seconds else {}
+
+
 def exception_handler(exc, context):
     if isinstance(exc, ServiceError):
         return Response({"error": exc.as_dict()}, status=exc.http_status)
@@ -135,7 +141,9 @@ ERRORS = {
     403: OpenApiResponse(ErrorSerializer, description="scope missing or key outside the allowlist"),
     413: OpenApiResponse(ErrorSerializer, description="body or value too large"),
     429: OpenApiResponse(ErrorSerializer, description="rate limited; see Retry-After"),
-    503: OpenApiResponse(ErrorSerializer, description="the database is unavailable; retry after Retry-After"),
+    503: OpenApiResponse(
+        ErrorSerializer, description="the database is unavailable, or a search ran out of time; retry after Retry-After"
+    ),
 }
 
 

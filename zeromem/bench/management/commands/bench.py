@@ -12,12 +12,12 @@ c) the audit insert's cost: raw SELECT+COMMIT vs SELECT+audit INSERT+COMMIT (and
 d) audited HTTP reads/s from ``--concurrency`` keep-alive clients, and how many PostgreSQL
    connections were opened while that ran (the goal: none per request).
 
-The server is started here, as in production: ``uvicorn zeromem.asgi:application
---workers W --no-access-log`` on 127.0.0.1, with ``ZEROMEM_ENV=development DEBUG=false``,
-the same ``DATABASE_URL`` (so the same psycopg pool settings) and a rate limit high enough
-not to interfere. It is always stopped at the end. Latency samples are taken by one client,
-HTTP and raw operations shuffled within every iteration so that machine noise hits both
-alike; every loop is bounded in count and in time.
+The server is started here, as in production: ``python3 -m zeromem serve``'s server
+(zeromem/serving.py: granian WSGI, ``--processes`` × ``--threads``) on 127.0.0.1, with
+``ZEROMEM_ENV=development DEBUG=false``, the same ``DATABASE_URL`` (so the same psycopg pool
+settings) and a rate limit high enough not to interfere. It is always stopped at the end.
+Latency samples are taken by one client, HTTP and raw operations shuffled within every
+iteration so that machine noise hits both alike; every loop is bounded in count and in time.
 
 The bench tenant (``bench-<random>``), its memories and their audit events stay in the
 database (audit rows are append-only); its API key is revoked at the end.
@@ -36,7 +36,6 @@ import time
 from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import connection
-from psycopg.conninfo import make_conninfo
 
 from memories import search, services
 from memories.models import Memory
@@ -56,7 +55,7 @@ from zeromem.bench.harness import (
     sigterm_unwinds,
 )
 from zeromem.bench.options import BenchCommand
-from zeromem.bench.pgwatch import ConnWatch, connections_text, warm_until_pools_settle
+from zeromem.bench.pgwatch import ConnWatch, connections_text, settings_conninfo, warm_until_pools_settle
 from zeromem.bench.raw_sql import RawSQL
 from zeromem.bench.server import running_server, tail
 from zeromem.kernel.actors import Actor
@@ -74,12 +73,12 @@ TARGET_RPS = 1500
 
 class Command(BenchCommand):
     help = (
-        "Benchmark memory_read/memory_write over HTTP (uvicorn, started here) against the same "
+        "Benchmark memory_read/memory_write over HTTP (the production server, started here) against the same "
         "statements run raw with psycopg, the audit insert's cost, and concurrent throughput. "
         "Needs DATABASE_URL=postgres://..."
     )
 
-    shared_options = ("n", "concurrency", "json", "workers", "keys", "max_seconds", "seed")
+    shared_options = ("n", "concurrency", "json", "processes", "threads", "keys", "max_seconds", "seed")
     postgresql_needed = (
         "bench measures the production shape and needs PostgreSQL: set "
         "DATABASE_URL=postgres://user@127.0.0.1:5432/dbname (SQLite is not supported)."
@@ -97,19 +96,7 @@ class Command(BenchCommand):
             help="raw psycopg parameter binding: server (default; prepared after 5 runs) or client "
             "(literals inlined, as Django's default cursor does)",
         )
-        parser.add_argument("--access-log", action="store_true", help="keep uvicorn's access log on")
-        parser.add_argument(
-            "--interface",
-            choices=["asgi", "wsgi"],
-            default="asgi",
-            help="asgi (default, as deployed: zeromem.asgi:application) or wsgi (zeromem.wsgi:application "
-            "under uvicorn --interface wsgi, for comparison)",
-        )
-        parser.add_argument(
-            "--uvicorn-args",
-            default="",
-            help='extra uvicorn arguments, e.g. "--http mypkg.proto:NoDelayH11Protocol" (host stays 127.0.0.1)',
-        )
+        parser.add_argument("--access-log", action="store_true", help="turn the server's access log on")
 
     # ------------------------------------------------------------------ entry point
 
@@ -117,7 +104,7 @@ class Command(BenchCommand):
         if not os.environ.get("DATABASE_URL"):
             raise CommandError(self.postgresql_needed)
         self.require_postgresql()
-        for name in ("n", "concurrency", "workers", "keys"):
+        for name in ("n", "concurrency", "processes", "threads", "keys"):
             if opts[name] < 1:
                 raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
         if opts["n"] > 1_000_000 or opts["concurrency"] > 256 or opts["tput_seconds"] > 600:
@@ -126,13 +113,7 @@ class Command(BenchCommand):
         self.rng = random.Random(opts["seed"])
 
         db = settings.DATABASES["default"]
-        self.conninfo = make_conninfo(
-            dbname=db["NAME"],
-            user=db.get("USER") or None,
-            password=db.get("PASSWORD") or None,
-            host=db.get("HOST") or None,
-            port=str(db["PORT"]) if db.get("PORT") else None,
-        )
+        self.conninfo = settings_conninfo()
         host = db.get("HOST") or ""
         if host and host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("/"):
             self.log(f"note: the database host is {host}, not loopback; figures include that network.")
@@ -157,11 +138,10 @@ class Command(BenchCommand):
                     running_server(
                         stderr=self.stderr,
                         database_url=os.environ["DATABASE_URL"],
-                        workers=opts["workers"],
+                        processes=opts["processes"],
+                        threads=opts["threads"],
                         port=opts["port"],
-                        interface=opts["interface"],
                         access_log=opts["access_log"],
-                        uvicorn_args=opts["uvicorn_args"],
                         log=self.log,
                     ) as server,
                     contextlib.closing(ConnWatch(self.conninfo, raw.backend_pids())) as watch,
@@ -217,21 +197,6 @@ class Command(BenchCommand):
 
     def run_all(self, raw: RawSQL, watch: ConnWatch, server: dict) -> dict:
         opts = self.opts
-        import uvicorn
-
-        try:
-            import httptools  # noqa: F401
-
-            http_impl = "httptools"
-        except ImportError:
-            http_impl = "h11"
-        try:
-            import uvloop  # noqa: F401
-
-            loop_impl = "uvloop"
-        except ImportError:
-            loop_impl = "asyncio"
-
         pg_version = raw.ac.execute("SHOW server_version").fetchone()[0]
 
         self.log(f"phase 1/3: reads, {opts['n']} iterations (+{opts['warmup']} warm-up)")
@@ -282,14 +247,13 @@ class Command(BenchCommand):
                 "warmup": opts["warmup"],
                 "keys": opts["keys"],
                 "concurrency": opts["concurrency"],
-                "workers": opts["workers"],
+                "processes": opts["processes"],
+                "threads": opts["threads"],
                 "port": server["port"],
-                "server": f"uvicorn {uvicorn.__version__} {opts['interface'].upper()} ({http_impl}, {loop_impl} "
-                f"loop), --workers {opts['workers']}{'' if opts['access_log'] else ' --no-access-log'}"
-                + (f" {opts['uvicorn_args']}" if opts["uvicorn_args"] else ""),
+                "server": " ".join(server["cmd"][2:]),
                 "cache": settings.CACHES["default"]["BACKEND"].rsplit(".", 1)[-1]
                 + (" (REDIS_URL)" if os.environ.get("REDIS_URL") else ""),
-                "db_pool": settings.DATABASES["default"].get("OPTIONS", {}).get("pool"),
+                "db_pool": server["pool"],
                 "postgresql": pg_version,
                 "raw_binding": opts["raw_binding"],
                 "cpus": os.cpu_count(),
@@ -312,9 +276,9 @@ class Command(BenchCommand):
         out = []
         if _nagle_suspected(latency):
             out.append(
-                "GET /healthz takes ≥ 30 ms: the ~40 ms delayed-ACK stall. uvicorn --workers N (N>1) binds its "
-                "socket with proto=0, so asyncio does not set TCP_NODELAY on accepted connections and the "
-                "response's header and body segments wait for the client's delayed ACK."
+                "GET /healthz takes ≥ 30 ms: the ~40 ms delayed-ACK stall of a server that does not set "
+                "TCP_NODELAY on accepted connections (the response's header and body segments wait for the "
+                "client's delayed ACK; see zeromem/server.py)."
             )
         return out
 

@@ -6,7 +6,7 @@
 2. **Seal and verify rates** — ``--events`` events with real digests are inserted for a
    throw-away tenant, sealed (events/s) and verified (events/s).
 3. **Streamed export** — ``--export-events`` events (default 1,000,000) exported as CSV
-   through the production server (uvicorn, ASGI) while the worker's resident memory is
+   through the production server (`serve`: granian WSGI) while the worker's resident memory is
    sampled: RSS before, peak and after, rows/s. Flat memory means the export streams.
 
 Bench tenants (``bench-audit-…``) and their events stay (audit rows are append-only): run
@@ -40,6 +40,7 @@ from zeromem.bench.harness import LOOPBACK, Samples, loadavg, ratio
 from zeromem.bench.options import BenchCommand
 from zeromem.bench.server import start_server, stop_server
 from zeromem.kernel.actors import Actor
+from zeromem.serving import DEFAULT_THREADS
 
 SYSTEM = Actor.system(job="bench_audit")
 
@@ -190,7 +191,9 @@ class Command(BenchCommand):
         self.log(f"inserted {count:,} events for the export in {insert_s:.1f} s")
         key, raw = services.api_key_create(tenant=tenant, actor=SYSTEM, name="bench", scopes=["audit:read"])
         connection.close()
-        server = start_server(database_url=os.environ["DATABASE_URL"], workers=1, log=self.log)
+        server = start_server(
+            database_url=os.environ["DATABASE_URL"], processes=1, threads=DEFAULT_THREADS, log=self.log
+        )
         pid = server["workers"][0]
         samples: list[int] = []
         stop = threading.Event()

@@ -4,9 +4,9 @@ Everything runs against a PostgreSQL cluster of this command's own — ``initdb`
 temporary directory (as the ``postgres`` OS user when run as root), on a free loopback port
 — because the fault phase stops it hard; the shared server is never touched. (Or name a
 cluster it may stop and start with ``--pg-datadir``/``--pg-port``.) The server is the
-README's production set-up, started by the same code as ``manage.py bench``: ``uvicorn
-zeromem.asgi:application --workers W --http zeromem.server:NoDelayH11Protocol`` with a
-psycopg pool per worker (``DB_POOL_*``).
+production web tier, ``python3 -m zeromem serve``'s (zeromem/serving.py: granian WSGI,
+``--processes`` × ``--threads``), started by the same code as ``manage.py bench``, with a
+psycopg pool per process (``DB_POOL_*``).
 
 1. **Steady**: ``--clients`` keep-alive clients (threads), each sending tool calls back to
    back — ``--write-ratio`` (20%) ``memory_write`` of a new key, the rest ``memory_read`` of
@@ -206,7 +206,7 @@ class Command(BenchCommand):
         "throughput, percentiles, 5xx, new connections, 503s during the outage, recovery, lost writes."
     )
 
-    shared_options = ("clients", "workers", "keys", "json", "seed")
+    shared_options = ("clients", "processes", "threads", "keys", "json", "seed")
     option_defaults = {"keys": 200}
 
     def add_bench_arguments(self, parser):
@@ -260,10 +260,12 @@ class Command(BenchCommand):
                 with running_server(
                     stderr=self.stderr,
                     database_url=cluster.url,
-                    workers=opts["workers"],
+                    processes=opts["processes"],
+                    threads=opts["threads"],
                     log=self.log,
                     extra_env={"ZEROMEM_VAR_DIR": var_dir},
                 ) as server:
+                    self.pool.update(server["pool"])  # the web processes' own sizes (zeromem/serving.py)
                     result = self.run_all(cluster, server, api_key)
             finally:
                 cluster.destroy()
@@ -275,8 +277,8 @@ class Command(BenchCommand):
 
     @staticmethod
     def _check_options(opts):
-        if not 1 <= opts["clients"] <= 256 or not 1 <= opts["workers"] <= 32:
-            raise CommandError("--clients must be 1-256 and --workers 1-32")
+        if not 1 <= opts["clients"] <= 256 or not 1 <= opts["processes"] <= 32 or not 1 <= opts["threads"] <= 256:
+            raise CommandError("--clients must be 1-256, --processes 1-32 and --threads 1-256")
         if not 0 <= opts["write_ratio"] <= 1:
             raise CommandError("--write-ratio must be between 0 and 1")
         if not 0 < opts["seconds"] <= 3600 or not 0 < opts["fault_seconds"] <= 3600:

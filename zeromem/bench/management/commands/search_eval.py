@@ -1,6 +1,6 @@
 """Measure search quality on question→answer data that this project did not write.
 
-    python manage.py search_eval [--dataset NAME ...] [--limit N] [--k 1,3,5] [--json] [--misses N]
+    python manage.py search_eval [--dataset NAME ...] [--limit N] [--k 1,5,10] [--json] [--misses N]
                                  [--semantic on|off] [--fusion weighted|rrf]
 
 Each dataset is loaded into its own throw-away tenant: every answer passage becomes one
@@ -80,7 +80,7 @@ class Command(BenchCommand):
             help="dataset to run (repeatable); default: every installed one",
         )
         parser.add_argument("--limit", type=int, default=None, help="at most N questions per dataset")
-        parser.add_argument("--k", default="1,3,5", help="cut-offs for hit@k, comma-separated (default 1,3,5)")
+        parser.add_argument("--k", default="1,5,10", help="cut-offs for hit@k, comma-separated (default 1,5,10)")
         parser.add_argument("--misses", type=int, default=0, help="list up to N missed questions per dataset")
         parser.add_argument("--keep", action="store_true", help="commit the evaluation tenants instead of rolling back")
         parser.add_argument(

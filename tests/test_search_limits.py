@@ -1,0 +1,257 @@
+"""Search that stays bounded and cannot be turned against other tenants (issue 12):
+tenant-prefixed terms, caps on query length and terms, refused inputs, the timeout, the
+ranking's signals, and recall with only a prefix."""
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from audit.models import AuditEvent
+from memories import services
+from memories.models import Memory
+from memories.search import lexical, text
+from zeromem.kernel import validation
+
+
+def _write(api, key, value, importance):
+    # The memory_write tool takes no importance (it is an admin/REST field): the service does.
+    from tests.conftest import SYSTEM
+
+    services.memory_write(tenant=api.tenant, actor=SYSTEM, key=key, value=value, importance=importance)
+
+
+def _nested(depth: int):
+    value = "leaf"
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+# --- tenant isolation ---------------------------------------------------------------------
+
+
+def test_indexed_terms_carry_the_tenant_so_another_tenants_query_matches_nothing(api, api_b):
+    api.call("memory_write", key="fact:secret", value="zebra orchid launch code", tags=["classified"])
+    memory = Memory.objects.get(key="fact:secret")
+    terms = memory.search_text.replace(" | ", " ").split()
+    assert terms and all(t.startswith(f"{api.tenant.pk}:") for t in terms)
+    if connection.vendor == "postgresql":
+        lexemes = Memory.objects.filter(pk=memory.pk).values_list("search_tsv", flat=True).get()
+        assert f"'{api.tenant.pk}:zebra':" in lexemes and f"'{api_b.tenant.pk}:" not in lexemes
+    # Even asked with the other tenant's id and no prefix filter, the lexical layer finds nothing.
+    found = lexical.lexical_candidates(tenant_id=api_b.tenant.pk, prefixes=None, query="zebra orchid", limit=10)
+    assert found == []
+    _, body = api_b.call("memory_search", query="zebra orchid classified")
+    assert body["results"] == []
+    _, body = api.call("memory_search", query="zebra orchid classified")
+    assert [r["key"] for r in body["results"]] == ["fact:secret"]
+
+
+def test_allowlist_prefixes_still_restrict_search_results(api, make_client, tenant_a):
+    api.call("memory_write", key="user:u1:note", value="zebra one")
+    api.call("memory_write", key="user:u2:note", value="zebra two")
+    u1, _key = make_client(tenant_a, allow=["user:u1:"])
+    _, body = u1.call("memory_search", query="zebra", limit=10)
+    assert [r["key"] for r in body["results"]] == ["user:u1:note"]
+
+
+# --- refused input --------------------------------------------------------------------------
+
+
+def test_nul_in_a_query_is_400_naming_query(api):
+    status, body = api.call("memory_search", query="zebra\x00code")
+    assert status == 400 and body["error"]["field"] == "query"
+    assert body["error"]["code"] == "invalid_characters"
+
+
+def test_value_nested_deeper_than_the_documented_depth_is_400_naming_value(api):
+    status, body = api.call("memory_write", key="fact:deep", value=_nested(validation.VALUE_MAX_DEPTH))
+    assert status == 200, body
+    status, body = api.call("memory_write", key="fact:deeper", value=_nested(validation.VALUE_MAX_DEPTH + 1))
+    assert status == 400 and body["error"] == {
+        "code": "too_deep",
+        "message": f"must not nest arrays or objects more than {validation.VALUE_MAX_DEPTH} deep",
+        "field": "value",
+    }
+    assert not Memory.objects.filter(key="fact:deeper").exists()
+
+
+def test_a_value_thousands_of_levels_deep_is_a_4xx_not_a_500(api):
+    # Deep enough that the JSON parser itself, or any recursion over it, would blow the stack.
+    deep = "[" * 100_000 + "]" * 100_000
+    r = api.post("/api/v1/tools/call", raw='{"name": "memory_write", "arguments": {"key": "fact:x", "value": ' + deep + "}}")
+    assert 400 <= r.status_code < 500
+
+
+def test_query_longer_than_the_cap_is_400(api):
+    status, body = api.call("memory_search", query="word " * 101)
+    assert status == 400 and body["error"]["code"] == "too_long"
+
+
+# --- caps: what a search may cost -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "query", ["😀🎉🚀🔥", "what is the of and to in it that this", "a b c d"], ids=["emoji", "stop words", "letters"]
+)
+def test_queries_with_no_usable_term_answer_empty_without_touching_memories(api, query, django_assert_max_num_queries):
+    api.call("memory_write", key="fact:ab", value="ab cd ef gh")
+    # The key lookup, the tenant, the audit INSERT and the transaction: no scan of memories.
+    with django_assert_max_num_queries(12) as ctx:
+        status, body = api.call("memory_search", query=query)
+    assert status == 200 and body["results"] == []
+    assert not any("memories_memory " in q["sql"] and "search" in q["sql"] for q in ctx.captured_queries)
+
+
+def test_a_query_looks_at_no_more_than_the_capped_number_of_words_and_terms():
+    words = [f"word{i:03d}x" for i in range(100)]
+    terms = text.query_terms(" ".join(words), max_words=lexical.MAX_QUERY_WORDS)
+    assert len({t.term for t in terms if t.boost == 1}) == lexical.MAX_QUERY_WORDS
+    plan = lexical.plan(terms, {t.term: i + 1 for i, t in enumerate(terms)}, documents=10_000)
+    assert len(plan.scoring_terms) == lexical.MAX_TERMS
+    assert sum(t.df for t in plan.candidate_terms[1:]) <= lexical.CANDIDATES
+
+
+def test_candidates_come_from_the_rarest_terms_within_the_budget():
+    terms = [text.QueryTerm("common"), text.QueryTerm("rare"), text.QueryTerm("middling")]
+    plan = lexical.plan(terms, {"common": 90_000, "rare": 3, "middling": 400}, documents=100_000)
+    assert [t.term for t in plan.candidate_terms] == ["rare", "middling"]
+    assert [t.term for t in plan.scoring_terms] == ["rare", "middling", "common"]
+    assert plan.scoring_terms[0].idf > plan.scoring_terms[1].idf > plan.scoring_terms[2].idf
+
+
+def test_160_two_letter_words_answer(api):
+    status, body = api.call("memory_search", query=" ".join(["ab", "cd", "ef", "gh", "ij"] * 32)[:499])
+    assert status == 200 and body["results"] == []
+
+
+def test_short_latin_words_pick_candidates_only_when_rare():
+    terms = [text.QueryTerm("zh", weak=True)]
+    assert lexical.plan(terms, {"zh": 5_000}, documents=10_000) is None
+    assert [t.term for t in lexical.plan(terms, {"zh": 3}, documents=10_000).candidate_terms] == ["zh"]
+
+
+def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, settings, monkeypatch):
+    api.call("memory_write", key="fact:slow", value="zebra orchid")
+    settings.ZEROMEM_SEARCH_TIMEOUT_MS = 50
+    real = lexical._frequencies
+
+    def slow(tenant_id, terms):  # noqa: ANN001
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute("SELECT pg_sleep(2)")
+            else:
+                cursor.execute(
+                    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+                )
+        return real(tenant_id, terms)
+
+    monkeypatch.setattr(lexical, "_frequencies", slow)
+    r = api.post("/api/v1/tools/call", {"name": "memory_search", "arguments": {"query": "zebra"}})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "search_timeout" and r.json()["error"]["field"] == "query"
+    assert r.headers["Retry-After"] == "1"
+    event = AuditEvent.objects.filter(action="memory.search").latest("id")
+    assert event.outcome == AuditEvent.Outcome.UNAVAILABLE
+    assert event.detail["code"] == "search_timeout"
+    # The connection is usable afterwards: the next search answers.
+    monkeypatch.setattr(lexical, "_frequencies", real)
+    status, body = api.call("memory_search", query="zebra")
+    assert status == 200 and [r["key"] for r in body["results"]] == ["fact:slow"]
+
+
+# --- ranking --------------------------------------------------------------------------------
+
+
+def test_a_word_in_the_key_or_tags_outranks_the_same_word_in_the_text(api):
+    api.call("memory_write", key="note:misc", value="the invoice arrived and was filed")
+    api.call("memory_write", key="finance:invoice", value="sent every month")
+    api.call("memory_write", key="note:other", value="sent every month", tags=["invoice"])
+    _, body = api.call("memory_search", query="invoice", limit=3)
+    keys = [r["key"] for r in body["results"]]
+    assert keys[0] == "finance:invoice" and keys[1] == "note:other" and keys[2] == "note:misc"
+
+
+def test_rare_words_count_more_than_common_ones(api):
+    for i in range(30):
+        api.call("memory_write", key=f"note:n{i}", value=f"project status update number {i}")
+    api.call("memory_write", key="note:pelican", value="pelican migration report")
+    api.call("memory_write", key="note:status", value="project status")
+    _, body = api.call("memory_search", query="pelican project status")
+    assert body["results"][0]["key"] == "note:pelican"
+
+
+def test_importance_and_recency_break_ties_but_never_beat_a_better_match(api):
+    _write(api, "note:a", "quarterly billing review", 0)
+    _write(api, "note:b", "billing", 10)
+    _write(api, "note:c", "billing", 2)
+    _, body = api.call("memory_search", query="quarterly billing review", limit=3)
+    assert [r["key"] for r in body["results"]][0] == "note:a"
+    _, body = api.call("memory_search", query="billing", limit=3)
+    ranked = [r["key"] for r in body["results"]]
+    assert ranked.index("note:b") < ranked.index("note:c")
+
+
+# --- recall -----------------------------------------------------------------------------------
+
+
+def test_recall_with_only_a_prefix_returns_the_most_important_and_recent_memories(api):
+    old = timezone.now() - timedelta(days=90)
+    _write(api, "user:u1:name", "Ada", 9)
+    _write(api, "user:u1:mood", "tired", 3)
+    _write(api, "user:u1:old_note", "liked jazz in 2019", 3)
+    Memory.objects.filter(key="user:u1:old_note").update(updated_at=old)
+    _write(api, "user:u2:name", "Bob", 10)
+    status, body = api.call("memory_recall", prefix="user:u1:", max_chars=500)
+    assert status == 200, body
+    assert body["text"].splitlines() == [
+        'user:u1:name: Ada',
+        "user:u1:mood: tired",
+        "user:u1:old_note: liked jazz in 2019",
+    ]
+
+
+def test_recall_drops_near_duplicates_keeping_the_most_recent(api):
+    api.call("memory_write", key="user:u1:lang_old", value="the user prefers answers in Chinese")
+    Memory.objects.filter(key="user:u1:lang_old").update(updated_at=timezone.now() - timedelta(days=3))
+    api.call("memory_write", key="user:u1:lang", value="The user prefers answers in Chinese.")
+    api.call("memory_write", key="user:u1:tz", value="Asia/Shanghai")
+    _, body = api.call("memory_recall", query="which language does the user prefer answers in", prefix="user:u1:")
+    assert "user:u1:lang: " in body["text"] and "lang_old" not in body["text"]
+    _, body = api.call("memory_recall", prefix="user:u1:")
+    assert "lang_old" not in body["text"] and body["count"] == 2
+
+
+def test_recall_cuts_a_line_that_does_not_fit_or_skips_it_for_a_shorter_one(api):
+    _write(api, "note:mid", "budget " + "y" * 60, 10)
+    _write(api, "note:long", "budget " + "x" * 300, 9)
+    _write(api, "note:short", "budget ok", 1)
+    mid = "note:mid: budget " + "y" * 60
+    # 30 characters left after the first line: too few to cut the long one, enough for the short one.
+    _, body = api.call("memory_recall", prefix="note:", max_chars=len(mid) + 1 + 30)
+    assert body["text"].splitlines() == [mid, "note:short: budget ok"]
+    # 100 characters left: the long line is cut to fill them.
+    _, body = api.call("memory_recall", prefix="note:", max_chars=len(mid) + 1 + 100)
+    lines = body["text"].splitlines()
+    assert len(body["text"]) == len(mid) + 1 + 100
+    assert lines[1].startswith("note:long: budget xx") and lines[1].endswith("…") and len(lines) == 2
+
+
+def test_recall_schema_makes_query_optional():
+    from memories.tools import TOOLS
+
+    schema = TOOLS["memory_recall"].parameters_schema() if hasattr(TOOLS["memory_recall"], "parameters_schema") else None
+    tool = TOOLS["memory_recall"]
+    assert "query" not in [p.name for p in tool.params if p.required]
+    assert schema is None or "query" not in schema.get("required", [])
+
+
+def test_chinese_paraphrase_bigrams_and_key_words_find_their_memory(api):
+    api.call("memory_write", key="task:t1:weekly_report", value="周报发送时间改为每周五下午五点")
+    api.call("memory_write", key="fact:office:wifi", value="The office wifi password is on the fridge")
+    _, body = api.call("memory_search", query="周报什么时候发送？")
+    assert body["results"][0]["key"] == "task:t1:weekly_report"
+    assert json.dumps(body, ensure_ascii=False).count("fact:office:wifi") == 0

@@ -1,0 +1,322 @@
+"""Search at scale, over HTTP, on PostgreSQL: one tenant at 10k, 100k and 1M memories.
+
+    python manage.py bench_search [--sizes 10000,100000,1000000] [--others 100000] [--n 200]
+                                  [--worst-n 10] [--parallel 20] [--seconds 10] [--rebuild] [--json]
+
+For each size, a tenant ``bench-search-<size>`` holds that many synthetic memories (Zipfian
+English words and, in one row of five, Chinese two-character words; keys like
+``task:u4711:deadline``; 0-3 tags), and a tenant ``bench-search-other`` holds ``--others``
+more. Rows are written with COPY, their search columns made by the same code a write uses
+(memories.search.index_fields), then the term statistics are refreshed; a tenant that
+already has its rows is reused (``--rebuild`` builds it again). The GIN index is dropped
+during a first big load and built again after it (a bench database only: it is a few
+minutes faster than maintaining it row by row).
+
+Then, against the README's production server (``python3 -m zeromem serve``):
+
+* realistic: ``--n`` questions made from 3-6 words of a random memory of the tenant (its key
+  name and value words, with question words around them), p50/p95/p99 over HTTP;
+* worst cases, each ``--worst-n`` times: ``ab``, 160 two-letter words, a 500-character
+  paragraph, one CJK character, emoji only, stop words only — p50/max and the statuses
+  (200, or 503 ``search_timeout``; never a 500);
+* ``--parallel`` clients sending worst cases back to back for ``--seconds`` while another
+  tenant's key reads one memory in a loop: that reader's p99 against its idle p99, and its
+  errors (a 503 counts).
+
+Use a database of its own (e.g. ``DATABASE_URL=postgres://…/zm_bench_search``): at 1M the
+data takes ~1.5 GB and about 10 minutes to build on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import threading
+import time
+from itertools import accumulate
+
+from django.db import connection
+
+from memories import services
+from memories.models import ApiKey, Memory, Tenant
+from memories.search import index as search_index
+from memories.search.text import STOPWORDS, stem
+from zeromem.bench.harness import HttpClient, Samples, client_loop, percentiles, ratio
+from zeromem.bench.options import BenchCommand
+from zeromem.bench.server import running_server
+from zeromem.kernel.actors import Actor
+
+TOOL_CALL = "/api/v1/tools/call"
+NAMESPACES = ["user", "task", "fact", "agent", "session", "project"]
+EMOJI = "😀🎉🚀🔥👍🙏💡📌"
+PARAGRAPH = (
+    "Yesterday the team reviewed the quarterly planning document and agreed that the billing "
+    "service migration should happen before the holidays, provided that the monitoring dashboards "
+    "are ready, the on-call rotation is staffed, and the customers who depend on invoices at month "
+    "end are told in advance; the database upgrade, the new search index and the archive cleanup "
+    "will follow in January, after the freeze, when the load is lower and people are back from leave"
+)[:500]
+
+
+def _vocabulary(rng: random.Random) -> tuple[list[str], list[str], list[str]]:
+    """(English words, key names, Chinese two-character words), each word its own stem."""
+    import pydoc_data.topics as topics
+
+    text = " ".join(topics.topics.values()).lower()
+    words = sorted({w for w in __import__("re").findall(r"[a-z]{3,12}", text) if w not in STOPWORDS and stem(w) == w})
+    rng.shuffle(words)
+    names = [f"{a}_{b}" for a, b in zip(words[:300], words[300:600], strict=True)]
+    common = [chr(c) for c in range(0x4E00, 0x4E00 + 2500)]
+    cjk = sorted({rng.choice(common) + rng.choice(common) for _ in range(20000)})
+    return words, names, cjk
+
+
+class Command(BenchCommand):
+    help = "Search latency over HTTP at 10k/100k/1M memories in one tenant: realistic and worst cases."
+    shared_options = ("json", "seed", "processes", "threads")
+    postgresql_needed = "bench_search measures PostgreSQL: run it with DATABASE_URL set to a database of its own"
+
+    def add_bench_arguments(self, parser):
+        parser.add_argument("--sizes", default="10000,100000,1000000", help="tenant sizes (%(default)s)")
+        parser.add_argument("--others", type=int, default=100000, help="memories of another tenant (%(default)s)")
+        parser.add_argument("--n", type=int, default=200, help="realistic questions per size (%(default)s)")
+        parser.add_argument("--worst-n", type=int, default=10, help="runs of each worst case (%(default)s)")
+        parser.add_argument("--parallel", type=int, default=20, help="parallel worst-case clients (%(default)s)")
+        parser.add_argument("--seconds", type=float, default=10.0, help="length of the parallel phase (%(default)s)")
+        parser.add_argument("--rebuild", action="store_true", help="rebuild the tenants' data")
+        parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
+
+    def handle(
+        self, *args, sizes, others, n, worst_n, parallel, seconds, rebuild, build_only, seed, processes, threads, **options
+    ):
+        self.require_postgresql()
+        rng = random.Random(seed)
+        self.vocab = _vocabulary(rng)
+        sizes = [int(s) for s in sizes.split(",") if s.strip()]
+        other, other_key = self._tenant("bench-search-other", others, rebuild, rng)
+        report = {"sizes": {}, "processes": processes, "threads": threads, "others": others}
+        tenants = {size: self._tenant(f"bench-search-{size}", size, rebuild, rng) for size in sizes}
+        if build_only:
+            return
+        reader_key = other_key
+        read_key = Memory.objects.filter(tenant=other).values_list("key", flat=True).first()
+        url = _database_url()
+        with running_server(
+            stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
+        ) as server:
+            port = server["port"]
+            for size, (tenant, raw_key) in tenants.items():
+                self.log(f"size {size}: measuring")
+                report["sizes"][size] = self._measure(
+                    port, tenant, raw_key, reader_key, read_key, rng, n, worst_n, parallel, seconds
+                )
+        self.emit(report)
+
+    # --- data -----------------------------------------------------------------------------
+
+    def _tenant(self, slug: str, size: int, rebuild: bool, rng: random.Random) -> tuple[Tenant, str]:
+        actor = Actor.system(job="bench_search")
+        tenant = Tenant.objects.filter(slug=slug).first()
+        if tenant is None:
+            tenant = services.tenant_create(actor=actor, slug=slug, name=slug)
+        have = Memory.objects.filter(tenant=tenant).count()
+        if rebuild or have != size:
+            with connection.cursor() as c:
+                c.execute("DELETE FROM memories_memory WHERE tenant_id = %s", [tenant.pk])
+            self._load(tenant, size, rng)
+            self.log(f"{slug}: refreshing term statistics")
+            search_index.stats_refresh(tenant_id=tenant.pk)
+        ApiKey.objects.filter(tenant=tenant, name="bench_search").delete()
+        _key, raw = services.api_key_create(tenant=tenant, actor=actor, name="bench_search")
+        return tenant, raw
+
+    def _load(self, tenant: Tenant, size: int, rng: random.Random) -> None:
+        words, names, cjk = self.vocab
+        cum_w = list(accumulate(1 / (i + 1) for i in range(len(words))))
+        cum_c = list(accumulate(1 / (i + 1) for i in range(len(cjk))))
+        big = size >= 200_000
+        started = time.monotonic()
+        with connection.cursor() as c:
+            if big:
+                c.execute("DROP INDEX IF EXISTS memory_search_tsv")
+        batch = 20_000
+        for start in range(0, size, batch):
+            buf = io.StringIO()
+            for i in range(start, min(start + batch, size)):
+                key = f"{rng.choice(NAMESPACES)}:u{rng.randrange(100000)}:{rng.choice(names)}:{i}"
+                if rng.random() < 0.2:
+                    value = " ".join(rng.choices(cjk, cum_weights=cum_c, k=rng.randint(4, 20)))
+                else:
+                    value = " ".join(rng.choices(words, cum_weights=cum_w, k=rng.randint(5, 40)))
+                tags = rng.sample(words[:200], rng.randint(0, 3))
+                f = search_index.index_fields(tenant_id=tenant.pk, key=key, value=value, tags=tags)
+                row = [
+                    str(tenant.pk),
+                    key,
+                    key.rpartition(":")[0],
+                    json.dumps(value, ensure_ascii=False),
+                    f["search_text"],
+                    "note",
+                    "",
+                    json.dumps(tags),
+                    str(rng.randint(0, 10)),
+                    "bench",
+                    "1",
+                    "2026-01-01 00:00:00+00",
+                    f"2026-{rng.randint(1, 11):02d}-{rng.randint(1, 28):02d} 00:00:00+00",
+                    "0",
+                    "[]",
+                    f["search_tsv"],
+                ]
+                buf.write("\t".join(_copy_escape(v) for v in row) + "\n")
+            with connection.cursor() as c, c.copy(
+                "COPY memories_memory (tenant_id, key, namespace, value, search_text, category, subject, tags,"
+                " importance, source, version, created_at, updated_at, access_count, sources, search_tsv) FROM STDIN"
+            ) as copy:
+                copy.write(buf.getvalue())
+            self.log(f"  {tenant.slug}: {min(start + batch, size)}/{size} rows ({time.monotonic() - started:.0f} s)")
+        if big:
+            self.log("  building the GIN index")
+            with connection.cursor() as c:
+                c.execute("SET maintenance_work_mem = '256MB'")
+                c.execute(
+                    "CREATE INDEX IF NOT EXISTS memory_search_tsv ON memories_memory "
+                    "USING gin (search_tsv) WITH (fastupdate = off)"
+                )
+                c.execute("ANALYZE memories_memory")
+
+    # --- measuring --------------------------------------------------------------------------
+
+    def _questions(self, tenant: Tenant, rng: random.Random, n: int) -> list[str]:
+        ids = list(
+            Memory.objects.filter(tenant=tenant).order_by("?").values_list("key", "value")[: max(n, 1)]
+        )
+        out = []
+        for key, value in ids:
+            name_words = key.split(":")[2].split("_")
+            value_words = str(value).split()
+            if value_words and "\u4e00" <= value_words[0][0] <= "\u9fff":
+                picked = rng.sample(value_words, min(len(value_words), rng.randint(2, 3)))
+                out.append("".join(picked) + rng.choice(["是什么？", "在哪里", "怎么样"]))
+            else:
+                picked = rng.sample(value_words, min(len(value_words), rng.randint(1, 4)))
+                out.append(f"what is the {rng.choice(name_words)} about {' '.join(picked)}?")
+        return out
+
+    def _measure(self, port, tenant, raw_key, reader_key, read_key, rng, n, worst_n, parallel, seconds) -> dict:
+        client = HttpClient(port, raw_key, timeout=30)
+        realistic = Samples("realistic", "memory_search, 3-6 words of a memory")
+        for q in self._questions(tenant, rng, n):
+            ns, status, _body = client.request("POST", TOOL_CALL, _search(q))
+            realistic.ns.append(ns)
+            realistic.errors += status != 200
+        worst_queries = {
+            "ab": "ab",
+            "160 two-letter words": " ".join(rng.choice(["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]) for _ in range(160))[:500],
+            "500-char paragraph": PARAGRAPH,
+            "one CJK character": "一",
+            "emoji only": EMOJI,
+            "stop words only": "what is the of and to in it that this",
+        }
+        worst = {}
+        for name, q in worst_queries.items():
+            s = Samples(name, q[:40])
+            statuses: dict[int, int] = {}
+            for _ in range(worst_n):
+                ns, status, _body = client.request("POST", TOOL_CALL, _search(q))
+                s.ns.append(ns)
+                statuses[status] = statuses.get(status, 0) + 1
+            summary = s.summary()
+            summary["max_ms"] = round(max(s.ns) / 1e6, 2)
+            summary["statuses"] = statuses
+            worst[name] = summary
+        client.close()
+        # Another tenant's reads, idle and while `parallel` clients send worst cases.
+        reader = HttpClient(port, reader_key, timeout=30)
+        read_body = json.dumps({"name": "memory_read", "arguments": {"key": read_key}}).encode()
+        idle = Samples("idle reads", "other tenant memory_read, idle")
+        for _ in range(300):
+            ns, status, _b = reader.request("POST", TOOL_CALL, read_body)
+            idle.ns.append(ns)
+            idle.errors += status != 200
+        busy = Samples("busy reads", f"other tenant memory_read, {parallel} worst-case searches running")
+        stop = threading.Event()
+        attack_status: dict[int, int] = {}
+        lock = threading.Lock()
+
+        def reads():
+            while not stop.is_set():
+                ns, status, _b = reader.request("POST", TOOL_CALL, read_body)
+                busy.ns.append(ns)
+                busy.errors += status != 200
+
+        mixed = list(worst_queries.values()) + self._questions(tenant, rng, 5)
+
+        def make_step(t: int):
+            c = HttpClient(port, raw_key, timeout=30)
+            qs = mixed
+
+            def step():
+                _ns, status, _b = c.request("POST", TOOL_CALL, _search(qs[rng.randrange(len(qs))]))
+                with lock:
+                    attack_status[status] = attack_status.get(status, 0) + 1
+
+            return step
+
+        reader_thread = threading.Thread(target=reads, daemon=True)
+        reader_thread.start()
+        client_loop(
+            clients=parallel, seconds=seconds, max_requests=10**7, make_step=make_step, join_timeout=seconds + 30
+        )
+        stop.set()
+        reader_thread.join(timeout=30)
+        reader.close()
+        idle_s, busy_s = idle.summary(), busy.summary()
+        return {
+            "realistic": realistic.summary(),
+            "worst": worst,
+            "parallel": {
+                "clients": parallel,
+                "searches": attack_status,
+                "idle_reads": idle_s,
+                "busy_reads": busy_s,
+                "busy_read_errors": busy.errors,
+                "p99_ratio": ratio(busy_s.get("p99_ms"), idle_s.get("p99_ms")),
+            },
+        }
+
+    def print_table(self, report: dict) -> None:
+        w = self.stdout.write
+        for size, r in report["sizes"].items():
+            s = r["realistic"]
+            w(
+                f"\n{size} memories in one tenant (+{report['others']} in another), "
+                f"serve {report['processes']} processes × {report['threads']} threads"
+            )
+            w(f"  realistic   p50 {s['p50_ms']:7.2f}  p95 {s['p95_ms']:7.2f}  p99 {s['p99_ms']:7.2f} ms  errors {s['errors']}")
+            for name, ws in r["worst"].items():
+                w(f"  {name:22} p50 {ws['p50_ms']:7.2f}  max {ws['max_ms']:7.2f} ms  statuses {ws['statuses']}")
+            p = r["parallel"]
+            w(
+                f"  {p['clients']} parallel worst cases: searches {p['searches']}; other tenant's reads "
+                f"idle p99 {p['idle_reads']['p99_ms']} ms, busy p99 {p['busy_reads']['p99_ms']} ms "
+                f"(×{p['p99_ratio']}), errors {p['busy_read_errors']}"
+            )
+
+
+def _search(q: str) -> bytes:
+    return json.dumps({"name": "memory_search", "arguments": {"query": q, "limit": 5}}).encode()
+
+
+def _copy_escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _database_url() -> str:
+    s = connection.settings_dict
+    host = s.get("HOST") or "127.0.0.1"
+    port = s.get("PORT") or 5432
+    user = s.get("USER") or "postgres"
+    pw = f":{s['PASSWORD']}" if s.get("PASSWORD") else ""
+    return f"postgres://{user}{pw}@{host}:{port}/{s['NAME']}"
