@@ -292,3 +292,20 @@ def test_a_tenants_matrix_is_built_in_the_background_while_words_answer(settings
     sims = semantic.similarities(tenant_id=tenant.pk, prefixes=None, query_vector=vector)
     key_of = dict(Memory.objects.filter(tenant=tenant).values_list("pk", "key"))
     assert key_of[max(sims, key=sims.get)] == "user:u10086:pref_lang"
+
+
+def test_a_text_the_model_fails_on_does_not_stall_the_job(tenant_a, monkeypatch, caplog):
+    write(tenant_a, "note:good", "the weekly report is sent on Friday")
+    bad = write(tenant_a, "note:bad", "this text breaks the model")
+    real = embeddings.encode
+
+    def fragile(texts, **kw):
+        if any("breaks" in t for t in texts):
+            raise ValueError("cannot tokenize")
+        return real(texts, **kw)
+
+    monkeypatch.setattr(embeddings, "encode", fragile)
+    with caplog.at_level(logging.WARNING, logger="zeromem.search"):
+        result = embeddings.embeddings_refresh()
+    assert result["embedded"] == 1 and set(embedded(tenant_a)) == {"note:good"}
+    assert f"memory {bad.pk} not embedded" in caplog.text and "breaks" not in caplog.text

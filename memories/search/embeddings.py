@@ -281,7 +281,7 @@ def _store_batch(rows: list[tuple]) -> tuple[int, int]:
     # A new version whose embedded text did not change (tags, TTL, importance) keeps its vector.
     same = {pk for pk in texts if existing.get(pk) == (MODEL_NAME, hashes[pk])}
     todo = [pk for pk in texts if pk not in same]
-    vectors = dict(zip(todo, encode([texts[pk] for pk in todo]), strict=True)) if todo else {}
+    vectors = _encode_each(todo, texts)
     try:
         with transaction.atomic():
             # The memories as they are now, locked: one deleted or rewritten meanwhile is left
@@ -321,6 +321,25 @@ def _store_batch(rows: list[tuple]) -> tuple[int, int]:
         # Another worker stored the same memories first; the next run checks them again.
         return 0, 0
     return len(new), len([r for r in fresh if r[0] in same])
+
+
+def _encode_each(todo: list[int], texts: dict[int, str]) -> dict[int, np.ndarray]:
+    """Vectors of the batch; if the batch fails for one bad text, the others one by one, the
+    failing ones left out (logged by id) so one text can never stall the job."""
+    if not todo:
+        return {}
+    try:
+        return dict(zip(todo, encode([texts[pk] for pk in todo]), strict=True))
+    except EncoderUnavailable:
+        raise
+    except Exception:
+        vectors = {}
+        for pk in todo:
+            try:
+                vectors[pk] = encode([texts[pk]])[0]
+            except Exception as exc:
+                logger.warning("memory %s not embedded: %s: %s", pk, type(exc).__name__, exc)
+        return vectors
 
 
 def embeddings_delete(*, memory_ids: Sequence[int]) -> int:
