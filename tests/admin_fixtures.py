@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.contrib.auth import get_user_model
 
-from tests.staff_users import PASSWORD, ROLES, logged_in, make_staff
+from tests.factories import PASSWORD, ROLES, logged_in, make_staff
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Small helpers shared by the test modules (fixtures live in conftest.py)."""
+"""Small helpers shared by the test modules: reading state and checking answers (data is
+built by tests/factories.py; fixtures live in conftest.py)."""
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,6 +13,11 @@ from memories.models import Memory, MemoryVersion
 def row_counts() -> tuple[int, int]:
     """(Memory rows, MemoryVersion rows): compare before/after to prove nothing was written."""
     return Memory.objects.count(), MemoryVersion.objects.count()
+
+
+def memory_rows(tenant, **filters) -> list[tuple]:
+    """(key, version, deleted_at) of every Memory row of ``tenant`` matching ``filters``, sorted."""
+    return sorted(Memory.objects.filter(tenant=tenant, **filters).values_list("key", "version", "deleted_at"))
 
 
 def audit_count() -> int:

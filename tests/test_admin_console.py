@@ -15,8 +15,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
 from memories.models import ApiKey, ForgetRequest, Membership, hash_api_key
-from tests.conftest import SYSTEM, make_key
-from tests.staff_users import ROLES, logged_in, make_staff, write
+from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, write
 
 pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
 

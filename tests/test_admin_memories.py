@@ -13,8 +13,7 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from memories import services
 from memories.models import ForgetRequest, Memory, MemoryVersion
-from tests.conftest import SYSTEM
-from tests.staff_users import write
+from tests.factories import SYSTEM, write
 
 KEY = "user:u10086:pref_lang"
 

@@ -10,8 +10,7 @@ import pytest
 from audit.models import AuditEvent
 from memories import services
 from memories.models import ApiKey, ForgetRequest, Membership, Memory, MemoryVersion
-from tests.conftest import SYSTEM, make_key
-from tests.staff_users import ROLES, logged_in, make_staff, write
+from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, write
 
 CANARY_A = "CANARY-admin-acme-41d2"
 CANARY_B = "CANARY-admin-globex-9e7c"

@@ -13,7 +13,7 @@ from audit.models import AuditEvent
 from audit.verify import audit_verify
 from memories import services
 from memories.models import ApiKey
-from tests.conftest import SYSTEM, KeyedClient, make_key
+from tests.factories import SYSTEM, KeyedClient, make_key
 
 CANARY = "CANARY-5f3a"
 KEY = "user:u1:lang"

@@ -27,7 +27,7 @@ from audit.services import (
 )
 from audit.verify import audit_verify
 from memories import services
-from tests.conftest import SYSTEM, make_tenant
+from tests.factories import SYSTEM, make_tenant
 from zeromem.kernel.actors import Actor
 
 TABLE = AuditEvent._meta.db_table

@@ -7,7 +7,7 @@ from django.test import Client
 
 from audit.models import AuditEvent
 from memories.models import ApiKey, Memory
-from tests.conftest import KeyedClient
+from tests.factories import KeyedClient
 from tests.helpers import rest_error, row_counts, tool_error
 
 READ, WRITE, DELETE, SEARCH = "memory:read", "memory:write", "memory:delete", "memory:search"

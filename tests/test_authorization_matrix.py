@@ -71,7 +71,7 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from memories import services, tools
 from memories.models import Memory, MemoryVersion
-from tests.conftest import SYSTEM, KeyedClient, make_key, make_tenant
+from tests.factories import SYSTEM, KeyedClient, make_key, make_tenant
 from tests.helpers import rolled_back_module_data
 from zeromem.kernel.scopes import ALL_SCOPES, Scope
 

@@ -34,7 +34,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import ApiKey, ForgetRequest, Membership, Memory, MemoryVersion
 from memories.services import staff
-from tests.conftest import SYSTEM, make_key, make_tenant
+from tests.factories import SYSTEM, make_key, make_tenant
 from tests.helpers import rolled_back_module_data
 
 CANARY_A = "CANARY-admin-matrix-acme-3c1f"

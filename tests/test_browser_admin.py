@@ -14,8 +14,7 @@ from django.contrib.auth import get_user_model
 from audit.models import AuditEvent
 from memories.models import ForgetRequest, Memory
 from memories.services import staff
-from tests.conftest import SYSTEM, make_tenant
-from tests.staff_users import write
+from tests.factories import SYSTEM, make_tenant, write
 
 pytest_plugins = ["tests.admin_fixtures"]
 

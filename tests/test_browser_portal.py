@@ -7,7 +7,7 @@ import re
 
 from memories import services
 from memories.models import ForgetRequest, Memory
-from tests.conftest import SYSTEM, make_key, make_tenant
+from tests.factories import SYSTEM, make_key, make_tenant
 
 PHONE = {"width": 390, "height": 844}
 CANARY = "CANARY-browser-u1-4c1d"

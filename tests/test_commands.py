@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from memories.models import ApiKey, Tenant, hash_api_key
-from tests.conftest import KeyedClient
+from tests.factories import KeyedClient
 
 
 def run(*args, **options):

@@ -11,7 +11,7 @@ from django.db import connection
 from django.test import Client
 
 from memories.models import Memory, MemoryVersion
-from tests.conftest import KeyedClient
+from tests.factories import KeyedClient
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from tests.conftest import KeyedClient
+from tests.factories import KeyedClient
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

@@ -16,8 +16,8 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import ForgetRequest, Memory, MemoryVersion
 from memories.services import forget
-from tests.conftest import SYSTEM
-from tests.helpers import rest_error
+from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
+from tests.helpers import memory_rows, rest_error
 from zeromem.kernel.scopes import Scope
 
 URL = "/api/v1/forget-requests"
@@ -33,35 +33,6 @@ RECEIPT_FIELDS = {
     "completed_at",
 }
 CANARY = "CANARY-7d1e-ZZ"
-
-
-def write(tenant, key, value, **extra):
-    return services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value, **extra).memory
-
-
-def summarize(tenant, prefix, capture):
-    """Run the real summarizer (deterministic digest) into summary:<prefix>, with lineage."""
-    with capture(execute=True):
-        services.summarize_start(tenant=tenant, actor=SYSTEM, prefix=prefix)
-    summary = Memory.objects.get(tenant=tenant, key="summary:" + prefix.rstrip(":"), deleted_at__isnull=True)
-    assert summary.category == "summary" and summary.sources, summary.sources
-    return summary
-
-
-def seed_user(tenant, user="u1", n=3, versions=2):
-    """``n`` memories of subject ``user`` under ``user:<user>:``, each with ``versions``
-    versions; one more trashed and one expired (same data until purged)."""
-    for i in range(n):
-        for v in range(versions):
-            write(tenant, f"user:{user}:k{i}", f"{user} value {i}.{v}")
-    write(tenant, f"user:{user}:gone", "trashed value")
-    services.memory_delete(tenant=tenant, actor=SYSTEM, key=f"user:{user}:gone")
-    write(tenant, f"user:{user}:old", "expired value")
-    Memory.objects.filter(tenant=tenant, key=f"user:{user}:old").update(expires_at=timezone.now() - timedelta(hours=1))
-
-
-def memory_rows(tenant, **filters):
-    return sorted(Memory.objects.filter(tenant=tenant, **filters).values_list("key", "version", "deleted_at"))
 
 
 def post(client, capture, body, run=True):
@@ -108,8 +79,6 @@ def test_request_is_stored_and_answered_202_before_the_job_runs(api, tenant_a, d
 
 @pytest.mark.django_db(transaction=True)
 def test_request_is_committed_before_it_is_enqueued(monkeypatch, make_client):
-    from tests.conftest import make_tenant
-
     tenant = make_tenant("durable")
     client, _key = make_client(tenant, scopes=[Scope.FORGET_CREATE])
     seen = []

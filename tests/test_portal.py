@@ -17,7 +17,7 @@ from memories.models import ForgetRequest, Memory
 from memories.portal.models import PortalLink
 from memories.portal.views import COOKIE
 from memories.services import subjects
-from tests.conftest import SYSTEM
+from tests.factories import SYSTEM
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden
 from zeromem.kernel.scopes import Scope

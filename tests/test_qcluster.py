@@ -44,8 +44,8 @@ from memories import services
 from memories.models import ForgetRequest, Memory, MemoryVersion
 from memories.services import forget, retention
 from tests import qtasks
-from tests.conftest import SYSTEM, make_tenant
-from tests.test_forget import memory_rows, seed_user, summarize
+from tests.factories import SYSTEM, make_tenant, seed_user, summarize
+from tests.helpers import memory_rows
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

@@ -18,7 +18,7 @@ from django_q.models import Schedule
 from audit.models import AuditEvent
 from memories import services
 from memories.models import Memory, MemoryVersion, RetentionRule
-from tests.conftest import SYSTEM, make_tenant
+from tests.factories import SYSTEM, make_tenant
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden, InvalidInput
 

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck
 
 from memories import services
 from memories.models import API_KEY_PREFIX, ApiKey, hash_api_key
-from tests.conftest import SYSTEM, make_key, make_tenant
+from tests.factories import SYSTEM, make_key, make_tenant
 from zeromem.wsgi import application
 
 EXAMPLES = int(os.environ.get("ZEROMEM_FUZZ_EXAMPLES", "25"))

@@ -26,7 +26,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from tests.conftest import make_key, make_tenant
+from tests.factories import make_key, make_tenant
 from zeromem import serving
 
 ROOT = Path(settings.BASE_DIR)

@@ -24,7 +24,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import Job, Memory, MemoryVersion
 from memories.services import summaries
-from tests.conftest import SYSTEM
+from tests.factories import SYSTEM
 from tests.helpers import rest_error, tool_error
 from zeromem.kernel.actors import Actor
 
