@@ -18,7 +18,7 @@ from zeromem.kernel import validation
 
 def _write(api, key, value, importance):
     # The memory_write tool takes no importance (it is an admin/REST field): the service does.
-    from tests.conftest import SYSTEM
+    from tests.factories import SYSTEM
 
     services.memory_write(tenant=api.tenant, actor=SYSTEM, key=key, value=value, importance=importance)
 

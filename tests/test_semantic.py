@@ -14,7 +14,7 @@ from memories import services
 from memories.models import Memory, MemoryEmbedding
 from memories.search import embeddings, semantic
 from memories.services import forget
-from tests.conftest import SYSTEM
+from tests.factories import SYSTEM, make_tenant, write
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -29,10 +29,6 @@ def _model_loaded_on_demand(settings):
     semantic.cache_clear()
     yield
     semantic.cache_clear()
-
-
-def write(tenant, key, value, **extra):
-    return services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value, **extra).memory
 
 
 def embedded(tenant) -> dict[str, MemoryEmbedding]:
@@ -277,7 +273,7 @@ def test_fusion_without_similarities_keeps_the_word_order():
 @pytest.mark.django_db(transaction=True)
 def test_a_tenants_matrix_is_built_in_the_background_while_words_answer(settings):
     # Committed data: the background thread reads through its own connection.
-    tenant = services.tenant_create(actor=SYSTEM, slug="bg", name="Bg")
+    tenant = make_tenant("bg")
     write(tenant, "user:u10086:pref_lang", "zh-CN")
     write(tenant, "note:cat", "the cat sleeps on the sofa")
     embeddings.embeddings_refresh()
