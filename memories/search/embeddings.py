@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Exists, Max, OuterRef, Q
 
 from memories.models import Memory, MemoryEmbedding
-from memories.search.text import tokenize, value_text
+from memories.search.text import value_text
 
 logger = logging.getLogger("zeromem.search")
 
@@ -65,7 +66,7 @@ class EncoderUnavailable(Exception):
 
 
 class _Encoder:
-    """The process's one model instance, loaded on first use (about 3 s and 70 MB)."""
+    """The process's one model instance, loaded on first use (about 3 s and 120 MB)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -182,9 +183,14 @@ def warm_up() -> None:
             pass
 
 
+# Key segments and the words inside them ("pref_lang" → "pref lang"); CJK stays whole (the
+# model reads characters, it needs no bigrams).
+_KEY_SEPARATORS = re.compile(r"[\s:_\-./]+")
+
+
 def memory_text(*, key: str, value) -> str:
     """What is embedded for a memory: key words, then the value's text."""
-    words = " ".join(tokenize(key.replace(":", " ").replace("_", " ").replace("-", " ")))
+    words = " ".join(_KEY_SEPARATORS.split(key)).strip()
     return f"{words}: {value_text(value)}"[:TEXT_MAX_CHARS]
 
 
