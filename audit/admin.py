@@ -24,10 +24,11 @@ from django.utils.html import format_html
 from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching
-from audit.services import audit_record
+from audit.services import audit_list_record
 from zeromem.kernel.errors import InvalidInput, ServiceError
+from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
-from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, tenant_ids_with
+from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, service_error_text, tenant_ids_with
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
 
@@ -119,7 +120,7 @@ class OutcomeFilter(admin.SimpleListFilter):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(TenantScopedAdmin):
-    view_capability = "audit.view"
+    view_capability = Capability.AUDIT_VIEW
     list_display = ("occurred_at", "tenant", "actor", "surface", "action", "target", "subject", "outcome", "version")
     list_filter = (
         "tenant",
@@ -170,12 +171,10 @@ class AuditEventAdmin(TenantScopedAdmin):
             shown[event.tenant] += 1
         params = {k: request.GET[k] for k in FILTER_PARAMS if request.GET.get(k)}
         for tenant, count in shown.items():
-            audit_record(
+            audit_list_record(
                 tenant=tenant,
                 actor=actor_for(request, tenant),
-                action="audit.list",
-                outcome=AuditEvent.Outcome.OK,
-                target=params.get("key_prefix", ""),
+                key_prefix=params.get("key_prefix", ""),
                 subject=params.get("subject", ""),
                 count=count,
                 detail={k: v for k, v in params.items() if k not in ("key_prefix", "subject")},
@@ -211,7 +210,7 @@ class AuditEventAdmin(TenantScopedAdmin):
                 asynchronous=isinstance(request, ASGIRequest),
             )
         except ServiceError as exc:
-            messages.error(request, f"{exc.field}: {exc.message}" if exc.field else exc.message)
+            messages.error(request, service_error_text(exc))
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
 
 

@@ -1,11 +1,12 @@
 """Writing the audit log: recording events, sealing them into the chain, redacting a
 forgotten subject's identifiers, checkpoints and the retention purge.
 
-``audit_record`` is called by every service inside the transaction of the operation it
-records. The maintenance paths (seal, redact, purge) are the only writers that change or
-delete rows; on PostgreSQL each announces itself to the append-only trigger with a
-transaction-local setting (``zeromem.audit_mode``), and each leaves a record: the seal
-itself, the ``redacted`` commitments, or a checkpoint plus an ``audit.purge`` event.
+Services record their events through :func:`audited_operation` (one transaction, one
+event, and the rule for refused calls); ``audit_record`` is the one INSERT underneath. The
+maintenance paths (seal, redact, purge) are the only writers that change or delete rows;
+on PostgreSQL each announces itself to the append-only trigger with a transaction-local
+setting (``zeromem.audit_mode``), and each leaves a record: the seal itself, the
+``redacted`` commitments, or a checkpoint plus an ``audit.purge`` event.
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput, PreconditionFailed, ServiceError, Unavailable
+from zeromem.kernel.errors import (
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    PreconditionFailed,
+    ServiceError,
+    Unavailable,
+)
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
 
@@ -100,7 +109,16 @@ def audit_record(
     return AuditEvent.objects.create(**fields, digest=chain.digest(fields))
 
 
+# A ServiceError an operation has recorded carries this attribute, so an enclosing operation
+# or the surface (AuditedAPIView, through audit_refusal) does not record it again.
+_RECORDED = "_zeromem_audit_recorded"
+
+
 def _outcome_of(exc: ServiceError) -> str:
+    if isinstance(exc, NotFound):
+        return AuditEvent.Outcome.NOT_FOUND
+    if isinstance(exc, Conflict):
+        return AuditEvent.Outcome.CONFLICT
     if isinstance(exc, Forbidden):
         return AuditEvent.Outcome.DENIED
     if isinstance(exc, PreconditionFailed):
@@ -139,63 +157,156 @@ def _deferred_transaction() -> Iterator[None]:
         connection.transaction_mode = mode
 
 
+def _mark_recorded(exc: Exception) -> bool:
+    """True the first time ``exc`` is recorded; False when something already recorded it."""
+    if getattr(exc, _RECORDED, False):
+        return False
+    setattr(exc, _RECORDED, True)
+    return True
+
+
+class AuditedOperation:
+    """One service operation in progress: who acts, on which tenant, what (``action``) and on
+    what (``target``); :meth:`record` says how it ended. Handed out by
+    :func:`audited_operation`, which writes the one event."""
+
+    def __init__(self, *, tenant: Tenant | None, actor: Actor, action: str, target: Any):
+        self.tenant = tenant  # an operation that creates its tenant names it once it exists
+        self.actor = actor
+        self.action = action
+        # As sent (refusals are recorded with it); a service sets the validated one if it differs.
+        self.target = target if isinstance(target, str) else ""
+        self._row: dict | None = None
+
+    def record(
+        self,
+        *,
+        outcome: str = AuditEvent.Outcome.OK,
+        target: str | None = None,
+        subject: str = "",
+        count: int | None = None,
+        version: int | None = None,
+        detail: dict | None = None,
+    ) -> None:
+        """How the operation ended (once). The event is written when the operation ends: in
+        its transaction, or for a :class:`NotFound`/:class:`Conflict` raised after this call,
+        right after the rollback, with these fields."""
+        if self._row is not None:
+            raise RuntimeError(f"{self.action}: one operation records one event")
+        self._row = {
+            "outcome": outcome,
+            "target": self.target if target is None else target,
+            "subject": subject,
+            "count": count,
+            "version": version,
+            "detail": detail,
+        }
+
+    def _write(self, row: dict) -> None:
+        audit_record(tenant=self.tenant, actor=self.actor, action=self.action, **row)
+
+    def _row_for(self, exc: ServiceError) -> dict:
+        outcome = _outcome_of(exc)
+        if outcome in (AuditEvent.Outcome.NOT_FOUND, AuditEvent.Outcome.CONFLICT):
+            # An answer, not a refusal: the fields the service recorded, if it did.
+            if self._row is not None and self._row["outcome"] == outcome:
+                return self._row
+            return {"outcome": outcome, "target": self.target}
+        return {"outcome": outcome, "target": self.target, "detail": {"code": exc.code, "field": exc.field}}
+
+
 @contextmanager
 def audited_operation(
     *, tenant: Tenant | None, actor: Actor, action: str, target: Any = "", read_only: bool = False
-) -> Iterator[None]:
-    """One transaction for a service operation; a refused call (bad input, missing scope,
-    forbidden key) is rolled back — it changes nothing — and then audited on its own.
+) -> Iterator[AuditedOperation]:
+    """One transaction for a service operation and its one audit event::
+
+        with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key) as op:
+            ...
+            op.record(subject=m.subject, version=m.version)  # outcome ok unless given
+
+    A :class:`ServiceError` raised inside rolls the transaction back — the call changes
+    nothing — and is then recorded on its own: a refusal (bad input, missing scope, forbidden
+    key) as ``invalid``/``denied``/``precondition_failed`` with its code and field,
+    :class:`NotFound`/:class:`Conflict` as ``not_found``/``conflict``. The innermost operation
+    that sees an error records it; enclosing ones do not record it again (its event is written
+    in the enclosing transaction, so an enclosing operation that fails too takes it along, as
+    a summarize attempt's refused archive). An operation that ends without
+    :meth:`~AuditedOperation.record` writes no event.
 
     ``read_only`` (reads, lists, searches, recall, history) on SQLite, outside any enclosing
     transaction: the operation's queries run in a DEFERRED transaction — a WAL snapshot that
-    takes no lock, so a long search holds up no other request — and its audit event (plus
-    any ``after_read`` write, such as the access counter) is written right after, in a short
+    takes no lock, so a long search holds up no other request — and its event (plus any
+    :func:`after_read` write, such as the access counter) is written right after, in a short
     IMMEDIATE transaction, before the result is returned. SQLite cannot upgrade a snapshot to
     a writer once another connection has written (SQLITE_BUSY at once, no waiting), so
     "read, then insert the event in the same transaction" would fail under any concurrent
     write; for an operation that changes nothing, its event committed before its answer
     leaves is what the audit promise needs. On PostgreSQL (reads never block there) and
-    inside an enclosing transaction, one transaction as for every operation."""
+    inside an enclosing transaction: one transaction, as for every operation.
+    """
+    op = AuditedOperation(tenant=tenant, actor=actor, action=action, target=target)
     if read_only and connection.vendor == "sqlite" and not connection.in_atomic_block:
         pending: list[Callable[[], object]] = []
         token = _READ_PHASE.set(pending)
         try:
             try:
                 with _deferred_transaction():
-                    yield
+                    yield op
             finally:
                 _READ_PHASE.reset(token)
         except ServiceError as exc:
-            exc.audited = True
-            with transaction.atomic():
-                audit_record(
-                    tenant=tenant,
-                    actor=actor,
-                    action=action,
-                    target=target if isinstance(target, str) else "",
-                    outcome=_outcome_of(exc),
-                    detail={"code": exc.code, "field": exc.field},
-                )
+            if _mark_recorded(exc):
+                with transaction.atomic():
+                    op._write(op._row_for(exc))
             raise
-        if pending:
-            with transaction.atomic():
-                for write in pending:
-                    write()
+        with transaction.atomic():
+            for write in pending:
+                write()
+            if op._row is not None:
+                op._write(op._row)
         return
     try:
         with transaction.atomic():
-            yield
+            yield op
+            if op._row is not None:
+                op._write(op._row)
     except ServiceError as exc:
-        exc.audited = True
+        if _mark_recorded(exc):
+            op._write(op._row_for(exc))
+        raise
+
+
+def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = "", error: Exception) -> None:
+    """A request refused on a surface before any service ran (a body that is not JSON, a
+    field of the wrong type): one ``invalid`` (``denied`` for a 403) event with the error's
+    code — unless an operation already recorded this very error."""
+    if not _mark_recorded(error):
+        return
+    forbidden = getattr(error, "http_status", 400) == 403
+    audit_record(
+        tenant=tenant,
+        actor=actor,
+        action=action,
+        target=target,
+        outcome=AuditEvent.Outcome.DENIED if forbidden else AuditEvent.Outcome.INVALID,
+        detail={"code": getattr(error, "code", None) or getattr(error, "default_code", "invalid")},
+    )
+
+
+def audit_auth_failure(*, tenant: Tenant | None, actor: Actor, target: str, code: str) -> None:
+    """A request whose credentials failed (``auth.failed``, ``unauthenticated``). Its own
+    transaction: the request fails, the record of the attempt stays. ``actor`` names only
+    the public part of a key, never its secret."""
+    with transaction.atomic():
         audit_record(
             tenant=tenant,
             actor=actor,
-            action=action,
-            target=target if isinstance(target, str) else "",
-            outcome=_outcome_of(exc),
-            detail={"code": exc.code, "field": exc.field},
+            action="auth.failed",
+            target=target,
+            outcome=AuditEvent.Outcome.UNAUTHENTICATED,
+            detail={"code": code},
         )
-        raise
 
 
 def event_fields(row: dict) -> dict:
@@ -339,16 +450,9 @@ def audit_checkpoint_create(*, tenant: Tenant, actor: Actor) -> AuditCheckpoint:
                 "a checkpoint covers the whole tenant; this key is limited to some prefixes", code="key_not_allowed"
             )
     audit_seal(tenant_id=tenant.pk)
-    with transaction.atomic():
+    with audited_operation(tenant=tenant, actor=actor, action="audit.checkpoint") as op:
         checkpoint = _checkpoint(tenant_id=tenant.pk, reason=AuditCheckpoint.Reason.EXPORT)
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="audit.checkpoint",
-            outcome=AuditEvent.Outcome.OK,
-            count=checkpoint.total,
-            detail={"seal": checkpoint.seal_seq},
-        )
+        op.record(count=checkpoint.total, detail={"seal": checkpoint.seal_seq})
     return checkpoint
 
 
@@ -485,14 +589,8 @@ def audit_purge(*, tenant: Tenant, now=None) -> dict:
             deleted += cursor.rowcount
             cursor.execute(f"UPDATE {seals_table} SET purged_at = %s WHERE id = %s", [now, seal.pk])  # nosec B608
         seals += 1
-    audit_record(
-        tenant=tenant,
-        actor=Actor.system(job=SYSTEM_AUDIT_JOB),
-        action="audit.purge",
-        outcome=AuditEvent.Outcome.OK,
-        count=deleted,
-        detail={"through_seal": through, "seals": seals, "cutoff": cutoff.isoformat()},
-    )
+    with audited_operation(tenant=tenant, actor=Actor.system(job=SYSTEM_AUDIT_JOB), action="audit.purge") as op:
+        op.record(count=deleted, detail={"through_seal": through, "seals": seals, "cutoff": cutoff.isoformat()})
     return {"events": deleted, "seals": seals, "through": through}
 
 
@@ -514,7 +612,7 @@ def audit_event_list(
 ) -> tuple[list[AuditEvent], str | None]:
     """Newest first, keyset-paginated on the id. Scope ``audit:read``; the reading is itself
     an ``audit.list`` event. Cost: one index range scan, limit + 1 rows, one INSERT."""
-    with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or ""):
+    with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
         before = None
@@ -529,36 +627,26 @@ def audit_event_list(
         rows = list(qs[: limit + 1])
         next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
         rows = rows[:limit]
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="audit.list",
-            outcome=AuditEvent.Outcome.OK,
-            target=filters.key_prefix or "",
-            subject=filters.subject or "",
-            count=len(rows),
-            detail=filters.as_detail(),
-        )
+        op.record(subject=filters.subject or "", count=len(rows), detail=filters.as_detail())
         return rows, next_cursor
+
+
+def audit_list_record(*, tenant: Tenant, actor: Actor, key_prefix: str, subject: str, count: int, detail: dict) -> None:
+    """Record a reading of the log that a page made itself (the admin's list: ``audit.list``
+    with what the filters were as given and how many rows of this tenant it showed)."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=key_prefix) as op:
+        op.record(subject=subject, count=count, detail=detail)
 
 
 def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, fmt: str):
     """Check the reader may export, record the ``audit.export`` event (committed before the
     first row is sent: an export the client abandons halfway was still an export) and
     return the queryset to stream. Scope ``audit:read``."""
-    with audited_operation(tenant=tenant, actor=actor, action="audit.export", target=filters.key_prefix or ""):
+    with audited_operation(tenant=tenant, actor=actor, action="audit.export", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         if fmt not in EXPORT_FORMATS:
             raise InvalidInput(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="audit.export",
-            outcome=AuditEvent.Outcome.OK,
-            target=filters.key_prefix or "",
-            subject=filters.subject or "",
-            detail={**filters.as_detail(), "format": fmt},
-        )
+        op.record(subject=filters.subject or "", detail={**filters.as_detail(), "format": fmt})
     return audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
 
 

@@ -60,12 +60,6 @@ def hash_api_key(raw_key: str) -> str:
     return hashlib.sha256(raw_key.encode()).hexdigest()
 
 
-class ApiKeyQuerySet(models.QuerySet):
-    def usable(self):
-        now = timezone.now()
-        return self.filter(revoked_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-
-
 class ApiKey(models.Model):
     """An agent's credential. The secret is shown once at creation; only its hash is kept.
 
@@ -86,8 +80,6 @@ class ApiKey(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
 
-    objects = ApiKeyQuerySet.as_manager()
-
     class Meta:
         indexes = [models.Index(fields=["tenant", "created_at"], name="apikey_tenant_created")]
 
@@ -104,10 +96,6 @@ class ApiKey(models.Model):
         lookup = secrets.token_hex(6)
         raw = f"{API_KEY_PREFIX}{lookup}_{secrets.token_urlsafe(32)}"
         return raw, lookup, hash_api_key(raw)
-
-    def is_usable(self, now=None) -> bool:
-        now = now or timezone.now()
-        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
 
 
 class TsVectorField(models.TextField):

@@ -7,6 +7,7 @@ django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 """
 
 from memories.search import embeddings
+from memories.search import index as search_index
 from memories.services import forget, retention, summaries
 
 
@@ -36,3 +37,7 @@ def summarize_jobs_resume_task() -> int:
 
 def embed_memories_task() -> dict:
     return embeddings.embeddings_refresh()
+
+
+def search_stats_refresh_task() -> dict:
+    return search_index.stats_refresh_stale()

@@ -1,8 +1,11 @@
 """The tool registry: each tool's name, description, parameters and the service it calls,
 side by side. The OpenAI, Anthropic and MCP schemas are all generated from it.
 
-Results are compact dicts that go straight back to the model; ``not_found`` and
-``conflict`` are results. Wrong calls raise :class:`zeromem.kernel.errors.ServiceError`.
+:func:`tool_call` takes a call as the model emitted it, checks its shape once, runs the
+tool's service and answers with a compact dict that goes straight back to the model:
+``ok``, ``not_found`` and ``conflict`` are results (a service's :class:`NotFound` and
+:class:`Conflict` become them); a wrong call is an ``error`` result with the error's HTTP
+status, recorded as ``tool.call`` when it is the call itself that is malformed.
 """
 
 from __future__ import annotations
@@ -10,14 +13,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from audit.services import audited_operation
 from memories import services
 from memories.models import Memory, Tenant
 from memories.services import summaries
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, ServiceError
 
 # A memory value is any JSON. OpenAI's strict mode cannot express a free-form object, so
 # the strict schema offers scalars (a structured value can be sent as a JSON string);
@@ -116,9 +120,10 @@ def _write(tenant: Tenant, actor: Actor, a: dict) -> dict:
 
 
 def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
-    r = services.memory_read(tenant=tenant, actor=actor, key=a["key"])
-    if r.status == "not_found":
-        out = {"status": "not_found", "key": r.key}
+    try:
+        r = services.memory_read(tenant=tenant, actor=actor, key=a["key"])
+    except NotFound:
+        out = {"status": "not_found", "key": a["key"]}
         if a.get("default") is not None:
             out["value"] = a["default"]  # the caller's fallback, as the seeds' degradation advice asks
         return out
@@ -130,16 +135,12 @@ def _update(tenant: Tenant, actor: Actor, a: dict) -> dict:
     r = services.memory_update(
         tenant=tenant, actor=actor, key=a["key"], value=a["value"], expected_version=a.get("expected_version")
     )
-    if r.status == "not_found":
-        return {"status": "not_found", "key": r.key}
-    if r.status == "conflict":
-        return {"status": "conflict", "key": r.key, "current_version": r.current_version}
     return {"status": "ok", "key": r.key, "version": r.memory.version, "created": False}
 
 
 def _delete(tenant: Tenant, actor: Actor, a: dict) -> dict:
-    r = services.memory_delete(tenant=tenant, actor=actor, key=a["key"])
-    return {"status": r.status} if r.status == "ok" else {"status": "not_found", "key": r.key}
+    services.memory_delete(tenant=tenant, actor=actor, key=a["key"])
+    return {"status": "ok"}
 
 
 def _list(tenant: Tenant, actor: Actor, a: dict) -> dict:
@@ -278,24 +279,69 @@ def call_id_of(body: Any) -> str | None:
     return call_id if isinstance(call_id, str) else None
 
 
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: dict
-    call_id: str | None
+# --- a call's shape -----------------------------------------------------------------------
+# The rules (and the messages) of the OpenAPI description, memories.api.serializers
+# .ToolCallSerializer: ``id`` a string or null, ``name`` a string, ``arguments`` an object or
+# that object as a JSON string, ``type`` "function", ``function`` an object with a ``name``
+# and optional ``arguments``. The first broken field, in that order, is the one named.
 
 
-def parse_call(body: Any) -> ParsedCall:
-    """Accept a call as models emit it: ``{"name", "arguments"}`` or an OpenAI tool call
-    ``{"id", "type": "function", "function": {"name", "arguments"}}``; arguments may be an
-    object or a JSON string."""
+def _string_field(body: dict, name: str, field: str, *, required: bool = False, nullable: bool = False) -> None:
+    if name not in body:
+        if required:
+            raise InvalidInput("This field is required.", field=field, code="required")
+        return
+    value = body[name]
+    if value is None and nullable:
+        return
+    if value == "" or str(value).strip() == "":
+        raise InvalidInput("This field may not be blank.", field=field, code="blank")
+    if value is None:
+        raise InvalidInput("This field may not be null.", field=field, code="null")
+    if not isinstance(value, str):
+        raise InvalidInput("Not a valid string.", field=field)
+
+
+def _arguments_field(body: dict, field: str) -> None:
+    if "arguments" not in body:
+        return
+    value = body["arguments"]
+    if value is None:
+        raise InvalidInput("This field may not be null.", field=field, code="null")
+    if not isinstance(value, (dict, str)):
+        raise InvalidInput("must be an object, or the object as a JSON string", field=field)
+
+
+def _check_shape(body: Any, prefix: str) -> None:
     if not isinstance(body, dict):
-        raise InvalidInput("a tool call must be a JSON object", field="body")
-    call_id = call_id_of(body)
+        raise InvalidInput("a tool call must be a JSON object", field=prefix.rstrip(".") or "body")
+    _string_field(body, "id", f"{prefix}id", nullable=True)
+    _string_field(body, "name", f"{prefix}name")
+    _arguments_field(body, f"{prefix}arguments")
+    if "type" in body:
+        kind = body["type"]
+        if kind is None:
+            raise InvalidInput("This field may not be null.", field=f"{prefix}type", code="null")
+        if str(kind) != "function":
+            raise InvalidInput(f'"{kind}" is not a valid choice.', field=f"{prefix}type", code="invalid_choice")
+    if "function" in body:
+        function = body["function"]
+        field = f"{prefix}function"
+        if function is None:
+            raise InvalidInput("This field may not be null.", field=field, code="null")
+        if not isinstance(function, dict):
+            raise InvalidInput(f"Invalid data. Expected a dictionary, but got {type(function).__name__}.", field=field)
+        _string_field(function, "name", f"{field}.name", required=True)
+        _arguments_field(function, f"{field}.arguments")
+
+
+def _parse(body: Any) -> tuple[str, dict]:
+    """(tool name, arguments) of a call as models emit it: ``{"name", "arguments"}`` or an
+    OpenAI tool call ``{"id", "type": "function", "function": {"name", "arguments"}}``;
+    arguments may be an object or a JSON string."""
+    _check_shape(body, "")
     prefix = ""
     if "function" in body:
-        if not isinstance(body["function"], dict):
-            raise InvalidInput("must be an object with name and arguments", field="function")
         body, prefix = body["function"], "function."
     name = body.get("name")
     if not isinstance(name, str) or not name:
@@ -310,10 +356,11 @@ def parse_call(body: Any) -> ParsedCall:
             ) from None
     if not isinstance(arguments, dict):
         raise InvalidInput("must be a JSON object", field=f"{prefix}arguments")
-    return ParsedCall(name=name, arguments=arguments, call_id=call_id)
+    return name, arguments
 
 
-def tool_call(*, tenant: Tenant, actor: Actor, name: str, arguments: dict) -> dict:
+def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
+    """The tool and its arguments, once the call names a tool and gives what it takes."""
     tool = TOOLS.get(name)
     if tool is None:
         raise InvalidInput(f"unknown tool; available: {', '.join(TOOLS)}", field="name", code="unknown_tool")
@@ -328,4 +375,58 @@ def tool_call(*, tenant: Tenant, actor: Actor, name: str, arguments: dict) -> di
     for p in tool.params:
         if p.required and p.name not in arguments:
             raise InvalidInput("is required", field=p.name, code="required")
-    return tool.run(tenant, actor, arguments)
+    return tool, arguments
+
+
+# --- running calls ------------------------------------------------------------------------
+
+
+class ToolAnswer(NamedTuple):
+    result: dict  # what goes back to the model
+    http_status: int  # 200, or the error's status for an ``error`` result
+
+
+def tool_call(*, tenant: Tenant, actor: Actor, call: Any) -> ToolAnswer:
+    """Run one call as the model emitted it. A call that is malformed, names no tool or
+    gives wrong arguments is refused and recorded as ``tool.call``; a call that reaches its
+    service is recorded by the service (``memory.write``, ...), whatever the outcome. Every
+    answer, an error too, carries the call's ``tool_call_id`` when it had one.
+
+    Cost: the service's, plus nothing for the parsing (no query)."""
+    call_id = call_id_of(call)
+    try:
+        with audited_operation(tenant=tenant, actor=actor, action="tool.call"):
+            tool, arguments = _resolve(*_parse(call))
+        answer = ToolAnswer(_run(tool, tenant, actor, arguments), 200)
+    except ServiceError as exc:
+        answer = ToolAnswer({"status": "error", "error": exc.as_dict()}, exc.http_status)
+    if call_id is not None:
+        answer.result["tool_call_id"] = call_id
+    return answer
+
+
+def _run(tool: Tool, tenant: Tenant, actor: Actor, arguments: dict) -> dict:
+    try:
+        return tool.run(tenant, actor, arguments)
+    except NotFound:
+        return {"status": "not_found", "key": arguments["key"]}
+    except Conflict as exc:
+        return {"status": "conflict", "key": arguments["key"], "current_version": exc.extra.get("current_version")}
+
+
+BATCH_MAX_CALLS = 50
+
+
+def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
+    """Run ``body["calls"]`` (1-50 calls) in order, each in its own transaction: one failing
+    call does not undo the others, and each result stands alone. A batch with a call that is
+    not shaped like a tool call is malformed: refused whole (InvalidInput), nothing runs;
+    well-shaped calls that fail (unknown tool, bad key) fail alone."""
+    calls = body.get("calls") if isinstance(body, dict) else None
+    if not isinstance(calls, list) or not calls:
+        raise InvalidInput("must be a non-empty list of tool calls", field="calls")
+    if len(calls) > BATCH_MAX_CALLS:
+        raise InvalidInput(f"at most {BATCH_MAX_CALLS} calls per batch", field="calls", code="too_many")
+    for i, call in enumerate(calls):
+        _check_shape(call, f"calls.{i}.")
+    return [tool_call(tenant=tenant, actor=actor, call=call).result for call in calls]

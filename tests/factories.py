@@ -21,7 +21,6 @@ from django.utils import timezone
 
 from memories import services
 from memories.models import ApiKey, Membership, Memory, Tenant
-from memories.services import staff
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.scopes import ALL_SCOPES
 
@@ -136,7 +135,7 @@ def make_staff(tenant, role: str, username: str | None = None):
     """A user holding a ``role`` membership in ``tenant`` (no usable password: log in with
     :func:`logged_in`)."""
     user = get_user_model().objects.create_user(username=username or f"{role}-{tenant.slug}", password=None)
-    staff.membership_set(tenant=tenant, actor=SYSTEM, username=user.username, role=role)
+    services.membership_set(tenant=tenant, actor=SYSTEM, username=user.username, role=role)
     user.refresh_from_db()
     return user
 

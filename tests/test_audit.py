@@ -14,6 +14,7 @@ from audit.verify import audit_verify
 from memories import services
 from memories.models import ApiKey
 from tests.factories import SYSTEM, KeyedClient, make_key
+from zeromem.kernel.errors import NotFound
 
 CANARY = "CANARY-5f3a"
 KEY = "user:u1:lang"
@@ -335,6 +336,11 @@ def test_memory_values_never_appear_in_any_audit_row(w):
 # --- services without an HTTP surface (commands, jobs, admin) -------------------------------
 
 
+def _not_found(service, **kwargs):
+    with pytest.raises(NotFound):
+        service(**kwargs)
+
+
 def _svc(id_, action_outcome, run):
     action, outcome = action_outcome.split()
     return pytest.param(run, action, outcome, id=id_)
@@ -346,7 +352,7 @@ SERVICE_SCENARIOS = [
     _svc("key-revoke", "api_key.revoke ok", lambda w, t: services.api_key_revoke(tenant=t, actor=SYSTEM, key_id=w.ro_key.pk)),
     _svc("retention-rule", "retention_rule.set ok",
          lambda w, t: services.retention_rule_set(tenant=t, actor=SYSTEM, prefix="session:", default_ttl_seconds=60)),
-    _svc("restore-miss", "memory.restore not_found", lambda w, t: services.memory_restore(tenant=t, actor=SYSTEM, memory_id=999999)),
+    _svc("restore-miss", "memory.restore not_found", lambda w, t: _not_found(services.memory_restore, tenant=t, actor=SYSTEM, memory_id=999999)),
     _svc("audit-checkpoint", "audit.checkpoint ok", lambda w, t: audit_services.audit_checkpoint_create(tenant=t, actor=SYSTEM)),
 ]  # fmt: skip
 

@@ -29,6 +29,7 @@ from audit.verify import audit_verify
 from memories import services
 from tests.factories import SYSTEM, make_tenant
 from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import NotFound
 
 TABLE = AuditEvent._meta.db_table
 SEALS = AuditSeal._meta.db_table
@@ -56,7 +57,8 @@ def activity(tenant, n=12, user="u1"):
     for i in range(n):
         services.memory_write(tenant=tenant, actor=AGENT, key=f"user:{user}:k{i}", value=f"v{i}")
     services.memory_read(tenant=tenant, actor=AGENT, key=f"user:{user}:k0")
-    services.memory_read(tenant=tenant, actor=AGENT, key=f"user:{user}:missing")
+    with pytest.raises(NotFound):
+        services.memory_read(tenant=tenant, actor=AGENT, key=f"user:{user}:missing")
 
 
 def sealed_ids(tenant):

@@ -33,7 +33,6 @@ from django_q.models import OrmQ, Schedule, Task
 from audit.models import AuditEvent
 from memories import services
 from memories.models import ApiKey, ForgetRequest, Membership, Memory, MemoryVersion
-from memories.services import staff
 from tests.factories import SYSTEM, make_key, make_tenant
 from tests.helpers import rolled_back_module_data
 
@@ -257,9 +256,9 @@ class Staff:
         self.users = {}
         for role in ROLES:
             self.users[role] = User.objects.create_user(username=f"adm-{role}", password=None)
-            staff.membership_set(tenant=self.a, actor=SYSTEM, username=f"adm-{role}", role=role)
+            services.membership_set(tenant=self.a, actor=SYSTEM, username=f"adm-{role}", role=role)
         self.users["other_tenant"] = User.objects.create_user(username="adm-other", password=None)
-        staff.membership_set(tenant=self.b, actor=SYSTEM, username="adm-other", role="admin")
+        services.membership_set(tenant=self.b, actor=SYSTEM, username="adm-other", role="admin")
         self.users["no_membership"] = User.objects.create_user(username="adm-none", password=None, is_staff=True)
         key, _raw = make_key(self.a, name="adm-matrix-key")
         fr = services.forget_request_create(tenant=self.a, actor=SYSTEM, subject="u10086", reason="matrix")

@@ -12,8 +12,8 @@ import re
 from django.contrib.auth import get_user_model
 
 from audit.models import AuditEvent
+from memories import services
 from memories.models import ForgetRequest, Memory
-from memories.services import staff
 from tests.factories import SYSTEM, make_tenant, write
 
 pytest_plugins = ["tests.admin_fixtures"]
@@ -26,7 +26,7 @@ PASSWORD = "a long staff password"
 
 def _member(tenant, role, username):
     get_user_model().objects.create_user(username=username, password=PASSWORD)
-    staff.membership_set(tenant=tenant, actor=SYSTEM, username=username, role=role)
+    services.membership_set(tenant=tenant, actor=SYSTEM, username=username, role=role)
 
 
 def _log_in(page, base, username):

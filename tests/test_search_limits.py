@@ -10,17 +10,15 @@ from django.db import connection
 from django.utils import timezone
 
 from audit.models import AuditEvent
-from memories import services
 from memories.models import Memory
 from memories.search import lexical, text
+from tests.factories import write
 from zeromem.kernel import validation
 
 
 def _write(api, key, value, importance):
     # The memory_write tool takes no importance (it is an admin/REST field): the service does.
-    from tests.factories import SYSTEM
-
-    services.memory_write(tenant=api.tenant, actor=SYSTEM, key=key, value=value, importance=importance)
+    write(api.tenant, key, value, importance=importance)
 
 
 def _nested(depth: int):
@@ -82,7 +80,9 @@ def test_value_nested_deeper_than_the_documented_depth_is_400_naming_value(api):
 def test_a_value_thousands_of_levels_deep_is_a_4xx_not_a_500(api):
     # Deep enough that the JSON parser itself, or any recursion over it, would blow the stack.
     deep = "[" * 100_000 + "]" * 100_000
-    r = api.post("/api/v1/tools/call", raw='{"name": "memory_write", "arguments": {"key": "fact:x", "value": ' + deep + "}}")
+    r = api.post(
+        "/api/v1/tools/call", raw='{"name": "memory_write", "arguments": {"key": "fact:x", "value": ' + deep + "}}"
+    )
     assert 400 <= r.status_code < 500
 
 
@@ -144,9 +144,7 @@ def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, setting
             if connection.vendor == "postgresql":
                 cursor.execute("SELECT pg_sleep(2)")
             else:
-                cursor.execute(
-                    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
-                )
+                cursor.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c")
         return real(tenant_id, terms)
 
     monkeypatch.setattr(lexical, "_frequencies", slow)
@@ -208,7 +206,7 @@ def test_recall_with_only_a_prefix_returns_the_most_important_and_recent_memorie
     status, body = api.call("memory_recall", prefix="user:u1:", max_chars=500)
     assert status == 200, body
     assert body["text"].splitlines() == [
-        'user:u1:name: Ada',
+        "user:u1:name: Ada",
         "user:u1:mood: tired",
         "user:u1:old_note: liked jazz in 2019",
     ]
@@ -243,7 +241,9 @@ def test_recall_cuts_a_line_that_does_not_fit_or_skips_it_for_a_shorter_one(api)
 def test_recall_schema_makes_query_optional():
     from memories.tools import TOOLS
 
-    schema = TOOLS["memory_recall"].parameters_schema() if hasattr(TOOLS["memory_recall"], "parameters_schema") else None
+    schema = (
+        TOOLS["memory_recall"].parameters_schema() if hasattr(TOOLS["memory_recall"], "parameters_schema") else None
+    )
     tool = TOOLS["memory_recall"]
     assert "query" not in [p.name for p in tool.params if p.required]
     assert schema is None or "query" not in schema.get("required", [])
@@ -255,3 +255,70 @@ def test_chinese_paraphrase_bigrams_and_key_words_find_their_memory(api):
     _, body = api.call("memory_search", query="周报什么时候发送？")
     assert body["results"][0]["key"] == "task:t1:weekly_report"
     assert json.dumps(body, ensure_ascii=False).count("fact:office:wifi") == 0
+
+
+# --- term statistics (PostgreSQL) -------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_term_statistics_are_counted_and_a_memory_written_since_is_still_found(api):
+    from django.core.management import call_command
+
+    from memories.models import SearchCorpus, SearchTerm
+    from memories.tasks import search_stats_refresh_task
+
+    api.call("memory_write", key="note:a", value="pelican report")
+    api.call("memory_write", key="note:b", value="pelican status")
+    assert api.tenant.pk in search_stats_refresh_task()
+    assert SearchTerm.objects.get(tenant=api.tenant, term="pelican").ndoc == 2
+    assert SearchCorpus.objects.get(tenant=api.tenant).documents == 2
+    assert search_stats_refresh_task() == {}  # nothing changed since
+    api.call("memory_write", key="note:c", value="flamingo sighting")
+    _, body = api.call("memory_search", query="flamingo")
+    assert [r["key"] for r in body["results"]] == ["note:c"]
+    call_command("search_reindex", tenant=api.tenant.slug, stdout=__import__("io").StringIO())
+    assert SearchTerm.objects.get(tenant=api.tenant, term="flamingo").ndoc == 1
+
+
+def test_a_single_chinese_character_finds_the_words_it_starts(api):
+    api.call("memory_write", key="fact:wallet", value="钱包在桌子上")
+    api.call("memory_write", key="fact:gun", value="水枪")
+    _, body = api.call("memory_search", query="钱")
+    assert [r["key"] for r in body["results"]] == ["fact:wallet"]
+    _, body = api.call("memory_search", query="枪")  # a lone character
+    assert body["results"] == [] or [r["key"] for r in body["results"]] == ["fact:gun"]
+
+
+def test_searches_past_the_tenants_concurrency_are_503_search_busy(api, api_b, settings):
+    import threading
+
+    import psycopg
+
+    api.call("memory_write", key="fact:a", value="zebra orchid")
+    api_b.call("memory_write", key="fact:b", value="zebra orchid")
+    settings.ZEROMEM_SEARCH_CONCURRENCY = 1
+    holder = None
+    if connection.vendor == "postgresql":
+        # Another server process running a search of tenant A: it holds A's only slot.
+        s = connection.settings_dict
+        holder = psycopg.connect(
+            host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"], autocommit=True
+        )
+        holder.execute("SELECT pg_advisory_lock(%s + %s * 256)", [lexical._SLOT_LOCKS, api.tenant.pk])
+    else:
+        lexical._local_slots[api.tenant.pk] = threading.BoundedSemaphore(1)
+        lexical._local_slots[api.tenant.pk].acquire()
+    try:
+        r = api.post("/api/v1/tools/call", {"name": "memory_search", "arguments": {"query": "zebra"}})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "search_busy"
+        assert r.headers["Retry-After"] == "1"
+        # Another tenant's searches are not counted against it.
+        status, body = api_b.call("memory_search", query="zebra")
+        assert status == 200 and [x["key"] for x in body["results"]] == ["fact:b"]
+    finally:
+        if holder is not None:
+            holder.close()
+        else:
+            lexical._local_slots.pop(api.tenant.pk, None)
+    status, body = api.call("memory_search", query="zebra")
+    assert status == 200 and [x["key"] for x in body["results"]] == ["fact:a"]

@@ -9,11 +9,14 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpResponse
 
+from zeromem.kit.api import error_body
+
 _INCOMING_ID = re.compile(r"[A-Za-z0-9._-]{8,64}")
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None, **extra) -> HttpResponse:
-    body = {"error": {"code": code, "message": message, "field": field, **extra}}
+    """The error envelope as a plain response, for answers given outside DRF."""
+    body = error_body(code, message, field, **extra)
     return HttpResponse(json.dumps(body, separators=(",", ":")), status=status, content_type="application/json")
 
 

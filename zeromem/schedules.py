@@ -22,6 +22,9 @@ SCHEDULES = {
     # Summarize jobs whose queue entry was lost, or that django-q2 stopped retrying, are
     # enqueued again; each job's own attempt counter bounds the retries.
     "zeromem:summarize-jobs-resume": ("memories.tasks.summarize_jobs_resume_task", Schedule.MINUTES, 10),
+    # Search term frequencies (idf) of tenants whose memories changed are recounted from the
+    # index; searches meanwhile use the last count (memories/search/index.py).
+    "zeromem:search-stats": ("memories.tasks.search_stats_refresh_task", Schedule.MINUTES, 10),
     # Memories written since the last run get their embeddings (semantic search); until then
     # they are found by words only. Each run stops after ~50 s, so runs do not pile up.
     "zeromem:embed-memories": ("memories.tasks.embed_memories_task", Schedule.MINUTES, 1),

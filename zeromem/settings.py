@@ -212,6 +212,8 @@ ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
 # One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
+# Searches one tenant may run at once; more are 503 search_busy with Retry-After.
+ZEROMEM_SEARCH_CONCURRENCY = env.int("ZEROMEM_SEARCH_CONCURRENCY", default=4)
 ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
 ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default=6000)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For

@@ -13,7 +13,6 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.core.cache import cache
-from django.db import transaction
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
@@ -21,10 +20,10 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from rest_framework.throttling import BaseThrottle
 
-from audit.models import AuditEvent
-from audit.services import audit_record
+from audit.services import audit_auth_failure
 from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
 from zeromem.kernel.actors import Actor
+from zeromem.kernel.outcomes import ActorKind
 from zeromem.kit.http import client_ip
 
 # last_used_at is refreshed at most this often, so a busy key costs no write per request.
@@ -46,7 +45,7 @@ class KeyPrincipal:
     def actor_for(self, request, surface: str) -> Actor:
         key = self.api_key
         return Actor(
-            kind=AuditEvent.ActorKind.API_KEY,
+            kind=ActorKind.API_KEY,
             id=str(key.pk),
             label=key.display_prefix,
             scopes=frozenset(key.scopes),
@@ -65,22 +64,13 @@ class AuthFailed(exceptions.AuthenticationFailed):
 
 def _audit_failure(request, *, code: str, tenant: Tenant | None, label: str) -> None:
     actor = Actor(
-        kind=AuditEvent.ActorKind.ANONYMOUS,
+        kind=ActorKind.ANONYMOUS,
         label=label,
         surface="api",
         request_id=getattr(request, "request_id", ""),
         client_ip=client_ip(request),
     )
-    # Its own transaction: the request fails, the record of the attempt stays.
-    with transaction.atomic():
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="auth.failed",
-            target=request.path[:512],
-            outcome=AuditEvent.Outcome.UNAUTHENTICATED,
-            detail={"code": code},
-        )
+    audit_auth_failure(tenant=tenant, actor=actor, target=request.path, code=code)
 
 
 class ApiKeyAuthentication(BaseAuthentication):

@@ -172,7 +172,8 @@ class ToolFunctionSerializer(serializers.Serializer):
 class ToolCallSerializer(serializers.Serializer):
     """Either {name, arguments} or an OpenAI tool call {id, type, function: {name, arguments}}.
 
-    It checks the shape of a call; the tool checks the call itself (name, arguments)."""
+    The OpenAPI description of the body: the registry (``memories.tools.tool_call``) checks
+    a call's shape by these same rules, once, and then the call itself (name, arguments)."""
 
     id = StrictCharField(required=False, allow_null=True, help_text="echoed back as tool_call_id")
     name = StrictCharField(required=False)

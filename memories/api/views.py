@@ -8,14 +8,12 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from rest_framework import status
 from rest_framework.response import Response
 
-from audit.models import AuditEvent
-from audit.services import audit_record
 from memories import services, tools
 from memories.api import serializers as s
 from memories.portal.services import portal_link_create
 from zeromem.kernel import validation
-from zeromem.kernel.errors import InvalidInput, ServiceError
-from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, first_error, retry_after
+from zeromem.kernel.errors import InvalidInput
+from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, retry_after
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(
@@ -58,45 +56,9 @@ class ToolListView(TenantAPIView):
         return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict == "true")})
 
 
-def _check_call_shape(body, field_prefix: str = "") -> None:
-    """Refuse a call that is not shaped like a tool call (ToolCallSerializer: an object whose
-    ``id``/``name`` are strings, ``arguments`` an object or JSON string, ``function`` an object
-    with a name); what a well-shaped call asks for is the tool's business."""
-    if not isinstance(body, dict):
-        raise InvalidInput("a tool call must be a JSON object", field=field_prefix.rstrip(".") or "body")
-    serializer = s.ToolCallSerializer(data=body)
-    if not serializer.is_valid():
-        field, message, code = first_error(serializer.errors)
-        raise InvalidInput(message, field=f"{field_prefix}{field}", code=code)
-
-
-def _run_call(view, body) -> tuple[dict, int]:
-    """One tool call → (body for the model, HTTP status). Errors keep the call id."""
-    call_id = tools.call_id_of(body)
-    try:
-        _check_call_shape(body)
-        call = tools.parse_call(body)
-        result = tools.tool_call(tenant=view.tenant, actor=view.actor, name=call.name, arguments=call.arguments)
-        code = status.HTTP_200_OK
-    except ServiceError as exc:
-        if not exc.audited:
-            audit_record(
-                tenant=view.tenant,
-                actor=view.actor,
-                action="tool.call",
-                outcome=AuditEvent.Outcome.INVALID,
-                detail={"code": exc.code, "field": exc.field},
-            )
-        result = {"status": "error", "error": exc.as_dict()}
-        code = exc.http_status
-    if call_id is not None:
-        result["tool_call_id"] = call_id
-    return result, code
-
-
 class ToolCallView(AuditedAPIView):
     surface = "tool"
-    # A body that is not JSON never reaches _run_call; it is audited as a refused call.
+    # A body that is not JSON never reaches the registry; it is audited as a refused call.
     audit_actions = {"POST": "tool.call"}
 
     @extend_schema(
@@ -106,15 +68,14 @@ class ToolCallView(AuditedAPIView):
         responses={200: s.ToolResultSerializer, **ERRORS},
     )
     def post(self, request):
-        result, code = _run_call(self, request.data)
-        return Response(result, status=code, headers=retry_after(result.get("error")))
+        answer = tools.tool_call(tenant=self.tenant, actor=self.actor, call=request.data)
+        return Response(answer.result, status=answer.http_status, headers=retry_after(answer.result.get("error")))
 
 
 class ToolBatchView(AuditedAPIView):
     surface = "tool"
     # Each call is audited by itself; a batch refused as a whole is one "tool.batch" event.
     audit_actions = {"POST": "tool.batch"}
-    MAX_CALLS = 50
 
     @extend_schema(
         operation_id="tools_batch",
@@ -123,17 +84,7 @@ class ToolBatchView(AuditedAPIView):
         responses={200: s.ToolBatchResultSerializer, **ERRORS},
     )
     def post(self, request):
-        calls = request.data.get("calls") if isinstance(request.data, dict) else None
-        if not isinstance(calls, list) or not calls:
-            raise InvalidInput("must be a non-empty list of tool calls", field="calls")
-        if len(calls) > self.MAX_CALLS:
-            raise InvalidInput(f"at most {self.MAX_CALLS} calls per batch", field="calls", code="too_many")
-        # A batch with a call that is not shaped like a tool call is malformed: refused whole,
-        # nothing runs. Well-shaped calls that fail (unknown tool, bad key) fail alone, below.
-        for i, body in enumerate(calls):
-            _check_call_shape(body, field_prefix=f"calls.{i}.")
-        # Each call runs in its own transaction: one failing call does not undo the others.
-        return Response({"results": [_run_call(self, body)[0] for body in calls]})
+        return Response({"results": tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data)})
 
 
 # --- memories as resources ------------------------------------------------------------
@@ -157,13 +108,6 @@ def _if_match(request) -> tuple[int, int] | str | None:
 
 def _memory_response(memory, code=status.HTTP_200_OK) -> Response:
     return Response(s.MemoryOutSerializer(memory).data, status=code, headers={"ETag": memory.etag})
-
-
-def _not_found(key: str) -> Response:
-    return Response(
-        {"error": {"code": "not_found", "message": "no memory at this key", "field": "key"}},
-        status=status.HTTP_404_NOT_FOUND,
-    )
 
 
 class MemoryListView(AuditedAPIView):
@@ -218,7 +162,7 @@ class MemoryDetailView(AuditedAPIView):
     )
     def get(self, request, key):
         r = services.memory_read(tenant=self.tenant, actor=self.actor, key=key)
-        return _memory_response(r.memory) if r.status == "ok" else _not_found(key)
+        return _memory_response(r.memory)
 
     @extend_schema(
         operation_id="memories_put",
@@ -261,20 +205,6 @@ class MemoryDetailView(AuditedAPIView):
         if "value" not in data:
             data["value"] = services._UNSET
         r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=_if_match(request), **data)
-        if r.status == "not_found":
-            return _not_found(key)
-        if r.status == "conflict":
-            return Response(
-                {
-                    "error": {
-                        "code": "conflict",
-                        "message": "the version moved",
-                        "field": "expected_version",
-                        "current_version": r.current_version,
-                    }
-                },
-                status=status.HTTP_409_CONFLICT,
-            )
         return _memory_response(r.memory)
 
     @extend_schema(
@@ -284,9 +214,7 @@ class MemoryDetailView(AuditedAPIView):
         responses={204: None, 404: NOT_FOUND, 412: PRECONDITION_FAILED, **ERRORS},
     )
     def delete(self, request, key):
-        r = services.memory_delete(tenant=self.tenant, actor=self.actor, key=key, if_match=_if_match(request))
-        if r.status == "not_found":
-            return _not_found(key)
+        services.memory_delete(tenant=self.tenant, actor=self.actor, key=key, if_match=_if_match(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -300,12 +228,10 @@ class MemoryHistoryView(AuditedAPIView):
         responses={200: s.HistorySerializer, 404: NOT_FOUND, **ERRORS},
     )
     def get(self, request, key):
-        r = services.memory_history(
+        versions = services.memory_history(
             tenant=self.tenant, actor=self.actor, key=key, limit=request.query_params.get("limit")
         )
-        if isinstance(r, services.MemoryResult):
-            return _not_found(key)
-        return Response({"key": key, "results": s.MemoryVersionSerializer(r, many=True).data})
+        return Response({"key": key, "results": s.MemoryVersionSerializer(versions, many=True).data})
 
 
 def _validated(serializer_class, data) -> dict:
@@ -376,11 +302,6 @@ class JobDetailView(AuditedAPIView):
     )
     def get(self, request, job_id):
         job = services.job_get(tenant=self.tenant, actor=self.actor, job_id=job_id)
-        if job is None:
-            return Response(
-                {"error": {"code": "not_found", "message": "no such job", "field": "job_id"}},
-                status=status.HTTP_404_NOT_FOUND,
-            )
         return Response(s.JobSerializer(job).data)
 
 
@@ -472,11 +393,6 @@ class ForgetRequestDetailView(AuditedAPIView):
     )
     def get(self, request, request_id):
         forget_request = services.forget_request_get(tenant=self.tenant, actor=self.actor, request_id=request_id)
-        if forget_request is None:
-            return Response(
-                {"error": {"code": "not_found", "message": "no such forget request", "field": "request_id"}},
-                status=status.HTTP_404_NOT_FOUND,
-            )
         return Response(s.ForgetRequestOutSerializer(forget_request).data)
 
 

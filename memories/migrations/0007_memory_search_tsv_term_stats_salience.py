@@ -8,7 +8,8 @@
 * The old ``to_tsvector(search_text)`` and trigram indexes are dropped (``CONCURRENTLY``).
 * ``memory_tenant_salience`` (tenant, importance desc, updated_at desc), for
   recall with only a prefix; ``CONCURRENTLY`` on PostgreSQL.
-* ``SearchTerm`` / ``SearchCorpus``: per-tenant document frequencies (PostgreSQL).
+* ``SearchTerm`` / ``SearchCorpus``: per-tenant document frequencies (PostgreSQL; the term
+  in the "C" collation so that a term prefix is a range of the primary key).
 * SQLite: an FTS5 table ``memories_memory_fts`` (key, tag and value terms as three columns,
   split from ``search_text`` by triggers that keep it in step with every insert, update
   and delete) and its ``fts5vocab`` view for the document frequencies.
@@ -30,6 +31,8 @@ SALIENCE = (
 )
 
 PG_FORWARD = [
+    # Byte order, so that a range (term >= '钱' AND term < '钱\U0010ffff') is a prefix scan.
+    'ALTER TABLE memories_searchterm ALTER COLUMN term TYPE varchar(255) COLLATE "C"',
     SALIENCE.format(concurrently="CONCURRENTLY"),
     "CREATE INDEX CONCURRENTLY IF NOT EXISTS memory_search_tsv ON memories_memory "
     "USING gin (search_tsv) WITH (fastupdate = off)",

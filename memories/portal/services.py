@@ -1,5 +1,6 @@
 """Portal links: issued to a tenant's application for one of its end users, opened once by
-that user. Audited like every other operation (audit.services.audit_record, same transaction).
+that user. Audited like every other operation (audit.services.audited_operation, same
+transaction).
 
 A link is ``/portal/open/<token>``, the token being ``django.core.signing.dumps`` of
 ``{"t": tenant id, "s": subject, "n": nonce, "e": expiry (epoch seconds)}`` (salted, signed
@@ -24,20 +25,17 @@ from typing import Any
 
 from django.conf import settings
 from django.core import signing
-from django.db import transaction
 from django.utils import timezone
 
-from audit.models import AuditEvent
-from audit.services import audit_record
+from audit.services import audited_operation
 from memories.models import Tenant
 from memories.portal.models import PortalLink
-from memories.services.memories import _operation
 from memories.services.subjects import _validated_subject
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden
+from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
 
-Outcome = AuditEvent.Outcome
 LINK_SALT = "zeromem.portal.link"
 
 
@@ -58,7 +56,7 @@ def portal_link_create(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[P
     ``ZEROMEM_PORTAL_LINK_SECONDS``. Needs ``forget:create`` (the portal lets the user file
     forget requests); a key limited to some prefixes may not (the portal shows the whole
     subject). Returns (the link's row, its token). Cost: one INSERT and the audit INSERT."""
-    with _operation(tenant=tenant, actor=actor, action="portal.link_create"):
+    with audited_operation(tenant=tenant, actor=actor, action="portal.link_create") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         subject = _validated_subject(subject)
         if actor.allowed_prefixes:
@@ -80,14 +78,7 @@ def portal_link_create(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[P
             created_by_kind=actor.kind,
             created_by=actor.id,
         )
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="portal.link_create",
-            outcome=Outcome.OK,
-            subject=subject,
-            detail={"portal_link": link.pk, "expires_in_seconds": lifetime},
-        )
+        op.record(subject=subject, detail={"portal_link": link.pk, "expires_in_seconds": lifetime})
     token = signing.dumps(
         {"t": tenant.pk, "s": subject, "n": link.nonce, "e": int(expires_at.timestamp())}, salt=LINK_SALT, compress=True
     )
@@ -120,18 +111,11 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
         _refuse(tenant, actor_for(None), "replayed", subject=link.subject, link=link)
     if not use:
         return link
-    with transaction.atomic():
+    with audited_operation(tenant=tenant, actor=actor_for(link), action="portal.open") as op:
         won = PortalLink.objects.filter(pk=link.pk, opened_at__isnull=True).update(opened_at=now)
         if won:
             link.opened_at = now
-            audit_record(
-                tenant=tenant,
-                actor=actor_for(link),
-                action="portal.open",
-                outcome=Outcome.OK,
-                subject=link.subject,
-                detail={"portal_link": link.pk},
-            )
+            op.record(subject=link.subject, detail={"portal_link": link.pk})
     if not won:  # another request opened it between our SELECT and the UPDATE
         _refuse(tenant, actor_for(None), "replayed", subject=link.subject, link=link)
     return link
@@ -151,16 +135,9 @@ def portal_session_link(*, link_id: Any) -> PortalLink | None:
 
 def portal_sign_out(*, link: PortalLink, actor: Actor) -> None:
     """End the portal session of ``link`` server-side (its cookie stops working)."""
-    with transaction.atomic():
+    with audited_operation(tenant=link.tenant, actor=actor, action="portal.sign_out") as op:
         PortalLink.objects.filter(pk=link.pk, closed_at__isnull=True).update(closed_at=timezone.now())
-        audit_record(
-            tenant=link.tenant,
-            actor=actor,
-            action="portal.sign_out",
-            outcome=Outcome.OK,
-            subject=link.subject,
-            detail={"portal_link": link.pk},
-        )
+        op.record(subject=link.subject, detail={"portal_link": link.pk})
 
 
 def _claims(token: Any) -> dict | None:
@@ -180,11 +157,8 @@ def _claims(token: Any) -> dict | None:
 
 def _refuse(tenant: Tenant | None, actor: Actor, reason: str, *, subject: str = "", link=None) -> None:
     # Its own transaction: the open fails, the record of the attempt stays.
-    with transaction.atomic():
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="portal.open",
+    with audited_operation(tenant=tenant, actor=actor, action="portal.open") as op:
+        op.record(
             outcome=Outcome.INVALID if reason == "altered" else Outcome.DENIED,
             subject=subject,
             detail={"code": f"link_{reason}", "portal_link": link.pk if link else None},
@@ -203,10 +177,9 @@ def portal_links_purge() -> int:
     actor = Actor.system(job="portal-links-purge")
     tenant_ids = PortalLink.objects.filter(expires_at__lt=cutoff).values_list("tenant_id", flat=True).distinct()
     for tenant_id in sorted(set(tenant_ids)):
-        with transaction.atomic():
+        with audited_operation(tenant=Tenant(pk=tenant_id), actor=actor, action="portal.links_purge") as op:
             count, _ = PortalLink.objects.filter(tenant_id=tenant_id, expires_at__lt=cutoff).delete()
             if count:
-                tenant = Tenant(pk=tenant_id)
-                audit_record(tenant=tenant, actor=actor, action="portal.links_purge", outcome=Outcome.OK, count=count)
+                op.record(count=count)
             done += count
     return done

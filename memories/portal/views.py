@@ -16,14 +16,14 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
 
-from audit.models import AuditEvent
 from memories.models import ForgetRequest
 from memories.portal import presentation
 from memories.portal.models import PortalLink
 from memories.portal.services import LinkRefused, portal_link_open, portal_session_link, portal_sign_out
 from memories.services import subjects
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
+from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
 from zeromem.kit.http import client_ip
 
@@ -54,7 +54,7 @@ REFUSED_LINK = {
 def end_user_actor(request, link: PortalLink) -> Actor:
     """The end user of a portal link, as the services and the audit log see them."""
     return Actor(
-        kind=AuditEvent.ActorKind.END_USER,
+        kind=ActorKind.END_USER,
         id=subjects.end_user_actor_id(link.subject),
         label="end user",
         scopes=END_USER_SCOPES,
@@ -67,7 +67,7 @@ def end_user_actor(request, link: PortalLink) -> Actor:
 def _link_holder(request) -> Actor:
     # Whoever holds a link that is refused: not known to be the end user.
     return Actor(
-        kind=AuditEvent.ActorKind.ANONYMOUS,
+        kind=ActorKind.ANONYMOUS,
         label="portal link",
         surface="portal",
         request_id=getattr(request, "request_id", ""),
@@ -195,15 +195,15 @@ def forget(request):
             forget_request = subjects.subject_forget(
                 tenant=link.tenant, actor=actor, subject=link.subject, key=request.POST.get("key", "")
             )
-            if forget_request is None:
-                return _error(
-                    request,
-                    404,
-                    "Nothing to forget there",
-                    "That memory is not among the ones kept about you (it may be gone already).",
-                )
         else:
             return _error(request, 400, "Something in this request was not right", "what: choose one or all")
+    except NotFound:
+        return _error(
+            request,
+            404,
+            "Nothing to forget there",
+            "That memory is not among the ones kept about you (it may be gone already).",
+        )
     except (InvalidInput, Forbidden) as exc:
         return _service_error(request, exc)
     return HttpResponseRedirect(reverse("portal-request", kwargs={"request_id": forget_request.pk}))
@@ -216,10 +216,11 @@ def request_detail(request, request_id):
     if link is None:
         return _no_session(request)
     actor = end_user_actor(request, link)
-    forget_request = subjects.subject_forget_request_get(
-        tenant=link.tenant, actor=actor, subject=link.subject, request_id=request_id
-    )
-    if forget_request is None:
+    try:
+        forget_request = subjects.subject_forget_request_get(
+            tenant=link.tenant, actor=actor, subject=link.subject, request_id=request_id
+        )
+    except NotFound:
         return _error(request, 404, "No such request", "There is no request of yours with this number.")
     view = _request_view(forget_request)
     context = {"tenant": link.tenant, "r": view, "refresh": REFRESH_SECONDS if view["pending"] else None}

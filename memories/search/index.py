@@ -94,3 +94,9 @@ def stale_tenant_ids() -> list[int]:
                                AND (c.refreshed_at IS NULL OR m.updated_at > c.refreshed_at))"""
         )
         return [row[0] for row in cursor.fetchall()]
+
+
+def stats_refresh_stale() -> dict[int, int]:
+    """The ``search-stats`` schedule: recount every tenant whose memories changed since its
+    last count. Returns {tenant id: distinct terms}."""
+    return {tenant_id: stats_refresh(tenant_id=tenant_id) for tenant_id in stale_tenant_ids()}

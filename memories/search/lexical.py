@@ -31,27 +31,36 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime
 
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from memories.search.text import QueryTerm, query_terms
+from memories.search.text import PREFIX_MARK, QueryTerm, query_terms
 from zeromem.kernel.errors import Unavailable
 
 MAX_QUERY_WORDS = 32  # distinct words of a question that are looked at; the rest are ignored
-MAX_TERMS = 8  # the rarest terms kept for candidates and scoring
+MAX_TERMS = 12  # the rarest terms kept for candidates and scoring
 CANDIDATES = 500  # memories ranked per search, at most
 # Field weights: value text, (unused), tags, key segments — PostgreSQL's {D, C, B, A}.
-FIELD_WEIGHTS = (0.2, 0.3, 0.5, 1.0)
+FIELD_WEIGHTS = (0.4, 0.5, 0.7, 1.0)
 TIE_BREAK_MAX = 0.03
+
+
+class SearchBusy(Unavailable):
+    def __init__(self):
+        super().__init__(
+            "too many searches of this tenant are running; retry shortly",
+            code="search_busy",
+            retry_after=1,
+        )
 
 
 class SearchTimeout(Unavailable):
@@ -126,7 +135,8 @@ def _prefix_sql(prefixes: list[str] | None, column: str) -> tuple[str, list]:
 
 
 def _tie_break(importance: int, updated_at: datetime, access_count: int, now: datetime) -> float:
-    """1 to 1 + TIE_BREAK_MAX: importance (0-10), recency (halves over 30 days), use."""
+    """1 to 1 + TIE_BREAK_MAX: importance (0-10), recency (halves over 30 days), use
+    (SQLite; PostgreSQL computes the same in SQL, ``_TIE_BREAK_SQL``)."""
     age_days = max((now - updated_at).total_seconds(), 0) / 86400
     return 1 + TIE_BREAK_MAX * (
         0.4 * importance / 10 + 0.4 / (1 + age_days / 30) + 0.2 * min(1.0, math.log1p(access_count) / math.log(101))
@@ -175,6 +185,39 @@ def deadline() -> Iterator[None]:
         raise
 
 
+# Namespace of the advisory locks that count a tenant's running searches (PostgreSQL).
+_SLOT_LOCKS = 0x5A4D_5345 << 24  # "ZMSE"
+_local_slots: dict[int, threading.BoundedSemaphore] = {}
+_local_slots_lock = threading.Lock()
+
+
+@contextmanager
+def search_slot(tenant_id: int) -> Iterator[None]:
+    """One of the tenant's ``ZEROMEM_SEARCH_CONCURRENCY`` search slots, or :class:`SearchBusy`
+    at once: 21 searches from one key must not take 21 pooled connections and every core
+    from the other tenants. PostgreSQL: a transaction-level advisory lock per slot (shared
+    by every server process, released at commit); SQLite: a semaphore of this process."""
+    slots = int(settings.ZEROMEM_SEARCH_CONCURRENCY)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT s FROM generate_series(0, %s - 1) s WHERE pg_try_advisory_xact_lock(%s + %s * 256 + s) LIMIT 1",
+                [slots, _SLOT_LOCKS, tenant_id],
+            )
+            if cursor.fetchone() is None:
+                raise SearchBusy()
+        yield
+        return
+    with _local_slots_lock:
+        semaphore = _local_slots.setdefault(tenant_id, threading.BoundedSemaphore(slots))
+    if not semaphore.acquire(blocking=False):
+        raise SearchBusy()
+    try:
+        yield
+    finally:
+        semaphore.release()
+
+
 def _is_timeout(exc: OperationalError) -> bool:
     cause = exc.__cause__
     if connection.vendor == "postgresql":
@@ -189,14 +232,16 @@ def _is_timeout(exc: OperationalError) -> bool:
 
 def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
     """(df of each known term, the tenant's document count N, whether df is exact) — one
-    indexed lookup."""
-    prefixed = {f"{tenant_id}:{t}": t for t in terms}
+    indexed lookup (plus one range sum per prefix term)."""
+    exact_terms = [t for t in terms if not t.endswith(PREFIX_MARK)]
+    prefix_terms = [t for t in terms if t.endswith(PREFIX_MARK)]
+    prefixed = {f"{tenant_id}:{t}": t for t in exact_terms}
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(
                 """SELECT term, ndoc, (SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s)
                    FROM memories_searchterm WHERE tenant_id = %s AND term = ANY(%s)""",
-                [tenant_id, tenant_id, list(terms)],
+                [tenant_id, tenant_id, exact_terms],
             )
             rows = cursor.fetchall()
             df = {term: ndoc for term, ndoc, _ in rows}
@@ -207,15 +252,42 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int,
                 documents = row[0] if row else None
             if documents is None:
                 return _counted_frequencies(cursor, tenant_id, terms)
+            for t in prefix_terms:
+                start = t[: -len(PREFIX_MARK)]
+                cursor.execute(
+                    "SELECT sum(ndoc) FROM memories_searchterm WHERE tenant_id = %s AND term >= %s AND term < %s",
+                    [tenant_id, start, start + "\U0010ffff"],
+                )
+                n = cursor.fetchone()[0]
+                if n:
+                    df[t] = int(n)
             return df, documents, False
-        marks = ", ".join("%s" for _ in prefixed)
-        cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
-        df = {prefixed[term]: doc for term, doc in cursor.fetchall()}
+        df = {}
+        if prefixed:
+            marks = ", ".join("%s" for _ in prefixed)
+            cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
+            df = {prefixed[term]: doc for term, doc in cursor.fetchall()}
+        for t in prefix_terms:
+            start = f"{tenant_id}:{t[: -len(PREFIX_MARK)]}"
+            cursor.execute(
+                "SELECT sum(doc) FROM memories_memory_fts_vocab WHERE term >= %s AND term < %s",
+                [start, start + "\U0010ffff"],
+            )
+            n = cursor.fetchone()[0]
+            if n:
+                df[t] = int(n)
         cursor.execute(
             "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000)", [tenant_id]
         )
         # Exact counts: a term missing here matches nothing.
         return df, cursor.fetchone()[0], True
+
+
+def _lexeme(tenant_id: int, term: str) -> str:
+    """One term as a tsquery operand: ``'17:term'``, or ``'17:钱':*`` for a prefix term."""
+    if term.endswith(PREFIX_MARK):
+        return f"'{tenant_id}:{term[: -len(PREFIX_MARK)]}':*"
+    return f"'{tenant_id}:{term}'"
 
 
 # A tenant whose statistics were never counted (new, or just imported) has its terms counted
@@ -226,10 +298,10 @@ COUNT_CAP = CANDIDATES + 1
 def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
     cursor.execute(
         f"""SELECT t, (SELECT count(*) FROM (SELECT 1 FROM memories_memory
-                        WHERE tenant_id + 0 = %s AND search_tsv @@ format('%%L', %s || t)::tsquery
+                        WHERE tenant_id + 0 = %s AND search_tsv @@ q::tsquery
                         LIMIT {COUNT_CAP}) s)
-            FROM unnest(%s::text[]) t""",
-        [tenant_id, f"{tenant_id}:", list(terms)],
+            FROM unnest(%s::text[], %s::text[]) AS u(t, q)""",
+        [tenant_id, list(terms), [_lexeme(tenant_id, t) for t in terms]],
     )
     df = {t: n for t, n in cursor.fetchall() if n}
     cursor.execute(
@@ -257,7 +329,7 @@ def lexical_candidates(
         return []
     now = now or timezone.now()
     limit = min(limit, CANDIDATES)
-    with deadline():
+    with transaction.atomic(), search_slot(tenant_id), deadline():
         df, documents, exact = _frequencies(tenant_id, [t.term for t in terms])
         p = plan(terms, df, documents, exact=exact)
         if p is None:
@@ -268,7 +340,7 @@ def lexical_candidates(
 
 
 def _tsquery(tenant_id: int, terms: list[ScoredTerm]) -> str:
-    return " | ".join(f"'{tenant_id}:{t.term}'" for t in terms)
+    return " | ".join(_lexeme(tenant_id, t.term) for t in terms)
 
 
 def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
@@ -277,26 +349,33 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
     rank_terms = " + ".join("%s * ts_rank(%s, c.search_tsv, %s::tsquery, 1)" for _ in p.scoring_terms)
     rank_params: list = []
     for t in p.scoring_terms:
-        rank_params += [t.idf * t.boost, weights, f"'{tenant_id}:{t.term}'"]
+        rank_params += [t.idf * t.boost, weights, _lexeme(tenant_id, t.term)]
     # "tenant_id + 0" and the coalesce() (the same as "deleted_at IS NULL") keep the btrees
     # on (tenant, ...) and those partial on live rows out of the plan: a BitmapAnd with the
     # tenant's million rows would cost more than the search itself. The inner LIMIT stops
-    # the bitmap heap scan after CANDIDATES rows; the GIN index holds only this tenant's postings for these terms (tenant-prefixed lexemes), and tenant_id
-    # is filtered as well. Ranking re-reads each candidate's tsvector: cost ≈ candidates ×
-    # terms.
+    # the bitmap heap scan after CANDIDATES rows; the GIN index holds only this tenant's
+    # postings for these terms (tenant-prefixed lexemes), and tenant_id is filtered as well.
+    # Ranking re-reads each candidate's tsvector: cost ≈ candidates × terms.
     sql = f"""
-        SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
-        FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
-              WHERE tenant_id + 0 = %s AND search_tsv @@ %s::tsquery
-                AND coalesce(deleted_at, 'infinity') = 'infinity'
-                AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
-              LIMIT {CANDIDATES}) c
-        ORDER BY rank DESC LIMIT {CANDIDATES}"""
-    params = [*rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params]
+        SELECT id, round((rank * {_TIE_BREAK_SQL})::numeric, 6)::float8 AS score
+        FROM (SELECT c.id, ({rank_terms}) AS rank, c.importance, c.updated_at, c.access_count
+              FROM (SELECT id, search_tsv, importance, updated_at, access_count FROM memories_memory
+                    WHERE tenant_id + 0 = %s AND search_tsv @@ %s::tsquery
+                      AND coalesce(deleted_at, 'infinity') = 'infinity'
+                      AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
+                    LIMIT {CANDIDATES}) c) r
+        WHERE rank > 0
+        ORDER BY score DESC, id DESC LIMIT %s"""
+    params = [now, *rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params, limit]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        rows = cursor.fetchall()
-    return _final(rows, limit, now)
+        return [(memory_id, score) for memory_id, score in cursor.fetchall()]
+
+
+# _tie_break() in SQL (the first parameter is now), so that only ``limit`` rows leave the server.
+_TIE_BREAK_SQL = f"""(1 + {TIE_BREAK_MAX} * (0.4 * importance / 10.0
+    + 0.4 / (1 + greatest(extract(epoch FROM (%s - updated_at)), 0) / 86400.0 / 30)
+    + 0.2 * least(1.0, ln(1 + access_count) / ln(101))))"""
 
 
 def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
@@ -305,7 +384,10 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
     # kept term can take part in matching at no extra cost. The score is computed here, as
     # PostgreSQL's is, from the candidates' three term columns (FTS5's bm25() clamps the idf
     # of any term in half the rows or more to ~0, which ranks nothing in a small tenant).
-    match = " OR ".join(f'"{tenant_id}:{t.term}"' for t in p.scoring_terms)
+    match = " OR ".join(
+        f'"{tenant_id}:{t.term[:-1]}"*' if t.term.endswith(PREFIX_MARK) else f'"{tenant_id}:{t.term}"'
+        for t in p.scoring_terms
+    )
     sql = f"""
         SELECT m.id, f.k, f.t, f.b, m.importance, m.updated_at, m.access_count
         FROM memories_memory_fts f JOIN memories_memory m ON m.id = f.rowid
@@ -315,7 +397,8 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
     with connection.cursor() as cursor:
         cursor.execute(sql, [match, tenant_id, connection.ops.adapt_datetimefield_value(now), *prefix_params])
         found = cursor.fetchall()
-    wanted = {f"{tenant_id}:{t.term}": t.idf * t.boost for t in p.scoring_terms}
+    wanted = {f"{tenant_id}:{t.term}": t.idf * t.boost for t in p.scoring_terms if not t.term.endswith(PREFIX_MARK)}
+    starts = [(f"{tenant_id}:{t.term[:-1]}", t.idf * t.boost) for t in p.scoring_terms if t.term.endswith(PREFIX_MARK)]
     d, _c, b, a = FIELD_WEIGHTS
     rows = []
     for memory_id, key_terms, tag_terms, body_terms, importance, updated_at, access_count in found:
@@ -327,8 +410,13 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
             for word in words:
                 if word in wanted:
                     rank += weight * wanted[word]
+                for start, w in starts:
+                    if word.startswith(start):
+                        rank += weight * w
         # Like ts_rank's normalization 1: divided by 1 + log(document length).
-        rows.append((memory_id, rank / (1 + math.log(max(length, 1))), importance, _sqlite_datetime(updated_at), access_count))
+        rows.append(
+            (memory_id, rank / (1 + math.log(max(length, 1))), importance, _sqlite_datetime(updated_at), access_count)
+        )
     return _final(rows, limit, now)
 
 
@@ -336,7 +424,7 @@ def _sqlite_datetime(value) -> datetime:
     # A raw SQLite cursor returns the stored text (naive UTC, as Django writes it).
     if isinstance(value, str):
         value = parse_datetime(value)
-    return value if timezone.is_aware(value) else value.replace(tzinfo=dt_timezone.utc)
+    return value if timezone.is_aware(value) else value.replace(tzinfo=UTC)
 
 
 def _final(rows, limit: int, now: datetime) -> list[tuple[int, float]]:

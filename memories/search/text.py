@@ -234,6 +234,8 @@ def query_words(query: str) -> list[str]:
     return list(seen)
 
 
+# A query term ending with this matches every indexed term that starts with the rest.
+PREFIX_MARK = "*"
 # A Latin query word also looks for its first four letters as a whole word, at this weight.
 ABBREVIATION_BOOST = 0.6
 
@@ -243,6 +245,12 @@ def query_terms(query: str, *, max_words: int) -> list[QueryTerm]:
     with its abbreviation (see the module docstring)."""
     out: dict[str, QueryTerm] = {}
     for word in query_words(query)[:max_words]:
+        if is_cjk(word[0]) and len(word) == 1:
+            # A lone CJK character (钱, "money") is indexed only where it stands alone; it
+            # also looks for the bigrams that start with it, as a prefix term ("钱*"), weak
+            # like a short Latin word: it picks candidates only when that prefix is rare.
+            out.setdefault(word + PREFIX_MARK, QueryTerm(word + PREFIX_MARK, 1.0, True))
+            continue
         weak = not is_cjk(word[0]) and len(word) <= 2
         out.setdefault(word, QueryTerm(word, 1.0, weak))
         if not is_cjk(word[0]) and len(word) > 4:

@@ -3,10 +3,12 @@ functions; each validates, checks the actor's permissions and writes its audit e
 the same transaction as the change.
 
 Modules: ``memories`` (write, read, update, delete, restore, list, search, recall,
-history), ``tenants`` (tenants and API keys), ``summaries`` (summarize a namespace, the
-idle-sessions schedule), ``jobs`` (background jobs as callers see them), ``retention``
-(default TTLs by prefix, the purge of expired memories and old trash), ``forget``
-(forget requests: accept, carry out, resume).
+history; and by id in any state, as the admin opens them: view, versions, restore a
+version), ``tenants`` (tenants, their settings, API keys), ``memberships`` (who may use the
+admin for a tenant, in which role), ``summaries`` (summarize a namespace, the idle-sessions
+schedule), ``jobs`` (background jobs as callers see them), ``retention`` (default TTLs by
+prefix, the purge of expired memories and old trash), ``forget`` (forget requests: accept,
+carry out, resume).
 """
 
 from memories.services.forget import (
@@ -17,6 +19,7 @@ from memories.services.forget import (
     forget_requests_resume,
 )
 from memories.services.jobs import job_get
+from memories.services.memberships import membership_remove, membership_set
 from memories.services.memories import (
     _UNSET,
     ListResult,
@@ -27,8 +30,11 @@ from memories.services.memories import (
     memory_read,
     memory_recall,
     memory_restore,
+    memory_restore_version,
     memory_search,
     memory_update,
+    memory_versions_view,
+    memory_view,
     memory_write,
 )
 from memories.services.retention import purge_expired, purge_pending, retention_rule_set
@@ -38,7 +44,7 @@ from memories.services.summaries import (
     summarize_run,
     summarize_start,
 )
-from memories.services.tenants import api_key_create, api_key_revoke, tenant_create
+from memories.services.tenants import api_key_create, api_key_revoke, tenant_create, tenant_settings_update
 
 __all__ = [
     "forget_request_create",
@@ -57,9 +63,14 @@ __all__ = [
     "memory_read",
     "memory_recall",
     "memory_restore",
+    "memory_restore_version",
     "memory_search",
     "memory_update",
+    "memory_versions_view",
+    "memory_view",
     "memory_write",
+    "membership_remove",
+    "membership_set",
     "purge_expired",
     "purge_pending",
     "retention_rule_set",
@@ -69,4 +80,5 @@ __all__ = [
     "summarize_run",
     "summarize_start",
     "tenant_create",
+    "tenant_settings_update",
 ]

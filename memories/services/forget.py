@@ -40,18 +40,16 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 from django_q.tasks import async_task
 
-from audit.models import AuditEvent
-from audit.services import audit_record, audit_redact_subject
+from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories.models import ForgetRequest, Memory, Tenant
-from memories.services.memories import _operation
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
+from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
 
 logger = logging.getLogger(__name__)
 
-Outcome = AuditEvent.Outcome
 Status = ForgetRequest.Status
 
 KEYS_MAX = 1000
@@ -100,7 +98,7 @@ def forget_request_create(
     INSERT (ORM broker). A failed enqueue is logged, not raised: the request is stored, and
     :func:`forget_requests_resume` enqueues it later.
     """
-    with _operation(tenant=tenant, actor=actor, action="forget.create"):
+    with audited_operation(tenant=tenant, actor=actor, action="forget.create") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         target = _validated_target(subject=subject, prefix=prefix, keys=keys)
         _require_target_allowed(actor, target)
@@ -120,11 +118,7 @@ def forget_request_create(
             progress_at=now,
             receipt={"received_at": _iso(now)},
         )
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="forget.create",
-            outcome=Outcome.OK,
+        op.record(
             count=len(target.get("keys", ())) or None,
             detail={"forget_request": request.pk, "by": _target_kind(request), "due_in_days": days},
         )
@@ -211,22 +205,19 @@ def _visible(*, tenant: Tenant, actor: Actor) -> QuerySet[ForgetRequest]:
     return qs
 
 
-def forget_request_get(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest | None:
-    """One request by id, or None — also for another tenant's id (indistinguishable from a
-    missing one). Cost: one primary-key SELECT and the audit INSERT."""
-    with _operation(tenant=tenant, actor=actor, action="forget.read"):
+def forget_request_get(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest:
+    """One request by id; :class:`NotFound` otherwise — also for another tenant's id
+    (indistinguishable from a missing one). Cost: one primary-key SELECT and the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         pk = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
-        request = None
-        if pk is not None and 1 <= pk <= PK_MAX:
-            request = _visible(tenant=tenant, actor=actor).filter(pk=pk).first()
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="forget.read",
-            outcome=Outcome.OK if request else Outcome.NOT_FOUND,
-            detail={"forget_request": pk if pk is not None and 1 <= pk <= PK_MAX else None},
-        )
+        valid = pk is not None and 1 <= pk <= PK_MAX
+        request = _visible(tenant=tenant, actor=actor).filter(pk=pk).first() if valid else None
+        detail = {"forget_request": pk if valid else None}
+        if request is None:
+            op.record(outcome=Outcome.NOT_FOUND, detail=detail)
+            raise NotFound("no such forget request", field="request_id")
+        op.record(detail=detail)
         return request
 
 
@@ -244,7 +235,7 @@ def forget_request_list(
 
     Returns (requests, next cursor or None). Cost: one range scan of the tenant's requests
     ((tenant, status, due_at) index when filtered by status) and the audit INSERT."""
-    with _operation(tenant=tenant, actor=actor, action="forget.list"):
+    with audited_operation(tenant=tenant, actor=actor, action="forget.list") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         if status is not None and status not in Status.values:
             raise InvalidInput(f"must be one of {', '.join(Status.values)}", field="status")
@@ -263,7 +254,7 @@ def forget_request_list(
         rows = list(qs[: limit + 1])
         next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
         rows = rows[:limit]
-        audit_record(tenant=tenant, actor=actor, action="forget.list", outcome=Outcome.OK, count=len(rows))
+        op.record(count=len(rows))
         return rows, next_cursor
 
 
@@ -301,8 +292,8 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
        totals and one audit event. Cost per batch: a SELECT on the target's index, a
        lineage SELECT per level, the DELETEs, an UPDATE of the request and the audit
        INSERT (PostgreSQL: 10k memories with 2 versions each in ~2-3 s, bench_forget).
-    3. Redact the identifying fields of older audit events (a hook until the audit issue
-       lands: ``audit.services.audit_redact_subject``).
+    3. Redact the identifying fields of the target's earlier audit events
+       (``audit.services.audit_redact_subject``: keyed pseudonyms, the chain still verifies).
     4. Mark it completed, with the final receipt: counts and times only.
 
     Returns the request's status and receipt (what django-q2 stores as the task result:

@@ -2,10 +2,12 @@
 
 Every surface — tool calls, REST, admin, portal, jobs — calls these functions. Each one
 validates its input, checks the actor's scope and key allowlist, does its work and writes
-exactly one audit event, all in one transaction. A refused call (bad input, missing scope,
-forbidden key) changes nothing and is audited with outcome ``invalid`` or ``denied``.
+exactly one audit event, all in one transaction (``audit.services.audited_operation``). A
+refused call (bad input, missing scope, forbidden key) changes nothing and is audited with
+outcome ``invalid`` or ``denied``.
 
-``not_found`` and ``conflict`` are results, not errors: they go back to the model.
+Nothing at the key raises :class:`NotFound`, a version that moved :class:`Conflict`: audited
+as ``not_found``/``conflict``, answered by the tools as results the model reads.
 """
 
 from __future__ import annotations
@@ -17,19 +19,17 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from audit.models import AuditEvent
-from audit.services import after_read, audit_record
-from audit.services import audited_operation as _operation
+from audit.services import AuditedOperation, after_read, audited_operation
 from memories import search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
 from memories.search import embeddings
 from memories.services import retention
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
-from zeromem.kernel.errors import PreconditionFailed
+from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PreconditionFailed
+from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
 
-Outcome = AuditEvent.Outcome
 _UNSET: Any = object()
 
 # Categories inferred from a key's first segment when the caller gives none.
@@ -38,11 +38,10 @@ _KNOWN_CATEGORIES = {c.value for c in Memory.Category}
 
 @dataclass
 class MemoryResult:
-    status: str  # ok | not_found | conflict
+    status: str  # always "ok": a miss raises NotFound, a moved version Conflict
     key: str
     memory: Memory | None = None
     created: bool = False
-    current_version: int | None = None
 
 
 @dataclass
@@ -92,7 +91,7 @@ def memory_write(
 
     Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT.
     """
-    with _operation(tenant=tenant, actor=actor, action="memory.write", target=key):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.write", target=key) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_WRITE)
         require_key_allowed(actor, key)
@@ -122,16 +121,7 @@ def memory_write(
 
         memory, created = _upsert(tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label)
         _record_version(memory, MemoryVersion.Op.WRITE, actor, now)
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.write",
-            target=key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            version=memory.version,
-            detail={"created": created},
-        )
+        op.record(subject=memory.subject, version=memory.version, detail={"created": created})
         return MemoryResult(status="ok", key=key, memory=memory, created=created)
 
 
@@ -179,33 +169,27 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
     raise RuntimeError(f"could not upsert {key!r} after concurrent inserts")
 
 
+def _no_memory() -> NotFound:
+    return NotFound("no memory at this key", field="key")
+
+
 def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
-    """One indexed SELECT, an access-counter UPDATE by primary key, the audit INSERT."""
-    with _operation(tenant=tenant, actor=actor, action="memory.read", target=key, read_only=True):
+    """The live memory at ``key``; :class:`NotFound` when there is none for this caller.
+    One indexed SELECT, an access-counter UPDATE by primary key, the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key, read_only=True) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
-            audit_record(tenant=tenant, actor=actor, action="memory.read", target=key, outcome=Outcome.NOT_FOUND)
-            return MemoryResult(status="not_found", key=key)
+            raise _no_memory()
         now = timezone.now()
         after_read(
-            lambda: Memory.objects.filter(pk=memory.pk).update(
-                access_count=F("access_count") + 1, last_accessed_at=now
-            )
+            lambda: Memory.objects.filter(pk=memory.pk).update(access_count=F("access_count") + 1, last_accessed_at=now)
         )
         memory.access_count += 1
         memory.last_accessed_at = now
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.read",
-            target=key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            version=memory.version,
-        )
+        op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
 
 
@@ -224,13 +208,15 @@ def memory_update(
     if_match: tuple[int, int] | str | None = None,
 ) -> MemoryResult:
     """Change an existing memory. The version check lives in the UPDATE's WHERE clause, so
-    two concurrent updates with the same ``expected_version`` cannot both win.
+    two concurrent updates with the same ``expected_version`` cannot both win. No live
+    memory at ``key`` raises :class:`NotFound`; another ``expected_version`` raises
+    :class:`Conflict` with the ``current_version``.
 
     ``if_match=(memory id, version)`` (REST If-Match) is checked the same way, and a
     mismatch — or a missing memory — is HTTP 412 instead of a result; ``"*"`` matches any
     current version.
     """
-    with _operation(tenant=tenant, actor=actor, action="memory.update", target=key):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.update", target=key) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_WRITE)
         require_key_allowed(actor, key)
@@ -263,18 +249,9 @@ def memory_update(
             if if_match is not None:
                 raise PreconditionFailed("the memory changed since you read it (ETag mismatch)", field="If-Match")
             if current is None:
-                audit_record(tenant=tenant, actor=actor, action="memory.update", target=key, outcome=Outcome.NOT_FOUND)
-                return MemoryResult(status="not_found", key=key)
-            audit_record(
-                tenant=tenant,
-                actor=actor,
-                action="memory.update",
-                target=key,
-                outcome=Outcome.CONFLICT,
-                version=current,
-                detail={"expected_version": expected},
-            )
-            return MemoryResult(status="conflict", key=key, current_version=current)
+                raise _no_memory()
+            op.record(outcome=Outcome.CONFLICT, version=current, detail={"expected_version": expected})
+            raise Conflict("the version moved", field="expected_version", current_version=current)
         # Our UPDATE holds the row lock until commit, so this read sees our own version.
         memory = live.get()
         if "value" in changes or "tags" in changes:
@@ -282,15 +259,7 @@ def memory_update(
                 **search.index_fields(tenant_id=tenant.pk, key=key, value=memory.value, tags=memory.tags)
             )
         _record_version(memory, MemoryVersion.Op.UPDATE, actor, now)
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.update",
-            target=key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            version=memory.version,
-        )
+        op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
 
 
@@ -298,8 +267,9 @@ def memory_delete(
     *, tenant: Tenant, actor: Actor, key: Any, if_match: tuple[int, int] | str | None = None
 ) -> MemoryResult:
     """Soft delete: the memory moves to the trash (restorable until purged).
-    ``if_match=(memory id, version)``: delete only that version, else HTTP 412 ("*": any)."""
-    with _operation(tenant=tenant, actor=actor, action="memory.delete", target=key):
+    ``if_match=(memory id, version)``: delete only that version, else HTTP 412 ("*": any).
+    No live memory at ``key`` raises :class:`NotFound`."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.delete", target=key) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_DELETE)
         require_key_allowed(actor, key)
@@ -309,8 +279,7 @@ def memory_delete(
         ):
             raise PreconditionFailed("the memory changed since you read it (ETag mismatch)", field="If-Match")
         if memory is None:
-            audit_record(tenant=tenant, actor=actor, action="memory.delete", target=key, outcome=Outcome.NOT_FOUND)
-            return MemoryResult(status="not_found", key=key)
+            raise _no_memory()
         now = timezone.now()
         memory.deleted_at = now
         memory.version += 1
@@ -319,31 +288,22 @@ def memory_delete(
         # Derived from the value: it goes with the memory (a restore is embedded again).
         embeddings.embeddings_delete(memory_ids=[memory.pk])
         _record_version(memory, MemoryVersion.Op.DELETE, actor, now)
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.delete",
-            target=key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            version=memory.version,
-        )
+        op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
 
 
 def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryResult:
-    """Bring a trashed memory back, unless a live memory has taken its key meanwhile."""
+    """Bring a trashed memory back. No such memory in the tenant's trash raises
+    :class:`NotFound`; a live memory that has taken its key meanwhile, :class:`Conflict`."""
     memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory_id).first()
     key = memory.key if memory else ""
-    with _operation(tenant=tenant, actor=actor, action="memory.restore", target=key):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.restore", target=key) as op:
         require_scope(actor, Scope.MEMORY_WRITE)
         if memory is None:
-            audit_record(tenant=tenant, actor=actor, action="memory.restore", target="", outcome=Outcome.NOT_FOUND)
-            return MemoryResult(status="not_found", key="")
+            raise NotFound("no such memory in the trash", field="memory_id")
         require_key_allowed(actor, key)
         if selectors.memory_get_live(tenant=tenant, key=key) is not None:
-            audit_record(tenant=tenant, actor=actor, action="memory.restore", target=key, outcome=Outcome.CONFLICT)
-            return MemoryResult(status="conflict", key=key)
+            raise Conflict("a live memory holds this key", field="key")
         now = timezone.now()
         memory = Memory.objects.select_for_update().get(pk=memory.pk)
         memory.deleted_at = None
@@ -353,15 +313,7 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
             memory.expires_at = None  # restoring an expired memory would leave it invisible
         memory.save(update_fields=["deleted_at", "version", "updated_at", "expires_at"])
         _record_version(memory, MemoryVersion.Op.RESTORE, actor, now)
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.restore",
-            target=key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            version=memory.version,
-        )
+        op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
 
 
@@ -378,7 +330,7 @@ def memory_list(
     keys_only: bool = True,
 ) -> ListResult:
     """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch."""
-    with _operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, read_only=True):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, read_only=True) as op:
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_READ)
         limit = validation.limit(limit, default=50)
@@ -397,9 +349,7 @@ def memory_list(
             tag=tag,
             keys_only=keys_only,
         )
-        audit_record(
-            tenant=tenant, actor=actor, action="memory.list", target=prefix, outcome=Outcome.OK, count=len(rows)
-        )
+        op.record(target=prefix, count=len(rows))
         return ListResult(keys=rows, next_cursor=validation.encode_cursor(last) if last else None)
 
 
@@ -409,15 +359,13 @@ def memory_search(
     """Ranked matches of a natural-language question or keywords (memories/search/).
     Bounded cost; past ``ZEROMEM_SEARCH_TIMEOUT_MS`` it raises ``SearchTimeout`` (503).
     The audit event records the prefix and the count, not the query text (it may be personal)."""
-    with _operation(tenant=tenant, actor=actor, action="memory.search", target=prefix, read_only=True):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.search", target=prefix, read_only=True) as op:
         query = validation.query(query)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
         limit = validation.limit(limit, default=5)
         results = search.search_ranked(tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit)
-        audit_record(
-            tenant=tenant, actor=actor, action="memory.search", target=prefix, outcome=Outcome.OK, count=len(results)
-        )
+        op.record(target=prefix, count=len(results))
         return results
 
 
@@ -425,7 +373,7 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
     """The best matches of ``query`` — or, with no query, the most important and most recent
     memories under ``prefix`` — packed into one text block of at most ``max_chars``
     characters (memories.search.ranking.recall_pack)."""
-    with _operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix, read_only=True):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.recall", target=prefix, read_only=True) as op:
         query = validation.query(query, required=False)
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
@@ -435,37 +383,104 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
         packed = search.recall_pack(
             tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, max_chars=max_chars
         )
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.recall",
-            target=prefix,
-            outcome=Outcome.OK,
-            count=len(packed["keys"]),
-        )
+        op.record(target=prefix, count=len(packed["keys"]))
         return packed
 
 
-def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None) -> MemoryResult | list:
-    """Versions of the live memory at ``key``, newest first (values included: a read)."""
-    with _operation(tenant=tenant, actor=actor, action="memory.history", target=key, read_only=True):
+def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None) -> list[MemoryVersion]:
+    """Versions of the live memory at ``key``, newest first (values included: a read).
+    No live memory at ``key`` raises :class:`NotFound`."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.history", target=key, read_only=True) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
         limit = validation.limit(limit, default=50)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
-            audit_record(tenant=tenant, actor=actor, action="memory.history", target=key, outcome=Outcome.NOT_FOUND)
-            return MemoryResult(status="not_found", key=key)
+            raise _no_memory()
         versions = list(selectors.memory_history(memory=memory)[:limit])
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.history",
-            target=key,
-            subject=memory.subject,
-            outcome=Outcome.OK,
-            count=len(versions),
-            version=memory.version,
-        )
+        op.record(subject=memory.subject, count=len(versions), version=memory.version)
         return versions
+
+
+def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
+    """Open one memory of ``tenant`` by id — live, expired or trashed — with its value.
+
+    Opening a value is a read: it needs ``memory:read`` and is audited as ``memory.view``.
+    Another tenant's id raises :class:`NotFound`, exactly like a missing one. Cost: one
+    primary-key SELECT and the audit INSERT (no access-counter update: staff reading is not
+    agent use).
+    """
+    with audited_operation(tenant=tenant, actor=actor, action="memory.view", read_only=True) as op:
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
+        op.record(subject=memory.subject, version=memory.version)
+        return memory
+
+
+def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, op: AuditedOperation) -> Memory:
+    """The tenant's memory (any state) the actor may read; it becomes the operation's target."""
+    require_scope(actor, Scope.MEMORY_READ)
+    memory = Memory.objects.for_tenant(tenant).filter(pk=_pk(memory_id)).first()
+    if memory is None:
+        raise NotFound("no such memory", field="memory_id")
+    require_key_allowed(actor, memory.key)
+    op.target = memory.key
+    return memory
+
+
+def memory_versions_view(*, tenant: Tenant, actor: Actor, memory_id: Any, limit: int = 200) -> list[MemoryVersion]:
+    """The versions of one memory (any state), newest first, values included: audited as
+    ``memory.history``. :class:`NotFound` when the memory is not the tenant's."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.history", read_only=True) as op:
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
+        versions = list(
+            MemoryVersion.objects.filter(tenant=tenant, memory=memory).order_by("-version")[: max(1, limit)]
+        )
+        op.record(subject=memory.subject, count=len(versions), version=memory.version)
+        return versions
+
+
+def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, version: Any) -> MemoryResult:
+    """Make an old version's value current again: a *new* version (op ``restore``) holding
+    that value, so the history keeps the bad write too. Only live memories (restore a
+    trashed one from the trash first). Audited as ``memory.restore_version`` with the
+    version restored from in ``detail.from_version``. No such live memory or version raises
+    :class:`NotFound`.
+
+    Cost: the version SELECT, one conditional UPDATE, the version INSERT, the audit INSERT.
+    """
+    with audited_operation(tenant=tenant, actor=actor, action="memory.restore_version") as op:
+        require_scope(actor, Scope.MEMORY_WRITE)
+        version = validation.version(version, field="version")
+        if version is None:
+            raise InvalidInput("must be a version number", field="version")
+        memory = Memory.objects.for_tenant(tenant).live().filter(pk=_pk(memory_id)).select_for_update().first()
+        old = (
+            MemoryVersion.objects.filter(tenant=tenant, memory=memory, version=version).first()
+            if memory is not None
+            else None
+        )
+        if memory is None or old is None:
+            op.record(outcome=Outcome.NOT_FOUND, target=memory.key if memory else "", detail={"from_version": version})
+            raise NotFound("no such version of a live memory", field="version")
+        require_key_allowed(actor, memory.key)
+        validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
+        now = timezone.now()
+        Memory.objects.filter(pk=memory.pk).update(
+            value=old.value,
+            **search.index_fields(tenant_id=tenant.pk, key=memory.key, value=old.value, tags=memory.tags),
+            version=F("version") + 1,
+            updated_at=now,
+        )
+        memory.refresh_from_db()
+        _record_version(memory, MemoryVersion.Op.RESTORE, actor, now)
+        op.record(target=memory.key, subject=memory.subject, version=memory.version, detail={"from_version": version})
+        return MemoryResult(status="ok", key=memory.key, memory=memory)
+
+
+def _pk(raw: Any) -> int:
+    try:
+        pk = int(raw)
+    except (TypeError, ValueError):
+        return 0
+    return pk if 0 < pk < 2**63 else 0

@@ -30,15 +30,13 @@ from django.db.models.functions import Length, Substr
 from django.db.models.lookups import Exact
 from django.utils import timezone
 
-from audit.models import AuditEvent
-from audit.services import audit_record
+from audit.services import audit_record, audited_operation
 from memories.models import Memory, MemoryEmbedding, MemoryVersion, RetentionRule, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput, ServiceError
+from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
-
-Outcome = AuditEvent.Outcome
 
 DEFAULT_BATCH_SIZE = 1000
 TRASH_RETENTION_MAX_DAYS = 3650
@@ -85,8 +83,7 @@ def retention_rule_set(
     are erased, so the actor needs ``memory:write`` and ``memory:delete``, and a key limited
     to some prefixes may only set rules inside them. Cost: one upsert and the audit INSERT.
     """
-    target = prefix if isinstance(prefix, str) else ""
-    try:
+    with audited_operation(tenant=tenant, actor=actor, action="retention_rule.set", target=prefix) as op:
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_WRITE)
         require_scope(actor, Scope.MEMORY_DELETE)
@@ -100,20 +97,7 @@ def retention_rule_set(
                 low=0,
                 high=TRASH_RETENTION_MAX_DAYS,
             )
-    except ServiceError as exc:
-        exc.audited = True
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="retention_rule.set",
-            target=target,
-            outcome=Outcome.DENIED if isinstance(exc, Forbidden) else Outcome.INVALID,
-            detail={"code": exc.code, "field": exc.field},
-        )
-        raise
-
-    ttl_seconds = int(ttl.total_seconds()) if ttl is not None else None
-    with transaction.atomic():
+        ttl_seconds = int(ttl.total_seconds()) if ttl is not None else None
         if ttl_seconds is None and trash_retention_days is None:
             removed, _ = RetentionRule.objects.filter(tenant=tenant, prefix=prefix).delete()
             rule = None
@@ -124,12 +108,8 @@ def retention_rule_set(
                 prefix=prefix,
                 defaults={"default_ttl_seconds": ttl_seconds, "trash_retention_days": trash_retention_days},
             )
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="retention_rule.set",
+        op.record(
             target=prefix,
-            outcome=Outcome.OK,
             detail={
                 "default_ttl_seconds": ttl_seconds,
                 "trash_retention_days": trash_retention_days,

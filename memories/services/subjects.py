@@ -18,19 +18,17 @@ from typing import Any
 
 from django.db.models import Q
 
-from audit.models import AuditEvent
-from audit.services import audit_record
+from audit.services import audited_operation
 from memories import selectors
 from memories.models import ForgetRequest, Memory, Tenant
 from memories.services.forget import PK_MAX, forget_request_create
-from memories.services.memories import _operation
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
+from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
 
-Outcome = AuditEvent.Outcome
-END_USER = AuditEvent.ActorKind.END_USER
+END_USER = ActorKind.END_USER
 # A subject's page lists at most this many memories (the count says how many there are).
 SUBJECT_MEMORIES_MAX = 500
 SUBJECT_REQUESTS_MAX = 20
@@ -64,7 +62,7 @@ def subject_memories(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[lis
     ``SUBJECT_MEMORIES_MAX``; returns (memories, how many there are). Restricted to the
     actor's key allowlist. Cost: one COUNT and one SELECT on the (tenant, subject) index,
     and the audit INSERT (``subject.memories``, the subject and the count; no values)."""
-    with _operation(tenant=tenant, actor=actor, action="subject.memories"):
+    with audited_operation(tenant=tenant, actor=actor, action="subject.memories") as op:
         require_scope(actor, Scope.MEMORY_READ)
         subject = _validated_subject(subject)
         _require_own_subject(actor, subject)
@@ -73,22 +71,20 @@ def subject_memories(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[lis
         ).filter(subject=subject)
         total = qs.count()
         rows = list(qs.order_by("key")[:SUBJECT_MEMORIES_MAX])
-        audit_record(
-            tenant=tenant, actor=actor, action="subject.memories", outcome=Outcome.OK, subject=subject, count=total
-        )
+        op.record(subject=subject, count=total)
         return rows, total
 
 
-def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = None) -> ForgetRequest | None:
+def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = None) -> ForgetRequest:
     """Forget the live memory ``key`` of the subject, or (``key`` None) everything kept about
-    the subject: files a forget request (which runs in the background). Returns None, audited
-    as not found, when ``key`` is no live memory of this subject in this tenant — another
+    the subject: files a forget request (which runs in the background). Raises
+    :class:`NotFound` when ``key`` is no live memory of this subject in this tenant — another
     subject's or another tenant's key answers exactly like a missing one.
 
     Cost: one index lookup for ``key``, then :func:`forget_request_create`."""
-    # The checks run (and a refusal is audited) here; forget_request_create is called after
-    # them, not inside: it audits its own refusals, and nesting would audit one twice.
-    with _operation(tenant=tenant, actor=actor, action="forget.create"):
+    # The checks run (and a refusal is audited) here; forget_request_create runs after them,
+    # in its own operation and transaction, and records the request it files.
+    with audited_operation(tenant=tenant, actor=actor, action="forget.create") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         subject = _validated_subject(subject)
         _require_own_subject(actor, subject)
@@ -96,15 +92,8 @@ def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = Non
             key = validation.key(key)
             memory = selectors.memory_get_live(tenant=tenant, key=key)
             if memory is None or memory.subject != subject or not actor.may_touch(key):
-                audit_record(
-                    tenant=tenant,
-                    actor=actor,
-                    action="forget.create",
-                    outcome=Outcome.NOT_FOUND,
-                    subject=subject,
-                    detail={"by": "keys"},
-                )
-                return None
+                op.record(outcome=Outcome.NOT_FOUND, subject=subject, detail={"by": "keys"})
+                raise NotFound("no such memory of this subject", field="key")
     if key is None:
         return forget_request_create(tenant=tenant, actor=actor, subject=subject, reason=PORTAL_REASON)
     return forget_request_create(tenant=tenant, actor=actor, keys=[key], reason=PORTAL_REASON)
@@ -119,22 +108,20 @@ def subject_forget_requests(*, tenant: Tenant, actor: Actor, subject: Any) -> li
     """The newest ``SUBJECT_REQUESTS_MAX`` forget requests about the subject: filed for the
     whole subject (by anyone), or filed by this end user (e.g. for one memory). Cost: one
     SELECT of the tenant's requests and the audit INSERT."""
-    with _operation(tenant=tenant, actor=actor, action="forget.list"):
+    with audited_operation(tenant=tenant, actor=actor, action="forget.list") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         subject = _validated_subject(subject)
         _require_own_subject(actor, subject)
         rows = list(_about_subject(tenant=tenant, actor=actor, subject=subject).order_by("-pk")[:SUBJECT_REQUESTS_MAX])
-        audit_record(
-            tenant=tenant, actor=actor, action="forget.list", outcome=Outcome.OK, subject=subject, count=len(rows)
-        )
+        op.record(subject=subject, count=len(rows))
         return rows
 
 
-def subject_forget_request_get(*, tenant: Tenant, actor: Actor, subject: Any, request_id: Any) -> ForgetRequest | None:
-    """One request about the subject (as :func:`subject_forget_requests` sees them), or None
-    — also for another subject's or tenant's request. Cost: one primary-key SELECT and the
-    audit INSERT."""
-    with _operation(tenant=tenant, actor=actor, action="forget.read"):
+def subject_forget_request_get(*, tenant: Tenant, actor: Actor, subject: Any, request_id: Any) -> ForgetRequest:
+    """One request about the subject (as :func:`subject_forget_requests` sees them);
+    :class:`NotFound` otherwise — also for another subject's or tenant's request. Cost: one
+    primary-key SELECT and the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         subject = _validated_subject(subject)
         _require_own_subject(actor, subject)
@@ -142,12 +129,9 @@ def subject_forget_request_get(*, tenant: Tenant, actor: Actor, subject: Any, re
         request = (
             _about_subject(tenant=tenant, actor=actor, subject=subject).filter(pk=request_id).first() if valid else None
         )
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="forget.read",
-            outcome=Outcome.OK if request else Outcome.NOT_FOUND,
-            subject=subject,
-            detail={"forget_request": request_id if valid else None},
-        )
+        detail = {"forget_request": request_id if valid else None}
+        if request is None:
+            op.record(outcome=Outcome.NOT_FOUND, subject=subject, detail=detail)
+            raise NotFound("no such forget request", field="request_id")
+        op.record(subject=subject, detail=detail)
         return request

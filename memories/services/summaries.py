@@ -38,9 +38,9 @@ from django.db import transaction
 from django.db.models import Max, Q
 from django.utils import timezone
 
-from audit.services import audit_record
+from audit.services import audited_operation
 from memories.models import Job, Memory, Tenant
-from memories.services.memories import Outcome, _operation, memory_delete, memory_write
+from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput
@@ -88,7 +88,7 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
     archive) on the caller's behalf. The job row holds the prefix and the flag, no values.
     Cost: the job INSERT and the audit INSERT; the work is enqueued after commit.
     """
-    with _operation(tenant=tenant, actor=actor, action="memory.summarize", target=prefix):
+    with audited_operation(tenant=tenant, actor=actor, action="memory.summarize", target=prefix) as op:
         prefix = validation.prefix(prefix)
         if not prefix:
             raise InvalidInput(
@@ -121,14 +121,7 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
             params={"prefix": prefix, "archive": archive},
             requested_by=actor.label[:150],
         )
-        audit_record(
-            tenant=tenant,
-            actor=actor,
-            action="memory.summarize",
-            target=prefix,
-            outcome=Outcome.OK,
-            detail={"job_id": job.pk, "archive": archive},
-        )
+        op.record(target=prefix, detail={"job_id": job.pk, "archive": archive})
         # robust: a broker that refuses the task must not turn the accepted job into a 500.
         transaction.on_commit(lambda: _enqueue(job.pk), robust=True)
         return job
@@ -177,18 +170,15 @@ def summarize_run(*, job_id: int) -> dict:
             # Outside any transaction: no lock or connection is held while the LLM thinks.
             text, tokens = _llm_summarize(digest.text)
             summarizer = "llm"
-        with transaction.atomic():
+        with audited_operation(
+            tenant=tenant, actor=_job_actor(job), action="memory.summarize.run", target=prefix
+        ) as op:
             result = _write_summary(job=job, digest=digest, text=text, archive=archive)
             result.update(summarizer=summarizer, tokens=tokens)
             Job.objects.filter(pk=job.pk).update(
                 status=Job.Status.SUCCEEDED, result=result, error="", finished_at=timezone.now()
             )
-            audit_record(
-                tenant=tenant,
-                actor=_job_actor(job),
-                action="memory.summarize.run",
-                target=prefix,
-                outcome=Outcome.OK,
+            op.record(
                 count=result["sources"],
                 detail={"job_id": job.pk, "summarizer": summarizer, "tokens": tokens, "archived": result["archived"]},
             )

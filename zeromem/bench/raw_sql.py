@@ -51,7 +51,8 @@ class RawSQL:
             f'WHERE "{mt}"."id" = %s'
         )
         self.sql_write = (
-            f'UPDATE "{mt}" SET "value" = %s, "search_text" = %s, "version" = %s, "updated_at" = %s '  # nosec B608
+            f'UPDATE "{mt}" SET "value" = %s, "search_text" = %s, "search_tsv" = %s::tsvector, '  # nosec B608
+            f'"version" = %s, "updated_at" = %s '  # nosec B608
             f'WHERE "{mt}"."id" = %s'
         )
         self.sql_version = (
@@ -120,14 +121,15 @@ class RawSQL:
         self.conn.commit()
         return time.perf_counter_ns() - t0
 
-    def write(self, key: str, value, search_text: str) -> int:
+    def write(self, key: str, value, search: dict) -> int:
+        """``search``: the search columns the service stores (memories.search.index_fields)."""
         cur, col = self.cur, self.col
         t0 = time.perf_counter_ns()
         now = datetime.now(UTC)
         cur.execute(self.sql_select_for_update, (self.tenant_id, key))
         row = cur.fetchone()
         mid, version = row[col["id"]], row[col["version"]] + 1
-        cur.execute(self.sql_write, (Jsonb(value), search_text, version, now, mid))
+        cur.execute(self.sql_write, (Jsonb(value), search["search_text"], search.get("search_tsv"), version, now, mid))
         cur.execute(
             self.sql_version, (self.tenant_id, mid, version, Jsonb(value), "write", "api_key", self.key_id, now)
         )

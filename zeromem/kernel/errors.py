@@ -1,7 +1,10 @@
 """Errors the service layer raises. Every surface maps them the same way.
 
-``not_found`` and ``conflict`` are *not* errors: they are normal results that go back to
-the model. These exceptions are for calls that are wrong or not allowed.
+Most are refusals: the call is wrong or not allowed, changes nothing, and is audited as
+``invalid``, ``denied`` or ``precondition_failed``. :class:`NotFound` and :class:`Conflict`
+are answers, not refusals: the operation ran and found nothing (or a newer version), is
+audited with that outcome, and the tool surface hands it back to the model as a result
+(``{"status": "not_found", ...}``) while REST answers 404 or 409.
 """
 
 
@@ -15,7 +18,6 @@ class ServiceError(Exception):
         self.code = code or self.default_code
         self.field = field
         self.extra = extra
-        self.audited = False  # set once a service has written the audit event for it
 
     def as_dict(self) -> dict:
         body = {"code": self.code, "message": self.message, "field": self.field}
@@ -44,6 +46,22 @@ class Forbidden(ServiceError):
 class PreconditionFailed(ServiceError):
     http_status = 412
     default_code = "precondition_failed"
+
+
+class NotFound(ServiceError):
+    """Nothing there for this caller: missing, or another tenant's, or outside the key's
+    allowlist — indistinguishable on purpose. ``field`` names what was looked up."""
+
+    http_status = 404
+    default_code = "not_found"
+
+
+class Conflict(ServiceError):
+    """The thing moved: a newer version (``current_version``), or a live memory holding the
+    key a restore wanted."""
+
+    http_status = 409
+    default_code = "conflict"
 
 
 class Unavailable(ServiceError):

@@ -1,8 +1,10 @@
 """What an actor may do: API-key scopes, staff roles, and the one table that joins them.
 
 An API key carries scopes. A staff user holds a :class:`Role` in a tenant; the role's scopes
-(``ROLE_SCOPES``) are what the services check for them, exactly as for a key, and the
-admin's page-level capabilities (``CAPABILITIES``) say which pages a role may open.
+(``ROLE_SCOPES``, the one table of what a role may do) are what the services check for them,
+exactly as for a key. The admin's page-level capabilities follow from it: each
+:class:`Capability` needs some scopes (``CAPABILITY_SCOPES``), and a role has it when its
+scopes include them (``CAPABILITIES``, derived, never written by hand).
 """
 
 from __future__ import annotations
@@ -50,4 +52,43 @@ ROLE_SCOPES: dict[str, frozenset[str]] = {
             Scope.AUDIT_READ,
         }
     ),
+}
+
+# The tenant admin is the one role whose scopes include every other role's.
+TENANT_ADMIN_SCOPES = ROLE_SCOPES[Role.ADMIN]
+
+
+class Capability(models.TextChoices):
+    """What a page of the admin lets its user do."""
+
+    TENANT_VIEW = "tenant.view"
+    DASHBOARD_VIEW = "dashboard.view"
+    MEMORY_VIEW = "memory.view"
+    MEMORY_EDIT = "memory.edit"
+    FORGET_VIEW = "forget.view"
+    FORGET_CREATE = "forget.create"
+    AUDIT_VIEW = "audit.view"
+    KEYS_MANAGE = "keys.manage"
+    MEMBERS_MANAGE = "members.manage"
+
+
+# The scopes each capability needs. Compliance reviewers, who hold no memory:read, never
+# open a page that shows a memory value (list, detail, history, search); no scope at all
+# means every member of the tenant.
+CAPABILITY_SCOPES: dict[str, frozenset[str]] = {
+    Capability.TENANT_VIEW: frozenset(),
+    Capability.DASHBOARD_VIEW: frozenset(),
+    Capability.MEMORY_VIEW: frozenset({Scope.MEMORY_READ}),
+    Capability.MEMORY_EDIT: frozenset({Scope.MEMORY_WRITE}),
+    Capability.FORGET_VIEW: frozenset(),
+    Capability.FORGET_CREATE: frozenset({Scope.FORGET_CREATE}),
+    Capability.AUDIT_VIEW: frozenset({Scope.AUDIT_READ}),
+    Capability.KEYS_MANAGE: TENANT_ADMIN_SCOPES,
+    Capability.MEMBERS_MANAGE: TENANT_ADMIN_SCOPES,
+}
+
+# The roles that have each capability, derived from the two tables above.
+CAPABILITIES: dict[str, frozenset[str]] = {
+    capability: frozenset(role for role, scopes in ROLE_SCOPES.items() if needed <= scopes)
+    for capability, needed in CAPABILITY_SCOPES.items()
 }

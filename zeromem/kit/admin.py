@@ -2,10 +2,11 @@
 
 A staff user sees only the tenants they hold a :class:`memories.models.Membership` in
 (superusers see every tenant, acting as ``admin``), and each role may do only what
-``CAPABILITIES`` lists. :class:`TenantScopedAdmin` applies both to everything a ModelAdmin
-serves: change lists, searches, filters, change/history/delete pages, actions, foreign-key
-choices and autocomplete. Another tenant's object — or one the role may not open — answers
-404, exactly like a missing one.
+``zeromem.kernel.scopes.CAPABILITIES`` lets it (derived from the role's scopes).
+:class:`TenantScopedAdmin` applies both to everything a ModelAdmin serves: change lists,
+searches, filters, change/history/delete pages, actions, foreign-key choices and
+autocomplete. Another tenant's object — or one the role may not open — answers 404, exactly
+like a missing one.
 """
 
 from __future__ import annotations
@@ -18,23 +19,8 @@ from django.utils.functional import cached_property
 from memories.models import Membership, Tenant
 from zeromem.kernel.actors import Actor, staff_actor
 from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.scopes import CAPABILITIES, Capability, Role
 from zeromem.kit.http import client_ip
-
-Role = Membership.Role
-
-# What each role may do in the admin. Compliance reviewers never open a memory: no page
-# that shows a value (list, detail, history, search) is theirs.
-CAPABILITIES: dict[str, frozenset[str]] = {
-    "tenant.view": frozenset(Role.values),
-    "dashboard.view": frozenset(Role.values),
-    "memory.view": frozenset({Role.VIEWER, Role.SUPPORT, Role.ADMIN}),
-    "memory.edit": frozenset({Role.SUPPORT, Role.ADMIN}),
-    "forget.view": frozenset(Role.values),
-    "forget.create": frozenset({Role.SUPPORT, Role.COMPLIANCE, Role.ADMIN}),
-    "audit.view": frozenset({Role.COMPLIANCE, Role.ADMIN}),
-    "keys.manage": frozenset({Role.ADMIN}),
-    "members.manage": frozenset({Role.ADMIN}),
-}
 
 
 def staff_roles(request) -> dict[int, str]:
@@ -72,6 +58,11 @@ def actor_for(request, tenant: Tenant | int) -> Actor:
         request_id=getattr(request, "request_id", ""),
         client_ip=client_ip(request),
     )
+
+
+def service_error_text(exc: ServiceError) -> str:
+    """A service's refusal as an admin message: the field it names, then why."""
+    return f"{exc.field}: {exc.message}" if exc.field else exc.message
 
 
 class TenantFilter(admin.SimpleListFilter):
@@ -131,7 +122,7 @@ class TenantScopedAdmin(admin.ModelAdmin):
     reached through ``tenant_field`` (``"pk"`` for the Tenant admin itself)."""
 
     tenant_field = "tenant"
-    view_capability = "tenant.view"
+    view_capability: str = Capability.TENANT_VIEW
     add_capability: str | None = None
     change_capability: str | None = None
     delete_capability: str | None = None
@@ -163,8 +154,7 @@ class TenantScopedAdmin(admin.ModelAdmin):
         except ServiceError as exc:
             # A refusal the form could not foresee (e.g. a concurrent write). The admin's
             # transaction was rolled back, so nothing was saved; say why and start over.
-            text = f"{exc.field}: {exc.message}" if exc.field else exc.message
-            self.message_user(request, text, messages.ERROR)
+            self.message_user(request, service_error_text(exc), messages.ERROR)
             return HttpResponseRedirect(request.get_full_path())
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
@@ -200,9 +190,3 @@ class TenantScopedAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return self._may(request, self.delete_capability, obj)
-
-    def actor_for(self, request, tenant) -> Actor:
-        return actor_for(request, tenant)
-
-    def tenant_ids_with(self, request, capability: str) -> set[int]:
-        return tenant_ids_with(request, capability)

@@ -13,11 +13,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from audit.services import audit_record
+from audit.services import audit_refusal
 from memories.models import Tenant
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import ServiceError
-from zeromem.kernel.outcomes import Outcome
 
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
@@ -44,6 +43,8 @@ def first_error(detail, path=""):
 
 
 def error_body(code: str, message: str, field: str | None = None, **extra) -> dict:
+    """The error envelope, the one place it is built (the middleware's and the URL conf's
+    plain responses use it too)."""
     return {"error": {"code": code, "message": message, "field": field, **extra}}
 
 
@@ -55,7 +56,8 @@ def retry_after(error: dict | None) -> dict:
 
 def exception_handler(exc, context):
     if isinstance(exc, ServiceError):
-        return Response({"error": exc.as_dict()}, status=exc.http_status)
+        # Refusals, and the services' NotFound (404) and Conflict (409, current_version).
+        return Response(error_body(**exc.as_dict()), status=exc.http_status)
     if isinstance(exc, (OperationalError, InterfaceError)):
         # The database is unreachable (restart, failover, pool exhausted): tell the client
         # to retry rather than answering 500 or hanging.
@@ -73,7 +75,7 @@ def exception_handler(exc, context):
         return None
     if isinstance(exc, exceptions.ValidationError):
         field, message, code = first_error(exc.detail)
-        response.data = error_body(code if code != "invalid" else "invalid", message, field)
+        response.data = error_body(code, message, field)
         return response
     code = getattr(exc, "zeromem_code", None) or _DRF_CODES.get(type(exc), exc.default_code)
     field = getattr(exc, "zeromem_field", None)
@@ -148,23 +150,21 @@ ERRORS = {
 
 
 class AuditedAPIView(TenantAPIView):
-    # Refused requests that no service saw (malformed JSON, wrong types) are audited too.
+    # Refused requests that no service saw (malformed JSON, wrong types) are audited too;
+    # audit_refusal skips an error a service has recorded already.
 
     audit_actions: dict[str, str] = {}
 
     def handle_exception(self, exc):
-        refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError)) or (
-            isinstance(exc, ServiceError) and not exc.audited
-        )
+        refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError, ServiceError))
         principal = getattr(self.request, "_user", None)
         if refused and principal is not None and hasattr(principal, "tenant"):
-            outcome = Outcome.DENIED if getattr(exc, "http_status", 400) == 403 else Outcome.INVALID
-            audit_record(
+            key = self.kwargs.get("key")
+            audit_refusal(
                 tenant=self.tenant,
                 actor=self.actor,
                 action=self.audit_actions.get(self.request.method, "api.request"),
-                target=self.kwargs.get("key", "")[:512] if isinstance(self.kwargs.get("key"), str) else "",
-                outcome=outcome,
-                detail={"code": getattr(exc, "code", None) or getattr(exc, "default_code", "invalid")},
+                target=key if isinstance(key, str) else "",
+                error=exc,
             )
         return super().handle_exception(exc)

@@ -176,7 +176,8 @@ class Command(BenchCommand):
         # Write payloads, and what the service stores beside them (computed outside the timers).
         self.write_values = [{"text": "prefers concise answers; updated", "n": i} for i in range(64)]
         self.write_search = [
-            {key: search.index_text(key=key, value=v) for key in self.write_keys} for v in self.write_values
+            {key: search.index_fields(tenant_id=self.tenant.pk, key=key, value=v, tags=[]) for key in self.write_keys}
+            for v in self.write_values
         ]
         self.log(f"tenant {slug}: {2 * k} memories seeded")
 

@@ -26,8 +26,8 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
 
+from memories import services
 from memories.models import Tenant
-from memories.services import staff
 from zeromem.bench.options import BenchCommand
 from zeromem.kernel.actors import Actor
 
@@ -87,7 +87,9 @@ class Command(BenchCommand):
             f"{time.perf_counter() - started:.1f} s"
         )
         user = get_user_model().objects.create_user(username=f"{slug}-admin", password=None)
-        staff.membership_set(tenant=tenant, actor=Actor.system(job="bench_admin"), username=user.username, role="admin")
+        services.membership_set(
+            tenant=tenant, actor=Actor.system(job="bench_admin"), username=user.username, role="admin"
+        )
         settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "testserver"]
         client = Client()
         client.force_login(user)

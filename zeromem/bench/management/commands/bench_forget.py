@@ -142,7 +142,7 @@ class Command(BenchCommand):
                     key=key,
                     namespace=key.rpartition(":")[0],
                     value=value,
-                    search_text=search.index_text(key=key, value=value),
+                    **search.index_fields(tenant_id=tenant.pk, key=key, value=value, tags=[]),
                     category=Memory.Category.USER,
                     subject=subject_of(i),
                     version=versions,

@@ -4,7 +4,8 @@
                                   [--worst-n 10] [--parallel 20] [--seconds 10] [--rebuild] [--json]
 
 For each size, a tenant ``bench-search-<size>`` holds that many synthetic memories (Zipfian
-English words and, in one row of five, Chinese two-character words; keys like
+English words — the standard library's vocabulary — and, in one row of five, Chinese
+two-character words; keys like
 ``task:u4711:deadline``; 0-3 tags), and a tenant ``bench-search-other`` holds ``--others``
 more. Rows are written with COPY, their search columns made by the same code a write uses
 (memories.search.index_fields), then the term statistics are refreshed; a tenant that
@@ -19,9 +20,10 @@ Then, against the README's production server (``python3 -m zeromem serve``):
 * worst cases, each ``--worst-n`` times: ``ab``, 160 two-letter words, a 500-character
   paragraph, one CJK character, emoji only, stop words only — p50/max and the statuses
   (200, or 503 ``search_timeout``; never a 500);
-* ``--parallel`` clients sending worst cases back to back for ``--seconds`` while another
-  tenant's key reads one memory in a loop: that reader's p99 against its idle p99, and its
-  errors (a 503 counts).
+* ``--parallel`` clients sending worst cases (and a few realistic questions) back to back
+  for ``--seconds`` — waiting a 503's Retry-After as a well-behaved client does, unless
+  ``--ignore-retry-after`` — while another tenant's key reads one memory in a loop: that
+  reader's p99 against its idle p99, and its errors (a 503 counts).
 
 Use a database of its own (e.g. ``DATABASE_URL=postgres://…/zm_bench_search``): at 1M the
 data takes ~1.5 GB and about 10 minutes to build on a 2-core machine.
@@ -42,7 +44,7 @@ from memories import services
 from memories.models import ApiKey, Memory, Tenant
 from memories.search import index as search_index
 from memories.search.text import STOPWORDS, stem
-from zeromem.bench.harness import HttpClient, Samples, client_loop, percentiles, ratio
+from zeromem.bench.harness import HttpClient, Samples, client_loop, ratio
 from zeromem.bench.options import BenchCommand
 from zeromem.bench.server import running_server
 from zeromem.kernel.actors import Actor
@@ -60,11 +62,24 @@ PARAGRAPH = (
 
 
 def _vocabulary(rng: random.Random) -> tuple[list[str], list[str], list[str]]:
-    """(English words, key names, Chinese two-character words), each word its own stem."""
-    import pydoc_data.topics as topics
+    """(English terms, key names, Chinese two-character words). The English words are those
+    of the standard library's source (comments, docstrings, names), as stems: tens of
+    thousands of them, so that a rare word is as rare as in real text."""
+    import os
+    import re
 
-    text = " ".join(topics.topics.values()).lower()
-    words = sorted({w for w in __import__("re").findall(r"[a-z]{3,12}", text) if w not in STOPWORDS and stem(w) == w})
+    word_re = re.compile(r"[a-z]{3,14}")
+    seen: set[str] = set()
+    root = os.path.dirname(os.__file__)
+    for folder, _dirs, files in os.walk(root):
+        if "site-packages" in folder or "test" in folder:
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="ignore") as f:
+                    seen.update(word_re.findall(f.read().lower()))
+    words = sorted({stem(w) for w in seen if w not in STOPWORDS})
+    words = [w for w in words if len(w) >= 3]
     rng.shuffle(words)
     names = [f"{a}_{b}" for a, b in zip(words[:300], words[300:600], strict=True)]
     common = [chr(c) for c in range(0x4E00, 0x4E00 + 2500)]
@@ -86,11 +101,31 @@ class Command(BenchCommand):
         parser.add_argument("--seconds", type=float, default=10.0, help="length of the parallel phase (%(default)s)")
         parser.add_argument("--rebuild", action="store_true", help="rebuild the tenants' data")
         parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
+        parser.add_argument(
+            "--ignore-retry-after",
+            action="store_true",
+            help="parallel clients retry a 503 at once instead of waiting its Retry-After",
+        )
 
     def handle(
-        self, *args, sizes, others, n, worst_n, parallel, seconds, rebuild, build_only, seed, processes, threads, **options
+        self,
+        *args,
+        sizes,
+        others,
+        n,
+        worst_n,
+        parallel,
+        seconds,
+        rebuild,
+        build_only,
+        ignore_retry_after,
+        seed,
+        processes,
+        threads,
+        **options,
     ):
         self.require_postgresql()
+        self.ignore_retry_after = ignore_retry_after
         rng = random.Random(seed)
         self.vocab = _vocabulary(rng)
         sizes = [int(s) for s in sizes.split(",") if s.strip()]
@@ -170,10 +205,14 @@ class Command(BenchCommand):
                     f["search_tsv"],
                 ]
                 buf.write("\t".join(_copy_escape(v) for v in row) + "\n")
-            with connection.cursor() as c, c.copy(
-                "COPY memories_memory (tenant_id, key, namespace, value, search_text, category, subject, tags,"
-                " importance, source, version, created_at, updated_at, access_count, sources, search_tsv) FROM STDIN"
-            ) as copy:
+            with (
+                connection.cursor() as c,
+                c.copy(
+                    "COPY memories_memory (tenant_id, key, namespace, value, search_text, category, subject,"
+                    " tags, importance, source, version, created_at, updated_at, access_count, sources,"
+                    " search_tsv) FROM STDIN"
+                ) as copy,
+            ):
                 copy.write(buf.getvalue())
             self.log(f"  {tenant.slug}: {min(start + batch, size)}/{size} rows ({time.monotonic() - started:.0f} s)")
         if big:
@@ -189,9 +228,7 @@ class Command(BenchCommand):
     # --- measuring --------------------------------------------------------------------------
 
     def _questions(self, tenant: Tenant, rng: random.Random, n: int) -> list[str]:
-        ids = list(
-            Memory.objects.filter(tenant=tenant).order_by("?").values_list("key", "value")[: max(n, 1)]
-        )
+        ids = list(Memory.objects.filter(tenant=tenant).order_by("?").values_list("key", "value")[: max(n, 1)])
         out = []
         for key, value in ids:
             name_words = key.split(":")[2].split("_")
@@ -213,7 +250,9 @@ class Command(BenchCommand):
             realistic.errors += status != 200
         worst_queries = {
             "ab": "ab",
-            "160 two-letter words": " ".join(rng.choice(["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]) for _ in range(160))[:500],
+            "160 two-letter words": " ".join(
+                rng.choice(["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]) for _ in range(160)
+            )[:500],
             "500-char paragraph": PARAGRAPH,
             "one CJK character": "一",
             "emoji only": EMOJI,
@@ -252,6 +291,7 @@ class Command(BenchCommand):
                 busy.errors += status != 200
 
         mixed = list(worst_queries.values()) + self._questions(tenant, rng, 5)
+        ignore_retry_after = self.ignore_retry_after
 
         def make_step(t: int):
             c = HttpClient(port, raw_key, timeout=30)
@@ -261,6 +301,9 @@ class Command(BenchCommand):
                 _ns, status, _b = c.request("POST", TOOL_CALL, _search(qs[rng.randrange(len(qs))]))
                 with lock:
                     attack_status[status] = attack_status.get(status, 0) + 1
+                wait = c.last_headers.get("Retry-After") if c.last_headers is not None else None
+                if wait and not ignore_retry_after:
+                    time.sleep(float(wait))  # as a well-behaved client does
 
             return step
 
@@ -278,6 +321,7 @@ class Command(BenchCommand):
             "worst": worst,
             "parallel": {
                 "clients": parallel,
+                "retry_after_honoured": not self.ignore_retry_after,
                 "searches": attack_status,
                 "idle_reads": idle_s,
                 "busy_reads": busy_s,
@@ -294,7 +338,10 @@ class Command(BenchCommand):
                 f"\n{size} memories in one tenant (+{report['others']} in another), "
                 f"serve {report['processes']} processes × {report['threads']} threads"
             )
-            w(f"  realistic   p50 {s['p50_ms']:7.2f}  p95 {s['p95_ms']:7.2f}  p99 {s['p99_ms']:7.2f} ms  errors {s['errors']}")
+            w(
+                f"  realistic   p50 {s['p50_ms']:7.2f}  p95 {s['p95_ms']:7.2f}  p99 {s['p99_ms']:7.2f} ms"
+                f"  errors {s['errors']}"
+            )
             for name, ws in r["worst"].items():
                 w(f"  {name:22} p50 {ws['p50_ms']:7.2f}  max {ws['max_ms']:7.2f} ms  statuses {ws['statuses']}")
             p = r["parallel"]

@@ -1,9 +1,9 @@
-"""The figures of a tenant's admin dashboard, and the geometry of its charts.
+"""The figures of a tenant's admin dashboard (the admin draws them: ``memories.admin.charts``).
 
-Charts are server-rendered SVG (the template draws the shapes computed here): no
-JavaScript, no CDN, readable without network access. Each figure is one aggregate query
-over the tenant's rows (indexes lead with the tenant); the operations chart reads the
-audit log of the last ``DAYS`` days through the (tenant, occurred_at) index.
+Read-only, like every selector: no permission check (the admin page checks the role) and
+no audit. Each figure is one aggregate query over the tenant's rows (indexes lead with the
+tenant); the operations per day read the audit log of the last ``DAYS`` days through the
+(tenant, occurred_at) index.
 
 **Estimated prompt tokens saved** (documented in the README, "Admin console"): for every
 successful agent read in the window (``memory.read``, ``memory.search``, ``memory.recall``
@@ -21,7 +21,8 @@ the namespace in the prompt, and it ignores prompt caching.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta
 
 from django.db.models import Count, Q, Sum, TextField
 from django.db.models.functions import Cast, Length, TruncDate
@@ -36,15 +37,24 @@ CALL_TOKENS = 40  # a memory_read call and the JSON around its result, as the mo
 READ_ACTIONS = ("memory.read", "memory.search", "memory.recall", "memory.list", "memory.history", "memory.view")
 AGENT_READ_ACTIONS = ("memory.read", "memory.search", "memory.recall")
 WRITE_ACTIONS = ("memory.write", "memory.update", "memory.delete", "memory.restore", "memory.restore_version")
-SERIES = (("reads", "#417690"), ("writes", "#5b9b3a"), ("misses", "#d9a400"), ("denials", "#ba2121"))
-
-BAR_WIDTH = 320
-BAR_HEIGHT = 18
-BAR_GAP = 6
-LINE_W, LINE_H = 560, 160
+SERIES = ("reads", "writes", "misses", "denials")
 
 
-def tenant_dashboard(*, tenant: Tenant, now=None) -> dict:
+@dataclass(frozen=True)
+class TenantFigures:
+    memory_count: int
+    trash_count: int
+    by_category: list[tuple[str, int]]  # (category, live memories), largest first, at most 12
+    by_namespace: list[tuple[str, int]]  # (namespace, live memories), largest first, at most 10
+    expiring_count: int  # live memories expiring within 24 hours
+    expiring: list[tuple[int, str, datetime]]  # (pk, key, expires_at) of the first 10 of them
+    forget: dict[str, int]  # forget requests: open, overdue, failed, completed
+    days: list[date]  # the last DAYS days, oldest first
+    operations: dict[str, list[int]]  # one count per day for each of SERIES
+    tokens: dict  # the estimate of prompt tokens saved, with its inputs
+
+
+def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
     now = now or timezone.now()
     live = Memory.objects.for_tenant(tenant).live(now)
     by_category = list(live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12])
@@ -60,27 +70,26 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> dict:
     )
     days, series = operations_per_day(tenant=tenant, now=now)
     tokens = tokens_saved(tenant=tenant, now=now)
-    return {
-        "memory_count": live.count(),
-        "trash_count": Memory.objects.for_tenant(tenant).trashed().count(),
-        "category_chart": bar_chart([(c or "-", n) for c, n in by_category]),
-        "namespace_chart": bar_chart([(ns or "(top level)", n) for ns, n in by_namespace]),
-        "expiring_count": soon.count(),
-        "expiring": list(soon.order_by("expires_at").values_list("pk", "key", "expires_at")[:10]),
-        "forget": forget_counts,
-        "ops_chart": line_chart(days, series),
-        "ops_totals": {name: sum(values) for name, values in series.items()},
-        "tokens": tokens,
-        "days": DAYS,
-    }
+    return TenantFigures(
+        memory_count=live.count(),
+        trash_count=Memory.objects.for_tenant(tenant).trashed().count(),
+        by_category=by_category,
+        by_namespace=by_namespace,
+        expiring_count=soon.count(),
+        expiring=list(soon.order_by("expires_at").values_list("pk", "key", "expires_at")[:10]),
+        forget=forget_counts,
+        days=days,
+        operations=series,
+        tokens=tokens,
+    )
 
 
-def operations_per_day(*, tenant: Tenant, now) -> tuple[list, dict[str, list[int]]]:
+def operations_per_day(*, tenant: Tenant, now) -> tuple[list[date], dict[str, list[int]]]:
     """Reads, writes, misses (not found) and denials per day over the last ``DAYS`` days."""
     start_day = (now - timedelta(days=DAYS - 1)).date()
     days = [start_day + timedelta(days=i) for i in range(DAYS)]
     index = {d: i for i, d in enumerate(days)}
-    series = {name: [0] * DAYS for name, _ in SERIES}
+    series = {name: [0] * DAYS for name in SERIES}
     rows = (
         AuditEvent.objects.for_tenant(tenant)
         .filter(occurred_at__gte=now - timedelta(days=DAYS), action__startswith="memory.")
@@ -135,40 +144,3 @@ def tokens_saved(*, tenant: Tenant, now) -> dict:
         "per_read": round(per_read),
         "saved": round(reads * per_read),
     }
-
-
-def bar_chart(items: list[tuple[str, int]]) -> dict:
-    """Horizontal bars: label, value and the bar's y and width in SVG units."""
-    top = max((n for _, n in items), default=0) or 1
-    bars = [
-        {
-            "label": label,
-            "value": n,
-            "y": i * (BAR_HEIGHT + BAR_GAP),
-            "text_y": i * (BAR_HEIGHT + BAR_GAP) + BAR_HEIGHT - 5,
-            "width": max(1, round(BAR_WIDTH * n / top)),
-        }
-        for i, (label, n) in enumerate(items)
-    ]
-    return {"bars": bars, "height": max(len(bars), 1) * (BAR_HEIGHT + BAR_GAP), "bar_height": BAR_HEIGHT}
-
-
-def line_chart(days: list, series: dict[str, list[int]]) -> dict:
-    """One polyline per series over the days, scaled to the largest daily figure."""
-    top = max((v for values in series.values() for v in values), default=0) or 1
-    step = LINE_W / max(len(days) - 1, 1)
-
-    def y(v):
-        return round(LINE_H - LINE_H * v / top, 1)
-
-    lines = [
-        {
-            "name": name,
-            "color": color,
-            "points": " ".join(f"{round(i * step, 1)},{y(v)}" for i, v in enumerate(series[name])),
-            "total": sum(series[name]),
-        }
-        for name, color in SERIES
-    ]
-    ticks = [{"x": round(i * step, 1), "label": d.strftime("%m-%d")} for i, d in enumerate(days) if i % 2 == 0]
-    return {"lines": lines, "ticks": ticks, "width": LINE_W, "height": LINE_H, "top": top}

@@ -1,4 +1,7 @@
-"""Read-only queries over memories. No permissions, no audit: services wrap these."""
+"""Read-only queries over memories. No permissions, no audit: services wrap these.
+
+The admin dashboard's figures are in :mod:`memories.selectors.dashboard`.
+"""
 
 from django.db import connection
 from django.db.models import Q, QuerySet

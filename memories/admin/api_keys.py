@@ -1,0 +1,137 @@
+"""API keys in the admin: created (the secret shown once) and revoked through the services."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin
+from django.core.exceptions import PermissionDenied
+from django.template.response import TemplateResponse
+from django.utils import timezone
+
+from memories import services
+from memories.models import ApiKey
+from zeromem.kernel import validation
+from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, Capability
+from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
+
+
+class ApiKeyForm(forms.ModelForm):
+    scopes = forms.MultipleChoiceField(
+        choices=[(s, s) for s in ALL_SCOPES], widget=forms.CheckboxSelectMultiple, initial=list(DEFAULT_AGENT_SCOPES)
+    )
+    allowed_prefixes = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3}),
+        help_text="One key prefix per line (e.g. user:u10086:); empty: the whole tenant.",
+    )
+    expires_in_days = forms.IntegerField(required=False, min_value=1, max_value=3650)
+
+    class Meta:
+        model = ApiKey
+        fields = ("tenant", "name")
+
+    def clean_allowed_prefixes(self):
+        prefixes = [p.strip() for p in (self.cleaned_data.get("allowed_prefixes") or "").splitlines() if p.strip()]
+        for p in prefixes:
+            try:
+                validation.prefix(p, field="allowed_prefixes")
+            except ServiceError as exc:
+                raise forms.ValidationError(f"{p}: {exc.message}") from None
+        return prefixes
+
+    def _post_clean(self):
+        pass  # api_key_create validates and stores the key
+
+
+class ApiKeyAdmin(TenantScopedAdmin):
+    view_capability = Capability.KEYS_MANAGE
+    add_capability = Capability.KEYS_MANAGE
+    list_display = ("display_prefix", "name", "tenant", "scopes", "allowed_prefixes", "status", "last_used_at")
+    list_select_related = ("tenant",)
+    list_filter = ("tenant",)
+    search_fields = ("name", "lookup")
+    readonly_fields = (
+        "display_prefix",
+        "name",
+        "tenant",
+        "scopes",
+        "allowed_prefixes",
+        "created_at",
+        "created_by",
+        "expires_at",
+        "revoked_at",
+        "last_used_at",
+    )
+    actions = ("revoke",)
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = ApiKeyForm
+        return super().get_form(request, obj, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        return (
+            ("tenant", "name", "scopes", "allowed_prefixes", "expires_in_days") if obj is None else self.readonly_fields
+        )
+
+    def get_readonly_fields(self, request, obj=None):
+        return () if obj is None else self.readonly_fields
+
+    @admin.display(description="status")
+    def status(self, obj):
+        if obj.revoked_at:
+            return "revoked"
+        if obj.expires_at and obj.expires_at <= timezone.now():
+            return "expired"
+        return "active"
+
+    def has_revoke_permission(self, request):
+        return may(request, Capability.KEYS_MANAGE)
+
+    @admin.action(permissions=["revoke"], description="Revoke selected keys")
+    def revoke(self, request, queryset):
+        done = 0
+        for key in queryset.filter(
+            tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True
+        ):
+            done += services.api_key_revoke(tenant=key.tenant, actor=actor_for(request, key.tenant_id), key_id=key.pk)
+        self.message_user(request, f"{done} keys revoked.")
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        tenant = data["tenant"]
+        if change or not may(request, Capability.KEYS_MANAGE, tenant.pk):
+            raise PermissionDenied
+        key, raw = services.api_key_create(
+            tenant=tenant,
+            actor=actor_for(request, tenant.pk),
+            name=data["name"],
+            scopes=data["scopes"],
+            allowed_prefixes=data["allowed_prefixes"],
+            expires_in_days=data.get("expires_in_days"),
+            created_by=request.user,
+        )
+        obj.pk = key.pk
+        obj._raw_key = raw
+
+    def log_addition(self, request, obj, message):
+        return None  # audited by api_key_create
+
+    def response_add(self, request, obj, post_url_continue=None):
+        # The one time the secret exists: shown in this response only, never stored,
+        # never put in a message or the session. The page is not cached.
+        key = ApiKey.objects.select_related("tenant").get(pk=obj.pk)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "API key created",
+            "opts": self.opts,
+            "key": key,
+            "raw_key": obj._raw_key,
+        }
+        response = TemplateResponse(request, "zeromem_admin/apikey_created.html", context)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+admin.site.register(ApiKey, ApiKeyAdmin)

@@ -1,0 +1,72 @@
+"""Who may use the admin for a tenant, and in which role (tenant admins only)."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.core.exceptions import PermissionDenied
+
+from memories import services
+from memories.models import Membership
+from zeromem.kernel.scopes import Capability
+from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
+
+
+class MembershipForm(forms.ModelForm):
+    username = forms.CharField(max_length=150, help_text="An existing user's username.")
+
+    class Meta:
+        model = Membership
+        fields = ("tenant", "role")
+
+    def clean_username(self):
+        username = self.cleaned_data["username"]
+        if not get_user_model().objects.filter(username=username).exists():
+            raise forms.ValidationError(f"No user named {username!r}: create the user first.")
+        return username
+
+    def _post_clean(self):
+        pass  # membership_set validates and stores it
+
+
+class MembershipAdmin(TenantScopedAdmin):
+    view_capability = Capability.MEMBERS_MANAGE
+    add_capability = Capability.MEMBERS_MANAGE
+    change_capability = Capability.MEMBERS_MANAGE
+    delete_capability = Capability.MEMBERS_MANAGE
+    list_display = ("user", "tenant", "role", "created_at")
+    list_filter = ("tenant", "role")
+    search_fields = ("user__username",)
+    list_select_related = ("user", "tenant")
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = MembershipForm
+        return super().get_form(request, obj, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        return ("tenant", "username", "role") if obj is None else ("tenant", "user", "role", "created_at")
+
+    def get_readonly_fields(self, request, obj=None):
+        return () if obj is None else ("tenant", "user", "created_at")
+
+    def save_model(self, request, obj, form, change):
+        tenant = obj.tenant if change else form.cleaned_data["tenant"]
+        if not may(request, Capability.MEMBERS_MANAGE, tenant.pk):
+            raise PermissionDenied
+        username = obj.user.get_username() if change else form.cleaned_data["username"]
+        membership = services.membership_set(
+            tenant=tenant, actor=actor_for(request, tenant.pk), username=username, role=form.cleaned_data["role"]
+        )
+        obj.pk, obj.user, obj.tenant, obj.created_at = membership.pk, membership.user, tenant, membership.created_at
+
+    def delete_model(self, request, obj):
+        services.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
+
+    def delete_queryset(self, request, queryset):
+        for membership in queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE)):
+            self.delete_model(request, membership)
+
+
+admin.site.register(Membership, MembershipAdmin)

@@ -1,0 +1,425 @@
+"""Memories in the admin: the list and its actions, the edit form (checked by the service
+layer's validators), the audited view of a value, its history and restoring a version."""
+
+from __future__ import annotations
+
+import json
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.views.decorators.http import require_POST
+
+from memories import services
+from memories.admin.display import actor_label, when
+from memories.admin.memory_filters import (
+    CategoryFilter,
+    ExpiryFilter,
+    KeyTreeFilter,
+    StateFilter,
+    SubjectFilter,
+    TagFilter,
+)
+from memories.models import Memory, Tenant
+from zeromem.kernel import validation
+from zeromem.kernel.errors import Conflict, NotFound, ServiceError
+from zeromem.kernel.scopes import Capability
+from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
+
+
+class MemoryActionForm(helpers.ActionForm):
+    ttl_days = forms.IntegerField(
+        required=False, min_value=1, max_value=3650, initial=7, label="days (extend TTL)", widget=forms.NumberInput
+    )
+    reason = forms.CharField(required=False, max_length=200, label="reason (forget)")
+
+
+class MemoryForm(forms.ModelForm):
+    """Edits the value as JSON text. Everything is checked with the service layer's own
+    validators here, so a bad value is a form error naming the field, not a failed save."""
+
+    value = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 12, "cols": 80, "class": "vLargeTextField", "spellcheck": "false"}),
+        help_text='Any JSON: "text", 42, true, a list or an object.',
+    )
+    tags = forms.CharField(required=False, help_text="Comma-separated.")
+    ttl_seconds = forms.IntegerField(
+        required=False,
+        min_value=1,
+        label="Expire in (seconds)",
+        help_text="Expire this many seconds from now (empty: keep the expiry).",
+    )
+    version = forms.IntegerField(widget=forms.HiddenInput, required=False)
+
+    class Meta:
+        model = Memory
+        fields = ("tenant", "key", "value", "category", "subject", "tags", "importance")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.instance.pk and not self.is_bound:
+            self.initial["value"] = json.dumps(self.instance.value, ensure_ascii=False, indent=2)
+            self.initial["tags"] = ", ".join(self.instance.tags or [])
+            self.initial["version"] = self.instance.version
+        if "category" in self.fields:
+            self.fields["category"].required = False
+
+    def clean_value(self):
+        text = self.cleaned_data["value"]
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise forms.ValidationError(
+                f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}). "
+                'Text needs double quotes, e.g. "zh-CN".'
+            ) from None
+        tenant = self.instance.tenant if self.instance.pk else self.cleaned_data.get("tenant")
+        max_bytes = tenant.effective_value_max_bytes if tenant else None
+        self._service_check(validation.value, parsed, max_bytes=max_bytes or 16384)
+        return parsed
+
+    def clean_key(self):
+        return self._service_check(validation.key, self.cleaned_data["key"])
+
+    def clean_tags(self):
+        raw = self.cleaned_data.get("tags") or ""
+        tags = [t.strip() for t in raw.split(",") if t.strip()]
+        return self._service_check(validation.tags, tags)
+
+    def clean_category(self):
+        return self._service_check(validation.category, self.cleaned_data.get("category") or None)
+
+    def clean_importance(self):
+        return self._service_check(validation.importance, self.cleaned_data.get("importance"))
+
+    def clean_subject(self):
+        return self._service_check(
+            validation.short_text, self.cleaned_data.get("subject") or "", field="subject", max_len=255
+        )
+
+    def clean(self):
+        data = super().clean()
+        if self.instance.pk and data.get("version") and data["version"] != self.instance.version:
+            raise forms.ValidationError(
+                f"Someone changed this memory while you edited it (now version {self.instance.version}, "
+                f"you opened version {data['version']}). Reload the page and apply your change again."
+            )
+        return data
+
+    def _service_check(self, check, raw, **kwargs):
+        try:
+            result = check(raw, **kwargs)
+        except ServiceError as exc:
+            raise forms.ValidationError(exc.message) from None
+        return raw if result is None else result
+
+    def _post_clean(self):
+        # Keep the model's own full_clean out: the value field holds parsed JSON already and
+        # uniqueness is the service's business. Copy the cleaned data onto the instance.
+        for name in ("key", "category", "subject", "importance", "tenant"):
+            if name in self.cleaned_data and not self.instance.pk:
+                setattr(self.instance, name, self.cleaned_data[name])
+
+
+class MemoryAdmin(TenantScopedAdmin):
+    form = MemoryForm
+    action_form = MemoryActionForm
+    view_capability = Capability.MEMORY_VIEW
+    add_capability = Capability.MEMORY_EDIT
+    change_capability = Capability.MEMORY_EDIT
+    delete_capability = None  # a delete moves to the trash or forgets: both are actions
+    list_display = ("key", "tenant", "category", "subject", "version", "updated_at", "expires_at", "state")
+    list_select_related = ("tenant",)
+    list_filter = ("tenant", StateFilter, KeyTreeFilter, CategoryFilter, SubjectFilter, TagFilter, ExpiryFilter)
+    # The value's text as stored (search_text holds stemmed, tenant-prefixed index terms).
+    search_fields = ("key", "value")
+    search_help_text = "Search keys and the text of values."
+    ordering = ("key",)
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
+    list_per_page = 50
+    actions = ("forget_selected", "extend_ttl", "move_to_trash", "restore_from_trash")
+    autocomplete_fields = ("tenant",)
+    object_history_template = "zeromem_admin/memory_history.html"
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ("tenant", "key", "value", "category", "subject", "tags", "importance", "ttl_seconds")
+        if not self.has_change_permission(request, obj):
+            return self.get_readonly_fields(request, obj)
+        return (
+            "key_display",
+            "value",
+            "category",
+            "subject",
+            "tags",
+            "importance",
+            "ttl_seconds",
+            "version",
+            "facts",
+        )
+
+    def get_readonly_fields(self, request, obj=None):
+        if obj is None:
+            return ()
+        if not self.has_change_permission(request, obj):
+            return ("key_display", "value_display", "category", "subject", "tags", "importance", "facts")
+        return ("key_display", "subject", "facts")
+
+    @admin.display(description="key")
+    def key_display(self, obj):
+        return format_html("<code>{}</code> (tenant {})", obj.key, obj.tenant.slug)
+
+    @admin.display(description="value")
+    def value_display(self, obj):
+        return format_html("<pre>{}</pre>", json.dumps(obj.value, ensure_ascii=False, indent=2))
+
+    @admin.display(description="facts")
+    def facts(self, obj):
+        return format_html(
+            "version {} · state {} · created {} · updated {} · expires {} · read {} times, last {} · source {}",
+            obj.version,
+            self.state(obj),
+            when(obj.created_at),
+            when(obj.updated_at),
+            when(obj.expires_at, "never"),
+            obj.access_count,
+            when(obj.last_accessed_at, "never"),
+            obj.source or "-",
+        )
+
+    @admin.display(description="state")
+    def state(self, obj):
+        if obj.deleted_at is not None:
+            return "trash"
+        if obj.expires_at is not None and obj.expires_at <= timezone.now():
+            return "expired"
+        return "live"
+
+    # --- opening a memory is an audited read ---------------------------------------------
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        obj = self.get_object(request, unquote(object_id))
+        if request.method == "GET":
+            try:
+                services.memory_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
+            except NotFound:
+                raise Http404("no such memory") from None
+            except ServiceError:
+                raise PermissionDenied from None
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        tenant = obj.tenant if change else data["tenant"]
+        if not may(request, Capability.MEMORY_EDIT, tenant.pk):
+            raise PermissionDenied
+        actor = actor_for(request, tenant.pk)
+        if change:
+            try:
+                result = services.memory_update(
+                    tenant=tenant,
+                    actor=actor,
+                    key=obj.key,
+                    value=data["value"],
+                    expected_version=data.get("version") or None,
+                    ttl_seconds=data.get("ttl_seconds"),
+                    tags=data["tags"],
+                    category=data.get("category"),
+                    importance=data.get("importance"),
+                )
+            except Conflict as exc:
+                raise ServiceError(
+                    f"the memory changed meanwhile (now version {exc.extra['current_version']}); reload and retry",
+                    field="value",
+                ) from None
+            except NotFound:
+                raise ServiceError("the memory is gone (expired or moved to the trash)", field="key") from None
+        else:
+            result = services.memory_write(
+                tenant=tenant,
+                actor=actor,
+                key=data["key"],
+                value=data["value"],
+                ttl_seconds=data.get("ttl_seconds"),
+                tags=data["tags"],
+                subject=data.get("subject") or None,
+                category=data.get("category"),
+                importance=data.get("importance"),
+            )
+        obj.__dict__.update({k: v for k, v in result.memory.__dict__.items() if not k.startswith("_")})
+        obj._state.adding = False
+
+    def log_addition(self, request, obj, message):
+        return None  # the audit event of memory_write records it (with the actor)
+
+    def log_change(self, request, obj, message):
+        return None  # the audit event of memory_update records it
+
+    # --- history and restoring a version ---------------------------------------------------
+
+    def history_view(self, request, object_id, extra_context=None):
+        obj = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        try:
+            versions = services.memory_versions_view(
+                tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk
+            )
+        except NotFound:
+            raise Http404("no such memory") from None
+        except ServiceError:
+            raise PermissionDenied from None
+        live = obj.deleted_at is None and (obj.expires_at is None or obj.expires_at > timezone.now())
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"History of {obj.key}",
+            "subtitle": None,
+            "object": obj,
+            "opts": self.opts,
+            "module_name": "Memories",
+            "versions": [
+                {
+                    "version": v.version,
+                    "op": v.op,
+                    "actor": actor_label(v.actor_kind, v.actor_id),
+                    "created_at": v.created_at,
+                    "value": json.dumps(v.value, ensure_ascii=False, indent=2),
+                    "current": v.version == obj.version,
+                }
+                for v in versions
+            ],
+            "can_restore": live and self.has_change_permission(request, obj),
+            "preserved_filters": self.get_preserved_filters(request),
+            **(extra_context or {}),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.object_history_template, context)
+
+    def get_urls(self):
+        return [
+            path(
+                "<path:object_id>/history/<int:version>/restore/",
+                self.admin_site.admin_view(self.restore_version_view),
+                name="memories_memory_restore_version",
+            ),
+            *super().get_urls(),
+        ]
+
+    def restore_version_view(self, request, object_id, version: int):
+        return require_POST(self._restore_version)(request, object_id, version)
+
+    def _restore_version(self, request, object_id, version):
+        obj = self.get_object(request, unquote(object_id))
+        if not self.has_change_permission(request, obj):
+            raise PermissionDenied
+        try:
+            result = services.memory_restore_version(
+                tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk, version=version
+            )
+        except NotFound:
+            self.message_user(request, f"{obj.key} has no version {version}.", messages.ERROR)
+        except ServiceError as exc:
+            self.message_user(request, service_error_text(exc), messages.ERROR)
+        else:
+            self.message_user(request, f"Restored version {version} of {obj.key} as version {result.memory.version}.")
+        return HttpResponseRedirect(reverse("admin:memories_memory_history", args=[obj.pk]))
+
+    # --- actions --------------------------------------------------------------------------
+
+    def has_edit_permission(self, request):
+        return may(request, Capability.MEMORY_EDIT)
+
+    def _editable(self, request, queryset):
+        return queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMORY_EDIT)).select_related("tenant")
+
+    @admin.action(permissions=["edit"], description="Forget selected memories (a forget request)")
+    def forget_selected(self, request, queryset):
+        reason = request.POST.get("reason", "") or "forgotten in the admin"
+        by_tenant: dict[Tenant, list[str]] = {}
+        for memory in self._editable(request, queryset).order_by("key")[:1000]:
+            by_tenant.setdefault(memory.tenant, []).append(memory.key)
+        for tenant, keys in by_tenant.items():
+            try:
+                fr = services.forget_request_create(
+                    tenant=tenant, actor=actor_for(request, tenant.pk), keys=sorted(set(keys)), reason=reason
+                )
+            except ServiceError as exc:
+                self.message_user(request, service_error_text(exc), messages.ERROR)
+                continue
+            link = reverse("admin:memories_forgetrequest_change", args=[fr.pk])
+            self.message_user(
+                request,
+                format_html(
+                    'Forget request <a href="{}">#{}</a> filed for {} key{}.',
+                    link,
+                    fr.pk,
+                    len(keys),
+                    "" if len(keys) == 1 else "s",
+                ),
+                messages.SUCCESS,
+            )
+
+    @admin.action(permissions=["edit"], description="Extend TTL (expire that many days from now)")
+    def extend_ttl(self, request, queryset):
+        try:
+            days = int(request.POST.get("ttl_days") or 7)
+        except ValueError:
+            days = 0
+        if not 1 <= days <= 3650:
+            self.message_user(request, "days (extend TTL): give a whole number from 1 to 3650.", messages.ERROR)
+            return
+        done = 0
+        for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
+            try:
+                services.memory_update(
+                    tenant=memory.tenant,
+                    actor=actor_for(request, memory.tenant_id),
+                    key=memory.key,
+                    ttl_seconds=days * 86400,
+                )
+            except NotFound:
+                continue  # expired meanwhile
+            done += 1
+        self.message_user(request, f"{done} memories now expire in {days} days (expired ones cannot be extended).")
+
+    @admin.action(permissions=["edit"], description="Move selected memories to the trash")
+    def move_to_trash(self, request, queryset):
+        done = 0
+        for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
+            try:
+                services.memory_delete(tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), key=memory.key)
+            except NotFound:
+                continue  # expired or trashed meanwhile
+            done += 1
+        self.message_user(request, f"{done} memories moved to the trash.")
+
+    @admin.action(permissions=["edit"], description="Restore selected memories from the trash")
+    def restore_from_trash(self, request, queryset):
+        done, conflicts = 0, []
+        for memory in self._editable(request, queryset).filter(deleted_at__isnull=False):
+            try:
+                services.memory_restore(
+                    tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), memory_id=memory.pk
+                )
+            except Conflict:
+                conflicts.append(memory.key)
+                continue
+            except NotFound:
+                continue  # restored or purged meanwhile
+            done += 1
+        self.message_user(request, f"{done} memories restored from the trash.")
+        if conflicts:
+            self.message_user(
+                request, f"Not restored, a live memory holds the key: {', '.join(conflicts[:20])}", messages.WARNING
+            )
+
+
+admin.site.register(Memory, MemoryAdmin)

@@ -1,0 +1,110 @@
+"""Tenants in the admin, and each tenant's dashboard page."""
+
+from __future__ import annotations
+
+from django.apps import apps
+from django.contrib import admin
+from django.db.models import OuterRef, Subquery
+from django.http import Http404
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.html import format_html
+
+from memories import services
+from memories.admin.charts import dashboard_context
+from memories.models import Membership, Tenant
+from memories.selectors.dashboard import tenant_dashboard
+from zeromem.kernel.scopes import Capability
+from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
+
+
+@admin.register(Tenant)
+class TenantAdmin(TenantScopedAdmin):
+    tenant_field = "pk"
+    view_capability = Capability.TENANT_VIEW
+    list_display = ("slug", "name", "your_role", "dashboard_link", "created_at")
+    search_fields = ("slug", "name")
+    ordering = ("slug",)
+    fields = ("slug", "name", "value_max_bytes", "trash_retention_days", "created_at")
+
+    def get_readonly_fields(self, request, obj=None):
+        return ("slug", "created_at") if obj else ("created_at",)
+
+    def has_add_permission(self, request):
+        return request.user.is_active and request.user.is_superuser
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_superuser
+
+    @admin.display(description="your role")
+    def your_role(self, obj):
+        return getattr(obj, "member_role", None) or "superuser"
+
+    @admin.display(description="dashboard")
+    def dashboard_link(self, obj):
+        return format_html('<a href="{}">Dashboard</a>', reverse("admin:memories_tenant_dashboard", args=[obj.pk]))
+
+    def get_queryset(self, request):
+        # The user's role per row (list_display callables get only the row, and a ModelAdmin
+        # is shared by every request, so nothing request-specific may live on it).
+        role = Membership.objects.filter(tenant=OuterRef("pk"), user_id=request.user.pk).values("role")[:1]
+        return super().get_queryset(request).annotate(member_role=Subquery(role))
+
+    def get_search_results(self, request, queryset, search_term):
+        # Autocomplete of a tenant field offers only the tenants where the user may do what
+        # the source form does (e.g. file a forget request), not every tenant they can see.
+        if request.path.endswith("/autocomplete/"):
+            source = _autocomplete_source_admin(self.admin_site, request)
+            capability = source and (source.add_capability or source.change_capability or source.view_capability)
+            queryset = queryset.filter(pk__in=tenant_ids_with(request, capability)) if capability else queryset.none()
+        return super().get_search_results(request, queryset, search_term)
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            original = Tenant.objects.get(pk=obj.pk)  # form.save() already set the new values on obj
+            services.tenant_settings_update(
+                tenant=original,
+                actor=actor_for(request, obj.pk),
+                name=form.cleaned_data["name"],
+                value_max_bytes=form.cleaned_data.get("value_max_bytes"),
+                trash_retention_days=form.cleaned_data.get("trash_retention_days"),
+            )
+            return
+        created = services.tenant_create(actor=actor_for(request, 0), slug=obj.slug, name=obj.name)
+        obj.pk = created.pk
+        obj.created_at = created.created_at
+
+    def get_urls(self):
+        return [
+            path(
+                "<int:tenant_id>/dashboard/",
+                self.admin_site.admin_view(self.dashboard_view),
+                name="memories_tenant_dashboard",
+            ),
+            *super().get_urls(),
+        ]
+
+    def dashboard_view(self, request, tenant_id: int):
+        if not may(request, Capability.DASHBOARD_VIEW, tenant_id):
+            raise Http404("no such tenant")
+        tenant = get_object_or_404(Tenant, pk=tenant_id)
+        role = staff_roles(request).get(tenant.pk)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Dashboard: {tenant.name}",
+            "tenant": tenant,
+            "role": role,
+            "opts": self.opts,
+            "show_keys": may(request, Capability.MEMORY_VIEW, tenant.pk),
+            **dashboard_context(tenant_dashboard(tenant=tenant)),
+        }
+        return TemplateResponse(request, "zeromem_admin/dashboard.html", context)
+
+
+def _autocomplete_source_admin(site, request):
+    try:
+        model = apps.get_model(request.GET["app_label"], request.GET["model_name"])
+        return site.get_model_admin(model)
+    except Exception:  # unknown model or not registered: AutocompleteJsonView refuses it anyway
+        return None
