@@ -528,7 +528,7 @@ def _summary_rebuild(
     Memory.objects.filter(pk=summary.pk).update(
         value=text,
         sources=keep,
-        search_text=search.index_text(key=summary.key, value=text),
+        **search.index_fields(tenant_id=request.tenant_id, key=summary.key, value=text, tags=summary.tags),
         version=version,
         updated_at=now,
     )
