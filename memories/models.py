@@ -190,6 +190,8 @@ class Memory(models.Model):
             # Not partial: a partial index on "deleted_at IS NULL" would be ANDed into the
             # search's bitmap scan (memories/search/lexical.py).
             models.Index(fields=["tenant", "-importance", "-updated_at"], name="memory_tenant_salience"),
+            # The embedding job finds memories written since its watermark (memories/search/embeddings.py).
+            models.Index(fields=["updated_at"], name="memory_updated"),
         ]
 
     def __str__(self) -> str:
@@ -401,3 +403,42 @@ class SearchCorpus(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id}: {self.documents}"
+
+
+class MemoryEmbedding(models.Model):
+    """A memory's sentence embedding, for semantic search (memories/search/embeddings.py).
+
+    Derived from the memory's key and value, so it lives and dies with the memory: trashing
+    the memory deletes it, and erasing the memory (purge, forget, tenant deletion) takes it
+    along — on PostgreSQL the foreign key also cascades in the database (migration 0011), so
+    an embedding written by a job racing a forget cannot outlive its memory. Written only by
+    the embedding job, off the write path.
+
+    ``vector`` is ``dim`` little-endian float16 numbers, L2-normalised (a 512-dim vector is
+    1 KB, stored inline in the row, not TOASTed). ``text_hash`` lets the job skip re-encoding
+    a memory whose new version changed nothing it embeds (tags, TTL, importance).
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
+    memory = models.OneToOneField(Memory, on_delete=models.CASCADE, related_name="embedding")
+    model = models.CharField(max_length=64)
+    dim = models.PositiveSmallIntegerField()
+    vector = models.BinaryField()
+    text_hash = models.CharField(max_length=16)
+    # The memory's version and updated_at when embedded: a memory whose version moved on is
+    # embedded again; the job resumes from the newest memory_updated_at it has seen.
+    memory_version = models.PositiveIntegerField()
+    memory_updated_at = models.DateTimeField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [
+            # A tenant's newest embeddings first (the search cache loads the newest N, then
+            # only rows with a higher id than it holds).
+            models.Index(fields=["tenant", "id"], name="memoryembedding_tenant_id"),
+            # The job's watermark: max(memory_updated_at).
+            models.Index(fields=["memory_updated_at"], name="memoryembedding_updated"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.memory_id} ({self.model}, {self.dim}d)"

@@ -6,6 +6,7 @@ twice (a retry after a killed worker), and each service bounds its own attempts 
 django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 """
 
+from memories.search import embeddings
 from memories.search import index as search_index
 from memories.services import access, forget, retention, summaries
 
@@ -36,6 +37,10 @@ def summarize_jobs_resume_task() -> int:
 
 def access_counts_fold_task() -> int:
     return access.access_counts_fold()
+
+
+def embed_memories_task() -> dict:
+    return embeddings.embeddings_refresh()
 
 
 def search_stats_refresh_task() -> dict:

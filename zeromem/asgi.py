@@ -55,3 +55,9 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402  (configured by get_asgi_application)
 
 application = body_capped(django_application, settings.ZEROMEM_MAX_BODY_BYTES)
+
+# Each server process starts loading the embedding model now, in a background thread
+# (about 3 s): searches meanwhile run on words alone instead of waiting for it.
+from memories.search.embeddings import warm_up  # noqa: E402
+
+warm_up()

@@ -25,6 +25,9 @@ SCHEDULES = {
     # Search term frequencies (idf) of tenants whose memories changed are recounted from the
     # index; searches meanwhile use the last count (memories/search/index.py).
     "zeromem:search-stats": ("memories.tasks.search_stats_refresh_task", Schedule.MINUTES, 10),
+    # Memories written since the last run get their embeddings (semantic search); until then
+    # they are found by words only. Each run stops after ~50 s, so runs do not pile up.
+    "zeromem:embed-memories": ("memories.tasks.embed_memories_task", Schedule.MINUTES, 1),
     # Audit events are chained into seals (tamper evidence) a minute or so after they happen;
     # requests never wait for this (see audit/models.py).
     "zeromem:audit-seal": ("audit.tasks.audit_seal_task", Schedule.MINUTES, 1),

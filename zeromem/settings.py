@@ -271,6 +271,26 @@ ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
 ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)
 ZEROMEM_PORTAL_SESSION_SECONDS = env.int("ZEROMEM_PORTAL_SESSION_SECONDS", default=1800)
 ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
+# Semantic search (memories/search/embeddings.py, semantic.py). "off": words only, the
+# model is never loaded. LOAD_WAIT: a search waits for the model to load (about 3 s) instead
+# of searching by words until a background load finishes (tests and evaluations set it).
+ZEROMEM_EMBEDDINGS = env.str("ZEROMEM_EMBEDDINGS", default="on")
+# numpy's BLAS on one thread per process, set before anything imports numpy: requests already
+# run in parallel, and a multi-threaded BLAS spinning on a busy machine turned a 2 ms question
+# embedding into 60–300 ms (measured). An operator's own value wins.
+for _blas_threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_blas_threads, "1")
+ZEROMEM_EMBEDDINGS_LOAD_WAIT = env.bool("ZEROMEM_EMBEDDINGS_LOAD_WAIT", default=False)
+# The newest embeddings per tenant scored exactly on every search (the cost cap), the fusion
+# weight of meaning against words, and the per-process cache of those vectors.
+ZEROMEM_SEMANTIC_CANDIDATES = env.int("ZEROMEM_SEMANTIC_CANDIDATES", default=20000)
+ZEROMEM_SEMANTIC_WEIGHT = env.float("ZEROMEM_SEMANTIC_WEIGHT", default=0.4)
+# "weighted" (score fusion, the default) or "rrf" (reciprocal rank fusion), for comparison.
+ZEROMEM_SEMANTIC_FUSION = env.str("ZEROMEM_SEMANTIC_FUSION", default="weighted")
+ZEROMEM_SEMANTIC_CACHE_SECONDS = env.int("ZEROMEM_SEMANTIC_CACHE_SECONDS", default=300)
+ZEROMEM_SEMANTIC_CACHE_MB = env.int("ZEROMEM_SEMANTIC_CACHE_MB", default=256)
+# How often a search checks for embeddings newer than its cached matrix (one index probe).
+ZEROMEM_SEMANTIC_PROBE_SECONDS = env.float("ZEROMEM_SEMANTIC_PROBE_SECONDS", default=1.0)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["memories.api.auth.ApiKeyAuthentication"],

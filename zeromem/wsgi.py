@@ -4,3 +4,9 @@ from django.core.wsgi import get_wsgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "zeromem.settings")
 application = get_wsgi_application()
+
+# Each server process starts loading the embedding model now, in a background thread
+# (about 3 s): searches meanwhile run on words alone instead of waiting for it.
+from memories.search.embeddings import warm_up  # noqa: E402
+
+warm_up()

@@ -1,7 +1,7 @@
 """The one place search and recall results are assembled.
 
-``search_ranked`` gathers candidate lists — today the lexical one; an embedding ranker
-adds its own ``(memory id, score)`` list to ``_candidate_lists`` — fuses them into one
+``search_ranked`` gathers candidate lists — the lexical one and the semantic one
+(memories/search/semantic.py), each ``(memory id, score)`` best first — fuses them into one
 order (:func:`fuse`), and loads the memories. ``recall_pack`` turns a ranking (or, with no
 question, the most important and most recent memories under a prefix) into one text block.
 """
@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.conf import settings
 from django.utils import timezone
 
 from memories import selectors
 from memories.models import Memory, Tenant
+from memories.search import semantic
 from memories.search.lexical import lexical_candidates
 from memories.search.text import compact, index_document
 
+# Extra fused results loaded, so that one dropped on load (trashed since) leaves no gap.
+SPARE = 10
 # How many ranked memories recall considers before dropping near-duplicates and packing.
 RECALL_POOL = 30
 # Two memories whose value terms overlap this much (Jaccard) say the same thing: recall
@@ -27,14 +31,30 @@ CUT_MIN_CHARS = 40
 
 
 def _candidate_lists(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> dict:
-    """Each ranker's best matches, ``{name: [(memory id, score), ...]}`` best first."""
-    return {"lexical": lexical_candidates(tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=limit)}
+    """Each ranker's best matches, ``{name: [(memory id, score), ...]}`` best first: the
+    words (read ``semantic.LEXICAL_DEPTH`` deep, for fusion) and, when the question can be
+    embedded and something is near it, the meaning (memories/search/semantic.py)."""
+    lexical = lexical_candidates(
+        tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=max(limit, semantic.LEXICAL_DEPTH)
+    )
+    lists = {"lexical": lexical}
+    similar = semantic.semantic_candidates(
+        tenant_id=tenant.pk, prefixes=prefixes, query=query, also=[memory_id for memory_id, _ in lexical]
+    )
+    if similar:
+        lists["semantic"] = similar
+    return lists
 
 
 def fuse(lists: dict[str, list[tuple[int, float]]], limit: int) -> list[tuple[int, float]]:
-    """One order from several candidate lists. With a single list, that list."""
+    """One order from the candidate lists. With a single list, that list. Words and meaning:
+    weighted score fusion (``semantic.fuse``), or reciprocal rank fusion when
+    ``ZEROMEM_SEMANTIC_FUSION = "rrf"`` — measured worse at hit@1 (README "Semantic search")."""
     if len(lists) == 1:
         return next(iter(lists.values()))[:limit]
+    if settings.ZEROMEM_SEMANTIC_FUSION != "rrf":
+        weight = settings.ZEROMEM_SEMANTIC_WEIGHT
+        return semantic.fuse(lists["lexical"], dict(lists["semantic"]), weight=weight)[:limit]
     # Reciprocal rank fusion (k = 60), the usual default when scores are not comparable.
     fused: dict[int, float] = {}
     for ranked in lists.values():
@@ -51,7 +71,9 @@ def _load(tenant: Tenant, ranked: list[tuple[int, float]]) -> list[tuple[Memory,
 def search_ranked(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[Memory, float]]:
     """The tenant's live memories under ``prefixes`` that answer ``query``, best first.
     Cost: each ranker's (bounded: memories/search/lexical.py) plus one primary-key fetch."""
-    return _load(tenant, fuse(_candidate_lists(tenant=tenant, prefixes=prefixes, query=query, limit=limit), limit))
+    # A few spare: a vector cached for semantic search may belong to a memory trashed since.
+    lists = _candidate_lists(tenant=tenant, prefixes=prefixes, query=query, limit=limit)
+    return _load(tenant, fuse(lists, limit + SPARE))[:limit]
 
 
 def _salience(importance: int, updated_at: datetime, now: datetime) -> float:

@@ -22,6 +22,7 @@ from django.utils import timezone
 from audit.services import AuditedOperation, audited_operation
 from memories import search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
+from memories.search import embeddings
 from memories.services import retention
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope, require_subject_allowed
@@ -135,6 +136,7 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
         if existing is not None and existing.expires_at is not None and existing.expires_at <= now:
             existing.deleted_at = now
             existing.save(update_fields=["deleted_at"])
+            embeddings.embeddings_delete(memory_ids=[existing.pk])
             existing = None
         tags = fields["tags"] if "tags" in fields else (existing.tags if existing is not None else [])
         fields = {**fields, **search.index_fields(tenant_id=tenant.pk, key=key, value=fields["value"], tags=tags)}
@@ -283,6 +285,8 @@ def memory_delete(
         memory.version += 1
         memory.updated_at = now
         memory.save(update_fields=["deleted_at", "version", "updated_at"])
+        # Derived from the value: it goes with the memory (a restore is embedded again).
+        embeddings.embeddings_delete(memory_ids=[memory.pk])
         _record_version(memory, MemoryVersion.Op.DELETE, actor, now)
         op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)

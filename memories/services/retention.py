@@ -31,7 +31,7 @@ from django.db.models.lookups import Exact
 from django.utils import timezone
 
 from audit.services import audit_record, audited_operation
-from memories.models import Memory, MemoryVersion, RetentionRule, Tenant
+from memories.models import Memory, MemoryEmbedding, MemoryVersion, RetentionRule, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
 from zeromem.kernel.errors import InvalidInput
@@ -168,6 +168,9 @@ def _old_trash_by_tenant(now: datetime) -> Iterable[tuple[int, QuerySet[Memory]]
 # UPDATE SKIP LOCKED; ``= ANY(ARRAY(...))`` keeps both DELETEs on their id indexes.
 _ERASE_SQL = """
 WITH picked(id) AS MATERIALIZED ({picked}),
+embeddings AS (
+    DELETE FROM {embeddings} WHERE memory_id = ANY(ARRAY(SELECT id FROM picked))
+),
 versions AS (
     DELETE FROM {versions} WHERE memory_id = ANY(ARRAY(SELECT id FROM picked)) RETURNING tenant_id
 ),
@@ -188,6 +191,7 @@ def _erase_postgresql(candidates: QuerySet[Memory], batch_size: int) -> tuple[Co
     sql = _ERASE_SQL.format(
         picked=picked_sql,
         versions=connection.ops.quote_name(MemoryVersion._meta.db_table),
+        embeddings=connection.ops.quote_name(MemoryEmbedding._meta.db_table),
         memories=connection.ops.quote_name(Memory._meta.db_table),
     )
     erased: Counter = Counter()
@@ -209,6 +213,7 @@ def _erase_sqlite(candidates: QuerySet[Memory], batch_size: int) -> tuple[Counte
     marks = ", ".join(["%s"] * len(ids))
     counts = []
     with connection.cursor() as cursor:
+        MemoryEmbedding.objects.filter(memory_id__in=ids).delete()
         for model, column in ((MemoryVersion, "memory_id"), (Memory, "id")):
             table = connection.ops.quote_name(model._meta.db_table)
             # bandit B608 (marked): table and column are the models' own; the ids are %s parameters.

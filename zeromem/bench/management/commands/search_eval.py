@@ -1,16 +1,24 @@
 """Measure search quality on question→answer data that this project did not write.
 
     python manage.py search_eval [--dataset NAME ...] [--limit N] [--k 1,5,10] [--json] [--misses N]
+                                 [--semantic on|off] [--fusion weighted|rrf]
 
 Each dataset is loaded into its own throw-away tenant: every answer passage becomes one
 memory (key ``fact:<dataset>:<id>``, written through ``services.memory_write`` by a system
 actor), so for each question all the other passages are distractors. Every question is
 then asked through ``services.memory_search`` and the rank of the memory that answers it
-is recorded: hit@k (an answer is among the first k results), recall@10 (the share of a
-question's answers among the first 10, averaged), MRR (mean of 1/rank over the first 10
-results, 0 when it is not there) and the search latency p50/p95, per dataset and
-per language. Everything runs in one transaction that is rolled back at the end (``--keep``
-commits it instead), so no tenant, memory or audit event is left behind.
+is recorded: hit@k (the answer is among the first k results), recall@10 (the share of a
+question's answers among the first 10 results, averaged), MRR (mean of 1/rank over the
+first 10 results, 0 when it is not there) and the search latency p50/p95, per dataset and
+per language.
+
+``--semantic on`` (the default) embeds every passage first, as the embedding job would
+(memories/search/embeddings.py), and waits for the model to load, so the search fuses words
+and meaning; ``--semantic off`` measures the word ranking alone. ``--fusion`` picks the
+fusion (``ZEROMEM_SEMANTIC_FUSION``) to compare the two.
+
+Everything runs in one transaction that is rolled back at the end (``--keep`` commits it
+instead), so no tenant, memory or audit event is left behind.
 
 The datasets, where each comes from and how to add one: :mod:`zeromem.bench.search_datasets`.
 A dataset whose package is not installed is skipped with a note.
@@ -22,10 +30,13 @@ import re
 import time
 import uuid
 
+from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import connection, transaction
+from django.test.utils import override_settings
 
 from memories import services
+from memories.search import embeddings
 from zeromem.bench.harness import nearest_rank
 from zeromem.bench.options import BenchCommand
 from zeromem.bench.search_datasets import LOADERS, Dataset, Unavailable
@@ -72,8 +83,17 @@ class Command(BenchCommand):
         parser.add_argument("--k", default="1,5,10", help="cut-offs for hit@k, comma-separated (default 1,5,10)")
         parser.add_argument("--misses", type=int, default=0, help="list up to N missed questions per dataset")
         parser.add_argument("--keep", action="store_true", help="commit the evaluation tenants instead of rolling back")
+        parser.add_argument(
+            "--semantic",
+            choices=("on", "off"),
+            default="on",
+            help="on: embed the passages and fuse words with meaning (default); off: words only",
+        )
+        parser.add_argument(
+            "--fusion", choices=("weighted", "rrf"), default=None, help="fusion of words and meaning (default: setting)"
+        )
 
-    def handle(self, *args, dataset, limit, k, misses, keep, **options):
+    def handle(self, *args, dataset, limit, k, misses, keep, semantic, fusion, **options):
         try:
             ks = sorted({int(x) for x in k.split(",") if x.strip()})
         except ValueError:
@@ -96,10 +116,25 @@ class Command(BenchCommand):
             raise CommandError("no dataset available: " + "; ".join(f"{n}: {why}" for n, why in skipped.items()))
 
         actor = Actor.system(job="search_eval")
+        # Quality, not latency: a search that a busy machine slows past the production
+        # timeout is still ranked (the latency columns show what it cost).
+        overrides = {
+            "ZEROMEM_EMBEDDINGS": semantic,
+            "ZEROMEM_EMBEDDINGS_LOAD_WAIT": True,
+            "ZEROMEM_SEARCH_TIMEOUT_MS": max(settings.ZEROMEM_SEARCH_TIMEOUT_MS, 10_000),
+        }
+        if fusion:
+            overrides["ZEROMEM_SEMANTIC_FUSION"] = fusion
+        if semantic == "on":
+            try:
+                with override_settings(**overrides):
+                    embeddings.encode(["warm up"])  # load the model before any timing
+            except embeddings.EncoderUnavailable as exc:
+                raise CommandError(f"--semantic on: {exc}") from None
         results: dict[str, dict] = {}
         per_question: list[dict] = []
         try:
-            with transaction.atomic():
+            with override_settings(**overrides), transaction.atomic():
                 for ds in loaded:
                     results[ds.name], rows = self._run(ds, actor=actor, limit=limit, ks=ks, depth=depth)
                     per_question.extend(rows)
@@ -120,6 +155,8 @@ class Command(BenchCommand):
         )
         report = {
             "backend": connection.vendor,
+            "semantic": semantic,
+            "fusion": (fusion or settings.ZEROMEM_SEMANTIC_FUSION) if semantic == "on" else None,
             "k": ks,
             "mrr_depth": MRR_DEPTH,
             "datasets": results,
@@ -145,6 +182,11 @@ class Command(BenchCommand):
                 value = value[: int(len(value) * 0.9)]
                 truncated += 1
             services.memory_write(tenant=tenant, actor=actor, key=_key(ds.name, pid), value=value)
+        embedded = 0
+        if settings.ZEROMEM_EMBEDDINGS != "off":
+            embedded = embeddings.embeddings_refresh(full=True, tenant_id=tenant.pk, time_budget=float("inf"))[
+                "embedded"
+            ]
         questions = ds.questions[:limit] if limit else ds.questions
         rows = []
         latencies = []
@@ -157,7 +199,7 @@ class Command(BenchCommand):
             ms = (time.perf_counter() - started) * 1000
             keys = [m.key for m, _score in found]
             rank = next((i + 1 for i, key in enumerate(keys) if key in relevant), None)
-            recall = len(relevant & set(keys[:RECALL_DEPTH])) / len(relevant)
+            recall = len(relevant.intersection(keys[:RECALL_DEPTH])) / len(relevant)
             ranks.append(rank)
             recalls.append(recall)
             latencies.append(ms)
@@ -175,7 +217,7 @@ class Command(BenchCommand):
                 }
             )
         summary = _summary(ranks, latencies, ks, recalls)
-        summary.update(lang=ds.lang, memories=len(ds.passages), source=ds.source)
+        summary.update(lang=ds.lang, memories=len(ds.passages), embedded=embedded, source=ds.source)
         if truncated:
             summary["truncated_values"] = truncated
         return summary, rows
@@ -183,14 +225,15 @@ class Command(BenchCommand):
     def print_table(self, report: dict) -> None:
         ks = report["k"]
         cols = [f"hit@{k}" for k in ks] + [f"recall@{RECALL_DEPTH}", "mrr"]
-        header = f"{'':18} {'lang':4} {'qs':>5} {'mems':>5} " + " ".join(f"{c:>6}" for c in cols)
+        header = f"{'':18} {'lang':4} {'qs':>5} {'mems':>5} " + " ".join(f"{c:>9}" for c in cols)
         header += f" {'p50ms':>7} {'p95ms':>7}"
         w = self.stdout.write
-        w(f"backend: {report['backend']}   (MRR over the first {report['mrr_depth']} results)")
+        mode = f"words + meaning ({report['fusion']} fusion)" if report["semantic"] == "on" else "words only"
+        w(f"backend: {report['backend']}   ranking: {mode}   (MRR over the first {report['mrr_depth']} results)")
         w(header)
 
         def line(label, lang, s, mems=""):
-            figures = " ".join(f"{s[c]:6.3f}" for c in cols)
+            figures = " ".join(f"{s[c]:9.3f}" for c in cols)
             return (
                 f"{label:18} {lang:4} {s['questions']:5d} {str(mems):>5} {figures} "
                 f"{s['p50_ms']:7.2f} {s['p95_ms']:7.2f}"
