@@ -67,7 +67,7 @@ def drain_tallies(tally: str, *, before: float) -> list[tuple[str, int, int]]:
     table = connection.ops.quote_name(RateCounter._meta.db_table)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"DELETE FROM {table} WHERE bucket LIKE %s AND window_start < %s RETURNING bucket, window_start, count",
+            f"DELETE FROM {table} WHERE bucket LIKE %s AND window_start < %s RETURNING bucket, window_start, count",  # nosec B608
             [f"{tally}%", int(before)],
         )
         return [(bucket, start, count) for bucket, start, count in cursor.fetchall()]
@@ -79,13 +79,13 @@ def _db_hit(bucket: str, start: int, cost: int) -> int:
         cursor.execute(
             f"INSERT INTO {table} (bucket, window_start, count) VALUES (%s, %s, %s) "
             f"ON CONFLICT (bucket, window_start) DO UPDATE SET count = {table}.count + EXCLUDED.count "
-            "RETURNING count",
+            "RETURNING count",  # nosec B608
             [bucket[:200], start, cost],
         )
         count = cursor.fetchone()[0]
         if count == cost:
             # A bucket's first hit in a window: old windows go (index ratecounter_window).
-            cursor.execute(f"DELETE FROM {table} WHERE window_start < %s", [start - KEEP_SECONDS])
+            cursor.execute(f"DELETE FROM {table} WHERE window_start < %s", [start - KEEP_SECONDS])  # nosec B608
     return count
 
 

@@ -54,7 +54,7 @@ _K = "substr(new.search_text, 1, max(instr(new.search_text, ' | ') - 1, 0))"
 _REST = "substr(new.search_text, instr(new.search_text, ' | ') + (CASE WHEN instr(new.search_text, ' | ') > 0 THEN 3 ELSE 1 END))"
 _T = f"substr({_REST}, 1, max(instr({_REST}, ' | ') - 1, 0))"
 _B = f"substr({_REST}, instr({_REST}, ' | ') + (CASE WHEN instr({_REST}, ' | ') > 0 THEN 3 ELSE 1 END))"
-_INSERT = f"INSERT INTO memories_memory_fts (rowid, k, t, b) VALUES (new.id, {_K}, {_T}, {_B});"
+_INSERT = f"INSERT INTO memories_memory_fts (rowid, k, t, b) VALUES (new.id, {_K}, {_T}, {_B});"  # nosec B608
 
 SQLITE_FORWARD = [
     SALIENCE.format(concurrently=""),
@@ -66,7 +66,7 @@ SQLITE_FORWARD = [
     "CREATE TRIGGER memories_memory_fts_ad AFTER DELETE ON memories_memory BEGIN "
     "DELETE FROM memories_memory_fts WHERE rowid = old.id; END",
     "CREATE TRIGGER memories_memory_fts_au AFTER UPDATE OF search_text ON memories_memory BEGIN "
-    f"DELETE FROM memories_memory_fts WHERE rowid = old.id; {_INSERT} END",
+    f"DELETE FROM memories_memory_fts WHERE rowid = old.id; {_INSERT} END",  # nosec B608
 ]
 SQLITE_BACKWARD = [
     "DROP TRIGGER IF EXISTS memories_memory_fts_au",

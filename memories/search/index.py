@@ -61,7 +61,7 @@ def stats_refresh(*, tenant_id: int) -> int:
     if connection.vendor != "postgresql":
         return 0
     prefix = f"{int(tenant_id)}:"
-    inner = f"SELECT search_tsv FROM memories_memory WHERE tenant_id = {int(tenant_id)} AND deleted_at IS NULL"
+    inner = f"SELECT search_tsv FROM memories_memory WHERE tenant_id = {int(tenant_id)} AND deleted_at IS NULL"  # nosec B608
     with transaction.atomic(), connection.cursor() as cursor:
         # The refresh of a big tenant runs for minutes; the request-path timeout must not apply.
         cursor.execute("SET LOCAL statement_timeout = 0")

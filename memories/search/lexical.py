@@ -223,7 +223,7 @@ def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int,
         df = {}
         if prefixed:
             marks = ", ".join("%s" for _ in prefixed)
-            cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))
+            cursor.execute(f"SELECT term, doc FROM memories_memory_fts_vocab WHERE term IN ({marks})", list(prefixed))  # nosec B608
             df = {prefixed[term]: doc for term, doc in cursor.fetchall()}
         for t in prefix_terms:
             start = f"{tenant_id}:{t[: -len(PREFIX_MARK)]}"
@@ -258,7 +258,7 @@ def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict
         f"""SELECT t, (SELECT count(*) FROM (SELECT 1 FROM memories_memory
                         WHERE tenant_id + 0 = %s AND search_tsv @@ q::tsquery
                         LIMIT {COUNT_CAP}) s)
-            FROM unnest(%s::text[], %s::text[]) AS u(t, q)""",
+            FROM unnest(%s::text[], %s::text[]) AS u(t, q)""",  # nosec B608
         [tenant_id, list(terms), [_lexeme(tenant_id, t) for t in terms]],
     )
     df = {t: n for t, n in cursor.fetchall() if n}
@@ -323,7 +323,7 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
                       AND (expires_at IS NULL OR expires_at > %s){prefix_sql}
                     LIMIT {CANDIDATES}) c) r
         WHERE rank > 0
-        ORDER BY score DESC, id DESC LIMIT %s"""
+        ORDER BY score DESC, id DESC LIMIT %s"""  # nosec B608
     params = [now, *rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params, limit]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -351,7 +351,7 @@ def _sqlite_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[i
         FROM memories_memory_fts f JOIN memories_memory m ON m.id = f.rowid
         WHERE memories_memory_fts MATCH %s AND m.tenant_id = %s AND m.deleted_at IS NULL
           AND (m.expires_at IS NULL OR m.expires_at > %s){prefix_sql}
-        ORDER BY f.rowid DESC LIMIT {CANDIDATES}"""
+        ORDER BY f.rowid DESC LIMIT {CANDIDATES}"""  # nosec B608
     with connection.cursor() as cursor:
         cursor.execute(sql, [match, tenant_id, connection.ops.adapt_datetimefield_value(now), *prefix_params])
         found = cursor.fetchall()
