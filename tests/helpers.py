@@ -2,6 +2,8 @@
 built by tests/factories.py; fixtures live in conftest.py)."""
 
 import os
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -75,3 +77,19 @@ def redis_or_fail(url: str = REDIS_TEST_URL):
     except redis.RedisError as exc:
         pytest.fail(f"this test needs Redis at {url} (set ZEROMEM_TEST_REDIS_URL): {exc}")
     return client
+
+
+def stop_process_group(process, *, grace: float) -> None:
+    """Stop a server started with ``start_new_session=True``: SIGTERM to its main process (the
+    graceful stop), ``grace`` seconds for it, then SIGKILL to whatever is left of its process
+    group (a worker stuck in a task, a stray child)."""
+    try:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=10)

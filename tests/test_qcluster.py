@@ -45,7 +45,7 @@ from memories.models import ForgetRequest, Memory, MemoryVersion
 from memories.services import forget, retention
 from tests import qtasks
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize
-from tests.helpers import memory_rows
+from tests.helpers import memory_rows, stop_process_group
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -143,19 +143,8 @@ class Cluster:
     def stop(self) -> None:
         if self.process is None:
             return
-        # SIGTERM to the main process is the graceful stop (it tells the sentinel to stop
-        # its workers, pusher and monitor; the whole group would get it from a terminal).
-        try:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        # Whatever is left of the group (a worker stuck in a task, a stray child) goes too.
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=10)
+        # SIGTERM to the main process tells the sentinel to stop its workers, pusher and monitor.
+        stop_process_group(self.process, grace=10)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

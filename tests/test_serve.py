@@ -11,7 +11,6 @@ import hashlib
 import http.client
 import json
 import os
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -27,7 +26,7 @@ from django.conf import settings
 from django.db import connection
 
 from tests.factories import make_key, make_tenant
-from tests.helpers import REDIS_TEST_URL, redis_or_fail
+from tests.helpers import REDIS_TEST_URL, redis_or_fail, stop_process_group
 from zeromem import serving
 
 ROOT = Path(settings.BASE_DIR)
@@ -123,16 +122,7 @@ class Served:
     def stop(self) -> None:
         if self.process is None:
             return
-        try:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=10)
+        stop_process_group(self.process, grace=15)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
