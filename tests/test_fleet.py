@@ -38,23 +38,32 @@ def _operator_key(tenant) -> str:
     return raw
 
 
-def _serve(tmp_path: Path, name: str, *args: str, **env: str) -> Served:
+def _serve(tmp_path: Path, name: str, *args: str, _started: list, **env: str) -> Served:
     # Words-only search: the embedding model's load (seconds of CPU) is not what is tested here.
     server = Served(tmp_path / name, args=list(args), env={"ZEROMEM_EMBEDDINGS": "off", **env})
     server.port = free_port()  # in ZEROMEM_TEST_PORTS when given
     server.env["PORT"] = str(server.port)
+    _started.append(server)  # stopped by the fixture even if it never answers
     return server.start()
 
 
 @pytest.fixture
 def fleet(tmp_path):
+    """Start servers: ``fleet(name, *args, **env)`` one, ``fleet.together(n, *args, **env)``
+    ``n`` alike at once (their start-ups overlap)."""
     started: list = []
 
     def start(name: str, *args: str, **env: str) -> Served:
-        server = _serve(tmp_path, name, *args, **env)
-        started.append(server)
+        server = _serve(tmp_path, name, *args, **env, _started=started)
         return server
 
+    def together(n: int, *args: str, **env: str) -> list[Served]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(lambda i: start(f"s{i}", *args, **env), range(n)))
+
+    start.together = together
     yield start
     for server in reversed(started):
         server.stop()
@@ -97,8 +106,7 @@ def test_two_instances_share_the_rate_limit_exactly_and_a_revocation_within_the_
         "ZEROMEM_RATE_LIMIT_PER_MINUTE": "20",
         "ZEROMEM_API_KEY_CACHE_SECONDS": str(ttl),
     }
-    a = fleet("a", "--processes", "1", "--threads", "4", **env)
-    b = fleet("b", "--processes", "1", "--threads", "4", **env)
+    a, b = fleet.together(2, "--processes", "1", "--threads", "4", **env)  # two instances, one database
 
     # A revoked key stops working on both within the key cache's TTL: each instance has it
     # cached (a request each), the revocation is made by a third process (this one).

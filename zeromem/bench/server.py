@@ -23,7 +23,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from zeromem.bench.harness import LOOPBACK, child_pids, healthz
-from zeromem.serving import ServingModel, pool_max_size
+from zeromem.serving import ServingModel, pool_max_size, reset_metrics_dir
 
 
 def free_port() -> int:
@@ -78,6 +78,7 @@ def start_server(
     )
     env.update(extra_env or {})
     env = model.environment(env)
+    reset_metrics_dir(env["PROMETHEUS_MULTIPROC_DIR"])
     cmd = model.command(sys.executable, access_log=access_log, log_level="warning")
     logfile = tempfile.NamedTemporaryFile(prefix="zeromem-bench-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(

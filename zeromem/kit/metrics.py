@@ -44,6 +44,8 @@ from prometheus_client.core import GaugeMetricFamily
 from zeromem.kit import logs
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+if MULTIPROCESS:  # serve empties it at start; whoever else set it may not have created it
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 # Latency buckets (seconds) around the API's figures: reads ~1-3 ms, writes ~5-15 ms, searches
 # up to the 80-ms timeout, exports and batches longer.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
