@@ -330,7 +330,8 @@ def replica_alias(django_db_setup):
     Module-scoped: it must exist before a test declares it in its ``databases``."""
     primary = connections["default"].settings_dict  # the test database, created by now
     assert primary["NAME"].startswith("test_")
-    connections.settings[REPLICA] = {**primary, "OPTIONS": {**primary["OPTIONS"], "pool": {"min_size": 1, "max_size": 4}}}
+    pool = {"min_size": 1, "max_size": 4}
+    connections.settings[REPLICA] = {**primary, "OPTIONS": {**primary["OPTIONS"], "pool": pool}}
     yield
     connections[REPLICA].close()
     pool = getattr(connections[REPLICA], "close_pool", None)
@@ -341,7 +342,9 @@ def replica_alias(django_db_setup):
 
 
 def _tables(queries: list[dict]) -> list[str]:
-    return [q["sql"].split()[0] + " " + (re.findall(r'(?:FROM|INTO|UPDATE) "(\w+)"', q["sql"]) or ["?"])[0] for q in queries]
+    """``SELECT audit_auditevent``: each query's verb and first table."""
+    tables = [re.findall(r'(?:FROM|INTO|UPDATE) "(\w+)"', q["sql"]) or ["?"] for q in queries]
+    return [f"{q['sql'].split()[0]} {found[0]}" for q, found in zip(queries, tables)]
 
 
 @pytest.mark.postgres

@@ -13,7 +13,7 @@ What is recorded where:
 * tool calls by tool and outcome (``ok``, ``not_found``, ``conflict``, ``error``) —
   :func:`tool_calls` from the tool endpoints;
 * the database pool of each process (connections open, idle, requests waiting), sampled at
-  the end of every request;
+  the end of a request at most once a second;
 * at scrape time, from the database (one short query each, :class:`DatabaseCollector`): the
   job queue's depth and its oldest queued job's age, the open forget requests past their due
   date, the audit events not yet sealed.
@@ -89,7 +89,17 @@ def tool_calls(names_and_outcomes) -> None:
 OUTCOMES = frozenset({"ok", "not_found", "conflict", "error"})
 
 
+POOL_SAMPLE_SECONDS = 1.0
+_next_pool_sample = 0.0
+
+
 def _sample_pool() -> None:
+    """At most once a second per process (reading the pool's stats takes its lock: ~40 µs)."""
+    global _next_pool_sample
+    now = time.monotonic()
+    if now < _next_pool_sample:
+        return
+    _next_pool_sample = now + POOL_SAMPLE_SECONDS
     pool = getattr(connections["default"], "pool", None) if connections["default"].vendor == "postgresql" else None
     if pool is None:
         return
@@ -157,10 +167,10 @@ class DatabaseCollector:
         from memories.models import ForgetRequest, Job
 
         now = timezone.now()
-        queued = GaugeMetricFamily("zeromem_jobs_queued", "Jobs queued or running, by kind and status", labels=["status"])
+        queued = GaugeMetricFamily("zeromem_jobs", "Jobs queued or running, by status", labels=["status"])
         oldest = GaugeMetricFamily("zeromem_jobs_oldest_queued_age_seconds", "Age of the oldest job still queued")
         broker = GaugeMetricFamily("zeromem_task_queue_depth", "Tasks waiting in django-q2's broker")
-        overdue = GaugeMetricFamily("zeromem_forget_requests_overdue", "Forget requests not completed past their due date")
+        overdue = GaugeMetricFamily("zeromem_forget_requests_overdue", "Forget requests not completed past due")
         unsealed = GaugeMetricFamily("zeromem_audit_unsealed_events", "Audit events not yet sealed")
         try:
             for status in (Job.Status.QUEUED, Job.Status.RUNNING):

@@ -103,8 +103,9 @@ class Command(bench_serve.Command):
                     os.unlink(server["log"])
 
     def result(self, results: dict) -> dict:
+        one = results["1 process"]
         scaling = {
-            f"{op} {shape} ÷ 1 process": ratio(results[shape][op]["requests_per_s"], results["1 process"][op]["requests_per_s"])
+            f"{op} {shape} ÷ 1 process": ratio(results[shape][op]["requests_per_s"], one[op]["requests_per_s"])
             for shape in ("2 processes", "2 instances")
             for op in OPS
         }
