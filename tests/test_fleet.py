@@ -320,6 +320,30 @@ def test_the_api_works_through_pgbouncer_in_transaction_mode(fleet, pgbouncer, t
     assert f"db={connection.settings_dict['NAME']}" in pgbouncer.log() or "login attempt" in pgbouncer.log()
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_the_deploy_check_reports_a_pooler_without_the_setting_and_the_setting_without_its_parts(
+    monkeypatch, settings
+):
+    from zeromem.kernel.checks import pgbouncer_settings
+
+    connection.ensure_connection()
+    assert pgbouncer_settings(None, databases=["default"]) == []  # straight to PostgreSQL
+    # Connected through a port that is not the server's own: a pooler in between.
+    monkeypatch.setitem(connection.settings_dict, "PORT", "6432")
+    [error] = pgbouncer_settings(None, databases=["default"])
+    assert error.id == "zeromem.E001" and "ZEROMEM_PGBOUNCER=true" in error.msg
+    monkeypatch.setenv("ZEROMEM_PGBOUNCER", "false")  # the operator says: no pooler (a port mapping)
+    assert pgbouncer_settings(None, databases=["default"]) == []
+    # The setting on, but server-side cursors left on by hand: refused.
+    settings.ZEROMEM_PGBOUNCER = True
+    monkeypatch.setitem(connection.settings_dict, "DISABLE_SERVER_SIDE_CURSORS", False)
+    [error] = pgbouncer_settings(None, databases=["default"])
+    assert "server-side cursors" in error.msg
+    monkeypatch.setitem(connection.settings_dict, "DISABLE_SERVER_SIDE_CURSORS", True)
+    assert pgbouncer_settings(None, databases=["default"]) == []
+
+
 # --- 3. read scaling -----------------------------------------------------------------------
 
 
