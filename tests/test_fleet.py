@@ -7,6 +7,7 @@ on the pytest database; PgBouncer is Debian's, started here on a free port.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import subprocess
@@ -22,7 +23,7 @@ from django.test.utils import CaptureQueriesContext
 from memories import services
 from memories.models import ApiKey
 from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant
-from tests.helpers import REDIS_TEST_URL, PgBouncer, free_port, redis_or_fail
+from tests.helpers import PgBouncer, free_port
 from tests.test_serve import ROOT, Served, _database_url, _request
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput
@@ -91,12 +92,11 @@ def _spread(ports: list[int], key: str, n: int, body: dict = LIST) -> list[int]:
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("store", ["database", "redis"])
-def test_two_instances_share_the_rate_limit_exactly_and_a_revocation_within_the_key_cache_bound(fleet, store):
+def test_two_instances_share_the_rate_limit_exactly_and_a_revocation_within_the_key_cache_bound(fleet):
+    """The limits counted in PostgreSQL (no REDIS_URL); Redis counts them exactly across
+    processes in tests/test_serve.py (test_80_parallel_requests_…[redis]), the same code
+    whether the processes belong to one server or two."""
     redis_url = ""
-    if store == "redis":
-        redis_or_fail()
-        redis_url = REDIS_TEST_URL
     tenant = make_tenant("fleet-two")
     key, raw = make_key(tenant)
     ttl = 1.0
@@ -191,7 +191,7 @@ def test_only_the_command_line_grants_the_operator_scope():
 def test_metrics_are_added_up_across_the_processes_of_a_server(fleet):
     tenant = make_tenant("fleet-agg")
     scrape = _operator_key(tenant)
-    server = fleet("agg", "--processes", "2", "--threads", "2", DATABASE_URL=_database_url())
+    server = fleet("agg", "--processes", "2", "--threads", "2", DATABASE_URL=_database_url(), ZEROMEM_LOG_FORMAT="json")
     deadline = time.monotonic() + 30
     while len(server.worker_pids()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -212,6 +212,26 @@ def test_metrics_are_added_up_across_the_processes_of_a_server(fleet):
     files = Path(server.env["ZEROMEM_VAR_DIR"]) / f"metrics-{server.port}"
     writers = {int(p.stem.rsplit("_", 1)[1]) for p in files.glob("counter_*.db")}
     assert writers == workers, (writers, workers)
+
+    # ZEROMEM_LOG_FORMAT=json: a request's log line is a JSON object naming its request id.
+    client = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    client.request("GET", "/api/v1/no-such-endpoint", headers={"Authorization": f"Bearer {scrape}"})
+    answer = client.getresponse()
+    answer.read()
+    client.close()
+    assert answer.status == 404
+    request_id = answer.headers["X-Request-ID"]
+    deadline = time.monotonic() + 10
+    lines: list[dict] = []
+    while time.monotonic() < deadline and not lines:
+        lines = [
+            json.loads(line)
+            for line in server.log_path.read_text(errors="replace").splitlines()
+            if line.startswith("{") and request_id in line
+        ]
+        time.sleep(0.1)
+    assert lines and lines[0]["request_id"] == request_id and lines[0]["level"] == "WARNING", lines
+    assert {"time", "logger", "message"} <= set(lines[0])
 
 
 # --- 2. PgBouncer in transaction mode --------------------------------------------------------

@@ -127,21 +127,17 @@ class MetricsMiddleware:
         if self.is_async:
             return self._acall(request)
         started = time.perf_counter()
-        token = logs.request_id.set(getattr(request, "request_id", ""))
-        try:
-            response = self.get_response(request)
-        finally:
-            logs.request_id.reset(token)
+        # Kept until the request is finished (request_finished, below): Django logs a 4xx/5xx
+        # answer after the middleware has returned it.
+        logs.request_id.set(getattr(request, "request_id", ""))
+        response = self.get_response(request)
         _record(request, response, started)
         return response
 
     async def _acall(self, request):
         started = time.perf_counter()
-        token = logs.request_id.set(getattr(request, "request_id", ""))
-        try:
-            response = await self.get_response(request)
-        finally:
-            logs.request_id.reset(token)
+        logs.request_id.set(getattr(request, "request_id", ""))
+        response = await self.get_response(request)
         _record(request, response, started)
         return response
 
