@@ -12,8 +12,9 @@ same database:
 It prints requests/s, p50/p99 and the server CPU per request of each, and the scaling ratios
 (2 processes ÷ 1, 2 instances ÷ 1). Set ``REDIS_URL`` to count rate limits in Redis, or
 point ``DATABASE_URL`` at PgBouncer with ``ZEROMEM_PGBOUNCER=true`` to measure through it: the
-servers get the same environment. On a machine with fewer than 3 cores the load generator
-competes with the servers for CPU: the ratio is then a floor of what separate machines give.
+servers get the same environment. On a machine with few cores the load generator (and any
+other work) competes with the servers for CPU: the ratios then say little, the server CPU per
+request (the same for 1 and 2 processes when nothing is contended) still does.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class Command(bench_serve.Command):
         )
         w(
             f"  machine  {c['cpus']} CPUs, load average {c['loadavg_at_start'][0]} at start, {c['loadavg_at_end'][0]} "
-            "at end (the load generator shares the machine: ratios are a floor)"
+            "at end (the load generator and any other work share the machine: on a busy one compare the CPU "
+            "per request, not the ratios)"
         )
         w("")
         w(f"  {'shape':<14}{'op':<9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'cpu ms':>8}{'err':>5}")
