@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +78,8 @@ def start_server(
         PYTHONUNBUFFERED="1",
     )
     env.update(extra_env or {})
+    # A metrics directory of this run's own, removed with the server (stop_server).
+    env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="zeromem-bench-metrics-"))
     env = model.environment(env)
     reset_metrics_dir(env["PROMETHEUS_MULTIPROC_DIR"])
     cmd = model.command(sys.executable, access_log=access_log, log_level="warning")
@@ -94,7 +97,15 @@ def start_server(
         "min_size": int(env["DB_POOL_MIN_SIZE"]),
         "max_size": int(env.get("DB_POOL_MAX_SIZE") or pool_max_size(threads)),
     }
-    server = {"proc": proc, "port": model.port, "log": logfile.name, "cmd": cmd, "model": model, "pool": pool}
+    server = {
+        "proc": proc,
+        "port": model.port,
+        "log": logfile.name,
+        "cmd": cmd,
+        "model": model,
+        "pool": pool,
+        "metrics_dir": env["PROMETHEUS_MULTIPROC_DIR"],
+    }
     log(f"server: {' '.join(cmd[2:])} (pid {proc.pid}, log {logfile.name})")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -133,6 +144,8 @@ def stop_server(server: dict):
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+    if "zeromem-bench-metrics-" in server.get("metrics_dir", ""):
+        shutil.rmtree(server["metrics_dir"], ignore_errors=True)
 
 
 @contextlib.contextmanager
