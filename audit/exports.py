@@ -14,13 +14,14 @@ import json
 from collections.abc import AsyncIterator, Iterator
 
 from asgiref.sync import sync_to_async
-from django.db import connection
+from django.db import connection, connections
 from django.http import StreamingHttpResponse
 from django.utils import timezone
 
 from audit.models import REVIEW_FIELDS
 from audit.selectors import AuditFilters
 from audit.services import audit_export_start
+from zeromem.kernel.replica import REPLICA, replica_configured, replica_reads
 
 CHUNK_ROWS = 2000
 COLUMNS = (*REVIEW_FIELDS, "seal", "digest")
@@ -75,9 +76,12 @@ def _pages(queryset) -> Iterator[dict]:
     before = None
     while True:
         page = queryset if before is None else queryset.filter(pk__lt=before)
-        rows = list(page.order_by("-id").values(*COLUMNS)[:CHUNK_ROWS])
+        with replica_reads():  # an export may lag the log by the replica's delay
+            rows = list(page.order_by("-id").values(*COLUMNS)[:CHUNK_ROWS])
         if not connection.in_atomic_block:
             connection.close()  # with the pool: back to the pool until the next page
+            if replica_configured():
+                connections[REPLICA].close()
         yield from rows
         if len(rows) < CHUNK_ROWS:
             return

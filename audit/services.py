@@ -42,6 +42,7 @@ from zeromem.kernel.errors import (
     Unavailable,
 )
 from zeromem.kernel.scopes import Scope
+from zeromem.kernel.replica import replica_reads
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
 
 # Two ints for pg_advisory_xact_lock: this namespace, and the tenant id (0: no tenant).
@@ -642,7 +643,8 @@ def audit_event_list(
         qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
         if before is not None:
             qs = qs.filter(pk__lt=before)
-        rows = list(qs[: limit + 1])
+        with replica_reads():  # the review of the log may lag it by the replica's delay
+            rows = list(qs[: limit + 1])
         next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
         rows = rows[:limit]
         op.record(subject=filters.subject or "", count=len(rows), detail=filters.as_detail())

@@ -93,3 +93,98 @@ def stop_process_group(process, *, grace: float) -> None:
     except ProcessLookupError:
         pass
     process.wait(timeout=10)
+
+
+def free_port() -> int:
+    """A free loopback port: inside ``ZEROMEM_TEST_PORTS`` (``18500-18599``) when set, so that
+    servers started by tests stay in a range given to them; else any the OS picks."""
+    import random
+    import socket
+
+    span = os.environ.get("ZEROMEM_TEST_PORTS", "")
+    candidates = [0]
+    if span:
+        low, high = (int(part) for part in span.split("-"))
+        candidates = random.sample(range(low, high + 1), high - low + 1)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in ZEROMEM_TEST_PORTS={span}")
+
+
+PGBOUNCER = os.environ.get("ZEROMEM_PGBOUNCER_BIN", "/usr/sbin/pgbouncer")
+
+
+class PgBouncer:
+    """Debian's PgBouncer in transaction mode in front of the test's PostgreSQL server, on a
+    free port, with its own ini and userlist in a fresh directory (``auth_type = trust``: the
+    password check is PostgreSQL's, behind it). ``python3 -m zeromem test`` installs the
+    package when it is missing (zeromem/__main__.py); without it the test fails naming it."""
+
+    def __init__(self, *, host: str, port: int, user: str, password: str = "", pool_size: int = 10):
+        import tempfile
+        from pathlib import Path
+
+        if not os.path.exists(PGBOUNCER):
+            pytest.fail(f"{PGBOUNCER} is missing: install Debian's pgbouncer package (python3 -m zeromem test does)")
+        self.dir = Path(tempfile.mkdtemp(prefix="zeromem-pgbouncer-"))
+        self.dir.chmod(0o755)  # readable by the user it runs as (below)
+        self.port = free_port()
+        (self.dir / "userlist.txt").write_text(f'"{user}" "{password}"\n')
+        (self.dir / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"* = host={host or '127.0.0.1'} port={port or 5432}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {self.dir / 'userlist.txt'}\n"
+            "pool_mode = transaction\n"
+            f"default_pool_size = {pool_size}\nmax_client_conn = 500\n"
+            # what Django/psycopg may send at connect that PgBouncer does not pass on itself
+            "ignore_startup_parameters = extra_float_digits,options\n"
+            f"logfile = {self.dir / 'pgbouncer.log'}\n"
+        )
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "PgBouncer":
+        import socket
+        import time
+
+        command = [PGBOUNCER, str(self.dir / "pgbouncer.ini")]
+        if os.geteuid() == 0:  # PgBouncer refuses to run as root
+            import shutil
+
+            shutil.chown(self.dir, "postgres")
+            for path in self.dir.iterdir():
+                shutil.chown(path, "postgres")
+            command[1:1] = ["-u", "postgres"]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"pgbouncer exited:\n{self.log()}"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(f"pgbouncer did not listen within 15 s:\n{self.log()}")
+
+    def url(self, database: str, user: str) -> str:
+        return f"postgres://{user}@127.0.0.1:{self.port}/{database}"
+
+    def log(self) -> str:
+        path = self.dir / "pgbouncer.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        import shutil
+
+        if self.process is not None:
+            stop_process_group(self.process, grace=5)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -236,6 +236,9 @@ OUTCOMES["audit_checkpoint"] = _keyed(Expect(201), MISSING_SCOPE, NOT_ALLOWED, E
 # gets a link to its own u10086 (which sees none of tenant A: test_portal_matrix below); a
 # key limited to some prefixes gets none (the portal shows the whole subject).
 OUTCOMES["portal_link"] = _keyed(Expect(201, check="portal_link"), MISSING_SCOPE, NOT_ALLOWED, Expect(201))
+# The deployment's metrics: the operator scope; nothing in them is a tenant's (the canary
+# checks hold), so another tenant's key with the scope reads the same; a limited key none.
+OUTCOMES["metrics"] = _keyed(Expect(200), MISSING_SCOPE, NOT_ALLOWED, Expect(200))
 
 # The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
 NEEDED_SCOPE = {
@@ -261,6 +264,7 @@ NEEDED_SCOPE = {
     "audit_export": Scope.AUDIT_READ,
     "audit_checkpoint": Scope.AUDIT_READ,
     "portal_link": Scope.FORGET_CREATE,
+    "metrics": Scope.METRICS_READ,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -306,6 +310,7 @@ _READ_ONLY_PUBLIC = {"GET": "public", "HEAD": "public"}
 # Route pattern exactly as the resolver spells it → what it is.
 ROUTES: dict[str, Route] = {
     "healthz": Route(public=True, ops={"GET": "public", "HEAD": "public"}),
+    "metrics": Route(public=False, ops={"GET": "metrics", "HEAD": "metrics"}),
     "api/v1/schema": Route(public=True, ops=_READ_ONLY_PUBLIC),
     "api/v1/docs": Route(public=True, ops=_READ_ONLY_PUBLIC),
     "api/v1/redoc": Route(public=True, ops=_READ_ONLY_PUBLIC),

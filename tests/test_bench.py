@@ -15,6 +15,7 @@ from zeromem.serving import DEFAULT_THREADS, default_processes
 BENCHMARKS = (
     "bench",
     "bench_serve",
+    "bench_scale",
     "bench_load",
     "bench_audit",
     "bench_forget",
@@ -59,6 +60,7 @@ def test_benchmark_commands_keep_their_names_in_the_bench_app(name):
             "bench_serve",
             {"clients": 16, "processes": default_processes(), "threads": 8, "seconds": 5.0, "slow": 4, "json": False},
         ),
+        ("bench_scale", {"clients": 16, "threads": 8, "seconds": 5.0, "keys": 100, "json": False}),
         ("bench_audit", {"n": 2000, "json": False}),
         ("bench_forget", {"json": False, "batch_size": 0}),
         ("bench_purge", {"max_seconds": 120.0, "rounds": 3}),

@@ -78,6 +78,32 @@ def ensure_chromium() -> None:
     say(f"installed {CHROMIUM}")
 
 
+# The PgBouncer tests (tests/test_fleet.py) start Debian's pgbouncer in transaction mode.
+PGBOUNCER = Path(os.environ.get("ZEROMEM_PGBOUNCER_BIN", "/usr/sbin/pgbouncer"))
+
+
+def ensure_pgbouncer() -> None:
+    """Install Debian's ``pgbouncer`` with apt-get when it is missing, as for chromium; the
+    package's own service is not started (the tests start theirs). When it cannot be
+    installed the PgBouncer tests fail naming the missing binary."""
+    if PGBOUNCER.exists():
+        return
+    apt_get = shutil.which("apt-get")
+    if apt_get is None:
+        say(f"{PGBOUNCER} is missing and there is no apt-get to install it: the PgBouncer tests will fail")
+        return
+    prefix = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    say(f"{PGBOUNCER} is missing: installing Debian's pgbouncer package with apt-get (for the PgBouncer tests)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    apt = [*prefix, apt_get, "-q", "-y", "-o", "DPkg::Lock::Timeout=600"]
+    for step in (["update"], ["install", "--no-install-recommends", "pgbouncer"]):
+        result = subprocess.run([*apt, *step], env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            say(f"apt-get {step[0]} failed: the PgBouncer tests will fail\n{result.stderr.strip()[-600:]}")
+            return
+    say(f"installed {PGBOUNCER}" if PGBOUNCER.exists() else f"apt-get ran but {PGBOUNCER} is still missing")
+
+
 def write_dev_env() -> None:
     """A git-ignored .env so plain `python manage.py ...` uses the same dev settings."""
     env_file = ROOT / ".env"
@@ -95,6 +121,7 @@ def web_tier(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str,
     connections it may open fit (None, after saying why, when they do not)."""
     model = serving.parse(argv, env)
     web_env = model.environment(env)
+    serving.reset_metrics_dir(web_env["PROMETHEUS_MULTIPROC_DIR"])
     if subprocess.run([PY, "-m", "zeromem.serving", "check"], cwd=ROOT, env=web_env).returncode != 0:
         return None
     say(
@@ -154,6 +181,7 @@ def up(argv: list[str]) -> int:
 def test(argv: list[str]) -> int:
     ensure_venv()
     ensure_chromium()
+    ensure_pgbouncer()
     env = {**os.environ, "ZEROMEM_ENV": "development"}
     db = env.get("DATABASE_URL", "")
     if db:

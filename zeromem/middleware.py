@@ -128,7 +128,7 @@ class StaticFilesMiddleware:
 # them); DRF's views set their own ``request.user``. Django's own CSRF middleware stays in
 # place (``check --deploy`` looks for it by name); DRF's views are CSRF-exempt, so on API
 # paths it only reads no cookie and returns.
-API_PATHS = ("/api/", "/healthz")
+API_PATHS = ("/api/", "/healthz", "/metrics")
 
 
 class _BrowserOnly:

@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 APP = "zeromem.wsgi:application"
 DEFAULT_HOST = "127.0.0.1"
@@ -102,7 +103,24 @@ class ServingModel:
         env["ZEROMEM_WEB_PROCESSES"] = str(self.processes)
         env["ZEROMEM_WEB_THREADS"] = str(self.threads)
         env.setdefault("DB_POOL_MIN_SIZE", str(self.threads))
+        env.setdefault("PROMETHEUS_MULTIPROC_DIR", str(self.metrics_dir(environ)))
         return env
+
+    def metrics_dir(self, environ: Mapping[str, str]) -> Path:
+        """Where the processes of this server write their Prometheus metrics, so that
+        ``GET /metrics`` in any of them adds up all (zeromem/kit/metrics.py): one directory per
+        server (its port), under the var directory."""
+        var = Path(environ.get("ZEROMEM_VAR_DIR") or Path(__file__).resolve().parent.parent / "var")
+        return var / f"metrics-{self.port}"
+
+
+def reset_metrics_dir(path: str | os.PathLike) -> None:
+    """Empty (or create) the metrics directory before the server starts: files left by an
+    earlier run's processes would be added to this one's figures."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
 
 
 def parse(argv: list[str], environ: Mapping[str, str], *, prog: str = "python3 -m zeromem serve") -> ServingModel:
@@ -153,6 +171,13 @@ def connection_budget() -> tuple[bool, str]:
 
     if connection.vendor != "postgresql":
         return True, f"database: {connection.vendor} (no connection pool)"
+    if settings.ZEROMEM_PGBOUNCER:
+        processes = int(os.environ.get("ZEROMEM_WEB_PROCESSES") or default_processes())
+        pool = settings.DATABASES["default"]["OPTIONS"]["pool"]
+        return True, (
+            f"database connections: through PgBouncer (transaction mode): {processes} processes × pool max "
+            f"{pool['max_size']} client connections; PostgreSQL sees PgBouncer's default_pool_size per database"
+        )
     processes = int(os.environ.get("ZEROMEM_WEB_PROCESSES") or default_processes())
     threads = web_threads(os.environ)
     pool = settings.DATABASES["default"]["OPTIONS"]["pool"]
@@ -190,6 +215,15 @@ def check_main() -> int:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "zeromem.settings")
     django.setup()
+    from django.db import connection
+
+    from zeromem.kernel.checks import pooler_problem
+
+    problem = pooler_problem(connection)
+    connection.close()
+    if problem:
+        print(f"[zeromem] refusing to start: {problem}.", file=sys.stderr, flush=True)
+        return 3
     fits, text = connection_budget()
     if fits:
         print(f"[zeromem] {text}", flush=True)
@@ -197,7 +231,8 @@ def check_main() -> int:
     print(
         f"[zeromem] refusing to start: {text}.\n"
         "  Lower --processes/--threads (or DB_POOL_MAX_SIZE), raise PostgreSQL's max_connections, put PgBouncer "
-        "in front, or set ZEROMEM_DB_MAX_CONNECTIONS to the connections this machine may use.",
+        "in front (ZEROMEM_PGBOUNCER=true), or set ZEROMEM_DB_MAX_CONNECTIONS to the connections this machine "
+        "may use.",
         file=sys.stderr,
         flush=True,
     )

@@ -66,6 +66,8 @@ ZEROMEM_TENANT_MODEL = "memories.Tenant"
 
 MIDDLEWARE = [
     "zeromem.middleware.RequestIdMiddleware",
+    # Requests by route, status and latency for GET /metrics (zeromem/kit/metrics.py).
+    "zeromem.kit.metrics.MetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "zeromem.middleware.StaticFilesMiddleware",  # ServeStatic, on /static/ only
     # Django's session, auth and messages middleware, skipped on /api/ and /healthz
@@ -133,6 +135,30 @@ if env.str("DATABASE_URL", default=""):
         from zeromem.forking import forget_inherited_connections
 
         os.register_at_fork(after_in_child=forget_inherited_connections)
+        # PgBouncer in transaction mode (README "Running as a fleet"): a server connection
+        # belongs to a client for one transaction only, so nothing may outlive a transaction.
+        # Server-side cursors (QuerySet.iterator() outside a transaction) and prepared
+        # statements would; Django's psycopg 3 defaults already bind parameters client-side
+        # (no prepared statements), and these pin that. The pool stays: connections to
+        # PgBouncer are cheap but not free, and its size bounds what one process asks for.
+        ZEROMEM_PGBOUNCER = env.bool("ZEROMEM_PGBOUNCER", default=False)
+        if ZEROMEM_PGBOUNCER:
+            DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+            DATABASES["default"]["OPTIONS"]["server_side_binding"] = False
+            DATABASES["default"]["OPTIONS"]["prepare_threshold"] = None
+        # Read scaling (zeromem/kernel/replica.py): audit review, exports and the dashboard
+        # may read from a streaming replica; everything else, and every write, the primary.
+        if env.str("DATABASE_REPLICA_URL", default=""):
+            replica = env.db("DATABASE_REPLICA_URL")
+            for setting in ("CONN_MAX_AGE", "CONN_HEALTH_CHECKS", "DISABLE_SERVER_SIDE_CURSORS"):
+                if setting in DATABASES["default"]:
+                    replica[setting] = DATABASES["default"][setting]
+            replica["OPTIONS"] = {**DATABASES["default"]["OPTIONS"], **replica.get("OPTIONS", {})}
+            replica["OPTIONS"]["pool"] = {
+                **DATABASES["default"]["OPTIONS"]["pool"],
+                "min_size": env.int("DB_REPLICA_POOL_MIN_SIZE", default=1),
+            }
+            DATABASES["replica"] = replica
 else:
     DATABASES = {
         "default": {
@@ -148,8 +174,11 @@ else:
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# Reads go to the replica alias only inside zeromem.kernel.replica.replica_reads().
+DATABASE_ROUTERS = ["zeromem.kernel.replica.ReplicaRouter"]
+ZEROMEM_PGBOUNCER = globals().get("ZEROMEM_PGBOUNCER", False)
 
-# --- Cache (rate limits no longer live here: audit/limits.py counts them exactly) ---------
+# --- Cache (rate limits do not live here: audit/limits.py counts them exactly) -----------
 if env.str("REDIS_URL", default=""):
     CACHES = {
         "default": {
@@ -157,10 +186,20 @@ if env.str("REDIS_URL", default=""):
             "LOCATION": env.str("REDIS_URL"),
         }
     }
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    CACHES = {
+        "default": {
+            # Shared by every instance of a fleet without Redis (a local file cache would be
+            # one per machine). Only django-q2's cluster statistics (qinfo, qmonitor) use it;
+            # the table is created by memories' migration 0012.
+            "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+            "LOCATION": "zeromem_cache",
+        }
+    }
 else:
     CACHES = {
         "default": {
-            # Shared across processes on one machine (web server and workers) with no service.
+            # Embedded (SQLite): one machine, shared across its processes with no service.
             "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
             "LOCATION": str(VAR_DIR / "cache"),
         }
@@ -342,10 +381,27 @@ if env.str("REDIS_URL", default=""):
     Q_CLUSTER.pop("orm")
     Q_CLUSTER["redis"] = env.str("REDIS_URL")
 
+# "json": one JSON object per line with the request id (zeromem/kit/logs.py); "text": plain.
+ZEROMEM_LOG_FORMAT = env.str("ZEROMEM_LOG_FORMAT", default="text")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {"request_id": {"()": "zeromem.kit.logs.RequestIdFilter"}},
+    "formatters": {
+        "text": {"format": "%(levelname)s %(name)s [%(request_id)s] %(message)s"},
+        "json": {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s",
+            "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
+        },
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "filters": ["request_id"],
+            "formatter": "json" if ZEROMEM_LOG_FORMAT == "json" else "text",
+        }
+    },
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }

@@ -5,6 +5,7 @@ from django.urls import include, path
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from memories.api.metrics import MetricsView
 from zeromem.middleware import error_response
 
 
@@ -43,6 +44,7 @@ handler500 = server_error
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("api/v1/", include("memories.api.urls")),
     path("api/v1/", include("audit.urls")),
     # Read-only pages: other methods are 405 (OPTIONS on the Swagger page was a 500: DRF's

@@ -12,13 +12,13 @@ from memories import services
 from memories.models import ApiKey
 from zeromem.kernel import validation
 from zeromem.kernel.errors import ServiceError
-from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, Capability
+from zeromem.kernel.scopes import DEFAULT_AGENT_SCOPES, TENANT_SCOPES, Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
 
 
 class ApiKeyForm(forms.ModelForm):
     scopes = forms.MultipleChoiceField(
-        choices=[(s, s) for s in ALL_SCOPES], widget=forms.CheckboxSelectMultiple, initial=list(DEFAULT_AGENT_SCOPES)
+        choices=[(s, s) for s in TENANT_SCOPES], widget=forms.CheckboxSelectMultiple, initial=list(DEFAULT_AGENT_SCOPES)
     )
     allowed_prefixes = forms.CharField(
         required=False,

@@ -15,6 +15,7 @@ from memories import services
 from memories.admin.charts import dashboard_context
 from memories.models import Membership, Tenant
 from memories.selectors.dashboard import tenant_dashboard
+from zeromem.kernel.replica import replica_reads
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
 
@@ -97,8 +98,9 @@ class TenantAdmin(TenantScopedAdmin):
             "role": role,
             "opts": self.opts,
             "show_keys": may(request, Capability.MEMORY_VIEW, tenant.pk),
-            **dashboard_context(tenant_dashboard(tenant=tenant)),
         }
+        with replica_reads():  # aggregates that may lag by the replica's delay
+            context.update(dashboard_context(tenant_dashboard(tenant=tenant)))
         return TemplateResponse(request, "zeromem_admin/dashboard.html", context)
 
 

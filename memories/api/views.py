@@ -14,6 +14,7 @@ from memories.portal.services import portal_link_create
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, TenantSlotMixin, retry_after
+from zeromem.kit import metrics
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(
@@ -66,9 +67,7 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
     audit_actions = {"POST": "tool.call"}
 
     def needs_tenant_slot(self, request) -> bool:
-        data = request.data if isinstance(request.data, dict) else {}
-        function = data.get("function") if isinstance(data.get("function"), dict) else {}
-        name = data.get("name") or function.get("name")
+        name = _called_tool(request.data)
         return isinstance(name, str) and name in EXPENSIVE_TOOLS
 
     @extend_schema(
@@ -79,6 +78,7 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
     )
     def post(self, request):
         answer = tools.tool_call(tenant=self.tenant, actor=self.actor, call=request.data)
+        metrics.tool_calls([(_called_tool(request.data), answer.result.get("status"))])
         return Response(answer.result, status=answer.http_status, headers=retry_after(answer.result.get("error")))
 
 
@@ -99,7 +99,17 @@ class ToolBatchView(TenantSlotMixin, AuditedAPIView):
         responses={200: s.ToolBatchResultSerializer, **ERRORS},
     )
     def post(self, request):
-        return Response({"results": tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data)})
+        results = tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data)
+        calls = request.data["calls"]  # tool_batch has checked its shape
+        metrics.tool_calls((_called_tool(call), result.get("status")) for call, result in zip(calls, results))
+        return Response({"results": results})
+
+
+def _called_tool(call):
+    """The tool a call names (OpenAI's ``function.name`` or a plain ``name``), unchecked."""
+    data = call if isinstance(call, dict) else {}
+    function = data.get("function") if isinstance(data.get("function"), dict) else {}
+    return data.get("name") or function.get("name")
 
 
 # --- memories as resources ------------------------------------------------------------

@@ -18,7 +18,8 @@ from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.outcomes import Outcome
-from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES
+from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES
 
 
 def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant:
@@ -52,6 +53,12 @@ def api_key_create(
     unknown = sorted(set(scopes) - set(ALL_SCOPES))
     if unknown:
         raise InvalidInput(f"unknown scope {unknown[0]!r}; known: {', '.join(ALL_SCOPES)}", field="scopes")
+    operator = sorted(set(scopes) & OPERATOR_SCOPES)
+    if operator and actor.kind != ActorKind.SYSTEM:
+        # The fleet's metrics are the operator's, not a tenant's: only the command line grants them.
+        raise InvalidInput(
+            f"{operator[0]!r} is an operator scope: create the key with manage.py create_api_key", field="scopes"
+        )
     prefixes = validation.allowlist(allowed_prefixes)
     if expires_in_days is not None and expires_in_days < 1:
         raise InvalidInput("must be at least 1", field="expires_in_days")

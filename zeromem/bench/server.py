@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from zeromem.bench.harness import LOOPBACK, child_pids, healthz
-from zeromem.serving import ServingModel, pool_max_size
+from zeromem.serving import ServingModel, pool_max_size, reset_metrics_dir
 
 
 def free_port() -> int:
@@ -77,7 +78,10 @@ def start_server(
         PYTHONUNBUFFERED="1",
     )
     env.update(extra_env or {})
+    # A metrics directory of this run's own, removed with the server (stop_server).
+    env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="zeromem-bench-metrics-"))
     env = model.environment(env)
+    reset_metrics_dir(env["PROMETHEUS_MULTIPROC_DIR"])
     cmd = model.command(sys.executable, access_log=access_log, log_level="warning")
     logfile = tempfile.NamedTemporaryFile(prefix="zeromem-bench-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
@@ -93,7 +97,15 @@ def start_server(
         "min_size": int(env["DB_POOL_MIN_SIZE"]),
         "max_size": int(env.get("DB_POOL_MAX_SIZE") or pool_max_size(threads)),
     }
-    server = {"proc": proc, "port": model.port, "log": logfile.name, "cmd": cmd, "model": model, "pool": pool}
+    server = {
+        "proc": proc,
+        "port": model.port,
+        "log": logfile.name,
+        "cmd": cmd,
+        "model": model,
+        "pool": pool,
+        "metrics_dir": env["PROMETHEUS_MULTIPROC_DIR"],
+    }
     log(f"server: {' '.join(cmd[2:])} (pid {proc.pid}, log {logfile.name})")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -132,6 +144,8 @@ def stop_server(server: dict):
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+    if "zeromem-bench-metrics-" in server.get("metrics_dir", ""):
+        shutil.rmtree(server["metrics_dir"], ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,10 @@
 """Deployment checks of ZeroMem's own settings, run by ``manage.py check --deploy`` next to
 Django's (registered by ``memories.apps``)."""
 
+import os
+
 from django.conf import settings
-from django.core.checks import Tags, Warning, register
+from django.core.checks import Error, Tags, Warning, register
 
 
 @register(Tags.security, deploy=True)
@@ -32,3 +34,52 @@ def development_mode_with_a_production_database(app_configs, **kwargs):
             id="zeromem.W002",
         )
     ]
+
+
+def pooler_problem(connection) -> str | None:
+    """What is wrong with how this deployment reaches PostgreSQL through a pooler, or None.
+
+    PgBouncer in transaction mode hands a server connection to a client for one transaction
+    only; ZeroMem then needs ``ZEROMEM_PGBOUNCER=true`` (settings.py: no server-side cursors, no
+    prepared statements). A pooler is detected by the port: the server's own ``port`` setting
+    differs from the port this connection was made to. ``ZEROMEM_PGBOUNCER=false`` says there is
+    none (a port mapping, say)."""
+    if connection.vendor != "postgresql":
+        return None
+    explicit = os.environ.get("ZEROMEM_PGBOUNCER", "").strip().lower()
+    if getattr(settings, "ZEROMEM_PGBOUNCER", False):
+        options = connection.settings_dict.get("OPTIONS", {})
+        if not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS") or options.get("server_side_binding"):
+            return (
+                "ZEROMEM_PGBOUNCER is set but server-side cursors or server-side binding are on: "
+                "they break under PgBouncer's transaction pooling"
+            )
+        return None
+    if explicit in ("false", "0", "no", "off"):
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('port')")
+        server_port = int(cursor.fetchone()[0])
+    client_port = int(connection.settings_dict.get("PORT") or 5432)
+    if server_port == client_port:
+        return None
+    return (
+        f"the database answers on port {client_port} but PostgreSQL listens on {server_port}: a pooler "
+        "(PgBouncer?) is in between. Set ZEROMEM_PGBOUNCER=true for PgBouncer in transaction mode, "
+        "or ZEROMEM_PGBOUNCER=false if nothing pools these connections (a port mapping)"
+    )
+
+
+@register(Tags.database, deploy=True)
+def pgbouncer_settings(app_configs, databases=None, **kwargs):
+    """``manage.py check --deploy --database default``."""
+    from django.db import connections
+
+    errors = []
+    for alias in databases or []:
+        problem = pooler_problem(connections[alias])
+        if problem:
+            errors.append(
+                Error(problem, hint='README "Running as a fleet": PgBouncer.', id="zeromem.E001", obj=alias)
+            )
+    return errors

@@ -19,9 +19,16 @@ class Scope(models.TextChoices):
     MEMORY_SEARCH = "memory:search"
     FORGET_CREATE = "forget:create"
     AUDIT_READ = "audit:read"
+    # The operator's: read the fleet's Prometheus metrics (GET /metrics). Not a tenant's
+    # power: only ``manage.py create_api_key`` grants it, never the admin or an API call.
+    METRICS_READ = "metrics:read"
 
 
 ALL_SCOPES = [s.value for s in Scope]
+# Scopes that read about the whole deployment rather than one tenant's data.
+OPERATOR_SCOPES = frozenset({Scope.METRICS_READ.value})
+# What a tenant's admin may grant a key.
+TENANT_SCOPES = [s for s in ALL_SCOPES if s not in OPERATOR_SCOPES]
 DEFAULT_AGENT_SCOPES = [Scope.MEMORY_READ, Scope.MEMORY_WRITE, Scope.MEMORY_DELETE, Scope.MEMORY_SEARCH]
 
 

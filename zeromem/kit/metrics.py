@@ -1,0 +1,196 @@
+"""Prometheus metrics (prometheus_client), aggregated across every process of the web tier.
+
+``python3 -m zeromem serve`` gives its processes one ``PROMETHEUS_MULTIPROC_DIR`` (emptied at
+start, zeromem/serving.py): each process writes its counters and histograms to its own
+memory-mapped file there, and ``GET /metrics`` — answered by whichever process the request
+lands on — adds up every process's files (prometheus_client's multiprocess mode). Without that
+directory (tests, ``manage.py runserver``) the metrics are the one process's own.
+
+What is recorded where:
+
+* requests by route (the URL pattern, never the path: no key or tenant in it), method,
+  status and latency — :class:`MetricsMiddleware`;
+* tool calls by tool and outcome (``ok``, ``not_found``, ``conflict``, ``error``) —
+  :func:`tool_calls` from the tool endpoints;
+* the database pool of each process (connections open, idle, requests waiting), sampled at
+  the end of a request at most once a second;
+* at scrape time, from the database (one short query each, :class:`DatabaseCollector`): the
+  job queue's depth and its oldest queued job's age, the open forget requests past their due
+  date, the audit events not yet sealed.
+
+No label holds tenant data: no tenant, key, memory key or path. ``GET /metrics`` answers only
+to an API key with the operator scope ``metrics:read`` (memories/api/auth.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.db import DatabaseError, connections
+from django.utils import timezone
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+from zeromem.kit import logs
+
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+if MULTIPROCESS:  # serve empties it at start; whoever else set it may not have created it
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+# Latency buckets (seconds) around the API's figures: reads ~1-3 ms, writes ~5-15 ms, searches
+# up to the 80-ms timeout, exports and batches longer.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+REQUESTS = Counter(
+    "zeromem_http_requests", "HTTP requests answered, by route, method and status", ["route", "method", "status"]
+)
+LATENCY = Histogram(
+    "zeromem_http_request_duration_seconds",
+    "Time to the response (a streamed body's transfer not included), by route and method",
+    ["route", "method"],
+    buckets=BUCKETS,
+)
+TOOL_CALLS = Counter("zeromem_tool_calls", "Tool calls run, by tool and outcome", ["tool", "outcome"])
+# Gauges of a process's own pool, summed over the live processes.
+POOL_OPEN = Gauge("zeromem_db_pool_connections", "Pooled database connections open", multiprocess_mode="livesum")
+POOL_IDLE = Gauge("zeromem_db_pool_idle_connections", "Pooled connections idle", multiprocess_mode="livesum")
+POOL_WAITING = Gauge(
+    "zeromem_db_pool_requests_waiting", "Requests waiting for a pooled connection", multiprocess_mode="livesum"
+)
+
+
+def route_of(request) -> str:
+    """The URL pattern that answered (``api/v1/memories/<path:key>``), never the path itself."""
+    match = getattr(request, "resolver_match", None)
+    if match is None:
+        return "unmatched"
+    return match.route or match.view_name or "unmatched"
+
+
+def tool_calls(names_and_outcomes) -> None:
+    """Count tool calls: ``(tool name, outcome)`` pairs; an unknown name counts as ``unknown``
+    (the label's values stay the registry's tools, whatever a client sends)."""
+    from memories.tools import TOOLS
+
+    for name, outcome in names_and_outcomes:
+        tool = name if isinstance(name, str) and name in TOOLS else "unknown"
+        TOOL_CALLS.labels(tool=tool, outcome=outcome if outcome in OUTCOMES else "error").inc()
+
+
+OUTCOMES = frozenset({"ok", "not_found", "conflict", "error"})
+
+
+POOL_SAMPLE_SECONDS = 1.0
+_next_pool_sample = 0.0
+
+
+def _sample_pool() -> None:
+    """At most once a second per process (reading the pool's stats takes its lock: ~40 µs)."""
+    global _next_pool_sample
+    now = time.monotonic()
+    if now < _next_pool_sample:
+        return
+    _next_pool_sample = now + POOL_SAMPLE_SECONDS
+    pool = getattr(connections["default"], "pool", None) if connections["default"].vendor == "postgresql" else None
+    if pool is None:
+        return
+    stats = pool.get_stats()
+    POOL_OPEN.set(stats.get("pool_size", 0))
+    POOL_IDLE.set(stats.get("pool_available", 0))
+    POOL_WAITING.set(stats.get("requests_waiting", 0))
+
+
+class MetricsMiddleware:
+    """Counts and times every request, and names the request in its log records
+    (zeromem/kit/logs.py). Sync and async, like RequestIdMiddleware: under ASGI it adds no
+    thread hop."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        if self.is_async:
+            return self._acall(request)
+        started = time.perf_counter()
+        # Kept until the request is finished (request_finished, below): Django logs a 4xx/5xx
+        # answer after the middleware has returned it.
+        logs.request_id.set(getattr(request, "request_id", ""))
+        response = self.get_response(request)
+        _record(request, response, started)
+        return response
+
+    async def _acall(self, request):
+        started = time.perf_counter()
+        logs.request_id.set(getattr(request, "request_id", ""))
+        response = await self.get_response(request)
+        _record(request, response, started)
+        return response
+
+
+def _record(request, response, started: float) -> None:
+    route = route_of(request)
+    LATENCY.labels(route=route, method=request.method).observe(time.perf_counter() - started)
+    REQUESTS.labels(route=route, method=request.method, status=str(response.status_code)).inc()
+    try:
+        _sample_pool()
+    except Exception:  # a metric never fails a request  # nosec B110
+        pass
+
+
+class DatabaseCollector:
+    """Gauges read from the database at scrape time (fleet-wide: the same whichever process
+    answers)."""
+
+    def collect(self):
+        from django_q.brokers import get_broker
+
+        from audit.models import AuditEvent
+        from memories.models import ForgetRequest, Job
+
+        now = timezone.now()
+        queued = GaugeMetricFamily("zeromem_jobs", "Jobs queued or running, by status", labels=["status"])
+        oldest = GaugeMetricFamily("zeromem_jobs_oldest_queued_age_seconds", "Age of the oldest job still queued")
+        broker = GaugeMetricFamily("zeromem_task_queue_depth", "Tasks waiting in django-q2's broker")
+        overdue = GaugeMetricFamily("zeromem_forget_requests_overdue", "Forget requests not completed past due")
+        unsealed = GaugeMetricFamily("zeromem_audit_unsealed_events", "Audit events not yet sealed")
+        try:
+            for status in (Job.Status.QUEUED, Job.Status.RUNNING):
+                queued.add_metric([status.value], Job.objects.filter(status=status).count())
+            first = Job.objects.filter(status=Job.Status.QUEUED).order_by("created_at").values_list("created_at")[:1]
+            first = list(first)
+            oldest.add_metric([], (now - first[0][0]).total_seconds() if first else 0.0)
+            broker.add_metric([], get_broker().queue_size() or 0)
+            overdue.add_metric(
+                [], ForgetRequest.objects.exclude(status=ForgetRequest.Status.COMPLETED).filter(due_at__lte=now).count()
+            )
+            unsealed.add_metric([], AuditEvent.objects.unsealed().count())
+        except DatabaseError:
+            return  # the database is down: /healthz says so; these gauges are left out
+        yield from (queued, oldest, broker, overdue, unsealed)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The metrics page: every web process's metrics (multiprocess mode) plus the database's."""
+    registry = CollectorRegistry()
+    if MULTIPROCESS:
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        for collector in (REQUESTS, LATENCY, TOOL_CALLS, POOL_OPEN, POOL_IDLE, POOL_WAITING):
+            registry.register(collector)
+    registry.register(DatabaseCollector())
+    return generate_latest(registry), CONTENT_TYPE_LATEST
