@@ -19,8 +19,9 @@ from tests.helpers import rest_error
 
 def sdk(live_server, raw_key, *, bearer=False):
     if bearer:
-        return get_sync_client(url=live_server.url + "/api/v1/langgraph", api_key=None,
-                               headers={"Authorization": f"Bearer {raw_key}"})
+        return get_sync_client(
+            url=live_server.url + "/api/v1/langgraph", api_key=None, headers={"Authorization": f"Bearer {raw_key}"}
+        )
     return get_sync_client(url=live_server.url + "/api/v1/langgraph", api_key=raw_key)
 
 
@@ -75,8 +76,13 @@ def test_sdk_put_get_search_namespaces_delete(live_server):
     store.delete_item(["users", "u1"], "prefs")  # deleting a missing item is no error
 
     events = AuditEvent.objects.filter(tenant=tenant, surface="langgraph")
-    assert set(events.values_list("action", flat=True)) >= {"memory.write", "memory.read", "memory.search",
-                                                            "memory.list", "memory.delete"}
+    assert set(events.values_list("action", flat=True)) >= {
+        "memory.write",
+        "memory.read",
+        "memory.search",
+        "memory.list",
+        "memory.delete",
+    }
 
 
 @pytest.mark.django_db(transaction=True)

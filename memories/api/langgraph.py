@@ -27,8 +27,6 @@ class ApiKeyOrXApiKeyAuthentication(ApiKeyAuthentication):
         return super().authenticate(request)
 
 
-
-
 def LABEL():  # noqa: N802 — a fresh field each time (DRF binds a child field to its parent)
     return serializers.CharField(max_length=validation.KEY_MAX_LEN)
 

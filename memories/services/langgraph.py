@@ -213,8 +213,10 @@ def lg_put(
     key = item_key(key)
     if not isinstance(value, dict):
         raise InvalidInput("must be a JSON object", field="value")
-    if index is not None and index is not False and not (
-        isinstance(index, list) and all(isinstance(i, str) for i in index)
+    if (
+        index is not None
+        and index is not False
+        and not (isinstance(index, list) and all(isinstance(i, str) for i in index))
     ):
         raise InvalidInput("must be false or a list of field paths", field="index")
     minutes = None
@@ -297,7 +299,9 @@ def lg_search(
         found = [(m, s) for m, s in ranked if parse_key(m.key) is not None and item_matches(m.value, flt)]
         page = found[offset : offset + limit]
     else:
-        page = [(m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)]
+        page = [
+            (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
+        ]
     out = []
     for memory, score in page:
         if refresh:
