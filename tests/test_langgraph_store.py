@@ -34,7 +34,14 @@ def test_mapping_escapes_colons_and_round_trips():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_sdk_put_get_search_namespaces_delete(live_server):
+def test_langgraph_sdk_against_a_live_zeromem(live_server):
+    """One live server and one database flush for the three checks (each flush costs seconds)."""
+    sdk_put_get_search_namespaces_delete(live_server)
+    sdk_ttl_in_minutes_and_refresh(live_server)
+    sdk_other_tenant_and_scope_and_allowlist_refusals(live_server)
+
+
+def sdk_put_get_search_namespaces_delete(live_server):
     tenant = make_tenant("lga")
     _, raw = make_key(tenant)
     client = sdk(live_server, raw)
@@ -85,8 +92,7 @@ def test_sdk_put_get_search_namespaces_delete(live_server):
     }
 
 
-@pytest.mark.django_db(transaction=True)
-def test_sdk_ttl_in_minutes_and_refresh(live_server):
+def sdk_ttl_in_minutes_and_refresh(live_server):
     tenant = make_tenant("lgt")
     _, raw = make_key(tenant)
     store = sdk(live_server, raw, bearer=True).store
@@ -103,8 +109,7 @@ def test_sdk_ttl_in_minutes_and_refresh(live_server):
     assert memory.expires_at is None and memory.value == {"v": 2}
 
 
-@pytest.mark.django_db(transaction=True)
-def test_sdk_other_tenant_and_scope_and_allowlist_refusals(live_server):
+def sdk_other_tenant_and_scope_and_allowlist_refusals(live_server):
     tenant_a, tenant_b = make_tenant("lgx"), make_tenant("lgy")
     _, raw_a = make_key(tenant_a)
     _, raw_b = make_key(tenant_b)
