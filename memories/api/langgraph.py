@@ -6,6 +6,7 @@ Authentication: ``Authorization: Bearer zm_...`` like every route, or ``X-Api-Ke
 (what ``get_client(url=..., api_key=...)`` sends). Audited with surface ``langgraph``.
 """
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
@@ -25,6 +26,19 @@ class ApiKeyOrXApiKeyAuthentication(ApiKeyAuthentication):
         if not meta.get("HTTP_AUTHORIZATION") and meta.get("HTTP_X_API_KEY"):
             meta["HTTP_AUTHORIZATION"] = f"Bearer {meta['HTTP_X_API_KEY'].strip()}"
         return super().authenticate(request)
+
+
+class ApiKeyOrXApiKeyScheme(OpenApiAuthenticationExtension):
+    """The bearer key, or the same key in X-Api-Key: either one."""
+
+    target_class = "memories.api.langgraph.ApiKeyOrXApiKeyAuthentication"
+    name = ["ApiKeyOrXApiKey", "XApiKey"]
+
+    def get_security_definition(self, auto_schema):
+        return [
+            {"type": "http", "scheme": "bearer", "bearerFormat": "zm_<lookup>_<secret>"},
+            {"type": "apiKey", "in": "header", "name": "X-Api-Key"},
+        ]
 
 
 def LABEL():  # noqa: N802 — a fresh field each time (DRF binds a child field to its parent)
