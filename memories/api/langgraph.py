@@ -29,16 +29,18 @@ class ApiKeyOrXApiKeyAuthentication(ApiKeyAuthentication):
 
 
 class ApiKeyOrXApiKeyScheme(OpenApiAuthenticationExtension):
-    """The bearer key, or the same key in X-Api-Key: either one."""
+    """The bearer key (the same key is also taken from ``X-Api-Key``, LangGraph's header)."""
 
     target_class = "memories.api.langgraph.ApiKeyOrXApiKeyAuthentication"
-    name = ["ApiKeyOrXApiKey", "XApiKey"]
+    name = "ApiKeyOrXApiKey"
 
     def get_security_definition(self, auto_schema):
-        return [
-            {"type": "http", "scheme": "bearer", "bearerFormat": "zm_<lookup>_<secret>"},
-            {"type": "apiKey", "in": "header", "name": "X-Api-Key"},
-        ]
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "bearerFormat": "zm_<lookup>_<secret>",
+            "description": "or the same key in the X-Api-Key header",
+        }
 
 
 def LABEL():  # noqa: N802 — a fresh field each time (DRF binds a child field to its parent)
@@ -73,9 +75,11 @@ class SearchItemSerializer(ItemSerializer):
 class SearchRequestSerializer(serializers.Serializer):
     namespace_prefix = serializers.ListField(child=LABEL(), required=False)
     filter = serializers.DictField(required=False, allow_null=True)
-    limit = serializers.IntegerField(required=False, min_value=1, max_value=validation.LIMIT_MAX)
-    offset = serializers.IntegerField(required=False, min_value=0)
-    query = serializers.CharField(required=False, allow_null=True, max_length=validation.QUERY_MAX_LEN)
+    limit = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=validation.LIMIT_MAX)
+    offset = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    query = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True, max_length=validation.QUERY_MAX_LEN
+    )
     refresh_ttl = serializers.BooleanField(required=False, allow_null=True)
 
 
@@ -87,8 +91,8 @@ class NamespacesRequestSerializer(serializers.Serializer):
     prefix = serializers.ListField(child=LABEL(), required=False, allow_null=True)
     suffix = serializers.ListField(child=LABEL(), required=False, allow_null=True)
     max_depth = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000)
-    offset = serializers.IntegerField(required=False, min_value=0)
+    limit = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    offset = serializers.IntegerField(required=False, allow_null=True, min_value=0)
 
 
 class NamespacesResponseSerializer(serializers.Serializer):

@@ -71,6 +71,8 @@ def namespace_labels(raw: Any, *, field: str = "namespace", allow_empty: bool = 
             raise InvalidInput("labels must not be empty", field=field)
         if "." in label:
             raise InvalidInput("labels must not contain '.'", field=field)
+        if len(label) > validation.KEY_MAX_LEN:
+            raise InvalidInput(f"labels must be at most {validation.KEY_MAX_LEN} characters", field=field)
     return tuple(raw)
 
 
@@ -291,7 +293,7 @@ def lg_search(
     limit = _bounded(limit, field="limit", default=10, low=1, high=validation.LIMIT_MAX)
     offset = _bounded(offset, field="offset", default=0, low=0, high=settings.ZEROMEM_LANGGRAPH_SCAN_MAX)
     refresh = _flag(refresh_ttl, "refresh_ttl")
-    prefix = namespace_prefix(labels)
+    prefix = validation.prefix(namespace_prefix(labels), field="namespace_prefix")
     if query is not None and query != "":
         if offset + limit > validation.LIMIT_MAX:
             raise InvalidInput(f"offset + limit must be at most {validation.LIMIT_MAX} with a query", field="offset")
@@ -338,8 +340,13 @@ def _conditions(raw: Any, field: str) -> tuple[str, ...] | None:
     if raw is None:
         return None
     labels = raw if isinstance(raw, list | tuple) else None
-    if labels is None or not all(isinstance(x, str) and x and "." not in x for x in labels):
-        raise InvalidInput("must be a list of non-empty labels without '.' ('*' matches any label)", field=field)
+    if labels is None or not all(
+        isinstance(x, str) and x and "." not in x and len(x) <= validation.KEY_MAX_LEN for x in labels
+    ):
+        raise InvalidInput(
+            f"must be a list of labels of 1-{validation.KEY_MAX_LEN} characters without '.' ('*' matches any label)",
+            field=field,
+        )
     return tuple(labels)
 
 
@@ -373,7 +380,7 @@ def lg_list_namespaces(
         if label == "*":
             break
         fixed.append(label)
-    db_prefix = namespace_prefix(tuple(fixed))
+    db_prefix = validation.prefix(namespace_prefix(tuple(fixed)), field="prefix")
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=db_prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
         rows = (
