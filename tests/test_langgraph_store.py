@@ -172,3 +172,12 @@ def test_get_without_namespace_or_key_names_the_field(tenant_a):
     client, _ = make_keyed_client(tenant_a)
     assert rest_error(client.get("/api/v1/langgraph/store/items", {"key": "k"}))["field"] == "namespace"
     assert rest_error(client.get("/api/v1/langgraph/store/items", {"namespace": "a"}))["field"] == "key"
+
+
+@pytest.mark.django_db
+def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings):
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    client, _ = make_keyed_client(tenant_a)
+    body = {"namespace": ["a"], "key": "k", "value": {"v": 1}}
+    assert [client.put("/api/v1/langgraph/store/items", body).status_code for _ in range(3)] == [204, 204, 429]
+    assert rest_error(client.post("/api/v1/langgraph/store/items/search", {}))["code"] == "rate_limited"

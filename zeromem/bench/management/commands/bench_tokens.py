@@ -112,9 +112,7 @@ class Command(BenchCommand):
             ),
         }
         try:
-            samples = interleaved_samples(
-                ops, iterations=o["n"], warmup=20, max_seconds=300, rng=rng, log=self.log
-            )
+            samples = interleaved_samples(ops, iterations=o["n"], warmup=20, max_seconds=300, rng=rng, log=self.log)
         finally:
             usage.flush()
             settings.ZEROMEM_USAGE_FLUSH_SECONDS = saved_interval
