@@ -442,3 +442,22 @@ class MemoryEmbedding(models.Model):
 
     def __str__(self) -> str:
         return f"{self.memory_id} ({self.model}, {self.dim}d)"
+
+
+class TokenUsageDay(models.Model):
+    """What a tenant's tool results cost the models that read them, per UTC day: how many
+    results, their bytes and their estimated tokens (zeromem/kernel/tokens.py). Added to in
+    batches by memories/services/usage.py — one UPSERT per tenant and day per flush, not a
+    write per request — and read by the admin dashboard next to its estimate of tokens saved."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+", db_index=False)
+    day = models.DateField()
+    results = models.BigIntegerField(default=0)
+    bytes = models.BigIntegerField(default=0)
+    tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "day"], name="token_usage_tenant_day")]
+
+    def __str__(self) -> str:
+        return f"{self.day}: {self.tokens} tokens in {self.results} results"

@@ -50,6 +50,16 @@ def _fresh_key_cache():
 
 
 @pytest.fixture(autouse=True)
+def _token_usage_written_at_once(settings):
+    # Tool responses write their tokens-returned totals at once (inside the test's
+    # transaction), so none is left pending for a tenant an earlier test rolled back.
+    from memories.services import usage
+
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 0
+    usage.discard_pending()
+
+
+@pytest.fixture(autouse=True)
 def _lazy_static_files(settings):
     # Tests run with DEBUG off, so ServeStatic would scan every static file (through the
     # finders) each time a test Client builds its middleware: ~50 ms per client. Looking

@@ -14,7 +14,7 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from memories import services
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
-from memories.models import ApiKey, ForgetRequest, Membership, hash_api_key
+from memories.models import ApiKey, ForgetRequest, Membership, TokenUsageDay, hash_api_key
 from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, write
 from zeromem.kernel.errors import NotFound
 
@@ -245,6 +245,10 @@ def test_dashboard_charts_and_figures_per_tenant(tenant_a, tenant_b, staff_clien
     assert "user:u9" not in body  # tenant B's data stays out
     tokens = response.context["tokens"]
     assert tokens["reads"] == 3 and tokens["saved"] == 3 * tokens["per_read"]
+    # next to it, the tokens the 4 tool results cost (their ZeroMem-Result-Tokens, summed)
+    returned = TokenUsageDay.objects.get(tenant=tenant_a)
+    assert returned.results == 4 and tokens["returned"] == returned.tokens > 0
+    assert re.search(rf'class="tokens-returned-total">{returned.tokens}<', body)
     # compliance sees figures, never the expiring keys' links into memories
     assert response.context["expiring_count"] == 1 and "task:t1:status</a>" not in body
 

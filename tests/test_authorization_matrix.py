@@ -60,6 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from unittest import mock
+from urllib.parse import urlencode
 
 import pytest
 from django.conf import settings
@@ -87,6 +88,7 @@ AGENT_KEY = "agent:a1:pref_lang"  # tenant A, inside the not_allowed key's allow
 B_KEY = "user:u20002:pref_lang"  # tenant B's own memory
 GHOST = "user:u99999:pref_lang"  # exists in no tenant: what "not found" looks like
 ATTACK = "written-by-the-caller"  # the value write/update cells send (never a canary)
+ATTACK_OBJECT = {"v": ATTACK}  # what a LangGraph put sends (its values are JSON objects)
 QUERY = "which language does the user prefer?"
 
 SEED = {
@@ -240,6 +242,19 @@ OUTCOMES["portal_link"] = _keyed(Expect(201, check="portal_link"), MISSING_SCOPE
 # checks hold), so another tenant's key with the scope reads the same; a limited key none.
 OUTCOMES["metrics"] = _keyed(Expect(200), MISSING_SCOPE, NOT_ALLOWED, Expect(200))
 
+# LangGraph's store. A put is a write (another tenant creates its own item), a delete of an
+# item that is not there is no error (204, nothing changes), a search or a namespace
+# listing shows only what the identity may see.
+OUTCOMES["lg_get"] = _keyed(Expect(200, check="sees_target"), MISSING_SCOPE, NOT_ALLOWED, NOT_FOUND)
+OUTCOMES["lg_put"] = _keyed(Expect(204, writes="update"), MISSING_SCOPE, NOT_ALLOWED, Expect(204, writes="create_own"))
+OUTCOMES["lg_delete"] = _keyed(Expect(204, writes="delete"), MISSING_SCOPE, NOT_ALLOWED, Expect(204))
+OUTCOMES["lg_search"] = _keyed(
+    *(Expect(200, check="lg_visible") if i != "wrong_scope" else MISSING_SCOPE for i in IDENTITIES[:4])
+)
+OUTCOMES["lg_namespaces"] = _keyed(
+    *(Expect(200, check="lg_namespaces_visible") if i != "wrong_scope" else MISSING_SCOPE for i in IDENTITIES[:4])
+)
+
 # The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
 NEEDED_SCOPE = {
     "rest_read": Scope.MEMORY_READ,
@@ -265,6 +280,11 @@ NEEDED_SCOPE = {
     "audit_checkpoint": Scope.AUDIT_READ,
     "portal_link": Scope.FORGET_CREATE,
     "metrics": Scope.METRICS_READ,
+    "lg_get": Scope.MEMORY_READ,
+    "lg_put": Scope.MEMORY_WRITE,
+    "lg_delete": Scope.MEMORY_DELETE,
+    "lg_search": Scope.MEMORY_READ,
+    "lg_namespaces": Scope.MEMORY_READ,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -277,6 +297,9 @@ KEYED_KINDS = {
     "tool_write",
     "tool_update",
     "tool_delete",
+    "lg_get",
+    "lg_put",
+    "lg_delete",
 }
 
 # Every tool: its kind and the arguments its row sends.
@@ -347,7 +370,16 @@ ROUTES: dict[str, Route] = {
     ),
     "api/v1/audit-checkpoints": Route(public=False, ops={"POST": "audit_checkpoint", "OPTIONS": "options"}),
     "api/v1/subjects/<str:subject>/portal-link": Route(public=False, ops={"POST": "portal_link", "OPTIONS": "options"}),
+    # LangGraph's store (the cells run with ZEROMEM_LANGGRAPH_PREFIX="user": namespace
+    # ["u10086"] and key "pref_lang" is the target memory itself).
+    "api/v1/langgraph/store/items": Route(
+        public=False,
+        ops={"GET": "lg_get", "HEAD": "lg_get", "PUT": "lg_put", "DELETE": "lg_delete", "OPTIONS": "options"},
+    ),
+    "api/v1/langgraph/store/items/search": Route(public=False, ops={"POST": "lg_search", "OPTIONS": "options"}),
+    "api/v1/langgraph/store/namespaces": Route(public=False, ops={"POST": "lg_namespaces", "OPTIONS": "options"}),
 }
+LANGGRAPH_ROUTES = {r for r in ROUTES if r.startswith("api/v1/langgraph/")}
 
 # The end-user portal's pages (HTML; the link or its session cookie is the identity): their
 # own matrix, test_portal_matrix below. Method → kind; the other methods are 405.
@@ -515,9 +547,25 @@ def _request_for(row: Row, key: str) -> tuple[str, str | None]:
         call = {"id": "call_1", "name": row.tool, "arguments": arguments}
         body = {"calls": [call]} if row.route.route.endswith("/batch") else call
         return path, json.dumps(body)
+    if row.route.route in LANGGRAPH_ROUTES:
+        return _langgraph_request(row, path, key)
     if row.method in ("POST", "PUT", "PATCH"):
         return path, json.dumps(ROUTE_BODIES.get(row.route.route, {"value": ATTACK}))
     return path, None
+
+
+def _langgraph_request(row: Row, path: str, key: str) -> tuple[str, str | None]:
+    # With ZEROMEM_LANGGRAPH_PREFIX="user", "user:u10086:pref_lang" is namespace ["u10086"], key "pref_lang".
+    _, *namespace, item = key.split(":")
+    if row.kind == "lg_get" or row.method in ("GET", "HEAD"):
+        return f"{path}?{urlencode({'namespace': '.'.join(namespace), 'key': item})}", None
+    if row.kind == "lg_search":
+        return path, json.dumps({"namespace_prefix": namespace})
+    if row.kind == "lg_namespaces":
+        return path, json.dumps({})
+    if row.kind == "lg_delete":
+        return path, json.dumps({"namespace": namespace, "key": item})
+    return path, json.dumps({"namespace": namespace, "key": item, "value": ATTACK_OBJECT})
 
 
 def _send(client: KeyedClient, method: str, path: str, body: str | None):
@@ -571,6 +619,11 @@ def _state(tenant_a, tenant_b) -> dict:
     }
 
 
+def _sent(value):
+    """The attack string a write cell sent, as a tool or REST value or in a LangGraph object."""
+    return value["v"] if value == ATTACK_OBJECT else value
+
+
 def _check_writes(expect: Expect, identity: str, before: dict, after: dict) -> None:
     if identity != "owner":
         assert after["a"] == before["a"], "a non-owner request changed tenant A's memories"
@@ -581,13 +634,13 @@ def _check_writes(expect: Expect, identity: str, before: dict, after: dict) -> N
     if expect.writes == "create_own":
         assert identity == "other_tenant"
         new = [m for m in after["b"] if m not in before["b"]]
-        assert [(k, v, ver) for k, v, ver, _ in new] == [(TARGET, ATTACK, 1)], new
+        assert [(k, _sent(v), ver) for k, v, ver, _ in new] == [(TARGET, ATTACK, 1)], new
         return
     assert identity == "owner"
     assert after["b"] == before["b"], "the owner's request changed tenant B"
     live = [m for m in after["a"] if m[0] == TARGET and m[3] is None]
     if expect.writes == "update":
-        assert [(k, v, ver) for k, v, ver, _ in live] == [(TARGET, ATTACK, 2)], after["a"]
+        assert [(k, _sent(v), ver) for k, v, ver, _ in live] == [(TARGET, ATTACK, 2)], after["a"]
     elif expect.writes == "delete":
         assert live == [], after["a"]
         assert [m for m in after["a"] if m[0] == TARGET][0][3] is not None
@@ -622,6 +675,12 @@ def _check_body(check: str | None, identity: str, result: dict, text: str) -> No
             assert AGENT_KEY in targets and all(t.startswith("agent:") for t in targets), targets
         else:
             assert not mentions_a, (identity, mentions_a)
+    elif check == "lg_visible":
+        keys = [f"user:{':'.join(i['namespace'])}:{i['key']}" for i in result["items"]]
+        assert keys == [k for k in visible if k.startswith("user:u10086:")], (identity, keys)
+    elif check == "lg_namespaces_visible":
+        namespaces = [":".join(["user", *ns]) for ns in result["namespaces"]]
+        assert namespaces == sorted({k.rpartition(":")[0] for k in visible if k.startswith("user:")}), namespaces
     elif check == "portal_link":
         assert result["url"].startswith("http://testserver/portal/open/") and result["expires_at"], result
     elif check == "recalls_visible":
@@ -657,7 +716,8 @@ def _signature(row: Row, response) -> tuple:
 
 
 @pytest.mark.parametrize(("row", "identity"), CELLS)
-def test_matrix(row: Row, identity: str, identities, db):
+def test_matrix(row: Row, identity: str, identities, db, settings):
+    settings.ZEROMEM_LANGGRAPH_PREFIX = "user"
     tenant_a, tenant_b = identities.a, identities.b
     route = ROUTES[row.route.route]
     expect = OUTCOMES[row.kind][identity]

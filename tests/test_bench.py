@@ -23,6 +23,7 @@ BENCHMARKS = (
     "bench_admin",
     "search_eval",
     "bench_search",
+    "bench_tokens",
 )
 
 
@@ -66,6 +67,7 @@ def test_benchmark_commands_keep_their_names_in_the_bench_app(name):
         ("bench_purge", {"max_seconds": 120.0, "rounds": 3}),
         ("bench_admin", {"events": 1_000_000, "repeat": 5}),
         ("search_eval", {"json": False, "k": "1,5,10"}),
+        ("bench_tokens", {"n": 500, "memories": 200, "reads": 2000, "json": False}),
         (
             "bench_search",
             {"sizes": "10000,100000,1000000", "others": 100000, "n": 200, "parallel": 20, "json": False},

@@ -18,6 +18,18 @@ from zeromem.schedules import SCHEDULES
 KEY = "user:u1:pref_lang"
 
 
+@pytest.fixture(autouse=True)
+def _token_usage_as_in_production(settings):
+    # Production writes tokens returned once per ZEROMEM_USAGE_FLUSH_SECONDS per process, not
+    # per response (tests/conftest.py writes at once): the read's statements do not include it.
+    from memories.services import usage
+
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
+    usage.flush()
+    yield
+    usage.discard_pending()
+
+
 def _tool_read(client, key=KEY):
     return client.post("/api/v1/tools/call", {"name": "memory_read", "arguments": {"key": key}})
 

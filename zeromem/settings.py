@@ -256,6 +256,13 @@ ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
 # One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
+# LangGraph store routes (/api/v1/langgraph): the key prefix its items live under, and how
+# many memories a search with a filter or a namespace listing reads at most.
+ZEROMEM_LANGGRAPH_PREFIX = env.str("ZEROMEM_LANGGRAPH_PREFIX", default="lg")
+ZEROMEM_LANGGRAPH_SCAN_MAX = env.int("ZEROMEM_LANGGRAPH_SCAN_MAX", default=10000)
+# Tokens returned per tenant and day (memories/services/usage.py): how often a process writes
+# its running totals (seconds; 0 = on every tool response).
+ZEROMEM_USAGE_FLUSH_SECONDS = env.float("ZEROMEM_USAGE_FLUSH_SECONDS", default=10.0)
 ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
 # A verified API key is reused for this long by the process that verified it, so a request
 # costs no key lookup; a revocation reaches every other process within this bound (the

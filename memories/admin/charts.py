@@ -29,6 +29,9 @@ def dashboard_context(figures: TenantFigures) -> dict:
         "ops_chart": line_chart(figures.days, figures.operations),
         "ops_totals": {name: sum(values) for name, values in figures.operations.items()},
         "tokens": figures.tokens,
+        "tokens_returned": bar_chart(
+            [(d.strftime("%m-%d"), n) for d, n in zip(figures.days, figures.tokens_returned, strict=True)]
+        ),
         "days": DAYS,
     }
 

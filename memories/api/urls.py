@@ -1,6 +1,6 @@
 from django.urls import path
 
-from memories.api import views
+from memories.api import langgraph, views
 
 # Keys never contain "/" (see memories/validation.py), so <str:key> takes the whole key.
 urlpatterns = [
@@ -14,5 +14,8 @@ urlpatterns = [
     path("jobs/<int:job_id>", views.JobDetailView.as_view(), name="jobs-detail"),
     path("forget-requests", views.ForgetRequestListView.as_view(), name="forget-requests-list"),
     path("forget-requests/<int:request_id>", views.ForgetRequestDetailView.as_view(), name="forget-requests-detail"),
+    path("langgraph/store/items", langgraph.StoreItemsView.as_view(), name="langgraph-store-items"),
+    path("langgraph/store/items/search", langgraph.StoreSearchView.as_view(), name="langgraph-store-search"),
+    path("langgraph/store/namespaces", langgraph.StoreNamespacesView.as_view(), name="langgraph-store-namespaces"),
     path("subjects/<str:subject>/portal-link", views.PortalLinkCreateView.as_view(), name="subjects-portal-link"),
 ]

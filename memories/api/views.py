@@ -13,7 +13,15 @@ from memories.api import serializers as s
 from memories.portal.services import portal_link_create
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
-from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, TenantSlotMixin, retry_after
+from zeromem.kit.api import (
+    ERRORS,
+    AuditedAPIView,
+    ErrorSerializer,
+    ResultCostMixin,
+    TenantAPIView,
+    TenantSlotMixin,
+    retry_after,
+)
 from zeromem.kit import metrics
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
@@ -57,11 +65,25 @@ class ToolListView(TenantAPIView):
         return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict == "true")})
 
 
+# What a tool response costs the model (zeromem/kernel/tokens.py, README "Token cost").
+RESULT_COST_HEADERS = [
+    OpenApiParameter(
+        "ZeroMem-Result-Bytes", int, OpenApiParameter.HEADER, response=True, description="size of the body in bytes"
+    ),
+    OpenApiParameter(
+        "ZeroMem-Result-Tokens",
+        int,
+        OpenApiParameter.HEADER,
+        response=True,
+        description="estimated tokens of the body: ceil(ASCII characters / 4) + non-ASCII characters",
+    ),
+]
+
 # Tools whose cost grows with the tenant's data: each call takes a tenant slot.
 EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
 
 
-class ToolCallView(TenantSlotMixin, AuditedAPIView):
+class ToolCallView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
     surface = "tool"
     # A body that is not JSON never reaches the registry; it is audited as a refused call.
     audit_actions = {"POST": "tool.call"}
@@ -73,6 +95,7 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
     @extend_schema(
         operation_id="tools_call",
         summary="Run one tool call as the model emitted it",
+        parameters=RESULT_COST_HEADERS,
         request=s.ToolCallSerializer,
         responses={200: s.ToolResultSerializer, **ERRORS},
     )
@@ -82,7 +105,7 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
         return Response(answer.result, status=answer.http_status, headers=retry_after(answer.result.get("error")))
 
 
-class ToolBatchView(TenantSlotMixin, AuditedAPIView):
+class ToolBatchView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
     surface = "tool"
     # Each call is audited by itself; a batch refused as a whole is one "tool.batch" event.
     audit_actions = {"POST": "tool.batch"}
@@ -95,6 +118,7 @@ class ToolBatchView(TenantSlotMixin, AuditedAPIView):
     @extend_schema(
         operation_id="tools_batch",
         summary="Run up to 50 tool calls in one round trip; each result stands alone",
+        parameters=RESULT_COST_HEADERS,
         request=s.ToolBatchSerializer,
         responses={200: s.ToolBatchResultSerializer, **ERRORS},
     )

@@ -17,6 +17,11 @@ tokens (≈ 4 characters per token) — and with ZeroMem it pays the call and it
 
 An estimate, not a measurement: it assumes one read per turn and that the alternative is
 the namespace in the prompt, and it ignores prompt caching.
+
+**Tokens returned** sits next to it: the estimated tokens of every tool result the tenant's
+agents were sent (``ZeroMem-Result-Tokens``, zeromem/kernel/tokens.py), per day, from the
+per-tenant daily counters (``TokenUsageDay``, at most ``DAYS`` rows read through the unique
+(tenant, day) index). Counters lag by up to ``ZEROMEM_USAGE_FLUSH_SECONDS`` per process.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from django.db.models.functions import Cast, Length, TruncDate
 from django.utils import timezone
 
 from audit.models import AuditEvent
-from memories.models import ForgetRequest, Memory, Tenant
+from memories.models import ForgetRequest, Memory, Tenant, TokenUsageDay
 
 DAYS = 14
 CHARS_PER_TOKEN = 4
@@ -52,6 +57,7 @@ class TenantFigures:
     days: list[date]  # the last DAYS days, oldest first
     operations: dict[str, list[int]]  # one count per day for each of SERIES
     tokens: dict  # the estimate of prompt tokens saved, with its inputs
+    tokens_returned: list[int]  # estimated tokens of tool results sent, one figure per day of ``days``
 
 
 def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
@@ -70,6 +76,8 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
     )
     days, series = operations_per_day(tenant=tenant, now=now)
     tokens = tokens_saved(tenant=tenant, now=now)
+    returned = tokens_returned(tenant=tenant, days=days)
+    tokens["returned"] = sum(returned)
     return TenantFigures(
         memory_count=live.count(),
         trash_count=Memory.objects.for_tenant(tenant).trashed().count(),
@@ -81,6 +89,7 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
         days=days,
         operations=series,
         tokens=tokens,
+        tokens_returned=returned,
     )
 
 
@@ -144,3 +153,11 @@ def tokens_saved(*, tenant: Tenant, now) -> dict:
         "per_read": round(per_read),
         "saved": round(reads * per_read),
     }
+
+
+def tokens_returned(*, tenant: Tenant, days: list[date]) -> list[int]:
+    """Estimated tokens of the tool results sent to the tenant's agents, one figure per day."""
+    by_day = dict(
+        TokenUsageDay.objects.filter(tenant=tenant, day__gte=days[0], day__lte=days[-1]).values_list("day", "tokens")
+    )
+    return [by_day.get(d, 0) for d in days]

@@ -86,8 +86,10 @@ def memory_write(
     category: Any = None,
     importance: Any = None,
     source: Any = None,
+    clear_ttl: bool = False,
 ) -> MemoryResult:
-    """Upsert. Fields left out keep their current value (or a default on create).
+    """Upsert. Fields left out keep their current value (or a default on create);
+    ``clear_ttl`` with no ``ttl_seconds`` removes an expiry (a LangGraph put without ttl).
 
     Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT.
     """
@@ -119,6 +121,8 @@ def memory_write(
         ):
             if given is not None:
                 fields[name] = given
+        if clear_ttl and ttl is None:
+            fields["expires_at"] = None
 
         memory, created = _upsert(tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label)
         _record_version(memory, MemoryVersion.Op.WRITE, actor, now)

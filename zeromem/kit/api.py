@@ -20,8 +20,10 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from audit import limits
 from audit.services import audit_refusal
 from memories.models import Tenant
+from memories.services import usage
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import ServiceError, TenantBusy
+from zeromem.kernel.tokens import cost_of
 
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
@@ -226,3 +228,29 @@ class AuditedAPIView(TenantAPIView):
                 error=exc,
             )
         return super().handle_exception(exc)
+
+
+RESULT_BYTES_HEADER = "ZeroMem-Result-Bytes"
+RESULT_TOKENS_HEADER = "ZeroMem-Result-Tokens"
+
+
+class ResultCostMixin:
+    # Tool responses say what they cost the model: ``ZeroMem-Result-Bytes`` (the body's
+    # size) and ``ZeroMem-Result-Tokens`` (its estimate, zeromem/kernel/tokens.py), on every
+    # answer with a body — results and errors alike, since the model reads both — and add them
+    # to the tenant's tokens returned per day (memories/services/usage.py, no query per request).
+    # The body is rendered here, once (Django's later render is then a no-op). (A comment, not
+    # a docstring: the OpenAPI description of the views would inherit it.)
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        response = super().finalize_response(request, response, *args, **kwargs)
+        if isinstance(response, Response) and response.data is not None and not response.streaming:
+            response.render()
+            size, tokens = cost_of(response.content)
+            response[RESULT_BYTES_HEADER] = str(size)
+            response[RESULT_TOKENS_HEADER] = str(tokens)
+            principal = getattr(request, "_user", None)
+            tenant = getattr(principal, "tenant", None)
+            if tenant is not None:
+                usage.result_returned(tenant_id=tenant.pk, size=size, tokens=tokens)
+        return response

@@ -1,0 +1,405 @@
+"""LangGraph's store on ZeroMem memories: what the ``/api/v1/langgraph/store/...`` routes
+mean (memories/api/langgraph.py serves them in the shapes ``langgraph_sdk``'s
+``client.store`` sends and expects; the shapes are public, no server code is taken).
+
+**Mapping.** A LangGraph item ``(namespace, key)`` is the memory at::
+
+    <ZEROMEM_LANGGRAPH_PREFIX>:<label 1>:...:<label n>:<key>
+
+e.g. namespace ``("users", "u1")`` and key ``"prefs"`` → ``lg:users:u1:prefs``. Its value
+(a JSON object) is the memory's value; a ``ttl`` in minutes is the memory's TTL (and the tag
+``ttl_minutes=N``, so that a read with ``refresh_ttl`` can extend it by the same amount).
+Labels and keys keep letters, digits and ``_ . @ + = -``; every other character (``:``,
+``~``, ``/``, a space, ...) is written ``~HH`` per UTF-8 byte (``a:b`` → ``a~3Ab``), so the
+mapping is one-to-one and a ``:`` always separates labels. Labels may not contain ``.``
+(LangGraph's rule: the SDK joins them with dots in a GET) nor be empty.
+
+Every operation goes through the memory services' rules — scopes, the key's allowlist
+(``lg:users:u1:`` limits a key to namespace ``("users", "u1", ...)``), audit — and the
+listing ones read at most ``ZEROMEM_LANGGRAPH_SCAN_MAX`` memories under the prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+
+from audit.services import audited_operation
+from memories import selectors
+from memories.models import Memory, Tenant
+from memories.services import memories as mem
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.errors import InvalidInput, NotFound
+from zeromem.kernel.scopes import Scope
+
+TTL_TAG = "ttl_minutes="
+TTL_MAX_MINUTES = validation.TTL_MAX_SECONDS // 60
+_KEEP = re.compile(r"[\w.@+=-]")
+_ESCAPED = re.compile(r"(?:~[0-9A-F]{2})+")
+_OPERATORS = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte"})
+
+
+def root() -> str:
+    return validation.key(settings.ZEROMEM_LANGGRAPH_PREFIX, field="ZEROMEM_LANGGRAPH_PREFIX")
+
+
+# --- the mapping -----------------------------------------------------------------------------
+
+
+def encode_segment(text: str) -> str:
+    return "".join(ch if _KEEP.fullmatch(ch) else "".join(f"~{b:02X}" for b in ch.encode()) for ch in text)
+
+
+def decode_segment(segment: str) -> str:
+    return _ESCAPED.sub(lambda m: bytes.fromhex(m.group(0).replace("~", "")).decode("utf-8", "replace"), segment)
+
+
+def namespace_labels(raw: Any, *, field: str = "namespace", allow_empty: bool = False) -> tuple[str, ...]:
+    """A namespace as a tuple of labels (a GET's dotted string is split by the view)."""
+    if not isinstance(raw, list | tuple):
+        raise InvalidInput("must be a list of strings", field=field)
+    if not raw and not allow_empty:
+        raise InvalidInput("must not be empty", field=field)
+    for label in raw:
+        if not isinstance(label, str):
+            raise InvalidInput("must be a list of strings", field=field)
+        if not label:
+            raise InvalidInput("labels must not be empty", field=field)
+        if "." in label:
+            raise InvalidInput("labels must not contain '.'", field=field)
+        if len(label) > validation.KEY_MAX_LEN:
+            raise InvalidInput(f"labels must be at most {validation.KEY_MAX_LEN} characters", field=field)
+    return tuple(raw)
+
+
+def item_key(raw: Any, field: str = "key") -> str:
+    if not isinstance(raw, str):
+        raise InvalidInput("must be a string", field=field)
+    if not raw:
+        raise InvalidInput("must not be empty", field=field)
+    return raw
+
+
+def memory_key(namespace: tuple[str, ...], key: str) -> str:
+    """The ZeroMem key of a LangGraph item."""
+    return ":".join((root(), *(encode_segment(label) for label in namespace), encode_segment(key)))
+
+
+def namespace_prefix(namespace: tuple[str, ...]) -> str:
+    """The ZeroMem key prefix holding a namespace and everything below it."""
+    return ":".join((root(), *(encode_segment(label) for label in namespace))) + ":"
+
+
+def parse_key(zeromem_key: str) -> tuple[tuple[str, ...], str] | None:
+    """(namespace, key) of a memory under the prefix; None for a key that is no item (no namespace)."""
+    rest = zeromem_key[len(root()) + 1 :]
+    parts = rest.split(":")
+    if len(parts) < 2:
+        return None
+    return tuple(decode_segment(p) for p in parts[:-1]), decode_segment(parts[-1])
+
+
+def _iso(moment) -> str:
+    return moment.isoformat()
+
+
+def item_of(memory: Memory, score: float | None = None) -> dict | None:
+    parsed = parse_key(memory.key)
+    if parsed is None:
+        return None
+    out = {
+        "namespace": list(parsed[0]),
+        "key": parsed[1],
+        "value": memory.value,
+        "created_at": _iso(memory.created_at),
+        "updated_at": _iso(memory.updated_at),
+    }
+    if score is not None:
+        out["score"] = round(score, 4)
+    return out
+
+
+# --- filters (LangGraph's documented semantics: equality, nested objects, $eq $ne $gt $gte $lt $lte) ----
+
+
+def check_filter(raw: Any, field: str = "filter") -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidInput("must be an object of field: value", field=field)
+    validation.depth_within(raw, field=field)
+    stack = [raw]
+    while stack:
+        node = stack.pop()
+        for name, sub in node.items():
+            if name.startswith("$") and name not in _OPERATORS:
+                raise InvalidInput(f"unknown operator '{name}'; use {', '.join(sorted(_OPERATORS))}", field=field)
+            if isinstance(sub, dict):
+                stack.append(sub)
+    return raw
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float | str):
+        return None
+    try:
+        return float(x)
+    except ValueError:
+        return None
+
+
+def _operator(value: Any, op: str, operand: Any) -> bool:
+    if op == "$eq":
+        return value == operand
+    if op == "$ne":
+        return value != operand
+    a, b = _number(value), _number(operand)
+    if a is None or b is None:
+        return False
+    return {"$gt": a > b, "$gte": a >= b, "$lt": a < b, "$lte": a <= b}[op]
+
+
+def value_matches(value: Any, wanted: Any) -> bool:
+    if isinstance(wanted, dict):
+        if any(k.startswith("$") for k in wanted):
+            return all(_operator(value, op, operand) for op, operand in wanted.items())
+        return isinstance(value, dict) and all(value_matches(value.get(k), v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return (
+            isinstance(value, list)
+            and len(value) == len(wanted)
+            and all(value_matches(v, w) for v, w in zip(value, wanted, strict=True))
+        )
+    return value == wanted
+
+
+def item_matches(value: Any, flt: dict) -> bool:
+    if not flt:
+        return True
+    return isinstance(value, dict) and all(value_matches(value.get(k), v) for k, v in flt.items())
+
+
+def _bounded(raw: Any, *, field: str, default: int, low: int, high: int) -> int:
+    if raw is None:
+        return default
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise InvalidInput("must be an integer", field=field)
+    if not low <= raw <= high:
+        raise InvalidInput(f"must be between {low} and {high}", field=field, code="out_of_range")
+    return raw
+
+
+def _flag(raw: Any, field: str) -> bool:
+    if raw is None:
+        return False
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    raise InvalidInput("must be true or false", field=field)
+
+
+# --- operations -------------------------------------------------------------------------------
+
+
+def lg_put(
+    *, tenant: Tenant, actor: Actor, namespace: Any, key: Any, value: Any, ttl: Any = None, index: Any = None
+) -> None:
+    """Create or replace an item (``memory.write``). ``index`` is accepted and ignored: every
+    value is indexed for search. A put without ``ttl`` leaves the item without expiry."""
+    namespace = namespace_labels(namespace)
+    key = item_key(key)
+    if not isinstance(value, dict):
+        raise InvalidInput("must be a JSON object", field="value")
+    if (
+        index is not None
+        and index is not False
+        and not (isinstance(index, list) and all(isinstance(i, str) for i in index))
+    ):
+        raise InvalidInput("must be false or a list of field paths", field="index")
+    minutes = None
+    if ttl is not None:
+        if isinstance(ttl, float) and ttl.is_integer():
+            ttl = int(ttl)
+        minutes = _bounded(ttl, field="ttl", default=0, low=1, high=TTL_MAX_MINUTES)
+    mem.memory_write(
+        tenant=tenant,
+        actor=actor,
+        key=validation.key(memory_key(namespace, key), field="key"),
+        value=value,
+        ttl_seconds=minutes * 60 if minutes else None,
+        tags=[f"{TTL_TAG}{minutes}"] if minutes else [],
+        clear_ttl=True,
+    )
+
+
+def _ttl_minutes(memory: Memory) -> int | None:
+    for tag in memory.tags or ():
+        if tag.startswith(TTL_TAG):
+            return validation.ascii_int(tag[len(TTL_TAG) :])
+    return None
+
+
+def _refresh(tenant: Tenant, actor: Actor, memory: Memory) -> Memory:
+    minutes = _ttl_minutes(memory)
+    if not minutes or memory.expires_at is None:
+        return memory
+    return mem.memory_update(tenant=tenant, actor=actor, key=memory.key, ttl_seconds=minutes * 60).memory
+
+
+def lg_get(*, tenant: Tenant, actor: Actor, namespace: Any, key: Any, refresh_ttl: Any = None) -> dict:
+    """One item (``memory.read``); :class:`NotFound` when there is none. ``refresh_ttl``:
+    the item's TTL starts again (a ``memory.update``)."""
+    namespace = namespace_labels(namespace)
+    key = item_key(key)
+    refresh = _flag(refresh_ttl, "refresh_ttl")
+    memory = mem.memory_read(tenant=tenant, actor=actor, key=validation.key(memory_key(namespace, key))).memory
+    if refresh:
+        memory = _refresh(tenant, actor, memory)
+    return item_of(memory)
+
+
+def lg_delete(*, tenant: Tenant, actor: Actor, namespace: Any, key: Any) -> None:
+    """Move the item to the trash (``memory.delete``); deleting a missing item is no error
+    (LangGraph's delete is idempotent; the miss is audited as ``not_found``)."""
+    namespace = namespace_labels(namespace)
+    key = item_key(key)
+    try:
+        mem.memory_delete(tenant=tenant, actor=actor, key=validation.key(memory_key(namespace, key)))
+    except NotFound:
+        pass
+
+
+def lg_search(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    namespace_prefix_: Any = (),
+    filter_: Any = None,
+    limit: Any = None,
+    offset: Any = None,
+    query: Any = None,
+    refresh_ttl: Any = None,
+) -> list[dict]:
+    """Items under a namespace prefix that match ``filter``. With ``query``: ranked by
+    ZeroMem's search (``memory.search``, scope memory:search), each with its ``score``;
+    without: ordered by key (``memory.list``, scope memory:read)."""
+    labels = namespace_labels(namespace_prefix_, field="namespace_prefix", allow_empty=True)
+    flt = check_filter(filter_)
+    limit = _bounded(limit, field="limit", default=10, low=1, high=validation.LIMIT_MAX)
+    offset = _bounded(offset, field="offset", default=0, low=0, high=settings.ZEROMEM_LANGGRAPH_SCAN_MAX)
+    refresh = _flag(refresh_ttl, "refresh_ttl")
+    prefix = validation.prefix(namespace_prefix(labels), field="namespace_prefix")
+    if query is not None and query != "":
+        if offset + limit > validation.LIMIT_MAX:
+            raise InvalidInput(f"offset + limit must be at most {validation.LIMIT_MAX} with a query", field="offset")
+        ranked = mem.memory_search(tenant=tenant, actor=actor, query=query, prefix=prefix, limit=validation.LIMIT_MAX)
+        found = [(m, s) for m, s in ranked if parse_key(m.key) is not None and item_matches(m.value, flt)]
+        page = found[offset : offset + limit]
+    else:
+        page = [
+            (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
+        ]
+    out = []
+    for memory, score in page:
+        if refresh:
+            memory = _refresh(tenant, actor, memory)
+        out.append(item_of(memory, score))
+    return out
+
+
+def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:
+    with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
+        require_scope(actor, Scope.MEMORY_READ)
+        qs = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
+        if connection.vendor == "postgresql":
+            # Plain string fields narrow the scan in the database (jsonb @>); the matcher checks again.
+            pushed = {k: v for k, v in flt.items() if isinstance(v, str)}
+            if pushed:
+                qs = qs.filter(value__contains=pushed)
+        out: list[Memory] = []
+        skipped = 0
+        for memory in qs[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX].iterator(chunk_size=200):
+            if parse_key(memory.key) is None or not item_matches(memory.value, flt):
+                continue
+            if skipped < offset:
+                skipped += 1
+                continue
+            out.append(memory)
+            if len(out) >= limit:
+                break
+        op.record(target=prefix, count=len(out))
+        return out
+
+
+def _conditions(raw: Any, field: str) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    labels = raw if isinstance(raw, list | tuple) else None
+    if labels is None or not all(
+        isinstance(x, str) and x and "." not in x and len(x) <= validation.KEY_MAX_LEN for x in labels
+    ):
+        raise InvalidInput(
+            f"must be a list of labels of 1-{validation.KEY_MAX_LEN} characters without '.' ('*' matches any label)",
+            field=field,
+        )
+    return tuple(labels)
+
+
+def _path_matches(namespace: tuple[str, ...], path: tuple[str, ...], *, suffix: bool) -> bool:
+    if len(namespace) < len(path):
+        return False
+    pairs = zip(reversed(namespace), reversed(path), strict=False) if suffix else zip(namespace, path, strict=False)
+    return all(p == "*" or n == p for n, p in pairs)
+
+
+def lg_list_namespaces(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    prefix: Any = None,
+    suffix: Any = None,
+    max_depth: Any = None,
+    limit: Any = None,
+    offset: Any = None,
+) -> list[list[str]]:
+    """Distinct namespaces holding items, sorted; ``prefix``/``suffix`` label paths ("*" any
+    label), ``max_depth`` truncates (then deduplicates). ``memory.list``, scope memory:read."""
+    pre = _conditions(prefix, "prefix")
+    suf = _conditions(suffix, "suffix")
+    if max_depth is not None:
+        max_depth = _bounded(max_depth, field="max_depth", default=0, low=1, high=validation.KEY_MAX_LEN)
+    limit = _bounded(limit, field="limit", default=100, low=1, high=1000)
+    offset = _bounded(offset, field="offset", default=0, low=0, high=settings.ZEROMEM_LANGGRAPH_SCAN_MAX)
+    fixed = []
+    for label in pre or ():
+        if label == "*":
+            break
+        fixed.append(label)
+    db_prefix = validation.prefix(namespace_prefix(tuple(fixed)), field="prefix")
+    with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=db_prefix, atomic=False) as op:
+        require_scope(actor, Scope.MEMORY_READ)
+        rows = (
+            selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(db_prefix))
+            .order_by("namespace")
+            .values_list("namespace", flat=True)
+            .distinct()[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]
+        )
+        found: set[tuple[str, ...]] = set()
+        for ns in rows:
+            parsed = parse_key(ns + ":_")
+            if parsed is None or not parsed[0]:
+                continue
+            labels = parsed[0]
+            if pre is not None and not _path_matches(labels, pre, suffix=False):
+                continue
+            if suf is not None and not _path_matches(labels, suf, suffix=True):
+                continue
+            found.add(labels[:max_depth] if max_depth else labels)
+        page = sorted(found)[offset : offset + limit]
+        op.record(target=db_prefix, count=len(page))
+        return [list(ns) for ns in page]

@@ -1,0 +1,183 @@
+"""LangGraph's store routes (/api/v1/langgraph/store/...) driven by the real ``langgraph_sdk``
+client over HTTP against a live ZeroMem (pytest-django's ``live_server``), plus the mapping
+and the refusals through Django's test client."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from langgraph_sdk import get_sync_client
+from langgraph_sdk.errors import NotFoundError, PermissionDeniedError
+
+from audit.models import AuditEvent
+from memories.models import Memory
+from memories.services import langgraph as lg
+from tests.factories import make_key, make_keyed_client, make_tenant
+from tests.helpers import rest_error
+
+
+def sdk(live_server, raw_key, *, bearer=False):
+    if bearer:
+        return get_sync_client(
+            url=live_server.url + "/api/v1/langgraph", api_key=None, headers={"Authorization": f"Bearer {raw_key}"}
+        )
+    return get_sync_client(url=live_server.url + "/api/v1/langgraph", api_key=raw_key)
+
+
+def test_mapping_escapes_colons_and_round_trips():
+    assert lg.memory_key(("users", "u1"), "prefs") == "lg:users:u1:prefs"
+    assert lg.memory_key(("a:b", "~x y"), "k/1.txt") == "lg:a~3Ab:~7Ex~20y:k~2F1.txt"
+    assert lg.parse_key("lg:a~3Ab:~7Ex~20y:k~2F1.txt") == (("a:b", "~x y"), "k/1.txt")
+    assert lg.parse_key(lg.memory_key(("日本", "ü"), "キー:1")) == (("日本", "ü"), "キー:1")
+    assert lg.parse_key("lg:only") is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_langgraph_sdk_against_a_live_zeromem(live_server):
+    """One live server and one database flush for the three checks (each flush costs seconds)."""
+    sdk_put_get_search_namespaces_delete(live_server)
+    sdk_ttl_in_minutes_and_refresh(live_server)
+    sdk_other_tenant_and_scope_and_allowlist_refusals(live_server)
+
+
+def sdk_put_get_search_namespaces_delete(live_server):
+    tenant = make_tenant("lga")
+    _, raw = make_key(tenant)
+    client = sdk(live_server, raw)
+    store = client.store
+
+    store.put_item(["users", "u1"], "prefs", {"lang": "fr", "theme": "dark", "n": 3})
+    store.put_item(["users", "u1"], "diet", {"food": "vegetarian pasta", "n": 7})
+    store.put_item(["users", "u2"], "prefs", {"lang": "de", "theme": "dark", "n": 5})
+    store.put_item(["docs", "a:b"], "k/1", {"title": "colon and slash"})
+
+    item = store.get_item(["users", "u1"], "prefs")
+    assert item["namespace"] == ["users", "u1"]
+    assert item["key"] == "prefs"
+    assert item["value"] == {"lang": "fr", "theme": "dark", "n": 3}
+    assert item["created_at"] and item["updated_at"]
+    memory = Memory.objects.get(tenant=tenant, key="lg:users:u1:prefs")
+    assert memory.value == {"lang": "fr", "theme": "dark", "n": 3}
+    assert store.get_item(["docs", "a:b"], "k/1")["value"] == {"title": "colon and slash"}
+
+    found = store.search_items(["users"], filter={"theme": "dark"})["items"]
+    assert [(i["namespace"], i["key"]) for i in found] == [(["users", "u1"], "prefs"), (["users", "u2"], "prefs")]
+    ranged = store.search_items(["users"], filter={"n": {"$gte": 5}})["items"]
+    assert sorted(i["value"]["n"] for i in ranged) == [5, 7]
+    paged = store.search_items([], limit=2, offset=1)["items"]
+    assert [(i["namespace"], i["key"]) for i in paged] == [(["users", "u1"], "diet"), (["users", "u1"], "prefs")]
+    ranked = store.search_items(["users"], query="vegetarian pasta")["items"]
+    assert ranked[0]["key"] == "diet" and ranked[0]["score"] > 0
+    assert store.search_items(["users", "u2"], query="vegetarian pasta")["items"] == []
+
+    namespaces = store.list_namespaces()["namespaces"]
+    assert namespaces == [["docs", "a:b"], ["users", "u1"], ["users", "u2"]]
+    assert store.list_namespaces(prefix=["users"], max_depth=1)["namespaces"] == [["users"]]
+    assert store.list_namespaces(suffix=["u2"])["namespaces"] == [["users", "u2"]]
+    assert store.list_namespaces(prefix=["*", "u1"])["namespaces"] == [["users", "u1"]]
+
+    store.delete_item(["users", "u1"], "prefs")
+    with pytest.raises(NotFoundError):
+        store.get_item(["users", "u1"], "prefs")
+    store.delete_item(["users", "u1"], "prefs")  # deleting a missing item is no error
+
+    events = AuditEvent.objects.filter(tenant=tenant, surface="langgraph")
+    assert set(events.values_list("action", flat=True)) >= {
+        "memory.write",
+        "memory.read",
+        "memory.search",
+        "memory.list",
+        "memory.delete",
+    }
+
+
+def sdk_ttl_in_minutes_and_refresh(live_server):
+    tenant = make_tenant("lgt")
+    _, raw = make_key(tenant)
+    store = sdk(live_server, raw, bearer=True).store
+    store.put_item(["s"], "short", {"v": 1}, ttl=2)
+    memory = Memory.objects.get(tenant=tenant, key="lg:s:short")
+    left = memory.expires_at - memory.updated_at
+    assert timedelta(minutes=2) - timedelta(seconds=1) <= left <= timedelta(minutes=2)
+    Memory.objects.filter(pk=memory.pk).update(expires_at=memory.expires_at - timedelta(seconds=90))
+    store.get_item(["s"], "short", refresh_ttl=True)
+    memory.refresh_from_db()
+    assert memory.expires_at - memory.updated_at >= timedelta(minutes=2) - timedelta(seconds=1)
+    store.put_item(["s"], "short", {"v": 2})  # a put without ttl: no expiry any more
+    memory.refresh_from_db()
+    assert memory.expires_at is None and memory.value == {"v": 2}
+
+
+def sdk_other_tenant_and_scope_and_allowlist_refusals(live_server):
+    tenant_a, tenant_b = make_tenant("lgx"), make_tenant("lgy")
+    _, raw_a = make_key(tenant_a)
+    _, raw_b = make_key(tenant_b)
+    _, reader = make_key(tenant_a, scopes=["memory:read"])
+    _, narrow = make_key(tenant_a, allow=["lg:users:u1:"])
+    sdk(live_server, raw_a).store.put_item(["users", "u1"], "secret", {"pin": "1234"})
+    sdk(live_server, raw_a).store.put_item(["users", "u2"], "secret", {"pin": "5678"})
+
+    other = sdk(live_server, raw_b).store
+    with pytest.raises(NotFoundError):
+        other.get_item(["users", "u1"], "secret")
+    assert other.search_items(["users"])["items"] == []
+    assert other.list_namespaces()["namespaces"] == []
+    other.delete_item(["users", "u1"], "secret")
+    assert Memory.objects.live().filter(tenant=tenant_a, key="lg:users:u1:secret").exists()
+
+    with pytest.raises(PermissionDeniedError) as refused:
+        sdk(live_server, reader).store.put_item(["users", "u1"], "secret", {"pin": "0"})
+    assert refused.value.response.json()["error"]["code"] == "missing_scope"
+    assert sdk(live_server, reader).store.get_item(["users", "u1"], "secret")["value"] == {"pin": "1234"}
+
+    limited = sdk(live_server, narrow).store
+    with pytest.raises(PermissionDeniedError):
+        limited.get_item(["users", "u2"], "secret")
+    assert [i["key"] for i in limited.search_items(["users"])["items"]] == ["secret"]
+    assert limited.list_namespaces()["namespaces"] == [["users", "u1"]]
+    assert Memory.objects.get(tenant=tenant_a, key="lg:users:u1:secret").value == {"pin": "1234"}
+    denied = AuditEvent.objects.filter(tenant=tenant_a, surface="langgraph", outcome="denied")
+    assert denied.filter(action="memory.write").exists() and denied.filter(action="memory.read").exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "method,path,body,field",
+    [
+        ("put", "/store/items", {"namespace": [], "key": "k", "value": {}}, "namespace"),
+        ("put", "/store/items", {"namespace": ["a.b"], "key": "k", "value": {}}, "namespace"),
+        ("put", "/store/items", {"namespace": ["a"], "key": "", "value": {}}, "key"),
+        ("put", "/store/items", {"namespace": ["a"], "key": "k", "value": [1]}, "value"),
+        ("put", "/store/items", {"namespace": ["a"], "key": "k", "value": {}, "ttl": 0}, "ttl"),
+        ("put", "/store/items", {"namespace": ["a"], "key": "k", "value": {}, "colour": 1}, "colour"),
+        ("post", "/store/items/search", {"filter": {"n": {"$regex": "x"}}}, "filter"),
+        ("post", "/store/items/search", {"limit": 0}, "limit"),
+        ("post", "/store/items/search", {"namespace_prefix": "users"}, "namespace_prefix"),
+        ("post", "/store/namespaces", {"max_depth": 0}, "max_depth"),
+        ("post", "/store/namespaces", {"prefix": [""]}, "prefix"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(tenant_a, method, path, body, field):
+    client, _ = make_keyed_client(tenant_a)
+    before = Memory.objects.count()
+    r = getattr(client, method)("/api/v1/langgraph" + path, body)
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == field
+    assert Memory.objects.count() == before
+
+
+@pytest.mark.django_db
+def test_get_without_namespace_or_key_names_the_field(tenant_a):
+    client, _ = make_keyed_client(tenant_a)
+    assert rest_error(client.get("/api/v1/langgraph/store/items", {"key": "k"}))["field"] == "namespace"
+    assert rest_error(client.get("/api/v1/langgraph/store/items", {"namespace": "a"}))["field"] == "key"
+
+
+@pytest.mark.django_db
+def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings):
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    client, _ = make_keyed_client(tenant_a)
+    body = {"namespace": ["a"], "key": "k", "value": {"v": 1}}
+    assert [client.put("/api/v1/langgraph/store/items", body).status_code for _ in range(3)] == [204, 204, 429]
+    assert rest_error(client.post("/api/v1/langgraph/store/items/search", {}))["code"] == "rate_limited"
