@@ -56,10 +56,6 @@ class ToolListView(TenantAPIView):
         return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict == "true")})
 
 
-# Tools whose cost grows with the tenant's data: each call takes a tenant slot.
-EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
-
-
 class ToolCallView(TenantSlotMixin, AuditedAPIView):
     surface = "tool"
     # A body that is not JSON never reaches the registry; it is audited as a refused call.
@@ -69,7 +65,7 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
         data = request.data if isinstance(request.data, dict) else {}
         function = data.get("function") if isinstance(data.get("function"), dict) else {}
         name = data.get("name") or function.get("name")
-        return isinstance(name, str) and name in EXPENSIVE_TOOLS
+        return isinstance(name, str) and name in tools.EXPENSIVE_TOOLS
 
     @extend_schema(
         operation_id="tools_call",
