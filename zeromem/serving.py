@@ -21,7 +21,9 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-APP = "zeromem.wsgi:application"
+# What granian serves: the ASGI router (/mcp → the MCP SDK, the rest → Django, zeromem/asgi.py),
+# or, for comparison (``bench_serve --django-modes granian-wsgi``), Django alone over WSGI.
+APPS = {"asgi": "zeromem.asgi:application", "wsgi": "zeromem.wsgi:application"}
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # Request threads per process. A request spends most of its time waiting on PostgreSQL, so a
@@ -65,15 +67,18 @@ class ServingModel:
     port: int
     processes: int
     threads: int
+    interface: str = "asgi"
 
     def command(self, python: str, *, access_log: bool = False, log_level: str = "info") -> list[str]:
-        """The server's command line (granian, WSGI, processes × threads)."""
+        """The server's command line (granian: ASGI, or WSGI for comparison; processes ×
+        threads). Under ASGI the threads are the router's (Django's and MCP's thread pools,
+        zeromem/asgi.py); granian's own blocking thread runs the event loop's callbacks."""
         return [
             python,
             "-m",
             "granian",
             "--interface",
-            "wsgi",
+            self.interface,
             "--host",
             self.host,
             "--port",
@@ -81,7 +86,7 @@ class ServingModel:
             "--workers",
             str(self.processes),
             "--blocking-threads",
-            str(self.threads),
+            str(self.threads if self.interface == "wsgi" else 1),
             # No --backpressure: granian counts it in *connections* (a keep-alive connection
             # holds its permit while idle), so backpressure = threads left every client past
             # the threads-th of a process waiting for ever (tests/test_serve.py). Requests
@@ -91,7 +96,7 @@ class ServingModel:
             "--log-level",
             log_level,
             "--access-log" if access_log else "--no-access-log",
-            APP,
+            APPS[self.interface],
         ]
 
     def environment(self, environ: Mapping[str, str]) -> dict[str, str]:
