@@ -74,12 +74,27 @@ def django_app(mode: str):
 
         from zeromem.wsgi import application as wsgi_application
 
-        return WSGIMiddleware(wsgi_application, workers=web_threads(os.environ))
+        return _CoroutineReceive(WSGIMiddleware(wsgi_application, workers=web_threads(os.environ)))
     if mode == "asgi":
         from django.core.handlers.asgi import ASGIHandler
 
         return body_capped(ASGIHandler(), settings.ZEROMEM_MAX_BODY_BYTES)
     raise django.core.exceptions.ImproperlyConfigured(f"ZEROMEM_ASGI_DJANGO must be wsgi or asgi, not {mode!r}")
+
+
+class _CoroutineReceive:
+    """a2wsgi hands ``receive()`` to ``asyncio.run_coroutine_threadsafe``, which takes only a
+    coroutine; granian's ``receive`` returns another awaitable. Keeps a2wsgi's ``executor``."""
+
+    def __init__(self, app):
+        self.app = app
+        self.executor = app.executor
+
+    async def __call__(self, scope, receive, send):
+        async def coroutine_receive():
+            return await receive()
+
+        return await self.app(scope, coroutine_receive, send)
 
 
 class Router:

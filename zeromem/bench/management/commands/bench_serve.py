@@ -70,6 +70,13 @@ TARGETS = {
     "read_p99_with_slow_vs_idle": ("≤", 3.0),
 }
 SYSTEM = Actor.system(job="bench_serve")
+# How Django is served (README "Serving"): granian's interface and zeromem/asgi.py's
+# ZEROMEM_ASGI_DJANGO. `serve` runs the first; the others are there to compare against it.
+DJANGO_MODES = {
+    "a2wsgi": ("asgi", "wsgi"),  # the ASGI router; Django's WSGI app through a2wsgi (production)
+    "asgi": ("asgi", "asgi"),  # the ASGI router; Django's ASGIHandler
+    "granian-wsgi": ("wsgi", None),  # Django alone, granian WSGI (no /mcp): the floor
+}
 
 
 class SlowRequests:
@@ -167,6 +174,11 @@ class Command(BenchCommand):
         parser.add_argument("--slow", type=int, default=4, help="slow requests in flight in the slow phase (4)")
         parser.add_argument("--slow-seconds", type=float, default=2.0, help="length of each slow request (2 s)")
         parser.add_argument("--max-requests", type=int, default=200_000, help="request cap of each cell")
+        parser.add_argument(
+            "--django-modes",
+            default="a2wsgi",
+            help=f"comma-separated, run one after the other and compared: {', '.join(DJANGO_MODES)} (a2wsgi)",
+        )
 
     def handle(self, *args, **opts):
         if not os.environ.get("DATABASE_URL"):
@@ -181,29 +193,47 @@ class Command(BenchCommand):
         self.opts = opts
         self.conninfo = settings_conninfo()
         self.loadavg0 = loadavg()
+        modes = [m.strip() for m in opts["django_modes"].split(",") if m.strip()]
+        unknown = [m for m in modes if m not in DJANGO_MODES]
+        if not modes or unknown:
+            raise CommandError(f"--django-modes: each of {', '.join(DJANGO_MODES)}, not {unknown or modes}")
         self.setup_tenant()
+        results = {}
         try:
-            connection.close()
-            with (
-                sigterm_unwinds(),
-                running_server(
-                    stderr=self.stderr,
-                    database_url=os.environ["DATABASE_URL"],
-                    processes=opts["processes"],
-                    threads=opts["threads"],
-                    log=self.log,
-                ) as server,
-                contextlib.closing(ConnWatch(self.conninfo, set())) as watch,
-            ):
-                try:
-                    result = self.run_all(server, watch)
-                except (OSError, http.client.HTTPException) as exc:
-                    raise CommandError(
-                        f"the benchmark failed talking to the server ({exc!r}); its log:\n{tail(server['log'])}"
-                    ) from exc
+            for mode in modes:
+                results[mode] = self.run_mode(mode)
         finally:
             services.api_key_revoke(tenant=self.tenant, actor=SYSTEM, key_id=self.api_key.pk)
-        self.emit(result)
+        if len(results) == 1:
+            self.emit(results[modes[0]])
+        else:
+            self.emit({"modes": results})
+
+    def run_mode(self, mode: str) -> dict:
+        opts = self.opts
+        interface, django_mode = DJANGO_MODES[mode]
+        connection.close()
+        with (
+            sigterm_unwinds(),
+            running_server(
+                stderr=self.stderr,
+                database_url=os.environ["DATABASE_URL"],
+                processes=opts["processes"],
+                threads=opts["threads"],
+                log=self.log,
+                interface=interface,
+                extra_env={"ZEROMEM_ASGI_DJANGO": django_mode} if django_mode else None,
+            ) as server,
+            contextlib.closing(ConnWatch(self.conninfo, set())) as watch,
+        ):
+            try:
+                result = self.run_all(server, watch)
+            except (OSError, http.client.HTTPException) as exc:
+                raise CommandError(
+                    f"the benchmark failed talking to the server ({exc!r}); its log:\n{tail(server['log'])}"
+                ) from exc
+        result["config"]["django_mode"] = mode
+        return result
 
     def setup_tenant(self):
         slug = f"bench-serve-{secrets.token_hex(4)}"
@@ -389,10 +419,15 @@ class Command(BenchCommand):
     # ------------------------------------------------------------------ output
 
     def print_table(self, r: dict):
+        if "modes" in r:
+            for one in r["modes"].values():
+                self.print_table(one)
+            self.print_modes(r["modes"])
+            return
         w = self.stdout.write
         c = r["config"]
         w("")
-        w(f"ZeroMem bench_serve — one run on PostgreSQL {c['postgresql']}")
+        w(f"ZeroMem bench_serve — one run on PostgreSQL {c['postgresql']}, Django served as {c['django_mode']}")
         w(f"  server   {c['server']}")
         w(f"  db pool  {c['db_pool_per_process']} per process")
         w(
@@ -433,3 +468,24 @@ class Command(BenchCommand):
         extra = {k: v for k, v in r["ratios"].items() if k not in r["targets"]}
         w(f"    also: {extra}")
         w(f"  tenant {c['tenant']} and its rows stay in the database; its API key is revoked.")
+
+    def print_modes(self, modes: dict):
+        """The ways of serving Django side by side (README "Serving")."""
+        w = self.stdout.write
+        conc = self.opts["clients"]
+        w("")
+        w("  Django served as … (same run, same tenant, one after the other)")
+        w(
+            f"  {'mode':<14}{'healthz p50':>12}{'read p50':>10}{'read/healthz':>13}{'write p50':>10}"
+            f"{'healthz cpu':>12}{'read cpu':>9}{f'healthz r/s@{conc}':>16}{f'read r/s@{conc}':>14}"
+        )
+        for mode, r in modes.items():
+            idle = r["cells"]["idle"]
+            h, rd, wr = idle["healthz@1"], idle["read@1"], idle["write@1"]
+            read_vs_healthz = str(r["ratios"]["read_p50_vs_healthz_p50"])
+            cpu = (str(h["server_cpu_ms_per_request"]), str(rd["server_cpu_ms_per_request"]))
+            w(
+                f"  {mode:<14}{h['p50_ms']:>12.2f}{rd['p50_ms']:>10.2f}{read_vs_healthz:>13}"
+                f"{wr['p50_ms']:>10.2f}{cpu[0]:>12}{cpu[1]:>9}"
+                f"{idle[f'healthz@{conc}']['requests_per_s']:>16.1f}{idle[f'read@{conc}']['requests_per_s']:>14.1f}"
+            )
