@@ -347,5 +347,9 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # The MCP SDK logs every stateless request's start and end at INFO ("Terminating session").
+        "mcp": {"level": env.str("MCP_LOG_LEVEL", default="WARNING")},
+    },
 }

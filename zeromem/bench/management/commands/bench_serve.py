@@ -8,6 +8,7 @@ each of
 - tool read (``POST /api/v1/tools/call`` ``memory_read``),
 - tool write (``memory_write``, an update of one of the client's own keys),
 - REST GET (``GET /api/v1/memories/<key>``)
+- MCP read (``POST /mcp``, JSON-RPC ``tools/call`` ``memory_read``; not with ``granian-wsgi``)
 
 it runs ``--seconds`` of back-to-back requests at 1 and at ``--clients`` keep-alive
 connections (p50/p99, requests/s, server CPU per request), once idle and once while ``--slow``
@@ -61,6 +62,7 @@ OPS = {
     "read": "POST /api/v1/tools/call memory_read",
     "write": "POST /api/v1/tools/call memory_write (update)",
     "rest_get": "GET /api/v1/memories/<key>",
+    "mcp_read": "POST /mcp tools/call memory_read (MCP, stateless, JSON response)",
 }
 # Issue 11 "Done when" and DESIGN.md "Quality bars".
 TARGETS = {
@@ -212,6 +214,7 @@ class Command(BenchCommand):
     def run_mode(self, mode: str) -> dict:
         opts = self.opts
         interface, django_mode = DJANGO_MODES[mode]
+        self.ops = [op for op in OPS if op != "mcp_read" or interface == "asgi"]
         connection.close()
         with (
             sigterm_unwinds(),
@@ -261,6 +264,23 @@ class Command(BenchCommand):
                 clients,
             )
             return lambda: client.request("POST", TOOL_CALL, next(bodies))
+        if op == "mcp_read":
+            bodies = round_robin(
+                [
+                    json.dumps(
+                        {
+                            "jsonrpc": "2.0",
+                            "id": i,
+                            "method": "tools/call",
+                            "params": {"name": "memory_read", "arguments": {"key": k}},
+                        }
+                    ).encode()
+                    for i, k in enumerate(self.read_keys)
+                ],
+                t,
+                clients,
+            )
+            return lambda: client.request("POST", "/mcp", next(bodies))
         if op == "rest_get":
             paths = round_robin([f"/api/v1/memories/{k}" for k in self.read_keys], t, clients)
             return lambda: client.request("GET", next(paths))
@@ -328,9 +348,10 @@ class Command(BenchCommand):
         try:
             for c in clients:
                 c.request("GET", "/healthz")
-            # Until the processes' pools stop growing (they start with a connection per thread).
+            # Until the processes' pools stop growing (they start with a connection per thread);
+            # every op, so no first cell pays for a first call (or the embedding model's load).
             warm = warm_until_pools_settle(
-                watch, lambda i: [self.run_cell(op, clients, server, 1.0) for op in ("read", "write")]
+                watch, lambda i: [self.run_cell(op, clients, server, 1.0) for op in self.ops]
             )
             self.log(f"warm-up rounds opened {warm} connections")
             watch.start()
@@ -338,7 +359,7 @@ class Command(BenchCommand):
             requests = 0
             slow_stats = {"in_flight_seen": [], "durations_s": [], "failures": []}
             for n in (1, conc):
-                for op in OPS:
+                for op in self.ops:
                     self.log(f"  {op} at {n} connection(s): idle, then {opts['slow']} slow requests in flight")
                     cells["idle"][f"{op}@{n}"] = cell = self.run_cell(op, clients[:n], server, opts["seconds"])
                     requests += cell["n"] + cell["errors"]
@@ -377,6 +398,9 @@ class Command(BenchCommand):
             "read_p99_with_slow_vs_idle": ratio(slow[f"read@{conc}"]["p99_ms"], idle[f"read@{conc}"]["p99_ms"]),
             "read_p99_with_slow_vs_idle_1_connection": ratio(slow["read@1"]["p99_ms"], idle["read@1"]["p99_ms"]),
         }
+        if "mcp_read@1" in idle:
+            ratios["mcp_read_p50_vs_healthz_p50"] = ratio(idle["mcp_read@1"]["p50_ms"], idle["healthz@1"]["p50_ms"])
+            ratios["mcp_read_p50_vs_read_p50"] = ratio(idle["mcp_read@1"]["p50_ms"], idle["read@1"]["p50_ms"])
         targets = {}
         for name, (sense, bound) in TARGETS.items():
             value = ratios[name]
@@ -488,4 +512,9 @@ class Command(BenchCommand):
                 f"  {mode:<14}{h['p50_ms']:>12.2f}{rd['p50_ms']:>10.2f}{read_vs_healthz:>13}"
                 f"{wr['p50_ms']:>10.2f}{cpu[0]:>12}{cpu[1]:>9}"
                 f"{idle[f'healthz@{conc}']['requests_per_s']:>16.1f}{idle[f'read@{conc}']['requests_per_s']:>14.1f}"
+                + (
+                    f"{idle['mcp_read@1']['p50_ms']:>13.2f}{str(idle['mcp_read@1']['server_cpu_ms_per_request']):>8}"
+                    if "mcp_read@1" in idle
+                    else f"{'-':>13}{'-':>8}"
+                )
             )
