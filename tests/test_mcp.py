@@ -302,3 +302,83 @@ def test_transport_security_follows_allowed_hosts():
     for hosts in (["*"], [".example.com"]):
         security, wrapper_checks = transport_security(hosts)
         assert wrapper_checks and not security.enable_dns_rebinding_protection
+
+
+# --- the authorization matrix of /mcp: every identity × every tool --------------------------
+# (tests/test_authorization_matrix.py walks Django's URL resolver with Django's test client;
+# /mcp is not a Django route, so its rows are here, over the live server and the SDK's client.)
+
+TARGET = "user:u10086:pref_lang"
+CANARY = "prefers Klingon canaryacme71"
+MATRIX_CALLS = (
+    ("memory_read", {"key": TARGET}),
+    ("memory_write", {"key": TARGET, "value": "overwritten"}),
+    ("memory_update", {"key": TARGET, "value": "overwritten", "expected_version": 1}),
+    ("memory_delete", {"key": TARGET}),
+    ("memory_list", {"prefix": "user:"}),
+    ("memory_search", {"query": "Klingon canaryacme71"}),
+    ("memory_recall", {"query": "Klingon canaryacme71", "prefix": "user:"}),
+    ("memory_summarize", {"prefix": "user:u10086:"}),
+)
+REFUSED_AT_THE_DOOR = ("revoked", "expired", "no_key", "malformed")
+
+
+def _identity(name: str, tenant_a, tenant_b) -> str | None:
+    if name == "no_key":
+        return None
+    if name == "malformed":
+        return "not-a-zeromem-key"
+    if name == "other_tenant":
+        return make_key(tenant_b)[1]
+    if name == "no_scope":
+        return make_key(tenant_a, scopes=[])[1]
+    if name == "not_allowed":
+        return make_key(tenant_a, allow=["agent:"])[1]
+    key, raw = make_key(tenant_a)
+    if name == "revoked":
+        services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    elif name == "expired":
+        type(key).objects.filter(pk=key.pk).update(expires_at=key.created_at)
+    return raw
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "identity", ["owner", "no_scope", "not_allowed", "other_tenant", "revoked", "expired", "no_key", "malformed"]
+)
+def test_mcp_matrix(server, identity):
+    tenant_a, tenant_b = make_tenant(f"mcp-ma-{identity}"), make_tenant(f"mcp-mb-{identity}")
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key=TARGET, value=CANARY)
+    raw = _identity(identity, tenant_a, tenant_b)
+    if identity in REFUSED_AT_THE_DOOR:
+        headers = {"Accept": "application/json, text/event-stream"}
+        if raw:
+            headers["Authorization"] = f"Bearer {raw}"
+        for name, arguments in MATRIX_CALLS:
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+            response = httpx2.post(server, json=body, headers=headers, timeout=30)
+            assert response.status_code == 401 and "canaryacme71" not in response.text, (name, response.text)
+        return
+    answers = calls(server, raw, *MATRIX_CALLS)
+    by_tool = {name: a for (name, _), a in zip(MATRIX_CALLS, answers, strict=True)}
+    if identity == "owner":  # the positive control: the calls work and find the canary
+        assert by_tool["memory_read"]["result"]["value"] == CANARY
+        assert not any(a["is_error"] for a in answers), answers
+        return
+    for name, answer in by_tool.items():
+        assert "canaryacme71" not in answer["text"], (identity, name, answer)
+    if identity == "no_scope":
+        assert all(a["is_error"] and a["result"]["error"]["code"] == "missing_scope" for a in answers), answers
+    if identity == "not_allowed":
+        for name in ("memory_read", "memory_write", "memory_update", "memory_delete"):
+            assert by_tool[name]["result"]["error"]["code"] == "key_not_allowed", by_tool[name]
+    if identity == "other_tenant":
+        # Tenant A's memory is as missing to them as any other: the write creates their own.
+        assert by_tool["memory_read"]["result"]["status"] == "not_found"
+        assert by_tool["memory_write"]["result"] == {"status": "ok", "key": TARGET, "version": 1, "created": True}
+        assert by_tool["memory_search"]["result"]["results"] == []
+        assert not AuditEvent.objects.filter(tenant=tenant_a, surface="mcp").exists()
+    # Tenant A's memory is as it was.
+    memory = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=TARGET).memory
+    assert (memory.value, memory.version) == (CANARY, 1)
