@@ -188,6 +188,18 @@ def test_a_refused_key_is_401_and_a_revoked_one_is_in_its_tenants_log(server):
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+def test_failed_authentications_past_the_limit_are_throttled_429(server):
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer zm_nothere_" + "y" * 40}
+    statuses = [httpx2.post(server, json=body, headers=headers, timeout=30) for _ in range(32)]
+    limit = settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE  # the server's is the default too
+    assert [r.status_code for r in statuses] == [401] * limit + [429] * (32 - limit)
+    throttled = statuses[-1]
+    assert throttled.json()["error"]["code"] == "rate_limited" and int(throttled.headers["retry-after"]) >= 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_a_missing_scope_and_a_key_outside_its_allowlist_are_refused_and_audited(server):
     tenant = make_tenant("mcp-scope")
     _key, reader = make_key(tenant, scopes=[Scope.MEMORY_READ])

@@ -29,7 +29,7 @@ import json
 import os
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -51,7 +51,7 @@ from memories.mcp import INSTRUCTIONS, SERVER_NAME
 from memories.models import ApiKey
 from memories.services import api_keys
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import ServiceError, TenantBusy, Unauthenticated
+from zeromem.kernel.errors import TenantBusy, Unauthenticated
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kit.api import slot_wait
 from zeromem.kit.http import client_ip_of, request_id_for
@@ -69,7 +69,7 @@ class _Request:
     client_ip: str | None
     request_id: str
     throttled: float | None = None  # Retry-After, when a failed authentication was throttled
-    extra: dict = field(default_factory=dict)
+    unavailable: bool = False  # the database could not be asked about the key
 
 
 _current: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("zeromem_mcp_request", default=None)
@@ -127,6 +127,9 @@ class ApiKeyVerifier:
         except AuthThrottled as exc:
             request.throttled = exc.retry_after
             return None
+        except DatabaseError:
+            request.unavailable = True  # the wrapper answers 503 instead of the SDK's 401
+            return None
         return KeyAccessToken(token=token, client_id=str(key.pk), scopes=list(key.scopes), api_key=key)
 
 
@@ -154,28 +157,25 @@ def _error(code: str, message: str, **extra) -> dict:
 def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
     """One tool call as ``POST /api/v1/tools/call`` runs it: the key's rate limit (one unit),
     a tenant slot for the expensive tools, then the registry's service call."""
-    hit = limits.hit(f"key:{key.pk}", cost=1, now=time.time())
-    if hit.count > settings.ZEROMEM_RATE_LIMIT_PER_MINUTE:
-        return _error("rate_limited", "Request was throttled.", retry_after=max(1, int(hit.retry_after + 0.999)))
-    tenant = key.tenant
-    slot = None
-    if name in tools.EXPENSIVE_TOOLS:
+    try:
+        hit = limits.hit(f"key:{key.pk}", cost=1, now=time.time())
+        if hit.count > settings.ZEROMEM_RATE_LIMIT_PER_MINUTE:
+            return _error("rate_limited", "Request was throttled.", retry_after=max(1, int(hit.retry_after + 0.999)))
+        tenant = key.tenant
+        if name not in tools.EXPENSIVE_TOOLS:
+            return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
         holder = f"tenant:{tenant.pk}"
         token = slot_wait(holder)
         if token is None:
             exc = TenantBusy("this tenant already runs its limit of expensive requests; retry", retry_after=1)
             audit_refusal(tenant=tenant, actor=actor, action="tool.call", target="", error=exc)
             return {"status": "error", "error": exc.as_dict()}
-        slot = (holder, token)
-    try:
-        return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
-    except ServiceError as exc:  # pragma: no cover - tool_call answers its refusals itself
-        return {"status": "error", "error": exc.as_dict()}
+        try:
+            return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
+        finally:
+            limits.slot_release(holder, token)
     except DatabaseError:
         return _error("database_unavailable", "the database is unavailable; retry shortly", retry_after=2)
-    finally:
-        if slot is not None:
-            limits.slot_release(*slot)
 
 
 async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
@@ -288,6 +288,8 @@ class McpEndpoint:
                 )
             except AuthThrottled as exc:
                 request.throttled = exc.retry_after
+            except DatabaseError:
+                pass  # not recorded; the SDK answers 401 all the same
         if request.throttled is not None:
             return await _throttled(send, request)
         token = _current.set(request)
@@ -302,6 +304,10 @@ class McpEndpoint:
                     # The verifier's refusal was throttled: 429 instead of the SDK's 401.
                     replaced = True
                     return await _throttled(send, request)
+                if message["status"] == 401 and request.unavailable:
+                    replaced = True
+                    error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
+                    return await _send_json(send, 503, error, [(b"retry-after", b"2")], request.request_id)
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             elif replaced:
                 return None
