@@ -494,27 +494,31 @@ class Command(BenchCommand):
         w(f"  tenant {c['tenant']} and its rows stay in the database; its API key is revoked.")
 
     def print_modes(self, modes: dict):
-        """The ways of serving Django side by side (README "Serving")."""
+        """The ways of serving Django side by side (README "Serving"): p50 at one connection,
+        server CPU per request and requests/s at ``--clients`` connections (idle phase)."""
         w = self.stdout.write
         conc = self.opts["clients"]
+        ops = ("healthz", "read", "mcp_read")
         w("")
-        w("  Django served as … (same run, same tenant, one after the other)")
+        w("  Django served as … (same run, same tenant, one after the other; idle phase)")
         w(
-            f"  {'mode':<14}{'healthz p50':>12}{'read p50':>10}{'read/healthz':>13}{'write p50':>10}"
-            f"{'healthz cpu':>12}{'read cpu':>9}{f'healthz r/s@{conc}':>16}{f'read r/s@{conc}':>14}"
+            f"  {'mode':<14}"
+            + "".join(f"{f'{op} p50@1':>15}" for op in ops)
+            + f"{'read/healthz':>13}"
+            + "".join(f"{f'{op} cpu@{conc}':>16}" for op in ops)
+            + "".join(f"{f'{op} r/s@{conc}':>16}" for op in ops)
         )
         for mode, r in modes.items():
             idle = r["cells"]["idle"]
-            h, rd, wr = idle["healthz@1"], idle["read@1"], idle["write@1"]
-            read_vs_healthz = str(r["ratios"]["read_p50_vs_healthz_p50"])
-            cpu = (str(h["server_cpu_ms_per_request"]), str(rd["server_cpu_ms_per_request"]))
+
+            def cell(op: str, n: int, field: str) -> str:
+                x = idle.get(f"{op}@{n}")
+                return "-" if x is None or x[field] is None else f"{x[field]:.2f}"
+
             w(
-                f"  {mode:<14}{h['p50_ms']:>12.2f}{rd['p50_ms']:>10.2f}{read_vs_healthz:>13}"
-                f"{wr['p50_ms']:>10.2f}{cpu[0]:>12}{cpu[1]:>9}"
-                f"{idle[f'healthz@{conc}']['requests_per_s']:>16.1f}{idle[f'read@{conc}']['requests_per_s']:>14.1f}"
-                + (
-                    f"{idle['mcp_read@1']['p50_ms']:>13.2f}{str(idle['mcp_read@1']['server_cpu_ms_per_request']):>8}"
-                    if "mcp_read@1" in idle
-                    else f"{'-':>13}{'-':>8}"
-                )
+                f"  {mode:<14}"
+                + "".join(f"{cell(op, 1, 'p50_ms'):>15}" for op in ops)
+                + f"{str(r['ratios']['read_p50_vs_healthz_p50']):>13}"
+                + "".join(f"{cell(op, conc, 'server_cpu_ms_per_request'):>16}" for op in ops)
+                + "".join(f"{cell(op, conc, 'requests_per_s'):>16}" for op in ops)
             )
