@@ -209,7 +209,8 @@ def test_a_missing_scope_and_a_key_outside_its_allowlist_are_refused_and_audited
     (outside,) = calls(server, agent_only, ("memory_read", {"key": "user:u1:x"}))
     assert outside["is_error"] and outside["result"]["error"]["code"] == "key_not_allowed"
     denied = [(e.action, e.outcome) for e in mcp_events(tenant)]
-    assert ("memory.write", AuditEvent.Outcome.DENIED) in denied and ("memory.read", AuditEvent.Outcome.DENIED) in denied
+    assert ("memory.write", AuditEvent.Outcome.DENIED) in denied
+    assert ("memory.read", AuditEvent.Outcome.DENIED) in denied
     assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
 
 
