@@ -251,9 +251,7 @@ class McpEndpoint:
             transport_security=security,
             max_request_body_size=settings.ZEROMEM_MAX_BODY_BYTES,
             # No OAuth server here: the issuer is this service; no protected-resource metadata.
-            auth=AuthSettings(
-                issuer_url=settings.ZEROMEM_PUBLIC_URL or "http://localhost", resource_server_url=None
-            ),
+            auth=AuthSettings(issuer_url=settings.ZEROMEM_PUBLIC_URL or "http://localhost", resource_server_url=None),
             token_verifier=ApiKeyVerifier(),
         )
         self.session_manager = self.server.session_manager

@@ -46,9 +46,7 @@ def auth_failure(
     audit_auth_failure(tenant=tenant if code in _VERIFIED_FAILURES else None, actor=actor, target=route, code=code)
 
 
-def verify_api_key(
-    raw: str, *, route: str, surface: str, client_ip: str | None, request_id: str = ""
-) -> ApiKey:
+def verify_api_key(raw: str, *, route: str, surface: str, client_ip: str | None, request_id: str = "") -> ApiKey:
     """The live key ``raw`` (``zm_<lookup>_<secret>``) names, its tenant loaded; else
     :class:`Unauthenticated` (``malformed_credentials``, ``invalid_key``, ``key_revoked``,
     ``key_expired``), audited. Cost: none on a cache hit (one UPDATE of ``last_used_at`` a

@@ -508,17 +508,17 @@ class Command(BenchCommand):
             + "".join(f"{f'{op} cpu@{conc}':>16}" for op in ops)
             + "".join(f"{f'{op} r/s@{conc}':>16}" for op in ops)
         )
+
+        def cell(idle: dict, op: str, n: int, field: str) -> str:
+            x = idle.get(f"{op}@{n}")
+            return "-" if x is None or x[field] is None else f"{x[field]:.2f}"
+
         for mode, r in modes.items():
             idle = r["cells"]["idle"]
-
-            def cell(op: str, n: int, field: str) -> str:
-                x = idle.get(f"{op}@{n}")
-                return "-" if x is None or x[field] is None else f"{x[field]:.2f}"
-
             w(
                 f"  {mode:<14}"
-                + "".join(f"{cell(op, 1, 'p50_ms'):>15}" for op in ops)
+                + "".join(f"{cell(idle, op, 1, 'p50_ms'):>15}" for op in ops)
                 + f"{str(r['ratios']['read_p50_vs_healthz_p50']):>13}"
-                + "".join(f"{cell(op, conc, 'server_cpu_ms_per_request'):>16}" for op in ops)
-                + "".join(f"{cell(op, conc, 'requests_per_s'):>16}" for op in ops)
+                + "".join(f"{cell(idle, op, conc, 'server_cpu_ms_per_request'):>16}" for op in ops)
+                + "".join(f"{cell(idle, op, conc, 'requests_per_s'):>16}" for op in ops)
             )
