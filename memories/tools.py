@@ -264,6 +264,11 @@ TOOLS: dict[str, Tool] = {
 }
 
 
+# Tools whose cost grows with the tenant's data: each call takes a tenant slot (every surface
+# that runs tool calls: the tool endpoint, MCP).
+EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
+
+
 def tool_schemas(fmt: str, *, strict: bool = True) -> list[dict]:
     if fmt == "openai":
         return [t.openai(strict=strict) for t in TOOLS.values()]

@@ -180,8 +180,12 @@ def test_each_web_process_keeps_a_pooled_connection_per_thread_and_the_operators
     assert serving.pool_max_size(6) >= 6
     assert model.environment({"DB_POOL_MIN_SIZE": "1"})["DB_POOL_MIN_SIZE"] == "1"
     cmd = model.command("python")
-    assert cmd[cmd.index("--workers") + 1] == "2" and cmd[cmd.index("--blocking-threads") + 1] == "6"
+    # The ASGI router (/mcp + Django): the 6 request threads are its pool (zeromem/asgi.py).
+    assert cmd[cmd.index("--workers") + 1] == "2" and cmd[cmd.index("--interface") + 1] == "asgi"
+    assert cmd[-1] == "zeromem.asgi:application" and cmd[cmd.index("--blocking-threads") + 1] == "1"
     assert "--backpressure" not in cmd  # granian counts it in keep-alive connections: see serving.py
+    wsgi = serving.ServingModel(host="127.0.0.1", port=8000, processes=2, threads=6, interface="wsgi").command("py")
+    assert wsgi[wsgi.index("--blocking-threads") + 1] == "6" and wsgi[-1] == "zeromem.wsgi:application"
 
 
 def test_the_entry_points_import_with_the_standard_library_alone():
@@ -203,7 +207,9 @@ def test_serve_starts_the_configured_processes_and_does_not_migrate(served):
     # A fresh SQLite file: serve answers /healthz from it and creates no table.
     server = served("--processes", "2", "--threads", "3", DATABASE_URL="")
     cmd = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().split(b"\0")
-    assert cmd[cmd.index(b"--workers") + 1] == b"2" and cmd[cmd.index(b"--blocking-threads") + 1] == b"3"
+    environ = Path(f"/proc/{server.process.pid}/environ").read_bytes().split(b"\0")
+    assert cmd[cmd.index(b"--workers") + 1] == b"2" and b"ZEROMEM_WEB_THREADS=3" in environ
+    assert b"zeromem.asgi:application" in cmd
     deadline = time.monotonic() + 30
     while len(server.worker_pids()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -4,6 +4,8 @@
     python3 -m zeromem test   # venv, install, run the whole test suite
     python3 -m zeromem serve  # venv, install, the production web tier only (no migrate, no demo)
                               #   [--processes N] [--threads N] [--host H] [--port P]
+    python3 -m zeromem mcp --url https://host/mcp --key zm_...
+                              # MCP over stdio, forwarded to a ZeroMem server's /mcp (no database)
 
 Standard library only: this runs before any dependency is installed.
 """
@@ -125,7 +127,8 @@ def web_tier(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str,
     if subprocess.run([PY, "-m", "zeromem.serving", "check"], cwd=ROOT, env=web_env).returncode != 0:
         return None
     say(
-        f"web server: granian WSGI, {model.processes} processes × {model.threads} threads, http://{model.host}:{model.port}/"
+        f"web server: granian ASGI (/mcp + Django), {model.processes} processes × {model.threads} threads, "
+        f"http://{model.host}:{model.port}/"
     )
     return model.command(str(PY)), web_env
 
@@ -207,7 +210,23 @@ def test(argv: list[str]) -> int:
     return subprocess.run([PY, "-m", "pytest", *argv], cwd=ROOT, env=env).returncode
 
 
-COMMANDS = {"up": up, "test": test, "serve": serve}
+def mcp(argv: list[str]) -> int:
+    """The stdio bridge (memories/mcp/bridge.py). Its stdout is the MCP wire: while the venv
+    is checked (and installed, the first time) anything printed goes to stderr instead."""
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        ensure_venv()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    cmd = [str(PY), "-m", "memories.mcp.bridge", *argv]
+    os.chdir(ROOT)
+    os.execv(cmd[0], cmd)
+
+
+COMMANDS = {"up": up, "test": test, "serve": serve, "mcp": mcp}
 
 
 def main() -> int:

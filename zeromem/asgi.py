@@ -1,15 +1,32 @@
-"""ASGI entry point (uvicorn). An MCP endpoint can be mounted beside Django here later.
+"""The ASGI entry point ``python3 -m zeromem serve`` serves (granian, README "Serving"): one
+small router in front of two apps.
 
-Django's ASGI handler reads the whole request body (into a spooled file) before any
-middleware runs, so the body cap is enforced here, around it: from ``content-length``
-before a byte is received, and while a chunked body's messages arrive."""
+- ``/mcp`` → the MCP endpoint (memories/mcp/server.py: the official SDK's streamable HTTP app,
+  stateless). The router owns the ASGI lifespan and runs the SDK's session manager in it.
+- everything else → Django. How is a setting, ``ZEROMEM_ASGI_DJANGO``, chosen by measurement
+  (README "Serving", ``manage.py bench_serve --django-modes``):
 
+  * ``wsgi`` (default): Django's WSGI app through a2wsgi's WSGI→ASGI adapter, in a pool of
+    ``ZEROMEM_WEB_THREADS`` threads. A request runs start to end in one thread, as under a
+    WSGI server; the body is streamed to ``wsgi.input`` and the cap is the middleware's.
+  * ``asgi``: Django's own ASGIHandler. It reads the whole request body (into a spooled
+    file) before any middleware runs, so the body cap is enforced here, around it: from
+    ``content-length`` before a byte is received, and while a chunked body's messages arrive.
+"""
+
+import contextlib
 import json
 import os
 
-from django.core.asgi import get_asgi_application
-
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "zeromem.settings")
+
+import django  # noqa: E402
+
+django.setup(set_prefix=False)
+
+from django.conf import settings  # noqa: E402
+
+from zeromem.serving import web_threads  # noqa: E402
 
 
 class _BodyTooLarge(Exception):
@@ -50,11 +67,86 @@ async def _refuse(send, cap: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-django_application = get_asgi_application()
+def django_app(mode: str):
+    """Django as an ASGI app: ``wsgi`` (its WSGI app through a2wsgi) or ``asgi`` (ASGIHandler)."""
+    if mode == "wsgi":
+        from a2wsgi import WSGIMiddleware
 
-from django.conf import settings  # noqa: E402  (configured by get_asgi_application)
+        from zeromem.wsgi import application as wsgi_application
 
-application = body_capped(django_application, settings.ZEROMEM_MAX_BODY_BYTES)
+        return _CoroutineReceive(WSGIMiddleware(wsgi_application, workers=web_threads(os.environ)))
+    if mode == "asgi":
+        from django.core.handlers.asgi import ASGIHandler
+
+        return body_capped(ASGIHandler(), settings.ZEROMEM_MAX_BODY_BYTES)
+    raise django.core.exceptions.ImproperlyConfigured(f"ZEROMEM_ASGI_DJANGO must be wsgi or asgi, not {mode!r}")
+
+
+class _CoroutineReceive:
+    """a2wsgi hands ``receive()`` to ``asyncio.run_coroutine_threadsafe``, which takes only a
+    coroutine; granian's ``receive`` returns another awaitable. Keeps a2wsgi's ``executor``."""
+
+    def __init__(self, app):
+        self.app = app
+        self.executor = app.executor
+
+    async def __call__(self, scope, receive, send):
+        async def coroutine_receive():
+            return await receive()
+
+        return await self.app(scope, coroutine_receive, send)
+
+
+class Router:
+    """``/mcp`` (and below it) to the MCP endpoint, the rest to Django; the lifespan runs the
+    MCP SDK's session manager for as long as the server process serves."""
+
+    def __init__(self, django_application, mcp_endpoint):
+        self.django = django_application
+        self.mcp = mcp_endpoint
+        self.prefix = mcp_endpoint_path()
+
+    async def __call__(self, scope, receive, send):
+        kind = scope["type"]
+        if kind == "lifespan":
+            return await self.lifespan(receive, send)
+        path = scope.get("path", "")
+        if kind == "http" and (path == self.prefix or path.startswith(self.prefix + "/")):
+            return await self.mcp(scope, receive, send)
+        return await self.django(scope, receive, send)
+
+    async def lifespan(self, receive, send):
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        stack = contextlib.AsyncExitStack()
+        try:
+            await stack.enter_async_context(self.mcp.session_manager.run())
+        except Exception as exc:  # noqa: BLE001 - reported to the server, which stops
+            await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        message = await receive()  # lifespan.shutdown
+        try:
+            await stack.aclose()
+        finally:
+            await send({"type": "lifespan.shutdown.complete"})
+
+
+def mcp_endpoint_path() -> str:
+    from memories.mcp.server import PATH
+
+    return PATH
+
+
+def build(mode: str | None = None) -> Router:
+    from memories.mcp.server import McpEndpoint
+
+    django_application = django_app(mode or os.environ.get("ZEROMEM_ASGI_DJANGO") or "wsgi")
+    # One thread pool for Django's requests and MCP's calls (a2wsgi's), when there is one.
+    return Router(django_application, McpEndpoint(executor=getattr(django_application, "executor", None)))
+
+
+application = build()
 
 # Each server process starts loading the embedding model now, in a background thread
 # (about 3 s): searches meanwhile run on words alone instead of waiting for it.

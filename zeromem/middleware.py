@@ -4,8 +4,6 @@ staff user and messages only where browsers need them, so API requests do not pa
 
 import io
 import json
-import re
-import uuid
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
@@ -18,8 +16,8 @@ from servestatic.middleware import ServeStaticMiddleware
 
 from zeromem.kernel import validation
 from zeromem.kit.api import error_body
+from zeromem.kit.http import request_id_for
 
-_INCOMING_ID = re.compile(r"[A-Za-z0-9._-]{8,64}")
 _READ_SIZE = 64 * 1024
 
 
@@ -67,11 +65,7 @@ class RequestIdMiddleware:
             markcoroutinefunction(self)
 
     def _before(self, request):
-        incoming = request.headers.get("X-Request-ID", "")
-        # Ours first, theirs after: a client's id is kept for their tracing but can never
-        # collide with (or pose as) another request's id in the audit log.
-        ours = uuid.uuid4().hex
-        request.request_id = f"{ours[:16]}.{incoming[:47]}" if _INCOMING_ID.fullmatch(incoming) else ours
+        request.request_id = request_id_for(request.headers.get("X-Request-ID", ""))
         cap = settings.ZEROMEM_MAX_BODY_BYTES
         length = validation.ascii_int(request.META.get("CONTENT_LENGTH") or "0")
         if length is not None and length > cap:

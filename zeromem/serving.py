@@ -1,11 +1,14 @@
 """The production web tier's serving model: ``python3 -m zeromem serve`` (README "Serving").
 
-granian serving ``zeromem.wsgi:application`` over WSGI, ``processes`` worker processes ×
-``threads`` request threads each. Measured on this project (README "Serving"): the least
-server CPU per request of uvicorn ASGI, gunicorn sync/gthread and granian ASGI/WSGI; no
-sync/async thread hops (ASGI pays ~16 per request); a request that is slow holds one thread
-of its process and nothing else, where a single-threaded worker stalls every request queued
-behind it.
+granian serving the ASGI router ``zeromem.asgi:application`` (``/mcp`` → the MCP SDK, the rest
+→ Django's WSGI app through a2wsgi), ``processes`` worker processes × ``threads`` request
+threads each (the router's thread pool, shared by Django's requests and MCP's calls).
+Measured on this project (README "Serving"): granian had the least server CPU per request of
+uvicorn ASGI, gunicorn sync/gthread and granian ASGI/WSGI; behind the router, Django's WSGI app
+through a2wsgi costs +0.3-0.5 ms a request over granian WSGI where Django's ASGIHandler cost
++1.5-3 ms (its ~16 sync/async thread hops per request); a request that is slow holds one
+thread of its process and nothing else, where a single-threaded worker stalls every request
+queued behind it.
 
 One module builds the command line for ``serve``, ``up`` and the benchmarks
 (zeromem/bench/server.py), and states the pool sizing rule settings.py applies, so what is
@@ -22,7 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-APP = "zeromem.wsgi:application"
+# What granian serves: the ASGI router (/mcp → the MCP SDK, the rest → Django, zeromem/asgi.py),
+# or, for comparison (``bench_serve --django-modes granian-wsgi``), Django alone over WSGI.
+APPS = {"asgi": "zeromem.asgi:application", "wsgi": "zeromem.wsgi:application"}
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # Request threads per process. A request spends most of its time waiting on PostgreSQL, so a
@@ -66,15 +71,18 @@ class ServingModel:
     port: int
     processes: int
     threads: int
+    interface: str = "asgi"
 
     def command(self, python: str, *, access_log: bool = False, log_level: str = "info") -> list[str]:
-        """The server's command line (granian, WSGI, processes × threads)."""
+        """The server's command line (granian: ASGI, or WSGI for comparison; processes ×
+        threads). Under ASGI the threads are the router's (Django's and MCP's thread pools,
+        zeromem/asgi.py); granian's own blocking thread runs the event loop's callbacks."""
         return [
             python,
             "-m",
             "granian",
             "--interface",
-            "wsgi",
+            self.interface,
             "--host",
             self.host,
             "--port",
@@ -82,7 +90,7 @@ class ServingModel:
             "--workers",
             str(self.processes),
             "--blocking-threads",
-            str(self.threads),
+            str(self.threads if self.interface == "wsgi" else 1),
             # No --backpressure: granian counts it in *connections* (a keep-alive connection
             # holds its permit while idle), so backpressure = threads left every client past
             # the threads-th of a process waiting for ever (tests/test_serve.py). Requests
@@ -92,7 +100,7 @@ class ServingModel:
             "--log-level",
             log_level,
             "--access-log" if access_log else "--no-access-log",
-            APP,
+            APPS[self.interface],
         ]
 
     def environment(self, environ: Mapping[str, str]) -> dict[str, str]:

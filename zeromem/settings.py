@@ -410,5 +410,9 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # The MCP SDK logs every stateless request's start and end at INFO ("Terminating session").
+        "mcp": {"level": env.str("MCP_LOG_LEVEL", default="WARNING")},
+    },
 }

@@ -7,13 +7,10 @@ never look the tenant up themselves.
 
 from __future__ import annotations
 
-import hmac
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 from django.conf import settings
-from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
@@ -21,15 +18,14 @@ from rest_framework.permissions import BasePermission
 from rest_framework.throttling import BaseThrottle
 
 from audit import limits
-from audit.services import AuthThrottled, audit_auth_failure
-from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
-from memories.services import key_cache
+from audit.services import AuthThrottled
+from memories.models import ApiKey, Tenant
+from memories.services import api_keys
+from memories.services.api_keys import LAST_USED_RESOLUTION  # noqa: F401 (where last_used_at is refreshed)
 from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import Unauthenticated
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kit.http import client_ip
-
-# last_used_at is refreshed at most this often, so a busy key costs no write per request.
-LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 
 @dataclass
@@ -64,65 +60,38 @@ class AuthFailed(exceptions.AuthenticationFailed):
         self.zeromem_code = code
 
 
-# Only these failures prove the caller holds the key's secret; any other claim of a key
-# (its public zm_<lookup> prefix) is unverified and never lands in that tenant's log.
-_VERIFIED_FAILURES = frozenset({"key_revoked", "key_expired"})
-
-
-def _audit_failure(request, *, code: str, tenant: Tenant | None, label: str) -> None:
-    actor = Actor(
-        kind=ActorKind.ANONYMOUS,
-        label=label,
-        surface="api",
-        request_id=getattr(request, "request_id", ""),
-        client_ip=client_ip(request),
-    )
+def _context(request) -> dict:
     match = getattr(request, "resolver_match", None)
     # The route pattern, not the path: the client chooses the path.
     route = f"/{match.route}" if match is not None and match.route else "(unrouted)"
-    try:
-        audit_auth_failure(tenant=tenant if code in _VERIFIED_FAILURES else None, actor=actor, target=route, code=code)
-    except AuthThrottled as exc:
-        raise exceptions.Throttled(wait=exc.retry_after, detail="too many failed authentications") from None
+    return {
+        "route": route,
+        "surface": "api",
+        "client_ip": client_ip(request),
+        "request_id": getattr(request, "request_id", ""),
+    }
+
+
+def _throttled(exc: AuthThrottled) -> exceptions.Throttled:
+    return exceptions.Throttled(wait=exc.retry_after, detail="too many failed authentications")
 
 
 class ApiKeyAuthentication(BaseAuthentication):
-    """``Authorization: Bearer zm_<lookup>_<secret>``. Failures are 401 and audited with
-    only the public part of the key (never the secret)."""
+    """``Authorization: Bearer zm_<lookup>_<secret>``, verified by the one key service
+    (memories/services/api_keys.py). Failures are 401 and audited with only the public part
+    of the key (never the secret)."""
 
     def authenticate(self, request):
         header = request.META.get("HTTP_AUTHORIZATION", "")
         if not header:
             return None  # → 401 missing_credentials from the permission check
         scheme, _, raw = header.partition(" ")
-        raw = raw.strip()
-        if scheme.lower() != "bearer" or not raw.startswith(API_KEY_PREFIX) or raw.count("_") < 2:
-            _audit_failure(request, code="malformed_credentials", tenant=None, label="")
-            raise AuthFailed("malformed_credentials", "expected 'Authorization: Bearer zm_...'")
-        lookup = raw[len(API_KEY_PREFIX) :].split("_", 1)[0]
-        label = f"{API_KEY_PREFIX}{lookup}"[:24]
-        key_hash = hash_api_key(raw)
-        # A key this process verified lately costs no query (memories/services/key_cache.py:
-        # same hash required; revocations reach other processes within its TTL).
-        key = key_cache.get(lookup, key_hash)
-        cached = key is not None
-        if not cached:
-            key = ApiKey.objects.select_related("tenant").filter(lookup=lookup).first()
-        if key is None or not hmac.compare_digest(key.key_hash, key_hash):
-            _audit_failure(request, code="invalid_key", tenant=key.tenant if key else None, label=label)
-            raise AuthFailed("invalid_key", "this API key is not valid")
-        now = timezone.now()
-        if key.revoked_at is not None:
-            _audit_failure(request, code="key_revoked", tenant=key.tenant, label=label)
-            raise AuthFailed("key_revoked", "this API key has been revoked")
-        if key.expires_at is not None and key.expires_at <= now:
-            _audit_failure(request, code="key_expired", tenant=key.tenant, label=label)
-            raise AuthFailed("key_expired", "this API key has expired")
-        if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
-            ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
-            key.last_used_at = now
-        if not cached:
-            key_cache.put(key)
+        try:
+            key = api_keys.verify_api_key(raw if scheme.lower() == "bearer" else "", **_context(request))
+        except Unauthenticated as exc:
+            raise AuthFailed(exc.code, exc.message) from None
+        except AuthThrottled as exc:
+            raise _throttled(exc) from None
         return KeyPrincipal(api_key=key), key
 
     def authenticate_header(self, request):
@@ -134,7 +103,10 @@ class HasApiKey(BasePermission):
         if isinstance(request.user, KeyPrincipal):
             return True
         # No Authorization header at all: audited like every other failed authentication.
-        _audit_failure(request, code="missing_credentials", tenant=None, label="")
+        try:
+            api_keys.auth_failure(code="missing_credentials", **_context(request))
+        except AuthThrottled as exc:
+            raise _throttled(exc) from None
         raise exceptions.NotAuthenticated("send 'Authorization: Bearer zm_...'")
 
 

@@ -79,9 +79,6 @@ RESULT_COST_HEADERS = [
     ),
 ]
 
-# Tools whose cost grows with the tenant's data: each call takes a tenant slot.
-EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
-
 
 class ToolCallView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
     surface = "tool"
@@ -90,7 +87,7 @@ class ToolCallView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
 
     def needs_tenant_slot(self, request) -> bool:
         name = _called_tool(request.data)
-        return isinstance(name, str) and name in EXPENSIVE_TOOLS
+        return isinstance(name, str) and name in tools.EXPENSIVE_TOOLS
 
     @extend_schema(
         operation_id="tools_call",

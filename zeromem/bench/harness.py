@@ -186,7 +186,12 @@ class HttpClient:
     def __init__(self, port: int, api_key: str, timeout: float = 30.0):
         self.port = port
         self.timeout = timeout  # seconds for connect and for each socket read: no request hangs
-        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        # Accept: what an MCP client sends (the /mcp endpoint requires it; Django ignores it).
+        self.headers = {
+            "Authorization": f"Bearer {api_key}",
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+        }
         self.conn: http.client.HTTPConnection | None = None
         self.reconnects = 0
         self.last_headers: http.client.HTTPMessage | None = None  # of the last response

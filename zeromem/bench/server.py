@@ -1,7 +1,7 @@
 """The server under test, as a process: ``python3 -m zeromem serve``'s server on loopback.
 
 The command line and environment come from :mod:`zeromem.serving`, as for ``serve`` and ``up``
-(granian WSGI, processes × threads, the pool sized per thread), with ``ZEROMEM_ENV=development
+(granian serving the ASGI router, processes × threads, the pool sized per thread), with ``ZEROMEM_ENV=development
 DEBUG=false``, the given ``DATABASE_URL`` and a rate limit high enough not to interfere. It is
 always stopped, with every worker, by its process group.
 """
@@ -63,12 +63,15 @@ def start_server(
     port: int = 0,
     access_log: bool = False,
     extra_env: dict | None = None,
+    interface: str = "asgi",
 ) -> dict:
     """``python3 -m zeromem serve --processes P --threads T``'s server on 127.0.0.1, pooled
     connections from ``database_url``, a rate limit high enough not to interfere. Returns
     {"proc", "port", "log", "cmd", "model", "pool", "workers"} once /healthz answers 200 from
     PostgreSQL; raises CommandError otherwise."""
-    model = ServingModel(host=LOOPBACK, port=port or free_port(), processes=processes, threads=threads)
+    model = ServingModel(
+        host=LOOPBACK, port=port or free_port(), processes=processes, threads=threads, interface=interface
+    )
     env = dict(os.environ)
     env.update(
         ZEROMEM_ENV="development",

@@ -78,3 +78,11 @@ class Unavailable(ServiceError):
 
     http_status = 503
     default_code = "unavailable"
+
+
+class Unauthenticated(ServiceError):
+    """The credentials were missing, malformed, unknown, revoked or expired (``code`` says
+    which). Surfaces answer 401 with ``WWW-Authenticate: Bearer``."""
+
+    http_status = 401
+    default_code = "invalid_credentials"

@@ -181,7 +181,7 @@ class TenantSlotMixin:
         super().initial(request, *args, **kwargs)
         if self.needs_tenant_slot(request):
             holder = f"tenant:{self.tenant.pk}"
-            token = _slot_wait(holder)
+            token = slot_wait(holder)
             if token is None:
                 raise TenantBusy("this tenant already runs its limit of expensive requests; retry", retry_after=1)
             self._tenant_slot = (holder, token)
@@ -199,7 +199,8 @@ class TenantSlotMixin:
         return response
 
 
-def _slot_wait(holder: str) -> str | None:
+def slot_wait(holder: str) -> str | None:
+    """A slot of ``holder`` (``tenant:<id>``): its token, or None after the busy wait."""
     deadline = time.monotonic() + settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS
     lease = settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS
     while True:

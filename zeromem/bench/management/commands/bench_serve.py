@@ -8,6 +8,7 @@ each of
 - tool read (``POST /api/v1/tools/call`` ``memory_read``),
 - tool write (``memory_write``, an update of one of the client's own keys),
 - REST GET (``GET /api/v1/memories/<key>``)
+- MCP read (``POST /mcp``, JSON-RPC ``tools/call`` ``memory_read``; not with ``granian-wsgi``)
 
 it runs ``--seconds`` of back-to-back requests at 1 and at ``--clients`` keep-alive
 connections (p50/p99, requests/s, server CPU per request), once idle and once while ``--slow``
@@ -61,6 +62,7 @@ OPS = {
     "read": "POST /api/v1/tools/call memory_read",
     "write": "POST /api/v1/tools/call memory_write (update)",
     "rest_get": "GET /api/v1/memories/<key>",
+    "mcp_read": "POST /mcp tools/call memory_read (MCP, stateless, JSON response)",
 }
 # Issue 11 "Done when" and DESIGN.md "Quality bars".
 TARGETS = {
@@ -70,6 +72,13 @@ TARGETS = {
     "read_p99_with_slow_vs_idle": ("≤", 3.0),
 }
 SYSTEM = Actor.system(job="bench_serve")
+# How Django is served (README "Serving"): granian's interface and zeromem/asgi.py's
+# ZEROMEM_ASGI_DJANGO. `serve` runs the first; the others are there to compare against it.
+DJANGO_MODES = {
+    "a2wsgi": ("asgi", "wsgi"),  # the ASGI router; Django's WSGI app through a2wsgi (production)
+    "asgi": ("asgi", "asgi"),  # the ASGI router; Django's ASGIHandler
+    "granian-wsgi": ("wsgi", None),  # Django alone, granian WSGI (no /mcp): the floor
+}
 
 
 class SlowRequests:
@@ -167,6 +176,11 @@ class Command(BenchCommand):
         parser.add_argument("--slow", type=int, default=4, help="slow requests in flight in the slow phase (4)")
         parser.add_argument("--slow-seconds", type=float, default=2.0, help="length of each slow request (2 s)")
         parser.add_argument("--max-requests", type=int, default=200_000, help="request cap of each cell")
+        parser.add_argument(
+            "--django-modes",
+            default="a2wsgi",
+            help=f"comma-separated, run one after the other and compared: {', '.join(DJANGO_MODES)} (a2wsgi)",
+        )
 
     def handle(self, *args, **opts):
         if not os.environ.get("DATABASE_URL"):
@@ -181,29 +195,48 @@ class Command(BenchCommand):
         self.opts = opts
         self.conninfo = settings_conninfo()
         self.loadavg0 = loadavg()
+        modes = [m.strip() for m in opts["django_modes"].split(",") if m.strip()]
+        unknown = [m for m in modes if m not in DJANGO_MODES]
+        if not modes or unknown:
+            raise CommandError(f"--django-modes: each of {', '.join(DJANGO_MODES)}, not {unknown or modes}")
         self.setup_tenant()
+        results = {}
         try:
-            connection.close()
-            with (
-                sigterm_unwinds(),
-                running_server(
-                    stderr=self.stderr,
-                    database_url=os.environ["DATABASE_URL"],
-                    processes=opts["processes"],
-                    threads=opts["threads"],
-                    log=self.log,
-                ) as server,
-                contextlib.closing(ConnWatch(self.conninfo, set())) as watch,
-            ):
-                try:
-                    result = self.run_all(server, watch)
-                except (OSError, http.client.HTTPException) as exc:
-                    raise CommandError(
-                        f"the benchmark failed talking to the server ({exc!r}); its log:\n{tail(server['log'])}"
-                    ) from exc
+            for mode in modes:
+                results[mode] = self.run_mode(mode)
         finally:
             services.api_key_revoke(tenant=self.tenant, actor=SYSTEM, key_id=self.api_key.pk)
-        self.emit(result)
+        if len(results) == 1:
+            self.emit(results[modes[0]])
+        else:
+            self.emit({"modes": results})
+
+    def run_mode(self, mode: str) -> dict:
+        opts = self.opts
+        interface, django_mode = DJANGO_MODES[mode]
+        self.ops = [op for op in OPS if op != "mcp_read" or interface == "asgi"]
+        connection.close()
+        with (
+            sigterm_unwinds(),
+            running_server(
+                stderr=self.stderr,
+                database_url=os.environ["DATABASE_URL"],
+                processes=opts["processes"],
+                threads=opts["threads"],
+                log=self.log,
+                interface=interface,
+                extra_env={"ZEROMEM_ASGI_DJANGO": django_mode} if django_mode else None,
+            ) as server,
+            contextlib.closing(ConnWatch(self.conninfo, set())) as watch,
+        ):
+            try:
+                result = self.run_all(server, watch)
+            except (OSError, http.client.HTTPException) as exc:
+                raise CommandError(
+                    f"the benchmark failed talking to the server ({exc!r}); its log:\n{tail(server['log'])}"
+                ) from exc
+        result["config"]["django_mode"] = mode
+        return result
 
     def setup_tenant(self):
         slug = f"bench-serve-{secrets.token_hex(4)}"
@@ -231,6 +264,23 @@ class Command(BenchCommand):
                 clients,
             )
             return lambda: client.request("POST", TOOL_CALL, next(bodies))
+        if op == "mcp_read":
+            bodies = round_robin(
+                [
+                    json.dumps(
+                        {
+                            "jsonrpc": "2.0",
+                            "id": i,
+                            "method": "tools/call",
+                            "params": {"name": "memory_read", "arguments": {"key": k}},
+                        }
+                    ).encode()
+                    for i, k in enumerate(self.read_keys)
+                ],
+                t,
+                clients,
+            )
+            return lambda: client.request("POST", "/mcp", next(bodies))
         if op == "rest_get":
             paths = round_robin([f"/api/v1/memories/{k}" for k in self.read_keys], t, clients)
             return lambda: client.request("GET", next(paths))
@@ -298,9 +348,10 @@ class Command(BenchCommand):
         try:
             for c in clients:
                 c.request("GET", "/healthz")
-            # Until the processes' pools stop growing (they start with a connection per thread).
+            # Until the processes' pools stop growing (they start with a connection per thread);
+            # every op, so no first cell pays for a first call (or the embedding model's load).
             warm = warm_until_pools_settle(
-                watch, lambda i: [self.run_cell(op, clients, server, 1.0) for op in ("read", "write")]
+                watch, lambda i: [self.run_cell(op, clients, server, 1.0) for op in self.ops]
             )
             self.log(f"warm-up rounds opened {warm} connections")
             watch.start()
@@ -308,7 +359,7 @@ class Command(BenchCommand):
             requests = 0
             slow_stats = {"in_flight_seen": [], "durations_s": [], "failures": []}
             for n in (1, conc):
-                for op in OPS:
+                for op in self.ops:
                     self.log(f"  {op} at {n} connection(s): idle, then {opts['slow']} slow requests in flight")
                     cells["idle"][f"{op}@{n}"] = cell = self.run_cell(op, clients[:n], server, opts["seconds"])
                     requests += cell["n"] + cell["errors"]
@@ -347,6 +398,9 @@ class Command(BenchCommand):
             "read_p99_with_slow_vs_idle": ratio(slow[f"read@{conc}"]["p99_ms"], idle[f"read@{conc}"]["p99_ms"]),
             "read_p99_with_slow_vs_idle_1_connection": ratio(slow["read@1"]["p99_ms"], idle["read@1"]["p99_ms"]),
         }
+        if "mcp_read@1" in idle:
+            ratios["mcp_read_p50_vs_healthz_p50"] = ratio(idle["mcp_read@1"]["p50_ms"], idle["healthz@1"]["p50_ms"])
+            ratios["mcp_read_p50_vs_read_p50"] = ratio(idle["mcp_read@1"]["p50_ms"], idle["read@1"]["p50_ms"])
         targets = {}
         for name, (sense, bound) in TARGETS.items():
             value = ratios[name]
@@ -389,10 +443,15 @@ class Command(BenchCommand):
     # ------------------------------------------------------------------ output
 
     def print_table(self, r: dict):
+        if "modes" in r:
+            for one in r["modes"].values():
+                self.print_table(one)
+            self.print_modes(r["modes"])
+            return
         w = self.stdout.write
         c = r["config"]
         w("")
-        w(f"ZeroMem bench_serve — one run on PostgreSQL {c['postgresql']}")
+        w(f"ZeroMem bench_serve — one run on PostgreSQL {c['postgresql']}, Django served as {c['django_mode']}")
         w(f"  server   {c['server']}")
         w(f"  db pool  {c['db_pool_per_process']} per process")
         w(
@@ -433,3 +492,33 @@ class Command(BenchCommand):
         extra = {k: v for k, v in r["ratios"].items() if k not in r["targets"]}
         w(f"    also: {extra}")
         w(f"  tenant {c['tenant']} and its rows stay in the database; its API key is revoked.")
+
+    def print_modes(self, modes: dict):
+        """The ways of serving Django side by side (README "Serving"): p50 at one connection,
+        server CPU per request and requests/s at ``--clients`` connections (idle phase)."""
+        w = self.stdout.write
+        conc = self.opts["clients"]
+        ops = ("healthz", "read", "mcp_read")
+        w("")
+        w("  Django served as … (same run, same tenant, one after the other; idle phase)")
+        w(
+            f"  {'mode':<14}"
+            + "".join(f"{f'{op} p50@1':>15}" for op in ops)
+            + f"{'read/healthz':>13}"
+            + "".join(f"{f'{op} cpu@{conc}':>16}" for op in ops)
+            + "".join(f"{f'{op} r/s@{conc}':>16}" for op in ops)
+        )
+
+        def cell(idle: dict, op: str, n: int, field: str) -> str:
+            x = idle.get(f"{op}@{n}")
+            return "-" if x is None or x[field] is None else f"{x[field]:.2f}"
+
+        for mode, r in modes.items():
+            idle = r["cells"]["idle"]
+            w(
+                f"  {mode:<14}"
+                + "".join(f"{cell(idle, op, 1, 'p50_ms'):>15}" for op in ops)
+                + f"{str(r['ratios']['read_p50_vs_healthz_p50']):>13}"
+                + "".join(f"{cell(idle, op, conc, 'server_cpu_ms_per_request'):>16}" for op in ops)
+                + "".join(f"{cell(idle, op, conc, 'requests_per_s'):>16}" for op in ops)
+            )

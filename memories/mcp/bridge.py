@@ -1,0 +1,80 @@
+"""The stdio bridge: ``python3 -m zeromem mcp --url https://…/mcp --key zm_…``.
+
+For MCP clients that only start local commands (Claude Desktop): an MCP server on this
+process's stdin/stdout (the SDK's stdio transport) whose ``tools/list`` and ``tools/call`` are
+forwarded, as they are, to ZeroMem's streamable HTTP endpoint by the SDK's client, with the
+API key as its bearer token. It imports neither Django nor ZeroMem's settings and touches no
+database: all it needs is the URL and the key (``--url``/``--key``, or ``ZEROMEM_MCP_URL`` and
+``ZEROMEM_API_KEY``, which keep the key out of the process list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import anyio
+import httpx2
+import mcp_types as types
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+from memories.mcp import INSTRUCTIONS, SERVER_NAME
+
+# As the SDK's own default client: 30 s to connect or send, 300 s to read.
+TIMEOUT = httpx2.Timeout(30.0, read=300.0)
+
+
+def proxy_server(upstream: Client) -> Server:
+    """A stdio-side server whose tools are the upstream endpoint's."""
+
+    async def list_tools(ctx, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+        return await upstream.list_tools(cursor=params.cursor if params else None)
+
+    async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+        return await upstream.call_tool(params.name, params.arguments)
+
+    return Server(
+        SERVER_NAME,
+        version="0.1.0",
+        title="ZeroMem memory (stdio bridge)",
+        instructions=INSTRUCTIONS,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+async def run(url: str, key: str) -> None:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as upstream:
+            server = proxy_server(upstream)
+            async with stdio_server() as (read_stream, write_stream):
+                await server.run(read_stream, write_stream, server.create_initialization_options())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m zeromem mcp", description="MCP over stdio, forwarded to ZeroMem's /mcp endpoint."
+    )
+    parser.add_argument("--url", default=os.environ.get("ZEROMEM_MCP_URL"), help="e.g. https://memory.example.com/mcp")
+    parser.add_argument("--key", default=os.environ.get("ZEROMEM_API_KEY"), help="an API key, zm_... (or env)")
+    args = parser.parse_args(argv)
+    if not args.url or not args.key:
+        parser.error("--url and --key (or ZEROMEM_MCP_URL and ZEROMEM_API_KEY) are required")
+    if not args.url.startswith(("http://", "https://")):
+        parser.error("--url must be an http:// or https:// URL of the /mcp endpoint")
+    try:
+        anyio.run(run, args.url, args.key)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the client shows stderr; a traceback helps nobody there
+        print(f"zeromem mcp: {exc!r}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""The MCP endpoint: streamable HTTP at ``/mcp`` with the official ``mcp`` SDK (README "MCP").
+
+- **Tools**: every ``memory_*`` tool of the one registry (:mod:`memories.tools`): ``tools/list``
+  answers their MCP schemas (``Tool.mcp()``), ``tools/call`` runs
+  :func:`memories.tools.tool_call` — the service call of ``POST /api/v1/tools/call`` — with an
+  actor of ``surface="mcp"``: the same scopes, allowlist and audit rows, the same per-key rate
+  limit (one unit a call) and tenant slots (search and recall). A ZeroMem error is an MCP tool
+  error (``isError``) whose text and ``structuredContent`` are ``{"status":"error","error":
+  {"code","message","field"}}``; ``ok``, ``not_found`` and ``conflict`` are results.
+- **Auth**: ``Authorization: Bearer zm_…`` through the SDK's token-verifier hook
+  (``TokenVerifier`` + ``AuthSettings``), verified by ZeroMem's key service
+  (:func:`memories.services.api_keys.verify_api_key`: the same key cache, failed-auth throttle
+  and audit as the REST API; route ``/mcp``). A refused key is the SDK's 401; a throttled
+  address or key prefix is 429 with ``Retry-After``, in ZeroMem's error shape.
+- **Stateless** (``stateless_http``, JSON responses): no session lives in a process, so any
+  number of server processes can answer any request.
+- **Transport security** from Django's ``ALLOWED_HOSTS`` (:func:`transport_security`).
+
+Sync Django work (the key lookup, the tool's service) runs in worker threads, at most
+``ZEROMEM_WEB_THREADS`` at once per process (the connection pool is sized for that many), and
+hands its pooled connection back when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import os
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import mcp_types as types
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections
+from django.http.request import split_domain_port, validate_host
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.lowlevel import Server
+from mcp.server.transport_security import TransportSecuritySettings
+from pydantic import ConfigDict
+
+from audit import limits
+from audit.services import AuthThrottled, audit_refusal
+from memories import tools
+from memories.mcp import INSTRUCTIONS, SERVER_NAME
+from memories.models import ApiKey
+from memories.services import api_keys
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import TenantBusy, Unauthenticated
+from zeromem.kernel.outcomes import ActorKind
+from zeromem.kit.api import slot_wait
+from zeromem.kit.http import client_ip_of, request_id_for
+from zeromem.serving import web_threads
+
+PATH = "/mcp"
+SURFACE = "mcp"
+
+
+# --- the request's context, as the router's wrapper saw it ------------------------------
+
+
+@dataclass
+class _Request:
+    client_ip: str | None
+    request_id: str
+    throttled: float | None = None  # Retry-After, when a failed authentication was throttled
+    unavailable: bool = False  # the database could not be asked about the key
+
+
+_current: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("zeromem_mcp_request", default=None)
+_limiter: anyio.CapacityLimiter | None = None
+# The thread pool Django's requests run in (zeromem/asgi.py hands it over), so that MCP calls
+# and Django requests share one pool of ZEROMEM_WEB_THREADS threads — and the database
+# connection pool sized for them. Without one, anyio's threads, as many at once.
+_executor: Executor | None = None
+
+
+def _threads() -> anyio.CapacityLimiter:
+    global _limiter
+    if _limiter is None:
+        _limiter = anyio.CapacityLimiter(web_threads(os.environ))
+    return _limiter
+
+
+async def _in_thread(fn, *args):
+    """``fn(*args)`` in a worker thread; its database connection goes back to the pool after."""
+
+    def run():
+        try:
+            return fn(*args)
+        finally:
+            close_old_connections()
+
+    if _executor is not None:
+        return await asyncio.get_running_loop().run_in_executor(_executor, run)
+    return await anyio.to_thread.run_sync(run, limiter=_threads())
+
+
+# --- the token verifier (the SDK's hook) ----------------------------------------------------
+
+
+class KeyAccessToken(AccessToken):
+    """The SDK's access token, carrying the verified key (and its tenant) to the handlers."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    api_key: Any = None
+
+
+class ApiKeyVerifier:
+    """``TokenVerifier``: a ZeroMem API key, verified by the key service."""
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        request = _current.get() or _Request(client_ip=None, request_id=request_id_for(""))
+        try:
+            key: ApiKey = await _in_thread(
+                lambda: api_keys.verify_api_key(
+                    token, route=PATH, surface=SURFACE, client_ip=request.client_ip, request_id=request.request_id
+                )
+            )
+        except Unauthenticated:
+            return None
+        except AuthThrottled as exc:
+            request.throttled = exc.retry_after
+            return None
+        except DatabaseError:
+            request.unavailable = True  # the wrapper answers 503 instead of the SDK's 401
+            return None
+        return KeyAccessToken(token=token, client_id=str(key.pk), scopes=list(key.scopes), api_key=key)
+
+
+# --- the tools --------------------------------------------------------------------------------
+
+
+def _tool_list() -> types.ListToolsResult:
+    return types.ListToolsResult(tools=[types.Tool.model_validate(t.mcp()) for t in tools.TOOLS.values()])
+
+
+_TOOL_LIST = None
+
+
+async def list_tools(ctx, params) -> types.ListToolsResult:
+    global _TOOL_LIST
+    if _TOOL_LIST is None:
+        _TOOL_LIST = _tool_list()
+    return _TOOL_LIST
+
+
+def _error(code: str, message: str, **extra) -> dict:
+    return {"status": "error", "error": {"code": code, "message": message, "field": None, **extra}}
+
+
+def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
+    """One tool call as ``POST /api/v1/tools/call`` runs it: the key's rate limit (one unit),
+    a tenant slot for the expensive tools, then the registry's service call."""
+    try:
+        hit = limits.hit(f"key:{key.pk}", cost=1, now=time.time())
+        if hit.count > settings.ZEROMEM_RATE_LIMIT_PER_MINUTE:
+            return _error("rate_limited", "Request was throttled.", retry_after=max(1, int(hit.retry_after + 0.999)))
+        tenant = key.tenant
+        if name not in tools.EXPENSIVE_TOOLS:
+            return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
+        holder = f"tenant:{tenant.pk}"
+        token = slot_wait(holder)
+        if token is None:
+            exc = TenantBusy("this tenant already runs its limit of expensive requests; retry", retry_after=1)
+            audit_refusal(tenant=tenant, actor=actor, action="tool.call", target="", error=exc)
+            return {"status": "error", "error": exc.as_dict()}
+        try:
+            return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
+        finally:
+            limits.slot_release(holder, token)
+    except DatabaseError:
+        return _error("database_unavailable", "the database is unavailable; retry shortly", retry_after=2)
+
+
+async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+    request = ctx.request
+    user = request.scope.get("user") if request is not None else None
+    if not isinstance(user, AuthenticatedUser) or not isinstance(user.access_token, KeyAccessToken):
+        result = _error("missing_credentials", "send 'Authorization: Bearer zm_...'")
+    else:
+        key: ApiKey = user.access_token.api_key
+        seen = request.scope.get("zeromem") or {}
+        actor = Actor(
+            kind=ActorKind.API_KEY,
+            id=str(key.pk),
+            label=key.display_prefix,
+            scopes=frozenset(key.scopes),
+            allowed_prefixes=tuple(key.allowed_prefixes),
+            surface=SURFACE,
+            request_id=seen.get("request_id", ""),
+            client_ip=seen.get("client_ip"),
+        )
+        result = await _in_thread(run_call, key, actor, params.name, dict(params.arguments or {}))
+    text = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+    return types.CallToolResult(
+        content=[types.TextContent(text=text)],
+        structured_content=result,
+        is_error=result.get("status") == "error",
+    )
+
+
+# --- the app ----------------------------------------------------------------------------------
+
+
+def transport_security(allowed_hosts: list[str]) -> tuple[TransportSecuritySettings, bool]:
+    """The SDK's Host/Origin checks from Django's ``ALLOWED_HOSTS``: each name, with any port,
+    over http or https. Django's patterns the SDK cannot express (``*``, ``.example.com``)
+    switch the SDK's check off and leave it to Django's own ``validate_host`` in the wrapper:
+    returns (settings, whether the wrapper checks the Host)."""
+    if any(h == "*" or h.startswith(".") for h in allowed_hosts):
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False), True
+    hosts, origins = [], []
+    for host in allowed_hosts:
+        hosts += [host, f"{host}:*"]
+        origins += [f"{scheme}://{host}{port}" for scheme in ("http", "https") for port in ("", ":*")]
+    return TransportSecuritySettings(allowed_hosts=hosts, allowed_origins=origins), False
+
+
+def build_server() -> Server:
+    return Server(
+        SERVER_NAME,
+        version="0.1.0",
+        title="ZeroMem memory",
+        instructions=INSTRUCTIONS,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+class McpEndpoint:
+    """``/mcp``: the SDK's streamable HTTP app behind a thin wrapper that records who is
+    asking (client address, request id) for the verifier and the audit rows, audits a request
+    without a bearer key, answers a throttled failed authentication 429, and echoes
+    ``X-Request-ID``. ``session_manager.run()`` must be running (the router's lifespan)."""
+
+    def __init__(self, executor: Executor | None = None):
+        global _executor
+        _executor = executor
+        security, self.check_host = transport_security(list(settings.ALLOWED_HOSTS))
+        self.server = build_server()
+        self.sdk_app = self.server.streamable_http_app(
+            streamable_http_path=PATH,
+            stateless_http=True,
+            json_response=True,
+            transport_security=security,
+            max_request_body_size=settings.ZEROMEM_MAX_BODY_BYTES,
+            # No OAuth server here: the issuer is this service; no protected-resource metadata.
+            auth=AuthSettings(issuer_url=settings.ZEROMEM_PUBLIC_URL or "http://localhost", resource_server_url=None),
+            token_verifier=ApiKeyVerifier(),
+        )
+        self.session_manager = self.server.session_manager
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.sdk_app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        if self.check_host:
+            domain, _port = split_domain_port(headers.get("host", ""))
+            if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
+                return await _send_json(send, 400, {"code": "bad_host", "message": "Invalid Host header"})
+        client = scope.get("client")
+        request = _Request(
+            client_ip=client_ip_of(client[0] if client else None, headers.get("x-forwarded-for")),
+            request_id=request_id_for(headers.get("x-request-id", "")),
+        )
+        scope = {**scope, "zeromem": {"client_ip": request.client_ip, "request_id": request.request_id}}
+        authorization = headers.get("authorization", "")
+        if not authorization.lower().startswith("bearer "):
+            # The SDK answers 401 without asking the verifier: audited (and throttled) here.
+            code = "missing_credentials" if not authorization else "malformed_credentials"
+            try:
+                await _in_thread(
+                    lambda: api_keys.auth_failure(
+                        code=code,
+                        route=PATH,
+                        surface=SURFACE,
+                        client_ip=request.client_ip,
+                        request_id=request.request_id,
+                    )
+                )
+            except AuthThrottled as exc:
+                request.throttled = exc.retry_after
+            except DatabaseError:
+                pass  # not recorded; the SDK answers 401 all the same
+        if request.throttled is not None:
+            return await _throttled(send, request)
+        token = _current.set(request)
+        request_id = request.request_id.encode()
+
+        replaced = False
+
+        async def send_wrapped(message):
+            nonlocal replaced
+            if message["type"] == "http.response.start":
+                if message["status"] == 401 and request.throttled is not None:
+                    # The verifier's refusal was throttled: 429 instead of the SDK's 401.
+                    replaced = True
+                    return await _throttled(send, request)
+                if message["status"] == 401 and request.unavailable:
+                    replaced = True
+                    error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
+                    return await _send_json(send, 503, error, [(b"retry-after", b"2")], request.request_id)
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            elif replaced:
+                return None
+            await send(message)
+
+        try:
+            await self.sdk_app(scope, receive, send_wrapped)
+        finally:
+            _current.reset(token)
+
+
+async def _throttled(send, request: _Request) -> None:
+    retry = max(1, int(request.throttled + 0.999))
+    error = {"code": "rate_limited", "message": "too many failed authentications", "retry_after": retry}
+    await _send_json(send, 429, error, [(b"retry-after", str(retry).encode())], request.request_id)
+
+
+async def _send_json(send, status: int, error: dict, headers=(), request_id: str = "") -> None:
+    body = json.dumps({"error": {"field": "Authorization" if status == 429 else None, **error}}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    if request_id:
+        head.append((b"x-request-id", request_id.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,83 @@
+"""API key verification: one path for every surface that takes ``Bearer zm_…`` (the REST
+and tool endpoints through DRF, the MCP endpoint through the SDK's token verifier).
+
+A key resolves to itself and its tenant from the process's cache of keys verified lately
+(:mod:`memories.services.key_cache`), else in one indexed query. Every failure is audited
+with only the public part of the key (never the secret) and throttled per client address
+and key prefix first (:func:`audit.services.audit_auth_failure`, which raises
+:class:`audit.services.AuthThrottled` past the limit and then writes nothing).
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import timedelta
+
+from django.utils import timezone
+
+from audit.services import audit_auth_failure
+from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
+from memories.services import key_cache
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import Unauthenticated
+from zeromem.kernel.outcomes import ActorKind
+
+# last_used_at is refreshed at most this often, so a busy key costs no write per request.
+LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+# Only these failures prove the caller holds the key's secret; any other claim of a key
+# (its public zm_<lookup> prefix) is unverified and never lands in that tenant's log.
+_VERIFIED_FAILURES = frozenset({"key_revoked", "key_expired"})
+
+
+def auth_failure(
+    *,
+    code: str,
+    tenant: Tenant | None = None,
+    label: str = "",
+    route: str,
+    surface: str,
+    client_ip: str | None,
+    request_id: str = "",
+) -> None:
+    """Record (throttled first) a failed authentication on ``route`` (the route pattern,
+    not the path the client chose). Raises ``AuthThrottled`` past the per-minute limit."""
+    actor = Actor(kind=ActorKind.ANONYMOUS, label=label, surface=surface, request_id=request_id, client_ip=client_ip)
+    audit_auth_failure(tenant=tenant if code in _VERIFIED_FAILURES else None, actor=actor, target=route, code=code)
+
+
+def verify_api_key(raw: str, *, route: str, surface: str, client_ip: str | None, request_id: str = "") -> ApiKey:
+    """The live key ``raw`` (``zm_<lookup>_<secret>``) names, its tenant loaded; else
+    :class:`Unauthenticated` (``malformed_credentials``, ``invalid_key``, ``key_revoked``,
+    ``key_expired``), audited. Cost: none on a cache hit (one UPDATE of ``last_used_at`` a
+    minute), else one indexed SELECT."""
+    context = {"route": route, "surface": surface, "client_ip": client_ip, "request_id": request_id}
+    raw = raw.strip()
+    if not raw.startswith(API_KEY_PREFIX) or raw.count("_") < 2:
+        auth_failure(code="malformed_credentials", **context)
+        raise Unauthenticated("expected 'Authorization: Bearer zm_...'", code="malformed_credentials")
+    lookup = raw[len(API_KEY_PREFIX) :].split("_", 1)[0]
+    label = f"{API_KEY_PREFIX}{lookup}"[:24]
+    key_hash = hash_api_key(raw)
+    # A key this process verified lately costs no query (memories/services/key_cache.py:
+    # same hash required; revocations reach other processes within its TTL).
+    key = key_cache.get(lookup, key_hash)
+    cached = key is not None
+    if not cached:
+        key = ApiKey.objects.select_related("tenant").filter(lookup=lookup).first()
+    if key is None or not hmac.compare_digest(key.key_hash, key_hash):
+        auth_failure(code="invalid_key", tenant=key.tenant if key else None, label=label, **context)
+        raise Unauthenticated("this API key is not valid", code="invalid_key")
+    now = timezone.now()
+    if key.revoked_at is not None:
+        auth_failure(code="key_revoked", tenant=key.tenant, label=label, **context)
+        raise Unauthenticated("this API key has been revoked", code="key_revoked")
+    if key.expires_at is not None and key.expires_at <= now:
+        auth_failure(code="key_expired", tenant=key.tenant, label=label, **context)
+        raise Unauthenticated("this API key has expired", code="key_expired")
+    if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
+        key.last_used_at = now
+    if not cached:
+        key_cache.put(key)
+    return key

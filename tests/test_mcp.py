@@ -1,0 +1,397 @@
+"""The MCP endpoint (memories/mcp/server.py) and the stdio bridge (memories/mcp/bridge.py),
+driven by the official ``mcp`` SDK's client from PyPI.
+
+Over streamable HTTP against ``serve``'s server as a real process (zeromem/bench/server.py:
+granian serving zeromem/asgi.py, pointed at the pytest database, so rows are committed:
+``transaction=True``; PostgreSQL only, as every live-server test here). Over stdio through
+``python3 -m zeromem mcp``, started by the SDK's stdio client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import quote
+
+import anyio
+import httpx2
+import pytest
+from django.conf import settings
+from django.db import connection
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+
+from audit.models import AuditEvent
+from memories import services, tools
+from memories.mcp.server import transport_security
+from tests.factories import SYSTEM, make_key, make_tenant
+from zeromem.bench.server import start_server, stop_server
+from zeromem.kernel.scopes import Scope
+
+ROOT = Path(settings.BASE_DIR)
+
+
+def _database_url() -> str:
+    db = connection.settings_dict  # after django_db_setup: NAME is the test database
+    user = quote(db["USER"] or "", safe="")
+    password = f":{quote(db['PASSWORD'], safe='')}" if db["PASSWORD"] else ""
+    host = db["HOST"] or "localhost"
+    port = f":{db['PORT']}" if db["PORT"] else ""
+    return f"postgres://{user}{password}@{host}{port}/{quote(db['NAME'], safe='')}"
+
+
+@pytest.fixture(scope="module")
+def server(django_db_setup):
+    if connection.vendor != "postgresql":
+        pytest.skip("a live server needs the test database on PostgreSQL")
+    # The production serving model: granian, the ASGI router, 1 process × 4 threads; the
+    # rate limit as configured (not the benchmarks' "never"), and no Redis: the database counts.
+    started = start_server(
+        database_url=_database_url(),
+        processes=1,
+        threads=4,
+        log=lambda _line: None,
+        extra_env={"ZEROMEM_RATE_LIMIT_PER_MINUTE": "6000", "REDIS_URL": "", "ZEROMEM_TENANT_MAX_CONCURRENT": "4"},
+    )
+    try:
+        yield f"http://127.0.0.1:{started['port']}/mcp"
+    finally:
+        stop_server(started)
+
+
+async def _session(url: str, key: str, fn):
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            return await fn(client)
+
+
+def over_http(url: str, key: str, fn):
+    """``fn(client)`` with an SDK client connected to ``url`` with ``key``."""
+    return anyio.run(_session, url, key, fn)
+
+
+def calls(url: str, key: str, *pairs: tuple[str, dict]) -> list[dict]:
+    """Each (tool, arguments) in turn: [{"is_error", "result", "text"}]."""
+
+    async def run(client):
+        out = []
+        for name, arguments in pairs:
+            r = await client.call_tool(name, arguments)
+            out.append({"is_error": r.is_error, "result": r.structured_content, "text": r.content[0].text})
+        return out
+
+    return over_http(url, key, run)
+
+
+def mcp_events(tenant) -> list[AuditEvent]:
+    return list(AuditEvent.objects.filter(tenant=tenant, surface="mcp").order_by("id"))
+
+
+# --- over streamable HTTP ------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_tools_list_is_the_registry(server):
+    tenant = make_tenant("mcp-list")
+    _key, raw = make_key(tenant)
+    listed = over_http(server, raw, lambda c: c.list_tools())
+    assert [t.name for t in listed.tools] == list(tools.TOOLS)
+    for tool in listed.tools:
+        assert tool.input_schema == tools.TOOLS[tool.name].input_schema()
+        assert tool.description == tools.TOOLS[tool.name].description
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_each_memory_tool_runs_and_is_audited_with_surface_mcp(server):
+    tenant = make_tenant("mcp-each")
+    _key, raw = make_key(tenant)
+    answers = calls(
+        server,
+        raw,
+        ("memory_write", {"key": "user:u1:lang", "value": "prefers German", "tags": ["pref"]}),
+        ("memory_read", {"key": "user:u1:lang"}),
+        ("memory_update", {"key": "user:u1:lang", "value": "prefers German, formal", "expected_version": 1}),
+        ("memory_update", {"key": "user:u1:lang", "value": "stale", "expected_version": 1}),
+        ("memory_list", {"prefix": "user:u1:"}),
+        ("memory_search", {"query": "German"}),
+        ("memory_recall", {"query": "which language", "prefix": "user:u1:"}),
+        ("memory_summarize", {"prefix": "user:u1:"}),
+        ("memory_delete", {"key": "user:u1:lang"}),
+        ("memory_read", {"key": "user:u1:lang", "default": "en"}),
+    )
+    results = [a["result"] for a in answers]
+    assert not any(a["is_error"] for a in answers), answers
+    assert results[0] == {"status": "ok", "key": "user:u1:lang", "version": 1, "created": True}
+    assert (results[1]["status"], results[1]["value"]) == ("ok", "prefers German")
+    assert (results[2]["status"], results[2]["version"]) == ("ok", 2)
+    assert results[3] == {"status": "conflict", "key": "user:u1:lang", "current_version": 2}
+    assert results[4]["keys"] == ["user:u1:lang"]
+    assert [r["key"] for r in results[5]["results"]] == ["user:u1:lang"]
+    assert "prefers German, formal" in results[6]["text"] and results[6]["count"] == 1
+    assert results[7]["status"] == "ok" and isinstance(results[7]["job_id"], int)
+    assert results[8] == {"status": "ok"}
+    assert results[9] == {"status": "not_found", "key": "user:u1:lang", "value": "en"}
+    # The text content is the same answer, as the REST tool endpoint's body.
+    assert json.loads(answers[1]["text"]) == results[1]
+    actions = [e.action for e in mcp_events(tenant)]
+    for action in ("memory.write", "memory.read", "memory.update", "memory.list", "memory.search", "memory.delete"):
+        assert action in actions, actions
+    assert all(e.actor_kind == AuditEvent.ActorKind.API_KEY for e in mcp_events(tenant))
+    assert all(e.request_id for e in mcp_events(tenant))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_wrong_call_is_a_tool_error_with_zeromems_code(server):
+    tenant = make_tenant("mcp-errors")
+    _key, raw = make_key(tenant)
+    bad_key, unknown, extra = calls(
+        server,
+        raw,
+        ("memory_read", {"key": "no spaces allowed"}),
+        ("memory_forget_everything", {}),
+        ("memory_read", {"key": "user:u1:x", "surprise": 1}),
+    )
+    assert bad_key["is_error"] and bad_key["result"]["error"]["code"] == "invalid_key"
+    assert bad_key["result"]["error"]["field"] == "key"
+    assert unknown["is_error"] and unknown["result"]["error"]["code"] == "unknown_tool"
+    assert extra["is_error"] and extra["result"]["error"]["code"] == "unknown_argument"
+    assert json.loads(bad_key["text"]) == bad_key["result"]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_key_is_401_and_a_revoked_one_is_in_its_tenants_log(server):
+    tenant = make_tenant("mcp-refused")
+    key, raw = make_key(tenant)
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    for authorization in (None, "Bearer zm_nothere_" + "x" * 40, "Basic abc", f"Bearer {raw}x"):
+        sent = {**headers, **({"Authorization": authorization} if authorization else {})}
+        response = httpx2.post(server, json=body, headers=sent, timeout=30)
+        assert response.status_code == 401, (authorization, response.text)
+        assert response.headers["www-authenticate"].startswith("Bearer")
+    with pytest.raises(Exception):  # noqa: B017 - the SDK client gives up on a 401 (an error group)
+        over_http(server, raw + "x", lambda c: c.list_tools())
+    services.api_key_revoke(tenant=tenant, actor=SYSTEM, key_id=key.pk)
+    response = httpx2.post(server, json=body, headers={**headers, "Authorization": f"Bearer {raw}"}, timeout=30)
+    assert response.status_code == 401
+    failed = AuditEvent.objects.get(tenant=tenant, action="auth.failed")
+    assert (failed.surface, failed.target, failed.detail["code"]) == ("mcp", "/mcp", "key_revoked")
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_failed_authentications_past_the_limit_are_throttled_429(server):
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer zm_nothere_" + "y" * 40}
+    statuses = [httpx2.post(server, json=body, headers=headers, timeout=30) for _ in range(32)]
+    limit = settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE  # the server's is the default too
+    assert [r.status_code for r in statuses] == [401] * limit + [429] * (32 - limit)
+    throttled = statuses[-1]
+    assert throttled.json()["error"]["code"] == "rate_limited" and int(throttled.headers["retry-after"]) >= 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_missing_scope_and_a_key_outside_its_allowlist_are_refused_and_audited(server):
+    tenant = make_tenant("mcp-scope")
+    _key, reader = make_key(tenant, scopes=[Scope.MEMORY_READ])
+    _key, agent_only = make_key(tenant, allow=["agent:"])
+    (write,) = calls(server, reader, ("memory_write", {"key": "user:u1:x", "value": 1}))
+    assert write["is_error"] and write["result"]["error"]["code"] == "missing_scope"
+    (outside,) = calls(server, agent_only, ("memory_read", {"key": "user:u1:x"}))
+    assert outside["is_error"] and outside["result"]["error"]["code"] == "key_not_allowed"
+    denied = [(e.action, e.outcome) for e in mcp_events(tenant)]
+    assert ("memory.write", AuditEvent.Outcome.DENIED) in denied
+    assert ("memory.read", AuditEvent.Outcome.DENIED) in denied
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_another_tenants_memories_are_invisible(server):
+    mine, theirs = make_tenant("mcp-mine"), make_tenant("mcp-theirs")
+    services.memory_write(tenant=theirs, actor=SYSTEM, key="user:u1:secret", value="CANARY-theirs-51d2")
+    _key, raw = make_key(mine)
+    answers = calls(
+        server,
+        raw,
+        ("memory_read", {"key": "user:u1:secret"}),
+        ("memory_list", {"prefix": "user:"}),
+        ("memory_search", {"query": "CANARY-theirs-51d2"}),
+        ("memory_recall", {"prefix": "user:u1:"}),
+        ("memory_delete", {"key": "user:u1:secret"}),
+    )
+    assert [a["result"]["status"] for a in answers] == ["not_found", "ok", "ok", "ok", "not_found"]
+    assert all("CANARY" not in a["text"] for a in answers)
+    assert answers[1]["result"]["keys"] == [] and answers[2]["result"]["results"] == []
+    assert services.memory_read(tenant=theirs, actor=SYSTEM, key="user:u1:secret").memory.value == "CANARY-theirs-51d2"
+    assert not AuditEvent.objects.filter(tenant=theirs, surface="mcp").exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_host_outside_allowed_hosts_is_refused(server):
+    tenant = make_tenant("mcp-host")
+    _key, raw = make_key(tenant)
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    response = httpx2.post(server, json=body, headers={**headers, "Host": "evil.example"}, timeout=30)
+    assert response.status_code == 421  # the SDK's transport security, from ALLOWED_HOSTS
+    assert httpx2.post(server, json=body, headers=headers, timeout=30).status_code == 200
+
+
+# --- the stdio bridge ------------------------------------------------------------------------
+
+
+def _fake_venv(tmp_path: Path) -> Path:
+    """A "venv" that is this interpreter, its requirements stamp current: nothing installs."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    digest = hashlib.sha256((ROOT / "requirements.txt").read_bytes()).hexdigest()
+    (venv / ".requirements.sha256").write_text(digest)
+    return venv
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_stdio_bridge_lists_and_calls_the_tools(server, tmp_path):
+    tenant = make_tenant("mcp-stdio")
+    _key, raw = make_key(tenant)
+    # No Django settings, no database: only the URL and the key (the key from the environment).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "DATABASE"))}
+    env.update(ZEROMEM_VENV=str(_fake_venv(tmp_path)), ZEROMEM_API_KEY=raw)
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "zeromem", "mcp", "--url", server], env=env, cwd=str(ROOT)
+    )
+
+    async def run():
+        async with Client(params) as client:
+            listed = await client.list_tools()
+            wrote = await client.call_tool("memory_write", {"key": "user:u9:city", "value": "Graz"})
+            read = await client.call_tool("memory_read", {"key": "user:u9:city"})
+            refused = await client.call_tool("memory_read", {"key": "bad key"})
+            return listed, wrote, read, refused
+
+    listed, wrote, read, refused = anyio.run(run)
+    assert [t.name for t in listed.tools] == list(tools.TOOLS)
+    assert wrote.structured_content["status"] == "ok"
+    assert read.structured_content["value"] == "Graz" and not read.is_error
+    assert refused.is_error and refused.structured_content["error"]["code"] == "invalid_key"
+    assert {e.action for e in mcp_events(tenant)} >= {"memory.write", "memory.read"}
+
+
+def test_the_bridge_imports_no_django():
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, memories.mcp.bridge; assert 'django' not in sys.modules, 'django'"],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("DJANGO")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# --- ALLOWED_HOSTS → the SDK's transport security (no server) -------------------------------
+
+
+def test_transport_security_follows_allowed_hosts():
+    security, wrapper_checks = transport_security(["memory.example.com", "127.0.0.1"])
+    assert not wrapper_checks and security.enable_dns_rebinding_protection
+    assert {"memory.example.com", "memory.example.com:*", "127.0.0.1:*"} <= set(security.allowed_hosts)
+    assert "https://memory.example.com" in security.allowed_origins
+    # Patterns the SDK cannot express: Django's own validate_host checks them in the wrapper.
+    for hosts in (["*"], [".example.com"]):
+        security, wrapper_checks = transport_security(hosts)
+        assert wrapper_checks and not security.enable_dns_rebinding_protection
+
+
+# --- the authorization matrix of /mcp: every identity × every tool --------------------------
+# (tests/test_authorization_matrix.py walks Django's URL resolver with Django's test client;
+# /mcp is not a Django route, so its rows are here, over the live server and the SDK's client.)
+
+TARGET = "user:u10086:pref_lang"
+CANARY = "prefers Klingon canaryacme71"
+MATRIX_CALLS = (
+    ("memory_read", {"key": TARGET}),
+    ("memory_write", {"key": TARGET, "value": "overwritten"}),
+    ("memory_update", {"key": TARGET, "value": "overwritten", "expected_version": 1}),
+    ("memory_delete", {"key": TARGET}),
+    ("memory_list", {"prefix": "user:"}),
+    ("memory_search", {"query": "Klingon canaryacme71"}),
+    ("memory_recall", {"query": "Klingon canaryacme71", "prefix": "user:"}),
+    ("memory_summarize", {"prefix": "user:u10086:"}),
+)
+REFUSED_AT_THE_DOOR = ("revoked", "expired", "no_key", "malformed")
+
+
+def _identity(name: str, tenant_a, tenant_b) -> str | None:
+    if name == "no_key":
+        return None
+    if name == "malformed":
+        return "not-a-zeromem-key"
+    if name == "other_tenant":
+        return make_key(tenant_b)[1]
+    if name == "no_scope":
+        return make_key(tenant_a, scopes=[])[1]
+    if name == "not_allowed":
+        return make_key(tenant_a, allow=["agent:"])[1]
+    key, raw = make_key(tenant_a)
+    if name == "revoked":
+        services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    elif name == "expired":
+        type(key).objects.filter(pk=key.pk).update(expires_at=key.created_at)
+    return raw
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "identity", ["owner", "no_scope", "not_allowed", "other_tenant", "revoked", "expired", "no_key", "malformed"]
+)
+def test_mcp_matrix(server, identity):
+    tenant_a, tenant_b = make_tenant(f"mcp-ma-{identity}"), make_tenant(f"mcp-mb-{identity}")
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key=TARGET, value=CANARY)
+    raw = _identity(identity, tenant_a, tenant_b)
+    if identity in REFUSED_AT_THE_DOOR:
+        headers = {"Accept": "application/json, text/event-stream"}
+        if raw:
+            headers["Authorization"] = f"Bearer {raw}"
+        for name, arguments in MATRIX_CALLS:
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+            response = httpx2.post(server, json=body, headers=headers, timeout=30)
+            assert response.status_code == 401 and "canaryacme71" not in response.text, (name, response.text)
+        return
+    answers = calls(server, raw, *MATRIX_CALLS)
+    by_tool = {name: a for (name, _), a in zip(MATRIX_CALLS, answers, strict=True)}
+    if identity == "owner":  # the positive control: the calls work and find the canary
+        assert by_tool["memory_read"]["result"]["value"] == CANARY
+        assert not any(a["is_error"] for a in answers), answers
+        return
+    for name, answer in by_tool.items():
+        assert "canaryacme71" not in answer["text"], (identity, name, answer)
+    if identity == "no_scope":
+        assert all(a["is_error"] and a["result"]["error"]["code"] == "missing_scope" for a in answers), answers
+    if identity == "not_allowed":
+        for name in ("memory_read", "memory_write", "memory_update", "memory_delete"):
+            assert by_tool[name]["result"]["error"]["code"] == "key_not_allowed", by_tool[name]
+    if identity == "other_tenant":
+        # Tenant A's memory is as missing to them as any other: the write creates their own.
+        assert by_tool["memory_read"]["result"]["status"] == "not_found"
+        assert by_tool["memory_write"]["result"] == {"status": "ok", "key": TARGET, "version": 1, "created": True}
+        assert by_tool["memory_search"]["result"]["results"] == []
+        assert not AuditEvent.objects.filter(tenant=tenant_a, surface="mcp").exists()
+    # Tenant A's memory is as it was.
+    memory = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=TARGET).memory
+    assert (memory.value, memory.version) == (CANARY, 1)
