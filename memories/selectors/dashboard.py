@@ -7,7 +7,7 @@ tenant); the operations per day read the audit log of the last ``DAYS`` days thr
 
 **Estimated prompt tokens saved** (documented in the README, "Admin console"): for every
 successful agent read in the window (``memory.read``, ``memory.search``, ``memory.recall``
-by an API key), the agent fetched memory on demand instead of carrying the whole namespace
+by an API key: the ``agent_reads`` daily count), the agent fetched memory on demand instead of carrying the whole namespace
 it reads from in its prompt. Without ZeroMem that turn's prompt would hold the average
 namespace's memories — ``total JSON characters of live memories ÷ distinct namespaces ÷ 4``
 tokens (≈ 4 characters per token) — and with ZeroMem it pays the call and its result:
@@ -25,18 +25,15 @@ from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 
 from django.db.models import Count, Q, Sum, TextField
-from django.db.models.functions import Cast, Length, TruncDate
+from django.db.models.functions import Cast, Length
 from django.utils import timezone
 
-from audit.models import AuditEvent
+from audit import daily
 from memories.models import ForgetRequest, Memory, Tenant
 
 DAYS = 14
 CHARS_PER_TOKEN = 4
 CALL_TOKENS = 40  # a memory_read call and the JSON around its result, as the model sees them
-READ_ACTIONS = ("memory.read", "memory.search", "memory.recall", "memory.list", "memory.history", "memory.view")
-AGENT_READ_ACTIONS = ("memory.read", "memory.search", "memory.recall")
-WRITE_ACTIONS = ("memory.write", "memory.update", "memory.delete", "memory.restore", "memory.restore_version")
 SERIES = ("reads", "writes", "misses", "denials")
 
 
@@ -68,8 +65,9 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
         failed=Count("pk", filter=Q(status=ForgetRequest.Status.FAILED)),
         completed=Count("pk", filter=Q(status=ForgetRequest.Status.COMPLETED)),
     )
-    days, series = operations_per_day(tenant=tenant, now=now)
-    tokens = tokens_saved(tenant=tenant, now=now)
+    days, per_day = _daily(tenant=tenant, now=now)  # one read of the daily counts for every series
+    series = {name: [per_day[name].get(d, 0) for d in days] for name in SERIES}
+    tokens = tokens_saved(tenant=tenant, now=now, per_day=per_day)
     return TenantFigures(
         memory_count=live.count(),
         trash_count=Memory.objects.for_tenant(tenant).trashed().count(),
@@ -85,34 +83,20 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
 
 
 def operations_per_day(*, tenant: Tenant, now) -> tuple[list[date], dict[str, list[int]]]:
-    """Reads, writes, misses (not found) and denials per day over the last ``DAYS`` days."""
+    """Reads, writes, misses (not found) and denials per (UTC) day over the last ``DAYS``
+    days, from the tenant's daily counts (``audit.daily``: folded in by the sealing job, plus
+    the tail not folded yet)."""
+    days, per_day = _daily(tenant=tenant, now=now)
+    return days, {name: [per_day[name].get(d, 0) for d in days] for name in SERIES}
+
+
+def _daily(*, tenant: Tenant, now) -> tuple[list[date], dict[str, dict[date, int]]]:
     start_day = (now - timedelta(days=DAYS - 1)).date()
     days = [start_day + timedelta(days=i) for i in range(DAYS)]
-    index = {d: i for i, d in enumerate(days)}
-    series = {name: [0] * DAYS for name in SERIES}
-    rows = (
-        AuditEvent.objects.for_tenant(tenant)
-        .filter(occurred_at__gte=now - timedelta(days=DAYS), action__startswith="memory.")
-        .annotate(day=TruncDate("occurred_at"))
-        .values_list("day", "action", "outcome")
-        .annotate(n=Count("pk"))
-    )
-    for day, action, outcome, n in rows:
-        i = index.get(day)
-        if i is None:
-            continue
-        if outcome == AuditEvent.Outcome.DENIED:
-            series["denials"][i] += n
-        elif outcome == AuditEvent.Outcome.NOT_FOUND:
-            series["misses"][i] += n
-        elif outcome == AuditEvent.Outcome.OK and action in READ_ACTIONS:
-            series["reads"][i] += n
-        elif outcome == AuditEvent.Outcome.OK and action in WRITE_ACTIONS:
-            series["writes"][i] += n
-    return days, series
+    return days, daily.counts(tenant.pk, since=start_day)
 
 
-def tokens_saved(*, tenant: Tenant, now) -> dict:
+def tokens_saved(*, tenant: Tenant, now, per_day: dict | None = None) -> dict:
     """The estimate described in the module docstring, with its inputs (shown on the page)."""
     live = Memory.objects.for_tenant(tenant).live(now)
     sizes = live.aggregate(
@@ -120,16 +104,9 @@ def tokens_saved(*, tenant: Tenant, now) -> dict:
         memories=Count("pk"),
         namespaces=Count("namespace", distinct=True),
     )
-    reads = (
-        AuditEvent.objects.for_tenant(tenant)
-        .filter(
-            occurred_at__gte=now - timedelta(days=DAYS),
-            action__in=AGENT_READ_ACTIONS,
-            outcome=AuditEvent.Outcome.OK,
-            actor_kind=AuditEvent.ActorKind.API_KEY,
-        )
-        .count()
-    )
+    if per_day is None:
+        per_day = _daily(tenant=tenant, now=now)[1]
+    reads = sum(per_day["agent_reads"].values())
     chars = sizes["chars"] or 0
     memories = sizes["memories"] or 0
     namespaces = max(sizes["namespaces"] or 0, 1 if memories else 0)
