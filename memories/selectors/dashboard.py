@@ -1,17 +1,25 @@
 """The figures of a tenant's admin dashboard (the admin draws them: ``memories.admin.charts``).
 
 Read-only, like every selector: no permission check (the admin page checks the role) and
-no audit. Each figure is one aggregate query over the tenant's rows (indexes lead with the
-tenant); the operations per day read the audit log of the last ``DAYS`` days through the
-(tenant, occurred_at) index.
+no audit. Nothing on the page scans the tenant's history or all its memories, so it costs
+the same at 1M audit events as at 1,000:
+
+* operations per day and agent reads come from the tenant's daily counts (``audit.daily``:
+  folded in by the sealing job, plus the tail not folded yet, counted live). Days are UTC
+  days; the window is the last ``DAYS`` days including today;
+* the aggregates over live memories (count, by category, largest namespaces, sizes) come
+  from ``TenantDashboardStats``, recomputed by the ``dashboard-stats`` schedule for tenants
+  with activity (memories/services/dashboard_stats.py), computed on the spot for a tenant
+  that has none yet;
+* trash, expiring-soon and forget-request counts are live index lookups.
 
 **Estimated prompt tokens saved** (documented in the README, "Admin console"): for every
 successful agent read in the window (``memory.read``, ``memory.search``, ``memory.recall``
-by an API key: the ``agent_reads`` daily count), the agent fetched memory on demand instead of carrying the whole namespace
-it reads from in its prompt. Without ZeroMem that turn's prompt would hold the average
-namespace's memories — ``total JSON characters of live memories ÷ distinct namespaces ÷ 4``
-tokens (≈ 4 characters per token) — and with ZeroMem it pays the call and its result:
-``CALL_TOKENS`` plus one average memory. So::
+by an API key: the ``agent_reads`` daily count), the agent fetched memory on demand instead
+of carrying the whole namespace it reads from in its prompt. Without ZeroMem that turn's
+prompt would hold the average namespace's memories — ``total JSON characters of live
+memories ÷ distinct namespaces ÷ 4`` tokens (≈ 4 characters per token) — and with ZeroMem it
+pays the call and its result: ``CALL_TOKENS`` plus one average memory. So::
 
     saved ≈ reads × max(0, namespace_tokens − CALL_TOKENS − memory_tokens)
 
@@ -29,7 +37,7 @@ from django.db.models.functions import Cast, Length
 from django.utils import timezone
 
 from audit import daily
-from memories.models import ForgetRequest, Memory, Tenant
+from memories.models import ForgetRequest, Memory, Tenant, TenantDashboardStats
 
 DAYS = 14
 CHARS_PER_TOKEN = 4
@@ -49,13 +57,36 @@ class TenantFigures:
     days: list[date]  # the last DAYS days, oldest first
     operations: dict[str, list[int]]  # one count per day for each of SERIES
     tokens: dict  # the estimate of prompt tokens saved, with its inputs
+    # When the memory figures (count, by category/namespace, sizes) were computed; None: now.
+    memory_figures_at: datetime | None = None
+
+
+def memory_figures(*, tenant: Tenant, now) -> dict:
+    """The aggregates over every live memory of the tenant (JSON-ready): the part of the page
+    that grows with the tenant's memories. Served from ``TenantDashboardStats`` (the
+    ``dashboard-stats`` schedule) when there is one; computed here otherwise."""
+    live = Memory.objects.for_tenant(tenant).live(now)
+    by_category = live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12]
+    by_namespace = live.values_list("namespace").annotate(n=Count("pk")).order_by("-n", "namespace")[:10]
+    sizes = live.aggregate(
+        chars=Sum(Length(Cast("value", output_field=TextField()))),
+        memories=Count("pk"),
+        namespaces=Count("namespace", distinct=True),
+    )
+    return {
+        "memory_count": sizes["memories"] or 0,
+        "by_category": [list(row) for row in by_category],
+        "by_namespace": [list(row) for row in by_namespace],
+        "chars": sizes["chars"] or 0,
+        "namespaces": sizes["namespaces"] or 0,
+    }
 
 
 def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
     now = now or timezone.now()
+    stats = TenantDashboardStats.objects.filter(tenant=tenant).first()
+    memory = stats.figures if stats is not None else memory_figures(tenant=tenant, now=now)
     live = Memory.objects.for_tenant(tenant).live(now)
-    by_category = list(live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12])
-    by_namespace = list(live.values_list("namespace").annotate(n=Count("pk")).order_by("-n", "namespace")[:10])
     soon = live.filter(expires_at__isnull=False, expires_at__lte=now + timedelta(hours=24))
     forget = ForgetRequest.objects.filter(tenant=tenant)
     late = ~Q(status=ForgetRequest.Status.COMPLETED) & Q(due_at__lte=now)
@@ -67,18 +98,18 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
     )
     days, per_day = _daily(tenant=tenant, now=now)  # one read of the daily counts for every series
     series = {name: [per_day[name].get(d, 0) for d in days] for name in SERIES}
-    tokens = tokens_saved(tenant=tenant, now=now, per_day=per_day)
     return TenantFigures(
-        memory_count=live.count(),
+        memory_count=memory["memory_count"],
         trash_count=Memory.objects.for_tenant(tenant).trashed().count(),
-        by_category=by_category,
-        by_namespace=by_namespace,
+        by_category=[tuple(row) for row in memory["by_category"]],
+        by_namespace=[tuple(row) for row in memory["by_namespace"]],
         expiring_count=soon.count(),
         expiring=list(soon.order_by("expires_at").values_list("pk", "key", "expires_at")[:10]),
         forget=forget_counts,
         days=days,
         operations=series,
-        tokens=tokens,
+        tokens=tokens_saved(memory=memory, per_day=per_day),
+        memory_figures_at=stats.computed_at if stats is not None else None,
     )
 
 
@@ -96,20 +127,13 @@ def _daily(*, tenant: Tenant, now) -> tuple[list[date], dict[str, dict[date, int
     return days, daily.counts(tenant.pk, since=start_day)
 
 
-def tokens_saved(*, tenant: Tenant, now, per_day: dict | None = None) -> dict:
-    """The estimate described in the module docstring, with its inputs (shown on the page)."""
-    live = Memory.objects.for_tenant(tenant).live(now)
-    sizes = live.aggregate(
-        chars=Sum(Length(Cast("value", output_field=TextField()))),
-        memories=Count("pk"),
-        namespaces=Count("namespace", distinct=True),
-    )
-    if per_day is None:
-        per_day = _daily(tenant=tenant, now=now)[1]
+def tokens_saved(*, memory: dict, per_day: dict[str, dict[date, int]]) -> dict:
+    """The estimate described in the module docstring, with its inputs (shown on the page):
+    ``memory`` is :func:`memory_figures`, ``per_day`` the daily counts of the window."""
     reads = sum(per_day["agent_reads"].values())
-    chars = sizes["chars"] or 0
-    memories = sizes["memories"] or 0
-    namespaces = max(sizes["namespaces"] or 0, 1 if memories else 0)
+    chars = memory["chars"]
+    memories = memory["memory_count"]
+    namespaces = max(memory["namespaces"], 1 if memories else 0)
     namespace_tokens = chars / namespaces / CHARS_PER_TOKEN if namespaces else 0
     memory_tokens = chars / memories / CHARS_PER_TOKEN if memories else 0
     per_read = max(0.0, namespace_tokens - CALL_TOKENS - memory_tokens)
