@@ -221,7 +221,7 @@ ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=3
 # The admin dashboard's memory figures are at most this old for a tenant with activity.
 ZEROMEM_DASHBOARD_STATS_MINUTES = env.int("ZEROMEM_DASHBOARD_STATS_MINUTES", default=10)
 # The TTL purge sleeps this × each batch's time after the batch (memories/services/retention.py).
-ZEROMEM_PURGE_PAUSE_RATIO = env.float("ZEROMEM_PURGE_PAUSE_RATIO", default=0.0)
+ZEROMEM_PURGE_PAUSE_RATIO = env.float("ZEROMEM_PURGE_PAUSE_RATIO", default=0.5)
 # A verified API key is reused for this long by the process that verified it, so a request
 # costs no key lookup; a revocation reaches every other process within this bound (the
 # process that revokes drops it at once). 0 turns the cache off. memories/services/key_cache.py
