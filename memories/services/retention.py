@@ -38,7 +38,10 @@ from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
 
-DEFAULT_BATCH_SIZE = 1000
+# 5000: the purge's rate doubled over 1000 (fewer commits and per-batch statements) with the
+# concurrent read p99 unchanged (bench_purge, README "Running on PostgreSQL at scale").
+# A writer re-creating a key whose expired row is in the batch waits for it (~0.1-0.25 s).
+DEFAULT_BATCH_SIZE = 5000
 TRASH_RETENTION_MAX_DAYS = 3650
 PURGE_JOB = "purge_expired"
 
