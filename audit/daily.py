@@ -103,7 +103,7 @@ def _add(tenant_id: int, counts: Counter) -> None:
     with connection.cursor() as cursor:
         cursor.executemany(
             f"INSERT INTO {table} (tenant_id, day, metric, value) VALUES (%s, %s, %s, %s) "  # nosec B608
-            f"ON CONFLICT (tenant_id, day, metric) DO UPDATE SET value = {table}.value + excluded.value",
+            f"ON CONFLICT (tenant_id, day, metric) DO UPDATE SET value = {table}.value + excluded.value",  # nosec B608
             [(tenant_id, day, metric, value) for (day, metric), value in sorted(counts.items())],
         )
 

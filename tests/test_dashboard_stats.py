@@ -8,8 +8,9 @@ from django.utils import timezone
 
 from memories.models import TenantDashboardStats
 from memories.selectors.dashboard import tenant_dashboard
+from memories import services
 from memories.services import dashboard_stats
-from tests.factories import logged_in, make_staff, make_tenant, write
+from tests.factories import SYSTEM, logged_in, make_staff, make_tenant, write
 
 
 def test_page_uses_stored_figures_and_the_schedule_recounts_active_tenants_only(db, settings):
@@ -45,3 +46,19 @@ def test_a_tenant_without_stored_figures_is_counted_on_the_spot(db):
     write(tenant, "user:u1:lang", "en")
     figures = tenant_dashboard(tenant=tenant)
     assert figures.memory_count == 1 and figures.memory_figures_at is None
+
+
+def test_a_completed_forget_request_drops_the_stored_figures_that_may_name_the_subject(
+    db, django_capture_on_commit_callbacks
+):
+    tenant = make_tenant("stats-forget")
+    write(tenant, "user:u7:lang", "en", subject="u7")
+    write(tenant, "user:u8:lang", "fr", subject="u8")
+    dashboard_stats.dashboard_stats_refresh(tenant=tenant)
+    assert ["user:u7", 1] in TenantDashboardStats.objects.get(tenant=tenant).figures["by_namespace"]
+    with django_capture_on_commit_callbacks(execute=True):  # the job runs (tasks run inline)
+        request = services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7", reason="erasure")
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert not TenantDashboardStats.objects.filter(tenant=tenant).exists()
+    assert tenant_dashboard(tenant=tenant).by_namespace == [("user:u8", 1)]

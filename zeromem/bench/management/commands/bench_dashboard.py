@@ -233,7 +233,7 @@ class Command(BenchCommand):
         table = AuditDailyCount._meta.db_table
         sql = (
             f"INSERT INTO {table} (tenant_id, day, metric, value) VALUES (%s, %s, 'bench', 1) "  # nosec B608
-            f"ON CONFLICT (tenant_id, day, metric) DO UPDATE SET value = {table}.value + 1"
+            f"ON CONFLICT (tenant_id, day, metric) DO UPDATE SET value = {table}.value + 1"  # nosec B608
         )
 
         def work(count: int) -> None:
