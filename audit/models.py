@@ -236,3 +236,34 @@ class ConcurrencySlot(models.Model):
 
     def __str__(self) -> str:
         return f"{self.holder} {self.token}"
+
+
+class AuditDailyCount(models.Model):
+    """One figure of one tenant's day (UTC): how many of its events counted towards
+    ``metric`` (``audit/daily.py``: reads, writes, misses, ...). Derived data, folded in from
+    sealed events by the sealing job; the admin dashboard reads these rows instead of
+    aggregating the log. Not part of the tamper evidence (it can be rebuilt from the log)."""
+
+    tenant = models.ForeignKey("memories.Tenant", on_delete=models.CASCADE, related_name="+", db_index=False)
+    day = models.DateField()
+    metric = models.CharField(max_length=40)
+    value = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "day", "metric"], name="auditdailycount_one_per_day"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.metric}: {self.value}"
+
+
+class AuditDailyFold(models.Model):
+    """How far a tenant's sealed events are folded into :class:`AuditDailyCount`: every seal
+    up to ``through_seq`` is counted, none after it."""
+
+    tenant = models.OneToOneField("memories.Tenant", on_delete=models.CASCADE, related_name="+")
+    through_seq = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"folded through seal {self.through_seq}"

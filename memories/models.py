@@ -230,7 +230,14 @@ class MemoryVersion(models.Model):
         RESTORE = "restore"
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
-    memory = models.ForeignKey(Memory, on_delete=models.CASCADE, related_name="versions", db_index=False)
+    # No foreign key in the database (memories migration 0013): it cost the TTL purge a check
+    # per erased memory (16.2 → 9.7 µs of CPU per memory, bench_purge_fk). Every version is
+    # written under its memory's row lock (or with the new memory, in one transaction), the
+    # purge skips locked rows and deletes versions with their memory in one statement, and
+    # ORM deletes still cascade (on_delete): no path leaves a version without its memory.
+    memory = models.ForeignKey(
+        Memory, on_delete=models.CASCADE, related_name="versions", db_index=False, db_constraint=False
+    )
     version = models.PositiveIntegerField()
     value = models.JSONField()
     op = models.CharField(max_length=16, choices=Op.choices)
@@ -461,3 +468,20 @@ class TokenUsageDay(models.Model):
 
     def __str__(self) -> str:
         return f"{self.day}: {self.tokens} tokens in {self.results} results"
+
+
+class TenantDashboardStats(models.Model):
+    """The memory figures of a tenant's admin dashboard (live memories, by category, the
+    largest namespaces, their JSON size) as of ``computed_at``: aggregates over every live
+    memory, recomputed by the ``dashboard-stats`` schedule for tenants with activity since,
+    so a page view does not scan the tenant's memories (memories/services/dashboard_stats.py)."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    computed_at = models.DateTimeField(default=timezone.now)
+    figures = models.JSONField(default=dict)
+
+    class Meta:
+        verbose_name_plural = "tenant dashboard stats"
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} @ {self.computed_at:%Y-%m-%d %H:%M}"

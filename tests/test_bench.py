@@ -21,6 +21,8 @@ BENCHMARKS = (
     "bench_forget",
     "bench_purge",
     "bench_admin",
+    "bench_dashboard",
+    "bench_purge_fk",
     "search_eval",
     "bench_search",
     "bench_tokens",

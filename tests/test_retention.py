@@ -140,6 +140,39 @@ def test_small_batches_write_one_event_per_batch_summing_to_the_total(tenant_a):
     assert not Memory.objects.exists()
 
 
+def test_pause_ratio_sleeps_that_share_of_each_batch_and_refuses_a_negative_one(tenant_a, settings):
+    for n in range(5):
+        write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)
+        expire(tenant_a, f"task:t{n}:status")
+    with pytest.raises(InvalidInput) as refused:
+        services.purge_expired(pause_ratio=-1)
+    assert refused.value.field == "pause_ratio" and Memory.objects.count() == 5
+    settings.ZEROMEM_PURGE_PAUSE_RATIO = 2.0
+    slept = []
+    with mock.patch("memories.services.retention.time.sleep", slept.append):
+        result = services.purge_expired(batch_size=2)
+    assert (result["expired"], result["batches"]) == (5, 3)
+    assert len(slept) == 3 and all(s > 0 for s in slept)  # after each batch that erased rows
+    with mock.patch("memories.services.retention.time.sleep", slept.append):
+        services.purge_expired(batch_size=2, pause_ratio=0)
+    assert len(slept) == 3
+
+
+def test_versions_of_erased_memories_go_with_them_without_a_database_foreign_key(tenant_a):
+    """Memories migration 0013 dropped the versions' foreign key: the purge's own statement
+    (and Django's on_delete for ORM deletes) still leaves no version behind."""
+    for n in range(3):
+        write(tenant_a, f"task:t{n}:status", "v1", ttl_seconds=60)
+        write(tenant_a, f"task:t{n}:status", "v2")
+        expire(tenant_a, f"task:t{n}:status")
+    keep = write(tenant_a, "user:u1:lang", "en")
+    assert MemoryVersion.objects.count() == 7
+    assert services.purge_expired()["versions"] == 6
+    assert list(MemoryVersion.objects.values_list("memory_id", flat=True)) == [keep.pk]
+    keep.delete()  # an ORM delete (tenant deletion's path) cascades in Django
+    assert not MemoryVersion.objects.exists()
+
+
 def test_max_batches_stops_early_and_the_next_run_finishes(tenant_a):
     for n in range(5):
         write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)

@@ -25,6 +25,9 @@ SCHEDULES = {
     # Search term frequencies (idf) of tenants whose memories changed are recounted from the
     # index; searches meanwhile use the last count (memories/search/index.py).
     "zeromem:search-stats": ("memories.tasks.search_stats_refresh_task", Schedule.MINUTES, 10),
+    # The admin dashboard's aggregates over live memories, per tenant with activity since
+    # their last count (memories/services/dashboard_stats.py).
+    "zeromem:dashboard-stats": ("memories.tasks.dashboard_stats_refresh_task", Schedule.MINUTES, 5),
     # Memories written since the last run get their embeddings (semantic search); until then
     # they are found by words only. Each run stops after ~50 s, so runs do not pile up.
     "zeromem:embed-memories": ("memories.tasks.embed_memories_task", Schedule.MINUTES, 1),

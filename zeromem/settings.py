@@ -264,6 +264,10 @@ ZEROMEM_LANGGRAPH_SCAN_MAX = env.int("ZEROMEM_LANGGRAPH_SCAN_MAX", default=10000
 # its running totals (seconds; 0 = on every tool response).
 ZEROMEM_USAGE_FLUSH_SECONDS = env.float("ZEROMEM_USAGE_FLUSH_SECONDS", default=10.0)
 ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
+# The admin dashboard's memory figures are at most this old for a tenant with activity.
+ZEROMEM_DASHBOARD_STATS_MINUTES = env.int("ZEROMEM_DASHBOARD_STATS_MINUTES", default=10)
+# The TTL purge sleeps this × each batch's time after the batch (memories/services/retention.py).
+ZEROMEM_PURGE_PAUSE_RATIO = env.float("ZEROMEM_PURGE_PAUSE_RATIO", default=0.0)
 # A verified API key is reused for this long by the process that verified it, so a request
 # costs no key lookup; a revocation reaches every other process within this bound (the
 # process that revokes drops it at once). 0 turns the cache off. memories/services/key_cache.py
@@ -276,7 +280,7 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 # a request past it waits this long for a slot, then gets 429 tenant_busy. A slot held
 # longer than its lease (a crashed process) lapses.
 ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
-ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
+ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.0)
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
 # Failed authentications per minute, per client address and per key prefix, before 429.
 ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)

@@ -20,6 +20,7 @@ def dashboard_context(figures: TenantFigures) -> dict:
     """The dashboard template's figures, with its charts drawn."""
     return {
         "memory_count": figures.memory_count,
+        "memory_figures_at": figures.memory_figures_at,
         "trash_count": figures.trash_count,
         "category_chart": bar_chart([(c or "-", n) for c, n in figures.by_category]),
         "namespace_chart": bar_chart([(ns or "(top level)", n) for ns, n in figures.by_namespace]),

@@ -1,17 +1,25 @@
 """The figures of a tenant's admin dashboard (the admin draws them: ``memories.admin.charts``).
 
 Read-only, like every selector: no permission check (the admin page checks the role) and
-no audit. Each figure is one aggregate query over the tenant's rows (indexes lead with the
-tenant); the operations per day read the audit log of the last ``DAYS`` days through the
-(tenant, occurred_at) index.
+no audit. Nothing on the page scans the tenant's history or all its memories, so it costs
+the same at 1M audit events as at 1,000:
+
+* operations per day and agent reads come from the tenant's daily counts (``audit.daily``:
+  folded in by the sealing job, plus the tail not folded yet, counted live). Days are UTC
+  days; the window is the last ``DAYS`` days including today;
+* the aggregates over live memories (count, by category, largest namespaces, sizes) come
+  from ``TenantDashboardStats``, recomputed by the ``dashboard-stats`` schedule for tenants
+  with activity (memories/services/dashboard_stats.py), computed on the spot for a tenant
+  that has none yet;
+* trash, expiring-soon and forget-request counts are live index lookups.
 
 **Estimated prompt tokens saved** (documented in the README, "Admin console"): for every
 successful agent read in the window (``memory.read``, ``memory.search``, ``memory.recall``
-by an API key), the agent fetched memory on demand instead of carrying the whole namespace
-it reads from in its prompt. Without ZeroMem that turn's prompt would hold the average
-namespace's memories — ``total JSON characters of live memories ÷ distinct namespaces ÷ 4``
-tokens (≈ 4 characters per token) — and with ZeroMem it pays the call and its result:
-``CALL_TOKENS`` plus one average memory. So::
+by an API key: the ``agent_reads`` daily count), the agent fetched memory on demand instead
+of carrying the whole namespace it reads from in its prompt. Without ZeroMem that turn's
+prompt would hold the average namespace's memories — ``total JSON characters of live
+memories ÷ distinct namespaces ÷ 4`` tokens (≈ 4 characters per token) — and with ZeroMem it
+pays the call and its result: ``CALL_TOKENS`` plus one average memory. So::
 
     saved ≈ reads × max(0, namespace_tokens − CALL_TOKENS − memory_tokens)
 
@@ -30,18 +38,15 @@ from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 
 from django.db.models import Count, Q, Sum, TextField
-from django.db.models.functions import Cast, Length, TruncDate
+from django.db.models.functions import Cast, Length
 from django.utils import timezone
 
-from audit.models import AuditEvent
-from memories.models import ForgetRequest, Memory, Tenant, TokenUsageDay
+from audit import daily
+from memories.models import ForgetRequest, Memory, Tenant, TenantDashboardStats, TokenUsageDay
 
 DAYS = 14
 CHARS_PER_TOKEN = 4
 CALL_TOKENS = 40  # a memory_read call and the JSON around its result, as the model sees them
-READ_ACTIONS = ("memory.read", "memory.search", "memory.recall", "memory.list", "memory.history", "memory.view")
-AGENT_READ_ACTIONS = ("memory.read", "memory.search", "memory.recall")
-WRITE_ACTIONS = ("memory.write", "memory.update", "memory.delete", "memory.restore", "memory.restore_version")
 SERIES = ("reads", "writes", "misses", "denials")
 
 
@@ -58,13 +63,36 @@ class TenantFigures:
     operations: dict[str, list[int]]  # one count per day for each of SERIES
     tokens: dict  # the estimate of prompt tokens saved, with its inputs
     tokens_returned: list[int]  # estimated tokens of tool results sent, one figure per day of ``days``
+    # When the memory figures (count, by category/namespace, sizes) were computed; None: now.
+    memory_figures_at: datetime | None = None
+
+
+def memory_figures(*, tenant: Tenant, now) -> dict:
+    """The aggregates over every live memory of the tenant (JSON-ready): the part of the page
+    that grows with the tenant's memories. Served from ``TenantDashboardStats`` (the
+    ``dashboard-stats`` schedule) when there is one; computed here otherwise."""
+    live = Memory.objects.for_tenant(tenant).live(now)
+    by_category = live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12]
+    by_namespace = live.values_list("namespace").annotate(n=Count("pk")).order_by("-n", "namespace")[:10]
+    sizes = live.aggregate(
+        chars=Sum(Length(Cast("value", output_field=TextField()))),
+        memories=Count("pk"),
+        namespaces=Count("namespace", distinct=True),
+    )
+    return {
+        "memory_count": sizes["memories"] or 0,
+        "by_category": [list(row) for row in by_category],
+        "by_namespace": [list(row) for row in by_namespace],
+        "chars": sizes["chars"] or 0,
+        "namespaces": sizes["namespaces"] or 0,
+    }
 
 
 def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
     now = now or timezone.now()
+    stats = TenantDashboardStats.objects.filter(tenant=tenant).first()
+    memory = stats.figures if stats is not None else memory_figures(tenant=tenant, now=now)
     live = Memory.objects.for_tenant(tenant).live(now)
-    by_category = list(live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12])
-    by_namespace = list(live.values_list("namespace").annotate(n=Count("pk")).order_by("-n", "namespace")[:10])
     soon = live.filter(expires_at__isnull=False, expires_at__lte=now + timedelta(hours=24))
     forget = ForgetRequest.objects.filter(tenant=tenant)
     late = ~Q(status=ForgetRequest.Status.COMPLETED) & Q(due_at__lte=now)
@@ -74,15 +102,16 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
         failed=Count("pk", filter=Q(status=ForgetRequest.Status.FAILED)),
         completed=Count("pk", filter=Q(status=ForgetRequest.Status.COMPLETED)),
     )
-    days, series = operations_per_day(tenant=tenant, now=now)
-    tokens = tokens_saved(tenant=tenant, now=now)
+    days, per_day = _daily(tenant=tenant, now=now)  # one read of the daily counts for every series
+    series = {name: [per_day[name].get(d, 0) for d in days] for name in SERIES}
+    tokens = tokens_saved(memory=memory, per_day=per_day)
     returned = tokens_returned(tenant=tenant, days=days)
     tokens["returned"] = sum(returned)
     return TenantFigures(
-        memory_count=live.count(),
+        memory_count=memory["memory_count"],
         trash_count=Memory.objects.for_tenant(tenant).trashed().count(),
-        by_category=by_category,
-        by_namespace=by_namespace,
+        by_category=[tuple(row) for row in memory["by_category"]],
+        by_namespace=[tuple(row) for row in memory["by_namespace"]],
         expiring_count=soon.count(),
         expiring=list(soon.order_by("expires_at").values_list("pk", "key", "expires_at")[:10]),
         forget=forget_counts,
@@ -90,58 +119,31 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
         operations=series,
         tokens=tokens,
         tokens_returned=returned,
+        memory_figures_at=stats.computed_at if stats is not None else None,
     )
 
 
 def operations_per_day(*, tenant: Tenant, now) -> tuple[list[date], dict[str, list[int]]]:
-    """Reads, writes, misses (not found) and denials per day over the last ``DAYS`` days."""
+    """Reads, writes, misses (not found) and denials per (UTC) day over the last ``DAYS``
+    days, from the tenant's daily counts (``audit.daily``: folded in by the sealing job, plus
+    the tail not folded yet)."""
+    days, per_day = _daily(tenant=tenant, now=now)
+    return days, {name: [per_day[name].get(d, 0) for d in days] for name in SERIES}
+
+
+def _daily(*, tenant: Tenant, now) -> tuple[list[date], dict[str, dict[date, int]]]:
     start_day = (now - timedelta(days=DAYS - 1)).date()
     days = [start_day + timedelta(days=i) for i in range(DAYS)]
-    index = {d: i for i, d in enumerate(days)}
-    series = {name: [0] * DAYS for name in SERIES}
-    rows = (
-        AuditEvent.objects.for_tenant(tenant)
-        .filter(occurred_at__gte=now - timedelta(days=DAYS), action__startswith="memory.")
-        .annotate(day=TruncDate("occurred_at"))
-        .values_list("day", "action", "outcome")
-        .annotate(n=Count("pk"))
-    )
-    for day, action, outcome, n in rows:
-        i = index.get(day)
-        if i is None:
-            continue
-        if outcome == AuditEvent.Outcome.DENIED:
-            series["denials"][i] += n
-        elif outcome == AuditEvent.Outcome.NOT_FOUND:
-            series["misses"][i] += n
-        elif outcome == AuditEvent.Outcome.OK and action in READ_ACTIONS:
-            series["reads"][i] += n
-        elif outcome == AuditEvent.Outcome.OK and action in WRITE_ACTIONS:
-            series["writes"][i] += n
-    return days, series
+    return days, daily.counts(tenant.pk, since=start_day)
 
 
-def tokens_saved(*, tenant: Tenant, now) -> dict:
-    """The estimate described in the module docstring, with its inputs (shown on the page)."""
-    live = Memory.objects.for_tenant(tenant).live(now)
-    sizes = live.aggregate(
-        chars=Sum(Length(Cast("value", output_field=TextField()))),
-        memories=Count("pk"),
-        namespaces=Count("namespace", distinct=True),
-    )
-    reads = (
-        AuditEvent.objects.for_tenant(tenant)
-        .filter(
-            occurred_at__gte=now - timedelta(days=DAYS),
-            action__in=AGENT_READ_ACTIONS,
-            outcome=AuditEvent.Outcome.OK,
-            actor_kind=AuditEvent.ActorKind.API_KEY,
-        )
-        .count()
-    )
-    chars = sizes["chars"] or 0
-    memories = sizes["memories"] or 0
-    namespaces = max(sizes["namespaces"] or 0, 1 if memories else 0)
+def tokens_saved(*, memory: dict, per_day: dict[str, dict[date, int]]) -> dict:
+    """The estimate described in the module docstring, with its inputs (shown on the page):
+    ``memory`` is :func:`memory_figures`, ``per_day`` the daily counts of the window."""
+    reads = sum(per_day["agent_reads"].values())
+    chars = memory["chars"]
+    memories = memory["memory_count"]
+    namespaces = max(memory["namespaces"], 1 if memories else 0)
     namespace_tokens = chars / namespaces / CHARS_PER_TOKEN if namespaces else 0
     memory_tokens = chars / memories / CHARS_PER_TOKEN if memories else 0
     per_read = max(0.0, namespace_tokens - CALL_TOKENS - memory_tokens)

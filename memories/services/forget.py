@@ -42,7 +42,7 @@ from django_q.tasks import async_task
 
 from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import search
-from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
 from memories.services.summaries import summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
@@ -563,6 +563,8 @@ def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
             completed_at=_iso(now),
         )
         _advance(request_id, Status.COMPLETED, completed_at=now, receipt=receipt, progress_at=now, error="")
+        # The dashboard's stored figures may name the subject's namespaces: counted afresh.
+        TenantDashboardStats.objects.filter(tenant_id=request.tenant_id).delete()
         audit_record(
             tenant=request.tenant,
             actor=Actor.system(job=FORGET_JOB),

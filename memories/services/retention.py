@@ -38,7 +38,10 @@ from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
 
-DEFAULT_BATCH_SIZE = 1000
+# 5000: the purge's rate doubled over 1000 (fewer commits and per-batch statements) with the
+# concurrent read p99 unchanged (bench_purge, README "Running on PostgreSQL at scale").
+# A writer re-creating a key whose expired row is in the batch waits for it (~0.1-0.25 s).
+DEFAULT_BATCH_SIZE = 5000
 TRASH_RETENTION_MAX_DAYS = 3650
 PURGE_JOB = "purge_expired"
 
@@ -253,6 +256,7 @@ def purge_expired(
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_batches: int | None = None,
     progress: Callable[[int], None] | None = None,
+    pause_ratio: float | None = None,
 ) -> dict:
     """Erase (hard delete) expired memories — live or trashed — and trash older than its
     retention, each with its whole version history.
@@ -265,13 +269,22 @@ def purge_expired(
     (default: the start of the run) wait for the next run, so a run always ends.
 
     Cost per batch: one statement on PostgreSQL (an index range scan of memory_expiring or
-    memory_trash, two DELETEs by id list), one audit INSERT per tenant, a commit — where PostgreSQL runs the deferred
-    foreign-key check (no version left) once per erased memory, the largest single part of
-    a batch. ``progress(erased_so_far)`` is called
+    memory_trash, three DELETEs by id list), one audit INSERT per tenant, a commit. Versions
+    have no foreign key in the database (memories migration 0013: its per-memory check was
+    the largest single part of a batch); the embeddings' ON DELETE CASCADE stays (an
+    embedding the job commits mid-purge is erased with its memory). ``progress(erased_so_far)`` is called
     after each batch. Returns {"expired", "trash", "versions", "batches", "seconds"}.
+
+    **Pacing.** After each batch the purge sleeps ``pause_ratio`` × the batch's own time
+    (default ``settings.ZEROMEM_PURGE_PAUSE_RATIO``), so it takes at most
+    1 / (1 + ratio) of one core and of the WAL writer, and concurrent requests find the
+    database idle between batches (``bench_purge`` measures the read p99 with and without).
     """
     if batch_size < 1:
         raise InvalidInput("must be at least 1", field="batch_size")
+    pause_ratio = settings.ZEROMEM_PURGE_PAUSE_RATIO if pause_ratio is None else pause_ratio
+    if pause_ratio < 0:
+        raise InvalidInput("must be at least 0", field="pause_ratio")
     started = time.monotonic()
     now = now or timezone.now()
     totals = {"expired": 0, "trash": 0, "versions": 0, "batches": 0}
@@ -282,9 +295,12 @@ def purge_expired(
         while True:
             if max_batches is not None and totals["batches"] >= max_batches:
                 return False
+            batch_started = time.monotonic()
             memories, versions = _purge_batch(candidates, reason=reason, batch_size=batch_size, tenants=tenants)
             if not memories:
                 return True
+            if pause_ratio:
+                time.sleep((time.monotonic() - batch_started) * pause_ratio)
             totals["batches"] += 1
             totals[reason] += memories
             totals["versions"] += versions

@@ -13,17 +13,18 @@ reader thread calls ``memories.services.memory_read`` (an audited read: SELECT,
 access-counter UPDATE, audit INSERT, commit) on random live keys, one call after another.
 Then, ``--rounds`` times:
 
-1. ``--rows`` expired memories, each with one version row, are bulk-inserted, then
+1. ``--rows`` expired memories, each with one version row, are inserted (``generate_series``), then
    VACUUM ANALYZE and CHECKPOINT, so each round's purge meets the same settled table
    (and pays the full-page writes a purge after a checkpoint pays in production);
 2. the reader's latencies are recorded for ``--baseline-seconds`` with no purge running;
-3. ``memories.services.purge_expired`` runs (default batch size) while the reader keeps
-   reading: its memories/s, and the reads' latencies during it;
+3. ``memories.services.purge_expired`` runs (``--batch-size``; each ``--pause-ratios`` value in
+   turn, default the ``ZEROMEM_PURGE_PAUSE_RATIO`` setting) while the reader keeps reading:
+   its memories/s (pauses included), and the reads' latencies during it;
 4. the reads again with no purge running, for ``--baseline-seconds`` (to show drift).
 
 Each purge lasts only seconds, so a single round gives a few hundred reads "during": the
-rounds pool them, for a p99 worth the name. Printed: throughput per round and its median,
-read p50/p95/p99 with and without a purge side by side, and the DESIGN.md targets
+rounds pool them, for a p99 worth the name. Printed: throughput per round and, per pause
+ratio, its median, read p50/p95/p99 with and without a purge side by side, and the DESIGN.md targets
 (≥ 50,000 rows/s; read p99 rise ≤ 25%). Every phase is bounded in time. The purge also
 erases any other expired rows in the database (that is its job), so use a database of its
 own. The bench tenant's live memories and audit events stay.
@@ -39,6 +40,7 @@ import threading
 import time
 from datetime import timedelta
 
+from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import connection
 from django.utils import timezone
@@ -52,7 +54,6 @@ from zeromem.kernel.actors import Actor
 
 TARGET_ROWS_PER_S = 50_000
 TARGET_P99_RISE = 0.25
-SEED_CHUNK = 5000
 ACTOR = Actor.system(job="bench_purge")
 
 
@@ -118,9 +119,21 @@ class Command(BenchCommand):
         parser.add_argument("--rounds", type=int, default=3, help="seed + purge rounds (default 3)")
         parser.add_argument("--batch-size", type=int, default=retention.DEFAULT_BATCH_SIZE)
         parser.add_argument("--baseline-seconds", type=float, default=3.0, help="each no-purge read phase")
+        parser.add_argument(
+            "--pause-ratios",
+            default=None,
+            help="comma-separated purge pause ratios to compare in one run, each every round "
+            "(default: the ZEROMEM_PURGE_PAUSE_RATIO setting alone)",
+        )
 
-    def handle(self, *args, rows, live, rounds, batch_size, baseline_seconds, max_seconds, **options):
+    def handle(self, *args, rows, live, rounds, batch_size, baseline_seconds, max_seconds, pause_ratios, **options):
         self.require_postgresql()
+        try:
+            ratios = [float(r) for r in (pause_ratios or str(settings.ZEROMEM_PURGE_PAUSE_RATIO)).split(",")]
+        except ValueError:
+            raise CommandError("--pause-ratios: comma-separated numbers, e.g. 0,0.5,1") from None
+        if any(r < 0 for r in ratios):
+            raise CommandError("--pause-ratios must be at least 0")
         if min(rows, live, rounds, batch_size) < 1 or rounds > 20:
             raise CommandError("--rows, --live, --batch-size must be at least 1; --rounds 1 to 20")
         if not 0 < baseline_seconds <= 60:
@@ -143,20 +156,20 @@ class Command(BenchCommand):
             reader.record("warmup")
             time.sleep(1.0)
             for n in range(1, rounds + 1):
-                reader.record(None)
-                purges.append(self._round(n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds))
+                for ratio in ratios:
+                    reader.record(None)
+                    purges.append(
+                        self._round(n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds, ratio)
+                    )
         finally:
             reader.done.set()
             reader.join(timeout=30)
         left = Memory.objects.filter(tenant=tenant, expires_at__lte=timezone.now()).count()
         self._report(batch_size=batch_size, purges=purges, reader=reader, left=left)
 
-    def _round(self, n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds) -> dict:
+    def _round(self, n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds, ratio) -> dict:
         t0 = time.perf_counter()
-        past = timezone.now() - timedelta(hours=1)
-        for start in range(0, rows, SEED_CHUNK):
-            keys = [f"session:r{n}s{i // 20}:k{i}" for i in range(start, min(rows, start + SEED_CHUNK))]
-            self._insert(tenant, keys, expires_at=past)
+        self._seed_expired(tenant, f"r{n}p{ratio}", rows)
         with connection.cursor() as cursor:
             cursor.execute("VACUUM ANALYZE memories_memory")
             cursor.execute("VACUUM ANALYZE memories_memoryversion")
@@ -165,7 +178,7 @@ class Command(BenchCommand):
 
         reader.record("before")
         time.sleep(baseline_seconds)
-        reader.record("during")
+        reader.record(f"during@{ratio}")
         deadline = time.monotonic() + max_seconds
 
         def stop_when_late(_done: int) -> None:
@@ -175,7 +188,10 @@ class Command(BenchCommand):
         wal_before = self._wal_lsn()
         started = time.perf_counter()
         result = retention.purge_expired(
-            batch_size=batch_size, max_batches=math.ceil(rows / batch_size) + 10, progress=stop_when_late
+            batch_size=batch_size,
+            max_batches=math.ceil(rows / batch_size) + 10,
+            progress=stop_when_late,
+            pause_ratio=ratio,
         )
         seconds = time.perf_counter() - started
         reader.record("after")
@@ -183,11 +199,32 @@ class Command(BenchCommand):
         time.sleep(baseline_seconds)
         erased = result["expired"] + result["trash"]
         self.stdout.write(
-            f"round {n}: seeded in {seeded:.1f} s; purged {erased:,} memories + {result['versions']:,} versions "
-            f"in {result['batches']} batches, {seconds:.2f} s = {erased / seconds:,.0f} memories/s; "
-            f"WAL {wal / 2**20:.1f} MiB"
+            f"round {n}, pause ratio {ratio:g}: seeded in {seeded:.1f} s; purged {erased:,} memories + "
+            f"{result['versions']:,} versions in {result['batches']} batches, {seconds:.2f} s = "
+            f"{erased / seconds:,.0f} memories/s; WAL {wal / 2**20:.1f} MiB"
         )
-        return {"erased": erased, "versions": result["versions"], "seconds": seconds}
+        return {"erased": erased, "versions": result["versions"], "seconds": seconds, "ratio": ratio}
+
+    @staticmethod
+    def _seed_expired(tenant, tag: str, rows: int) -> None:
+        """``rows`` expired memories (an hour ago), one version each, in two statements."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, expires_at)
+                   SELECT %s, 'session:' || %s || 's' || (g / 20) || ':k' || g, 'session:' || %s || 's' || (g / 20),
+                       jsonb_build_object('n', g, 'note', 'bench value ' || g), 'bench value session ' || g,
+                       'task', '', '[]', 5, '', 1, now(), now(), 0, '[]', now() - interval '1 hour'
+                   FROM generate_series(1, %s) g""",
+                [tenant.pk, tag, tag, rows],
+            )
+            cursor.execute(
+                """INSERT INTO memories_memoryversion (tenant_id, memory_id, version, value, op, actor_kind, actor_id,
+                       created_at)
+                   SELECT tenant_id, id, 1, value, 'write', 'system', '', now() FROM memories_memory
+                   WHERE tenant_id = %s AND key LIKE %s""",
+                [tenant.pk, f"session:{tag}s%"],
+            )
 
     @staticmethod
     def _insert(tenant, keys: list[str], *, expires_at) -> None:
@@ -220,43 +257,39 @@ class Command(BenchCommand):
 
     def _report(self, *, batch_size, purges, reader, left) -> None:
         out = self.stdout.write
-        rates = [p["erased"] / p["seconds"] for p in purges]
-        row_rates = [(p["erased"] + p["versions"]) / p["seconds"] for p in purges]
-        rate = statistics.median(rates)
-        out("")
-        out(
-            f"purge (batch size {batch_size}): median {rate:,.0f} memories/s "
-            f"(min {min(rates):,.0f}, max {max(rates):,.0f}); "
-            f"{statistics.median(row_rates):,.0f} rows/s counting version rows; "
-            f"{left} expired rows of the bench tenant left"
-        )
-        out("")
         samples = {name: sorted(s) for name, s in reader.samples.items()}
         baseline = sorted(samples.get("before", []) + samples.get("after", []))
-        during = samples.get("during", [])
+        ratios = sorted({p["ratio"] for p in purges})
+        out("")
+        out(f"purge batch size {batch_size}; {left} expired rows of the bench tenant left")
         out(f"{'memory_read latency':26} {'n':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-        for name, s in (
+        rows = [
             ("no purge (before)", samples.get("before", [])),
             ("no purge (after)", samples.get("after", [])),
             ("no purge (all)", baseline),
-            ("while purging", during),
-        ):
+        ]
+        rows += [(f"while purging, pause {r:g}", samples.get(f"during@{r}", [])) for r in ratios]
+        for name, s in rows:
             out(
                 f"{name:26} {len(s):>7} {percentile(s, 0.50):>8.3f} {percentile(s, 0.95):>8.3f}"
                 f" {percentile(s, 0.99):>8.3f} {percentile(s, 1.0):>8.3f}"
             )
         if reader.errors:
             out(f"read errors: {reader.errors}")
-        p99_base, p99_during = percentile(baseline, 0.99), percentile(during, 0.99)
-        rise = p99_during / p99_base - 1 if baseline and during else float("nan")
         out("")
+        p99_base = percentile(baseline, 0.99)
         out(
-            f"throughput {rate:,.0f} memories/s (target ≥ {TARGET_ROWS_PER_S:,}): "
-            f"{'met' if rate >= TARGET_ROWS_PER_S else 'MISSED'}"
+            f"{'pause ratio':>11} {'memories/s (median)':>20} {'rows/s':>10} {'read p99 ms':>12} {'rise':>7}  "
+            f"targets ≥ {TARGET_ROWS_PER_S:,}/s and ≤ +{TARGET_P99_RISE:.0%}"
         )
-        out(
-            f"read p99 while purging / without: {p99_during:.3f} / {p99_base:.3f} ms = {rise:+.0%} "
-            f"(target ≤ +{TARGET_P99_RISE:.0%}): {'met' if rise <= TARGET_P99_RISE else 'MISSED'}"
-        )
-        if len(during) < 500:
-            out(f"note: only {len(during)} reads during the purges; raise --rounds for a steadier p99")
+        for r in ratios:
+            mine = [p for p in purges if p["ratio"] == r]
+            rate = statistics.median(p["erased"] / p["seconds"] for p in mine)
+            row_rate = statistics.median((p["erased"] + p["versions"]) / p["seconds"] for p in mine)
+            during = samples.get(f"during@{r}", [])
+            p99 = percentile(during, 0.99)
+            rise = p99 / p99_base - 1 if baseline and during else float("nan")
+            met = "met" if rate >= TARGET_ROWS_PER_S and rise <= TARGET_P99_RISE else "MISSED"
+            out(f"{r:>11g} {rate:>20,.0f} {row_rate:>10,.0f} {p99:>12.3f} {rise:>+7.0%}  {met}")
+            if len(during) < 500:
+                out(f"{'':11} note: only {len(during)} reads during these purges; raise --rounds for a steadier p99")

@@ -1,0 +1,64 @@
+"""The dashboard's memory figures (memories/services/dashboard_stats.py): stored per tenant by
+the dashboard-stats schedule, recomputed only for tenants with activity since, and shown
+with their time."""
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from memories.models import TenantDashboardStats
+from memories.selectors.dashboard import tenant_dashboard
+from memories import services
+from memories.services import dashboard_stats
+from tests.factories import SYSTEM, logged_in, make_staff, make_tenant, write
+
+
+def test_page_uses_stored_figures_and_the_schedule_recounts_active_tenants_only(db, settings):
+    settings.ZEROMEM_DASHBOARD_STATS_MINUTES = 10
+    a, b, idle = make_tenant("stats-a"), make_tenant("stats-b"), make_tenant("stats-idle")
+    write(a, "user:u1:lang", "en")
+    write(a, "user:u2:lang", "fr")
+    write(b, "task:t1:x", "b's")
+    t0 = timezone.now()
+    # Never counted: every tenant with memories is due; the one without none.
+    assert dashboard_stats.dashboard_stats_refresh_stale(now=t0) == {"stats-a": 2, "stats-b": 1}
+    assert not TenantDashboardStats.objects.filter(tenant=idle).exists()
+
+    write(a, "user:u3:lang", "de")
+    figures = tenant_dashboard(tenant=a)
+    assert figures.memory_count == 2 and figures.memory_figures_at == t0  # as of the last count
+    assert figures.by_namespace == [("user:u1", 1), ("user:u2", 1)]
+    assert tenant_dashboard(tenant=b).by_category == [("task", 1)]  # its own figures only
+
+    # Within the interval nothing is recounted; after it, only the tenant with activity.
+    assert dashboard_stats.dashboard_stats_refresh_stale(now=t0 + timedelta(minutes=5)) == {}
+    later = timezone.now() + timedelta(minutes=11)
+    assert dashboard_stats.dashboard_stats_refresh_stale(now=later) == {"stats-a": 3}
+    assert tenant_dashboard(tenant=a).memory_count == 3
+
+    client = logged_in(make_staff(a, "viewer"))
+    body = client.get(f"/admin/memories/tenant/{a.pk}/dashboard/").content.decode()
+    assert f"as of {later:%Y-%m-%d %H:%M} UTC" in body and "(3 live," in body
+
+
+def test_a_tenant_without_stored_figures_is_counted_on_the_spot(db):
+    tenant = make_tenant("stats-new")
+    write(tenant, "user:u1:lang", "en")
+    figures = tenant_dashboard(tenant=tenant)
+    assert figures.memory_count == 1 and figures.memory_figures_at is None
+
+
+def test_a_completed_forget_request_drops_the_stored_figures_that_may_name_the_subject(
+    db, django_capture_on_commit_callbacks
+):
+    tenant = make_tenant("stats-forget")
+    write(tenant, "user:u7:lang", "en", subject="u7")
+    write(tenant, "user:u8:lang", "fr", subject="u8")
+    dashboard_stats.dashboard_stats_refresh(tenant=tenant)
+    assert ["user:u7", 1] in TenantDashboardStats.objects.get(tenant=tenant).figures["by_namespace"]
+    with django_capture_on_commit_callbacks(execute=True):  # the job runs (tasks run inline)
+        request = services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7", reason="erasure")
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert not TenantDashboardStats.objects.filter(tenant=tenant).exists()
+    assert tenant_dashboard(tenant=tenant).by_namespace == [("user:u8", 1)]
