@@ -10,6 +10,7 @@ import secrets
 
 import pytest
 from django.core.management import call_command
+from django.test import Client
 from django.db import IntegrityError, connection, transaction
 
 from memories import keyring, services
@@ -244,3 +245,57 @@ def test_reencrypt_seals_memories_a_new_rule_matches(tenant_a):
     m.refresh_from_db()
     assert m.sensitive and CANARY not in json.dumps(raw_memory(m)) and "13800138000" not in m.search_text
     assert read(tenant_a, "user:u1:phone") == CANARY
+
+
+# --- admin and portal -----------------------------------------------------------------------
+
+pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
+
+
+def test_admin_masks_a_sensitive_value_until_an_audited_reveal(tenant_a, staff_clients):
+    from audit.models import AuditEvent
+
+    memory = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    _user, support = staff_clients["support"]
+    page = support.get(f"/admin/memories/memory/{memory.pk}/change/")
+    assert page.status_code == 200 and CANARY.encode() not in page.content and b"Reveal value" in page.content
+    history = support.get(f"/admin/memories/memory/{memory.pk}/history/")
+    assert history.status_code == 200 and CANARY.encode() not in history.content
+    listing = support.get("/admin/memories/memory/")
+    assert listing.status_code == 200 and CANARY.encode() not in listing.content
+    assert not AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal").exists()
+    # Editing a masked value is refused (the form would show it).
+    r = support.post(f"/admin/memories/memory/{memory.pk}/change/", {"value": '"x"', "version": 1})
+    assert r.status_code == 403 and read(tenant_a, "user:u1:phone") == CANARY
+
+    r = support.post(f"/admin/memories/memory/{memory.pk}/reveal/")
+    assert r.status_code == 302
+    (event,) = AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal")
+    assert event.outcome == "ok" and event.target == "user:u1:phone" and CANARY not in json.dumps(event.detail)
+    page = support.get(f"/admin/memories/memory/{memory.pk}/change/")
+    assert CANARY.encode() in page.content
+    # Another staff member still sees it masked.
+    _admin, admin_client = staff_clients["admin"]
+    assert CANARY.encode() not in admin_client.get(f"/admin/memories/memory/{memory.pk}/change/").content
+
+
+def test_compliance_never_sees_a_sensitive_value(tenant_a, staff_clients):
+    from audit.models import AuditEvent
+
+    memory = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    _user, compliance = staff_clients["compliance"]
+    r = compliance.post(f"/admin/memories/memory/{memory.pk}/reveal/")
+    assert r.status_code in (403, 404) and CANARY.encode() not in r.content
+    assert not AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal", outcome="ok").exists()
+    page = compliance.get(f"/admin/memories/memory/{memory.pk}/change/", follow=True)
+    assert CANARY.encode() not in page.content
+
+
+def test_the_end_user_sees_their_own_sensitive_value_on_the_portal(api, tenant_a):
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    write(tenant_a, "user:u2:phone", "someone else", sensitive=True)
+    link = api.post("/api/v1/subjects/u1/portal-link").json()["url"].removeprefix("http://testserver")
+    client = Client()
+    assert client.post(link).status_code == 302  # the landing page's Continue
+    page = client.get("/portal/").content.decode()
+    assert CANARY in page and "someone else" not in page

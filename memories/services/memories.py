@@ -445,6 +445,19 @@ def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
         return memory
 
 
+def memory_reveal(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
+    """Open a sensitive memory's value on a staff member's explicit request (the admin masks
+    it until then): needs ``memory:read`` — the compliance role never holds it — and is
+    audited as ``memory.reveal``. :class:`NotFound` for another tenant's id; a value whose
+    key is destroyed raises :class:`Erased`."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.reveal", atomic=False) as op:
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
+        op.record(subject=memory.subject, version=memory.version, detail={"sensitive": memory.sensitive})
+        if isinstance(memory.value, ErasedValue):
+            raise Erased(field="memory_id")
+        return memory
+
+
 def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, op: AuditedOperation) -> Memory:
     """The tenant's memory (any state) the actor may read; it becomes the operation's target."""
     require_scope(actor, Scope.MEMORY_READ)
