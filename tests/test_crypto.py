@@ -10,8 +10,8 @@ import secrets
 
 import pytest
 from django.core.management import call_command
-from django.test import Client
 from django.db import IntegrityError, connection, transaction
+from django.test import Client
 
 from memories import keyring, services
 from memories.models import DataKey, Memory, MemoryVersion
@@ -299,3 +299,41 @@ def test_the_end_user_sees_their_own_sensitive_value_on_the_portal(api, tenant_a
     assert client.post(link).status_code == 302  # the landing page's Continue
     page = client.get("/portal/").content.decode()
     assert CANARY in page and "someone else" not in page
+
+
+def test_the_database_check_refuses_master_keys_that_do_not_open_the_stored_data_keys(tenant_a, settings):
+    from django.core.management.base import SystemCheckError
+
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    call_command("check", "--database", "default")
+    settings.ZEROMEM_MASTER_KEYS = [new_master()]
+    keyring.forget_cache()
+    with pytest.raises(SystemCheckError, match=r"zeromem.E012.*ZEROMEM_MASTER_KEYS lacks master key"):
+        call_command("check", "--database", "default")
+
+
+def test_sensitivity_rules_are_set_through_the_tenant_settings_and_validated(tenant_a):
+    from zeromem.kernel.errors import InvalidInput
+
+    with pytest.raises(InvalidInput) as refused:
+        services.tenant_settings_update(
+            tenant=tenant_a,
+            actor=SYSTEM,
+            name="A",
+            value_max_bytes=None,
+            trash_retention_days=None,
+            sensitive_fields=["email", 5],
+        )
+    assert refused.value.field == "sensitive_fields"
+    services.tenant_settings_update(
+        tenant=tenant_a,
+        actor=SYSTEM,
+        name="A",
+        value_max_bytes=None,
+        trash_retention_days=None,
+        sensitive_keys=["user:*:phone"],
+        sensitive_fields=["email"],
+    )
+    tenant_a.refresh_from_db()
+    assert tenant_a.sensitive_keys == ["user:*:phone"] and tenant_a.sensitive_fields == ["email"]
+    assert write(tenant_a, "user:u1:contact", {"email": CANARY}).sensitive
