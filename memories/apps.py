@@ -29,10 +29,9 @@ def _master_keys_open_data_keys(app_configs, databases=None, **kwargs):
     ``serve`` and ``up``): ZEROMEM_MASTER_KEYS must hold every master key that wraps a stored
     data key, or ZeroMem refuses to start (README "Encryption at rest")."""
     from django.core.checks import Error
+    from django.db import DatabaseError
 
     from memories.keyring import master_keys_problem
-
-    from django.db import DatabaseError
 
     if not databases:
         return []
