@@ -164,16 +164,6 @@ def shred(*, tenant_id: int, subject: str) -> int:
     return len(ids)
 
 
-def shred_tenant(*, tenant_id: int) -> int:
-    """Destroy every data key of a tenant (the tenant is being deleted)."""
-    with transaction.atomic(using=_db()):
-        n = DataKey.objects.filter(tenant_id=tenant_id, destroyed_at__isnull=True).update(
-            wrapped=b"", master_key_id="", subject="", destroyed_at=timezone.now()
-        )
-    forget_cache()
-    return n
-
-
 def retire_current(*, tenant_id: int | None = None) -> int:
     """Retire the current data keys (of one tenant, or all): new values get new keys, the old
     ones still open what they sealed until ``crypto_reencrypt`` has moved it."""

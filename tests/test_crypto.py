@@ -337,3 +337,15 @@ def test_sensitivity_rules_are_set_through_the_tenant_settings_and_validated(ten
     tenant_a.refresh_from_db()
     assert tenant_a.sensitive_keys == ["user:*:phone"] and tenant_a.sensitive_fields == ["email"]
     assert write(tenant_a, "user:u1:contact", {"email": CANARY}).sensitive
+
+
+def test_a_sensitive_memory_is_embedded_by_its_key_only(tenant_a):
+    from memories.models import MemoryEmbedding
+    from memories.search import embeddings
+
+    secret = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    plain = write(tenant_a, "user:u1:pet", CANARY)
+    assert embeddings.embeddings_refresh()["embedded"] == 2
+    rows = {e.memory_id: e for e in MemoryEmbedding.objects.filter(tenant_id=tenant_a.pk)}
+    assert rows[secret.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=secret.key, value=None))
+    assert rows[plain.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=plain.key, value=CANARY))
