@@ -349,3 +349,12 @@ def test_a_sensitive_memory_is_embedded_by_its_key_only(tenant_a):
     rows = {e.memory_id: e for e in MemoryEmbedding.objects.filter(tenant_id=tenant_a.pk)}
     assert rows[secret.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=secret.key, value=None))
     assert rows[plain.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=plain.key, value=CANARY))
+
+
+@pytest.mark.django_db
+def test_bench_crypto_prints_both_kinds_and_their_ratios(capsys):
+    call_command("bench_crypto", "--n", "3", "--keys", "2", "--json")
+    result = json.loads(capsys.readouterr().out)
+    for name in ("write_plain", "write_sensitive", "read_plain", "read_sensitive"):
+        assert result[name]["n"] == 3 and result[name]["errors"] == 0
+    assert result["ratio_write_p50"] > 0 and result["ratio_read_p50"] > 0 and result["primitives_us"]["seal"] > 0
