@@ -180,3 +180,62 @@ def test_a_backup_from_before_a_forget_restored_after_it_yields_none_of_the_subj
         for name in names.values():
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_crypto_reencrypt_killed_with_sigkill_midway_completes_on_rerun(tmp_path):
+    """The real command in its own process, SIGKILLed after its first batch committed."""
+    import signal
+
+    from memories import keyring
+    from memories.models import DataKey, Memory
+
+    tenant = make_tenant("rekeyed")
+    for i in range(12):
+        write(tenant, f"user:u{i % 3}:n{i}", f"CANARY-rekey-{i}", sensitive=True)
+    old_keys = set(DataKey.objects.values_list("pk", flat=True))
+    keyring.retire_current()
+    db = connection.settings_dict
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "ZEROMEM_ENV": "development",
+        "ZEROMEM_EMBEDDINGS": "off",
+        "DATABASE_URL": _conninfo(db["NAME"]),
+        "ZEROMEM_MASTER_KEYS": ",".join(settings.ZEROMEM_MASTER_KEYS),
+        "ZEROMEM_VAR_DIR": str(tmp_path),
+    }
+    command = [sys.executable, "manage.py", "crypto_reencrypt", "--batch", "2"]
+    process = subprocess.Popen(
+        [*command, "--pause", "5"], cwd=settings.BASE_DIR, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        first = process.stdout.readline()
+        assert first.startswith("batch 1:"), first
+        process.send_signal(signal.SIGKILL)  # in its pause after batch 1, or inside batch 2
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stdout.close()
+
+    def under_old_key() -> int:
+        return sum(1 for m in Memory.objects.filter(tenant=tenant) if _envelope_key(m) in old_keys)
+
+    left = under_old_key()
+    assert 0 < left < 12  # killed mid-way: some moved, some not
+    done = subprocess.run(command, cwd=settings.BASE_DIR, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"re-encrypted {left} memories" in done.stdout.splitlines()[-1]
+    assert under_old_key() == 0
+    keyring.forget_cache()
+    for i in range(12):
+        key = f"user:u{i % 3}:n{i}"
+        assert services.memory_read(tenant=tenant, actor=SYSTEM, key=key).memory.value == f"CANARY-rekey-{i}"
+
+
+def _envelope_key(memory) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT value FROM memories_memory WHERE id = %s", [memory.pk])
+        value = cursor.fetchone()[0]
+    return int((json.loads(value) if isinstance(value, str) else value)["k"])
