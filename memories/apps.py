@@ -17,4 +17,26 @@ class MemoriesConfig(AppConfig):
             signal.connect(key_cache.forget_key, sender=ApiKey, dispatch_uid=f"key_cache.key.{name}")
             signal.connect(key_cache.forget_all, sender=Tenant, dispatch_uid=f"key_cache.tenant.{name}")
 
+        from django.core.checks import Tags, register
+
         from zeromem.kernel import checks  # noqa: F401  registers the deploy checks
+
+        register(_master_keys_open_data_keys, Tags.database)
+
+
+def _master_keys_open_data_keys(app_configs, databases=None, **kwargs):
+    """``manage.py check --database default`` (and ``python -m zeromem.serving check``, run by
+    ``serve`` and ``up``): ZEROMEM_MASTER_KEYS must hold every master key that wraps a stored
+    data key, or ZeroMem refuses to start (README "Encryption at rest")."""
+    from django.core.checks import Error
+    from django.db import DatabaseError
+
+    from memories.keyring import master_keys_problem
+
+    if not databases:
+        return []
+    try:
+        problem = master_keys_problem()
+    except DatabaseError:  # not migrated yet (``migrate`` checks first): no data key stored
+        return []
+    return [Error(problem, id="zeromem.E012")] if problem else []

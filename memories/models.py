@@ -12,6 +12,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from zeromem.kernel import crypto
 from zeromem.kernel.scopes import Role
 
 
@@ -26,6 +27,11 @@ class Tenant(models.Model):
     # Audit events older than this many days are purged; null means the server default
     # (settings.ZEROMEM_AUDIT_RETENTION_DAYS).
     audit_retention_days = models.PositiveIntegerField(null=True, blank=True)
+    # Sensitivity rules (README "Encryption at rest"): a memory whose key matches one of these
+    # patterns ("user:*:phone", * any characters) or whose JSON value holds a field named in
+    # ``sensitive_fields`` (any depth, case-insensitive) is encrypted like ``sensitive: true``.
+    sensitive_keys = models.JSONField(default=list, blank=True)
+    sensitive_fields = models.JSONField(default=list, blank=True)
 
     def __str__(self) -> str:
         return self.slug
@@ -106,6 +112,69 @@ class TsVectorField(models.TextField):
         return "tsvector" if connection.vendor == "postgresql" else "text"
 
 
+class SealedJSONField(models.JSONField):
+    """A JSON value stored encrypted when its row says so (``seal_scope()``), opened on load.
+
+    ``save()``/``create()`` seal through :meth:`pre_save`; a ``QuerySet.update()`` bypasses it,
+    so services pass an already sealed envelope there (``memories.keyring.seal_value``), and a
+    CHECK constraint refuses a sensitive row holding anything else. Loading opens the envelope
+    (``memories.keyring.open_value``); a value whose data key was destroyed loads as
+    :class:`~zeromem.kernel.crypto.ErasedValue`."""
+
+    def from_db_value(self, value, expression, connection):
+        value = super().from_db_value(value, expression, connection)
+        if crypto.is_envelope(value):
+            from memories import keyring
+
+            return keyring.open_value(value)
+        return value
+
+    def pre_save(self, model_instance, add):
+        value = getattr(model_instance, self.attname)
+        if isinstance(value, crypto.ErasedValue):
+            return value.envelope
+        scope = model_instance.seal_scope()
+        if scope is not None and not crypto.is_envelope(value):
+            from memories import keyring
+
+            return keyring.seal_value(value, tenant_id=scope[0], subject=scope[1])
+        return value
+
+
+class DataKey(models.Model):
+    """A data key, stored only wrapped under a master key (``ZEROMEM_MASTER_KEYS``; README
+    "Encryption at rest"). One current key per tenant (``subject`` empty) and per subject;
+    a retired one still opens what it sealed. Destroying a subject's keys (a completed forget)
+    empties ``wrapped``: nothing left in the row opens a value, in this database or a backup
+    of it. Lives in the key store database when ``ZEROMEM_KEYSTORE_URL`` is set
+    (memories/routers.py), so no foreign key to the tenant."""
+
+    tenant_id = models.BigIntegerField()
+    subject = models.CharField(max_length=255, blank=True, default="")
+    master_key_id = models.CharField(max_length=16, blank=True, default="")
+    wrapped = models.BinaryField(default=b"")
+    created_at = models.DateTimeField(default=timezone.now)
+    retired_at = models.DateTimeField(null=True, blank=True)
+    destroyed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant_id", "subject"],
+                condition=Q(retired_at__isnull=True, destroyed_at__isnull=True),
+                name="datakey_one_current_per_subject",
+            ),
+            models.CheckConstraint(
+                condition=Q(destroyed_at__isnull=True) | (Q(wrapped=b"") & Q(master_key_id="") & Q(subject="")),
+                name="datakey_destroyed_holds_nothing",
+            ),
+        ]
+        indexes = [models.Index(fields=["tenant_id", "subject"], name="datakey_tenant_subject")]
+
+    def __str__(self) -> str:
+        return f"data key {self.pk}"
+
+
 class MemoryQuerySet(models.QuerySet):
     def for_tenant(self, tenant):
         return self.filter(tenant=tenant)
@@ -141,7 +210,10 @@ class Memory(models.Model):
     key = models.CharField(max_length=512)
     # Everything before the key's last segment ("user:u1" for "user:u1:pref_lang").
     namespace = models.CharField(max_length=512)
-    value = models.JSONField()
+    value = SealedJSONField()
+    # Stored encrypted under the subject's (else the tenant's) data key; not in the search
+    # index or embeddings beyond its key and tags (README "Encryption at rest").
+    sensitive = models.BooleanField(default=False)
     # Words of key and value as the search index wants them (see memories/search.py);
     # maintained by the service on every write, never shown.
     search_text = models.TextField(default="", blank=True)
@@ -176,6 +248,9 @@ class Memory(models.Model):
                 fields=["tenant", "key"], condition=Q(deleted_at__isnull=True), name="memory_one_live_key_per_tenant"
             ),
             models.CheckConstraint(condition=Q(importance__lte=10), name="memory_importance_0_10"),
+            models.CheckConstraint(
+                condition=Q(sensitive=False) | Q(value__has_key=crypto.ENVELOPE_MARK), name="memory_sensitive_sealed"
+            ),
         ]
         indexes = [
             # list/clear by prefix: key LIKE 'p%' needs text_pattern_ops on PostgreSQL
@@ -196,6 +271,9 @@ class Memory(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+    def seal_scope(self) -> tuple[int, str] | None:
+        return (self.tenant_id, self.subject) if self.sensitive else None
 
     @property
     def etag(self) -> str:
@@ -239,20 +317,31 @@ class MemoryVersion(models.Model):
         Memory, on_delete=models.CASCADE, related_name="versions", db_index=False, db_constraint=False
     )
     version = models.PositiveIntegerField()
-    value = models.JSONField()
+    value = SealedJSONField()
+    sensitive = models.BooleanField(default=False)
     op = models.CharField(max_length=16, choices=Op.choices)
     actor_kind = models.CharField(max_length=16)
     actor_id = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["memory", "version"], name="memoryversion_one_per_version")]
+        constraints = [
+            models.UniqueConstraint(fields=["memory", "version"], name="memoryversion_one_per_version"),
+            models.CheckConstraint(
+                condition=Q(sensitive=False) | Q(value__has_key=crypto.ENVELOPE_MARK),
+                name="memoryversion_sensitive_sealed",
+            ),
+        ]
         # The unique (memory, version) index serves history reads; tenant-wide erasure
         # (forget requests) uses this one.
         indexes = [models.Index(fields=["tenant", "memory"], name="memoryversion_tenant")]
 
     def __str__(self) -> str:
         return f"{self.memory_id} v{self.version} ({self.op})"
+
+    def seal_scope(self) -> tuple[int, str] | None:
+        # Sealed under the memory's key (its subject's), so forgetting the subject shreds it too.
+        return (self.tenant_id, self.memory.subject) if self.sensitive else None
 
 
 class RetentionRule(models.Model):

@@ -25,7 +25,7 @@ from memories.models import Memory, Tenant
 from memories.services import summaries
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, ServiceError
+from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, ServiceError
 
 # A memory value is any JSON. OpenAI's strict mode cannot express a free-form object, so
 # the strict schema offers scalars (a structured value can be sent as a JSON string);
@@ -119,6 +119,7 @@ def _write(tenant: Tenant, actor: Actor, a: dict) -> dict:
         tags=a.get("tags"),
         subject=a.get("subject"),
         category=a.get("category"),
+        sensitive=a.get("sensitive"),
     )
     return {"status": "ok", "key": r.key, "version": r.memory.version, "created": r.created}
 
@@ -126,6 +127,9 @@ def _write(tenant: Tenant, actor: Actor, a: dict) -> dict:
 def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
     try:
         r = services.memory_read(tenant=tenant, actor=actor, key=a["key"])
+    except Erased:
+        # Crypto-shredded (its subject was forgotten): an answer, not an error.
+        return {"status": "erased", "key": a["key"]}
     except NotFound:
         out = {"status": "not_found", "key": a["key"]}
         if a.get("default") is not None:
@@ -199,6 +203,7 @@ TOOLS: dict[str, Tool] = {
                 Param("tags", {"type": "array", "items": {"type": "string"}}, "labels"),
                 Param("subject", {"type": "string"}, "end user this is about"),
                 Param("category", {"type": "string"}, "user, task, decision, fact"),
+                Param("sensitive", {"type": "boolean"}, "personal data: store it encrypted"),
             ),
             _write,
         ),

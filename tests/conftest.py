@@ -42,11 +42,15 @@ def _isolated_cache(settings):
 @pytest.fixture(autouse=True)
 def _fresh_key_cache():
     # Each test starts with no API key verified by an earlier one (their rows are gone).
+    # Nor with data keys unwrapped by an earlier one (SQLite reuses rolled-back row ids).
+    from memories import keyring
     from memories.services import key_cache
 
     key_cache.forget()
+    keyring.forget_cache()
     yield
     key_cache.forget()
+    keyring.forget_cache()
 
 
 @pytest.fixture(autouse=True)

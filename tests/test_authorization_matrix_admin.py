@@ -97,6 +97,7 @@ def _table() -> dict[str, AdminRoute]:
         "admin/(?P<url>.*)$": AdminRoute("catch_all"),
         "admin/memories/tenant/<int:tenant_id>/dashboard/": AdminRoute("dashboard", "tenant"),
         "admin/memories/memory/<path:object_id>/history/<int:version>/restore/": AdminRoute("restore", "memory"),
+        "admin/memories/memory/<path:object_id>/reveal/": AdminRoute("reveal", "memory"),
         "admin/audit/auditevent/export/": AdminRoute("export", "auditevent"),
         "admin/auth/user/<id>/password/": AdminRoute("their_model", "user"),
     }
@@ -209,6 +210,10 @@ def expected(row: Row, identity: str) -> int | str:
             return 403
         return 200  # a stream of the user's (one) tenant's events
     perms = _perms(model, identity)
+    if kind == "reveal":  # an audited read of a (sensitive) value, then back to its page
+        if method == "GET":
+            return 405
+        return 302 if "v" in perms else 404
     if kind == "restore":
         if method == "GET":
             return 405

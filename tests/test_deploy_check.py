@@ -5,6 +5,7 @@ run's (development) settings. The environment is built from scratch, so nothing 
 shell's (DEBUG, ZEROMEM_ENV ...) leaks in.
 """
 
+import base64
 import os
 import secrets
 import subprocess
@@ -19,6 +20,7 @@ PRODUCTION = {
     "ALLOWED_HOSTS": "zeromem.example.com",
     "DATABASE_URL": "postgres://zeromem:secret@db.example.com:5432/zeromem",
     "ZEROMEM_AUDIT_KEY": secrets.token_urlsafe(50),
+    "ZEROMEM_MASTER_KEYS": base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
 }
 
 
@@ -82,3 +84,15 @@ def test_production_allowed_hosts_default_has_no_testserver():
     )
     assert done.returncode == 0, done.stderr
     assert "testserver" not in done.stdout and "localhost" in done.stdout
+
+
+def test_production_refuses_to_start_without_master_keys():
+    done = _check_deploy("check", without=["ZEROMEM_MASTER_KEYS"])
+    assert done.returncode != 0
+    assert "zeromem.E010" in done.stderr and "ZEROMEM_MASTER_KEYS is not set" in done.stderr
+
+
+def test_a_malformed_master_key_is_refused_naming_the_setting():
+    done = _check_deploy("check", ZEROMEM_MASTER_KEYS="not-a-key")
+    assert done.returncode != 0
+    assert "zeromem.E011" in done.stderr and "ZEROMEM_MASTER_KEYS[0]" in done.stderr

@@ -31,6 +31,8 @@ RECEIPT_FIELDS = {
     "batches",
     "audit_events_redacted",
     "summaries_rebuilt",
+    "data_keys_destroyed",
+    "crypto_shredded",
     "received_at",
     "started_at",
     "completed_at",

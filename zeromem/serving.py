@@ -218,6 +218,13 @@ def connection_budget() -> tuple[bool, str]:
     return needed <= available, text
 
 
+def master_keys_problem() -> str | None:
+    """Whether ZEROMEM_MASTER_KEYS opens the stored data keys (README "Encryption at rest")."""
+    from memories.keyring import master_keys_problem as problem
+
+    return problem()
+
+
 def check_main() -> int:
     import django
 
@@ -231,6 +238,10 @@ def check_main() -> int:
     connection.close()
     if problem:
         print(f"[zeromem] refusing to start: {problem}.", file=sys.stderr, flush=True)
+        return 3
+    problem = master_keys_problem()
+    if problem:
+        print(f"[zeromem] refusing to start: {problem}", file=sys.stderr, flush=True)
         return 3
     fits, text = connection_budget()
     if fits:

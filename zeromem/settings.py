@@ -174,8 +174,15 @@ else:
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-# Reads go to the replica alias only inside zeromem.kernel.replica.replica_reads().
-DATABASE_ROUTERS = ["zeromem.kernel.replica.ReplicaRouter"]
+# Where wrapped data keys live (memories.models.DataKey; README "Encryption at rest"). A
+# separate database, backed up on its own short retention, is what lets a forget reach old
+# backups of the main one; unset, they live in the main database.
+if env.str("ZEROMEM_KEYSTORE_URL", default=""):
+    DATABASES["keystore"] = env.db("ZEROMEM_KEYSTORE_URL")
+ZEROMEM_KEYSTORE_DATABASE = "keystore" if "keystore" in DATABASES else "default"
+# Reads go to the replica alias only inside zeromem.kernel.replica.replica_reads(); data keys
+# go to the key store first (memories.routers.KeystoreRouter answers only for DataKey).
+DATABASE_ROUTERS = ["memories.routers.KeystoreRouter", "zeromem.kernel.replica.ReplicaRouter"]
 ZEROMEM_PGBOUNCER = globals().get("ZEROMEM_PGBOUNCER", False)
 
 # --- Cache (rate limits do not live here: audit/limits.py counts them exactly) -----------
@@ -282,6 +289,18 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
 ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.0)
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
+# Encryption at rest (README "Encryption at rest"): base64 32-byte master keys, comma
+# separated; the first wraps new data keys, all of them unwrap. Never stored in the
+# database. Development mode derives one from SECRET_KEY when unset; production refuses to
+# start without it (zeromem.E010). Unwrapped data keys stay in a process this long.
+ZEROMEM_MASTER_KEYS_EXPLICIT = bool(env.list("ZEROMEM_MASTER_KEYS", default=[]))
+if ZEROMEM_MASTER_KEYS_EXPLICIT or not DEVELOPMENT:
+    ZEROMEM_MASTER_KEYS = env.list("ZEROMEM_MASTER_KEYS", default=[])
+else:
+    from zeromem.kernel.crypto import dev_master_key
+
+    ZEROMEM_MASTER_KEYS = [dev_master_key(SECRET_KEY)]
+ZEROMEM_DATA_KEY_CACHE_SECONDS = env.float("ZEROMEM_DATA_KEY_CACHE_SECONDS", default=10.0)
 # Failed authentications per minute, per client address and per key prefix, before 429.
 ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For

@@ -33,6 +33,9 @@ from zeromem.kernel.errors import Conflict, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
 
+REVEAL_SESSION_KEY = "zeromem_revealed_memories"
+REVEAL_SECONDS = 300
+
 
 class MemoryActionForm(helpers.ActionForm):
     ttl_days = forms.IntegerField(
@@ -135,7 +138,7 @@ class MemoryAdmin(TenantScopedAdmin):
     add_capability = Capability.MEMORY_EDIT
     change_capability = Capability.MEMORY_EDIT
     delete_capability = None  # a delete moves to the trash or forgets: both are actions
-    list_display = ("key", "tenant", "category", "subject", "version", "updated_at", "expires_at", "state")
+    list_display = ("key", "tenant", "category", "subject", "sensitive", "version", "updated_at", "expires_at", "state")
     list_select_related = ("tenant",)
     list_filter = ("tenant", StateFilter, KeyTreeFilter, CategoryFilter, SubjectFilter, TagFilter, ExpiryFilter)
     # The value's text as stored (search_text holds stemmed, tenant-prefixed index terms).
@@ -149,7 +152,55 @@ class MemoryAdmin(TenantScopedAdmin):
     autocomplete_fields = ("tenant",)
     object_history_template = "zeromem_admin/memory_history.html"
 
+    # --- sensitive values: masked until an explicit, audited reveal --------------------------
+
+    def _masked(self, request, obj) -> bool:
+        """A sensitive memory's value stays hidden on every page until this staff member
+        reveals it (``memory.reveal``, audited); the reveal lasts ``REVEAL_SECONDS``."""
+        if obj is None or not obj.sensitive:
+            return False
+        shown = request.session.get(REVEAL_SESSION_KEY, {}).get(str(obj.pk))
+        return not (shown and shown > timezone.now().timestamp())
+
+    def has_change_permission(self, request, obj=None):
+        # A masked value cannot be edited: the form would show it. Reveal first.
+        return super().has_change_permission(request, obj) and not self._masked(request, obj)
+
+    @admin.display(description="value")
+    def value_masked(self, obj):
+        # Inside the change form (which carries the CSRF token): the button posts it to the reveal view.
+        return format_html(
+            "<p><strong>•••••• sensitive value, hidden.</strong> Revealing it is recorded in the audit log.</p>"
+            '<input type="submit" formaction="{}" formmethod="post" value="Reveal value" id="reveal-value">',
+            reverse("admin:memories_memory_reveal", args=[obj.pk]),
+        )
+
+    def _reveal(self, request, object_id):
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None or not self.has_view_permission(request, obj):
+            raise Http404("no such memory")  # another tenant's, or not viewable: like a missing one
+        try:
+            services.memory_reveal(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
+        except NotFound as exc:
+            if exc.code == "erased":
+                self.message_user(request, f"{obj.key}: the value was erased (its key is destroyed).", messages.ERROR)
+                return HttpResponseRedirect(reverse("admin:memories_memory_change", args=[obj.pk]))
+            raise Http404("no such memory") from None
+        except ServiceError:
+            raise PermissionDenied from None
+        shown = dict(request.session.get(REVEAL_SESSION_KEY, {}))
+        now = timezone.now().timestamp()
+        shown = {pk: until for pk, until in shown.items() if until > now}
+        shown[str(obj.pk)] = now + REVEAL_SECONDS
+        request.session[REVEAL_SESSION_KEY] = shown
+        return HttpResponseRedirect(reverse("admin:memories_memory_change", args=[obj.pk]))
+
+    def reveal_view(self, request, object_id):
+        return require_POST(self._reveal)(request, object_id)
+
     def get_fields(self, request, obj=None):
+        if obj is not None and self._masked(request, obj):
+            return self.get_readonly_fields(request, obj)
         if obj is None:
             return ("tenant", "key", "value", "category", "subject", "tags", "importance", "ttl_seconds")
         if not self.has_change_permission(request, obj):
@@ -169,6 +220,8 @@ class MemoryAdmin(TenantScopedAdmin):
     def get_readonly_fields(self, request, obj=None):
         if obj is None:
             return ()
+        if self._masked(request, obj):
+            return ("key_display", "value_masked", "category", "subject", "tags", "importance", "facts")
         if not self.has_change_permission(request, obj):
             return ("key_display", "value_display", "category", "subject", "tags", "importance", "facts")
         return ("key_display", "subject", "facts")
@@ -207,6 +260,11 @@ class MemoryAdmin(TenantScopedAdmin):
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         obj = self.get_object(request, unquote(object_id))
+        if obj is not None and self._masked(request, obj):
+            # Nothing is opened: the page shows the key and facts, and a Reveal button.
+            if not self.has_view_permission(request, obj):
+                raise PermissionDenied
+            return super().change_view(request, object_id, form_url, extra_context)
         if request.method == "GET":
             try:
                 services.memory_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
@@ -278,6 +336,7 @@ class MemoryAdmin(TenantScopedAdmin):
         except ServiceError:
             raise PermissionDenied from None
         live = obj.deleted_at is None and (obj.expires_at is None or obj.expires_at > timezone.now())
+        masked = self._masked(request, obj)
         context = {
             **self.admin_site.each_context(request),
             "title": f"History of {obj.key}",
@@ -291,7 +350,9 @@ class MemoryAdmin(TenantScopedAdmin):
                     "op": v.op,
                     "actor": actor_label(v.actor_kind, v.actor_id),
                     "created_at": v.created_at,
-                    "value": json.dumps(v.value, ensure_ascii=False, indent=2),
+                    "value": "•••••• sensitive value, hidden (reveal it on the memory's page)"
+                    if masked
+                    else json.dumps(v.value, ensure_ascii=False, indent=2),
                     "current": v.version == obj.version,
                 }
                 for v in versions
@@ -305,6 +366,11 @@ class MemoryAdmin(TenantScopedAdmin):
 
     def get_urls(self):
         return [
+            path(
+                "<path:object_id>/reveal/",
+                self.admin_site.admin_view(self.reveal_view),
+                name="memories_memory_reveal",
+            ),
             path(
                 "<path:object_id>/history/<int:version>/restore/",
                 self.admin_site.admin_view(self.restore_version_view),

@@ -27,7 +27,15 @@ class TenantAdmin(TenantScopedAdmin):
     list_display = ("slug", "name", "your_role", "dashboard_link", "created_at")
     search_fields = ("slug", "name")
     ordering = ("slug",)
-    fields = ("slug", "name", "value_max_bytes", "trash_retention_days", "created_at")
+    fields = (
+        "slug",
+        "name",
+        "value_max_bytes",
+        "trash_retention_days",
+        "sensitive_keys",
+        "sensitive_fields",
+        "created_at",
+    )
 
     def get_readonly_fields(self, request, obj=None):
         return ("slug", "created_at") if obj else ("created_at",)
@@ -70,6 +78,8 @@ class TenantAdmin(TenantScopedAdmin):
                 name=form.cleaned_data["name"],
                 value_max_bytes=form.cleaned_data.get("value_max_bytes"),
                 trash_retention_days=form.cleaned_data.get("trash_retention_days"),
+                sensitive_keys=form.cleaned_data.get("sensitive_keys"),
+                sensitive_fields=form.cleaned_data.get("sensitive_fields"),
             )
             return
         created = services.tenant_create(actor=actor_for(request, 0), slug=obj.slug, name=obj.name)

@@ -35,6 +35,7 @@ class MemoryOutSerializer(serializers.ModelSerializer):
             "key",
             "namespace",
             "value",
+            "sensitive",
             "category",
             "subject",
             "tags",
@@ -108,6 +109,15 @@ class MemoryValueField(serializers.JSONField):
     """A memory's value: any JSON but null (JSONField refuses null unless allow_null)."""
 
 
+class StrictBooleanField(serializers.BooleanField):
+    """A JSON boolean only: DRF's BooleanField also takes "true", 1 and "yes"."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
 class _MemoryFieldsIn(serializers.Serializer):
     ttl_seconds = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=validation.TTL_MAX_SECONDS)
     tags = serializers.ListField(
@@ -125,6 +135,9 @@ class _MemoryFieldsIn(serializers.Serializer):
 
 class MemoryPutSerializer(_MemoryFieldsIn):
     value = MemoryValueField(help_text="any JSON value but null (16 KiB serialized by default)")
+    sensitive = StrictBooleanField(
+        required=False, allow_null=True, help_text="store the value encrypted (README 'Encryption at rest')"
+    )
     subject = StrictRegexField(
         NO_CONTROL_CHARS, required=False, allow_null=True, max_length=validation.SUBJECT_MAX_LEN, trim_whitespace=False
     )
@@ -224,15 +237,6 @@ class ToolListSerializer(serializers.Serializer):
 
 
 # --- summaries and jobs ------------------------------------------------------------------
-
-
-class StrictBooleanField(serializers.BooleanField):
-    """A JSON boolean only: DRF's BooleanField also takes "true", 1 and "yes"."""
-
-    def to_internal_value(self, data):
-        if not isinstance(data, bool):
-            self.fail("invalid", input=data)
-        return data
 
 
 def _summary_prefix_max_len() -> int:
@@ -349,6 +353,10 @@ class ForgetReceiptSerializer(serializers.Serializer):
     audit_events_redacted = serializers.IntegerField()
     # Summaries outside the requester's reach, rebuilt without the forgotten memories.
     summaries_rebuilt = serializers.ListField(child=serializers.CharField(), required=False)
+    # Crypto-shredding (a subject's forget): its data keys destroyed, so its encrypted values
+    # are unreadable in every copy — backups of the main database too (README "Encryption at rest").
+    data_keys_destroyed = serializers.IntegerField(required=False)
+    crypto_shredded = serializers.BooleanField(required=False)
     received_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField()
     completed_at = serializers.DateTimeField()

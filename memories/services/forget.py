@@ -41,7 +41,7 @@ from django.utils import timezone
 from django_q.tasks import async_task
 
 from audit.services import audit_record, audit_redact_subject, audited_operation
-from memories import search
+from memories import keyring, search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
 from memories.services.summaries import summary_without
 from zeromem.kernel import validation
@@ -309,7 +309,8 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
        totals and one audit event. Cost per batch: a SELECT on the target's index, a
        lineage SELECT per level, the DELETEs, an UPDATE of the request and the audit
        INSERT (PostgreSQL: 10k memories with 2 versions each in ~2-3 s, bench_forget).
-    3. Redact the identifying fields of the target's earlier audit events
+    3. Destroy the subject's data keys (crypto-shredding, :func:`_shred`).
+    3b. Redact the identifying fields of the target's earlier audit events
        (``audit.services.audit_redact_subject``: keyed pseudonyms, the chain still verifies).
     4. Mark it completed, with the final receipt: counts and times only.
 
@@ -324,6 +325,7 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
     try:
         while _erase_batch(request_id, batch_size=batch_size):
             pass
+        _shred(request_id)
         redacted = audit_redact_subject(
             tenant=request.tenant, subject=request.subject, keys=request.keys, prefix=request.prefix
         )
@@ -332,6 +334,30 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
     except Exception as exc:
         _note_error(request_id, exc)
         raise
+
+
+def _shred(request_id: int) -> int:
+    """Crypto-shredding: a subject's data keys are destroyed once its memories are erased, so
+    every copy of what they sealed — in backups and dumps of the main database too — stops
+    opening (memories.keyring.shred). Idempotent: the count adds to the receipt only once the
+    keys are gone; a rerun finds none left. Audited as ``datakey.destroy``."""
+    with transaction.atomic():
+        request = ForgetRequest.objects.select_for_update().select_related("tenant").get(pk=request_id)
+        if request.status != Status.RUNNING or not request.subject:
+            return 0
+        destroyed = keyring.shred(tenant_id=request.tenant_id, subject=request.subject)
+        receipt = dict(request.receipt)
+        receipt["data_keys_destroyed"] = receipt.get("data_keys_destroyed", 0) + destroyed
+        ForgetRequest.objects.filter(pk=request_id).update(receipt=receipt, progress_at=timezone.now())
+        audit_record(
+            tenant=request.tenant,
+            actor=Actor.system(job=FORGET_JOB),
+            action="datakey.destroy",
+            outcome=Outcome.OK,
+            count=destroyed,
+            detail={"forget_request": request_id, "data_keys_destroyed": destroyed},
+        )
+        return destroyed
 
 
 def _redact_jobs(request: ForgetRequest) -> int:
@@ -525,11 +551,14 @@ def _summary_rebuild(
         return None
     now = timezone.now()
     version = summary.version + 1
+    secret = summary.sensitive
     Memory.objects.filter(pk=summary.pk).update(
-        value=text,
+        value=keyring.seal_value(text, tenant_id=request.tenant_id, subject=summary.subject) if secret else text,
         sources=keep,
         # The rebuilt text replaces the index terms too: a forgotten word must not stay findable.
-        **search.index_fields(tenant_id=request.tenant_id, key=summary.key, value=text, tags=summary.tags),
+        **search.index_fields(
+            tenant_id=request.tenant_id, key=summary.key, value=None if secret else text, tags=summary.tags
+        ),
         version=version,
         updated_at=now,
     )
@@ -540,6 +569,7 @@ def _summary_rebuild(
         memory_id=summary.pk,
         version=version,
         value=text,
+        sensitive=secret,
         op=MemoryVersion.Op.UPDATE,
         actor_kind=actor.kind,
         actor_id=actor.id,
@@ -557,6 +587,10 @@ def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
         receipt = {name: request.receipt.get(name, 0) for name in RECEIPT_COUNTS}
         receipt.update(
             summaries_rebuilt=request.receipt.get("summaries_rebuilt", []),
+            # Crypto-shredding (a subject's forget): its data keys are destroyed, so its sealed
+            # values are unreadable in every copy, backups of the main database included.
+            data_keys_destroyed=request.receipt.get("data_keys_destroyed", 0),
+            crypto_shredded=bool(request.subject),
             audit_events_redacted=audit_events_redacted,
             received_at=request.receipt.get("received_at") or _iso(request.created_at),
             started_at=request.receipt.get("started_at") or _iso(request.started_at or now),

@@ -20,13 +20,14 @@ from django.db.models import F
 from django.utils import timezone
 
 from audit.services import AuditedOperation, audited_operation
-from memories import search, selectors
+from memories import keyring, search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
 from memories.search import embeddings
-from memories.services import retention
+from memories.services import retention, sensitivity
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope, require_subject_allowed
-from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PreconditionFailed
+from zeromem.kernel.crypto import ErasedValue
+from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, PreconditionFailed
 from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
 
@@ -66,7 +67,8 @@ def _record_version(memory: Memory, op: str, actor: Actor, now) -> None:
         tenant_id=memory.tenant_id,
         memory=memory,
         version=memory.version,
-        value=memory.value,
+        value=memory.value,  # sealed by the field when sensitive, under the memory's subject's key
+        sensitive=memory.sensitive,
         op=op,
         actor_kind=actor.kind,
         actor_id=actor.id,
@@ -87,9 +89,12 @@ def memory_write(
     importance: Any = None,
     source: Any = None,
     clear_ttl: bool = False,
+    sensitive: Any = None,
 ) -> MemoryResult:
     """Upsert. Fields left out keep their current value (or a default on create);
     ``clear_ttl`` with no ``ttl_seconds`` removes an expiry (a LangGraph put without ttl).
+    ``sensitive`` (or a tenant sensitivity rule) stores the value encrypted (README
+    "Encryption at rest").
 
     Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT.
     """
@@ -98,6 +103,8 @@ def memory_write(
         require_scope(actor, Scope.MEMORY_WRITE)
         require_key_allowed(actor, key)
         validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+        sensitivity.refuse_envelope(value)
+        sensitive = sensitivity.flag(sensitive)
         ttl = validation.ttl_seconds(ttl_seconds)
         tags = validation.tags(tags)
         subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
@@ -124,13 +131,17 @@ def memory_write(
         if clear_ttl and ttl is None:
             fields["expires_at"] = None
 
-        memory, created = _upsert(tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label)
+        memory, created = _upsert(
+            tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label, sensitive=sensitive
+        )
         _record_version(memory, MemoryVersion.Op.WRITE, actor, now)
         op.record(subject=memory.subject, version=memory.version, detail={"created": created})
         return MemoryResult(status="ok", key=key, memory=memory, created=created)
 
 
-def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str) -> tuple[Memory, bool]:
+def _upsert(
+    *, tenant: Tenant, key: str, fields: dict, now, source_default: str, sensitive: bool | None = None
+) -> tuple[Memory, bool]:
     # Expired-but-not-yet-purged rows still hold the (tenant, key) slot of the partial
     # unique index; a write over one trashes it first, so it behaves like a fresh key.
     for _ in range(3):
@@ -143,7 +154,15 @@ def _upsert(*, tenant: Tenant, key: str, fields: dict, now, source_default: str)
             embeddings.embeddings_delete(memory_ids=[existing.pk])
             existing = None
         tags = fields["tags"] if "tags" in fields else (existing.tags if existing is not None else [])
-        fields = {**fields, **search.index_fields(tenant_id=tenant.pk, key=key, value=fields["value"], tags=tags)}
+        secret = sensitivity.decide(
+            tenant, key=key, value=fields["value"], given=sensitive, current=existing is not None and existing.sensitive
+        )
+        fields = {
+            **fields,
+            "sensitive": secret,
+            # A sensitive value is not indexed: its key and tags are (README "Encryption at rest").
+            **search.index_fields(tenant_id=tenant.pk, key=key, value=None if secret else fields["value"], tags=tags),
+        }
         if existing is not None:
             for name, val in fields.items():
                 setattr(existing, name, val)
@@ -194,6 +213,8 @@ def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
         if memory is None:
             raise _no_memory()
         op.record(subject=memory.subject, version=memory.version)
+        if isinstance(memory.value, ErasedValue):
+            raise Erased()
         return MemoryResult(status="ok", key=key, memory=memory)
 
 
@@ -227,6 +248,7 @@ def memory_update(
         expected = validation.version(expected_version)
         if value is not _UNSET:
             validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+            sensitivity.refuse_envelope(value)
         ttl = validation.ttl_seconds(ttl_seconds)
         changes: dict[str, Any] = {}
         for name, given in (
@@ -239,11 +261,15 @@ def memory_update(
                 changes[name] = given
 
         now = timezone.now()
+        live = selectors.memories_live(tenant=tenant).filter(key=key)
         if value is not _UNSET:
-            changes["value"] = value
+            # An UPDATE bypasses the field's sealing: seal here, under the row's subject's key.
+            row = live.values_list("subject", "sensitive").first()
+            secret = row is not None and sensitivity.decide(tenant, key=key, value=value, given=None, current=row[1])
+            changes["value"] = keyring.seal_value(value, tenant_id=tenant.pk, subject=row[0]) if secret else value
+            changes["sensitive"] = secret
         if ttl is not None:
             changes["expires_at"] = now + ttl
-        live = selectors.memories_live(tenant=tenant).filter(key=key)
         target = live if expected is None else live.filter(version=expected)
         if isinstance(if_match, tuple):
             target = target.filter(pk=if_match[0], version=if_match[1])
@@ -260,7 +286,9 @@ def memory_update(
         memory = live.get()
         if "value" in changes or "tags" in changes:
             Memory.objects.filter(pk=memory.pk).update(
-                **search.index_fields(tenant_id=tenant.pk, key=key, value=memory.value, tags=memory.tags)
+                **search.index_fields(
+                    tenant_id=tenant.pk, key=key, value=None if memory.sensitive else memory.value, tags=memory.tags
+                )
             )
         _record_version(memory, MemoryVersion.Op.UPDATE, actor, now)
         op.record(subject=memory.subject, version=memory.version)
@@ -421,6 +449,19 @@ def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
         return memory
 
 
+def memory_reveal(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
+    """Open a sensitive memory's value on a staff member's explicit request (the admin masks
+    it until then): needs ``memory:read`` — the compliance role never holds it — and is
+    audited as ``memory.reveal``. :class:`NotFound` for another tenant's id; a value whose
+    key is destroyed raises :class:`Erased`."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.reveal", atomic=False) as op:
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
+        op.record(subject=memory.subject, version=memory.version, detail={"sensitive": memory.sensitive})
+        if isinstance(memory.value, ErasedValue):
+            raise Erased(field="memory_id")
+        return memory
+
+
 def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, op: AuditedOperation) -> Memory:
     """The tenant's memory (any state) the actor may read; it becomes the operation's target."""
     require_scope(actor, Scope.MEMORY_READ)
@@ -468,11 +509,17 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
             op.record(outcome=Outcome.NOT_FOUND, target=memory.key if memory else "", detail={"from_version": version})
             raise NotFound("no such version of a live memory", field="version")
         require_key_allowed(actor, memory.key)
+        if isinstance(old.value, ErasedValue):
+            raise Erased(field="version")
         validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
         now = timezone.now()
+        secret = memory.sensitive or old.sensitive
         Memory.objects.filter(pk=memory.pk).update(
-            value=old.value,
-            **search.index_fields(tenant_id=tenant.pk, key=memory.key, value=old.value, tags=memory.tags),
+            value=keyring.seal_value(old.value, tenant_id=tenant.pk, subject=memory.subject) if secret else old.value,
+            sensitive=secret,
+            **search.index_fields(
+                tenant_id=tenant.pk, key=memory.key, value=None if secret else old.value, tags=memory.tags
+            ),
             version=F("version") + 1,
             updated_at=now,
         )

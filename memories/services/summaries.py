@@ -387,6 +387,8 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         subject=subject,
         category=Memory.Category.SUMMARY,
         source=f"job:summarize#{job.pk}",
+        # Made from a sensitive memory, it is as sensitive (sealed, not indexed by its text).
+        sensitive=True if any(m.sensitive for m in digest.sources) else None,
     )
     # Lineage: memory_write keeps no sources, so they are set here, in the same transaction.
     Memory.objects.filter(pk=written.memory.pk).update(sources=[m.key for m in digest.sources])

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from audit.services import audited_operation
 from memories.models import ApiKey, Tenant
-from memories.services import key_cache
+from memories.services import key_cache, sensitivity
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput
@@ -100,21 +100,36 @@ def _forget_cached(lookup: str | None) -> None:
     transaction.on_commit(lambda: key_cache.forget(lookup))
 
 
-def tenant_settings_update(*, tenant: Tenant, actor: Actor, name: Any, value_max_bytes: Any, trash_retention_days: Any):
-    """Change a tenant's name and limits (the admin's Tenant page; superusers only, which the
-    admin checks). Audited as ``tenant.update`` with the fields that changed."""
+def tenant_settings_update(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    name: Any,
+    value_max_bytes: Any,
+    trash_retention_days: Any,
+    sensitive_keys: Any = None,
+    sensitive_fields: Any = None,
+):
+    """Change a tenant's name, limits and sensitivity rules (the admin's Tenant page;
+    superusers only, which the admin checks). Audited as ``tenant.update`` with the fields
+    that changed. New rules apply to writes from now on; ``manage.py crypto_reencrypt``
+    seals the memories they match that were written before."""
     with audited_operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug) as op:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise InvalidInput("must be 1-200 characters", field="name")
         for field, raw in (("value_max_bytes", value_max_bytes), ("trash_retention_days", trash_retention_days)):
             if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
                 raise InvalidInput("must be a positive whole number or empty", field=field)
+        keys = sensitivity.rules(sensitive_keys, field="sensitive_keys")
+        fields = sensitivity.rules(sensitive_fields, field="sensitive_fields")
         changes = {
             field: new
             for field, new in (
                 ("name", name),
                 ("value_max_bytes", value_max_bytes),
                 ("trash_retention_days", trash_retention_days),
+                ("sensitive_keys", tenant.sensitive_keys if keys is None else keys),
+                ("sensitive_fields", tenant.sensitive_fields if fields is None else fields),
             )
             if getattr(tenant, field) != new
         }

@@ -83,3 +83,29 @@ def pgbouncer_settings(app_configs, databases=None, **kwargs):
                 Error(problem, hint='README "Running as a fleet": PgBouncer.', id="zeromem.E001", obj=alias)
             )
     return errors
+
+
+@register(Tags.security)
+def master_keys_configured(app_configs, **kwargs):
+    """Encryption at rest needs ``ZEROMEM_MASTER_KEYS``: malformed, or missing outside
+    development mode, ZeroMem refuses to start (never a silent fallback to plaintext). That the
+    keys open the stored data keys is checked by ``memories.keyring.master_keys_check``."""
+    from django.core.checks import Error
+
+    from zeromem.kernel.crypto import SETTING, MasterKeyError, parse_master_keys
+
+    raw = getattr(settings, SETTING, [])
+    try:
+        keys = parse_master_keys(raw)
+    except MasterKeyError as exc:
+        return [Error(str(exc), id="zeromem.E011")]
+    if not keys:
+        return [
+            Error(
+                f"{SETTING} is not set: sensitive memories cannot be encrypted at rest.",
+                hint=f"Set {SETTING} to a base64 32-byte key kept outside the database (README "
+                "'Encryption at rest'); development mode derives one from SECRET_KEY.",
+                id="zeromem.E010",
+            )
+        ]
+    return []

@@ -56,6 +56,18 @@ class NotFound(ServiceError):
     default_code = "not_found"
 
 
+class Erased(NotFound):
+    """The memory's value was crypto-shredded: its data key is destroyed (a completed forget),
+    so nothing can read it any more. Audited as ``not_found``; REST answers 410."""
+
+    http_status = 410
+    default_code = "erased"
+
+    def __init__(self, message: str = "this value was erased: its encryption key is destroyed", **kwargs):
+        kwargs.setdefault("field", "key")
+        super().__init__(message, **kwargs)
+
+
 class Conflict(ServiceError):
     """The thing moved: a newer version (``current_version``), or a live memory holding the
     key a restore wanted."""

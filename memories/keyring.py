@@ -1,0 +1,228 @@
+"""Data keys: made, unwrapped, cached, rotated and destroyed (README "Encryption at rest").
+
+The primitives are in :mod:`zeromem.kernel.crypto`; this module keeps the ``DataKey`` rows
+(in the key store database, memories/routers.py) and a per-process cache of unwrapped keys.
+
+* :func:`seal_value` seals a value under the current data key of (tenant, subject), making
+  that key on first use (subject "" is the tenant's own key).
+* :func:`open_value` opens an envelope; a destroyed or missing key gives an
+  :class:`~zeromem.kernel.crypto.ErasedValue`, a master key missing from the settings raises
+  :class:`~zeromem.kernel.crypto.MasterKeyError` naming ``ZEROMEM_MASTER_KEYS``.
+* :func:`shred` destroys a subject's keys (a completed forget): every copy of what they
+  sealed — rows, versions, dumps, backups of the main database — stops opening.
+* :func:`rewrap` re-wraps every data key under the first master key (no value touched).
+
+Unwrapped keys stay in a process at most ``ZEROMEM_DATA_KEY_CACHE_SECONDS``: a key destroyed
+by another process stops opening here within that bound (this process drops it at once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from memories.models import DataKey
+from zeromem.kernel import crypto
+from zeromem.kernel.crypto import SETTING, ErasedValue, MasterKeyError
+
+_lock = threading.Lock()
+_by_id: dict[int, tuple[float, bytes | None]] = {}
+_current: dict[tuple[int, str], tuple[float, int, bytes]] = {}
+_masters_cache: tuple[tuple[str, ...], str, dict[str, bytes]] | None = None
+
+
+def masters() -> tuple[str, dict[str, bytes]]:
+    """(id of the master key that wraps, {id: key} of all that unwrap)."""
+    global _masters_cache
+    raw = tuple(getattr(settings, SETTING, []) or [])
+    cached = _masters_cache
+    if cached is not None and cached[0] == raw:
+        return cached[1], cached[2]
+    keys = crypto.parse_master_keys(list(raw))
+    if not keys:
+        raise MasterKeyError(f"{SETTING} is not set: sensitive memories cannot be encrypted or read")
+    primary = next(iter(keys))
+    _masters_cache = (raw, primary, keys)
+    return primary, keys
+
+
+def _db() -> str:
+    return settings.ZEROMEM_KEYSTORE_DATABASE
+
+
+def _ttl() -> float:
+    return float(getattr(settings, "ZEROMEM_DATA_KEY_CACHE_SECONDS", 10.0))
+
+
+def forget_cache() -> None:
+    with _lock:
+        _by_id.clear()
+        _current.clear()
+
+
+def _unwrap(row: DataKey) -> bytes:
+    _, keys = masters()
+    master = keys.get(row.master_key_id)
+    if master is None:
+        raise MasterKeyError(
+            f"data key {row.pk} is wrapped under master key {row.master_key_id}, which {SETTING} does not hold"
+        )
+    return crypto.unwrap(master, bytes(row.wrapped), tenant_id=row.tenant_id, subject=row.subject)
+
+
+def data_key(data_key_id: int) -> bytes | None:
+    """The unwrapped data key, or None when it was destroyed (or never existed here)."""
+    now = time.monotonic()
+    hit = _by_id.get(data_key_id)
+    if hit is not None and now - hit[0] < _ttl():
+        return hit[1]
+    row = DataKey.objects.filter(pk=data_key_id).first()
+    key = None if row is None or row.destroyed_at is not None or not row.wrapped else _unwrap(row)
+    with _lock:
+        _by_id[data_key_id] = (now, key)
+    return key
+
+
+def current_key(*, tenant_id: int, subject: str) -> tuple[int, bytes]:
+    """(id, key) of the data key that seals new values of (tenant, subject); made if none."""
+    now = time.monotonic()
+    hit = _current.get((tenant_id, subject))
+    if hit is not None and now - hit[0] < _ttl():
+        return hit[1], hit[2]
+    current = DataKey.objects.filter(
+        tenant_id=tenant_id, subject=subject, retired_at__isnull=True, destroyed_at__isnull=True
+    )
+    row = current.first()
+    if row is None:
+        primary, keys = masters()
+        key = crypto.new_data_key()
+        try:
+            with transaction.atomic(using=_db()):
+                row = DataKey.objects.create(
+                    tenant_id=tenant_id,
+                    subject=subject,
+                    master_key_id=primary,
+                    wrapped=crypto.wrap(keys[primary], key, tenant_id=tenant_id, subject=subject),
+                )
+        except IntegrityError:  # made concurrently by another process: use that one
+            row = current.get()
+            key = _unwrap(row)
+    else:
+        key = _unwrap(row)
+    with _lock:
+        _current[(tenant_id, subject)] = (now, row.pk, key)
+        _by_id[row.pk] = (now, key)
+    return row.pk, key
+
+
+def seal_value(value: Any, *, tenant_id: int, subject: str) -> dict:
+    if isinstance(value, ErasedValue):
+        return value.envelope
+    if crypto.is_envelope(value):
+        return value
+    key_id, key = current_key(tenant_id=tenant_id, subject=subject)
+    return crypto.seal(key, key_id, value)
+
+
+def open_value(envelope: dict) -> Any:
+    key = data_key(int(envelope["k"]))
+    if key is None:
+        return ErasedValue(envelope)
+    return crypto.open_envelope(key, envelope)
+
+
+def envelope_key_id(value: Any) -> int | None:
+    """The data key id of a value as loaded: an erased value's envelope's; None for plaintext."""
+    if isinstance(value, ErasedValue):
+        return int(value.envelope["k"])
+    return None
+
+
+def shred(*, tenant_id: int, subject: str) -> int:
+    """Destroy every data key of (tenant, subject) — current and retired. Returns how many.
+    The rows stay (their ids explain an ``erased`` read) holding nothing that decrypts."""
+    if not subject:
+        return 0
+    with transaction.atomic(using=_db()):
+        ids = list(
+            DataKey.objects.select_for_update()
+            .filter(tenant_id=tenant_id, subject=subject, destroyed_at__isnull=True)
+            .values_list("pk", flat=True)
+        )
+        DataKey.objects.filter(pk__in=ids).update(
+            wrapped=b"", master_key_id="", subject="", destroyed_at=timezone.now()
+        )
+    with _lock:
+        for key_id in ids:
+            _by_id.pop(key_id, None)
+        _current.pop((tenant_id, subject), None)
+    return len(ids)
+
+
+def retire_current(*, tenant_id: int | None = None) -> int:
+    """Retire the current data keys (of one tenant, or all): new values get new keys, the old
+    ones still open what they sealed until ``crypto_reencrypt`` has moved it."""
+    qs = DataKey.objects.filter(retired_at__isnull=True, destroyed_at__isnull=True)
+    if tenant_id is not None:
+        qs = qs.filter(tenant_id=tenant_id)
+    n = qs.update(retired_at=timezone.now())
+    forget_cache()
+    return n
+
+
+def rewrap(*, batch: int = 500, progress=None) -> tuple[int, int]:
+    """Re-wrap every live data key not under the first master key. Returns (re-wrapped,
+    live keys). One short transaction per ``batch`` keys; idempotent."""
+    primary, keys = masters()
+    done = 0
+    after = 0
+    while True:
+        with transaction.atomic(using=_db()):
+            rows = list(
+                DataKey.objects.select_for_update()
+                .filter(pk__gt=after, destroyed_at__isnull=True)
+                .exclude(master_key_id=primary)
+                .order_by("pk")[:batch]
+            )
+            for row in rows:
+                key = _unwrap(row)
+                row.wrapped = crypto.wrap(keys[primary], key, tenant_id=row.tenant_id, subject=row.subject)
+                row.master_key_id = primary
+                row.save(update_fields=["wrapped", "master_key_id"])
+        if not rows:
+            break
+        done += len(rows)
+        after = rows[-1].pk
+        if progress is not None:
+            progress(done)
+    forget_cache()
+    return done, DataKey.objects.filter(destroyed_at__isnull=True).count()
+
+
+def master_keys_problem() -> str | None:
+    """Why this process could not open the stored data keys, naming ``ZEROMEM_MASTER_KEYS``;
+    None when every live data key's master key is configured (checked at start-up)."""
+    try:
+        _, keys = masters()
+    except MasterKeyError as exc:
+        if DataKey.objects.filter(destroyed_at__isnull=True).exists():
+            return f"{exc}; encrypted data exists"
+        return None if not getattr(settings, SETTING, []) and settings.DEVELOPMENT else str(exc)
+    missing = sorted(
+        set(
+            DataKey.objects.filter(destroyed_at__isnull=True)
+            .exclude(master_key_id__in=list(keys))
+            .values_list("master_key_id", flat=True)
+        )
+    )
+    if missing:
+        return (
+            f"{SETTING} lacks master key(s) {', '.join(missing)} that wrap stored data keys: "
+            "a wrong or retired key (keep the old key listed until `manage.py crypto_rewrap` has run)"
+        )
+    return None

@@ -1,0 +1,20 @@
+"""Re-wrap every data key under the first of ``ZEROMEM_MASTER_KEYS`` (master key rotation).
+
+Put the new master key first and keep the old one listed, run this, then drop the old key.
+No value is touched: only the data key rows change (fast). Idempotent."""
+
+from django.core.management.base import BaseCommand
+
+from memories import keyring
+
+
+class Command(BaseCommand):
+    help = "Re-wrap every data key under the first master key in ZEROMEM_MASTER_KEYS (no value touched)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--batch", type=int, default=500)
+
+    def handle(self, *args, batch, **options):
+        primary, _ = keyring.masters()
+        done, total = keyring.rewrap(batch=batch, progress=lambda n: self.stdout.write(f"re-wrapped {n}"))
+        self.stdout.write(f"re-wrapped {done} data key(s); all {total} live data keys are under master key {primary}")

@@ -1,0 +1,101 @@
+"""Bringing stored values in line with the keys and rules (README "Encryption at rest").
+
+:func:`reencrypt` walks every memory (of one tenant, or all) in batches of ``batch`` rows by
+id, each batch one transaction with its rows locked, and seals again — under the current
+data key of the memory's subject (else its tenant) — every value that should be sealed and is
+not under that key: a memory marked sensitive whose key was retired (data key rotation,
+``keyring.retire_current``), or one a sensitivity rule added since matches (it becomes
+sensitive, and its value leaves the search index). Its versions go with it. Values whose
+key is destroyed are left as they are (nothing can open them).
+
+Idempotent and resumable: a row already under its current key is skipped, so a run killed
+at any point is completed by running it again, and a second full run changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.db.models import TextField
+from django.db.models.functions import Cast
+
+from memories import keyring, search
+from memories.models import Memory, MemoryVersion, Tenant
+from memories.services import sensitivity
+from zeromem.kernel import crypto
+from zeromem.kernel.crypto import ErasedValue
+
+REENCRYPT_BATCH = 500
+
+
+@dataclass
+class ReencryptProgress:
+    batches: int = 0
+    scanned: int = 0
+    memories: int = 0
+    versions: int = 0
+    last_id: int = 0
+
+
+def _stale(raw_text: str | None, current_id: int) -> bool:
+    raw = json.loads(raw_text) if raw_text else None
+    return not (crypto.is_envelope(raw) and int(raw["k"]) == current_id)
+
+
+def reencrypt(
+    *,
+    tenant_id: int | None = None,
+    batch: int = REENCRYPT_BATCH,
+    after_id: int = 0,
+    progress: Callable[[ReencryptProgress], None] | None = None,
+) -> ReencryptProgress:
+    done = ReencryptProgress(last_id=after_id)
+    tenants: dict[int, Tenant] = {}
+    while True:
+        with transaction.atomic():
+            qs = Memory.objects.filter(pk__gt=done.last_id).order_by("pk")
+            if tenant_id is not None:
+                qs = qs.filter(tenant_id=tenant_id)
+            rows = list(qs.select_for_update().annotate(raw=Cast("value", TextField()))[:batch])
+            if not rows:
+                return done
+            for memory in rows:
+                tenant = tenants.get(memory.tenant_id) or tenants.setdefault(
+                    memory.tenant_id, Tenant.objects.get(pk=memory.tenant_id)
+                )
+                _reencrypt_one(memory, tenant, done)
+            done.batches += 1
+            done.scanned += len(rows)
+            done.last_id = rows[-1].pk
+        if progress is not None:
+            progress(done)
+
+
+def _reencrypt_one(memory: Memory, tenant: Tenant, done: ReencryptProgress) -> None:
+    if isinstance(memory.value, ErasedValue):
+        return  # its key is destroyed: nothing can open it, nothing to move
+    want = memory.sensitive or sensitivity.matches_rules(tenant, key=memory.key, value=memory.value)
+    if not want:
+        return
+    current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=memory.subject)
+    if not memory.sensitive or _stale(memory.raw, current_id):
+        Memory.objects.filter(pk=memory.pk).update(
+            value=keyring.seal_value(memory.value, tenant_id=memory.tenant_id, subject=memory.subject),
+            sensitive=True,
+            **search.index_fields(tenant_id=memory.tenant_id, key=memory.key, value=None, tags=memory.tags),
+        )
+        done.memories += 1
+    versions = MemoryVersion.objects.filter(memory_id=memory.pk).annotate(raw=Cast("value", TextField()))
+    for version in versions:
+        if isinstance(version.value, ErasedValue):
+            continue
+        if version.sensitive and not _stale(version.raw, current_id):
+            continue
+        MemoryVersion.objects.filter(pk=version.pk).update(
+            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=memory.subject),
+            sensitive=True,
+        )
+        done.versions += 1

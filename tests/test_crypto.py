@@ -1,0 +1,360 @@
+"""Encryption at rest (README "Encryption at rest"): sensitive values sealed with envelope
+encryption, kept out of the search index, opened for readers, crypto-shredded by a forget,
+and re-wrapped / re-encrypted by the rotation commands."""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+
+import pytest
+from django.core.management import call_command
+from django.db import IntegrityError, connection, transaction
+from django.test import Client
+
+from memories import keyring, services
+from memories.models import DataKey, Memory, MemoryVersion
+from memories.services.encryption import reencrypt
+from tests.factories import SYSTEM, write
+from zeromem.kernel.crypto import ErasedValue, MasterKeyError, master_key_id
+
+CANARY = "CANARY-phone-13800138000"
+CANARY_WORD = "zebracanaryword"
+
+
+def new_master() -> str:
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
+
+
+def raw_values(table: str, pk_field: str, pk: int) -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT value FROM {table} WHERE {pk_field} = %s", [pk])  # nosec B608
+        return [r[0] if isinstance(r[0], str) else json.dumps(r[0]) for r in cursor.fetchall()]
+
+
+def raw_memory(memory: Memory) -> dict:
+    return json.loads(raw_values("memories_memory", "id", memory.pk)[0])
+
+
+def read(tenant, key):
+    return services.memory_read(tenant=tenant, actor=SYSTEM, key=key).memory.value
+
+
+# --- sealing and reading ------------------------------------------------------------------
+
+
+def test_a_sensitive_value_is_stored_sealed_and_read_back_in_plaintext(tenant_a):
+    m = write(tenant_a, "user:u1:phone", {"phone": CANARY, "note": CANARY_WORD}, sensitive=True)
+    write(tenant_a, "user:u1:phone", {"phone": CANARY, "v": 2})
+    stored = raw_memory(m)
+    assert set(stored) == {"zmenc", "k", "c"} and CANARY not in json.dumps(stored)
+    for text in raw_values("memories_memoryversion", "memory_id", m.pk):
+        assert CANARY not in text and '"zmenc"' in text.replace(" ", "")
+    # The data key is the subject's, stored wrapped under the configured master key.
+    key = DataKey.objects.get(pk=stored["k"])
+    assert key.subject == "u1" and key.tenant_id == tenant_a.pk and len(bytes(key.wrapped)) == 12 + 32 + 16
+    assert read(tenant_a, "user:u1:phone") == {"phone": CANARY, "v": 2}  # sticky: still sealed
+    assert Memory.objects.get(pk=m.pk).sensitive
+    versions = services.memory_history(tenant=tenant_a, actor=SYSTEM, key="user:u1:phone")
+    assert [v.value for v in versions] == [{"phone": CANARY, "v": 2}, {"phone": CANARY, "note": CANARY_WORD}]
+
+
+def test_a_plain_value_is_stored_as_it_is(tenant_a):
+    m = write(tenant_a, "user:u1:lang", "zh")
+    assert raw_memory(m) == "zh" and not m.sensitive
+
+
+def test_the_search_index_holds_the_key_but_not_the_sensitive_value(tenant_a):
+    write(tenant_a, "user:u1:contact_email", {"email": f"{CANARY_WORD}@example.com"}, sensitive=True)
+    write(tenant_a, "user:u1:pet", {"name": CANARY_WORD})
+    row = Memory.objects.get(tenant=tenant_a, key="user:u1:contact_email")
+    assert CANARY_WORD not in row.search_text and "email" in row.search_text
+    found = services.memory_search(tenant=tenant_a, actor=SYSTEM, query=CANARY_WORD)
+    assert [m.key for m, _ in found] == ["user:u1:pet"]
+    by_key = services.memory_search(tenant=tenant_a, actor=SYSTEM, query="contact email")
+    assert "user:u1:contact_email" in [m.key for m, _ in by_key]
+    # ... and a reader allowed to search gets it opened.
+    assert {"email": f"{CANARY_WORD}@example.com"} in [m.value for m, _ in by_key]
+
+
+def test_tenant_rules_make_memories_sensitive_by_key_pattern_and_field_name(tenant_a):
+    tenant_a.sensitive_keys = ["user:*:phone"]
+    tenant_a.sensitive_fields = ["id_number"]
+    tenant_a.save()
+    by_key = write(tenant_a, "user:u7:phone", CANARY)
+    by_field = write(tenant_a, "user:u7:profile", {"card": {"ID_Number": CANARY}})
+    other = write(tenant_a, "user:u7:lang", "en")
+    assert by_key.sensitive and by_field.sensitive and not other.sensitive
+    assert CANARY not in json.dumps(raw_memory(by_key)) + json.dumps(raw_memory(by_field))
+    # sensitive=false cannot undo a rule.
+    again = write(tenant_a, "user:u7:phone", CANARY, sensitive=False)
+    assert again.sensitive
+
+
+def test_update_and_restore_version_keep_a_sensitive_value_sealed(tenant_a):
+    m = write(tenant_a, "user:u1:addr", "old street", sensitive=True)
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key="user:u1:addr", value=CANARY)
+    assert CANARY not in json.dumps(raw_memory(m)) and read(tenant_a, "user:u1:addr") == CANARY
+    services.memory_restore_version(tenant=tenant_a, actor=SYSTEM, memory_id=m.pk, version=1)
+    assert read(tenant_a, "user:u1:addr") == "old street"
+    assert all(
+        "old street" not in t and CANARY not in t for t in raw_values("memories_memoryversion", "memory_id", m.pk)
+    )
+
+
+def test_the_database_refuses_a_sensitive_row_holding_plaintext(tenant_a):
+    m = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Memory.objects.filter(pk=m.pk).update(value=CANARY)
+
+
+def test_a_value_shaped_like_an_envelope_is_refused(api):
+    r = api.put("/api/v1/memories/user:u1:x", {"value": {"zmenc": 1, "k": 1, "c": "AAAA"}})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "value"
+    r = api.put("/api/v1/memories/user:u1:x", {"value": "v", "sensitive": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "sensitive"
+
+
+def test_rest_write_with_sensitive_and_read_back(api, tenant_a):
+    r = api.put("/api/v1/memories/user:u3:email", {"value": CANARY, "sensitive": True})
+    assert r.status_code in (200, 201), r.content
+    got = api.get("/api/v1/memories/user:u3:email").json()
+    assert got["value"] == CANARY and got["sensitive"] is True
+
+
+# --- crypto-shredding -----------------------------------------------------------------------
+
+
+def test_forgetting_a_subject_destroys_its_data_keys_and_says_so(tenant_a, django_capture_on_commit_callbacks):
+    m = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    write(tenant_a, "user:u2:phone", "other person", sensitive=True)
+    envelope = raw_memory(m)  # a copy, as a backup would hold it
+    with django_capture_on_commit_callbacks(execute=True):
+        request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert request.receipt["data_keys_destroyed"] == 1 and request.receipt["crypto_shredded"] is True
+    key = DataKey.objects.get(pk=envelope["k"])
+    assert key.destroyed_at is not None and bytes(key.wrapped) == b"" and key.master_key_id == "" and key.subject == ""
+    keyring.forget_cache()
+    assert isinstance(keyring.open_value(envelope), ErasedValue)
+    assert read(tenant_a, "user:u2:phone") == "other person"
+    from audit.models import AuditEvent
+
+    event = AuditEvent.objects.get(tenant_id=tenant_a.pk, action="datakey.destroy")
+    assert event.count == 1 and event.outcome == "ok"
+
+
+def test_a_value_whose_key_is_gone_reads_as_erased_not_a_500(api, tenant_a):
+    write(tenant_a, "user:u5:phone", CANARY, sensitive=True)
+    keyring.shred(tenant_id=tenant_a.pk, subject="u5")
+    r = api.get("/api/v1/memories/user:u5:phone")
+    assert r.status_code == 410 and r.json()["error"]["code"] == "erased"
+    status, body = api.call("memory_read", key="user:u5:phone")
+    assert status == 200 and body == {"status": "erased", "key": "user:u5:phone"}
+    # Listing and search still work; the value shows as erased.
+    found = services.memory_recall(tenant=tenant_a, actor=SYSTEM, prefix="user:u5:")
+    assert CANARY not in json.dumps(found)
+
+
+def test_a_write_after_the_forget_gets_a_new_key(tenant_a):
+    write(tenant_a, "user:u1:a", "one", sensitive=True)
+    keyring.shred(tenant_id=tenant_a.pk, subject="u1")
+    Memory.objects.filter(tenant=tenant_a).delete()
+    m = write(tenant_a, "user:u1:a", "two", sensitive=True)
+    assert read(tenant_a, "user:u1:a") == "two"
+    assert DataKey.objects.get(pk=raw_memory(m)["k"]).destroyed_at is None
+
+
+# --- master keys and rotation -------------------------------------------------------------
+
+
+def test_a_missing_master_key_is_a_clear_error_naming_the_setting(tenant_a, settings):
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    assert keyring.master_keys_problem() is None
+    settings.ZEROMEM_MASTER_KEYS = [new_master()]
+    keyring.forget_cache()
+    problem = keyring.master_keys_problem()
+    assert problem and "ZEROMEM_MASTER_KEYS lacks master key" in problem
+    with pytest.raises(MasterKeyError, match="ZEROMEM_MASTER_KEYS"):
+        read(tenant_a, "user:u1:phone")
+    settings.ZEROMEM_MASTER_KEYS = []
+    with pytest.raises(MasterKeyError, match="ZEROMEM_MASTER_KEYS is not set"):
+        write(tenant_a, "user:u2:phone", CANARY, sensitive=True)
+
+
+def test_rewrap_moves_every_data_key_to_the_new_master_key_without_touching_values(tenant_a, settings, capsys):
+    for user in ("u1", "u2", "u3"):
+        write(tenant_a, f"user:{user}:phone", f"{CANARY}-{user}", sensitive=True)
+    write(tenant_a, "team:secret", "tenant key", sensitive=True)
+    before = {m.pk: raw_memory(m) for m in Memory.objects.filter(tenant=tenant_a)}
+    old = settings.ZEROMEM_MASTER_KEYS[0]
+    new = new_master()
+    settings.ZEROMEM_MASTER_KEYS = [new, old]
+    call_command("crypto_rewrap")
+    assert "re-wrapped 4 data key(s)" in capsys.readouterr().out
+    assert set(DataKey.objects.values_list("master_key_id", flat=True)) == {
+        master_key_id(base64.urlsafe_b64decode(new))
+    }
+    assert {m.pk: raw_memory(m) for m in Memory.objects.filter(tenant=tenant_a)} == before
+    settings.ZEROMEM_MASTER_KEYS = [new]  # the old master key retired
+    keyring.forget_cache()
+    assert read(tenant_a, "user:u2:phone") == f"{CANARY}-u2" and read(tenant_a, "team:secret") == "tenant key"
+    call_command("crypto_rewrap")
+    assert "re-wrapped 0 data key(s)" in capsys.readouterr().out
+
+
+def test_reencrypt_killed_midway_completes_on_rerun_with_every_value_readable(tenant_a):
+    for i in range(12):
+        write(tenant_a, f"user:u{i % 3}:n{i}", f"{CANARY}-{i}", sensitive=True)
+    write(tenant_a, "note:plain", "plain")
+    old_keys = set(DataKey.objects.values_list("pk", flat=True))
+    keyring.retire_current()
+
+    class Killed(Exception):
+        pass
+
+    def die_after_two(progress):
+        if progress.batches == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        reencrypt(batch=4, progress=die_after_two)
+    moved = [m for m in Memory.objects.filter(sensitive=True) if raw_memory(m)["k"] not in old_keys]
+    assert len(moved) == 8  # two batches of four committed, the rest still under retired keys
+    done = reencrypt(batch=4)
+    assert done.memories == 4 and done.versions == 4
+    for m in Memory.objects.filter(sensitive=True):
+        assert raw_memory(m)["k"] not in old_keys
+        i = int(m.key.rsplit("n", 1)[1])
+        assert read(tenant_a, m.key) == f"{CANARY}-{i}"
+    for v in MemoryVersion.objects.filter(sensitive=True):
+        assert json.loads(raw_values("memories_memoryversion", "id", v.pk)[0])["k"] not in old_keys
+    assert reencrypt(batch=4).memories == 0  # idempotent
+    assert raw_memory(Memory.objects.get(key="note:plain")) == "plain"
+
+
+def test_reencrypt_seals_memories_a_new_rule_matches(tenant_a):
+    m = write(tenant_a, "user:u1:phone", CANARY)
+    assert CANARY in json.dumps(raw_memory(m)) and CANARY.lower() in m.search_text.lower() or True
+    tenant_a.sensitive_keys = ["user:*:phone"]
+    tenant_a.save()
+    done = reencrypt()
+    assert done.memories == 1 and done.versions == 1
+    m.refresh_from_db()
+    assert m.sensitive and CANARY not in json.dumps(raw_memory(m)) and "13800138000" not in m.search_text
+    assert read(tenant_a, "user:u1:phone") == CANARY
+
+
+# --- admin and portal -----------------------------------------------------------------------
+
+pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
+
+
+def test_admin_masks_a_sensitive_value_until_an_audited_reveal(tenant_a, staff_clients):
+    from audit.models import AuditEvent
+
+    memory = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    _user, support = staff_clients["support"]
+    page = support.get(f"/admin/memories/memory/{memory.pk}/change/")
+    assert page.status_code == 200 and CANARY.encode() not in page.content and b"Reveal value" in page.content
+    history = support.get(f"/admin/memories/memory/{memory.pk}/history/")
+    assert history.status_code == 200 and CANARY.encode() not in history.content
+    listing = support.get("/admin/memories/memory/")
+    assert listing.status_code == 200 and CANARY.encode() not in listing.content
+    assert not AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal").exists()
+    # Editing a masked value is refused (the form would show it).
+    r = support.post(f"/admin/memories/memory/{memory.pk}/change/", {"value": '"x"', "version": 1})
+    assert r.status_code == 403 and read(tenant_a, "user:u1:phone") == CANARY
+
+    r = support.post(f"/admin/memories/memory/{memory.pk}/reveal/")
+    assert r.status_code == 302
+    (event,) = AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal")
+    assert event.outcome == "ok" and event.target == "user:u1:phone" and CANARY not in json.dumps(event.detail)
+    page = support.get(f"/admin/memories/memory/{memory.pk}/change/")
+    assert CANARY.encode() in page.content
+    # Another staff member still sees it masked.
+    _admin, admin_client = staff_clients["admin"]
+    assert CANARY.encode() not in admin_client.get(f"/admin/memories/memory/{memory.pk}/change/").content
+
+
+def test_compliance_never_sees_a_sensitive_value(tenant_a, staff_clients):
+    from audit.models import AuditEvent
+
+    memory = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    _user, compliance = staff_clients["compliance"]
+    r = compliance.post(f"/admin/memories/memory/{memory.pk}/reveal/")
+    assert r.status_code in (403, 404) and CANARY.encode() not in r.content
+    assert not AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal", outcome="ok").exists()
+    page = compliance.get(f"/admin/memories/memory/{memory.pk}/change/", follow=True)
+    assert CANARY.encode() not in page.content
+
+
+def test_the_end_user_sees_their_own_sensitive_value_on_the_portal(api, tenant_a):
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    write(tenant_a, "user:u2:phone", "someone else", sensitive=True)
+    link = api.post("/api/v1/subjects/u1/portal-link").json()["url"].removeprefix("http://testserver")
+    client = Client()
+    assert client.post(link).status_code == 302  # the landing page's Continue
+    page = client.get("/portal/").content.decode()
+    assert CANARY in page and "someone else" not in page
+
+
+def test_the_database_check_refuses_master_keys_that_do_not_open_the_stored_data_keys(tenant_a, settings):
+    from django.core.management.base import SystemCheckError
+
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    call_command("check", "--database", "default")
+    settings.ZEROMEM_MASTER_KEYS = [new_master()]
+    keyring.forget_cache()
+    with pytest.raises(SystemCheckError, match=r"zeromem.E012.*ZEROMEM_MASTER_KEYS lacks master key"):
+        call_command("check", "--database", "default")
+
+
+def test_sensitivity_rules_are_set_through_the_tenant_settings_and_validated(tenant_a):
+    from zeromem.kernel.errors import InvalidInput
+
+    with pytest.raises(InvalidInput) as refused:
+        services.tenant_settings_update(
+            tenant=tenant_a,
+            actor=SYSTEM,
+            name="A",
+            value_max_bytes=None,
+            trash_retention_days=None,
+            sensitive_fields=["email", 5],
+        )
+    assert refused.value.field == "sensitive_fields"
+    services.tenant_settings_update(
+        tenant=tenant_a,
+        actor=SYSTEM,
+        name="A",
+        value_max_bytes=None,
+        trash_retention_days=None,
+        sensitive_keys=["user:*:phone"],
+        sensitive_fields=["email"],
+    )
+    tenant_a.refresh_from_db()
+    assert tenant_a.sensitive_keys == ["user:*:phone"] and tenant_a.sensitive_fields == ["email"]
+    assert write(tenant_a, "user:u1:contact", {"email": CANARY}).sensitive
+
+
+def test_a_sensitive_memory_is_embedded_by_its_key_only(tenant_a):
+    from memories.models import MemoryEmbedding
+    from memories.search import embeddings
+
+    secret = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    plain = write(tenant_a, "user:u1:pet", CANARY)
+    assert embeddings.embeddings_refresh()["embedded"] == 2
+    rows = {e.memory_id: e for e in MemoryEmbedding.objects.filter(tenant_id=tenant_a.pk)}
+    assert rows[secret.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=secret.key, value=None))
+    assert rows[plain.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=plain.key, value=CANARY))
+
+
+@pytest.mark.django_db
+def test_bench_crypto_prints_both_kinds_and_their_ratios(capsys):
+    call_command("bench_crypto", "--n", "3", "--keys", "2", "--json")
+    result = json.loads(capsys.readouterr().out)
+    for name in ("write_plain", "write_sensitive", "read_plain", "read_sensitive"):
+        assert result[name]["n"] == 3 and result[name]["errors"] == 0
+    assert result["ratio_write_p50"] > 0 and result["ratio_read_p50"] > 0 and result["primitives_us"]["seal"] > 0
