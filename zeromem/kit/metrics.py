@@ -100,7 +100,11 @@ def _sample_pool() -> None:
     if now < _next_pool_sample:
         return
     _next_pool_sample = now + POOL_SAMPLE_SECONDS
-    pool = getattr(connections["default"], "pool", None) if connections["default"].vendor == "postgresql" else None
+    default = connections["default"]
+    # Only a pool that exists: the ``pool`` property would open one (with the settings of the
+    # moment, e.g. before a test database replaces the configured one).
+    pools = getattr(default, "_connection_pools", {}) if default.vendor == "postgresql" else {}
+    pool = pools.get(default.alias)
     if pool is None:
         return
     stats = pool.get_stats()
