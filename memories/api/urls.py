@@ -14,5 +14,6 @@ urlpatterns = [
     path("jobs/<int:job_id>", views.JobDetailView.as_view(), name="jobs-detail"),
     path("forget-requests", views.ForgetRequestListView.as_view(), name="forget-requests-list"),
     path("forget-requests/<int:request_id>", views.ForgetRequestDetailView.as_view(), name="forget-requests-detail"),
+    path("anthropic/memory", views.AnthropicMemoryView.as_view(), name="anthropic-memory"),
     path("subjects/<str:subject>/portal-link", views.PortalLinkCreateView.as_view(), name="subjects-portal-link"),
 ]
