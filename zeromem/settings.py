@@ -231,6 +231,12 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 # longer than its lease (a crashed process) lapses.
 ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
 ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
+# Idempotency-Key: how long a first answer is replayed to retries (then purged), how long a
+# concurrent duplicate waits for the first request to finish (then 409, Retry-After), and
+# after how long an unfinished first request (its process died) no longer holds the key.
+ZEROMEM_IDEMPOTENCY_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_SECONDS", default=24 * 3600)
+ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = env.float("ZEROMEM_IDEMPOTENCY_WAIT_SECONDS", default=10.0)
+ZEROMEM_IDEMPOTENCY_LEASE_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_LEASE_SECONDS", default=300)
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
 # Failed authentications per minute, per client address and per key prefix, before 429.
 ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)

@@ -43,6 +43,7 @@ from django_q.tasks import async_task
 from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
+from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
 from memories.services.summaries import summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
@@ -563,6 +564,8 @@ def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
             completed_at=_iso(now),
         )
         _advance(request_id, Status.COMPLETED, completed_at=now, receipt=receipt, progress_at=now, error="")
+        # Stored first answers of Idempotency-Key requests may hold the erased values.
+        idempotency_tenant_forget(tenant=request.tenant)
         audit_record(
             tenant=request.tenant,
             actor=Actor.system(job=FORGET_JOB),
