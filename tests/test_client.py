@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +49,11 @@ def test_importable_without_django():
 
 
 def test_installs_with_pip(tmp_path):
+    # From a copy: setuptools leaves build/ and *.egg-info beside the sources it builds.
+    source = shutil.copytree(CLIENT_DIR, tmp_path / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
     target = tmp_path / "site"
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
-        + ["--target", str(target), str(CLIENT_DIR)],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"] + ["--target", str(target), str(source)],
         capture_output=True,
         text=True,
     )
