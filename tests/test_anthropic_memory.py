@@ -6,6 +6,7 @@ ZeroMem. Each result is compared with what the SDK's own file-system backend
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -15,8 +16,8 @@ import anthropic
 import pytest
 from anthropic.lib.tools._beta_builtin_memory_tool import BetaLocalFilesystemMemoryTool
 from anthropic.lib.tools._beta_functions import ToolError
-from zeromem_client import ZeroMem
-from zeromem_client.anthropic import ZeroMemMemoryTool
+from zeromem_client import AsyncZeroMem, ZeroMem
+from zeromem_client.anthropic import AsyncZeroMemMemoryTool, ZeroMemMemoryTool
 
 from audit.models import AuditEvent
 from memories.models import Memory
@@ -189,6 +190,38 @@ def test_the_sdk_tool_runner_drives_all_six_commands_into_zeromem(live_server, a
     surfaces = set(AuditEvent.objects.filter(tenant=tenant, action__startswith="memory.").values_list("surface"))
     assert surfaces == {("anthropic_memory",)}
     assert AuditEvent.objects.filter(tenant=tenant, action="memory.write", outcome="ok").count() == 3
+
+
+def test_the_async_tool_runner_with_the_async_tool(live_server, acme, tmp_path):
+    tenant, raw = acme
+    script = [
+        {"command": "create", "path": "/memories/a.md", "file_text": "one\ntwo\n"},
+        {"command": "insert", "path": "/memories/a.md", "insert_line": 0, "insert_text": "zero"},
+        {"command": "view", "path": "/memories/a.md"},
+        {"command": "view", "path": "/memories/missing.md"},
+    ]
+    fake = FakeAnthropic(script)
+
+    async def main():
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            client = anthropic.AsyncAnthropic(base_url=fake.url, api_key="sk-fake", max_retries=0)
+            runner = client.beta.messages.tool_runner(
+                model="claude-fake",
+                max_tokens=1024,
+                tools=[AsyncZeroMemMemoryTool(zm, root="user:u1:memories")],
+                messages=[{"role": "user", "content": "Count."}],
+            )
+            return await runner.until_done()
+
+    try:
+        final = asyncio.run(main())
+    finally:
+        fake.server.shutdown()
+        fake.server.server_close()
+    assert final.content[0].text == "Noted."
+    ours = [(_content(r), bool(r.get("is_error"))) for r in fake.tool_results()]
+    assert ours == _reference_results(tmp_path, script)
+    assert Memory.objects.get(tenant=tenant, key="user:u1:memories:a.md").value == "zero\none\ntwo\n"
 
 
 def test_root_is_governed_by_the_allowlist_and_scopes(api, tenant_a, make_client):

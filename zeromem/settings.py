@@ -330,6 +330,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",  # the default
         "zeromem.kit.api.schema_closed_request_bodies",
+        "zeromem.kit.api.schema_idempotency_header",
     ],
 }
 

@@ -116,6 +116,38 @@ def schema_closed_request_bodies(result, generator, request, public):
     return result
 
 
+IDEMPOTENCY_PARAMETER = {
+    "in": "header",
+    "name": "Idempotency-Key",
+    "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[\\x21-\\x7e]{1,255}$"},
+    "description": "a fresh id per logical request: a retry with the same key within 24 h gets the first answer "
+    "(Idempotent-Replayed: true) and the work is not done again",
+}
+
+
+def schema_idempotency_header(result, generator, request, public):
+    """drf-spectacular postprocessing hook: every authenticated write (POST, PUT, PATCH,
+    DELETE; all are AuditedAPIView) takes ``Idempotency-Key`` and may answer 409 (the first
+    request with that key still runs) and 422 (the key was used for another request)."""
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    for operations in result.get("paths", {}).values():
+        for method, operation in operations.items():
+            if method not in ("post", "put", "patch", "delete") or not operation.get("security"):
+                continue
+            operation.setdefault("parameters", []).append(dict(IDEMPOTENCY_PARAMETER))
+            responses = operation.setdefault("responses", {})
+            responses.setdefault(
+                "409", {"description": "idempotency_in_progress: a request with this Idempotency-Key still runs"}
+            )
+            responses["409"].setdefault("content", error)
+            responses.setdefault(
+                "422", {"description": "idempotency_key_reused: this Idempotency-Key was used for another request"}
+            )
+            responses["422"].setdefault("content", error)
+    return result
+
+
 class TenantAPIView(APIView):
     """Base of every tenant endpoint: the tenant and actor come from the API key, resolved
     once by authentication; nothing in the payload can name another tenant."""
