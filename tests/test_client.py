@@ -211,3 +211,33 @@ def test_writes_carry_one_idempotency_key_across_their_retries(live_server, zm_k
     assert seen[0] == ("GET", None)
     keys = {k for m, k in seen[1:]}
     assert [m for m, _ in seen[1:]] == ["POST"] * 3 and len(keys) == 1 and None not in keys
+
+
+class _LoseFirstAnswer(httpx.HTTPTransport):
+    """The network drops the first answer after the server has done the work."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost = 0
+
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        if self.lost == 0:
+            self.lost += 1
+            response.read()
+            response.close()
+            raise httpx.ReadError("connection reset", request=request)
+        return response
+
+
+def test_a_write_whose_answer_was_lost_is_retried_without_being_done_twice(live_server, zm_key):
+    tenant, raw = zm_key
+    transport = _LoseFirstAnswer()
+    with ZeroMem(live_server.url, raw, http=httpx.Client(transport=transport), sleep=lambda s: None) as zm:
+        zm.put("task:t1:count", 0)  # the answer is lost; the retry gets the stored one
+        assert transport.lost == 1
+        first = zm.get("task:t1:count")
+        moved = zm.memory_update(key="task:t1:count", value=1, expected_version=1)
+    assert first["version"] == 1 and moved["version"] == 2
+    assert Memory.objects.get(tenant=tenant, key="task:t1:count").version == 2
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write").count() == 1
