@@ -574,3 +574,34 @@ class TenantDashboardStats(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id} @ {self.computed_at:%Y-%m-%d %H:%M}"
+
+
+class IdempotencyRecord(models.Model):
+    """The first answer to a write sent with an ``Idempotency-Key`` header, so that a retry
+    of the same request (same tenant, API key and idempotency key, within
+    ``ZEROMEM_IDEMPOTENCY_SECONDS``) gets it again instead of doing the work twice.
+
+    Claimed (``status`` null) before the work starts; the answer is stored when it is done.
+    ``fingerprint`` is the SHA-256 of the request (method, path and query, If-Match, the
+    parsed body): the same key with another request is refused. The stored body can hold
+    memory values, so the purge schedule deletes records after their window and a forget
+    request deletes its tenant's records."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, db_index=False)
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)
+    status = models.PositiveSmallIntegerField(null=True, blank=True)  # null: the first request still runs
+    body = models.BinaryField(default=b"")
+    headers = models.JSONField(default=dict)
+    created_at = models.DateTimeField(default=timezone.now)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "api_key", "key"], name="idempotency_unique_key"),
+        ]
+        indexes = [models.Index(fields=["created_at"], name="idempotency_created")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.api_key_id}: {self.key}"

@@ -8,7 +8,7 @@ django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 
 from memories.search import embeddings
 from memories.search import index as search_index
-from memories.services import access, dashboard_stats, forget, retention, summaries
+from memories.services import access, dashboard_stats, forget, idempotency, retention, summaries
 
 
 def purge_expired_task() -> dict:
@@ -49,3 +49,7 @@ def search_stats_refresh_task() -> dict:
 
 def dashboard_stats_refresh_task() -> dict:
     return dashboard_stats.dashboard_stats_refresh_stale()
+
+
+def idempotency_purge_task() -> int:
+    return idempotency.idempotency_purge()

@@ -237,6 +237,9 @@ OUTCOMES["audit_checkpoint"] = _keyed(Expect(201), MISSING_SCOPE, NOT_ALLOWED, E
 # Portal links. A link is issued for a subject of the key's own tenant: another tenant's key
 # gets a link to its own u10086 (which sees none of tenant A: test_portal_matrix below); a
 # key limited to some prefixes gets none (the portal shows the whole subject).
+# Claude's memory tool: a view of /memories/pref_lang under the root user:u10086 is a read of
+# the target (another tenant finds no such file: a tool error result, 200).
+OUTCOMES["anthropic_memory"] = _keyed(Expect(200, check="sees_target"), MISSING_SCOPE, NOT_ALLOWED, Expect(200))
 OUTCOMES["portal_link"] = _keyed(Expect(201, check="portal_link"), MISSING_SCOPE, NOT_ALLOWED, Expect(201))
 # The deployment's metrics: the operator scope; nothing in them is a tenant's (the canary
 # checks hold), so another tenant's key with the scope reads the same; a limited key none.
@@ -285,6 +288,7 @@ NEEDED_SCOPE = {
     "lg_delete": Scope.MEMORY_DELETE,
     "lg_search": Scope.MEMORY_READ,
     "lg_namespaces": Scope.MEMORY_READ,
+    "anthropic_memory": Scope.MEMORY_READ,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -378,6 +382,7 @@ ROUTES: dict[str, Route] = {
     ),
     "api/v1/langgraph/store/items/search": Route(public=False, ops={"POST": "lg_search", "OPTIONS": "options"}),
     "api/v1/langgraph/store/namespaces": Route(public=False, ops={"POST": "lg_namespaces", "OPTIONS": "options"}),
+    "api/v1/anthropic/memory": Route(public=False, ops={"POST": "anthropic_memory", "OPTIONS": "options"}),
 }
 LANGGRAPH_ROUTES = {r for r in ROUTES if r.startswith("api/v1/langgraph/")}
 
@@ -400,6 +405,9 @@ URL_PARAMETERS["subject"] = "u10086"  # the target's subject
 ROUTE_BODIES = {"api/v1/summaries": {"prefix": "user:u10086:"}}
 ROUTE_BODIES["api/v1/forget-requests"] = {"keys": [TARGET], "reason": "matrix"}
 ROUTE_BODIES["api/v1/subjects/<str:subject>/portal-link"] = {}
+ROUTE_BODIES["api/v1/anthropic/memory"] = {"command": "view", "path": "/memories/pref_lang"}
+# Query strings of routes that take one (every method).
+ROUTE_QUERIES = {"api/v1/anthropic/memory": "?root=user:u10086"}
 
 
 @dataclass(frozen=True)
@@ -541,7 +549,7 @@ def _request_for(row: Row, key: str) -> tuple[str, str | None]:
     assert not unknown, f"{row.route.route}: no test value for URL parameter(s) {sorted(unknown)}"
     kwargs = {name: (key if name == "key" else URL_PARAMETERS[name]) for name in row.route.converters}
     assert row.route.name, f"{row.route.route} has no URL name; name it so the matrix can reverse it"
-    path = reverse(row.route.name, kwargs=kwargs or None)
+    path = reverse(row.route.name, kwargs=kwargs or None) + ROUTE_QUERIES.get(row.route.route, "")
     if row.tool:
         arguments = {k: (key if k == "key" else v) for k, v in TOOL_ROWS[row.tool][1].items()}
         call = {"id": "call_1", "name": row.tool, "arguments": arguments}

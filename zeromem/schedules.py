@@ -40,6 +40,8 @@ SCHEDULES = {
     # Unverified failed authentications are counted per source and minute; each closed
     # minute becomes one tenant-less auth.failed event with its count.
     "zeromem:auth-failures-flush": ("audit.tasks.audit_auth_failures_flush_task", Schedule.MINUTES, 1),
+    # Stored first answers of Idempotency-Key requests past ZEROMEM_IDEMPOTENCY_SECONDS (24 h).
+    "zeromem:idempotency-purge": ("memories.tasks.idempotency_purge_task", Schedule.HOURLY, None),
     # Audit events past each tenant's retention are deleted, whole seals at a time.
     "zeromem:audit-purge": ("audit.tasks.audit_purge_task", Schedule.DAILY, None),
 }

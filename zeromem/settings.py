@@ -287,7 +287,13 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 # a request past it waits this long for a slot, then gets 429 tenant_busy. A slot held
 # longer than its lease (a crashed process) lapses.
 ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
-ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.0)
+ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
+# Idempotency-Key: how long a first answer is replayed to retries (then purged), how long a
+# concurrent duplicate waits for the first request to finish (then 409, Retry-After), and
+# after how long an unfinished first request (its process died) no longer holds the key.
+ZEROMEM_IDEMPOTENCY_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_SECONDS", default=24 * 3600)
+ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = env.float("ZEROMEM_IDEMPOTENCY_WAIT_SECONDS", default=10.0)
+ZEROMEM_IDEMPOTENCY_LEASE_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_LEASE_SECONDS", default=300)
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
 # Encryption at rest (README "Encryption at rest"): base64 32-byte master keys, comma
 # separated; the first wraps new data keys, all of them unwrap. Never stored in the
@@ -393,6 +399,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",  # the default
         "zeromem.kit.api.schema_closed_request_bodies",
+        "zeromem.kit.api.schema_idempotency_header",
     ],
 }
 

@@ -406,3 +406,31 @@ class ForgetRequestListSerializer(serializers.Serializer):
 class PortalLinkSerializer(serializers.Serializer):
     url = serializers.URLField(help_text="the one-time link to hand to the end user")
     expires_at = serializers.DateTimeField(help_text="the link does not open after this")
+
+
+# --- Claude's memory tool ------------------------------------------------------------------
+
+
+class AnthropicMemoryCommandSerializer(serializers.Serializer):
+    """A ``memory_20250818`` tool_use ``input``, as Claude sends it. Which fields a command
+    takes: view (path, view_range), create (path, file_text), str_replace (path, old_str,
+    new_str), insert (path, insert_line, insert_text), delete (path), rename (old_path,
+    new_path); any other field is refused (unknown_field)."""
+
+    command = serializers.ChoiceField(choices=["view", "create", "str_replace", "insert", "delete", "rename"])
+    path = StrictCharField(required=False, help_text="/memories/...")
+    view_range = serializers.ListField(
+        child=serializers.IntegerField(), min_length=2, max_length=2, required=False, help_text="[start, end]; end -1"
+    )
+    file_text = StrictCharField(required=False, allow_blank=True, trim_whitespace=False)
+    old_str = StrictCharField(required=False, allow_blank=True, trim_whitespace=False)
+    new_str = StrictCharField(required=False, allow_blank=True, trim_whitespace=False)
+    insert_line = serializers.IntegerField(required=False)
+    insert_text = StrictCharField(required=False, allow_blank=True, trim_whitespace=False)
+    old_path = StrictCharField(required=False)
+    new_path = StrictCharField(required=False)
+
+
+class AnthropicMemoryResultSerializer(serializers.Serializer):
+    content = serializers.CharField(help_text="the tool_result content to hand back to Claude")
+    is_error = serializers.BooleanField(help_text="true: send it back as an error tool_result (is_error)")

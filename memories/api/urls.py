@@ -17,5 +17,6 @@ urlpatterns = [
     path("langgraph/store/items", langgraph.StoreItemsView.as_view(), name="langgraph-store-items"),
     path("langgraph/store/items/search", langgraph.StoreSearchView.as_view(), name="langgraph-store-search"),
     path("langgraph/store/namespaces", langgraph.StoreNamespacesView.as_view(), name="langgraph-store-namespaces"),
+    path("anthropic/memory", views.AnthropicMemoryView.as_view(), name="anthropic-memory"),
     path("subjects/<str:subject>/portal-link", views.PortalLinkCreateView.as_view(), name="subjects-portal-link"),
 ]

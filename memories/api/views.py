@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from memories import services, tools
 from memories.api import serializers as s
 from memories.portal.services import portal_link_create
+from memories.services.claude_memory import MemoryToolError, memory_tool_run
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kit.api import (
@@ -477,3 +478,40 @@ class PortalLinkCreateView(AuditedAPIView):
         url = f"{base}{path}" if base else request.build_absolute_uri(path)
         body = s.PortalLinkSerializer({"url": url, "expires_at": link.expires_at}).data
         return Response(body, status=status.HTTP_201_CREATED)
+
+
+# --- Claude's memory tool -----------------------------------------------------------------
+
+
+class AnthropicMemoryView(AuditedAPIView):
+    """Claude's memory tool (``memory_20250818``): the six commands on ``/memories/...``,
+    each file a memory under ``root`` (default ``claude:memories``; ``/memories/notes/a.md`` is
+    ``claude:memories:notes:a.md``). Post the tool_use ``input`` as is; the answer's
+    ``content`` and ``is_error`` go back to Claude as the tool_result. Scopes as the memory
+    operations need them (view: memory:read; create, str_replace, insert, rename:
+    memory:write; delete and rename: memory:delete); the key's allowlist must cover the root."""
+
+    surface = "anthropic_memory"
+    audit_actions = {"POST": "anthropic.memory"}
+
+    @extend_schema(
+        operation_id="anthropic_memory",
+        summary="Run one command of Claude's memory tool (memory_20250818) on ZeroMem memories",
+        parameters=[
+            OpenApiParameter(
+                "root",
+                {"type": "string", "maxLength": 400, "pattern": s.KEY_PATTERN},
+                description="the key /memories maps to (default claude:memories), e.g. user:u10086:memories",
+            )
+        ],
+        request=s.AnthropicMemoryCommandSerializer,
+        responses={200: s.AnthropicMemoryResultSerializer, **ERRORS},
+    )
+    def post(self, request):
+        try:
+            content = memory_tool_run(
+                tenant=self.tenant, actor=self.actor, command=request.data, root=request.query_params.get("root")
+            )
+        except MemoryToolError as exc:
+            return Response({"content": str(exc), "is_error": True})
+        return Response({"content": content, "is_error": False})

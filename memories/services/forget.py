@@ -43,6 +43,7 @@ from django_q.tasks import async_task
 from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import keyring, search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
+from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
 from memories.services.summaries import summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
@@ -599,6 +600,8 @@ def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
         _advance(request_id, Status.COMPLETED, completed_at=now, receipt=receipt, progress_at=now, error="")
         # The dashboard's stored figures may name the subject's namespaces: counted afresh.
         TenantDashboardStats.objects.filter(tenant_id=request.tenant_id).delete()
+        # Stored first answers of Idempotency-Key requests may hold the erased values.
+        idempotency_tenant_forget(tenant=request.tenant)
         audit_record(
             tenant=request.tenant,
             actor=Actor.system(job=FORGET_JOB),

@@ -48,6 +48,13 @@ class PreconditionFailed(ServiceError):
     default_code = "precondition_failed"
 
 
+class Unprocessable(ServiceError):
+    """Well-formed, but cannot be done as asked (an Idempotency-Key reused for another request)."""
+
+    http_status = 422
+    default_code = "unprocessable"
+
+
 class NotFound(ServiceError):
     """Nothing there for this caller: missing, or another tenant's, or outside the key's
     allowlist — indistinguishable on purpose. ``field`` names what was looked up."""

@@ -10,7 +10,7 @@ import time
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.db import InterfaceError, OperationalError
-from django.http import Http404
+from django.http import Http404, HttpResponse
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
@@ -19,8 +19,8 @@ from rest_framework.views import exception_handler as drf_exception_handler
 
 from audit import limits
 from audit.services import audit_refusal
-from memories.models import Tenant
-from memories.services import usage
+from memories.models import IdempotencyRecord, Tenant
+from memories.services import idempotency, usage
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import ServiceError, TenantBusy
 from zeromem.kernel.tokens import cost_of
@@ -117,6 +117,38 @@ def schema_closed_request_bodies(result, generator, request, public):
     return result
 
 
+IDEMPOTENCY_PARAMETER = {
+    "in": "header",
+    "name": "Idempotency-Key",
+    "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[\\x21-\\x7e]{1,255}$"},
+    "description": "a fresh id per logical request: a retry with the same key within 24 h gets the first answer "
+    "(Idempotent-Replayed: true) and the work is not done again",
+}
+
+
+def schema_idempotency_header(result, generator, request, public):
+    """drf-spectacular postprocessing hook: every authenticated write (POST, PUT, PATCH,
+    DELETE; all are AuditedAPIView) takes ``Idempotency-Key`` and may answer 409 (the first
+    request with that key still runs) and 422 (the key was used for another request)."""
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    for operations in result.get("paths", {}).values():
+        for method, operation in operations.items():
+            if method not in ("post", "put", "patch", "delete") or not operation.get("security"):
+                continue
+            operation.setdefault("parameters", []).append(dict(IDEMPOTENCY_PARAMETER))
+            responses = operation.setdefault("responses", {})
+            responses.setdefault(
+                "409", {"description": "idempotency_in_progress: a request with this Idempotency-Key still runs"}
+            )
+            responses["409"].setdefault("content", error)
+            responses.setdefault(
+                "422", {"description": "idempotency_key_reused: this Idempotency-Key was used for another request"}
+            )
+            responses["422"].setdefault("content", error)
+    return result
+
+
 class TenantAPIView(APIView):
     """Base of every tenant endpoint: the tenant and actor come from the API key, resolved
     once by authentication; nothing in the payload can name another tenant."""
@@ -210,13 +242,74 @@ def slot_wait(holder: str) -> str | None:
         time.sleep(0.05)
 
 
+class _Replay(Exception):
+    """Raised from ``initial`` to answer with a stored first answer (Idempotency-Key)."""
+
+    def __init__(self, response):
+        super().__init__("idempotent replay")
+        self.response = response
+
+
+IDEMPOTENT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
 class AuditedAPIView(TenantAPIView):
     # Refused requests that no service saw (malformed JSON, wrong types) are audited too;
     # audit_refusal skips an error a service has recorded already.
+    #
+    # Writes (POST, PUT, PATCH, DELETE) honour an Idempotency-Key header
+    # (memories/services/idempotency.py): once the key is authenticated and within its rate
+    # limit, the request claims the key or gets the first answer again (``Idempotent-Replayed:
+    # true``); the answer is stored as it leaves.
 
     audit_actions: dict[str, str] = {}
+    _idempotency_claim: int | None = None
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        raw = request.headers.get(idempotency.HEADER)
+        api_key = getattr(request.user, "api_key", None)
+        if raw is None or request.method not in IDEMPOTENT_METHODS or api_key is None:
+            return
+        key = idempotency.key(raw)
+        fingerprint = idempotency.fingerprint(
+            method=request.method,
+            path=request.get_full_path(),
+            if_match=request.headers.get("If-Match"),
+            data=request.data,
+        )
+        outcome = idempotency.claim(
+            tenant=self.tenant, api_key=api_key, key=key, fingerprint=fingerprint
+        )
+        if isinstance(outcome, IdempotencyRecord):
+            raise _Replay(_replayed(outcome))
+        self._idempotency_claim = outcome
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        response = super().finalize_response(request, response, *args, **kwargs)
+        claim, self._idempotency_claim = self._idempotency_claim, None
+        if claim is not None:
+            if response.streaming:
+                idempotency.release(claim)
+            else:
+                if not getattr(response, "is_rendered", True):
+                    response.render()
+                headers = {h: response[h] for h in idempotency.REPLAYED_HEADERS if response.has_header(h)}
+                idempotency.complete(claim, status=response.status_code, body=response.content, headers=headers)
+        return response
+
+    def dispatch(self, request, *args, **kwargs):
+        try:
+            return super().dispatch(request, *args, **kwargs)
+        finally:
+            # An exception no handler turned into an answer: the work did not finish.
+            claim, self._idempotency_claim = self._idempotency_claim, None
+            if claim is not None:
+                idempotency.release(claim)
 
     def handle_exception(self, exc):
+        if isinstance(exc, _Replay):
+            return exc.response
         refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError, ServiceError))
         principal = getattr(self.request, "_user", None)
         if refused and principal is not None and hasattr(principal, "tenant"):
@@ -255,3 +348,13 @@ class ResultCostMixin:
             if tenant is not None:
                 usage.result_returned(tenant_id=tenant.pk, size=size, tokens=tokens)
         return response
+
+
+def _replayed(record: IdempotencyRecord) -> HttpResponse:
+    response = HttpResponse(bytes(record.body), status=record.status)
+    if "Content-Type" not in record.headers:
+        del response["Content-Type"]
+    for name, value in record.headers.items():
+        response[name] = value
+    response["Idempotent-Replayed"] = "true"
+    return response

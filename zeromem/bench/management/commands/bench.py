@@ -32,6 +32,7 @@ import os
 import random
 import secrets
 import time
+import uuid
 
 from django.conf import settings
 from django.core.management.base import CommandError
@@ -220,6 +221,8 @@ class Command(BenchCommand):
             "write_http_vs_raw_p50": ratio(p("http_write", 50), p("raw_write", 50)),
             "write_http_vs_raw_p95": ratio(p("http_write", 95), p("raw_write", 95)),
             "write_http_vs_raw_p99": ratio(p("http_write", 99), p("raw_write", 99)),
+            "write_idempotency_key_vs_plain_p50": ratio(p("http_write_idem", 50), p("http_write", 50)),
+            "write_replay_vs_plain_p50": ratio(p("http_write_replay", 50), p("http_write", 50)),
             "audit_select_audit_commit_vs_select_commit_p50": ratio(
                 p("raw_select_audit_commit", 50), p("raw_select_commit", 50)
             ),
@@ -359,8 +362,28 @@ class Command(BenchCommand):
             key, j = keys[(i + nk // 2) % nk], i % nv
             return True, raw.write(key, self.write_values[j], self.write_search[j][key])
 
+        run = uuid.uuid4().hex[:8]
+
+        def http_write_idempotent(i):
+            # A fresh Idempotency-Key: claimed (INSERT) before the write, answer stored (UPDATE) after.
+            key, value = keys[(i + nk // 3) % nk], self.write_values[i % nv]
+            body = json.dumps({"name": "memory_write", "arguments": {"key": key, "value": value}}).encode()
+            headers = {"Idempotency-Key": f"bench-{run}-{i}"}
+            elapsed, status, data = client.request("POST", "/api/v1/tools/call", body, headers)
+            return status == 200 and json.loads(data).get("status") == "ok", elapsed
+
+        def http_write_replayed(i):
+            # 20 keys, each written once in the warm-up: every measured call is a replay.
+            n = i % 20
+            body = json.dumps({"name": "memory_write", "arguments": {"key": keys[n], "value": n}}).encode()
+            headers = {"Idempotency-Key": f"bench-{run}-replay-{n}"}
+            elapsed, status, data = client.request("POST", "/api/v1/tools/call", body, headers)
+            return status == 200 and json.loads(data).get("status") == "ok", elapsed
+
         ops = {
             "http_write": ("POST /api/v1/tools/call memory_write (update)", http_write),
+            "http_write_idem": ("the same with a fresh Idempotency-Key", http_write_idempotent),
+            "http_write_replay": ("a retry: the same call and Idempotency-Key, replayed", http_write_replayed),
             "raw_write": ("SELECT FOR UPDATE + UPDATE + version INSERT + audit INSERT + COMMIT", raw_write),
         }
         try:
@@ -497,7 +520,7 @@ class Command(BenchCommand):
         w(f"  {'operation':<26}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'n':>7}{'err':>5}  what")
         order = [
             ("a) read", ["http_read", "raw_read"]),
-            ("b) write", ["http_write", "raw_write"]),
+            ("b) write", ["http_write", "http_write_idem", "http_write_replay", "raw_write"]),
             ("c) audit", ["raw_select_commit", "raw_select_audit_commit", "raw_read_no_audit", "raw_pk_select"]),
             ("   floor", ["http_healthz"]),
         ]
@@ -529,6 +552,10 @@ class Command(BenchCommand):
         w(
             f"    counter UPDATE   full raw read / same without counter UPDATE p50 "
             f"{R['counter_raw_read_vs_raw_read_without_counter_p50']}×"
+        )
+        w(
+            f"    Idempotency-Key  write with a fresh key / plain write p50 {R['write_idempotency_key_vs_plain_p50']}×;"
+            f"  replayed retry / plain write p50 {R['write_replay_vs_plain_p50']}×"
         )
         w(f"    HTTP read / GET /healthz p50 {R['read_http_vs_healthz_p50']}×")
         t = r["throughput"]

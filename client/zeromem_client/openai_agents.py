@@ -1,0 +1,92 @@
+"""An OpenAI Agents SDK ``Session`` kept in ZeroMem: the conversation history of an agent
+survives the process, under the tenant's scopes, allowlist, audit and forget requests::
+
+    from agents import Agent, Runner
+    from zeromem_client import AsyncZeroMem
+    from zeromem_client.openai_agents import ZeroMemSession
+
+    session = ZeroMemSession("u10086-chat", AsyncZeroMem("http://127.0.0.1:8000", api_key="zm_..."))
+    await Runner.run(Agent(name="Assistant"), "My name is Ann", session=session)
+
+Each item is one memory, ``<prefix>:<session_id>:items:<20-digit nanosecond time>-<random>``
+(the prefix is ``agent_session`` unless given; not ``session:``, which the idle-session
+schedule summarizes), its value the item as JSON. Key order is the order the items were
+added (by the adding process's clock, never going back within one session object). An item
+must fit the tenant's value cap (16 KiB by default). Needs only httpx; ``agents`` is not
+imported here.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from zeromem_client import AsyncZeroMem, NotFound, PreconditionFailed
+
+__all__ = ["ZeroMemSession"]
+
+BATCH = 50
+
+
+class ZeroMemSession:
+    """Implements ``agents.memory.Session`` (``get_items``, ``add_items``, ``pop_item``,
+    ``clear_session``) over :class:`AsyncZeroMem`."""
+
+    session_settings = None
+
+    def __init__(self, session_id: str, client: AsyncZeroMem, *, prefix: str = "agent_session", session_settings=None):
+        self.session_id = session_id
+        self.client = client
+        self.base = f"{prefix}:{session_id}"
+        self.items_prefix = f"{self.base}:items:"
+        self._last_ns = 0
+        if session_settings is not None:
+            self.session_settings = session_settings
+
+    async def _all(self) -> list[dict]:
+        return [m async for m in self.client.iter(self.items_prefix)]
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        """The history, oldest first; with ``limit``, the latest ``limit`` items."""
+        items = [m["value"] for m in await self._all()]
+        return items if limit is None else items[-limit:] if limit > 0 else []
+
+    def _keys(self, count: int) -> list[str]:
+        # Time-ordered, fixed width (key order is time order), never going back within this
+        # session object, with a random tail so that two writers never pick the same key.
+        now = max(time.time_ns(), self._last_ns + 1)
+        self._last_ns = now + count
+        tail = secrets.token_hex(4)
+        return [f"{self.items_prefix}{now + i:020d}-{tail}" for i in range(count)]
+
+    async def add_items(self, items: list[Any]) -> None:
+        if not items:
+            return
+        calls = [
+            {"name": "memory_write", "arguments": {"key": key, "value": item}}
+            for key, item in zip(self._keys(len(items)), items, strict=True)
+        ]
+        for i in range(0, len(calls), BATCH):
+            for result in await self.client.batch(calls[i : i + BATCH]):
+                if result.get("status") != "ok":
+                    raise RuntimeError(f"ZeroMem refused a session item: {result.get('error')}")
+
+    async def pop_item(self) -> Any | None:
+        while True:
+            items = await self._all()
+            if not items:
+                return None
+            last = items[-1]
+            current = await self.client.get(last["key"])
+            try:
+                await self.client.delete(last["key"], if_match=current["etag"])
+            except (NotFound, PreconditionFailed):
+                continue  # another writer popped or changed it: look again
+            return current["value"]
+
+    async def clear_session(self) -> None:
+        keys = [m["key"] for m in await self._all()]
+        calls = [{"name": "memory_delete", "arguments": {"key": key}} for key in keys]
+        for i in range(0, len(calls), BATCH):
+            await self.client.batch(calls[i : i + BATCH])

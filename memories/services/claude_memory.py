@@ -1,0 +1,355 @@
+"""Claude's memory tool (``memory_20250818``) on ZeroMem memories.
+
+The model sees a directory, ``/memories``; each file is one memory whose value is the file's
+text. A path maps to a key under a root key (default ``claude:memories``, a request may name
+another, e.g. ``user:u10086:memories``): ``/memories/notes/a.md`` is the key
+``claude:memories:notes:a.md`` — path segments become key segments, so a path segment must be
+a valid key segment (letters, digits, ``_ - . @ + = ~``). Directories are not stored: a path
+is a directory when keys lie under it (``/memories`` itself always is one), so a directory
+disappears with its last file, as in git. The key's allowlist and scopes govern the root like
+any key; every step runs through the memory services (their audit events carry the
+surface, ``anthropic_memory``).
+
+The six commands answer with the texts of the Anthropic SDK's reference file-system backend
+(``anthropic.lib.tools._beta_builtin_memory_tool.BetaLocalFilesystemMemoryTool``); what it
+raises as a ``ToolError`` (an ``is_error`` tool result the model reads) is
+:class:`MemoryToolError` here. A directory's size in a listing is the bytes of the files
+under it (a file system shows its inode size).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+
+from memories.models import Tenant
+from memories.services import memories as mem
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+
+DEFAULT_ROOT = "claude:memories"
+ROOT_PATH = "/memories"
+MAX_LINES = 999999
+LINE_NUMBER_WIDTH = len(str(MAX_LINES))
+# A listing reads at most this many memories under the directory (200 per page).
+LIST_MAX_MEMORIES = 5000
+COMMANDS = ("view", "create", "str_replace", "insert", "delete", "rename")
+
+
+class MemoryToolError(Exception):
+    """What the model gets back as an error tool result (``is_error``), in the SDK's words."""
+
+
+@dataclass(frozen=True)
+class Place:
+    path: str  # as the model wrote it
+    key: str  # the memory key it maps to
+    is_root: bool
+
+
+class MemoryTool:
+    """One tenant's and actor's view of the ``/memories`` directory under ``root``."""
+
+    def __init__(self, *, tenant: Tenant, actor: Actor, root: Any = None):
+        root = DEFAULT_ROOT if root in (None, "") else root
+        self.root = validation.key(root, field="root")
+        self.tenant = tenant
+        self.actor = actor
+
+    # --- paths and keys ------------------------------------------------------------------
+
+    def place(self, path: str) -> Place:
+        if path != ROOT_PATH and not path.startswith(ROOT_PATH + "/"):
+            raise MemoryToolError(f"Path must start with /memories, got: {path}")
+        segments: list[str] = []
+        for segment in path[len(ROOT_PATH) :].split("/"):
+            if segment in ("", "."):
+                continue
+            if segment == "..":
+                if not segments:
+                    raise MemoryToolError(f"Path {path} would escape /memories directory")
+                segments.pop()
+                continue
+            segments.append(segment)
+        key = ":".join([self.root, *segments])
+        try:
+            validation.key(key)
+        except InvalidInput as exc:
+            raise MemoryToolError(
+                f"Path {path} cannot be stored: each name is letters, digits or _ - . @ + = ~ ({exc.message})"
+            ) from None
+        return Place(path=path, key=key, is_root=not segments)
+
+    def _text(self, place: Place) -> tuple[str, int] | None:
+        """The file's text and version, or None when there is no file at the path."""
+        if place.is_root:
+            return None
+        try:
+            memory = mem.memory_read(tenant=self.tenant, actor=self.actor, key=place.key).memory
+        except NotFound:
+            return None
+        value = memory.value
+        return (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)), memory.version
+
+    def _under(self, place: Place, *, limit: int = LIST_MAX_MEMORIES) -> list:
+        """The live memories under the directory ``place``, in key order."""
+        found: list = []
+        cursor = None
+        while len(found) < limit:
+            page = mem.memory_list(
+                tenant=self.tenant,
+                actor=self.actor,
+                prefix=place.key + ":",
+                limit=min(validation.LIMIT_MAX, limit - len(found)),
+                cursor=cursor,
+                keys_only=False,
+            )
+            found.extend(page.keys)
+            cursor = page.next_cursor
+            if not cursor:
+                break
+        return found
+
+    def _is_dir(self, place: Place) -> bool:
+        return place.is_root or bool(self._under(place, limit=1))
+
+    def _write(self, key: str, text: str) -> None:
+        try:
+            mem.memory_write(tenant=self.tenant, actor=self.actor, key=key, value=text)
+        except PayloadTooLarge as exc:
+            raise MemoryToolError(f"The file is too large: {exc.message}") from None
+
+    def _update(self, place: Place, text: str, version: int) -> None:
+        try:
+            mem.memory_update(tenant=self.tenant, actor=self.actor, key=place.key, value=text, expected_version=version)
+        except PayloadTooLarge as exc:
+            raise MemoryToolError(f"The file is too large: {exc.message}") from None
+        except (Conflict, NotFound):
+            raise MemoryToolError(
+                f"The file {place.path} no longer exists (may have been deleted or renamed concurrently)."
+            ) from None
+
+    # --- the commands --------------------------------------------------------------------
+
+    def view(self, path: str, view_range: list[int] | None = None) -> str:
+        place = self.place(path)
+        found = self._text(place)
+        if found is not None:
+            return self._view_file(path, found[0], view_range)
+        memories = self._under(place)
+        if not memories and not place.is_root:
+            raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
+        return self._listing(path, place, memories)
+
+    def _view_file(self, path: str, content: str, view_range: list[int] | None) -> str:
+        lines = content.split("\n")
+        if len(lines) > MAX_LINES:
+            raise MemoryToolError(f"File {path} exceeds maximum line limit of 999,999 lines.")
+        display, start = lines, 1
+        if view_range and len(view_range) == 2:
+            first = max(1, view_range[0]) - 1
+            end = len(lines) if view_range[1] == -1 else view_range[1]
+            display, start = lines[first:end], first + 1
+        numbered = [f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}" for i, line in enumerate(display)]
+        return f"Here's the content of {path} with line numbers:\n" + "\n".join(numbered)
+
+    def _listing(self, path: str, place: Place, memories: list) -> str:
+        # Relative names → size; a directory's size is the bytes of the files under it.
+        files: dict[tuple[str, ...], int] = {}
+        for memory in memories:
+            rel = tuple(memory.key[len(place.key) + 1 :].split(":"))
+            value = memory.value if isinstance(memory.value, str) else json.dumps(memory.value, ensure_ascii=False)
+            files[rel] = len(value.encode("utf-8"))
+        dirs: dict[tuple[str, ...], int] = {}
+        for rel, size in files.items():
+            for depth in range(1, len(rel)):
+                dirs[rel[:depth]] = dirs.get(rel[:depth], 0) + size
+        items: list[tuple[str, str]] = []
+
+        def collect(parent: tuple[str, ...], depth: int) -> None:
+            children = (rel for rel in (*files, *dirs) if len(rel) == len(parent) + 1 and rel[:-1] == parent)
+            names = sorted({rel[-1] for rel in children})
+            for name in names:
+                if name.startswith("."):
+                    continue
+                rel = (*parent, name)
+                if rel in dirs:
+                    items.append((_format_size(dirs[rel]), "/".join(rel) + "/"))
+                    if depth < 2:
+                        collect(rel, depth + 1)
+                if rel in files:
+                    items.append((_format_size(files[rel]), "/".join(rel)))
+
+        collect((), 1)
+        header = f"Here're the files and directories up to 2 levels deep in {path}, excluding hidden items:"
+        lines = [f"{_format_size(sum(files.values()))}\t{path}"]
+        lines.extend(f"{size}\t{path}/{name}" for size, name in items)
+        return f"{header}\n" + "\n".join(lines)
+
+    def create(self, path: str, file_text: str) -> str:
+        place = self.place(path)
+        if place.is_root or self._text(place) is not None or self._is_dir(place):
+            raise MemoryToolError(f"File {path} already exists")
+        self._write(place.key, file_text)
+        return f"File created successfully at: {path}"
+
+    def _file(self, path: str) -> tuple[Place, str, int]:
+        place = self.place(path)
+        found = self._text(place)
+        if found is None:
+            if self._is_dir(place):
+                raise MemoryToolError(f"The path {path} is not a file.")
+            raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
+        return place, *found
+
+    def str_replace(self, path: str, old_str: str, new_str: str) -> str:
+        place, content, version = self._file(path)
+        count = content.count(old_str) if old_str else 0
+        if count == 0:
+            raise MemoryToolError(
+                f"No replacement was performed, old_str `{old_str}` did not appear verbatim in {path}."
+            )
+        if count > 1:
+            lines_at, start = [], 0
+            while (pos := content.find(old_str, start)) != -1:
+                lines_at.append(content[:pos].count("\n") + 1)
+                start = pos + 1
+            raise MemoryToolError(
+                f"No replacement was performed. Multiple occurrences of old_str `{old_str}` in lines: "
+                f"{', '.join(map(str, lines_at))}. Please ensure it is unique"
+            )
+        changed = content[: content.find(old_str)].count("\n")
+        new_content = content.replace(old_str, new_str)
+        self._update(place, new_content, version)
+        new_lines = new_content.split("\n")
+        first, end = max(0, changed - 2), min(len(new_lines), changed + 3)
+        snippet = [f"{str(n).rjust(LINE_NUMBER_WIDTH)}\t{new_lines[n - 1]}" for n in range(first + 1, end + 1)]
+        return "The memory file has been edited. Here is the snippet showing the change (with line numbers):\n" + (
+            "\n".join(snippet)
+        )
+
+    def insert(self, path: str, insert_line: int, insert_text: str) -> str:
+        place, content, version = self._file(path)
+        lines = content.split("\n")
+        if lines[-1] == "":
+            lines.pop()
+        if insert_line < 0 or insert_line > len(lines):
+            raise MemoryToolError(
+                f"Invalid `insert_line` parameter: {insert_line}. It should be within the range [0, {len(lines)}]."
+            )
+        lines.insert(insert_line, insert_text.rstrip("\n"))
+        new_content = "\n".join(lines)
+        if not new_content.endswith("\n"):
+            new_content += "\n"
+        self._update(place, new_content, version)
+        return f"The file {path} has been edited."
+
+    def delete(self, path: str) -> str:
+        place = self.place(path)
+        if place.is_root:
+            raise MemoryToolError("Cannot delete the /memories directory itself")
+        is_file = self._text(place) is not None
+        under = self._under(place)
+        if not is_file and not under:
+            raise MemoryToolError(f"The path {path} does not exist")
+        with transaction.atomic():
+            for key in ([place.key] if is_file else []) + [m.key for m in under]:
+                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=key)
+        return f"Successfully deleted {path}"
+
+    def rename(self, old_path: str, new_path: str) -> str:
+        old, new = self.place(old_path), self.place(new_path)
+        if old.is_root:
+            raise MemoryToolError("Cannot rename the /memories directory itself")
+        if new.is_root or self._text(new) is not None or self._is_dir(new):
+            raise MemoryToolError(f"The destination {new_path} already exists")
+        found = self._text(old)
+        under = [] if found is not None else self._under(old)
+        if found is None and not under:
+            raise MemoryToolError(f"The path {old_path} does not exist")
+        if new.key.startswith(old.key + ":"):
+            raise MemoryToolError(f"Cannot move {old_path} into itself ({new_path})")
+        moves = [(old.key, new.key, found[0])] if found is not None else []
+        for memory in under:
+            text = memory.value if isinstance(memory.value, str) else json.dumps(memory.value, ensure_ascii=False)
+            moves.append((memory.key, new.key + memory.key[len(old.key) :], text))
+        with transaction.atomic():
+            for source, target, text in moves:
+                self._write(target, text)
+                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=source)
+        return f"Successfully renamed {old_path} to {new_path}"
+
+
+def _format_size(size: int) -> str:
+    if size == 0:
+        return "0B"
+    units = ["B", "K", "M", "G"]
+    i = min((size.bit_length() - 1) // 10, len(units) - 1)
+    value = size / (1024**i)
+    return f"{int(value)}{units[i]}" if value == int(value) else f"{value:.1f}{units[i]}"
+
+
+# --- one command as the model sends it ------------------------------------------------------
+
+
+def _string(command: dict, name: str, *, required: bool = True) -> str | None:
+    value = command.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise InvalidInput("is required (a string)" if value is None else "must be a string", field=name)
+    return value
+
+
+def _integer(command: dict, name: str) -> int:
+    value = command.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput("is required (an integer)" if value is None else "must be an integer", field=name)
+    return value
+
+
+FIELDS = {
+    "view": ("path", "view_range"),
+    "create": ("path", "file_text"),
+    "str_replace": ("path", "old_str", "new_str"),
+    "insert": ("path", "insert_line", "insert_text"),
+    "delete": ("path",),
+    "rename": ("old_path", "new_path"),
+}
+
+
+def memory_tool_run(*, tenant: Tenant, actor: Actor, command: Any, root: Any = None) -> str:
+    """Run one ``memory_20250818`` command (the tool_use ``input``) and return the tool result
+    text; :class:`MemoryToolError` is the error result the model should see. A command that
+    is not shaped as the tool's schema says is :class:`InvalidInput` naming the field."""
+    if not isinstance(command, dict):
+        raise InvalidInput("the body must be a JSON object (the tool_use input)", field="body")
+    name = command.get("command")
+    if name not in COMMANDS:
+        raise InvalidInput(f"must be one of {', '.join(COMMANDS)}", field="command")
+    for field in command:
+        if field != "command" and field not in FIELDS[name]:
+            raise InvalidInput(f"{name} takes no field '{field}'", field=field, code="unknown_field")
+    tool = MemoryTool(tenant=tenant, actor=actor, root=root)
+    if name == "view":
+        view_range = command.get("view_range")
+        if view_range is not None and (
+            not isinstance(view_range, list)
+            or len(view_range) != 2
+            or any(isinstance(n, bool) or not isinstance(n, int) for n in view_range)
+        ):
+            raise InvalidInput("must be two integers [start, end] (end -1: to the end)", field="view_range")
+        return tool.view(_string(command, "path"), view_range)
+    if name == "create":
+        return tool.create(_string(command, "path"), _string(command, "file_text"))
+    if name == "str_replace":
+        return tool.str_replace(_string(command, "path"), _string(command, "old_str"), _string(command, "new_str"))
+    if name == "insert":
+        return tool.insert(_string(command, "path"), _integer(command, "insert_line"), _string(command, "insert_text"))
+    if name == "delete":
+        return tool.delete(_string(command, "path"))
+    return tool.rename(_string(command, "old_path"), _string(command, "new_path"))

@@ -1,0 +1,138 @@
+"""Safe retries: the ``Idempotency-Key`` header on writes (tool calls, batches, REST writes).
+
+A write sent with a key claims it (one INSERT, its own transaction, unique per tenant, API
+key and idempotency key) before the work starts, and stores its answer — status, body and the
+headers that matter (``Content-Type``, ``ETag``, ``Location``) — when done. A retry within
+``ZEROMEM_IDEMPOTENCY_SECONDS`` (24 h) gets that answer without the work being done again; a
+duplicate arriving while the first still runs waits for it (up to
+``ZEROMEM_IDEMPOTENCY_WAIT_SECONDS``, then 409 ``idempotency_in_progress`` with Retry-After);
+the same key with a different request (method, path and query, If-Match, body) is 422
+``idempotency_key_reused``. Answers that say "not done, retry" (429, 5xx) are not kept, so
+the retry does the work. A claim left unfinished by a process that died is given up after
+``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS``.
+
+Caveat: the answer is stored right after the work's own transaction commits, not inside it;
+a process killed between the two leaves the claim unfinished, and a retry after the lease
+runs the work again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from memories.models import ApiKey, IdempotencyRecord, Tenant
+from zeromem.kernel.errors import Conflict, InvalidInput, Unprocessable
+
+HEADER = "Idempotency-Key"
+KEY_RE = re.compile(r"[\x21-\x7e]{1,255}")  # printable ASCII, no blanks (as Stripe's and the IETF draft's)
+REPLAYED_HEADERS = ("Content-Type", "ETag", "Location")
+PURGE_BATCH = 5000
+
+
+def key(raw: Any) -> str:
+    if not isinstance(raw, str) or not KEY_RE.fullmatch(raw):
+        raise InvalidInput("must be 1-255 printable ASCII characters without spaces", field=HEADER)
+    return raw
+
+
+def fingerprint(*, method: str, path: str, if_match: str | None, data: Any) -> str:
+    body = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    text = "\n".join([method, path, if_match or "", body])
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str) -> int | IdempotencyRecord:
+    """The new claim's id (do the work, then :func:`complete`), or the finished record whose
+    answer to replay. Raises 422 for another request under this key, 409 if the first
+    request is still running after the wait."""
+    deadline = time.monotonic() + settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS
+    while True:
+        now = timezone.now()
+        claimed = _insert(tenant_id=tenant.pk, api_key_id=api_key.pk, key=key, fingerprint=fingerprint, now=now)
+        if claimed is not None:
+            return claimed
+        record = IdempotencyRecord.objects.filter(tenant=tenant, api_key=api_key, key=key).first()
+        if record is None:
+            continue  # purged or released meanwhile: claim it
+        expired = record.created_at < now - timedelta(seconds=settings.ZEROMEM_IDEMPOTENCY_SECONDS)
+        abandoned = record.status is None and record.created_at < now - timedelta(
+            seconds=settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS
+        )
+        if expired or abandoned:
+            IdempotencyRecord.objects.filter(pk=record.pk, created_at=record.created_at).delete()
+            continue
+        if record.fingerprint != fingerprint:
+            raise Unprocessable(
+                f"this {HEADER} was already used for a different request (method, path or body); "
+                "use a new key for a new request",
+                code="idempotency_key_reused",
+                field=HEADER,
+            )
+        if record.status is not None:
+            return record
+        if time.monotonic() >= deadline:
+            raise Conflict(
+                f"a request with this {HEADER} is still running; retry to get its answer",
+                code="idempotency_in_progress",
+                field=HEADER,
+                retry_after=1,
+            )
+        time.sleep(0.05)
+
+
+_TABLE = IdempotencyRecord._meta.db_table
+# One statement, autocommitted: no transaction round trips, no exception on a taken key.
+_INSERT = (
+    f"INSERT INTO {_TABLE} (tenant_id, api_key_id, key, fingerprint, status, body, headers, created_at) "  # nosec B608
+    "VALUES (%s, %s, %s, %s, NULL, %s, %s, %s) ON CONFLICT (tenant_id, api_key_id, key) DO NOTHING RETURNING id"
+)
+
+
+def _insert(*, tenant_id: int, api_key_id: int, key: str, fingerprint: str, now) -> int | None:
+    with connection.cursor() as cursor:
+        ops = connection.ops
+        params = [tenant_id, api_key_id, key, fingerprint, b"", ops.adapt_json_value({}, None)]
+        cursor.execute(_INSERT, [*params, ops.adapt_datetimefield_value(now)])
+        row = cursor.fetchone()
+    return row[0] if row else None
+
+
+def complete(claim_id: int, *, status: int, body: bytes, headers: dict) -> None:
+    """Keep the answer — unless it says the work was not done (429, 5xx): then the claim
+    goes, and a retry does the work."""
+    if status == 429 or status >= 500:
+        release(claim_id)
+        return
+    IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).update(
+        status=status, body=body, headers=headers, completed_at=timezone.now()
+    )
+
+
+def release(claim_id: int) -> None:
+    IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).delete()
+
+
+def idempotency_purge(*, now=None) -> int:
+    """Delete records past their window, in batches (the schedule ``zeromem:idempotency-purge``)."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=settings.ZEROMEM_IDEMPOTENCY_SECONDS)
+    deleted = 0
+    while True:
+        ids = list(IdempotencyRecord.objects.filter(created_at__lt=cutoff).values_list("pk", flat=True)[:PURGE_BATCH])
+        if not ids:
+            return deleted
+        deleted += IdempotencyRecord.objects.filter(pk__in=ids).delete()[0]
+
+
+def tenant_forget(*, tenant: Tenant) -> int:
+    """A forget request drops its tenant's stored answers: they may hold the erased values
+    (a retry after it simply runs again). Called as a forget request completes."""
+    return IdempotencyRecord.objects.filter(tenant=tenant).delete()[0]

@@ -1,0 +1,281 @@
+"""Claude's memory tool (memory_20250818) on ZeroMem: POST /api/v1/anthropic/memory and the
+client's BetaAbstractMemoryTool, driven end to end by the real ``anthropic`` SDK's tool
+runner against a fake Anthropic API (a local HTTP server playing the model), into a live
+ZeroMem. Each result is compared with what the SDK's own file-system backend
+(BetaLocalFilesystemMemoryTool) answers to the same command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import anthropic
+import pytest
+from anthropic.lib.tools._beta_builtin_memory_tool import BetaLocalFilesystemMemoryTool
+from anthropic.lib.tools._beta_functions import ToolError
+from zeromem_client import AsyncZeroMem, ZeroMem
+from zeromem_client.anthropic import AsyncZeroMemMemoryTool, ZeroMemMemoryTool
+
+from audit.models import AuditEvent
+from memories.models import Memory
+from tests.factories import make_key, make_tenant
+from tests.helpers import rest_error
+
+URL = "/api/v1/anthropic/memory"
+
+# What the model does, one tool_use per turn; then it answers in text.
+SCRIPT = [
+    {"command": "view", "path": "/memories"},
+    {"command": "create", "path": "/memories/notes/coffee.md", "file_text": "likes coffee\nhates tea\n"},
+    {"command": "create", "path": "/memories/notes/coffee.md", "file_text": "again"},
+    {"command": "str_replace", "path": "/memories/notes/coffee.md", "old_str": "hates tea", "new_str": "loves tea"},
+    {"command": "str_replace", "path": "/memories/notes/coffee.md", "old_str": "absent", "new_str": "x"},
+    {"command": "insert", "path": "/memories/notes/coffee.md", "insert_line": 1, "insert_text": "oat milk\n"},
+    {"command": "insert", "path": "/memories/notes/coffee.md", "insert_line": 9, "insert_text": "too far"},
+    {"command": "view", "path": "/memories/notes/coffee.md", "view_range": [2, 3]},
+    {"command": "create", "path": "/memories/todo.md", "file_text": "- call Ann\n- call Ann\n"},
+    {"command": "str_replace", "path": "/memories/todo.md", "old_str": "call Ann", "new_str": "call Bo"},
+    {"command": "view", "path": "/memories"},
+    {"command": "rename", "old_path": "/memories/notes", "new_path": "/memories/prefs"},
+    {"command": "view", "path": "/memories/notes/coffee.md"},
+    {"command": "view", "path": "/memories/prefs/coffee.md"},
+    {"command": "rename", "old_path": "/memories/todo.md", "new_path": "/memories/prefs"},
+    {"command": "view", "path": "/etc/passwd"},
+    {"command": "view", "path": "/memories/../secrets"},
+    {"command": "delete", "path": "/memories/prefs"},
+    {"command": "delete", "path": "/memories/prefs/coffee.md"},
+    {"command": "delete", "path": "/memories"},
+]
+
+
+def _bind(handler) -> ThreadingHTTPServer:
+    """A server on a free port of this suite's range (18200-18249)."""
+    for port in range(18200, 18250):
+        try:
+            return ThreadingHTTPServer(("127.0.0.1", port), handler)
+        except OSError:
+            continue
+    raise RuntimeError("no free port in 18200-18249")
+
+
+class FakeAnthropic:
+    """The Messages API as the SDK calls it: each POST /v1/messages gets the next scripted
+    assistant turn; the requests (with the tool_results the runner sent) are kept."""
+
+    def __init__(self, script):
+        self.turns = [self._tool_use(i, command) for i, command in enumerate(script)] + [self._text("Noted.")]
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append(body)
+                out = json.dumps(fake.turns[len(fake.requests) - 1]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = _bind(Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def _message(content, stop_reason):
+        usage = {"input_tokens": 10, "output_tokens": 5}
+        return {
+            "id": "msg_fake",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-fake",
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+
+    def _tool_use(self, i, command):
+        block = {"type": "tool_use", "id": f"toolu_{i:02d}", "name": "memory", "input": command}
+        return self._message([block], "tool_use")
+
+    def _text(self, text):
+        return self._message([{"type": "text", "text": text}], "end_turn")
+
+    def tool_results(self) -> list[dict]:
+        results = []
+        for request in self.requests[1:]:
+            block = request["messages"][-1]["content"][0]
+            assert block["type"] == "tool_result"
+            results.append(block)
+        return results
+
+
+def _reference_results(tmp_path, script) -> list[tuple[str, bool]]:
+    """The SDK's own file-system backend on the same commands: (text, is_error) each."""
+    tool = BetaLocalFilesystemMemoryTool(base_path=str(tmp_path))
+    out = []
+    for command in script:
+        try:
+            out.append((tool.call(command), False))
+        except ToolError as exc:
+            out.append((str(exc), True))
+    return out
+
+
+def _content(block) -> str:
+    content = block["content"]
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def _without_dir_sizes(text: str) -> str:
+    # A file system lists a directory with its inode size (4.0K); ZeroMem with its files' bytes.
+    return re.sub(r"^[0-9.]+[BKMG]\t(\S+/)$|^[0-9.]+[BKMG]\t(/memories)$", r"DIR\t\1\2", text, flags=re.M)
+
+
+@pytest.fixture
+def acme(transactional_db):
+    tenant = make_tenant("acme")
+    return tenant, make_key(tenant)[1]
+
+
+def test_the_sdk_tool_runner_drives_all_six_commands_into_zeromem(live_server, acme, tmp_path):
+    tenant, raw = acme
+    fake = FakeAnthropic(SCRIPT)
+    with ZeroMem(live_server.url, raw) as zm:
+        memory = ZeroMemMemoryTool(zm)
+        client = anthropic.Anthropic(base_url=fake.url, api_key="sk-fake", max_retries=0)
+        runner = client.beta.messages.tool_runner(
+            model="claude-fake",
+            max_tokens=1024,
+            tools=[memory],
+            messages=[{"role": "user", "content": "Remember what I like."}],
+        )
+        final = runner.until_done()
+    fake.server.shutdown()
+    fake.server.server_close()
+    assert final.content[0].text == "Noted."
+    assert fake.requests[0]["tools"] == [{"type": "memory_20250818", "name": "memory"}]
+
+    results = fake.tool_results()
+    assert [r["tool_use_id"] for r in results] == [f"toolu_{i:02d}" for i in range(len(SCRIPT))]
+    ours = [(_content(r), bool(r.get("is_error"))) for r in results]
+    reference = _reference_results(tmp_path, SCRIPT)
+    for command, got, want in zip(SCRIPT, ours, reference, strict=True):
+        assert (_without_dir_sizes(got[0]), got[1]) == (_without_dir_sizes(want[0]), want[1]), command
+    # Spot checks of what the comparison covers.
+    assert ours[2] == ("File /memories/notes/coffee.md already exists", True)
+    assert ours[7][0] == (
+        "Here's the content of /memories/notes/coffee.md with line numbers:\n     2\toat milk\n     3\tloves tea"
+    )
+    assert ours[10][0].splitlines()[1:] == [
+        "54B\t/memories",
+        "32B\t/memories/notes/",
+        "32B\t/memories/notes/coffee.md",
+        "22B\t/memories/todo.md",
+    ]
+    assert "Multiple occurrences of old_str `call Ann` in lines: 1, 2" in ours[9][0]
+
+    live = dict(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", "value"))
+    assert live == {"claude:memories:todo.md": "- call Ann\n- call Ann\n"}
+    trashed = set(Memory.objects.filter(tenant=tenant, deleted_at__isnull=False).values_list("key", flat=True))
+    assert trashed == {"claude:memories:notes:coffee.md", "claude:memories:prefs:coffee.md"}
+    surfaces = set(AuditEvent.objects.filter(tenant=tenant, action__startswith="memory.").values_list("surface"))
+    assert surfaces == {("anthropic_memory",)}
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write", outcome="ok").count() == 3
+
+
+def test_the_async_tool_runner_with_the_async_tool(live_server, acme, tmp_path):
+    tenant, raw = acme
+    script = [
+        {"command": "create", "path": "/memories/a.md", "file_text": "one\ntwo\n"},
+        {"command": "insert", "path": "/memories/a.md", "insert_line": 0, "insert_text": "zero"},
+        {"command": "view", "path": "/memories/a.md"},
+        {"command": "view", "path": "/memories/missing.md"},
+    ]
+    fake = FakeAnthropic(script)
+
+    async def main():
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            client = anthropic.AsyncAnthropic(base_url=fake.url, api_key="sk-fake", max_retries=0)
+            runner = client.beta.messages.tool_runner(
+                model="claude-fake",
+                max_tokens=1024,
+                tools=[AsyncZeroMemMemoryTool(zm, root="user:u1:memories")],
+                messages=[{"role": "user", "content": "Count."}],
+            )
+            return await runner.until_done()
+
+    try:
+        final = asyncio.run(main())
+    finally:
+        fake.server.shutdown()
+        fake.server.server_close()
+    assert final.content[0].text == "Noted."
+    ours = [(_content(r), bool(r.get("is_error"))) for r in fake.tool_results()]
+    assert ours == _reference_results(tmp_path, script)
+    assert Memory.objects.get(tenant=tenant, key="user:u1:memories:a.md").value == "zero\none\ntwo\n"
+
+
+def test_root_is_governed_by_the_allowlist_and_scopes(api, tenant_a, make_client):
+    limited, _ = make_client(tenant_a, allow=["user:u1:"])
+    create = {"command": "create", "path": "/memories/a.md", "file_text": "hi"}
+    r = limited.post(URL, create)
+    assert r.status_code == 403 and rest_error(r)["code"] == "key_not_allowed"
+    r = limited.post(URL + "?root=user:u1:memories", create)
+    assert r.status_code == 200
+    assert r.json() == {"content": "File created successfully at: /memories/a.md", "is_error": False}
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:memories:a.md").value == "hi"
+    reader, _ = make_client(tenant_a, scopes=["memory:read"])
+    r = reader.post(URL + "?root=user:u1:memories", {"command": "delete", "path": "/memories/a.md"})
+    assert r.status_code == 403 and rest_error(r)["code"] == "missing_scope"
+    r = reader.post(URL + "?root=user:u1:memories", {"command": "view", "path": "/memories/a.md"})
+    assert r.json()["content"].endswith("     1\thi")
+
+
+def test_another_tenant_sees_nothing(api, api_b, tenant_a):
+    api.post(URL, {"command": "create", "path": "/memories/secret.md", "file_text": "CANARY-a"})
+    for command in (
+        {"command": "view", "path": "/memories"},
+        {"command": "view", "path": "/memories/secret.md"},
+        {"command": "delete", "path": "/memories/secret.md"},
+    ):
+        r = api_b.post(URL, command)
+        assert r.status_code == 200 and "CANARY" not in r.content.decode()
+    assert api_b.post(URL, {"command": "view", "path": "/memories"}).json()["content"].endswith("0B\t/memories")
+    assert Memory.objects.get(tenant=tenant_a, key="claude:memories:secret.md").deleted_at is None
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"path": "/memories"}, "command"),
+        ({"command": "rm", "path": "/memories"}, "command"),
+        ({"command": "view"}, "path"),
+        ({"command": "view", "path": 3}, "path"),
+        ({"command": "view", "path": "/memories", "view_range": [1]}, "view_range"),
+        ({"command": "create", "path": "/memories/a"}, "file_text"),
+        ({"command": "insert", "path": "/memories/a", "insert_line": "1", "insert_text": "x"}, "insert_line"),
+        ({"command": "delete", "path": "/memories/a", "force": True}, "force"),
+        ([1, 2], "body"),
+    ],
+)
+def test_malformed_commands_are_400_naming_the_field(api, tenant_a, body, field):
+    r = api.post(URL, body)
+    assert r.status_code == 400 and rest_error(r)["field"] == field
+    assert not Memory.objects.filter(tenant=tenant_a).exists()
+
+
+def test_a_path_that_is_not_a_key_is_a_tool_error_and_a_bad_root_a_400(api):
+    r = api.post(URL, {"command": "create", "path": "/memories/my notes.md", "file_text": "x"})
+    assert r.status_code == 200 and r.json()["is_error"] is True
+    assert r.json()["content"].startswith("Path /memories/my notes.md cannot be stored")
+    r = api.post(URL + "?root=bad%20root", {"command": "view", "path": "/memories"})
+    assert r.status_code == 400 and rest_error(r)["field"] == "root"

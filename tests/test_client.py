@@ -1,0 +1,251 @@
+"""The Python client (client/zeromem_client) against a live ZeroMem on the test database:
+tool calls, REST with ETags, batches, retries on ZeroMem's own 429s, sync and async, and
+that it installs with pip and imports without Django."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import zeromem_client
+from zeromem_client import AsyncZeroMem, NotFound, PreconditionFailed, RateLimited, ZeroMem, ZeroMemError
+
+from audit import limits
+from audit.models import AuditEvent
+from memories.models import Memory
+from tests.factories import make_key, make_tenant
+
+CLIENT_DIR = Path(__file__).resolve().parent.parent / "client"
+
+
+@pytest.fixture
+def zm_key(transactional_db):
+    tenant = make_tenant("acme")
+    _, raw = make_key(tenant)
+    return tenant, raw
+
+
+@pytest.fixture
+def zm(live_server, zm_key):
+    sleeps: list[float] = []
+    with ZeroMem(live_server.url, zm_key[1], sleep=sleeps.append) as client:
+        client.sleeps = sleeps
+        yield client
+
+
+def test_importable_without_django():
+    code = "import sys, zeromem_client; assert 'django' not in sys.modules, 'django imported'; print('ok')"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(CLIENT_DIR)}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_installs_with_pip(tmp_path):
+    # From a copy: setuptools leaves build/ and *.egg-info beside the sources it builds.
+    source = shutil.copytree(CLIENT_DIR, tmp_path / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    target = tmp_path / "site"
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"] + ["--target", str(target), str(source)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    dist = [p.name for p in target.iterdir() if p.name.endswith(".dist-info")]
+    assert dist == ["zeromem_client-0.1.0.dist-info"]
+    requires = (target / dist[0] / "METADATA").read_text()
+    assert "Requires-Dist: httpx" in requires
+    code = "import zeromem_client; print(zeromem_client.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True
+    )
+    assert out.stdout.startswith(str(target)), out.stderr
+
+
+def test_tool_calls_round_trip(zm, zm_key):
+    tenant, _ = zm_key
+    assert zm.memory_write(key="user:u1:pref_lang", value="zh-CN", tags=["lang"]) == {
+        "status": "ok",
+        "key": "user:u1:pref_lang",
+        "version": 1,
+        "created": True,
+    }
+    read = zm.memory_read(key="user:u1:pref_lang")
+    assert (read["status"], read["value"], read["version"]) == ("ok", "zh-CN", 1)
+    assert zm.memory_read(key="user:u1:nothing", default="en") == {
+        "status": "not_found",
+        "key": "user:u1:nothing",
+        "value": "en",
+    }
+    assert zm.memory_update(key="user:u1:pref_lang", value="en", expected_version=5)["status"] == "conflict"
+    assert zm.memory_update(key="user:u1:pref_lang", value="en", expected_version=1)["version"] == 2
+    assert zm.memory_list(prefix="user:u1:")["keys"] == ["user:u1:pref_lang"]
+    assert zm.memory_search(query="pref_lang")["results"][0]["key"] == "user:u1:pref_lang"
+    assert "user:u1:pref_lang: en" in zm.memory_recall(prefix="user:u1:")["text"]
+    assert {t["function"]["name"] for t in zm.tools()} == set(zeromem_client.TOOL_NAMES)
+    with pytest.raises(ZeroMemError) as exc:
+        zm.memory_write(key="bad key", value=1)
+    assert (exc.value.status, exc.value.code, exc.value.field) == (400, "invalid_key", "key")
+    assert zm.memory_delete(key="user:u1:pref_lang") == {"status": "ok"}
+    assert not Memory.objects.filter(tenant=tenant, key="user:u1:pref_lang", deleted_at__isnull=True).exists()
+
+
+def test_rest_resources_with_etags(zm, zm_key):
+    tenant, _ = zm_key
+    created = zm.put("task:t1:status", "open", tags=["t"])
+    assert (created["value"], created["version"]) == ("open", 1)
+    etag = zm.get("task:t1:status")["etag"]
+    assert etag == created["etag"]
+    moved = zm.put("task:t1:status", "doing", if_match=etag)
+    assert moved["version"] == 2 and moved["etag"] != etag
+    with pytest.raises(PreconditionFailed) as exc:
+        zm.put("task:t1:status", "lost update", if_match=etag)  # the version it read is gone
+    assert exc.value.status == 412
+    with pytest.raises(PreconditionFailed):
+        zm.delete("task:t1:status", if_match=etag)
+    assert Memory.objects.get(tenant=tenant, key="task:t1:status").value == "doing"
+    assert zm.patch("task:t1:status", importance=7, if_match=moved["etag"])["importance"] == 7
+    assert [v["version"] for v in zm.history("task:t1:status")] == [3, 2, 1]
+    for i in range(5):
+        zm.put(f"task:t1:step{i}", i)
+    assert zm.list("task:t1:", limit=2)["next_cursor"]
+    assert [m["key"] for m in zm.iter("task:t1:step", page_size=2)] == [f"task:t1:step{i}" for i in range(5)]
+    zm.delete("task:t1:status")
+    with pytest.raises(NotFound):
+        zm.get("task:t1:status")
+
+
+def test_batch(zm):
+    results = zm.batch(
+        [
+            {"name": "memory_write", "arguments": {"key": "fact:f1", "value": 1}},
+            {"name": "memory_write", "arguments": {"key": "bad key", "value": 2}},
+            {"name": "memory_read", "arguments": {"key": "fact:f1"}},
+        ]
+    )
+    assert [r["status"] for r in results] == ["ok", "error", "ok"]
+    assert results[1]["error"]["field"] == "key"
+    assert results[2]["value"] == 1
+
+
+def test_async_client(live_server, zm_key):
+    async def main():
+        async with AsyncZeroMem(live_server.url, zm_key[1]) as zm:
+            assert (await zm.memory_write(key="user:u2:name", value="Ann"))["created"] is True
+            assert (await zm.memory_read(key="user:u2:name"))["value"] == "Ann"
+            m = await zm.get("user:u2:name")
+            await zm.put("user:u2:name", "Bo", if_match=m["etag"])
+            with pytest.raises(PreconditionFailed):
+                await zm.put("user:u2:name", "Cy", if_match=m["etag"])
+            assert [r["status"] for r in await zm.batch([{"name": "memory_list", "arguments": {}}])] == ["ok"]
+            assert [x["key"] async for x in zm.iter("user:u2:")] == ["user:u2:name"]
+            return (await zm.get("user:u2:name"))["value"]
+
+    assert asyncio.run(main()) == "Bo"
+
+
+def test_rate_limited_is_retried_honouring_retry_after_then_raised(live_server, zm_key, settings):
+    """A real 429 from ZeroMem's limiter: the client waits each answer's Retry-After between
+    its bounded attempts (the clock is faked through ``sleep``), then raises."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    told = []
+
+    def record(response):
+        if response.status_code == 429:
+            told.append(int(response.headers["Retry-After"]))
+
+    sleeps = []
+    http = httpx.Client(event_hooks={"response": [record]})
+    with ZeroMem(live_server.url, zm_key[1], http=http, sleep=sleeps.append) as zm:
+        zm.memory_list()
+        zm.memory_list()
+        with pytest.raises(RateLimited) as exc:
+            zm.memory_list()
+    assert exc.value.code == "rate_limited"
+    assert len(told) == zm.max_attempts == 4 and len(sleeps) == 3  # 4 attempts, 3 waits
+    assert all(after <= s <= after + 0.1 for s, after in zip(sleeps, told, strict=False)), (sleeps, told)
+
+
+def test_tenant_busy_is_retried_until_it_passes(live_server, zm_key, settings):
+    """All of the tenant's slots are taken: a search gets a real 429 tenant_busy
+    (Retry-After: 1); a slot frees while the client waits, and the retry answers 200."""
+    tenant, raw = zm_key
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0
+    holder = f"tenant:{tenant.pk}"
+    tokens = [limits.slot_acquire(holder, limit=settings.ZEROMEM_TENANT_MAX_CONCURRENT, lease=60) for _ in range(4)]
+    assert all(tokens)
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        limits.slot_release(holder, tokens.pop())
+
+    with ZeroMem(live_server.url, raw, sleep=sleep) as zm:
+        assert zm.memory_search(query="anything")["status"] == "ok"
+    assert len(waits) == 1 and 1 <= waits[0] <= 1.1
+    refused = AuditEvent.objects.filter(tenant=tenant, action="memory.search").count()
+    assert refused == 1  # the search ran once: the refused attempt never reached the service
+
+
+def test_connection_errors_are_retried_a_bounded_number_of_times():
+    waits = []
+    with ZeroMem("http://127.0.0.1:18299", "zm_x_y", sleep=waits.append, max_attempts=3, backoff=0.2) as zm:
+        with pytest.raises(httpx.ConnectError):
+            zm.memory_read(key="a:b")
+    assert len(waits) == 2
+    assert 0 <= waits[0] <= 0.2 and 0 <= waits[1] <= 0.4  # full jitter under a doubling ceiling
+
+
+def test_writes_carry_one_idempotency_key_across_their_retries(live_server, zm_key, settings):
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 1
+    seen = []
+
+    def record(request):
+        seen.append((request.method, request.headers.get("Idempotency-Key")))
+
+    http = httpx.Client(event_hooks={"request": [record]})
+    with ZeroMem(live_server.url, zm_key[1], http=http, sleep=lambda s: None, max_attempts=3) as zm:
+        with pytest.raises(NotFound):
+            zm.get("a:b")  # a read: no key
+        with pytest.raises(RateLimited):
+            zm.memory_write(key="a:b", value=1)
+    assert seen[0] == ("GET", None)
+    keys = {k for m, k in seen[1:]}
+    assert [m for m, _ in seen[1:]] == ["POST"] * 3 and len(keys) == 1 and None not in keys
+
+
+class _LoseFirstAnswer(httpx.HTTPTransport):
+    """The network drops the first answer after the server has done the work."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost = 0
+
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        if self.lost == 0:
+            self.lost += 1
+            response.read()
+            response.close()
+            raise httpx.ReadError("connection reset", request=request)
+        return response
+
+
+def test_a_write_whose_answer_was_lost_is_retried_without_being_done_twice(live_server, zm_key):
+    tenant, raw = zm_key
+    transport = _LoseFirstAnswer()
+    with ZeroMem(live_server.url, raw, http=httpx.Client(transport=transport), sleep=lambda s: None) as zm:
+        zm.put("task:t1:count", 0)  # the answer is lost; the retry gets the stored one
+        assert transport.lost == 1
+        first = zm.get("task:t1:count")
+        moved = zm.memory_update(key="task:t1:count", value=1, expected_version=1)
+    assert first["version"] == 1 and moved["version"] == 2
+    assert Memory.objects.get(tenant=tenant, key="task:t1:count").version == 2
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write").count() == 1

@@ -1,0 +1,169 @@
+"""Idempotency-Key: a retried write gets the first answer and is not done again; another
+request under the same key is 422; a concurrent duplicate waits for the first answer; the
+answers are purged after their window, and by a forget request."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from audit import limits
+from audit.models import AuditEvent
+from memories import services
+from memories.models import IdempotencyRecord, Memory, MemoryVersion
+from memories.services.idempotency import idempotency_purge
+from memories.tasks import idempotency_purge_task
+from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant
+from tests.helpers import rest_error
+from zeromem.schedules import SCHEDULES
+
+CALL = "/api/v1/tools/call"
+BATCH = "/api/v1/tools/batch"
+
+
+def _key(value):
+    return {"Idempotency-Key": value}
+
+
+def test_a_retried_tool_call_gets_the_first_answer_without_doing_it_again(api, tenant_a):
+    api.call("memory_write", key="task:t1:step", value=1)
+    update = {"name": "memory_update", "arguments": {"key": "task:t1:step", "value": 2}}
+    first = api.post(CALL, update, headers=_key("k-1"))
+    again = api.post(CALL, update, headers=_key("k-1"))
+    assert first.status_code == again.status_code == 200
+    assert first.json() == again.json() == {"status": "ok", "key": "task:t1:step", "version": 2, "created": False}
+    assert again["Idempotent-Replayed"] == "true" and not first.has_header("Idempotent-Replayed")
+    memory = Memory.objects.get(tenant=tenant_a, key="task:t1:step")
+    assert memory.version == 2  # not 3: the retry did not update again
+    assert MemoryVersion.objects.filter(memory=memory).count() == 2
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.update").count() == 1
+    # A new key is a new request.
+    assert api.post(CALL, update, headers=_key("k-2")).json()["version"] == 3
+
+
+def test_rest_writes_replay_status_and_etag(api, tenant_a):
+    path = "/api/v1/memories/user:u1:name"
+    first = api.put(path, {"value": "Ann"}, headers=_key("put-1"))
+    again = api.put(path, {"value": "Ann"}, headers=_key("put-1"))
+    assert first.status_code == again.status_code == 201
+    assert again["ETag"] == first["ETag"] and again.content == first.content
+    assert again["Content-Type"] == first["Content-Type"] == "application/json"
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:name").version == 1
+    deleted = api.delete(path, headers={**_key("del-1"), "If-Match": first["ETag"]})
+    replayed = api.delete(path, headers={**_key("del-1"), "If-Match": first["ETag"]})
+    assert deleted.status_code == replayed.status_code == 204
+    assert api.delete(path, headers={"If-Match": first["ETag"]}).status_code == 412  # without the key: run again
+
+
+def test_a_batch_is_replayed_whole(api, tenant_a):
+    body = {"calls": [{"name": "memory_write", "arguments": {"key": f"fact:f{i}", "value": i}} for i in range(3)]}
+    first = api.post(BATCH, body, headers=_key("batch-1"))
+    again = api.post(BATCH, body, headers=_key("batch-1"))
+    assert first.json() == again.json() and [r["created"] for r in again.json()["results"]] == [True] * 3
+    assert MemoryVersion.objects.filter(tenant=tenant_a).count() == 3
+
+
+def test_the_same_key_with_another_request_is_422_and_changes_nothing(api, tenant_a):
+    api.post(CALL, {"name": "memory_write", "arguments": {"key": "a:b", "value": 1}}, headers=_key("same"))
+    before = MemoryVersion.objects.count()
+    for other in (
+        lambda: api.post(CALL, {"name": "memory_write", "arguments": {"key": "a:b", "value": 2}}, headers=_key("same")),
+        lambda: api.put("/api/v1/memories/a:b", {"value": 1}, headers=_key("same")),
+    ):
+        r = other()
+        assert r.status_code == 422
+        assert rest_error(r)["code"] == "idempotency_key_reused" and rest_error(r)["field"] == "Idempotency-Key"
+    assert MemoryVersion.objects.count() == before
+    assert Memory.objects.get(tenant=tenant_a, key="a:b").value == 1
+
+
+def test_keys_are_per_tenant_and_per_api_key(api, api_b, tenant_a, tenant_b):
+    call = {"name": "memory_write", "arguments": {"key": "user:u1:x", "value": "mine"}}
+    assert api.post(CALL, call, headers=_key("shared"))["Content-Type"] == "application/json"
+    other_key, _ = make_keyed_client(tenant_a)
+    r = other_key.post(CALL, {**call, "arguments": {"key": "user:u1:x", "value": "theirs"}}, headers=_key("shared"))
+    assert r.status_code == 200 and not r.has_header("Idempotent-Replayed") and r.json()["version"] == 2
+    r = api_b.post(CALL, call, headers=_key("shared"))
+    assert r.json()["created"] is True and not r.has_header("Idempotent-Replayed")
+    assert Memory.objects.get(tenant=tenant_b, key="user:u1:x").value == "mine"
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "x" * 256, "ключ"])
+def test_a_malformed_key_is_400_naming_the_header(api, tenant_a, bad):
+    r = api.post(CALL, {"name": "memory_write", "arguments": {"key": "a:b", "value": 1}}, headers=_key(bad))
+    assert r.status_code == 400 and rest_error(r)["field"] == "Idempotency-Key"
+    assert not Memory.objects.filter(tenant=tenant_a).exists()
+
+
+def test_an_answer_that_says_retry_is_not_kept(api, tenant_a, settings):
+    """A real 429 tenant_busy: the retry with the same key does the work."""
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0
+    holder = f"tenant:{tenant_a.pk}"
+    tokens = [limits.slot_acquire(holder, limit=settings.ZEROMEM_TENANT_MAX_CONCURRENT, lease=60) for _ in range(4)]
+    body = {"calls": [{"name": "memory_write", "arguments": {"key": "a:b", "value": 1}}]}
+    assert api.post(BATCH, body, headers=_key("busy")).status_code == 429
+    for token in tokens:
+        limits.slot_release(holder, token)
+    r = api.post(BATCH, body, headers=_key("busy"))
+    assert r.status_code == 200 and not r.has_header("Idempotent-Replayed")
+    assert Memory.objects.get(tenant=tenant_a, key="a:b").version == 1
+
+
+def test_after_the_window_the_key_is_new_and_the_purge_deletes_it(api, tenant_a):
+    call = {"name": "memory_update", "arguments": {"key": "a:b", "value": 2}}
+    api.call("memory_write", key="a:b", value=1)
+    api.post(CALL, call, headers=_key("old"))
+    api.post(CALL, {"name": "memory_read", "arguments": {"key": "a:b"}}, headers=_key("fresh"))
+    IdempotencyRecord.objects.filter(key="old").update(created_at=timezone.now() - timedelta(hours=24, seconds=1))
+    assert api.post(CALL, call, headers=_key("old")).json()["version"] == 3  # ran again
+    IdempotencyRecord.objects.filter(key="old").update(created_at=timezone.now() - timedelta(hours=25))
+    assert idempotency_purge() == 1
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == ["fresh"]
+    assert idempotency_purge_task() == 0
+    assert SCHEDULES["zeromem:idempotency-purge"][0] == "memories.tasks.idempotency_purge_task"
+
+
+def test_a_forget_request_drops_the_stored_answers(api, tenant_a):
+    api.call("memory_write", key="user:u7:secret", value="CANARY-forget")
+    api.post(CALL, {"name": "memory_read", "arguments": {"key": "user:u7:secret"}}, headers=_key("read-1"))
+    assert b"CANARY-forget" in bytes(IdempotencyRecord.objects.get(key="read-1").body)
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u7")
+    services.forget_request_execute(request_id=request.pk)
+    assert not IdempotencyRecord.objects.filter(tenant=tenant_a).exists()
+
+
+@pytest.mark.postgres
+def test_concurrent_duplicates_get_the_first_answer_and_write_once(live_server, transactional_db):
+    """Eight threads send the same write with the same key at once, against a live server:
+    one does the work, the others wait for its answer; one version, one audit event."""
+    tenant = make_tenant("acme")
+    _, raw = make_key(tenant)
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="task:t1:count", value=0)
+    url = f"{live_server.url}{CALL}"
+    headers = {"Authorization": f"Bearer {raw}", "Idempotency-Key": "once"}
+    body = {"name": "memory_update", "arguments": {"key": "task:t1:count", "value": 1}}
+    start = threading.Barrier(8)
+    answers = []
+
+    def send():
+        with httpx.Client(timeout=30) as http:
+            start.wait()
+            r = http.post(url, json=body, headers=headers)
+            answers.append((r.status_code, r.json(), r.headers.get("Idempotent-Replayed")))
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {(status, str(result)) for status, result, _ in answers} == {
+        (200, str({"status": "ok", "key": "task:t1:count", "version": 2, "created": False}))
+    }
+    assert sorted(replayed or "" for *_, replayed in answers) == [""] + ["true"] * 7
+    memory = Memory.objects.get(tenant=tenant, key="task:t1:count")
+    assert memory.version == 2
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.update").count() == 1

@@ -1,0 +1,154 @@
+"""The client's OpenAI Agents SDK Session (zeromem_client.openai_agents.ZeroMemSession): a
+round trip with the real ``openai-agents`` Runner (its model a fake OpenAI endpoint — a local
+HTTP server playing the model) into a live ZeroMem, and the four Session operations giving
+what the SDK's own SQLiteSession gives on the same calls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from agents import Agent, OpenAIChatCompletionsModel, Runner, SQLiteSession, set_tracing_disabled
+from agents.memory import Session
+from openai import AsyncOpenAI
+from zeromem_client import AsyncZeroMem
+from zeromem_client.openai_agents import ZeroMemSession
+
+from audit.models import AuditEvent
+from memories.models import Memory
+from tests.factories import make_key, make_tenant
+
+
+def _bind(handler) -> ThreadingHTTPServer:
+    for port in range(18250, 18300):
+        try:
+            return ThreadingHTTPServer(("127.0.0.1", port), handler)
+        except OSError:
+            continue
+    raise RuntimeError("no free port in 18250-18299")
+
+
+class FakeOpenAI:
+    """POST /v1/chat/completions: answers "Hello <n>" (n counts the requests); keeps the requests."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                out = json.dumps(
+                    {
+                        "id": f"chatcmpl-{len(fake.requests)}",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": "gpt-fake",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": f"Hello {len(fake.requests)}"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = _bind(Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def acme(transactional_db):
+    tenant = make_tenant("acme")
+    return tenant, make_key(tenant)[1]
+
+
+def test_runner_round_trip_keeps_the_history_in_zeromem(live_server, acme):
+    tenant, raw = acme
+    set_tracing_disabled(True)
+    fake = FakeOpenAI()
+
+    async def main():
+        model = OpenAIChatCompletionsModel(model="gpt-fake", openai_client=AsyncOpenAI(base_url=fake.url, api_key="x"))
+        agent = Agent(name="Assistant", instructions="Be brief.", model=model)
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            session = ZeroMemSession("chat-1", zm)
+            assert isinstance(session, Session)
+            first = await Runner.run(agent, "My name is Ann.", session=session)
+            second = await Runner.run(agent, "What is my name?", session=session)
+            # A new session object (another process) sees the same history.
+            history = await ZeroMemSession("chat-1", zm).get_items()
+            return first.final_output, second.final_output, history
+
+    try:
+        first, second, history = asyncio.run(main())
+    finally:
+        fake.close()
+    assert (first, second) == ("Hello 1", "Hello 2")
+    # The second model call was sent the first exchange, read back from ZeroMem.
+    sent = [(m["role"], m["content"]) for m in fake.requests[1]["messages"]]
+    assert sent == [
+        ("system", "Be brief."),
+        ("user", "My name is Ann."),
+        ("assistant", "Hello 1"),
+        ("user", "What is my name?"),
+    ]
+    assert [(i["role"], _text(i)) for i in history] == [
+        ("user", "My name is Ann."),
+        ("assistant", "Hello 1"),
+        ("user", "What is my name?"),
+        ("assistant", "Hello 2"),
+    ]
+    keys = list(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", flat=True))
+    assert len(keys) == 4 and all(k.startswith("agent_session:chat-1:items:") for k in keys)
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write").count() == 4
+
+
+def _text(item) -> str:
+    content = item["content"]
+    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
+def test_session_operations_match_the_sdks_sqlite_session(live_server, acme):
+    tenant, raw = acme
+    items = [{"role": "user", "content": f"message {i}"} for i in range(60)]  # more than one batch
+
+    async def run(session):
+        out = [await session.get_items(), await session.pop_item()]
+        await session.add_items(items[:3])
+        await session.add_items(items[3:])
+        out += [await session.get_items(limit=2), len(await session.get_items())]
+        out += [await session.pop_item(), await session.pop_item(), (await session.get_items())[-1]]
+        await session.clear_session()
+        out += [await session.get_items(), await session.pop_item()]
+        await session.add_items(items[:1])
+        out.append(await session.get_items())
+        return out
+
+    async def main():
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            return await run(ZeroMemSession("s-1", zm)), await run(SQLiteSession("s-1"))
+
+    ours, sqlite = asyncio.run(main())
+    assert ours == sqlite
+    assert ours[2] == items[58:] and ours[4] == items[59] and ours[6] == items[57]
+    live = Memory.objects.filter(tenant=tenant, deleted_at__isnull=True)
+    assert [m.value for m in live] == items[:1]
