@@ -80,7 +80,11 @@ from zeromem.kernel.scopes import ALL_SCOPES, Scope
 CANARY_A = "CANARY-acme-7f3a91c2"  # in tenant A's target memory: only the owner may see it
 CANARY_AGENT = "CANARY-agent-51be0d47"  # in tenant A's agent: memory (inside not_allowed's allowlist)
 CANARY_B = "CANARY-globex-c09e6a18"  # in tenant B's memory: only other_tenant may see it
-ALL_CANARIES = (CANARY_A, CANARY_AGENT, CANARY_B)
+# Forget requests' reasons: tenant A's (made by SYSTEM: only the owner's full key lists it)
+# and tenant B's (only tenant B's key).
+CANARY_FR_A = "CANARY-forget-acme-4d2e90"
+CANARY_FR_B = "CANARY-forget-globex-8a1b37"
+ALL_CANARIES = (CANARY_A, CANARY_AGENT, CANARY_B, CANARY_FR_A, CANARY_FR_B)
 
 TARGET = "user:u10086:pref_lang"  # tenant A's memory every keyed cell aims at
 AGENT_KEY = "agent:a1:pref_lang"  # tenant A, inside the not_allowed key's allowlist
@@ -99,7 +103,13 @@ SEED = {
 
 # What each identity may see: the keys a list returns, and the canaries it may read.
 VISIBLE_KEYS = {"owner": [AGENT_KEY, TARGET], "not_allowed": [AGENT_KEY], "other_tenant": [B_KEY]}
-VISIBLE_CANARIES = {"owner": {CANARY_A, CANARY_AGENT}, "not_allowed": {CANARY_AGENT}, "other_tenant": {CANARY_B}}
+VISIBLE_CANARIES = {
+    "owner": {CANARY_A, CANARY_AGENT, CANARY_FR_A},
+    "not_allowed": {CANARY_AGENT},
+    "other_tenant": {CANARY_B, CANARY_FR_B},
+}
+# The forget requests each identity lists (names of Identities attributes, ids set when built).
+VISIBLE_REQUESTS = {"owner": ["request_a"], "not_allowed": [], "other_tenant": ["request_b"]}
 
 IDENTITIES = ("owner", "wrong_scope", "not_allowed", "other_tenant", "revoked", "expired", "no_key", "malformed")
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -207,15 +217,20 @@ OUTCOMES["rest_summarize"] = _keyed(Expect(202), MISSING_SCOPE, NOT_ALLOWED, Exp
 OUTCOMES["tool_summarize"] = _keyed(Expect(200, result="ok"), MISSING_SCOPE, NOT_ALLOWED, Expect(200, result="ok"))
 # The owner's job summarizes user:u10086: (outside not_allowed's allowlist): not found for
 # not_allowed and for another tenant, like a job that does not exist.
-OUTCOMES["job_read"] = _keyed(Expect(200), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
+OUTCOMES["job_read"] = _keyed(Expect(200, check="sees_job"), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
 
 # Forget requests. Creating one only stores and queues it (the job runs after commit, which
 # these rolled-back cells never reach, so no memory changes); another tenant's request is
 # stored in its own tenant. The owner's request (keys [TARGET]) was made by SYSTEM: a key
 # limited to other prefixes sees only its own requests, another tenant none of A's.
 OUTCOMES["forget_create"] = _keyed(Expect(202), MISSING_SCOPE, NOT_ALLOWED, Expect(202))
-OUTCOMES["forget_list"] = _keyed(Expect(200), MISSING_SCOPE, Expect(200), Expect(200))
-OUTCOMES["forget_read"] = _keyed(Expect(200), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
+OUTCOMES["forget_list"] = _keyed(
+    Expect(200, check="lists_requests"),
+    MISSING_SCOPE,
+    Expect(200, check="lists_requests"),
+    Expect(200, check="lists_requests"),
+)
+OUTCOMES["forget_read"] = _keyed(Expect(200, check="sees_request"), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
 
 # The audit log. A key limited to some prefixes reads only the events about keys under them;
 # another tenant reads its own log. A checkpoint covers the whole log: refused to a limited key.
@@ -455,7 +470,15 @@ class Identities:
         # The job every jobs/<job_id> cell asks for: tenant A's, about the target's namespace.
         URL_PARAMETERS["job_id"] = services.summarize_start(tenant=self.a, actor=SYSTEM, prefix="user:u10086:").pk
         # The forget request every forget-requests/<request_id> cell asks for: tenant A's.
-        URL_PARAMETERS["request_id"] = services.forget_request_create(tenant=self.a, actor=SYSTEM, keys=[TARGET]).pk
+        self.request_a = services.forget_request_create(
+            tenant=self.a, actor=SYSTEM, keys=[TARGET], reason=CANARY_FR_A
+        ).pk
+        URL_PARAMETERS["request_id"] = self.request_a
+        # Tenant B's: a leak marker for every forget-request cell of tenant A's identities.
+        self.request_b = services.forget_request_create(
+            tenant=self.b, actor=SYSTEM, keys=[B_KEY], reason=CANARY_FR_B
+        ).pk
+        self.job_a = URL_PARAMETERS["job_id"]
         self._clients = {
             "owner": self._keyed(self.a),
             "not_allowed": self._keyed(self.a, allow=["agent:"]),
@@ -593,11 +616,22 @@ def _check_writes(expect: Expect, identity: str, before: dict, after: dict) -> N
 # --- body checks ---------------------------------------------------------------------------
 
 
-def _check_body(check: str | None, identity: str, result: dict, text: str) -> None:
+def _check_body(check: str | None, identity: str, result: dict, text: str, ids: Identities | None = None) -> None:
     if check is None:
         return
     visible = VISIBLE_KEYS[identity]
-    if check == "sees_target":
+    if check == "lists_requests":
+        # The oracle is the ids the fixture was given when it filed them, not a server list.
+        expected = sorted(getattr(ids, name) for name in VISIBLE_REQUESTS[identity])
+        listed = sorted(r["id"] for r in result["results"])
+        assert listed == expected, (identity, listed, expected)
+        assert {r["reason"] for r in result["results"]} <= VISIBLE_CANARIES[identity], result
+    elif check == "sees_request":
+        assert identity == "owner" and (result["id"], result["reason"]) == (ids.request_a, CANARY_FR_A), result
+        assert result["target"] == {"keys": [TARGET]}, result
+    elif check == "sees_job":
+        assert identity == "owner" and result["id"] == ids.job_a, result
+    elif check == "sees_target":
         assert identity == "owner" and CANARY_A in text, text
     elif check == "lists_visible":
         keys = result["keys"] if "keys" in result else [m["key"] for m in result["results"]]
@@ -641,6 +675,8 @@ def _signature(row: Row, response) -> tuple:
     return (
         response.status_code,
         error.get("code"),
+        error.get("message"),
+        error.get("field"),
         result.get("status"),
         result.get("created"),
         result.get("version"),
@@ -696,12 +732,12 @@ def test_matrix(row: Row, identity: str, identities, db):
             assert result["status"] == "error" and result["error"]["code"] == (inner_code or expect.code), result
         else:
             assert result["status"] == expect.result, result
-        _check_body(expect.check, identity, result, text)
+        _check_body(expect.check, identity, result, text, identities)
     elif row.method != "HEAD" and expect.check == "export_visible":
         rows = list(csv.DictReader(io.StringIO(text)))
-        _check_body("audit_visible", identity, {"results": rows}, text)
+        _check_body("audit_visible", identity, {"results": rows}, text, identities)
     elif row.method != "HEAD" and expect.check:
-        _check_body(expect.check, identity, _json(response), text)
+        _check_body(expect.check, identity, _json(response), text, identities)
 
     after = _state(tenant_a, tenant_b)
     writes = expect.writes if (inner_code is None and expect.code is None) else None
