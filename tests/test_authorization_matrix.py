@@ -63,7 +63,6 @@ from unittest import mock
 
 import pytest
 from django.conf import settings
-from django.core import signing
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
 from django.utils import timezone
@@ -251,6 +250,8 @@ OUTCOMES["audit_checkpoint"] = _keyed(Expect(201), MISSING_SCOPE, NOT_ALLOWED, E
 # gets a link to its own u10086 (which sees none of tenant A: test_portal_matrix below); a
 # key limited to some prefixes gets none (the portal shows the whole subject).
 OUTCOMES["portal_link"] = _keyed(Expect(201, check="portal_link"), MISSING_SCOPE, NOT_ALLOWED, Expect(201))
+# Withdrawing a subject's links: the same rights as issuing one; another tenant withdraws its own.
+OUTCOMES["portal_revoke"] = _keyed(Expect(200), MISSING_SCOPE, NOT_ALLOWED, Expect(200))
 
 # The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
 NEEDED_SCOPE = {
@@ -276,6 +277,7 @@ NEEDED_SCOPE = {
     "audit_export": Scope.AUDIT_READ,
     "audit_checkpoint": Scope.AUDIT_READ,
     "portal_link": Scope.FORGET_CREATE,
+    "portal_revoke": Scope.FORGET_CREATE,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -356,7 +358,9 @@ ROUTES: dict[str, Route] = {
         public=False, ops={"GET": "audit_export", "HEAD": "audit_export", "OPTIONS": "options"}
     ),
     "api/v1/audit-checkpoints": Route(public=False, ops={"POST": "audit_checkpoint", "OPTIONS": "options"}),
-    "api/v1/subjects/<str:subject>/portal-link": Route(public=False, ops={"POST": "portal_link", "OPTIONS": "options"}),
+    "api/v1/subjects/<str:subject>/portal-link": Route(
+        public=False, ops={"POST": "portal_link", "DELETE": "portal_revoke", "OPTIONS": "options"}
+    ),
 }
 
 # The end-user portal's pages (HTML; the link or its session cookie is the identity): their
@@ -799,15 +803,24 @@ def test_matrix_size():
 # * ``altered_link``      – a link with one character changed; a session cookie renamed to
 #                           tenant B's session, keeping tenant A's signature;
 # * ``replayed_link``     – a link opened once already; its replayer holds no session;
-# * ``no_link``           – no link (a made-up token); no session cookie.
+# * ``no_link``           – no link (a made-up token); no session cookie;
+# * ``revoked_link``      – a link the tenant withdrew; a session whose link was withdrawn.
 #
-# 5 routes × 7 methods × 6 identities = 210 cells (``test_portal_matrix[<route>-<METHOD>-<identity>]``).
+# 5 routes × 7 methods × 7 identities = 245 cells (``test_portal_matrix[<route>-<METHOD>-<identity>]``).
 # Each checks: the status; no 5xx and no stack trace; only the identity's own canary (tenant A's
 # u10086 for valid_link, tenant B's for other_tenant_link); tenant A's memories unchanged; a forget
 # request filed only by the valid link's forget; tenant A's objects answer another tenant's
 # session exactly like missing ones.
 
-PORTAL_IDENTITIES = ("valid_link", "other_tenant_link", "expired_link", "altered_link", "replayed_link", "no_link")
+PORTAL_IDENTITIES = (
+    "valid_link",
+    "other_tenant_link",
+    "expired_link",
+    "altered_link",
+    "replayed_link",
+    "no_link",
+    "revoked_link",
+)
 PORTAL_SUBJECT = "u10086"
 PORTAL_CANARY_A = "CANARY-portal-acme-61f0d2"
 PORTAL_CANARY_A_OTHER_SUBJECT = "CANARY-portal-acme-u10087-0b44"
@@ -821,6 +834,7 @@ LINK_REFUSED = {
     "altered_link": Expect(400),
     "replayed_link": Expect(410),
     "no_link": Expect(400),
+    "revoked_link": Expect(410),
 }
 
 
@@ -833,26 +847,8 @@ PORTAL_OUTCOMES: dict[str, dict[str, Expect]] = {
     "portal_405": dict.fromkeys(PORTAL_IDENTITIES, Expect(405)),
     "portal_home": _portal(Expect(200, check="sees_own"), Expect(200, check="sees_own"), NO_SESSION),
     # Looking at a link (GET) never uses it up; opening it (POST) starts a session.
-    "portal_look": _portal(
-        Expect(200),
-        Expect(200),
-        {
-            "expired_link": Expect(410),
-            "altered_link": Expect(400),
-            "replayed_link": Expect(410),
-            "no_link": Expect(400),
-        },
-    ),
-    "portal_open": _portal(
-        Expect(302, check="session_started"),
-        Expect(302, check="session_started"),
-        {
-            "expired_link": Expect(410),
-            "altered_link": Expect(400),
-            "replayed_link": Expect(410),
-            "no_link": Expect(400),
-        },
-    ),
+    "portal_look": _portal(Expect(200), Expect(200), LINK_REFUSED),
+    "portal_open": _portal(Expect(302, check="session_started"), Expect(302, check="session_started"), LINK_REFUSED),
     # Forgetting tenant A's memory of u10086: filed for the valid link; another tenant's user
     # asking for it gets what a missing key gets.
     "portal_forget": _portal(Expect(302, writes="forget_request"), Expect(404), NO_SESSION),
@@ -870,7 +866,7 @@ class PortalIdentities:
         from django.http import HttpResponse
 
         from memories.portal.models import PortalLink
-        from memories.portal.services import portal_link_create, portal_link_open
+        from memories.portal.services import portal_link_create, portal_link_open, token_hash
         from memories.portal.views import COOKIE, COOKIE_SALT
 
         self.a = make_tenant("portal-owner")
@@ -898,12 +894,16 @@ class PortalIdentities:
 
         valid = token(self.a)
         expired = token(self.a)
-        PortalLink.objects.filter(nonce=signing.loads(expired, salt="zeromem.portal.link")["n"]).update(
-            expires_at=timezone.now() - timedelta(seconds=1)
-        )
+        PortalLink.objects.filter(token_hash=token_hash(expired)).update(expires_at=timezone.now() - timedelta(seconds=1))
         replayed = token(self.a)
         portal_link_open(token=replayed, actor_for=lambda _link: SYSTEM, use=True)
         a_session, b_session = session(self.a), session(self.b)
+        # Withdrawn: an unopened link, and the link of an open session.
+        revoked, revoked_session = token(self.a), session(self.a)
+        PortalLink.objects.filter(tenant=self.a, opened_at__isnull=True, token_hash=token_hash(revoked)).update(
+            revoked_at=timezone.now()
+        )
+        PortalLink.objects.filter(pk=int(revoked_session.split(":", 1)[0])).update(revoked_at=timezone.now())
         b_link_id = b_session.split(":", 1)[0]
         self.cookie = COOKIE
         self.tokens = {
@@ -913,6 +913,7 @@ class PortalIdentities:
             "altered_link": valid[:-1] + ("A" if valid[-1] != "A" else "B"),
             "replayed_link": replayed,
             "no_link": "none",
+            "revoked_link": revoked,
         }
         self.sessions = {
             "valid_link": a_session,
@@ -921,6 +922,7 @@ class PortalIdentities:
             "altered_link": b_link_id + a_session[a_session.index(":") :],
             "replayed_link": None,
             "no_link": None,
+            "revoked_link": revoked_session,
         }
 
 

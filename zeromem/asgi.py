@@ -56,6 +56,11 @@ from django.conf import settings  # noqa: E402  (configured by get_asgi_applicat
 
 application = body_capped(django_application, settings.ZEROMEM_MAX_BODY_BYTES)
 
+# The server's access log writes a portal link's path without its token.
+from zeromem.kit.logs import install_on_access_logs  # noqa: E402
+
+install_on_access_logs()
+
 # Each server process starts loading the embedding model now, in a background thread
 # (about 3 s): searches meanwhile run on words alone instead of waiting for it.
 from memories.search.embeddings import warm_up  # noqa: E402

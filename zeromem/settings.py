@@ -342,10 +342,19 @@ if env.str("REDIS_URL", default=""):
     Q_CLUSTER.pop("orm")
     Q_CLUSTER["redis"] = env.str("REDIS_URL")
 
+# Portal link tokens never reach a log line (zeromem/kit/logs.py): the filter sits on the
+# loggers that write request paths (Django's 4xx/5xx and runserver lines; granian's access log:
+# zeromem/wsgi.py) and on the console handler, for whatever propagates to it.
+_PORTAL_TOKENS = {"()": "zeromem.kit.logs.RedactPortalTokens"}
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {"portal_tokens": _PORTAL_TOKENS},
+    "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["portal_tokens"]}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        "django.request": {"filters": ["portal_tokens"]},
+        "django.server": {"filters": ["portal_tokens"]},
+    },
 }

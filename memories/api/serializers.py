@@ -398,3 +398,7 @@ class ForgetRequestListSerializer(serializers.Serializer):
 class PortalLinkSerializer(serializers.Serializer):
     url = serializers.URLField(help_text="the one-time link to hand to the end user")
     expires_at = serializers.DateTimeField(help_text="the link does not open after this")
+
+
+class PortalLinksRevokedSerializer(serializers.Serializer):
+    revoked = serializers.IntegerField(help_text="how many links (and their sessions) were withdrawn")

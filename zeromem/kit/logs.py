@@ -1,0 +1,44 @@
+"""Log filters. ``RedactPortalTokens`` keeps portal link tokens out of every log line: the
+access log (granian's ``granian.access``: the path is an argument), Django's 4xx/5xx lines
+(``django.request``: "Bad Request: /portal/open/<token>") and the development server's
+(``django.server``). Installed on those loggers by settings.LOGGING."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+PORTAL_TOKEN = re.compile(r"(/portal/open/)[^\s\"'?#/]+")
+REDACTED = r"\1…"
+
+
+def redact(text: str) -> str:
+    return PORTAL_TOKEN.sub(REDACTED, text)
+
+
+def _clean(value):
+    return redact(value) if isinstance(value, str) else value
+
+
+class RedactPortalTokens(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, dict):
+            record.args = {k: _clean(v) for k, v in record.args.items()}
+        elif isinstance(record.args, tuple):
+            record.args = tuple(_clean(v) for v in record.args)
+        return True
+
+
+ACCESS_LOGGERS = ("granian.access", "uvicorn.access")
+
+
+def install_on_access_logs() -> None:
+    """Put the filter on the web servers' access loggers (called by zeromem.wsgi and
+    zeromem.asgi: the servers configure those loggers themselves, outside settings.LOGGING).
+    Idempotent."""
+    for name in ACCESS_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactPortalTokens) for f in logger.filters):
+            logger.addFilter(RedactPortalTokens())
