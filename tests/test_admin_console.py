@@ -109,7 +109,7 @@ def test_admin_revokes_a_key_and_sees_last_used(tenant_a, staff_clients, client)
 
 def test_admin_adds_changes_and_removes_members_through_the_service(tenant_a, staff_clients):
     _user, client = staff_clients["admin"]
-    newcomer = get_user_model().objects.create_user(username="newcomer", password="x")
+    newcomer = get_user_model().objects.create_user(username="newcomer", password="x", is_staff=True)
     response = client.post(
         "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "newcomer", "role": "viewer"}
     )
@@ -130,14 +130,51 @@ def test_admin_adds_changes_and_removes_members_through_the_service(tenant_a, st
     ]
 
 
-def test_membership_for_an_unknown_user_is_a_clear_error(tenant_a, staff_clients):
+def test_the_membership_form_does_not_tell_whether_a_username_exists(tenant_a, staff_clients):
+    """A tenant admin gets one answer for a name that does not exist, an inactive account and
+    an account that is not staff: a whole-page comparison, names aside. None becomes staff."""
     _user, client = staff_clients["admin"]
+    User = get_user_model()
+    User.objects.create_user(username="customer", password="x")  # e.g. a user of another app
+    User.objects.create_user(username="gone", password="x", is_staff=True, is_active=False)
+    pages = {}
+    for name in ("nobody", "customer", "gone"):
+        response = client.post(
+            "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": name, "role": "viewer"}
+        )
+        assert response.status_code == 200
+        assert response.context["adminform"].form.errors["username"] == [services.memberships.NOT_ADDABLE]
+        text = response.content.decode()
+        pages[name] = re.sub(r'name="csrfmiddlewaretoken" value="[^"]*"', "", text).replace(name, "<name>")
+    assert pages["nobody"] == pages["customer"] == pages["gone"]
+    assert not Membership.objects.filter(user__username__in=["nobody", "customer", "gone"]).exists()
+    assert not User.objects.get(username="customer").is_staff
+    # The form refused before any service call wrote anything.
+    assert not AuditEvent.objects.filter(action="membership.set", actor_kind="staff").exists()
+
+
+def test_only_a_superuser_makes_an_account_staff_by_adding_it(tenant_a, superuser_client):
+    _root, client = superuser_client
+    customer = get_user_model().objects.create_user(username="customer", password="x")
     response = client.post(
-        "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "nobody", "role": "viewer"}
+        "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "customer", "role": "viewer"}
     )
-    errors = response.context["adminform"].form.errors
-    assert errors["username"] == ["No user named 'nobody': create the user first."]
-    assert not Membership.objects.filter(user__username="nobody").exists()
+    assert response.status_code == 302, response.content.decode()[:1000]
+    customer.refresh_from_db()
+    assert customer.is_staff and Membership.objects.filter(tenant=tenant_a, user=customer).exists()
+
+
+def test_the_service_refuses_a_tenant_admin_adding_a_non_staff_account(tenant_a, staff_clients):
+    from zeromem.kernel.actors import staff_actor
+    from zeromem.kernel.errors import InvalidInput
+
+    admin_user, _client = staff_clients["admin"]
+    get_user_model().objects.create_user(username="customer", password="x")
+    actor = staff_actor(user=admin_user, role="admin")
+    with pytest.raises(InvalidInput) as refused:
+        services.membership_set(tenant=tenant_a, actor=actor, username="customer", role="viewer")
+    assert (refused.value.field, refused.value.message) == ("username", services.memberships.NOT_ADDABLE)
+    assert not get_user_model().objects.get(username="customer").is_staff
 
 
 def test_an_admin_cannot_add_members_to_a_tenant_they_do_not_administer(tenant_a, tenant_b, staff_clients):

@@ -355,7 +355,7 @@ class Staff:
         make_key(self.b, name=MARKERS_B["apikey"])
         fr = services.forget_request_create(tenant=self.a, actor=SYSTEM, subject=SUBJECT_A, reason="matrix")
         services.forget_request_create(tenant=self.b, actor=SYSTEM, subject=SUBJECT_B, reason="matrix")
-        User.objects.create_user(username="adm-newcomer", password=None)  # whom the membership forms add
+        User.objects.create_user(username="adm-newcomer", password=None, is_staff=True)  # whom the forms add
         tasks = {
             ok: Task.objects.create(
                 id=f"adm-matrix-task-{ok}",

@@ -19,7 +19,7 @@ from memories.services.forget import (
     forget_requests_resume,
 )
 from memories.services.jobs import job_get
-from memories.services.memberships import membership_remove, membership_set
+from memories.services.memberships import addable_user, membership_remove, membership_set
 from memories.services.memories import (
     _UNSET,
     ListResult,
@@ -71,6 +71,7 @@ __all__ = [
     "memory_write",
     "membership_remove",
     "membership_set",
+    "addable_user",
     "purge_expired",
     "purge_pending",
     "retention_rule_set",
