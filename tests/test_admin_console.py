@@ -489,3 +489,26 @@ def test_the_services_refuse_staff_whose_role_lacks_the_power_and_audit_it(tenan
     denied = AuditEvent.objects.filter(tenant=tenant_a, outcome="denied").order_by("pk")
     assert [e.action for e in denied] == ["memory.view", "memory.history", "memory.restore_version", "membership.set"]
     assert Membership.objects.get(tenant=tenant_a, user=reviewer).role == "compliance"
+
+
+# --- browsing is audited -------------------------------------------------------------------
+
+
+def test_searches_key_tree_walks_and_dashboards_are_audited_without_the_search_words(tenant_a, staff_clients):
+    write(tenant_a, "user:u1:pref_lang", "Klingon spoken at home")
+    user, client = staff_clients["viewer"]
+    assert client.get("/admin/memories/memory/", {"q": "Klingon"}).status_code == 200
+    assert client.get("/admin/memories/memory/", {"prefix": "user:u1:"}).status_code == 200
+    assert client.get("/admin/memories/memory/").status_code == 200  # a plain list: not a search
+    assert client.get(f"/admin/memories/tenant/{tenant_a.pk}/dashboard/").status_code == 200
+    events = AuditEvent.objects.filter(tenant=tenant_a, actor_kind="staff", actor_id=str(user.pk))
+    browse = list(events.filter(action="memory.browse").order_by("pk").values_list("target", "detail"))
+    assert browse == [("", {"search_chars": 7}), ("user:u1:", {})], browse
+    assert events.filter(action="tenant.dashboard", target=tenant_a.slug, outcome="ok").count() == 1
+    assert not any("Klingon" in str(e.__dict__) for e in AuditEvent.objects.all())
+
+
+def test_another_tenants_dashboard_writes_no_event_in_it(tenant_a, tenant_b, staff_clients):
+    _user, client = staff_clients["admin"]
+    assert client.get(f"/admin/memories/tenant/{tenant_b.pk}/dashboard/").status_code == 404
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action="tenant.dashboard").exists()

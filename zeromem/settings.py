@@ -234,6 +234,10 @@ ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS",
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
 # Failed authentications per minute, per client address and per key prefix, before 429.
 ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)
+# Failed admin sign-ins per client address and username within the window, before the
+# sign-in form answers 429 until the window ends (zeromem/kit/login_throttle.py).
+ZEROMEM_ADMIN_LOGIN_FAILURES = env.int("ZEROMEM_ADMIN_LOGIN_FAILURES", default=5)
+ZEROMEM_ADMIN_LOGIN_WINDOW_SECONDS = env.int("ZEROMEM_ADMIN_LOGIN_WINDOW_SECONDS", default=900)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
 # only when this is set (as DRF's NUM_PROXIES).
 ZEROMEM_NUM_PROXIES = env.int("ZEROMEM_NUM_PROXIES", default=0)
