@@ -37,6 +37,9 @@ SCHEDULES = {
     # Unverified failed authentications are counted per source and minute; each closed
     # minute becomes one tenant-less auth.failed event with its count.
     "zeromem:auth-failures-flush": ("audit.tasks.audit_auth_failures_flush_task", Schedule.MINUTES, 1),
+    # Finished jobs older than ZEROMEM_JOB_RETENTION_DAYS are deleted (their params and
+    # results name key prefixes).
+    "zeromem:jobs-purge": ("memories.tasks.jobs_purge_task", Schedule.DAILY, None),
     # Audit events past each tenant's retention are deleted, whole seals at a time.
     "zeromem:audit-purge": ("audit.tasks.audit_purge_task", Schedule.DAILY, None),
 }

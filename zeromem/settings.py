@@ -243,6 +243,9 @@ ZEROMEM_ADMIN_LOGIN_WINDOW_SECONDS = env.int("ZEROMEM_ADMIN_LOGIN_WINDOW_SECONDS
 ZEROMEM_NUM_PROXIES = env.int("ZEROMEM_NUM_PROXIES", default=0)
 # Summarization (memories/services/summaries.py): the digest's size budget, and the
 # sessions the schedule compacts once idle.
+# Finished background jobs (summaries) are deleted this many days after they were created
+# (the zeromem:jobs-purge schedule).
+ZEROMEM_JOB_RETENTION_DAYS = env.int("ZEROMEM_JOB_RETENTION_DAYS", default=30)
 ZEROMEM_SUMMARY_MAX_CHARS = env.int("ZEROMEM_SUMMARY_MAX_CHARS", default=2000)
 ZEROMEM_SUMMARIZE_IDLE_PREFIXES = env.list("ZEROMEM_SUMMARIZE_IDLE_PREFIXES", default=["session:"])
 ZEROMEM_SUMMARIZE_IDLE_MINUTES = env.int("ZEROMEM_SUMMARIZE_IDLE_MINUTES", default=60)
