@@ -59,6 +59,7 @@ INSTALLED_APPS = [
     "audit",
     "memories.portal",
     "zeromem.bench",
+    "csp",
 ]
 # The model every tenant-scoped row refers to; the audit app reaches it by this label
 # (zeromem/kernel/tenancy.py), so that it never imports the memories app.
@@ -76,7 +77,29 @@ MIDDLEWARE = [
     "zeromem.middleware.BrowserAuthenticationMiddleware",
     "zeromem.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",  # Content-Security-Policy on the admin and the portal
 ]
+
+# Content-Security-Policy (django-csp) on the HTML pages: the admin and the portal load
+# scripts, styles, fonts and images from this origin only (inline style attributes allowed:
+# the admin's and the charts' own), post forms only here and cannot be framed. The API
+# (JSON), its docs pages and static files are left out.
+from csp.constants import NONE, SELF  # noqa: E402
+
+CONTENT_SECURITY_POLICY = {
+    "EXCLUDE_URL_PREFIXES": ["/api/", "/healthz", "/static/"],
+    "DIRECTIVES": {
+        "default-src": [NONE],
+        "script-src": [SELF],
+        "style-src": [SELF, "'unsafe-inline'"],
+        "img-src": [SELF, "data:"],
+        "font-src": [SELF],
+        "connect-src": [SELF],
+        "form-action": [SELF],
+        "frame-ancestors": [NONE],
+        "base-uri": [NONE],
+    },
+}
 
 ROOT_URLCONF = "zeromem.urls"
 WSGI_APPLICATION = "zeromem.wsgi.application"
