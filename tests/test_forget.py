@@ -766,14 +766,20 @@ def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
 
 
 @pytest.mark.postgres
-def test_bench_forget_command_reports_the_time_to_completed(db, capsys):
+def test_bench_forget_command_reports_the_time_to_completed(transactional_db, capsys, monkeypatch):
+    """Committed for real (transactional_db): the POST's queue entry reaches the ORM broker,
+    and the bench picks it up as a worker would."""
     import json
 
     from django.core.management import call_command
+    from django_q.conf import Conf
 
-    call_command("bench_forget", memories=60, versions=2, others=20, batch_size=25, json=True)
+    monkeypatch.setattr(Conf, "SYNC", False)
+    call_command("bench_forget", memories=60, versions=2, others=20, batch_size=25, events=2, json=True)
     report = json.loads(capsys.readouterr().out)
     assert report["meets_target"] and report["left_of_subject"] == 0 and report["other_subjects_kept"] == 20
+    assert report["seeded"]["audit_events"] == 120 and report["audit_events_redacted"] >= 120
+    assert not OrmQ.objects.exists()  # the entry was taken and acknowledged
     assert (report["receipt"]["memories"], report["receipt"]["versions"], report["receipt"]["batches"]) == (60, 121, 3)
 
 
