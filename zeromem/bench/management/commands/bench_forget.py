@@ -136,7 +136,8 @@ class Command(BenchCommand):
         )
         w(
             f"receipt: {receipt['memories']} memories, {receipt['versions']} versions, "
-            f"{receipt['summaries']} summaries; {report['left_of_subject']} left of the subject, "
+            f"{receipt['summaries']} summaries, {report['audit_events_redacted']} audit events redacted; "
+            f"{report['left_of_subject']} left of the subject, "
             f"{report['other_subjects_kept']} of others kept"
         )
 
