@@ -341,6 +341,14 @@ def test_the_page_shows_no_other_subjects_or_tenants_memories(api, api_b, seeded
     assert CANARY_B in text_b and CANARY_U1 not in text_b and CANARY_U2 not in text_b
 
 
+def test_each_card_shows_which_source_wrote_the_memory(api, tenant_a):
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="user:u1:a", value="x", source="support-bot")
+    api.call("memory_write", key="user:u1:b", value="y")  # no source given: the writing key's label
+    text = page_text(open_portal(issue(api)["url"]).get("/portal/"))
+    assert 'by <span class="source">support-bot</span>' in text
+    assert f'by <span class="source">{api.raw_key[:12]}' in text, text[text.find("by <span"):][:200]
+
+
 def test_values_are_escaped_on_the_page(api, tenant_a):
     services.memory_write(tenant=tenant_a, actor=SYSTEM, key="user:u1:note", value={"<b>x</b>": "<script>1</script>"})
     text = page_text(open_portal(issue(api)["url"]).get("/portal/"))

@@ -165,6 +165,7 @@ def _home(request, link, memories, total, requests, *, error: str = "", status: 
             "value": presentation.readable_value(m.value),
             "updated_at": m.updated_at,
             "created_at": m.created_at,
+            "source": m.source,  # who wrote it: the app's own name for the writer, or its key
             "expires_at": m.expires_at,
         }
         for m in memories
