@@ -568,14 +568,15 @@ def audit_redact_subject(
 # --- retention purge ------------------------------------------------------------------------
 
 
-def audit_retention_cutoff(tenant: Tenant, now=None):
-    days = tenant.audit_retention_days or settings.ZEROMEM_AUDIT_RETENTION_DAYS
+def audit_retention_cutoff(tenant: Tenant | None, now=None):
+    days = (tenant.audit_retention_days if tenant else None) or settings.ZEROMEM_AUDIT_RETENTION_DAYS
     return (now or timezone.now()) - timedelta(days=days)
 
 
-def audit_purge(*, tenant: Tenant, now=None) -> dict:
-    """Delete the tenant's audit events older than its retention period, in whole sealed
-    batches (a seal whose newest event is still inside the period is kept entirely), so the
+def audit_purge(*, tenant: Tenant | None, now=None) -> dict:
+    """Delete the tenant's audit events older than its retention period (``tenant=None``: the
+    tenant-less events, such as failed authentications, after ``ZEROMEM_AUDIT_RETENTION_DAYS``),
+    in whole sealed batches (a seal whose newest event is still inside the period is kept entirely), so the
     remaining chain still verifies from the kept seal rows.
 
     Order: seal the tail; write a purge checkpoint naming the last seal to delete (the
@@ -585,13 +586,14 @@ def audit_purge(*, tenant: Tenant, now=None) -> dict:
     some purged seals; running it again finishes the job.
     """
     now = now or timezone.now()
+    tenant_id = tenant.pk if tenant is not None else None
     cutoff = audit_retention_cutoff(tenant, now)
-    audit_seal(tenant_id=tenant.pk)
+    audit_seal(tenant_id=tenant_id)
     through = 0
-    for seal in AuditSeal.objects.filter(tenant=tenant, purged_at__isnull=True).order_by("seq"):
+    for seal in AuditSeal.objects.filter(_tenant_q(tenant_id), purged_at__isnull=True).order_by("seq"):
         newest = (
             AuditEvent.objects.filter(
-                tenant=tenant, seal=seal.seq, id__gte=seal.first_event_id, id__lte=seal.last_event_id
+                _tenant_q(tenant_id), seal=seal.seq, id__gte=seal.first_event_id, id__lte=seal.last_event_id
             )
             .order_by("-occurred_at")
             .values_list("occurred_at", flat=True)
@@ -603,18 +605,20 @@ def audit_purge(*, tenant: Tenant, now=None) -> dict:
     if not through:
         return {"events": 0, "seals": 0, "through": None}
     with transaction.atomic():
-        _lock_chain(tenant.pk)
-        _checkpoint(tenant_id=tenant.pk, reason=AuditCheckpoint.Reason.PURGE, purged_through=through)
+        _lock_chain(tenant_id)
+        _checkpoint(tenant_id=tenant_id, reason=AuditCheckpoint.Reason.PURGE, purged_through=through)
     deleted = 0
     seals = 0
     events_table = AuditEvent._meta.db_table
     seals_table = AuditSeal._meta.db_table
-    for seal in AuditSeal.objects.filter(tenant=tenant, purged_at__isnull=True, seq__lte=through).order_by("seq"):
+    # (tenant-less events: "tenant_id IS NULL", since "= NULL" matches nothing)
+    owner, owner_params = ("tenant_id IS NULL", []) if tenant_id is None else ("tenant_id = %s", [tenant_id])
+    for seal in AuditSeal.objects.filter(_tenant_q(tenant_id), purged_at__isnull=True, seq__lte=through).order_by("seq"):
         # bandit B608 (marked): the table names are the models' own; values are %s parameters.
         with _maintenance("purge"), connection.cursor() as cursor:
             cursor.execute(  # nosec B608
-                f"DELETE FROM {events_table} WHERE tenant_id = %s AND seal = %s AND id BETWEEN %s AND %s",  # nosec B608
-                [tenant.pk, seal.seq, seal.first_event_id, seal.last_event_id],
+                f"DELETE FROM {events_table} WHERE {owner} AND seal = %s AND id BETWEEN %s AND %s",  # nosec B608
+                [*owner_params, seal.seq, seal.first_event_id, seal.last_event_id],
             )
             deleted += cursor.rowcount
             cursor.execute(f"UPDATE {seals_table} SET purged_at = %s WHERE id = %s", [now, seal.pk])  # nosec B608
@@ -625,8 +629,11 @@ def audit_purge(*, tenant: Tenant, now=None) -> dict:
 
 
 def audit_purge_all(*, now=None) -> dict:
-    """The scheduled retention purge over every tenant. Returns {slug: events deleted}."""
-    return {t.slug: audit_purge(tenant=t, now=now)["events"] for t in get_tenant_model().objects.order_by("pk")}
+    """The scheduled retention purge over every tenant, then the tenant-less events (failed
+    authentications and the like). Returns {slug: events deleted}, the tenant-less under ""."""
+    done = {t.slug: audit_purge(tenant=t, now=now)["events"] for t in get_tenant_model().objects.order_by("pk")}
+    done[""] = audit_purge(tenant=None, now=now)["events"]
+    return done
 
 
 # --- reading the log (compliance review) ----------------------------------------------------

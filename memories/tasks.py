@@ -8,7 +8,11 @@ django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 
 from memories.search import embeddings
 from memories.search import index as search_index
-from memories.services import access, dashboard_stats, forget, idempotency, retention, summaries
+from memories.services import access, dashboard_stats, forget, idempotency, jobs, retention, summaries
+
+
+def jobs_purge_task() -> int:
+    return jobs.jobs_purge()
 
 
 def purge_expired_task() -> dict:

@@ -95,8 +95,13 @@ def browser_page(request, transactional_db, live_server, monkeypatch, tmp_path, 
         )
         page = context.pages[0] if context.pages else context.new_page()
         page.set_default_timeout(DEFAULT_TIMEOUT_MS)
+        # Whatever the Content-Security-Policy blocked (an inline script or style, a foreign
+        # asset) is reported on the console: a page that needs it is broken under the policy.
+        blocked: list[str] = []
+        page.on("console", lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None)
         try:
             yield page
+            assert not blocked, f"the Content-Security-Policy blocked: {blocked}"
         finally:
             _save(page, browser_artifacts / "final.png")
             context.close()

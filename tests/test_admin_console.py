@@ -109,7 +109,7 @@ def test_admin_revokes_a_key_and_sees_last_used(tenant_a, staff_clients, client)
 
 def test_admin_adds_changes_and_removes_members_through_the_service(tenant_a, staff_clients):
     _user, client = staff_clients["admin"]
-    newcomer = get_user_model().objects.create_user(username="newcomer", password="x")
+    newcomer = get_user_model().objects.create_user(username="newcomer", password="x", is_staff=True)
     response = client.post(
         "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "newcomer", "role": "viewer"}
     )
@@ -130,14 +130,51 @@ def test_admin_adds_changes_and_removes_members_through_the_service(tenant_a, st
     ]
 
 
-def test_membership_for_an_unknown_user_is_a_clear_error(tenant_a, staff_clients):
+def test_the_membership_form_does_not_tell_whether_a_username_exists(tenant_a, staff_clients):
+    """A tenant admin gets one answer for a name that does not exist, an inactive account and
+    an account that is not staff: a whole-page comparison, names aside. None becomes staff."""
     _user, client = staff_clients["admin"]
+    User = get_user_model()
+    User.objects.create_user(username="customer", password="x")  # e.g. a user of another app
+    User.objects.create_user(username="gone", password="x", is_staff=True, is_active=False)
+    pages = {}
+    for name in ("nobody", "customer", "gone"):
+        response = client.post(
+            "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": name, "role": "viewer"}
+        )
+        assert response.status_code == 200
+        assert response.context["adminform"].form.errors["username"] == [services.memberships.NOT_ADDABLE]
+        text = response.content.decode()
+        pages[name] = re.sub(r'name="csrfmiddlewaretoken" value="[^"]*"', "", text).replace(name, "<name>")
+    assert pages["nobody"] == pages["customer"] == pages["gone"]
+    assert not Membership.objects.filter(user__username__in=["nobody", "customer", "gone"]).exists()
+    assert not User.objects.get(username="customer").is_staff
+    # The form refused before any service call wrote anything.
+    assert not AuditEvent.objects.filter(action="membership.set", actor_kind="staff").exists()
+
+
+def test_only_a_superuser_makes_an_account_staff_by_adding_it(tenant_a, superuser_client):
+    _root, client = superuser_client
+    customer = get_user_model().objects.create_user(username="customer", password="x")
     response = client.post(
-        "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "nobody", "role": "viewer"}
+        "/admin/memories/membership/add/", {"tenant": tenant_a.pk, "username": "customer", "role": "viewer"}
     )
-    errors = response.context["adminform"].form.errors
-    assert errors["username"] == ["No user named 'nobody': create the user first."]
-    assert not Membership.objects.filter(user__username="nobody").exists()
+    assert response.status_code == 302, response.content.decode()[:1000]
+    customer.refresh_from_db()
+    assert customer.is_staff and Membership.objects.filter(tenant=tenant_a, user=customer).exists()
+
+
+def test_the_service_refuses_a_tenant_admin_adding_a_non_staff_account(tenant_a, staff_clients):
+    from zeromem.kernel.actors import staff_actor
+    from zeromem.kernel.errors import InvalidInput
+
+    admin_user, _client = staff_clients["admin"]
+    get_user_model().objects.create_user(username="customer", password="x")
+    actor = staff_actor(user=admin_user, role="admin")
+    with pytest.raises(InvalidInput) as refused:
+        services.membership_set(tenant=tenant_a, actor=actor, username="customer", role="viewer")
+    assert (refused.value.field, refused.value.message) == ("username", services.memberships.NOT_ADDABLE)
+    assert not get_user_model().objects.get(username="customer").is_staff
 
 
 def test_an_admin_cannot_add_members_to_a_tenant_they_do_not_administer(tenant_a, tenant_b, staff_clients):
@@ -281,8 +318,9 @@ def test_audit_log_filters(tenant_a, staff_clients):
     assert actions("key_prefix=user:u10086:") == ["memory.view", "memory.write"]
     assert actions("subject=u10086") == ["memory.view", "memory.write"]
     assert actions("outcome=not_found") == ["memory.read"]
-    today = timezone.localdate().isoformat()
-    assert "memory.view" in actions(f"since={today}&until={today}")
+    # The day of the event itself, not of the clock now (a test run across midnight UTC).
+    day = timezone.localtime(AuditEvent.objects.get(action="memory.view").occurred_at).date().isoformat()
+    assert "memory.view" in actions(f"since={day}&until={day}")
     assert actions("since=2000-01-01&until=2000-01-02") == []
     assert actions("since=yesterday-ish") == []  # a bad date selects nothing, with a message
 
@@ -456,3 +494,26 @@ def test_the_services_refuse_staff_whose_role_lacks_the_power_and_audit_it(tenan
     denied = AuditEvent.objects.filter(tenant=tenant_a, outcome="denied").order_by("pk")
     assert [e.action for e in denied] == ["memory.view", "memory.history", "memory.restore_version", "membership.set"]
     assert Membership.objects.get(tenant=tenant_a, user=reviewer).role == "compliance"
+
+
+# --- browsing is audited -------------------------------------------------------------------
+
+
+def test_searches_key_tree_walks_and_dashboards_are_audited_without_the_search_words(tenant_a, staff_clients):
+    write(tenant_a, "user:u1:pref_lang", "Klingon spoken at home")
+    user, client = staff_clients["viewer"]
+    assert client.get("/admin/memories/memory/", {"q": "Klingon"}).status_code == 200
+    assert client.get("/admin/memories/memory/", {"prefix": "user:u1:"}).status_code == 200
+    assert client.get("/admin/memories/memory/").status_code == 200  # a plain list: not a search
+    assert client.get(f"/admin/memories/tenant/{tenant_a.pk}/dashboard/").status_code == 200
+    events = AuditEvent.objects.filter(tenant=tenant_a, actor_kind="staff", actor_id=str(user.pk))
+    browse = list(events.filter(action="memory.browse").order_by("pk").values_list("target", "detail"))
+    assert browse == [("", {"search_chars": 7}), ("user:u1:", {})], browse
+    assert events.filter(action="tenant.dashboard", target=tenant_a.slug, outcome="ok").count() == 1
+    assert not any("Klingon" in str(e.__dict__) for e in AuditEvent.objects.all())
+
+
+def test_another_tenants_dashboard_writes_no_event_in_it(tenant_a, tenant_b, staff_clients):
+    _user, client = staff_clients["admin"]
+    assert client.get(f"/admin/memories/tenant/{tenant_b.pk}/dashboard/").status_code == 404
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action="tenant.dashboard").exists()

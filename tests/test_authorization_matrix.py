@@ -64,7 +64,6 @@ from urllib.parse import urlencode
 
 import pytest
 from django.conf import settings
-from django.core import signing
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
 from django.utils import timezone
@@ -81,7 +80,11 @@ from zeromem.kernel.scopes import ALL_SCOPES, Scope
 CANARY_A = "CANARY-acme-7f3a91c2"  # in tenant A's target memory: only the owner may see it
 CANARY_AGENT = "CANARY-agent-51be0d47"  # in tenant A's agent: memory (inside not_allowed's allowlist)
 CANARY_B = "CANARY-globex-c09e6a18"  # in tenant B's memory: only other_tenant may see it
-ALL_CANARIES = (CANARY_A, CANARY_AGENT, CANARY_B)
+# Forget requests' reasons: tenant A's (made by SYSTEM: only the owner's full key lists it)
+# and tenant B's (only tenant B's key).
+CANARY_FR_A = "CANARY-forget-acme-4d2e90"
+CANARY_FR_B = "CANARY-forget-globex-8a1b37"
+ALL_CANARIES = (CANARY_A, CANARY_AGENT, CANARY_B, CANARY_FR_A, CANARY_FR_B)
 
 TARGET = "user:u10086:pref_lang"  # tenant A's memory every keyed cell aims at
 AGENT_KEY = "agent:a1:pref_lang"  # tenant A, inside the not_allowed key's allowlist
@@ -101,7 +104,13 @@ SEED = {
 
 # What each identity may see: the keys a list returns, and the canaries it may read.
 VISIBLE_KEYS = {"owner": [AGENT_KEY, TARGET], "not_allowed": [AGENT_KEY], "other_tenant": [B_KEY]}
-VISIBLE_CANARIES = {"owner": {CANARY_A, CANARY_AGENT}, "not_allowed": {CANARY_AGENT}, "other_tenant": {CANARY_B}}
+VISIBLE_CANARIES = {
+    "owner": {CANARY_A, CANARY_AGENT, CANARY_FR_A},
+    "not_allowed": {CANARY_AGENT},
+    "other_tenant": {CANARY_B, CANARY_FR_B},
+}
+# The forget requests each identity lists (names of Identities attributes, ids set when built).
+VISIBLE_REQUESTS = {"owner": ["request_a"], "not_allowed": [], "other_tenant": ["request_b"]}
 
 IDENTITIES = ("owner", "wrong_scope", "not_allowed", "other_tenant", "revoked", "expired", "no_key", "malformed")
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -209,15 +218,20 @@ OUTCOMES["rest_summarize"] = _keyed(Expect(202), MISSING_SCOPE, NOT_ALLOWED, Exp
 OUTCOMES["tool_summarize"] = _keyed(Expect(200, result="ok"), MISSING_SCOPE, NOT_ALLOWED, Expect(200, result="ok"))
 # The owner's job summarizes user:u10086: (outside not_allowed's allowlist): not found for
 # not_allowed and for another tenant, like a job that does not exist.
-OUTCOMES["job_read"] = _keyed(Expect(200), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
+OUTCOMES["job_read"] = _keyed(Expect(200, check="sees_job"), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
 
 # Forget requests. Creating one only stores and queues it (the job runs after commit, which
 # these rolled-back cells never reach, so no memory changes); another tenant's request is
 # stored in its own tenant. The owner's request (keys [TARGET]) was made by SYSTEM: a key
 # limited to other prefixes sees only its own requests, another tenant none of A's.
 OUTCOMES["forget_create"] = _keyed(Expect(202), MISSING_SCOPE, NOT_ALLOWED, Expect(202))
-OUTCOMES["forget_list"] = _keyed(Expect(200), MISSING_SCOPE, Expect(200), Expect(200))
-OUTCOMES["forget_read"] = _keyed(Expect(200), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
+OUTCOMES["forget_list"] = _keyed(
+    Expect(200, check="lists_requests"),
+    MISSING_SCOPE,
+    Expect(200, check="lists_requests"),
+    Expect(200, check="lists_requests"),
+)
+OUTCOMES["forget_read"] = _keyed(Expect(200, check="sees_request"), MISSING_SCOPE, NOT_FOUND, NOT_FOUND)
 
 # The audit log. A key limited to some prefixes reads only the events about keys under them;
 # another tenant reads its own log. A checkpoint covers the whole log: refused to a limited key.
@@ -257,6 +271,8 @@ OUTCOMES["lg_search"] = _keyed(
 OUTCOMES["lg_namespaces"] = _keyed(
     *(Expect(200, check="lg_namespaces_visible") if i != "wrong_scope" else MISSING_SCOPE for i in IDENTITIES[:4])
 )
+# Withdrawing a subject's links: the same rights as issuing one; another tenant withdraws its own.
+OUTCOMES["portal_revoke"] = _keyed(Expect(200), MISSING_SCOPE, NOT_ALLOWED, Expect(200))
 
 # The scope a kind needs (what the wrong_scope key lacks); None: any key will do.
 NEEDED_SCOPE = {
@@ -289,6 +305,7 @@ NEEDED_SCOPE = {
     "lg_search": Scope.MEMORY_READ,
     "lg_namespaces": Scope.MEMORY_READ,
     "anthropic_memory": Scope.MEMORY_READ,
+    "portal_revoke": Scope.FORGET_CREATE,
 }
 
 # Kinds that address one key: another tenant must get what a key that exists nowhere gets.
@@ -373,7 +390,9 @@ ROUTES: dict[str, Route] = {
         public=False, ops={"GET": "audit_export", "HEAD": "audit_export", "OPTIONS": "options"}
     ),
     "api/v1/audit-checkpoints": Route(public=False, ops={"POST": "audit_checkpoint", "OPTIONS": "options"}),
-    "api/v1/subjects/<str:subject>/portal-link": Route(public=False, ops={"POST": "portal_link", "OPTIONS": "options"}),
+        "api/v1/subjects/<str:subject>/portal-link": Route(
+        public=False, ops={"POST": "portal_link", "DELETE": "portal_revoke", "OPTIONS": "options"}
+    ),
     # LangGraph's store (the cells run with ZEROMEM_LANGGRAPH_PREFIX="user": namespace
     # ["u10086"] and key "pref_lang" is the target memory itself).
     "api/v1/langgraph/store/items": Route(
@@ -500,7 +519,15 @@ class Identities:
         # The job every jobs/<job_id> cell asks for: tenant A's, about the target's namespace.
         URL_PARAMETERS["job_id"] = services.summarize_start(tenant=self.a, actor=SYSTEM, prefix="user:u10086:").pk
         # The forget request every forget-requests/<request_id> cell asks for: tenant A's.
-        URL_PARAMETERS["request_id"] = services.forget_request_create(tenant=self.a, actor=SYSTEM, keys=[TARGET]).pk
+        self.request_a = services.forget_request_create(
+            tenant=self.a, actor=SYSTEM, keys=[TARGET], reason=CANARY_FR_A
+        ).pk
+        URL_PARAMETERS["request_id"] = self.request_a
+        # Tenant B's: a leak marker for every forget-request cell of tenant A's identities.
+        self.request_b = services.forget_request_create(
+            tenant=self.b, actor=SYSTEM, keys=[B_KEY], reason=CANARY_FR_B
+        ).pk
+        self.job_a = URL_PARAMETERS["job_id"]
         self._clients = {
             "owner": self._keyed(self.a),
             "not_allowed": self._keyed(self.a, allow=["agent:"]),
@@ -659,11 +686,22 @@ def _check_writes(expect: Expect, identity: str, before: dict, after: dict) -> N
 # --- body checks ---------------------------------------------------------------------------
 
 
-def _check_body(check: str | None, identity: str, result: dict, text: str) -> None:
+def _check_body(check: str | None, identity: str, result: dict, text: str, ids: Identities | None = None) -> None:
     if check is None:
         return
     visible = VISIBLE_KEYS[identity]
-    if check == "sees_target":
+    if check == "lists_requests":
+        # The oracle is the ids the fixture was given when it filed them, not a server list.
+        expected = sorted(getattr(ids, name) for name in VISIBLE_REQUESTS[identity])
+        listed = sorted(r["id"] for r in result["results"])
+        assert listed == expected, (identity, listed, expected)
+        assert {r["reason"] for r in result["results"]} <= VISIBLE_CANARIES[identity], result
+    elif check == "sees_request":
+        assert identity == "owner" and (result["id"], result["reason"]) == (ids.request_a, CANARY_FR_A), result
+        assert result["target"] == {"keys": [TARGET]}, result
+    elif check == "sees_job":
+        assert identity == "owner" and result["id"] == ids.job_a, result
+    elif check == "sees_target":
         assert identity == "owner" and CANARY_A in text, text
     elif check == "lists_visible":
         keys = result["keys"] if "keys" in result else [m["key"] for m in result["results"]]
@@ -713,6 +751,8 @@ def _signature(row: Row, response) -> tuple:
     return (
         response.status_code,
         error.get("code"),
+        error.get("message"),
+        error.get("field"),
         result.get("status"),
         result.get("created"),
         result.get("version"),
@@ -769,12 +809,12 @@ def test_matrix(row: Row, identity: str, identities, db, settings):
             assert result["status"] == "error" and result["error"]["code"] == (inner_code or expect.code), result
         else:
             assert result["status"] == expect.result, result
-        _check_body(expect.check, identity, result, text)
+        _check_body(expect.check, identity, result, text, identities)
     elif row.method != "HEAD" and expect.check == "export_visible":
         rows = list(csv.DictReader(io.StringIO(text)))
-        _check_body("audit_visible", identity, {"results": rows}, text)
+        _check_body("audit_visible", identity, {"results": rows}, text, identities)
     elif row.method != "HEAD" and expect.check:
-        _check_body(expect.check, identity, _json(response), text)
+        _check_body(expect.check, identity, _json(response), text, identities)
 
     after = _state(tenant_a, tenant_b)
     writes = expect.writes if (inner_code is None and expect.code is None) else None
@@ -836,15 +876,24 @@ def test_matrix_size():
 # * ``altered_link``      – a link with one character changed; a session cookie renamed to
 #                           tenant B's session, keeping tenant A's signature;
 # * ``replayed_link``     – a link opened once already; its replayer holds no session;
-# * ``no_link``           – no link (a made-up token); no session cookie.
+# * ``no_link``           – no link (a made-up token); no session cookie;
+# * ``revoked_link``      – a link the tenant withdrew; a session whose link was withdrawn.
 #
-# 5 routes × 7 methods × 6 identities = 210 cells (``test_portal_matrix[<route>-<METHOD>-<identity>]``).
+# 5 routes × 7 methods × 7 identities = 245 cells (``test_portal_matrix[<route>-<METHOD>-<identity>]``).
 # Each checks: the status; no 5xx and no stack trace; only the identity's own canary (tenant A's
 # u10086 for valid_link, tenant B's for other_tenant_link); tenant A's memories unchanged; a forget
 # request filed only by the valid link's forget; tenant A's objects answer another tenant's
 # session exactly like missing ones.
 
-PORTAL_IDENTITIES = ("valid_link", "other_tenant_link", "expired_link", "altered_link", "replayed_link", "no_link")
+PORTAL_IDENTITIES = (
+    "valid_link",
+    "other_tenant_link",
+    "expired_link",
+    "altered_link",
+    "replayed_link",
+    "no_link",
+    "revoked_link",
+)
 PORTAL_SUBJECT = "u10086"
 PORTAL_CANARY_A = "CANARY-portal-acme-61f0d2"
 PORTAL_CANARY_A_OTHER_SUBJECT = "CANARY-portal-acme-u10087-0b44"
@@ -858,6 +907,7 @@ LINK_REFUSED = {
     "altered_link": Expect(400),
     "replayed_link": Expect(410),
     "no_link": Expect(400),
+    "revoked_link": Expect(410),
 }
 
 
@@ -870,26 +920,8 @@ PORTAL_OUTCOMES: dict[str, dict[str, Expect]] = {
     "portal_405": dict.fromkeys(PORTAL_IDENTITIES, Expect(405)),
     "portal_home": _portal(Expect(200, check="sees_own"), Expect(200, check="sees_own"), NO_SESSION),
     # Looking at a link (GET) never uses it up; opening it (POST) starts a session.
-    "portal_look": _portal(
-        Expect(200),
-        Expect(200),
-        {
-            "expired_link": Expect(410),
-            "altered_link": Expect(400),
-            "replayed_link": Expect(410),
-            "no_link": Expect(400),
-        },
-    ),
-    "portal_open": _portal(
-        Expect(302, check="session_started"),
-        Expect(302, check="session_started"),
-        {
-            "expired_link": Expect(410),
-            "altered_link": Expect(400),
-            "replayed_link": Expect(410),
-            "no_link": Expect(400),
-        },
-    ),
+    "portal_look": _portal(Expect(200), Expect(200), LINK_REFUSED),
+    "portal_open": _portal(Expect(302, check="session_started"), Expect(302, check="session_started"), LINK_REFUSED),
     # Forgetting tenant A's memory of u10086: filed for the valid link; another tenant's user
     # asking for it gets what a missing key gets.
     "portal_forget": _portal(Expect(302, writes="forget_request"), Expect(404), NO_SESSION),
@@ -907,7 +939,7 @@ class PortalIdentities:
         from django.http import HttpResponse
 
         from memories.portal.models import PortalLink
-        from memories.portal.services import portal_link_create, portal_link_open
+        from memories.portal.services import portal_link_create, portal_link_open, token_hash
         from memories.portal.views import COOKIE, COOKIE_SALT
 
         self.a = make_tenant("portal-owner")
@@ -935,12 +967,16 @@ class PortalIdentities:
 
         valid = token(self.a)
         expired = token(self.a)
-        PortalLink.objects.filter(nonce=signing.loads(expired, salt="zeromem.portal.link")["n"]).update(
-            expires_at=timezone.now() - timedelta(seconds=1)
-        )
+        PortalLink.objects.filter(token_hash=token_hash(expired)).update(expires_at=timezone.now() - timedelta(seconds=1))
         replayed = token(self.a)
         portal_link_open(token=replayed, actor_for=lambda _link: SYSTEM, use=True)
         a_session, b_session = session(self.a), session(self.b)
+        # Withdrawn: an unopened link, and the link of an open session.
+        revoked, revoked_session = token(self.a), session(self.a)
+        PortalLink.objects.filter(tenant=self.a, opened_at__isnull=True, token_hash=token_hash(revoked)).update(
+            revoked_at=timezone.now()
+        )
+        PortalLink.objects.filter(pk=int(revoked_session.split(":", 1)[0])).update(revoked_at=timezone.now())
         b_link_id = b_session.split(":", 1)[0]
         self.cookie = COOKIE
         self.tokens = {
@@ -950,6 +986,7 @@ class PortalIdentities:
             "altered_link": valid[:-1] + ("A" if valid[-1] != "A" else "B"),
             "replayed_link": replayed,
             "no_link": "none",
+            "revoked_link": revoked,
         }
         self.sessions = {
             "valid_link": a_session,
@@ -958,6 +995,7 @@ class PortalIdentities:
             "altered_link": b_link_id + a_session[a_session.index(":") :],
             "replayed_link": None,
             "no_link": None,
+            "revoked_link": revoked_session,
         }
 
 

@@ -10,11 +10,19 @@ Identities: a member of tenant A with each role (``viewer``, ``support``, ``comp
 belongs to no tenant; ``anonymous``. The expected status of each cell comes from ``ALLOWED``,
 written out by hand from the roles table in the README (not computed from the code it checks).
 
+Every POST sends the form a real user would (``_form``: a valid add/change form aimed at
+tenant A, ``post=yes`` for a delete, a list action with tenant A's row selected), so a refused
+write is refused for its permission, not for an empty form.
+
 Every cell checks, besides its status: no 5xx; tenant A's memory value appears only for the
 roles that may read values (never for compliance, never for another tenant's admin) and tenant
-B's never; tenant A's data is unchanged unless the cell is an allowed write; another tenant's
-request writes no audit event into tenant A's log; and an object URL of tenant A answers
-another tenant's admin exactly like a missing object (404).
+B's never; no leak marker of tenant A (its memory key, API key name, forget request's subject,
+member usernames, slug) reaches an identity outside it, and none of tenant B reaches anyone but
+B's admin; every list a role may open shows that role's own marker (a positive control that
+the page does list rows); tenant A's data is unchanged unless the cell is an allowed write, and
+an allowed write does change it; another tenant's request writes no audit event into tenant A's
+log; and an object URL of tenant A answers another tenant's admin exactly like a missing object
+(the whole page compared, the object id aside).
 """
 
 from __future__ import annotations
@@ -38,6 +46,24 @@ from tests.helpers import rolled_back_module_data
 
 CANARY_A = "CANARY-admin-matrix-acme-3c1f"
 CANARY_B = "CANARY-admin-matrix-globex-77d0"
+# Leak markers: text that names a row of one tenant and nothing else.
+SUBJECT_A, SUBJECT_B = "admsubjacme5e1f", "admsubjglobex2b7c"  # forget requests' subjects
+MARKERS_A = {
+    "memory": "user:u10086:pref_lang",
+    "forgetrequest": SUBJECT_A,
+    "apikey": "adm-matrix-key-acme",
+    "membership": "adm-viewer",
+    "tenant": "adm-matrix-owner",
+    "auditevent": "user:u10086:pref_lang",
+}
+MARKERS_B = {
+    "memory": "user:u20002:pref_lang",
+    "forgetrequest": SUBJECT_B,
+    "apikey": "adm-matrix-key-globex",
+    "membership": "adm-other",
+    "tenant": "adm-matrix-other",
+    "auditevent": "user:u20002:pref_lang",
+}
 ROLES = ("viewer", "support", "compliance", "admin")
 IDENTITIES = (*ROLES, "other_tenant", "no_membership", "anonymous")
 METHODS = ("GET", "POST")
@@ -222,29 +248,94 @@ def expected(row: Row, identity: str) -> int | str:
         return 302 if "c" in perms else 403
     if kind == "changelist":
         allowed = "v" in perms or (identity == "other_tenant" and model in LIST_ALLOWED_OTHER)
-        return 200 if allowed else 403
+        if not allowed:
+            return 403
+        # A list action (with tenant A's row selected) redirects back to the list when the
+        # identity has the action at all (another tenant's admin: its own rows only, none picked).
+        if method == "POST" and model in LIST_ACTIONS:
+            need = LIST_ACTIONS[model][1]
+            return 302 if need in perms or identity == "other_tenant" else 200
+        return 200
     if kind == "add":
         allowed = "a" in perms or (
             identity == "other_tenant" and model in ("memory", "forgetrequest", "apikey", "membership")
         )
         if model == "tenant" or model == "auditevent":
             allowed = False  # superusers only / never
-        return 200 if allowed else 403
+        if not allowed:
+            return 403
+        # A valid form saved: on to the list (a new API key: a page showing it once). Another
+        # tenant's admin naming tenant A: a form error.
+        return 302 if method == "POST" and "a" in perms and model != "apikey" else 200
     # object views of tenant A's object
     if "v" not in perms:
         return 404  # another tenant's (or a forbidden) object: exactly like a missing one
     if kind in ("change", "history"):
-        if kind == "change" and method == "POST" and "c" not in perms:
-            return 403
+        if kind == "change" and method == "POST":
+            return 302 if "c" in perms else 403
         return 200
     if kind == "delete":
-        return 200 if "d" in perms else 403
+        if "d" not in perms:
+            return 403
+        return 302 if method == "POST" else 200
     if kind == "redirect":
         return 302
     raise AssertionError(kind)  # pragma: no cover
 
 
-WRITES = {("restore", "POST")}  # cells that change tenant A's data when allowed
+# The permission letter a POST of each view needs to change tenant A's data.
+WRITE_NEEDS = {"add": "a", "change": "c", "delete": "d", "restore": "c"}
+# A list action's permission: the memory actions need change (edit), revoking keys add (admin).
+LIST_ACTIONS = {"memory": ("move_to_trash", "c"), "apikey": ("revoke", "a")}
+
+
+def writes(row: Row, identity: str) -> bool:
+    """Whether a POST of this cell may (and must) change tenant A's data."""
+    kind, model = row.spec.kind, row.spec.model
+    if row.method != "POST" or identity not in ROLES:
+        return False
+    if kind == "changelist" and model in LIST_ACTIONS:
+        return LIST_ACTIONS[model][1] in _perms(model, identity)
+    need = WRITE_NEEDS.get(kind)
+    if need is None or model in ("tenant", "auditevent") or (kind == "change" and model != "memory"):
+        return False  # tenants: superusers; audit events: never; only a memory's fields can change
+    if kind == "delete" and model == "memory":
+        return False  # a memory is deleted by an action (trash or forget), not the delete page
+    return need in _perms(model, identity)
+
+
+def _form(row: Row, s: Staff) -> dict:
+    """The form a real user would send to this page (aimed at tenant A)."""
+    kind, model = row.spec.kind, row.spec.model
+    a = str(s.a.pk)
+    if kind == "delete":
+        return {"post": "yes"}
+    if kind == "changelist":
+        action = LIST_ACTIONS.get(model, ("delete_selected", ""))[0]
+        return {"action": action, "_selected_action": [str(s.objects.get(model, 0))], "index": "0"}
+    if kind == "login":
+        return {"username": "somebody", "password": "not-the-password"}
+    if kind == "password_change":
+        return {"old_password": "wrong", "new_password1": "Zq8!long-enough-pw", "new_password2": "Zq8!long-enough-pw"}
+    if kind not in ("add", "change"):
+        return {}
+    forms = {
+        "memory": {
+            "tenant": a,
+            "key": "user:u10086:pref_lang" if kind == "change" else "user:u10087:written",
+            "value": '"written-in-the-admin"',
+            "category": "note",
+            "subject": "",
+            "tags": "",
+            "importance": "5",
+            "version": "2",
+        },
+        "forgetrequest": {"tenant": a, "subject": "u10086", "reason": "admin matrix", "due_in_days": "30"},
+        "apikey": {"tenant": a, "name": "adm-new-key", "scopes": ["memory:read"], "allowed_prefixes": ""},
+        "membership": {"tenant": a, "username": "adm-newcomer", "role": "viewer"},
+        "tenant": {"slug": "adm-new-tenant", "name": "new", "value_max_bytes": "", "trash_retention_days": "30"},
+    }
+    return forms.get(model, {})
 
 
 # --- the identities ------------------------------------------------------------------------
@@ -265,8 +356,11 @@ class Staff:
         self.users["other_tenant"] = User.objects.create_user(username="adm-other", password=None)
         services.membership_set(tenant=self.b, actor=SYSTEM, username="adm-other", role="admin")
         self.users["no_membership"] = User.objects.create_user(username="adm-none", password=None, is_staff=True)
-        key, _raw = make_key(self.a, name="adm-matrix-key")
-        fr = services.forget_request_create(tenant=self.a, actor=SYSTEM, subject="u10086", reason="matrix")
+        key, _raw = make_key(self.a, name=MARKERS_A["apikey"])
+        make_key(self.b, name=MARKERS_B["apikey"])
+        fr = services.forget_request_create(tenant=self.a, actor=SYSTEM, subject=SUBJECT_A, reason="matrix")
+        services.forget_request_create(tenant=self.b, actor=SYSTEM, subject=SUBJECT_B, reason="matrix")
+        User.objects.create_user(username="adm-newcomer", password=None, is_staff=True)  # whom the forms add
         tasks = {
             ok: Task.objects.create(
                 id=f"adm-matrix-task-{ok}",
@@ -352,6 +446,12 @@ def _body(response) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+def _comparable(body: str, object_id) -> str:
+    """A page with the object id it was asked for (and the per-request CSRF token) blanked."""
+    body = re.sub(r'name="csrfmiddlewaretoken" value="[^"]*"', "", body)
+    return re.sub(rf"(?<!\w){object_id}(?!\w)", "<id>", body)
+
+
 # --- the matrix ----------------------------------------------------------------------------
 
 
@@ -364,7 +464,7 @@ def test_admin_matrix(row: Row, identity: str, staff_identities, db):
     before = _state(s)
     audit_mark = AuditEvent.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
 
-    response = client.get(path) if row.method == "GET" else client.post(path, {})
+    response = client.get(path) if row.method == "GET" else client.post(path, _form(row, s))
     body = _body(response)
 
     assert response.status_code < 500, f"server error {response.status_code}: {body[:500]}"
@@ -378,25 +478,34 @@ def test_admin_matrix(row: Row, identity: str, staff_identities, db):
     if identity not in VALUE_READERS:
         assert CANARY_A not in body, f"{identity} received tenant A's memory value"
     assert CANARY_B not in body, f"{identity} received tenant B's memory value"
-    if identity in ("other_tenant", "no_membership", "anonymous"):
-        for marker in ("adm-matrix-key", "user:u10086:pref_lang"):
-            at = body.find(marker)
-            assert at < 0, f"tenant A's rows leaked: …{body[max(0, at - 300) : at + 100]}…"
+    outsider = identity in ("other_tenant", "no_membership", "anonymous")
+    markers = (*(set(MARKERS_A.values()) if outsider else ()), *(() if identity == "other_tenant" else MARKERS_B.values()))
+    for marker in markers:
+        if marker == "adm-other" and identity == "other_tenant":
+            continue  # its own username
+        at = body.find(marker)
+        assert at < 0, f"{identity} saw {marker!r}: …{body[max(0, at - 300) : at + 100]}…"
+    if row.spec.kind == "changelist" and row.method == "GET" and response.status_code == 200:
+        # Positive control: the list does show the identity's own tenant's row.
+        own = MARKERS_B if identity == "other_tenant" else MARKERS_A
+        assert own[row.spec.model] in body, f"{identity}'s {row.spec.model} list misses its own row"
 
-    writes = (row.spec.kind, row.method) in WRITES and response.status_code in (200, 302)
     after = _state(s)
-    if writes and identity in ("support", "admin"):
-        assert after[0][0][2] == before[0][0][2] + 1, "the allowed restore did not write a version"
+    if writes(row, identity):
+        assert after != before, f"{row.id} as {identity}: the allowed write changed nothing"
     else:
         assert after == before, f"{row.id} as {identity} changed tenant A's data"
 
     if identity in ("other_tenant", "no_membership", "anonymous"):
         leaked = AuditEvent.objects.filter(pk__gt=audit_mark, tenant=s.a).count()
         assert leaked == 0, "a request from outside tenant A was audited in tenant A's log"
-    if identity == "other_tenant" and want == 404 and "object_id" in row.route.converters:
-        ghost = client.get(_path(row, s, object_id=987654321)) if row.method == "GET" else None
-        if ghost is not None:
-            assert ghost.status_code == 404, "a missing object answers differently from another tenant's"
+    if identity == "other_tenant" and want == 404 and {"object_id", "tenant_id"} & set(row.route.converters):
+        ghost_id = 987654321
+        ghost_path = _path(row, s, object_id=ghost_id)
+        ghost = client.get(ghost_path) if row.method == "GET" else client.post(ghost_path, _form(row, s))
+        own_id = str(s.objects.get(row.spec.model, 0) if "object_id" in row.route.converters else s.a.pk)
+        same = (ghost.status_code, _comparable(_body(ghost), ghost_id))
+        assert same == (response.status_code, _comparable(body, own_id)), "a missing object answers differently"
 
 
 # --- the matrix covers everything ----------------------------------------------------------

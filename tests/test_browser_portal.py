@@ -37,7 +37,7 @@ def test_end_user_opens_portal_link_forgets_everything_and_sees_the_receipt(brow
     )
     assert answer.status == 201, answer.text()
     link = answer.json()["url"]
-    assert link.startswith(f"{live_server.url}/portal/open/")
+    assert re.fullmatch(rf"{re.escape(live_server.url)}/portal/open/[A-Za-z0-9_-]{{43}}", link), link  # opaque
 
     page.set_viewport_size(PHONE)
     page.goto(link)
@@ -81,3 +81,13 @@ def test_end_user_opens_portal_link_forgets_everything_and_sees_the_receipt(brow
     assert response.status == 410
     assert page.get_by_role("heading", name="This link has already been used").is_visible()
     screenshot("link-replayed")
+
+    # The tenant's application withdraws u1's links: the page this browser has open ends.
+    answer = page.request.delete(
+        f"{live_server.url}/api/v1/subjects/u1/portal-link", headers={"Authorization": f"Bearer {raw}"}
+    )
+    assert answer.status == 200 and answer.json() == {"revoked": 1}, answer.text()
+    response = page.goto(f"{live_server.url}/portal/")
+    assert response.status == 403
+    assert page.get_by_role("heading", name="Please open a new link").is_visible()
+    screenshot("withdrawn")

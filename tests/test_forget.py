@@ -38,6 +38,7 @@ RECEIPT_FIELDS = {
     "completed_at",
 }
 CANARY = "CANARY-7d1e-ZZ"
+END_USER_IP = "198.51.100.77"  # the forgotten end user's own address (portal)
 
 
 def post(client, capture, body, run=True):
@@ -710,9 +711,28 @@ def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
         change_message=f"value was {CANARY}",
     )
 
-    # Positive control: the scanner finds the canary where it is.
+    # Identifiers of u9 outside memories: an unauthenticated request for one of u9's keys (a
+    # failed-auth event), and u9 opening their portal from their own address and filing a
+    # forget there (the end user's actor id and IP on portal and forget.create events).
+    from django.test import Client
+
+    from memories.portal.services import portal_link_create
+
+    bad = Client().get("/api/v1/memories/user:u9:diary", headers={"Authorization": "Bearer zm_nope_nope"})
+    assert bad.status_code == 401
+    _link, token = portal_link_create(tenant=tenant_a, actor=SYSTEM, subject="u9")
+    end_user = Client(REMOTE_ADDR=END_USER_IP)
+    assert end_user.post(f"/portal/open/{token}").status_code == 302
+    with django_capture_on_commit_callbacks(execute=False):
+        filed = end_user.post("/portal/forget", {"what": "one", "key": "user:u9:secret"})
+    assert filed.status_code == 302
+    assert AuditEvent.objects.filter(action="forget.create", client_ip=END_USER_IP).exists()
+    assert Job.objects.filter(tenant=tenant_a, params__prefix="user:u9:").exists()
+
+    # Positive control: the scanner finds the canary and the identifiers where they are.
     before = tables_holding(CANARY)
     assert {"memories_memory", "memories_memoryversion", "django_admin_log"} <= set(before), before
+    assert "memories_job" in tables_holding("user:u9:") and "audit_auditevent" in tables_holding(END_USER_IP)
 
     # The request goes through a real ORM-broker queue entry (left behind, as a worker that
     # died would leave it), and the job runs in-process as a worker would run it.
@@ -732,6 +752,14 @@ def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
         1,
     )
     assert tables_holding(CANARY) == {}
+    # No key of u9 (memories, versions, jobs' params and results, failed-auth events, audit
+    # targets), no address of u9 (portal and forget.create events), no end-user actor id.
+    # (Only the record of erasure names u9: the end user's own earlier request for one key,
+    # as the completed request names its subject.)
+    assert tables_holding("user:u9:") == {"memories_forgetrequest": 1}
+    assert ForgetRequest.objects.filter(keys=["user:u9:secret"]).count() == 1
+    assert tables_holding(END_USER_IP) == {}
+    assert not AuditEvent.objects.filter(actor_kind="end_user", actor_id=subjects.end_user_actor_id("u9")).exists()
     assert CANARY not in str(done)
     assert memory_rows(tenant_a) == [("user:u10:diary", 1, None)]
 
@@ -740,12 +768,43 @@ def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
 
 
 @pytest.mark.postgres
-def test_bench_forget_command_reports_the_time_to_completed(db, capsys):
+def test_bench_forget_command_reports_the_time_to_completed(transactional_db, capsys, monkeypatch):
+    """Committed for real (transactional_db): the POST's queue entry reaches the ORM broker,
+    and the bench picks it up as a worker would."""
     import json
 
     from django.core.management import call_command
+    from django_q.conf import Conf
 
-    call_command("bench_forget", memories=60, versions=2, others=20, batch_size=25, json=True)
+    monkeypatch.setattr(Conf, "SYNC", False)
+    call_command("bench_forget", memories=60, versions=2, others=20, batch_size=25, events=2, json=True)
     report = json.loads(capsys.readouterr().out)
     assert report["meets_target"] and report["left_of_subject"] == 0 and report["other_subjects_kept"] == 20
+    assert report["seeded"]["audit_events"] == 120 and report["audit_events_redacted"] >= 120
+    assert not OrmQ.objects.exists()  # the entry was taken and acknowledged
     assert (report["receipt"]["memories"], report["receipt"]["versions"], report["receipt"]["batches"]) == (60, 121, 3)
+
+
+# --- jobs are not kept for ever ------------------------------------------------------------
+
+
+def test_finished_jobs_are_purged_after_the_retention_period(tenant_a, tenant_b, settings, monkeypatch):
+    from zeromem.schedules import SCHEDULES
+
+    assert SCHEDULES["zeromem:jobs-purge"][0] == "memories.tasks.jobs_purge_task"
+    settings.ZEROMEM_JOB_RETENTION_DAYS = 30
+    now = timezone.now()
+    old, recent = now - timedelta(days=31), now - timedelta(days=29)
+    make = lambda tenant, status, created: Job.objects.create(  # noqa: E731
+        tenant=tenant, kind=Job.Kind.SUMMARIZE, status=status, params={"prefix": "user:u1:"}, created_at=created
+    )
+    gone = [make(tenant_a, Job.Status.SUCCEEDED, old), make(tenant_a, Job.Status.FAILED, old), make(tenant_b, "succeeded", old)]
+    kept = [make(tenant_a, Job.Status.SUCCEEDED, recent), make(tenant_a, Job.Status.QUEUED, old)]  # running work stays
+    from memories import tasks
+
+    assert tasks.jobs_purge_task() == 3
+    assert set(Job.objects.values_list("pk", flat=True)) == {j.pk for j in kept}
+    assert not Job.objects.filter(pk__in=[j.pk for j in gone]).exists()
+    events = AuditEvent.objects.filter(action="job.purge").order_by("tenant_id")
+    assert [(e.tenant_id, e.count) for e in events] == [(tenant_a.pk, 2), (tenant_b.pk, 1)]
+    assert tasks.jobs_purge_task() == 0

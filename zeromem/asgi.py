@@ -148,6 +148,11 @@ def build(mode: str | None = None) -> Router:
 
 application = build()
 
+# The server's access log writes a portal link's path without its token.
+from zeromem.kit.logs import install_on_access_logs  # noqa: E402
+
+install_on_access_logs()
+
 # Each server process starts loading the embedding model now, in a background thread
 # (about 3 s): searches meanwhile run on words alone instead of waiting for it.
 from memories.search.embeddings import warm_up  # noqa: E402

@@ -42,6 +42,9 @@ SCHEDULES = {
     "zeromem:auth-failures-flush": ("audit.tasks.audit_auth_failures_flush_task", Schedule.MINUTES, 1),
     # Stored first answers of Idempotency-Key requests past ZEROMEM_IDEMPOTENCY_SECONDS (24 h).
     "zeromem:idempotency-purge": ("memories.tasks.idempotency_purge_task", Schedule.HOURLY, None),
+    # Finished jobs older than ZEROMEM_JOB_RETENTION_DAYS are deleted (their params and
+    # results name key prefixes).
+    "zeromem:jobs-purge": ("memories.tasks.jobs_purge_task", Schedule.DAILY, None),
     # Audit events past each tenant's retention are deleted, whole seals at a time.
     "zeromem:audit-purge": ("audit.tasks.audit_purge_task", Schedule.DAILY, None),
 }

@@ -59,6 +59,7 @@ INSTALLED_APPS = [
     "audit",
     "memories.portal",
     "zeromem.bench",
+    "csp",
 ]
 # The model every tenant-scoped row refers to; the audit app reaches it by this label
 # (zeromem/kernel/tenancy.py), so that it never imports the memories app.
@@ -78,7 +79,29 @@ MIDDLEWARE = [
     "zeromem.middleware.BrowserAuthenticationMiddleware",
     "zeromem.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",  # Content-Security-Policy on the admin and the portal
 ]
+
+# Content-Security-Policy (django-csp) on the HTML pages: the admin and the portal load
+# scripts, styles, fonts and images from this origin only (inline style attributes allowed:
+# the admin's and the charts' own), post forms only here and cannot be framed. The API
+# (JSON), its docs pages and static files are left out.
+from csp.constants import NONE, SELF  # noqa: E402
+
+CONTENT_SECURITY_POLICY = {
+    "EXCLUDE_URL_PREFIXES": ["/api/", "/healthz", "/static/"],
+    "DIRECTIVES": {
+        "default-src": [NONE],
+        "script-src": [SELF],
+        "style-src": [SELF, "'unsafe-inline'"],
+        "img-src": [SELF, "data:"],
+        "font-src": [SELF],
+        "connect-src": [SELF],
+        "form-action": [SELF],
+        "frame-ancestors": [NONE],
+        "base-uri": [NONE],
+    },
+}
 
 ROOT_URLCONF = "zeromem.urls"
 WSGI_APPLICATION = "zeromem.wsgi.application"
@@ -309,11 +332,18 @@ else:
 ZEROMEM_DATA_KEY_CACHE_SECONDS = env.float("ZEROMEM_DATA_KEY_CACHE_SECONDS", default=10.0)
 # Failed authentications per minute, per client address and per key prefix, before 429.
 ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)
+# Failed admin sign-ins per client address and username within the window, before the
+# sign-in form answers 429 until the window ends (zeromem/kit/login_throttle.py).
+ZEROMEM_ADMIN_LOGIN_FAILURES = env.int("ZEROMEM_ADMIN_LOGIN_FAILURES", default=5)
+ZEROMEM_ADMIN_LOGIN_WINDOW_SECONDS = env.int("ZEROMEM_ADMIN_LOGIN_WINDOW_SECONDS", default=900)
 # Number of reverse proxies in front of the app; the client IP is read from X-Forwarded-For
 # only when this is set (as DRF's NUM_PROXIES).
 ZEROMEM_NUM_PROXIES = env.int("ZEROMEM_NUM_PROXIES", default=0)
 # Summarization (memories/services/summaries.py): the digest's size budget, and the
 # sessions the schedule compacts once idle.
+# Finished background jobs (summaries) are deleted this many days after they were created
+# (the zeromem:jobs-purge schedule).
+ZEROMEM_JOB_RETENTION_DAYS = env.int("ZEROMEM_JOB_RETENTION_DAYS", default=30)
 ZEROMEM_SUMMARY_MAX_CHARS = env.int("ZEROMEM_SUMMARY_MAX_CHARS", default=2000)
 ZEROMEM_SUMMARIZE_IDLE_PREFIXES = env.list("ZEROMEM_SUMMARIZE_IDLE_PREFIXES", default=["session:"])
 ZEROMEM_SUMMARIZE_IDLE_MINUTES = env.int("ZEROMEM_SUMMARIZE_IDLE_MINUTES", default=60)
@@ -418,12 +448,16 @@ if env.str("REDIS_URL", default=""):
     Q_CLUSTER.pop("orm")
     Q_CLUSTER["redis"] = env.str("REDIS_URL")
 
+# Portal link tokens never reach a log line (zeromem/kit/logs.py): the filter sits on the
+# loggers that write request paths (Django's 4xx/5xx and runserver lines; granian's access log:
+# zeromem/asgi.py, zeromem/wsgi.py) and on the console handler, for whatever propagates to it.
+_PORTAL_TOKENS = {"()": "zeromem.kit.logs.RedactPortalTokens"}
 # "json": one JSON object per line with the request id (zeromem/kit/logs.py); "text": plain.
 ZEROMEM_LOG_FORMAT = env.str("ZEROMEM_LOG_FORMAT", default="text")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "zeromem.kit.logs.RequestIdFilter"}},
+    "filters": {"request_id": {"()": "zeromem.kit.logs.RequestIdFilter"}, "portal_tokens": _PORTAL_TOKENS},
     "formatters": {
         "text": {"format": "%(levelname)s %(name)s [%(request_id)s] %(message)s"},
         "json": {
@@ -435,13 +469,15 @@ LOGGING = {
     "handlers": {
         "console": {
             "class": "logging.StreamHandler",
-            "filters": ["request_id"],
+            "filters": ["request_id", "portal_tokens"],
             "formatter": "json" if ZEROMEM_LOG_FORMAT == "json" else "text",
         }
     },
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
+        "django.request": {"filters": ["portal_tokens"]},
+        "django.server": {"filters": ["portal_tokens"]},
         # The MCP SDK logs every stateless request's start and end at INFO ("Terminating session").
         "mcp": {"level": env.str("MCP_LOG_LEVEL", default="WARNING")},
     },

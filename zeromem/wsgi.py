@@ -5,6 +5,11 @@ from django.core.wsgi import get_wsgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "zeromem.settings")
 application = get_wsgi_application()
 
+# The server's access log writes a portal link's path without its token.
+from zeromem.kit.logs import install_on_access_logs  # noqa: E402
+
+install_on_access_logs()
+
 # Each server process starts loading the embedding model now, in a background thread
 # (about 3 s): searches meanwhile run on words alone instead of waiting for it.
 from memories.search.embeddings import warm_up  # noqa: E402

@@ -7,6 +7,7 @@ which writes the version and the audit event. Importing a module registers its a
 from django.contrib import admin
 
 from memories.admin import api_keys, forget_requests, memberships, memories, tenants
+from zeromem.kit.login_throttle import throttled
 
 __all__ = ["api_keys", "forget_requests", "memberships", "memories", "tenants"]
 
@@ -14,3 +15,5 @@ admin.site.site_header = "ZeroMem admin"
 admin.site.site_title = "ZeroMem admin"
 admin.site.index_title = "Tenants, memories and the audit log"
 admin.site.index_template = "zeromem_admin/index.html"
+# Failed sign-ins are throttled per client address and username (zeromem/kit/login_throttle.py).
+admin.site.login = throttled(admin.site.login)

@@ -4,26 +4,35 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin
-from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 
 from memories import services
 from memories.models import Membership
+from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
 
 
 class MembershipForm(forms.ModelForm):
-    username = forms.CharField(max_length=150, help_text="An existing user's username.")
+    username = forms.CharField(
+        max_length=150, help_text="An existing admin account's username (a superuser creates accounts)."
+    )
+    request = None  # set by MembershipAdmin.get_form
 
     class Meta:
         model = Membership
         fields = ("tenant", "role")
 
     def clean_username(self):
+        # The service's own rule and message: the same answer for a name that does not exist
+        # and one this admin may not add (it never says which).
         username = self.cleaned_data["username"]
-        if not get_user_model().objects.filter(username=username).exists():
-            raise forms.ValidationError(f"No user named {username!r}: create the user first.")
+        tenant = self.cleaned_data.get("tenant")
+        actor = actor_for(self.request, tenant.pk if tenant else 0)
+        try:
+            services.addable_user(actor=actor, username=username)
+        except ServiceError as exc:
+            raise forms.ValidationError(exc.message) from None
         return username
 
     def _post_clean(self):
@@ -42,7 +51,7 @@ class MembershipAdmin(TenantScopedAdmin):
 
     def get_form(self, request, obj=None, **kwargs):
         if obj is None:
-            kwargs["form"] = MembershipForm
+            kwargs["form"] = type("MembershipFormFor", (MembershipForm,), {"request": request})
         return super().get_form(request, obj, **kwargs)
 
     def get_fields(self, request, obj=None):

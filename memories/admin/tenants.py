@@ -100,6 +100,7 @@ class TenantAdmin(TenantScopedAdmin):
         if not may(request, Capability.DASHBOARD_VIEW, tenant_id):
             raise Http404("no such tenant")
         tenant = get_object_or_404(Tenant, pk=tenant_id)
+        services.dashboard_view(tenant=tenant, actor=actor_for(request, tenant.pk))
         role = staff_roles(request).get(tenant.pk)
         context = {
             **self.admin_site.each_context(request),

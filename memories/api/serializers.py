@@ -434,3 +434,7 @@ class AnthropicMemoryCommandSerializer(serializers.Serializer):
 class AnthropicMemoryResultSerializer(serializers.Serializer):
     content = serializers.CharField(help_text="the tool_result content to hand back to Claude")
     is_error = serializers.BooleanField(help_text="true: send it back as an error tool_result (is_error)")
+
+
+class PortalLinksRevokedSerializer(serializers.Serializer):
+    revoked = serializers.IntegerField(help_text="how many links (and their sessions) were withdrawn")

@@ -10,7 +10,7 @@ from rest_framework.response import Response
 
 from memories import services, tools
 from memories.api import serializers as s
-from memories.portal.services import portal_link_create
+from memories.portal.services import portal_link_create, portal_links_revoke
 from memories.services.claude_memory import MemoryToolError, memory_tool_run
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
@@ -455,10 +455,10 @@ SUBJECT_PARAM = OpenApiParameter(
 
 
 class PortalLinkCreateView(AuditedAPIView):
-    """A signed, one-time link to the end-user portal for one subject of this tenant
-    (scope forget:create; not for keys limited to some prefixes)."""
+    """An opaque, one-time link to the end-user portal for one subject of this tenant
+    (scope forget:create; not for keys limited to some prefixes); DELETE withdraws them all."""
 
-    audit_actions = {"POST": "portal.link_create"}
+    audit_actions = {"POST": "portal.link_create", "DELETE": "portal.revoke"}
 
     @extend_schema(
         operation_id="subjects_portal_link",
@@ -479,6 +479,20 @@ class PortalLinkCreateView(AuditedAPIView):
         body = s.PortalLinkSerializer({"url": url, "expires_at": link.expires_at}).data
         return Response(body, status=status.HTTP_201_CREATED)
 
+    @extend_schema(
+        operation_id="subjects_portal_links_revoke",
+        summary="Withdraw an end user's portal links and end their open portal sessions",
+        description=(
+            "Every link issued for the subject stops opening, opened or not, and a portal session "
+            "opened from one ends at its next page. `revoked` counts the links withdrawn now."
+        ),
+        request=None,
+        parameters=[SUBJECT_PARAM],
+        responses={200: s.PortalLinksRevokedSerializer, **ERRORS},
+    )
+    def delete(self, request, subject):
+        count = portal_links_revoke(tenant=self.tenant, actor=self.actor, subject=subject)
+        return Response(s.PortalLinksRevokedSerializer({"revoked": count}).data)
 
 # --- Claude's memory tool -----------------------------------------------------------------
 

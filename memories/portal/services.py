@@ -2,15 +2,21 @@
 that user. Audited like every other operation (audit.services.audited_operation, same
 transaction).
 
-A link is ``/portal/open/<token>``, the token being ``django.core.signing.dumps`` of
-``{"t": tenant id, "s": subject, "n": nonce, "e": expiry (epoch seconds)}`` (salted, signed
-with SECRET_KEY; readable, not secret: it names the subject, nothing more). Opening it:
+A link is ``/portal/open/<token>``, the token an opaque random string (32 bytes from
+``secrets``, URL-safe): it names nothing. The tenant and subject are looked up server-side
+from the row whose ``token_hash`` is the token's SHA-256; the token itself is stored nowhere,
+and the access logs write its path as ``/portal/open/…`` (zeromem.kit.logs). Opening it:
 
-* a token that does not verify (altered, truncated, made up) is refused as ``altered``;
+* a token no row has (altered, truncated, made up, or purged long after it expired) is
+  refused as ``altered``;
 * past its expiry, as ``expired``;
+* withdrawn by the tenant (``portal_links_revoke``) or with the key that issued it
+  (``api_key_revoke``), as ``revoked``;
 * opened once already, as ``replayed``: the first open exchanges it for a short portal
   session (a signed cookie naming the link, ``ZEROMEM_PORTAL_SESSION_SECONDS``), marked by a
   conditional UPDATE of ``PortalLink.opened_at``, so two concurrent opens cannot both win.
+
+A revoked link's open session ends too: the session is only as good as its link's row.
 
 Looking at the link (GET) checks it without using it up, so a mail client or chat app that
 fetches links for a preview cannot burn the user's link; the page's button (POST) opens it.
@@ -18,13 +24,13 @@ fetches links for a preview cannot burn the user's link; the page's button (POST
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.core import signing
 from django.utils import timezone
 
 from audit.services import audited_operation
@@ -36,13 +42,20 @@ from zeromem.kernel.errors import Forbidden
 from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
 
-LINK_SALT = "zeromem.portal.link"
+TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters
+TOKEN_MAX_LEN = 100  # anything longer is not ours (no hashing of megabyte paths)
+
+
+def token_hash(token: str) -> str:
+    """What the row keeps of a token: its SHA-256 (a 256-bit random token needs no salt or
+    slow hash; a leaked table yields no working link)."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class LinkRefused(Exception):
     """A portal link that cannot be opened; ``reason`` is altered, expired or replayed."""
 
-    STATUS = {"altered": 400, "expired": 410, "replayed": 410}
+    STATUS = {"altered": 400, "expired": 410, "replayed": 410, "revoked": 410}
 
     def __init__(self, reason: str, link: PortalLink | None = None):
         super().__init__(reason)
@@ -67,21 +80,18 @@ def portal_link_create(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[P
             )
         now = timezone.now()
         lifetime = settings.ZEROMEM_PORTAL_LINK_SECONDS
-        # Whole seconds: the token carries the expiry as epoch seconds.
         expires_at = (now + timedelta(seconds=lifetime)).replace(microsecond=0)
+        token = secrets.token_urlsafe(TOKEN_BYTES)
         link = PortalLink.objects.create(
             tenant=tenant,
             subject=subject,
-            nonce=secrets.token_urlsafe(16),
+            token_hash=token_hash(token),
             created_at=now,
             expires_at=expires_at,
             created_by_kind=actor.kind,
             created_by=actor.id,
         )
         op.record(subject=subject, detail={"portal_link": link.pk, "expires_in_seconds": lifetime})
-    token = signing.dumps(
-        {"t": tenant.pk, "s": subject, "n": link.nonce, "e": int(expires_at.timestamp())}, salt=LINK_SALT, compress=True
-    )
     return link, token
 
 
@@ -90,21 +100,16 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
     starts the portal session). Raises :class:`LinkRefused`, audited as ``portal.open``.
 
     ``actor_for(link)`` builds the actor: the end user once the link is known to be good,
-    an anonymous one for a refused link (whoever holds it). Cost: a primary-key SELECT of the
-    tenant and a unique-index SELECT of the link; with ``use`` a conditional UPDATE and the
-    audit INSERT."""
-    claims = _claims(token)
-    tenant = Tenant.objects.filter(pk=claims["t"]).first() if claims else None
-    now = timezone.now()
-    # The signed expiry first: a link's row is purged some time after it expired
-    # (portal_links_purge), and the link must still read as expired, not as altered.
-    if tenant is not None and claims["e"] <= now.timestamp():
-        _refuse(tenant, actor_for(None), "expired", subject=claims["s"])
+    an anonymous one for a refused link (whoever holds it). Cost: a unique-index SELECT of
+    the link (with its tenant); with ``use`` a conditional UPDATE and the audit INSERT."""
     link = None
-    if tenant is not None:
-        link = PortalLink.objects.filter(nonce=claims["n"], tenant=tenant, subject=claims["s"]).first()
+    if isinstance(token, str) and 0 < len(token) <= TOKEN_MAX_LEN:
+        link = PortalLink.objects.select_related("tenant").filter(token_hash=token_hash(token)).first()
     if link is None:
-        _refuse(tenant, actor_for(None), "altered", subject=claims["s"] if tenant else "")
+        _refuse(None, actor_for(None), "altered")
+    tenant, now = link.tenant, timezone.now()
+    if link.revoked_at is not None:
+        _refuse(tenant, actor_for(None), "revoked", subject=link.subject, link=link)
     if link.expires_at <= now:
         _refuse(tenant, actor_for(None), "expired", subject=link.subject, link=link)
     if link.opened_at is not None:
@@ -112,7 +117,9 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
     if not use:
         return link
     with audited_operation(tenant=tenant, actor=actor_for(link), action="portal.open") as op:
-        won = PortalLink.objects.filter(pk=link.pk, opened_at__isnull=True).update(opened_at=now)
+        won = PortalLink.objects.filter(
+            pk=link.pk, opened_at__isnull=True, revoked_at__isnull=True, expires_at__gt=now
+        ).update(opened_at=now)
         if won:
             link.opened_at = now
             op.record(subject=link.subject, detail={"portal_link": link.pk})
@@ -128,7 +135,7 @@ def portal_session_link(*, link_id: Any) -> PortalLink | None:
         return None
     return (
         PortalLink.objects.select_related("tenant")
-        .filter(pk=link_id, opened_at__isnull=False, closed_at__isnull=True)
+        .filter(pk=link_id, opened_at__isnull=False, closed_at__isnull=True, revoked_at__isnull=True)
         .first()
     )
 
@@ -140,21 +147,6 @@ def portal_sign_out(*, link: PortalLink, actor: Actor) -> None:
         op.record(subject=link.subject, detail={"portal_link": link.pk})
 
 
-def _claims(token: Any) -> dict | None:
-    if not isinstance(token, str) or len(token) > 2000:
-        return None
-    try:
-        claims = signing.loads(token, salt=LINK_SALT)
-    except signing.BadSignature:
-        return None
-    shape = {"t": int, "s": str, "n": str, "e": int}
-    if not isinstance(claims, dict) or set(claims) != set(shape):
-        return None
-    if not all(isinstance(claims[k], t) and not isinstance(claims[k], bool) for k, t in shape.items()):
-        return None
-    return claims
-
-
 def _refuse(tenant: Tenant | None, actor: Actor, reason: str, *, subject: str = "", link=None) -> None:
     # Its own transaction: the open fails, the record of the attempt stays.
     with audited_operation(tenant=tenant, actor=actor, action="portal.open") as op:
@@ -164,6 +156,27 @@ def _refuse(tenant: Tenant | None, actor: Actor, reason: str, *, subject: str = 
             detail={"code": f"link_{reason}", "portal_link": link.pk if link else None},
         )
     raise LinkRefused(reason, link)
+
+
+def portal_links_revoke(*, tenant: Tenant, actor: Actor, subject: Any) -> int:
+    """Withdraw every link of the end user ``subject``: the unopened ones stop opening
+    (``revoked``) and the open portal sessions end at their next page. Needs
+    ``forget:create`` and the whole tenant, like issuing one. Returns how many links it
+    withdrew; audited as ``portal.revoke``. Cost: one UPDATE on the (tenant, subject) index."""
+    with audited_operation(tenant=tenant, actor=actor, action="portal.revoke") as op:
+        require_scope(actor, Scope.FORGET_CREATE)
+        subject = _validated_subject(subject)
+        if actor.allowed_prefixes:
+            raise Forbidden(
+                code="key_not_allowed",
+                message="an API key limited to some prefixes cannot withdraw a subject's portal links",
+                field="subject",
+            )
+        count = PortalLink.objects.filter(tenant=tenant, subject=subject, revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
+        op.record(subject=subject, count=count)
+    return count
 
 
 def portal_links_purge() -> int:

@@ -44,6 +44,10 @@ REFUSED_LINK = {
         "This link has expired",
         "Links to this page work for a short time only. Ask the app that sent it for a new link.",
     ),
+    "revoked": (
+        "This link was withdrawn",
+        "The app that sent it withdrew it. Ask the app for a new link to see what is remembered about you.",
+    ),
     "replayed": (
         "This link has already been used",
         "Each link opens the page once. If that was not you, tell the app that sent it. "
@@ -161,6 +165,7 @@ def _home(request, link, memories, total, requests, *, error: str = "", status: 
             "value": presentation.readable_value(m.value),
             "updated_at": m.updated_at,
             "created_at": m.created_at,
+            "source": m.source,  # who wrote it: the app's own name for the writer, or its key
             "expires_at": m.expires_at,
         }
         for m in memories

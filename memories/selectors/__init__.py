@@ -4,6 +4,7 @@ The admin dashboard's figures are in :mod:`memories.selectors.dashboard`.
 """
 
 import functools
+import json
 from datetime import UTC, datetime
 
 from django.db import connection
@@ -99,8 +100,9 @@ def memory_keys_page(
 def memories_with_tag(qs: QuerySet[Memory], tag: str) -> QuerySet[Memory]:
     if connection.vendor == "postgresql":
         return qs.filter(tags__contains=[tag])
-    # SQLite has no JSON containment; the JSON text of a list of strings holds "tag" exactly.
-    return qs.filter(tags__icontains=f'"{tag}"')
+    # SQLite has no JSON containment; the JSON text of a list of strings holds the tag as
+    # json.dumps spells it (Django stores JSON ASCII-escaped: 中文 is "\u4e2d\u6587").
+    return qs.filter(tags__icontains=json.dumps(tag))
 
 
 def memory_history(*, memory: Memory) -> QuerySet[MemoryVersion]:

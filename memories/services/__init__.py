@@ -5,12 +5,14 @@ the same transaction as the change.
 Modules: ``memories`` (write, read, update, delete, restore, list, search, recall,
 history; and by id in any state, as the admin opens them: view, versions, restore a
 version), ``tenants`` (tenants, their settings, API keys), ``memberships`` (who may use the
-admin for a tenant, in which role), ``summaries`` (summarize a namespace, the idle-sessions
+admin for a tenant, in which role), ``browsing`` (staff searches, key-tree walks and
+dashboards, audited), ``summaries`` (summarize a namespace, the idle-sessions
 schedule), ``jobs`` (background jobs as callers see them), ``retention`` (default TTLs by
 prefix, the purge of expired memories and old trash), ``forget`` (forget requests: accept,
 carry out, resume).
 """
 
+from memories.services.browsing import dashboard_view, memories_browse
 from memories.services.forget import (
     forget_request_create,
     forget_request_execute,
@@ -19,7 +21,7 @@ from memories.services.forget import (
     forget_requests_resume,
 )
 from memories.services.jobs import job_get
-from memories.services.memberships import membership_remove, membership_set
+from memories.services.memberships import addable_user, membership_remove, membership_set
 from memories.services.memories import (
     _UNSET,
     ListResult,
@@ -73,6 +75,9 @@ __all__ = [
     "memory_write",
     "membership_remove",
     "membership_set",
+    "memories_browse",
+    "dashboard_view",
+    "addable_user",
     "purge_expired",
     "purge_pending",
     "retention_rule_set",

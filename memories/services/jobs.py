@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
 
 from audit.services import audited_operation
 from memories.models import Job, Tenant
@@ -36,3 +40,22 @@ def _visible(actor: Actor, job: Job) -> bool:
         return True
     prefix = job.params.get("prefix") if isinstance(job.params, dict) else None
     return isinstance(prefix, str) and bool(prefix) and actor.may_touch_prefix(prefix)
+
+
+def jobs_purge() -> int:
+    """Delete finished jobs (succeeded or failed) older than ``ZEROMEM_JOB_RETENTION_DAYS``:
+    their params and results name key prefixes, so they are not kept longer than a caller
+    could want to read them. Returns how many; one ``job.purge`` audit event per tenant.
+    Cost: one DELETE per tenant with such jobs, on the (tenant, created_at) index."""
+    cutoff = timezone.now() - timedelta(days=settings.ZEROMEM_JOB_RETENTION_DAYS)
+    finished = [Job.Status.SUCCEEDED, Job.Status.FAILED]
+    actor = Actor.system(job="jobs-purge")
+    done = 0
+    old = Job.objects.filter(status__in=finished, created_at__lt=cutoff)
+    for tenant_id in sorted(set(old.values_list("tenant_id", flat=True).distinct())):
+        with audited_operation(tenant=Tenant(pk=tenant_id), actor=actor, action="job.purge") as op:
+            count, _ = Job.objects.filter(tenant_id=tenant_id, status__in=finished, created_at__lt=cutoff).delete()
+            if count:
+                op.record(count=count)
+            done += count
+    return done

@@ -17,19 +17,16 @@ from zeromem.kernel.scopes import TENANT_ADMIN_SCOPES
 
 def membership_set(*, tenant: Tenant, actor: Actor, username: Any, role: Any) -> Membership:
     """Give an existing user ``role`` in ``tenant`` (creating or changing the membership).
-    A member may log in to the admin, so the user is marked staff. Needs the admin role
-    (the only role whose actor holds every scope). Audited as ``membership.set``."""
+    Needs the admin role (the only role whose actor holds every scope). A tenant admin may
+    add only active staff accounts (:func:`addable_user`); a superuser (or the system) may add
+    any active user, who is then marked staff so they can sign in. Audited as ``membership.set``."""
     with audited_operation(tenant=tenant, actor=actor, action="membership.set") as op:
         _require_admin(actor)
         if role not in Membership.Role.values:
             raise InvalidInput(f"must be one of {', '.join(Membership.Role.values)}", field="role")
-        if not isinstance(username, str) or not username:
-            raise InvalidInput("must be a username", field="username")
-        user = get_user_model().objects.filter(username=username).first()
-        if user is None:
-            raise InvalidInput(f"no user named {username!r}", field="username", code="unknown_user")
+        user = addable_user(actor=actor, username=username)
         membership, created = Membership.objects.update_or_create(tenant=tenant, user=user, defaults={"role": role})
-        if not user.is_staff:
+        if not user.is_staff:  # (only a superuser's or the system's call gets here)
             user.is_staff = True
             user.save(update_fields=["is_staff"])
         op.record(target=user.get_username(), detail={"role": role, "created": created})
@@ -50,6 +47,26 @@ def membership_remove(*, tenant: Tenant, actor: Actor, membership_id: int) -> bo
         membership.delete()
         op.record(target=username, detail={"role": role})
         return True
+
+
+NOT_ADDABLE = "no account by that name can be added here: a superuser creates admin accounts first"
+
+
+def addable_user(*, actor: Actor, username: Any):
+    """The user ``username`` if ``actor`` may make them a member; else :class:`InvalidInput`
+    with one message whether the name is unknown, inactive or not a staff account, so a
+    tenant admin learns nothing about the accounts they may not add. Only a superuser (or
+    the system) may add a user who is not staff yet. Cost: one or two unique-index SELECTs."""
+    if not isinstance(username, str) or not username or len(username) > 150:
+        raise InvalidInput("must be a username", field="username")
+    User = get_user_model()
+    user = User.objects.filter(username=username, is_active=True).first()
+    privileged = actor.kind == ActorKind.SYSTEM or (
+        actor.kind == ActorKind.STAFF and User.objects.filter(pk=actor.id, is_superuser=True, is_active=True).exists()
+    )
+    if user is None or not (user.is_staff or privileged):
+        raise InvalidInput(NOT_ADDABLE, field="username", code="unknown_user")
+    return user
 
 
 def _require_admin(actor: Actor) -> None:

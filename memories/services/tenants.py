@@ -13,12 +13,12 @@ from django.utils import timezone
 
 from audit.services import audited_operation
 from memories.models import ApiKey, Tenant
+from memories.portal.models import PortalLink
 from memories.services import key_cache, sensitivity
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput
-from zeromem.kernel.outcomes import Outcome
-from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES
 
 
@@ -80,15 +80,24 @@ def api_key_create(
 
 def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
     """Revoke the tenant's key ``key_id``; False (audited as not found) when there is no such
-    key or it was revoked already."""
+    key or it was revoked already. The portal links the key issued are withdrawn with it
+    (unopened ones stop opening, open portal sessions end): one more UPDATE of the tenant's
+    links (no index on the issuer: links are short-lived and purged, the table stays small)."""
     with audited_operation(tenant=tenant, actor=actor, action="api_key.revoke") as op:
-        updated = ApiKey.objects.filter(tenant=tenant, pk=key_id, revoked_at__isnull=True).update(
-            revoked_at=timezone.now()
-        )
+        now = timezone.now()
+        updated = ApiKey.objects.filter(tenant=tenant, pk=key_id, revoked_at__isnull=True).update(revoked_at=now)
         key = ApiKey.objects.filter(tenant=tenant, pk=key_id).first()
+        links = 0
         if key is not None:
             _forget_cached(key.lookup)
-        op.record(target=key.display_prefix if key else "", outcome=Outcome.OK if updated else Outcome.NOT_FOUND)
+            links = PortalLink.objects.filter(
+                tenant=tenant, created_by_kind=ActorKind.API_KEY, created_by=str(key.pk), revoked_at__isnull=True
+            ).update(revoked_at=now)
+        op.record(
+            target=key.display_prefix if key else "",
+            outcome=Outcome.OK if updated else Outcome.NOT_FOUND,
+            detail={"portal_links_revoked": links} if links else None,
+        )
     return bool(updated)
 
 

@@ -36,7 +36,9 @@ PAGES = (
     "/admin/audit/auditevent/?p=50",
     "/admin/audit/auditevent/?since={today}",
     "/admin/audit/auditevent/?key_prefix=user:u123:",
-    "/admin/audit/auditevent/?actor=zm_bench&action=memory.",
+    # One of 199 actors (fixed-width labels: no label is a prefix of another) and one action:
+    # 1 row in 995 matches, not every row.
+    "/admin/audit/auditevent/?actor=zm_b007&action=memory.write",
     "/admin/memories/memory/",
     "/admin/memories/memory/?prefix=user:",
     "/admin/memories/memory/?q=u4242",
@@ -61,12 +63,14 @@ class Command(BenchCommand):
         tenant = Tenant.objects.create(slug=slug, name=slug)
         started = time.perf_counter()
         with connection.cursor() as cursor:
-            # Spread over the last 12 days, 50,000 subjects, as an agent fleet would write them.
+            # Spread over the last 12 days, 50,000 subjects and 199 keys (actors; 199 is prime to
+            # the 5 of the write rate), as an agent fleet would write them.
             cursor.execute(
                 """INSERT INTO audit_auditevent (uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label,
                        surface, action, target, subject, outcome, request_id, detail, digest, chain, redacted)
-                   SELECT md5(%s || g::text)::uuid, %s, now() - (g * 1.0 || ' seconds')::interval, 'api_key', '1',
-                       'zm_bench', 'tool', CASE WHEN g %% 5 = 0 THEN 'memory.write' ELSE 'memory.read' END,
+                   SELECT md5(%s || g::text)::uuid, %s, now() - (g * 1.0 || ' seconds')::interval, 'api_key',
+                       (g %% 199)::text, 'zm_b' || lpad((g %% 199)::text, 3, '0'), 'tool',
+                       CASE WHEN g %% 5 = 0 THEN 'memory.write' ELSE 'memory.read' END,
                        'user:u' || (g %% 50000) || ':k', 'u' || (g %% 50000), 'ok', '', '{}',
                        md5(g::text) || md5(g::text), '', '{}'
                    FROM generate_series(1, %s) g""",

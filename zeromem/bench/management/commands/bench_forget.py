@@ -3,12 +3,16 @@ completed, for a subject with 10k memories (DESIGN "Quality bars": ≤ 10 s). Po
 
 1. Seeds a throw-away tenant (``forgetbench-<random>``): ``--memories`` memories of one
    subject, each with ``--versions`` versions, a summary derived from some of them, and as
-   many memories of other subjects (which must survive), by ``bulk_create``.
+   many memories of other subjects (which must survive), by ``bulk_create``; and the
+   subject's audit history as the services write it (``--events`` per memory: its write by
+   the app's key and reads by the end user from their own address), which the forget must
+   redact.
 2. ``POST /api/v1/forget-requests {"subject": ...}`` through the whole Django/DRF stack
    (in-process test client, no socket): the request is stored, committed and enqueued on
    the ORM broker; the clock starts before the POST.
-3. Runs ``forget_request_execute`` in this process, as a django-q2 worker would, and stops
-   the clock when it returns ``completed``; the queue entry the POST left is removed.
+3. Picks the queue entry the POST left up from the ORM broker (dequeue, unsign), runs its
+   task in this process as a django-q2 worker would, acknowledges it, and stops the clock
+   when the request reads ``completed``.
 
 Prints the seed, the 202 latency, the time to completed, the throughput and the receipt
 (``--json``: one JSON object). The tenant and its audit events stay (audit rows are
@@ -30,7 +34,10 @@ from django.core.management.base import CommandError
 from django.db import transaction
 from django.test import Client
 from django.utils import timezone
-from django_q.models import OrmQ
+from django_q.brokers import get_broker
+from django_q.signing import SignedPackage
+
+from audit.services import audit_record
 
 from memories import search, services
 from memories.models import ForgetRequest, Memory, MemoryVersion
@@ -53,6 +60,7 @@ class Command(BenchCommand):
         parser.add_argument("--versions", type=int, default=2, help="versions per memory (2)")
         parser.add_argument("--others", type=int, default=10_000, help="memories of other subjects (10000)")
         parser.add_argument("--batch-size", type=int, default=0, help="erase batch size (default: the job's)")
+        parser.add_argument("--events", type=int, default=2, help="audit events of the subject per memory (2)")
 
     def handle(self, *args, **opts):
         self.require_postgresql()
@@ -63,6 +71,7 @@ class Command(BenchCommand):
         tenant = services.tenant_create(actor=system, slug=f"forgetbench-{secrets.token_hex(4)}")
         subject = "bench-user"
         seeded = self._seed(tenant, subject, n=opts["memories"], versions=opts["versions"], others=opts["others"])
+        seeded["audit_events"] = self._seed_history(tenant, subject, n=opts["memories"], per_memory=opts["events"])
         key, raw = services.api_key_create(
             tenant=tenant, actor=system, name="bench_forget", scopes=[Scope.FORGET_CREATE]
         )
@@ -80,11 +89,10 @@ class Command(BenchCommand):
             if response.status_code != 202:
                 raise CommandError(f"POST answered {response.status_code}: {response.content[:300]!r}")
             request_id = response.json()["id"]
-            result = services.forget_request_execute(request_id=request_id, batch_size=batch_size)
+            result = self._work_the_queue(request_id, batch_size)
             finished = time.perf_counter()
         finally:
             services.api_key_revoke(tenant=tenant, actor=system, key_id=key.pk)
-        self._drop_queue_entry(request_id)
 
         if result["status"] != "completed":
             raise CommandError(
@@ -94,6 +102,7 @@ class Command(BenchCommand):
         survivors = Memory.objects.filter(tenant=tenant).exclude(subject=subject).count()
         receipt = result["receipt"]
         total = finished - started
+        redacted = receipt.get("audit_events_redacted", 0)
         report = {
             "tenant": tenant.slug,
             "seeded": seeded,
@@ -105,6 +114,7 @@ class Command(BenchCommand):
             "meets_target": total <= TARGET_SECONDS and left == 0,
             "left_of_subject": left,
             "other_subjects_kept": survivors,
+            "audit_events_redacted": redacted,
             "receipt": receipt,
         }
         self.subject, self.versions = subject, opts["versions"]
@@ -115,7 +125,8 @@ class Command(BenchCommand):
         seeded, receipt = report["seeded"], report["receipt"]
         w(
             f"seeded {seeded['memories']} memories of '{self.subject}' × {self.versions} versions "
-            f"(+{seeded['summaries']} summary, {seeded['others']} of other subjects) in {report['tenant']}"
+            f"(+{seeded['summaries']} summary, {seeded['others']} of other subjects, "
+            f"{seeded['audit_events']} audit events of the subject) in {report['tenant']}"
         )
         w(f"POST /api/v1/forget-requests → 202 in {report['accepted_ms']} ms")
         w(
@@ -125,7 +136,8 @@ class Command(BenchCommand):
         )
         w(
             f"receipt: {receipt['memories']} memories, {receipt['versions']} versions, "
-            f"{receipt['summaries']} summaries; {report['left_of_subject']} left of the subject, "
+            f"{receipt['summaries']} summaries, {report['audit_events_redacted']} audit events redacted; "
+            f"{report['left_of_subject']} left of the subject, "
             f"{report['other_subjects_kept']} of others kept"
         )
 
@@ -197,9 +209,39 @@ class Command(BenchCommand):
         return len(batch)
 
     @staticmethod
-    def _drop_queue_entry(request_id: int) -> None:
-        # The POST enqueued the job on the ORM broker; this process ran it, so no worker must.
+    def _seed_history(tenant, subject: str, *, n: int, per_memory: int) -> int:
+        """The subject's audit events, written one by one as the services write them: the
+        app's write of each memory, then reads by the end user (actor id and address)."""
+        app = Actor(kind="api_key", id="0", label="zm_benchapp", surface="api", client_ip="192.0.2.10")
+        end_user = Actor(kind="end_user", id=subject, label="end user", surface="portal", client_ip="198.51.100.7")
+        written = 0
+        with transaction.atomic():
+            for i in range(n):
+                key = f"user:{subject}:m{i:06}"
+                for e in range(per_memory):
+                    actor, action = (app, "memory.write") if e == 0 else (end_user, "memory.read")
+                    audit_record(
+                        tenant=tenant, actor=actor, action=action, outcome="ok", target=key, subject=subject, version=1
+                    )
+                    written += 1
+        return written
+
+    @staticmethod
+    def _work_the_queue(request_id: int, batch_size: int) -> dict:
+        """What a django-q2 worker does with the entry the POST enqueued: take it from the
+        broker, unsign it, run its function, acknowledge it. Returns the request's result."""
         name = f"forget-request-{request_id}"
-        for entry in OrmQ.objects.all():
-            if entry.name() == name:
-                entry.delete()
+        broker = get_broker()
+        for _ in range(100):
+            for ack_id, payload in broker.dequeue() or []:
+                task = SignedPackage.loads(payload)
+                if task["name"] != name:
+                    continue
+                if task["func"] != services.forget.TASK or task["args"] != (request_id,):
+                    raise CommandError(f"unexpected queue entry {task['func']}{task['args']}")
+                # The task is a thin wrapper of this call; the bench's --batch-size passed on.
+                services.forget_request_execute(request_id=request_id, batch_size=batch_size)
+                broker.acknowledge(ack_id)
+                request = ForgetRequest.objects.get(pk=request_id)
+                return {"status": request.status, "receipt": request.receipt}
+        raise CommandError(f"{name} never reached the queue")

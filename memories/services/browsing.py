@@ -1,0 +1,35 @@
+"""Staff browsing the admin: what they looked through is audited like a read, though no one
+memory is opened. A search over value words, the key tree and a tenant's dashboard each show
+data (keys, words of values, counts) without a per-memory read event; these record who
+looked, in which tenant, at which prefix. The search words themselves are not kept (they may
+name an end user: only their length), so a forget has nothing to erase in them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from audit.services import audited_operation
+from memories.models import Tenant
+from zeromem.kernel import validation
+from zeromem.kernel.actors import Actor, require_scope
+from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.scopes import Scope
+
+
+def memories_browse(*, tenant: Tenant, actor: Actor, search: Any = "", prefix: Any = "") -> None:
+    """Audit a staff member's search over keys and value words (``search``) and/or walk of
+    the key tree (``prefix``) in ``tenant``'s memory list, as ``memory.browse`` (target: the
+    prefix; detail: the search's length). Needs ``memory:read``. Cost: the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.browse") as op:
+        require_scope(actor, Scope.MEMORY_READ)
+        if not isinstance(search, str) or not isinstance(prefix, str):
+            raise InvalidInput("must be text", field="search" if not isinstance(search, str) else "prefix")
+        # The prefix as asked (a made-up one matches nothing), cut to a key's length.
+        op.record(target=prefix[: validation.KEY_MAX_LEN], detail={"search_chars": len(search)} if search else None)
+
+
+def dashboard_view(*, tenant: Tenant, actor: Actor) -> None:
+    """Audit a staff member opening ``tenant``'s dashboard (counts, top namespaces and
+    keys), as ``tenant.dashboard``. Cost: the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="tenant.dashboard", target=tenant.slug) as op:
+        op.record()
