@@ -109,9 +109,12 @@ if env.str("DATABASE_URL", default=""):
         # thread, so CONN_MAX_AGE would open a connection per request; the pool hands out
         # warm ones there too (set DB_POOL_MAX_SIZE to the concurrency you allow).
         DATABASES["default"]["CONN_MAX_AGE"] = 0
-        # The pool checks a connection before handing it out (an empty query): after a
-        # database restart its idle connections are dead, and without the check each would
-        # cost one request a 503 (tests/test_database_outage.py).
+        # The pool checks a connection before handing it out: after a database restart its
+        # idle connections are dead, and without the check each would cost one request a
+        # 503 (tests/test_database_outage.py). The check polls the socket and sends an empty
+        # query only when something is pending there: no round trip per request. It is
+        # Django's backend with that check (zeromem/postgresql/base.py).
+        DATABASES["default"]["ENGINE"] = "zeromem.postgresql"
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env.int("DB_POOL_MIN_SIZE", default=2),
@@ -231,6 +234,11 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 # longer than its lease (a crashed process) lapses.
 ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
 ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
+# Searches and recalls have slots of their own, fewer, and do not wait by default: each one
+# is CPU-bound, and a request waiting for a slot holds a request thread that another
+# tenant's read could use (README "Search": measured with bench_search).
+ZEROMEM_TENANT_SEARCH_CONCURRENT = env.int("ZEROMEM_TENANT_SEARCH_CONCURRENT", default=2)
+ZEROMEM_TENANT_SEARCH_WAIT_SECONDS = env.float("ZEROMEM_TENANT_SEARCH_WAIT_SECONDS", default=0.0)
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
 # Failed authentications per minute, per client address and per key prefix, before 429.
 ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)
