@@ -88,8 +88,7 @@ def _terminate_other_backends() -> int:
 
 def test_pooled_connections_killed_by_a_database_restart_cost_no_request_an_error(api: KeyedClient):
     """After a restart every idle pooled connection is dead; the pool checks a connection
-    before handing it out (CONN_HEALTH_CHECKS, zeromem/postgresql/base.py), so no request
-    gets a dead one (503)."""
+    before handing it out (CONN_HEALTH_CHECKS), so no request gets a dead one (503)."""
     api.call("memory_write", key="fact:restart", value="kept")
     connection.close()  # our connection goes back to the pool, idle
     assert _terminate_other_backends() >= 1
@@ -98,33 +97,3 @@ def test_pooled_connections_killed_by_a_database_restart_cost_no_request_an_erro
         status, body = api.call("memory_read", key="fact:restart")
         assert (status, body["status"], body["value"]) == (200, "ok", "kept")
         connection.close()
-
-
-def test_the_pool_check_asks_the_server_only_about_a_connection_with_something_pending(api: KeyedClient, monkeypatch):
-    """A healthy idle connection is handed out with no round trip; one whose session the
-    server ended is asked (the empty query fails) and replaced."""
-    from psycopg_pool import ConnectionPool
-
-    asked = []
-    real = ConnectionPool.check_connection
-
-    def counting(conn):
-        asked.append(conn)
-        real(conn)
-
-    monkeypatch.setattr(ConnectionPool, "check_connection", staticmethod(counting))
-    api.call("memory_write", key="fact:check", value="kept")
-    connection.close()
-    for _ in range(3):
-        status, body = api.call("memory_read", key="fact:check")
-        assert status == 200 and body["value"] == "kept"
-        connection.close()
-    assert asked == []  # healthy: no round trip
-    from zeromem.postgresql.base import check_connection
-
-    assert connection.pool._check is check_connection
-
-    assert _terminate_other_backends() >= 1
-    status, body = api.call("memory_read", key="fact:check")
-    assert (status, body["value"]) == (200, "kept")
-    assert asked  # the dead one was asked, failed and was replaced

@@ -109,12 +109,10 @@ if env.str("DATABASE_URL", default=""):
         # thread, so CONN_MAX_AGE would open a connection per request; the pool hands out
         # warm ones there too (set DB_POOL_MAX_SIZE to the concurrency you allow).
         DATABASES["default"]["CONN_MAX_AGE"] = 0
-        # The pool checks a connection before handing it out: after a database restart its
-        # idle connections are dead, and without the check each would cost one request a
-        # 503 (tests/test_database_outage.py). The check polls the socket and sends an empty
-        # query only when something is pending there: no round trip per request. It is
-        # Django's backend with that check (zeromem/postgresql/base.py).
-        DATABASES["default"]["ENGINE"] = "zeromem.postgresql"
+        # The pool checks a connection before handing it out (an empty query): after a
+        # database restart its idle connections are dead, and without the check each would
+        # cost one request a 503 (tests/test_database_outage.py). (Polling the socket instead
+        # saves the round trip but hands out a connection whose end has not arrived yet.)
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env.int("DB_POOL_MIN_SIZE", default=2),

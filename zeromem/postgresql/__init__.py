@@ -1,1 +1,0 @@
-"""Django's PostgreSQL backend, with a connection check that costs no round trip (base.py)."""
