@@ -232,11 +232,6 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 # longer than its lease (a crashed process) lapses.
 ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
 ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
-# Searches and recalls have slots of their own, fewer, and do not wait by default: each one
-# is CPU-bound, and a request waiting for a slot holds a request thread that another
-# tenant's read could use (README "Search": measured with bench_search).
-ZEROMEM_TENANT_SEARCH_CONCURRENT = env.int("ZEROMEM_TENANT_SEARCH_CONCURRENT", default=2)
-ZEROMEM_TENANT_SEARCH_WAIT_SECONDS = env.float("ZEROMEM_TENANT_SEARCH_WAIT_SECONDS", default=0.0)
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
 # Failed authentications per minute, per client address and per key prefix, before 429.
 ZEROMEM_AUTH_FAILURES_PER_MINUTE = env.int("ZEROMEM_AUTH_FAILURES_PER_MINUTE", default=30)

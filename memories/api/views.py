@@ -13,16 +13,7 @@ from memories.api import serializers as s
 from memories.portal.services import portal_link_create
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
-from zeromem.kit.api import (
-    ERRORS,
-    SEARCH_SLOTS,
-    AuditedAPIView,
-    ErrorSerializer,
-    SlotPool,
-    TenantAPIView,
-    TenantSlotMixin,
-    retry_after,
-)
+from zeromem.kit.api import ERRORS, AuditedAPIView, ErrorSerializer, TenantAPIView, TenantSlotMixin, retry_after
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(
@@ -65,7 +56,7 @@ class ToolListView(TenantAPIView):
         return Response({"format": fmt, "tools": tools.tool_schemas(fmt, strict=strict == "true")})
 
 
-# Tools whose cost grows with the tenant's data: each call takes one of the tenant's search slots.
+# Tools whose cost grows with the tenant's data: each call takes a tenant slot.
 EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
 
 
@@ -74,11 +65,11 @@ class ToolCallView(TenantSlotMixin, AuditedAPIView):
     # A body that is not JSON never reaches the registry; it is audited as a refused call.
     audit_actions = {"POST": "tool.call"}
 
-    def tenant_slot_pool(self, request) -> SlotPool | None:
+    def needs_tenant_slot(self, request) -> bool:
         data = request.data if isinstance(request.data, dict) else {}
         function = data.get("function") if isinstance(data.get("function"), dict) else {}
         name = data.get("name") or function.get("name")
-        return SEARCH_SLOTS if isinstance(name, str) and name in EXPENSIVE_TOOLS else None
+        return isinstance(name, str) and name in EXPENSIVE_TOOLS
 
     @extend_schema(
         operation_id="tools_call",

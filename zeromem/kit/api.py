@@ -6,7 +6,6 @@ Error shape, on every surface and status: ``{"error": {"code", "message", "field
 
 import functools
 import time
-from dataclasses import dataclass
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
@@ -165,45 +164,22 @@ ERRORS = {
 }
 
 
-@dataclass(frozen=True)
-class SlotPool:
-    """A kind of expensive work and its per-tenant limit: how many may run at once (the
-    setting named ``limit``) and how long a request past it waits for a slot (``wait``)."""
-
-    suffix: str  # of the holder: "tenant:<id><suffix>"
-    limit: str
-    wait: str
-
-    def holder(self, tenant_id: int) -> str:
-        return f"tenant:{tenant_id}{self.suffix}"
-
-
-# Exports and batches.
-GENERAL_SLOTS = SlotPool("", "ZEROMEM_TENANT_MAX_CONCURRENT", "ZEROMEM_TENANT_BUSY_WAIT_SECONDS")
-# Searches and recalls: fewer, and past the limit refused at once rather than holding a
-# request thread while they wait (README "Search").
-SEARCH_SLOTS = SlotPool(":search", "ZEROMEM_TENANT_SEARCH_CONCURRENT", "ZEROMEM_TENANT_SEARCH_WAIT_SECONDS")
-
-
 class TenantSlotMixin:
-    """Expensive work (search, recall, export, batch) takes one of the tenant's slots for
-    as long as it runs — a streamed response until its last byte is sent — so one tenant
-    cannot take every thread, pooled connection and core. Exports and batches share
-    ``ZEROMEM_TENANT_MAX_CONCURRENT`` slots (a request past them waits up to
-    ``ZEROMEM_TENANT_BUSY_WAIT_SECONDS``); searches and recalls have
-    ``ZEROMEM_TENANT_SEARCH_CONCURRENT`` of their own (waiting
-    ``ZEROMEM_TENANT_SEARCH_WAIT_SECONDS``). Then 429 ``tenant_busy`` with Retry-After. Slots
-    are counted across processes (audit/limits.py: Redis, or the database)."""
+    """Expensive work (search, recall, export, batch) takes one of the tenant's
+    ``ZEROMEM_TENANT_MAX_CONCURRENT`` slots for as long as it runs — a streamed response
+    until its last byte is sent — so one tenant cannot take every thread and pooled
+    connection. A tenant with all slots taken waits up to ``ZEROMEM_TENANT_BUSY_WAIT_SECONDS``
+    for one, then gets 429 ``tenant_busy`` with Retry-After. Slots are counted across
+    processes (audit/limits.py: Redis, or the database)."""
 
-    def tenant_slot_pool(self, request) -> SlotPool | None:
-        return GENERAL_SLOTS
+    def needs_tenant_slot(self, request) -> bool:
+        return True
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)
-        pool = self.tenant_slot_pool(request)
-        if pool is not None:
-            holder = pool.holder(self.tenant.pk)
-            token = _slot_wait(holder, limit=getattr(settings, pool.limit), wait=getattr(settings, pool.wait))
+        if self.needs_tenant_slot(request):
+            holder = f"tenant:{self.tenant.pk}"
+            token = _slot_wait(holder)
             if token is None:
                 raise TenantBusy("this tenant already runs its limit of expensive requests; retry", retry_after=1)
             self._tenant_slot = (holder, token)
@@ -221,11 +197,11 @@ class TenantSlotMixin:
         return response
 
 
-def _slot_wait(holder: str, *, limit: int, wait: float) -> str | None:
-    deadline = time.monotonic() + wait
+def _slot_wait(holder: str) -> str | None:
+    deadline = time.monotonic() + settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS
     lease = settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS
     while True:
-        token = limits.slot_acquire(holder, limit=limit, lease=lease)
+        token = limits.slot_acquire(holder, limit=settings.ZEROMEM_TENANT_MAX_CONCURRENT, lease=lease)
         if token is not None or time.monotonic() >= deadline:
             return token
         time.sleep(0.05)
