@@ -82,9 +82,10 @@ def audit_record(
     count: int | None = None,
     version: int | None = None,
     detail: dict | None = None,
-) -> AuditEvent:
+) -> int:
     """Append one event: one INSERT, no lock shared with other requests (the chain is
-    built later by :func:`audit_seal`). Never pass a memory value or a key secret here."""
+    built later by :func:`audit_seal`). Never pass a memory value or a key secret here.
+    Returns the event's id."""
     fields = {
         "uid": uuid.uuid4(),
         "tenant_id": tenant.pk if tenant is not None else None,
@@ -103,16 +104,17 @@ def audit_record(
         "version": version,
         "detail": _storable(detail or {}),
     }
-    event = AuditEvent(**fields, digest=chain.digest(fields))
+    values = {**fields, "digest": chain.digest(fields)}
     sql, columns = _insert_sql(connection.vendor)
-    # What Model.save() would send, without compiling the INSERT again on every request.
-    params = [f.get_db_prep_save(f.pre_save(event, True), connection) for f in columns]
+    # What Model.save() would send (each field prepares its value; the others get their
+    # defaults), without building the instance or compiling the INSERT on every request.
+    params = [
+        f.get_db_prep_save(values[f.attname] if f.attname in values else f.get_default(), connection)
+        for f in columns
+    ]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        event.pk = cursor.fetchone()[0]
-    event._state.adding = False
-    event._state.db = connection.alias
-    return event
+        return cursor.fetchone()[0]
 
 
 @functools.cache

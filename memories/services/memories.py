@@ -145,9 +145,7 @@ def _upsert(
     # Expired-but-not-yet-purged rows still hold the (tenant, key) slot of the partial
     # unique index; a write over one trashes it first, so it behaves like a fresh key.
     for _ in range(3):
-        existing = (
-            Memory.objects.for_tenant(tenant).filter(key=key, deleted_at__isnull=True).select_for_update().first()
-        )
+        existing = selectors.memory_lock_current(tenant=tenant, key=key)
         if existing is not None and existing.expires_at is not None and existing.expires_at <= now:
             existing.deleted_at = now
             existing.save(update_fields=["deleted_at"])
