@@ -150,7 +150,8 @@ def up(argv: list[str]) -> int:
     env = {**os.environ, "ZEROMEM_ENV": os.environ.get("ZEROMEM_ENV", "development")}
     manage("migrate", "--noinput", env=env)
     manage("zeromem_schedules", env=env)
-    manage("demo_setup", env=env)
+    model = serving.parse(argv, env)  # the links demo_setup prints name the address served
+    manage("demo_setup", env={**env, "HOST": model.host, "PORT": str(model.port)})
     web = web_tier(argv, env)
     if web is None:
         return 3
