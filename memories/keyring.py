@@ -207,12 +207,21 @@ def rewrap(*, batch: int = 500, progress=None) -> tuple[int, int]:
 def master_keys_problem() -> str | None:
     """Why this process could not open the stored data keys, naming ``ZEROMEM_MASTER_KEYS``;
     None when every live data key's master key is configured (checked at start-up)."""
+    from django.db import DatabaseError, connections
+
+    db = settings.ZEROMEM_KEYSTORE_DATABASE
+    try:
+        stored = DataKey._meta.db_table in connections[db].introspection.table_names()
+    except DatabaseError:
+        stored = False  # the database's own errors are the connection check's to report
     try:
         _, keys = masters()
     except MasterKeyError as exc:
-        if DataKey.objects.filter(destroyed_at__isnull=True).exists():
+        if stored and DataKey.objects.filter(destroyed_at__isnull=True).exists():
             return f"{exc}; encrypted data exists"
         return None if not getattr(settings, SETTING, []) and settings.DEVELOPMENT else str(exc)
+    if not stored:  # not migrated yet (serve never migrates): no data key to open
+        return None
     missing = sorted(
         set(
             DataKey.objects.filter(destroyed_at__isnull=True)
