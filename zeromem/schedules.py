@@ -40,8 +40,12 @@ SCHEDULES = {
     # Unverified failed authentications are counted per source and minute; each closed
     # minute becomes one tenant-less auth.failed event with its count.
     "zeromem:auth-failures-flush": ("audit.tasks.audit_auth_failures_flush_task", Schedule.MINUTES, 1),
-    # Audit events past each tenant's retention are deleted, whole seals at a time.
+    # Audit events past each tenant's retention are deleted: whole monthly partitions when every
+    # tenant's retention allows (PostgreSQL), else whole seals at a time.
     "zeromem:audit-purge": ("audit.tasks.audit_purge_task", Schedule.DAILY, None),
+    # PostgreSQL: the audit log's monthly partitions for this month and the next two exist
+    # (audit/partitions.py); an event of a month without one lands in the default partition.
+    "zeromem:audit-partitions": ("audit.tasks.audit_partitions_task", Schedule.DAILY, None),
 }
 
 
