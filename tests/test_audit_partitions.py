@@ -82,7 +82,8 @@ def test_an_event_of_a_month_without_partition_lands_in_the_default_one(db, monk
         "created": ["audit_auditevent_p2035_07", "audit_auditevent_p2035_08"],
         "blocked": ["audit_auditevent_p2035_06"],
     }
-    later = record(monkeypatch, tenant, june + timedelta(days=1)) + record(monkeypatch, tenant, june + timedelta(days=25))
+    later = record(monkeypatch, tenant, june + timedelta(days=1))
+    later += record(monkeypatch, tenant, june + timedelta(days=25))
     assert homes(later) == {partitions.DEFAULT, "audit_auditevent_p2035_07"}
     audit_seal(tenant_id=tenant.pk)
     assert audit_verify(tenant_id=tenant.pk).ok

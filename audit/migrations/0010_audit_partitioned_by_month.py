@@ -101,7 +101,9 @@ def forward(apps, schema_editor):
             cursor.execute(f"ALTER TABLE {LEGACY} RENAME CONSTRAINT {fk} TO {LEGACY}_tenant_fk")
             cursor.execute(f"ALTER INDEX {ID_KEY} RENAME TO {LEGACY}_id_time_key")
             # A constraint's index on the parent attaches only a constraint's index on the partition.
-            cursor.execute(f"ALTER TABLE {LEGACY} ADD CONSTRAINT {LEGACY}_id_time_key UNIQUE USING INDEX {LEGACY}_id_time_key")
+            cursor.execute(
+                f"ALTER TABLE {LEGACY} ADD CONSTRAINT {LEGACY}_id_time_key UNIQUE USING INDEX {LEGACY}_id_time_key"
+            )
             for name in INDEXES:
                 cursor.execute(f"ALTER INDEX {name} RENAME TO {LEGACY}_{name.removeprefix('audit_')}")
             cursor.execute(
@@ -126,9 +128,7 @@ def forward(apps, schema_editor):
                 cursor.execute(f"DROP TABLE {LEGACY}")
             for name, definition in INDEXES.items():
                 using, _, where = definition.partition(" WHERE ")
-                cursor.execute(
-                    f"CREATE INDEX {name} ON {TABLE} {using}" + (f" WHERE {where}" if where else "")
-                )
+                cursor.execute(f"CREATE INDEX {name} ON {TABLE} {using}" + (f" WHERE {where}" if where else ""))
             # Same name as Django gave it, so later migrations find it.
             cursor.execute(
                 f"ALTER TABLE {TABLE} ADD CONSTRAINT {fk} FOREIGN KEY (tenant_id) REFERENCES memories_tenant (id) "
