@@ -118,10 +118,15 @@ def months(db, monkeypatch, settings):
 
 def test_a_month_is_dropped_only_when_every_chain_in_it_is_past_retention(months, monkeypatch):
     a, b, ids = months
-    # 5 March: B's 60 days still cover January.
-    assert "audit_auditevent_p2031_01" not in audit_partitions_drop(now=datetime(2031, 3, 5, tzinfo=UTC))
+    # 1 March: B's 60 days still cover January, so the month stays; A's first seal (10 January,
+    # past A's 30 days) goes by the row purge instead.
+    at(monkeypatch, datetime(2031, 3, 1, tzinfo=UTC))
+    audit_purge_all(now=datetime(2031, 3, 1, tzinfo=UTC))
     assert exists("audit_auditevent_p2031_01")
     assert AuditEvent.objects.filter(pk__in=ids["b_jan"]).count() == 3
+    assert AuditEvent.objects.filter(pk__in=ids["a_jan"]).count() == 2  # the 31 January ones: seal 2
+    assert AuditSeal.objects.get(tenant=a, seq=1).purged_at is not None
+    assert audit_verify(tenant_id=a.pk).ok
 
     # 5 April: January is past every chain's retention (A's crossing seal included); February
     # is not (B keeps 60 days).
@@ -143,8 +148,8 @@ def test_a_month_is_dropped_only_when_every_chain_in_it_is_past_retention(months
         result = audit_verify(tenant_id=tenant_id)
         assert result.ok, result.problems
         assert result.purged_seals == through
-    purge = AuditEvent.objects.filter(tenant=a, action="audit.purge").get()
-    assert purge.count == sum(AuditSeal.objects.filter(tenant=a, seq__lte=2).values_list("count", flat=True))
+    purge = AuditEvent.objects.filter(tenant=a, action="audit.purge", detail__has_key="partition").get()
+    assert purge.count == AuditSeal.objects.get(tenant=a, seq=2).count == 4
     assert purge.detail == {"through_seal": 2, "partition": "audit_auditevent_p2031_01"}
 
     # The scheduled purge: nothing more to drop today; B's February stays (60 days), A's March too.
