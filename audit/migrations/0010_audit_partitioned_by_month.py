@@ -9,7 +9,8 @@ conversion transaction and do not block inserts):
    parent; ids still come from one sequence, and seals hold plain ids (no FK refers to them).
 2. ``CHECK (occurred_at < <boundary>) NOT VALID``, then ``VALIDATE`` (one scan, inserts
    continue). ``<boundary>`` is the start of next month (of the month after if less than two
-   days remain), so no insert meets the check before the conversion commits.
+   days remain; the month after the newest stored event if that is later), so no insert
+   meets the check before the conversion commits.
 3. In one transaction: the table is renamed ``audit_auditevent_legacy``; a partitioned
    ``audit_auditevent`` is created with the same columns; the old table is attached as the
    partition ``FROM (MINVALUE) TO (<boundary>)`` — the validated CHECK spares the scan, the
@@ -74,8 +75,21 @@ def forward(apps, schema_editor):
         cursor.execute("SELECT EXISTS (SELECT 1 FROM audit_auditevent)")
         (has_rows,) = cursor.fetchone()
         now = datetime.now(UTC)
-        boundary = _boundary(now) if has_rows else partitions.month_start(now)
-        # 1 and 2: outside any transaction, inserts continue.
+        boundary = partitions.month_start(now)
+        if has_rows:
+            # Past every stored event, even one a clock far ahead dated in the future.
+            cursor.execute(f"SELECT max(occurred_at) FROM {TABLE}")  # nosec B608
+            (newest,) = cursor.fetchone()
+            boundary = max(_boundary(now), partitions.add_months(partitions.month_start(newest), 1))
+        # 1 and 2: outside any transaction, inserts continue. An index left invalid by an
+        # interrupted earlier run is built again.
+        cursor.execute(
+            "SELECT NOT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
+            [ID_KEY],
+        )
+        row = cursor.fetchone()
+        if row and row[0]:
+            cursor.execute(f"DROP INDEX CONCURRENTLY {ID_KEY}")
         cursor.execute(f"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {ID_KEY} ON {TABLE} (id, occurred_at)")
         cursor.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS audit_auditevent_legacy_bound")
         cursor.execute(
