@@ -4,8 +4,10 @@ are dropped by the retention purge after a checkpoint and the chain still verifi
 partition refuses UPDATE, DELETE and TRUNCATE."""
 
 from datetime import UTC, datetime, timedelta
+from io import StringIO
 
 import pytest
+from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
@@ -195,4 +197,19 @@ def test_every_partition_refuses_update_delete_and_truncate(db, monkeypatch, sql
             cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no pending FK checks from the inserts
             cursor.execute(sql.format(table=table), [] if "TRUNCATE" in sql else [tenant.pk])
     assert AuditEvent.objects.filter(pk__in=ids).count() == 2
+    assert audit_verify(tenant_id=tenant.pk).ok
+
+
+def test_the_audit_purge_command_drops_months_past_retention(db, monkeypatch, settings):
+    settings.ZEROMEM_AUDIT_RETENTION_DAYS = 30
+    old = datetime(2020, 1, 1, tzinfo=UTC)
+    partitions.ensure_partitions(now=old)
+    at(monkeypatch, old + timedelta(days=2))
+    tenant = make_tenant("part-command")
+    ids = record(monkeypatch, tenant, old + timedelta(days=3), n=2)
+    monkeypatch.undo()  # the real clock again
+    out = StringIO()
+    call_command("audit_purge", stdout=out)
+    assert "dropped audit_auditevent_p2020_01" in out.getvalue()
+    assert not AuditEvent.objects.filter(pk__in=ids).exists()
     assert audit_verify(tenant_id=tenant.pk).ok
