@@ -27,7 +27,7 @@ from django.db.models import Q
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
-from audit import chain, daily, limits
+from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import validation
@@ -385,7 +385,7 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
             rows = list(
                 AuditEvent.objects.filter(_tenant_q(tenant_id), seal__isnull=True)
                 .order_by("id")
-                .values_list("id", "digest")[:batch_size]
+                .values_list("id", "digest", "occurred_at")[:batch_size]
             )
             if not rows:
                 break
@@ -395,10 +395,11 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
             total = (head.total if head else 0) + len(rows)
             value = prev_hash
             links = []
-            for event_id, event_digest in rows:
+            for event_id, event_digest, _at in rows:
                 value = chain.link(value, event_id, event_digest)
                 links.append((event_id, value))
-            _store_links(seq, links)
+            times = [at for _i, _d, at in rows]
+            _store_links(seq, links, min(times), max(times))
             if AuditEvent.objects.filter(_tenant_q(tenant_id), seal=seq).count() != len(rows):
                 raise RuntimeError(f"sealing raced: events of seal {seq} changed underneath it")
             first, last = rows[0][0], rows[-1][0]
@@ -428,16 +429,19 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
     return sealed
 
 
-def _store_links(seq: int, links: list[tuple[int, str]]) -> None:
+def _store_links(seq: int, links: list[tuple[int, str]], since: datetime, until: datetime) -> None:
     # bandit B608 (marked): the table name is the model's own; every value is a %s parameter.
     table = AuditEvent._meta.db_table
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            # One statement for the whole batch (a 5000-row seal in one round trip).
+            # One statement for the whole batch (a 5000-row seal in one round trip). The batch's
+            # time span prunes the monthly partitions to the one or two it lies in; without it
+            # every id would be looked up in every partition.
             cursor.execute(
                 f"UPDATE {table} AS e SET seal = %s, chain = l.chain "  # nosec B608
-                "FROM unnest(%s::bigint[], %s::text[]) AS l(id, chain) WHERE e.id = l.id AND e.seal IS NULL",
-                [seq, [i for i, _ in links], [c for _, c in links]],
+                "FROM unnest(%s::bigint[], %s::text[]) AS l(id, chain) WHERE e.id = l.id AND e.seal IS NULL "
+                "AND e.occurred_at BETWEEN %s AND %s",
+                [seq, [i for i, _ in links], [c for _, c in links], since, until],
             )
         else:
             cursor.executemany(
@@ -631,11 +635,135 @@ def audit_purge(*, tenant: Tenant | None, now=None) -> dict:
 
 
 def audit_purge_all(*, now=None) -> dict:
-    """The scheduled retention purge over every tenant, then the tenant-less events (failed
-    authentications and the like). Returns {slug: events deleted}, the tenant-less under ""."""
+    """The scheduled retention purge: first whole months whose every chain's retention has
+    passed (PostgreSQL, :func:`audit_partitions_drop`), then every tenant's remaining expired
+    seals row by row (tenants with a shorter retention than the longest one in a month), then
+    the tenant-less events (failed authentications and the like). Returns {slug: events
+    deleted by the row purge}, the tenant-less under ""."""
+    audit_partitions_drop(now=now)
     done = {t.slug: audit_purge(tenant=t, now=now)["events"] for t in get_tenant_model().objects.order_by("pk")}
     done[""] = audit_purge(tenant=None, now=now)["events"]
     return done
+
+
+def _retention_cutoff_of(tenant_id: int | None, tenants: dict, now):
+    if tenant_id is None:
+        # The chain of failed authentications that matched no tenant: the default retention.
+        return now - timedelta(days=settings.ZEROMEM_AUDIT_RETENTION_DAYS)
+    return audit_retention_cutoff(tenants[tenant_id], now)
+
+
+def _partition_plan(part: partitions.Partition, now, tenants: dict) -> dict | None:
+    """What dropping ``part`` purges, per chain: {tenant id: (first seq, last seq, first id,
+    last id, events)}; None while some chain's retention still covers an event that would go."""
+    # bandit B608 (marked): table names come from pg_class (audit/partitions.py); values are parameters.
+    table = AuditEvent._meta.db_table
+    present = []
+    with connection.cursor() as cursor:
+        for tenant_id in [None, *tenants]:
+            where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
+            cursor.execute(
+                f"SELECT EXISTS (SELECT 1 FROM {part.name} WHERE {where})",  # nosec B608
+                [] if tenant_id is None else [tenant_id],
+            )
+            if cursor.fetchone()[0]:
+                present.append(tenant_id)
+    if any(part.upper > _retention_cutoff_of(t, tenants, now) for t in present):
+        return None
+    plan = {}
+    for tenant_id in present:
+        audit_seal(tenant_id=tenant_id)
+        where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
+        args = [] if tenant_id is None else [tenant_id]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT count(*) FILTER (WHERE seal IS NULL), max(seal) FROM {part.name} WHERE {where}",  # nosec B608
+                args,
+            )
+            unsealed, last_seq = cursor.fetchone()
+        if unsealed:
+            return None  # written after the sealing just now: next run
+        seals = AuditSeal.objects.filter(_tenant_q(tenant_id), purged_at__isnull=True, seq__lte=last_seq or 0)
+        bounds = seals.order_by("seq").values_list("seq", "first_event_id", "last_event_id", "count")
+        bounds = list(bounds)
+        if not bounds:
+            continue
+        first_seq, first_id = bounds[0][0], min(b[1] for b in bounds)
+        last_id = max(b[2] for b in bounds)
+        # Those seals' events outside this month (a seal crossing into the next month) go too:
+        # they must be past the chain's retention as well.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT max(occurred_at) FROM {table} WHERE {where} AND seal BETWEEN %s AND %s "  # nosec B608
+                "AND id BETWEEN %s AND %s AND occurred_at >= %s",
+                [*args, first_seq, last_seq, first_id, last_id, part.upper],
+            )
+            (newest,) = cursor.fetchone()
+        if newest is not None and newest >= _retention_cutoff_of(tenant_id, tenants, now):
+            return None
+        plan[tenant_id] = (first_seq, last_seq, first_id, last_id, sum(b[3] for b in bounds))
+    return plan
+
+
+def audit_partitions_drop(*, now=None) -> list[str]:
+    """Retention by whole months (PostgreSQL, partitioned log): drop the oldest monthly
+    partitions (and the legacy one) whose every event is past the retention of its tenant's
+    chain. The default partition is never dropped (its rows go through the row purge).
+
+    Per partition, oldest first, stopping at the first that must stay: seal every chain with
+    events in it; then in one transaction, per chain, a purge checkpoint naming the last
+    seal with events in the month, the DELETE of those seals' few events in other partitions
+    (a seal crossing into the next month), the seals marked purged — then ``DROP TABLE`` of
+    the partition (``lock_timeout`` 5 s, so a long reader never queues every insert behind
+    it; a timeout rolls everything back for the next run). Then one ``audit.purge`` event per
+    chain. ``audit_verify`` starts from the checkpoint, as after a row purge.
+    Returns the names of the dropped partitions."""
+    if not partitions.is_partitioned():
+        return []
+    now = now or timezone.now()
+    tenants = {t.pk: t for t in get_tenant_model().objects.order_by("pk")}
+    dropped = []
+    table = AuditEvent._meta.db_table
+    seals_table = AuditSeal._meta.db_table
+    for part in partitions.partitions():
+        if part.is_default:
+            break
+        plan = _partition_plan(part, now, tenants)
+        if plan is None:
+            break
+        with _maintenance("purge"), connection.cursor() as cursor:
+            for tenant_id in sorted(plan, key=lambda t: t or 0):
+                _lock_chain(tenant_id)
+            cursor.execute(f"LOCK TABLE {part.name} IN ACCESS EXCLUSIVE MODE")
+            cursor.execute(f"SELECT EXISTS (SELECT 1 FROM {part.name} WHERE seal IS NULL)")  # nosec B608
+            if cursor.fetchone()[0]:
+                break  # an event arrived with a past date since the plan: next run
+            for tenant_id, (first_seq, last_seq, first_id, last_id, _n) in plan.items():
+                where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
+                args = [] if tenant_id is None else [tenant_id]
+                _checkpoint(tenant_id=tenant_id, reason=AuditCheckpoint.Reason.PURGE, purged_through=last_seq)
+                lower = part.lower or datetime.min.replace(tzinfo=UTC)
+                cursor.execute(
+                    f"DELETE FROM {table} WHERE {where} AND seal BETWEEN %s AND %s "  # nosec B608
+                    "AND id BETWEEN %s AND %s AND (occurred_at < %s OR occurred_at >= %s)",
+                    [*args, first_seq, last_seq, first_id, last_id, lower, part.upper],
+                )
+                cursor.execute(
+                    f"UPDATE {seals_table} SET purged_at = %s WHERE {where} "  # nosec B608
+                    "AND purged_at IS NULL AND seq BETWEEN %s AND %s",
+                    [now, *args, first_seq, last_seq],
+                )
+            # Deferred FK checks queued on the partition (events inserted in an enclosing
+            # transaction) must run first: PostgreSQL refuses to drop a table with pending ones.
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+            cursor.execute("SET LOCAL lock_timeout = '5s'")
+            cursor.execute(f"DROP TABLE {part.name}")
+        dropped.append(part.name)
+        for tenant_id, (_f, last_seq, _fi, _li, events) in plan.items():
+            tenant = tenants.get(tenant_id)
+            with audited_operation(tenant=tenant, actor=Actor.system(job=SYSTEM_AUDIT_JOB), action="audit.purge") as op:
+                op.record(count=events, detail={"through_seal": last_seq, "partition": part.name})
+    return dropped
 
 
 # --- reading the log (compliance review) ----------------------------------------------------

@@ -1,6 +1,6 @@
 """django-q2 tasks of the audit log: dotted-path functions that call a service."""
 
-from audit import services
+from audit import partitions, services
 
 
 def audit_seal_task() -> dict:
@@ -13,3 +13,7 @@ def audit_purge_task() -> dict:
 
 def audit_auth_failures_flush_task() -> int:
     return services.audit_auth_failures_flush()
+
+
+def audit_partitions_task() -> dict:
+    return partitions.ensure_partitions()

@@ -45,8 +45,12 @@ SCHEDULES = {
     # Finished jobs older than ZEROMEM_JOB_RETENTION_DAYS are deleted (their params and
     # results name key prefixes).
     "zeromem:jobs-purge": ("memories.tasks.jobs_purge_task", Schedule.DAILY, None),
-    # Audit events past each tenant's retention are deleted, whole seals at a time.
+    # Audit events past each tenant's retention are deleted: whole monthly partitions when every
+    # tenant's retention allows (PostgreSQL), else whole seals at a time.
     "zeromem:audit-purge": ("audit.tasks.audit_purge_task", Schedule.DAILY, None),
+    # PostgreSQL: the audit log's monthly partitions for this month and the next two exist
+    # (audit/partitions.py); an event of a month without one lands in the default partition.
+    "zeromem:audit-partitions": ("audit.tasks.audit_partitions_task", Schedule.DAILY, None),
 }
 
 

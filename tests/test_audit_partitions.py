@@ -1,0 +1,215 @@
+"""The audit log partitioned by month (PostgreSQL, audit/partitions.py and migration 0010):
+events land in their month's partition (or the default one when it has none), whole months
+are dropped by the retention purge after a checkpoint and the chain still verifies, and every
+partition refuses UPDATE, DELETE and TRUNCATE."""
+
+from datetime import UTC, datetime, timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+
+from audit import partitions
+from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
+from audit.services import audit_partitions_drop, audit_purge_all, audit_record, audit_seal
+from audit.verify import audit_verify
+from tests.factories import make_tenant
+from zeromem.kernel.actors import Actor
+
+pytestmark = pytest.mark.postgres
+
+AGENT = Actor(kind="api_key", id="7", label="zm_agent", scopes=frozenset(["memory:read"]), surface="tool")
+SOURCE = Actor(kind="anonymous", surface="rest", client_ip="203.0.113.9")
+JAN = datetime(2031, 1, 1, tzinfo=UTC)
+
+
+def at(monkeypatch, when: datetime) -> None:
+    monkeypatch.setattr(timezone, "now", lambda: when)
+
+
+def record(monkeypatch, tenant, when: datetime, n: int = 1, actor=AGENT) -> list[int]:
+    at(monkeypatch, when)
+    return [audit_record(tenant=tenant, actor=actor, action="memory.read", outcome="ok").pk for _ in range(n)]
+
+
+def homes(ids) -> set[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT DISTINCT tableoid::regclass::text FROM audit_auditevent WHERE id = ANY(%s)", [ids])
+        return {name for (name,) in cursor.fetchall()}
+
+
+def exists(table: str) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [table])
+        return cursor.fetchone()[0]
+
+
+def test_the_migration_partitions_the_event_table_with_months_ahead_and_a_default(db):
+    names = [p.name for p in partitions.partitions()]
+    month = partitions.month_start(datetime.now(UTC))
+    for n in range(partitions.MONTHS_AHEAD + 1):
+        assert partitions.partition_name(partitions.add_months(month, n)) in names
+    assert names[-1] == partitions.DEFAULT
+    # Nothing to do on a second run.
+    assert partitions.ensure_partitions() == {"created": [], "blocked": []}
+
+
+def test_appends_across_a_month_boundary_land_in_two_partitions_and_verify(db, monkeypatch):
+    tenant = make_tenant("part-boundary")
+    audit_seal(tenant_id=tenant.pk)  # its creation event: seal 1
+    created = partitions.ensure_partitions(now=JAN)["created"]
+    assert created == ["audit_auditevent_p2031_01", "audit_auditevent_p2031_02", "audit_auditevent_p2031_03"]
+    before = record(monkeypatch, tenant, datetime(2031, 1, 31, 23, 59, 59, 900000, tzinfo=UTC), n=3)
+    after = record(monkeypatch, tenant, datetime(2031, 2, 1, 0, 0, 0, 100000, tzinfo=UTC), n=2)
+    assert homes(before) == {"audit_auditevent_p2031_01"}
+    assert homes(after) == {"audit_auditevent_p2031_02"}
+    assert audit_seal(tenant_id=tenant.pk) == 5  # one seal across the boundary
+    seal = AuditSeal.objects.get(tenant=tenant, seq=2)
+    assert (seal.first_event_id, seal.last_event_id) == (before[0], after[-1])
+    result = audit_verify(tenant_id=tenant.pk)
+    assert result.ok, result.problems
+    assert result.events == 6
+
+
+def test_an_event_of_a_month_without_partition_lands_in_the_default_one(db, monkeypatch):
+    tenant = make_tenant("part-default")
+    june = datetime(2035, 6, 10, tzinfo=UTC)
+    early = record(monkeypatch, tenant, june)
+    assert homes(early) == {partitions.DEFAULT}
+    # That month can no longer get its own partition; the following ones do.
+    outcome = partitions.ensure_partitions(now=june)
+    assert outcome == {
+        "created": ["audit_auditevent_p2035_07", "audit_auditevent_p2035_08"],
+        "blocked": ["audit_auditevent_p2035_06"],
+    }
+    later = record(monkeypatch, tenant, june + timedelta(days=1))
+    later += record(monkeypatch, tenant, june + timedelta(days=25))
+    assert homes(later) == {partitions.DEFAULT, "audit_auditevent_p2035_07"}
+    audit_seal(tenant_id=tenant.pk)
+    assert audit_verify(tenant_id=tenant.pk).ok
+
+
+@pytest.fixture
+def months(db, monkeypatch, settings):
+    """January to March 2031: tenant A (30 days' retention) with a seal crossing from January
+    into February, tenant B (60 days) in January and February, failed authentications that
+    matched no tenant (the default retention, 30 days here) in January."""
+    settings.ZEROMEM_AUDIT_RETENTION_DAYS = 30
+    partitions.ensure_partitions(now=JAN)
+    at(monkeypatch, JAN + timedelta(days=1))  # the tenants' own creation events in January too
+    a, b = make_tenant("part-a"), make_tenant("part-b")
+    a.audit_retention_days, b.audit_retention_days = 30, 60
+    a.save(update_fields=["audit_retention_days"])
+    b.save(update_fields=["audit_retention_days"])
+    ids = {"a_jan": record(monkeypatch, a, datetime(2031, 1, 10, tzinfo=UTC), n=4)}
+    audit_seal(tenant_id=a.pk)
+    ids["a_jan"] += record(monkeypatch, a, datetime(2031, 1, 31, 23, 59, tzinfo=UTC), n=2)
+    ids["a_cross"] = record(monkeypatch, a, datetime(2031, 2, 1, 0, 1, tzinfo=UTC), n=2)
+    audit_seal(tenant_id=a.pk)  # seal 2 holds 2 January and 2 February events
+    ids["a_mar"] = record(monkeypatch, a, datetime(2031, 3, 20, tzinfo=UTC), n=3)
+    ids["b_jan"] = record(monkeypatch, b, datetime(2031, 1, 20, tzinfo=UTC), n=3)
+    audit_seal(tenant_id=b.pk)
+    ids["b_feb"] = record(monkeypatch, b, datetime(2031, 2, 20, tzinfo=UTC), n=2)
+    ids["anon_jan"] = record(monkeypatch, None, datetime(2031, 1, 5, tzinfo=UTC), actor=SOURCE)
+    for tenant_id in (a.pk, b.pk, None):
+        audit_seal(tenant_id=tenant_id)
+    return a, b, ids
+
+
+def test_a_month_is_dropped_only_when_every_chain_in_it_is_past_retention(months, monkeypatch):
+    a, b, ids = months
+    # 1 March: B's 60 days still cover January, so the month stays; A's first seal (10 January,
+    # past A's 30 days) goes by the row purge instead.
+    at(monkeypatch, datetime(2031, 3, 1, tzinfo=UTC))
+    audit_purge_all(now=datetime(2031, 3, 1, tzinfo=UTC))
+    assert exists("audit_auditevent_p2031_01")
+    assert AuditEvent.objects.filter(pk__in=ids["b_jan"]).count() == 3
+    assert AuditEvent.objects.filter(pk__in=ids["a_jan"]).count() == 2  # the 31 January ones: seal 2
+    assert AuditSeal.objects.get(tenant=a, seq=1).purged_at is not None
+    assert audit_verify(tenant_id=a.pk).ok
+
+    # 5 April: January is past every chain's retention (A's crossing seal included); February
+    # is not (B keeps 60 days).
+    now = datetime(2031, 4, 5, tzinfo=UTC)
+    at(monkeypatch, now)
+    dropped = audit_partitions_drop(now=now)
+    assert "audit_auditevent_p2031_01" in dropped
+    assert "audit_auditevent_p2031_02" not in dropped
+    assert not exists("audit_auditevent_p2031_01")
+    assert exists("audit_auditevent_p2031_02")
+    gone = ids["a_jan"] + ids["a_cross"] + ids["b_jan"] + ids["anon_jan"]
+    assert not AuditEvent.objects.filter(pk__in=gone).exists()
+    # A's February events of the crossing seal went with it; the rest stays.
+    assert AuditEvent.objects.filter(pk__in=ids["b_feb"] + ids["a_mar"]).count() == 5
+
+    for tenant_id, through in ((a.pk, 2), (b.pk, 1), (None, 1)):
+        checkpoint = AuditCheckpoint.objects.filter(tenant_id=tenant_id, reason="purge").latest("id")
+        assert checkpoint.purged_through == through
+        result = audit_verify(tenant_id=tenant_id)
+        assert result.ok, result.problems
+        assert result.purged_seals == through
+    purge = AuditEvent.objects.filter(tenant=a, action="audit.purge", detail__has_key="partition").get()
+    assert purge.count == AuditSeal.objects.get(tenant=a, seq=2).count == 4
+    assert purge.detail == {"through_seal": 2, "partition": "audit_auditevent_p2031_01"}
+
+    # The scheduled purge: nothing more to drop today; B's February stays (60 days), A's March too.
+    audit_purge_all(now=now)
+    assert AuditEvent.objects.filter(pk__in=ids["b_feb"] + ids["a_mar"]).count() == 5
+    for tenant_id in (a.pk, b.pk, None):
+        assert audit_verify(tenant_id=tenant_id).ok
+
+
+def test_a_tampered_chain_is_still_found_after_a_drop(months, monkeypatch):
+    a, _b, ids = months
+    now = datetime(2031, 4, 5, tzinfo=UTC)
+    audit_partitions_drop(now=now)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
+        cursor.execute("DELETE FROM audit_auditevent_p2031_03 WHERE id = %s", [ids["a_mar"][1]])
+    result = audit_verify(tenant_id=a.pk)
+    assert not result.ok
+    assert "chain value is wrong" in str(result.first_problem)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "UPDATE {table} SET target = 'x' WHERE tenant_id = %s",
+        "UPDATE {table} SET seal = NULL, chain = '' WHERE tenant_id = %s",
+        "DELETE FROM {table} WHERE tenant_id = %s",
+        "TRUNCATE {table}",
+    ],
+)
+def test_every_partition_refuses_update_delete_and_truncate(db, monkeypatch, sql):
+    tenant = make_tenant("part-guard")
+    partitions.ensure_partitions(now=JAN)  # a partition made by the job, not the migration
+    ids = record(monkeypatch, tenant, JAN + timedelta(days=3))
+    ids += record(monkeypatch, tenant, datetime(2036, 1, 1, tzinfo=UTC))  # the default partition
+    audit_seal(tenant_id=tenant.pk)
+    tables = ["audit_auditevent_p2031_01", partitions.DEFAULT]
+    if sql.startswith("TRUNCATE"):
+        tables.append("audit_auditevent_p2031_02")  # empty: no row trigger would fire
+    for table in tables:
+        with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL zeromem.audit_mode = ''")  # the suite's own flush sets 'flush'
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no pending FK checks from the inserts
+            cursor.execute(sql.format(table=table), [] if "TRUNCATE" in sql else [tenant.pk])
+    assert AuditEvent.objects.filter(pk__in=ids).count() == 2
+    assert audit_verify(tenant_id=tenant.pk).ok
+
+
+def test_the_audit_purge_command_drops_months_past_retention(db, monkeypatch, settings):
+    settings.ZEROMEM_AUDIT_RETENTION_DAYS = 30
+    old = datetime(2020, 1, 1, tzinfo=UTC)
+    partitions.ensure_partitions(now=old)
+    at(monkeypatch, old + timedelta(days=2))
+    tenant = make_tenant("part-command")
+    ids = record(monkeypatch, tenant, old + timedelta(days=3), n=2)
+    monkeypatch.undo()  # the real clock again
+    out = StringIO()
+    call_command("audit_purge", stdout=out)
+    assert "dropped audit_auditevent_p2020_01" in out.getvalue()
+    assert not AuditEvent.objects.filter(pk__in=ids).exists()
+    assert audit_verify(tenant_id=tenant.pk).ok
