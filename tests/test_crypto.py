@@ -251,7 +251,8 @@ def test_reencrypt_seals_memories_a_new_rule_matches(tenant_a):
 def crypto_events(tenant) -> list[tuple[str, int | None, dict]]:
     events = AuditEvent.objects.filter(tenant=tenant, action__startswith="crypto.").order_by("id")
     for e in events:
-        assert (e.actor_kind, e.actor_label, e.surface, e.outcome) == (AuditEvent.ActorKind.SYSTEM, "system", "job", "ok")
+        system = (AuditEvent.ActorKind.SYSTEM, "system", "job", "ok")
+        assert (e.actor_kind, e.actor_label, e.surface, e.outcome) == system
     return [(e.action, e.count, e.detail, e.actor_id) for e in events]
 
 
