@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,11 @@ def test_results_carry_their_cost_in_meta_and_count_in_the_tenants_daily_usage(s
     assert row.results == 3
     assert row.bytes == sum(r.meta[META_BYTES] for r in results)
     assert row.tokens == sum(r.meta[META_TOKENS] for r in results)
+    # And in the fleet's metrics, under surface "mcp".
+    _key, scrape = services.api_key_create(tenant=tenant, actor=SYSTEM, name="prometheus", scopes=["metrics:read"])
+    metrics = httpx2.get(server.removesuffix("/mcp") + "/metrics", headers={"Authorization": f"Bearer {scrape}"})
+    tokens = re.search(r'^zeromem_tool_result_tokens_total\{surface="mcp"\} (\S+)$', metrics.text, re.M)
+    assert tokens and float(tokens.group(1)) >= row.tokens, metrics.text[:2000]
     assert not TokenUsageDay.objects.filter(tenant=other).exists()
 
 

@@ -56,6 +56,7 @@ from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import TenantBusy, Unauthenticated
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.tokens import cost_of
+from zeromem.kit import metrics
 from zeromem.kit.api import slot_wait
 from zeromem.kit.http import client_ip_of, request_id_for
 from zeromem.serving import web_threads
@@ -194,6 +195,7 @@ def answer(key: ApiKey | None, actor: Actor | None, name: str, arguments: dict) 
         result = run_call(key, actor, name, arguments)
     text = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
     size, tokens = cost_of(text.encode())
+    metrics.results_returned(SURFACE, size=size, tokens=tokens)
     if key is not None:
         usage.result_returned(tenant_id=key.tenant_id, size=size, tokens=tokens)
     return result, text, size, tokens
