@@ -63,7 +63,10 @@ class Pair:
     def __init__(self, bindir: str):
         self.bindir = bindir
         self.dir = Path(tempfile.mkdtemp(prefix="zmrep-"))  # short: it holds the sockets
-        self.primary_port, self.replica_port = free_port(), free_port()
+        self.primary_port = free_port()
+        self.replica_port = free_port()
+        while self.replica_port == self.primary_port:  # neither is bound until its server starts
+            self.replica_port = free_port()
         self.started: list[Path] = []
         if os.geteuid() == 0:  # PostgreSQL refuses to run as root
             shutil.chown(self.dir, "postgres")
