@@ -167,17 +167,28 @@ def shred(*, tenant_id: int, subject: str) -> int:
 def retire_current(*, tenant_id: int | None = None) -> int:
     """Retire the current data keys (of one tenant, or all): new values get new keys, the old
     ones still open what they sealed until ``crypto_reencrypt`` has moved it."""
-    qs = DataKey.objects.filter(retired_at__isnull=True, destroyed_at__isnull=True)
-    if tenant_id is not None:
-        qs = qs.filter(tenant_id=tenant_id)
-    n = qs.update(retired_at=timezone.now())
+    return sum(retire_current_by_tenant(tenant_id=tenant_id).values())
+
+
+def retire_current_by_tenant(*, tenant_id: int | None = None) -> dict[int, int]:
+    """:func:`retire_current`, answering how many keys each tenant had retired."""
+    with transaction.atomic(using=_db()):
+        qs = DataKey.objects.filter(retired_at__isnull=True, destroyed_at__isnull=True)
+        if tenant_id is not None:
+            qs = qs.filter(tenant_id=tenant_id)
+        rows = list(qs.select_for_update().values_list("pk", "tenant_id"))
+        DataKey.objects.filter(pk__in=[pk for pk, _ in rows]).update(retired_at=timezone.now())
     forget_cache()
-    return n
+    counts: dict[int, int] = {}
+    for _, tenant in rows:
+        counts[tenant] = counts.get(tenant, 0) + 1
+    return counts
 
 
-def rewrap(*, batch: int = 500, progress=None) -> tuple[int, int]:
+def rewrap(*, batch: int = 500, progress=None, in_batch=None) -> tuple[int, int]:
     """Re-wrap every live data key not under the first master key. Returns (re-wrapped,
-    live keys). One short transaction per ``batch`` keys; idempotent."""
+    live keys). One short transaction per ``batch`` keys; idempotent. ``in_batch(rows)`` is
+    called inside each batch's transaction with the keys it re-wrapped (the service audits)."""
     primary, keys = masters()
     done = 0
     after = 0
@@ -194,6 +205,8 @@ def rewrap(*, batch: int = 500, progress=None) -> tuple[int, int]:
                 row.wrapped = crypto.wrap(keys[primary], key, tenant_id=row.tenant_id, subject=row.subject)
                 row.master_key_id = primary
                 row.save(update_fields=["wrapped", "master_key_id"])
+            if rows and in_batch is not None:
+                in_batch(rows)
         if not rows:
             break
         done += len(rows)

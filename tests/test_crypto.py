@@ -15,8 +15,9 @@ from django.test import Client
 
 from memories import keyring, services
 from memories.models import DataKey, Memory, MemoryVersion
+from audit.models import AuditEvent
 from memories.services.encryption import reencrypt
-from tests.factories import SYSTEM, write
+from tests.factories import SYSTEM, make_tenant, write
 from zeromem.kernel.crypto import ErasedValue, MasterKeyError, master_key_id
 
 CANARY = "CANARY-phone-13800138000"
@@ -245,6 +246,46 @@ def test_reencrypt_seals_memories_a_new_rule_matches(tenant_a):
     m.refresh_from_db()
     assert m.sensitive and CANARY not in json.dumps(raw_memory(m)) and "13800138000" not in m.search_text
     assert read(tenant_a, "user:u1:phone") == CANARY
+
+
+def crypto_events(tenant) -> list[tuple[str, int | None, dict]]:
+    events = AuditEvent.objects.filter(tenant=tenant, action__startswith="crypto.").order_by("id")
+    for e in events:
+        system = (AuditEvent.ActorKind.SYSTEM, "system", "job", "ok")
+        assert (e.actor_kind, e.actor_label, e.surface, e.outcome) == system
+    return [(e.action, e.count, e.detail, e.actor_id) for e in events]
+
+
+def test_rotation_is_audited_per_tenant_touched_with_counts(tenant_a, settings, capsys):
+    tenant_b, untouched = make_tenant("crypto-audit-b"), make_tenant("crypto-audit-c")
+    for user in ("u1", "u2"):
+        write(tenant_a, f"user:{user}:phone", f"{CANARY}-{user}", sensitive=True)  # 2 keys, 2 memories
+    write(tenant_b, "team:secret", "tenant key", sensitive=True)  # 1 key, 1 memory
+    write(untouched, "note:plain", "plain")
+    settings.ZEROMEM_MASTER_KEYS = [new_master(), *settings.ZEROMEM_MASTER_KEYS]
+    call_command("crypto_rewrap", "--batch", "2")  # a's two keys, then b's: one batch each
+    call_command("crypto_reencrypt", "--new-data-keys", "--batch", "2")
+    assert crypto_events(tenant_a) == [
+        ("crypto.rewrap", 2, {}, "crypto_rewrap"),
+        ("crypto.retire", 2, {}, "crypto_reencrypt"),
+        ("crypto.reencrypt", 2, {"versions": 2}, "crypto_reencrypt"),
+    ]
+    assert crypto_events(tenant_b) == [
+        ("crypto.rewrap", 1, {}, "crypto_rewrap"),
+        ("crypto.retire", 1, {}, "crypto_reencrypt"),
+        ("crypto.reencrypt", 1, {"versions": 1}, "crypto_reencrypt"),
+    ]
+    assert crypto_events(untouched) == []
+    assert CANARY not in json.dumps(list(AuditEvent.objects.values("detail", "target")))
+    # Nothing left to do: the reruns write no event.
+    before = AuditEvent.objects.count()
+    call_command("crypto_rewrap")
+    call_command("crypto_reencrypt")
+    assert AuditEvent.objects.count() == before
+    # One tenant's rotation touches only its log.
+    call_command("crypto_reencrypt", "--new-data-keys", "--tenant-id", str(tenant_b.pk))
+    assert [a for a, *_ in crypto_events(tenant_b)][-2:] == ["crypto.retire", "crypto.reencrypt"]
+    assert len(crypto_events(tenant_a)) == 3
 
 
 # --- admin and portal -----------------------------------------------------------------------

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 from django.db import connection, connections
+from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from memories import services
-from memories.models import ApiKey
-from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant
+from memories import keyring, services
+from memories.models import ApiKey, DataKey
+from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant, write
 from tests.helpers import PgBouncer, free_port
 from tests.test_serve import ROOT, Served, _database_url, _request
 from zeromem.kernel.actors import Actor
@@ -147,10 +148,12 @@ def _samples(text: str, name: str, **labels: str) -> float:
 def test_metrics_answer_only_to_a_key_with_the_metrics_scope_and_carry_no_tenant_data():
     tenant = make_tenant("fleet-metrics-secret")
     agent, _key = make_keyed_client(tenant, scopes=TENANT_SCOPES)
-    agent.post("/api/v1/tools/call", {"name": "memory_write", "arguments": {"key": "user:u1:x", "value": 1}})
-    agent.post("/api/v1/tools/call", {"name": "no_such_tool", "arguments": {}})
-
-    from django.test import Client
+    answers = [
+        agent.post("/api/v1/tools/call", {"name": "memory_write", "arguments": {"key": "user:u1:x", "value": 1}}),
+        agent.post("/api/v1/tools/call", {"name": "no_such_tool", "arguments": {}}),
+    ]
+    sizes = [int(a["ZeroMem-Result-Bytes"]) for a in answers]
+    tokens = [int(a["ZeroMem-Result-Tokens"]) for a in answers]
 
     assert Client().get("/metrics").status_code == 401
     denied = agent.get("/metrics")
@@ -166,10 +169,34 @@ def test_metrics_answer_only_to_a_key_with_the_metrics_scope_and_carry_no_tenant
     assert _samples(text, "zeromem_http_requests_total", route="api/v1/tools/call", status="400") >= 1
     assert _samples(text, "zeromem_http_requests_total", route="metrics", status="403") >= 1
     assert _samples(text, "zeromem_audit_unsealed_events") >= 1  # the write's event
+    # What the results cost the models, as the responses said (ZeroMem-Result-Tokens).
+    assert _samples(text, "zeromem_tool_results_total", surface="rest") >= 2
+    assert _samples(text, "zeromem_tool_result_tokens_total", surface="rest") >= sum(tokens)
+    assert _samples(text, "zeromem_tool_result_bytes_total", surface="rest") >= sum(sizes)
     for gauge in ("zeromem_jobs_oldest_queued_age_seconds", "zeromem_forget_requests_overdue"):
         assert re.search(rf"^{gauge} ", text, re.M), gauge
     # No tenant, key or memory key in any label.
     assert "fleet-metrics-secret" not in text and "user:u1" not in text and "zm_" not in text
+
+
+@pytest.mark.django_db
+def test_metrics_count_the_data_keys_by_state_and_the_erasures():
+    tenant = make_tenant("fleet-metrics-keys")
+    scraper = Client(HTTP_AUTHORIZATION=f"Bearer {_operator_key(tenant)}")
+
+    def data_keys() -> dict[str, float]:
+        text = scraper.get("/metrics").content.decode()
+        states = ("current", "retired", "destroyed")
+        return {state: _samples(text, "zeromem_data_keys", state=state) for state in states}
+
+    before = data_keys()
+    for user in ("u1", "u2", "u3"):
+        write(tenant, f"user:{user}:phone", f"+49 {user}", sensitive=True)  # a data key each
+    keyring.shred(tenant_id=tenant.pk, subject="u1")  # a completed forget's erasure
+    after = data_keys()
+    assert after["current"] - before["current"] == 2
+    assert after["destroyed"] - before["destroyed"] == 1
+    assert sum(after.values()) == DataKey.objects.count()
 
 
 @pytest.mark.django_db

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,12 @@ from mcp.client.streamable_http import streamable_http_client
 
 from audit.models import AuditEvent
 from memories import services, tools
-from memories.mcp.server import transport_security
+from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
+from memories.models import TokenUsageDay
 from tests.factories import SYSTEM, make_key, make_tenant
 from zeromem.bench.server import start_server, stop_server
 from zeromem.kernel.scopes import Scope
+from zeromem.kernel.tokens import estimate_tokens
 
 ROOT = Path(settings.BASE_DIR)
 
@@ -55,7 +58,13 @@ def server(django_db_setup):
         processes=1,
         threads=4,
         log=lambda _line: None,
-        extra_env={"ZEROMEM_RATE_LIMIT_PER_MINUTE": "6000", "REDIS_URL": "", "ZEROMEM_TENANT_MAX_CONCURRENT": "4"},
+        extra_env={
+            "ZEROMEM_RATE_LIMIT_PER_MINUTE": "6000",
+            "REDIS_URL": "",
+            "ZEROMEM_TENANT_MAX_CONCURRENT": "4",
+            # Tokens returned are written on every response, so a test reads them at once.
+            "ZEROMEM_USAGE_FLUSH_SECONDS": "0",
+        },
     )
     try:
         yield f"http://127.0.0.1:{started['port']}/mcp"
@@ -144,6 +153,40 @@ def test_each_memory_tool_runs_and_is_audited_with_surface_mcp(server):
         assert action in actions, actions
     assert all(e.actor_kind == AuditEvent.ActorKind.API_KEY for e in mcp_events(tenant))
     assert all(e.request_id for e in mcp_events(tenant))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_results_carry_their_cost_in_meta_and_count_in_the_tenants_daily_usage(server):
+    tenant, other = make_tenant("mcp-cost"), make_tenant("mcp-cost-other")
+    _key, raw = make_key(tenant)
+    value = "Grüße aus Köln — 東京 " + "x" * 200
+
+    async def run(client):
+        return [
+            await client.call_tool("memory_write", {"key": "user:u1:greeting", "value": value}),
+            await client.call_tool("memory_read", {"key": "user:u1:greeting"}),
+            await client.call_tool("memory_read", {"key": 5}),  # an error costs the model its text too
+        ]
+
+    results = over_http(server, raw, run)
+    for result in results:
+        text = result.content[0].text
+        cost = {k: v for k, v in result.meta.items() if k.startswith("zeromem/")}  # the SDK adds its serverInfo
+        assert cost == {META_BYTES: len(text.encode()), META_TOKENS: estimate_tokens(text)}
+    _write, read, wrong = results
+    assert read.structured_content["value"] == value and wrong.is_error
+    assert read.meta[META_TOKENS] >= 50 + 10  # 200 ASCII letters; the non-ASCII characters one token each
+    row = TokenUsageDay.objects.get(tenant=tenant)
+    assert row.results == 3
+    assert row.bytes == sum(r.meta[META_BYTES] for r in results)
+    assert row.tokens == sum(r.meta[META_TOKENS] for r in results)
+    # And in the fleet's metrics, under surface "mcp".
+    _key, scrape = services.api_key_create(tenant=tenant, actor=SYSTEM, name="prometheus", scopes=["metrics:read"])
+    metrics = httpx2.get(server.removesuffix("/mcp") + "/metrics", headers={"Authorization": f"Bearer {scrape}"})
+    tokens = re.search(r'^zeromem_tool_result_tokens_total\{surface="mcp"\} (\S+)$', metrics.text, re.M)
+    assert tokens and float(tokens.group(1)) >= row.tokens, metrics.text[:2000]
+    assert not TokenUsageDay.objects.filter(tenant=other).exists()
 
 
 @pytest.mark.postgres
@@ -287,6 +330,7 @@ def test_the_stdio_bridge_lists_and_calls_the_tools(server, tmp_path):
     assert [t.name for t in listed.tools] == list(tools.TOOLS)
     assert wrote.structured_content["status"] == "ok"
     assert read.structured_content["value"] == "Graz" and not read.is_error
+    assert read.meta[META_TOKENS] == estimate_tokens(read.content[0].text)  # the cost passes through the bridge
     assert refused.is_error and refused.structured_content["error"]["code"] == "invalid_key"
     assert {e.action for e in mcp_events(tenant)} >= {"memory.write", "memory.read"}
 

@@ -6,7 +6,9 @@
   actor of ``surface="mcp"``: the same scopes, allowlist and audit rows, the same per-key rate
   limit (one unit a call) and tenant slots (search and recall). A ZeroMem error is an MCP tool
   error (``isError``) whose text and ``structuredContent`` are ``{"status":"error","error":
-  {"code","message","field"}}``; ``ok``, ``not_found`` and ``conflict`` are results.
+  {"code","message","field"}}``; ``ok``, ``not_found`` and ``conflict`` are results. Every
+  result's ``_meta`` carries its text's size and estimated tokens (``zeromem/resultBytes``,
+  ``zeromem/resultTokens``), counted in the tenant's tokens returned per day.
 - **Auth**: ``Authorization: Bearer zm_…`` through the SDK's token-verifier hook
   (``TokenVerifier`` + ``AuthSettings``), verified by ZeroMem's key service
   (:func:`memories.services.api_keys.verify_api_key`: the same key cache, failed-auth throttle
@@ -49,16 +51,22 @@ from audit.services import AuthThrottled, audit_refusal
 from memories import tools
 from memories.mcp import INSTRUCTIONS, SERVER_NAME
 from memories.models import ApiKey
-from memories.services import api_keys
+from memories.services import api_keys, usage
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import TenantBusy, Unauthenticated
 from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.tokens import cost_of
+from zeromem.kit import metrics
 from zeromem.kit.api import slot_wait
 from zeromem.kit.http import client_ip_of, request_id_for
 from zeromem.serving import web_threads
 
 PATH = "/mcp"
 SURFACE = "mcp"
+# The result's cost in the tool result's ``_meta`` (README "MCP"): the size in bytes and the
+# estimated tokens of its text content, as ``ZeroMem-Result-Bytes``/``-Tokens`` on REST.
+META_BYTES = "zeromem/resultBytes"
+META_TOKENS = "zeromem/resultTokens"
 
 
 # --- the request's context, as the router's wrapper saw it ------------------------------
@@ -178,11 +186,26 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
         return _error("database_unavailable", "the database is unavailable; retry shortly", retry_after=2)
 
 
+def answer(key: ApiKey | None, actor: Actor | None, name: str, arguments: dict) -> tuple[dict, str, int, int]:
+    """The call's result, its text content, and that text's size and estimated tokens — counted
+    in the key's tenant's tokens returned per day, as the REST tool responses are."""
+    if key is None:
+        result = _error("missing_credentials", "send 'Authorization: Bearer zm_...'")
+    else:
+        result = run_call(key, actor, name, arguments)
+    text = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+    size, tokens = cost_of(text.encode())
+    metrics.results_returned(SURFACE, size=size, tokens=tokens)
+    if key is not None:
+        usage.result_returned(tenant_id=key.tenant_id, size=size, tokens=tokens)
+    return result, text, size, tokens
+
+
 async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
     request = ctx.request
     user = request.scope.get("user") if request is not None else None
     if not isinstance(user, AuthenticatedUser) or not isinstance(user.access_token, KeyAccessToken):
-        result = _error("missing_credentials", "send 'Authorization: Bearer zm_...'")
+        result, text, size, tokens = answer(None, None, params.name, {})
     else:
         key: ApiKey = user.access_token.api_key
         seen = request.scope.get("zeromem") or {}
@@ -196,12 +219,12 @@ async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolR
             request_id=seen.get("request_id", ""),
             client_ip=seen.get("client_ip"),
         )
-        result = await _in_thread(run_call, key, actor, params.name, dict(params.arguments or {}))
-    text = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+        result, text, size, tokens = await _in_thread(answer, key, actor, params.name, dict(params.arguments or {}))
     return types.CallToolResult(
         content=[types.TextContent(text=text)],
         structured_content=result,
         is_error=result.get("status") == "error",
+        _meta={META_BYTES: size, META_TOKENS: tokens},
     )
 
 

@@ -10,6 +10,12 @@ key is destroyed are left as they are (nothing can open them).
 
 Idempotent and resumable: a row already under its current key is skipped, so a run killed
 at any point is completed by running it again, and a second full run changes nothing.
+
+Every rotation step is audited, by the system actor (``surface`` = ``job``), one event per
+tenant it touched, with counts: ``crypto.reencrypt`` per batch (in the batch's transaction:
+``count`` memories, ``detail.versions``), ``crypto.retire`` (:func:`retire_data_keys`) and
+``crypto.rewrap`` per batch (:func:`rewrap_data_keys`; ``count`` data keys). A run that
+changes nothing writes no event.
 """
 
 from __future__ import annotations
@@ -22,13 +28,54 @@ from django.db import transaction
 from django.db.models import TextField
 from django.db.models.functions import Cast
 
+from audit.services import audited_operation
 from memories import keyring, search
-from memories.models import Memory, MemoryVersion, Tenant
+from memories.models import DataKey, Memory, MemoryVersion, Tenant
 from memories.services import sensitivity
 from zeromem.kernel import crypto
+from zeromem.kernel.actors import Actor
 from zeromem.kernel.crypto import ErasedValue
 
 REENCRYPT_BATCH = 500
+REENCRYPT_JOB = "crypto_reencrypt"
+REWRAP_JOB = "crypto_rewrap"
+
+
+def _audit_per_tenant(action: str, job: str, counts: dict[int, dict]) -> None:
+    """One ``action`` event per tenant of ``counts`` ({tenant id: {"count": n, **detail}}), by
+    the system actor. A tenant deleted meanwhile has no log to write to: skipped."""
+    tenants = Tenant.objects.in_bulk(list(counts))
+    actor = Actor.system(job=job)
+    for tenant_id in sorted(counts):
+        tenant = tenants.get(tenant_id)
+        if tenant is None:
+            continue
+        detail = dict(counts[tenant_id])
+        count = detail.pop("count")
+        with audited_operation(tenant=tenant, actor=actor, action=action) as op:
+            op.record(count=count, detail=detail)
+
+
+def retire_data_keys(*, tenant_id: int | None = None) -> int:
+    """Retire the current data keys (of one tenant, or all; data key rotation), auditing
+    ``crypto.retire`` per tenant. Returns how many keys were retired."""
+    counts = keyring.retire_current_by_tenant(tenant_id=tenant_id)
+    _audit_per_tenant("crypto.retire", REENCRYPT_JOB, {t: {"count": n} for t, n in counts.items()})
+    return sum(counts.values())
+
+
+def rewrap_data_keys(*, batch: int = 500, progress=None) -> tuple[int, int]:
+    """Re-wrap every live data key under the first master key (:func:`keyring.rewrap`),
+    auditing ``crypto.rewrap`` per tenant in each batch's transaction. Returns (re-wrapped,
+    live keys)."""
+
+    def audit(rows: list[DataKey]) -> None:
+        counts: dict[int, dict] = {}
+        for row in rows:
+            counts.setdefault(row.tenant_id, {"count": 0})["count"] += 1
+        _audit_per_tenant("crypto.rewrap", REWRAP_JOB, counts)
+
+    return keyring.rewrap(batch=batch, progress=progress, in_batch=audit)
 
 
 @dataclass
@@ -62,11 +109,18 @@ def reencrypt(
             rows = list(qs.select_for_update().annotate(raw=Cast("value", TextField()))[:batch])
             if not rows:
                 return done
+            counts: dict[int, dict] = {}
             for memory in rows:
                 tenant = tenants.get(memory.tenant_id) or tenants.setdefault(
                     memory.tenant_id, Tenant.objects.get(pk=memory.tenant_id)
                 )
+                memories, versions = done.memories, done.versions
                 _reencrypt_one(memory, tenant, done)
+                if (done.memories, done.versions) != (memories, versions):
+                    mine = counts.setdefault(memory.tenant_id, {"count": 0, "versions": 0})
+                    mine["count"] += done.memories - memories
+                    mine["versions"] += done.versions - versions
+            _audit_per_tenant("crypto.reencrypt", REENCRYPT_JOB, counts)
             done.batches += 1
             done.scanned += len(rows)
             done.last_id = rows[-1].pk

@@ -24,6 +24,7 @@ from memories.services import idempotency, usage
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import ServiceError, TenantBusy
 from zeromem.kernel.tokens import cost_of
+from zeromem.kit import metrics
 
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
@@ -343,6 +344,7 @@ class ResultCostMixin:
             size, tokens = cost_of(response.content)
             response[RESULT_BYTES_HEADER] = str(size)
             response[RESULT_TOKENS_HEADER] = str(tokens)
+            metrics.results_returned("rest", size=size, tokens=tokens)
             principal = getattr(request, "_user", None)
             tenant = getattr(principal, "tenant", None)
             if tenant is not None:

@@ -12,11 +12,14 @@ What is recorded where:
   status and latency — :class:`MetricsMiddleware`;
 * tool calls by tool and outcome (``ok``, ``not_found``, ``conflict``, ``error``) —
   :func:`tool_calls` from the tool endpoints;
+* tool results returned to the models, their bytes and estimated tokens, by surface
+  (``rest``, ``mcp``) — :func:`results_returned`, where the responses are costed;
 * the database pool of each process (connections open, idle, requests waiting), sampled at
   the end of a request at most once a second;
 * at scrape time, from the database (one short query each, :class:`DatabaseCollector`): the
   job queue's depth and its oldest queued job's age, the open forget requests past their due
-  date, the audit events not yet sealed.
+  date, the audit events not yet sealed, the data keys by state (``current``, ``retired``,
+  ``destroyed``: the crypto erasures) from the key store.
 
 No label holds tenant data: no tenant, key, memory key or path. ``GET /metrics`` answers only
 to an API key with the operator scope ``metrics:read`` (memories/api/auth.py).
@@ -60,6 +63,11 @@ LATENCY = Histogram(
     buckets=BUCKETS,
 )
 TOOL_CALLS = Counter("zeromem_tool_calls", "Tool calls run, by tool and outcome", ["tool", "outcome"])
+RESULTS = Counter("zeromem_tool_results", "Tool results returned to the models, by surface", ["surface"])
+RESULT_BYTES = Counter("zeromem_tool_result_bytes", "Bytes of the tool results returned, by surface", ["surface"])
+RESULT_TOKENS = Counter(
+    "zeromem_tool_result_tokens", "Estimated tokens of the tool results returned, by surface", ["surface"]
+)
 # Gauges of a process's own pool, summed over the live processes.
 POOL_OPEN = Gauge("zeromem_db_pool_connections", "Pooled database connections open", multiprocess_mode="livesum")
 POOL_IDLE = Gauge("zeromem_db_pool_idle_connections", "Pooled connections idle", multiprocess_mode="livesum")
@@ -87,6 +95,14 @@ def tool_calls(names_and_outcomes) -> None:
 
 
 OUTCOMES = frozenset({"ok", "not_found", "conflict", "error"})
+
+
+def results_returned(surface: str, *, size: int, tokens: int) -> None:
+    """Count one tool result of ``size`` bytes and ``tokens`` estimated tokens (fleet-wide
+    figures; per tenant and day they are in the tokens-returned usage)."""
+    RESULTS.labels(surface=surface).inc()
+    RESULT_BYTES.labels(surface=surface).inc(size)
+    RESULT_TOKENS.labels(surface=surface).inc(tokens)
 
 
 POOL_SAMPLE_SECONDS = 1.0
@@ -186,6 +202,25 @@ class DatabaseCollector:
         except DatabaseError:
             return  # the database is down: /healthz says so; these gauges are left out
         yield from (queued, oldest, broker, overdue, unsealed)
+        yield from self._data_keys()
+
+    def _data_keys(self):
+        from django.db.models import Count, Q
+
+        from memories.models import DataKey
+
+        keys = GaugeMetricFamily("zeromem_data_keys", "Data keys in the key store, by state", labels=["state"])
+        try:  # one aggregate query on the key store (memories/routers.py)
+            counts = DataKey.objects.aggregate(
+                current=Count("pk", filter=Q(retired_at__isnull=True, destroyed_at__isnull=True)),
+                retired=Count("pk", filter=Q(retired_at__isnull=False, destroyed_at__isnull=True)),
+                destroyed=Count("pk", filter=Q(destroyed_at__isnull=False)),
+            )
+        except DatabaseError:
+            return
+        for state in ("current", "retired", "destroyed"):
+            keys.add_metric([state], counts[state])
+        yield keys
 
 
 def exposition() -> tuple[bytes, str]:
@@ -194,7 +229,17 @@ def exposition() -> tuple[bytes, str]:
     if MULTIPROCESS:
         multiprocess.MultiProcessCollector(registry)
     else:
-        for collector in (REQUESTS, LATENCY, TOOL_CALLS, POOL_OPEN, POOL_IDLE, POOL_WAITING):
+        for collector in (
+            REQUESTS,
+            LATENCY,
+            TOOL_CALLS,
+            RESULTS,
+            RESULT_BYTES,
+            RESULT_TOKENS,
+            POOL_OPEN,
+            POOL_IDLE,
+            POOL_WAITING,
+        ):
             registry.register(collector)
     registry.register(DatabaseCollector())
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -2,14 +2,14 @@
 
 ``--new-data-keys`` first retires the current data keys (data key rotation): every sensitive
 value is then moved to a fresh key. Batches of ``--batch`` memories, one transaction each,
-with progress; killed at any point, run it again (without ``--new-data-keys``) to finish."""
+with progress; killed at any point, run it again (without ``--new-data-keys``) to finish.
+Audited per tenant: ``crypto.retire`` and, per batch, ``crypto.reencrypt`` with counts."""
 
 import time
 
 from django.core.management.base import BaseCommand
 
-from memories import keyring
-from memories.services.encryption import REENCRYPT_BATCH, reencrypt
+from memories.services.encryption import REENCRYPT_BATCH, reencrypt, retire_data_keys
 
 
 class Command(BaseCommand):
@@ -24,7 +24,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, batch, tenant_id, after_id, new_data_keys, pause, **options):
         if new_data_keys:
-            n = keyring.retire_current(tenant_id=tenant_id)
+            n = retire_data_keys(tenant_id=tenant_id)
             self.stdout.write(f"retired {n} data key(s)")
 
         def report(p):

@@ -1,11 +1,13 @@
 """Re-wrap every data key under the first of ``ZEROMEM_MASTER_KEYS`` (master key rotation).
 
 Put the new master key first and keep the old one listed, run this, then drop the old key.
-No value is touched: only the data key rows change (fast). Idempotent."""
+No value is touched: only the data key rows change (fast). Idempotent. Audited: one
+``crypto.rewrap`` event per tenant and batch, with the count of its keys."""
 
 from django.core.management.base import BaseCommand
 
 from memories import keyring
+from memories.services.encryption import rewrap_data_keys
 
 
 class Command(BaseCommand):
@@ -16,5 +18,5 @@ class Command(BaseCommand):
 
     def handle(self, *args, batch, **options):
         primary, _ = keyring.masters()
-        done, total = keyring.rewrap(batch=batch, progress=lambda n: self.stdout.write(f"re-wrapped {n}"))
+        done, total = rewrap_data_keys(batch=batch, progress=lambda n: self.stdout.write(f"re-wrapped {n}"))
         self.stdout.write(f"re-wrapped {done} data key(s); all {total} live data keys are under master key {primary}")
