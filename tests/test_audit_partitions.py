@@ -31,7 +31,7 @@ def at(monkeypatch, when: datetime) -> None:
 
 def record(monkeypatch, tenant, when: datetime, n: int = 1, actor=AGENT) -> list[int]:
     at(monkeypatch, when)
-    return [audit_record(tenant=tenant, actor=actor, action="memory.read", outcome="ok").pk for _ in range(n)]
+    return [audit_record(tenant=tenant, actor=actor, action="memory.read", outcome="ok") for _ in range(n)]
 
 
 def homes(ids) -> set[str]:
