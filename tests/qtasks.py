@@ -21,9 +21,21 @@ from memories.models import ForgetRequest
 from memories.services import forget, retention
 
 BATCH_SIZE = 5
-# Long enough for the test to see the pause and kill the worker, shorter than Q_TIMEOUT
-# would matter: the test kills within a fraction of a second.
-PAUSE_SECONDS = 60
+RELEASE = "release"  # the file, beside the pid files, that lets a held worker go on
+
+
+def _hold() -> None:
+    """Keep this worker here until the test kills it (or, when a test ends early, writes
+    ``$ZEROMEM_QTASKS_DIR/release``). How long the test takes to get there is up to the test:
+    django-q2's own timeout alarm (``Q_TIMEOUT``, SIGALRM in the worker) is stopped for the
+    hold, so a slow machine cannot turn the test's kill into a task timeout, which would
+    record a failed task instead of a worker that died without a result. (The guard's
+    separate timer may still terminate a worker held far longer than ``Q_TIMEOUT``; the
+    broker sees that the same way: no result, the row is handed out again.)"""
+    signal.alarm(0)
+    release = Path(os.environ["ZEROMEM_QTASKS_DIR"]) / RELEASE
+    while not release.exists():
+        time.sleep(0.05)
 
 
 def _note_pid(request_id: int | str) -> int:
@@ -45,15 +57,15 @@ def forget_in_batches(request_id: int) -> dict:
 
 
 def forget_pausing_after_first_batch_of_first_attempt(request_id: int) -> dict:
-    """On the request's first attempt, sleep after the first batch has committed (the test
-    kills the worker there, mid-job); later attempts run straight through."""
+    """On the request's first attempt, hold the worker after the first batch has committed
+    (the test kills it there, mid-job); later attempts run straight through."""
     _note_pid(request_id)
     real = forget._erase_batch
 
     def erase_batch(rid, *, batch_size):
         more = real(rid, batch_size=batch_size)
         if more and ForgetRequest.objects.get(pk=rid).attempts == 1:
-            time.sleep(PAUSE_SECONDS)
+            _hold()
         return more
 
     with mock.patch.object(forget, "_erase_batch", erase_batch):
@@ -67,7 +79,7 @@ def forget_killed_every_time(request_id: int) -> dict:
 
     def erase_batch(rid, *, batch_size):
         os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(PAUSE_SECONDS)  # not reached
+        _hold()  # not reached
 
     with mock.patch.object(forget, "_erase_batch", erase_batch):
         return forget.forget_request_execute(request_id=request_id, batch_size=BATCH_SIZE)
@@ -89,7 +101,7 @@ def purge_pausing_inside_second_batch_of_first_delivery(batch_size: int) -> dict
         calls.append(kwargs.get("action"))
         if len(calls) == 2:  # the second batch's event: inside its open transaction
             (Path(os.environ["ZEROMEM_QTASKS_DIR"]) / "purge.paused").write_text(str(os.getpid()))
-            time.sleep(PAUSE_SECONDS)
+            _hold()
         return real(**kwargs)
 
     with mock.patch.object(retention, "audit_record", audit_record):
