@@ -13,6 +13,7 @@ test can find the worker to ``kill -9`` (and check it is a descendant of the clu
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -21,19 +22,30 @@ from memories.models import ForgetRequest
 from memories.services import forget, retention
 
 BATCH_SIZE = 5
-RELEASE = "release"  # the file, beside the pid files, that lets a held worker go on
+# Files, beside the pid files, that the test writes to let a held worker go on: RELEASE a
+# worker held to be killed (when a test ends early), REDELIVERED the delivery after the kill,
+# once the test has looked at what the killed one left.
+RELEASE = "release"
+REDELIVERED = "redelivered"
 
 
-def _hold() -> None:
-    """Keep this worker here until the test kills it (or, when a test ends early, writes
-    ``$ZEROMEM_QTASKS_DIR/release``). How long the test takes to get there is up to the test:
-    django-q2's own timeout alarm (``Q_TIMEOUT``, SIGALRM in the worker) is stopped for the
-    hold, so a slow machine cannot turn the test's kill into a task timeout, which would
-    record a failed task instead of a worker that died without a result. (The guard's
-    separate timer may still terminate a worker held far longer than ``Q_TIMEOUT``; the
-    broker sees that the same way: no result, the row is handed out again.)"""
+def _hold(until: str = RELEASE) -> None:
+    """Keep this worker here until the test kills it or writes ``$ZEROMEM_QTASKS_DIR/<until>``,
+    however long the test takes to get there. django-q2 (1.11) bounds a task twice, and both
+    are stopped for the hold, so a slow machine cannot turn the test's kill into something
+    else: the worker's ``Q_TIMEOUT`` alarm (SIGALRM: the task would end as a failed task that
+    django-q2 counts, and the worker would exit before the test's kill) and the guard's timer
+    (``Q_TIMEOUT`` + 3 s of guard cycles, then it terminates the worker itself). The timer is
+    the ``multiprocessing.Value`` django-q2 hands its ``worker()`` function; -1 reads "idle"."""
     signal.alarm(0)
-    release = Path(os.environ["ZEROMEM_QTASKS_DIR"]) / RELEASE
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "worker" and "timer" in frame.f_locals):
+        frame = frame.f_back
+    assert frame is not None, "django-q2's worker() frame not found: update tests/qtasks.py for this django-q2"
+    timer = frame.f_locals["timer"]
+    with timer.get_lock():
+        timer.value = -1
+    release = Path(os.environ["ZEROMEM_QTASKS_DIR"]) / until
     while not release.exists():
         time.sleep(0.05)
 
@@ -58,8 +70,11 @@ def forget_in_batches(request_id: int) -> dict:
 
 def forget_pausing_after_first_batch_of_first_attempt(request_id: int) -> dict:
     """On the request's first attempt, hold the worker after the first batch has committed
-    (the test kills it there, mid-job); later attempts run straight through."""
-    _note_pid(request_id)
+    (the test kills it there, mid-job); a later delivery waits until the test lets it run
+    (its broker lock may have expired while the test was slow, so it may be waiting already),
+    then runs straight through."""
+    if _note_pid(request_id) > 1:
+        _hold(REDELIVERED)
     real = forget._erase_batch
 
     def erase_batch(rid, *, batch_size):
@@ -89,10 +104,11 @@ def purge_pausing_inside_second_batch_of_first_delivery(batch_size: int) -> dict
     """The real purge job (memories.tasks.purge_expired_task) in batches of ``batch_size``.
     On its first delivery the worker stops inside the second batch's transaction — its
     DELETEs done, its audit event not yet written, nothing committed — and writes
-    ``purge.paused`` beside the pid files; the test kills it there. Later deliveries run
-    straight through."""
+    ``purge.paused`` beside the pid files; the test kills it there. A later delivery waits
+    until the test lets it run, then runs straight through."""
     start = _note_pid("purge")
     if start > 1:
+        _hold(REDELIVERED)  # until the test has seen what the killed delivery left
         return retention.purge_expired(batch_size=batch_size)
     real = retention.audit_record
     calls = []

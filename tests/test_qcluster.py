@@ -21,7 +21,6 @@ observe it:
   the queue row — the redelivery loop ends there.
 """
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -144,8 +143,9 @@ class Cluster:
     def stop(self) -> None:
         if self.process is None:
             return
-        # A worker still held by tests/qtasks.py (the test ended before killing it) goes on.
-        (self.pids_dir / qtasks.RELEASE).write_text("")
+        # Workers still held by tests/qtasks.py (the test ended before killing them) go on.
+        for name in (qtasks.RELEASE, qtasks.REDELIVERED):
+            (self.pids_dir / name).write_text("")
         # SIGTERM to the main process tells the sentinel to stop its workers, pusher and monitor.
         stop_process_group(self.process, grace=10)
 
@@ -153,10 +153,17 @@ class Cluster:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def kill(self, worker: int) -> None:
-        """kill -9 of a held worker. Should the guard's timer have terminated it first (a
-        machine so slow that the hold outlasted it), the broker sees the same: no result."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker, signal.SIGKILL)
+        """kill -9 of a worker held by tests/qtasks.py (it waits for this, with django-q2's
+        timeouts stopped, however long the test took to get here; checked with a 14-s delay
+        before the kill, where a sleeping worker was ended by the 8-s ``Q_TIMEOUT`` alarm).
+        One bound is left, django-q2's: with the worker held past ``2 × Q_RETRY`` the
+        pusher would queue a third copy of the row."""
+        os.kill(worker, signal.SIGKILL)
+
+    def let_redelivery_run(self) -> None:
+        """The delivery after a kill waits for this (tests/qtasks.py): what the test checks
+        in between cannot race with it, however long the checks take."""
+        (self.pids_dir / qtasks.REDELIVERED).write_text("")
 
     def worker_pids(self, request_id: int) -> list[int]:
         """Pids of the workers that started ``request_id``, in order (tests/qtasks.py)."""
@@ -299,6 +306,7 @@ def test_a_worker_killed_mid_job_is_redelivered_after_q_retry_and_completes_the_
     cluster.wait_for("the worker to be gone", lambda: worker not in _descendants(cluster.process.pid))
     # The killed run's queue row stays, locked until its retry time: nothing acknowledged it.
     assert killed.pk in _queued_request_ids()
+    cluster.let_redelivery_run()
 
     cluster.wait_for(
         "both requests to complete",
@@ -468,6 +476,7 @@ def test_a_worker_killed_inside_a_purge_batch_is_redelivered_and_ends_as_an_unin
     # Its open batch was rolled back with the connection: the same rows are still there.
     assert Memory.objects.filter(tenant=tenant).count() == doomed + 4 - PURGE_BATCH
     assert OrmQ.objects.count() == 1  # not acknowledged
+    cluster.let_redelivery_run()
 
     cluster.wait_for(
         "the redelivered purge to finish",
