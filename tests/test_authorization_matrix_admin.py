@@ -17,7 +17,7 @@ write is refused for its permission, not for an empty form.
 Every cell checks, besides its status: no 5xx; tenant A's memory value appears only for the
 roles that may read values (never for compliance, never for another tenant's admin) and tenant
 B's never; no leak marker of tenant A (its memory key, API key name, forget request's subject,
-member usernames, slug) reaches an identity outside it, and none of tenant B reaches anyone but
+member usernames, slug, portal link's subject) reaches an identity outside it, and none of tenant B reaches anyone but
 B's admin; every list a role may open shows that role's own marker (a positive control that
 the page does list rows); tenant A's data is unchanged unless the cell is an allowed write, and
 an allowed write does change it; another tenant's request writes no audit event into tenant A's
@@ -41,6 +41,8 @@ from django_q.models import OrmQ, Schedule, Task
 from audit.models import AuditEvent
 from memories import services
 from memories.models import ApiKey, ForgetRequest, Membership, Memory, MemoryVersion
+from memories.portal.models import PortalLink
+from memories.portal.services import portal_link_create
 from tests.factories import SYSTEM, make_key, make_tenant
 from tests.helpers import rolled_back_module_data
 
@@ -48,6 +50,7 @@ CANARY_A = "CANARY-admin-matrix-acme-3c1f"
 CANARY_B = "CANARY-admin-matrix-globex-77d0"
 # Leak markers: text that names a row of one tenant and nothing else.
 SUBJECT_A, SUBJECT_B = "admsubjacme5e1f", "admsubjglobex2b7c"  # forget requests' subjects
+PORTAL_A, PORTAL_B = "admportalacme4d2a", "admportalglobex81c3"  # portal links' subjects
 MARKERS_A = {
     "memory": "user:u10086:pref_lang",
     "forgetrequest": SUBJECT_A,
@@ -55,6 +58,7 @@ MARKERS_A = {
     "membership": "adm-viewer",
     "tenant": "adm-matrix-owner",
     "auditevent": "user:u10086:pref_lang",
+    "portallink": PORTAL_A,
 }
 MARKERS_B = {
     "memory": "user:u20002:pref_lang",
@@ -63,6 +67,7 @@ MARKERS_B = {
     "membership": "adm-other",
     "tenant": "adm-matrix-other",
     "auditevent": "user:u20002:pref_lang",
+    "portallink": PORTAL_B,
 }
 ROLES = ("viewer", "support", "compliance", "admin")
 IDENTITIES = (*ROLES, "other_tenant", "no_membership", "anonymous")
@@ -78,10 +83,12 @@ ALLOWED: dict[str, dict[str, str]] = {
     "apikey": {"viewer": "", "support": "", "compliance": "", "admin": "va"},
     "membership": {"viewer": "", "support": "", "compliance": "", "admin": "vacd"},
     "auditevent": {"viewer": "", "support": "", "compliance": "v", "admin": "v"},
+    # a list only; "c": withdrawing links (forget:create, like issuing them)
+    "portallink": {"viewer": "v", "support": "vc", "compliance": "vc", "admin": "vc"},
 }
 # Lists are tenant-scoped, so another tenant's admin may open the lists its own role allows
 # (and sees none of tenant A's rows in them).
-LIST_ALLOWED_OTHER = {"tenant", "memory", "forgetrequest", "apikey", "membership", "auditevent"}
+LIST_ALLOWED_OTHER = {"tenant", "memory", "forgetrequest", "apikey", "membership", "auditevent", "portallink"}
 
 
 def _perms(model: str, identity: str) -> str:
@@ -98,6 +105,7 @@ class AdminRoute:
 
 
 OUR_MODELS = {"memories": ("tenant", "memory", "forgetrequest", "apikey", "membership"), "audit": ("auditevent",)}
+LIST_ONLY = {"portal": ("portallink",)}  # models whose admin is a list (and its actions) only
 THEIR_MODELS = {"auth": ("group", "user"), "django_q": ("schedule", "success", "failure", "ormq")}
 MODEL_VIEWS = {
     "": "changelist",
@@ -119,7 +127,7 @@ def _table() -> dict[str, AdminRoute]:
         "admin/autocomplete/": AdminRoute("autocomplete"),
         "admin/jsi18n/": AdminRoute("jsi18n"),
         "admin/r/<path:content_type_id>/<path:object_id>/": AdminRoute("view_on_site", "memory"),
-        "admin/^(?P<app_label>auth|django_q|memories|audit)/$": AdminRoute("app_list"),
+        "admin/^(?P<app_label>auth|django_q|memories|portal|audit)/$": AdminRoute("app_list"),
         "admin/(?P<url>.*)$": AdminRoute("catch_all"),
         "admin/memories/tenant/<int:tenant_id>/dashboard/": AdminRoute("dashboard", "tenant"),
         "admin/memories/memory/<path:object_id>/history/<int:version>/restore/": AdminRoute("restore", "memory"),
@@ -131,6 +139,9 @@ def _table() -> dict[str, AdminRoute]:
         for model in models:
             for suffix, view in MODEL_VIEWS.items():
                 table[f"admin/{app}/{model}/{suffix}"] = AdminRoute(view, model)
+    for app, models in LIST_ONLY.items():
+        for model in models:
+            table[f"admin/{app}/{model}/"] = AdminRoute("changelist", model)
     for app, models in THEIR_MODELS.items():
         for model in models:
             for suffix, view in MODEL_VIEWS.items():
@@ -178,7 +189,7 @@ def _rows() -> list[Row]:
     for r in MATRIX_ROUTES:
         if r.route not in ADMIN_ROUTES:
             continue
-        variants = ("memories", "audit", "auth") if ADMIN_ROUTES[r.route].kind == "app_list" else ("",)
+        variants = ("memories", "portal", "audit", "auth") if ADMIN_ROUTES[r.route].kind == "app_list" else ("",)
         rows.extend(Row(r, m, v) for m in METHODS for v in variants)
     return rows
 
@@ -220,7 +231,7 @@ def expected(row: Row, identity: str) -> int | str:
     if kind == "catch_all":
         return 404
     if kind == "app_list":
-        if row.variant == "memories":
+        if row.variant in ("memories", "portal"):
             return 200 if member or identity == "other_tenant" else 404
         if row.variant == "audit":
             return 200 if identity in ("compliance", "admin", "other_tenant") else 404
@@ -286,7 +297,7 @@ def expected(row: Row, identity: str) -> int | str:
 # The permission letter a POST of each view needs to change tenant A's data.
 WRITE_NEEDS = {"add": "a", "change": "c", "delete": "d", "restore": "c"}
 # A list action's permission: the memory actions need change (edit), revoking keys add (admin).
-LIST_ACTIONS = {"memory": ("move_to_trash", "c"), "apikey": ("revoke", "a")}
+LIST_ACTIONS = {"memory": ("move_to_trash", "c"), "apikey": ("revoke", "a"), "portallink": ("withdraw", "c")}
 
 
 def writes(row: Row, identity: str) -> bool:
@@ -360,6 +371,8 @@ class Staff:
         make_key(self.b, name=MARKERS_B["apikey"])
         fr = services.forget_request_create(tenant=self.a, actor=SYSTEM, subject=SUBJECT_A, reason="matrix")
         services.forget_request_create(tenant=self.b, actor=SYSTEM, subject=SUBJECT_B, reason="matrix")
+        link, _token = portal_link_create(tenant=self.a, actor=SYSTEM, subject=PORTAL_A)
+        portal_link_create(tenant=self.b, actor=SYSTEM, subject=PORTAL_B)
         User.objects.create_user(username="adm-newcomer", password=None, is_staff=True)  # whom the forms add
         tasks = {
             ok: Task.objects.create(
@@ -379,6 +392,7 @@ class Staff:
             "apikey": key.pk,
             "membership": Membership.objects.get(tenant=self.a, user=self.users["viewer"]).pk,
             "auditevent": AuditEvent.objects.filter(tenant=self.a, action="memory.update").first().pk,
+            "portallink": link.pk,
             "user": self.users["viewer"].pk,
             "group": Group.objects.create(name="adm-matrix").pk,
             "schedule": Schedule.objects.create(func="math.floor", name="adm-matrix").pk,
@@ -438,6 +452,7 @@ def _state(s: Staff) -> tuple:
         list(ApiKey.objects.filter(tenant=s.a).values_list("pk", "revoked_at")),
         list(Membership.objects.filter(tenant=s.a).values_list("pk", "role")),
         list(ForgetRequest.objects.filter(tenant=s.a).values_list("pk", "status")),
+        list(PortalLink.objects.filter(tenant=s.a).values_list("pk", "revoked_at")),
     )
 
 

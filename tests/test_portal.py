@@ -17,7 +17,7 @@ from memories.models import ForgetRequest, Memory
 from memories.portal.models import PortalLink
 from memories.portal.views import COOKIE
 from memories.services import subjects
-from tests.factories import SYSTEM
+from tests.factories import SYSTEM, logged_in, make_staff
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden
 from zeromem.kernel.scopes import Scope
@@ -296,6 +296,39 @@ def test_revoking_the_issuing_key_withdraws_its_links_and_sessions(tenant_a, mak
     assert kept.get("/portal/").status_code == 200
     event = AuditEvent.objects.filter(action="api_key.revoke").get()
     assert event.detail == {"portal_links_revoked": 2}
+
+
+def test_staff_withdraw_a_subjects_links_and_sessions_from_the_admin(api, api_b, seeded, tenant_a):
+    """The admin's portal-link list and its "withdraw" action (memories/admin/portal_links.py),
+    through portal_links_revoke: for the roles with forget:create, never for a viewer."""
+    unopened, opened = issue(api)["url"], issue(api)["url"]
+    session = open_portal(opened)
+    kept = open_portal(issue(api, subject="u2")["url"])
+    other_tenant = open_portal(issue(api_b)["url"])
+    links = PortalLink.objects.filter(tenant=tenant_a, subject="u1")
+    withdraw = {"action": "withdraw", "_selected_action": [str(links.first().pk)], "index": "0"}
+    viewer, support = make_staff(tenant_a, "viewer"), make_staff(tenant_a, "support")
+
+    page = logged_in(viewer).get("/admin/portal/portallink/")
+    assert page.status_code == 200
+    assert page_text(page).count('class="field-subject">u1<') == 2  # its two links...
+    assert not any(path_of(url).rsplit("/", 1)[-1] in page_text(page) for url in (unopened, opened))  # no token
+    assert '<option value="withdraw"' not in page_text(page)
+    assert logged_in(viewer).post("/admin/portal/portallink/", withdraw).status_code == 200  # no such action
+    assert not links.filter(revoked_at__isnull=False).exists()
+
+    staff = logged_in(support)
+    assert '<option value="withdraw"' in page_text(staff.get("/admin/portal/portallink/"))
+    r = staff.post("/admin/portal/portallink/", withdraw, follow=True)
+    assert r.redirect_chain == [("/admin/portal/portallink/", 302)]
+    assert "2 portal links withdrawn for 1 end users." in page_text(r)
+    assert page_text(r).count("withdrawn</td>") == 2
+    assert Client().get(path_of(unopened)).status_code == 410
+    assert session.get("/portal/").status_code == 403  # the open session ended
+    assert kept.get("/portal/").status_code == 200  # u2's link is not touched
+    assert other_tenant.get("/portal/").status_code == 200  # nor tenant B's u1
+    event = AuditEvent.objects.get(action="portal.revoke")
+    assert (event.actor_kind, event.actor_id, event.subject, event.count) == ("staff", str(support.pk), "u1", 2)
 
 
 def test_log_lines_of_portal_paths_carry_no_token(api, seeded, caplog):

@@ -143,11 +143,27 @@ class Cluster:
     def stop(self) -> None:
         if self.process is None:
             return
+        # Workers still held by tests/qtasks.py (the test ended before killing them) go on.
+        for name in (qtasks.RELEASE, qtasks.REDELIVERED):
+            (self.pids_dir / name).write_text("")
         # SIGTERM to the main process tells the sentinel to stop its workers, pusher and monitor.
         stop_process_group(self.process, grace=10)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self, worker: int) -> None:
+        """kill -9 of a worker held by tests/qtasks.py (it waits for this, with django-q2's
+        timeouts stopped, however long the test took to get here; checked with a 14-s delay
+        before the kill, where a sleeping worker was ended by the 8-s ``Q_TIMEOUT`` alarm).
+        One bound is left, django-q2's: with the worker held past ``2 × Q_RETRY`` the
+        pusher would queue a third copy of the row."""
+        os.kill(worker, signal.SIGKILL)
+
+    def let_redelivery_run(self) -> None:
+        """The delivery after a kill waits for this (tests/qtasks.py): what the test checks
+        in between cannot race with it, however long the checks take."""
+        (self.pids_dir / qtasks.REDELIVERED).write_text("")
 
     def worker_pids(self, request_id: int) -> list[int]:
         """Pids of the workers that started ``request_id``, in order (tests/qtasks.py)."""
@@ -278,7 +294,7 @@ def test_a_worker_killed_mid_job_is_redelivered_after_q_retry_and_completes_the_
     cluster.wait_for("the first batch of the first attempt", paused_after_first_batch)
     (worker,) = cluster.worker_pids(killed.pk)
     assert worker in _descendants(cluster.process.pid)
-    os.kill(worker, signal.SIGKILL)
+    cluster.kill(worker)
     killed_at = time.monotonic()
     halfway = _request(killed.pk)
     assert (halfway.status, halfway.attempts, halfway.receipt["batches"], halfway.receipt["memories"]) == (
@@ -290,6 +306,7 @@ def test_a_worker_killed_mid_job_is_redelivered_after_q_retry_and_completes_the_
     cluster.wait_for("the worker to be gone", lambda: worker not in _descendants(cluster.process.pid))
     # The killed run's queue row stays, locked until its retry time: nothing acknowledged it.
     assert killed.pk in _queued_request_ids()
+    cluster.let_redelivery_run()
 
     cluster.wait_for(
         "both requests to complete",
@@ -299,9 +316,10 @@ def test_a_worker_killed_mid_job_is_redelivered_after_q_retry_and_completes_the_
     redelivered_after = time.monotonic() - killed_at
     first, second = _starts(killed.pk)
     gap = (second.occurred_at - first.occurred_at).total_seconds()
-    # The broker lock is set when the pusher takes the row, a moment before the start.
-    assert Q_RETRY - 1 <= gap <= Q_RETRY + 5, gap
-    assert redelivered_after <= Q_RETRY + 5, redelivered_after
+    # The broker lock is set when the pusher takes the row, a moment before the start: the
+    # row is not handed out again before it expires. (No upper bound: how much later a busy
+    # machine gets to it is not what this test is about.)
+    assert gap >= Q_RETRY - 1, gap
     assert (first.detail["attempt"], second.detail["attempt"]) == (1, 2)
     print(f"killed start → redelivered start: {gap:.1f} s; kill → completed: {redelivered_after:.1f} s")
     first_worker, second_worker = cluster.worker_pids(killed.pk)
@@ -364,9 +382,8 @@ def test_a_task_that_kills_its_worker_every_time_is_not_retried_for_ever(cluster
     fail_event = AuditEvent.objects.get(action="forget.fail", detail__forget_request=request.pk)
     times = [e.occurred_at for e in starts] + [fail_event.occurred_at]
     gaps = [(later - earlier).total_seconds() for earlier, later in zip(times, times[1:], strict=False)]
-    assert all(Q_RETRY - 1 <= gap <= Q_RETRY + 5 for gap in gaps), gaps
+    assert all(gap >= Q_RETRY - 1 for gap in gaps), gaps  # each redelivery waited for the broker lock
     print(f"gaps between deliveries: {[round(g, 1) for g in gaps]} s; failed after {failed_after:.1f} s")
-    assert failed_after <= (JOB_MAX_ATTEMPTS + 1) * (Q_RETRY + 5), failed_after
     # Three deliveries, three workers: the first two killed, the third one survived.
     pids = cluster.worker_pids(request.pk)
     assert len(pids) == JOB_MAX_ATTEMPTS + 1 and len(set(pids)) == len(pids)
@@ -453,12 +470,13 @@ def test_a_worker_killed_inside_a_purge_batch_is_redelivered_and_ends_as_an_unin
     # Batch 1 committed; batch 2's DELETEs are not visible from outside its transaction.
     assert Memory.objects.filter(tenant=tenant).count() == doomed + 4 - PURGE_BATCH
     assert AuditEvent.objects.filter(tenant=tenant, action="memory.purge").count() == 1
-    os.kill(worker, signal.SIGKILL)
+    cluster.kill(worker)
     killed_at = time.monotonic()
     cluster.wait_for("the worker to be gone", lambda: worker not in _descendants(cluster.process.pid))
     # Its open batch was rolled back with the connection: the same rows are still there.
     assert Memory.objects.filter(tenant=tenant).count() == doomed + 4 - PURGE_BATCH
     assert OrmQ.objects.count() == 1  # not acknowledged
+    cluster.let_redelivery_run()
 
     cluster.wait_for(
         "the redelivered purge to finish",
@@ -469,7 +487,10 @@ def test_a_worker_killed_inside_a_purge_batch_is_redelivered_and_ends_as_an_unin
     first, second = cluster.worker_pids("purge")
     assert second != worker
     print(f"purge: kill → redelivered run finished {redelivered_after:.1f} s")
-    assert redelivered_after <= Q_RETRY + 10, redelivered_after
+    first_start, second_start = (
+        p.stat().st_mtime for p in sorted(cluster.pids_dir.glob("purge.*.pid"), key=lambda p: p.name)
+    )
+    assert second_start - first_start >= Q_RETRY - 1  # not handed out again before the broker lock expired
 
     task = Task.objects.get(name="purge")
     assert task.success and task.attempt_count == 1  # django-q2 never counted the killed run

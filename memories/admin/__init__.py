@@ -1,15 +1,15 @@
-"""The admin console: tenants (with their dashboards), memories, forget requests, API keys and
-memberships, one module each. Scoping and roles come from
+"""The admin console: tenants (with their dashboards), memories, forget requests, API keys,
+memberships and portal links, one module each. Scoping and roles come from
 :class:`zeromem.kit.admin.TenantScopedAdmin`; every change goes through the service layer,
 which writes the version and the audit event. Importing a module registers its admin.
 """
 
 from django.contrib import admin
 
-from memories.admin import api_keys, forget_requests, memberships, memories, tenants
+from memories.admin import api_keys, forget_requests, memberships, memories, portal_links, tenants
 from zeromem.kit.login_throttle import throttled
 
-__all__ = ["api_keys", "forget_requests", "memberships", "memories", "tenants"]
+__all__ = ["api_keys", "forget_requests", "memberships", "memories", "portal_links", "tenants"]
 
 admin.site.site_header = "ZeroMem admin"
 admin.site.site_title = "ZeroMem admin"

@@ -1,0 +1,72 @@
+"""Portal links in the admin: a list of the links issued to a tenant's end users (never their
+tokens: only the tokens' hashes are stored) and one action, withdrawing them, which goes
+through ``portal_links_revoke`` (audited as ``portal.revoke``, one event per end user).
+
+Withdrawing works per end user, as in the API (``DELETE /api/v1/subjects/{subject}/portal-link``):
+every link of the selected links' subjects stops opening, and the portal sessions they opened
+end at their next page. The list is the only page: links are issued by the tenant's
+application, and nothing of a link can be edited.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.urls import path
+from django.utils import timezone
+
+from memories.models import Tenant
+from memories.portal.models import PortalLink
+from memories.portal.services import portal_links_revoke
+from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.scopes import Capability
+from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
+
+
+class PortalLinkAdmin(TenantScopedAdmin):
+    view_capability = Capability.FORGET_VIEW  # whoever sees the forget requests (and their subjects)
+    list_display = ("id", "tenant", "subject", "status", "created_at", "expires_at", "opened_at", "created_by_kind")
+    list_display_links = None  # no page per link
+    list_select_related = ("tenant",)
+    list_filter = ("tenant",)
+    search_fields = ("=subject",)  # the whole subject: an index lookup, not a scan
+    ordering = ("-created_at", "-pk")
+    show_full_result_count = False
+    actions = ("withdraw",)
+
+    def get_urls(self):
+        info = self.opts.app_label, self.opts.model_name
+        return [path("", self.admin_site.admin_view(self.changelist_view), name="%s_%s_changelist" % info)]
+
+    @admin.display(description="status")
+    def status(self, obj):
+        if obj.revoked_at:
+            return "withdrawn"
+        if obj.closed_at:
+            return "signed out"
+        if obj.opened_at:
+            return "opened"
+        return "expired" if obj.expires_at <= timezone.now() else "not opened"
+
+    def has_withdraw_permission(self, request):
+        return may(request, Capability.FORGET_CREATE)
+
+    @admin.action(
+        permissions=["withdraw"],
+        description="Withdraw every portal link of the selected links' end users (ends their portal sessions)",
+    )
+    def withdraw(self, request, queryset):
+        allowed = tenant_ids_with(request, Capability.FORGET_CREATE)
+        targets = sorted(set(queryset.filter(tenant_id__in=allowed).values_list("tenant_id", "subject")))
+        tenants = Tenant.objects.in_bulk({tenant_id for tenant_id, _ in targets})
+        done = 0
+        for tenant_id, subject in targets:
+            try:
+                done += portal_links_revoke(
+                    tenant=tenants[tenant_id], actor=actor_for(request, tenant_id), subject=subject
+                )
+            except ServiceError as exc:
+                self.message_user(request, service_error_text(exc), messages.ERROR)
+        self.message_user(request, f"{done} portal links withdrawn for {len(targets)} end users.")
+
+
+admin.site.register(PortalLink, PortalLinkAdmin)
