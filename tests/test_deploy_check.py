@@ -96,3 +96,23 @@ def test_a_malformed_master_key_is_refused_naming_the_setting():
     done = _check_deploy("check", ZEROMEM_MASTER_KEYS="not-a-key")
     assert done.returncode != 0
     assert "zeromem.E011" in done.stderr and "ZEROMEM_MASTER_KEYS[0]" in done.stderr
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_autovacuum_off_is_a_deploy_warning_naming_the_database():
+    """W003 follows the server's own `autovacuum` setting (read here, apart from the check)."""
+    from django.db import connection
+
+    from zeromem.kernel.checks import autovacuum_on
+
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        (setting,) = cursor.fetchone()
+    found = autovacuum_on(None, databases=["default"])
+    if setting == "on":
+        assert found == []
+    else:
+        assert [(w.id, w.obj) for w in found] == [("zeromem.W003", "default")]
+        assert "autovacuum is off" in found[0].msg
+    assert autovacuum_on(None, databases=[]) == []  # no database named: nothing is asked

@@ -85,6 +85,35 @@ def pgbouncer_settings(app_configs, databases=None, **kwargs):
     return errors
 
 
+@register(Tags.database, deploy=True)
+def autovacuum_on(app_configs, databases=None, **kwargs):
+    """``manage.py check --deploy --database default``: PostgreSQL's autovacuum keeps the planner's
+    statistics current; without it a table's statistics stay as they were before its rows came,
+    and the planner scans a tenant where an index lookup was meant (a search's hydration of its
+    ranked ids took 53 ms instead of 0.1 ms at 50k memories, README "Search")."""
+    from django.db import connections
+
+    warnings = []
+    for alias in databases or []:
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            continue
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('autovacuum')")
+            (setting,) = cursor.fetchone()
+        if setting != "on":
+            warnings.append(
+                Warning(
+                    "PostgreSQL's autovacuum is off: planner statistics go stale and searches, purges and "
+                    "the dashboard can scan whole tenants",
+                    hint="Turn autovacuum on (PostgreSQL's default), or run ANALYZE after bulk loads and on a schedule.",
+                    id="zeromem.W003",
+                    obj=alias,
+                )
+            )
+    return warnings
+
+
 @register(Tags.security)
 def master_keys_configured(app_configs, **kwargs):
     """Encryption at rest needs ``ZEROMEM_MASTER_KEYS``: malformed, or missing outside
