@@ -94,3 +94,36 @@ def test_percentiles_are_nearest_rank_in_milliseconds():
 
 def test_ratio_is_none_when_a_side_is_missing():
     assert (ratio(3.0, 2.0), ratio(None, 2.0), ratio(1.0, 0), ratio(float("nan"), 1.0)) == (1.5, None, None, None)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_the_benchmarks_raw_inserts_name_every_required_column():
+    """The benchmarks seed with raw SQL (INSERT … SELECT, COPY) for speed, so a NOT NULL column
+    added to a model without a database default breaks them silently (it did: `sensitive`).
+    Every required column of the tables they write must be in each statement's column list."""
+    import re
+    from pathlib import Path
+
+    from django.db import connection
+
+    import zeromem.bench.management.commands as commands
+
+    statement = re.compile(r"(?:INSERT INTO|COPY)\s+(memories_memory|memories_memoryversion)\s*\(([^)]*)\)", re.S)
+    required = {}
+    with connection.cursor() as cursor:
+        for table in ("memories_memory", "memories_memoryversion"):
+            cursor.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = %s "
+                "AND is_nullable = 'NO' AND column_default IS NULL AND is_identity = 'NO' AND column_name <> 'id'",
+                [table],
+            )
+            required[table] = {name for (name,) in cursor.fetchall()}
+    found = 0
+    for path in sorted(Path(commands.__file__).parent.glob("*.py")):
+        source = re.sub(r'"\s*\n\s*"', "", path.read_text())  # join implicitly concatenated strings
+        for table, columns in statement.findall(source):
+            found += 1
+            named = {c.strip() for c in columns.replace('"', "").split(",")}
+            assert required[table] <= named, f"{path.name}: {table} lacks {sorted(required[table] - named)}"
+    assert found >= 7  # bench_purge, bench_purge_fk, bench_admin, bench_dashboard, bench_search

@@ -78,9 +78,9 @@ class Command(BenchCommand):
             )
             cursor.execute(
                 """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
-                       tags, importance, source, version, created_at, updated_at, access_count, sources)
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, sensitive)
                    SELECT %s, 'user:u' || g || ':pref', 'user:u' || g, '"a value"', 'user u' || g || ' pref a value',
-                       'user', 'u' || g, '[]', 5, '', 1, now(), now(), 0, '[]'
+                       'user', 'u' || g, '[]', 5, '', 1, now(), now(), 0, '[]', false
                    FROM generate_series(1, %s) g""",
                 [tenant.pk, memories],
             )

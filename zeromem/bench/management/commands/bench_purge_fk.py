@@ -128,16 +128,16 @@ class Command(BenchCommand):
         with connection.cursor() as cursor:
             cursor.execute(
                 """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
-                       tags, importance, source, version, created_at, updated_at, access_count, sources, expires_at)
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, expires_at, sensitive)
                    SELECT %s, 'session:' || %s || ':k' || g, 'session:' || %s, '{"n": 1}', 'bench value',
-                       'task', '', '[]', 5, '', 1, now(), now(), 0, '[]', now() - interval '1 hour'
+                       'task', '', '[]', 5, '', 1, now(), now(), 0, '[]', now() - interval '1 hour', false
                    FROM generate_series(1, %s) g""",
                 [tenant.pk, tag, tag, rows],
             )
             cursor.execute(
                 """INSERT INTO memories_memoryversion (tenant_id, memory_id, version, value, op, actor_kind, actor_id,
-                       created_at)
-                   SELECT tenant_id, id, 1, value, 'write', 'system', '', now() FROM memories_memory
+                       created_at, sensitive)
+                   SELECT tenant_id, id, 1, value, 'write', 'system', '', now(), false FROM memories_memory
                    WHERE tenant_id = %s AND namespace = %s""",
                 [tenant.pk, f"session:{tag}"],
             )

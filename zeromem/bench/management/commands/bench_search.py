@@ -210,6 +210,7 @@ class Command(BenchCommand):
                     "0",
                     "[]",
                     f["search_tsv"],
+                    "f",
                 ]
                 buf.write("\t".join(_copy_escape(v) for v in row) + "\n")
             with (
@@ -217,7 +218,7 @@ class Command(BenchCommand):
                 c.copy(
                     "COPY memories_memory (tenant_id, key, namespace, value, search_text, category, subject,"
                     " tags, importance, source, version, created_at, updated_at, access_count, sources,"
-                    " search_tsv) FROM STDIN"
+                    " search_tsv, sensitive) FROM STDIN"
                 ) as copy,
             ):
                 copy.write(buf.getvalue())
