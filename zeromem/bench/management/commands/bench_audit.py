@@ -102,7 +102,7 @@ class Command(BenchCommand):
                 raise CommandError(f"read failed: {r.status_code} {r.content[:200]!r}")
             return elapsed
 
-        noop = mock.patch("memories.services.memories.audit_record", lambda **kw: None)
+        noop = mock.patch("audit.services.audit_record", lambda **kw: None)
         rng = random.Random(1)
         for i in range(200):  # warm-up, both sides
             call(i)
