@@ -52,58 +52,35 @@ def ensure_venv() -> None:
         stamp.write_text(digest)
 
 
-def ensure_chromium() -> None:
-    """Install Debian's ``chromium`` with apt-get when it is missing (non-interactive).
-
-    When it cannot be installed the tests still run: the browser tests then fail with a
-    message naming the missing binary (tests/browser.py), they never skip silently.
-    """
-    if CHROMIUM.exists():
+def ensure_debian_package(binary: Path, packages: list[str], purpose: str) -> None:
+    """Install Debian ``packages`` with apt-get when ``binary`` is missing (non-interactive;
+    sudo -n when not root). When it cannot be installed the tests still run: those that need
+    it then fail with a message naming the missing binary, they never skip silently."""
+    if binary.exists():
         return
     apt_get = shutil.which("apt-get")
     if apt_get is None:
-        say(f"{CHROMIUM} is missing and there is no apt-get to install it: the browser tests will fail")
+        say(f"{binary} is missing and there is no apt-get to install it: the {purpose} will fail")
         return
     prefix = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    say(f"{CHROMIUM} is missing: installing Debian's chromium package with apt-get (for the browser tests)")
+    say(f"{binary} is missing: installing Debian's {packages[0]} package with apt-get (for the {purpose})")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # Wait for another apt/dpkg run to finish rather than failing on its lock.
     apt = [*prefix, apt_get, "-q", "-y", "-o", "DPkg::Lock::Timeout=600"]
-    for step in (["update"], ["install", "--no-install-recommends", "chromium", "fonts-liberation"]):
+    for step in (["update"], ["install", "--no-install-recommends", *packages]):
         result = subprocess.run([*apt, *step], env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            say(f"apt-get {step[0]} failed: the browser tests will fail\n{result.stderr.strip()[-600:]}")
+            say(f"apt-get {step[0]} failed: the {purpose} will fail\n{result.stderr.strip()[-600:]}")
             return
-    if not CHROMIUM.exists():
-        say(f"apt-get installed chromium but {CHROMIUM} is still missing: the browser tests will fail")
+    if not binary.exists():
+        say(f"apt-get installed {packages[0]} but {binary} is still missing: the {purpose} will fail")
         return
-    say(f"installed {CHROMIUM}")
+    say(f"installed {binary}")
 
 
-# The PgBouncer tests (tests/test_fleet.py) start Debian's pgbouncer in transaction mode.
+# The PgBouncer tests (tests/test_fleet.py) start Debian's pgbouncer in transaction mode (the
+# package's own service is not started: the tests start theirs).
 PGBOUNCER = Path(os.environ.get("ZEROMEM_PGBOUNCER_BIN", "/usr/sbin/pgbouncer"))
-
-
-def ensure_pgbouncer() -> None:
-    """Install Debian's ``pgbouncer`` with apt-get when it is missing, as for chromium; the
-    package's own service is not started (the tests start theirs). When it cannot be
-    installed the PgBouncer tests fail naming the missing binary."""
-    if PGBOUNCER.exists():
-        return
-    apt_get = shutil.which("apt-get")
-    if apt_get is None:
-        say(f"{PGBOUNCER} is missing and there is no apt-get to install it: the PgBouncer tests will fail")
-        return
-    prefix = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    say(f"{PGBOUNCER} is missing: installing Debian's pgbouncer package with apt-get (for the PgBouncer tests)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    apt = [*prefix, apt_get, "-q", "-y", "-o", "DPkg::Lock::Timeout=600"]
-    for step in (["update"], ["install", "--no-install-recommends", "pgbouncer"]):
-        result = subprocess.run([*apt, *step], env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            say(f"apt-get {step[0]} failed: the PgBouncer tests will fail\n{result.stderr.strip()[-600:]}")
-            return
-    say(f"installed {PGBOUNCER}" if PGBOUNCER.exists() else f"apt-get ran but {PGBOUNCER} is still missing")
 
 
 def write_dev_env() -> None:
@@ -184,8 +161,8 @@ def up(argv: list[str]) -> int:
 
 def test(argv: list[str]) -> int:
     ensure_venv()
-    ensure_chromium()
-    ensure_pgbouncer()
+    ensure_debian_package(CHROMIUM, ["chromium", "fonts-liberation"], "browser tests")
+    ensure_debian_package(PGBOUNCER, ["pgbouncer"], "PgBouncer tests")
     env = {**os.environ, "ZEROMEM_ENV": "development"}
     db = env.get("DATABASE_URL", "")
     if db:
