@@ -188,3 +188,38 @@ class PgBouncer:
         if self.process is not None:
             stop_process_group(self.process, grace=5)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class FakeJSONEndpoint:
+    """The outside world's HTTP API (an LLM vendor's), on a free loopback port: each POST's
+    JSON body is kept in ``requests`` and answered with ``answer(body, n)`` (n counts from 1)
+    as JSON. ``url`` is its base address; ``close()`` stops it."""
+
+    def __init__(self, answer: Callable[[dict, int], dict], *, path: str = ""):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                out = json.dumps(answer(fake.requests[-1], len(fake.requests))).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

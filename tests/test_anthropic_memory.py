@@ -7,10 +7,7 @@ ZeroMem. Each result is compared with what the SDK's own file-system backend
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anthropic
 import pytest
@@ -22,7 +19,7 @@ from zeromem_client.anthropic import AsyncZeroMemMemoryTool, ZeroMemMemoryTool
 from audit.models import AuditEvent
 from memories.models import Memory
 from tests.factories import make_key, make_tenant
-from tests.helpers import rest_error
+from tests.helpers import FakeJSONEndpoint, rest_error
 
 URL = "/api/v1/anthropic/memory"
 
@@ -51,42 +48,18 @@ SCRIPT = [
 ]
 
 
-def _bind(handler) -> ThreadingHTTPServer:
-    """A server on a free port of this suite's range (18200-18249)."""
-    for port in range(18200, 18250):
-        try:
-            return ThreadingHTTPServer(("127.0.0.1", port), handler)
-        except OSError:
-            continue
-    raise RuntimeError("no free port in 18200-18249")
-
-
 class FakeAnthropic:
     """The Messages API as the SDK calls it: each POST /v1/messages gets the next scripted
     assistant turn; the requests (with the tool_results the runner sent) are kept."""
 
     def __init__(self, script):
         self.turns = [self._tool_use(i, command) for i, command in enumerate(script)] + [self._text("Noted.")]
-        self.requests: list[dict] = []
-        fake = self
+        self.endpoint = FakeJSONEndpoint(lambda body, n: self.turns[n - 1])
+        self.requests = self.endpoint.requests
+        self.url = self.endpoint.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.requests.append(body)
-                out = json.dumps(fake.turns[len(fake.requests) - 1]).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = _bind(Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def close(self) -> None:
+        self.endpoint.close()
 
     @staticmethod
     def _message(content, stop_reason):
@@ -159,8 +132,7 @@ def test_the_sdk_tool_runner_drives_all_six_commands_into_zeromem(live_server, a
             messages=[{"role": "user", "content": "Remember what I like."}],
         )
         final = runner.until_done()
-    fake.server.shutdown()
-    fake.server.server_close()
+    fake.close()
     assert final.content[0].text == "Noted."
     assert fake.requests[0]["tools"] == [{"type": "memory_20250818", "name": "memory"}]
 
@@ -216,8 +188,7 @@ def test_the_async_tool_runner_with_the_async_tool(live_server, acme, tmp_path):
     try:
         final = asyncio.run(main())
     finally:
-        fake.server.shutdown()
-        fake.server.server_close()
+        fake.close()
     assert final.content[0].text == "Noted."
     ours = [(_content(r), bool(r.get("is_error"))) for r in fake.tool_results()]
     assert ours == _reference_results(tmp_path, script)

@@ -6,9 +6,6 @@ what the SDK's own SQLiteSession gives on the same calls."""
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, Runner, SQLiteSession, set_tracing_disabled
@@ -20,59 +17,23 @@ from zeromem_client.openai_agents import ZeroMemSession
 from audit.models import AuditEvent
 from memories.models import Memory
 from tests.factories import make_key, make_tenant
+from tests.helpers import FakeJSONEndpoint
 
 
-def _bind(handler) -> ThreadingHTTPServer:
-    for port in range(18250, 18300):
-        try:
-            return ThreadingHTTPServer(("127.0.0.1", port), handler)
-        except OSError:
-            continue
-    raise RuntimeError("no free port in 18250-18299")
+def _completion(body: dict, n: int) -> dict:
+    return {
+        "id": f"chatcmpl-{n}",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "gpt-fake",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": f"Hello {n}"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
 
 
-class FakeOpenAI:
+def FakeOpenAI() -> FakeJSONEndpoint:
     """POST /v1/chat/completions: answers "Hello <n>" (n counts the requests); keeps the requests."""
-
-    def __init__(self):
-        self.requests: list[dict] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                out = json.dumps(
-                    {
-                        "id": f"chatcmpl-{len(fake.requests)}",
-                        "object": "chat.completion",
-                        "created": 0,
-                        "model": "gpt-fake",
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": f"Hello {len(fake.requests)}"},
-                                "finish_reason": "stop",
-                            }
-                        ],
-                        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-                    }
-                ).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = _bind(Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    return FakeJSONEndpoint(_completion, path="/v1")
 
 
 @pytest.fixture
