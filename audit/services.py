@@ -41,8 +41,8 @@ from zeromem.kernel.errors import (
     ServiceError,
     Unavailable,
 )
-from zeromem.kernel.scopes import Scope
 from zeromem.kernel.replica import replica_reads
+from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
 
 # Two ints for pg_advisory_xact_lock: this namespace, and the tenant id (0: no tenant).

@@ -13,9 +13,9 @@ from django.core.management import call_command
 from django.db import IntegrityError, connection, transaction
 from django.test import Client
 
+from audit.models import AuditEvent
 from memories import keyring, services
 from memories.models import DataKey, Memory, MemoryVersion
-from audit.models import AuditEvent
 from memories.services.encryption import reencrypt
 from tests.factories import SYSTEM, make_tenant, write
 from zeromem.kernel.crypto import ErasedValue, MasterKeyError, master_key_id

@@ -6,9 +6,9 @@ from datetime import timedelta
 
 from django.utils import timezone
 
+from memories import services
 from memories.models import TenantDashboardStats
 from memories.selectors.dashboard import tenant_dashboard
-from memories import services
 from memories.services import dashboard_stats
 from tests.factories import SYSTEM, logged_in, make_staff, make_tenant, write
 

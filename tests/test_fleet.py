@@ -29,7 +29,7 @@ from tests.test_serve import ROOT, Served, _database_url, _request
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.outcomes import ActorKind
-from zeromem.kernel.replica import REPLICA, replica_reads, reads_go_to
+from zeromem.kernel.replica import REPLICA, reads_go_to, replica_reads
 from zeromem.kernel.scopes import ALL_SCOPES, TENANT_SCOPES
 
 LIST = {"name": "memory_list", "arguments": {}}

@@ -14,6 +14,7 @@ from memories.portal.services import portal_link_create, portal_links_revoke
 from memories.services.claude_memory import MemoryToolError, memory_tool_run
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
+from zeromem.kit import metrics
 from zeromem.kit.api import (
     ERRORS,
     AuditedAPIView,
@@ -23,7 +24,6 @@ from zeromem.kit.api import (
     TenantSlotMixin,
     retry_after,
 )
-from zeromem.kit import metrics
 
 NOT_FOUND = OpenApiResponse(ErrorSerializer, description="no memory at this key")
 PRECONDITION_FAILED = OpenApiResponse(

@@ -106,7 +106,8 @@ def autovacuum_on(app_configs, databases=None, **kwargs):
                 Warning(
                     "PostgreSQL's autovacuum is off: planner statistics go stale and searches, purges and "
                     "the dashboard can scan whole tenants",
-                    hint="Turn autovacuum on (PostgreSQL's default), or run ANALYZE after bulk loads and on a schedule.",
+                    hint="Turn autovacuum on (PostgreSQL's default), or run ANALYZE after bulk loads and on a "
+                    "schedule.",
                     id="zeromem.W003",
                     obj=alias,
                 )

@@ -38,7 +38,6 @@ from django_q.brokers import get_broker
 from django_q.signing import SignedPackage
 
 from audit.services import audit_record
-
 from memories import search, services
 from memories.models import ForgetRequest, Memory, MemoryVersion
 from zeromem.bench.options import BenchCommand

@@ -38,7 +38,6 @@ import secrets
 import statistics
 import threading
 import time
-from datetime import timedelta
 
 from django.conf import settings
 from django.core.management.base import CommandError
@@ -211,7 +210,8 @@ class Command(BenchCommand):
         with connection.cursor() as cursor:
             cursor.execute(
                 """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
-                       tags, importance, source, version, created_at, updated_at, access_count, sources, expires_at, sensitive)
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, expires_at,
+                       sensitive)
                    SELECT %s, 'session:' || %s || 's' || (g / 20) || ':k' || g, 'session:' || %s || 's' || (g / 20),
                        jsonb_build_object('n', g, 'note', 'bench value ' || g), 'bench value session ' || g,
                        'task', '', '[]', 5, '', 1, now(), now(), 0, '[]', now() - interval '1 hour', false

@@ -128,7 +128,8 @@ class Command(BenchCommand):
         with connection.cursor() as cursor:
             cursor.execute(
                 """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
-                       tags, importance, source, version, created_at, updated_at, access_count, sources, expires_at, sensitive)
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, expires_at,
+                       sensitive)
                    SELECT %s, 'session:' || %s || ':k' || g, 'session:' || %s, '{"n": 1}', 'bench value',
                        'task', '', '[]', 5, '', 1, now(), now(), 0, '[]', now() - interval '1 hour', false
                    FROM generate_series(1, %s) g""",
