@@ -9,6 +9,7 @@ checked in child processes.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -21,8 +22,9 @@ from django.conf import settings
 from django.db import connection, connections
 from django.test import override_settings
 
-from tests.factories import make_keyed_client, make_tenant, write
-from tests.helpers import FakeOtlpCollector
+from tests.factories import make_key, make_keyed_client, make_tenant, write
+from tests.helpers import FakeOtlpCollector, free_port
+from tests.test_serve import Served, _database_url
 from zeromem.kernel import tracing
 
 KEY = "user:u10086:pref_lang"
@@ -294,3 +296,94 @@ def test_the_settings_refuse_what_is_not_installed_naming_the_setting(tmp_path):
             timeout=60,
         )
         assert done.returncode != 0 and named in done.stderr, (extra, done.stderr[-500:])
+
+
+# --- serve: each granian worker process traces, the MCP endpoint included ------------------
+
+
+def _post(port: int, path: str, body: dict, headers: dict) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json", **headers})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), json.loads(response.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def _ancestors(spans: list[dict], span: dict) -> list[dict]:
+    by_id = {s["span_id"]: s for s in spans}
+    chain = []
+    while span["parent_id"] in by_id:
+        span = by_id[span["parent_id"]]
+        chain.append(span)
+    return chain
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_serve_traces_rest_and_mcp_tool_calls_from_each_worker_process(tmp_path):
+    tenant = make_tenant("trace-serve")
+    _key, raw = make_key(tenant)
+    write(tenant, KEY, VALUE)
+    fake = FakeOtlpCollector()
+    server = Served(
+        tmp_path,
+        args=["--processes", "2", "--threads", "2"],
+        env={
+            "DATABASE_URL": _database_url(),
+            "ZEROMEM_EMBEDDINGS": "off",
+            "ZEROMEM_TRACING": "true",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": fake.endpoint,
+            "OTEL_SERVICE_NAME": "zeromem-serve-test",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: the batch leaves at once, not after 5 s
+        },
+    )
+    server.port = free_port()
+    server.env["PORT"] = str(server.port)
+    try:
+        server.start()
+        auth = {"Authorization": f"Bearer {raw}"}
+        rest = _post(server.port, "/api/v1/tools/call", {"name": "memory_read", "arguments": {"key": KEY}}, auth)
+        assert rest[0] == 200 and rest[2]["value"] == VALUE
+        call = {
+            "jsonrpc": "2.0",
+            "id": 7,
+            "method": "tools/call",
+            "params": {"name": "memory_read", "arguments": {"key": KEY}},
+        }
+        mcp = _post(server.port, "/mcp", call, {**auth, "Accept": "application/json, text/event-stream"})
+        assert mcp[0] == 200 and VALUE in json.dumps(mcp[2]), mcp
+        for _ in range(6):  # more requests, for both workers to answer some
+            _post(server.port, "/api/v1/tools/call", {"name": "memory_list", "arguments": {}}, auth)
+
+        def complete(spans: list[dict]) -> bool:
+            tools = [s for s in spans if s["name"] == "tool memory_read"]
+            return len(tools) == 2 and all(len(_ancestors(spans, t)) >= 1 for t in tools)
+
+        spans = fake.wait_for(complete)
+        assert complete(spans), [s["name"] for s in spans]
+        by_request = {
+            s["attributes"].get("zeromem.request_id"): s for s in spans if s["kind"] == SERVER and s["parent_id"] == ""
+        }
+        rest_span, mcp_span = by_request[rest[1]["x-request-id"]], by_request[mcp[1]["x-request-id"]]
+        assert rest_span["name"] == "POST api/v1/tools/call"
+        for top in (rest_span, mcp_span):
+            tool = next(s for s in spans if s["name"] == "tool memory_read" and _ancestors(spans, s)[-1] is top)
+            assert tool["attributes"]["zeromem.outcome"] == "ok"
+            assert tool["attributes"]["zeromem.tenant"] == "trace-serve"
+            read = next(s for s in spans if s["name"] == "memory.read" and s["parent_id"] == tool["span_id"])
+            assert any(s["kind"] == CLIENT for s in _children(spans, read))  # its SQL
+        # /mcp: the router's server span, the MCP SDK's span of the call, then ZeroMem's.
+        mcp_tool = next(s for s in spans if s["name"] == "tool memory_read" and s["trace_id"] == mcp_span["trace_id"])
+        assert [s["name"] for s in _ancestors(spans, mcp_tool)][-1] == mcp_span["name"]
+        assert any(s["scope"] == "mcp-python-sdk" for s in _ancestors(spans, mcp_tool))
+        # Each worker process exports its own spans (its own provider), never the server's parent.
+        workers = set(server.worker_pids())
+        exporters = {s["resource"]["process.pid"] for s in spans}
+        assert exporters <= workers and server.process.pid not in exporters, (exporters, workers)
+        assert {s["resource"]["service.name"] for s in spans} == {"zeromem-serve-test"}
+        _assert_nothing_personal(fake)
+    finally:
+        server.stop()
+        fake.close()
