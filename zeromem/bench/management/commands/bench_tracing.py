@@ -8,6 +8,8 @@ with Django's test client (the whole middleware chain, the view, the service and
 - ``off``: this checkout, ``ZEROMEM_TRACING`` unset;
 - ``on``: this checkout, ``ZEROMEM_TRACING=true``, every span exported over OTLP/HTTP (batches,
   the SDK's schedule) to a sink on loopback that answers 200 (``ZEROMEM_BENCH_PORT``, else any);
+- ``sampled`` (with ``--ratio R``): as ``on``, a fraction R of the traces kept
+  (``OTEL_TRACES_SAMPLER=parentbased_traceidratio``): what the others cost;
 - ``baseline`` (with ``--baseline DIR``): another checkout (e.g. main), as it is.
 
 The variants run in turns (``--rounds`` × ``--calls`` calls each, the order rotated every
@@ -83,8 +85,9 @@ class Command(BaseCommand):
         parser.add_argument("--rounds", type=int, default=10, help="turns of each variant (%(default)s)")
         parser.add_argument("--calls", type=int, default=50, help="tool calls per turn (%(default)s)")
         parser.add_argument("--baseline", help="another checkout's root (e.g. main) to run as it is")
+        parser.add_argument("--ratio", type=float, help="also run tracing on with this fraction of traces sampled")
 
-    def handle(self, *args, rounds: int, calls: int, baseline: str | None, **options):
+    def handle(self, *args, rounds: int, calls: int, baseline: str | None, ratio: float | None, **options):
         sink = ThreadingHTTPServer(("127.0.0.1", int(os.environ.get("ZEROMEM_BENCH_PORT") or 0)), _Sink)
         threading.Thread(target=sink.serve_forever, daemon=True).start()
         endpoint = f"http://127.0.0.1:{sink.server_address[1]}"
@@ -93,6 +96,15 @@ class Command(BaseCommand):
             "off": (root, {}),
             "on": (root, {"ZEROMEM_TRACING": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}),
         }
+        if ratio is not None:
+            variants["sampled"] = (
+                root,
+                {
+                    **variants["on"][1],
+                    "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                    "OTEL_TRACES_SAMPLER_ARG": str(ratio),
+                },
+            )
         if baseline:
             variants["baseline"] = (Path(baseline).resolve(), {})
         load_before = loadavg()
@@ -133,6 +145,8 @@ class Command(BaseCommand):
         }
         median = {name: report["us_per_call"][name]["process"]["median"] for name in samples}
         report["on_minus_off_us"] = round(median["on"] - median["off"], 1)
+        if ratio is not None:
+            report["sampled_minus_off_us"] = round(median["sampled"] - median["off"], 1)
         if baseline:
             report["off_minus_baseline_us"] = round(median["off"] - median["baseline"], 1)
         self.stdout.write(json.dumps(report, indent=2))
