@@ -22,8 +22,9 @@ from django.conf import settings
 from django.db import connection, connections
 from django.test import override_settings
 
-from tests.factories import make_key, make_keyed_client, make_tenant, write
-from tests.helpers import FakeOtlpCollector, free_port
+from memories import services
+from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant, write
+from tests.helpers import FakeOtlpCollector, free_port, stop_process_group
 from tests.test_serve import Served, _database_url
 from zeromem.kernel import tracing
 
@@ -220,6 +221,53 @@ def test_log_lines_carry_the_trace_id_of_their_span(spans):
     assert outside.trace_id == ""
 
 
+JSON_LOG_PROBE = textwrap.dedent(
+    """
+    import logging
+    import django
+    django.setup()
+    from zeromem.kernel import tracing
+    assert tracing.setup()
+    with tracing.span("probe"):
+        logging.getLogger("zeromem.probe").warning("inside a span")
+    logging.getLogger("zeromem.probe").warning("outside")
+    assert tracing.flush()
+    """
+)
+
+
+def test_json_log_lines_carry_the_trace_id_when_tracing(tmp_path):
+    fake = FakeOtlpCollector()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(
+            DJANGO_SETTINGS_MODULE="zeromem.settings",
+            ZEROMEM_ENV="development",
+            ZEROMEM_VAR_DIR=str(tmp_path),
+            ZEROMEM_TRACING="true",
+            ZEROMEM_LOG_FORMAT="json",
+            OTEL_EXPORTER_OTLP_ENDPOINT=fake.endpoint,
+            PYTHONPATH=str(settings.BASE_DIR),
+        )
+        env.pop("DATABASE_URL", None)
+        done = subprocess.run(
+            [sys.executable, "-c", JSON_LOG_PROBE],
+            cwd=settings.BASE_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+        inside = next(line for line in lines if line["message"] == "inside a span")
+        outside = next(line for line in lines if line["message"] == "outside")
+        assert inside["trace_id"] == _one(fake.spans, "probe")["trace_id"]
+        assert outside["trace_id"] == "" and inside["request_id"] == ""
+    finally:
+        fake.close()
+
+
 # --- the setting off: nothing of OpenTelemetry's SDK runs or is imported -----------------
 
 OFF_PROBE = textwrap.dedent(
@@ -386,4 +434,64 @@ def test_serve_traces_rest_and_mcp_tool_calls_from_each_worker_process(tmp_path)
         _assert_nothing_personal(fake)
     finally:
         server.stop()
+        fake.close()
+
+
+# --- django-q2: each worker process sets up its own provider; a task is one span ----------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_qcluster_worker_traces_each_task_in_a_span_of_its_own_process(tmp_path, monkeypatch):
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueued for the real cluster below
+    tenant = make_tenant("trace-cluster")
+    for i in range(3):
+        write(tenant, f"session:s9:note{i}", f"{VALUE} {i}")
+    fake = FakeOtlpCollector()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(
+        DATABASE_URL=_database_url(),
+        ZEROMEM_ENV="development",
+        REDIS_URL="",  # the ORM broker
+        ZEROMEM_VAR_DIR=str(tmp_path / "var"),
+        ZEROMEM_EMBEDDINGS="off",
+        Q_WORKERS="1",
+        DB_POOL_MIN_SIZE="1",
+        ZEROMEM_TRACING="true",
+        OTEL_EXPORTER_OTLP_ENDPOINT=fake.endpoint,
+        OTEL_SERVICE_NAME="zeromem-worker-test",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    log = tmp_path / "qcluster.log"
+    with open(log, "wb") as out:
+        cluster = subprocess.Popen(
+            [sys.executable, "manage.py", "qcluster"],
+            cwd=settings.BASE_DIR,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        services.summarize_start(tenant=tenant, actor=SYSTEM, prefix="session:s9:")  # queued once committed
+
+        def task_done(spans: list[dict]) -> bool:
+            return any(s["attributes"].get("zeromem.task") for s in spans)
+
+        spans = fake.wait_for(task_done, timeout=60)
+        assert task_done(spans), log.read_text(errors="replace")[-3000:]
+        task = next(s for s in spans if s["attributes"].get("zeromem.task"))
+        assert task["name"] == "memories.tasks.summarize_task" and task["parent_id"] == ""
+        assert task["attributes"]["zeromem.outcome"] == "ok"
+        inside = [s for s in spans if s["trace_id"] == task["trace_id"] and s is not task]
+        assert any(s["name"] == "summary.write" or s["kind"] == CLIENT for s in inside), [s["name"] for s in inside]
+        # Exported by the worker itself (forked by the sentinel, set up by post_spawn).
+        assert task["resource"]["process.pid"] not in (cluster.pid, os.getpid())
+        assert task["resource"]["service.name"] == "zeromem-worker-test"
+        payload = fake.payload()
+        assert b"canary-4471" not in payload and b"session:s9" not in payload
+    finally:
+        stop_process_group(cluster, grace=10)
         fake.close()
