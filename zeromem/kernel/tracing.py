@@ -269,9 +269,19 @@ class _Export:
     def __init__(self):
         self._pid = 0
         self._batch = None
+        self._lock = threading.Lock()
+        # A fork while another thread held the lock would leave the child's copy held for ever.
+        os.register_at_fork(after_in_child=self._new_lock)
+
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
 
     def _processor(self):
-        if self._pid != os.getpid():
+        if self._pid == os.getpid():
+            return self._batch
+        with self._lock:  # the first spans of a process may end in several threads at once
+            if self._pid == os.getpid():
+                return self._batch
             from django.conf import settings
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
