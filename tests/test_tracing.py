@@ -324,7 +324,7 @@ def test_with_tracing_off_nothing_of_the_sdk_is_imported_or_exported(tmp_path):
         fake.close()
 
 
-def test_the_settings_refuse_what_is_not_installed_naming_the_setting(tmp_path):
+def test_the_settings_refuse_what_is_not_installed_and_the_standard_off_switches_win(tmp_path):
     base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     base.update(ZEROMEM_ENV="development", ZEROMEM_VAR_DIR=str(tmp_path), ZEROMEM_TRACING="true")
     base.pop("DATABASE_URL", None)
@@ -344,6 +344,16 @@ def test_the_settings_refuse_what_is_not_installed_naming_the_setting(tmp_path):
             timeout=60,
         )
         assert done.returncode != 0 and named in done.stderr, (extra, done.stderr[-500:])
+    for off in ({"OTEL_TRACES_EXPORTER": "none"}, {"OTEL_SDK_DISABLED": "true"}):
+        done = subprocess.run(
+            [sys.executable, "manage.py", "shell", "--no-imports", "-c", probe],
+            cwd=settings.BASE_DIR,
+            env={**base, **off},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (done.returncode, done.stdout.strip()) == (0, "False"), (off, done.stderr[-500:])
 
 
 # --- serve: each granian worker process traces, the MCP endpoint included ------------------

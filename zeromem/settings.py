@@ -458,8 +458,13 @@ _PORTAL_TOKENS = {"()": "zeromem.kit.logs.RedactPortalTokens"}
 # is true; off, nothing of OpenTelemetry's SDK is imported. The standard OTEL_* settings say
 # where to and how much: the OTLP/HTTP endpoint (the SDK appends /v1/traces to the generic
 # one; the traces one is used as it is), the service's name and the sampler.
-ZEROMEM_TRACING = env.bool("ZEROMEM_TRACING", default=False)
 OTEL_TRACES_EXPORTER = env.str("OTEL_TRACES_EXPORTER", default="otlp")
+# The standard ways to say "no traces" win over the switch.
+ZEROMEM_TRACING = (
+    env.bool("ZEROMEM_TRACING", default=False)
+    and OTEL_TRACES_EXPORTER != "none"
+    and not env.bool("OTEL_SDK_DISABLED", default=False)
+)
 OTEL_EXPORTER_OTLP_ENDPOINT = env.str("OTEL_EXPORTER_OTLP_ENDPOINT", default="")
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = env.str("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", default="")
 OTEL_EXPORTER_OTLP_PROTOCOL = env.str(
