@@ -30,7 +30,7 @@ from django.utils import timezone
 from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.selectors import AuditFilters, audit_events
-from zeromem.kernel import validation
+from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
     Conflict,
@@ -44,6 +44,7 @@ from zeromem.kernel.errors import (
 from zeromem.kernel.replica import replica_reads
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
+from zeromem.kernel.tracing import NO_SPAN
 
 # Two ints for pg_advisory_xact_lock: this namespace, and the tenant id (0: no tenant).
 _SEAL_LOCK_NAMESPACE = 0x5A4D  # "ZM"
@@ -213,7 +214,7 @@ class AuditedOperation:
 
 @contextmanager
 def audited_operation(
-    *, tenant: Tenant | None, actor: Actor, action: str, target: Any = "", atomic: bool = True
+    *, tenant: Tenant | None, actor: Actor, action: str, target: Any = "", atomic: bool = True, traced: bool = True
 ) -> Iterator[AuditedOperation]:
     """One transaction for a service operation and its one audit event::
 
@@ -233,17 +234,24 @@ def audited_operation(
     ``atomic=False`` is for an operation whose only write is its event (a read): the event
     is one INSERT, a transaction of its own, so the operation saves the BEGIN and COMMIT
     round trips. Inside an enclosing transaction (a batch) it is part of that one as before.
+
+    Traced (ZEROMEM_TRACING, ``traced``) as a span named by the action, with the outcome and
+    the tenant's slug: never the target (a memory key) or the event's fields.
     """
     op = AuditedOperation(tenant=tenant, actor=actor, action=action, target=target)
-    try:
-        with transaction.atomic() if atomic else nullcontext():
-            yield op
-            if op._row is not None:
-                op._write(op._row)
-    except ServiceError as exc:
-        if _mark_recorded(exc):
-            op._write(op._row_for(exc))
-        raise
+    traced_as = tracing.span(action, action=action, tenant=tenant.slug if tenant else None) if traced else NO_SPAN
+    with traced_as as span:
+        try:
+            with transaction.atomic() if atomic else nullcontext():
+                yield op
+                if op._row is not None:
+                    op._write(op._row)
+        except ServiceError as exc:
+            if _mark_recorded(exc):
+                op._write(op._row_for(exc))
+            span.set("outcome", str(_outcome_of(exc)))
+            raise
+        span.set("outcome", str(op._row["outcome"]) if op._row is not None else "ok")
 
 
 def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = "", error: Exception) -> None:

@@ -23,6 +23,12 @@ class MemoriesConfig(AppConfig):
 
         register(_master_keys_open_data_keys, Tags.database)
 
+        # Traces (ZEROMEM_TRACING): django-q2 workers set up tracing when they start and run
+        # each task in a span. Off: nothing is connected.
+        from zeromem.kernel import tracing
+
+        tracing.connect_tasks()
+
 
 def _master_keys_open_data_keys(app_configs, databases=None, **kwargs):
     """``manage.py check --database default`` (and ``python -m zeromem.serving check``, run by

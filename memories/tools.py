@@ -23,7 +23,7 @@ from audit.services import audited_operation
 from memories import services
 from memories.models import Memory, Tenant
 from memories.services import summaries
-from zeromem.kernel import validation
+from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, ServiceError
 
@@ -420,15 +420,22 @@ def tool_call(*, tenant: Tenant, actor: Actor, call: Any) -> ToolAnswer:
     service is recorded by the service (``memory.write``, ...), whatever the outcome. Every
     answer, an error too, carries the call's ``tool_call_id`` when it had one.
 
-    Cost: the service's, plus nothing for the parsing (no query)."""
+    Cost: the service's, plus nothing for the parsing (no query).
+
+    Traced (ZEROMEM_TRACING) as a span ``tool <name>`` with the tool's name (a registry name,
+    never what the client sent), the outcome (the result's status) and the tenant's slug;
+    never a key, prefix, query or value."""
     call_id = call_id_of(call)
-    try:
-        # Parsing reads and writes nothing (a refusal's event is written after): no transaction.
-        with audited_operation(tenant=tenant, actor=actor, action="tool.call", atomic=False):
-            tool, arguments = _resolve(*_parse(call))
-        answer = ToolAnswer(_run(tool, tenant, actor, arguments), 200)
-    except ServiceError as exc:
-        answer = ToolAnswer({"status": "error", "error": exc.as_dict()}, exc.http_status)
+    with tracing.span("tool", tenant=tenant.slug) as traced:
+        try:
+            # Parsing reads and writes nothing (a refusal's event is written after): no transaction.
+            with audited_operation(tenant=tenant, actor=actor, action="tool.call", atomic=False, traced=False):
+                tool, arguments = _resolve(*_parse(call))
+            traced.rename(f"tool {tool.name}", tool=tool.name)
+            answer = ToolAnswer(_run(tool, tenant, actor, arguments), 200)
+        except ServiceError as exc:
+            answer = ToolAnswer({"status": "error", "error": exc.as_dict()}, exc.http_status)
+        traced.set("outcome", answer.result.get("status"))
     if call_id is not None:
         answer.result["tool_call_id"] = call_id
     return answer

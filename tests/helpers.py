@@ -223,3 +223,114 @@ class FakeJSONEndpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class FakeOtlpCollector:
+    """An OpenTelemetry collector's OTLP/HTTP traces endpoint, on a free loopback port
+    (:func:`free_port`): each POST to ``/v1/traces`` is kept as it arrived (``bodies``: the
+    raw bytes, to search for what must never leave) and decoded with opentelemetry-proto
+    (``spans``: one dict per span). ``endpoint`` is the base URL (OTEL_EXPORTER_OTLP_ENDPOINT)."""
+
+    def __init__(self):
+        import gzip
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        self.bodies: list[bytes] = []
+        self.spans: list[dict] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if self.path != "/v1/traces":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                with fake.lock:
+                    fake.bodies.append(body)
+                    fake.spans.extend(_decoded_spans(request))
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def payload(self) -> bytes:
+        with self.lock:
+            return b"".join(self.bodies)
+
+    def wait_for(self, predicate: Callable[[list[dict]], bool], timeout: float = 20.0) -> list[dict]:
+        """The spans once ``predicate(spans)`` holds (the exporter sends in batches)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                spans = list(self.spans)
+            if predicate(spans) or time.monotonic() > deadline:
+                return spans
+            time.sleep(0.05)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.bodies.clear()
+            self.spans.clear()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _any_value(value):
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_any_value(v) for v in value.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: _any_value(kv.value) for kv in value.kvlist_value.values}
+    return getattr(value, kind) if kind else None
+
+
+def _decoded_spans(request) -> list[dict]:
+    spans = []
+    for resource_spans in request.resource_spans:
+        resource = {kv.key: _any_value(kv.value) for kv in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                spans.append(
+                    {
+                        "name": span.name,
+                        "trace_id": span.trace_id.hex(),
+                        "span_id": span.span_id.hex(),
+                        "parent_id": span.parent_span_id.hex(),
+                        "kind": span.kind,
+                        "attributes": {kv.key: _any_value(kv.value) for kv in span.attributes},
+                        "status": span.status.code,
+                        "status_message": span.status.message,
+                        "events": [
+                            {"name": e.name, "attributes": {kv.key: _any_value(kv.value) for kv in e.attributes}}
+                            for e in span.events
+                        ],
+                        "scope": scope_spans.scope.name,
+                        "resource": resource,
+                    }
+                )
+    return spans

@@ -24,6 +24,12 @@ import django  # noqa: E402
 
 django.setup(set_prefix=False)
 
+# Traces (ZEROMEM_TRACING): each server process (granian imports this module in every worker it
+# starts) sets up its own tracer provider before Django's middleware chain is built.
+from zeromem.kernel import tracing  # noqa: E402
+
+tracing.setup()
+
 from django.conf import settings  # noqa: E402
 
 from zeromem.serving import web_threads  # noqa: E402
@@ -104,6 +110,9 @@ class Router:
     def __init__(self, django_application, mcp_endpoint):
         self.django = django_application
         self.mcp = mcp_endpoint
+        # With tracing on, a server span around each /mcp request (the SDK's own span and the
+        # tool's are its children); the endpoint itself when off.
+        self.mcp_app = tracing.wrap_asgi(mcp_endpoint)
         self.prefix = mcp_endpoint_path()
 
     async def __call__(self, scope, receive, send):
@@ -112,7 +121,7 @@ class Router:
             return await self.lifespan(receive, send)
         path = scope.get("path", "")
         if kind == "http" and (path == self.prefix or path.startswith(self.prefix + "/")):
-            return await self.mcp(scope, receive, send)
+            return await self.mcp_app(scope, receive, send)
         return await self.django(scope, receive, send)
 
     async def lifespan(self, receive, send):

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 from zeromem.serving import pool_max_size, web_threads
 
@@ -453,7 +454,45 @@ if env.str("REDIS_URL", default=""):
 # loggers that write request paths (Django's 4xx/5xx and runserver lines; granian's access log:
 # zeromem/asgi.py, zeromem/wsgi.py) and on the console handler, for whatever propagates to it.
 _PORTAL_TOKENS = {"()": "zeromem.kit.logs.RedactPortalTokens"}
-# "json": one JSON object per line with the request id (zeromem/kit/logs.py); "text": plain.
+# OpenTelemetry traces (zeromem/kernel/tracing.py, README "Traces"): off unless ZEROMEM_TRACING
+# is true; off, nothing of OpenTelemetry's SDK is imported. The standard OTEL_* settings say
+# where to and how much: the OTLP/HTTP endpoint (the SDK appends /v1/traces to the generic
+# one; the traces one is used as it is), the service's name and the sampler.
+OTEL_TRACES_EXPORTER = env.str("OTEL_TRACES_EXPORTER", default="otlp")
+# The standard ways to say "no traces" win over the switch.
+ZEROMEM_TRACING = (
+    env.bool("ZEROMEM_TRACING", default=False)
+    and OTEL_TRACES_EXPORTER != "none"
+    and not env.bool("OTEL_SDK_DISABLED", default=False)
+)
+OTEL_EXPORTER_OTLP_ENDPOINT = env.str("OTEL_EXPORTER_OTLP_ENDPOINT", default="")
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = env.str("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", default="")
+OTEL_EXPORTER_OTLP_PROTOCOL = env.str(
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", default=env.str("OTEL_EXPORTER_OTLP_PROTOCOL", default="http/protobuf")
+)
+OTEL_SERVICE_NAME = env.str("OTEL_SERVICE_NAME", default="zeromem")
+OTEL_TRACES_SAMPLER = env.str("OTEL_TRACES_SAMPLER", default="parentbased_always_on")
+OTEL_TRACES_SAMPLER_ARG = env.str("OTEL_TRACES_SAMPLER_ARG", default="")
+if ZEROMEM_TRACING:
+    from zeromem.kernel.tracing import SAMPLERS  # noqa: E402  (imports nothing of OpenTelemetry)
+
+    if OTEL_TRACES_EXPORTER not in ("otlp", "console"):
+        raise ImproperlyConfigured(f"OTEL_TRACES_EXPORTER must be otlp or console, not {OTEL_TRACES_EXPORTER!r}")
+    if OTEL_TRACES_EXPORTER == "otlp" and OTEL_EXPORTER_OTLP_PROTOCOL != "http/protobuf":
+        raise ImproperlyConfigured(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL must be http/protobuf (the exporter installed), "
+            f"not {OTEL_EXPORTER_OTLP_PROTOCOL!r}"
+        )
+    if OTEL_TRACES_SAMPLER not in SAMPLERS:
+        raise ImproperlyConfigured(f"OTEL_TRACES_SAMPLER must be one of {', '.join(SAMPLERS)}")
+    try:
+        if OTEL_TRACES_SAMPLER_ARG and not 0.0 <= float(OTEL_TRACES_SAMPLER_ARG) <= 1.0:
+            raise ValueError
+    except ValueError:
+        raise ImproperlyConfigured("OTEL_TRACES_SAMPLER_ARG must be a ratio from 0 to 1") from None
+
+# "json": one JSON object per line with the request id (zeromem/kit/logs.py), and the trace id
+# when tracing; "text": plain.
 ZEROMEM_LOG_FORMAT = env.str("ZEROMEM_LOG_FORMAT", default="text")
 LOGGING = {
     "version": 1,
@@ -463,7 +502,8 @@ LOGGING = {
         "text": {"format": "%(levelname)s %(name)s [%(request_id)s] %(message)s"},
         "json": {
             "()": "pythonjsonlogger.json.JsonFormatter",
-            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s"
+            + (" %(trace_id)s" if ZEROMEM_TRACING else ""),
             "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
         },
     },

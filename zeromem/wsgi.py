@@ -3,6 +3,11 @@ import os
 from django.core.wsgi import get_wsgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "zeromem.settings")
+# Traces (ZEROMEM_TRACING): this process's own tracer provider, before Django builds its
+# middleware chain (the request span is a middleware) and opens a connection. Off: nothing.
+from zeromem.kernel import tracing  # noqa: E402
+
+tracing.setup()
 application = get_wsgi_application()
 
 # The server's access log writes a portal link's path without its token.

@@ -52,6 +52,7 @@ from memories import tools
 from memories.mcp import INSTRUCTIONS, SERVER_NAME
 from memories.models import ApiKey
 from memories.services import api_keys, usage
+from zeromem.kernel import tracing
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import TenantBusy, Unauthenticated
 from zeromem.kernel.outcomes import ActorKind
@@ -105,6 +106,8 @@ async def _in_thread(fn, *args):
             close_old_connections()
 
     if _executor is not None:
+        if tracing.on():  # the thread's spans (the tool's, SQL) belong to this request's trace
+            return await asyncio.get_running_loop().run_in_executor(_executor, contextvars.copy_context().run, run)
         return await asyncio.get_running_loop().run_in_executor(_executor, run)
     return await anyio.to_thread.run_sync(run, limiter=_threads())
 
@@ -293,6 +296,7 @@ class McpEndpoint:
             request_id=request_id_for(headers.get("x-request-id", "")),
         )
         scope = {**scope, "zeromem": {"client_ip": request.client_ip, "request_id": request.request_id}}
+        tracing.annotate(request_id=request.request_id)  # on the request's span, when tracing
         authorization = headers.get("authorization", "")
         if not authorization.lower().startswith("bearer "):
             # The SDK answers 401 without asking the verifier: audited (and throttled) here.

@@ -3,8 +3,10 @@
 ``ZEROMEM_LOG_FORMAT=json`` writes one JSON object per line (python-json-logger) with the
 time, level, logger, message and ``request_id`` — the id the client got in ``X-Request-ID``
 and the audit log keeps — so a fleet's log collector can join a request's lines across
-instances. The id is set for the request's thread by zeromem.kit.metrics.MetricsMiddleware,
-cleared when the request is finished, and empty outside a request (jobs, commands).
+instances; with tracing on (ZEROMEM_TRACING) each line also carries the ``trace_id`` of the
+span it was written in, to find the request's trace. The id is set for the request's thread
+by zeromem.kit.metrics.MetricsMiddleware, cleared when the request is finished, and empty
+outside a request (jobs, commands).
 
 Log filters. ``RedactPortalTokens`` keeps portal link tokens out of every log line: the
 access log (granian's ``granian.access``: the path is an argument), Django's 4xx/5xx lines
@@ -19,12 +21,17 @@ import re
 
 from django.core.signals import request_finished
 
+from zeromem.kernel import tracing
+
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("zeromem_request_id", default="")
 
 
 class RequestIdFilter(logging.Filter):
+    """The request id, and the trace id when tracing (ZEROMEM_TRACING; empty otherwise)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id.get()
+        record.trace_id = tracing.trace_id()
         return True
 
 
