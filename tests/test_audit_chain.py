@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from audit import chain
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
+from audit.seals import seal_numbers, unsealed_q
 from audit.services import (
     audit_checkpoint_create,
     audit_purge,
@@ -62,9 +63,13 @@ def activity(tenant, n=12, user="u1"):
 
 
 def sealed_ids(tenant):
-    return list(
-        AuditEvent.objects.filter(tenant=tenant, seal__isnull=False).order_by("id").values_list("id", flat=True)
-    )
+    """The ids of the tenant's events a seal holds (range seals: nothing marks the events)."""
+    unsealed = unsealed_q(tenant.pk)
+    return list(AuditEvent.objects.filter(tenant=tenant).exclude(unsealed).order_by("id").values_list("id", flat=True))
+
+
+def first_id_of(tenant, seq):
+    return AuditSeal.objects.get(tenant=tenant, seq=seq).first_event_id
 
 
 def first_problem(tenant, **kwargs):
@@ -96,41 +101,79 @@ def test_sealed_chains_verify_per_tenant(chained, tenant_b):
 
 def test_recording_an_event_needs_no_chain_lock_and_later_events_go_to_the_next_seal(chained):
     services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")
-    assert AuditEvent.objects.filter(tenant=chained, seal__isnull=True).count() == 1
+    assert AuditEvent.objects.filter(unsealed_q(chained.pk)).count() == 1
     assert audit_verify(tenant_id=chained.pk).unsealed == 1
     audit_seal(tenant_id=chained.pk)
     assert AuditSeal.objects.filter(tenant=chained).order_by("-seq").first().count == 1
     assert audit_verify(tenant_id=chained.pk).ok
 
 
+def _slow_request(tenant, started, release):
+    """A request whose transaction holds an event (a lower id) uncommitted until released."""
+    with transaction.atomic():
+        audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target="user:u1:slow")
+        started.set()
+        release.wait(10)
+    connection.close()
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-def test_an_event_committed_after_later_ones_were_sealed_lands_in_the_next_seal():
-    # Recording takes no chain lock, so a slow transaction can commit its event after
-    # events with higher ids were sealed: it must land in the next seal, not break the chain.
+def test_sealing_never_passes_an_event_that_may_still_commit(settings):
+    # Recording takes no chain lock, so a slow transaction can commit its event after events
+    # with higher ids committed. A range seal would never see it: the sealing job seals only
+    # below a horizon that every open writer has passed, so nothing is sealed meanwhile.
+    settings.ZEROMEM_AUDIT_SEAL_WAIT = 0.3
     tenant = make_tenant("latecomer")
     started, release = threading.Event(), threading.Event()
-
-    def slow_request():
-        with transaction.atomic():
-            audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target="user:u1:slow")
-            started.set()
-            release.wait(10)
-        connection.close()
-
-    thread = threading.Thread(target=slow_request)
+    thread = threading.Thread(target=_slow_request, args=(tenant, started, release))
     thread.start()
     assert started.wait(10)
     for i in range(3):
         audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target=f"user:u1:fast{i}")
-    audit_seal(tenant_id=tenant.pk)
+    assert audit_seal(tenant_id=tenant.pk) == 0  # the slow one is still open: no seal yet
+    assert not AuditSeal.objects.filter(tenant=tenant).exists()
     release.set()
     thread.join(10)
-    audit_seal(tenant_id=tenant.pk)
+    assert audit_seal(tenant_id=tenant.pk) == 5  # with tenant.create, in id order
 
     slow = AuditEvent.objects.get(target="user:u1:slow")
     fast = AuditEvent.objects.filter(target__startswith="user:u1:fast").order_by("id")
-    assert slow.pk < fast[0].pk and slow.seal == fast[0].seal + 1
+    assert slow.pk < fast[0].pk
+    assert seal_numbers(tenant.pk, [slow.pk, fast[0].pk]) == {slow.pk: 1, fast[0].pk: 1}
+    assert audit_verify(tenant_id=tenant.pk).ok
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_sealing_waits_for_an_open_writer_and_not_for_an_idle_reader():
+    tenant = make_tenant("waiter")
+    for i in range(2):
+        audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target=f"user:u1:k{i}")
+    reader_in, reader_out = threading.Event(), threading.Event()
+
+    def idle_reader():  # a transaction that has read and written nothing holds no event id
+        with transaction.atomic():
+            AuditEvent.objects.filter(tenant=tenant).count()
+            reader_in.set()
+            reader_out.wait(10)
+        connection.close()
+
+    reader = threading.Thread(target=idle_reader)
+    reader.start()
+    assert reader_in.wait(10)
+    started, release = threading.Event(), threading.Event()
+    writer = threading.Thread(target=_slow_request, args=(tenant, started, release))
+    writer.start()
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()  # the writer commits while the sealer waits
+    try:
+        assert audit_seal(tenant_id=tenant.pk) == 4  # tenant.create, two reads, the slow one
+    finally:
+        release.set()
+        reader_out.set()
+        writer.join(10)
+        reader.join(10)
     assert audit_verify(tenant_id=tenant.pk).ok
 
 
@@ -147,16 +190,16 @@ def test_editing_any_field_of_a_sealed_event_names_that_event(chained):
 
 def test_editing_an_unsealed_event_is_detected_too(chained):
     services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")
-    victim = AuditEvent.objects.filter(tenant=chained, seal__isnull=True).get().pk
+    victim = AuditEvent.objects.filter(unsealed_q(chained.pk)).get().pk
     raw(f"UPDATE {TABLE} SET actor_label = 'someone else' WHERE id = %s", [victim])
     assert first_problem(chained).event_id == victim
 
 
-def test_deleting_an_event_names_the_event_after_the_gap(chained):
+def test_deleting_an_event_names_its_seal(chained):
     ids = sealed_ids(chained)
-    raw(f"DELETE FROM {TABLE} WHERE id = %s", [ids[5]])
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [ids[5]])  # in seal 2
     problem = first_problem(chained)
-    assert problem.event_id == ids[6] and "removed, inserted or reordered" in problem.message
+    assert problem.seal == 2 and "holds 3 events, the seal says 4" in problem.message
 
 
 def test_deleting_the_last_event_of_a_seal_names_it(chained):
@@ -172,7 +215,7 @@ FORGED = f"""INSERT INTO {TABLE} (id, uid, tenant_id, occurred_at, actor_kind, a
             '', NULL, NULL, '{{}}', %s, %s, %s, '{{}}')"""
 
 
-@pytest.mark.parametrize("seal", [2, None], ids=["into a seal", "into the unsealed tail"])
+@pytest.mark.parametrize("seal", [2, None], ids=["claiming a seal number", "into the unsealed tail"])
 def test_inserting_a_forged_event_names_it(chained, seal):
     forged_id = sealed_ids(chained)[-1] + 1000
     uid = "6f1c2a1e-0000-4000-8000-000000000001"
@@ -189,14 +232,31 @@ def test_inserting_a_copy_of_a_genuine_event_is_detected(chained):
     assert "copy" in problem.message and problem.event_id > ids[-1]
 
 
-def test_reordering_two_events_names_the_first_of_them(chained):
+def test_reordering_two_events_names_their_seal(chained):
     ids = sealed_ids(chained)
     a, b = ids[4], ids[5]
     raw(f"UPDATE {TABLE} SET id = -1 WHERE id = %s", [a])
     raw(f"UPDATE {TABLE} SET id = %s WHERE id = %s", [a, b])
     raw(f"UPDATE {TABLE} SET id = %s WHERE id = -1", [b])
     problem = first_problem(chained)
-    assert problem.event_id == a and "reordered" in problem.message
+    assert problem.seal == 2 and "reordered" in problem.message
+
+
+def test_a_forged_event_between_two_seals_ranges_is_named(chained, tenant_b):
+    # tenant B's events lie between tenant A's seal 4 and the next: forge one of A's there.
+    gap = AuditEvent.objects.filter(tenant=tenant_b).order_by("-id").values_list("id", flat=True).first()
+    services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")
+    audit_seal(tenant_id=chained.pk)  # seal 5 starts after tenant B's ids
+    # A genuine event of A copied under that free id: its digest verifies (ids are not in it).
+    columns = "uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label, surface, action, target, subject, "
+    columns += "outcome, request_id, client_ip, count, version, detail, digest, redacted, chain"
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [gap])
+    raw(
+        f"INSERT INTO {TABLE} (id, {columns}) SELECT %s, {columns} FROM {TABLE} WHERE id = %s",
+        [gap, sealed_ids(chained)[3]],
+    )
+    problem = first_problem(chained)
+    assert problem.event_id == gap and "outside every seal" in problem.message
 
 
 def test_editing_a_seal_is_detected(chained):
@@ -206,15 +266,16 @@ def test_editing_a_seal_is_detected(chained):
 
 def test_cutting_off_the_tail_is_detected_against_a_kept_checkpoint(chained):
     kept = services_checkpoint(chained)
-    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND seal = 4", [chained.pk])
-    raw(f"DELETE FROM {SEALS} WHERE tenant_id = %s AND seq = 4", [chained.pk])
+    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND id >= %s", [chained.pk, first_id_of(chained, 4)])
+    raw(f"DELETE FROM {SEALS} WHERE tenant_id = %s AND seq >= 4", [chained.pk])
     assert audit_verify(tenant_id=chained.pk).ok  # a clean cut looks like a shorter chain...
     problem = first_problem(chained, checkpoint=kept)  # ...until compared with what was kept
     assert "cut off" in problem.message
 
 
 def test_faking_a_purge_to_excuse_deleted_events_is_detected(chained):
-    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND seal = 2", [chained.pk])
+    seal = AuditSeal.objects.get(tenant=chained, seq=2)
+    raw(f"DELETE FROM {TABLE} WHERE id BETWEEN %s AND %s", [seal.first_event_id, seal.last_event_id])
     raw(f"UPDATE {SEALS} SET purged_at = %s WHERE tenant_id = %s AND seq = 2", [timezone.now(), chained.pk])
     assert "no purge checkpoint" in first_problem(chained).message
     raw(
@@ -252,7 +313,7 @@ def test_checkpoint_command_output_detects_a_cut_tail(chained, tmp_path):
     assert kept["tenant"] == chained.slug and kept["events"] == 15 and kept["seal"] == 4
     assert AuditEvent.objects.filter(tenant=chained, action="audit.checkpoint").count() == 1
     call_command("audit_verify", "--tenant", chained.slug, "--checkpoint", str(path), stdout=io.StringIO())
-    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND seal >= 3", [chained.pk])
+    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND id >= %s", [chained.pk, first_id_of(chained, 3)])
     raw(f"DELETE FROM {SEALS} WHERE tenant_id = %s AND seq >= 3", [chained.pk])
     with pytest.raises(CommandError):
         call_command(
@@ -352,7 +413,8 @@ def test_redacting_a_subject_replaces_its_identifiers_and_the_chain_still_verifi
 
 def test_a_redacted_field_edited_afterwards_is_still_detected(chained):
     audit_redact_subject(tenant=chained, subject="u1")
-    victim = AuditEvent.objects.filter(tenant=chained, target__startswith="redacted:", seal__isnull=False).first()
+    sealed = sealed_ids(chained)
+    victim = AuditEvent.objects.filter(tenant=chained, target__startswith="redacted:", pk__in=sealed).first()
     raw(f"UPDATE {TABLE} SET redacted = %s WHERE id = %s", [json.dumps({"target": "0" * 64}), victim.pk])
     assert first_problem(chained).event_id == victim.pk
 
@@ -371,7 +433,7 @@ def test_purge_removes_old_sealed_batches_after_a_checkpoint_and_the_rest_verifi
     result = audit_purge(tenant=chained, now=now)
 
     assert result == {"events": 8, "seals": 2, "through": 2}  # seal 3 has a recent event: kept whole
-    assert AuditEvent.objects.filter(tenant=chained, seal__lte=2).count() == 0
+    assert AuditEvent.objects.filter(tenant=chained, pk__lt=first_id_of(chained, 3)).count() == 0
     checkpoint = AuditCheckpoint.objects.get(tenant=chained, reason="purge")
     assert checkpoint.purged_through == 2
     event = AuditEvent.objects.get(tenant=chained, action="audit.purge")

@@ -17,11 +17,12 @@ of the same key can land on the new memory — never on another key, never lost.
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import Count, F, Max, Min, Value
+from django.db.models import Count, F, Max, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from audit.models import AuditEvent, AuditSeal
+from audit.seals import seals_events_q
 from audit.services import audit_seal_all
 from memories.models import AccessCountFold, Memory
 
@@ -51,20 +52,20 @@ def _fold_tenant(tenant_id: int) -> int:
         AccessCountFold.objects.get_or_create(tenant_id=tenant_id)
         # The lock orders concurrent runs: the second sees the first one's watermark.
         mark = AccessCountFold.objects.select_for_update().get(tenant_id=tenant_id)
-        seals = AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=mark.seal).aggregate(
-            head=Max("seq"), low=Min("first_event_id"), high=Max("last_event_id")
+        seals = list(
+            AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=mark.seal).only(
+                "seq", "first_event_id", "last_event_id", "by_range"
+            )
         )
-        if seals["head"] is None:
+        if not seals:
             return 0
+        head = max(s.seq for s in seals)
         # Every event of a seal has an id within its seal's first..last (a seal takes its
         # events in id order), so the primary-key range bounds the scan.
         reads = (
             AuditEvent.objects.filter(
+                seals_events_q(seals),
                 tenant_id=tenant_id,
-                pk__gte=seals["low"],
-                pk__lte=seals["high"],
-                seal__gt=mark.seal,
-                seal__lte=seals["head"],
                 action=READ_ACTION,
                 outcome=AuditEvent.Outcome.OK,
             )
@@ -80,7 +81,7 @@ def _fold_tenant(tenant_id: int) -> int:
                 last_accessed_at=Greatest(Coalesce("last_accessed_at", Value(last)), Value(last)),
             )
             counted += n
-        mark.seal = seals["head"]
+        mark.seal = head
         mark.folded_at = timezone.now()
         mark.save(update_fields=["seal", "folded_at"])
         return counted
