@@ -458,3 +458,108 @@ def _refresh_digests(tenant, ids):
     for row in AuditEvent.objects.filter(pk__in=ids).values("id", *chain.DIGEST_FIELDS):
         raw(f"UPDATE {TABLE} SET digest = %s WHERE id = %s", [chain.digest(event_fields(row)), row["id"]])
     audit_seal(tenant_id=tenant.pk, batch_size=4)
+
+
+# --- seals made before range seals (audit migration 0011) ---------------------------------
+
+
+def _seal_the_old_way(tenant, events):
+    """A seal as the job made them before audit migration 0011: each event's seal number and
+    chain value written into its row (in the ``seal`` maintenance mode), ``by_range`` false."""
+    head = AuditSeal.objects.filter(tenant=tenant).order_by("-seq").first()
+    seq, prev_hash = (head.seq + 1, head.hash) if head else (1, chain.genesis(tenant.pk))
+    value = prev_hash
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'seal', true)")
+        for event in sorted(events, key=lambda e: e.pk):
+            value = chain.link(value, event.pk, event.digest)
+            cursor.execute(f"UPDATE {TABLE} SET seal = %s, chain = %s WHERE id = %s", [seq, value, event.pk])
+        total = (head.total if head else 0) + len(events)
+        first, last = min(e.pk for e in events), max(e.pk for e in events)
+        AuditSeal.objects.create(
+            tenant=tenant,
+            seq=seq,
+            first_event_id=first,
+            last_event_id=last,
+            count=len(events),
+            total=total,
+            prev_hash=prev_hash,
+            hash=chain.seal_hash(
+                prev_hash=prev_hash,
+                tenant_id=tenant.pk,
+                seq=seq,
+                first=first,
+                last=last,
+                count=len(events),
+                total=total,
+                last_chain=value,
+            ),
+        )
+
+
+@pytest.fixture
+def upgraded(tenant_a):
+    """Tenant A's log across the upgrade: seal 1 made the old way (tenant.create and reads 1,
+    2 and 4 — read 3 committed late, after read 4 was sealed), then reads 5 and 6; the range
+    seal that follows holds read 3 (below seal 1's last id), 5 and 6."""
+    ids = [
+        audit_record(tenant=tenant_a, actor=AGENT, action="memory.read", outcome="ok", target=f"user:u1:k{i}")
+        for i in range(1, 7)
+    ]
+    events = {e.pk: e for e in AuditEvent.objects.filter(tenant=tenant_a)}
+    _seal_the_old_way(tenant_a, [e for pk, e in events.items() if pk not in (ids[2], ids[4], ids[5])])
+    assert audit_seal(tenant_id=tenant_a.pk) == 3
+    return tenant_a, ids
+
+
+def test_a_chain_of_old_seals_then_range_seals_verifies_and_shows_each_events_seal(upgraded):
+    tenant, ids = upgraded
+    seals = list(AuditSeal.objects.filter(tenant=tenant).order_by("seq"))
+    assert [(s.by_range, s.count, s.first_event_id) for s in seals] == [
+        (False, 4, seals[0].first_event_id),
+        (True, 3, ids[2]),
+    ]
+    result = audit_verify(tenant_id=tenant.pk)
+    assert result.ok, result.problems
+    assert (result.events, result.seals, result.unsealed) == (7, 2, 0)
+    assert seal_numbers(tenant.pk, [ids[2], ids[4], ids[5]]) == {ids[2]: 2, ids[4]: 2, ids[5]: 2}
+    assert AuditEvent.objects.get(pk=ids[3]).seal == 1  # the old seal's own number stays on its events
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["an old seal's event", "a range seal's late event"])
+def test_deleting_an_event_on_either_side_of_the_upgrade_is_detected(upgraded, victim):
+    tenant, ids = upgraded
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [ids[victim]])
+    assert first_problem(tenant).seal == (1 if victim == 1 else 2)
+
+
+def test_purge_and_daily_counts_across_the_upgrade(upgraded):
+    tenant, _ids = upgraded
+    from audit import daily
+
+    today = timezone.now().date()
+    assert daily.counts(tenant.pk, since=today)["reads"] == {today: 6}
+    result = audit_purge(tenant=tenant, now=timezone.now() + timedelta(days=10_000))
+    assert result == {"events": 7, "seals": 2, "through": 2}
+    assert AuditEvent.objects.filter(tenant=tenant).exclude(action="audit.purge").count() == 0
+    assert audit_verify(tenant_id=tenant.pk).ok
+    assert daily.counts(tenant.pk, since=today)["reads"] == {today: 6}  # folded counts outlive the events
+
+
+@pytest.mark.postgres
+def test_postgresql_lets_the_purge_mode_delete_only_sealed_events(chained):
+    services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")  # unsealed
+    unsealed = AuditEvent.objects.filter(unsealed_q(chained.pk)).get().pk
+    sealed = sealed_ids(chained)[0]
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
+        cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [unsealed])
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
+        cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [sealed])
+        assert cursor.rowcount == 1
+        transaction.set_rollback(True)
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
+        cursor.execute(f"UPDATE {SEALS} SET by_range = false WHERE tenant_id = %s AND seq = 1", [chained.pk])
