@@ -53,7 +53,8 @@ def seals_events_q(seals: list[AuditSeal]) -> Q:
     ranged = [s for s in seals if s.by_range]
     if legacy:
         q |= Q(
-            seal__in=[s.seq for s in legacy],
+            seal__gte=min(s.seq for s in legacy),
+            seal__lte=max(s.seq for s in legacy),
             pk__gte=min(s.first_event_id for s in legacy),
             pk__lte=max(s.last_event_id for s in legacy),
         )

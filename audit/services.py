@@ -112,7 +112,8 @@ def audit_record(
     # What Model.save() would send (each field prepares its value; the others get their
     # defaults), without building the instance or compiling the INSERT on every request.
     params = [
-        f.get_db_prep_save(values[f.attname] if f.attname in values else f.get_default(), connection) for f in columns
+        f.get_db_prep_save(values[f.attname] if f.attname in values else f.get_default(), connection)
+        for f in columns
     ]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
