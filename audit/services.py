@@ -375,15 +375,17 @@ _logger = logging.getLogger("zeromem.audit")
 # Transactions of this database, other than ours, that may hold an audit event id they have
 # not committed: any with a transaction id, or busy in a statement (an INSERT draws its id from
 # the sequence before the transaction gets its id). A session idle in a transaction that has
-# no transaction id has written nothing: it holds no event id. Autovacuum inserts no events.
-# pg_locks lists every session's own virtual transaction lock whatever its role (the state
-# of another role's session may be hidden: NULL, so it counts as busy).
+# no transaction id has written nothing: it holds no event id. Processes with no user
+# (autovacuum workers; usesysid is shown to every role) run no SQL of a user: never waited for.
+# pg_locks lists every session's own virtual transaction lock whatever its role; the state of
+# another role's session is hidden (NULL) unless this role has pg_read_all_stats, so such a
+# session counts as busy: its transaction is waited for.
 _STRAGGLERS_SQL = """
 SELECT l.virtualxid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'virtualxid' AND l.mode = 'ExclusiveLock' AND l.granted
   AND a.datname = current_database() AND a.pid <> pg_backend_pid()
-  AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
-  AND NOT (a.backend_xid IS NULL AND a.state LIKE 'idle%%')
+  AND a.usesysid IS NOT NULL
+  AND NOT (a.backend_xid IS NULL AND coalesce(a.state, '') LIKE 'idle%%')
   AND (%s::text[] IS NULL OR l.virtualxid = ANY(%s::text[]))
 """
 

@@ -7,7 +7,9 @@ with triggers switched off, as a superuser can)."""
 
 import io
 import json
+import random
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -142,6 +144,47 @@ def test_sealing_never_passes_an_event_that_may_still_commit(settings):
     assert slow.pk < fast[0].pk
     assert seal_numbers(tenant.pk, [slow.pk, fast[0].pk]) == {slow.pk: 1, fast[0].pk: 1}
     assert audit_verify(tenant_id=tenant.pk).ok
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_every_event_lands_in_exactly_one_seal_while_writers_commit_out_of_id_order():
+    # Writers hold their events uncommitted for random times (commits out of id order) while
+    # the sealing job runs again and again: at the end every event is in exactly one seal.
+    tenant = make_tenant("racing")
+    stop = threading.Event()
+    written = []
+
+    def writer(n):
+        rng = random.Random(n)
+        try:
+            for i in range(15):
+                with transaction.atomic():
+                    for j in range(rng.randint(1, 2)):
+                        target = f"user:u{n}:k{i}.{j}"
+                        written.append(
+                            audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target=target)
+                        )
+                        time.sleep(rng.random() * 0.02)
+        finally:
+            connection.close()
+
+    writers = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for w in writers:
+        w.start()
+    sealed = 0
+    while any(w.is_alive() for w in writers):
+        sealed += audit_seal(tenant_id=tenant.pk, batch_size=7)
+    for w in writers:
+        w.join(10)
+    sealed += audit_seal(tenant_id=tenant.pk, batch_size=7)
+    stop.set()
+    result = audit_verify(tenant_id=tenant.pk)
+    assert result.ok, result.problems
+    total = AuditEvent.objects.filter(tenant=tenant).count()
+    assert sealed == total == len(written) + 1 and result.unsealed == 0  # with tenant.create
+    assert sum(AuditSeal.objects.filter(tenant=tenant).values_list("count", flat=True)) == total
+    assert len(seal_numbers(tenant.pk, written)) == len(written)
 
 
 @pytest.mark.postgres
