@@ -3,8 +3,9 @@ folded from the audit log instead of being updated by every read.
 
 Every successful read already writes its audit event (``memory.read``, outcome ``ok``, the
 key as target) — durably, in the request. The sealing job (audit/services.py) puts each
-event into exactly one seal of its tenant, in commit order, so a seal number is a watermark
-that a late-committing event cannot slip under (an id or a timestamp could). The fold
+event into exactly one seal of its tenant, and only once every event with a lower id that
+will ever commit has committed (its settled horizon), so a seal number is a watermark that a
+late-committing event cannot slip under (an id or a timestamp alone could). The fold
 counts the reads in the seals after the tenant's watermark and moves the watermark in the
 same transaction: a crash or a concurrent run counts nothing twice and loses nothing. The
 counts lag the reads by up to the schedule's period (a minute) plus a run.
