@@ -214,29 +214,32 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
 
 class RangedEvents:
     """The tenant's events with no seal number (range seals' and the unsealed tail), in id
-    order, one server-side cursor for the whole walk: range seals hold consecutive id ranges
-    of them, so the walk takes each seal's share in turn."""
+    order, read in keyset pages of PAGE rows (constant memory, no cursor held open, also
+    through PgBouncer): range seals hold consecutive id ranges of them, so the walk takes
+    each seal's share in turn."""
+
+    PAGE = 5000
 
     def __init__(self, tenant_id: int | None):
-        rows = (
-            AuditEvent.objects.filter(_tenant_q(tenant_id), seal__isnull=True)
-            .order_by("id")
-            .values(*_COLUMNS)
-            .iterator(chunk_size=5000)
-        )
-        self._rows = iter(rows)
-        self._next: dict | None = None
+        self._query = AuditEvent.objects.filter(_tenant_q(tenant_id), seal__isnull=True).order_by("id")
+        self._page: list[dict] = []
+        self._at = 0
+        self._after: int | None = None  # no lower bound: a forged negative id is read too
         self._done = False
 
     def _peek(self) -> dict | None:
-        if self._next is None and not self._done:
-            self._next = next(self._rows, None)
-            self._done = self._next is None
-        return self._next
+        if self._at == len(self._page) and not self._done:
+            page = self._query if self._after is None else self._query.filter(pk__gt=self._after)
+            self._page = list(page.values(*_COLUMNS)[: self.PAGE])
+            self._at = 0
+            self._done = len(self._page) < self.PAGE
+            if self._page:
+                self._after = self._page[-1]["id"]
+        return self._page[self._at] if self._at < len(self._page) else None
 
     def _take_while(self, keep) -> Iterator[dict]:
         while (row := self._peek()) is not None and keep(row["id"]):
-            self._next = None
+            self._at += 1
             yield row
 
     def before(self, event_id: int) -> Iterator[dict]:

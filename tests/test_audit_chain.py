@@ -28,7 +28,7 @@ from audit.services import (
     audit_seal,
     event_fields,
 )
-from audit.verify import audit_verify
+from audit.verify import RangedEvents, audit_verify
 from memories import services
 from tests.factories import SYSTEM, make_tenant
 from zeromem.kernel.actors import Actor
@@ -300,6 +300,14 @@ def test_a_forged_event_between_two_seals_ranges_is_named(chained, tenant_b):
     )
     problem = first_problem(chained)
     assert problem.event_id == gap and "outside every seal" in problem.message
+
+
+def test_verify_reads_range_seals_events_in_pages(chained, monkeypatch):
+    monkeypatch.setattr(RangedEvents, "PAGE", 2)  # pages end inside and between seals
+    result = audit_verify(tenant_id=chained.pk)
+    assert result.ok and (result.events, result.seals) == (15, 4)
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [sealed_ids(chained)[9]])  # in seal 3
+    assert first_problem(chained).seal == 3
 
 
 def test_editing_a_seal_is_detected(chained):
