@@ -35,6 +35,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 
 from audit.models import AuditDailyCount, AuditDailyFold, AuditEvent, AuditSeal
+from audit.seals import seals_events_q, unsealed_q
 from zeromem.kernel.outcomes import ActorKind, Outcome
 
 READ_ACTIONS = frozenset(
@@ -136,9 +137,7 @@ def fold(tenant_id: int, *, max_events: int = 50_000) -> int:
                 return folded
             kept = [s for s in seals if s.purged_at is None]
             if kept:
-                q = Q(seal__gte=kept[0].seq, seal__lte=kept[-1].seq)
-                q &= Q(id__gte=min(s.first_event_id for s in kept), id__lte=max(s.last_event_id for s in kept))
-                _add(tenant_id, tally(_events(tenant_id, q)))
+                _add(tenant_id, tally(_events(tenant_id, seals_events_q(kept))))
             AuditDailyFold.objects.filter(pk=mark.pk).update(through_seq=seals[-1].seq)
             folded += sum(s.count for s in kept)
 
@@ -153,17 +152,12 @@ def counts(tenant_id: int, *, since: date) -> dict[str, dict[date, int]]:
         if metric in out:
             out[metric][day] = value
     through = AuditDailyFold.objects.filter(tenant_id=tenant_id).values_list("through_seq", flat=True).first() or 0
-    # The unsealed tail (the partial index audit_unsealed (tenant, id) WHERE seal IS NULL),
-    # then seals after the watermark (none while the sealing job keeps up: it folds as it seals).
-    tails = [Q(seal__isnull=True)]
-    first_unfolded = (
-        AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=through, purged_at__isnull=True)
-        .order_by("seq")
-        .values_list("first_event_id", flat=True)
-        .first()
-    )
-    if first_unfolded is not None:
-        tails.append(Q(seal__gt=through, id__gte=first_unfolded))
+    # The unsealed tail (above the last range seal, on the partial index audit_unsealed), then
+    # seals after the watermark (none while the sealing job keeps up: it folds as it seals).
+    tails = [unsealed_q(tenant_id)]
+    unfolded = list(AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=through, purged_at__isnull=True))
+    if unfolded:
+        tails.append(seals_events_q(unfolded))
     rows = [row for q in tails for row in _events(tenant_id, q)]
     for (day, metric), value in tally(rows).items():
         if day >= since:

@@ -19,6 +19,7 @@ from django.http import StreamingHttpResponse
 from django.utils import timezone
 
 from audit.models import REVIEW_FIELDS
+from audit.seals import seal_numbers
 from audit.selectors import AuditFilters
 from audit.services import audit_export_start
 from zeromem.kernel.replica import REPLICA, replica_configured, replica_reads
@@ -69,15 +70,20 @@ def encode_rows(rows: Iterator[dict], fmt: str) -> Iterator[bytes]:
         yield buffer.getvalue().encode()
 
 
-def _pages(queryset) -> Iterator[dict]:
+def _pages(queryset, tenant_id: int) -> Iterator[dict]:
     """The rows, newest first, CHUNK_ROWS at a time by keyset on the id (each page one
     short query, no server-side cursor), handing the database connection back between
-    pages: a client that reads slowly holds a thread, never a pooled connection."""
+    pages: a client that reads slowly holds a thread, never a pooled connection. A row's
+    ``seal`` is its seal's number (a range seal's: one query over the page's seals)."""
     before = None
     while True:
         page = queryset if before is None else queryset.filter(pk__lt=before)
         with replica_reads():  # an export may lag the log by the replica's delay
             rows = list(page.order_by("-id").values(*COLUMNS)[:CHUNK_ROWS])
+            numbers = seal_numbers(tenant_id, [r["id"] for r in rows if r["seal"] is None])
+        for row in rows:
+            if row["seal"] is None:
+                row["seal"] = numbers.get(row["id"])
         if not connection.in_atomic_block:
             connection.close()  # with the pool: back to the pool until the next page
             if replica_configured():
@@ -88,12 +94,12 @@ def _pages(queryset) -> Iterator[dict]:
         before = rows[-1]["id"]
 
 
-def _chunks(queryset, fmt: str) -> Iterator[bytes]:
-    yield from encode_rows(_pages(queryset), fmt)
+def _chunks(queryset, tenant_id: int, fmt: str) -> Iterator[bytes]:
+    yield from encode_rows(_pages(queryset, tenant_id), fmt)
 
 
-async def _async_chunks(queryset, fmt: str) -> AsyncIterator[bytes]:
-    chunks = _chunks(queryset, fmt)
+async def _async_chunks(queryset, tenant_id: int, fmt: str) -> AsyncIterator[bytes]:
+    chunks = _chunks(queryset, tenant_id, fmt)
     fetch = sync_to_async(lambda: next(chunks, None), thread_sensitive=True)
     while (chunk := await fetch()) is not None:
         yield chunk
@@ -105,7 +111,7 @@ def audit_export_response(
     """Check, audit (``audit.export``) and stream the tenant's events matching ``filters``,
     newest first. ``asynchronous``: the request is served under ASGI."""
     queryset = audit_export_start(tenant=tenant, actor=actor, filters=filters, fmt=fmt)
-    body = _async_chunks(queryset, fmt) if asynchronous else _chunks(queryset, fmt)
+    body = _async_chunks(queryset, tenant.pk, fmt) if asynchronous else _chunks(queryset, tenant.pk, fmt)
     response = StreamingHttpResponse(body, content_type=CONTENT_TYPES[fmt])
     stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
     response["Content-Disposition"] = f'attachment; filename="audit-{tenant.slug}-{stamp}.{fmt}"'

@@ -11,14 +11,14 @@ on a lock shared with other requests:
    enter through a per-field commitment, so they can later be redacted without changing
    the digest. Inserting is a plain INSERT, concurrent with every other one.
 2. A sealing job (every minute, and before a verification or purge) takes a tenant's
-   unsealed events in id order, links each to the previous one (``chain`` = HMAC of the
-   previous chain value and this event's id and digest) and closes the batch with an
-   :class:`AuditSeal` that links to the tenant's previous seal. Only sealers of the same
-   tenant wait for each other.
+   unsealed events in id order up to a settled horizon, links each to the previous one
+   (chain value = HMAC of the previous one and this event's id and digest) and closes the
+   batch with an :class:`AuditSeal` naming its id range, linked to the tenant's previous
+   seal. Nothing is written to the events. Only sealers of the same tenant wait for each other.
 
 On PostgreSQL a trigger (migration 0003) refuses UPDATE and DELETE of events and seals
-except the three maintenance paths, each of which leaves a record: sealing (sets
-``seal``/``chain`` once), redaction (replaces identifying fields, keeps their commitments)
+except the three maintenance paths, each of which leaves a record: sealing (seals made
+before migration 0011 set ``seal``/``chain`` once), redaction (replaces identifying fields, keeps their commitments)
 and the retention purge (deletes whole sealed batches after writing a checkpoint).
 """
 
@@ -62,9 +62,6 @@ class AuditEventQuerySet(AppendOnlyQuerySet):
     def for_tenant(self, tenant):
         return self.filter(tenant=tenant)
 
-    def unsealed(self):
-        return self.filter(seal__isnull=True)
-
 
 class AuditEvent(models.Model):
     ActorKind = ActorKind
@@ -93,7 +90,9 @@ class AuditEvent(models.Model):
 
     # Tamper evidence (audit/chain.py). digest: keyed hash over the fields, set on insert.
     digest = models.CharField(max_length=64, editable=False)
-    # Set once by the sealing job: the tenant's seal sequence number and the chain value.
+    # Set by the sealing job before audit migration 0011 (the seal number and the chain value,
+    # one UPDATE per event). Since then seals are range seals (AuditSeal.by_range): nothing is
+    # written to the event, so both stay null/empty and audit_verify recomputes the chain.
     seal = models.PositiveIntegerField(null=True, blank=True, editable=False)
     chain = models.CharField(max_length=64, blank=True, default="", editable=False)
     # Redacted fields' commitments ({field: hex}); the field itself then holds a pseudonym.
@@ -107,7 +106,8 @@ class AuditEvent(models.Model):
             models.Index(fields=["tenant", "target"], name="audit_tenant_target"),
             models.Index(fields=["tenant", "actor_kind", "actor_id"], name="audit_tenant_actor"),
             models.Index(fields=["tenant", "subject"], name="audit_tenant_subject", condition=~Q(subject="")),
-            # The sealing job finds the unsealed tail without scanning sealed history.
+            # Every event since range seals (seal stays null): the sealing job finds the unsealed
+            # tail (id > the tenant's last range seal) and a range seal's events by id range here.
             models.Index(fields=["tenant", "id"], name="audit_unsealed", condition=Q(seal__isnull=True)),
         ]
 
@@ -142,6 +142,10 @@ class AuditSeal(models.Model):
     sealed_at = models.DateTimeField(default=timezone.now)
     # Set by the retention purge when this batch's events were deleted on purpose.
     purged_at = models.DateTimeField(null=True, blank=True)
+    # A range seal (every seal since audit migration 0011): its events are the tenant's events
+    # with ids first_event_id..last_event_id whose ``seal`` column is null — none written to.
+    # Otherwise (older seals) its events are those whose ``seal`` column holds ``seq``.
+    by_range = models.BooleanField(default=False, editable=False)
 
     objects = AppendOnlyQuerySet.as_manager()
 
@@ -150,6 +154,10 @@ class AuditSeal(models.Model):
             models.UniqueConstraint(fields=["tenant", "seq"], name="auditseal_one_per_seq"),
             # The NULL-tenant chain needs its own uniqueness (NULLs are distinct in a unique index).
             models.UniqueConstraint(fields=["seq"], condition=Q(tenant__isnull=True), name="auditseal_untenanted_seq"),
+        ]
+        # The range seal holding an event id: the first one ending at or after it.
+        indexes = [
+            models.Index(fields=["tenant", "last_event_id"], name="auditseal_range_last", condition=Q(by_range=True))
         ]
 
     def __str__(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -29,6 +30,8 @@ from django.utils import timezone
 
 from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
+from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
+from audit.seals import tenant_q as _tenant_q
 from audit.selectors import AuditFilters, audit_events
 from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
@@ -365,51 +368,135 @@ def _lock_chain(tenant_id: int | None) -> None:
             cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_SEAL_LOCK_NAMESPACE, tenant_id or 0])
 
 
-def _tenant_q(tenant_id: int | None) -> Q:
-    return Q(tenant__isnull=True) if tenant_id is None else Q(tenant_id=tenant_id)
-
-
-def head_seal(tenant_id: int | None) -> AuditSeal | None:
-    return AuditSeal.objects.filter(_tenant_q(tenant_id)).order_by("-seq").first()
-
-
 # --- sealing ------------------------------------------------------------------------------
+#
+# A seal is a *range seal* (AuditSeal.by_range): its events are its tenant's events with ids
+# first_event_id..last_event_id whose ``seal`` column is null, and nothing is written to them.
+# That needs one guarantee: no event may commit into a range after it was sealed. Ids come
+# from a sequence when a row is inserted, commits come later and in any order, so the job
+# seals only up to a *settled horizon*: an id below which every transaction that could still
+# commit an event has ended (:func:`_settled_horizon`). Seals made before audit migration
+# 0011 name their events through the ``seal`` column (an UPDATE of each event, once).
+
+_logger = logging.getLogger("zeromem.audit")
+
+# Transactions of this database, other than ours, that may hold an audit event id they have
+# not committed: any with a transaction id, or busy in a statement (an INSERT draws its id from
+# the sequence before the transaction gets its id). A session idle in a transaction that has
+# no transaction id has written nothing: it holds no event id. Processes with no user
+# (autovacuum workers; usesysid is shown to every role) run no SQL of a user: never waited for.
+# pg_locks lists every session's own virtual transaction lock whatever its role; the state of
+# another role's session is hidden (NULL) unless this role has pg_read_all_stats, so such a
+# session counts as busy: its transaction is waited for.
+_STRAGGLERS_SQL = """
+SELECT l.virtualxid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'virtualxid' AND l.mode = 'ExclusiveLock' AND l.granted
+  AND a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND a.usesysid IS NOT NULL
+  AND NOT (a.backend_xid IS NULL AND coalesce(a.state, '') LIKE 'idle%%')
+  AND (%s::text[] IS NULL OR l.virtualxid = ANY(%s::text[]))
+"""
 
 
-def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
+@functools.cache
+def _event_sequence() -> str:
+    """The audit event id sequence; its cache must be 1 (the default): with a cache, a session
+    could insert an event, later, with an id handed to it before the horizon was read."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT s.seqrelid::regclass::text, s.seqcache FROM pg_sequence s "
+            "WHERE s.seqrelid = pg_get_serial_sequence(%s, 'id')::regclass",
+            [AuditEvent._meta.db_table],
+        )
+        name, cache = cursor.fetchone()
+    if cache != 1:
+        raise RuntimeError(f"the audit event id sequence {name} must have CACHE 1 (it has {cache})")
+    return name
+
+
+def _settled_horizon(*, wait: float | None = None) -> int | None:
+    """PostgreSQL: the highest audit event id such that every event with an id up to it that
+    will ever commit has committed, or None when some transaction that may hold such an id
+    is still open after ``wait`` seconds (default ``ZEROMEM_AUDIT_SEAL_WAIT``).
+
+    Read the sequence's last value V first; every id up to V was drawn by then, by a
+    transaction that has ended since or is open now. Then wait until each open one that may
+    hold an id (see _STRAGGLERS_SQL) has ended, or is seen idle without a transaction id (its
+    INSERT failed, or it inserted no event). A transaction that opens later draws ids above V.
+    Prepared (two-phase) transactions hold ids too: the horizon waits until there are none.
+    Cost: two catalog reads when nothing is open; requests last milliseconds, so the wait
+    is that long."""
+    wait = settings.ZEROMEM_AUDIT_SEAL_WAIT if wait is None else wait
+    deadline = time.monotonic() + wait
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_sequence_last_value(%s::regclass)", [_event_sequence()])
+        (last,) = cursor.fetchone()
+        if last is None:
+            return 0  # no id drawn yet
+        pending: list[str] | None = None
+        pause = 0.002
+        while True:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # pg_stat_activity is cached per transaction
+            cursor.execute(_STRAGGLERS_SQL, [pending, pending])
+            pending = [vxid for (vxid,) in cursor.fetchall()]
+            cursor.execute("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()")
+            prepared = cursor.fetchone()[0]
+            if not pending and not prepared:
+                return last
+            if time.monotonic() >= deadline:
+                _logger.warning(
+                    "audit sealing: %d transaction(s) that may hold an event id up to %d still open after %.1f s "
+                    "(%d prepared); sealing waits for the next run",
+                    len(pending),
+                    last,
+                    wait,
+                    prepared,
+                )
+                return None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def sealing_horizon(*, wait: float | None = None) -> int | None:
+    """The id up to which events may be sealed now: None on SQLite (no bound: one writer at a
+    time, so an event that commits later always has a higher id than every event seen now),
+    else :func:`_settled_horizon`; ``-1`` when it is not settled (seal nothing)."""
+    if connection.vendor != "postgresql":
+        return None
+    horizon = _settled_horizon(wait=wait)
+    return -1 if horizon is None else horizon
+
+
+def audit_seal(*, tenant_id: int | None, batch_size: int | None = None, horizon: int | None = 0) -> int:
     """Seal the tenant's unsealed events in id order, ``batch_size`` per seal, each seal its
-    own short transaction. Returns how many events it sealed.
+    own short transaction, up to the settled horizon (``horizon``: one the caller took with
+    :func:`sealing_horizon`; by default this call takes it). Returns how many events it sealed.
 
-    Cost per seal: one SELECT on the partial ``audit_unsealed`` index, one UPDATE of the
-    batch (on PostgreSQL one statement over unnest()), a COUNT and one seal INSERT. Then the
-    sealed events are folded into the tenant's daily counts (:func:`audit.daily.fold`: one
-    read of the batch by id range, a few UPSERTs).
+    Cost per seal: one SELECT of ids and digests on the partial ``audit_unsealed`` index, the
+    chain's HMACs and one seal INSERT — no event is written. Then the sealed events are
+    folded into the tenant's daily counts (:func:`audit.daily.fold`: one read of the batch by
+    id range, a few UPSERTs).
     """
     batch_size = batch_size or settings.ZEROMEM_AUDIT_SEAL_BATCH
+    if horizon == 0:
+        horizon = sealing_horizon()
     sealed = 0
-    while True:
-        with _maintenance("seal"):
+    while horizon is None or horizon > 0:
+        with transaction.atomic():
             _lock_chain(tenant_id)
-            rows = list(
-                AuditEvent.objects.filter(_tenant_q(tenant_id), seal__isnull=True)
-                .order_by("id")
-                .values_list("id", "digest", "occurred_at")[:batch_size]
-            )
+            head = head_seal(tenant_id)
+            pending = AuditEvent.objects.filter(unsealed_q(tenant_id, head))
+            if horizon is not None:
+                pending = pending.filter(pk__lte=horizon)
+            rows = list(pending.order_by("id").values_list("id", "digest")[:batch_size])
             if not rows:
                 break
-            head = head_seal(tenant_id)
             seq = head.seq + 1 if head else 1
             prev_hash = head.hash if head else chain.genesis(tenant_id)
             total = (head.total if head else 0) + len(rows)
             value = prev_hash
-            links = []
-            for event_id, event_digest, _at in rows:
+            for event_id, event_digest in rows:
                 value = chain.link(value, event_id, event_digest)
-                links.append((event_id, value))
-            times = [at for _i, _d, at in rows]
-            _store_links(seq, links, min(times), max(times))
-            if AuditEvent.objects.filter(_tenant_q(tenant_id), seal=seq).count() != len(rows):
-                raise RuntimeError(f"sealing raced: events of seal {seq} changed underneath it")
             first, last = rows[0][0], rows[-1][0]
             AuditSeal.objects.create(
                 tenant_id=tenant_id,
@@ -419,6 +506,7 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
                 count=len(rows),
                 total=total,
                 prev_hash=prev_hash,
+                by_range=True,
                 hash=chain.seal_hash(
                     prev_hash=prev_hash,
                     tenant_id=tenant_id,
@@ -437,31 +525,26 @@ def audit_seal(*, tenant_id: int | None, batch_size: int | None = None) -> int:
     return sealed
 
 
-def _store_links(seq: int, links: list[tuple[int, str]], since: datetime, until: datetime) -> None:
-    # bandit B608 (marked): the table name is the model's own; every value is a %s parameter.
-    table = AuditEvent._meta.db_table
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            # One statement for the whole batch (a 5000-row seal in one round trip). The batch's
-            # time span prunes the monthly partitions to the one or two it lies in; without it
-            # every id would be looked up in every partition.
-            cursor.execute(
-                f"UPDATE {table} AS e SET seal = %s, chain = l.chain "  # nosec B608
-                "FROM unnest(%s::bigint[], %s::text[]) AS l(id, chain) WHERE e.id = l.id AND e.seal IS NULL "
-                "AND e.occurred_at BETWEEN %s AND %s",
-                [seq, [i for i, _ in links], [c for _, c in links], since, until],
-            )
-        else:
-            cursor.executemany(
-                f"UPDATE {table} SET seal = %s, chain = %s WHERE id = %s AND seal IS NULL",  # nosec B608
-                [(seq, c, i) for i, c in links],
-            )
+def _chain_ids() -> list[int | None]:
+    return [None, *get_tenant_model().objects.order_by("pk").values_list("pk", flat=True)]
 
 
 def audit_seal_all(*, batch_size: int | None = None) -> dict:
-    """Seal every tenant's tail (the scheduled job). Returns {tenant id: events sealed}."""
-    tenant_ids = AuditEvent.objects.unsealed().order_by().values_list("tenant_id", flat=True).distinct()
-    return {tid: audit_seal(tenant_id=tid, batch_size=batch_size) for tid in list(tenant_ids)}
+    """Seal every tenant's tail (the scheduled job), under one settled horizon. Returns
+    {tenant id: events sealed} for the chains that had unsealed events. Cost: per chain, the
+    head seal and one probe of ``audit_unsealed``."""
+    horizon = sealing_horizon()
+    done = {}
+    for tenant_id in _chain_ids():
+        if AuditEvent.objects.filter(unsealed_q(tenant_id)).exists():
+            done[tenant_id] = audit_seal(tenant_id=tenant_id, batch_size=batch_size, horizon=horizon)
+    return done
+
+
+def audit_unsealed_count() -> int:
+    """Events no seal holds yet, over every chain (the metrics gauge): per chain one index
+    range scan of its tail."""
+    return sum(AuditEvent.objects.filter(unsealed_q(tenant_id)).count() for tenant_id in _chain_ids())
 
 
 # --- checkpoints ----------------------------------------------------------------------------
@@ -606,9 +689,7 @@ def audit_purge(*, tenant: Tenant | None, now=None) -> dict:
     through = 0
     for seal in AuditSeal.objects.filter(_tenant_q(tenant_id), purged_at__isnull=True).order_by("seq"):
         newest = (
-            AuditEvent.objects.filter(
-                _tenant_q(tenant_id), seal=seal.seq, id__gte=seal.first_event_id, id__lte=seal.last_event_id
-            )
+            AuditEvent.objects.filter(_tenant_q(tenant_id), seal_events_q(seal))
             .order_by("-occurred_at")
             .values_list("occurred_at", flat=True)
             .first()
@@ -627,12 +708,15 @@ def audit_purge(*, tenant: Tenant | None, now=None) -> dict:
     seals_table = AuditSeal._meta.db_table
     # (tenant-less events: "tenant_id IS NULL", since "= NULL" matches nothing)
     owner, owner_params = ("tenant_id IS NULL", []) if tenant_id is None else ("tenant_id = %s", [tenant_id])
-    for seal in AuditSeal.objects.filter(_tenant_q(tenant_id), purged_at__isnull=True, seq__lte=through).order_by("seq"):
+    expired = AuditSeal.objects.filter(_tenant_q(tenant_id), purged_at__isnull=True, seq__lte=through)
+    for seal in expired.order_by("seq"):
+        # A range seal's events: its id range with no seal number; an older seal's: its number.
+        member, member_params = ("seal IS NULL", []) if seal.by_range else ("seal = %s", [seal.seq])
         # bandit B608 (marked): the table names are the models' own; values are %s parameters.
         with _maintenance("purge"), connection.cursor() as cursor:
             cursor.execute(  # nosec B608
-                f"DELETE FROM {events_table} WHERE {owner} AND seal = %s AND id BETWEEN %s AND %s",  # nosec B608
-                [*owner_params, seal.seq, seal.first_event_id, seal.last_event_id],
+                f"DELETE FROM {events_table} WHERE {owner} AND {member} AND id BETWEEN %s AND %s",  # nosec B608
+                [*owner_params, *member_params, seal.first_event_id, seal.last_event_id],
             )
             deleted += cursor.rowcount
             cursor.execute(f"UPDATE {seals_table} SET purged_at = %s WHERE id = %s", [now, seal.pk])  # nosec B608
@@ -679,38 +763,73 @@ def _partition_plan(part: partitions.Partition, now, tenants: dict) -> dict | No
     if any(part.upper > _retention_cutoff_of(t, tenants, now) for t in present):
         return None
     plan = {}
+    horizon = sealing_horizon()
     for tenant_id in present:
-        audit_seal(tenant_id=tenant_id)
+        audit_seal(tenant_id=tenant_id, horizon=horizon)
         where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
         args = [] if tenant_id is None else [tenant_id]
+        covered = range_head(tenant_id)
         with connection.cursor() as cursor:
+            # The month's unsealed events; the highest seal number (older seals) and the
+            # highest id a range seal holds (whose seal is the last to go with the month).
             cursor.execute(
-                f"SELECT count(*) FILTER (WHERE seal IS NULL), max(seal) FROM {part.name} WHERE {where}",  # nosec B608
-                args,
+                f"SELECT count(*) FILTER (WHERE seal IS NULL AND id > %s), max(seal), "  # nosec B608
+                f"max(id) FILTER (WHERE seal IS NULL) FROM {part.name} WHERE {where}",  # nosec B608
+                [covered, *args],
             )
-            unsealed, last_seq = cursor.fetchone()
+            unsealed, last_seq, last_ranged = cursor.fetchone()
         if unsealed:
             return None  # written after the sealing just now: next run
+        if last_ranged is not None:
+            holder = (
+                AuditSeal.objects.filter(_tenant_q(tenant_id), by_range=True, last_event_id__gte=last_ranged)
+                .order_by("last_event_id")
+                .values_list("seq", flat=True)
+                .first()
+            )
+            last_seq = max(last_seq or 0, holder or 0)
         seals = AuditSeal.objects.filter(_tenant_q(tenant_id), purged_at__isnull=True, seq__lte=last_seq or 0)
-        bounds = seals.order_by("seq").values_list("seq", "first_event_id", "last_event_id", "count")
+        bounds = seals.order_by("seq").values_list("seq", "first_event_id", "last_event_id", "count", "by_range")
         bounds = list(bounds)
         if not bounds:
             continue
         first_seq, first_id = bounds[0][0], min(b[1] for b in bounds)
         last_id = max(b[2] for b in bounds)
+        ranged_last = max((b[2] for b in bounds if b[4]), default=0)
         # Those seals' events outside this month (a seal crossing into the next month) go too:
         # they must be past the chain's retention as well.
         with connection.cursor() as cursor:
             cursor.execute(
-                f"SELECT max(occurred_at) FROM {table} WHERE {where} AND seal BETWEEN %s AND %s "  # nosec B608
+                f"SELECT max(occurred_at) FROM {table} WHERE {where} AND {_PLAN_MEMBERS} "  # nosec B608
                 "AND id BETWEEN %s AND %s AND occurred_at >= %s",
-                [*args, first_seq, last_seq, first_id, last_id, part.upper],
+                [*args, first_seq, last_seq, ranged_last, first_id, last_id, part.upper],
             )
             (newest,) = cursor.fetchone()
         if newest is not None and newest >= _retention_cutoff_of(tenant_id, tenants, now):
             return None
-        plan[tenant_id] = (first_seq, last_seq, first_id, last_id, sum(b[3] for b in bounds))
+        plan[tenant_id] = (first_seq, last_seq, first_id, last_id, ranged_last, sum(b[3] for b in bounds))
     return plan
+
+
+# The events of a plan's seals first_seq..last_seq: older seals' by number, range seals' by id
+# (no seal number, at most the last id a range seal of the plan holds: every range seal before
+# the plan's is purged, so its events are gone).
+_PLAN_MEMBERS = "(seal BETWEEN %s AND %s OR (seal IS NULL AND id <= %s))"
+
+
+def _has_unsealed(partition: str) -> bool:
+    """Whether the partition holds an event no seal holds: per chain, one probe of its tail on
+    ``audit_unsealed`` (the partition is locked: nothing arrives meanwhile)."""
+    with connection.cursor() as cursor:
+        for tenant_id in _chain_ids():
+            where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
+            cursor.execute(
+                f"SELECT EXISTS (SELECT 1 FROM {partition} WHERE {where} AND seal IS NULL AND id > %s)",  # nosec B608
+                [*([] if tenant_id is None else [tenant_id]), range_head(tenant_id)],
+            )
+            if cursor.fetchone()[0]:
+                return True
+    return False
 
 
 def audit_partitions_drop(*, now=None) -> list[str]:
@@ -743,18 +862,17 @@ def audit_partitions_drop(*, now=None) -> list[str]:
             for tenant_id in sorted(plan, key=lambda t: t or 0):
                 _lock_chain(tenant_id)
             cursor.execute(f"LOCK TABLE {part.name} IN ACCESS EXCLUSIVE MODE")
-            cursor.execute(f"SELECT EXISTS (SELECT 1 FROM {part.name} WHERE seal IS NULL)")  # nosec B608
-            if cursor.fetchone()[0]:
+            if _has_unsealed(part.name):
                 break  # an event arrived with a past date since the plan: next run
-            for tenant_id, (first_seq, last_seq, first_id, last_id, _n) in plan.items():
+            for tenant_id, (first_seq, last_seq, first_id, last_id, ranged_last, _n) in plan.items():
                 where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
                 args = [] if tenant_id is None else [tenant_id]
                 _checkpoint(tenant_id=tenant_id, reason=AuditCheckpoint.Reason.PURGE, purged_through=last_seq)
                 lower = part.lower or datetime.min.replace(tzinfo=UTC)
                 cursor.execute(
-                    f"DELETE FROM {table} WHERE {where} AND seal BETWEEN %s AND %s "  # nosec B608
+                    f"DELETE FROM {table} WHERE {where} AND {_PLAN_MEMBERS} "  # nosec B608
                     "AND id BETWEEN %s AND %s AND (occurred_at < %s OR occurred_at >= %s)",
-                    [*args, first_seq, last_seq, first_id, last_id, lower, part.upper],
+                    [*args, first_seq, last_seq, ranged_last, first_id, last_id, lower, part.upper],
                 )
                 cursor.execute(
                     f"UPDATE {seals_table} SET purged_at = %s WHERE {where} "  # nosec B608
@@ -767,7 +885,7 @@ def audit_partitions_drop(*, now=None) -> list[str]:
             cursor.execute("SET LOCAL lock_timeout = '5s'")
             cursor.execute(f"DROP TABLE {part.name}")
         dropped.append(part.name)
-        for tenant_id, (_f, last_seq, _fi, _li, events) in plan.items():
+        for tenant_id, (_f, last_seq, _fi, _li, _rl, events) in plan.items():
             tenant = tenants.get(tenant_id)
             with audited_operation(tenant=tenant, actor=Actor.system(job=SYSTEM_AUDIT_JOB), action="audit.purge") as op:
                 op.record(count=events, detail={"through_seal": last_seq, "partition": part.name})
@@ -796,6 +914,10 @@ def audit_event_list(
             qs = qs.filter(pk__lt=before)
         with replica_reads():  # the review of the log may lag it by the replica's delay
             rows = list(qs[: limit + 1])
+            numbers = seal_numbers(tenant.pk, [r.pk for r in rows if r.seal is None])
+        for row in rows:
+            if row.seal is None:
+                row.seal = numbers.get(row.pk)  # shown, never saved (events are append-only)
         next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
         rows = rows[:limit]
         op.record(subject=filters.subject or "", count=len(rows), detail=filters.as_detail())

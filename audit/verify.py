@@ -1,10 +1,12 @@
 """Verifying the audit chain (``manage.py audit_verify``). Read-only.
 
 For one tenant's chain: every seal links to the previous one and its hash is right; every
-event of an unpurged seal matches its digest (else it was edited), its chain value follows
-from the event before it (else an event was removed, inserted or reordered), and each
-seal holds exactly the events it says; events claiming a seal that does not exist, copied
-events (a uid twice) and forged purge records are found too. Unsealed events (the last
+event of an unpurged seal matches its digest (else it was edited), the chain recomputed over
+the seal's events in id order gives the seal's hash (else an event was removed, inserted or
+reordered — seals made before audit migration 0011 also stored each event's chain value, so
+there the break is named at its event), and each seal holds exactly the events it says;
+events in no seal's range, events claiming a seal that does not exist, copied events (a uid
+twice) and forged purge records are found too. Unsealed events (the last
 minute or so) are checked against their digests. A checkpoint kept outside the database
 catches a cut-off tail: its seal must still be in the chain with the same hash.
 
@@ -14,13 +16,14 @@ seven HMACs per event.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from django.db.models import Count, Q
 
 from audit import chain
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
-from audit.services import event_fields
+from audit.services import event_fields, seal_events_q
 
 _COLUMNS = ("id", "digest", "chain", "seal", "redacted", *chain.DIGEST_FIELDS)
 
@@ -92,6 +95,7 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
     expected_seq = 1
     seals = AuditSeal.objects.filter(_tenant_q(tenant_id)).order_by("seq")
     by_seq: dict[int, str] = {}
+    ranged = RangedEvents(tenant_id)
 
     def problem(p: Problem) -> bool:
         result.problems.append(p)
@@ -109,30 +113,40 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
             if problem(Problem("does not link to the previous seal", seal=seal.seq)):
                 return result
         prev_hash = seal.hash
+        if seal.by_range:
+            # Events with no seal number below this range lie in no seal: inserted.
+            for row in ranged.before(seal.first_event_id):
+                if problem(Problem("lies outside every seal's range", event_id=row["id"])):
+                    return result
         if seal.purged_at is not None:
             result.purged_seals += 1
+            if seal.by_range:
+                ranged.skip_through(seal.last_event_id)  # leftovers of a purge are not events of the chain
             if seal.seq > purged_allowed:
                 if problem(Problem("is marked purged but no purge checkpoint covers it", seal=seal.seq)):
                     return result
             continue
+        if seal.by_range:
+            events = ranged.through(seal.last_event_id)
+        else:
+            events = (
+                AuditEvent.objects.filter(_tenant_q(tenant_id), seal_events_q(seal))
+                .order_by("id")
+                .values(*_COLUMNS)
+                .iterator(chunk_size=5000)
+            )
         value = seal.prev_hash
         count = 0
         last_id = None
-        events = (
-            AuditEvent.objects.filter(
-                _tenant_q(tenant_id), seal=seal.seq, id__gte=seal.first_event_id, id__lte=seal.last_event_id
-            )
-            .order_by("id")
-            .values(*_COLUMNS)
-        )
-        for row in events.iterator(chunk_size=5000):
+        for row in events:
             result.events += 1
             count += 1
             edited = _check_event(row)
             if edited and problem(Problem(edited, event_id=row["id"], seal=seal.seq)):
                 return result
             value = chain.link(value, row["id"], row["digest"])
-            if value != row["chain"]:
+            # Older seals stored each event's chain value: a break is named at its event.
+            if not seal.by_range and value != row["chain"]:
                 message = "its chain value is wrong: an event before it was removed, inserted or reordered"
                 if problem(Problem(message, event_id=row["id"], seal=seal.seq)):
                     return result
@@ -153,15 +167,18 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
             last_chain=value,
         )
         if expected != seal.hash:
-            if problem(Problem("its hash does not match its events", seal=seal.seq)):
+            message = "its hash does not match its events: one was removed, inserted, reordered or its id changed"
+            if problem(Problem(message, seal=seal.seq)):
                 return result
 
-    # Events outside every seal's range, or claiming a seal that does not exist.
-    head_seq = result.head.seq if result.head else 0
-    stray = AuditEvent.objects.filter(_tenant_q(tenant_id), seal__gt=head_seq).order_by("id").first()
+    # Events claiming a seal number no older seal has (range seals number no event), or
+    # outside their (older) seal's range.
+    older_head = seals.filter(by_range=False).order_by("-seq").values_list("seq", flat=True).first() or 0
+    stray = AuditEvent.objects.filter(_tenant_q(tenant_id), seal__gt=older_head).order_by("id").first()
     if stray is not None and problem(Problem(f"claims seal {stray.seal}, which does not exist", event_id=stray.id)):
         return result
-    for seal in seals.filter(purged_at__isnull=True).only("seq", "first_event_id", "last_event_id"):
+    older = seals.filter(purged_at__isnull=True, by_range=False).only("seq", "first_event_id", "last_event_id")
+    for seal in older:
         outside = (
             AuditEvent.objects.filter(_tenant_q(tenant_id), seal=seal.seq)
             .filter(Q(id__lt=seal.first_event_id) | Q(id__gt=seal.last_event_id))
@@ -183,8 +200,8 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
         if problem(Problem("is a copy of another event (same uid)", event_id=first_copy.id if first_copy else None)):
             return result
 
-    unsealed = AuditEvent.objects.filter(_tenant_q(tenant_id), seal__isnull=True).order_by("id").values(*_COLUMNS)
-    for row in unsealed.iterator(chunk_size=5000):
+    # The unsealed tail: above the last range seal, no seal number.
+    for row in ranged.rest():
         result.unsealed += 1
         edited = _check_event(row)
         if edited and problem(Problem(edited, event_id=row["id"])):
@@ -193,6 +210,50 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
     if checkpoint is not None:
         _check_checkpoint(checkpoint, by_seq, result)
     return result
+
+
+class RangedEvents:
+    """The tenant's events with no seal number (range seals' and the unsealed tail), in id
+    order, read in keyset pages of PAGE rows (constant memory, no cursor held open, also
+    through PgBouncer): range seals hold consecutive id ranges of them, so the walk takes
+    each seal's share in turn."""
+
+    PAGE = 5000
+
+    def __init__(self, tenant_id: int | None):
+        self._query = AuditEvent.objects.filter(_tenant_q(tenant_id), seal__isnull=True).order_by("id")
+        self._page: list[dict] = []
+        self._at = 0
+        self._after: int | None = None  # no lower bound: a forged negative id is read too
+        self._done = False
+
+    def _peek(self) -> dict | None:
+        if self._at == len(self._page) and not self._done:
+            page = self._query if self._after is None else self._query.filter(pk__gt=self._after)
+            self._page = list(page.values(*_COLUMNS)[: self.PAGE])
+            self._at = 0
+            self._done = len(self._page) < self.PAGE
+            if self._page:
+                self._after = self._page[-1]["id"]
+        return self._page[self._at] if self._at < len(self._page) else None
+
+    def _take_while(self, keep) -> Iterator[dict]:
+        while (row := self._peek()) is not None and keep(row["id"]):
+            self._at += 1
+            yield row
+
+    def before(self, event_id: int) -> Iterator[dict]:
+        return self._take_while(lambda i: i < event_id)
+
+    def through(self, event_id: int) -> Iterator[dict]:
+        return self._take_while(lambda i: i <= event_id)
+
+    def skip_through(self, event_id: int) -> None:
+        for _row in self.through(event_id):
+            pass
+
+    def rest(self) -> Iterator[dict]:
+        return self._take_while(lambda i: True)
 
 
 def _check_checkpoint(checkpoint: dict, by_seq: dict[int, str], result: VerifyResult) -> None:

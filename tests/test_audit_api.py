@@ -11,8 +11,10 @@ from asgiref.sync import async_to_sync
 from django.utils import timezone
 
 from audit.exports import audit_export_response
-from audit.models import AuditEvent
+from audit.models import AuditEvent, AuditSeal
+from audit.seals import unsealed_q
 from audit.selectors import AuditFilters
+from audit.services import audit_record, audit_seal
 from tests.helpers import rest_error
 from zeromem.kernel.actors import Actor
 
@@ -206,5 +208,22 @@ def test_checkpoint_endpoint_seals_and_returns_the_head(log, tenant_a):
     assert r.status_code == 201, r.content
     body = r.json()
     assert body["tenant"] == tenant_a.slug and body["seal"] >= 1
-    assert body["events"] == AuditEvent.objects.filter(tenant=tenant_a, seal__isnull=False).count()
-    assert not AuditEvent.objects.filter(tenant=tenant_a, seal__isnull=True).exclude(action="audit.checkpoint").exists()
+    assert body["events"] == AuditEvent.objects.filter(tenant=tenant_a).exclude(unsealed_q(tenant_a.pk)).count()
+    assert not AuditEvent.objects.filter(unsealed_q(tenant_a.pk)).exclude(action="audit.checkpoint").exists()
+
+
+def test_the_list_and_exports_show_each_events_seal_number(log, tenant_a):
+    # Range seals write nothing to the events: the number shown comes from the seals' ranges.
+    audit_seal(tenant_id=tenant_a.pk, batch_size=5)
+    seals = list(AuditSeal.objects.filter(tenant=tenant_a).order_by("seq"))
+    assert len(seals) >= 2 and all(s.by_range for s in seals)
+    unsealed = audit_record(tenant=tenant_a, actor=Actor.system(job="t"), action="memory.read", outcome="ok")
+
+    def expected(event_id):
+        return next((s.seq for s in seals if s.first_event_id <= event_id <= s.last_event_id), None)
+
+    listed = events(log, limit=200)["results"]
+    assert {e["id"]: e["seal"] for e in listed} == {e["id"]: expected(e["id"]) for e in listed}
+    assert {e["seal"] for e in listed} >= {1, 2, None} and expected(unsealed) is None
+    lines = [json.loads(line) for line in stream(log.get(EXPORT, {"format": "jsonl"})).splitlines()]
+    assert {e["id"]: e["seal"] for e in lines} == {e["id"]: expected(e["id"]) for e in lines}

@@ -7,7 +7,9 @@ with triggers switched off, as a superuser can)."""
 
 import io
 import json
+import random
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -17,6 +19,7 @@ from django.utils import timezone
 
 from audit import chain
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
+from audit.seals import seal_numbers, unsealed_q
 from audit.services import (
     audit_checkpoint_create,
     audit_purge,
@@ -25,7 +28,7 @@ from audit.services import (
     audit_seal,
     event_fields,
 )
-from audit.verify import audit_verify
+from audit.verify import RangedEvents, audit_verify
 from memories import services
 from tests.factories import SYSTEM, make_tenant
 from zeromem.kernel.actors import Actor
@@ -62,9 +65,13 @@ def activity(tenant, n=12, user="u1"):
 
 
 def sealed_ids(tenant):
-    return list(
-        AuditEvent.objects.filter(tenant=tenant, seal__isnull=False).order_by("id").values_list("id", flat=True)
-    )
+    """The ids of the tenant's events a seal holds (range seals: nothing marks the events)."""
+    unsealed = unsealed_q(tenant.pk)
+    return list(AuditEvent.objects.filter(tenant=tenant).exclude(unsealed).order_by("id").values_list("id", flat=True))
+
+
+def first_id_of(tenant, seq):
+    return AuditSeal.objects.get(tenant=tenant, seq=seq).first_event_id
 
 
 def first_problem(tenant, **kwargs):
@@ -96,41 +103,120 @@ def test_sealed_chains_verify_per_tenant(chained, tenant_b):
 
 def test_recording_an_event_needs_no_chain_lock_and_later_events_go_to_the_next_seal(chained):
     services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")
-    assert AuditEvent.objects.filter(tenant=chained, seal__isnull=True).count() == 1
+    assert AuditEvent.objects.filter(unsealed_q(chained.pk)).count() == 1
     assert audit_verify(tenant_id=chained.pk).unsealed == 1
     audit_seal(tenant_id=chained.pk)
     assert AuditSeal.objects.filter(tenant=chained).order_by("-seq").first().count == 1
     assert audit_verify(tenant_id=chained.pk).ok
 
 
+def _slow_request(tenant, started, release):
+    """A request whose transaction holds an event (a lower id) uncommitted until released."""
+    with transaction.atomic():
+        audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target="user:u1:slow")
+        started.set()
+        release.wait(10)
+    connection.close()
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-def test_an_event_committed_after_later_ones_were_sealed_lands_in_the_next_seal():
-    # Recording takes no chain lock, so a slow transaction can commit its event after
-    # events with higher ids were sealed: it must land in the next seal, not break the chain.
+def test_sealing_never_passes_an_event_that_may_still_commit(settings):
+    # Recording takes no chain lock, so a slow transaction can commit its event after events
+    # with higher ids committed. A range seal would never see it: the sealing job seals only
+    # below a horizon that every open writer has passed, so nothing is sealed meanwhile.
+    settings.ZEROMEM_AUDIT_SEAL_WAIT = 0.3
     tenant = make_tenant("latecomer")
     started, release = threading.Event(), threading.Event()
-
-    def slow_request():
-        with transaction.atomic():
-            audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target="user:u1:slow")
-            started.set()
-            release.wait(10)
-        connection.close()
-
-    thread = threading.Thread(target=slow_request)
+    thread = threading.Thread(target=_slow_request, args=(tenant, started, release))
     thread.start()
     assert started.wait(10)
     for i in range(3):
         audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target=f"user:u1:fast{i}")
-    audit_seal(tenant_id=tenant.pk)
+    assert audit_seal(tenant_id=tenant.pk) == 0  # the slow one is still open: no seal yet
+    assert not AuditSeal.objects.filter(tenant=tenant).exists()
     release.set()
     thread.join(10)
-    audit_seal(tenant_id=tenant.pk)
+    assert audit_seal(tenant_id=tenant.pk) == 5  # with tenant.create, in id order
 
     slow = AuditEvent.objects.get(target="user:u1:slow")
     fast = AuditEvent.objects.filter(target__startswith="user:u1:fast").order_by("id")
-    assert slow.pk < fast[0].pk and slow.seal == fast[0].seal + 1
+    assert slow.pk < fast[0].pk
+    assert seal_numbers(tenant.pk, [slow.pk, fast[0].pk]) == {slow.pk: 1, fast[0].pk: 1}
+    assert audit_verify(tenant_id=tenant.pk).ok
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_every_event_lands_in_exactly_one_seal_while_writers_commit_out_of_id_order():
+    # Writers hold their events uncommitted for random times (commits out of id order) while
+    # the sealing job runs again and again: at the end every event is in exactly one seal.
+    tenant = make_tenant("racing")
+    stop = threading.Event()
+    written = []
+
+    def writer(n):
+        rng = random.Random(n)
+        try:
+            for i in range(15):
+                with transaction.atomic():
+                    for j in range(rng.randint(1, 2)):
+                        target = f"user:u{n}:k{i}.{j}"
+                        written.append(
+                            audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target=target)
+                        )
+                        time.sleep(rng.random() * 0.02)
+        finally:
+            connection.close()
+
+    writers = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for w in writers:
+        w.start()
+    sealed = 0
+    while any(w.is_alive() for w in writers):
+        sealed += audit_seal(tenant_id=tenant.pk, batch_size=7)
+    for w in writers:
+        w.join(10)
+    sealed += audit_seal(tenant_id=tenant.pk, batch_size=7)
+    stop.set()
+    result = audit_verify(tenant_id=tenant.pk)
+    assert result.ok, result.problems
+    total = AuditEvent.objects.filter(tenant=tenant).count()
+    assert sealed == total == len(written) + 1 and result.unsealed == 0  # with tenant.create
+    assert sum(AuditSeal.objects.filter(tenant=tenant).values_list("count", flat=True)) == total
+    assert len(seal_numbers(tenant.pk, written)) == len(written)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_sealing_waits_for_an_open_writer_and_not_for_an_idle_reader():
+    tenant = make_tenant("waiter")
+    for i in range(2):
+        audit_record(tenant=tenant, actor=AGENT, action="memory.read", outcome="ok", target=f"user:u1:k{i}")
+    reader_in, reader_out = threading.Event(), threading.Event()
+
+    def idle_reader():  # a transaction that has read and written nothing holds no event id
+        with transaction.atomic():
+            AuditEvent.objects.filter(tenant=tenant).count()
+            reader_in.set()
+            reader_out.wait(10)
+        connection.close()
+
+    reader = threading.Thread(target=idle_reader)
+    reader.start()
+    assert reader_in.wait(10)
+    started, release = threading.Event(), threading.Event()
+    writer = threading.Thread(target=_slow_request, args=(tenant, started, release))
+    writer.start()
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()  # the writer commits while the sealer waits
+    try:
+        assert audit_seal(tenant_id=tenant.pk) == 4  # tenant.create, two reads, the slow one
+    finally:
+        release.set()
+        reader_out.set()
+        writer.join(10)
+        reader.join(10)
     assert audit_verify(tenant_id=tenant.pk).ok
 
 
@@ -147,16 +233,16 @@ def test_editing_any_field_of_a_sealed_event_names_that_event(chained):
 
 def test_editing_an_unsealed_event_is_detected_too(chained):
     services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")
-    victim = AuditEvent.objects.filter(tenant=chained, seal__isnull=True).get().pk
+    victim = AuditEvent.objects.filter(unsealed_q(chained.pk)).get().pk
     raw(f"UPDATE {TABLE} SET actor_label = 'someone else' WHERE id = %s", [victim])
     assert first_problem(chained).event_id == victim
 
 
-def test_deleting_an_event_names_the_event_after_the_gap(chained):
+def test_deleting_an_event_names_its_seal(chained):
     ids = sealed_ids(chained)
-    raw(f"DELETE FROM {TABLE} WHERE id = %s", [ids[5]])
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [ids[5]])  # in seal 2
     problem = first_problem(chained)
-    assert problem.event_id == ids[6] and "removed, inserted or reordered" in problem.message
+    assert problem.seal == 2 and "holds 3 events, the seal says 4" in problem.message
 
 
 def test_deleting_the_last_event_of_a_seal_names_it(chained):
@@ -172,7 +258,7 @@ FORGED = f"""INSERT INTO {TABLE} (id, uid, tenant_id, occurred_at, actor_kind, a
             '', NULL, NULL, '{{}}', %s, %s, %s, '{{}}')"""
 
 
-@pytest.mark.parametrize("seal", [2, None], ids=["into a seal", "into the unsealed tail"])
+@pytest.mark.parametrize("seal", [2, None], ids=["claiming a seal number", "into the unsealed tail"])
 def test_inserting_a_forged_event_names_it(chained, seal):
     forged_id = sealed_ids(chained)[-1] + 1000
     uid = "6f1c2a1e-0000-4000-8000-000000000001"
@@ -189,14 +275,39 @@ def test_inserting_a_copy_of_a_genuine_event_is_detected(chained):
     assert "copy" in problem.message and problem.event_id > ids[-1]
 
 
-def test_reordering_two_events_names_the_first_of_them(chained):
+def test_reordering_two_events_names_their_seal(chained):
     ids = sealed_ids(chained)
     a, b = ids[4], ids[5]
     raw(f"UPDATE {TABLE} SET id = -1 WHERE id = %s", [a])
     raw(f"UPDATE {TABLE} SET id = %s WHERE id = %s", [a, b])
     raw(f"UPDATE {TABLE} SET id = %s WHERE id = -1", [b])
     problem = first_problem(chained)
-    assert problem.event_id == a and "reordered" in problem.message
+    assert problem.seal == 2 and "reordered" in problem.message
+
+
+def test_a_forged_event_between_two_seals_ranges_is_named(chained, tenant_b):
+    # tenant B's events lie between tenant A's seal 4 and the next: forge one of A's there.
+    gap = AuditEvent.objects.filter(tenant=tenant_b).order_by("-id").values_list("id", flat=True).first()
+    services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")
+    audit_seal(tenant_id=chained.pk)  # seal 5 starts after tenant B's ids
+    # A genuine event of A copied under that free id: its digest verifies (ids are not in it).
+    columns = "uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label, surface, action, target, subject, "
+    columns += "outcome, request_id, client_ip, count, version, detail, digest, redacted, chain"
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [gap])
+    raw(
+        f"INSERT INTO {TABLE} (id, {columns}) SELECT %s, {columns} FROM {TABLE} WHERE id = %s",
+        [gap, sealed_ids(chained)[3]],
+    )
+    problem = first_problem(chained)
+    assert problem.event_id == gap and "outside every seal" in problem.message
+
+
+def test_verify_reads_range_seals_events_in_pages(chained, monkeypatch):
+    monkeypatch.setattr(RangedEvents, "PAGE", 2)  # pages end inside and between seals
+    result = audit_verify(tenant_id=chained.pk)
+    assert result.ok and (result.events, result.seals) == (15, 4)
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [sealed_ids(chained)[9]])  # in seal 3
+    assert first_problem(chained).seal == 3
 
 
 def test_editing_a_seal_is_detected(chained):
@@ -206,15 +317,16 @@ def test_editing_a_seal_is_detected(chained):
 
 def test_cutting_off_the_tail_is_detected_against_a_kept_checkpoint(chained):
     kept = services_checkpoint(chained)
-    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND seal = 4", [chained.pk])
-    raw(f"DELETE FROM {SEALS} WHERE tenant_id = %s AND seq = 4", [chained.pk])
+    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND id >= %s", [chained.pk, first_id_of(chained, 4)])
+    raw(f"DELETE FROM {SEALS} WHERE tenant_id = %s AND seq >= 4", [chained.pk])
     assert audit_verify(tenant_id=chained.pk).ok  # a clean cut looks like a shorter chain...
     problem = first_problem(chained, checkpoint=kept)  # ...until compared with what was kept
     assert "cut off" in problem.message
 
 
 def test_faking_a_purge_to_excuse_deleted_events_is_detected(chained):
-    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND seal = 2", [chained.pk])
+    seal = AuditSeal.objects.get(tenant=chained, seq=2)
+    raw(f"DELETE FROM {TABLE} WHERE id BETWEEN %s AND %s", [seal.first_event_id, seal.last_event_id])
     raw(f"UPDATE {SEALS} SET purged_at = %s WHERE tenant_id = %s AND seq = 2", [timezone.now(), chained.pk])
     assert "no purge checkpoint" in first_problem(chained).message
     raw(
@@ -252,7 +364,7 @@ def test_checkpoint_command_output_detects_a_cut_tail(chained, tmp_path):
     assert kept["tenant"] == chained.slug and kept["events"] == 15 and kept["seal"] == 4
     assert AuditEvent.objects.filter(tenant=chained, action="audit.checkpoint").count() == 1
     call_command("audit_verify", "--tenant", chained.slug, "--checkpoint", str(path), stdout=io.StringIO())
-    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND seal >= 3", [chained.pk])
+    raw(f"DELETE FROM {TABLE} WHERE tenant_id = %s AND id >= %s", [chained.pk, first_id_of(chained, 3)])
     raw(f"DELETE FROM {SEALS} WHERE tenant_id = %s AND seq >= 3", [chained.pk])
     with pytest.raises(CommandError):
         call_command(
@@ -352,7 +464,8 @@ def test_redacting_a_subject_replaces_its_identifiers_and_the_chain_still_verifi
 
 def test_a_redacted_field_edited_afterwards_is_still_detected(chained):
     audit_redact_subject(tenant=chained, subject="u1")
-    victim = AuditEvent.objects.filter(tenant=chained, target__startswith="redacted:", seal__isnull=False).first()
+    sealed = sealed_ids(chained)
+    victim = AuditEvent.objects.filter(tenant=chained, target__startswith="redacted:", pk__in=sealed).first()
     raw(f"UPDATE {TABLE} SET redacted = %s WHERE id = %s", [json.dumps({"target": "0" * 64}), victim.pk])
     assert first_problem(chained).event_id == victim.pk
 
@@ -371,7 +484,7 @@ def test_purge_removes_old_sealed_batches_after_a_checkpoint_and_the_rest_verifi
     result = audit_purge(tenant=chained, now=now)
 
     assert result == {"events": 8, "seals": 2, "through": 2}  # seal 3 has a recent event: kept whole
-    assert AuditEvent.objects.filter(tenant=chained, seal__lte=2).count() == 0
+    assert AuditEvent.objects.filter(tenant=chained, pk__lt=first_id_of(chained, 3)).count() == 0
     checkpoint = AuditCheckpoint.objects.get(tenant=chained, reason="purge")
     assert checkpoint.purged_through == 2
     event = AuditEvent.objects.get(tenant=chained, action="audit.purge")
@@ -396,3 +509,108 @@ def _refresh_digests(tenant, ids):
     for row in AuditEvent.objects.filter(pk__in=ids).values("id", *chain.DIGEST_FIELDS):
         raw(f"UPDATE {TABLE} SET digest = %s WHERE id = %s", [chain.digest(event_fields(row)), row["id"]])
     audit_seal(tenant_id=tenant.pk, batch_size=4)
+
+
+# --- seals made before range seals (audit migration 0011) ---------------------------------
+
+
+def _seal_the_old_way(tenant, events):
+    """A seal as the job made them before audit migration 0011: each event's seal number and
+    chain value written into its row (in the ``seal`` maintenance mode), ``by_range`` false."""
+    head = AuditSeal.objects.filter(tenant=tenant).order_by("-seq").first()
+    seq, prev_hash = (head.seq + 1, head.hash) if head else (1, chain.genesis(tenant.pk))
+    value = prev_hash
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'seal', true)")
+        for event in sorted(events, key=lambda e: e.pk):
+            value = chain.link(value, event.pk, event.digest)
+            cursor.execute(f"UPDATE {TABLE} SET seal = %s, chain = %s WHERE id = %s", [seq, value, event.pk])
+        total = (head.total if head else 0) + len(events)
+        first, last = min(e.pk for e in events), max(e.pk for e in events)
+        AuditSeal.objects.create(
+            tenant=tenant,
+            seq=seq,
+            first_event_id=first,
+            last_event_id=last,
+            count=len(events),
+            total=total,
+            prev_hash=prev_hash,
+            hash=chain.seal_hash(
+                prev_hash=prev_hash,
+                tenant_id=tenant.pk,
+                seq=seq,
+                first=first,
+                last=last,
+                count=len(events),
+                total=total,
+                last_chain=value,
+            ),
+        )
+
+
+@pytest.fixture
+def upgraded(tenant_a):
+    """Tenant A's log across the upgrade: seal 1 made the old way (tenant.create and reads 1,
+    2 and 4 — read 3 committed late, after read 4 was sealed), then reads 5 and 6; the range
+    seal that follows holds read 3 (below seal 1's last id), 5 and 6."""
+    ids = [
+        audit_record(tenant=tenant_a, actor=AGENT, action="memory.read", outcome="ok", target=f"user:u1:k{i}")
+        for i in range(1, 7)
+    ]
+    events = {e.pk: e for e in AuditEvent.objects.filter(tenant=tenant_a)}
+    _seal_the_old_way(tenant_a, [e for pk, e in events.items() if pk not in (ids[2], ids[4], ids[5])])
+    assert audit_seal(tenant_id=tenant_a.pk) == 3
+    return tenant_a, ids
+
+
+def test_a_chain_of_old_seals_then_range_seals_verifies_and_shows_each_events_seal(upgraded):
+    tenant, ids = upgraded
+    seals = list(AuditSeal.objects.filter(tenant=tenant).order_by("seq"))
+    assert [(s.by_range, s.count, s.first_event_id) for s in seals] == [
+        (False, 4, seals[0].first_event_id),
+        (True, 3, ids[2]),
+    ]
+    result = audit_verify(tenant_id=tenant.pk)
+    assert result.ok, result.problems
+    assert (result.events, result.seals, result.unsealed) == (7, 2, 0)
+    assert seal_numbers(tenant.pk, [ids[2], ids[4], ids[5]]) == {ids[2]: 2, ids[4]: 2, ids[5]: 2}
+    assert AuditEvent.objects.get(pk=ids[3]).seal == 1  # the old seal's own number stays on its events
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["an old seal's event", "a range seal's late event"])
+def test_deleting_an_event_on_either_side_of_the_upgrade_is_detected(upgraded, victim):
+    tenant, ids = upgraded
+    raw(f"DELETE FROM {TABLE} WHERE id = %s", [ids[victim]])
+    assert first_problem(tenant).seal == (1 if victim == 1 else 2)
+
+
+def test_purge_and_daily_counts_across_the_upgrade(upgraded):
+    tenant, _ids = upgraded
+    from audit import daily
+
+    today = timezone.now().date()
+    assert daily.counts(tenant.pk, since=today)["reads"] == {today: 6}
+    result = audit_purge(tenant=tenant, now=timezone.now() + timedelta(days=10_000))
+    assert result == {"events": 7, "seals": 2, "through": 2}
+    assert AuditEvent.objects.filter(tenant=tenant).exclude(action="audit.purge").count() == 0
+    assert audit_verify(tenant_id=tenant.pk).ok
+    assert daily.counts(tenant.pk, since=today)["reads"] == {today: 6}  # folded counts outlive the events
+
+
+@pytest.mark.postgres
+def test_postgresql_lets_the_purge_mode_delete_only_sealed_events(chained):
+    services.memory_read(tenant=chained, actor=AGENT, key="user:u1:k1")  # unsealed
+    unsealed = AuditEvent.objects.filter(unsealed_q(chained.pk)).get().pk
+    sealed = sealed_ids(chained)[0]
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
+        cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [unsealed])
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
+        cursor.execute(f"DELETE FROM {TABLE} WHERE id = %s", [sealed])
+        assert cursor.rowcount == 1
+        transaction.set_rollback(True)
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
+        cursor.execute(f"UPDATE {SEALS} SET by_range = false WHERE tenant_id = %s AND seq = 1", [chained.pk])

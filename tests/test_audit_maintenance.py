@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from audit import services as audit_services
 from audit.models import AuditEvent
+from audit.seals import unsealed_q
 from memories.models import ApiKey, Membership, Tenant
 from tests.factories import write
 
@@ -21,7 +22,9 @@ def events(api, tenant_a, tenant_b):
     """Events in tenant A, tenant B and none (a failed authentication, aggregated)."""
     write(tenant_a, "user:u1:a", "x")
     write(tenant_b, "user:u1:a", "x")
-    with audit_services.audited_operation(tenant=None, actor=audit_services.Actor.system(job="t"), action="auth.failed") as op:
+    with audit_services.audited_operation(
+        tenant=None, actor=audit_services.Actor.system(job="t"), action="auth.failed"
+    ) as op:
         op.record(outcome="denied", count=3)
     return tenant_a, tenant_b
 
@@ -33,10 +36,11 @@ def verify(*args) -> list[dict]:
 
 
 def test_seal_all_seals_every_tenant_and_the_tenant_less_events(events):
-    assert AuditEvent.objects.filter(tenant__isnull=True, seal__isnull=True).exists()
+    assert AuditEvent.objects.filter(unsealed_q(None)).exists()
+    assert audit_services.audit_unsealed_count() == AuditEvent.objects.count()
     sealed = audit_services.audit_seal_all()
     assert set(sealed) >= {events[0].pk, events[1].pk, None} and all(n > 0 for n in sealed.values())
-    assert not AuditEvent.objects.filter(seal__isnull=True).exists()
+    assert audit_services.audit_unsealed_count() == 0
     assert all(chain["ok"] and chain["unsealed"] == 0 for chain in verify())
 
 

@@ -370,8 +370,11 @@ ZEROMEM_AUDIT_KEY_EXPLICIT = bool(env.str("ZEROMEM_AUDIT_KEY", default=""))
 # Audit events older than this are purged (whole sealed batches, after a checkpoint);
 # tenants may set their own (Tenant.audit_retention_days).
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)
-# Events per seal: the sealing job's batch (one transaction, one UPDATE statement).
+# Events per seal: the sealing job's batch (one transaction, one seal row).
 ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
+# PostgreSQL: how long a sealing run waits for the transactions that may still commit an event
+# below its horizon (audit.services._settled_horizon); past it, that run seals nothing new.
+ZEROMEM_AUDIT_SEAL_WAIT = env.float("ZEROMEM_AUDIT_SEAL_WAIT", default=5.0)
 # End-user portal (memories/portal/): how long a portal link stays valid before its first open, and
 # how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
 # is the origin links are built with; empty: the origin the API request came to.

@@ -3,8 +3,9 @@ folded from the audit log instead of being updated by every read.
 
 Every successful read already writes its audit event (``memory.read``, outcome ``ok``, the
 key as target) — durably, in the request. The sealing job (audit/services.py) puts each
-event into exactly one seal of its tenant, in commit order, so a seal number is a watermark
-that a late-committing event cannot slip under (an id or a timestamp could). The fold
+event into exactly one seal of its tenant, and only once every event with a lower id that
+will ever commit has committed (its settled horizon), so a seal number is a watermark that a
+late-committing event cannot slip under (an id or a timestamp alone could). The fold
 counts the reads in the seals after the tenant's watermark and moves the watermark in the
 same transaction: a crash or a concurrent run counts nothing twice and loses nothing. The
 counts lag the reads by up to the schedule's period (a minute) plus a run.
@@ -17,11 +18,12 @@ of the same key can land on the new memory — never on another key, never lost.
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import Count, F, Max, Min, Value
+from django.db.models import Count, F, Max, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from audit.models import AuditEvent, AuditSeal
+from audit.seals import seals_events_q
 from audit.services import audit_seal_all
 from memories.models import AccessCountFold, Memory
 
@@ -51,20 +53,20 @@ def _fold_tenant(tenant_id: int) -> int:
         AccessCountFold.objects.get_or_create(tenant_id=tenant_id)
         # The lock orders concurrent runs: the second sees the first one's watermark.
         mark = AccessCountFold.objects.select_for_update().get(tenant_id=tenant_id)
-        seals = AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=mark.seal).aggregate(
-            head=Max("seq"), low=Min("first_event_id"), high=Max("last_event_id")
+        seals = list(
+            AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=mark.seal).only(
+                "seq", "first_event_id", "last_event_id", "by_range"
+            )
         )
-        if seals["head"] is None:
+        if not seals:
             return 0
+        head = max(s.seq for s in seals)
         # Every event of a seal has an id within its seal's first..last (a seal takes its
         # events in id order), so the primary-key range bounds the scan.
         reads = (
             AuditEvent.objects.filter(
+                seals_events_q(seals),
                 tenant_id=tenant_id,
-                pk__gte=seals["low"],
-                pk__lte=seals["high"],
-                seal__gt=mark.seal,
-                seal__lte=seals["head"],
                 action=READ_ACTION,
                 outcome=AuditEvent.Outcome.OK,
             )
@@ -80,7 +82,7 @@ def _fold_tenant(tenant_id: int) -> int:
                 last_accessed_at=Greatest(Coalesce("last_accessed_at", Value(last)), Value(last)),
             )
             counted += n
-        mark.seal = seals["head"]
+        mark.seal = head
         mark.folded_at = timezone.now()
         mark.save(update_fields=["seal", "folded_at"])
         return counted

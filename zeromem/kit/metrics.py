@@ -179,7 +179,7 @@ class DatabaseCollector:
     def collect(self):
         from django_q.brokers import get_broker
 
-        from audit.models import AuditEvent
+        from audit.services import audit_unsealed_count
         from memories.models import ForgetRequest, Job
 
         now = timezone.now()
@@ -198,7 +198,7 @@ class DatabaseCollector:
             overdue.add_metric(
                 [], ForgetRequest.objects.exclude(status=ForgetRequest.Status.COMPLETED).filter(due_at__lte=now).count()
             )
-            unsealed.add_metric([], AuditEvent.objects.unsealed().count())
+            unsealed.add_metric([], audit_unsealed_count())
         except DatabaseError:
             return  # the database is down: /healthz says so; these gauges are left out
         yield from (queued, oldest, broker, overdue, unsealed)

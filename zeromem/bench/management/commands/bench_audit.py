@@ -4,7 +4,9 @@
    DRF, the service) with ``audit_record`` as shipped vs replaced by a no-op, interleaved
    call by call so noise hits both alike: p50/p99 and the ratio.
 2. **Seal and verify rates** — ``--events`` events with real digests are inserted for a
-   throw-away tenant, sealed (events/s) and verified (events/s).
+   throw-away tenant, sealed (events/s) and verified (events/s); with the WAL the sealing
+   wrote per event and what it added to the event table (heap + indexes, each measured after
+   a VACUUM of the event partitions): range seals write no event row, so both are ~0.
 3. **Streamed export** — ``--export-events`` events (default 1,000,000) exported as CSV
    through the production server (`serve`: granian WSGI) while the worker's resident memory is
    sampled: RSS before, peak and after, rows/s. Flat memory means the export streams.
@@ -166,9 +168,13 @@ class Command(BenchCommand):
         tenant = self._tenant("verify")
         insert_s = self._insert_events(tenant, count)
         self.log(f"inserted {count:,} events in {insert_s:.1f} s")
+        before = self._event_table_size()
+        wal = self._wal_lsn()
         t0 = time.perf_counter()
         sealed = audit_seal(tenant_id=tenant.pk)
         seal_s = time.perf_counter() - t0
+        wal = self._wal_lsn() - wal
+        after = self._event_table_size()
         t0 = time.perf_counter()
         result = audit_verify(tenant_id=tenant.pk)
         verify_s = time.perf_counter() - t0
@@ -181,7 +187,30 @@ class Command(BenchCommand):
             "seal_events_per_s": round(sealed / seal_s),
             "verify_seconds": round(verify_s, 2),
             "verify_events_per_s": round(result.events / verify_s),
+            "seal_wal_bytes_per_event": round(wal / max(sealed, 1), 1),
+            "table_bytes_before_seal": before,
+            "table_bytes_after_seal": after,
         }
+
+    @staticmethod
+    def _event_table_size() -> int:
+        """Heap + indexes of every event partition, after a VACUUM (dead rows' space counted)."""
+        table = AuditEvent._meta.db_table
+        with connection.cursor() as cursor:
+            # bandit B608 (marked): the model's own table name.
+            cursor.execute(f"VACUUM {table}")  # nosec B608
+            cursor.execute(
+                "SELECT coalesce(sum(pg_total_relation_size(inhrelid)), pg_total_relation_size(%s::regclass)) "
+                "FROM pg_inherits WHERE inhparent = %s::regclass",
+                [table, table],
+            )
+            return int(cursor.fetchone()[0])
+
+    @staticmethod
+    def _wal_lsn() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_current_wal_lsn() - '0/0'")
+            return int(cursor.fetchone()[0])
 
     # ------------------------------------------------------------------ 3. export
 
@@ -265,6 +294,12 @@ class Command(BenchCommand):
             w(f"\n2. seal and verify {s['events']:,} events")
             w(f"   seal   {s['seal_seconds']:>8.2f} s  {s['seal_events_per_s']:>10,} events/s")
             w(f"   verify {s['verify_seconds']:>8.2f} s  {s['verify_events_per_s']:>10,} events/s")
+            grown = s["table_bytes_after_seal"] - s["table_bytes_before_seal"]
+            w(
+                f"   sealing wrote {s['seal_wal_bytes_per_event']:,} B of WAL per event and grew the event table "
+                f"(heap + indexes, after VACUUM) by {grown / 2**20:,.1f} MiB "
+                f"({s['table_bytes_before_seal'] / 2**20:,.1f} → {s['table_bytes_after_seal'] / 2**20:,.1f} MiB)"
+            )
         if "export" in r:
             e = r["export"]
             w(f"\n3. CSV export of {e['rows']:,} events through uvicorn (ASGI, 1 worker)")

@@ -132,7 +132,7 @@ class Command(BenchCommand):
             f"({folded / fold_s:,.0f} events/s, +{fold_s / sealed:.0%} of sealing) → {rows} count rows"
         )
         with connection.cursor() as cursor:
-            # What autovacuum does after the seal job's updates (it would not wait for 1M of them).
+            # What autovacuum does after the seeding (sealing writes no event row since audit 0011).
             cursor.execute("VACUUM ANALYZE audit_auditevent")
         t0 = time.perf_counter()
         dashboard_stats.dashboard_stats_refresh(tenant=tenant)

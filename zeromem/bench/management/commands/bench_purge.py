@@ -20,7 +20,14 @@ Then, ``--rounds`` times:
 3. ``memories.services.purge_expired`` runs (``--batch-size``; each ``--pause-ratios`` value in
    turn, default the ``ZEROMEM_PURGE_PAUSE_RATIO`` setting) while the reader keeps reading:
    its memories/s (pauses included), and the reads' latencies during it;
-4. the reads again with no purge running, for ``--baseline-seconds`` (to show drift).
+4. the reads again with no purge running, for ``--baseline-seconds`` (to show drift);
+5. the controls (``--controls``, default both), each as long as that round's purge took and
+   with the reader still reading: ``cpu``, a subprocess spinning on one core that has nothing
+   to do with ZeroMem or the database; ``wal``, another session inserting and deleting rows
+   of a scratch table (``bench_purge_scratch``, dropped at the end) in transactions of the
+   purge's WAL per batch, paced to the purge's WAL bytes per second. What the reader's p99
+   does under each separates "the purge takes one of the cores" from "the read's commit
+   waits behind the purge's WAL flush".
 
 Each purge lasts only seconds, so a single round gives a few hundred reads "during": the
 rounds pool them, for a p99 worth the name. Printed: throughput per round and, per pause
@@ -36,12 +43,14 @@ import math
 import random
 import secrets
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
 from django.conf import settings
 from django.core.management.base import CommandError
-from django.db import connection
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from memories import services
@@ -54,6 +63,8 @@ from zeromem.kernel.actors import Actor
 TARGET_ROWS_PER_S = 50_000
 TARGET_P99_RISE = 0.25
 ACTOR = Actor.system(job="bench_purge")
+CONTROLS = ("cpu", "wal")
+SCRATCH = "bench_purge_scratch"
 
 
 def percentile(sorted_s: list[float], q: float) -> float:
@@ -124,9 +135,30 @@ class Command(BenchCommand):
             help="comma-separated purge pause ratios to compare in one run, each every round "
             "(default: the ZEROMEM_PURGE_PAUSE_RATIO setting alone)",
         )
+        parser.add_argument(
+            "--controls",
+            default=",".join(CONTROLS),
+            help="control phases after each round's purge, as long as it: cpu (a process spinning on one core), "
+            "wal (a session writing the purge's WAL rate to a scratch table); 'none' for neither (default cpu,wal)",
+        )
 
-    def handle(self, *args, rows, live, rounds, batch_size, baseline_seconds, max_seconds, pause_ratios, **options):
+    def handle(
+        self,
+        *args,
+        rows,
+        live,
+        rounds,
+        batch_size,
+        baseline_seconds,
+        max_seconds,
+        pause_ratios,
+        controls,
+        **options,
+    ):
         self.require_postgresql()
+        controls = [] if controls == "none" else [c.strip() for c in controls.split(",") if c.strip()]
+        if any(c not in CONTROLS for c in controls):
+            raise CommandError("--controls: a comma-separated subset of cpu,wal, or none")
         try:
             ratios = [float(r) for r in (pause_ratios or str(settings.ZEROMEM_PURGE_PAUSE_RATIO)).split(",")]
         except ValueError:
@@ -157,16 +189,58 @@ class Command(BenchCommand):
             for n in range(1, rounds + 1):
                 for ratio in ratios:
                     reader.record(None)
-                    purges.append(
-                        self._round(n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds, ratio)
-                    )
+                    purge = self._round(n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds, ratio)
+                    purges.append(purge)
+                    for control in controls:
+                        self._control(control, purge, reader)
         finally:
             reader.done.set()
             reader.join(timeout=30)
+            if "wal" in controls:
+                with connection.cursor() as cursor:
+                    # bandit B608 (marked): SCRATCH is a constant of this module.
+                    cursor.execute(f"DROP TABLE IF EXISTS {SCRATCH}")  # nosec B608
         left = Memory.objects.filter(tenant=tenant, expires_at__lte=timezone.now()).count()
-        self._report(batch_size=batch_size, purges=purges, reader=reader, left=left)
+        self._report(batch_size=batch_size, purges=purges, reader=reader, left=left, controls=controls)
+
+    def _control(self, control: str, purge: dict, reader: Reader) -> None:
+        """The reader's latencies while something other than the purge loads the machine for
+        as long as the purge took: one core spinning, or the purge's WAL written by a plain session."""
+        seconds = max(purge["seconds"], 0.5)
+        load_before = _loadavg()
+        if control == "cpu":
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                time.sleep(0.05)  # the interpreter's start-up is not part of the phase
+                reader.record("control:cpu")
+                time.sleep(seconds)
+                reader.record(None)
+            finally:
+                spinner.kill()
+                spinner.wait()
+            self.stdout.write(f"  control cpu: one core spun for {seconds:.2f} s (load {load_before})")
+            return
+        wal_rate = purge["wal"] / purge["seconds"]
+        per_commit = purge["wal"] / max(purge["batches"], 1)
+        writer = WalWriter(bytes_per_s=wal_rate, bytes_per_commit=per_commit)
+        writer.start()
+        try:
+            writer.ready.wait(timeout=30)
+            reader.record("control:wal")
+            time.sleep(seconds)
+            reader.record(None)
+        finally:
+            writer.done.set()
+            writer.join(timeout=60)
+        achieved = writer.written / writer.seconds if writer.seconds else 0.0
+        self.stdout.write(
+            f"  control wal: target {wal_rate / 2**20:.1f} MiB/s in {per_commit / 2**20:.2f} MiB commits; "
+            f"wrote {writer.written / 2**20:.1f} MiB in {writer.commits} commits, {achieved / 2**20:.1f} MiB/s "
+            f"(load {load_before})"
+        )
 
     def _round(self, n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds, ratio) -> dict:
+        label = f"{ratio:g}"
         t0 = time.perf_counter()
         self._seed_expired(tenant, f"r{n}p{ratio}", rows)
         with connection.cursor() as cursor:
@@ -177,7 +251,7 @@ class Command(BenchCommand):
 
         reader.record("before")
         time.sleep(baseline_seconds)
-        reader.record(f"during@{ratio}")
+        reader.record(f"during@{label}")
         deadline = time.monotonic() + max_seconds
 
         def stop_when_late(_done: int) -> None:
@@ -198,11 +272,18 @@ class Command(BenchCommand):
         time.sleep(baseline_seconds)
         erased = result["expired"] + result["trash"]
         self.stdout.write(
-            f"round {n}, pause ratio {ratio:g}: seeded in {seeded:.1f} s; purged {erased:,} memories + "
+            f"round {n}, pause ratio {label}: seeded in {seeded:.1f} s; purged {erased:,} memories + "
             f"{result['versions']:,} versions in {result['batches']} batches, {seconds:.2f} s = "
             f"{erased / seconds:,.0f} memories/s; WAL {wal / 2**20:.1f} MiB"
         )
-        return {"erased": erased, "versions": result["versions"], "seconds": seconds, "ratio": ratio}
+        return {
+            "erased": erased,
+            "versions": result["versions"],
+            "seconds": seconds,
+            "ratio": label,
+            "wal": wal,
+            "batches": result["batches"],
+        }
 
     @staticmethod
     def _seed_expired(tenant, tag: str, rows: int) -> None:
@@ -255,11 +336,11 @@ class Command(BenchCommand):
             cursor.execute("SELECT pg_current_wal_lsn() - '0/0'")
             return int(cursor.fetchone()[0])
 
-    def _report(self, *, batch_size, purges, reader, left) -> None:
+    def _report(self, *, batch_size, purges, reader, left, controls) -> None:
         out = self.stdout.write
         samples = {name: sorted(s) for name, s in reader.samples.items()}
         baseline = sorted(samples.get("before", []) + samples.get("after", []))
-        ratios = sorted({p["ratio"] for p in purges})
+        ratios = list(dict.fromkeys(p["ratio"] for p in purges))
         out("")
         out(f"purge batch size {batch_size}; {left} expired rows of the bench tenant left")
         out(f"{'memory_read latency':26} {'n':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
@@ -268,7 +349,8 @@ class Command(BenchCommand):
             ("no purge (after)", samples.get("after", [])),
             ("no purge (all)", baseline),
         ]
-        rows += [(f"while purging, pause {r:g}", samples.get(f"during@{r}", [])) for r in ratios]
+        rows += [(f"while purging, pause {r}", samples.get(f"during@{r}", [])) for r in ratios]
+        rows += [(f"control: {c}", samples.get(f"control:{c}", [])) for c in controls]
         for name, s in rows:
             out(
                 f"{name:26} {len(s):>7} {percentile(s, 0.50):>8.3f} {percentile(s, 0.95):>8.3f}"
@@ -290,6 +372,78 @@ class Command(BenchCommand):
             p99 = percentile(during, 0.99)
             rise = p99 / p99_base - 1 if baseline and during else float("nan")
             met = "met" if rate >= TARGET_ROWS_PER_S and rise <= TARGET_P99_RISE else "MISSED"
-            out(f"{r:>11g} {rate:>20,.0f} {row_rate:>10,.0f} {p99:>12.3f} {rise:>+7.0%}  {met}")
+            out(f"{r:>11} {rate:>20,.0f} {row_rate:>10,.0f} {p99:>12.3f} {rise:>+7.0%}  {met}")
             if len(during) < 500:
                 out(f"{'':11} note: only {len(during)} reads during these purges; raise --rounds for a steadier p99")
+        for c in controls:
+            during = samples.get(f"control:{c}", [])
+            p99 = percentile(during, 0.99)
+            rise = p99 / p99_base - 1 if baseline and during else float("nan")
+            what = "one core spinning" if c == "cpu" else "the purge's WAL, plain rows"
+            out(f"{'control ' + c:>11} {what:>31} {p99:>12.3f} {rise:>+7.0%}")
+        out(f"load average at the end: {_loadavg()}")
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+class WalWriter(threading.Thread):
+    """A session that writes WAL and nothing else ZeroMem does: rows inserted into and
+    deleted from a scratch table, in transactions of ``bytes_per_commit`` of WAL, paced to
+    ``bytes_per_s`` (each commit is followed by a sleep until the rate is back on target)."""
+
+    def __init__(self, *, bytes_per_s: float, bytes_per_commit: float):
+        super().__init__(daemon=True)
+        self.rate = bytes_per_s
+        self.per_commit = bytes_per_commit
+        self.ready = threading.Event()
+        self.done = threading.Event()
+        self.written = 0
+        self.commits = 0
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        conn = connections["default"]
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(f"CREATE TABLE IF NOT EXISTS {SCRATCH} (id bigint, pad text)")  # nosec B608
+                rows = 1000
+
+                def commit_one() -> int:
+                    nonlocal rows
+                    lsn = _lsn(cursor)
+                    with transaction.atomic():
+                        cursor.execute(
+                            f"INSERT INTO {SCRATCH} SELECT g, repeat(md5(g::text), 6) "  # nosec B608
+                            "FROM generate_series(1, %s) g",
+                            [rows],
+                        )
+                        cursor.execute(f"DELETE FROM {SCRATCH}")  # nosec B608
+                    wrote = _lsn(cursor) - lsn
+                    rows = max(10, min(200_000, int(rows * self.per_commit / max(wrote, 1))))
+                    return wrote
+
+                for _ in range(3):  # size the transactions before the phase starts
+                    commit_one()
+                self.ready.set()
+                started = time.perf_counter()
+                while not self.done.is_set():
+                    self.written += commit_one()
+                    self.commits += 1
+                    ahead = self.written / self.rate - (time.perf_counter() - started)
+                    if ahead > 0:
+                        self.done.wait(ahead)
+                self.seconds = time.perf_counter() - started
+        finally:
+            self.ready.set()
+            conn.close()
+
+
+def _lsn(cursor) -> int:
+    cursor.execute("SELECT pg_current_wal_lsn() - '0/0'")
+    return int(cursor.fetchone()[0])
