@@ -34,17 +34,18 @@ from __future__ import annotations
 import io
 import json
 import random
-import threading
 import time
 from itertools import accumulate
 
+from django.core.management.base import CommandError
 from django.db import connection
 
 from memories import services
 from memories.models import ApiKey, Memory, Tenant
 from memories.search import index as search_index
 from memories.search.text import STOPWORDS, stem
-from zeromem.bench.harness import HttpClient, Samples, client_loop, ratio
+from zeromem.bench import contention
+from zeromem.bench.harness import HttpClient, Samples, loadavg, proc_cpu_seconds, ratio
 from zeromem.bench.options import BenchCommand
 from zeromem.bench.server import running_server
 from zeromem.kernel.actors import Actor
@@ -102,6 +103,13 @@ class Command(BenchCommand):
         parser.add_argument("--rebuild", action="store_true", help="rebuild the tenants' data")
         parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
         parser.add_argument(
+            "--attack-modes",
+            default="processes,threads",
+            help="how the parallel phase's clients run: processes (the reader and the searchers each a "
+            "process of their own, as different clients are) and/or threads (all in this process, the "
+            "old measurement, which adds this process's own GIL waits to the reader's latency) (%(default)s)",
+        )
+        parser.add_argument(
             "--ignore-retry-after",
             action="store_true",
             help="parallel clients retry a 503 at once instead of waiting its Retry-After",
@@ -119,6 +127,7 @@ class Command(BenchCommand):
         rebuild,
         build_only,
         ignore_retry_after,
+        attack_modes,
         seed,
         processes,
         threads,
@@ -126,6 +135,9 @@ class Command(BenchCommand):
     ):
         self.require_postgresql()
         self.ignore_retry_after = ignore_retry_after
+        self.attack_modes = [m.strip() for m in attack_modes.split(",") if m.strip()]
+        if not set(self.attack_modes) <= {"processes", "threads"}:
+            raise CommandError("--attack-modes: processes and/or threads")
         rng = random.Random(seed)
         self.vocab = _vocabulary(rng)
         sizes = [int(s) for s in sizes.split(",") if s.strip()]
@@ -148,6 +160,7 @@ class Command(BenchCommand):
             stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
         ) as server:
             port = server["port"]
+            self.server_workers = server["workers"]
             for size, (tenant, raw_key) in tenants.items():
                 self.log(f"size {size}: measuring")
                 report["sizes"][size] = self._measure(
@@ -279,64 +292,40 @@ class Command(BenchCommand):
             summary["statuses"] = statuses
             worst[name] = summary
         client.close()
-        # Another tenant's reads, idle and while `parallel` clients send worst cases.
-        reader = HttpClient(port, reader_key, timeout=30)
-        read_body = json.dumps({"name": "memory_read", "arguments": {"key": read_key}}).encode()
-        idle = Samples("idle reads", "other tenant memory_read, idle")
-        for _ in range(300):
-            ns, status, _b = reader.request("POST", TOOL_CALL, read_body)
-            idle.ns.append(ns)
-            idle.errors += status != 200
-        busy = Samples("busy reads", f"other tenant memory_read, {parallel} worst-case searches running")
-        stop = threading.Event()
-        attack_status: dict[int, int] = {}
-        lock = threading.Lock()
-
-        def reads():
-            while not stop.is_set():
-                ns, status, _b = reader.request("POST", TOOL_CALL, read_body)
-                busy.ns.append(ns)
-                busy.errors += status != 200
-
         mixed = list(worst_queries.values()) + self._questions(tenant, rng, 5)
-        ignore_retry_after = self.ignore_retry_after
-
-        def make_step(t: int):
-            c = HttpClient(port, raw_key, timeout=30)
-            qs = mixed
-
-            def step():
-                _ns, status, _b = c.request("POST", TOOL_CALL, _search(qs[rng.randrange(len(qs))]))
-                with lock:
-                    attack_status[status] = attack_status.get(status, 0) + 1
-                wait = c.last_headers.get("Retry-After") if c.last_headers is not None else None
-                if wait and not ignore_retry_after:
-                    time.sleep(float(wait))  # as a well-behaved client does
-
-            return step
-
-        reader_thread = threading.Thread(target=reads, daemon=True)
-        reader_thread.start()
-        client_loop(
-            clients=parallel, seconds=seconds, max_requests=10**7, make_step=make_step, join_timeout=seconds + 30
-        )
-        stop.set()
-        reader_thread.join(timeout=30)
-        reader.close()
-        idle_s, busy_s = idle.summary(), busy.summary()
         return {
             "realistic": realistic.summary(),
             "worst": worst,
-            "parallel": {
-                "clients": parallel,
-                "retry_after_honoured": not self.ignore_retry_after,
-                "searches": attack_status,
-                "idle_reads": idle_s,
-                "busy_reads": busy_s,
-                "busy_read_errors": busy.errors,
-                "p99_ratio": ratio(busy_s.get("p99_ms"), idle_s.get("p99_ms")),
-            },
+            "parallel": self._parallel(port, raw_key, reader_key, read_key, mixed, parallel, seconds),
         }
+
+    def _parallel(self, port, raw_key, reader_key, read_key, queries, parallel, seconds) -> dict:
+        """Another tenant's reads: idle, beside a CPU hog (the floor), and while ``parallel``
+        clients send worst cases — each side a client process of its own, and once the old
+        way (every client a thread of this process) to show what that measured."""
+        read_body = json.dumps({"name": "memory_read", "arguments": {"key": read_key}}).encode()
+        attack = contention.Attack(
+            api_key=raw_key,
+            bodies=[_search(q) for q in queries],
+            clients=parallel,
+            seconds=seconds,
+            honour_retry_after=not self.ignore_retry_after,
+        )
+        phases = {"idle": {}, "cpu_hog": {"hog": True}}
+        for mode in self.attack_modes:
+            phases[f"attack_{mode}"] = {"attack": attack, "mode": mode}
+        out = {"clients": parallel, "retry_after_honoured": attack.honour_retry_after, "seconds": seconds}
+        for name, kwargs in phases.items():
+            self.log(f"  parallel phase: {name} ({seconds:.0f} s), load {loadavg()}")
+            cpu = {pid: proc_cpu_seconds(pid) for pid in self.server_workers}
+            outcome = contention.phase(port, reader_key=reader_key, read_body=read_body, seconds=seconds, **kwargs)
+            used = sum((proc_cpu_seconds(pid) or 0) - (before or 0) for pid, before in cpu.items())
+            out[name] = {**outcome.summary(), "server_cpu_s": round(used, 2), "load": loadavg()}
+        idle_p99 = out["idle"]["reads"]["p99_ms"]
+        for name in phases:
+            if name != "idle":
+                out[name]["p99_ratio"] = ratio(out[name]["reads"]["p99_ms"], idle_p99)
+        return out
 
     def print_table(self, report: dict) -> None:
         w = self.stdout.write
@@ -352,12 +341,37 @@ class Command(BenchCommand):
             )
             for name, ws in r["worst"].items():
                 w(f"  {name:22} p50 {ws['p50_ms']:7.2f}  max {ws['max_ms']:7.2f} ms  statuses {ws['statuses']}")
-            p = r["parallel"]
+            self._print_parallel(r["parallel"])
+
+    def _print_parallel(self, p: dict) -> None:
+        w = self.stdout.write
+        w(
+            f"  another tenant's memory_read, {p['seconds']:.0f} s per phase "
+            f"({'Retry-After honoured' if p['retry_after_honoured'] else 'Retry-After ignored'}):"
+        )
+        w("    phase                          reads  p50 ms  p99 ms  ×idle p99  errors  server CPU s  load   searches")
+        labels = {
+            "idle": "idle",
+            "cpu_hog": "a CPU hog on one core (floor)",
+            "attack_processes": f"{p['clients']} searchers, own process",
+            "attack_threads": f"{p['clients']} searchers, same process",
+        }
+        for name, label in labels.items():
+            ph = p.get(name)
+            if ph is None:
+                continue
+            reads = ph["reads"]
             w(
-                f"  {p['clients']} parallel worst cases: searches {p['searches']}; other tenant's reads "
-                f"idle p99 {p['idle_reads']['p99_ms']} ms, busy p99 {p['busy_reads']['p99_ms']} ms "
-                f"(×{p['p99_ratio']}), errors {p['busy_read_errors']}"
+                f"    {label:30} {reads['n']:5}  {reads['p50_ms']:6.2f}  {reads['p99_ms']:6.2f}  "
+                f"{ph.get('p99_ratio') or '':>9}  {ph['read_errors']:6}  {ph['server_cpu_s']:12}  "
+                f"{ph['load'][0]:5}  {ph['searches'] or ''}"
             )
+        w(
+            "    (own process: the reader and the searchers are separate client processes, as in production; "
+            "same process: threads of one process, the old measurement, which adds its own GIL waits. "
+            "The CPU hog is a process spinning on one core that has nothing to do with ZeroMem: no reader "
+            "can do better than its ratio on this machine.)"
+        )
 
 
 def _search(q: str) -> bytes:
