@@ -39,9 +39,10 @@ from itertools import accumulate
 
 from django.core.management.base import CommandError
 from django.db import connection
+from django.utils import timezone
 
 from memories import services
-from memories.models import ApiKey, Memory, Tenant
+from memories.models import ApiKey, Memory, MemoryEmbedding, Tenant
 from memories.search import index as search_index
 from memories.search.text import STOPWORDS, stem
 from zeromem.bench import contention
@@ -101,6 +102,13 @@ class Command(BenchCommand):
         parser.add_argument("--parallel", type=int, default=20, help="parallel worst-case clients (%(default)s)")
         parser.add_argument("--seconds", type=float, default=10.0, help="length of the parallel phase (%(default)s)")
         parser.add_argument("--rebuild", action="store_true", help="rebuild the tenants' data")
+        parser.add_argument(
+            "--real-vectors",
+            type=int,
+            default=20000,
+            help="embeddings from the model for each searched tenant's newest memories, random stand-ins for "
+            "the older ones (%(default)s: the search cache's size); -1: no embeddings at all (words only)",
+        )
         parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
         parser.add_argument(
             "--attack-modes",
@@ -128,6 +136,7 @@ class Command(BenchCommand):
         build_only,
         ignore_retry_after,
         attack_modes,
+        real_vectors,
         seed,
         processes,
         threads,
@@ -139,10 +148,12 @@ class Command(BenchCommand):
         if not set(self.attack_modes) <= {"processes", "threads"}:
             raise CommandError("--attack-modes: processes and/or threads")
         rng = random.Random(seed)
+        self.real_vectors = None
         self.vocab = _vocabulary(rng)
         sizes = [int(s) for s in sizes.split(",") if s.strip()]
         other, other_key = self._tenant("bench-search-other", others, rebuild, rng)
         report = {"sizes": {}, "processes": processes, "threads": threads, "others": others}
+        self.real_vectors = real_vectors if real_vectors >= 0 else None
         tenants = {size: self._tenant(f"bench-search-{size}", size, rebuild, rng) for size in sizes}
         if build_only:
             return
@@ -153,9 +164,10 @@ class Command(BenchCommand):
         # with autovacuum off, a bulk load) makes PostgreSQL hydrate the ranked ids by scanning
         # the tenant (measured: 53 ms instead of 0.1 ms at 50k) — a figure of the database's
         # upkeep, not of search. `check --deploy --database default` warns when autovacuum is off.
-        self.log("ANALYZE memories_memory")
+        self.log("ANALYZE memories_memory, memories_memoryembedding")
         with connection.cursor() as c:
             c.execute("ANALYZE memories_memory")
+            c.execute("ANALYZE memories_memoryembedding")
         with running_server(
             stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
         ) as server:
@@ -182,6 +194,11 @@ class Command(BenchCommand):
             self._load(tenant, size, rng)
             self.log(f"{slug}: refreshing term statistics")
             search_index.stats_refresh(tenant_id=tenant.pk)
+        embedded = MemoryEmbedding.objects.filter(tenant=tenant)
+        if self.real_vectors is not None and embedded.count() != size:
+            self._seed_embeddings(tenant, size)
+        elif self.real_vectors is None and slug != "bench-search-other":
+            embedded.delete()  # --real-vectors -1: words only
         ApiKey.objects.filter(tenant=tenant, name="bench_search").delete()
         _key, raw = services.api_key_create(tenant=tenant, actor=actor, name="bench_search")
         return tenant, raw
@@ -246,6 +263,66 @@ class Command(BenchCommand):
                 )
                 c.execute("ANALYZE memories_memory")
 
+    def _seed_embeddings(self, tenant: Tenant, size: int) -> None:
+        """Every memory of the tenant gets an embedding row, as the embedding job would leave
+        it: the newest ``--real-vectors`` (by id, the order the search cache reads them in)
+        encoded by the model itself, so that a search pays the semantic part as in production
+        (the question's embedding, the similarity over the cached newest vectors, the vectors of
+        older word matches read by id); the older ones a **stand-in**: a random unit vector
+        (same size and storage, no meaning — it never passes the similarity floor), because
+        encoding a million texts here would take hours."""
+        import numpy as np
+
+        from memories.search import embeddings
+
+        real = min(self.real_vectors, size)
+        with connection.cursor() as c:
+            c.execute("DELETE FROM memories_memoryembedding WHERE tenant_id = %s", [tenant.pk])
+        rows = Memory.objects.filter(tenant=tenant).order_by("id").values_list("id", "key", "value", "version", "updated_at")
+        ids = list(Memory.objects.filter(tenant=tenant).order_by("id").values_list("id", flat=True))
+        cut = ids[len(ids) - real] if real else None
+        rng = np.random.default_rng(7)
+        started = time.monotonic()
+        self.log(f"  {tenant.slug}: embeddings, {len(ids) - real} stand-ins then the newest {real} from the model")
+        sql = (
+            "COPY memories_memoryembedding (tenant_id, memory_id, model, dim, vector, text_hash, memory_version,"
+            " memory_updated_at, created_at) FROM STDIN"
+        )
+        batch: list[tuple] = []
+        done = 0
+
+        def flush():
+            nonlocal batch, done
+            if not batch:
+                return
+            if cut is not None and batch[-1][0] >= cut:
+                vectors = embeddings.encode([embeddings.memory_text(key=k, value=v) for _i, k, v, _n, _u in batch])
+            else:
+                vectors = rng.standard_normal((len(batch), embeddings.DIM), dtype=np.float32)
+                vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+            now = timezone.now()
+            with connection.cursor() as c, c.copy(sql) as copy:
+                for (memory_id, _k, _v, version, updated_at), vector in zip(batch, vectors, strict=True):
+                    copy.write_row(
+                        (tenant.pk, memory_id, embeddings.MODEL_NAME, embeddings.DIM, embeddings.to_bytes(vector),
+                         "bench", version, updated_at, now)
+                    )
+            done += len(batch)
+            if done % 20_000 < len(batch):
+                self.log(f"    {done}/{len(ids)} ({time.monotonic() - started:.0f} s)")
+            batch = []
+
+        for row in rows.iterator(chunk_size=2000):
+            # Stand-ins and model vectors never share a batch: the model's are encoded 32 at a time.
+            real_row = cut is not None and row[0] >= cut
+            if batch and (real_row != (cut is not None and batch[-1][0] >= cut)):
+                flush()
+            batch.append(row)
+            if len(batch) >= (embeddings.BATCH_SIZE if real_row else 5000):
+                flush()
+        flush()
+        self.log(f"    done in {time.monotonic() - started:.0f} s")
+
     # --- measuring --------------------------------------------------------------------------
 
     def _questions(self, tenant: Tenant, rng: random.Random, n: int) -> list[str]:
@@ -264,6 +341,14 @@ class Command(BenchCommand):
 
     def _measure(self, port, tenant, raw_key, reader_key, read_key, rng, n, worst_n, parallel, seconds) -> dict:
         client = HttpClient(port, raw_key, timeout=30)
+        # Warm up: each server process loads the model in the background at start (~3 s) and
+        # builds a tenant's matrix of cached vectors in the background at its first search.
+        warm = self._questions(tenant, rng, 10)
+        until = time.monotonic() + 6
+        while time.monotonic() < until:
+            for q in warm:
+                client.request("POST", TOOL_CALL, _search(q))
+            time.sleep(0.5)
         realistic = Samples("realistic", "memory_search, 3-6 words of a memory")
         for q in self._questions(tenant, rng, n):
             ns, status, _body = client.request("POST", TOOL_CALL, _search(q))
