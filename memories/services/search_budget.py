@@ -1,20 +1,25 @@
-"""A tenant's search time per second: the share of the servers one tenant's searches may take.
+"""A tenant's search time: the share of the servers one tenant's searches may take.
 
 Concurrency slots (``ZEROMEM_TENANT_MAX_CONCURRENT``) bound how many expensive requests a
 tenant runs at once, not how much of the machine they take: four searches back to back keep
-two cores busy, and every other tenant's request then waits for the CPU and for the GIL of
-the web process it lands in. So searches and recalls also spend a budget: at most
-``ZEROMEM_TENANT_SEARCH_MS_PER_SECOND`` milliseconds of search (wall-clock time inside the
-search service, its SQL and ranking included) per one-second window, counted across every
-process (audit/limits.py: one Redis key or one counter row per tenant and second).
+two cores busy, and every other tenant's request then waits for the CPU. So searches and
+recalls also spend a budget of **search time** (wall-clock milliseconds inside the search
+service, its SQL and ranking included), counted across every process (audit/limits.py
+``backlog``: one Redis key or one counter row per tenant):
 
-A search is admitted while the tenant's window is not spent (it is charged its time when it
-ends, so a window can be overdrawn by the searches already running: at most
-``ZEROMEM_TENANT_MAX_CONCURRENT`` of them); past it the search is refused at once, before
-any work, with 429 ``search_budget`` and Retry-After (the rest of the window, at least 1 s),
-and audited like any refusal. Other tenants' windows are their own. ``0`` turns it off.
+* a tenant may use ``ZEROMEM_TENANT_SEARCH_MS_PER_SECOND`` milliseconds of search per second
+  on average, and up to ``ZEROMEM_TENANT_SEARCH_BURST_MS`` at once above it (three agents of
+  one tenant searching at the same moment are answered; twenty searching back to back are
+  held to the rate);
+* each search is charged its time when it ends (a search that timed out cost time too): the
+  tenant's backlog grows by that time ÷ the rate and drains at one second per second;
+* a search arriving while the backlog is over the burst's worth is refused at once, before any
+  work, with 429 ``search_budget`` and Retry-After (when the backlog will be back under it,
+  at least 1 s), and audited like any refusal. The searches already admitted may overdraw it
+  (at most ``ZEROMEM_TENANT_MAX_CONCURRENT`` of them run at once).
 
-Cost: two counter round trips per search (check, then charge); a refused search costs one.
+Other tenants' backlogs are their own. A rate of ``0`` turns the budget off.
+Cost: one counter read before a search and one UPSERT (or Redis script) after it.
 """
 
 from __future__ import annotations
@@ -32,46 +37,41 @@ from zeromem.kernel.errors import TenantBusy
 
 logger = logging.getLogger("zeromem.search")
 
-WINDOW_SECONDS = 1
 BUCKET = "searchms:"
 
 
 class SearchBudgetSpent(TenantBusy):
     def __init__(self, retry_after: int):
         super().__init__(
-            "this tenant has used its search time for this second; retry after Retry-After",
+            "this tenant has used its search time for now; retry after Retry-After",
             code="search_budget",
             retry_after=retry_after,
         )
 
 
-def budget_ms() -> int:
-    """Milliseconds of search a tenant may use per window (0: no budget)."""
-    return int(settings.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND * WINDOW_SECONDS)
-
-
 @contextmanager
 def search_budget(tenant_id: int) -> Iterator[None]:
     """Admit one search of ``tenant_id`` (or raise :class:`SearchBudgetSpent`), then charge
-    it the milliseconds it took, whatever its outcome (a search that timed out cost time too)."""
-    budget = budget_ms()
-    if budget <= 0:
+    it the milliseconds it took, whatever its outcome."""
+    rate = settings.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND
+    if rate <= 0:
         yield
         return
     bucket = f"{BUCKET}{tenant_id}"
-    spent = limits.hit(bucket, window=WINDOW_SECONDS, cost=0)
-    if spent.count >= budget:
-        raise SearchBudgetSpent(retry_after=max(1, math.ceil(spent.retry_after)))
+    allowed = max(settings.ZEROMEM_TENANT_SEARCH_BURST_MS, 0) / rate  # seconds of backlog
+    held = limits.backlog(bucket)
+    if held > allowed:
+        raise SearchBudgetSpent(retry_after=max(1, math.ceil(held - allowed)))
     started = time.perf_counter()
     try:
         yield
     finally:
-        _charge(bucket, math.ceil((time.perf_counter() - started) * 1000))
+        _charge(bucket, (time.perf_counter() - started) * 1000 * 1000 / rate)
 
 
-def _charge(bucket: str, ms: int) -> None:
+def _charge(bucket: str, backlog_ms: float) -> None:
     # The search has run: failing to count it must not fail its answer.
     try:
-        limits.hit(bucket, window=WINDOW_SECONDS, cost=ms)
+        limits.backlog(bucket, add_ms=max(1, math.ceil(backlog_ms)))
     except Exception as exc:  # noqa: BLE001 - the database's or Redis' error, logged
-        logger.warning("search time not counted (%s ms): %s: %s", ms, type(exc).__name__, exc)
+        logger.warning("search time not counted: %s: %s", type(exc).__name__, exc)
