@@ -45,7 +45,7 @@ def _no_search_budget(settings):
     # this machine searches: off here, so that a test's searches in a row are never refused on
     # a slow machine. tests/test_search_budget.py turns it on; servers started as processes
     # (test_serve.py) run with the default.
-    settings.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND = 0
+    settings.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = 0
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """A tenant's search time budget (memories/services/search_budget.py): searches and recalls
-spend wall-clock milliseconds against a rate and a burst, counted across processes
+spend their thread's CPU milliseconds against a rate and a burst, counted across processes
 (audit/limits.py ``backlog``, in the database or Redis); past it a search is refused at once
 with 429 search_budget and Retry-After, audited, and no other tenant is touched."""
 
@@ -26,9 +26,9 @@ def store(request, settings):
 
 @pytest.fixture
 def budget(settings):
-    """A rate of 100 ms of search per second and no burst, unless a test says otherwise."""
-    settings.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND = 100
-    settings.ZEROMEM_TENANT_SEARCH_BURST_MS = 0
+    """A rate of 100 CPU ms of search per second and no burst, unless a test says otherwise."""
+    settings.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = 100
+    settings.ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = 0
     return settings
 
 
@@ -92,7 +92,7 @@ def test_a_tenant_past_its_budget_gets_429_with_retry_after_audited_and_another_
 ):
     api.call("memory_write", key="fact:z", value="zebra crossing")
     api_b.call("memory_write", key="fact:z", value="zebra crossing")
-    # 5 s of backlog: 500 ms of search at 100 ms/s.
+    # 5 s of backlog: 500 CPU ms of search at 100 ms/s.
     limits.backlog(_bucket(api.tenant), add_ms=5000)
     r = api.post("/api/v1/tools/call", SEARCH)
     assert r.status_code == 429
@@ -114,21 +114,21 @@ def test_a_tenant_past_its_budget_gets_429_with_retry_after_audited_and_another_
 
 def test_each_search_is_charged_its_time_and_admitted_until_the_burst_is_spent(api, store, budget):
     api.call("memory_write", key="fact:z", value="zebra crossing")
-    budget.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND = 1  # 1 ms of search per second: any search spends seconds
+    budget.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = 1  # 1 CPU ms per second: any search spends seconds
     assert api.call("memory_search", query="zebra")[0] == 200
     held = limits.backlog(_bucket(api.tenant))
     assert held >= 1  # at least 1 ms of search, at 1 ms/s
     status, body = api.call("memory_search", query="zebra")
     assert (status, body["error"]["code"]) == (429, "search_budget")
     # A burst allowance above the backlog admits it again.
-    budget.ZEROMEM_TENANT_SEARCH_BURST_MS = int(held * 1000) + 1000
+    budget.ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = int(held * 1000) + 1000
     assert api.call("memory_search", query="zebra")[0] == 200
 
 
 def test_a_refused_input_spends_nothing_and_a_rate_of_zero_turns_the_budget_off(api, store, budget):
     assert api.call("memory_search", query="a\x00b")[0] == 400
     assert limits.backlog(_bucket(api.tenant)) == 0
-    budget.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND = 0
+    budget.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = 0
     limits.backlog(_bucket(api.tenant), add_ms=60_000)
     assert api.call("memory_search", query="zebra")[0] == 200
 

@@ -1,18 +1,23 @@
-"""A tenant's search time: the share of the servers one tenant's searches may take.
+"""A tenant's search time: the share of the web servers' CPU one tenant's searches may take.
 
 Concurrency slots (``ZEROMEM_TENANT_MAX_CONCURRENT``) bound how many expensive requests a
 tenant runs at once, not how much of the machine they take: four searches back to back keep
-two cores busy, and every other tenant's request then waits for the CPU. So searches and
-recalls also spend a budget of **search time** (wall-clock milliseconds inside the search
-service, its SQL and ranking included), counted across every process (audit/limits.py
-``backlog``: one Redis key or one counter row per tenant):
+two cores busy, and every other tenant's request then waits for the CPU (and for the GIL of
+the web process it lands in). So searches and recalls also spend a budget of **search CPU
+time**: the CPU time of the request's thread inside the search service (question embedding,
+similarity, ranking, the ORM and driver work; not PostgreSQL's own, which the search's caps
+and statement timeout bound), counted across every process (audit/limits.py ``backlog``: one
+Redis key or one counter row per tenant). CPU time, not wall-clock time: on a busy machine a
+search waits far longer than it computes (measured 20-95 ms wall for 9-13 ms of CPU), and a
+wall-clock budget refused a legitimate tenant's three agents exactly when the machine was
+busy (tests/test_serve.py).
 
-* a tenant may use ``ZEROMEM_TENANT_SEARCH_MS_PER_SECOND`` milliseconds of search per second
-  on average, and up to ``ZEROMEM_TENANT_SEARCH_BURST_MS`` at once above it (three agents of
+* a tenant may use ``ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND`` milliseconds per second on
+  average, and up to ``ZEROMEM_TENANT_SEARCH_CPU_BURST_MS`` at once above it (three agents of
   one tenant searching at the same moment are answered; twenty searching back to back are
   held to the rate);
-* each search is charged its time when it ends (a search that timed out cost time too): the
-  tenant's backlog grows by that time ÷ the rate and drains at one second per second;
+* each search is charged its CPU time when it ends (a search that timed out cost time too):
+  the tenant's backlog grows by that time ÷ the rate and drains at one second per second;
 * a search arriving while the backlog is over the burst's worth is refused at once, before any
   work, with 429 ``search_budget`` and Retry-After (when the backlog will be back under it,
   at least 1 s), and audited like any refusal. The searches already admitted may overdraw it
@@ -52,21 +57,21 @@ class SearchBudgetSpent(TenantBusy):
 @contextmanager
 def search_budget(tenant_id: int) -> Iterator[None]:
     """Admit one search of ``tenant_id`` (or raise :class:`SearchBudgetSpent`), then charge
-    it the milliseconds it took, whatever its outcome."""
-    rate = settings.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND
+    it the CPU milliseconds its thread used, whatever its outcome."""
+    rate = settings.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND
     if rate <= 0:
         yield
         return
     bucket = f"{BUCKET}{tenant_id}"
-    allowed = max(settings.ZEROMEM_TENANT_SEARCH_BURST_MS, 0) / rate  # seconds of backlog
+    allowed = max(settings.ZEROMEM_TENANT_SEARCH_CPU_BURST_MS, 0) / rate  # seconds of backlog
     held = limits.backlog(bucket)
     if held > allowed:
         raise SearchBudgetSpent(retry_after=max(1, math.ceil(held - allowed)))
-    started = time.perf_counter()
+    started = time.thread_time()
     try:
         yield
     finally:
-        _charge(bucket, (time.perf_counter() - started) * 1000 * 1000 / rate)
+        _charge(bucket, (time.thread_time() - started) * 1000 * 1000 / rate)
 
 
 def _charge(bucket: str, backlog_ms: float) -> None:

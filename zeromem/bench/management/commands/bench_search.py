@@ -159,8 +159,8 @@ class Command(BenchCommand):
             "threads": threads,
             "others": others,
             # What the server runs with (it reads the same environment).
-            "search_ms_per_second": settings.ZEROMEM_TENANT_SEARCH_MS_PER_SECOND,
-            "search_burst_ms": settings.ZEROMEM_TENANT_SEARCH_BURST_MS,
+            "search_cpu_ms_per_second": settings.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND,
+            "search_cpu_burst_ms": settings.ZEROMEM_TENANT_SEARCH_CPU_BURST_MS,
             "tenant_slots": settings.ZEROMEM_TENANT_MAX_CONCURRENT,
             "real_vectors": real_vectors,
             "load_at_start": loadavg(),
@@ -458,8 +458,8 @@ class Command(BenchCommand):
         vectors = report["real_vectors"]
         w(
             f"\nserver: {report['processes']} processes × {report['threads']} threads; tenant slots "
-            f"{report['tenant_slots']}; search time budget {report['search_ms_per_second']} ms/s, burst "
-            f"{report['search_burst_ms']} ms (0: off); embeddings: "
+            f"{report['tenant_slots']}; search time budget {report['search_cpu_ms_per_second']} ms/s, burst "
+            f"{report['search_cpu_burst_ms']} ms (0: off); embeddings: "
             + (
                 f"the newest {vectors} of each searched tenant from the model, older ones random stand-ins"
                 if vectors >= 0
