@@ -1,7 +1,8 @@
 """Search at scale, over HTTP, on PostgreSQL: one tenant at 10k, 100k and 1M memories.
 
     python manage.py bench_search [--sizes 10000,100000,1000000] [--others 100000] [--n 200]
-                                  [--worst-n 10] [--parallel 20] [--seconds 10] [--rebuild] [--json]
+                                  [--worst-n 10] [--parallel 20] [--seconds 10] [--rebuild]
+                                  [--real-vectors 20000] [--attack-modes processes,threads] [--json]
 
 For each size, a tenant ``bench-search-<size>`` holds that many synthetic memories (Zipfian
 English words — the standard library's vocabulary — and, in one row of five, Chinese
@@ -11,22 +12,33 @@ more. Rows are written with COPY, their search columns made by the same code a w
 (memories.search.index_fields), then the term statistics are refreshed; a tenant that
 already has its rows is reused (``--rebuild`` builds it again). The GIN index is dropped
 during a first big load and built again after it (a bench database only: it is a few
-minutes faster than maintaining it row by row).
+minutes faster than maintaining it row by row). Each searched tenant's memories get
+embeddings as the embedding job would leave them: the newest ``--real-vectors`` (20k, the
+search cache's size) from the model, the older ones random stand-in vectors (same size and
+storage; encoding 1M texts would take hours), so that a search pays the semantic part.
 
-Then, against the README's production server (``python3 -m zeromem serve``):
+Then, against the README's production server (``python3 -m zeromem serve``, with the
+environment's settings: the search CPU budget among them), after a warm-up (each server
+process loads the model and builds the tenant's vector cache in the background):
 
 * realistic: ``--n`` questions made from 3-6 words of a random memory of the tenant (its key
-  name and value words, with question words around them), p50/p95/p99 over HTTP;
+  name and value words, with question words around them), p50/p95/p99 over HTTP; a 429
+  ``search_budget`` is waited out (Retry-After) and counted, only the answered attempt timed;
 * worst cases, each ``--worst-n`` times: ``ab``, 160 two-letter words, a 500-character
   paragraph, one CJK character, emoji only, stop words only — p50/max and the statuses
   (200, or 503 ``search_timeout``; never a 500);
-* ``--parallel`` clients sending worst cases (and a few realistic questions) back to back
-  for ``--seconds`` — waiting a 503's Retry-After as a well-behaved client does, unless
-  ``--ignore-retry-after`` — while another tenant's key reads one memory in a loop: that
-  reader's p99 against its idle p99, and its errors (a 503 counts).
+* another tenant's key reading one memory in a loop for ``--seconds`` per phase: idle; beside
+  a CPU hog (a process spinning on one core, nothing to do with ZeroMem: the machine's floor);
+  and while ``--parallel`` clients send worst cases (and a few realistic questions) back to
+  back — waiting a 429's or 503's Retry-After as a well-behaved client does, unless
+  ``--ignore-retry-after``. The reader and the searchers are client processes of their own
+  (``processes``), and once more all threads of this process (``threads``: the old
+  measurement, where the reader also waited for this process's own GIL). Printed: the
+  reader's p50/p99, its p99 against the idle one, its errors (a 503 counts), the server's CPU,
+  the load average, and what the searchers got.
 
 Use a database of its own (e.g. ``DATABASE_URL=postgres://…/zm_bench_search``): at 1M the
-data takes ~1.5 GB and about 10 minutes to build on a 2-core machine.
+data takes ~2.5 GB and about 15 minutes to build on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -458,7 +470,7 @@ class Command(BenchCommand):
         vectors = report["real_vectors"]
         w(
             f"\nserver: {report['processes']} processes × {report['threads']} threads; tenant slots "
-            f"{report['tenant_slots']}; search time budget {report['search_cpu_ms_per_second']} ms/s, burst "
+            f"{report['tenant_slots']}; search CPU budget {report['search_cpu_ms_per_second']} ms/s, burst "
             f"{report['search_cpu_burst_ms']} ms (0: off); embeddings: "
             + (
                 f"the newest {vectors} of each searched tenant from the model, older ones random stand-ins"
