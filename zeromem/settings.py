@@ -317,7 +317,7 @@ ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS",
 # to BURST_MS at once above that; past it a search is refused with 429 search_budget and
 # Retry-After. A rate of 0 turns the budget off.
 ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = env.int("ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND", default=100)
-ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = env.int("ZEROMEM_TENANT_SEARCH_CPU_BURST_MS", default=1000)
+ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = env.int("ZEROMEM_TENANT_SEARCH_CPU_BURST_MS", default=300)
 # Idempotency-Key: how long a first answer is replayed to retries (then purged), how long a
 # concurrent duplicate waits for the first request to finish (then 409, Retry-After), and
 # after how long an unfinished first request (its process died) no longer holds the key.
