@@ -118,6 +118,63 @@ def _redis_drain(url: str, tally: str, before: float) -> list[tuple[str, int, in
     return out
 
 
+# --- backlogs: work charged after the fact, drained at one second per second ---------------
+
+# A backlog is one RateCounter row whose count is the time (Unix milliseconds) its backlog
+# runs out ("theoretical arrival time" of the generic cell rate algorithm). Its window_start is
+# this constant, above any real window: the pruning of old windows never takes it.
+BACKLOG_ROW = 2**62
+_BACKLOG = """
+local t = tonumber(redis.call('GET', KEYS[1]) or '0')
+local now = tonumber(ARGV[1])
+if t < now then t = now end
+t = t + tonumber(ARGV[2])
+redis.call('SET', KEYS[1], t, 'PX', math.floor(t - now) + 60000)
+return t
+"""
+
+
+def backlog(bucket: str, *, add_ms: int = 0, now: float | None = None) -> float:
+    """Seconds of backlog ``bucket`` holds now, after adding ``add_ms`` milliseconds to it
+    (0: only read it). A backlog drains at one second per second and never goes below zero;
+    adds from every process are exact (Redis: one script; database: one UPSERT, a plain
+    SELECT when only reading)."""
+    now_ms = int((time.time() if now is None else now) * 1000)
+    url = settings.ZEROMEM_REDIS_URL
+    if url:
+        client, *_ = _redis(url)
+        key = f"zm:bl:{bucket}"
+        if add_ms <= 0:
+            raw = client.get(key)
+            until = int(float(raw)) if raw is not None else 0
+        else:
+            until = int(_backlog_script(url)(keys=[key], args=[now_ms, int(add_ms)]))
+    else:
+        table = connection.ops.quote_name(RateCounter._meta.db_table)
+        with connection.cursor() as cursor:
+            if add_ms <= 0:
+                cursor.execute(
+                    f"SELECT count FROM {table} WHERE bucket = %s AND window_start = %s",  # nosec B608
+                    [bucket[:200], BACKLOG_ROW],
+                )
+            else:
+                cursor.execute(
+                    f"INSERT INTO {table} (bucket, window_start, count) VALUES (%s, %s, %s) "
+                    f"ON CONFLICT (bucket, window_start) DO UPDATE SET count = CASE WHEN {table}.count > %s "
+                    f"THEN {table}.count ELSE %s END + %s RETURNING count",  # nosec B608
+                    [bucket[:200], BACKLOG_ROW, now_ms + int(add_ms), now_ms, now_ms, int(add_ms)],
+                )
+            row = cursor.fetchone()
+        until = row[0] if row else 0
+    return max(0, until - now_ms) / 1000
+
+
+@cache
+def _backlog_script(url: str):
+    client, *_ = _redis(url)
+    return client.register_script(_BACKLOG)
+
+
 # --- concurrency slots: at most N pieces of expensive work per holder at once -------------
 
 _ACQUIRE = """

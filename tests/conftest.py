@@ -40,6 +40,15 @@ def _isolated_cache(settings):
 
 
 @pytest.fixture(autouse=True)
+def _no_search_budget(settings):
+    # A tenant's search time budget (memories/services/search_budget.py) depends on how fast
+    # this machine searches: off here, so that a test's searches in a row are never refused on
+    # a slow machine. tests/test_search_budget.py turns it on; servers started as processes
+    # (test_serve.py) run with the default.
+    settings.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = 0
+
+
+@pytest.fixture(autouse=True)
 def _fresh_key_cache():
     # Each test starts with no API key verified by an earlier one (their rows are gone).
     # Nor with data keys unwrapped by an earlier one (SQLite reuses rolled-back row ids).

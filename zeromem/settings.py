@@ -313,6 +313,12 @@ ZEROMEM_RATE_LIMIT_PER_MINUTE = env.int("ZEROMEM_RATE_LIMIT_PER_MINUTE", default
 # longer than its lease (a crashed process) lapses.
 ZEROMEM_TENANT_MAX_CONCURRENT = env.int("ZEROMEM_TENANT_MAX_CONCURRENT", default=4)
 ZEROMEM_TENANT_BUSY_WAIT_SECONDS = env.float("ZEROMEM_TENANT_BUSY_WAIT_SECONDS", default=0.5)
+# Search (and recall) CPU time a tenant may use, across processes (memories/services/
+# search_budget.py): milliseconds of the request thread's CPU per second on average, and up
+# to BURST_MS at once above that; past it a search is refused with 429 search_budget and
+# Retry-After. A rate of 0 turns the budget off.
+ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = env.int("ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND", default=100)
+ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = env.int("ZEROMEM_TENANT_SEARCH_CPU_BURST_MS", default=300)
 # Idempotency-Key: how long a first answer is replayed to retries (then purged), how long a
 # concurrent duplicate waits for the first request to finish (then 409, Retry-After), and
 # after how long an unfinished first request (its process died) no longer holds the key.

@@ -244,19 +244,22 @@ def similarities(
         for i in top:
             if sims[i] >= MIN_SIMILARITY:
                 out[int(matrix.memory_ids[i])] = float(sims[i])
-        wanted = set(also)
-        if wanted:
-            position = {int(m): i for i, m in enumerate(matrix.memory_ids) if int(m) in wanted}
-            for memory_id, i in position.items():
+        if len(also):
+            # Vectorised: a Python loop over the 20k cached ids held the GIL for ~2 ms.
+            for i in np.flatnonzero(np.isin(matrix.memory_ids, np.asarray(also, dtype=np.int64))):
+                memory_id = int(matrix.memory_ids[i])
                 cached.add(memory_id)
                 if sims[i] >= MIN_SIMILARITY:
                     out[memory_id] = float(sims[i])
     missing = [m for m in also if m not in cached]
     if missing:
-        for memory_id, vector, dim in MemoryEmbedding.objects.filter(
-            tenant_id=tenant_id, memory_id__in=missing, model=embeddings.MODEL_NAME
-        ).values_list("memory_id", "vector", "dim"):
-            if dim == embeddings.DIM:
+        # By the unique memory_id index alone: a tenant_id condition let the planner AND in the
+        # tenant's whole (tenant, id) index (measured: 2.7 ms at 50k, growing with the tenant,
+        # when the statistics are stale). The tenant is checked on the rows instead.
+        for memory_id, owner, model, vector, dim in MemoryEmbedding.objects.filter(memory_id__in=missing).values_list(
+            "memory_id", "tenant_id", "model", "vector", "dim"
+        ):
+            if owner == tenant_id and model == embeddings.MODEL_NAME and dim == embeddings.DIM:
                 sim = float(embeddings.from_bytes(vector) @ query_vector)
                 if sim >= MIN_SIMILARITY:
                     out[memory_id] = sim

@@ -24,6 +24,7 @@ from memories import keyring, search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
 from memories.search import embeddings
 from memories.services import retention, sensitivity
+from memories.services.search_budget import search_budget
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope, require_subject_allowed
 from zeromem.kernel.crypto import ErasedValue
@@ -394,7 +395,10 @@ def memory_search(
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
         limit = validation.limit(limit, default=5)
-        results = search.search_ranked(tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit)
+        with search_budget(tenant.pk):
+            results = search.search_ranked(
+                tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit
+            )
         op.record(target=prefix, count=len(results))
         return results
 
@@ -410,9 +414,10 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
         max_chars = validation.bounded_int(
             max_chars, field="max_chars", default=500, low=50, high=validation.RECALL_MAX_CHARS
         )
-        packed = search.recall_pack(
-            tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, max_chars=max_chars
-        )
+        with search_budget(tenant.pk):
+            packed = search.recall_pack(
+                tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, max_chars=max_chars
+            )
         op.record(target=prefix, count=len(packed["keys"]))
         return packed
 

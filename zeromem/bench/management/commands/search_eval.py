@@ -122,6 +122,8 @@ class Command(BenchCommand):
             "ZEROMEM_EMBEDDINGS": semantic,
             "ZEROMEM_EMBEDDINGS_LOAD_WAIT": True,
             "ZEROMEM_SEARCH_TIMEOUT_MS": max(settings.ZEROMEM_SEARCH_TIMEOUT_MS, 10_000),
+            # Thousands of questions back to back: no tenant search time budget.
+            "ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND": 0,
         }
         if fusion:
             overrides["ZEROMEM_SEMANTIC_FUSION"] = fusion
