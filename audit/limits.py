@@ -14,6 +14,8 @@ each closed window's count out exactly once (the failed-authentication aggregati
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +23,9 @@ from functools import cache
 
 from django.conf import settings
 from django.db import connection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from audit.models import ConcurrencySlot, RateCounter
 from zeromem.kernel import hotsql
@@ -115,10 +120,33 @@ def _redis(url: str):
 
 
 def _redis_hit(url: str, bucket: str, start: int, window: int, cost: int, tally: str) -> int:
-    _client, incr, _take = _redis(url)
-    key = f"zm:rl:{bucket}:{start}"
-    member = f"{start}|{bucket}" if tally else ""
-    return int(incr(keys=[key, _PENDING + tally], args=[cost, window + KEEP_SECONDS, member]))
+    client, incr, _take = _redis(url)
+    keys = [f"zm:rl:{bucket}:{start}", _PENDING + tally]
+    args = [cost, window + KEEP_SECONDS, f"{start}|{bucket}" if tally else ""]
+    conn = _thread_connection(client, url)
+    try:
+        conn.send_command("EVALSHA", incr.sha, 2, *keys, *args)
+        return int(conn.read_response())
+    except NoScriptError:
+        pass  # the server lost its scripts (restart, SCRIPT FLUSH): the Script object loads it
+    except (RedisConnectionError, RedisTimeoutError):
+        conn.disconnect()  # a fresh socket next time; this hit goes through the client's retries
+    return int(incr(keys=keys, args=args))
+
+
+_local = threading.local()
+
+
+def _thread_connection(client, url: str):
+    """This thread's own connection to ``url``, taken from the client's pool once and kept:
+    the counter is the one Redis call of every request, and the client's per-command
+    machinery (pool checkout and return, retry wrapper, command parsing) cost more CPU than
+    the round trip. A forked child (django-q2's workers) takes a fresh one."""
+    held = getattr(_local, "redis", None)
+    pid = os.getpid()
+    if held is None or held[0] != url or held[1] != pid:
+        held = _local.redis = (url, pid, client.connection_pool.get_connection())
+    return held[2]
 
 
 def _redis_drain(url: str, tally: str, before: float) -> list[tuple[str, int, int]]:

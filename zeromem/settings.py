@@ -79,7 +79,8 @@ MIDDLEWARE = [
     "zeromem.middleware.BrowserAuthenticationMiddleware",
     "zeromem.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "csp.middleware.CSPMiddleware",  # Content-Security-Policy on the admin and the portal
+    # Content-Security-Policy on the admin and the portal (django-csp's, not run on its excluded paths)
+    "zeromem.middleware.BrowserCSPMiddleware",
 ]
 
 # Content-Security-Policy (django-csp) on the HTML pages: the admin and the portal load
