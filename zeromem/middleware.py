@@ -6,13 +6,13 @@ import io
 import json
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
+from csp.middleware import CSPMiddleware
 from django.conf import settings
 from django.contrib.auth.middleware import AuthenticationMiddleware
 from django.contrib.messages.middleware import MessageMiddleware
 from django.contrib.sessions.middleware import SessionMiddleware
 from django.core.handlers.wsgi import LimitedStream
 from django.http import HttpResponse
-from csp.middleware import CSPMiddleware
 from servestatic.middleware import ServeStaticMiddleware
 
 from zeromem.kernel import validation

@@ -81,9 +81,7 @@ def _expression(value) -> bool:
 
 
 def _plain(model) -> bool:
-    return not (
-        signals.pre_save.has_listeners(model) or signals.post_save.has_listeners(model) or model._meta.parents
-    )
+    return not (signals.pre_save.has_listeners(model) or signals.post_save.has_listeners(model) or model._meta.parents)
 
 
 def insert(obj) -> None:
@@ -143,8 +141,11 @@ def _update_plan(model, names: tuple[str, ...], vendor: str) -> tuple[str, tuple
     ``UPDATE t SET "a" = %s, … WHERE "t"."id" = %s``); None when a field is not a plain
     column with a plain placeholder (``save()`` then does it)."""
     meta = model._meta
-    fields = tuple(meta.get_field(name) for name in names)
-    if any(not f.concrete or f.primary_key or f.generated or hasattr(f, "get_placeholder") for f in fields):
+    # In the model's order, as save() sends them.
+    fields = tuple(f for f in meta.local_concrete_fields if f.name in names or f.attname in names)
+    if len(fields) != len(set(names)) or any(
+        not f.concrete or f.primary_key or f.generated or hasattr(f, "get_placeholder") for f in fields
+    ):
         return None
     q = connections[DEFAULT_DB_ALIAS].ops.quote_name
     table = q(meta.db_table)
