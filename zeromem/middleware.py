@@ -66,7 +66,8 @@ class RequestIdMiddleware:
             markcoroutinefunction(self)
 
     def _before(self, request):
-        request.request_id = request_id_for(request.headers.get("X-Request-ID", ""))
+        # request.META, not request.headers: that one copies every header into a new mapping.
+        request.request_id = request_id_for(request.META.get("HTTP_X_REQUEST_ID", ""))
         cap = settings.ZEROMEM_MAX_BODY_BYTES
         length = validation.ascii_int(request.META.get("CONTENT_LENGTH") or "0")
         if length is not None and length > cap:

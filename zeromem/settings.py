@@ -405,6 +405,7 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["memories.api.auth.ApiKeyRateThrottle"],
     "DEFAULT_RENDERER_CLASSES": ["zeromem.renderers.CompactJSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["zeromem.kit.parsers.JSONParser"],
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "zeromem.kit.negotiation.ContentNegotiation",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "zeromem.kit.api.exception_handler",
     "UNAUTHENTICATED_USER": None,
