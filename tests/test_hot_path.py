@@ -265,3 +265,21 @@ def test_a_write_over_an_existing_memory_is_four_statements_after_warm_up(tenant
     memory = Memory.objects.get(tenant=tenant_a, key=KEY, deleted_at__isnull=True)
     history = list(memory.versions.order_by("version").values_list("version", "value"))
     assert memory.version == 3 and history == [(1, "zh-CN"), (2, "en"), (3, "de")]
+
+
+# --- content negotiation (zeromem/kit/negotiation.py) ---------------------------------------
+
+
+@pytest.mark.parametrize("accept", [None, "*/*", "application/json", "application/*", "application/json; q=0.9"])
+def test_json_is_served_for_every_accept_that_allows_it(tenant_a, accept):
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    r = client.get(f"/api/v1/memories/{KEY}", headers=None if accept is None else {"Accept": accept})
+    assert r.status_code == 200 and r["Content-Type"] == "application/json"
+    assert r.json()["value"] == "zh-CN"
+
+
+def test_an_accept_json_cannot_satisfy_is_refused_as_before(tenant_a):
+    client, _ = make_keyed_client(tenant_a)
+    r = client.get("/api/v1/memories", headers={"Accept": "text/html"})
+    assert r.status_code == 406 and r.json()["error"]["code"] == "not_acceptable"
