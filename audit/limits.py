@@ -138,14 +138,17 @@ _local = threading.local()
 
 
 def _thread_connection(client, url: str):
-    """This thread's own connection to ``url``, taken from the client's pool once and kept:
-    the counter is the one Redis call of every request, and the client's per-command
-    machinery (pool checkout and return, retry wrapper, command parsing) cost more CPU than
-    the round trip. A forked child (django-q2's workers) takes a fresh one."""
+    """This thread's own connection to ``url`` (the client pool's settings, outside the pool),
+    kept for the thread's life: the counter is the one Redis call of every request, and the
+    client's per-command machinery (pool checkout and return, retry wrapper, command parsing)
+    cost more CPU than the round trip. It goes with its thread (a thread per request under
+    Django's ASGI handler: the socket is closed when the thread's storage is collected, and
+    the pool never counted it); a forked child (django-q2's workers) makes a fresh one."""
     held = getattr(_local, "redis", None)
     pid = os.getpid()
     if held is None or held[0] != url or held[1] != pid:
-        held = _local.redis = (url, pid, client.connection_pool.get_connection())
+        pool = client.connection_pool
+        held = _local.redis = (url, pid, pool.connection_class(**pool.connection_kwargs))
     return held[2]
 
 

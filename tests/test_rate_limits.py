@@ -101,3 +101,27 @@ def test_the_redis_counter_survives_a_lost_connection_and_flushed_scripts(db, se
     assert limits.hit("t:r", now=minute + 1).count == 3
     client.script_flush()
     assert [limits.hit("t:r", now=minute + 1).count for _ in range(2)] == [4, 5]
+
+
+def test_a_thread_per_request_leaves_no_redis_connection_behind(db, settings):
+    """Under Django's ASGI handler every request runs in a new thread: the counter's
+    connection of each thread goes with it."""
+    import gc
+    import threading
+
+    settings.ZEROMEM_REDIS_URL = REDIS_TEST_URL
+    client = redis_or_fail()
+    minute = 28_333_333 * 60
+    limits.hit("t:threads", now=minute + 1)  # this thread's own connection
+
+    def baseline() -> int:
+        gc.collect()
+        return client.info("clients")["connected_clients"]
+
+    before = baseline()
+    for _ in range(20):
+        thread = threading.Thread(target=lambda: limits.hit("t:threads", now=minute + 1))
+        thread.start()
+        thread.join()
+    assert baseline() <= before
+    assert limits.hit("t:threads", now=minute + 1).count == 22
