@@ -362,4 +362,3 @@ def _replayed(record: IdempotencyRecord) -> HttpResponse:
         response[name] = value
     response["Idempotent-Replayed"] = "true"
     return response
-
