@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 from django.db.models import Q
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
@@ -33,7 +33,7 @@ from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
 from audit.seals import tenant_q as _tenant_q
 from audit.selectors import AuditFilters, audit_events
-from zeromem.kernel import tracing, validation
+from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
     Conflict,
@@ -108,17 +108,19 @@ def audit_record(
         "version": version,
         "detail": _storable(detail or {}),
     }
-    values = {**fields, "digest": chain.digest(fields)}
+    fields["digest"] = chain.digest(fields)
     sql, columns = _insert_sql(connection.vendor)
     # What Model.save() would send (each field prepares its value; the others get their
     # defaults), without building the instance or compiling the INSERT on every request.
     params = [
-        f.get_db_prep_save(values[f.attname] if f.attname in values else f.get_default(), connection)
-        for f in columns
+        default
+        if name is None
+        else fields[name]
+        if text and isinstance(fields[name], str)
+        else f.get_db_prep_save(fields[name], connection)
+        for f, name, text, default in columns
     ]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return cursor.fetchone()[0]
+    return hotsql.fetchone(sql, params)[0]
 
 
 @functools.cache
@@ -135,7 +137,19 @@ def _insert_sql(vendor: str) -> tuple[str, tuple]:
     ((sql, _params),) = compiler.as_sql()
     if not connection.features.can_return_columns_from_insert:
         raise RuntimeError("audit_record needs INSERT ... RETURNING (PostgreSQL, SQLite >= 3.35)")
-    return sql, columns
+    given = {*chain.DIGEST_FIELDS, "digest"}
+    # Per column: the field, the attribute audit_record sets (None: the field's default,
+    # prepared here once), and whether it is a plain CharField, whose preparation of a str
+    # is the str itself (the same value Model.save() sends, without the calls).
+    return sql, tuple(
+        (
+            f,
+            f.attname if f.attname in given else None,
+            type(f) is models.CharField,
+            None if f.attname in given else f.get_db_prep_save(f.get_default(), connection),
+        )
+        for f in columns
+    )
 
 
 # A ServiceError an operation has recorded carries this attribute, so an enclosing operation

@@ -243,3 +243,45 @@ def test_wsgi_requests_outside_static_go_through_no_async_adapter(db, client, mo
     monkeypatch.setattr(sync.AsyncToSync, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     assert client.get("/healthz").status_code == 200
     assert calls == []
+
+
+# --- statements per write ----------------------------------------------------------------
+
+
+def test_a_write_over_an_existing_memory_is_four_statements_after_warm_up(tenant_a):
+    """The row lock, the UPDATE, the version INSERT and the audit INSERT (each built once per
+    process, zeromem/kernel/hotsql.py), in one transaction; the version history stays exact."""
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    body = {"name": "memory_write", "arguments": {"key": KEY, "value": "en"}}
+    assert client.post("/api/v1/tools/call", body).json()["version"] == 2  # warm-up
+    body["arguments"]["value"] = "de"
+    # (The test runs inside a transaction: the write's BEGIN/COMMIT are a SAVEPOINT/RELEASE here.)
+    sql = _statements(lambda: client.post("/api/v1/tools/call", body))
+    sql = [s for s in sql if not s.startswith(("SAVEPOINT", "RELEASE"))]
+    verbs = [s.split()[0] for s in sql]
+    assert verbs == ["SELECT", "UPDATE", "INSERT", "INSERT"], sql
+    assert "memories_memory" in sql[0] and "memories_memoryversion" in sql[2] and "audit_auditevent" in sql[3]
+    # The row lock (SQLite has no FOR UPDATE: its write transactions are IMMEDIATE, one at a time).
+    assert ("FOR UPDATE" in sql[0]) == (connection.vendor == "postgresql")
+    memory = Memory.objects.get(tenant=tenant_a, key=KEY, deleted_at__isnull=True)
+    history = list(memory.versions.order_by("version").values_list("version", "value"))
+    assert memory.version == 3 and history == [(1, "zh-CN"), (2, "en"), (3, "de")]
+
+
+# --- content negotiation (zeromem/kit/negotiation.py) ---------------------------------------
+
+
+@pytest.mark.parametrize("accept", [None, "*/*", "application/json", "application/*", "application/json; q=0.9"])
+def test_json_is_served_for_every_accept_that_allows_it(tenant_a, accept):
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    r = client.get(f"/api/v1/memories/{KEY}", headers=None if accept is None else {"Accept": accept})
+    assert r.status_code == 200 and r["Content-Type"] == "application/json"
+    assert r.json()["value"] == "zh-CN"
+
+
+def test_an_accept_json_cannot_satisfy_is_refused_as_before(tenant_a):
+    client, _ = make_keyed_client(tenant_a)
+    r = client.get("/api/v1/memories", headers={"Accept": "text/html"})
+    assert r.status_code == 406 and r.json()["error"]["code"] == "not_acceptable"

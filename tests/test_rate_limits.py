@@ -60,3 +60,68 @@ def test_tallied_windows_are_handed_out_once_when_closed(db, counter_store):
     limits.hit("tally:y", tally="tally:", now=minute + 61)
     assert limits.drain_tallies("tally:", before=minute + 60) == [("tally:x", minute, 3)]
     assert limits.drain_tallies("tally:", before=minute + 60) == []
+
+
+# --- the counter's own round trip (issue 11: a cheap hot path) ----------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_counters_commit_skips_the_flush_for_its_own_transaction_only(settings):
+    """In autocommit the UPSERT turns synchronous_commit off for its own transaction (a
+    counter is not a record); the setting does not outlive it, and inside an enclosing
+    transaction (which may hold audit events) it is never touched."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    settings.ZEROMEM_REDIS_URL = ""
+    minute = 28_333_333 * 60
+    with CaptureQueriesContext(connection) as own:
+        assert [limits.hit("t:sync", now=minute + 1).count for _ in range(2)] == [1, 2]
+    assert "set_config('synchronous_commit', 'off', true)" in own.captured_queries[-1]["sql"]
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        assert limits.hit("t:sync", now=minute + 2).count == 3
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            assert cursor.fetchone()[0] == "on"
+    assert "synchronous_commit" not in queries.captured_queries[0]["sql"]
+
+
+def test_the_redis_counter_survives_a_lost_connection_and_flushed_scripts(db, settings):
+    """The counter keeps one connection per thread: a connection the server closed, or
+    scripts the server forgot, cost a retry through the client and no count."""
+    settings.ZEROMEM_REDIS_URL = REDIS_TEST_URL
+    client = redis_or_fail()
+    minute = 28_333_333 * 60
+    assert [limits.hit("t:r", now=minute + 1).count for _ in range(2)] == [1, 2]
+    client.client_kill_filter(_type="normal", skipme=True)  # the server drops every other client
+    assert limits.hit("t:r", now=minute + 1).count == 3
+    client.script_flush()
+    assert [limits.hit("t:r", now=minute + 1).count for _ in range(2)] == [4, 5]
+
+
+def test_a_thread_per_request_leaves_no_redis_connection_behind(db, settings):
+    """Under Django's ASGI handler every request runs in a new thread: the counter's
+    connection of each thread goes with it."""
+    import gc
+    import threading
+
+    settings.ZEROMEM_REDIS_URL = REDIS_TEST_URL
+    client = redis_or_fail()
+    minute = 28_333_333 * 60
+    limits.hit("t:threads", now=minute + 1)  # this thread's own connection
+
+    def baseline() -> int:
+        gc.collect()
+        return client.info("clients")["connected_clients"]
+
+    before = baseline()
+    for _ in range(20):
+        thread = threading.Thread(target=lambda: limits.hit("t:threads", now=minute + 1))
+        thread.start()
+        thread.join()
+    assert baseline() <= before
+    assert limits.hit("t:threads", now=minute + 1).count == 22

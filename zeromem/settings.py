@@ -80,7 +80,8 @@ MIDDLEWARE = [
     "zeromem.middleware.BrowserAuthenticationMiddleware",
     "zeromem.middleware.BrowserMessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "csp.middleware.CSPMiddleware",  # Content-Security-Policy on the admin and the portal
+    # Content-Security-Policy on the admin and the portal (django-csp's, not run on its excluded paths)
+    "zeromem.middleware.BrowserCSPMiddleware",
 ]
 
 # Content-Security-Policy (django-csp) on the HTML pages: the admin and the portal load
@@ -414,6 +415,7 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["memories.api.auth.ApiKeyRateThrottle"],
     "DEFAULT_RENDERER_CLASSES": ["zeromem.renderers.CompactJSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["zeromem.kit.parsers.JSONParser"],
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "zeromem.kit.negotiation.ContentNegotiation",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "zeromem.kit.api.exception_handler",
     "UNAUTHENTICATED_USER": None,

@@ -154,7 +154,7 @@ def _if_match(request) -> tuple[int, int] | str | None:
 
 
 def _memory_response(memory, code=status.HTTP_200_OK) -> Response:
-    return Response(s.MemoryOutSerializer(memory).data, status=code, headers={"ETag": memory.etag})
+    return Response(s.memory_out(memory), status=code, headers={"ETag": memory.etag})
 
 
 class MemoryListView(AuditedAPIView):
@@ -195,7 +195,7 @@ class MemoryListView(AuditedAPIView):
             tag=q.get("tag"),
             keys_only=False,
         )
-        return Response({"results": s.MemoryOutSerializer(r.keys, many=True).data, "next_cursor": r.next_cursor})
+        return Response({"results": [s.memory_out(m) for m in r.keys], "next_cursor": r.next_cursor})
 
 
 class MemoryDetailView(AuditedAPIView):

@@ -14,6 +14,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from memories.models import Memory, MemoryVersion, Tenant
+from zeromem.kernel import hotsql
 
 # recall with only a prefix looks at no more than this many rows per index walk.
 SALIENT_SCAN = 1000
@@ -104,9 +105,7 @@ def _plan(name: str, vendor: str) -> _Plan:
 
 
 def _fetch_one(plan: _Plan, values: dict) -> Memory | None:
-    with connection.cursor() as cursor:
-        cursor.execute(plan.sql, [values[name] for name in plan.order])
-        row = cursor.fetchone()
+    row = hotsql.fetchone(plan.sql, [values[name] for name in plan.order])
     if row is None:
         return None
     cached = connection.__dict__.setdefault("_zeromem_plan_converters", {})

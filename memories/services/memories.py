@@ -25,7 +25,7 @@ from memories.models import Memory, MemoryVersion, Tenant
 from memories.search import embeddings
 from memories.services import retention, sensitivity
 from memories.services.search_budget import search_budget
-from zeromem.kernel import validation
+from zeromem.kernel import hotsql, validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope, require_subject_allowed
 from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, PreconditionFailed
@@ -64,16 +64,19 @@ def _infer_category(key: str) -> str:
 
 
 def _record_version(memory: Memory, op: str, actor: Actor, now) -> None:
-    MemoryVersion.objects.create(
-        tenant_id=memory.tenant_id,
-        memory=memory,
-        version=memory.version,
-        value=memory.value,  # sealed by the field when sensitive, under the memory's subject's key
-        sensitive=memory.sensitive,
-        op=op,
-        actor_kind=actor.kind,
-        actor_id=actor.id,
-        created_at=now,
+    # MemoryVersion(...).save(), its INSERT built once per process (zeromem/kernel/hotsql.py).
+    hotsql.insert(
+        MemoryVersion(
+            tenant_id=memory.tenant_id,
+            memory=memory,
+            version=memory.version,
+            value=memory.value,  # sealed by the field when sensitive, under the memory's subject's key
+            sensitive=memory.sensitive,
+            op=op,
+            actor_kind=actor.kind,
+            actor_id=actor.id,
+            created_at=now,
+        )
     )
 
 
@@ -166,7 +169,8 @@ def _upsert(
             for name, val in fields.items():
                 setattr(existing, name, val)
             existing.version += 1
-            existing.save(update_fields=[*fields, "version"])
+            # existing.save(update_fields=...), its UPDATE built once per set of fields.
+            hotsql.update(existing, [*fields, "version"])
             return existing, False
         create = {
             "subject": _infer_subject(key),

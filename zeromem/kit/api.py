@@ -252,6 +252,8 @@ class _Replay(Exception):
 
 
 IDEMPOTENT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Idempotency-Key as WSGI/ASGI put it in request.META (request.headers would copy them all).
+_IDEMPOTENCY_META = "HTTP_" + idempotency.HEADER.upper().replace("-", "_")
 
 
 class AuditedAPIView(TenantAPIView):
@@ -268,7 +270,7 @@ class AuditedAPIView(TenantAPIView):
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)
-        raw = request.headers.get(idempotency.HEADER)
+        raw = request.META.get(_IDEMPOTENCY_META)
         api_key = getattr(request.user, "api_key", None)
         if raw is None or request.method not in IDEMPOTENT_METHODS or api_key is None:
             return

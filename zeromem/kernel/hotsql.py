@@ -1,0 +1,153 @@
+"""Statements of the hot path (a read's SELECT and audit INSERT, the rate-limit counter, a
+write's row lock) on the database driver's cursor, without Django's cursor wrapper.
+
+Django wraps every cursor (``CursorWrapper``: its execute wrappers, the thread and async
+checks, error translation per call) and, through the ORM, compiles every query. The hot
+statements are compiled once per process by their callers (``_plan`` in memories/selectors,
+``_insert_sql`` in audit/services.py); what is left per call is the wrapper, about 0.05 ms of
+CPU per statement — a few percent of a read. :func:`fetchone` keeps what matters of it: the
+connection is opened and health-checked as ``connection.cursor()`` does, a broken transaction
+is refused, driver errors become Django's (``OperationalError`` → 503 upstream), and
+parameters are bound exactly as before (the connection's own cursor class).
+
+Whenever something watches the statements — ``DEBUG``, ``CaptureQueriesContext``
+(``force_debug_cursor``), an execute wrapper (instrumentation, tests) — the statement goes
+through Django's cursor as any other, so it is logged and counted the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from django.db.models import signals
+from django.db.models.sql import InsertQuery
+
+
+def fetchone(sql: str, params: Sequence) -> tuple | None:
+    """Run one statement on the default connection and return its first row (or None)."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.queries_logged or db.execute_wrappers:
+        with db.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchone()
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    db.validate_thread_sharing()
+    db.validate_no_broken_transaction()
+    with db.wrap_database_errors:
+        cursor = db.create_cursor()
+        try:
+            cursor.execute(sql, params)
+            return cursor.fetchone()
+        finally:
+            cursor.close()
+
+
+def execute(sql: str, params: Sequence) -> int:
+    """Run one statement that returns no rows; its row count."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.queries_logged or db.execute_wrappers:
+        with db.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.rowcount
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    db.validate_thread_sharing()
+    db.validate_no_broken_transaction()
+    with db.wrap_database_errors:
+        cursor = db.create_cursor()
+        try:
+            cursor.execute(sql, params)
+            return cursor.rowcount
+        finally:
+            cursor.close()
+
+
+# --- Model.save() of the hot rows, its SQL built once ----------------------------------------
+#
+# ``Model.save()`` builds and compiles its INSERT or UPDATE on every call (a few tenths of a
+# millisecond: the write's version row and its UPDATE were a fifth of its CPU). These send the
+# same statement, built once per process, with each value prepared by its field exactly as
+# ``save()`` does (``pre_save``, then ``get_db_prep_save``: a sensitive value is sealed).
+# A model with ``pre_save``/``post_save`` receivers, or one with parent models, goes through
+# ``save()`` itself: these send no signals.
+
+
+def _expression(value) -> bool:
+    # An F() or other expression, or a model instance: the ORM compiles those per call.
+    return hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save")
+
+
+def _plain(model) -> bool:
+    return not (signals.pre_save.has_listeners(model) or signals.post_save.has_listeners(model) or model._meta.parents)
+
+
+def insert(obj) -> None:
+    """``obj.save()`` of a new instance: one ``INSERT … RETURNING`` its primary key."""
+    model = type(obj)
+    db = connections[DEFAULT_DB_ALIAS]
+    if not (_plain(model) and db.features.can_return_columns_from_insert):
+        obj.save(force_insert=True)
+        return
+    sql, fields = _insert_plan(model, db.vendor)
+    values = [f.pre_save(obj, True) for f in fields]
+    if any(_expression(v) for v in values):
+        obj.save(force_insert=True)
+        return
+    (pk,) = fetchone(sql, [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)])
+    setattr(obj, model._meta.pk.attname, pk)
+    obj._state.adding = False
+    obj._state.db = DEFAULT_DB_ALIAS
+
+
+def update(obj, names: Sequence[str]) -> None:
+    """``obj.save(update_fields=names)``: one ``UPDATE … WHERE pk``. As ``save()``, a row
+    that is gone raises ``DatabaseError``."""
+    model = type(obj)
+    db = connections[DEFAULT_DB_ALIAS]
+    plan = _update_plan(model, tuple(names), db.vendor) if _plain(model) else None
+    values = [f.pre_save(obj, False) for f in plan[1]] if plan is not None else []
+    if plan is None or any(_expression(v) for v in values):
+        obj.save(update_fields=names)
+        return
+    sql, fields = plan
+    params = [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)]
+    params.append(model._meta.pk.get_db_prep_value(obj.pk, db))
+    if execute(sql, params) == 0:
+        raise DatabaseError("Save with update_fields did not affect any rows.")
+    obj._state.db = DEFAULT_DB_ALIAS
+
+
+@functools.cache
+def _insert_plan(model, vendor: str) -> tuple[str, tuple]:
+    meta = model._meta
+    fields = tuple(f for f in meta.local_concrete_fields if f is not meta.auto_field and not f.generated)
+    if any(hasattr(f, "get_placeholder") for f in fields):
+        raise ValueError(f"{model.__name__}: a field with its own placeholder")
+    db = connections[DEFAULT_DB_ALIAS]
+    query = InsertQuery(model)
+    query.insert_values(fields, [model()], raw=False)
+    compiler = query.get_compiler(connection=db)
+    compiler.returning_fields = [meta.pk]
+    ((sql, _params),) = compiler.as_sql()
+    return sql, fields
+
+
+@functools.cache
+def _update_plan(model, names: tuple[str, ...], vendor: str) -> tuple[str, tuple] | None:
+    """The UPDATE that ``save(update_fields=names)`` sends (SQLUpdateCompiler's shape:
+    ``UPDATE t SET "a" = %s, … WHERE "t"."id" = %s``); None when a field is not a plain
+    column with a plain placeholder (``save()`` then does it)."""
+    meta = model._meta
+    # In the model's order, as save() sends them.
+    fields = tuple(f for f in meta.local_concrete_fields if f.name in names or f.attname in names)
+    if len(fields) != len(set(names)) or any(
+        not f.concrete or f.primary_key or f.generated or hasattr(f, "get_placeholder") for f in fields
+    ):
+        return None
+    q = connections[DEFAULT_DB_ALIAS].ops.quote_name
+    table = q(meta.db_table)
+    sets = ", ".join(f"{q(f.column)} = %s" for f in fields)
+    return f"UPDATE {table} SET {sets} WHERE {table}.{q(meta.pk.column)} = %s", fields  # nosec B608
