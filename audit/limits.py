@@ -23,9 +23,6 @@ from functools import cache
 
 from django.conf import settings
 from django.db import connection
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from audit.models import ConcurrencySlot, RateCounter
 from zeromem.kernel import hotsql
@@ -123,6 +120,12 @@ def _redis_hit(url: str, bucket: str, start: int, window: int, cost: int, tally:
     client, incr, _take = _redis(url)
     keys = [f"zm:rl:{bucket}:{start}", _PENDING + tally]
     args = [cost, window + KEEP_SECONDS, f"{start}|{bucket}" if tally else ""]
+    # redis is imported only where REDIS_URL is set (importing it loads its OpenTelemetry
+    # observability module whenever the SDK is installed, tracing on or off).
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import NoScriptError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
     conn = _thread_connection(client, url)
     try:
         conn.send_command("EVALSHA", incr.sha, 2, *keys, *args)
