@@ -89,6 +89,22 @@ def _tasks_run_inline(monkeypatch):
     monkeypatch.setattr(Conf, "SYNC", True)
 
 
+def pytest_configure(config):
+    # The embedding model is loaded here, before collection, in this thread. Otherwise the
+    # first import of zeromem.wsgi during collection (tests/test_schema_fuzz.py) starts the
+    # server's background loader (warm_up), and a thread running while pytest parses the
+    # next test modules for assertion rewriting sometimes trips CPython 3.11's AST
+    # recursion-depth bug ("SystemError: AST constructor recursion depth mismatch",
+    # python/cpython#106905): seen twice in one session, each time a whole run lost.
+    from memories.search import embeddings
+
+    if embeddings.enabled():
+        try:
+            embeddings.encode(["warm up"])
+        except embeddings.EncoderUnavailable:
+            pass  # searches then run on words alone, as the tests of that case expect
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("postgres") and connection.vendor != "postgresql":
