@@ -239,26 +239,14 @@ JSON_LOG_PROBE = textwrap.dedent(
 def test_json_log_lines_carry_the_trace_id_when_tracing(tmp_path):
     fake = FakeOtlpCollector()
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(
+        done = _probe(
+            JSON_LOG_PROBE,
+            tmp_path,
             DJANGO_SETTINGS_MODULE="zeromem.settings",
-            ZEROMEM_ENV="development",
-            ZEROMEM_VAR_DIR=str(tmp_path),
             ZEROMEM_TRACING="true",
             ZEROMEM_LOG_FORMAT="json",
             OTEL_EXPORTER_OTLP_ENDPOINT=fake.endpoint,
-            PYTHONPATH=str(settings.BASE_DIR),
         )
-        env.pop("DATABASE_URL", None)
-        done = subprocess.run(
-            [sys.executable, "-c", JSON_LOG_PROBE],
-            cwd=settings.BASE_DIR,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
         lines = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
         inside = next(line for line in lines if line["message"] == "inside a span")
         outside = next(line for line in lines if line["message"] == "outside")
@@ -266,6 +254,19 @@ def test_json_log_lines_carry_the_trace_id_when_tracing(tmp_path):
         assert outside["trace_id"] == "" and inside["request_id"] == ""
     finally:
         fake.close()
+
+
+def _probe(code: str, tmp_path, *, drop=("OTEL_",), **variables) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python process on SQLite in ``tmp_path``, with this process's
+    environment less the variables starting with ``drop``, plus ``variables``."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(drop)}
+    env.update(ZEROMEM_ENV="development", ZEROMEM_VAR_DIR=str(tmp_path), PYTHONPATH=str(settings.BASE_DIR), **variables)
+    env.pop("DATABASE_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=settings.BASE_DIR, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 # --- the setting off: nothing of OpenTelemetry's SDK runs or is imported -----------------
@@ -296,26 +297,15 @@ OFF_PROBE = textwrap.dedent(
 def test_with_tracing_off_nothing_of_the_sdk_is_imported_or_exported(tmp_path):
     fake = FakeOtlpCollector()
     try:
-        env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "ZEROMEM_TRACING"))}
-        env.update(
-            ZEROMEM_ENV="development",
-            ZEROMEM_VAR_DIR=str(tmp_path),
+        done = _probe(
+            OFF_PROBE,
+            tmp_path,
+            drop=("OTEL_", "ZEROMEM_TRACING"),
             ZEROMEM_EMBEDDINGS="off",
             OTEL_TRACES_EXPORTER="otlp",
             OTEL_EXPORTER_OTLP_ENDPOINT=fake.endpoint,
             OTEL_BSP_SCHEDULE_DELAY="50",
-            PYTHONPATH=str(settings.BASE_DIR),
         )
-        env.pop("DATABASE_URL", None)
-        done = subprocess.run(
-            [sys.executable, "-c", OFF_PROBE],
-            cwd=settings.BASE_DIR,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert result["statuses"][0] in (200, 503) and result["statuses"][1] in (401, 503), result
         assert result == {**result, "on": False, "span": "_NoSpan", "loaded": []}
