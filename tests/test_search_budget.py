@@ -4,6 +4,7 @@ spend their thread's CPU milliseconds against a rate and a burst, counted across
 with 429 search_budget and Retry-After, audited, and no other tenant is touched."""
 
 import threading
+import time
 
 import pytest
 from django.db import connection
@@ -146,3 +147,32 @@ def test_a_search_is_answered_even_when_its_time_cannot_be_counted(api, budget, 
     status, body = api.call("memory_search", query="zebra")
     assert status == 200 and [m["key"] for m in body["results"]] == ["fact:z"]
     assert "search time not counted" in caplog.text
+
+
+def test_the_question_embedded_in_the_encoder_pool_is_charged_to_the_search(api, budget, settings, monkeypatch):
+    # The question is embedded in another thread while the word ranking's queries run
+    # (memories/search/ranking.py); its CPU time still counts (zeromem/kernel/cpu.py). The
+    # embedding here is made to cost 300 ms of CPU in the thread that computes it: charged to
+    # the request's thread alone, the search would cost a few ms.
+    settings.ZEROMEM_EMBEDDINGS = "on"
+    settings.ZEROMEM_EMBEDDINGS_LOAD_WAIT = True
+    from memories.search import embeddings
+
+    api.call("memory_write", key="fact:z", value="zebra crossing")
+    real = embeddings.query_vector
+    seen = []
+
+    def costly(query):
+        vector = real(query)
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        seen.append(threading.current_thread().name)
+        return vector
+
+    monkeypatch.setattr(embeddings, "query_vector", costly)
+    budget.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = 1  # 1 CPU ms per second: 300 ms → 300 s of backlog
+    status, body = api.call("memory_search", query="zebra")
+    assert status == 200 and [m["key"] for m in body["results"]] == ["fact:z"]
+    assert len(seen) == 1 and seen[0].startswith("zeromem-embed-question")
+    assert limits.backlog(_bucket(api.tenant)) >= 290

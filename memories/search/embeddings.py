@@ -32,7 +32,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from django.conf import settings
@@ -41,6 +42,7 @@ from django.db.models import Exists, Max, OuterRef, Q
 
 from memories.models import Memory, MemoryEmbedding
 from memories.search.text import value_text
+from zeromem.kernel import cpu
 
 logger = logging.getLogger("zeromem.search")
 
@@ -163,6 +165,45 @@ def query_vector(query: str) -> np.ndarray | None:
     except Exception as exc:  # the model failed on this input: words only, never a 500
         logger.warning("semantic search skipped for one query: %s: %s", type(exc).__name__, exc)
         return None
+
+
+# The pool that embeds questions while the request's thread runs the word ranking's queries:
+# the encoder spends much of its time in numpy with the GIL released, and the queries wait
+# on PostgreSQL with it released too, so the two overlap (memories/search/ranking.py).
+# As many threads as a process has request threads, so no question queues behind another's.
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _question_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                threads = os.environ.get("ZEROMEM_WEB_THREADS", "")  # serve sets it (zeromem/serving.py)
+                workers = int(threads) if threads.isdecimal() and int(threads) > 0 else 8
+                _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zeromem-embed-question")
+    return _pool
+
+
+def _pool_after_fork() -> None:
+    # The parent's pool threads do not exist in a child: it makes its own on first use.
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_pool_after_fork)
+
+
+def query_vector_soon(query: str) -> Callable[[], np.ndarray | None]:
+    """Start embedding the question in the background (:func:`query_vector`, in this
+    process's question pool, its CPU time counted to the caller's meter, zeromem/kernel/cpu.py);
+    the function returned waits for the vector (or None). Call it whatever happens, so that
+    the CPU is counted before the search is charged."""
+    if not enabled():
+        return lambda: None
+    return cpu.offload(_question_pool(), query_vector, query).result
 
 
 _warned: set[str] = set()

@@ -267,13 +267,13 @@ def similarities(
 
 
 def semantic_candidates(
-    *, tenant_id: int, prefixes: Sequence[str] | None, query: str, also: Sequence[int] = ()
+    *, tenant_id: int, prefixes: Sequence[str] | None, vector: np.ndarray | None, also: Sequence[int] = ()
 ) -> list[tuple[int, float]]:
-    """[(memory id, similarity)] best first (see ``similarities``), or [] when the question
-    cannot be embedded now: the search then runs on words alone (a warning is logged once)."""
+    """[(memory id, similarity)] best first (see ``similarities``) for the question's
+    ``vector`` (``embeddings.query_vector``), or [] when the question could not be embedded
+    (None): the search then runs on words alone (a warning is logged once)."""
     if prefixes is not None and not prefixes:
         return []
-    vector = embeddings.query_vector(query)
     if vector is None:
         return []
     whole = prefixes is None or "" in prefixes

@@ -4,9 +4,10 @@ Concurrency slots (``ZEROMEM_TENANT_MAX_CONCURRENT``) bound how many expensive r
 tenant runs at once, not how much of the machine they take: four searches back to back keep
 two cores busy, and every other tenant's request then waits for the CPU (and for the GIL of
 the web process it lands in). So searches and recalls also spend a budget of **search CPU
-time**: the CPU time of the request's thread inside the search service (question embedding,
-similarity, ranking, the ORM and driver work; not PostgreSQL's own, which the search's caps
-and statement timeout bound), counted across every process (audit/limits.py ``backlog``: one
+time**: the CPU time of the request's thread inside the search service (similarity, ranking,
+the ORM and driver work; not PostgreSQL's own, which the search's caps and statement timeout
+bound) plus the question's embedding, computed for it in the encoder's pool
+(zeromem/kernel/cpu.py), counted across every process (audit/limits.py ``backlog``: one
 Redis key or one counter row per tenant). CPU time, not wall-clock time: on a busy machine a
 search waits far longer than it computes (measured 20-95 ms wall for 9-13 ms of CPU), and a
 wall-clock budget refused a legitimate tenant's three agents exactly when the machine was
@@ -31,13 +32,13 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from django.conf import settings
 
 from audit import limits
+from zeromem.kernel import cpu
 from zeromem.kernel.errors import TenantBusy
 
 logger = logging.getLogger("zeromem.search")
@@ -67,11 +68,11 @@ def search_budget(tenant_id: int) -> Iterator[None]:
     held = limits.backlog(bucket)
     if held > allowed:
         raise SearchBudgetSpent(retry_after=max(1, math.ceil(held - allowed)))
-    started = time.thread_time()
-    try:
-        yield
-    finally:
-        _charge(bucket, (time.thread_time() - started) * 1000 * 1000 / rate)
+    with cpu.metered() as meter:
+        try:
+            yield
+        finally:
+            _charge(bucket, meter.seconds() * 1000 * 1000 / rate)
 
 
 def _charge(bucket: str, backlog_ms: float) -> None:
