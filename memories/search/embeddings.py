@@ -32,7 +32,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -42,7 +42,6 @@ from django.db.models import Exists, Max, OuterRef, Q
 
 from memories.models import Memory, MemoryEmbedding
 from memories.search.text import value_text
-from zeromem.kernel import cpu
 
 logger = logging.getLogger("zeromem.search")
 
@@ -167,15 +166,16 @@ def query_vector(query: str) -> np.ndarray | None:
         return None
 
 
-# The pool that embeds questions while the request's thread runs the word ranking's queries:
-# the encoder spends much of its time in numpy with the GIL released, and the queries wait
-# on PostgreSQL with it released too, so the two overlap (memories/search/ranking.py).
+# The pool that embeds questions (and scores them against the cached matrix,
+# memories/search/semantic.py ``start``) while the request's thread runs the word ranking's
+# queries: the encoder and the matrix product spend much of their time in numpy with the GIL
+# released, and the queries wait on PostgreSQL with it released too, so the two overlap.
 # As many threads as a process has request threads, so no question queues behind another's.
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _question_pool() -> ThreadPoolExecutor:
+def question_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
         with _pool_lock:
@@ -194,16 +194,6 @@ def _pool_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_pool_after_fork)
-
-
-def query_vector_soon(query: str) -> Callable[[], np.ndarray | None]:
-    """Start embedding the question in the background (:func:`query_vector`, in this
-    process's question pool, its CPU time counted to the caller's meter, zeromem/kernel/cpu.py);
-    the function returned waits for the vector (or None). Call it whatever happens, so that
-    the CPU is counted before the search is charged."""
-    if not enabled():
-        return lambda: None
-    return cpu.offload(_question_pool(), query_vector, query).result
 
 
 _warned: set[str] = set()

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from memories import selectors
 from memories.models import Memory, Tenant
-from memories.search import embeddings, semantic
+from memories.search import semantic
 from memories.search.lexical import lexical_candidates
 from memories.search.text import compact, index_document
 
@@ -34,19 +34,19 @@ def _candidate_lists(*, tenant: Tenant, prefixes: list[str] | None, query: str, 
     """Each ranker's best matches, ``{name: [(memory id, score), ...]}`` best first: the
     words (read ``semantic.LEXICAL_DEPTH`` deep, for fusion) and, when the question can be
     embedded and something is near it, the meaning (memories/search/semantic.py)."""
-    # The question is embedded in the encoder's pool while the word ranking's queries run
-    # (each waits mostly with the GIL released): the slower of the two, not their sum.
-    vector = embeddings.query_vector_soon(query) if prefixes is None or prefixes else None
+    # The semantic half (the question's embedding, its scoring against the cached matrix)
+    # runs in the encoder's pool while the word ranking's queries run here: both wait mostly
+    # with the GIL released, so a search costs the slower of the two, not their sum.
+    meaning = semantic.start(tenant_id=tenant.pk, prefixes=prefixes, query=query)
     try:
         lexical = lexical_candidates(
             tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=max(limit, semantic.LEXICAL_DEPTH)
         )
-    finally:
-        question = vector() if vector is not None else None  # waited for even on an error: its CPU is counted
+    except BaseException:
+        meaning.discard()  # waited for: its CPU is counted to the search
+        raise
     lists = {"lexical": lexical}
-    similar = semantic.semantic_candidates(
-        tenant_id=tenant.pk, prefixes=prefixes, vector=question, also=[memory_id for memory_id, _ in lexical]
-    )
+    similar = meaning.candidates([memory_id for memory_id, _ in lexical])
     if similar:
         lists["semantic"] = similar
     return lists

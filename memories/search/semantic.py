@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,7 @@ from django.db import connection
 
 from memories.models import MemoryEmbedding
 from memories.search import embeddings
+from zeromem.kernel import cpu
 
 logger = logging.getLogger("zeromem.search")
 
@@ -218,39 +220,46 @@ class _MatrixCache:
 _cache = _MatrixCache()
 
 
-def similarities(
-    *, tenant_id: int, prefixes: Sequence[str] | None, query_vector: np.ndarray, also: Sequence[int] = ()
-) -> dict[int, float]:
-    """Cosine similarity of the question to the tenant's best ``SEMANTIC_DEPTH`` cached
-    memories under ``prefixes`` (None: the whole tenant), and to the memories ``also`` (the
-    word ranking's candidates) wherever they are. {memory id: similarity}, each ≥
-    MIN_SIMILARITY.
+@dataclass
+class _Scored:
+    """The question scored against a cached matrix (no database work: it may run in the
+    encoder's pool): its vector, every cached row's similarity, and the best rows'."""
 
-    Cost: one index probe, the matrix-vector product over at most the cap, and one SELECT
-    of at most len(also) vectors by memory id for those not cached."""
-    out: dict[int, float] = {}
-    matrix = _cache.matrix(tenant_id)
+    vector: np.ndarray
+    matrix: _Matrix | None
+    sims: np.ndarray | None
+    best: dict[int, float]
+
+
+def _score_matrix(matrix: _Matrix | None, prefixes: Sequence[str] | None, vector: np.ndarray) -> _Scored:
+    best: dict[int, float] = {}
+    if matrix is None or not len(matrix.keys):
+        return _Scored(vector, None, None, best)
+    sims = matrix.vectors @ vector
+    if prefixes is not None and "" not in prefixes:
+        sims = np.where(matrix.under(tuple(prefixes)), sims, -1.0)
+    k = min(SEMANTIC_DEPTH, len(sims))
+    top = np.argpartition(-sims, k - 1)[:k]
+    for i in top:
+        if sims[i] >= MIN_SIMILARITY:
+            best[int(matrix.memory_ids[i])] = float(sims[i])
+    return _Scored(vector, matrix, sims, best)
+
+
+def _with_also(tenant_id: int, scored: _Scored, also: Sequence[int]) -> dict[int, float]:
+    """The best rows' similarities plus those of the memories ``also`` (the word ranking's
+    candidates) wherever they are: from the matrix when cached, else their stored vectors
+    (one SELECT, in the caller's thread and connection)."""
+    out = dict(scored.best)
     cached: set[int] = set()
-    if matrix is not None and len(matrix.keys):
-        sims = matrix.vectors @ query_vector
-        if prefixes is not None:
-            allowed = tuple(p for p in prefixes)
-            if not allowed:
-                return {}
-            if "" not in allowed:
-                sims = np.where(matrix.under(allowed), sims, -1.0)
-        k = min(SEMANTIC_DEPTH, len(sims))
-        top = np.argpartition(-sims, k - 1)[:k]
-        for i in top:
+    matrix, sims = scored.matrix, scored.sims
+    if len(also) and matrix is not None and sims is not None:
+        # Vectorised: a Python loop over the 20k cached ids held the GIL for ~2 ms.
+        for i in np.flatnonzero(np.isin(matrix.memory_ids, np.asarray(also, dtype=np.int64))):
+            memory_id = int(matrix.memory_ids[i])
+            cached.add(memory_id)
             if sims[i] >= MIN_SIMILARITY:
-                out[int(matrix.memory_ids[i])] = float(sims[i])
-        if len(also):
-            # Vectorised: a Python loop over the 20k cached ids held the GIL for ~2 ms.
-            for i in np.flatnonzero(np.isin(matrix.memory_ids, np.asarray(also, dtype=np.int64))):
-                memory_id = int(matrix.memory_ids[i])
-                cached.add(memory_id)
-                if sims[i] >= MIN_SIMILARITY:
-                    out[memory_id] = float(sims[i])
+                out[memory_id] = float(sims[i])
     missing = [m for m in also if m not in cached]
     if missing:
         # By the unique memory_id index alone: a tenant_id condition let the planner AND in the
@@ -260,25 +269,77 @@ def similarities(
             "memory_id", "tenant_id", "model", "vector", "dim"
         ):
             if owner == tenant_id and model == embeddings.MODEL_NAME and dim == embeddings.DIM:
-                sim = float(embeddings.from_bytes(vector) @ query_vector)
+                sim = float(embeddings.from_bytes(vector) @ scored.vector)
                 if sim >= MIN_SIMILARITY:
                     out[memory_id] = sim
     return out
 
 
-def semantic_candidates(
-    *, tenant_id: int, prefixes: Sequence[str] | None, vector: np.ndarray | None, also: Sequence[int] = ()
-) -> list[tuple[int, float]]:
-    """[(memory id, similarity)] best first (see ``similarities``) for the question's
-    ``vector`` (``embeddings.query_vector``), or [] when the question could not be embedded
-    (None): the search then runs on words alone (a warning is logged once)."""
+def similarities(
+    *, tenant_id: int, prefixes: Sequence[str] | None, query_vector: np.ndarray, also: Sequence[int] = ()
+) -> dict[int, float]:
+    """Cosine similarity of the question to the tenant's best ``SEMANTIC_DEPTH`` cached
+    memories under ``prefixes`` (None: the whole tenant; an empty list: nothing), and to the
+    memories ``also`` (the word ranking's candidates) wherever they are. {memory id:
+    similarity}, each ≥ MIN_SIMILARITY.
+
+    Cost: one index probe, the matrix-vector product over at most the cap, and one SELECT
+    of at most len(also) vectors by memory id for those not cached."""
     if prefixes is not None and not prefixes:
-        return []
+        return {}
+    return _with_also(tenant_id, _score_matrix(_cache.matrix(tenant_id), prefixes, query_vector), also)
+
+
+class Pending:
+    """Semantic candidates being computed in the encoder's pool (:func:`start`)."""
+
+    def __init__(self, tenant_id: int, future: Future | None) -> None:
+        self._tenant_id = tenant_id
+        self._future = future
+
+    def _scored(self) -> _Scored | None:
+        if self._future is None:
+            return None
+        try:
+            return self._future.result()
+        except Exception as exc:  # never a 500 for the semantic half: words alone
+            logger.warning("semantic search skipped for one query: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def candidates(self, also: Sequence[int] = ()) -> list[tuple[int, float]]:
+        """[(memory id, similarity)] best first (see :func:`similarities`), or [] when the
+        question could not be embedded: the search then runs on words alone."""
+        scored = self._scored()
+        if scored is None:
+            return []
+        sims = _with_also(self._tenant_id, scored, also)
+        return sorted(sims.items(), key=lambda kv: -kv[1])
+
+    def discard(self) -> None:
+        """Wait for the background work and drop it (the search failed): its CPU is counted."""
+        self._scored()
+
+
+def _embed_and_score(query: str, matrix: _Matrix | None, prefixes: Sequence[str] | None) -> _Scored | None:
+    vector = embeddings.query_vector(query)
     if vector is None:
-        return []
-    whole = prefixes is None or "" in prefixes
-    sims = similarities(tenant_id=tenant_id, prefixes=None if whole else prefixes, query_vector=vector, also=also)
-    return sorted(sims.items(), key=lambda kv: -kv[1])
+        return None
+    return _score_matrix(matrix, prefixes, vector)
+
+
+def start(*, tenant_id: int, prefixes: Sequence[str] | None, query: str) -> Pending:
+    """Begin the semantic half of a search: the tenant's matrix is looked up here (its probe
+    is a query, so it runs in the caller's thread and connection), then the question's
+    embedding and its scoring against the matrix run in the encoder's pool
+    (``embeddings.question_pool``; its CPU counted to the caller's meter, zeromem/kernel/cpu.py)
+    while the caller runs the word ranking's queries. :meth:`Pending.candidates` adds the
+    word matches' similarities and returns the list; :meth:`Pending.discard` if the search
+    fails meanwhile."""
+    if (prefixes is not None and not prefixes) or not embeddings.enabled():
+        return Pending(tenant_id, None)
+    scope = None if prefixes is None or "" in prefixes else list(prefixes)
+    matrix = _cache.matrix(tenant_id)
+    return Pending(tenant_id, cpu.offload(embeddings.question_pool(), _embed_and_score, query, matrix, scope))
 
 
 def fuse(lexical: Sequence[tuple[int, float]], semantic: dict[int, float], *, weight: float) -> list[tuple[int, float]]:
