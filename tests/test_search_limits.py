@@ -161,6 +161,36 @@ def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, setting
     assert status == 200 and [r["key"] for r in body["results"]] == ["fact:slow"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_own_or_a_callers():
+    # The timeout and the planner switches are set for the search only: in a transaction of
+    # its own they end with its COMMIT, inside a caller's they are restored before it goes on.
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's planner settings")
+    from django.db import transaction
+
+    from tests.factories import make_tenant
+
+    tenant = make_tenant("settings-end")
+    write(tenant, "fact:z", "zebra crossing")
+
+    def session_settings():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('statement_timeout'), current_setting('enable_seqscan'),"
+                " current_setting('enable_indexscan')"
+            )
+            return cursor.fetchone()
+
+    before = session_settings()
+    assert before[1:] == ("on", "on")
+    assert lexical.lexical_candidates(tenant_id=tenant.pk, prefixes=None, query="zebra", limit=5)
+    assert session_settings() == before
+    with transaction.atomic():
+        assert lexical.lexical_candidates(tenant_id=tenant.pk, prefixes=None, query="zebra", limit=5)
+        assert session_settings() == before
+
+
 # --- ranking --------------------------------------------------------------------------------
 
 

@@ -141,6 +141,10 @@ def deadline() -> Iterator[None]:
     ms = int(settings.ZEROMEM_SEARCH_TIMEOUT_MS)
     try:
         if connection.vendor == "postgresql":
+            # Settings made with set_config(..., true) end with the transaction: in a
+            # transaction of its own the search leaves them to its COMMIT (one round trip
+            # less); inside a caller's (a savepoint) it restores them.
+            restore = connection.in_atomic_block
             with transaction.atomic(), connection.cursor() as cursor:
                 # Bitmap scans only: with the tenant filter written so that no btree can
                 # serve it, the GIN index over tenant-prefixed terms is the one way in,
@@ -153,11 +157,12 @@ def deadline() -> Iterator[None]:
                 )
                 previous = cursor.fetchone()[0]
                 yield
-                cursor.execute(
-                    "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
-                    " set_config('enable_indexscan', 'on', true)",
-                    [previous],
-                )
+                if restore:
+                    cursor.execute(
+                        "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
+                        " set_config('enable_indexscan', 'on', true)",
+                        [previous],
+                    )
         else:
             # No transaction: settings.py makes SQLite's IMMEDIATE, which would hold the
             # database-wide write lock for the whole search; a failed SELECT leaves nothing
