@@ -135,3 +135,32 @@ def test_an_unreachable_database_is_an_operational_error(tenant_a, monkeypatch):
     with monkeypatch.context() as patched, pytest.raises(OperationalError):
         patched.setattr(connection, "ensure_connection", down)
         hotsql.fetchone("SELECT 1", [])
+
+
+def test_memories_by_ids_built_once_returns_what_the_orm_returns(tenant_a, tenant_b):
+    # The ranked memories of a search are loaded by a statement compiled once (an array of
+    # ids on PostgreSQL): the same live rows of the tenant as the queryset, nothing else.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from memories import selectors
+
+    kept = [write(tenant_a, f"fact:{i}", {"n": i, "text": "zebra"}, tags=["t"]) for i in range(4)]
+    trashed = write(tenant_a, "fact:trashed", "x")
+    Memory.objects.filter(pk=trashed.pk).update(deleted_at=timezone.now())
+    expired = write(tenant_a, "fact:expired", "x")
+    Memory.objects.filter(pk=expired.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    other = write(tenant_b, "fact:0", "another tenant's")
+    ids = [m.pk for m in kept] + [trashed.pk, expired.pk, other.pk, 10**12]
+
+    got = selectors.memories_by_ids(tenant=tenant_a, ids=ids)
+    orm = {m.pk: m for m in selectors.memories_live(tenant=tenant_a).filter(pk__in=ids)}
+    assert sorted(got) == sorted(orm) == sorted(m.pk for m in kept)
+    for pk, memory in got.items():
+        for field in Memory._meta.concrete_fields:
+            if field.attname in memory.__dict__:
+                assert getattr(memory, field.attname) == getattr(orm[pk], field.attname), field.attname
+    assert got[kept[0].pk].value == {"n": 0, "text": "zebra"} and got[kept[0].pk].tags == ["t"]
+    assert list(selectors.memories_by_ids(tenant=tenant_b, ids=ids)) == [other.pk]
+    assert selectors.memories_by_ids(tenant=tenant_a, ids=[]) == {}

@@ -62,6 +62,7 @@ _SENTINELS = {
     "tenant": -7_919_101,
     "key": "\x01zeromem-sentinel-key",
     "now": datetime(2001, 2, 3, 4, 5, 6, 789_000, tzinfo=UTC),
+    "ids": -7_919_102,
 }
 # The querysets compiled once, built with the sentinels in place of their values.
 _PLANNED = {
@@ -69,6 +70,9 @@ _PLANNED = {
     "current_for_update": lambda s: Memory.objects.filter(tenant_id=s["tenant"], key=s["key"], deleted_at__isnull=True)
     .select_for_update()
     .order_by("pk")[:1],
+    # PostgreSQL only: the IN list becomes one array parameter (``= ANY(%s)``), so that one
+    # SQL text serves any number of ids.
+    "live_by_ids": lambda s: Memory.objects.filter(tenant_id=s["tenant"]).live(now=s["now"]).filter(pk__in=[s["ids"]]),
 }
 
 
@@ -92,8 +96,18 @@ def _plan(name: str, vendor: str) -> _Plan:
     compiler = qs.query.get_compiler(connection=connection)
     with transaction.atomic(savepoint=False):  # FOR UPDATE compiles only inside one (sends nothing)
         sql, params = compiler.as_sql()
-    by_value = {s["tenant"]: "tenant", s["key"]: "key", _EXPIRES_AT.get_db_prep_value(s["now"], connection): "now"}
+    by_value = {
+        s["tenant"]: "tenant",
+        s["key"]: "key",
+        _EXPIRES_AT.get_db_prep_value(s["now"], connection): "now",
+        s["ids"]: "ids",
+    }
     order = tuple(by_value[p] for p in params)  # a KeyError here: the query changed shape
+    if "ids" in order:
+        pk = connection.ops.quote_name(Memory._meta.db_table) + "." + connection.ops.quote_name("id")
+        if vendor != "postgresql" or sql.count(f"{pk} IN (%s)") != 1:
+            raise RuntimeError(f"{name}: expected one IN list of ids, on PostgreSQL")
+        sql = sql.replace(f"{pk} IN (%s)", f"{pk} = ANY(%s)")
     info = compiler.klass_info
     if compiler.annotation_col_map or info.get("related_klass_infos"):
         raise RuntimeError(f"{name}: expected the plain model's columns")
@@ -106,8 +120,11 @@ def _plan(name: str, vendor: str) -> _Plan:
 
 def _fetch_one(plan: _Plan, values: dict) -> Memory | None:
     row = hotsql.fetchone(plan.sql, [values[name] for name in plan.order])
-    if row is None:
-        return None
+    return None if row is None else _instance(plan, row)
+
+
+def _instance(plan: _Plan, row: tuple) -> Memory:
+    """The row as the ORM's iterator would build it: each column through its converters."""
     cached = connection.__dict__.setdefault("_zeromem_plan_converters", {})
     converters = cached.get(plan.name)
     if converters is None:
@@ -168,10 +185,19 @@ def memory_history(*, memory: Memory) -> QuerySet[MemoryVersion]:
 
 
 def memories_by_ids(*, tenant: Tenant, ids: list[int]) -> dict[int, Memory]:
-    """Live memories by primary key (one IN lookup), as {id: memory}."""
+    """Live memories by primary key (one IN lookup), as {id: memory}.
+
+    Every search loads its ranked memories here: on PostgreSQL the statement is compiled
+    once per process (:func:`_plan`, the ids one array parameter) and the rows built as the
+    ORM builds them — compiling the queryset was about a third of this call's CPU."""
     if not ids:
         return {}
-    return {m.pk: m for m in memories_live(tenant=tenant).filter(pk__in=ids)}
+    if connection.vendor != "postgresql":
+        return {m.pk: m for m in memories_live(tenant=tenant).filter(pk__in=ids)}
+    plan = _plan("live_by_ids", connection.vendor)
+    values = {"tenant": tenant.pk, "now": timezone.now(), "ids": list(ids)}
+    rows = hotsql.fetchall(plan.sql, [values[name] for name in plan.order])
+    return {m.pk: m for m in (_instance(plan, row) for row in rows)}
 
 
 def memories_salient_rows(*, tenant: Tenant, prefixes: list[str] | None) -> list[tuple]:

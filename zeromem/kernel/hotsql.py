@@ -27,11 +27,20 @@ from django.db.models.sql import InsertQuery
 
 def fetchone(sql: str, params: Sequence) -> tuple | None:
     """Run one statement on the default connection and return its first row (or None)."""
+    return _run(sql, params, lambda cursor: cursor.fetchone())
+
+
+def fetchall(sql: str, params: Sequence) -> list[tuple]:
+    """Run one statement on the default connection and return all its rows."""
+    return _run(sql, params, lambda cursor: cursor.fetchall())
+
+
+def _run(sql: str, params: Sequence, fetch):
     db = connections[DEFAULT_DB_ALIAS]
     if db.queries_logged or db.execute_wrappers:
         with db.cursor() as cursor:
             cursor.execute(sql, params)
-            return cursor.fetchone()
+            return fetch(cursor)
     db.close_if_health_check_failed()
     db.ensure_connection()
     db.validate_thread_sharing()
@@ -40,7 +49,7 @@ def fetchone(sql: str, params: Sequence) -> tuple | None:
         cursor = db.create_cursor()
         try:
             cursor.execute(sql, params)
-            return cursor.fetchone()
+            return fetch(cursor)
         finally:
             cursor.close()
 
