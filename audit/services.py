@@ -279,11 +279,11 @@ def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = ""
     """A request refused on a surface before any service ran (a body that is not JSON, a
     field of the wrong type): one ``invalid`` (``denied`` for a 403) event with the error's
     code — unless an operation already recorded this very error. A refusal of a request over
-    its tenant's limits (:class:`TenantBusy`: ``tenant_busy``, ``search_budget``) is counted
-    instead (:func:`_tally_refusal`)."""
+    its key's or tenant's limits (429: ``rate_limited``, and :class:`TenantBusy`:
+    ``tenant_busy``, ``search_budget``) is counted instead (:func:`_tally_refusal`)."""
     if not _mark_recorded(error):
         return
-    if isinstance(error, TenantBusy):
+    if isinstance(error, TenantBusy) or getattr(error, "status_code", None) == 429:
         _tally_refusal(tenant=tenant, actor=actor, action=action, target=target, error=error)
         return
     forbidden = getattr(error, "http_status", 400) == 403
@@ -306,9 +306,9 @@ _BUCKET_MAX = 200
 
 
 def _tally_refusal(*, tenant: Tenant | None, actor: Actor, action: str, target: str, error: ServiceError) -> None:
-    """A request refused because its tenant is over a limit (``tenant_busy``: every slot taken;
-    ``search_budget``: its search time spent) — the answer a flood of requests gets, once per
-    request. Recording each as an event made the flood a flood of synchronous commits, which
+    """A request refused because its key or tenant is over a limit (``rate_limited``: the key's
+    calls per minute; ``tenant_busy``: every slot taken; ``search_budget``: its search time
+    spent) — the answer a flood of requests gets, once per request. Recording each as an event made the flood a flood of synchronous commits, which
     every other tenant's audited request then queued behind for the WAL flush. So, as failed
     authentications are: counted per source (tenant, actor, surface, client address, action,
     code) and minute, one counter increment that does not wait for the flush
@@ -317,7 +317,7 @@ def _tally_refusal(*, tenant: Tenant | None, actor: Actor, action: str, target: 
     by the source's first refusal of a later minute, and by the every-minute schedule). The
     key was verified: the tenant's log, not the tenant-less one. Not kept: each refusal's
     request id and target (the refusal was of the tenant's budget, not of a key)."""
-    code = getattr(error, "code", None) or "tenant_busy"
+    code = getattr(error, "zeromem_code", None) or getattr(error, "code", None) or "rate_limited"
     source = json.dumps(
         [tenant.pk if tenant else None, actor.kind, actor.id, actor.label, actor.surface, actor.client_ip, action, code],
         separators=(",", ":"),

@@ -133,6 +133,29 @@ def test_tenant_busy_refusals_are_counted_per_action_and_surface(api, tenant_a, 
     ]
 
 
+def test_calls_over_the_keys_rate_limit_are_counted_on_rest_and_mcp(api, tenant_a, store, settings, clock):
+    """Before: a key over its rate limit was not audited at all (one row per refusal would
+    have made a flood an audit-write flood); now each minute's refusals are one event."""
+    from memories.mcp.server import run_call
+    from zeromem.kernel.actors import Actor
+
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    assert [api.call("memory_list")[0] for _ in range(5)] == [200, 200, 429, 429, 429]
+    r = api.post("/api/v1/tools/batch", {"calls": [{"name": "memory_list", "arguments": {}}]})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited" and int(r.headers["Retry-After"]) >= 1
+    key = ApiKey.objects.get(tenant=tenant_a)
+    actor = Actor(kind="api_key", id=str(key.pk), label=key.display_prefix, scopes=frozenset(key.scopes), surface="mcp")
+    result = run_call(key, actor, "memory_list", {})
+    assert (result["status"], result["error"]["code"]) == ("error", "rate_limited")
+    assert not _refusals(tenant_a).exists()
+    assert audit_refusals_flush(now=MINUTE + 60) == 3
+    assert sorted((e.action, e.surface, e.count, e.detail["code"]) for e in _refusals(tenant_a)) == [
+        ("tool.batch", "tool", 1, "rate_limited"),
+        ("tool.call", "mcp", 1, "rate_limited"),
+        ("tool.call", "tool", 3, "rate_limited"),
+    ]
+
+
 def test_a_refused_call_in_a_batch_is_counted_and_the_batch_answers(api, tenant_a, over_budget, settings, clock):
     settings.ZEROMEM_REDIS_URL = ""
     over_budget(tenant_a)
