@@ -42,6 +42,7 @@ from zeromem.kernel.errors import (
     NotFound,
     PreconditionFailed,
     ServiceError,
+    TenantBusy,
     Unavailable,
 )
 from zeromem.kernel.replica import replica_reads
@@ -265,7 +266,10 @@ def audited_operation(
                     op._write(op._row)
         except ServiceError as exc:
             if _mark_recorded(exc):
-                op._write(op._row_for(exc))
+                if isinstance(exc, TenantBusy):
+                    _tally_refusal(tenant=op.tenant, actor=actor, action=action, target=op.target, error=exc)
+                else:
+                    op._write(op._row_for(exc))
             span.set("outcome", str(_outcome_of(exc)))
             raise
         span.set("outcome", str(op._row["outcome"]) if op._row is not None else "ok")
@@ -274,8 +278,13 @@ def audited_operation(
 def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = "", error: Exception) -> None:
     """A request refused on a surface before any service ran (a body that is not JSON, a
     field of the wrong type): one ``invalid`` (``denied`` for a 403) event with the error's
-    code — unless an operation already recorded this very error."""
+    code — unless an operation already recorded this very error. A refusal of a request over
+    its key's or tenant's limits (429: ``rate_limited``, and :class:`TenantBusy`:
+    ``tenant_busy``, ``search_budget``) is counted instead (:func:`_tally_refusal`)."""
     if not _mark_recorded(error):
+        return
+    if isinstance(error, TenantBusy) or getattr(error, "status_code", None) == 429:
+        _tally_refusal(tenant=tenant, actor=actor, action=action, target=target, error=error)
         return
     forbidden = getattr(error, "http_status", 400) == 403
     audit_record(
@@ -286,6 +295,75 @@ def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = ""
         outcome=AuditEvent.Outcome.DENIED if forbidden else AuditEvent.Outcome.INVALID,
         detail={"code": getattr(error, "code", None) or getattr(error, "default_code", "invalid")},
     )
+
+
+# --- refusals over a tenant's limits: counted per source and minute ---------------------------
+
+REFUSAL_TALLY = "refused:"
+# The counter's bucket holds at most this many characters (RateCounter.bucket); a source that
+# does not fit (a staff user's long name) is recorded one event per refusal, as before.
+_BUCKET_MAX = 200
+
+
+def _tally_refusal(*, tenant: Tenant | None, actor: Actor, action: str, target: str, error: ServiceError) -> None:
+    """A request refused because its key or tenant is over a limit (``rate_limited``: the key's
+    calls per minute; ``tenant_busy``: every slot taken; ``search_budget``: its search time
+    spent) — the answer a flood of requests gets, once per request. Recording each as an event made the flood a flood of synchronous commits, which
+    every other tenant's audited request then queued behind for the WAL flush. So, as failed
+    authentications are: counted per source (tenant, actor, surface, client address, action,
+    code) and minute, one counter increment that does not wait for the flush
+    (audit/limits.py), and written later as **one** ``invalid`` event in the tenant's own log
+    with ``count`` = the refusals and ``detail`` = {code, minute} (:func:`audit_refusals_flush`:
+    by the source's first refusal of a later minute, and by the every-minute schedule). The
+    key was verified: the tenant's log, not the tenant-less one. Not kept: each refusal's
+    request id and target (the refusal was of the tenant's budget, not of a key)."""
+    code = getattr(error, "zeromem_code", None) or getattr(error, "code", None) or "rate_limited"
+    source = json.dumps(
+        [tenant.pk if tenant else None, actor.kind, actor.id, actor.label, actor.surface, actor.client_ip, action, code],
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    bucket = REFUSAL_TALLY + _storable(source)
+    if tenant is None or len(bucket) > _BUCKET_MAX:
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action=action,
+            target=target,
+            outcome=AuditEvent.Outcome.INVALID,
+            detail={"code": code, "field": getattr(error, "field", None)},
+        )
+        return
+    if limits.hit(bucket, tally=REFUSAL_TALLY).count == 1:
+        # A source's first refusal in a minute flushes the minutes that have closed.
+        audit_refusals_flush()
+
+
+def audit_refusals_flush(*, now: float | None = None) -> int:
+    """Write one ``invalid`` event (``count`` = the refusals, ``detail`` = code and minute) in
+    its tenant's log per source and closed minute of refusals over a tenant's limits
+    (:func:`_tally_refusal`); each minute once, whoever flushes. Returns the events written."""
+    now = time.time() if now is None else now
+    with transaction.atomic():
+        tallies = limits.drain_tallies(REFUSAL_TALLY, before=int(now // 60) * 60)
+        sources = [(json.loads(bucket[len(REFUSAL_TALLY) :]), start, count) for bucket, start, count in tallies]
+        tenants = get_tenant_model().objects.in_bulk({src[0] for src, _s, _c in sources})
+        written = 0
+        for (tenant_id, kind, actor_id, label, surface, client_ip, action, code), start, count in sources:
+            tenant = tenants.get(tenant_id)
+            if tenant is None:
+                _logger.warning("refusals of a deleted tenant not recorded: %s × %s %s", count, action, code)
+                continue
+            audit_record(
+                tenant=tenant,
+                actor=Actor(kind=kind, id=actor_id, label=label, surface=surface, client_ip=client_ip),
+                action=action,
+                outcome=AuditEvent.Outcome.INVALID,
+                count=count,
+                detail={"code": code, "minute": datetime.fromtimestamp(start, tz=UTC).isoformat()},
+            )
+            written += 1
+    return written
 
 
 AUTH_FAILURE_TALLY = "authfail:src:"

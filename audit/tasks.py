@@ -12,7 +12,9 @@ def audit_purge_task() -> dict:
 
 
 def audit_auth_failures_flush_task() -> int:
-    return services.audit_auth_failures_flush()
+    """Every minute: the closed minutes' counted failed authentications and refusals over a
+    tenant's limits, each source's minute as one event. Returns the events written."""
+    return services.audit_auth_failures_flush() + services.audit_refusals_flush()
 
 
 def audit_partitions_task() -> dict:

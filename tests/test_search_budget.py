@@ -1,7 +1,7 @@
 """A tenant's search time budget (memories/services/search_budget.py): searches and recalls
 spend their thread's CPU milliseconds against a rate and a burst, counted across processes
 (audit/limits.py ``backlog``, in the database or Redis); past it a search is refused at once
-with 429 search_budget and Retry-After, audited, and no other tenant is touched."""
+with 429 search_budget and Retry-After, audited (counted per minute), and no other tenant is touched."""
 
 import threading
 import time
@@ -11,6 +11,7 @@ from django.db import connection
 
 from audit import limits
 from audit.models import AuditEvent
+from audit.services import audit_refusals_flush
 from memories.services import search_budget
 from tests.helpers import REDIS_TEST_URL, redis_or_fail
 
@@ -99,8 +100,10 @@ def test_a_tenant_past_its_budget_gets_429_with_retry_after_audited_and_another_
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "search_budget"
     assert r.headers["Retry-After"] == "5"
+    # Audited as one counted event per source and minute (tests/test_refusal_tally.py).
+    audit_refusals_flush(now=time.time() + 60)
     event = AuditEvent.objects.filter(tenant=api.tenant, action="memory.search").latest("id")
-    assert (event.outcome, event.detail["code"]) == (AuditEvent.Outcome.INVALID, "search_budget")
+    assert (event.outcome, event.detail["code"], event.count) == (AuditEvent.Outcome.INVALID, "search_budget", 1)
     # Recall spends the same budget.
     status, body = api.call("memory_recall", query="zebra")
     assert (status, body["error"]["code"]) == (429, "search_budget")

@@ -38,7 +38,9 @@ SCHEDULES = {
     # so a read writes nothing but its event (memories/services/access.py).
     "zeromem:access-counts": ("memories.tasks.access_counts_fold_task", Schedule.MINUTES, 1),
     # Unverified failed authentications are counted per source and minute; each closed
-    # minute becomes one tenant-less auth.failed event with its count.
+    # minute becomes one tenant-less auth.failed event with its count. Refusals over a
+    # tenant's limits (429 tenant_busy, search_budget) likewise, as one event with its count
+    # in the tenant's own log.
     "zeromem:auth-failures-flush": ("audit.tasks.audit_auth_failures_flush_task", Schedule.MINUTES, 1),
     # Stored first answers of Idempotency-Key requests past ZEROMEM_IDEMPOTENCY_SECONDS (24 h).
     "zeromem:idempotency-purge": ("memories.tasks.idempotency_purge_task", Schedule.HOURLY, None),

@@ -171,7 +171,11 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
     try:
         hit = limits.hit(f"key:{key.pk}", cost=1, now=time.time())
         if hit.count > settings.ZEROMEM_RATE_LIMIT_PER_MINUTE:
-            return _error("rate_limited", "Request was throttled.", retry_after=max(1, int(hit.retry_after + 0.999)))
+            retry_after = max(1, int(hit.retry_after + 0.999))
+            # Counted per minute like every refusal over a limit (one event per source and minute).
+            limited = TenantBusy("Request was throttled.", code="rate_limited", retry_after=retry_after)
+            audit_refusal(tenant=key.tenant, actor=actor, action="tool.call", target="", error=limited)
+            return _error("rate_limited", "Request was throttled.", retry_after=retry_after)
         tenant = key.tenant
         if name not in tools.EXPENSIVE_TOOLS:
             return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result

@@ -313,9 +313,12 @@ class AuditedAPIView(TenantAPIView):
     def handle_exception(self, exc):
         if isinstance(exc, _Replay):
             return exc.response
-        refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError, ServiceError))
+        # A key over its rate limit is a refusal too, counted per minute (audit_refusal).
+        refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError, ServiceError, exceptions.Throttled))
         principal = getattr(self.request, "_user", None)
         if refused and principal is not None and hasattr(principal, "tenant"):
+            if isinstance(exc, exceptions.Throttled) and not getattr(exc, "zeromem_code", None):
+                exc.zeromem_code = "rate_limited"
             key = self.kwargs.get("key")
             audit_refusal(
                 tenant=self.tenant,

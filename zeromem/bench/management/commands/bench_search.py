@@ -124,6 +124,11 @@ class Command(BenchCommand):
         )
         parser.add_argument("--build-only", action="store_true", help="build the tenants' data, measure nothing")
         parser.add_argument(
+            "--fairness-only",
+            action="store_true",
+            help="after the warm-up, only the phases of another tenant's reads (idle, CPU hog, attack)",
+        )
+        parser.add_argument(
             "--attack-modes",
             default="processes,threads",
             help="how the parallel phase's clients run: processes (the reader and the searchers each a "
@@ -147,6 +152,7 @@ class Command(BenchCommand):
         seconds,
         rebuild,
         build_only,
+        fairness_only,
         ignore_retry_after,
         attack_modes,
         real_vectors,
@@ -157,6 +163,7 @@ class Command(BenchCommand):
     ):
         self.require_postgresql()
         self.ignore_retry_after = ignore_retry_after
+        self.fairness_only = fairness_only
         self.attack_modes = [m.strip() for m in attack_modes.split(",") if m.strip()]
         if not set(self.attack_modes) <= {"processes", "threads"}:
             raise CommandError("--attack-modes: processes and/or threads")
@@ -387,6 +394,11 @@ class Command(BenchCommand):
             for q in warm:
                 client.request("POST", TOOL_CALL, _search(q))
             time.sleep(0.5)
+        if self.fairness_only:
+            client.close()
+            mixed = [PARAGRAPH, "ab", "一", EMOJI, "what is the of and to in it that this"]
+            mixed += [" ".join(rng.choice(["ab", "cd", "ef", "gh"]) for _ in range(160))[:500]]
+            return {"parallel": self._parallel(port, raw_key, reader_key, read_key, mixed + warm[:5], parallel, seconds)}
         realistic = Samples("realistic", "memory_search, 3-6 words of a memory")
         self.budget_waits = 0
         for q in self._questions(tenant, rng, n):
@@ -456,9 +468,10 @@ class Command(BenchCommand):
         for name, kwargs in phases.items():
             self.log(f"  parallel phase: {name} ({seconds:.0f} s), load {loadavg()}")
             cpu = {pid: proc_cpu_seconds(pid) for pid in self.server_workers}
+            pg = PgCounters()
             outcome = contention.phase(port, reader_key=reader_key, read_body=read_body, seconds=seconds, **kwargs)
             used = sum((proc_cpu_seconds(pid) or 0) - (before or 0) for pid, before in cpu.items())
-            out[name] = {**outcome.summary(), "server_cpu_s": round(used, 2), "load": loadavg()}
+            out[name] = {**outcome.summary(), "server_cpu_s": round(used, 2), "load": loadavg(), "pg": pg.stop(seconds)}
         idle_p99 = out["idle"]["reads"]["p99_ms"]
         for name in phases:
             if name != "idle":
@@ -480,6 +493,10 @@ class Command(BenchCommand):
             + f"; load average {report['load_at_start']} at start, {report['load_at_end']} at end"
         )
         for size, r in report["sizes"].items():
+            if "realistic" not in r:  # --fairness-only
+                w(f"\n{size} memories in one tenant (+{report['others']} in another), fairness phases only")
+                self._print_parallel(r["parallel"])
+                continue
             s = r["realistic"]
             w(
                 f"\n{size} memories in one tenant (+{report['others']} in another), "
@@ -520,6 +537,16 @@ class Command(BenchCommand):
                 f"{ph['server_cpu_s']:12}  "
                 f"{ph['load'][0]:5}  {ph['searches'] or ''}"
             )
+        w("    PostgreSQL during each phase, per second (WAL: the whole cluster's; waits: this database's):")
+        for name, label in labels.items():
+            pg = (p.get(name) or {}).get("pg")
+            if pg:
+                w(
+                    f"    {label:30} commits {pg['commits_per_s']:7}  WAL {pg['wal_kb_per_s']:7} kB  "
+                    f"WAL records {pg['wal_records_per_s']:7}  flushes {pg['wal_syncs_per_s']:6}  "
+                    f"active-backend samples {pg['active_samples']}, on the WAL {pg['wal_wait_share']}  "
+                    f"{pg['waits']}"
+                )
         w(
             "    (own process: the reader and the searchers are separate client processes, as in production; "
             "same process: threads of one process, the old measurement, which adds its own GIL waits. "
@@ -527,6 +554,66 @@ class Command(BenchCommand):
             "can do better than its ratio on this machine. 'p99 after 2 s': the reads that started 2 s or more "
             "into the phase, once a tenant's search burst allowance is spent.)"
         )
+
+
+class PgCounters:
+    """What PostgreSQL did during a phase: this database's commits (pg_stat_database; read-only
+    ones too), the cluster's WAL (pg_stat_wal: bytes, records, and flushes — the cluster's,
+    so other databases' work counts too), and a sample every 10 ms of what this database's
+    active backends wait on (``WALSync``/``WALWrite``: a commit waiting for the flush)."""
+
+    SQL = (
+        "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()),"
+        " pg_current_wal_lsn() - '0/0'::pg_lsn, wal_records, wal_sync FROM pg_stat_wal"
+    )
+    SAMPLE = (
+        "SELECT coalesce(wait_event, 'CPU') FROM pg_stat_activity WHERE datname = current_database()"
+        " AND state = 'active' AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+    )
+
+    def __init__(self):
+        import threading
+
+        import psycopg
+
+        from zeromem.bench.pgwatch import settings_conninfo
+
+        self.conn = psycopg.connect(settings_conninfo(), autocommit=True)
+        self.start = self._read()
+        self.t0 = time.monotonic()
+        self.waits: dict[str, int] = {}
+        self.done = threading.Event()
+        self.sampler = threading.Thread(target=self._sample, args=(psycopg.connect(settings_conninfo(), autocommit=True),))
+        self.sampler.start()
+
+    def _read(self):
+        return self.conn.execute(self.SQL).fetchone()
+
+    def _sample(self, conn):
+        while not self.done.wait(0.01):
+            for (event,) in conn.execute(self.SAMPLE).fetchall():
+                self.waits[event] = self.waits.get(event, 0) + 1
+        conn.close()
+
+    def stop(self, seconds: float) -> dict:
+        self.done.set()
+        self.sampler.join()
+        time.sleep(1.5)  # backends report their statistics at most once a second
+        end = self._read()
+        self.conn.close()
+        span = max(time.monotonic() - self.t0 - 1.5, seconds)
+        delta = [float(b) - float(a) for a, b in zip(self.start, end, strict=True)]
+        active = sum(self.waits.values())
+        on_wal = self.waits.get("WALSync", 0) + self.waits.get("WALWrite", 0)
+        return {
+            "commits_per_s": round(delta[0] / span),
+            "wal_kb_per_s": round(delta[1] / span / 1024, 1),
+            "wal_records_per_s": round(delta[2] / span),
+            "wal_syncs_per_s": round(delta[3] / span),
+            "active_samples": active,
+            "wal_wait_share": round(on_wal / active, 2) if active else None,
+            "waits": dict(sorted(self.waits.items(), key=lambda kv: -kv[1])[:5]),
+        }
 
 
 def _search(q: str) -> bytes:
