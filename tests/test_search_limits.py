@@ -162,7 +162,7 @@ def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, setting
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_own_or_a_callers():
+def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_own_or_a_callers(monkeypatch):
     # The timeout and the planner switches are set for the search only: in a transaction of
     # its own they end with its COMMIT, inside a caller's they are restored before it goes on.
     if connection.vendor != "postgresql":
@@ -178,17 +178,27 @@ def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT current_setting('statement_timeout'), current_setting('enable_seqscan'),"
-                " current_setting('enable_indexscan')"
+                " current_setting('enable_indexscan'), current_setting('max_parallel_workers_per_gather')"
             )
             return cursor.fetchone()
 
     before = session_settings()
-    assert before[1:] == ("on", "on")
+    assert before[1:3] == ("on", "on")
+    during = []
+    real = lexical._pg_candidates
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003
+        during.append(session_settings())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lexical, "_pg_candidates", spy)
     assert lexical.lexical_candidates(tenant_id=tenant.pk, prefixes=None, query="zebra", limit=5)
     assert session_settings() == before
     with transaction.atomic():
         assert lexical.lexical_candidates(tenant_id=tenant.pk, prefixes=None, query="zebra", limit=5)
         assert session_settings() == before
+    # While the search runs: its timeout, bitmap scans only, no parallel workers.
+    assert during and all(d[1:] == ("off", "off", "0") and d[0] != before[0] for d in during)
 
 
 # --- ranking --------------------------------------------------------------------------------

@@ -150,18 +150,22 @@ def deadline() -> Iterator[None]:
                 # serve it, the GIN index over tenant-prefixed terms is the one way in,
                 # whatever the table's statistics say (a fresh or unanalyzed tenant made
                 # the planner walk a btree over all the tenant's rows).
+                # No parallel workers: a search's bounded statements gain nothing from them
+                # but their start-up, and with them one tenant's search takes several cores
+                # (seen during bench_search's fairness phase as MessageQueueReceive waits).
                 cursor.execute(
-                    "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true),"
-                    " set_config('enable_seqscan', 'off', true), set_config('enable_indexscan', 'off', true)",
+                    "SELECT current_setting('statement_timeout'), current_setting('max_parallel_workers_per_gather'),"
+                    " set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'off', true),"
+                    " set_config('enable_indexscan', 'off', true), set_config('max_parallel_workers_per_gather', '0', true)",
                     [f"{ms}ms"],
                 )
-                previous = cursor.fetchone()[0]
+                previous = cursor.fetchone()[:2]
                 yield
                 if restore:
                     cursor.execute(
                         "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
-                        " set_config('enable_indexscan', 'on', true)",
-                        [previous],
+                        " set_config('enable_indexscan', 'on', true), set_config('max_parallel_workers_per_gather', %s, true)",
+                        list(previous),
                     )
         else:
             # No transaction: settings.py makes SQLite's IMMEDIATE, which would hold the
