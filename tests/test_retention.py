@@ -710,3 +710,19 @@ def test_set_retention_rule_command_sets_and_removes_a_rule(tenant_a):
     assert not RetentionRule.objects.filter(tenant=tenant_a).exists()
     with pytest.raises(CommandError):
         call_command("set_retention_rule", tenant=tenant_a.slug, prefix="bad::p", default_ttl_seconds=5)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--rates", "-1"], "--rates"),
+        (["--rates", "fast"], "--rates"),
+        (["--wal-compressions", "off,gzip"], "--wal-compressions"),
+        (["--batch-size", "0"], "--batch-size"),
+    ],
+)
+def test_bench_purge_refuses_bad_variants_before_it_writes_anything(db, args, option):
+    with pytest.raises(CommandError, match=option):
+        run("bench_purge", *args)
+    assert not Memory.objects.exists() and not AuditEvent.objects.exists()
