@@ -77,8 +77,8 @@ def forget_pausing_after_first_batch_of_first_attempt(request_id: int) -> dict:
         _hold(REDELIVERED)
     real = forget._erase_batch
 
-    def erase_batch(rid, *, batch_size):
-        more = real(rid, batch_size=batch_size)
+    def erase_batch(rid, *, batch_size, **kwargs):
+        more = real(rid, batch_size=batch_size, **kwargs)
         if more and ForgetRequest.objects.get(pk=rid).attempts == 1:
             _hold()
         return more
@@ -92,7 +92,7 @@ def forget_killed_every_time(request_id: int) -> dict:
     has been counted and before anything is erased."""
     _note_pid(request_id)
 
-    def erase_batch(rid, *, batch_size):
+    def erase_batch(rid, *, batch_size, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
         _hold()  # not reached
 

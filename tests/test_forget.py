@@ -310,6 +310,43 @@ def test_the_job_is_audited_per_batch_with_counts_and_never_values(api, tenant_a
         assert "secret" not in repr((e.target, e.subject, e.detail)) and e.subject == ""
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("wal", ["off", "auto"])
+def test_the_erasing_batches_compress_their_wal_when_the_role_may_and_erase_the_same(
+    api, tenant_a, django_capture_on_commit_callbacks, settings, monkeypatch, wal
+):
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION = wal
+    for i in range(5):
+        write(tenant_a, f"user:u1:k{i}", f"value {i}")
+        write(tenant_a, f"user:u1:k{i}", f"value {i}, again")
+    write(tenant_a, "user:u2:k", "kept")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT current_setting('wal_compression'), enumvals FROM pg_settings WHERE name = 'wal_compression'"
+        )
+        server, methods = cursor.fetchone()
+    seen = []
+    real = forget._erase_batch
+
+    def watching(request_id, *, batch_size, **kwargs):
+        more = real(request_id, batch_size=batch_size, **kwargs)
+        with connection.cursor() as cursor:  # the test's one transaction: SET LOCAL still shows
+            cursor.execute("SELECT current_setting('wal_compression')")
+            seen.append(cursor.fetchone()[0])
+        return more
+
+    monkeypatch.setattr(forget, "_erase_batch", watching)
+    with django_capture_on_commit_callbacks() as callbacks:
+        pk = api.post(URL, {"subject": "u1"}).json()["id"]
+    receipt = forget.forget_request_execute(request_id=pk, batch_size=2)["receipt"]
+
+    assert len(callbacks) == 1
+    assert (receipt["memories"], receipt["versions"], receipt["batches"]) == (5, 10, 3)
+    assert memory_rows(tenant_a, key__startswith="user:") == [("user:u2:k", 1, None)]
+    best = next(m for m in ("zstd", "lz4", "pglz") if m in methods)
+    assert seen == [server if wal == "off" else best] * 4
+
+
 def test_forgetting_a_prefix_redacts_its_keys_in_old_audit_events(
     api, tenant_a, tenant_b, django_capture_on_commit_callbacks
 ):
@@ -521,9 +558,9 @@ def test_status_only_moves_forward(api, tenant_a, monkeypatch, django_capture_on
     seen = [ForgetRequest.objects.get(pk=request.pk).status]
     real = forget._erase_batch
 
-    def watching(request_id, *, batch_size):
+    def watching(request_id, *, batch_size, **kwargs):
         seen.append(ForgetRequest.objects.get(pk=request_id).status)
-        return real(request_id, batch_size=batch_size)
+        return real(request_id, batch_size=batch_size, **kwargs)
 
     monkeypatch.setattr(forget, "_erase_batch", watching)
     forget.forget_request_execute(request_id=request.pk, batch_size=2)
@@ -563,11 +600,11 @@ def test_a_job_interrupted_after_its_first_batch_completes_on_retry_with_the_sam
     real = forget._erase_batch
     batches = []
 
-    def killed_after_first_batch(request_id, *, batch_size):
+    def killed_after_first_batch(request_id, *, batch_size, **kwargs):
         if batches:
             raise ConnectionError("worker killed")
         batches.append(request_id)
-        return real(request_id, batch_size=batch_size)
+        return real(request_id, batch_size=batch_size, **kwargs)
 
     monkeypatch.setattr(forget, "_erase_batch", killed_after_first_batch)
     with pytest.raises(ConnectionError):
@@ -601,7 +638,7 @@ def test_attempts_are_bounded_and_then_the_request_fails(
     write(tenant_a, "user:u1:k", "value")
     request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
 
-    def always_killed(request_id, *, batch_size):
+    def always_killed(request_id, *, batch_size, **kwargs):
         raise ConnectionError("worker killed")
 
     monkeypatch.setattr(forget, "_erase_batch", always_killed)

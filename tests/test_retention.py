@@ -3,6 +3,7 @@
 that runs it."""
 
 import json
+import secrets
 import threading
 from contextlib import contextmanager
 from datetime import timedelta
@@ -85,7 +86,15 @@ def expired_and_live(tenant_a, tenant_b):
     expire(tenant_b, "session:s9:tmp")
 
 
-def test_purge_erases_expired_memories_and_all_their_versions(tenant_a, tenant_b, expired_and_live):
+# Erasure is the same with the WAL compressed and the purge paced as without either.
+ERASURE_MODES = pytest.mark.parametrize("wal, rate", [("off", 0), ("auto", 60000), ("auto", 0)])
+
+
+@ERASURE_MODES
+def test_purge_erases_expired_memories_and_all_their_versions(
+    tenant_a, tenant_b, expired_and_live, settings, wal, rate
+):
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION, settings.ZEROMEM_PURGE_MEMORIES_PER_SECOND = wal, rate
     doomed = list(Memory.objects.filter(expires_at__lte=_real_now()).values_list("pk", flat=True))
     assert len(doomed) == 3
     assert MemoryVersion.objects.filter(memory_id__in=doomed).count() == 3 + 2 + 1
@@ -100,7 +109,11 @@ def test_purge_erases_expired_memories_and_all_their_versions(tenant_a, tenant_b
     assert keys(tenant_b) == {"session:s1:step"}
 
 
-def test_purge_leaves_live_memories_and_their_history_untouched(tenant_a, tenant_b, expired_and_live):
+@ERASURE_MODES
+def test_purge_leaves_live_memories_and_their_history_untouched(
+    tenant_a, tenant_b, expired_and_live, settings, wal, rate
+):
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION, settings.ZEROMEM_PURGE_MEMORIES_PER_SECOND = wal, rate
     live = {m.pk: (m.value, m.version, m.expires_at) for m in Memory.objects.live()}
     history = sorted(MemoryVersion.objects.filter(memory_id__in=live).values_list("memory_id", "version", "value"))
 
@@ -111,7 +124,11 @@ def test_purge_leaves_live_memories_and_their_history_untouched(tenant_a, tenant
     assert services.memory_read(tenant=tenant_b, actor=SYSTEM, key="session:s1:step").memory.value == "b-live"
 
 
-def test_each_tenant_gets_one_audit_event_per_batch_with_its_count(tenant_a, tenant_b, expired_and_live):
+@ERASURE_MODES
+def test_each_tenant_gets_one_audit_event_per_batch_with_its_count(
+    tenant_a, tenant_b, expired_and_live, settings, wal, rate
+):
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION, settings.ZEROMEM_PURGE_MEMORIES_PER_SECOND = wal, rate
     services.purge_expired()
 
     (event_a,) = purge_events(tenant_a)
@@ -156,6 +173,117 @@ def test_pause_ratio_sleeps_that_share_of_each_batch_and_refuses_a_negative_one(
     with mock.patch("memories.services.retention.time.sleep", slept.append):
         services.purge_expired(batch_size=2, pause_ratio=0)
     assert len(slept) == 3
+
+
+class FakeClock:
+    """time.monotonic and time.sleep for the purge: the clock moves only when it sleeps
+    (or by ``work`` seconds per reading, standing in for the batches' own time)."""
+
+    def __init__(self, work=0.0):
+        self.now, self.work, self.slept = 1000.0, work, []
+
+    def monotonic(self):
+        self.now += self.work
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_rate_paces_the_purge_to_n_over_r_seconds_and_refuses_a_negative_one(tenant_a, settings):
+    for n in range(5):
+        write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)
+        expire(tenant_a, f"task:t{n}:status")
+    with pytest.raises(InvalidInput) as refused:
+        services.purge_expired(memories_per_second=-1)
+    assert refused.value.field == "memories_per_second" and Memory.objects.count() == 5
+    settings.ZEROMEM_PURGE_MEMORIES_PER_SECOND = 2.0
+    clock = FakeClock()
+    with mock.patch("memories.services.retention.time", clock):
+        result = services.purge_expired(batch_size=2)
+    # 5 memories at 2/s: after 2, 4 and 5 erased the run is back on 1.0, 2.0 and 2.5 s.
+    assert (result["expired"], result["batches"]) == (5, 3)
+    assert clock.slept == [1.0, 1.0, 0.5]
+    assert result["seconds"] >= 5 / 2
+    assert not Memory.objects.exists()
+
+
+def test_rate_sleeps_only_what_the_batches_own_time_leaves_and_zero_is_unpaced(tenant_a, settings):
+    for n in range(6):
+        write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)
+        expire(tenant_a, f"task:t{n}:status")
+    settings.ZEROMEM_PURGE_MEMORIES_PER_SECOND = 0
+    clock = FakeClock(work=0.1)
+    with mock.patch("memories.services.retention.time", clock):
+        services.purge_expired(batch_size=2, memories_per_second=4.0)
+    # Each batch of 2 is due 0.5 s after the previous one; its own time (0.1 s per reading)
+    # is taken off the sleep, and the run still takes at least 6 / 4 s.
+    assert len(clock.slept) == 3 and all(0 < s < 0.5 for s in clock.slept)
+    assert clock.now - 1000.0 >= 6 / 4
+    for n in range(3):
+        write(tenant_a, f"task:u{n}:status", "done", ttl_seconds=60)
+        expire(tenant_a, f"task:u{n}:status")
+    clock = FakeClock()
+    with mock.patch("memories.services.retention.time", clock):
+        assert services.purge_expired(batch_size=2)["expired"] == 3
+    assert clock.slept == []  # 0: unpaced
+
+
+def best_wal_compression():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT enumvals FROM pg_settings WHERE name = 'wal_compression'")
+        (methods,) = cursor.fetchone()
+    return next(m for m in ("zstd", "lz4", "pglz") if m in methods)
+
+
+def wal_compression_now():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('wal_compression')")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.postgres
+def test_purge_compresses_its_wal_when_the_role_may_and_only_in_its_transaction(tenant_a, settings):
+    """The test runs in one transaction, so the batches' SET LOCAL is still visible after
+    the purge; outside tests it ends with each batch's commit."""
+    seed_expired(tenant_a, 5)
+    server = wal_compression_now()
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION = "off"
+    assert services.purge_expired(batch_size=2)["expired"] == 5
+    assert wal_compression_now() == server
+    seed_expired(tenant_a, 5, prefix="again")
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION = "auto"
+    seen = []
+    assert services.purge_expired(batch_size=2, progress=lambda _n: seen.append(wal_compression_now()))["expired"] == 5
+    assert seen == [best_wal_compression()] * 3
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION = "pglz"
+    seed_expired(tenant_a, 1, prefix="pglz")
+    assert services.purge_expired()["expired"] == 1
+    assert wal_compression_now() == "pglz"
+
+
+@pytest.mark.postgres
+def test_purge_as_a_role_that_may_not_set_wal_compression_erases_all_the_same(
+    tenant_a, tenant_b, expired_and_live, settings
+):
+    settings.ZEROMEM_PURGE_WAL_COMPRESSION = "auto"
+    role = f"zm_purge_test_{secrets.token_hex(4)}"  # created and dropped in this test's transaction
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE ROLE {role} NOSUPERUSER")
+        cursor.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}")
+        cursor.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        cursor.execute(f"SET ROLE {role}")
+        server = wal_compression_now()
+        try:
+            assert services.retention.wal_compression_for_erasure() is None
+            result = services.purge_expired()
+            assert wal_compression_now() == server
+        finally:
+            cursor.execute("RESET ROLE")
+    assert (result["expired"], result["versions"]) == (3, 6)
+    assert keys(tenant_a) == {"user:u1:lang", "user:u1:name"} and keys(tenant_b) == {"session:s1:step"}
+    assert sorted(e.count for e in purge_events()) == [1, 2]
 
 
 def test_versions_of_erased_memories_go_with_them_without_a_database_foreign_key(tenant_a):
@@ -582,3 +710,19 @@ def test_set_retention_rule_command_sets_and_removes_a_rule(tenant_a):
     assert not RetentionRule.objects.filter(tenant=tenant_a).exists()
     with pytest.raises(CommandError):
         call_command("set_retention_rule", tenant=tenant_a.slug, prefix="bad::p", default_ttl_seconds=5)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--rates", "-1"], "--rates"),
+        (["--rates", "fast"], "--rates"),
+        (["--wal-compressions", "off,gzip"], "--wal-compressions"),
+        (["--batch-size", "0"], "--batch-size"),
+    ],
+)
+def test_bench_purge_refuses_bad_variants_before_it_writes_anything(db, args, option):
+    with pytest.raises(CommandError, match=option):
+        run("bench_purge", *args)
+    assert not Memory.objects.exists() and not AuditEvent.objects.exists()

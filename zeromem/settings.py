@@ -301,6 +301,12 @@ ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=3
 ZEROMEM_DASHBOARD_STATS_MINUTES = env.int("ZEROMEM_DASHBOARD_STATS_MINUTES", default=10)
 # The TTL purge sleeps this × each batch's time after the batch (memories/services/retention.py).
 ZEROMEM_PURGE_PAUSE_RATIO = env.float("ZEROMEM_PURGE_PAUSE_RATIO", default=0.0)
+# The TTL purge erases at most this many memories per second (0: unpaced), so its WAL is an
+# even stream rather than bursts that concurrent commits queue behind.
+ZEROMEM_PURGE_MEMORIES_PER_SECOND = env.float("ZEROMEM_PURGE_MEMORIES_PER_SECOND", default=60000.0)
+# wal_compression set locally by the purge's and forget's erasing transactions when the role may
+# (auto: zstd, lz4 or pglz, the best this PostgreSQL has; off: leave the server's setting).
+ZEROMEM_PURGE_WAL_COMPRESSION = env.str("ZEROMEM_PURGE_WAL_COMPRESSION", default="auto")
 # A verified API key is reused for this long by the process that verified it, so a request
 # costs no key lookup; a revocation reaches every other process within this bound (the
 # process that revokes drops it at once). 0 turns the cache off. memories/services/key_cache.py

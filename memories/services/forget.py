@@ -44,6 +44,7 @@ from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import keyring, search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
+from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
 from memories.services.summaries import summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
@@ -324,7 +325,8 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
     if request.status != Status.RUNNING:
         return _result(request)
     try:
-        while _erase_batch(request_id, batch_size=batch_size):
+        wal_compression = wal_compression_for_erasure()
+        while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
             pass
         _shred(request_id)
         redacted = audit_redact_subject(
@@ -458,9 +460,11 @@ def _summaries_derived_from(tenant_id: int, keys: list[str]) -> QuerySet[Memory]
     return qs.alias(_derived=hit).filter(_derived=True)
 
 
-def _erase_batch(request_id: int, *, batch_size: int) -> bool:
-    """Erase one batch; False when nothing was left (or the request is no longer running)."""
+def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | None = None) -> bool:
+    """Erase one batch; False when nothing was left (or the request is no longer running).
+    ``wal_compression``: set locally for the batch (retention.wal_compression_for_erasure)."""
     with transaction.atomic():
+        set_local_wal_compression(wal_compression)
         request = ForgetRequest.objects.select_for_update().select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING:
             return False

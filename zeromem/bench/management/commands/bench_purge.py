@@ -17,9 +17,12 @@ Then, ``--rounds`` times:
    VACUUM ANALYZE and CHECKPOINT, so each round's purge meets the same settled table
    (and pays the full-page writes a purge after a checkpoint pays in production);
 2. the reader's latencies are recorded for ``--baseline-seconds`` with no purge running;
-3. ``memories.services.purge_expired`` runs (``--batch-size``; each ``--pause-ratios`` value in
-   turn, default the ``ZEROMEM_PURGE_PAUSE_RATIO`` setting) while the reader keeps reading:
-   its memories/s (pauses included), and the reads' latencies during it;
+3. ``memories.services.purge_expired`` runs while the reader keeps reading, once per variant:
+   every combination of ``--batch-size``, ``--pause-ratios``, ``--rates`` (memories/s,
+   0 unpaced) and ``--wal-compressions`` (each a comma-separated list, default the settings),
+   in turn, so the variants share the round's time window; its memories/s (pauses included),
+   its WAL (bytes and full-page images, from ``pg_stat_wal``: the whole server's, so other
+   databases' writes count too) and the reads' latencies during it;
 4. the reads again with no purge running, for ``--baseline-seconds`` (to show drift);
 5. the controls (``--controls``, default both), each as long as that round's purge took and
    with the reader still reading: ``cpu``, a subprocess spinning on one core that has nothing
@@ -31,7 +34,7 @@ Then, ``--rounds`` times:
 
 Each purge lasts only seconds, so a single round gives a few hundred reads "during": the
 rounds pool them, for a p99 worth the name. Printed: throughput per round and, per pause
-ratio, its median, read p50/p95/p99 with and without a purge side by side, and the DESIGN.md targets
+variant, its median, read p50/p95/p99 with and without a purge side by side, and the DESIGN.md targets
 (≥ 50,000 rows/s; read p99 rise ≤ 25%). Every phase is bounded in time. The purge also
 erases any other expired rows in the database (that is its job), so use a database of its
 own. The bench tenant's live memories and audit events stay.
@@ -47,10 +50,12 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import product
 
 from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import connection, connections, transaction
+from django.test import override_settings
 from django.utils import timezone
 
 from memories import services
@@ -127,7 +132,23 @@ class Command(BenchCommand):
         parser.add_argument("--rows", type=int, default=100_000, help="expired memories per round (default 100000)")
         parser.add_argument("--live", type=int, default=5_000, help="live memories the reader reads (default 5000)")
         parser.add_argument("--rounds", type=int, default=3, help="seed + purge rounds (default 3)")
-        parser.add_argument("--batch-size", type=int, default=retention.DEFAULT_BATCH_SIZE)
+        parser.add_argument(
+            "--batch-size",
+            default=str(retention.DEFAULT_BATCH_SIZE),
+            help=f"comma-separated batch sizes to compare (default {retention.DEFAULT_BATCH_SIZE})",
+        )
+        parser.add_argument(
+            "--rates",
+            default=None,
+            help="comma-separated purge rates in memories/s to compare, 0 unpaced "
+            "(default: the ZEROMEM_PURGE_MEMORIES_PER_SECOND setting)",
+        )
+        parser.add_argument(
+            "--wal-compressions",
+            default=None,
+            help="comma-separated ZEROMEM_PURGE_WAL_COMPRESSION values to compare: off, auto, zstd, lz4, pglz "
+            "(default: the setting)",
+        )
         parser.add_argument("--baseline-seconds", type=float, default=3.0, help="each no-purge read phase")
         parser.add_argument(
             "--pause-ratios",
@@ -152,6 +173,8 @@ class Command(BenchCommand):
         baseline_seconds,
         max_seconds,
         pause_ratios,
+        rates,
+        wal_compressions,
         controls,
         **options,
     ):
@@ -165,7 +188,21 @@ class Command(BenchCommand):
             raise CommandError("--pause-ratios: comma-separated numbers, e.g. 0,0.5,1") from None
         if any(r < 0 for r in ratios):
             raise CommandError("--pause-ratios must be at least 0")
-        if min(rows, live, rounds, batch_size) < 1 or rounds > 20:
+        try:
+            batch_sizes = [int(b) for b in batch_size.split(",")]
+            paces = [float(r) for r in (rates or str(settings.ZEROMEM_PURGE_MEMORIES_PER_SECOND)).split(",")]
+        except ValueError:
+            raise CommandError("--batch-size and --rates: comma-separated numbers, e.g. 1000,5000") from None
+        if any(r < 0 for r in paces):
+            raise CommandError("--rates must be at least 0 (0: unpaced)")
+        compressions = [c.strip() for c in (wal_compressions or settings.ZEROMEM_PURGE_WAL_COMPRESSION).split(",")]
+        if any(c not in ("off", "auto", *retention.WAL_COMPRESSION_PREFERENCE) for c in compressions):
+            raise CommandError("--wal-compressions: a comma-separated subset of off,auto,zstd,lz4,pglz")
+        variants = [
+            Variant(batch_size=b, ratio=r, rate=p, compression=c)
+            for b, r, p, c in product(batch_sizes, ratios, paces, compressions)
+        ]
+        if min(rows, live, rounds, *batch_sizes) < 1 or rounds > 20:
             raise CommandError("--rows, --live, --batch-size must be at least 1; --rounds 1 to 20")
         if not 0 < baseline_seconds <= 60:
             raise CommandError("--baseline-seconds must be in (0, 60]")
@@ -187,9 +224,9 @@ class Command(BenchCommand):
             reader.record("warmup")
             time.sleep(1.0)
             for n in range(1, rounds + 1):
-                for ratio in ratios:
+                for variant in variants:
                     reader.record(None)
-                    purge = self._round(n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds, ratio)
+                    purge = self._round(n, tenant, reader, rows, baseline_seconds, max_seconds, variant)
                     purges.append(purge)
                     for control in controls:
                         self._control(control, purge, reader)
@@ -201,7 +238,7 @@ class Command(BenchCommand):
                     # bandit B608 (marked): SCRATCH is a constant of this module.
                     cursor.execute(f"DROP TABLE IF EXISTS {SCRATCH}")  # nosec B608
         left = Memory.objects.filter(tenant=tenant, expires_at__lte=timezone.now()).count()
-        self._report(batch_size=batch_size, purges=purges, reader=reader, left=left, controls=controls)
+        self._report(purges=purges, reader=reader, left=left, controls=controls)
 
     def _control(self, control: str, purge: dict, reader: Reader) -> None:
         """The reader's latencies while something other than the purge loads the machine for
@@ -239,10 +276,10 @@ class Command(BenchCommand):
             f"(load {load_before})"
         )
 
-    def _round(self, n, tenant, reader, rows, batch_size, baseline_seconds, max_seconds, ratio) -> dict:
-        label = f"{ratio:g}"
+    def _round(self, n, tenant, reader, rows, baseline_seconds, max_seconds, variant: Variant) -> dict:
+        label = variant.label
         t0 = time.perf_counter()
-        self._seed_expired(tenant, f"r{n}p{ratio}", rows)
+        self._seed_expired(tenant, f"r{n}v{secrets.token_hex(3)}", rows)
         with connection.cursor() as cursor:
             cursor.execute("VACUUM ANALYZE memories_memory")
             cursor.execute("VACUUM ANALYZE memories_memoryversion")
@@ -259,29 +296,35 @@ class Command(BenchCommand):
                 raise CommandError(f"a purge took longer than --max-seconds={max_seconds}")
 
         wal_before = self._wal_lsn()
+        fpi_before = self._wal_fpi()
         started = time.perf_counter()
-        result = retention.purge_expired(
-            batch_size=batch_size,
-            max_batches=math.ceil(rows / batch_size) + 10,
-            progress=stop_when_late,
-            pause_ratio=ratio,
-        )
+        with override_settings(ZEROMEM_PURGE_WAL_COMPRESSION=variant.compression):
+            result = retention.purge_expired(
+                batch_size=variant.batch_size,
+                max_batches=math.ceil(rows / variant.batch_size) + 10,
+                progress=stop_when_late,
+                pause_ratio=variant.ratio,
+                memories_per_second=variant.rate,
+            )
         seconds = time.perf_counter() - started
         reader.record("after")
         wal = self._wal_lsn() - wal_before
+        fpi = self._wal_fpi() - fpi_before
         time.sleep(baseline_seconds)
         erased = result["expired"] + result["trash"]
         self.stdout.write(
-            f"round {n}, pause ratio {label}: seeded in {seeded:.1f} s; purged {erased:,} memories + "
+            f"round {n}, {label}: seeded in {seeded:.1f} s; purged {erased:,} memories + "
             f"{result['versions']:,} versions in {result['batches']} batches, {seconds:.2f} s = "
-            f"{erased / seconds:,.0f} memories/s; WAL {wal / 2**20:.1f} MiB"
+            f"{erased / seconds:,.0f} memories/s; WAL {wal / 2**20:.1f} MiB "
+            f"({wal / max(erased, 1):,.0f} B/memory, {fpi:,} full-page images; load {_loadavg()})"
         )
         return {
             "erased": erased,
             "versions": result["versions"],
             "seconds": seconds,
-            "ratio": label,
+            "variant": label,
             "wal": wal,
+            "fpi": fpi,
             "batches": result["batches"],
         }
 
@@ -331,29 +374,36 @@ class Command(BenchCommand):
         )
 
     @staticmethod
+    def _wal_fpi() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT wal_fpi FROM pg_stat_wal")
+            return int(cursor.fetchone()[0])
+
+    @staticmethod
     def _wal_lsn() -> int:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_current_wal_lsn() - '0/0'")
             return int(cursor.fetchone()[0])
 
-    def _report(self, *, batch_size, purges, reader, left, controls) -> None:
+    def _report(self, *, purges, reader, left, controls) -> None:
         out = self.stdout.write
         samples = {name: sorted(s) for name, s in reader.samples.items()}
         baseline = sorted(samples.get("before", []) + samples.get("after", []))
-        ratios = list(dict.fromkeys(p["ratio"] for p in purges))
+        labels = list(dict.fromkeys(p["variant"] for p in purges))
+        width = max([26, *(len(v) + 6 for v in labels)])
         out("")
-        out(f"purge batch size {batch_size}; {left} expired rows of the bench tenant left")
-        out(f"{'memory_read latency':26} {'n':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        out(f"{left} expired rows of the bench tenant left")
+        out(f"{'memory_read latency':{width}} {'n':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
         rows = [
             ("no purge (before)", samples.get("before", [])),
             ("no purge (after)", samples.get("after", [])),
             ("no purge (all)", baseline),
         ]
-        rows += [(f"while purging, pause {r}", samples.get(f"during@{r}", [])) for r in ratios]
+        rows += [(f"while {r}", samples.get(f"during@{r}", [])) for r in labels]
         rows += [(f"control: {c}", samples.get(f"control:{c}", [])) for c in controls]
         for name, s in rows:
             out(
-                f"{name:26} {len(s):>7} {percentile(s, 0.50):>8.3f} {percentile(s, 0.95):>8.3f}"
+                f"{name:{width}} {len(s):>7} {percentile(s, 0.50):>8.3f} {percentile(s, 0.95):>8.3f}"
                 f" {percentile(s, 0.99):>8.3f} {percentile(s, 1.0):>8.3f}"
             )
         if reader.errors:
@@ -361,27 +411,45 @@ class Command(BenchCommand):
         out("")
         p99_base = percentile(baseline, 0.99)
         out(
-            f"{'pause ratio':>11} {'memories/s (median)':>20} {'rows/s':>10} {'read p99 ms':>12} {'rise':>7}  "
-            f"targets ≥ {TARGET_ROWS_PER_S:,}/s and ≤ +{TARGET_P99_RISE:.0%}"
+            f"{'variant':>{width}} {'memories/s (median)':>20} {'rows/s':>10} {'WAL B/mem':>10} {'FPI/round':>10} "
+            f"{'read p99 ms':>12} {'rise':>7}  targets ≥ {TARGET_ROWS_PER_S:,}/s and ≤ +{TARGET_P99_RISE:.0%}"
         )
-        for r in ratios:
-            mine = [p for p in purges if p["ratio"] == r]
+        for r in labels:
+            mine = [p for p in purges if p["variant"] == r]
             rate = statistics.median(p["erased"] / p["seconds"] for p in mine)
             row_rate = statistics.median((p["erased"] + p["versions"]) / p["seconds"] for p in mine)
             during = samples.get(f"during@{r}", [])
             p99 = percentile(during, 0.99)
             rise = p99 / p99_base - 1 if baseline and during else float("nan")
+            wal = statistics.median(p["wal"] / max(p["erased"], 1) for p in mine)
+            fpi = statistics.median(p["fpi"] for p in mine)
             met = "met" if rate >= TARGET_ROWS_PER_S and rise <= TARGET_P99_RISE else "MISSED"
-            out(f"{r:>11} {rate:>20,.0f} {row_rate:>10,.0f} {p99:>12.3f} {rise:>+7.0%}  {met}")
+            out(
+                f"{r:>{width}} {rate:>20,.0f} {row_rate:>10,.0f} {wal:>10,.0f} {fpi:>10,.0f} "
+                f"{p99:>12.3f} {rise:>+7.0%}  {met}"
+            )
             if len(during) < 500:
-                out(f"{'':11} note: only {len(during)} reads during these purges; raise --rounds for a steadier p99")
+                note = f"note: only {len(during)} reads during these purges; raise --rounds for a steadier p99"
+                out(f"{'':{width}} {note}")
         for c in controls:
             during = samples.get(f"control:{c}", [])
             p99 = percentile(during, 0.99)
             rise = p99 / p99_base - 1 if baseline and during else float("nan")
             what = "one core spinning" if c == "cpu" else "the purge's WAL, plain rows"
-            out(f"{'control ' + c:>11} {what:>31} {p99:>12.3f} {rise:>+7.0%}")
+            out(f"{'control ' + c:>{width}} {what:>53} {p99:>12.3f} {rise:>+7.0%}")
         out(f"load average at the end: {_loadavg()}")
+
+
+class Variant:
+    """One way of running the purge that a round compares."""
+
+    def __init__(self, *, batch_size: int, ratio: float, rate: float, compression: str):
+        self.batch_size, self.ratio, self.rate, self.compression = batch_size, ratio, rate, compression
+
+    @property
+    def label(self) -> str:
+        rate = f"{self.rate / 1000:g}k/s" if self.rate else "unpaced"
+        return f"batch {self.batch_size}, pause {self.ratio:g}, {rate}, wal {self.compression}"
 
 
 def _loadavg() -> str:
