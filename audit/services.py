@@ -297,7 +297,7 @@ def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = ""
     )
 
 
-# --- refusals over a tenant's limits: counted per source and minute ---------------------------
+# --- refusals over a limit: counted per source and minute ----------------------------------
 
 REFUSAL_TALLY = "refused:"
 # The counter's bucket holds at most this many characters (RateCounter.bucket); a source that
@@ -308,18 +308,20 @@ _BUCKET_MAX = 200
 def _tally_refusal(*, tenant: Tenant | None, actor: Actor, action: str, target: str, error: ServiceError) -> None:
     """A request refused because its key or tenant is over a limit (``rate_limited``: the key's
     calls per minute; ``tenant_busy``: every slot taken; ``search_budget``: its search time
-    spent) — the answer a flood of requests gets, once per request. Recording each as an event made the flood a flood of synchronous commits, which
-    every other tenant's audited request then queued behind for the WAL flush. So, as failed
-    authentications are: counted per source (tenant, actor, surface, client address, action,
-    code) and minute, one counter increment that does not wait for the flush
-    (audit/limits.py), and written later as **one** ``invalid`` event in the tenant's own log
-    with ``count`` = the refusals and ``detail`` = {code, minute} (:func:`audit_refusals_flush`:
-    by the source's first refusal of a later minute, and by the every-minute schedule). The
-    key was verified: the tenant's log, not the tenant-less one. Not kept: each refusal's
-    request id and target (the refusal was of the tenant's budget, not of a key)."""
+    spent) — the answer a flood of requests gets, once per request. Recording each as an event
+    made the flood a flood of synchronous commits, which every other tenant's audited request
+    then queued behind for the WAL flush. So, as failed authentications are: counted per
+    source (tenant, actor, surface, client address, action, code) and minute, one counter
+    increment that does not wait for the flush (audit/limits.py), and written later as
+    **one** ``invalid`` event in the tenant's own log with ``count`` = the refusals and
+    ``detail`` = {code, minute} (:func:`audit_refusals_flush`: by the source's first refusal
+    of a later minute, and by the every-minute schedule). The key was verified: the tenant's
+    log, not the tenant-less one. Not kept: each refusal's request id and target (the refusal
+    was of the tenant's limit, not of a key)."""
     code = getattr(error, "zeromem_code", None) or getattr(error, "code", None) or "rate_limited"
     source = json.dumps(
-        [tenant.pk if tenant else None, actor.kind, actor.id, actor.label, actor.surface, actor.client_ip, action, code],
+        [tenant.pk if tenant else None, actor.kind, actor.id, actor.label, actor.surface, actor.client_ip]
+        + [action, code],
         separators=(",", ":"),
         ensure_ascii=False,
     )

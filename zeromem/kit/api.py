@@ -314,7 +314,8 @@ class AuditedAPIView(TenantAPIView):
         if isinstance(exc, _Replay):
             return exc.response
         # A key over its rate limit is a refusal too, counted per minute (audit_refusal).
-        refused = isinstance(exc, (exceptions.ValidationError, exceptions.ParseError, ServiceError, exceptions.Throttled))
+        refusals = (exceptions.ValidationError, exceptions.ParseError, ServiceError, exceptions.Throttled)
+        refused = isinstance(exc, refusals)
         principal = getattr(self.request, "_user", None)
         if refused and principal is not None and hasattr(principal, "tenant"):
             if isinstance(exc, exceptions.Throttled) and not getattr(exc, "zeromem_code", None):

@@ -398,7 +398,8 @@ class Command(BenchCommand):
             client.close()
             mixed = [PARAGRAPH, "ab", "一", EMOJI, "what is the of and to in it that this"]
             mixed += [" ".join(rng.choice(["ab", "cd", "ef", "gh"]) for _ in range(160))[:500]]
-            return {"parallel": self._parallel(port, raw_key, reader_key, read_key, mixed + warm[:5], parallel, seconds)}
+            mixed += warm[:5]
+            return {"parallel": self._parallel(port, raw_key, reader_key, read_key, mixed, parallel, seconds)}
         realistic = Samples("realistic", "memory_search, 3-6 words of a memory")
         self.budget_waits = 0
         for q in self._questions(tenant, rng, n):
@@ -469,7 +470,11 @@ class Command(BenchCommand):
             self.log(f"  parallel phase: {name} ({seconds:.0f} s), load {loadavg()}")
             cpu = {pid: proc_cpu_seconds(pid) for pid in self.server_workers}
             pg = PgCounters()
-            outcome = contention.phase(port, reader_key=reader_key, read_body=read_body, seconds=seconds, **kwargs)
+            try:
+                outcome = contention.phase(port, reader_key=reader_key, read_body=read_body, seconds=seconds, **kwargs)
+            except BaseException:
+                pg.stop(0)
+                raise
             used = sum((proc_cpu_seconds(pid) or 0) - (before or 0) for pid, before in cpu.items())
             out[name] = {**outcome.summary(), "server_cpu_s": round(used, 2), "load": loadavg(), "pg": pg.stop(seconds)}
         idle_p99 = out["idle"]["reads"]["p99_ms"]
@@ -583,7 +588,9 @@ class PgCounters:
         self.t0 = time.monotonic()
         self.waits: dict[str, int] = {}
         self.done = threading.Event()
-        self.sampler = threading.Thread(target=self._sample, args=(psycopg.connect(settings_conninfo(), autocommit=True),))
+        self.sampler = threading.Thread(
+            target=self._sample, args=(psycopg.connect(settings_conninfo(), autocommit=True),), daemon=True
+        )
         self.sampler.start()
 
     def _read(self):
