@@ -98,13 +98,20 @@ def _upsert_sql(vendor: str, own_transaction: bool) -> str:
     flush per read instead of two. Inside an enclosing transaction (whose other writes may be
     audit events) the setting is never touched."""
     table = connection.ops.quote_name(RateCounter._meta.db_table)
+    return _counter_upsert(vendor, own_transaction, f"{table}.count + EXCLUDED.count")
+
+
+def _counter_upsert(vendor: str, own_transaction: bool, new_count: str) -> str:
+    """A counter row's INSERT … ON CONFLICT DO UPDATE SET count = ``new_count`` RETURNING
+    count; when it is a transaction of its own on PostgreSQL, committed without waiting for
+    the WAL flush (``synchronous_commit`` off for that transaction only)."""
+    table = connection.ops.quote_name(RateCounter._meta.db_table)
     values = "VALUES (%s, %s, %s)"
     if vendor == "postgresql" and own_transaction:
         values = "SELECT %s, %s, %s WHERE set_config('synchronous_commit', 'off', true) = 'off'"
     return (
         f"INSERT INTO {table} (bucket, window_start, count) {values} "  # nosec B608
-        f"ON CONFLICT (bucket, window_start) DO UPDATE SET count = {table}.count + EXCLUDED.count "
-        "RETURNING count"
+        f"ON CONFLICT (bucket, window_start) DO UPDATE SET count = {new_count} RETURNING count"
     )
 
 
@@ -225,14 +232,7 @@ def _backlog_sql(vendor: str, own_transaction: bool) -> str:
     its own does not wait for the WAL flush on PostgreSQL: a backlog is a counter, not a
     record (a crash of PostgreSQL could forget the last fraction of a second of charges)."""
     table = connection.ops.quote_name(RateCounter._meta.db_table)
-    values = "VALUES (%s, %s, %s)"
-    if vendor == "postgresql" and own_transaction:
-        values = "SELECT %s, %s, %s WHERE set_config('synchronous_commit', 'off', true) = 'off'"
-    return (
-        f"INSERT INTO {table} (bucket, window_start, count) {values} "  # nosec B608
-        f"ON CONFLICT (bucket, window_start) DO UPDATE SET count = CASE WHEN {table}.count > %s "
-        f"THEN {table}.count ELSE %s END + %s RETURNING count"
-    )
+    return _counter_upsert(vendor, own_transaction, f"CASE WHEN {table}.count > %s THEN {table}.count ELSE %s END + %s")
 
 
 @cache

@@ -164,3 +164,15 @@ def revoked_client(tenant_a):
     client, key = make_keyed_client(tenant_a)
     services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
     return client
+
+
+@pytest.fixture(params=["database", "redis"])
+def counter_store(request, settings):
+    """Where rate limits, slots, search budgets and refusal tallies count (audit/limits.py):
+    the database, or Redis (which must answer: the test fails rather than skips)."""
+    from tests.helpers import REDIS_TEST_URL, redis_or_fail
+
+    settings.ZEROMEM_REDIS_URL = "" if request.param == "database" else REDIS_TEST_URL
+    if request.param == "redis":
+        redis_or_fail()
+    return request.param

@@ -17,19 +17,16 @@ from audit.models import AuditEvent, ConcurrencySlot
 from audit.services import audit_refusals_flush
 from memories.models import ApiKey
 from memories.services import search_budget
-from tests.helpers import REDIS_TEST_URL, redis_or_fail
+
 
 CALL = "/api/v1/tools/call"
 SEARCH = {"name": "memory_search", "arguments": {"query": "zebra"}}
 MINUTE = 28_333_334 * 60
 
 
-@pytest.fixture(params=["database", "redis"])
-def store(request, settings):
-    settings.ZEROMEM_REDIS_URL = "" if request.param == "database" else REDIS_TEST_URL
-    if request.param == "redis":
-        redis_or_fail()
-    return request.param
+@pytest.fixture
+def store(counter_store):
+    return counter_store
 
 
 @pytest.fixture

@@ -18,12 +18,9 @@ from tests.helpers import REDIS_TEST_URL, redis_or_fail
 SEARCH = {"name": "memory_search", "arguments": {"query": "zebra"}}
 
 
-@pytest.fixture(params=["database", "redis"])
-def store(request, settings):
-    settings.ZEROMEM_REDIS_URL = "" if request.param == "database" else REDIS_TEST_URL
-    if request.param == "redis":
-        redis_or_fail()
-    return request.param
+@pytest.fixture
+def store(counter_store):
+    return counter_store
 
 
 @pytest.fixture

@@ -6,19 +6,16 @@ with Retry-After; other tenants are untouched. Slots are counted in the database
 import pytest
 
 from audit import limits
-from tests.helpers import REDIS_TEST_URL, redis_or_fail
+
 
 EXPORT = "/api/v1/audit-events/export"
 
 
-@pytest.fixture(params=["database", "redis"])
-def store(request, settings):
-    settings.ZEROMEM_REDIS_URL = "" if request.param == "database" else REDIS_TEST_URL
-    if request.param == "redis":
-        redis_or_fail()
+@pytest.fixture
+def store(counter_store, settings):
     settings.ZEROMEM_TENANT_MAX_CONCURRENT = 2
     settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0.1
-    return request.param
+    return counter_store
 
 
 def test_slots_are_limited_per_holder_and_come_back_when_released(db, store):
