@@ -1,4 +1,5 @@
-"""Promises of the README that had no test: 429s are not audited; a bad X-Request-ID is
+"""Promises of the README that had no test: a 429 writes no audit row of its own (it is
+counted per minute, tests/test_refusal_tally.py); a bad X-Request-ID is
 replaced by ours; per-tenant value_max_bytes and the hard cap; the audit row and its
 operation commit or roll back together."""
 
@@ -16,7 +17,9 @@ from tests.factories import SYSTEM
 CALL = "/api/v1/tools/call"
 
 
-def test_a_request_refused_by_the_rate_limit_is_not_audited(api, settings):
+def test_a_request_refused_by_the_rate_limit_writes_no_audit_row_of_its_own(api, settings):
+    # Refusals over a limit are counted per source and minute and written later as one
+    # event with the count (audit/services.py _tally_refusal): a flood costs no row each.
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
     assert api.call("memory_list")[0] == 200
     assert api.call("memory_list")[0] == 200
