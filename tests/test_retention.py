@@ -46,6 +46,13 @@ def expire(tenant, key):
     Memory.objects.filter(tenant=tenant, key=key).update(expires_at=_real_now() - timedelta(seconds=1))
 
 
+def expired_tasks(tenant, n):
+    """``n`` memories task:t<i>:status whose TTL has passed."""
+    for i in range(n):
+        write(tenant, f"task:t{i}:status", "done", ttl_seconds=60)
+        expire(tenant, f"task:t{i}:status")
+
+
 def trash(tenant, key):
     assert services.memory_delete(tenant=tenant, actor=SYSTEM, key=key).status == "ok"
 
@@ -144,9 +151,7 @@ def test_each_tenant_gets_one_audit_event_per_batch_with_its_count(
 
 
 def test_small_batches_write_one_event_per_batch_summing_to_the_total(tenant_a):
-    for n in range(5):
-        write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)
-        expire(tenant_a, f"task:t{n}:status")
+    expired_tasks(tenant_a, 5)
     seen = []
 
     result = services.purge_expired(batch_size=2, progress=seen.append)
@@ -158,9 +163,7 @@ def test_small_batches_write_one_event_per_batch_summing_to_the_total(tenant_a):
 
 
 def test_pause_ratio_sleeps_that_share_of_each_batch_and_refuses_a_negative_one(tenant_a, settings):
-    for n in range(5):
-        write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)
-        expire(tenant_a, f"task:t{n}:status")
+    expired_tasks(tenant_a, 5)
     with pytest.raises(InvalidInput) as refused:
         services.purge_expired(pause_ratio=-1)
     assert refused.value.field == "pause_ratio" and Memory.objects.count() == 5
@@ -192,9 +195,7 @@ class FakeClock:
 
 
 def test_rate_paces_the_purge_to_n_over_r_seconds_and_refuses_a_negative_one(tenant_a, settings):
-    for n in range(5):
-        write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)
-        expire(tenant_a, f"task:t{n}:status")
+    expired_tasks(tenant_a, 5)
     with pytest.raises(InvalidInput) as refused:
         services.purge_expired(memories_per_second=-1)
     assert refused.value.field == "memories_per_second" and Memory.objects.count() == 5
@@ -302,9 +303,7 @@ def test_versions_of_erased_memories_go_with_them_without_a_database_foreign_key
 
 
 def test_max_batches_stops_early_and_the_next_run_finishes(tenant_a):
-    for n in range(5):
-        write(tenant_a, f"task:t{n}:status", "done", ttl_seconds=60)
-        expire(tenant_a, f"task:t{n}:status")
+    expired_tasks(tenant_a, 5)
 
     first = services.purge_expired(batch_size=2, max_batches=1)
     assert (first["expired"], first["batches"]) == (2, 1)

@@ -36,6 +36,8 @@ def fetchall(sql: str, params: Sequence) -> list[tuple]:
 
 
 def _run(sql: str, params: Sequence, fetch):
+    # What connection.cursor() checks, on the driver's own cursor (Django's whenever
+    # statements are being watched); ``fetch(cursor)`` is the answer.
     db = connections[DEFAULT_DB_ALIAS]
     if db.queries_logged or db.execute_wrappers:
         with db.cursor() as cursor:
@@ -56,22 +58,7 @@ def _run(sql: str, params: Sequence, fetch):
 
 def execute(sql: str, params: Sequence) -> int:
     """Run one statement that returns no rows; its row count."""
-    db = connections[DEFAULT_DB_ALIAS]
-    if db.queries_logged or db.execute_wrappers:
-        with db.cursor() as cursor:
-            cursor.execute(sql, params)
-            return cursor.rowcount
-    db.close_if_health_check_failed()
-    db.ensure_connection()
-    db.validate_thread_sharing()
-    db.validate_no_broken_transaction()
-    with db.wrap_database_errors:
-        cursor = db.create_cursor()
-        try:
-            cursor.execute(sql, params)
-            return cursor.rowcount
-        finally:
-            cursor.close()
+    return _run(sql, params, lambda cursor: cursor.rowcount)
 
 
 # --- Model.save() of the hot rows, its SQL built once ----------------------------------------
