@@ -1,13 +1,15 @@
 """Forget requests: POST/GET /api/v1/forget-requests, the job that carries them out
 (memories.services.forget), its receipt, deadline, retries and the residue it must not leave."""
 
+import threading
+import time
 from datetime import datetime, timedelta
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.auth import get_user_model
 from django.contrib.contenttypes.models import ContentType
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 from django_q.models import OrmQ, Task
 from django_q.signing import SignedPackage
@@ -845,3 +847,102 @@ def test_finished_jobs_are_purged_after_the_retention_period(tenant_a, tenant_b,
     events = AuditEvent.objects.filter(action="job.purge").order_by("tenant_id")
     assert [(e.tenant_id, e.count) for e in events] == [(tenant_a.pk, 2), (tenant_b.pk, 1)]
     assert tasks.jobs_purge_task() == 0
+
+
+def _lock_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_write_and_an_embedding_racing_a_forget_are_erased_with_the_memory(monkeypatch, settings):
+    """Versions and embeddings have no foreign key in the database (memories 0015, 0018): a
+    forget locks its memories before it erases them, so a write and the embedding job that
+    hold a memory when the forget comes finish first and their rows go with it. Without the
+    lock the forget's DELETEs of versions and embeddings run first, its DELETE of the memory
+    waits, and what they then commit outlives the memory."""
+    from memories.models import MemoryEmbedding
+    from memories.search import embeddings
+
+    settings.ZEROMEM_EMBEDDINGS = "on"
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below, in this thread
+    tenant = make_tenant("forget-race")
+    memory = write(tenant, "user:u7:diet", "vegetarian", subject="u7")
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+    locked, failures = threading.Event(), []
+
+    def writer_and_embedding_job():
+        try:
+            with transaction.atomic():
+                Memory.objects.select_for_update().get(pk=memory.pk)
+                locked.set()
+                deadline = time.monotonic() + 20
+                while _lock_waiters() == 0:  # the forget is waiting for this memory now
+                    assert time.monotonic() < deadline, "the forget never waited for the memory"
+                    time.sleep(0.02)
+                services.memory_update(tenant=tenant, actor=SYSTEM, key="user:u7:diet", value="vegan")
+                assert embeddings.embeddings_refresh()["embedded"] == 1  # the job, under this lock
+        except BaseException as exc:  # surfaced in the main thread below
+            failures.append(exc)
+        finally:
+            locked.set()
+            connection.close()
+
+    racer = threading.Thread(target=writer_and_embedding_job)
+    racer.start()
+    assert locked.wait(20)
+    forget.forget_request_execute(request_id=request.pk)
+    racer.join(30)
+
+    assert not failures, failures
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert request.receipt["versions"] == 2  # the first version and the one the racer wrote
+    assert not Memory.objects.filter(pk=memory.pk).exists()
+    assert not MemoryVersion.objects.filter(memory_id=memory.pk).exists()
+    assert not MemoryEmbedding.objects.filter(memory_id=memory.pk).exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_forget_batch_does_not_hold_up_the_tenants_other_writes(monkeypatch):
+    """A batch locks its request row, not the tenant's (``of=("self",)``): a version or an
+    audit event of the same tenant checks its tenant foreign key (KEY SHARE on the tenant row),
+    which a FOR UPDATE of the tenant would make wait for the whole batch."""
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)
+    tenant = make_tenant("forget-fair")
+    write(tenant, "user:u7:diet", "vegetarian", subject="u7")
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+    in_batch, release, outcome = threading.Event(), threading.Event(), []
+    targets = forget._target_memories
+
+    def paused(req):  # inside the batch's transaction, after its lock
+        in_batch.set()
+        release.wait(20)
+        return targets(req)
+
+    monkeypatch.setattr(forget, "_target_memories", paused)
+
+    def other_write():
+        try:
+            assert in_batch.wait(20)
+            with connection.cursor() as cursor:
+                cursor.execute("SET lock_timeout = '2s'")
+            outcome.append(write(tenant, "user:u8:diet", "vegan", subject="u8").version)
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            release.set()
+            connection.close()
+
+    writer = threading.Thread(target=other_write)
+    writer.start()
+    forget.forget_request_execute(request_id=request.pk)
+    writer.join(30)
+    assert outcome == [1]
+    request.refresh_from_db()
+    assert request.status == "completed" and request.receipt["memories"] == 1

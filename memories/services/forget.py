@@ -345,7 +345,7 @@ def _shred(request_id: int) -> int:
     opening (memories.keyring.shred). Idempotent: the count adds to the receipt only once the
     keys are gone; a rerun finds none left. Audited as ``datakey.destroy``."""
     with transaction.atomic():
-        request = ForgetRequest.objects.select_for_update().select_related("tenant").get(pk=request_id)
+        request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING or not request.subject:
             return 0
         destroyed = keyring.shred(tenant_id=request.tenant_id, subject=request.subject)
@@ -394,7 +394,9 @@ def _advance(request_id: int, to: str, **fields) -> bool:
 
 def _start_attempt(request_id: int) -> ForgetRequest | None:
     with transaction.atomic():
-        request = ForgetRequest.objects.select_for_update().select_related("tenant").filter(pk=request_id).first()
+        request = (
+            ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=request_id).first()
+        )
         if request is None or request.status in FINISHED:
             return request
         now = timezone.now()
@@ -465,7 +467,7 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
     ``wal_compression``: set locally for the batch (retention.wal_compression_for_erasure)."""
     with transaction.atomic():
         set_local_wal_compression(wal_compression)
-        request = ForgetRequest.objects.select_for_update().select_related("tenant").get(pk=request_id)
+        request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING:
             return False
         rows = list(_target_memories(request).order_by("pk").values_list("pk", "key", "category")[:batch_size])
@@ -502,7 +504,14 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
                     rebuilt[summary.key] = text
             frontier = sorted({m.key for m in derived})
 
-        # Versions go with their memory (on_delete=CASCADE, one DELETE ... WHERE memory_id IN).
+        # The memories locked first (in id order: concurrent batches never deadlock): a write
+        # or the embedding job holding one finishes before this goes on, and one that comes
+        # later waits for this commit and finds the memory gone. Versions and embeddings have
+        # no foreign key in the database (migrations 0015, 0018), so the DELETEs below, each
+        # with a fresh snapshot, must see every version and embedding committed before it.
+        locked = Memory.objects.filter(tenant_id=request.tenant_id, pk__in=ids).order_by("pk").select_for_update()
+        list(locked.values_list("pk", flat=True))
+        # Versions and embeddings go with their memory (on_delete=CASCADE, a DELETE each).
         _total, per_model = Memory.objects.filter(tenant_id=request.tenant_id, pk__in=ids).only("pk").delete()
         # Admin history of these memories names them (object_repr is the key) and may
         # describe the change: it goes too.
@@ -585,7 +594,7 @@ def _summary_rebuild(
 
 def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
     with transaction.atomic():
-        request = ForgetRequest.objects.select_for_update().select_related("tenant").get(pk=request_id)
+        request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING:
             return _result(request)
         now = timezone.now()

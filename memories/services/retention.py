@@ -316,10 +316,11 @@ def purge_expired(
 
     Cost per batch: one statement on PostgreSQL (an index range scan of memory_expiring or
     memory_trash, three DELETEs by id list), one audit INSERT per tenant, a commit. Versions
-    have no foreign key in the database (memories migration 0013: its per-memory check was
-    the largest single part of a batch); the embeddings' ON DELETE CASCADE stays (an
-    embedding the job commits mid-purge is erased with its memory). ``progress(erased_so_far)`` is called
-    after each batch. Returns {"expired", "trash", "versions", "batches", "seconds"}.
+    and embeddings have no foreign key in the database (memories migrations 0015 and 0018:
+    the check, then the cascade's trigger, were the largest single parts of a batch; the
+    embedding job writes only for live memories it holds locked, never for one the purge
+    erases). ``progress(erased_so_far)`` is called after each batch. Returns {"expired",
+    "trash", "versions", "batches", "seconds"}.
 
     **Pacing.** The purge erases at most ``memories_per_second`` (default
     ``settings.ZEROMEM_PURGE_MEMORIES_PER_SECOND``; 0: as fast as it can): after each batch
