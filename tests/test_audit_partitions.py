@@ -285,3 +285,57 @@ def test_creating_partitions_behind_a_long_transaction_never_queues_every_tenant
     with connection.cursor() as cursor:
         for name in names:
             cursor.execute(f"DROP TABLE {name}")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_dropping_a_month_behind_a_long_reader_neither_queues_other_readers_nor_stops_the_purge(settings):
+    """The drop locks the month's partition ACCESS EXCLUSIVE: behind a long transaction that
+    read the log (a backup, a slow review), waiting without limit, every other query of the
+    log (any tenant's review, the sealing job) would queue behind it until that transaction
+    ends. It waits at most its lock_timeout, and then the purge goes on without the drop."""
+    settings.ZEROMEM_AUDIT_RETENTION_DAYS = 30
+    a, b = make_tenant("drop-long"), make_tenant("drop-other")
+    reading, release, outcome, failures = threading.Event(), threading.Event(), {}, []
+    later = timezone.now() + timedelta(days=400)  # this month is past everyone's retention then
+
+    def long_reader():
+        try:
+            with transaction.atomic():
+                AuditEvent.objects.filter(tenant=a).count()  # holds every partition (ACCESS SHARE)
+                reading.set()
+                release.wait(30)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            reading.set()
+            connection.close()
+
+    def purge_job():
+        try:
+            outcome.update(audit_purge_all(now=later))
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    reader = threading.Thread(target=long_reader)
+    reader.start()
+    try:
+        assert reading.wait(20)
+        job = threading.Thread(target=purge_job)
+        job.start()
+        deadline = time.monotonic() + 20
+        while _lock_waiters() == 0 and job.is_alive():  # the drop waits for the month now
+            assert time.monotonic() < deadline, "the drop never waited"
+            time.sleep(0.02)
+        started = time.monotonic()
+        AuditEvent.objects.filter(tenant=b).exists()  # another tenant's review of its log
+        waited = time.monotonic() - started
+        job.join(30)
+        assert not failures, failures
+        assert waited < 8, f"another tenant's read of its log waited {waited:.1f} s behind the drop"
+        assert set(outcome) == {a.slug, b.slug, ""}  # the row purge still ran for every chain
+    finally:
+        release.set()
+        reader.join(30)
+        partitions.ensure_partitions()  # had the drop gone through: the months the suite uses
