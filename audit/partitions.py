@@ -23,17 +23,23 @@ is cloned by PostgreSQL from the parent; the statement-level TRUNCATE trigger is
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
 TABLE = "audit_auditevent"
 DEFAULT = f"{TABLE}_default"
 MONTHS_AHEAD = 2
 _LOCK = (0x5A4D, -1)  # pg_advisory_xact_lock: the audit namespace, "partitions"
+# How long creating a partition waits for the event table's lock; every audit INSERT waits
+# behind it meanwhile.
+CREATE_LOCK_TIMEOUT = "1s"
+_LOCK_NOT_AVAILABLE = "55P03"
+_logger = logging.getLogger("zeromem.audit")
 _BOUND = re.compile(r"FROM \((.+)\) TO \((.+)\)")
 
 
@@ -134,23 +140,38 @@ def _default_has_rows(cursor, month: datetime) -> bool:
 def ensure_partitions(*, now: datetime | None = None, ahead: int = MONTHS_AHEAD) -> dict:
     """Create the partitions of this month and the next ``ahead`` months that do not exist
     yet (the schedule ``zeromem:audit-partitions``). Returns {"created": [...], "blocked":
-    [...]}: a blocked month has events in the default partition already and keeps using it.
+    [...], "busy": [...]}: a blocked month has events in the default partition already and
+    keeps using it; busy ones were not created because the event table stayed locked past
+    ``CREATE_LOCK_TIMEOUT`` (the next run creates them: they are made months ahead).
     Idempotent; concurrent runs take turns on an advisory lock."""
     if not is_partitioned():
-        return {"created": [], "blocked": []}
+        return {"created": [], "blocked": [], "busy": []}
     now = now or timezone.now()
-    created, blocked = [], []
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(_LOCK))
-        covered = [(p.lower, p.upper) for p in partitions() if not p.is_default]
-        first = month_start(now)
-        for n in range(ahead + 1):
-            month = add_months(first, n)
-            end = add_months(month, 1)
-            if any((lo is None or lo < end) and month < up for lo, up in covered):
-                continue  # covered (a monthly partition, or the legacy one)
-            if _default_has_rows(cursor, month):
-                blocked.append(partition_name(month))
-                continue
-            created.append(create_partition(cursor, month))
-    return {"created": created, "blocked": blocked}
+    created, blocked, wanted = [], [], []
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(_LOCK))
+            covered = [(p.lower, p.upper) for p in partitions() if not p.is_default]
+            first = month_start(now)
+            # CREATE TABLE … PARTITION OF takes ACCESS EXCLUSIVE on the event table: waiting for
+            # it behind one long transaction that touched the log, it would queue every audit
+            # INSERT (every request of every tenant) until that transaction ends.
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [CREATE_LOCK_TIMEOUT])
+            for n in range(ahead + 1):
+                month = add_months(first, n)
+                end = add_months(month, 1)
+                if any((lo is None or lo < end) and month < up for lo, up in covered):
+                    continue  # covered (a monthly partition, or the legacy one)
+                if _default_has_rows(cursor, month):
+                    blocked.append(partition_name(month))
+                    continue
+                wanted.append(month)
+            for month in wanted:
+                created.append(create_partition(cursor, month))
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+            raise
+        busy = [partition_name(month) for month in wanted]
+        _logger.warning("audit partitions %s not created: the event table is busy; the next run tries again", busy)
+        return {"created": [], "blocked": blocked, "busy": busy}
+    return {"created": created, "blocked": blocked, "busy": []}

@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, models, transaction
+from django.db import OperationalError, connection, models, transaction
 from django.db.models import Q
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
@@ -944,46 +944,70 @@ def audit_partitions_drop(*, now=None) -> list[str]:
     now = now or timezone.now()
     tenants = {t.pk: t for t in get_tenant_model().objects.order_by("pk")}
     dropped = []
-    table = AuditEvent._meta.db_table
-    seals_table = AuditSeal._meta.db_table
     for part in partitions.partitions():
         if part.is_default:
             break
         plan = _partition_plan(part, now, tenants)
         if plan is None:
             break
-        with _maintenance("purge"), connection.cursor() as cursor:
-            for tenant_id in sorted(plan, key=lambda t: t or 0):
-                _lock_chain(tenant_id)
-            cursor.execute(f"LOCK TABLE {part.name} IN ACCESS EXCLUSIVE MODE")
-            if _has_unsealed(part.name):
+        try:
+            if not _drop_partition(part, plan, now):
                 break  # an event arrived with a past date since the plan: next run
-            for tenant_id, (first_seq, last_seq, first_id, last_id, ranged_last, _n) in plan.items():
-                where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
-                args = [] if tenant_id is None else [tenant_id]
-                _checkpoint(tenant_id=tenant_id, reason=AuditCheckpoint.Reason.PURGE, purged_through=last_seq)
-                lower = part.lower or datetime.min.replace(tzinfo=UTC)
-                cursor.execute(
-                    f"DELETE FROM {table} WHERE {where} AND {_PLAN_MEMBERS} "  # nosec B608
-                    "AND id BETWEEN %s AND %s AND (occurred_at < %s OR occurred_at >= %s)",
-                    [*args, first_seq, last_seq, ranged_last, first_id, last_id, lower, part.upper],
-                )
-                cursor.execute(
-                    f"UPDATE {seals_table} SET purged_at = %s WHERE {where} "  # nosec B608
-                    "AND purged_at IS NULL AND seq BETWEEN %s AND %s",
-                    [now, *args, first_seq, last_seq],
-                )
-            # Deferred FK checks queued on the partition (events inserted in an enclosing
-            # transaction) must run first: PostgreSQL refuses to drop a table with pending ones.
-            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
-            cursor.execute("SET LOCAL lock_timeout = '5s'")
-            cursor.execute(f"DROP TABLE {part.name}")
+        except OperationalError as exc:
+            # A long reader held the month or the table past the lock_timeout, or a reader
+            # that waited for the month held the table (a deadlock PostgreSQL broke): the
+            # drop rolled back, and the next run tries again. The row purge still runs.
+            if getattr(exc.__cause__, "sqlstate", None) not in _LOCK_FAILURES:
+                raise
+            _logger.warning("audit partition %s not dropped: %s; the next run tries again", part.name, exc.__cause__)
+            break
         dropped.append(part.name)
         for tenant_id, (_f, last_seq, _fi, _li, _rl, events) in plan.items():
             tenant = tenants.get(tenant_id)
             with audited_operation(tenant=tenant, actor=Actor.system(job=SYSTEM_AUDIT_JOB), action="audit.purge") as op:
                 op.record(count=events, detail={"through_seal": last_seq, "partition": part.name})
     return dropped
+
+
+# lock_not_available (lock_timeout), deadlock_detected
+_LOCK_FAILURES = ("55P03", "40P01")
+
+
+def _drop_partition(part: partitions.Partition, plan: dict, now) -> bool:
+    """One transaction: the plan's checkpoints, its events outside the month, its seals
+    marked purged, and ``DROP TABLE``. False (nothing done) if the month got an unsealed event."""
+    table = AuditEvent._meta.db_table
+    seals_table = AuditSeal._meta.db_table
+    with _maintenance("purge"), connection.cursor() as cursor:
+        # Every lock here waits at most this long: while the month's lock (and then the
+        # table's, for the DROP) is awaited, every query of the log (the table's, for every
+        # insert) queues behind it, so a long reader must not hold the whole log up.
+        cursor.execute("SET LOCAL lock_timeout = '5s'")
+        for tenant_id in sorted(plan, key=lambda t: t or 0):
+            _lock_chain(tenant_id)
+        cursor.execute(f"LOCK TABLE {part.name} IN ACCESS EXCLUSIVE MODE")
+        if _has_unsealed(part.name):
+            return False
+        for tenant_id, (first_seq, last_seq, first_id, last_id, ranged_last, _n) in plan.items():
+            where = "tenant_id IS NULL" if tenant_id is None else "tenant_id = %s"
+            args = [] if tenant_id is None else [tenant_id]
+            _checkpoint(tenant_id=tenant_id, reason=AuditCheckpoint.Reason.PURGE, purged_through=last_seq)
+            lower = part.lower or datetime.min.replace(tzinfo=UTC)
+            cursor.execute(
+                f"DELETE FROM {table} WHERE {where} AND {_PLAN_MEMBERS} "  # nosec B608
+                "AND id BETWEEN %s AND %s AND (occurred_at < %s OR occurred_at >= %s)",
+                [*args, first_seq, last_seq, ranged_last, first_id, last_id, lower, part.upper],
+            )
+            cursor.execute(
+                f"UPDATE {seals_table} SET purged_at = %s WHERE {where} "  # nosec B608
+                "AND purged_at IS NULL AND seq BETWEEN %s AND %s",
+                [now, *args, first_seq, last_seq],
+            )
+        # Deferred FK checks queued on the partition (events inserted in an enclosing
+        # transaction) must run first: PostgreSQL refuses to drop a table with pending ones.
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        cursor.execute(f"DROP TABLE {part.name}")
+    return True
 
 
 # --- reading the log (compliance review) ----------------------------------------------------

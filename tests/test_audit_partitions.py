@@ -3,6 +3,8 @@ events land in their month's partition (or the default one when it has none), wh
 are dropped by the retention purge after a checkpoint and the chain still verifies, and every
 partition refuses UPDATE, DELETE and TRUNCATE."""
 
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 
@@ -53,7 +55,7 @@ def test_the_migration_partitions_the_event_table_with_months_ahead_and_a_defaul
         assert partitions.partition_name(partitions.add_months(month, n)) in names
     assert names[-1] == partitions.DEFAULT
     # Nothing to do on a second run.
-    assert partitions.ensure_partitions() == {"created": [], "blocked": []}
+    assert partitions.ensure_partitions() == {"created": [], "blocked": [], "busy": []}
 
 
 def test_appends_across_a_month_boundary_land_in_two_partitions_and_verify(db, monkeypatch):
@@ -83,6 +85,7 @@ def test_an_event_of_a_month_without_partition_lands_in_the_default_one(db, monk
     assert outcome == {
         "created": ["audit_auditevent_p2035_07", "audit_auditevent_p2035_08"],
         "blocked": ["audit_auditevent_p2035_06"],
+        "busy": [],
     }
     later = record(monkeypatch, tenant, june + timedelta(days=1))
     later += record(monkeypatch, tenant, june + timedelta(days=25))
@@ -213,3 +216,126 @@ def test_the_audit_purge_command_drops_months_past_retention(db, monkeypatch, se
     assert "dropped audit_auditevent_p2020_01" in out.getvalue()
     assert not AuditEvent.objects.filter(pk__in=ids).exists()
     assert audit_verify(tenant_id=tenant.pk).ok
+
+
+def _lock_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_creating_partitions_behind_a_long_transaction_never_queues_every_tenants_events():
+    """CREATE TABLE … PARTITION OF takes ACCESS EXCLUSIVE on the event table. Waiting for it
+    behind one long transaction that touched the log (a tenant's forget batch, an access-count
+    fold), it would queue every other tenant's audit INSERT — every request — until that
+    transaction ends. It gives up after a short lock_timeout instead; the next run creates it."""
+    a, b = make_tenant("part-long"), make_tenant("part-other")
+    future = datetime(2041, 1, 1, tzinfo=UTC)
+    names = [partitions.partition_name(partitions.add_months(future, n)) for n in range(partitions.MONTHS_AHEAD + 1)]
+    holding, release, outcome, failures = threading.Event(), threading.Event(), {}, []
+
+    def long_transaction():
+        try:
+            with transaction.atomic():
+                audit_record(tenant=a, actor=AGENT, action="memory.read", outcome="ok")
+                holding.set()
+                release.wait(30)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            holding.set()
+            connection.close()
+
+    def partition_job():
+        try:
+            outcome.update(partitions.ensure_partitions(now=future))
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=long_transaction)
+    holder.start()
+    try:
+        assert holding.wait(20)
+        job = threading.Thread(target=partition_job)
+        job.start()
+        deadline = time.monotonic() + 20
+        while _lock_waiters() == 0 and job.is_alive():  # the job waits for the event table now
+            assert time.monotonic() < deadline, "the partition job never waited"
+            time.sleep(0.02)
+        started = time.monotonic()
+        audit_record(tenant=b, actor=AGENT, action="memory.read", outcome="ok")  # another tenant's request
+        waited = time.monotonic() - started
+        job.join(30)
+        assert not failures, failures
+        assert waited < 3, f"another tenant's audit INSERT waited {waited:.1f} s behind the partition job"
+        assert outcome == {"created": [], "blocked": [], "busy": names}
+        assert not any(exists(name) for name in names)
+    finally:
+        release.set()
+        holder.join(30)
+        with connection.cursor() as cursor:
+            for name in names:
+                cursor.execute(f"DROP TABLE IF EXISTS {name}")
+    assert partitions.ensure_partitions(now=future)["created"] == names  # the next run, nothing in the way
+    with connection.cursor() as cursor:
+        for name in names:
+            cursor.execute(f"DROP TABLE {name}")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_dropping_a_month_behind_a_long_reader_neither_queues_other_readers_nor_stops_the_purge(settings):
+    """The drop locks the month's partition ACCESS EXCLUSIVE: behind a long transaction that
+    read the log (a backup, a slow review), waiting without limit, every other query of the
+    log (any tenant's review, the sealing job) would queue behind it until that transaction
+    ends. It waits at most its lock_timeout, and then the purge goes on without the drop."""
+    settings.ZEROMEM_AUDIT_RETENTION_DAYS = 30
+    a, b = make_tenant("drop-long"), make_tenant("drop-other")
+    reading, release, outcome, failures = threading.Event(), threading.Event(), {}, []
+    later = timezone.now() + timedelta(days=400)  # this month is past everyone's retention then
+
+    def long_reader():
+        try:
+            with transaction.atomic():
+                AuditEvent.objects.filter(tenant=a).count()  # holds every partition (ACCESS SHARE)
+                reading.set()
+                release.wait(30)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            reading.set()
+            connection.close()
+
+    def purge_job():
+        try:
+            outcome.update(audit_purge_all(now=later))
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    reader = threading.Thread(target=long_reader)
+    reader.start()
+    try:
+        assert reading.wait(20)
+        job = threading.Thread(target=purge_job)
+        job.start()
+        deadline = time.monotonic() + 20
+        while _lock_waiters() == 0 and job.is_alive():  # the drop waits for the month now
+            assert time.monotonic() < deadline, "the drop never waited"
+            time.sleep(0.02)
+        started = time.monotonic()
+        AuditEvent.objects.filter(tenant=b).exists()  # another tenant's review of its log
+        waited = time.monotonic() - started
+        job.join(30)
+        assert not failures, failures
+        assert waited < 8, f"another tenant's read of its log waited {waited:.1f} s behind the drop"
+        assert set(outcome) == {a.slug, b.slug, ""}  # the row purge still ran for every chain
+    finally:
+        release.set()
+        reader.join(30)
+        partitions.ensure_partitions()  # had the drop gone through: the months the suite uses

@@ -397,6 +397,28 @@ def test_trash_is_erased_when_its_longest_prefix_retention_has_passed(tenant_a, 
     assert MemoryVersion.objects.count() == 1
 
 
+def test_one_tenants_trash_kept_for_ages_does_not_stop_the_other_tenants_purge(tenant_a, tenant_b, settings):
+    # The admin's Tenant page accepts any positive number of days: "keep the trash forever".
+    # A cutoff before the year 1 is no date: the purge raised there, and the tenants after
+    # this one kept their old trash on every run.
+    settings.ZEROMEM_TRASH_RETENTION_DAYS = 30
+    services.tenant_settings_update(
+        tenant=tenant_a,
+        actor=SYSTEM,
+        name=tenant_a.name,
+        value_max_bytes=None,
+        trash_retention_days=10**6,
+    )
+    write(tenant_a, "note:n1:a")
+    write(tenant_b, "note:n1:a")
+    trash(tenant_a, "note:n1:a")
+    trash(tenant_b, "note:n1:a")
+    with clock_at(31 * DAY):
+        assert services.purge_expired()["trash"] == 1
+    assert keys(tenant_a) == {"note:n1:a"}
+    assert keys(tenant_b) == set()
+
+
 def test_trash_retention_prefixes_are_case_sensitive(tenant_a, settings):
     settings.ZEROMEM_TRASH_RETENTION_DAYS = 30
     services.retention_rule_set(tenant=tenant_a, actor=SYSTEM, prefix="session:", trash_retention_days=1)

@@ -736,3 +736,23 @@ def test_system_actor_label(tenant_a):
     actor = Actor.system(job="summarize_idle")
     job = services.summarize_start(tenant=tenant_a, actor=actor, prefix="session:x:")
     assert job.requested_by == "system"
+
+
+def test_idle_sessions_one_tenants_unsummarizable_session_does_not_stop_the_others(
+    tenant_a, tenant_b, clock, django_capture_on_commit_callbacks
+):
+    # A session id so long that its summary key ("summary:" + the session) would pass the
+    # 512-character key limit: it can never be summarized. Idle longest, it comes first.
+    long_session = "session:" + "s" * 500 + ":"
+    write(tenant_a, long_session + "k", "v")
+    clock.advance(minutes=1)
+    write(tenant_b, "session:b1:lang", "es")
+    clock.advance(minutes=90)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        started = services.summarize_idle_sessions()
+    assert started == 1
+    assert live(tenant_b, "summary:session:b1").value == "lang = es"
+    assert not Job.objects.filter(tenant=tenant_a).exists()
+    # Skipped, not refused on every run: no refusal event piles up in tenant A's log.
+    assert not AuditEvent.objects.filter(tenant=tenant_a, action="memory.summarize").exists()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -138,6 +138,15 @@ def _starts_with(prefix: str) -> Exact:
     return Exact(Substr("key", 1, len(prefix)), Value(prefix, output_field=CharField()))
 
 
+def _trash_cutoff(now: datetime, days: int) -> datetime:
+    # A tenant may keep its trash longer than dates reach (the admin takes any number of
+    # days): nothing of it is old enough, and the loop goes on to the next tenant.
+    try:
+        return now - timedelta(days=days)
+    except OverflowError:
+        return datetime.min.replace(tzinfo=UTC)
+
+
 def _old_trash_by_tenant(now: datetime) -> Iterable[tuple[int, QuerySet[Memory]]]:
     """Per tenant, the trashed memories whose retention has passed.
 
@@ -154,8 +163,8 @@ def _old_trash_by_tenant(now: datetime) -> Iterable[tuple[int, QuerySet[Memory]]
         rules[tenant_id].append((prefix, days))
     server_days = settings.ZEROMEM_TRASH_RETENTION_DAYS
     for tenant_id, tenant_days in Tenant.objects.order_by("pk").values_list("pk", "trash_retention_days"):
-        fallback = now - timedelta(days=server_days if tenant_days is None else tenant_days)
-        tenant_rules = [(prefix, now - timedelta(days=days)) for prefix, days in rules.get(tenant_id, [])]
+        fallback = _trash_cutoff(now, server_days if tenant_days is None else tenant_days)
+        tenant_rules = [(prefix, _trash_cutoff(now, days)) for prefix, days in rules.get(tenant_id, [])]
         latest_cutoff = max([fallback, *(cutoff for _, cutoff in tenant_rules)])
         qs = Memory.objects.filter(tenant_id=tenant_id, deleted_at__isnull=False, deleted_at__lt=latest_cutoff)
         if tenant_rules:

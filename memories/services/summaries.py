@@ -503,7 +503,9 @@ def summarize_idle_sessions(*, idle_minutes: int | None = None, now: datetime | 
     newest: dict[tuple[int, str], datetime] = {}
     for row in per_namespace:
         session = _session_prefix(row["namespace"] + ":", roots)
-        if session is None:
+        if session is None or len(session) > PREFIX_MAX_LEN:
+            # (too long: its summary key would pass the key limit; summarize_start refuses it,
+            # and raised here it stopped every other tenant's sessions on every run)
             continue
         slot = (row["tenant_id"], session)
         if slot not in newest or row["newest"] > newest[slot]:
