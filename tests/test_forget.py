@@ -946,3 +946,38 @@ def test_a_forget_batch_does_not_hold_up_the_tenants_other_writes(monkeypatch):
     assert outcome == [1]
     request.refresh_from_db()
     assert request.status == "completed" and request.receipt["memories"] == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_job_that_read_its_sources_before_a_forget_writes_nothing_of_them_after_it(monkeypatch):
+    """A summarize job reads its sources outside any transaction (an LLM may think for seconds
+    meanwhile) and writes the summary later. A forget of those sources that completes in
+    between must not find their values back in a summary written after it: nothing would
+    erase that summary (the forget is over). Without the job's check its summary held them."""
+    from memories.services import summaries
+
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below, in this thread
+    monkeypatch.setattr(summaries, "_enqueue", lambda job_id: None)
+    tenant = make_tenant("summary-race")
+    write(tenant, "user:u7:diet", f"{CANARY} vegetarian")
+    job = summaries.summarize_start(tenant=tenant, actor=SYSTEM, prefix="user:u7:")
+    digest = summaries._digest
+
+    def digest_then_forget(**kwargs):
+        read = digest(**kwargs)  # the sources are read ...
+        request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+        forget.forget_request_execute(request_id=request.pk)  # ... and forgotten before the write
+        return read
+
+    monkeypatch.setattr(summaries, "_digest", digest_then_forget)
+    with pytest.raises(summaries.SummarizerError):
+        summaries.summarize_run(job_id=job.pk)
+    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+    assert tables_holding(CANARY) == {}
+    job.refresh_from_db()
+    assert job.status == "queued" and "erased" in job.error  # retried; nothing of the erased value said
+
+    monkeypatch.setattr(summaries, "_digest", digest)
+    assert summaries.summarize_run(job_id=job.pk)["sources"] == 0  # the retry finds nothing left
+    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
