@@ -13,7 +13,8 @@ The primitives are in :mod:`zeromem.kernel.crypto`; this module keeps the ``Data
 * :func:`rewrap` re-wraps every data key under the first master key (no value touched).
 
 Unwrapped keys stay in a process at most ``ZEROMEM_DATA_KEY_CACHE_SECONDS``: a key destroyed
-by another process stops opening here within that bound (this process drops it at once).
+by another process stops opening here within that bound (this process drops it at once), and
+never seals a new value here (:func:`current_key` checks it is still current before sealing).
 """
 
 from __future__ import annotations
@@ -93,7 +94,14 @@ def current_key(*, tenant_id: int, subject: str) -> tuple[int, bytes]:
     now = time.monotonic()
     hit = _current.get((tenant_id, subject))
     if hit is not None and now - hit[0] < _ttl():
-        return hit[1], hit[2]
+        # Opening may trust the cache for its few seconds; sealing may not: a forget run by
+        # another process (a worker) destroys the key without this process knowing, and a value
+        # sealed under it would be acknowledged and never open again. One primary-key probe.
+        if DataKey.objects.filter(pk=hit[1], retired_at__isnull=True, destroyed_at__isnull=True).exists():
+            return hit[1], hit[2]
+        with _lock:
+            _current.pop((tenant_id, subject), None)
+            _by_id.pop(hit[1], None)
     current = DataKey.objects.filter(
         tenant_id=tenant_id, subject=subject, retired_at__isnull=True, destroyed_at__isnull=True
     )

@@ -168,6 +168,23 @@ def test_a_write_after_the_forget_gets_a_new_key(tenant_a):
     assert DataKey.objects.get(pk=raw_memory(m)["k"]).destroyed_at is None
 
 
+def test_a_write_after_the_forget_gets_a_new_key_in_a_process_that_still_holds_the_old_one(tenant_a):
+    """The forget runs in a worker process; a web process that sealed a value of the same
+    subject a moment before still holds the subject's key, unwrapped, for
+    ZEROMEM_DATA_KEY_CACHE_SECONDS. A value it seals after the forget must not go under that
+    destroyed key: the write would be acknowledged and its value never open again."""
+    write(tenant_a, "user:u1:a", "one", sensitive=True)
+    held = dict(keyring._current), dict(keyring._by_id)  # what the web process holds
+    keyring.shred(tenant_id=tenant_a.pk, subject="u1")  # the worker's forget (this process's cache is not its)
+    Memory.objects.filter(tenant=tenant_a).delete()
+    keyring._current.update(held[0])
+    keyring._by_id.update(held[1])
+    m = write(tenant_a, "user:u1:a", "two", sensitive=True)  # in the web process, after the forget
+    assert DataKey.objects.get(pk=raw_memory(m)["k"]).destroyed_at is None
+    keyring.forget_cache()  # any other process, or this one a few seconds later
+    assert read(tenant_a, "user:u1:a") == "two"
+
+
 # --- master keys and rotation -------------------------------------------------------------
 
 

@@ -946,3 +946,91 @@ def test_a_forget_batch_does_not_hold_up_the_tenants_other_writes(monkeypatch):
     assert outcome == [1]
     request.refresh_from_db()
     assert request.status == "completed" and request.receipt["memories"] == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_job_that_read_its_sources_before_a_forget_writes_nothing_of_them_after_it(monkeypatch):
+    """A summarize job reads its sources outside any transaction (an LLM may think for seconds
+    meanwhile) and writes the summary later. A forget of those sources that completes in
+    between must not find their values back in a summary written after it: nothing would
+    erase that summary (the forget is over). Without the job's check its summary held them."""
+    from memories.services import summaries
+
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below, in this thread
+    monkeypatch.setattr(summaries, "_enqueue", lambda job_id: None)
+    tenant = make_tenant("summary-race")
+    write(tenant, "user:u7:diet", f"{CANARY} vegetarian")
+    job = summaries.summarize_start(tenant=tenant, actor=SYSTEM, prefix="user:u7:")
+    digest = summaries._digest
+
+    def digest_then_forget(**kwargs):
+        read = digest(**kwargs)  # the sources are read ...
+        request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+        forget.forget_request_execute(request_id=request.pk)  # ... and forgotten before the write
+        return read
+
+    monkeypatch.setattr(summaries, "_digest", digest_then_forget)
+    with pytest.raises(summaries.SummarizerError):
+        summaries.summarize_run(job_id=job.pk)
+    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+    assert tables_holding(CANARY) == {}
+    job.refresh_from_db()
+    assert job.status == "queued" and "erased" in job.error  # retried; nothing of the erased value said
+
+    monkeypatch.setattr(summaries, "_digest", digest)
+    assert summaries.summarize_run(job_id=job.pk)["sources"] == 0  # the retry finds nothing left
+    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_committed_while_a_forget_batch_waits_for_its_sources_is_erased_with_them(monkeypatch):
+    """A summarize job holds its sources locked while it writes the summary; a forget batch
+    that comes then waits for them. It must look for derived summaries after that wait:
+    looked for before it (the summary not committed yet), the batch erased the sources and
+    left the summary holding their values."""
+    from memories.services import summaries
+
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)
+    monkeypatch.setattr(summaries, "_enqueue", lambda job_id: None)
+    tenant = make_tenant("summary-lock")
+    write(tenant, "user:u7:diet", f"{CANARY} vegetarian")
+    job = summaries.summarize_start(tenant=tenant, actor=SYSTEM, prefix="user:u7:")
+    # By key: the summary is found by its lineage alone (a subject's forget also finds it by
+    # its subject, in a later batch).
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, keys=["user:u7:diet"])
+    written, failures = threading.Event(), []
+    write_summary = summaries._write_summary
+
+    def write_and_wait_for_the_forget(**kwargs):
+        result = write_summary(**kwargs)  # the sources locked, the summary written, not committed
+        written.set()
+        deadline = time.monotonic() + 20
+        while _lock_waiters() == 0:  # the forget is waiting for the sources now
+            assert time.monotonic() < deadline, "the forget never waited for the sources"
+            time.sleep(0.02)
+        return result
+
+    monkeypatch.setattr(summaries, "_write_summary", write_and_wait_for_the_forget)
+
+    def summary_job():
+        try:
+            assert summaries.summarize_run(job_id=job.pk)["sources"] == 1
+        except BaseException as exc:  # surfaced in the main thread below
+            failures.append(exc)
+        finally:
+            written.set()
+            connection.close()
+
+    racer = threading.Thread(target=summary_job)
+    racer.start()
+    assert written.wait(20)
+    forget.forget_request_execute(request_id=request.pk)
+    racer.join(30)
+
+    assert not failures, failures
+    request.refresh_from_db()
+    assert request.status == "completed" and request.receipt["summaries"] == 1
+    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+    assert tables_holding(CANARY) == {}

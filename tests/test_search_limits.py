@@ -366,3 +366,45 @@ def test_a_forgotten_memorys_words_leave_the_term_statistics(api):
     assert api.tenant.pk in search_stats_refresh_task()
     assert not SearchTerm.objects.filter(tenant=api.tenant, term="zanzibar").exists()
     assert SearchTerm.objects.get(tenant=api.tenant, term="pelican").ndoc == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_forget_completed_while_the_term_statistics_are_counted_is_counted_again(monkeypatch):
+    """The count of a big tenant runs for minutes, from one snapshot. A forget that completes
+    meanwhile is not in that count, so the tenant must stay due for another: stamped with the
+    count's end, the tenant looked fresh and the erased words stayed in SearchTerm for good."""
+    import threading
+
+    from memories.models import SearchTerm
+    from memories.search import index
+    from memories.services import forget
+    from tests.factories import SYSTEM, make_tenant
+
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)
+    tenant = make_tenant("stats-race")
+    write(tenant, "user:u7:note", "pelican zanzibar")
+    write(tenant, "user:u8:note", "pelican")
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+
+    def forget_after_the_terms_are_counted(execute, sql, params, many, context):
+        if sql.startswith("SELECT count(*) FROM memories_memory"):  # the terms are counted; then:
+            worker = threading.Thread(target=_forget_in_a_worker, args=(forget, request.pk))
+            worker.start()
+            worker.join(30)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(forget_after_the_terms_are_counted):
+        index.stats_refresh(tenant_id=tenant.pk)
+    assert not Memory.objects.filter(key="user:u7:note").exists()
+    assert SearchTerm.objects.filter(tenant=tenant, term="zanzibar").exists()  # counted before the forget
+    assert tenant.pk in index.stale_tenant_ids()
+    index.stats_refresh_stale()
+    assert not SearchTerm.objects.filter(tenant=tenant, term="zanzibar").exists()
+
+
+def _forget_in_a_worker(forget, request_id):
+    try:
+        forget.forget_request_execute(request_id=request_id)
+    finally:
+        connection.close()

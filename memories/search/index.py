@@ -71,6 +71,10 @@ def stats_refresh(*, tenant_id: int) -> int:
     with transaction.atomic(), connection.cursor() as cursor:
         # The refresh of a big tenant runs for minutes; the request-path timeout must not apply.
         cursor.execute("SET LOCAL statement_timeout = 0")
+        # Stamped with when the count began, not when it ended: a write or a completed forget
+        # committed while it ran is not in its snapshot and must leave the tenant due for the
+        # next count (stale_tenant_ids), or an erased memory's words stay here for good.
+        started = timezone.now()
         SearchTerm.objects.filter(tenant_id=tenant_id).delete()
         cursor.execute(
             """INSERT INTO memories_searchterm (tenant_id, term, ndoc)
@@ -82,7 +86,7 @@ def stats_refresh(*, tenant_id: int) -> int:
         cursor.execute("SELECT count(*) FROM memories_memory WHERE tenant_id = %s AND deleted_at IS NULL", [tenant_id])
         documents = cursor.fetchone()[0]
         SearchCorpus.objects.update_or_create(
-            tenant_id=tenant_id, defaults={"documents": documents, "refreshed_at": timezone.now()}
+            tenant_id=tenant_id, defaults={"documents": documents, "refreshed_at": started}
         )
     return terms
 

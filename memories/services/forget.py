@@ -470,7 +470,12 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
         request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING:
             return False
-        rows = list(_target_memories(request).order_by("pk").values_list("pk", "key", "category")[:batch_size])
+        # Locked before the lineage is looked for: a summarize job holding these memories (it
+        # locks its sources, summaries._write_summary) commits its summary first, and the
+        # lineage query below, a fresh snapshot after that wait, finds it. Looked for before
+        # the wait, that summary outlived its erased sources.
+        targets = _target_memories(request).order_by("pk").select_for_update()
+        rows = list(targets.values_list("pk", "key", "category")[:batch_size])
         if not rows:
             return False
         ids = {pk for pk, _, _ in rows}

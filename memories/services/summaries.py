@@ -72,6 +72,11 @@ class SummarizerError(RuntimeError):
     attempt fails and django-q2 retries it; nothing has been written."""
 
 
+class SourcesErased(SummarizerError):
+    """A source was erased (a forget request, the purge) after the job read it: the text
+    holds what was erased, so it is not written. The retry summarizes what is left."""
+
+
 def summary_key(prefix: str) -> str:
     """``session:s1:`` → ``summary:session:s1`` (see the module docstring)."""
     return SUMMARY_KEY_PREFIX + prefix.rstrip(":")
@@ -375,6 +380,15 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
     result = {"key": key, "sources": len(digest.sources), "left_out": digest.left_out, "chars": 0, "archived": 0}
     if not digest.sources:
         return result  # nothing to summarize: no empty summary is written
+    # The sources were read outside any transaction, maybe seconds ago (an LLM thought about
+    # them meanwhile). A forget that erased one since has finished with it: a summary written
+    # now would keep its value for good. So they are locked (in id order, as a forget batch
+    # locks its memories) and must all still exist; a forget that comes after this finds
+    # them locked, waits for this commit, and then finds the summary by its lineage.
+    ids = sorted(m.pk for m in digest.sources)
+    locked = Memory.objects.filter(tenant=tenant, pk__in=ids).order_by("pk").select_for_update()
+    if len(list(locked.values_list("pk", flat=True))) < len(ids):
+        raise SourcesErased("a source was erased while the summary was being made; the retry summarizes the rest")
     actor = _job_actor(job)
     subjects = {m.subject for m in digest.sources}
     subject = subjects.pop() if len(subjects) == 1 else ""
