@@ -509,11 +509,12 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
                     rebuilt[summary.key] = text
             frontier = sorted({m.key for m in derived})
 
-        # The memories locked first (in id order: concurrent batches never deadlock): a write
-        # or the embedding job holding one finishes before this goes on, and one that comes
-        # later waits for this commit and finds the memory gone. Versions and embeddings have
-        # no foreign key in the database (migrations 0015, 0018), so the DELETEs below, each
-        # with a fresh snapshot, must see every version and embedding committed before it.
+        # Every memory erased here locked before its rows go (the targets already are; this
+        # adds the derived summaries): a write or the embedding job holding one finishes
+        # before this goes on, and one that comes later waits for this commit and finds the
+        # memory gone. Versions and embeddings have no foreign key in the database
+        # (migrations 0015, 0018), so the DELETEs below, each with a fresh snapshot, must see
+        # every version and embedding committed before it.
         locked = Memory.objects.filter(tenant_id=request.tenant_id, pk__in=ids).order_by("pk").select_for_update()
         list(locked.values_list("pk", flat=True))
         # Versions and embeddings go with their memory (on_delete=CASCADE, a DELETE each).
