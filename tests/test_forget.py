@@ -937,6 +937,8 @@ def test_a_forget_batch_does_not_hold_up_the_tenants_other_writes(monkeypatch):
             outcome.append(exc)
         finally:
             release.set()
+            with connection.cursor() as cursor:  # the pooled connection goes back as it came
+                cursor.execute("RESET lock_timeout")
             connection.close()
 
     writer = threading.Thread(target=other_write)
