@@ -232,15 +232,18 @@ class RateCounter(models.Model):
 
 class ConcurrencySlot(models.Model):
     """One piece of expensive work in progress (a search, an export) of one holder, e.g.
-    ``tenant:7``, when no Redis is configured (audit/limits.py). A row older than its
-    lease is stale (a process died mid-request) and no longer counts."""
+    ``tenant:7``, when no Redis is configured (audit/limits.py). A holder's slots are
+    numbered 0 … limit − 1, one row each at most (the unique constraint is what makes the
+    limit exact); a row older than its lease is stale (a process died mid-request), no
+    longer counts, and is taken over by the next taker of its number."""
 
     holder = models.CharField(max_length=100)
+    slot = models.PositiveSmallIntegerField()
     token = models.CharField(max_length=32, unique=True)
     started_at = models.FloatField()  # Unix seconds
 
     class Meta:
-        indexes = [models.Index(fields=["holder", "started_at"], name="slot_holder_started")]
+        constraints = [models.UniqueConstraint(fields=["holder", "slot"], name="slot_holder_number")]
 
     def __str__(self) -> str:
         return f"{self.holder} {self.token}"

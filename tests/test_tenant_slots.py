@@ -3,6 +3,8 @@ ZEROMEM_TENANT_MAX_CONCURRENT a tenant's request waits briefly, then gets 429 te
 with Retry-After; other tenants are untouched. Slots are counted in the database or Redis
 (audit/limits.py). The real-server case (20 slow export readers) is in test_serve.py."""
 
+import threading
+
 import pytest
 
 from audit import limits
@@ -25,6 +27,45 @@ def test_slots_are_limited_per_holder_and_come_back_when_released(db, store):
     assert limits.slot_acquire("tenant:2", limit=2, lease=60)
     limits.slot_release("tenant:1", first)
     assert limits.slot_acquire("tenant:1", limit=2, lease=60)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_parallel_takers_on_their_own_connections_get_exactly_the_limit(store):
+    """Eight takers at once, each on a connection of its own, for three slots: exactly three
+    get one (the database's unique slot numbers, or Redis's script), whoever loses a number
+    to another tries the next one, and a released slot is taken again."""
+    from django.db import connection
+
+    barrier, tokens = threading.Barrier(8), []
+
+    def take():
+        try:
+            barrier.wait(10)
+            tokens.append(limits.slot_acquire("tenant:race", limit=3, lease=60))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [t for t in tokens if t]
+    assert (len(tokens), len(won)) == (8, 3)
+    limits.slot_release("tenant:race", won[0])
+    assert limits.slot_acquire("tenant:race", limit=3, lease=60)
+    assert limits.slot_acquire("tenant:race", limit=3, lease=60) is None
+
+
+def test_one_statement_takes_a_slot_without_redis(db, settings):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    settings.ZEROMEM_REDIS_URL = ""
+    with CaptureQueriesContext(connection) as queries:
+        token = limits.slot_acquire("tenant:one", limit=4, lease=60)
+    assert token and len(queries.captured_queries) == 1
 
 
 def test_a_slot_past_its_lease_lapses(db, store):
