@@ -493,12 +493,34 @@ class SearchCorpus(models.Model):
     tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, primary_key=True, related_name="+")
     documents = models.PositiveIntegerField(default=0)
     refreshed_at = models.DateTimeField(default=timezone.now)
+    # The tenant's SearchErasure.batches when this count began: more since, and memories it
+    # counted may have been erased (memories/search/index.py stale_tenant_ids).
+    erasures_counted = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         verbose_name_plural = "search corpora"
 
     def __str__(self) -> str:
         return f"{self.tenant_id}: {self.documents}"
+
+
+class SearchErasure(models.Model):
+    """How many TTL purge batches have erased memories of a tenant, so that the term
+    statistics are counted again after one (the erased words must leave ``SearchTerm``).
+
+    A counter, not a timestamp: a batch marks it inside its own transaction, before it
+    commits, so a time it wrote could be older than a count that began before the commit and
+    did not see the erasure; a count instead notes the counter it read before counting
+    (``SearchCorpus.erasures_counted``), and any batch it did not see has moved it past
+    that. A table of its own, not a ``SearchCorpus`` column: a tenant not yet counted has no
+    corpus row to mark, and the count and the purge never wait for each other's row locks.
+    PostgreSQL only (SQLite's FTS5 index counts exactly)."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    batches = models.PositiveBigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}: {self.batches} purge batches"
 
 
 class MemoryEmbedding(models.Model):

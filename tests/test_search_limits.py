@@ -408,3 +408,95 @@ def _forget_in_a_worker(forget, request_id):
         forget.forget_request_execute(request_id=request_id)
     finally:
         connection.close()
+
+
+@pytest.mark.postgres
+def test_an_expired_memorys_words_leave_the_term_statistics_once_purged(api):
+    """The TTL purge erases for good; the erased words must leave SearchTerm with it. The
+    staleness check saw only live rows changed since the count and completed forgets, so
+    after a purge the tenant looked fresh and ('zanzibar', 1) stayed until another write."""
+    from memories import services
+    from memories.models import SearchTerm
+    from memories.search import index
+
+    api.call("memory_write", key="session:s1:a", value="pelican zanzibar", ttl_seconds=60)
+    api.call("memory_write", key="note:b", value="pelican")
+    index.stats_refresh_stale()
+    assert SearchTerm.objects.get(tenant=api.tenant, term="zanzibar").ndoc == 1
+    assert api.tenant.pk not in index.stale_tenant_ids()
+    result = services.purge_expired(now=timezone.now() + timedelta(minutes=5))
+    assert result["expired"] == 1 and not Memory.objects.filter(key="session:s1:a").exists()
+    assert api.tenant.pk in index.stale_tenant_ids()
+    index.stats_refresh_stale()
+    assert not SearchTerm.objects.filter(tenant=api.tenant, term="zanzibar").exists()
+    assert SearchTerm.objects.get(tenant=api.tenant, term="pelican").ndoc == 1
+    assert api.tenant.pk not in index.stale_tenant_ids()  # counted once, not at every run
+
+
+@pytest.mark.postgres
+def test_a_trashed_memorys_words_leave_the_term_statistics(api):
+    """The count is over live memories; a memory trashed since was still counted, and the
+    staleness check looked at live rows only."""
+    from memories.models import SearchTerm
+    from memories.search import index
+
+    api.call("memory_write", key="note:a", value="pelican zanzibar")
+    api.call("memory_write", key="note:b", value="pelican")
+    index.stats_refresh_stale()
+    api.call("memory_delete", key="note:a")
+    assert api.tenant.pk in index.stale_tenant_ids()
+    index.stats_refresh_stale()
+    assert not SearchTerm.objects.filter(tenant=api.tenant, term="zanzibar").exists()
+    assert api.tenant.pk not in index.stale_tenant_ids()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("counted_before", [True, False], ids=["recount", "first-count"])
+def test_a_purge_batch_committed_after_the_count_began_leaves_the_tenant_due(counted_before):
+    """A purge batch marks the tenant inside its transaction, before it commits. A count
+    that begins between the mark and the commit does not see the erasure, so the mark must
+    not look older than the count (a timestamp taken in the batch would), and it must not
+    be lost when the tenant has never been counted (no SearchCorpus row to mark yet)."""
+    import threading
+
+    from memories import services
+    from memories.models import SearchTerm
+    from memories.search import index
+    from tests.factories import make_tenant
+
+    tenant = make_tenant("purge-race")
+    write(tenant, "session:s1:a", "pelican zanzibar", ttl_seconds=60)
+    write(tenant, "note:b", "pelican")
+    if counted_before:
+        index.stats_refresh(tenant_id=tenant.pk)
+    marked, go = threading.Event(), threading.Event()
+
+    def hold_the_batch_open_once_marked(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if "memories_searcherasure" in sql:
+            marked.set()
+            go.wait(30)
+        return result
+
+    def purge():
+        try:
+            with connection.execute_wrapper(hold_the_batch_open_once_marked):
+                services.purge_expired(now=timezone.now() + timedelta(minutes=5))
+        finally:
+            go.set()
+            connection.close()
+
+    worker = threading.Thread(target=purge)
+    worker.start()
+    try:
+        assert marked.wait(30), "the purge batch never marked the tenant's erasure"
+        index.stats_refresh(tenant_id=tenant.pk)  # its snapshot still holds the expired memory
+    finally:
+        go.set()
+        worker.join(30)
+    assert not Memory.objects.filter(key="session:s1:a").exists()
+    assert SearchTerm.objects.filter(tenant=tenant, term="zanzibar").exists()  # counted before the commit
+    assert tenant.pk in index.stale_tenant_ids()
+    index.stats_refresh_stale()
+    assert not SearchTerm.objects.filter(tenant=tenant, term="zanzibar").exists()

@@ -9,7 +9,8 @@
 * :func:`stats_refresh` recounts a tenant's term document frequencies (PostgreSQL
   ``ts_stat`` over the tenant's live rows, about 2 minutes per million memories on this
   project's 2-core test machine) into ``SearchTerm``/``SearchCorpus``; the ``search-stats``
-  schedule runs it for tenants whose memories changed since their last refresh.
+  schedule runs it for tenants whose memories changed, were trashed or were erased (a
+  forget, a TTL purge batch: ``SearchErasure``) since their last refresh.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def stats_refresh(*, tenant_id: int) -> int:
         # committed while it ran is not in its snapshot and must leave the tenant due for the
         # next count (stale_tenant_ids), or an erased memory's words stay here for good.
         started = timezone.now()
+        # Read before the count's snapshot (each statement here takes its own): a purge batch
+        # that commits after this read, seen by the count or not, leaves the counter past it.
+        cursor.execute("SELECT batches FROM memories_searcherasure WHERE tenant_id = %s", [tenant_id])
+        row = cursor.fetchone()
+        erasures = row[0] if row else 0
         SearchTerm.objects.filter(tenant_id=tenant_id).delete()
         cursor.execute(
             """INSERT INTO memories_searchterm (tenant_id, term, ndoc)
@@ -86,27 +92,34 @@ def stats_refresh(*, tenant_id: int) -> int:
         cursor.execute("SELECT count(*) FROM memories_memory WHERE tenant_id = %s AND deleted_at IS NULL", [tenant_id])
         documents = cursor.fetchone()[0]
         SearchCorpus.objects.update_or_create(
-            tenant_id=tenant_id, defaults={"documents": documents, "refreshed_at": started}
+            tenant_id=tenant_id,
+            defaults={"documents": documents, "refreshed_at": started, "erasures_counted": erasures},
         )
     return terms
 
 
 def stale_tenant_ids() -> list[int]:
     """Tenants with memories changed since their statistics were last refreshed (or never),
-    or with a forget request carried out since: the erased memories' terms must leave
-    ``SearchTerm`` too, not only their counts."""
+    or, once counted, with memories erased or trashed since: a forget request carried out,
+    a TTL purge batch (``SearchErasure``), a memory trashed. The erased memories' terms must
+    leave ``SearchTerm`` too, not only their counts, and a trashed memory no longer counts.
+    The trash is found on the partial index memory_trash (tenant, deleted_at)."""
     if connection.vendor != "postgresql":
         return []
     with connection.cursor() as cursor:
         cursor.execute(
             """SELECT t.id FROM memories_tenant t
                LEFT JOIN memories_searchcorpus c ON c.tenant_id = t.id
+               LEFT JOIN memories_searcherasure e ON e.tenant_id = t.id
                WHERE EXISTS (SELECT 1 FROM memories_memory m
                              WHERE m.tenant_id = t.id AND m.deleted_at IS NULL
                                AND (c.refreshed_at IS NULL OR m.updated_at > c.refreshed_at))
-                  OR (c.refreshed_at IS NOT NULL AND EXISTS (
-                        SELECT 1 FROM memories_forgetrequest f
-                        WHERE f.tenant_id = t.id AND f.completed_at > c.refreshed_at))"""
+                  OR (c.refreshed_at IS NOT NULL AND (
+                        e.batches > c.erasures_counted
+                        OR EXISTS (SELECT 1 FROM memories_memory m
+                                   WHERE m.tenant_id = t.id AND m.deleted_at > c.refreshed_at)
+                        OR EXISTS (SELECT 1 FROM memories_forgetrequest f
+                                   WHERE f.tenant_id = t.id AND f.completed_at > c.refreshed_at)))"""
         )
         return [row[0] for row in cursor.fetchall()]
 

@@ -31,7 +31,7 @@ from django.db.models.lookups import Exact
 from django.utils import timezone
 
 from audit.services import audit_record, audited_operation
-from memories.models import Memory, MemoryEmbedding, MemoryVersion, RetentionRule, Tenant
+from memories.models import Memory, MemoryEmbedding, MemoryVersion, RetentionRule, SearchErasure, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope
 from zeromem.kernel.errors import InvalidInput
@@ -301,7 +301,28 @@ def _purge_batch(
                 count=count,
                 detail={"reason": reason, "versions": versions.get(tenant_id, 0)},
             )
+        _mark_erasures(sorted(erased))
         return sum(erased.values()), sum(versions.values())
+
+
+# One statement per batch, not per memory. Last in the batch's transaction: two workers
+# erasing from one tenant wait for each other's row here only until the first commits; in
+# tenant order (the caller sorts), so two workers never lock each other's rows crosswise.
+_MARK_ERASURES_SQL = """
+INSERT INTO {table} (tenant_id, batches) SELECT unnest(%s::bigint[]), 1
+ON CONFLICT (tenant_id) DO UPDATE SET batches = {table}.batches + 1
+"""
+
+
+def _mark_erasures(tenant_ids: list[int]) -> None:
+    """Make the term statistics of these tenants due for a recount (``SearchErasure``):
+    the erased memories' words must leave ``SearchTerm`` too. In the batch's transaction,
+    so a batch that commits has marked them. PostgreSQL only: SQLite keeps no statistics."""
+    if connection.vendor != "postgresql":
+        return
+    table = connection.ops.quote_name(SearchErasure._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(_MARK_ERASURES_SQL.format(table=table), [tenant_ids])
 
 
 def purge_expired(
@@ -324,8 +345,9 @@ def purge_expired(
     (default: the start of the run) wait for the next run, so a run always ends.
 
     Cost per batch: one statement on PostgreSQL (an index range scan of memory_expiring or
-    memory_trash, three DELETEs by id list), one audit INSERT per tenant, a commit. Versions
-    and embeddings have no foreign key in the database (memories migrations 0015 and 0018:
+    memory_trash, three DELETEs by id list), one audit INSERT per tenant, one upsert that
+    makes the batch's tenants due for a term statistics recount (``SearchErasure``), a
+    commit. Versions and embeddings have no foreign key in the database (memories migrations 0015 and 0018:
     the check, then the cascade's trigger, were the largest single parts of a batch; the
     embedding job writes only for live memories it holds locked, never for one the purge
     erases). ``progress(erased_so_far)`` is called after each batch. Returns {"expired",
