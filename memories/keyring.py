@@ -19,12 +19,13 @@ never seals a new value here (:func:`current_key` checks it is still current bef
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
 from memories.models import DataKey
@@ -89,6 +90,23 @@ def data_key(data_key_id: int) -> bytes | None:
     return key
 
 
+def _still_current(key_id: int) -> bool:
+    """One primary-key probe of the key store: the key neither retired nor destroyed. Raw SQL
+    built once (no queryset to compile on every sensitive write: the ORM's probe made a
+    sensitive write 1.33× a plain one, against 0.97× without it; bench_crypto)."""
+    db = connections[_db()]
+    with db.cursor() as cursor:
+        cursor.execute(_current_probe_sql(db.vendor), [key_id])
+        return cursor.fetchone() is not None
+
+
+@functools.cache
+def _current_probe_sql(vendor: str) -> str:
+    table = connections[_db()].ops.quote_name(DataKey._meta.db_table)
+    # bandit B608 (marked): the model's table; the key id is a parameter.
+    return f"SELECT 1 FROM {table} WHERE id = %s AND retired_at IS NULL AND destroyed_at IS NULL"  # nosec B608
+
+
 def current_key(*, tenant_id: int, subject: str) -> tuple[int, bytes]:
     """(id, key) of the data key that seals new values of (tenant, subject); made if none."""
     now = time.monotonic()
@@ -97,7 +115,7 @@ def current_key(*, tenant_id: int, subject: str) -> tuple[int, bytes]:
         # Opening may trust the cache for its few seconds; sealing may not: a forget run by
         # another process (a worker) destroys the key without this process knowing, and a value
         # sealed under it would be acknowledged and never open again. One primary-key probe.
-        if DataKey.objects.filter(pk=hit[1], retired_at__isnull=True, destroyed_at__isnull=True).exists():
+        if _still_current(hit[1]):
             return hit[1], hit[2]
         with _lock:
             _current.pop((tenant_id, subject), None)
