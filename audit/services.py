@@ -745,15 +745,43 @@ def audit_redact_subject(
                 new, kept = _redacted_values(row)
                 if new:
                     updates.append((row["id"], new, kept))
-            with connection.cursor() as cursor:
-                for event_id, new, kept in updates:
-                    # bandit B608 (marked): column names come from chain.COMMITTED_FIELDS, values are parameters.
-                    sets = ", ".join(f"{name} = %s" for name in new)
-                    cursor.execute(
-                        f"UPDATE {table} SET {sets}, redacted = %s WHERE id = %s",  # nosec B608
-                        [*new.values(), json.dumps(kept, sort_keys=True), event_id],
-                    )
+            _redact_rows(table, updates)
             changed += len(updates)
+
+
+def _redact_rows(table: str, updates: list[tuple[int, dict, dict]]) -> None:
+    """Write one page of redactions. PostgreSQL: one ``UPDATE … FROM (VALUES …)`` per set of
+    fields redacted (a page has one to three such sets), not one UPDATE per event: a forget
+    of a subject with 10k memories redacts ~20k events, and their round trips were ~80% of
+    its time (10.4 of 12.9 s, bench_forget). SQLite: one UPDATE per event."""
+    with connection.cursor() as cursor:
+        if connection.vendor != "postgresql":
+            for event_id, new, kept in updates:
+                # bandit B608 (marked): column names come from chain.COMMITTED_FIELDS, values are parameters.
+                sets = ", ".join(f"{name} = %s" for name in new)
+                cursor.execute(
+                    f"UPDATE {table} SET {sets}, redacted = %s WHERE id = %s",  # nosec B608
+                    [*new.values(), json.dumps(kept, sort_keys=True), event_id],
+                )
+            return
+        shapes: dict[tuple[str, ...], list[tuple[int, dict, dict]]] = {}
+        for update in updates:
+            shapes.setdefault(tuple(update[1]), []).append(update)
+        for names, group in shapes.items():
+            # client_ip is always cleared (NULL), the other fields get their pseudonyms.
+            carried = [name for name in names if name != "client_ip"]
+            sets = [f"{name} = v.{name}" for name in carried] + ["client_ip = NULL"] * ("client_ip" in names)
+            row = "(" + ", ".join(["%s::bigint", *["%s"] * len(carried), "%s::jsonb"]) + ")"
+            params = []
+            for event_id, new, kept in group:
+                params += [event_id, *(new[name] for name in carried), json.dumps(kept, sort_keys=True)]
+            # bandit B608 (marked): column names come from chain.COMMITTED_FIELDS, values are parameters.
+            cursor.execute(
+                f"UPDATE {table} AS e SET {', '.join([*sets, 'redacted = v.redacted'])} "  # nosec B608
+                f"FROM (VALUES {', '.join([row] * len(group))}) AS v(id, {', '.join([*carried, 'redacted'])}) "
+                "WHERE e.id = v.id",
+                params,
+            )
 
 
 # --- retention purge ------------------------------------------------------------------------
