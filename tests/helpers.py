@@ -4,14 +4,33 @@ built by tests/factories.py; fixtures live in conftest.py)."""
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 
 from audit.models import AuditEvent
 from memories.models import Memory, MemoryVersion
+
+
+def lock_waiters() -> int:
+    """Sessions of this database waiting on a lock now (PostgreSQL)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        return cursor.fetchone()[0]
+
+
+def wait_for_a_lock_waiter(what: str, *, alive: Callable[[], bool] = lambda: True, timeout: float = 20) -> None:
+    """Return once some session waits on a lock (or ``alive()`` turns false: the job ended
+    first); fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while lock_waiters() == 0 and alive():
+        assert time.monotonic() < deadline, f"{what} never waited"
+        time.sleep(0.02)
 
 
 def row_counts() -> tuple[int, int]:

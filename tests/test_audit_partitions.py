@@ -18,6 +18,7 @@ from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.services import audit_partitions_drop, audit_purge_all, audit_record, audit_seal
 from audit.verify import audit_verify
 from tests.factories import make_tenant
+from tests.helpers import wait_for_a_lock_waiter
 from zeromem.kernel.actors import Actor
 
 pytestmark = pytest.mark.postgres
@@ -218,14 +219,6 @@ def test_the_audit_purge_command_drops_months_past_retention(db, monkeypatch, se
     assert audit_verify(tenant_id=tenant.pk).ok
 
 
-def _lock_waiters() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        )
-        return cursor.fetchone()[0]
-
-
 @pytest.mark.django_db(transaction=True)
 def test_creating_partitions_behind_a_long_transaction_never_queues_every_tenants_events():
     """CREATE TABLE … PARTITION OF takes ACCESS EXCLUSIVE on the event table. Waiting for it
@@ -263,10 +256,7 @@ def test_creating_partitions_behind_a_long_transaction_never_queues_every_tenant
         assert holding.wait(20)
         job = threading.Thread(target=partition_job)
         job.start()
-        deadline = time.monotonic() + 20
-        while _lock_waiters() == 0 and job.is_alive():  # the job waits for the event table now
-            assert time.monotonic() < deadline, "the partition job never waited"
-            time.sleep(0.02)
+        wait_for_a_lock_waiter("the partition job", alive=job.is_alive)  # it waits for the event table now
         started = time.monotonic()
         audit_record(tenant=b, actor=AGENT, action="memory.read", outcome="ok")  # another tenant's request
         waited = time.monotonic() - started
@@ -324,10 +314,7 @@ def test_dropping_a_month_behind_a_long_reader_neither_queues_other_readers_nor_
         assert reading.wait(20)
         job = threading.Thread(target=purge_job)
         job.start()
-        deadline = time.monotonic() + 20
-        while _lock_waiters() == 0 and job.is_alive():  # the drop waits for the month now
-            assert time.monotonic() < deadline, "the drop never waited"
-            time.sleep(0.02)
+        wait_for_a_lock_waiter("the drop", alive=job.is_alive)  # it waits for the month now
         started = time.monotonic()
         AuditEvent.objects.filter(tenant=b).exists()  # another tenant's review of its log
         waited = time.monotonic() - started

@@ -2,7 +2,6 @@
 (memories.services.forget), its receipt, deadline, retries and the residue it must not leave."""
 
 import threading
-import time
 from datetime import datetime, timedelta
 
 import pytest
@@ -19,7 +18,7 @@ from memories import services
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget, subjects
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
-from tests.helpers import memory_rows, rest_error
+from tests.helpers import memory_rows, rest_error, wait_for_a_lock_waiter
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
@@ -849,13 +848,6 @@ def test_finished_jobs_are_purged_after_the_retention_period(tenant_a, tenant_b,
     assert tasks.jobs_purge_task() == 0
 
 
-def _lock_waiters() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        )
-        return cursor.fetchone()[0]
-
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
@@ -880,10 +872,7 @@ def test_a_write_and_an_embedding_racing_a_forget_are_erased_with_the_memory(mon
             with transaction.atomic():
                 Memory.objects.select_for_update().get(pk=memory.pk)
                 locked.set()
-                deadline = time.monotonic() + 20
-                while _lock_waiters() == 0:  # the forget is waiting for this memory now
-                    assert time.monotonic() < deadline, "the forget never waited for the memory"
-                    time.sleep(0.02)
+                wait_for_a_lock_waiter("the forget")  # the forget is waiting for this memory now
                 services.memory_update(tenant=tenant, actor=SYSTEM, key="user:u7:diet", value="vegan")
                 assert embeddings.embeddings_refresh()["embedded"] == 1  # the job, under this lock
         except BaseException as exc:  # surfaced in the main thread below
@@ -1008,10 +997,7 @@ def test_a_summary_committed_while_a_forget_batch_waits_for_its_sources_is_erase
     def write_and_wait_for_the_forget(**kwargs):
         result = write_summary(**kwargs)  # the sources locked, the summary written, not committed
         written.set()
-        deadline = time.monotonic() + 20
-        while _lock_waiters() == 0:  # the forget is waiting for the sources now
-            assert time.monotonic() < deadline, "the forget never waited for the sources"
-            time.sleep(0.02)
+        wait_for_a_lock_waiter("the forget")  # the forget is waiting for the sources now
         return result
 
     monkeypatch.setattr(summaries, "_write_summary", write_and_wait_for_the_forget)
