@@ -4,6 +4,7 @@ built by tests/factories.py; fixtures live in conftest.py)."""
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +14,28 @@ from django.db import connection, transaction
 
 from audit.models import AuditEvent
 from memories.models import Memory, MemoryVersion
+
+
+def start_thread(
+    work: Callable[[], object], failures: list, *, done: threading.Event | None = None
+) -> threading.Thread:
+    """``work()`` started in a thread of its own (so on a database connection of its own,
+    closed when it ends); what it raises goes to ``failures`` for the main thread to assert
+    on, and ``done`` is set when it ends, however it ends."""
+
+    def run():
+        try:
+            work()
+        except BaseException as exc:  # surfaced in the main thread
+            failures.append(exc)
+        finally:
+            if done is not None:
+                done.set()
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
 
 
 def lock_waiters() -> int:

@@ -18,7 +18,7 @@ from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.services import audit_partitions_drop, audit_purge_all, audit_record, audit_seal
 from audit.verify import audit_verify
 from tests.factories import make_tenant
-from tests.helpers import wait_for_a_lock_waiter
+from tests.helpers import start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.actors import Actor
 
 pytestmark = pytest.mark.postgres
@@ -231,31 +231,15 @@ def test_creating_partitions_behind_a_long_transaction_never_queues_every_tenant
     holding, release, outcome, failures = threading.Event(), threading.Event(), {}, []
 
     def long_transaction():
-        try:
-            with transaction.atomic():
-                audit_record(tenant=a, actor=AGENT, action="memory.read", outcome="ok")
-                holding.set()
-                release.wait(30)
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
+        with transaction.atomic():
+            audit_record(tenant=a, actor=AGENT, action="memory.read", outcome="ok")
             holding.set()
-            connection.close()
+            release.wait(30)
 
-    def partition_job():
-        try:
-            outcome.update(partitions.ensure_partitions(now=future))
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=long_transaction)
-    holder.start()
+    holder = start_thread(long_transaction, failures, done=holding)
     try:
         assert holding.wait(20)
-        job = threading.Thread(target=partition_job)
-        job.start()
+        job = start_thread(lambda: outcome.update(partitions.ensure_partitions(now=future)), failures)
         wait_for_a_lock_waiter("the partition job", alive=job.is_alive)  # it waits for the event table now
         started = time.monotonic()
         audit_record(tenant=b, actor=AGENT, action="memory.read", outcome="ok")  # another tenant's request
@@ -289,31 +273,15 @@ def test_dropping_a_month_behind_a_long_reader_neither_queues_other_readers_nor_
     later = timezone.now() + timedelta(days=400)  # this month is past everyone's retention then
 
     def long_reader():
-        try:
-            with transaction.atomic():
-                AuditEvent.objects.filter(tenant=a).count()  # holds every partition (ACCESS SHARE)
-                reading.set()
-                release.wait(30)
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
+        with transaction.atomic():
+            AuditEvent.objects.filter(tenant=a).count()  # holds every partition (ACCESS SHARE)
             reading.set()
-            connection.close()
+            release.wait(30)
 
-    def purge_job():
-        try:
-            outcome.update(audit_purge_all(now=later))
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
-            connection.close()
-
-    reader = threading.Thread(target=long_reader)
-    reader.start()
+    reader = start_thread(long_reader, failures, done=reading)
     try:
         assert reading.wait(20)
-        job = threading.Thread(target=purge_job)
-        job.start()
+        job = start_thread(lambda: outcome.update(audit_purge_all(now=later)), failures)
         wait_for_a_lock_waiter("the drop", alive=job.is_alive)  # it waits for the month now
         started = time.monotonic()
         AuditEvent.objects.filter(tenant=b).exists()  # another tenant's review of its log

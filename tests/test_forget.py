@@ -18,7 +18,7 @@ from memories import services
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget, subjects
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
-from tests.helpers import memory_rows, rest_error, wait_for_a_lock_waiter
+from tests.helpers import memory_rows, rest_error, start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
@@ -868,21 +868,14 @@ def test_a_write_and_an_embedding_racing_a_forget_are_erased_with_the_memory(mon
     locked, failures = threading.Event(), []
 
     def writer_and_embedding_job():
-        try:
-            with transaction.atomic():
-                Memory.objects.select_for_update().get(pk=memory.pk)
-                locked.set()
-                wait_for_a_lock_waiter("the forget")  # the forget is waiting for this memory now
-                services.memory_update(tenant=tenant, actor=SYSTEM, key="user:u7:diet", value="vegan")
-                assert embeddings.embeddings_refresh()["embedded"] == 1  # the job, under this lock
-        except BaseException as exc:  # surfaced in the main thread below
-            failures.append(exc)
-        finally:
+        with transaction.atomic():
+            Memory.objects.select_for_update().get(pk=memory.pk)
             locked.set()
-            connection.close()
+            wait_for_a_lock_waiter("the forget")  # the forget is waiting for this memory now
+            services.memory_update(tenant=tenant, actor=SYSTEM, key="user:u7:diet", value="vegan")
+            assert embeddings.embeddings_refresh()["embedded"] == 1  # the job, under this lock
 
-    racer = threading.Thread(target=writer_and_embedding_job)
-    racer.start()
+    racer = start_thread(writer_and_embedding_job, failures, done=locked)
     assert locked.wait(20)
     forget.forget_request_execute(request_id=request.pk)
     racer.join(30)
@@ -1003,16 +996,9 @@ def test_a_summary_committed_while_a_forget_batch_waits_for_its_sources_is_erase
     monkeypatch.setattr(summaries, "_write_summary", write_and_wait_for_the_forget)
 
     def summary_job():
-        try:
-            assert summaries.summarize_run(job_id=job.pk)["sources"] == 1
-        except BaseException as exc:  # surfaced in the main thread below
-            failures.append(exc)
-        finally:
-            written.set()
-            connection.close()
+        assert summaries.summarize_run(job_id=job.pk)["sources"] == 1
 
-    racer = threading.Thread(target=summary_job)
-    racer.start()
+    racer = start_thread(summary_job, failures, done=written)
     assert written.wait(20)
     forget.forget_request_execute(request_id=request.pk)
     racer.join(30)
