@@ -200,6 +200,36 @@ def test_a_tenants_query_never_scores_another_tenants_vectors(api, api_b, tenant
     assert set(semantic._cache.matrix(tenant_a.pk).memory_ids.tolist()) == a_ids
 
 
+def test_word_matches_outside_the_cached_newest_are_scored_from_their_stored_vectors(tenant_a, settings):
+    # The cache holds the newest embedding only: the two older memories' similarities come
+    # from their stored vectors, read by id, and equal the product with each vector.
+    settings.ZEROMEM_SEMANTIC_CANDIDATES = 1
+    older = [
+        write(tenant_a, "user:u10086:pref_lang", "zh-CN"),
+        write(tenant_a, "user:u10086:diet", "vegetarian, no mushrooms"),
+    ]
+    write(tenant_a, "note:cat", "the cat sleeps on the sofa")
+    embeddings.embeddings_refresh()
+    other = make_tenant("other")
+    foreign = write(other, "user:u10086:pref_lang", "zh-CN")
+    embeddings.embeddings_refresh()
+    vector = embeddings.encode(["which language does the user prefer"])[0]
+
+    also = [m.pk for m in older] + [foreign.pk]
+    sims = semantic.similarities(tenant_id=tenant_a.pk, prefixes=None, query_vector=vector, also=also)
+
+    cached = set(semantic._cache.matrix(tenant_a.pk).memory_ids.tolist())
+    assert cached.isdisjoint(also)
+    stored = {e.memory_id: embeddings.from_bytes(e.vector) for e in MemoryEmbedding.objects.filter(tenant=tenant_a)}
+    expected = {m.pk: float(stored[m.pk] @ vector) for m in older}
+    assert older[0].pk in sims  # the language memory is near the question
+    for memory_id, sim in sims.items():
+        if memory_id in expected:
+            assert sim == pytest.approx(expected[memory_id], abs=1e-6)
+    assert {pk for pk, sim in expected.items() if sim >= semantic.MIN_SIMILARITY} <= set(sims)
+    assert foreign.pk not in sims  # another tenant's memory id is never scored
+
+
 def test_a_key_limited_to_a_prefix_gets_no_semantic_match_outside_it(profile, tenant_a, make_client):
     embeddings.embeddings_refresh()
     limited, _ = make_client(tenant_a, allow=["task:"])

@@ -42,7 +42,7 @@ from django.db import connection
 
 from memories.models import MemoryEmbedding
 from memories.search import embeddings
-from zeromem.kernel import cpu
+from zeromem.kernel import cpu, hotsql
 
 logger = logging.getLogger("zeromem.search")
 
@@ -262,17 +262,45 @@ def _with_also(tenant_id: int, scored: _Scored, also: Sequence[int]) -> dict[int
                 out[memory_id] = float(sims[i])
     missing = [m for m in also if m not in cached]
     if missing:
-        # By the unique memory_id index alone: a tenant_id condition let the planner AND in the
-        # tenant's whole (tenant, id) index (measured: 2.7 ms at 50k, growing with the tenant,
-        # when the statistics are stale). The tenant is checked on the rows instead.
-        for memory_id, owner, model, vector, dim in MemoryEmbedding.objects.filter(memory_id__in=missing).values_list(
-            "memory_id", "tenant_id", "model", "vector", "dim"
-        ):
-            if owner == tenant_id and model == embeddings.MODEL_NAME and dim == embeddings.DIM:
-                sim = float(embeddings.from_bytes(vector) @ scored.vector)
+        found = _stored_vectors(tenant_id, missing)
+        if found:
+            ids, blobs = zip(*found, strict=True)
+            # One conversion and one product for all of them (per row: ~10x the CPU).
+            for memory_id, sim in zip(ids, (embeddings.from_bytes_many(blobs) @ scored.vector).tolist(), strict=True):
                 if sim >= MIN_SIMILARITY:
                     out[memory_id] = sim
     return out
+
+
+# The word matches' stored vectors, by the unique memory_id index alone: a tenant_id condition
+# the planner could use let it AND in the tenant's whole (tenant, id) index (measured: 2.7 ms
+# at 50k, growing with the tenant, when the statistics were stale), so it is written
+# ``tenant_id + 0``, which no index serves, and checked on the rows found. The ids are one
+# array parameter, so the text is one statement whatever their number; run on the driver's
+# cursor (zeromem/kernel/hotsql.py). The ORM's IN list with per-row converters took 1.8 ms
+# p50 (3.9 ms p95) for 50 vectors at 1M, this 0.6 ms (0.8 ms).
+_STORED_VECTORS_SQL = (
+    f"SELECT memory_id, vector FROM {MemoryEmbedding._meta.db_table}"  # nosec B608: a table name
+    " WHERE memory_id = ANY(%s) AND tenant_id + 0 = %s AND model = %s AND dim = %s"
+)
+
+
+def _stored_vectors(tenant_id: int, memory_ids: Sequence[int]) -> list[tuple[int, bytes]]:
+    """[(memory id, stored vector bytes)] of the tenant's memories among ``memory_ids`` that
+    have an embedding of this model and size."""
+    if connection.vendor == "postgresql":
+        return hotsql.fetchall(
+            _STORED_VECTORS_SQL, [list(memory_ids), tenant_id, embeddings.MODEL_NAME, embeddings.DIM]
+        )
+    # Elsewhere by the ORM, the tenant, model and size checked here, as above.
+    rows = MemoryEmbedding.objects.filter(memory_id__in=memory_ids).values_list(
+        "memory_id", "tenant_id", "model", "vector", "dim"
+    )
+    return [
+        (memory_id, vector)
+        for memory_id, owner, model, vector, dim in rows
+        if owner == tenant_id and model == embeddings.MODEL_NAME and dim == embeddings.DIM
+    ]
 
 
 def similarities(
