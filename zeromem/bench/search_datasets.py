@@ -40,6 +40,9 @@ class Dataset:
     source: str
     passages: dict[str, str] = field(default_factory=dict)  # id -> answer text
     questions: list[tuple[str, str, set[str]]] = field(default_factory=list)  # (qid, question, answer ids)
+    # qid -> a passage-id prefix: the question is searched among those passages only (one
+    # conversation of several, as an agent searches one user's memories). Default: all.
+    scopes: dict[str, str] = field(default_factory=dict)
 
 
 class Unavailable(Exception):
