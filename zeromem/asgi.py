@@ -167,3 +167,8 @@ install_on_access_logs()
 from memories.search.embeddings import warm_up  # noqa: E402
 
 warm_up()
+
+# Imports done: what they left lives as long as the process (zeromem/kernel/heap.py).
+from zeromem.kernel.heap import freeze_long_lived  # noqa: E402
+
+freeze_long_lived()

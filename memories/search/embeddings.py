@@ -42,6 +42,7 @@ from django.db.models import Exists, Max, OuterRef, Q
 
 from memories.models import Memory, MemoryEmbedding
 from memories.search.text import value_text
+from zeromem.kernel import heap
 
 logger = logging.getLogger("zeromem.search")
 
@@ -116,6 +117,8 @@ class _Encoder:
                 raise EncoderUnavailable(self._error) from exc
             self._model = model
             self._loading = False
+        # The model's tables live as long as the process: out of the full GC passes.
+        heap.freeze_long_lived()
 
     def reset(self) -> None:
         """Forget the loaded model or the load error (tests)."""
