@@ -123,6 +123,31 @@ def test_candidates_come_from_the_rarest_terms_within_the_budget():
     assert plan.scoring_terms[0].idf > plan.scoring_terms[1].idf > plan.scoring_terms[2].idf
 
 
+def test_a_word_in_more_memories_than_the_sample_picks_a_sample_and_a_rarer_word_turns_it_off(tenant_a, monkeypatch):
+    # GIN_SAMPLE bounds what one common word costs (PostgreSQL's gin_fuzzy_search_limit, for
+    # the search's statements only); a rarer word in the same question reads everything.
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's GIN sampling")
+    for i in range(60):
+        write(tenant_a, f"note:bird{i}", f"a pelican was seen near pier {i}")
+    rare = write(tenant_a, "note:zanzibar", "a pelican from zanzibar")
+    monkeypatch.setattr(lexical, "GIN_SAMPLE", 10)
+
+    common = lexical.lexical_candidates(tenant_id=tenant_a.pk, prefixes=None, query="pelican", limit=500)
+    assert 0 < len(common) < 61  # a sample of the 61, ranked
+
+    both = lexical.lexical_candidates(tenant_id=tenant_a.pk, prefixes=None, query="pelican zanzibar", limit=500)
+    assert len(both) == 61 and both[0][0] == rare.pk
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW gin_fuzzy_search_limit")
+        assert cursor.fetchone()[0] == "0"  # the session's own setting, untouched
+
+
+def test_the_gin_sample_is_larger_than_the_candidates_so_an_ored_rarer_word_is_never_sampled():
+    # plan() adds terms after the first only while their postings total at most CANDIDATES.
+    assert lexical.GIN_SAMPLE > lexical.CANDIDATES
+
+
 def test_160_two_letter_words_answer(api):
     status, body = api.call("memory_search", query=" ".join(["ab", "cd", "ef", "gh", "ij"] * 32)[:499])
     assert status == 200 and body["results"] == []
@@ -167,8 +192,6 @@ def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_
     # its own they end with its COMMIT, inside a caller's they are restored before it goes on.
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL's planner settings")
-    from django.db import transaction
-
     from tests.factories import make_tenant
 
     tenant = make_tenant("settings-end")
@@ -178,12 +201,25 @@ def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT current_setting('statement_timeout'), current_setting('enable_seqscan'),"
-                " current_setting('enable_indexscan'), current_setting('max_parallel_workers_per_gather')"
+                " current_setting('enable_indexscan'), current_setting('max_parallel_workers_per_gather'),"
+                " current_setting('jit'), current_setting('gin_fuzzy_search_limit')"
             )
             return cursor.fetchone()
 
+    with connection.cursor() as cursor:
+        cursor.execute("SET jit = on")  # the server's default; the search must leave it so
+    try:
+        _search_settings_end(tenant, session_settings, monkeypatch)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET jit")  # a session SET outlives the test in a pooled connection
+
+
+def _search_settings_end(tenant, session_settings, monkeypatch):
+    from django.db import transaction
+
     before = session_settings()
-    assert before[1:3] == ("on", "on")
+    assert before[1:3] == ("on", "on") and before[4] == "on"
     during = []
     real = lexical._pg_candidates
 
@@ -197,8 +233,10 @@ def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_
     with transaction.atomic():
         assert lexical.lexical_candidates(tenant_id=tenant.pk, prefixes=None, query="zebra", limit=5)
         assert session_settings() == before
-    # While the search runs: its timeout, bitmap scans only, no parallel workers.
-    assert during and all(d[1:] == ("off", "off", "0") and d[0] != before[0] for d in during)
+    # While the search runs: its timeout, bitmap scans only, no parallel workers, no JIT, a
+    # common word's postings sampled.
+    sample = str(lexical.GIN_SAMPLE)
+    assert during and all(d[1:] == ("off", "off", "0", "off", sample) and d[0] != before[0] for d in during)
 
 
 # --- ranking --------------------------------------------------------------------------------

@@ -51,6 +51,16 @@ CANDIDATES = 500  # memories ranked per search, at most
 # Field weights: value text, (unused), tags, key segments — PostgreSQL's {D, C, B, A}.
 FIELD_WEIGHTS = (0.4, 0.5, 0.7, 1.0)
 TIE_BREAK_MAX = 0.03
+# A term in more memories than this is read from the GIN index as a random sample of about
+# this many (PostgreSQL's gin_fuzzy_search_limit, set for the search's statements only). A
+# bitmap index scan reads a term's whole posting list before the heap scan's LIMIT applies:
+# at 1M memories a query whose rarest word is in 85k of them spent 11 ms building that
+# bitmap, 23 ms in all; sampled, 7 ms. PostgreSQL samples only when every term of the scan
+# is that common, and plan() ORs a second term in only while the candidates' postings total
+# at most CANDIDATES (< GIN_SAMPLE): so a question with a rarer word reads all its matches,
+# and one whose rarest word is common ranks CANDIDATES memories drawn at random from that
+# word's (before: the oldest ones, the bitmap's block order) — a bounded cost either way.
+GIN_SAMPLE = 5000
 
 
 class SearchTimeout(Unavailable):
@@ -153,18 +163,28 @@ def deadline() -> Iterator[None]:
                 # No parallel workers: a search's bounded statements gain nothing from them
                 # but their start-up, and with them one tenant's search takes several cores
                 # (seen during bench_search's fairness phase as MessageQueueReceive waits).
+                # No JIT: the candidates' estimated cost passes jit_above_cost whenever a
+                # term is common (the estimate counts every posting, not the LIMIT), and
+                # compiling took 7.5 of a 22-ms query at 1M (bench_search, 'zpt' in 62k
+                # memories) — for a statement that runs a few milliseconds once.
+                # A common term's postings sampled (gin_fuzzy_search_limit, GIN_SAMPLE): see there.
                 cursor.execute(
                     "SELECT current_setting('statement_timeout'), current_setting('max_parallel_workers_per_gather'),"
+                    " current_setting('jit'), current_setting('gin_fuzzy_search_limit'),"
                     " set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'off', true),"
-                    " set_config('enable_indexscan', 'off', true), set_config('max_parallel_workers_per_gather', '0', true)",
-                    [f"{ms}ms"],
+                    " set_config('enable_indexscan', 'off', true),"
+                    " set_config('max_parallel_workers_per_gather', '0', true), set_config('jit', 'off', true),"
+                    " set_config('gin_fuzzy_search_limit', %s, true)",
+                    [f"{ms}ms", str(GIN_SAMPLE)],
                 )
-                previous = cursor.fetchone()[:2]
+                previous = cursor.fetchone()[:4]
                 yield
                 if restore:
                     cursor.execute(
                         "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
-                        " set_config('enable_indexscan', 'on', true), set_config('max_parallel_workers_per_gather', %s, true)",
+                        " set_config('enable_indexscan', 'on', true),"
+                        " set_config('max_parallel_workers_per_gather', %s, true), set_config('jit', %s, true),"
+                        " set_config('gin_fuzzy_search_limit', %s, true)",
                         list(previous),
                     )
         else:
