@@ -280,6 +280,50 @@ def test_a_slow_request_holds_one_thread_and_others_are_answered_meanwhile(serve
     assert answers == [200]
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_one_callers_slow_requests_hold_its_share_of_the_threads_and_another_caller_is_answered(served):
+    # 4 threads: caller A may hold 2 (zeromem/kit/fair_threads.py). A sends 5 writes of a row
+    # held locked: 2 wait on the lock in threads, 3 wait for A's turn holding nothing, and
+    # tenant B's reads are answered meanwhile (first come, first served, A's 5 took every thread).
+    a_tenant, b_tenant = make_tenant("fair-a"), make_tenant("fair-b")
+    _key, a_raw = make_key(a_tenant)
+    _key, b_raw = make_key(b_tenant)
+    server = served("--processes", "1", "--threads", "4", DATABASE_URL=_database_url())
+    write = {"name": "memory_write", "arguments": {"key": "fact:fair:held", "value": {"n": 0}}}
+    read = {"name": "memory_read", "arguments": {"key": "fact:fair:b"}}
+    assert _request(server.port, "POST", "/api/v1/tools/call", key=a_raw, body=write)[0] == 200
+    b_write = {"name": "memory_write", "arguments": {"key": "fact:fair:b", "value": {"n": 1}}}
+    assert _request(server.port, "POST", "/api/v1/tools/call", key=b_raw, body=b_write)[0] == 200
+    answers: list[int] = []
+
+    def slow_write():
+        answers.append(_request(server.port, "POST", "/api/v1/tools/call", key=a_raw, body=write, timeout=90)[0])
+
+    def lock_waiters(locker) -> int:
+        return locker.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        ).fetchone()[0]
+
+    with psycopg.connect(_database_url().replace("postgres://", "postgresql://", 1)) as locker:
+        locker.execute("SELECT id FROM memories_memory WHERE key = 'fact:fair:held' FOR UPDATE")
+        held = [threading.Thread(target=slow_write, daemon=True) for _ in range(5)]
+        for thread in held:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while lock_waiters(locker) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # time for more of A's writes to reach the lock, were they let in
+        assert lock_waiters(locker) == 2, "caller A holds more than its share of the threads"
+        for _ in range(3):
+            assert _request(server.port, "POST", "/api/v1/tools/call", key=b_raw, body=read, timeout=10)[0] == 200
+        assert answers == []
+        locker.commit()
+    for thread in held:
+        thread.join(timeout=60)
+    assert answers == [200] * 5  # A's waiting requests were answered once their turn came
+
+
 def test_more_keep_alive_clients_than_threads_are_all_answered(served):
     server = served("--processes", "1", "--threads", "2", DATABASE_URL="")
     clients = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=10) for _ in range(5)]

@@ -32,7 +32,8 @@ tracing.setup()
 
 from django.conf import settings  # noqa: E402
 
-from zeromem.serving import web_threads  # noqa: E402
+from zeromem.kit.fair_threads import FairThreads, caller_of  # noqa: E402
+from zeromem.serving import threads_per_caller, web_threads  # noqa: E402
 
 
 class _BodyTooLarge(Exception):
@@ -107,9 +108,12 @@ class Router:
     """``/mcp`` (and below it) to the MCP endpoint, the rest to Django; the lifespan runs the
     MCP SDK's session manager for as long as the server process serves."""
 
-    def __init__(self, django_application, mcp_endpoint):
+    def __init__(self, django_application, mcp_endpoint, threads: FairThreads | None = None):
         self.django = django_application
         self.mcp = mcp_endpoint
+        # Each HTTP request waits here for its caller's turn at a request thread (Django's and
+        # MCP's share them): one caller's requests cannot make another's wait behind them.
+        self.threads = threads
         # With tracing on, a server span around each /mcp request (the SDK's own span and the
         # tool's are its children); the endpoint itself when off.
         self.mcp_app = tracing.wrap_asgi(mcp_endpoint)
@@ -120,9 +124,15 @@ class Router:
         if kind == "lifespan":
             return await self.lifespan(receive, send)
         path = scope.get("path", "")
-        if kind == "http" and (path == self.prefix or path.startswith(self.prefix + "/")):
-            return await self.mcp_app(scope, receive, send)
-        return await self.django(scope, receive, send)
+        app = (
+            self.mcp_app
+            if kind == "http" and (path == self.prefix or path.startswith(self.prefix + "/"))
+            else self.django
+        )
+        if kind != "http" or self.threads is None:
+            return await app(scope, receive, send)
+        async with self.threads.thread(caller_of(scope)):
+            return await app(scope, receive, send)
 
     async def lifespan(self, receive, send):
         message = await receive()
@@ -152,7 +162,12 @@ def build(mode: str | None = None) -> Router:
 
     django_application = django_app(mode or os.environ.get("ZEROMEM_ASGI_DJANGO") or "wsgi")
     # One thread pool for Django's requests and MCP's calls (a2wsgi's), when there is one.
-    return Router(django_application, McpEndpoint(executor=getattr(django_application, "executor", None)))
+    threads = web_threads(os.environ)
+    return Router(
+        django_application,
+        McpEndpoint(executor=getattr(django_application, "executor", None)),
+        FairThreads(threads, threads_per_caller(os.environ)),
+    )
 
 
 application = build()

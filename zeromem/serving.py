@@ -56,6 +56,13 @@ def web_threads(environ: Mapping[str, str]) -> int:
     return _positive(environ.get("ZEROMEM_WEB_THREADS") or DEFAULT_THREADS, "ZEROMEM_WEB_THREADS")
 
 
+def threads_per_caller(environ: Mapping[str, str]) -> int | None:
+    """How many of a process's threads one caller may hold (``ZEROMEM_WEB_THREADS_PER_CALLER``;
+    None: the default, zeromem/kit/fair_threads.py)."""
+    value = environ.get("ZEROMEM_WEB_THREADS_PER_CALLER")
+    return _positive(value, "ZEROMEM_WEB_THREADS_PER_CALLER") if value else None
+
+
 def pool_max_size(threads: int) -> int:
     """The pool sizing rule: a connection per request thread plus a small headroom."""
     return threads + POOL_HEADROOM
