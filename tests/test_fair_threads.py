@@ -67,15 +67,21 @@ def test_a_freed_thread_goes_to_the_waiting_caller_that_holds_the_fewest():
     asyncio.run(scenario())
 
 
+async def _one_holding_one_waiting():
+    """One thread, held by A; B waiting for it: (threads, A's task, B's task, entered, release)."""
+    threads = FairThreads(1)
+    release = asyncio.Event()
+    entered: list[str] = []
+    holder = asyncio.create_task(_enter(threads, "A", entered, release))
+    await _settle()
+    waiter = asyncio.create_task(_enter(threads, "B", entered, release))
+    await _settle()
+    return threads, holder, waiter, entered, release
+
+
 def test_a_waiting_request_whose_client_goes_away_takes_no_thread():
     async def scenario():
-        threads = FairThreads(1)
-        release = asyncio.Event()
-        entered: list[str] = []
-        holder = asyncio.create_task(_enter(threads, "A", entered, release))
-        await _settle()
-        gone = asyncio.create_task(_enter(threads, "B", entered, release))
-        await _settle()
+        threads, holder, gone, entered, release = await _one_holding_one_waiting()
         gone.cancel()  # the client disconnected while waiting
         await asyncio.gather(gone, return_exceptions=True)
         assert not threads.waiting
@@ -88,13 +94,7 @@ def test_a_waiting_request_whose_client_goes_away_takes_no_thread():
 
 def test_a_turn_granted_to_a_request_cancelled_before_it_ran_is_given_back():
     async def scenario():
-        threads = FairThreads(1)
-        release = asyncio.Event()
-        entered: list[str] = []
-        holder = asyncio.create_task(_enter(threads, "A", entered, release))
-        await _settle()
-        waiter = asyncio.create_task(_enter(threads, "B", entered, release))
-        await _settle()
+        threads, holder, waiter, _entered, release = await _one_holding_one_waiting()
         release.set()
         await holder  # hands the thread to B's waiting turn ...
         waiter.cancel()  # ... which is cancelled before it resumes
