@@ -390,7 +390,7 @@ ROUTES: dict[str, Route] = {
         public=False, ops={"GET": "audit_export", "HEAD": "audit_export", "OPTIONS": "options"}
     ),
     "api/v1/audit-checkpoints": Route(public=False, ops={"POST": "audit_checkpoint", "OPTIONS": "options"}),
-        "api/v1/subjects/<str:subject>/portal-link": Route(
+    "api/v1/subjects/<str:subject>/portal-link": Route(
         public=False, ops={"POST": "portal_link", "DELETE": "portal_revoke", "OPTIONS": "options"}
     ),
     # LangGraph's store (the cells run with ZEROMEM_LANGGRAPH_PREFIX="user": namespace
@@ -967,7 +967,9 @@ class PortalIdentities:
 
         valid = token(self.a)
         expired = token(self.a)
-        PortalLink.objects.filter(token_hash=token_hash(expired)).update(expires_at=timezone.now() - timedelta(seconds=1))
+        PortalLink.objects.filter(token_hash=token_hash(expired)).update(
+            expires_at=timezone.now() - timedelta(seconds=1)
+        )
         replayed = token(self.a)
         portal_link_open(token=replayed, actor_for=lambda _link: SYSTEM, use=True)
         a_session, b_session = session(self.a), session(self.b)

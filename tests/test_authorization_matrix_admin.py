@@ -494,7 +494,10 @@ def test_admin_matrix(row: Row, identity: str, staff_identities, db):
         assert CANARY_A not in body, f"{identity} received tenant A's memory value"
     assert CANARY_B not in body, f"{identity} received tenant B's memory value"
     outsider = identity in ("other_tenant", "no_membership", "anonymous")
-    markers = (*(set(MARKERS_A.values()) if outsider else ()), *(() if identity == "other_tenant" else MARKERS_B.values()))
+    markers = (
+        *(set(MARKERS_A.values()) if outsider else ()),
+        *(() if identity == "other_tenant" else MARKERS_B.values()),
+    )
     for marker in markers:
         if marker == "adm-other" and identity == "other_tenant":
             continue  # its own username

@@ -29,7 +29,9 @@ def test_signed_in_admin_pages_have_no_inline_scripts(tenant_a, staff_clients):
         assert " onclick=" not in text and " onload=" not in text
         # Every <script> is a file of this origin (no inline code for the policy to block).
         for tag in text.split("<script")[1:]:
-            assert tag.split(">", 1)[0].strip().startswith(("src=", 'id="django-admin')) or " src=" in tag.split(">", 1)[0], tag[:120]
+            assert (
+                tag.split(">", 1)[0].strip().startswith(("src=", 'id="django-admin')) or " src=" in tag.split(">", 1)[0]
+            ), tag[:120]
 
 
 def test_the_api_is_left_out(api):

@@ -379,9 +379,7 @@ def test_the_api_works_through_pgbouncer_in_transaction_mode(fleet, pgbouncer, t
 
 @pytest.mark.postgres
 @pytest.mark.django_db
-def test_the_deploy_check_reports_a_pooler_without_the_setting_and_the_setting_without_its_parts(
-    monkeypatch, settings
-):
+def test_the_deploy_check_reports_a_pooler_without_the_setting_and_the_setting_without_its_parts(monkeypatch, settings):
     from zeromem.kernel.checks import pgbouncer_settings
 
     connection.ensure_connection()
@@ -425,7 +423,7 @@ def replica_alias(django_db_setup):
 def _tables(queries: list[dict]) -> list[str]:
     """``SELECT audit_auditevent``: each query's verb and first table."""
     tables = [re.findall(r'(?:FROM|INTO|UPDATE) "(\w+)"', q["sql"]) or ["?"] for q in queries]
-    return [f"{q['sql'].split()[0]} {found[0]}" for q, found in zip(queries, tables)]
+    return [f"{q['sql'].split()[0]} {found[0]}" for q, found in zip(queries, tables, strict=True)]
 
 
 @pytest.mark.postgres

@@ -836,7 +836,11 @@ def test_finished_jobs_are_purged_after_the_retention_period(tenant_a, tenant_b,
     make = lambda tenant, status, created: Job.objects.create(  # noqa: E731
         tenant=tenant, kind=Job.Kind.SUMMARIZE, status=status, params={"prefix": "user:u1:"}, created_at=created
     )
-    gone = [make(tenant_a, Job.Status.SUCCEEDED, old), make(tenant_a, Job.Status.FAILED, old), make(tenant_b, "succeeded", old)]
+    gone = [
+        make(tenant_a, Job.Status.SUCCEEDED, old),
+        make(tenant_a, Job.Status.FAILED, old),
+        make(tenant_b, "succeeded", old),
+    ]
     kept = [make(tenant_a, Job.Status.SUCCEEDED, recent), make(tenant_a, Job.Status.QUEUED, old)]  # running work stays
     from memories import tasks
 
@@ -846,7 +850,6 @@ def test_finished_jobs_are_purged_after_the_retention_period(tenant_a, tenant_b,
     events = AuditEvent.objects.filter(action="job.purge").order_by("tenant_id")
     assert [(e.tenant_id, e.count) for e in events] == [(tenant_a.pk, 2), (tenant_b.pk, 1)]
     assert tasks.jobs_purge_task() == 0
-
 
 
 @pytest.mark.postgres

@@ -205,7 +205,10 @@ def test_a_link_is_an_opaque_random_token_stored_only_as_its_hash(api, api_b, se
     """The URL names no tenant and no subject, and the database never holds the token."""
     import hashlib
 
-    tokens = [path_of(issue(client, subject)["url"]).rsplit("/", 1)[-1] for client, subject in ((api, "u1"), (api, "u1"), (api_b, "u1"))]
+    tokens = [
+        path_of(issue(client, subject)["url"]).rsplit("/", 1)[-1]
+        for client, subject in ((api, "u1"), (api, "u1"), (api_b, "u1"))
+    ]
     assert len(set(tokens)) == 3 and all(re.fullmatch(r"[A-Za-z0-9_-]{43}", t) for t in tokens), tokens
     # Each is 32 random bytes, base64url: nothing of the tenant or the subject is in it (a
     # substring check would fail by chance on a random token, ~1% of runs for "u1").
@@ -344,7 +347,10 @@ def test_log_lines_of_portal_paths_carry_no_token(api, seeded, caplog):
         Client().get(f"/portal/open/{token}")  # 410: logged by django.request
         install_on_access_logs()
         access = logging.getLogger("granian.access")
-        access.info('%(addr)s "%(method)s %(path)s" %(status)d', {"addr": "10.0.0.1", "method": "GET", "path": f"/portal/open/{token}", "status": 200})
+        access.info(
+            '%(addr)s "%(method)s %(path)s" %(status)d',
+            {"addr": "10.0.0.1", "method": "GET", "path": f"/portal/open/{token}", "status": 200},
+        )
     lines = [r.getMessage() for r in caplog.records]
     assert any("Gone: /portal/open/…" in line for line in lines), lines
     assert any('"GET /portal/open/…" 200' in line for line in lines), lines
@@ -382,7 +388,7 @@ def test_each_card_shows_which_source_wrote_the_memory(api, tenant_a):
     api.call("memory_write", key="user:u1:b", value="y")  # no source given: the writing key's label
     text = page_text(open_portal(issue(api)["url"]).get("/portal/"))
     assert 'by <span class="source">support-bot</span>' in text
-    assert f'by <span class="source">{api.raw_key[:12]}' in text, text[text.find("by <span"):][:200]
+    assert f'by <span class="source">{api.raw_key[:12]}' in text, text[text.find("by <span") :][:200]
 
 
 def test_values_are_escaped_on_the_page(api, tenant_a):

@@ -18,7 +18,6 @@ from audit.services import audit_refusals_flush
 from memories.models import ApiKey
 from memories.services import search_budget
 
-
 CALL = "/api/v1/tools/call"
 SEARCH = {"name": "memory_search", "arguments": {"query": "zebra"}}
 MINUTE = 28_333_334 * 60

@@ -9,7 +9,6 @@ import pytest
 
 from audit import limits
 
-
 EXPORT = "/api/v1/audit-events/export"
 
 

@@ -35,7 +35,7 @@ class PortalLinkAdmin(TenantScopedAdmin):
 
     def get_urls(self):
         info = self.opts.app_label, self.opts.model_name
-        return [path("", self.admin_site.admin_view(self.changelist_view), name="%s_%s_changelist" % info)]
+        return [path("", self.admin_site.admin_view(self.changelist_view), name=f"{info[0]}_{info[1]}_changelist")]
 
     @admin.display(description="status")
     def status(self, obj):

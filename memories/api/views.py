@@ -123,7 +123,9 @@ class ToolBatchView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
     def post(self, request):
         results = tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data)
         calls = request.data["calls"]  # tool_batch has checked its shape
-        metrics.tool_calls((_called_tool(call), result.get("status")) for call, result in zip(calls, results))
+        metrics.tool_calls(
+            (_called_tool(call), result.get("status")) for call, result in zip(calls, results, strict=False)
+        )
         return Response({"results": results})
 
 
@@ -493,6 +495,7 @@ class PortalLinkCreateView(AuditedAPIView):
     def delete(self, request, subject):
         count = portal_links_revoke(tenant=self.tenant, actor=self.actor, subject=subject)
         return Response(s.PortalLinksRevokedSerializer({"revoked": count}).data)
+
 
 # --- Claude's memory tool -----------------------------------------------------------------
 

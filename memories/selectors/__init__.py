@@ -67,9 +67,11 @@ _SENTINELS = {
 # The querysets compiled once, built with the sentinels in place of their values.
 _PLANNED = {
     "live_by_key": lambda s: Memory.objects.filter(tenant_id=s["tenant"]).live(now=s["now"]).filter(key=s["key"])[:1],
-    "current_for_update": lambda s: Memory.objects.filter(tenant_id=s["tenant"], key=s["key"], deleted_at__isnull=True)
-    .select_for_update()
-    .order_by("pk")[:1],
+    "current_for_update": lambda s: (
+        Memory.objects.filter(tenant_id=s["tenant"], key=s["key"], deleted_at__isnull=True)
+        .select_for_update()
+        .order_by("pk")[:1]
+    ),
     # PostgreSQL only: the IN list becomes one array parameter (``= ANY(%s)``), so that one
     # SQL text serves any number of ids.
     "live_by_ids": lambda s: Memory.objects.filter(tenant_id=s["tenant"]).live(now=s["now"]).filter(pk__in=[s["ids"]]),

@@ -36,9 +36,7 @@ def stale_tenants(now=None):
     now = now or timezone.now()
     due = now - timedelta(minutes=settings.ZEROMEM_DASHBOARD_STATS_MINUTES)
     stats = TenantDashboardStats.objects.filter(tenant=OuterRef("pk"))
-    active_since = AuditEvent.objects.filter(
-        tenant=OuterRef("tenant"), occurred_at__gt=OuterRef("computed_at")
-    )
+    active_since = AuditEvent.objects.filter(tenant=OuterRef("tenant"), occurred_at__gt=OuterRef("computed_at"))
     stale = TenantDashboardStats.objects.filter(computed_at__lte=due).filter(Exists(active_since))
     never = ~Exists(stats) & Exists(Memory.objects.filter(tenant=OuterRef("pk")))
     return Tenant.objects.filter(Q(pk__in=stale.values("tenant")) | never).order_by("pk")

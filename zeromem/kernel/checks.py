@@ -79,9 +79,7 @@ def pgbouncer_settings(app_configs, databases=None, **kwargs):
     for alias in databases or []:
         problem = pooler_problem(connections[alias])
         if problem:
-            errors.append(
-                Error(problem, hint='README "Running as a fleet": PgBouncer.', id="zeromem.E001", obj=alias)
-            )
+            errors.append(Error(problem, hint='README "Running as a fleet": PgBouncer.', id="zeromem.E001", obj=alias))
     return errors
 
 

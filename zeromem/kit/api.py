@@ -281,9 +281,7 @@ class AuditedAPIView(TenantAPIView):
             if_match=request.headers.get("If-Match"),
             data=request.data,
         )
-        outcome = idempotency.claim(
-            tenant=self.tenant, api_key=api_key, key=key, fingerprint=fingerprint
-        )
+        outcome = idempotency.claim(tenant=self.tenant, api_key=api_key, key=key, fingerprint=fingerprint)
         if isinstance(outcome, IdempotencyRecord):
             raise _Replay(_replayed(outcome))
         self._idempotency_claim = outcome
