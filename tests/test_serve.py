@@ -166,7 +166,10 @@ def test_flags_override_the_environment_which_overrides_the_machine_defaults():
     )
 
 
-@pytest.mark.parametrize("env", [{"ZEROMEM_WEB_THREADS": "0"}, {"ZEROMEM_WEB_PROCESSES": "many"}])
+@pytest.mark.parametrize(
+    "env",
+    [{"ZEROMEM_WEB_THREADS": "0"}, {"ZEROMEM_WEB_PROCESSES": "many"}, {"ZEROMEM_WEB_THREADS_PER_CALLER": "0"}],
+)
 def test_a_bad_process_or_thread_count_is_refused_naming_the_setting(env, capsys):
     with pytest.raises(SystemExit):
         serving.parse([], env)

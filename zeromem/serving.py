@@ -151,6 +151,7 @@ def parse(argv: list[str], environ: Mapping[str, str], *, prog: str = "python3 -
     )
     args = parser.parse_args(argv)
     try:
+        threads_per_caller(environ)  # read by each server process (zeromem/asgi.py): refused here first
         return ServingModel(
             host=args.host or environ.get("HOST") or DEFAULT_HOST,
             port=_positive(args.port or environ.get("PORT") or DEFAULT_PORT, "PORT"),
