@@ -2,11 +2,12 @@
 
 A full (generation 2) collection walks every container object the process holds, and it
 holds the GIL while it does: with Django, the apps, the MCP SDK and the embedding model
-loaded, one pass took **100–115 ms** here (156k tracked objects; a 128k-element list among
-them), and every request thread of that process stalled behind it — a search's p99, a
-worst-case query's maximum, another tenant's read while searches run. Those objects live as
+loaded, one pass took **85–115 ms** here (156k tracked objects; a 128k-element list among
+them), and every request thread of that process would stall behind it (not shown to be the
+cause, but the size of the one 188-ms answer a one-CJK-character search got at 1M in
+``bench_search``, whose other answers took 8–20 ms). Those objects live as
 long as the process: :func:`freeze_long_lived` moves everything alive now into the permanent
-generation (``gc.freeze()``), after which a full pass took under 1 ms. Objects made later
+generation (``gc.freeze()``), after which a full pass took 0.05 ms. Objects made later
 (requests, caches) are collected as before. Called once the app is imported and once the
 embedding model has loaded (zeromem/asgi.py, zeromem/wsgi.py, memories/search/embeddings.py).
 """
