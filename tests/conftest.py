@@ -166,6 +166,21 @@ def revoked_client(tenant_a):
     return client
 
 
+@pytest.fixture
+def limiter_minute(monkeypatch):
+    """The rate limiter's clock (audit/limits.py) held one second into the current minute, so
+    that a test counting calls against a per-minute limit never sees the window change under
+    it (a CI run once crossed a minute boundary between a test's second and third call)."""
+    import time
+    from types import SimpleNamespace
+
+    from audit import limits
+
+    at = (int(time.time()) // 60) * 60 + 1
+    monkeypatch.setattr(limits, "time", SimpleNamespace(time=lambda: at))
+    return at
+
+
 @pytest.fixture(params=["database", "redis"])
 def counter_store(request, settings):
     """Where rate limits, slots, search budgets and refusal tallies count (audit/limits.py):

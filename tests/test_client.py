@@ -9,9 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -153,14 +151,10 @@ def test_async_client(live_server, zm_key):
     assert asyncio.run(main()) == "Bo"
 
 
-def test_rate_limited_is_retried_honouring_retry_after_then_raised(live_server, zm_key, settings, monkeypatch):
+def test_rate_limited_is_retried_honouring_retry_after_then_raised(live_server, zm_key, settings, limiter_minute):
     """A real 429 from ZeroMem's limiter: the client waits each answer's Retry-After between
     its bounded attempts (the clock is faked through ``sleep``), then raises."""
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
-    # The limiter's clock held one second into a minute: a run that crossed a real minute
-    # boundary between the second and third call was let through by the new window (CI, once).
-    at = (int(time.time()) // 60) * 60 + 1
-    monkeypatch.setattr(limits, "time", SimpleNamespace(time=lambda: at))
     told = []
 
     def record(response):
@@ -209,7 +203,7 @@ def test_connection_errors_are_retried_a_bounded_number_of_times():
     assert 0 <= waits[0] <= 0.2 and 0 <= waits[1] <= 0.4  # full jitter under a doubling ceiling
 
 
-def test_writes_carry_one_idempotency_key_across_their_retries(live_server, zm_key, settings):
+def test_writes_carry_one_idempotency_key_across_their_retries(live_server, zm_key, settings, limiter_minute):
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 1
     seen = []
 

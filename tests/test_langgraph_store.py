@@ -175,7 +175,7 @@ def test_get_without_namespace_or_key_names_the_field(tenant_a):
 
 
 @pytest.mark.django_db
-def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings):
+def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings, limiter_minute):
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
     client, _ = make_keyed_client(tenant_a)
     body = {"namespace": ["a"], "key": "k", "value": {"v": 1}}

@@ -17,7 +17,7 @@ from tests.factories import SYSTEM
 CALL = "/api/v1/tools/call"
 
 
-def test_a_request_refused_by_the_rate_limit_writes_no_audit_row_of_its_own(api, settings):
+def test_a_request_refused_by_the_rate_limit_writes_no_audit_row_of_its_own(api, settings, limiter_minute):
     # Refusals over a limit are counted per source and minute and written later as one
     # event with the count (audit/services.py _tally_refusal): a flood costs no row each.
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2

@@ -25,7 +25,7 @@ def _batch(n):
     return {"calls": [{"name": "memory_list", "arguments": {}} for _ in range(n)]}
 
 
-def test_each_call_of_a_batch_counts_against_the_limit(api, settings, counter_store):
+def test_each_call_of_a_batch_counts_against_the_limit(api, settings, counter_store, limiter_minute):
     """Before: a batch of 50 calls cost one unit."""
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10
     assert api.post(BATCH, _batch(6)).status_code == 200
@@ -36,7 +36,7 @@ def test_each_call_of_a_batch_counts_against_the_limit(api, settings, counter_st
     assert api.call("memory_list")[0] == 429
 
 
-def test_a_batch_that_would_pass_the_limit_is_refused_whole(api, settings, counter_store):
+def test_a_batch_that_would_pass_the_limit_is_refused_whole(api, settings, counter_store, limiter_minute):
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10
     r = api.post(
         BATCH, {"calls": [{"name": "memory_write", "arguments": {"key": f"k:{i}", "value": i}} for i in range(11)]}
