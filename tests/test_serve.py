@@ -61,6 +61,11 @@ def _request(port: int, method: str, path: str, *, key: str = "", body: dict | N
         conn.close()
 
 
+def _keyed_tenants(*slugs: str) -> list[tuple]:
+    """A new tenant per slug, each with a key of every scope: [(tenant, raw key), ...]."""
+    return [(tenant, make_key(tenant)[1]) for tenant in map(make_tenant, slugs)]
+
+
 class Served:
     """``python3 -m zeromem serve`` as a child process, stopped by its process group."""
 
@@ -289,9 +294,7 @@ def test_one_callers_slow_requests_hold_its_share_of_the_threads_and_another_cal
     # 4 threads: caller A may hold 2 (zeromem/kit/fair_threads.py). A sends 5 writes of a row
     # held locked: 2 wait on the lock in threads, 3 wait for A's turn holding nothing, and
     # tenant B's reads are answered meanwhile (first come, first served, A's 5 took every thread).
-    a_tenant, b_tenant = make_tenant("fair-a"), make_tenant("fair-b")
-    _key, a_raw = make_key(a_tenant)
-    _key, b_raw = make_key(b_tenant)
+    (_a, a_raw), (_b, b_raw) = _keyed_tenants("fair-a", "fair-b")
     server = served("--processes", "1", "--threads", "4", DATABASE_URL=_database_url())
     write = {"name": "memory_write", "arguments": {"key": "fact:fair:held", "value": {"n": 0}}}
     read = {"name": "memory_read", "arguments": {"key": "fact:fair:b"}}
@@ -457,9 +460,7 @@ class SlowReader(threading.Thread):
 @pytest.mark.django_db(transaction=True)
 def test_20_slow_export_readers_of_one_tenant_leave_another_tenants_reads_without_a_503(served):
     """Before: 21 slow export readers held all pooled connections and every tenant got 503."""
-    busy, other = make_tenant("serve-busy"), make_tenant("serve-other")
-    _k, busy_key = make_key(busy)
-    _k, other_key = make_key(other)
+    (busy, busy_key), (_other, other_key) = _keyed_tenants("serve-busy", "serve-other")
     with connection.cursor() as cursor:  # an export of ~15 MB, far more than socket buffers
         cursor.execute(
             "INSERT INTO audit_auditevent (uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label, surface,"
