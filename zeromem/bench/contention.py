@@ -149,10 +149,12 @@ def phase(
     attack: Attack | None = None,
     hog: bool = False,
     mode: str = "processes",
+    attack_port: int | None = None,
 ) -> Outcome:
     """The reader's latencies for ``seconds`` while nothing else runs (idle), a CPU hog spins
     (``hog``), or ``attack`` runs. ``mode``: ``processes`` (each side its own process) or
-    ``threads`` (both sides threads of this process, the old way)."""
+    ``threads`` (both sides threads of this process, the old way). ``attack_port``: the
+    searchers send to another server instance (same database) than the reader's."""
     if mode == "threads":
         return _in_threads(port, reader_key=reader_key, read_body=read_body, seconds=seconds, attack=attack, hog=hog)
     ctx = multiprocessing.get_context("spawn")
@@ -164,7 +166,9 @@ def phase(
     if attack is not None:
         ready_a = ctx.Event()
         attack_pipe, attack_theirs = ctx.Pipe(duplex=False)
-        procs.append(ctx.Process(target=searchers, args=(port, attack, ready_a, go, attack_theirs), daemon=True))
+        procs.append(
+            ctx.Process(target=searchers, args=(attack_port or port, attack, ready_a, go, attack_theirs), daemon=True)
+        )
         readies.append(ready_a)
     hog_proc = None
     try:

@@ -43,6 +43,7 @@ data takes ~2.5 GB and about 15 minutes to build on a 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import random
@@ -132,8 +133,10 @@ class Command(BenchCommand):
             "--attack-modes",
             default="processes,threads",
             help="how the parallel phase's clients run: processes (the reader and the searchers each a "
-            "process of their own, as different clients are) and/or threads (all in this process, the "
-            "old measurement, which adds this process's own GIL waits to the reader's latency) (%(default)s)",
+            "process of their own, as different clients are), threads (all in this process, the "
+            "old measurement, which adds this process's own GIL waits to the reader's latency) and/or "
+            "split (as processes, but the searchers sent to a second server instance on the same "
+            "database: what is left when no server process serves both tenants) (%(default)s)",
         )
         parser.add_argument(
             "--ignore-retry-after",
@@ -165,8 +168,8 @@ class Command(BenchCommand):
         self.ignore_retry_after = ignore_retry_after
         self.fairness_only = fairness_only
         self.attack_modes = [m.strip() for m in attack_modes.split(",") if m.strip()]
-        if not set(self.attack_modes) <= {"processes", "threads"}:
-            raise CommandError("--attack-modes: processes and/or threads")
+        if not set(self.attack_modes) <= {"processes", "threads", "split"}:
+            raise CommandError("--attack-modes: processes, threads and/or split")
         rng = random.Random(seed)
         self.real_vectors = None
         self.vocab = _vocabulary(rng)
@@ -199,11 +202,21 @@ class Command(BenchCommand):
         with connection.cursor() as c:
             c.execute("ANALYZE memories_memory")
             c.execute("ANALYZE memories_memoryembedding")
-        with running_server(
-            stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
-        ) as server:
+        with contextlib.ExitStack() as stack:
+            server = stack.enter_context(
+                running_server(stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log)
+            )
             port = server["port"]
             self.server_workers = server["workers"]
+            self.split_port = None
+            if "split" in self.attack_modes:
+                second = stack.enter_context(
+                    running_server(
+                        stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
+                    )
+                )
+                self.split_port = second["port"]
+                self.server_workers = self.server_workers + second["workers"]
             for size, (tenant, raw_key) in tenants.items():
                 self.log(f"size {size}: measuring")
                 report["sizes"][size] = self._measure(
@@ -389,11 +402,17 @@ class Command(BenchCommand):
         # Warm up: each server process loads the model in the background at start (~3 s) and
         # builds a tenant's matrix of cached vectors in the background at its first search.
         warm = self._questions(tenant, rng, 10)
+        warm_clients = [client]
+        if self.split_port:
+            warm_clients.append(HttpClient(self.split_port, raw_key, timeout=30))
         until = time.monotonic() + 6
         while time.monotonic() < until:
             for q in warm:
-                client.request("POST", TOOL_CALL, _search(q))
+                for c in warm_clients:
+                    c.request("POST", TOOL_CALL, _search(q))
             time.sleep(0.5)
+        for c in warm_clients[1:]:
+            c.close()
         if self.fairness_only:
             client.close()
             mixed = [PARAGRAPH, "ab", "一", EMOJI, "what is the of and to in it that this"]
@@ -464,7 +483,10 @@ class Command(BenchCommand):
         )
         phases = {"idle": {}, "cpu_hog": {"hog": True}}
         for mode in self.attack_modes:
-            phases[f"attack_{mode}"] = {"attack": attack, "mode": mode}
+            if mode == "split":
+                phases["attack_split"] = {"attack": attack, "mode": "processes", "attack_port": self.split_port}
+            else:
+                phases[f"attack_{mode}"] = {"attack": attack, "mode": mode}
         out = {"clients": parallel, "retry_after_honoured": attack.honour_retry_after, "seconds": seconds}
         for name, kwargs in phases.items():
             self.log(f"  parallel phase: {name} ({seconds:.0f} s), load {loadavg()}")
@@ -530,6 +552,7 @@ class Command(BenchCommand):
             "cpu_hog": "a CPU hog on one core (floor)",
             "attack_processes": f"{p['clients']} searchers, own process",
             "attack_threads": f"{p['clients']} searchers, same process",
+            "attack_split": f"{p['clients']} searchers, other server",
         }
         for name, label in labels.items():
             ph = p.get(name)
