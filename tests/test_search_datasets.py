@@ -78,3 +78,27 @@ def test_search_eval_asks_a_scoped_question_only_among_the_passages_of_its_scope
     report = json.loads(out.getvalue())
     assert report["datasets"]["scope-test"]["hit@1"] == 1.0
     assert report["misses"]["scope-test"] == []
+
+
+def test_libreoffice_help_zh_asks_each_translated_guide_title_and_answers_with_its_page():
+    ds = load("libreoffice-help-zh")
+    assert (ds.name, ds.lang, ds.scopes) == ("libreoffice-help-zh", "zh", {})
+    assert "MPL-2.0" in ds.source and "libreoffice-help-zh-cn" in ds.source
+    # The page's own text, from its first paragraph, without the related topics or the footer.
+    question = next(q for q in ds.questions if q[0] == "shared/autocorr_url")
+    assert question == ("shared/autocorr_url", "关闭自动 URL 识别", {"shared/autocorr_url"})
+    text = ds.passages["shared/autocorr_url"]
+    assert text.startswith("当您输入文字时，LibreOffice 自动识别这个字是不是一个 URL")
+    assert "取消标记「URL 识别」" in text  # a step of the how-to
+    assert not any("相关主题" in t or "Help content debug info" in t for t in ds.passages.values())
+    # Every question is a Chinese title (an untranslated page is a distractor only) and
+    # its answers are the pages of that title.
+    assert all(re.search(r"[\u4e00-\u9fff]", q) for _, q, _ in ds.questions)
+    for _, _, answers in ds.questions:
+        assert answers <= ds.passages.keys()
+    assert len(ds.questions) < len(ds.passages)
+    if "7.4.7" in ds.source:  # Debian 12's package, as measured in the README
+        assert (len(ds.passages), len(ds.questions)) == (443, 389)
+        assert [answers for _, q, answers in ds.questions if q == "旋转文字"] == [
+            {"scalc/text_rotate", "swriter/text_rotate"}
+        ]
