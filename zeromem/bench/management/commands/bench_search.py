@@ -44,6 +44,7 @@ data takes ~2.5 GB and about 15 minutes to build on a 2-core machine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import random
@@ -202,19 +203,16 @@ class Command(BenchCommand):
         with connection.cursor() as c:
             c.execute("ANALYZE memories_memory")
             c.execute("ANALYZE memories_memoryembedding")
+        start = functools.partial(
+            running_server, stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
+        )
         with contextlib.ExitStack() as stack:
-            server = stack.enter_context(
-                running_server(stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log)
-            )
+            server = stack.enter_context(start())
             port = server["port"]
             self.server_workers = server["workers"]
             self.split_port = None
-            if "split" in self.attack_modes:
-                second = stack.enter_context(
-                    running_server(
-                        stderr=self.stderr, database_url=url, processes=processes, threads=threads, log=self.log
-                    )
-                )
+            if "split" in self.attack_modes:  # a second instance, same settings and database
+                second = stack.enter_context(start())
                 self.split_port = second["port"]
                 self.server_workers = self.server_workers + second["workers"]
             for size, (tenant, raw_key) in tenants.items():
