@@ -132,14 +132,30 @@ class Served:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
+    def children(self, pid: int | None = None) -> dict[int, bytes]:
+        """{pid: command line} of ``pid``'s children (default: serve's, which exec()s the
+        tier's supervisor: the search processes and granian's master)."""
+        found = {}
+        for children in Path(f"/proc/{pid or self.process.pid}/task").glob("*/children"):
+            for child in children.read_text().split():
+                try:
+                    found[int(child)] = Path(f"/proc/{child}/cmdline").read_bytes()
+                except OSError:
+                    continue  # exited meanwhile
+        return found
+
+    def granian_cmdline(self) -> list[bytes]:
+        return next(cmd for cmd in self.children().values() if b"granian" in cmd).split(b"\0")
+
+    def search_pids(self) -> list[int]:
+        return [pid for pid, cmd in self.children().items() if b"search_tier" in cmd]
+
     def worker_pids(self) -> list[int]:
-        """The server's worker processes: ``serve`` exec()s the server, so they are its children."""
+        """The web server's worker processes: the children of granian's master."""
         pids = []
-        for children in Path(f"/proc/{self.process.pid}/task").glob("*/children"):
-            for pid in children.read_text().split():
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"resource_tracker" not in cmdline:
-                    pids.append(int(pid))
+        for master, cmd in self.children().items():
+            if b"granian" in cmd:
+                pids += [pid for pid, c in self.children(master).items() if b"resource_tracker" not in c]
         return pids
 
 
@@ -162,18 +178,31 @@ def served(tmp_path):
 
 def test_flags_override_the_environment_which_overrides_the_machine_defaults():
     env = {"HOST": "0.0.0.0", "PORT": "9000", "ZEROMEM_WEB_PROCESSES": "3", "ZEROMEM_WEB_THREADS": "5"}
-    assert serving.parse([], env) == serving.ServingModel(host="0.0.0.0", port=9000, processes=3, threads=5)
-    assert serving.parse(["--processes", "1", "--threads", "2", "--port", "9001"], env) == serving.ServingModel(
-        host="0.0.0.0", port=9001, processes=1, threads=2
+    env["ZEROMEM_SEARCH_PROCESSES"] = "2"
+    assert serving.parse([], env) == serving.ServingModel(
+        host="0.0.0.0", port=9000, processes=3, threads=5, search_processes=2
+    )
+    flags = ["--processes", "1", "--threads", "2", "--port", "9001", "--search-processes", "0"]
+    assert serving.parse(flags, env) == serving.ServingModel(
+        host="0.0.0.0", port=9001, processes=1, threads=2, search_processes=0
     )
     assert serving.parse([], {}) == serving.ServingModel(
-        host="127.0.0.1", port=8000, processes=os.cpu_count() or 1, threads=serving.DEFAULT_THREADS
+        host="127.0.0.1",
+        port=8000,
+        processes=os.cpu_count() or 1,
+        threads=serving.DEFAULT_THREADS,
+        search_processes=max(1, (os.cpu_count() or 1) // 4),
     )
 
 
 @pytest.mark.parametrize(
     "env",
-    [{"ZEROMEM_WEB_THREADS": "0"}, {"ZEROMEM_WEB_PROCESSES": "many"}, {"ZEROMEM_WEB_THREADS_PER_CALLER": "0"}],
+    [
+        {"ZEROMEM_WEB_THREADS": "0"},
+        {"ZEROMEM_WEB_PROCESSES": "many"},
+        {"ZEROMEM_WEB_THREADS_PER_CALLER": "0"},
+        {"ZEROMEM_SEARCH_PROCESSES": "-1"},
+    ],
 )
 def test_a_bad_process_or_thread_count_is_refused_naming_the_setting(env, capsys):
     with pytest.raises(SystemExit):
@@ -214,7 +243,7 @@ def test_the_entry_points_import_with_the_standard_library_alone():
 def test_serve_starts_the_configured_processes_and_does_not_migrate(served):
     # A fresh SQLite file: serve answers /healthz from it and creates no table.
     server = served("--processes", "2", "--threads", "3", DATABASE_URL="")
-    cmd = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().split(b"\0")
+    cmd = server.granian_cmdline()
     environ = Path(f"/proc/{server.process.pid}/environ").read_bytes().split(b"\0")
     assert cmd[cmd.index(b"--workers") + 1] == b"2" and b"ZEROMEM_WEB_THREADS=3" in environ
     assert b"zeromem.asgi:application" in cmd
@@ -222,6 +251,7 @@ def test_serve_starts_the_configured_processes_and_does_not_migrate(served):
     while len(server.worker_pids()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(server.worker_pids()) == 2
+    assert len(server.search_pids()) == 1  # the search tier's default on this machine's cores
     status, body = _request(server.port, "GET", "/healthz")
     assert (status, json.loads(body)["database"]) == (200, "sqlite")
     database = Path(server.env["ZEROMEM_VAR_DIR"]) / "zeromem.sqlite3"
@@ -243,6 +273,44 @@ def test_serve_answers_healthz_and_tool_calls_from_postgresql(served):
     read = {"name": "memory_read", "arguments": {"key": "fact:serve:1"}}
     status, body = _request(server.port, "POST", "/api/v1/tools/call", key=raw, body=read)
     assert (status, json.loads(body)["value"]) == (200, {"t": "hi"})
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_searches_are_ranked_by_the_search_processes_which_are_restarted_when_they_exit(served):
+    tenant = make_tenant("serve-search")
+    _key, raw = make_key(tenant)
+    server = served("--processes", "1", "--threads", "2", "--search-processes", "2", DATABASE_URL=_database_url())
+    (searchers := server.search_pids()).sort()
+    assert len(searchers) == 2
+    environ = Path(f"/proc/{server.worker_pids()[0]}/environ").read_bytes().split(b"\0")
+    (tier_setting,) = [v for v in environ if v.startswith(b"ZEROMEM_SEARCH_TIER=")]
+    sockets = tier_setting.split(b"=", 1)[1].split(b",")
+    assert len(sockets) == 2 and all(Path(p.decode()).exists() for p in sockets)
+    assert oct(Path(sockets[0].decode()).parent.stat().st_mode & 0o777) == "0o700"
+    write = {"name": "memory_write", "arguments": {"key": "fact:serve:zebra", "value": "a zebra named Zed"}}
+    assert _request(server.port, "POST", "/api/v1/tools/call", key=raw, body=write)[0] == 200
+    search = {"name": "memory_search", "arguments": {"query": "zebra"}}
+
+    def found() -> list[str]:
+        status, body = _request(server.port, "POST", "/api/v1/tools/call", key=raw, body=search)
+        assert status == 200, body
+        return [r["key"] for r in json.loads(body)["results"]]
+
+    assert found() == ["fact:serve:zebra"]
+    # Its search process killed: the web process ranks meanwhile, the supervisor restarts it.
+    mine = sockets[tenant.pk % 2].decode()
+    (victim,) = [pid for pid in searchers if mine.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(victim, 9)
+    assert found() == ["fact:serve:zebra"]
+    deadline = time.monotonic() + 30
+    while (len(server.search_pids()) < 2 or victim in server.search_pids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(server.search_pids()) == 2 and victim not in server.search_pids()
+    assert found() == ["fact:serve:zebra"]
+    assert "exited with -9: restarting it" in server.log()
+    server.stop()
+    assert not any(Path(p.decode()).exists() for p in sockets)  # its socket directory removed
 
 
 @pytest.mark.postgres

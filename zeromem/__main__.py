@@ -105,9 +105,9 @@ def web_tier(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str,
         return None
     say(
         f"web server: granian ASGI (/mcp + Django), {model.processes} processes × {model.threads} threads, "
-        f"http://{model.host}:{model.port}/"
+        f"{model.search_processes} search process(es), http://{model.host}:{model.port}/"
     )
-    return model.command(str(PY)), web_env
+    return model.run_command(str(PY)), web_env
 
 
 def serve(argv: list[str]) -> int:
@@ -118,7 +118,7 @@ def serve(argv: list[str]) -> int:
         return 3
     cmd, env = web
     os.chdir(ROOT)
-    os.execve(cmd[0], cmd, env)  # the server replaces this process: signals reach it directly
+    os.execve(cmd[0], cmd, env)  # the tier's supervisor replaces this process: signals reach it directly
 
 
 def up(argv: list[str]) -> int:

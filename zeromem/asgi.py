@@ -178,10 +178,12 @@ from zeromem.kit.logs import install_on_access_logs  # noqa: E402
 install_on_access_logs()
 
 # Each server process starts loading the embedding model now, in a background thread
-# (about 3 s): searches meanwhile run on words alone instead of waiting for it.
+# (about 3 s): searches meanwhile run on words alone instead of waiting for it. Not where a
+# search tier ranks the searches (memories/search/tier.py): its processes hold the model.
 from memories.search.embeddings import warm_up  # noqa: E402
 
-warm_up()
+if not settings.ZEROMEM_SEARCH_TIER:
+    warm_up()
 
 # Imports done: what they left lives as long as the process (zeromem/kernel/heap.py).
 from zeromem.kernel.heap import freeze_long_lived  # noqa: E402

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,12 @@ POOL_HEADROOM = 2
 # django-q2 opens a pool in each of its processes (sentinel, pusher, monitor and the workers,
 # zeromem/forking.py), each keeping DB_POOL_MIN_SIZE (2) connections: measured 6 when idle
 # with Q_WORKERS=2, up to (Q_WORKERS + 3) × 2 when every worker runs a task.
+# The search tier (memories/search/tier.py): processes that rank searches for the web
+# processes, so that one tenant's searches do not share a process (and its GIL) with other
+# tenants' reads (README "Search tier"). Each runs at most this many rankings at once, with a
+# pool of that many connections plus the headroom, at this CPU priority below the web's.
+DEFAULT_SEARCH_TIER_CONCURRENCY = 8
+DEFAULT_SEARCH_TIER_NICE = 10
 QCLUSTER_PROCESSES_BESIDE_WORKERS = 3
 QCLUSTER_CONNECTIONS_PER_PROCESS = 2
 
@@ -49,6 +60,16 @@ QCLUSTER_CONNECTIONS_PER_PROCESS = 2
 def default_processes() -> int:
     """One process per core: one Python process runs one thread at a time."""
     return os.cpu_count() or 1
+
+
+def default_search_processes() -> int:
+    """One search process per four cores, at least one."""
+    return max(1, (os.cpu_count() or 1) // 4)
+
+
+def search_tier_concurrency(environ: Mapping[str, str]) -> int:
+    value = environ.get("ZEROMEM_SEARCH_TIER_CONCURRENCY") or DEFAULT_SEARCH_TIER_CONCURRENCY
+    return _positive(value, "ZEROMEM_SEARCH_TIER_CONCURRENCY")
 
 
 def web_threads(environ: Mapping[str, str]) -> int:
@@ -79,6 +100,7 @@ class ServingModel:
     processes: int
     threads: int
     interface: str = "asgi"
+    search_processes: int = 0  # 0: each web process ranks its own searches
 
     def command(self, python: str, *, access_log: bool = False, log_level: str = "info") -> list[str]:
         """The server's command line (granian: ASGI, or WSGI for comparison; processes ×
@@ -110,6 +132,29 @@ class ServingModel:
             APPS[self.interface],
         ]
 
+    def run_command(self, python: str, *, access_log: bool = False, log_level: str = "info") -> list[str]:
+        """The command that runs the whole tier (:func:`run`): the search processes, then the
+        web server, supervised by one process that stops them all on SIGTERM or SIGINT."""
+        cmd = [python, "-m", "zeromem.serving", "run", "--host", self.host, "--port", str(self.port)]
+        cmd += ["--processes", str(self.processes), "--threads", str(self.threads)]
+        cmd += ["--search-processes", str(self.search_processes), "--interface", self.interface]
+        cmd += ["--log-level", log_level] + (["--access-log"] if access_log else [])
+        return cmd
+
+    def search_tier_command(self, python: str, socket_path: str, environ: Mapping[str, str]) -> list[str]:
+        nice = environ.get("ZEROMEM_SEARCH_TIER_NICE")
+        nice_value = DEFAULT_SEARCH_TIER_NICE if nice in (None, "") else int(nice)
+        manage_py = str(Path(__file__).resolve().parent.parent / "manage.py")
+        return [python, manage_py, "search_tier", "--socket", socket_path, "--nice", str(nice_value)]
+
+    def search_tier_environment(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """A search process's environment: the web's, with a pool sized to its concurrency."""
+        env = dict(environ)
+        concurrency = search_tier_concurrency(environ)
+        env["DB_POOL_MAX_SIZE"] = str(pool_max_size(concurrency))
+        env["DB_POOL_MIN_SIZE"] = str(min(concurrency, 4))
+        return env
+
     def environment(self, environ: Mapping[str, str]) -> dict[str, str]:
         """``environ`` plus what each web process reads to size itself (settings.py): its
         threads, and a pool that keeps one open connection per thread (DB_POOL_MIN_SIZE), so
@@ -117,6 +162,7 @@ class ServingModel:
         env = dict(environ)
         env["ZEROMEM_WEB_PROCESSES"] = str(self.processes)
         env["ZEROMEM_WEB_THREADS"] = str(self.threads)
+        env["ZEROMEM_SEARCH_PROCESSES"] = str(self.search_processes)
         env.setdefault("DB_POOL_MIN_SIZE", str(self.threads))
         env.setdefault("PROMETHEUS_MULTIPROC_DIR", str(self.metrics_dir(environ)))
         return env
@@ -149,6 +195,12 @@ def parse(argv: list[str], environ: Mapping[str, str], *, prog: str = "python3 -
     parser.add_argument(
         "--threads", type=int, help=f"request threads per process (env ZEROMEM_WEB_THREADS; {DEFAULT_THREADS})"
     )
+    parser.add_argument(
+        "--search-processes",
+        type=int,
+        help="search tier processes (env ZEROMEM_SEARCH_PROCESSES; default: one per 4 cores, at least 1; "
+        "0: the web processes rank searches themselves)",
+    )
     args = parser.parse_args(argv)
     try:
         threads_per_caller(environ)  # read by each server process (zeromem/asgi.py): refused here first
@@ -159,10 +211,27 @@ def parse(argv: list[str], environ: Mapping[str, str], *, prog: str = "python3 -
                 args.processes or environ.get("ZEROMEM_WEB_PROCESSES") or default_processes(), "ZEROMEM_WEB_PROCESSES"
             ),
             threads=_positive(args.threads or web_threads(environ), "ZEROMEM_WEB_THREADS"),
+            search_processes=_count(
+                args.search_processes
+                if args.search_processes is not None
+                else environ.get("ZEROMEM_SEARCH_PROCESSES") or default_search_processes(),
+                "ZEROMEM_SEARCH_PROCESSES",
+            ),
         )
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def _count(value: object, name: str) -> int:
+    """A whole number ≥ 0."""
+    try:
+        number = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{name} must be at least 0, not {number}")
+    return number
 
 
 def _positive(value: object, name: str) -> int:
@@ -173,6 +242,94 @@ def _positive(value: object, name: str) -> int:
     if number < 1:
         raise ValueError(f"{name} must be at least 1, not {number}")
     return number
+
+
+# --- the tier's processes (run in the venv: python -m zeromem.serving run) -------------------
+
+
+def _say(message: str) -> None:
+    print(f"[zeromem] {message}", file=sys.stderr, flush=True)
+
+
+def run(model: ServingModel, environ: Mapping[str, str], *, access_log: bool = False, log_level: str = "info") -> int:
+    """Run the web tier until SIGTERM or SIGINT: ``model.search_processes`` search processes
+    (each on a Unix socket in a directory of this run's own, 0700; restarted when one
+    exits), then granian with ``ZEROMEM_SEARCH_TIER`` naming their sockets. Returns granian's
+    exit status; stops everything it started on the way out."""
+    python = sys.executable
+    env = dict(environ)
+    socket_dir = tempfile.mkdtemp(prefix="zeromem-search-")
+    sockets = [os.path.join(socket_dir, f"{index}.sock") for index in range(model.search_processes)]
+    if sockets:
+        env["ZEROMEM_SEARCH_TIER"] = ",".join(sockets)
+    tier_env = model.search_tier_environment(env)
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def start_tier(path: str) -> subprocess.Popen:
+        return subprocess.Popen(model.search_tier_command(python, path, env), cwd=root, env=tier_env)
+
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    tiers = {path: start_tier(path) for path in sockets}
+    web: subprocess.Popen | None = None
+    try:
+        # The web processes rank searches themselves until a socket exists: wait a little.
+        deadline = time.monotonic() + 30
+        while not stopping and time.monotonic() < deadline and not all(os.path.exists(p) for p in sockets):
+            if any(proc.poll() is not None for proc in tiers.values()):
+                break
+            time.sleep(0.05)
+        if sockets:
+            _say(f"search tier: {len(sockets)} process(es) on {socket_dir}")
+        if stopping:
+            return 0
+        web = subprocess.Popen(model.command(python, access_log=access_log, log_level=log_level), cwd=root, env=env)
+        restarted: dict[str, float] = {}
+        while not stopping and web.poll() is None:
+            time.sleep(0.2)
+            for path, proc in list(tiers.items()):
+                if proc.poll() is not None and not stopping and time.monotonic() - restarted.get(path, 0) > 1.0:
+                    _say(f"search process on {path} exited with {proc.returncode}: restarting it")
+                    restarted[path] = time.monotonic()
+                    tiers[path] = start_tier(path)
+        return web.poll() or 0
+    finally:
+        for proc in ([web] if web is not None else []) + list(tiers.values()):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in ([web] if web is not None else []) + list(tiers.values()):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_main(argv: list[str]) -> int:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--interface", choices=sorted(APPS), default="asgi")
+    extra.add_argument("--log-level", default="info")
+    extra.add_argument("--access-log", action="store_true")
+    options, rest = extra.parse_known_args(argv)
+    model = parse(rest, os.environ, prog="python -m zeromem.serving run")
+    if options.interface != model.interface:
+        model = ServingModel(
+            host=model.host,
+            port=model.port,
+            processes=model.processes,
+            threads=model.threads,
+            interface=options.interface,
+            search_processes=model.search_processes,
+        )
+    return run(model, os.environ, access_log=options.access_log, log_level=options.log_level)
 
 
 # --- the connection budget (run in the venv, with Django: python -m zeromem.serving check) ---
@@ -198,8 +355,10 @@ def connection_budget() -> tuple[bool, str]:
     threads = web_threads(os.environ)
     pool = settings.DATABASES["default"]["OPTIONS"]["pool"]
     web = processes * pool["max_size"]
+    searchers = int(os.environ.get("ZEROMEM_SEARCH_PROCESSES") or 0)
+    search_pool = pool_max_size(search_tier_concurrency(os.environ))
     q = qcluster_connections(settings.Q_CLUSTER["workers"])
-    needed = web + q
+    needed = web + searchers * search_pool + q
     configured = os.environ.get("ZEROMEM_DB_MAX_CONNECTIONS")
     if configured:
         available, source = _positive(configured, "ZEROMEM_DB_MAX_CONNECTIONS"), "ZEROMEM_DB_MAX_CONNECTIONS"
@@ -216,7 +375,7 @@ def connection_budget() -> tuple[bool, str]:
         source = f"PostgreSQL max_connections {total} − {superuser + reserved} reserved"
     text = (
         f"database connections: {processes} processes × pool max {pool['max_size']} (min {pool['min_size']}) + "
-        f"django-q2 up to {q} = {needed} of {available} ({source})"
+        f"{searchers} search processes × {search_pool} + django-q2 up to {q} = {needed} of {available} ({source})"
     )
     if pool["max_size"] < threads:
         text += (
@@ -267,6 +426,8 @@ def check_main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["run"]:
+        sys.exit(run_main(sys.argv[2:]))
     if sys.argv[1:] != ["check"]:
-        sys.exit("usage: python -m zeromem.serving check")
+        sys.exit("usage: python -m zeromem.serving check | run [serve's flags]")
     sys.exit(check_main())

@@ -18,7 +18,7 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
-from zeromem.serving import pool_max_size, web_threads
+from zeromem.serving import DEFAULT_SEARCH_TIER_CONCURRENCY, pool_max_size, web_threads
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(environ.Env().str("ZEROMEM_VAR_DIR", default=str(BASE_DIR / "var")))
@@ -289,6 +289,13 @@ ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
 # One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
+# The search tier (memories/search/tier.py, README "Search tier"): the Unix sockets of the
+# processes that rank searches for the web processes (set by `python3 -m zeromem serve`;
+# empty: each web process ranks its own), how long a web process waits for a ranking before
+# answering 503 search_timeout, and how many rankings one tier process runs at once.
+ZEROMEM_SEARCH_TIER = env.list("ZEROMEM_SEARCH_TIER", default=[])
+ZEROMEM_SEARCH_TIER_WAIT_MS = env.int("ZEROMEM_SEARCH_TIER_WAIT_MS", default=2000)
+ZEROMEM_SEARCH_TIER_CONCURRENCY = env.int("ZEROMEM_SEARCH_TIER_CONCURRENCY", default=DEFAULT_SEARCH_TIER_CONCURRENCY)
 # LangGraph store routes (/api/v1/langgraph): the key prefix its items live under, and how
 # many memories a search with a filter or a namespace listing reads at most.
 ZEROMEM_LANGGRAPH_PREFIX = env.str("ZEROMEM_LANGGRAPH_PREFIX", default="lg")

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from memories import selectors
 from memories.models import Memory, Tenant
-from memories.search import semantic
+from memories.search import semantic, tier
 from memories.search.lexical import lexical_candidates
 from memories.search.text import compact, index_document
 
@@ -30,17 +30,17 @@ NEAR_DUPLICATE = 0.8
 CUT_MIN_CHARS = 40
 
 
-def _candidate_lists(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> dict:
+def _candidate_lists(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int) -> dict:
     """Each ranker's best matches, ``{name: [(memory id, score), ...]}`` best first: the
     words (read ``semantic.LEXICAL_DEPTH`` deep, for fusion) and, when the question can be
     embedded and something is near it, the meaning (memories/search/semantic.py)."""
     # The semantic half (the question's embedding, its scoring against the cached matrix)
     # runs in the encoder's pool while the word ranking's queries run here: both wait mostly
     # with the GIL released, so a search costs the slower of the two, not their sum.
-    meaning = semantic.start(tenant_id=tenant.pk, prefixes=prefixes, query=query)
+    meaning = semantic.start(tenant_id=tenant_id, prefixes=prefixes, query=query)
     try:
         lexical = lexical_candidates(
-            tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=max(limit, semantic.LEXICAL_DEPTH)
+            tenant_id=tenant_id, prefixes=prefixes, query=query, limit=max(limit, semantic.LEXICAL_DEPTH)
         )
     except BaseException:
         meaning.discard()  # waited for: its CPU is counted to the search
@@ -74,12 +74,23 @@ def _load(tenant: Tenant, ranked: list[tuple[int, float]]) -> list[tuple[Memory,
     return [(rows[memory_id], score) for memory_id, score in ranked if memory_id in rows]
 
 
+def ranked_ids(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[int, float]]:
+    """The ids of the tenant's memories under ``prefixes`` that answer ``query``, best first,
+    with their fused scores: the ranking, computed in this process (what the search tier's
+    processes run, memories/search/tier.py)."""
+    return fuse(_candidate_lists(tenant_id=tenant_id, prefixes=prefixes, query=query, limit=limit), limit)
+
+
 def search_ranked(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[Memory, float]]:
     """The tenant's live memories under ``prefixes`` that answer ``query``, best first.
+    Ranked by the search tier when there is one (memories/search/tier.py), else here.
     Cost: each ranker's (bounded: memories/search/lexical.py) plus one primary-key fetch."""
     # A few spare: a vector cached for semantic search may belong to a memory trashed since.
-    lists = _candidate_lists(tenant=tenant, prefixes=prefixes, query=query, limit=limit)
-    return _load(tenant, fuse(lists, limit + SPARE))[:limit]
+    want = limit + SPARE
+    ranked = tier.ranked(tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=want)
+    if ranked is None:
+        ranked = ranked_ids(tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=want)
+    return _load(tenant, ranked)[:limit]
 
 
 def _salience(importance: int, updated_at: datetime, now: datetime) -> float:

@@ -24,7 +24,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from zeromem.bench.harness import LOOPBACK, child_pids, healthz
-from zeromem.serving import ServingModel, pool_max_size, reset_metrics_dir
+from zeromem.serving import ServingModel, default_search_processes, pool_max_size, reset_metrics_dir
 
 
 def free_port() -> int:
@@ -45,9 +45,12 @@ def tail(path: str, lines: int = 30) -> str:
 
 
 def worker_pids(master: int) -> list[int]:
-    """The server's worker processes (children of its master that are not helpers)."""
+    """The server's working processes: under the supervisor (zeromem/serving.py ``run``), the
+    search processes and granian's workers (not granian's master, nor helpers)."""
     pids = []
-    for pid in child_pids(master):
+    below = {child: child_pids(child) for child in child_pids(master)}
+    # granian's master is the child with children of its own: its children, not it.
+    for pid in [p for child, grandchildren in below.items() for p in (grandchildren or [child])]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
@@ -68,13 +71,21 @@ def start_server(
     access_log: bool = False,
     extra_env: dict | None = None,
     interface: str = "asgi",
+    search_processes: int | None = None,
 ) -> dict:
     """``python3 -m zeromem serve --processes P --threads T``'s server on 127.0.0.1, pooled
     connections from ``database_url``, a rate limit high enough not to interfere. Returns
     {"proc", "port", "log", "cmd", "model", "pool", "workers"} once /healthz answers 200 from
     PostgreSQL; raises CommandError otherwise."""
+    if search_processes is None:  # as serve would: ZEROMEM_SEARCH_PROCESSES, else the machine's default
+        search_processes = int(os.environ.get("ZEROMEM_SEARCH_PROCESSES") or default_search_processes())
     model = ServingModel(
-        host=LOOPBACK, port=port or free_port(), processes=processes, threads=threads, interface=interface
+        host=LOOPBACK,
+        port=port or free_port(),
+        processes=processes,
+        threads=threads,
+        interface=interface,
+        search_processes=search_processes,
     )
     env = dict(os.environ)
     env.update(
@@ -89,7 +100,7 @@ def start_server(
     env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="zeromem-bench-metrics-"))
     env = model.environment(env)
     reset_metrics_dir(env["PROMETHEUS_MULTIPROC_DIR"])
-    cmd = model.command(sys.executable, access_log=access_log, log_level="warning")
+    cmd = model.run_command(sys.executable, access_log=access_log, log_level="warning")
     logfile = tempfile.NamedTemporaryFile(prefix="zeromem-bench-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         cmd,

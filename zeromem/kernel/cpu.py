@@ -73,3 +73,11 @@ def offload(executor: Executor, fn: Callable[..., Any], *args: Any) -> Future:
             meter.add(time.thread_time() - started)
 
     return executor.submit(run)
+
+
+def credit(seconds: float) -> None:
+    """Add CPU time spent for the current work in another *process* (the search tier's
+    ranking, memories/search/tier.py) to the open meter, if any."""
+    meter = _current.get()
+    if meter is not None and seconds > 0:
+        meter.add(seconds)

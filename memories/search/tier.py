@@ -1,0 +1,221 @@
+"""The search tier: searches ranked in processes of their own (README "Search tier").
+
+A search's ranking — the question's embedding, its similarity to the tenant's vectors, the
+word ranking's statements and the fusion (memories/search/ranking.py ``ranked_ids``) — is the
+expensive, CPU-bound part of a search. Run in a web process it competes for that process's
+GIL with every other request the process serves: 20 searches of one tenant made another
+tenant's reads on the same process 3.5-6× slower at p99, where the same searches sent to a
+*separate* server process left them within 1.7-2.4× (README "Benchmark", session 9). So
+``python3 -m zeromem serve`` starts one or more **search processes** beside the web
+processes (zeromem/serving.py), and the web processes hand them the ranking:
+
+* The web process still does everything else, as before, in its service layer
+  (memories/services/memories.py): validates the request, checks the key's scopes, works out
+  the prefixes the key may see, admits the search (tenant slots, search CPU budget), loads
+  the ranked memories, writes the audit event. The tier gets ``(tenant id, prefixes,
+  question, limit)`` and answers ``[(memory id, score)]`` best first, plus the CPU seconds
+  it spent, which are charged to the tenant's search budget like its own.
+* Transport: a Unix socket per search process (``ZEROMEM_SEARCH_TIER``), in a directory
+  only the server's user can open, and the standard library's
+  ``multiprocessing.connection`` with an authentication key derived from ``SECRET_KEY``
+  (HMAC challenge before anything is read); JSON messages, never pickles. Each web thread
+  keeps one connection per search process; a tenant's searches go to one process
+  (``tenant id mod processes``), which keeps its vectors cached there.
+* A search process runs at most ``ZEROMEM_SEARCH_TIER_CONCURRENCY`` rankings at once (the
+  rest wait in its queue, holding no database connection), with its own connection pool.
+* A web process waits at most ``ZEROMEM_SEARCH_TIER_WAIT_MS`` for an answer: past it the
+  search answers 503 ``search_timeout`` (Retry-After). A search process that is not running
+  (not started, restarting) is not an outage: the web process ranks the search itself and
+  logs a warning (once a minute). So does a search inside an open transaction, whose
+  uncommitted writes another process could not see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+
+from django.conf import settings
+from django.db import connection, connections
+
+from memories.search.lexical import SearchTimeout
+from zeromem.kernel import cpu
+
+logger = logging.getLogger("zeromem.search")
+
+# A request is four small fields (the question is capped at validation.QUERY_MAX_CHARS); an
+# answer at most limit + SPARE pairs. Anything larger is not ours.
+MAX_REQUEST_BYTES = 64 * 1024
+MAX_ANSWER_BYTES = 1024 * 1024
+WARN_EVERY_SECONDS = 60.0
+
+
+def authkey() -> bytes:
+    """The key both ends prove they hold (multiprocessing's HMAC challenge): derived from
+    SECRET_KEY, which every process of one deployment shares."""
+    return hmac.new(settings.SECRET_KEY.encode(), b"zeromem search tier v1", hashlib.sha256).digest()
+
+
+# --- the web process's side -------------------------------------------------------------------
+
+
+class _Connections(threading.local):
+    def __init__(self) -> None:
+        self.by_path: dict[str, Connection] = {}
+
+
+_mine = _Connections()
+_last_warning = 0.0
+
+
+def _warn(message: str, *args: object) -> None:
+    global _last_warning
+    now = time.monotonic()
+    if now - _last_warning >= WARN_EVERY_SECONDS:
+        _last_warning = now
+        logger.warning(message, *args)
+
+
+def _drop(path: str) -> None:
+    conn = _mine.by_path.pop(path, None)
+    if conn is not None:
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+def _connection(path: str) -> Connection:
+    conn = _mine.by_path.get(path)
+    if conn is None:
+        conn = Client(path, family="AF_UNIX", authkey=authkey())
+        _mine.by_path[path] = conn
+    return conn
+
+
+def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[int, float]] | None:
+    """The search tier's ranking of ``query`` for the tenant, ``[(memory id, score)]`` best
+    first; None when this process should rank it itself (no tier configured, an open
+    transaction, the tier not running). Raises :class:`SearchTimeout` when the tier does not
+    answer in time or its statements ran out of time."""
+    paths = settings.ZEROMEM_SEARCH_TIER
+    if not paths or connection.in_atomic_block:
+        return None
+    path = paths[tenant_id % len(paths)]
+    request = json.dumps({"tenant": tenant_id, "prefixes": prefixes, "query": query, "limit": limit}).encode()
+    wait = settings.ZEROMEM_SEARCH_TIER_WAIT_MS / 1000
+    for attempt in (1, 2):
+        try:
+            conn = _connection(path)
+        except (OSError, EOFError, AuthenticationError) as exc:  # not running (yet), restarting, misconfigured
+            _warn("search tier %s unreachable (%s): ranking in the web process", path, exc)
+            return None
+        try:
+            conn.send_bytes(request)
+            if not conn.poll(wait):
+                _drop(path)  # its late answer must not be read as the next search's
+                raise SearchTimeout()
+            answer = json.loads(conn.recv_bytes(MAX_ANSWER_BYTES))
+            break
+        except (OSError, EOFError):
+            # A connection kept from before the tier process restarted: once more, anew.
+            _drop(path)
+            if attempt == 2:
+                _warn("search tier %s failed mid-request: ranking in the web process", path)
+                return None
+    cpu.credit(float(answer.get("cpu", 0.0)))
+    error = answer.get("error")
+    if error == "search_timeout":
+        raise SearchTimeout()
+    if error:
+        raise RuntimeError(f"the search tier failed to rank: {error}")
+    return [(int(memory_id), float(score)) for memory_id, score in answer["ranked"]]
+
+
+def close_connections() -> None:
+    """This thread's connections to the tier (tests; a web process needs no cleanup)."""
+    for path in list(_mine.by_path):
+        _drop(path)
+
+
+# --- the search process's side ----------------------------------------------------------------
+
+
+def rank_request(raw: bytes) -> bytes:
+    """One request's answer: the ranking (memories/search/ranking.py ``ranked_ids``, exactly
+    what a web process would compute), or the error, and the CPU seconds spent."""
+    from memories.search.ranking import ranked_ids
+
+    with cpu.metered() as meter:
+        try:
+            request = json.loads(raw)
+            prefixes = request["prefixes"]
+            answer: dict = {
+                "ranked": ranked_ids(
+                    tenant_id=int(request["tenant"]),
+                    prefixes=None if prefixes is None else [str(p) for p in prefixes],
+                    query=str(request["query"]),
+                    limit=int(request["limit"]),
+                )
+            }
+        except SearchTimeout:
+            answer = {"error": "search_timeout"}
+        except Exception as exc:  # noqa: BLE001 - reported to the web process, which answers 500
+            logger.exception("search tier: ranking failed")
+            answer = {"error": type(exc).__name__}
+        finally:
+            # The pooled connection goes back to this process's pool between requests.
+            connections.close_all()
+        answer["cpu"] = meter.seconds()
+    return json.dumps(answer).encode()
+
+
+def _answer(conn: Connection, gate: threading.BoundedSemaphore) -> None:
+    try:
+        while True:
+            try:
+                request = conn.recv_bytes(MAX_REQUEST_BYTES)
+            except (EOFError, OSError):
+                return  # the web thread went away
+            with gate:
+                reply = rank_request(request)
+            try:
+                conn.send_bytes(reply)
+            except OSError:
+                return  # it stopped waiting (ZEROMEM_SEARCH_TIER_WAIT_MS)
+    finally:
+        conn.close()
+
+
+def serve(path: str, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    """Answer the web processes on the Unix socket ``path`` until ``stop`` is set (or for
+    ever): one thread per connection, at most ZEROMEM_SEARCH_TIER_CONCURRENCY ranking."""
+    if os.path.exists(path):
+        os.unlink(path)  # left by a process that was killed
+    old_umask = os.umask(0o177)  # the socket is the server user's alone (0600)
+    try:
+        listener = Listener(path, family="AF_UNIX", authkey=authkey())
+    finally:
+        os.umask(old_umask)
+    gate = threading.BoundedSemaphore(max(1, settings.ZEROMEM_SEARCH_TIER_CONCURRENCY))
+    if ready is not None:
+        ready.set()
+    try:
+        while stop is None or not stop.is_set():
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError, AuthenticationError) as exc:  # failed the challenge, or left during it
+                if stop is not None and stop.is_set():
+                    return
+                logger.warning("search tier: refused a connection: %s", exc)
+                continue
+            threading.Thread(target=_answer, args=(conn, gate), daemon=True, name="search-tier").start()
+    finally:
+        listener.close()
