@@ -51,7 +51,7 @@ POOL_HEADROOM = 2
 # processes, so that one tenant's searches do not share a process (and its GIL) with other
 # tenants' reads (README "Search tier"). Each runs at most this many rankings at once, with a
 # pool of that many connections plus the headroom, at this CPU priority below the web's.
-DEFAULT_SEARCH_TIER_CONCURRENCY = 8
+DEFAULT_SEARCH_TIER_CONCURRENCY = 4
 DEFAULT_SEARCH_TIER_NICE = 10
 QCLUSTER_PROCESSES_BESIDE_WORKERS = 3
 QCLUSTER_CONNECTIONS_PER_PROCESS = 2
