@@ -256,8 +256,11 @@ return 0
 
 def slot_acquire(holder: str, *, limit: int, lease: int) -> str | None:
     """Take one of ``holder``'s ``limit`` slots: a token for :func:`slot_release`, or None
-    when all are taken. A slot not released within ``lease`` seconds lapses (a crashed
-    process cannot keep it). Redis: one script (prune, count, add). Database: one statement
+    when all are taken. A slot lapses when it has not been renewed for ``lease`` seconds:
+    while the process that took it lives, its heartbeat (:func:`slots_renew`, every
+    ``ZEROMEM_TENANT_SLOT_LEASE_SECONDS / 3`` seconds) renews every slot it holds, however long the work (an export to a
+    slow client); a process killed mid-request stops renewing, and its slots free themselves
+    within ``lease`` seconds. Redis: one script (prune, count, add). Database: one statement
     (:func:`_slot_sql`) claims a free slot number, or takes over a lapsed one; the unique
     (holder, slot) constraint makes the limit exact however many processes take slots at
     once. All taken: None, nothing written (a busy tenant's waiters poll cheaply). A taker
@@ -272,7 +275,7 @@ def slot_acquire(holder: str, *, limit: int, lease: int) -> str | None:
     if url:
         script = _slot_script(url)
         taken = script(keys=[f"zm:slot:{holder}"], args=[now - lease, limit, now, token, lease])
-        return token if taken else None
+        return _hold(holder, token, lease) if taken else None
     if limit < 1:
         return None
     lapsed = now - lease
@@ -281,8 +284,71 @@ def slot_acquire(holder: str, *, limit: int, lease: int) -> str | None:
         if row is None:
             return None  # every number is held by a live slot
         if row[0] == token:
-            return token
+            return _hold(holder, token, lease)
     return None
+
+
+# The slots this process holds, {token: holder}, and the thread that renews them.
+_held: dict[str, str] = {}
+_held_lock = threading.Lock()
+_heartbeat: dict[int, threading.Thread] = {}  # by process id: a forked child starts its own
+
+
+def _hold(holder: str, token: str, lease: int) -> str:
+    with _held_lock:
+        _held[token] = holder
+        pid = os.getpid()
+        if pid not in _heartbeat:
+            beat = threading.Thread(target=_beat, daemon=True, name="zeromem-slot-heartbeat")
+            _heartbeat[pid] = beat
+            beat.start()
+    return token
+
+
+def _beat() -> None:
+    """Every ZEROMEM_TENANT_SLOT_LEASE_SECONDS / 3, renew what this process holds."""
+    from django.db import connections
+
+    renewed = time.monotonic()
+    while True:
+        interval = max(settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS / 3, 0.1)
+        time.sleep(min(interval, 1.0))
+        if time.monotonic() - renewed < interval or not _held:
+            continue
+        renewed = time.monotonic()
+        try:
+            slots_renew()
+        except Exception:  # noqa: BLE001 - the next beat tries again; a lapse only frees the slot early
+            import logging
+
+            logging.getLogger("zeromem.limits").warning("renewing this process's tenant slots failed", exc_info=True)
+        finally:
+            connections.close_all()  # this thread's connection back to the pool between beats
+
+
+def slots_renew(now: float | None = None) -> int:
+    """Renew every slot this process holds (their lease starts again now); how many."""
+    with _held_lock:
+        held = dict(_held)
+    if not held:
+        return 0
+    now = time.time() if now is None else now
+    url = settings.ZEROMEM_REDIS_URL
+    if url:
+        client, *_ = _redis(url)
+        pipe = client.pipeline(transaction=False)
+        lease = max(int(settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS), 1)
+        for token, holder in held.items():
+            pipe.zadd(f"zm:slot:{holder}", {token: now}, xx=True)  # only if still there
+            pipe.expire(f"zm:slot:{holder}", lease)  # the set itself outlives its newest lease
+        pipe.execute()
+    else:
+        table = connection.ops.quote_name(ConcurrencySlot._meta.db_table)
+        marks = ", ".join(["%s"] * len(held))
+        with connection.cursor() as cursor:
+            # nosec B608: the model's table; the tokens are parameters.
+            cursor.execute(f"UPDATE {table} SET started_at = %s WHERE token IN ({marks})", [now, *held])  # nosec B608
+    return len(held)
 
 
 @cache
@@ -307,6 +373,8 @@ def _slot_sql(vendor: str) -> str:
 
 
 def slot_release(holder: str, token: str) -> None:
+    with _held_lock:
+        _held.pop(token, None)
     url = settings.ZEROMEM_REDIS_URL
     if url:
         client, *_ = _redis(url)

@@ -234,13 +234,14 @@ class ConcurrencySlot(models.Model):
     """One piece of expensive work in progress (a search, an export) of one holder, e.g.
     ``tenant:7``, when no Redis is configured (audit/limits.py). A holder's slots are
     numbered 0 … limit − 1, one row each at most (the unique constraint is what makes the
-    limit exact); a row older than its lease is stale (a process died mid-request), no
+    limit exact); ``started_at`` is when the slot was taken or last renewed by its process's
+    heartbeat; a row not renewed for its lease is stale (its process died mid-request), no
     longer counts, and is taken over by the next taker of its number."""
 
     holder = models.CharField(max_length=100)
     slot = models.PositiveSmallIntegerField()
     token = models.CharField(max_length=32, unique=True)
-    started_at = models.FloatField()  # Unix seconds
+    started_at = models.FloatField()  # Unix seconds: taken, or last renewed
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["holder", "slot"], name="slot_holder_number")]

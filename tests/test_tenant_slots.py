@@ -92,3 +92,38 @@ def test_a_streamed_export_holds_its_slot_until_its_last_byte(api, tenant_a, sto
     assert api.get(EXPORT).status_code == 429  # the first is still being streamed
     b"".join(r.streaming_content)  # the test client closes the response after the last chunk
     assert api.get(EXPORT).status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_live_process_keeps_its_slot_past_the_lease_and_a_dead_ones_lapses(store, settings):
+    """The heartbeat renews what this process holds (every lease / 3): a long export keeps its
+    slot however long it runs. A slot no process renews any more (its process was killed:
+    here, forgotten by this one) frees itself within the lease — not after ten minutes."""
+    import time
+
+    settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS = 1
+    lease = settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS
+    kept = limits.slot_acquire("tenant:beat", limit=1, lease=lease)
+    assert kept
+    time.sleep(2.5)  # 2.5 leases
+    assert limits.slot_acquire("tenant:beat", limit=1, lease=lease) is None  # renewed: still held
+    with limits._held_lock:
+        limits._held.pop(kept)  # its process "dies": nobody renews it
+    deadline = time.monotonic() + 3
+    taken = None
+    while taken is None and time.monotonic() < deadline:
+        taken = limits.slot_acquire("tenant:beat", limit=1, lease=lease)
+        time.sleep(0.1)
+    assert taken and taken != kept
+    limits.slot_release("tenant:beat", taken)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_renewing_touches_only_this_processes_live_slots(store):
+    mine = limits.slot_acquire("tenant:r", limit=3, lease=60)
+    released = limits.slot_acquire("tenant:r", limit=3, lease=60)
+    limits.slot_release("tenant:r", released)
+    assert limits.slots_renew() >= 1
+    assert mine in limits._held and released not in limits._held
+    limits.slot_release("tenant:r", mine)
+    assert mine not in limits._held

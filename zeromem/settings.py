@@ -339,7 +339,7 @@ ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = env.int("ZEROMEM_TENANT_SEARCH_CPU_BURST_MS
 ZEROMEM_IDEMPOTENCY_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_SECONDS", default=24 * 3600)
 ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = env.float("ZEROMEM_IDEMPOTENCY_WAIT_SECONDS", default=10.0)
 ZEROMEM_IDEMPOTENCY_LEASE_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_LEASE_SECONDS", default=300)
-ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=600)
+ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=60)
 # Encryption at rest (README "Encryption at rest"): base64 32-byte master keys, comma
 # separated; the first wraps new data keys, all of them unwrap. Never stored in the
 # database. Development mode derives one from SECRET_KEY when unset; production refuses to
