@@ -67,9 +67,9 @@ def search_tier(settings, tmp_path, monkeypatch):
     running = Tier(path)
     real = tier.rank_request
 
-    def counted(raw: bytes) -> bytes:
+    def counted(raw: bytes, gate=None) -> bytes:
         running.ranked += 1
-        return real(raw)
+        return real(raw, gate)
 
     monkeypatch.setattr(tier, "rank_request", counted)
     settings.ZEROMEM_SEARCH_TIER = [path]
@@ -207,3 +207,61 @@ def test_the_tier_returns_its_database_connection_between_searches(api, search_t
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'active'")
         assert cursor.fetchone()[0] == 1  # this query's own: nothing left running
+
+
+def test_the_gate_admits_at_most_its_total_and_half_of_it_to_one_tenant():
+    gate = tier.Gate(4, per_tenant=2)
+    assert gate.enter(1, 0) and gate.enter(1, 0)
+    assert not gate.enter(1, 0.05)  # tenant 1 has its half
+    assert gate.enter(2, 0) and gate.enter(2, 0)
+    assert not gate.enter(3, 0.05)  # all four taken
+    gate.leave(1)
+    assert not gate.enter(2, 0.05) and gate.enter(3, 0)  # the freed turn is not tenant 2's to take
+    released = threading.Timer(0.1, gate.leave, args=(2,))
+    released.start()
+    assert gate.enter(1, 2)  # waits for a turn, then gets it
+    released.join()
+
+
+def test_one_tenants_slow_searches_leave_the_tier_to_another_and_expired_waits_are_not_ranked(
+    tenant_a, tenant_b, search_tier, settings, monkeypatch
+):
+    assert settings.ZEROMEM_SEARCH_TIER_CONCURRENCY == 4  # two of them for one tenant
+    real = ranking.ranked_ids
+    release = threading.Event()
+    ranked_for_a = []
+
+    def slow_for_a(**kw):
+        if kw["tenant_id"] == tenant_a.pk:
+            ranked_for_a.append(kw["query"])
+            release.wait(10)
+        return real(**kw)
+
+    monkeypatch.setattr(ranking, "ranked_ids", slow_for_a)
+    settings.ZEROMEM_SEARCH_TIER_WAIT_MS = 1500
+    outcomes: dict[int, object] = {}
+
+    def search_as_a(n: int) -> None:
+        try:
+            outcomes[n] = tier.ranked(tenant_id=tenant_a.pk, prefixes=None, query="wifi", limit=5)
+        except tier.SearchTimeout:
+            outcomes[n] = "search_timeout"
+        finally:
+            tier.close_connections()
+            connection.close()
+
+    a_searches = [threading.Thread(target=search_as_a, args=(n,)) for n in range(3)]
+    for t in a_searches:
+        t.start()
+    time.sleep(0.3)  # two of A's rank (and hang); the third waits for A's turn
+    started = time.monotonic()
+    assert tier.ranked(tenant_id=tenant_b.pk, prefixes=None, query="wifi", limit=5) == []
+    assert time.monotonic() - started < 1.0  # B was not queued behind A
+    time.sleep(1.5)  # A's third search is past its wait: answered search_timeout, never ranked
+    ranked_before_release = search_tier.ranked
+    release.set()
+    for t in a_searches:
+        t.join(10)
+    assert sorted(map(str, outcomes.values())) == ["search_timeout", "search_timeout", "search_timeout"]
+    assert search_tier.ranked == ranked_before_release == 4  # 3 of A's requests arrived, and B's
+    assert len(ranked_for_a) == 2  # the third was dropped unranked when its wait ran out

@@ -21,8 +21,10 @@ processes (zeromem/serving.py), and the web processes hand them the ranking:
   (HMAC challenge before anything is read); JSON messages, never pickles. Each web thread
   keeps one connection per search process; a tenant's searches go to one process
   (``tenant id mod processes``), which keeps its vectors cached there.
-* A search process runs at most ``ZEROMEM_SEARCH_TIER_CONCURRENCY`` rankings at once (the
-  rest wait in its queue, holding no database connection), with its own connection pool.
+* A search process runs at most ``ZEROMEM_SEARCH_TIER_CONCURRENCY`` rankings at once, and
+  at most half of them for one tenant (:class:`Gate`); the rest wait, holding no database
+  connection, until their turn or until the web process stops waiting for them (then they
+  are dropped unranked). Its own connection pool.
 * A web process waits at most ``ZEROMEM_SEARCH_TIER_WAIT_MS`` for an answer: past it the
   search answers 503 ``search_timeout`` (Retry-After). A search process that is not running
   (not started, restarting) is not an outage: the web process ranks the search itself and
@@ -109,8 +111,10 @@ def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int
     if not paths or connection.in_atomic_block:
         return None
     path = paths[tenant_id % len(paths)]
-    request = json.dumps({"tenant": tenant_id, "prefixes": prefixes, "query": query, "limit": limit}).encode()
     wait = settings.ZEROMEM_SEARCH_TIER_WAIT_MS / 1000
+    request = json.dumps(
+        {"tenant": tenant_id, "prefixes": prefixes, "query": query, "limit": limit, "expires": time.time() + wait}
+    ).encode()
     for attempt in (1, 2):
         try:
             conn = _connection(path)
@@ -148,18 +152,64 @@ def close_connections() -> None:
 # --- the search process's side ----------------------------------------------------------------
 
 
-def rank_request(raw: bytes) -> bytes:
+class Gate:
+    """At most ``total`` rankings at once in a search process, and at most ``per_tenant`` of
+    one tenant's: a tenant searching with all its slots leaves room for the others' searches
+    (the rest of its own wait here, holding no database connection)."""
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total = max(1, total)
+        self.per_tenant = max(1, min(per_tenant, self.total))
+        self._cond = threading.Condition()
+        self._running = 0
+        self._by_tenant: dict[int, int] = {}
+
+    def enter(self, tenant_id: int, timeout: float) -> bool:
+        """Wait for a turn (True), or give up after ``timeout`` seconds (False)."""
+        with self._cond:
+            admitted = self._cond.wait_for(
+                lambda: self._running < self.total and self._by_tenant.get(tenant_id, 0) < self.per_tenant,
+                timeout=max(timeout, 0.0),
+            )
+            if admitted:
+                self._running += 1
+                self._by_tenant[tenant_id] = self._by_tenant.get(tenant_id, 0) + 1
+            return admitted
+
+    def leave(self, tenant_id: int) -> None:
+        with self._cond:
+            self._running -= 1
+            left = self._by_tenant.pop(tenant_id) - 1
+            if left:
+                self._by_tenant[tenant_id] = left
+            self._cond.notify_all()
+
+
+def new_gate() -> Gate:
+    total = settings.ZEROMEM_SEARCH_TIER_CONCURRENCY
+    return Gate(total, per_tenant=max(1, total // 2))
+
+
+def rank_request(raw: bytes, gate: Gate | None = None) -> bytes:
     """One request's answer: the ranking (memories/search/ranking.py ``ranked_ids``, exactly
-    what a web process would compute), or the error, and the CPU seconds spent."""
+    what a web process would compute), or the error, and the CPU seconds spent. A request
+    still waiting for its turn at ``gate`` when the web process stops waiting for it
+    (``expires``) is answered ``search_timeout`` without being ranked."""
     from memories.search.ranking import ranked_ids
 
     with cpu.metered() as meter:
+        admitted = None
         try:
             request = json.loads(raw)
+            tenant_id = int(request["tenant"])
             prefixes = request["prefixes"]
+            if gate is not None:
+                if not gate.enter(tenant_id, float(request.get("expires", 0)) - time.time()):
+                    raise SearchTimeout()
+                admitted = tenant_id
             answer: dict = {
                 "ranked": ranked_ids(
-                    tenant_id=int(request["tenant"]),
+                    tenant_id=tenant_id,
                     prefixes=None if prefixes is None else [str(p) for p in prefixes],
                     query=str(request["query"]),
                     limit=int(request["limit"]),
@@ -171,21 +221,22 @@ def rank_request(raw: bytes) -> bytes:
             logger.exception("search tier: ranking failed")
             answer = {"error": type(exc).__name__}
         finally:
+            if admitted is not None:
+                gate.leave(admitted)
             # The pooled connection goes back to this process's pool between requests.
             connections.close_all()
         answer["cpu"] = meter.seconds()
     return json.dumps(answer).encode()
 
 
-def _answer(conn: Connection, gate: threading.BoundedSemaphore) -> None:
+def _answer(conn: Connection, gate: Gate) -> None:
     try:
         while True:
             try:
                 request = conn.recv_bytes(MAX_REQUEST_BYTES)
             except (EOFError, OSError):
                 return  # the web thread went away
-            with gate:
-                reply = rank_request(request)
+            reply = rank_request(request, gate)
             try:
                 conn.send_bytes(reply)
             except OSError:
@@ -196,7 +247,7 @@ def _answer(conn: Connection, gate: threading.BoundedSemaphore) -> None:
 
 def serve(path: str, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     """Answer the web processes on the Unix socket ``path`` until ``stop`` is set (or for
-    ever): one thread per connection, at most ZEROMEM_SEARCH_TIER_CONCURRENCY ranking."""
+    ever): one thread per connection, rankings admitted by a :class:`Gate`."""
     if os.path.exists(path):
         os.unlink(path)  # left by a process that was killed
     old_umask = os.umask(0o177)  # the socket is the server user's alone (0600)
@@ -204,7 +255,7 @@ def serve(path: str, *, ready: threading.Event | None = None, stop: threading.Ev
         listener = Listener(path, family="AF_UNIX", authkey=authkey())
     finally:
         os.umask(old_umask)
-    gate = threading.BoundedSemaphore(max(1, settings.ZEROMEM_SEARCH_TIER_CONCURRENCY))
+    gate = new_gate()
     if ready is not None:
         ready.set()
     try:
