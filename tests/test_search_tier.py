@@ -121,6 +121,21 @@ def test_the_tier_sees_one_tenants_memories_only_and_the_keys_prefixes(api, tena
     assert search_tier.ranked == 3
 
 
+def _rankings(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("zeromem_search_tier_rankings_total", {"outcome": outcome}) or 0.0
+
+
+def test_where_searches_were_ranked_is_counted_for_the_metrics(api, search_tier, settings, tmp_path):
+    _seed(api)
+    before = {outcome: _rankings(outcome) for outcome in ("tier", "fallback")}
+    _keys(api, query="wifi")
+    settings.ZEROMEM_SEARCH_TIER = [str(tmp_path / "nobody-listens.sock")]
+    _keys(api, query="wifi")
+    assert _rankings("tier") - before["tier"] == 1 and _rankings("fallback") - before["fallback"] == 1
+
+
 def test_without_a_running_tier_the_web_process_ranks_and_warns(api, settings, tmp_path, caplog, monkeypatch):
     _seed(api)
     monkeypatch.setattr(tier, "_last_warning", 0.0)

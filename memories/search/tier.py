@@ -46,6 +46,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from django.conf import settings
 from django.db import connection, connections
+from prometheus_client import Counter
 
 from memories.search.lexical import SearchTimeout
 from zeromem.kernel import cpu
@@ -57,6 +58,13 @@ logger = logging.getLogger("zeromem.search")
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_ANSWER_BYTES = 1024 * 1024
 WARN_EVERY_SECONDS = 60.0
+
+# Where each search of a web process was ranked (GET /metrics, added up across processes,
+# zeromem/kit/metrics.py): ``tier``; ``fallback`` (the tier unreachable or failed mid-request:
+# ranked in the web process); ``timeout`` (no answer within ZEROMEM_SEARCH_TIER_WAIT_MS, or
+# the tier's statements ran out of time: 503). Searches with no tier configured, or inside a
+# transaction, are not counted here.
+RANKINGS = Counter("zeromem_search_tier_rankings", "Searches handed to the search tier, by outcome", ["outcome"])
 
 
 def authkey() -> bytes:
@@ -120,11 +128,13 @@ def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int
             conn = _connection(path)
         except (OSError, EOFError, AuthenticationError) as exc:  # not running (yet), restarting, misconfigured
             _warn("search tier %s unreachable (%s): ranking in the web process", path, exc)
+            RANKINGS.labels("fallback").inc()
             return None
         try:
             conn.send_bytes(request)
             if not conn.poll(wait):
                 _drop(path)  # its late answer must not be read as the next search's
+                RANKINGS.labels("timeout").inc()
                 raise SearchTimeout()
             answer = json.loads(conn.recv_bytes(MAX_ANSWER_BYTES))
             break
@@ -133,11 +143,14 @@ def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int
             _drop(path)
             if attempt == 2:
                 _warn("search tier %s failed mid-request: ranking in the web process", path)
+                RANKINGS.labels("fallback").inc()
                 return None
     cpu.credit(float(answer.get("cpu", 0.0)))
     error = answer.get("error")
     if error == "search_timeout":
+        RANKINGS.labels("timeout").inc()
         raise SearchTimeout()
+    RANKINGS.labels("error" if error else "tier").inc()
     if error:
         raise RuntimeError(f"the search tier failed to rank: {error}")
     return [(int(memory_id), float(score)) for memory_id, score in answer["ranked"]]

@@ -14,6 +14,9 @@ What is recorded where:
   :func:`tool_calls` from the tool endpoints;
 * tool results returned to the models, their bytes and estimated tokens, by surface
   (``rest``, ``mcp``) — :func:`results_returned`, where the responses are costed;
+* searches handed to the search tier, by outcome (``tier``, ``fallback``, ``timeout``,
+  ``error``) — ``zeromem_search_tier_rankings``, counted where they are handed over
+  (memories/search/tier.py);
 * the database pool of each process (connections open, idle, requests waiting), sampled at
   the end of a request at most once a second;
 * at scrape time, from the database (one short query each, :class:`DatabaseCollector`): the
