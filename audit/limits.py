@@ -288,20 +288,23 @@ def slot_acquire(holder: str, *, limit: int, lease: int) -> str | None:
     return None
 
 
-# The slots this process holds, {token: holder}, and the thread that renews them.
-_held: dict[str, str] = {}
+# The slots this process holds, {token: (holder, taken at, monotonic)}, and the thread that
+# renews them.
+_held: dict[str, tuple[str, float]] = {}
 _held_lock = threading.Lock()
 _heartbeat: dict[int, threading.Thread] = {}  # by process id: a forked child starts its own
+_wake = threading.Event()  # a slot taken: the heartbeat rereads its interval
 
 
 def _hold(holder: str, token: str, lease: int) -> str:
     with _held_lock:
-        _held[token] = holder
+        _held[token] = (holder, time.monotonic())
         pid = os.getpid()
         if pid not in _heartbeat:
             beat = threading.Thread(target=_beat, daemon=True, name="zeromem-slot-heartbeat")
             _heartbeat[pid] = beat
             beat.start()
+    _wake.set()
     return token
 
 
@@ -312,8 +315,14 @@ def _beat() -> None:
     renewed = time.monotonic()
     while True:
         interval = max(settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS / 3, 0.1)
-        time.sleep(min(interval, 1.0))
-        if time.monotonic() - renewed < interval or not _held:
+        if not _held:  # nothing to renew: sleep until a slot is taken (or a while)
+            _wake.wait(interval)
+            _wake.clear()
+            renewed = time.monotonic()  # a slot just taken needs its first renewal a beat later
+            continue
+        _wake.wait(max(interval - (time.monotonic() - renewed), 0.0))
+        _wake.clear()
+        if time.monotonic() - renewed < interval:
             continue
         renewed = time.monotonic()
         try:
@@ -327,9 +336,15 @@ def _beat() -> None:
 
 
 def slots_renew(now: float | None = None) -> int:
-    """Renew every slot this process holds (their lease starts again now); how many."""
+    """Renew every slot this process holds (their lease starts again now); how many. A slot
+    held longer than ``ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS`` is no longer renewed (it lapses
+    a lease later): a request that never released its slot — a bug, or a server that never
+    closed a streamed response — cannot keep it for as long as the process lives."""
+    oldest = time.monotonic() - settings.ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS
     with _held_lock:
-        held = dict(_held)
+        for token in [t for t, (_h, taken) in _held.items() if taken < oldest]:
+            del _held[token]
+        held = {token: holder for token, (holder, _taken) in _held.items()}
     if not held:
         return 0
     now = time.time() if now is None else now

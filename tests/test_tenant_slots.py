@@ -127,3 +127,25 @@ def test_renewing_touches_only_this_processes_live_slots(store):
     assert mine in limits._held and released not in limits._held
     limits.slot_release("tenant:r", mine)
     assert mine not in limits._held
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slot_never_released_is_renewed_only_up_to_the_longest_hold(store, settings):
+    """A request that never gave its slot back (a bug, a server that never closed a streamed
+    response) cannot keep it for the process's life: past ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS
+    the heartbeat stops renewing it, and it lapses a lease later."""
+    import time
+
+    settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS = 1
+    settings.ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS = 1
+    leaked = limits.slot_acquire("tenant:leak", limit=1, lease=1)
+    assert leaked
+    deadline = time.monotonic() + 5
+    taken = None
+    while taken is None and time.monotonic() < deadline:
+        taken = limits.slot_acquire("tenant:leak", limit=1, lease=1)
+        time.sleep(0.1)
+    assert taken and taken != leaked
+    limits.slots_renew()
+    assert leaked not in limits._held and taken in limits._held  # given up, not the new one
+    limits.slot_release("tenant:leak", taken)

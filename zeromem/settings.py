@@ -340,6 +340,8 @@ ZEROMEM_IDEMPOTENCY_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_SECONDS", default=24 
 ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = env.float("ZEROMEM_IDEMPOTENCY_WAIT_SECONDS", default=10.0)
 ZEROMEM_IDEMPOTENCY_LEASE_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_LEASE_SECONDS", default=300)
 ZEROMEM_TENANT_SLOT_LEASE_SECONDS = env.int("ZEROMEM_TENANT_SLOT_LEASE_SECONDS", default=60)
+# A tenant slot is renewed by its process's heartbeat (audit/limits.py) for at most this long.
+ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS = env.int("ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS", default=3600)
 # Encryption at rest (README "Encryption at rest"): base64 32-byte master keys, comma
 # separated; the first wraps new data keys, all of them unwrap. Never stored in the
 # database. Development mode derives one from SECRET_KEY when unset; production refuses to
