@@ -225,22 +225,20 @@ def parse(argv: list[str], environ: Mapping[str, str], *, prog: str = "python3 -
 
 def _count(value: object, name: str) -> int:
     """A whole number ≥ 0."""
-    try:
-        number = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
-    if number < 0:
-        raise ValueError(f"{name} must be at least 0, not {number}")
-    return number
+    return _whole(value, name, least=0)
 
 
 def _positive(value: object, name: str) -> int:
+    return _whole(value, name, least=1)
+
+
+def _whole(value: object, name: str, *, least: int) -> int:
     try:
         number = int(value)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a whole number, not {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be at least 1, not {number}")
+    if number < least:
+        raise ValueError(f"{name} must be at least {least}, not {number}")
     return number
 
 
