@@ -224,11 +224,11 @@ class TenantSlotMixin:
         slot = getattr(self, "_tenant_slot", None)
         if slot is not None:
             self._tenant_slot = None
-            release = functools.partial(limits.slot_release, *slot)
-            if response.streaming:
-                response._resource_closers.append(release)  # run by the server's close()
-            else:
-                release()
+            # Given back by the server's close(), once the last byte is sent: a streamed
+            # response holds its slot for as long as it streams, and no response waits for
+            # the release's round trip before it leaves (a slot whose close() never comes
+            # lapses: audit/limits.py, ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS).
+            response._resource_closers.append(functools.partial(limits.slot_release, *slot))
         return response
 
 
