@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import cache
+from time import monotonic as _monotonic  # its own name: tests fake this module's time.time()
 
 from django.conf import settings
 from django.db import connection
@@ -298,7 +299,7 @@ _wake = threading.Event()  # a slot taken: the heartbeat rereads its interval
 
 def _hold(holder: str, token: str, lease: int) -> str:
     with _held_lock:
-        _held[token] = (holder, time.monotonic())
+        _held[token] = (holder, _monotonic())
         pid = os.getpid()
         if pid not in _heartbeat:
             beat = threading.Thread(target=_beat, daemon=True, name="zeromem-slot-heartbeat")
@@ -312,19 +313,19 @@ def _beat() -> None:
     """Every ZEROMEM_TENANT_SLOT_LEASE_SECONDS / 3, renew what this process holds."""
     from django.db import connections
 
-    renewed = time.monotonic()
+    renewed = _monotonic()
     while True:
         interval = max(settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS / 3, 0.1)
         if not _held:  # nothing to renew: sleep until a slot is taken (or a while)
             _wake.wait(interval)
             _wake.clear()
-            renewed = time.monotonic()  # a slot just taken needs its first renewal a beat later
+            renewed = _monotonic()  # a slot just taken needs its first renewal a beat later
             continue
-        _wake.wait(max(interval - (time.monotonic() - renewed), 0.0))
+        _wake.wait(max(interval - (_monotonic() - renewed), 0.0))
         _wake.clear()
-        if time.monotonic() - renewed < interval:
+        if _monotonic() - renewed < interval:
             continue
-        renewed = time.monotonic()
+        renewed = _monotonic()
         try:
             slots_renew()
         except Exception:  # noqa: BLE001 - the next beat tries again; a lapse only frees the slot early
@@ -340,7 +341,7 @@ def slots_renew(now: float | None = None) -> int:
     held longer than ``ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS`` is no longer renewed (it lapses
     a lease later): a request that never released its slot — a bug, or a server that never
     closed a streamed response — cannot keep it for as long as the process lives."""
-    oldest = time.monotonic() - settings.ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS
+    oldest = _monotonic() - settings.ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS
     with _held_lock:
         for token in [t for t, (_h, taken) in _held.items() if taken < oldest]:
             del _held[token]
