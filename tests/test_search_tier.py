@@ -160,6 +160,18 @@ def test_a_caller_without_the_deployments_key_is_refused_before_anything_is_read
     assert search_tier.ranked == 0
 
 
+def test_a_peer_that_never_answers_the_challenge_holds_up_no_other_connection(tenant_a, search_tier):
+    import socket
+
+    stalled = socket.socket(socket.AF_UNIX)
+    stalled.connect(search_tier.path)  # and never says a word
+    try:
+        assert tier.ranked(tenant_id=tenant_a.pk, prefixes=None, query="wifi", limit=5) == []
+        assert search_tier.ranked == 1
+    finally:
+        stalled.close()
+
+
 def test_a_tier_slower_than_the_wait_is_a_503_search_timeout_and_the_next_search_is_not_confused(
     api, search_tier, settings, monkeypatch
 ):

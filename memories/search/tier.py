@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
 from django.conf import settings
 from django.db import connection, connections
@@ -242,7 +242,16 @@ def rank_request(raw: bytes, gate: Gate | None = None) -> bytes:
     return json.dumps(answer).encode()
 
 
-def _answer(conn: Connection, gate: Gate) -> None:
+def _answer(conn: Connection, gate: Gate, key: bytes) -> None:
+    try:
+        # The challenge both ways (what Listener.accept does with an authkey), here in the
+        # connection's own thread: a peer that never answers holds this thread, not accept().
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
+    except (OSError, EOFError, AuthenticationError) as exc:
+        logger.warning("search tier: refused a connection: %s", exc)
+        conn.close()
+        return
     try:
         while True:
             try:
@@ -265,21 +274,24 @@ def serve(path: str, *, ready: threading.Event | None = None, stop: threading.Ev
         os.unlink(path)  # left by a process that was killed
     old_umask = os.umask(0o177)  # the socket is the server user's alone (0600)
     try:
-        listener = Listener(path, family="AF_UNIX", authkey=authkey())
+        listener = Listener(path, family="AF_UNIX")  # authenticated per connection: _answer
     finally:
         os.umask(old_umask)
-    gate = new_gate()
+    gate, key = new_gate(), authkey()
     if ready is not None:
         ready.set()
     try:
         while stop is None or not stop.is_set():
             try:
                 conn = listener.accept()
-            except (OSError, EOFError, AuthenticationError) as exc:  # failed the challenge, or left during it
+            except OSError as exc:
                 if stop is not None and stop.is_set():
                     return
-                logger.warning("search tier: refused a connection: %s", exc)
+                logger.warning("search tier: accept failed: %s", exc)
                 continue
-            threading.Thread(target=_answer, args=(conn, gate), daemon=True, name="search-tier").start()
+            if stop is not None and stop.is_set():
+                conn.close()
+                return
+            threading.Thread(target=_answer, args=(conn, gate, key), daemon=True, name="search-tier").start()
     finally:
         listener.close()
