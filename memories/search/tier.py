@@ -53,9 +53,10 @@ from zeromem.kernel import cpu
 
 logger = logging.getLogger("zeromem.search")
 
-# A request is four small fields (the question is capped at validation.QUERY_MAX_CHARS); an
-# answer at most limit + SPARE pairs. Anything larger is not ours.
-MAX_REQUEST_BYTES = 64 * 1024
+# A request is the question (capped at validation.QUERY_MAX_CHARS) and the key's prefixes
+# (its allowlist entries: not capped in number, so room for many); an answer at most
+# limit + SPARE pairs. Anything larger is not ours.
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MAX_ANSWER_BYTES = 1024 * 1024
 WARN_EVERY_SECONDS = 60.0
 
