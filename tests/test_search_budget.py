@@ -8,6 +8,7 @@ import time
 
 import pytest
 from django.db import connection
+from django.http.response import HttpResponseBase
 
 from audit import limits
 from audit.models import AuditEvent
@@ -124,6 +125,33 @@ def test_each_search_is_charged_its_time_and_admitted_until_the_burst_is_spent(a
     # A burst allowance above the backlog admits it again.
     budget.ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = int(held * 1000) + 1000
     assert api.call("memory_search", query="zebra")[0] == 200
+
+
+def test_a_search_is_charged_after_its_answer_and_a_batch_call_by_call(api, api_b, store, budget, monkeypatch):
+    """The charge is one round trip the client need not wait for: it is made when the server
+    closes the response (zeromem/kernel/deferred.py). Within one batch, each search's charge
+    is made before the next search is admitted, so a batch cannot search past the budget."""
+    api.call("memory_write", key="fact:z", value="zebra crossing")
+    budget.ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = 1  # any search spends seconds of backlog
+    seen_at_close = []
+    real_close = HttpResponseBase.close
+
+    def close(response):
+        seen_at_close.append(limits.backlog(_bucket(api.tenant)))  # before the closers run
+        real_close(response)
+
+    monkeypatch.setattr(HttpResponseBase, "close", close)
+    assert api.call("memory_search", query="zebra")[0] == 200
+    assert seen_at_close[-1] == 0  # answered before it was charged ...
+    assert limits.backlog(_bucket(api.tenant)) >= 1  # ... and charged once closed
+    # Another tenant (a budget of its own, untouched), no burst: one search, then refusals.
+    api_b.call("memory_write", key="fact:z", value="zebra crossing")
+    budget.ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = 0
+    search = {"name": "memory_search", "arguments": {"query": "zebra"}}
+    response = api_b.post("/api/v1/tools/batch", {"calls": [search, search, search]})
+    results = response.json()["results"]
+    assert [r["status"] for r in results] == ["ok", "error", "error"], results
+    assert {r["error"]["code"] for r in results[1:]} == {"search_budget"}
 
 
 def test_a_refused_input_spends_nothing_and_a_rate_of_zero_turns_the_budget_off(api, store, budget):

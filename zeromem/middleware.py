@@ -2,6 +2,7 @@
 log) and the transport body cap (413 before any parsing); static files, sessions, CSRF, the
 staff user and messages only where browsers need them, so API requests do not pay for them."""
 
+import functools
 import io
 import json
 
@@ -15,7 +16,7 @@ from django.core.handlers.wsgi import LimitedStream
 from django.http import HttpResponse
 from servestatic.middleware import ServeStaticMiddleware
 
-from zeromem.kernel import validation
+from zeromem.kernel import deferred, validation
 from zeromem.kit.api import error_body
 from zeromem.kit.http import request_id_for
 
@@ -80,14 +81,24 @@ class RequestIdMiddleware:
     def __call__(self, request):
         if self.is_async:
             return self.__acall__(request)
-        response = self._before(request) or self.get_response(request)
+        with deferred.collecting() as tasks:
+            response = self._before(request) or self.get_response(request)
         response["X-Request-ID"] = request.request_id
-        return response
+        return _after(response, tasks)
 
     async def __acall__(self, request):
-        response = self._before(request) or await self.get_response(request)
+        with deferred.collecting() as tasks:
+            response = self._before(request) or await self.get_response(request)
         response["X-Request-ID"] = request.request_id
-        return response
+        return _after(response, tasks)
+
+
+def _after(response, tasks: list):
+    """What the request deferred (zeromem/kernel/deferred.py) runs when the server closes
+    the response, after its last byte."""
+    if tasks:
+        response._resource_closers.append(functools.partial(deferred.run, tasks))
+    return response
 
 
 class StaticFilesMiddleware:

@@ -17,7 +17,9 @@ busy (tests/test_serve.py).
   average, and up to ``ZEROMEM_TENANT_SEARCH_CPU_BURST_MS`` at once above it (three agents of
   one tenant searching at the same moment are answered; twenty searching back to back are
   held to the rate);
-* each search is charged its CPU time when it ends (a search that timed out cost time too):
+* each search is charged its CPU time when it ends (a search that timed out cost time too),
+  once its answer has been sent (zeromem/kernel/deferred.py; a search outside a request, at
+  once):
   the tenant's backlog grows by that time ÷ the rate and drains at one second per second;
 * a search arriving while the backlog is over the burst's worth is refused at once, before any
   work, with 429 ``search_budget`` and Retry-After (when the backlog will be back under it,
@@ -30,15 +32,17 @@ Cost: one counter read before a search and one UPSERT (or Redis script) after it
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 from django.conf import settings
 
 from audit import limits
-from zeromem.kernel import cpu
+from zeromem.kernel import cpu, deferred
 from zeromem.kernel.errors import TenantBusy
 
 logger = logging.getLogger("zeromem.search")
@@ -65,6 +69,7 @@ def search_budget(tenant_id: int) -> Iterator[None]:
         return
     bucket = f"{BUCKET}{tenant_id}"
     allowed = max(settings.ZEROMEM_TENANT_SEARCH_CPU_BURST_MS, 0) / rate  # seconds of backlog
+    _charge_pending()  # an earlier search of this request (a batch) is counted before this one
     held = limits.backlog(bucket)
     if held > allowed:
         raise SearchBudgetSpent(retry_after=max(1, math.ceil(held - allowed)))
@@ -72,7 +77,27 @@ def search_budget(tenant_id: int) -> Iterator[None]:
         try:
             yield
         finally:
-            _charge(bucket, meter.seconds() * 1000 * 1000 / rate)
+            # Charged once the answer has left (zeromem/kernel/deferred.py): the client does
+            # not wait for the counter's round trip. A later search of the same request (a
+            # batch) charges it first, so a batch cannot search past the budget unseen.
+            pending = [functools.partial(_charge, bucket, meter.seconds() * 1000 * 1000 / rate)]
+            _pending.set(pending)
+            deferred.defer(functools.partial(_run_pending, pending))
+
+
+# This request's search charge not yet made (a one-item list, emptied when it is made).
+_pending: ContextVar[list | None] = ContextVar("zeromem_search_charge", default=None)
+
+
+def _run_pending(pending: list) -> None:
+    while pending:
+        pending.pop()()
+
+
+def _charge_pending() -> None:
+    pending = _pending.get()
+    if pending:
+        _run_pending(pending)
 
 
 def _charge(bucket: str, backlog_ms: float) -> None:
