@@ -90,8 +90,11 @@ _pending: ContextVar[list | None] = ContextVar("zeromem_search_charge", default=
 
 
 def _run_pending(pending: list) -> None:
-    while pending:
-        pending.pop()()
+    try:
+        charge = pending.pop()  # made once, whoever gets here first
+    except IndexError:
+        return
+    charge()
 
 
 def _charge_pending() -> None:
