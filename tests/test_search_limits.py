@@ -164,13 +164,15 @@ def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, setting
     settings.ZEROMEM_SEARCH_TIMEOUT_MS = 50
     real = lexical._frequencies
 
-    def slow(tenant_id, terms):  # noqa: ANN001
+    def slow(tenant_id, terms, pending=None):  # noqa: ANN001
+        # After the lookup: on PostgreSQL its statement is the one that makes the settings.
+        found = real(tenant_id, terms, pending)
         with connection.cursor() as cursor:
             if connection.vendor == "postgresql":
                 cursor.execute("SELECT pg_sleep(2)")
             else:
                 cursor.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c")
-        return real(tenant_id, terms)
+        return found
 
     monkeypatch.setattr(lexical, "_frequencies", slow)
     r = api.post("/api/v1/tools/call", {"name": "memory_search", "arguments": {"query": "zebra"}})

@@ -230,6 +230,81 @@ def test_word_matches_outside_the_cached_newest_are_scored_from_their_stored_vec
     assert foreign.pk not in sims  # another tenant's memory id is never scored
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_word_ranking_brings_its_matches_stored_vectors_in_its_own_statement(tenant_a, settings):
+    # PostgreSQL: the semantic half scores the word matches outside the cache from vectors
+    # read by the candidates' statement — no SELECT of its own, the same similarities. (A
+    # transaction of its own: how a search runs, not inside a test's.)
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from memories.search import lexical, ranking
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the candidates' statement reads vectors on PostgreSQL only")
+    settings.ZEROMEM_SEMANTIC_CANDIDATES = 1
+    lang = write(tenant_a, "user:u10086:pref_lang", "zh-CN, the language the user prefers")
+    diet = write(tenant_a, "user:u10086:diet", "vegetarian; the user prefers no mushrooms")
+    write(tenant_a, "note:cat", "the cat sleeps on the sofa")
+    embeddings.embeddings_refresh()
+    other = make_tenant("other")
+    write(other, "user:u10086:pref_lang", "zh-CN, the language the user prefers")
+    embeddings.embeddings_refresh()
+
+    hits = lexical.lexical_hits(
+        tenant_id=tenant_a.pk, prefixes=None, query="prefers", limit=10, vectors=(embeddings.MODEL_NAME, embeddings.DIM)
+    )
+    stored = {e.memory_id: bytes(e.vector) for e in MemoryEmbedding.objects.filter(tenant=tenant_a)}
+    assert {m for m, _ in hits.ranked} == {lang.pk, diet.pk}
+    assert hits.vectors == {lang.pk: stored[lang.pk], diet.pk: stored[diet.pk]}
+    assert lexical.lexical_hits(tenant_id=tenant_a.pk, prefixes=None, query="prefers", limit=10).vectors is None
+
+    with CaptureQueriesContext(connection) as queries:
+        fused = ranking.ranked_ids(tenant_id=tenant_a.pk, prefixes=None, query="which language the user prefers", limit=5)
+    statements = [q["sql"] for q in queries.captured_queries]
+    assert not [sql for sql in statements if "memory_id = ANY" in sql]
+    # The search's settings are made by the word ranking's first statement, not by one of their own.
+    lookup = next(i for i, sql in enumerate(statements) if "memories_searchterm" in sql)
+    assert "set_config('statement_timeout'" in statements[lookup]
+    assert [sql for sql in statements if "set_config(" in sql] == [statements[lookup]]
+    assert fused[0][0] == lang.pk
+    vector = embeddings.query_vector("which language the user prefers")
+    separately = semantic.similarities(
+        tenant_id=tenant_a.pk, prefixes=None, query_vector=vector, also=[lang.pk, diet.pk]
+    )
+    with_vectors = semantic._with_also(
+        tenant_a.pk, semantic._score_matrix(semantic._cache.matrix(tenant_a.pk), None, vector), [lang.pk, diet.pk], hits.vectors
+    )
+    assert with_vectors == pytest.approx(separately, abs=1e-6)
+
+
+def test_a_large_matrix_is_prefiltered_by_sign_bits_and_scored_exactly(profile, tenant_a, monkeypatch):
+    # Past 2 × PREFILTER_ROWS cached rows, only the PREFILTER_ROWS rows whose sign bits are
+    # nearest the question's are scored: each similarity returned is still the exact product,
+    # the nearest memory is still first, and a prefix still bounds what is scored.
+    embeddings.embeddings_refresh()
+    matrix = semantic._cache.matrix(tenant_a.pk)
+    assert matrix.signs.shape == (len(PROFILE), embeddings.DIM // 64)
+    vector = embeddings.encode(["用户的语言偏好"])[0]
+    exact = semantic.similarities(tenant_id=tenant_a.pk, prefixes=None, query_vector=vector)
+
+    monkeypatch.setattr(semantic, "PREFILTER_ROWS", 3)
+    filtered = semantic.similarities(tenant_id=tenant_a.pk, prefixes=None, query_vector=vector)
+    assert 0 < len(filtered) <= 3
+    for memory_id, sim in filtered.items():
+        assert sim == pytest.approx(exact[memory_id], abs=1e-6)
+    key_of = dict(Memory.objects.filter(tenant=tenant_a).values_list("pk", "key"))
+    assert key_of[max(filtered, key=filtered.get)] == key_of[max(exact, key=exact.get)] == "user:u10086:pref_lang"
+    # The sign distances agree with the bits: the rows kept are the 3 nearest.
+    distance = [int(((matrix.vectors[i] > 0) != (vector > 0)).sum()) for i in range(len(PROFILE))]
+    nearest = {int(matrix.memory_ids[i]) for i in np.argsort(distance, kind="stable")[:3]}
+    assert set(filtered) <= nearest
+
+    report = embeddings.encode(["周报什么时候发送"])[0]
+    under_task = semantic.similarities(tenant_id=tenant_a.pk, prefixes=["task:"], query_vector=report)
+    assert [key_of[m] for m in under_task] == ["task:t1:weekly_report"]
+
+
 def test_a_key_limited_to_a_prefix_gets_no_semantic_match_outside_it(profile, tenant_a, make_client):
     embeddings.embeddings_refresh()
     limited, _ = make_client(tenant_a, allow=["task:"])

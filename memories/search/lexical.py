@@ -36,12 +36,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from memories.models import MemoryEmbedding
 from memories.search.text import PREFIX_MARK, QueryTerm, query_terms
 from zeromem.kernel.errors import Unavailable
 
@@ -61,6 +63,7 @@ TIE_BREAK_MAX = 0.03
 # and one whose rarest word is common ranks CANDIDATES memories drawn at random from that
 # word's (before: the oldest ones, the bitmap's block order) — a bounded cost either way.
 GIN_SAMPLE = 5000
+_EMBEDDING_TABLE = MemoryEmbedding._meta.db_table
 
 
 class SearchTimeout(Unavailable):
@@ -143,17 +146,40 @@ def _tie_break(importance: int, updated_at: datetime, access_count: int, now: da
     )
 
 
+# The search's settings (see deadline()), as set_config() calls: a select list.
+_SETTINGS_SQL = (
+    "set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'off', true),"
+    " set_config('enable_indexscan', 'off', true),"
+    " set_config('max_parallel_workers_per_gather', '0', true), set_config('jit', 'off', true),"
+    " set_config('gin_fuzzy_search_limit', %s, true)"
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The search's settings, still to be made by the first statement that runs under the
+    deadline (``sql``, a one-row subquery, with ``params``): in a transaction of its own
+    they ride on that statement instead of costing a round trip of their own."""
+
+    sql: str
+    params: list
+
+
 @contextmanager
-def deadline() -> Iterator[None]:
+def deadline() -> Iterator[Settings | None]:
     """Run the enclosed queries under the search timeout — on PostgreSQL in a savepoint (or
     a transaction), so that a cancelled query leaves the caller's transaction usable (its
-    audit event is still written). Raises :class:`SearchTimeout` when the time runs out."""
+    audit event is still written). Raises :class:`SearchTimeout` when the time runs out.
+
+    Yields the :class:`Settings` the enclosed code's first statement must make (PostgreSQL,
+    in a transaction of its own), or None (made already, or SQLite)."""
     ms = int(settings.ZEROMEM_SEARCH_TIMEOUT_MS)
     try:
         if connection.vendor == "postgresql":
             # Settings made with set_config(..., true) end with the transaction: in a
-            # transaction of its own the search leaves them to its COMMIT (one round trip
-            # less); inside a caller's (a savepoint) it restores them.
+            # transaction of its own the search leaves them to its COMMIT, and makes them in
+            # its first statement (two round trips less: the settings' own and the restore);
+            # inside a caller's (a savepoint) it reads them first and restores them after.
             restore = connection.in_atomic_block
             with transaction.atomic(), connection.cursor() as cursor:
                 # Bitmap scans only: with the tenant filter written so that no btree can
@@ -168,25 +194,24 @@ def deadline() -> Iterator[None]:
                 # compiling took 7.5 of a 22-ms query at 1M (bench_search, 'zpt' in 62k
                 # memories) — for a statement that runs a few milliseconds once.
                 # A common term's postings sampled (gin_fuzzy_search_limit, GIN_SAMPLE): see there.
+                params = [f"{ms}ms", str(GIN_SAMPLE)]
+                if not restore:
+                    yield Settings(sql=f"SELECT {_SETTINGS_SQL}", params=params)
+                    return
                 cursor.execute(
                     "SELECT current_setting('statement_timeout'), current_setting('max_parallel_workers_per_gather'),"
-                    " current_setting('jit'), current_setting('gin_fuzzy_search_limit'),"
-                    " set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'off', true),"
-                    " set_config('enable_indexscan', 'off', true),"
-                    " set_config('max_parallel_workers_per_gather', '0', true), set_config('jit', 'off', true),"
-                    " set_config('gin_fuzzy_search_limit', %s, true)",
-                    [f"{ms}ms", str(GIN_SAMPLE)],
+                    f" current_setting('jit'), current_setting('gin_fuzzy_search_limit'), {_SETTINGS_SQL}",
+                    params,
                 )
                 previous = cursor.fetchone()[:4]
-                yield
-                if restore:
-                    cursor.execute(
-                        "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
-                        " set_config('enable_indexscan', 'on', true),"
-                        " set_config('max_parallel_workers_per_gather', %s, true), set_config('jit', %s, true),"
-                        " set_config('gin_fuzzy_search_limit', %s, true)",
-                        list(previous),
-                    )
+                yield None
+                cursor.execute(
+                    "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
+                    " set_config('enable_indexscan', 'on', true),"
+                    " set_config('max_parallel_workers_per_gather', %s, true), set_config('jit', %s, true),"
+                    " set_config('gin_fuzzy_search_limit', %s, true)",
+                    list(previous),
+                )
         else:
             # No transaction: settings.py makes SQLite's IMMEDIATE, which would hold the
             # database-wide write lock for the whole search; a failed SELECT leaves nothing
@@ -196,7 +221,7 @@ def deadline() -> Iterator[None]:
             stop_at = time.monotonic() + ms / 1000
             raw.set_progress_handler(lambda: int(time.monotonic() > stop_at), 2000)
             try:
-                yield
+                yield None
             finally:
                 raw.set_progress_handler(None, 0)
     except OperationalError as exc:
@@ -217,26 +242,28 @@ def _is_timeout(exc: OperationalError) -> bool:
 # --- document frequencies -----------------------------------------------------------------
 
 
-def _frequencies(tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
+def _frequencies(tenant_id: int, terms: list[str], pending: Settings | None = None) -> tuple[dict[str, int], int, bool]:
     """(df of each known term, the tenant's document count N, whether df is exact) — one
-    indexed lookup (plus one range sum per prefix term)."""
+    indexed lookup (plus one range sum per prefix term), which also makes the ``pending``
+    settings (PostgreSQL; the lookup itself runs before they apply: it needs none)."""
     exact_terms = [t for t in terms if not t.endswith(PREFIX_MARK)]
     prefix_terms = [t for t in terms if t.endswith(PREFIX_MARK)]
     prefixed = {f"{tenant_id}:{t}": t for t in exact_terms}
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
+            # One row at least (the one-row subquery — the settings, when there are any to
+            # make — joined to the known terms' rows; the term NULL when none is known), each
+            # with the tenant's document count (None: never counted).
+            head, head_params = ("SELECT 1", []) if pending is None else (pending.sql, pending.params)
             cursor.execute(
-                """SELECT term, ndoc, (SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s)
-                   FROM memories_searchterm WHERE tenant_id = %s AND term = ANY(%s)""",
-                [tenant_id, tenant_id, exact_terms],
+                f"""SELECT t.term, t.ndoc, (SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s)
+                    FROM ({head}) s LEFT JOIN memories_searchterm t
+                      ON t.tenant_id = %s AND t.term = ANY(%s)""",  # nosec B608: fixed SQL
+                [tenant_id, *head_params, tenant_id, exact_terms],
             )
             rows = cursor.fetchall()
-            df = {term: ndoc for term, ndoc, _ in rows}
-            documents = rows[0][2] if rows and rows[0][2] is not None else None
-            if not rows:
-                cursor.execute("SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s", [tenant_id])
-                row = cursor.fetchone()
-                documents = row[0] if row else None
+            df = {term: ndoc for term, ndoc, _ in rows if term is not None}
+            documents = rows[0][2]
             if documents is None:
                 return _counted_frequencies(cursor, tenant_id, terms)
             for t in prefix_terms:
@@ -300,6 +327,15 @@ def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict
 # --- candidates ---------------------------------------------------------------------------
 
 
+class Hits(NamedTuple):
+    """A word ranking: ``ranked`` [(memory id, score)] best first, and — when asked for, on
+    PostgreSQL — ``vectors`` {memory id: stored embedding bytes} of those ranked that have
+    one of the asked model and size (None: not fetched)."""
+
+    ranked: list[tuple[int, float]]
+    vectors: dict[int, bytes] | None = None
+
+
 def lexical_candidates(
     *, tenant_id: int, prefixes: list[str] | None, query: str, limit: int, now: datetime | None = None
 ) -> list[tuple[int, float]]:
@@ -309,28 +345,43 @@ def lexical_candidates(
 
     Cost: one primary-key lookup per known term (document frequencies), then one query over
     at most ``CANDIDATES`` index hits, all under the search timeout."""
+    return lexical_hits(tenant_id=tenant_id, prefixes=prefixes, query=query, limit=limit, now=now).ranked
+
+
+def lexical_hits(
+    *,
+    tenant_id: int,
+    prefixes: list[str] | None,
+    query: str,
+    limit: int,
+    now: datetime | None = None,
+    vectors: tuple[str, int] | None = None,
+) -> Hits:
+    """:func:`lexical_candidates`, and with ``vectors`` = (model, dimension) the ranked
+    memories' stored embeddings of that model, read by the same statement on PostgreSQL (the
+    semantic half needs them: memories/search/semantic.py), not by a round trip of its own."""
     if prefixes is not None and not prefixes:
-        return []
+        return Hits([])
     terms = query_terms(query, max_words=MAX_QUERY_WORDS)
     if not terms:
-        return []
+        return Hits([])
     now = now or timezone.now()
     limit = min(limit, CANDIDATES)
-    with deadline():
-        df, documents, exact = _frequencies(tenant_id, [t.term for t in terms])
+    with deadline() as pending:
+        df, documents, exact = _frequencies(tenant_id, [t.term for t in terms], pending)
         p = plan(terms, df, documents, exact=exact)
         if p is None:
-            return []
+            return Hits([])
         if connection.vendor == "postgresql":
-            return _pg_candidates(tenant_id, prefixes, p, limit, now)
-        return _sqlite_candidates(tenant_id, prefixes, p, limit, now)
+            return _pg_candidates(tenant_id, prefixes, p, limit, now, vectors)
+        return Hits(_sqlite_candidates(tenant_id, prefixes, p, limit, now))
 
 
 def _tsquery(tenant_id: int, terms: list[ScoredTerm]) -> str:
     return " | ".join(_lexeme(tenant_id, t.term) for t in terms)
 
 
-def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, float]]:
+def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now, vectors: tuple[str, int] | None) -> Hits:
     prefix_sql, prefix_params = _prefix_sql(prefixes, "key")
     weights = "{" + ",".join(str(w) for w in FIELD_WEIGHTS) + "}"
     rank_terms = " + ".join("%s * ts_rank(%s, c.search_tsv, %s::tsquery, 1)" for _ in p.scoring_terms)
@@ -354,9 +405,24 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now) -> list[tuple[int, 
         WHERE rank > 0
         ORDER BY score DESC, id DESC LIMIT %s"""  # nosec B608
     params = [now, *rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params, limit]
+    if vectors is None:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return Hits([(memory_id, score) for memory_id, score in cursor.fetchall()])
+    # The ranked rows' stored vectors, each by the unique memory_id index (tenant_id + 0 and
+    # checked on the row: see semantic._STORED_VECTORS_SQL), ``limit`` lookups at most.
+    sql = f"""
+        SELECT h.id, h.score, e.vector FROM ({sql}) h
+        LEFT JOIN {_EMBEDDING_TABLE} e
+          ON e.memory_id = h.id AND e.tenant_id + 0 = %s AND e.model = %s AND e.dim = %s
+        ORDER BY h.score DESC, h.id DESC"""  # nosec B608: fixed SQL
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return [(memory_id, score) for memory_id, score in cursor.fetchall()]
+        cursor.execute(sql, [*params, tenant_id, *vectors])
+        rows = cursor.fetchall()
+    return Hits(
+        [(memory_id, score) for memory_id, score, _ in rows],
+        {memory_id: bytes(vector) for memory_id, _, vector in rows if vector is not None},
+    )
 
 
 # _tie_break() in SQL (the first parameter is now), so that only ``limit`` rows leave the server.

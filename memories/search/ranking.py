@@ -16,7 +16,7 @@ from django.utils import timezone
 from memories import selectors
 from memories.models import Memory, Tenant
 from memories.search import semantic, tier
-from memories.search.lexical import lexical_candidates
+from memories.search.lexical import lexical_hits
 from memories.search.text import compact, index_document
 
 # Extra fused results loaded, so that one dropped on load (trashed since) leaves no gap.
@@ -39,14 +39,19 @@ def _candidate_lists(*, tenant_id: int, prefixes: list[str] | None, query: str, 
     # with the GIL released, so a search costs the slower of the two, not their sum.
     meaning = semantic.start(tenant_id=tenant_id, prefixes=prefixes, query=query)
     try:
-        lexical = lexical_candidates(
-            tenant_id=tenant_id, prefixes=prefixes, query=query, limit=max(limit, semantic.LEXICAL_DEPTH)
+        # The word matches' stored vectors come with them (one round trip less).
+        hits = lexical_hits(
+            tenant_id=tenant_id,
+            prefixes=prefixes,
+            query=query,
+            limit=max(limit, semantic.LEXICAL_DEPTH),
+            vectors=meaning.vector_kind,
         )
     except BaseException:
         meaning.discard()  # waited for: its CPU is counted to the search
         raise
-    lists = {"lexical": lexical}
-    similar = meaning.candidates([memory_id for memory_id, _ in lexical])
+    lists = {"lexical": hits.ranked}
+    similar = meaning.candidates([memory_id for memory_id, _ in hits.ranked], hits.vectors)
     if similar:
         lists["semantic"] = similar
     return lists

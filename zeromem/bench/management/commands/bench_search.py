@@ -559,7 +559,7 @@ class Command(BenchCommand):
             reads = ph["reads"]
             w(
                 f"    {label:30} {reads['n']:5}  {reads['p50_ms']:6.2f}  {reads['p99_ms']:6.2f}  "
-                f"{ph.get('p99_ratio') or '':>9}  {ph['steady_p99_ms']:13}  {ph['read_errors']:6}  "
+                f"{ph.get('p99_ratio') or '':>9}  {_or_dash(ph['steady_p99_ms']):>13}  {ph['read_errors']:6}  "
                 f"{ph['server_cpu_s']:12}  "
                 f"{ph['load'][0]:5}  {ph['searches'] or ''}"
             )
@@ -642,6 +642,11 @@ class PgCounters:
             "wal_wait_share": round(on_wal / active, 2) if active else None,
             "waits": dict(sorted(self.waits.items(), key=lambda kv: -kv[1])[:5]),
         }
+
+
+def _or_dash(value) -> str:
+    # A phase no longer than 2 s has no "after 2 s" part.
+    return "—" if value is None else str(value)
 
 
 def _search(q: str) -> bytes:
