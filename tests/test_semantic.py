@@ -260,7 +260,9 @@ def test_the_word_ranking_brings_its_matches_stored_vectors_in_its_own_statement
     assert lexical.lexical_hits(tenant_id=tenant_a.pk, prefixes=None, query="prefers", limit=10).vectors is None
 
     with CaptureQueriesContext(connection) as queries:
-        fused = ranking.ranked_ids(tenant_id=tenant_a.pk, prefixes=None, query="which language the user prefers", limit=5)
+        fused = ranking.ranked_ids(
+            tenant_id=tenant_a.pk, prefixes=None, query="which language the user prefers", limit=5
+        )
     statements = [q["sql"] for q in queries.captured_queries]
     assert not [sql for sql in statements if "memory_id = ANY" in sql]
     # The search's settings are made by the word ranking's first statement, not by one of their own.
@@ -272,9 +274,8 @@ def test_the_word_ranking_brings_its_matches_stored_vectors_in_its_own_statement
     separately = semantic.similarities(
         tenant_id=tenant_a.pk, prefixes=None, query_vector=vector, also=[lang.pk, diet.pk]
     )
-    with_vectors = semantic._with_also(
-        tenant_a.pk, semantic._score_matrix(semantic._cache.matrix(tenant_a.pk), None, vector), [lang.pk, diet.pk], hits.vectors
-    )
+    scored = semantic._score_matrix(semantic._cache.matrix(tenant_a.pk), None, vector)
+    with_vectors = semantic._with_also(tenant_a.pk, scored, [lang.pk, diet.pk], hits.vectors)
     assert with_vectors == pytest.approx(separately, abs=1e-6)
 
 
