@@ -405,3 +405,18 @@ def test_failed_authentication_is_audited_without_the_secret(seeded):
     event = AuditEvent.objects.filter(action="auth.failed").get()
     assert (event.tenant_id, event.count, event.detail["code"]) == (None, 1, "invalid_key")
     assert secret not in str(AuditEvent.objects.values())
+
+
+def test_an_allowlist_longer_than_the_cap_is_refused_naming_the_field_and_writes_nothing(tenant_a):
+    # Each entry is one more OR'ed range in every search and list the key makes.
+    from zeromem.kernel.errors import InvalidInput
+    from zeromem.kernel.validation import ALLOWLIST_MAX_ENTRIES
+
+    keys, events = ApiKey.objects.count(), AuditEvent.objects.count()
+    too_many = [f"user:u{i}:" for i in range(ALLOWLIST_MAX_ENTRIES + 1)]
+    with pytest.raises(InvalidInput) as refused:
+        services.api_key_create(tenant=tenant_a, actor=SYSTEM, name="wide", allowed_prefixes=too_many)
+    assert refused.value.field == "allowed_prefixes" and str(ALLOWLIST_MAX_ENTRIES) in str(refused.value)
+    assert (ApiKey.objects.count(), AuditEvent.objects.count()) == (keys, events)
+    key, _ = services.api_key_create(tenant=tenant_a, actor=SYSTEM, name="wide", allowed_prefixes=too_many[:-1])
+    assert len(key.allowed_prefixes) == ALLOWLIST_MAX_ENTRIES

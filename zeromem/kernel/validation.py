@@ -30,6 +30,9 @@ QUERY_MAX_LEN = 500
 # Arrays/objects inside a memory value, at most this deep ({"a": {"b": 1}} is 2).
 VALUE_MAX_DEPTH = 32
 RECALL_MAX_CHARS = 8000
+# An API key's allowlist entries: each is one more OR'ed range in every search, list and
+# recall the key makes (and one more check per key it touches).
+ALLOWLIST_MAX_ENTRIES = 50
 
 # Numbers are ASCII digits only. Python is generous: str.isdigit() is true for "²" and "①",
 # which int() then refuses (a 500), and int() reads "１２" (full-width) as 12. Every parse
@@ -93,6 +96,8 @@ def allowlist(entries, field: str = "allowed_prefixes") -> list[str]:
         return []
     if not isinstance(entries, list | tuple):
         raise InvalidInput("must be a list of key prefixes", field=field)
+    if len(entries) > ALLOWLIST_MAX_ENTRIES:
+        raise InvalidInput(f"must have at most {ALLOWLIST_MAX_ENTRIES} entries", field=field, code="too_long")
     normalised: list[str] = []
     for raw in entries:
         entry = raw.strip() if isinstance(raw, str) else raw
