@@ -210,6 +210,24 @@ def test_a_bad_process_or_thread_count_is_refused_naming_the_setting(env, capsys
     assert next(iter(env)) in capsys.readouterr().err
 
 
+def test_a_killed_supervisors_empty_socket_directory_is_swept_by_the_next_one(tmp_path, monkeypatch):
+    # Only empty directories of ours older than a minute: a live or starting supervisor's
+    # (sockets in it, or just made) and anything else in the temporary directory stay.
+    monkeypatch.setattr(serving.tempfile, "gettempdir", lambda: str(tmp_path))
+    old = time.time() - 3600
+    stale = tmp_path / f"{serving.SOCKET_DIR_PREFIX}stale"
+    live = tmp_path / f"{serving.SOCKET_DIR_PREFIX}live"
+    starting = tmp_path / f"{serving.SOCKET_DIR_PREFIX}starting"
+    other = tmp_path / "something-else"
+    for path in (stale, live, starting, other):
+        path.mkdir()
+    (live / "0.sock").write_text("")
+    for path in (stale, live, other):
+        os.utime(path, (old, old))
+    serving._sweep_socket_dirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, starting, other))
+
+
 def test_each_web_process_keeps_a_pooled_connection_per_thread_and_the_operators_own_sizes():
     model = serving.ServingModel(host="127.0.0.1", port=8000, processes=2, threads=6)
     env = model.environment({})

@@ -249,6 +249,30 @@ def _say(message: str) -> None:
     print(f"[zeromem] {message}", file=sys.stderr, flush=True)
 
 
+SOCKET_DIR_PREFIX = "zeromem-search-"
+
+
+def _sweep_socket_dirs(min_age: float = 60.0) -> None:
+    """Remove this user's empty socket directories left by a supervisor that was killed (its
+    search processes removed their sockets, nobody removed the directory). A directory that
+    still holds anything, or is younger than ``min_age`` seconds (a supervisor starting), is
+    left alone."""
+    root = Path(tempfile.gettempdir())
+    for path in root.glob(f"{SOCKET_DIR_PREFIX}*"):
+        try:
+            info = path.lstat()
+            if (
+                path.is_dir()
+                and not path.is_symlink()
+                and info.st_uid == os.getuid()
+                and time.time() - info.st_mtime > min_age
+                and not any(path.iterdir())
+            ):
+                path.rmdir()
+        except OSError:
+            continue  # gone meanwhile, or not ours to touch
+
+
 def run(model: ServingModel, environ: Mapping[str, str], *, access_log: bool = False, log_level: str = "info") -> int:
     """Run the web tier until SIGTERM or SIGINT: ``model.search_processes`` search processes
     (each on a Unix socket in a directory of this run's own, 0700; restarted when one
@@ -256,7 +280,8 @@ def run(model: ServingModel, environ: Mapping[str, str], *, access_log: bool = F
     exit status; stops everything it started on the way out."""
     python = sys.executable
     env = dict(environ)
-    socket_dir = tempfile.mkdtemp(prefix="zeromem-search-")
+    _sweep_socket_dirs()
+    socket_dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
     sockets = [os.path.join(socket_dir, f"{index}.sock") for index in range(model.search_processes)]
     if sockets:
         env["ZEROMEM_SEARCH_TIER"] = ",".join(sockets)
