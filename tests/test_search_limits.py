@@ -3,6 +3,7 @@ tenant-prefixed terms, caps on query length and terms, refused inputs, the timeo
 ranking's signals, and recall with only a prefix."""
 
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -160,23 +161,35 @@ def test_short_latin_words_pick_candidates_only_when_rare():
 
 
 def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, settings, monkeypatch):
+    # Inside the test's transaction: the search's savepoint, its settings made once.
+    _search_past_its_time_limit(api, settings, monkeypatch)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_search_of_its_own_past_its_time_limit_is_503_search_timeout_audited(api, settings, monkeypatch):
+    # As a request runs it: no transaction, the settings sent with each statement.
+    _search_past_its_time_limit(api, settings, monkeypatch)
+
+
+def _search_past_its_time_limit(api, settings, monkeypatch):
     api.call("memory_write", key="fact:slow", value="zebra orchid")
     settings.ZEROMEM_SEARCH_TIMEOUT_MS = 50
     real = lexical._frequencies
 
-    def slow(tenant_id, terms, pending=None):  # noqa: ANN001
-        # After the lookup: on PostgreSQL its statement is the one that makes the settings.
-        found = real(tenant_id, terms, pending)
+    def slow(tenant_id, terms, dl):  # noqa: ANN001
+        # One more statement of the search's, as slow as a search can be.
+        found = real(tenant_id, terms, dl)
         with connection.cursor() as cursor:
             if connection.vendor == "postgresql":
-                cursor.execute("SELECT pg_sleep(2)")
+                dl.execute(cursor, "SELECT pg_sleep(2)", [])
             else:
                 cursor.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c")
         return found
 
     monkeypatch.setattr(lexical, "_frequencies", slow)
+    started = time.monotonic()
     r = api.post("/api/v1/tools/call", {"name": "memory_search", "arguments": {"query": "zebra"}})
-    assert r.status_code == 503
+    assert r.status_code == 503 and time.monotonic() - started < 1.5
     assert r.json()["error"]["code"] == "search_timeout" and r.json()["error"]["field"] == "query"
     assert r.headers["Retry-After"] == "1"
     event = AuditEvent.objects.filter(action="memory.search").latest("id")
@@ -186,6 +199,13 @@ def test_a_search_past_its_time_limit_is_503_search_timeout_audited(api, setting
     monkeypatch.setattr(lexical, "_frequencies", real)
     status, body = api.call("memory_search", query="zebra")
     assert status == 200 and [r["key"] for r in body["results"]] == ["fact:slow"]
+
+
+SETTINGS_SQL = (
+    "SELECT current_setting('statement_timeout'), current_setting('enable_seqscan'),"
+    " current_setting('enable_indexscan'), current_setting('max_parallel_workers_per_gather'),"
+    " current_setting('jit'), current_setting('gin_fuzzy_search_limit')"
+)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -201,11 +221,7 @@ def test_the_search_settings_end_with_the_search_whether_its_transaction_is_its_
 
     def session_settings():
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT current_setting('statement_timeout'), current_setting('enable_seqscan'),"
-                " current_setting('enable_indexscan'), current_setting('max_parallel_workers_per_gather'),"
-                " current_setting('jit'), current_setting('gin_fuzzy_search_limit')"
-            )
+            cursor.execute(SETTINGS_SQL)
             return cursor.fetchone()
 
     with connection.cursor() as cursor:
@@ -226,8 +242,15 @@ def _search_settings_end(tenant, session_settings, monkeypatch):
     real = lexical._pg_candidates
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003
-        during.append(session_settings())
+        # What a statement of the search's sees (sent as the search sends its own: args[-1]
+        # is its Deadline); and what one sent plainly sees meanwhile.
+        with connection.cursor() as cursor:
+            args[-1].execute(cursor, SETTINGS_SQL, [])
+            during.append(cursor.fetchone())
+        plainly.append(session_settings())
         return real(*args, **kwargs)
+
+    plainly = []
 
     monkeypatch.setattr(lexical, "_pg_candidates", spy)
     assert lexical.lexical_candidates(tenant_id=tenant.pk, prefixes=None, query="zebra", limit=5)
@@ -238,7 +261,10 @@ def _search_settings_end(tenant, session_settings, monkeypatch):
     # While the search runs: its timeout, bitmap scans only, no parallel workers, no JIT, a
     # common word's postings sampled.
     sample = str(lexical.GIN_SAMPLE)
-    assert during and all(d[1:] == ("off", "off", "0", "off", sample) and d[0] != before[0] for d in during)
+    assert len(during) == 2 and all(d[1:] == ("off", "off", "0", "off", sample) and d[0] != before[0] for d in during)
+    # Of its own (the first search), nothing else in the session ever has them: they ride on
+    # each of its statements. Inside a caller's transaction (the second) they are made once.
+    assert plainly[0] == before and plainly[1] == during[1]
 
 
 # --- ranking --------------------------------------------------------------------------------

@@ -265,10 +265,14 @@ def test_the_word_ranking_brings_its_matches_stored_vectors_in_its_own_statement
         )
     statements = [q["sql"] for q in queries.captured_queries]
     assert not [sql for sql in statements if "memory_id = ANY" in sql]
-    # The search's settings are made by the word ranking's first statement, not by one of their own.
-    lookup = next(i for i, sql in enumerate(statements) if "memories_searchterm" in sql)
-    assert "set_config('statement_timeout'" in statements[lookup]
-    assert [sql for sql in statements if "set_config(" in sql] == [statements[lookup]]
+    # The word ranking: two statements, no transaction — the term lookup, then the candidates
+    # sent behind the search's settings in the same message (memories/search/lexical.py Deadline).
+    # (This new tenant's terms are counted on the spot, under the settings too.)
+    lookup = [sql for sql in statements if "memories_searchcorpus" in sql]
+    candidates = [sql for sql in statements if "e.vector" in sql]
+    assert len(lookup) == 1 and "set_config(" not in lookup[0]
+    assert len(candidates) == 1 and candidates[0].startswith("SELECT set_config('statement_timeout'")
+    assert all(sql.startswith("SELECT set_config(") for sql in statements if "set_config(" in sql)
     assert fused[0][0] == lang.pk
     vector = embeddings.query_vector("which language the user prefers")
     separately = semantic.similarities(

@@ -156,55 +156,66 @@ _SETTINGS_SQL = (
 
 
 @dataclass(frozen=True)
-class Settings:
-    """The search's settings, still to be made by the first statement that runs under the
-    deadline (``sql``, a one-row subquery, with ``params``): in a transaction of its own
-    they ride on that statement instead of costing a round trip of their own."""
+class Deadline:
+    """How the search's statements run under its settings (see :func:`deadline`).
 
-    sql: str
-    params: list
+    ``prefix`` (PostgreSQL, outside any transaction): each statement is sent behind the
+    settings in one message — ``SELECT set_config(...); <statement>`` — which PostgreSQL runs
+    as one implicit transaction: the settings apply to that statement (its planning and its
+    timeout) and end with it. No BEGIN, no COMMIT, no round trip for the settings alone.
+    None: the settings are in force already (a caller's transaction), or SQLite."""
+
+    prefix: tuple[str, list] | None = None
+
+    def execute(self, cursor, sql: str, params: list) -> None:
+        """Run ``sql`` under the search's settings; the cursor holds its rows."""
+        if self.prefix is None:
+            cursor.execute(sql, params)
+            return
+        head, head_params = self.prefix
+        cursor.execute(f"{head}; {sql}", [*head_params, *params])
+        cursor.nextset()  # past the settings' row, to the statement's
 
 
 @contextmanager
-def deadline() -> Iterator[Settings | None]:
-    """Run the enclosed queries under the search timeout — on PostgreSQL in a savepoint (or
-    a transaction), so that a cancelled query leaves the caller's transaction usable (its
-    audit event is still written). Raises :class:`SearchTimeout` when the time runs out.
+def deadline() -> Iterator[Deadline]:
+    """Run the search's statements (those sent with :meth:`Deadline.execute`) under the search
+    timeout and planner settings, and raise :class:`SearchTimeout` when the time runs out.
 
-    Yields the :class:`Settings` the enclosed code's first statement must make (PostgreSQL,
-    in a transaction of its own), or None (made already, or SQLite)."""
+    PostgreSQL, no transaction open: the settings ride on each such statement (see
+    :class:`Deadline`) — several statements in one message need client-side binding, Django's
+    default and what PgBouncer needs. Inside a caller's transaction (or with
+    ``server_side_binding`` on): a savepoint (or a transaction), the settings read and made
+    once, and restored before the caller goes on (a cancelled query leaves the caller's
+    transaction usable: its audit event is still written)."""
     ms = int(settings.ZEROMEM_SEARCH_TIMEOUT_MS)
+    params = [f"{ms}ms", str(GIN_SAMPLE)]
     try:
         if connection.vendor == "postgresql":
-            # Settings made with set_config(..., true) end with the transaction: in a
-            # transaction of its own the search leaves them to its COMMIT, and makes them in
-            # its first statement (two round trips less: the settings' own and the restore);
-            # inside a caller's (a savepoint) it reads them first and restores them after.
-            restore = connection.in_atomic_block
+            # Bitmap scans only: with the tenant filter written so that no btree can serve
+            # it, the GIN index over tenant-prefixed terms is the one way in, whatever the
+            # table's statistics say (a fresh or unanalyzed tenant made the planner walk a
+            # btree over all the tenant's rows).
+            # No parallel workers: a search's bounded statements gain nothing from them but
+            # their start-up, and with them one tenant's search takes several cores (seen
+            # during bench_search's fairness phase as MessageQueueReceive waits).
+            # No JIT: the candidates' estimated cost passes jit_above_cost whenever a term is
+            # common (the estimate counts every posting, not the LIMIT), and compiling took
+            # 7.5 of a 22-ms query at 1M (bench_search, 'zpt' in 62k memories) — for a
+            # statement that runs a few milliseconds once.
+            # A common term's postings sampled (gin_fuzzy_search_limit, GIN_SAMPLE): see there.
+            server_binding = connection.settings_dict["OPTIONS"].get("server_side_binding") is True
+            if not connection.in_atomic_block and not server_binding:
+                yield Deadline(prefix=(f"SELECT {_SETTINGS_SQL}", params))
+                return
             with transaction.atomic(), connection.cursor() as cursor:
-                # Bitmap scans only: with the tenant filter written so that no btree can
-                # serve it, the GIN index over tenant-prefixed terms is the one way in,
-                # whatever the table's statistics say (a fresh or unanalyzed tenant made
-                # the planner walk a btree over all the tenant's rows).
-                # No parallel workers: a search's bounded statements gain nothing from them
-                # but their start-up, and with them one tenant's search takes several cores
-                # (seen during bench_search's fairness phase as MessageQueueReceive waits).
-                # No JIT: the candidates' estimated cost passes jit_above_cost whenever a
-                # term is common (the estimate counts every posting, not the LIMIT), and
-                # compiling took 7.5 of a 22-ms query at 1M (bench_search, 'zpt' in 62k
-                # memories) — for a statement that runs a few milliseconds once.
-                # A common term's postings sampled (gin_fuzzy_search_limit, GIN_SAMPLE): see there.
-                params = [f"{ms}ms", str(GIN_SAMPLE)]
-                if not restore:
-                    yield Settings(sql=f"SELECT {_SETTINGS_SQL}", params=params)
-                    return
                 cursor.execute(
                     "SELECT current_setting('statement_timeout'), current_setting('max_parallel_workers_per_gather'),"
                     f" current_setting('jit'), current_setting('gin_fuzzy_search_limit'), {_SETTINGS_SQL}",
                     params,
                 )
                 previous = cursor.fetchone()[:4]
-                yield None
+                yield Deadline()
                 cursor.execute(
                     "SELECT set_config('statement_timeout', %s, true), set_config('enable_seqscan', 'on', true),"
                     " set_config('enable_indexscan', 'on', true),"
@@ -221,7 +232,7 @@ def deadline() -> Iterator[Settings | None]:
             stop_at = time.monotonic() + ms / 1000
             raw.set_progress_handler(lambda: int(time.monotonic() > stop_at), 2000)
             try:
-                yield None
+                yield Deadline()
             finally:
                 raw.set_progress_handler(None, 0)
     except OperationalError as exc:
@@ -242,30 +253,29 @@ def _is_timeout(exc: OperationalError) -> bool:
 # --- document frequencies -----------------------------------------------------------------
 
 
-def _frequencies(tenant_id: int, terms: list[str], pending: Settings | None = None) -> tuple[dict[str, int], int, bool]:
+def _frequencies(tenant_id: int, terms: list[str], dl: Deadline) -> tuple[dict[str, int], int, bool]:
     """(df of each known term, the tenant's document count N, whether df is exact) — one
-    indexed lookup (plus one range sum per prefix term), which also makes the ``pending``
-    settings (PostgreSQL; the lookup itself runs before they apply: it needs none)."""
+    indexed lookup by primary key (plus one range sum per prefix term), which needs none of
+    the search's settings; counting a tenant's terms on the spot does (``dl``)."""
     exact_terms = [t for t in terms if not t.endswith(PREFIX_MARK)]
     prefix_terms = [t for t in terms if t.endswith(PREFIX_MARK)]
     prefixed = {f"{tenant_id}:{t}": t for t in exact_terms}
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            # One row at least (the one-row subquery — the settings, when there are any to
-            # make — joined to the known terms' rows; the term NULL when none is known), each
-            # with the tenant's document count (None: never counted).
-            head, head_params = ("SELECT 1", []) if pending is None else (pending.sql, pending.params)
+            # One row at least (a one-row subquery joined to the known terms' rows; the term
+            # NULL when none is known), each with the tenant's document count (None: never
+            # counted).
             cursor.execute(
-                f"""SELECT t.term, t.ndoc, (SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s)
-                    FROM ({head}) s LEFT JOIN memories_searchterm t
-                      ON t.tenant_id = %s AND t.term = ANY(%s)""",  # nosec B608: fixed SQL
-                [tenant_id, *head_params, tenant_id, exact_terms],
+                """SELECT t.term, t.ndoc, (SELECT documents FROM memories_searchcorpus WHERE tenant_id = %s)
+                   FROM (SELECT 1) s LEFT JOIN memories_searchterm t
+                     ON t.tenant_id = %s AND t.term = ANY(%s)""",
+                [tenant_id, tenant_id, exact_terms],
             )
             rows = cursor.fetchall()
             df = {term: ndoc for term, ndoc, _ in rows if term is not None}
             documents = rows[0][2]
             if documents is None:
-                return _counted_frequencies(cursor, tenant_id, terms)
+                return _counted_frequencies(cursor, dl, tenant_id, terms)
             for t in prefix_terms:
                 start = t[: -len(PREFIX_MARK)]
                 cursor.execute(
@@ -309,8 +319,9 @@ def _lexeme(tenant_id: int, term: str) -> str:
 COUNT_CAP = CANDIDATES + 1
 
 
-def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
-    cursor.execute(
+def _counted_frequencies(cursor, dl: Deadline, tenant_id: int, terms: list[str]) -> tuple[dict[str, int], int, bool]:
+    dl.execute(
+        cursor,
         f"""SELECT t, (SELECT count(*) FROM (SELECT 1 FROM memories_memory
                         WHERE tenant_id + 0 = %s AND search_tsv @@ q::tsquery
                         LIMIT {COUNT_CAP}) s)
@@ -318,8 +329,8 @@ def _counted_frequencies(cursor, tenant_id: int, terms: list[str]) -> tuple[dict
         [tenant_id, list(terms), [_lexeme(tenant_id, t) for t in terms]],
     )
     df = {t: n for t, n in cursor.fetchall() if n}
-    cursor.execute(
-        "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000) s", [tenant_id]
+    dl.execute(
+        cursor, "SELECT count(*) FROM (SELECT 1 FROM memories_memory WHERE tenant_id = %s LIMIT 100000) s", [tenant_id]
     )
     return df, cursor.fetchone()[0], True
 
@@ -367,13 +378,13 @@ def lexical_hits(
         return Hits([])
     now = now or timezone.now()
     limit = min(limit, CANDIDATES)
-    with deadline() as pending:
-        df, documents, exact = _frequencies(tenant_id, [t.term for t in terms], pending)
+    with deadline() as dl:
+        df, documents, exact = _frequencies(tenant_id, [t.term for t in terms], dl)
         p = plan(terms, df, documents, exact=exact)
         if p is None:
             return Hits([])
         if connection.vendor == "postgresql":
-            return _pg_candidates(tenant_id, prefixes, p, limit, now, vectors)
+            return _pg_candidates(tenant_id, prefixes, p, limit, now, vectors, dl)
         return Hits(_sqlite_candidates(tenant_id, prefixes, p, limit, now))
 
 
@@ -381,7 +392,7 @@ def _tsquery(tenant_id: int, terms: list[ScoredTerm]) -> str:
     return " | ".join(_lexeme(tenant_id, t.term) for t in terms)
 
 
-def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now, vectors: tuple[str, int] | None) -> Hits:
+def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now, vectors: tuple[str, int] | None, dl: Deadline) -> Hits:
     prefix_sql, prefix_params = _prefix_sql(prefixes, "key")
     weights = "{" + ",".join(str(w) for w in FIELD_WEIGHTS) + "}"
     rank_terms = " + ".join("%s * ts_rank(%s, c.search_tsv, %s::tsquery, 1)" for _ in p.scoring_terms)
@@ -407,7 +418,7 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now, vectors: tuple[str,
     params = [now, *rank_params, tenant_id, _tsquery(tenant_id, p.candidate_terms), now, *prefix_params, limit]
     if vectors is None:
         with connection.cursor() as cursor:
-            cursor.execute(sql, params)
+            dl.execute(cursor, sql, params)
             return Hits([(memory_id, score) for memory_id, score in cursor.fetchall()])
     # The ranked rows' stored vectors, each by the unique memory_id index (tenant_id + 0 and
     # checked on the row: see semantic._STORED_VECTORS_SQL), ``limit`` lookups at most.
@@ -417,7 +428,7 @@ def _pg_candidates(tenant_id, prefixes, p: Plan, limit, now, vectors: tuple[str,
           ON e.memory_id = h.id AND e.tenant_id + 0 = %s AND e.model = %s AND e.dim = %s
         ORDER BY h.score DESC, h.id DESC"""  # nosec B608: fixed SQL
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, tenant_id, *vectors])
+        dl.execute(cursor, sql, [*params, tenant_id, *vectors])
         rows = cursor.fetchall()
     return Hits(
         [(memory_id, score) for memory_id, score, _ in rows],
