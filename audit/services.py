@@ -87,16 +87,10 @@ def audit_record(
     count: int | None = None,
     version: int | None = None,
     detail: dict | None = None,
-    asynchronous_commit: bool = False,
 ) -> int:
     """Append one event: one INSERT, no lock shared with other requests (the chain is
     built later by :func:`audit_seal`). Never pass a memory value or a key secret here.
-    Returns the event's id.
-
-    ``asynchronous_commit`` (PostgreSQL, the INSERT a transaction of its own): its commit
-    does not wait for the WAL flush — ``SELECT set_config('synchronous_commit', 'off', true);
-    INSERT …`` in one message, one implicit transaction; the next synchronous commit of any
-    session (a write, a seal) flushes it with its own. See :data:`ASYNC_COMMIT_ACTIONS`."""
+    Returns the event's id."""
     fields = {
         "uid": uuid.uuid4(),
         "tenant_id": tenant.pk if tenant is not None else None,
@@ -117,10 +111,6 @@ def audit_record(
     }
     fields["digest"] = chain.digest(fields)
     sql, columns = _insert_sql(connection.vendor)
-    skip = 0
-    if asynchronous_commit and connection.vendor == "postgresql" and not connection.in_atomic_block:
-        if connection.settings_dict["OPTIONS"].get("server_side_binding") is not True:
-            sql, skip = f"{_ASYNC_COMMIT_SQL}; {sql}", 1
     # What Model.save() would send (each field prepares its value; the others get their
     # defaults), without building the instance or compiling the INSERT on every request.
     params = [
@@ -131,15 +121,7 @@ def audit_record(
         else f.get_db_prep_save(fields[name], connection)
         for f, name, text, default in columns
     ]
-    return hotsql.fetchone(sql, params, skip=skip)[0]
-
-
-_ASYNC_COMMIT_SQL = "SELECT set_config('synchronous_commit', 'off', true)"
-
-# The operations whose event may commit without waiting for the WAL flush when
-# ZEROMEM_AUDIT_READS_ASYNC_COMMIT is on: an agent's reads, whose only write is their event.
-# Not a staff member's view or reveal of a memory (memory.view, memory.reveal), nor any write.
-ASYNC_COMMIT_ACTIONS = frozenset({"memory.read", "memory.list", "memory.search", "memory.recall", "memory.history"})
+    return hotsql.fetchone(sql, params)[0]
 
 
 @functools.cache
@@ -210,8 +192,6 @@ class AuditedOperation:
         # As sent (refusals are recorded with it); a service sets the validated one if it differs.
         self.target = target if isinstance(target, str) else ""
         self._row: dict | None = None
-        # Set by audited_operation for a read whose event may commit asynchronously.
-        self.asynchronous_commit = False
 
     def record(
         self,
@@ -238,13 +218,7 @@ class AuditedOperation:
         }
 
     def _write(self, row: dict) -> None:
-        audit_record(
-            tenant=self.tenant,
-            actor=self.actor,
-            action=self.action,
-            asynchronous_commit=self.asynchronous_commit,
-            **row,
-        )
+        audit_record(tenant=self.tenant, actor=self.actor, action=self.action, **row)
 
     def _row_for(self, exc: ServiceError) -> dict:
         outcome = _outcome_of(exc)
@@ -278,14 +252,11 @@ def audited_operation(
     ``atomic=False`` is for an operation whose only write is its event (a read): the event
     is one INSERT, a transaction of its own, so the operation saves the BEGIN and COMMIT
     round trips. Inside an enclosing transaction (a batch) it is part of that one as before.
-    An agent's read (:data:`ASYNC_COMMIT_ACTIONS`) with ``ZEROMEM_AUDIT_READS_ASYNC_COMMIT``
-    on commits that INSERT without waiting for the WAL flush (:func:`audit_record`).
 
     Traced (ZEROMEM_TRACING, ``traced``) as a span named by the action, with the outcome and
     the tenant's slug: never the target (a memory key) or the event's fields.
     """
     op = AuditedOperation(tenant=tenant, actor=actor, action=action, target=target)
-    op.asynchronous_commit = not atomic and action in ASYNC_COMMIT_ACTIONS and settings.ZEROMEM_AUDIT_READS_ASYNC_COMMIT
     traced_as = tracing.span(action, action=action, tenant=tenant.slug if tenant else None) if traced else NO_SPAN
     with traced_as as span:
         try:

@@ -392,12 +392,6 @@ ZEROMEM_AUDIT_KEY_EXPLICIT = bool(env.str("ZEROMEM_AUDIT_KEY", default=""))
 # Audit events older than this are purged (whole sealed batches, after a checkpoint);
 # tenants may set their own (Tenant.audit_retention_days).
 ZEROMEM_AUDIT_RETENTION_DAYS = env.int("ZEROMEM_AUDIT_RETENTION_DAYS", default=400)
-# An agent's read (memory.read/list/search/recall/history, an operation whose only write is its
-# event) commits its event without waiting for PostgreSQL's WAL flush when true: a crash of
-# PostgreSQL may then lose the last fraction of a second of read events (wal_writer_delay × 3),
-# never a write's. Off by default: the event of every operation is durable when its answer
-# leaves. README "Audit log", "Asynchronous read events".
-ZEROMEM_AUDIT_READS_ASYNC_COMMIT = env.bool("ZEROMEM_AUDIT_READS_ASYNC_COMMIT", default=False)
 # Events per seal: the sealing job's batch (one transaction, one seal row).
 ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
 # PostgreSQL: how long a sealing run waits for the transactions that may still commit an event

@@ -25,17 +25,9 @@ from django.db.models import signals
 from django.db.models.sql import InsertQuery
 
 
-def fetchone(sql: str, params: Sequence, *, skip: int = 0) -> tuple | None:
-    """Run one statement on the default connection and return its first row (or None).
-    ``skip``: ``sql`` is that many statements more, sent in one message (client-side
-    binding), and the row is the last one's."""
-
-    def fetch(cursor):
-        for _ in range(skip):
-            cursor.nextset()
-        return cursor.fetchone()
-
-    return _run(sql, params, fetch)
+def fetchone(sql: str, params: Sequence) -> tuple | None:
+    """Run one statement on the default connection and return its first row (or None)."""
+    return _run(sql, params, lambda cursor: cursor.fetchone())
 
 
 def fetchall(sql: str, params: Sequence) -> list[tuple]:
