@@ -189,7 +189,9 @@ def test_a_tier_slower_than_the_wait_is_a_503_search_timeout_and_the_next_search
     assert status == 503 and body["error"]["code"] == "search_timeout"
     event = AuditEvent.objects.filter(action="memory.search").latest("id")
     assert (event.outcome, event.detail["code"]) == (AuditEvent.Outcome.UNAVAILABLE, "search_timeout")
-    # The late answer (for "wifi") must not be taken for the next question's.
+    # The late answer (for "wifi") must not be taken for the next question's — which waits for
+    # the tenant's turn (one at a time: ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY) until it is sent.
+    settings.ZEROMEM_SEARCH_TIER_WAIT_MS = 3000
     assert _keys(api, query="diet")[:1] == ["user:u10086:diet"]
 
 
@@ -253,7 +255,8 @@ def test_the_gate_admits_at_most_its_total_and_half_of_it_to_one_tenant():
 def test_one_tenants_slow_searches_leave_the_tier_to_another_and_expired_waits_are_not_ranked(
     tenant_a, tenant_b, search_tier, settings, monkeypatch
 ):
-    assert settings.ZEROMEM_SEARCH_TIER_CONCURRENCY == 4  # two of them for one tenant
+    # Four rankings at once, one of them for one tenant.
+    assert (settings.ZEROMEM_SEARCH_TIER_CONCURRENCY, settings.ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY) == (4, 1)
     real = ranking.ranked_ids
     release = threading.Event()
     ranked_for_a = []
@@ -280,15 +283,23 @@ def test_one_tenants_slow_searches_leave_the_tier_to_another_and_expired_waits_a
     a_searches = [threading.Thread(target=search_as_a, args=(n,)) for n in range(3)]
     for t in a_searches:
         t.start()
-    time.sleep(0.3)  # two of A's rank (and hang); the third waits for A's turn
+    time.sleep(0.3)  # one of A's ranks (and hangs); the other two wait for A's turn
     started = time.monotonic()
     assert tier.ranked(tenant_id=tenant_b.pk, prefixes=None, query="wifi", limit=5) == []
     assert time.monotonic() - started < 1.0  # B was not queued behind A
-    time.sleep(1.5)  # A's third search is past its wait: answered search_timeout, never ranked
+    time.sleep(1.5)  # A's waiting searches are past their wait: answered search_timeout, never ranked
     ranked_before_release = search_tier.ranked
     release.set()
     for t in a_searches:
         t.join(10)
     assert sorted(map(str, outcomes.values())) == ["search_timeout", "search_timeout", "search_timeout"]
     assert search_tier.ranked == ranked_before_release == 4  # 3 of A's requests arrived, and B's
-    assert len(ranked_for_a) == 2  # the third was dropped unranked when its wait ran out
+    assert len(ranked_for_a) == 1  # the other two were dropped unranked when their wait ran out
+
+
+def test_a_search_process_gives_one_tenant_one_turn_unless_configured(settings):
+    assert (tier.new_gate().total, tier.new_gate().per_tenant) == (4, 1)
+    settings.ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY = 2
+    assert tier.new_gate().per_tenant == 2
+    settings.ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY = 9
+    assert tier.new_gate().per_tenant == 4  # never more than the process's own turns

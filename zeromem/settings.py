@@ -296,6 +296,10 @@ ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
 ZEROMEM_SEARCH_TIER = env.list("ZEROMEM_SEARCH_TIER", default=[])
 ZEROMEM_SEARCH_TIER_WAIT_MS = env.int("ZEROMEM_SEARCH_TIER_WAIT_MS", default=2000)
 ZEROMEM_SEARCH_TIER_CONCURRENCY = env.int("ZEROMEM_SEARCH_TIER_CONCURRENCY", default=DEFAULT_SEARCH_TIER_CONCURRENCY)
+# Of those, how many at once for one tenant: 1 — a tenant's searches take their turns in each
+# search process (one ranking costs ~10 ms, and the search budget admits ~10 a second), and
+# the other turns stay free for other tenants. README "Search tier".
+ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY = env.int("ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY", default=1)
 # LangGraph store routes (/api/v1/langgraph): the key prefix its items live under, and how
 # many memories a search with a filter or a namespace listing reads at most.
 ZEROMEM_LANGGRAPH_PREFIX = env.str("ZEROMEM_LANGGRAPH_PREFIX", default="lg")

@@ -22,9 +22,9 @@ processes (zeromem/serving.py), and the web processes hand them the ranking:
   keeps one connection per search process; a tenant's searches go to one process
   (``tenant id mod processes``), which keeps its vectors cached there.
 * A search process runs at most ``ZEROMEM_SEARCH_TIER_CONCURRENCY`` rankings at once, and
-  at most half of them for one tenant (:class:`Gate`); the rest wait, holding no database
-  connection, until their turn or until the web process stops waiting for them (then they
-  are dropped unranked). Its own connection pool.
+  at most ``ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY`` (1) for one tenant (:class:`Gate`); the
+  rest wait, holding no database connection, until their turn or until the web process
+  stops waiting for them (then they are dropped unranked). Its own connection pool.
 * A web process waits at most ``ZEROMEM_SEARCH_TIER_WAIT_MS`` for an answer: past it the
   search answers 503 ``search_timeout`` (Retry-After). A search process that is not running
   (not started, restarting) is not an outage: the web process ranks the search itself and
@@ -200,8 +200,7 @@ class Gate:
 
 
 def new_gate() -> Gate:
-    total = settings.ZEROMEM_SEARCH_TIER_CONCURRENCY
-    return Gate(total, per_tenant=max(1, total // 2))
+    return Gate(settings.ZEROMEM_SEARCH_TIER_CONCURRENCY, per_tenant=settings.ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY)
 
 
 def rank_request(raw: bytes, gate: Gate | None = None) -> bytes:
