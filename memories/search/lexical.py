@@ -20,9 +20,11 @@ The plan (both backends):
    Python over the candidates' FTS5 columns). Then importance, recency and access multiply the score by at most
    ``1 + TIE_BREAK_MAX``: they order near-ties, they never lift a weaker match over a clearly
    better one.
-6. Everything runs under ``ZEROMEM_SEARCH_TIMEOUT_MS`` (PostgreSQL ``statement_timeout``,
-   SQLite a progress handler); past it the search raises :class:`SearchTimeout` (503
-   ``search_timeout`` with Retry-After), never a 500.
+6. The statements over memories run under ``ZEROMEM_SEARCH_TIMEOUT_MS`` (PostgreSQL
+   ``statement_timeout``, sent with each of them: :class:`Deadline`; SQLite a progress
+   handler, over everything); past it the search raises :class:`SearchTimeout` (503
+   ``search_timeout`` with Retry-After), never a 500. (On PostgreSQL the frequencies' lookup,
+   at most 64 primary-key probes of the term table, runs before the settings and needs none.)
 
 Measured at 1M memories in one tenant: README "Search".
 """
