@@ -357,7 +357,7 @@ def lexical_candidates(
     start with one of these (None or "" in it: the whole tenant; []: nothing).
 
     Cost: one primary-key lookup per known term (document frequencies), then one query over
-    at most ``CANDIDATES`` index hits, all under the search timeout."""
+    at most ``CANDIDATES`` index hits, that one under the search timeout (:class:`Deadline`)."""
     return lexical_hits(tenant_id=tenant_id, prefixes=prefixes, query=query, limit=limit, now=now).ranked
 
 
