@@ -54,7 +54,8 @@ from zeromem.kernel import cpu
 logger = logging.getLogger("zeromem.search")
 
 # A request is the question (capped at validation.QUERY_MAX_CHARS) and the key's prefixes
-# (its allowlist entries: not capped in number, so room for many); an answer at most
+# (its allowlist entries: 50 at most since session 11, but a key made before may hold more,
+# so room for many); an answer at most
 # limit + SPARE pairs. Anything larger is not ours.
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MAX_ANSWER_BYTES = 1024 * 1024
