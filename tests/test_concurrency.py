@@ -5,13 +5,19 @@ so these run only against PostgreSQL.
 """
 
 import threading
+from datetime import timedelta
 
 import pytest
 from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
+from audit.models import AuditEvent
+from memories import services
 from memories.models import Memory, MemoryVersion
-from tests.factories import KeyedClient
+from tests.factories import SYSTEM, KeyedClient, make_tenant, write
+from tests.helpers import start_thread, wait_for_a_lock_waiter
+from zeromem.kernel.errors import Conflict, NotFound
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -136,3 +142,91 @@ def test_concurrent_delete_and_update_leave_a_consistent_history(api, agents):
             assert ops == [(1, "write"), (2, "update"), (3, "delete")]
         else:
             assert ops == [(1, "write"), (2, "delete")]
+
+
+# --- restoring from the trash while something else moves the memory ----------------------
+
+
+def _restore_racing(monkeypatch, meanwhile):
+    """``memory_restore`` of this thread with ``meanwhile()`` started on another connection
+    right after the restore has checked that no live memory holds the key; the restore goes
+    on once ``meanwhile`` has finished or waits on a lock the restore holds."""
+    from memories.services import memories as memory_services
+
+    check = memory_services.selectors.memory_get_live
+    failures, done, me = [], threading.Event(), threading.get_ident()
+    racer = []
+
+    def check_then_race(**kwargs):
+        found = check(**kwargs)
+        if threading.get_ident() == me and not racer:
+            racer.append(start_thread(meanwhile, failures, done=done))
+            wait_for_a_lock_waiter("the racer", alive=lambda: not done.is_set())
+        return found
+
+    monkeypatch.setattr(memory_services.selectors, "memory_get_live", check_then_race)
+
+    def join():
+        racer[0].join(20)
+        assert not racer[0].is_alive(), "the racer hung"
+        return failures
+
+    return join
+
+
+def _trashed(tenant, key):
+    memory = write(tenant, key, "v1")
+    services.memory_delete(tenant=tenant, actor=SYSTEM, key=key)
+    return memory
+
+
+def _outcome(call):
+    try:
+        return call().status
+    except (NotFound, Conflict) as exc:
+        return type(exc).__name__
+
+
+def test_a_restore_racing_a_write_of_its_key_is_a_conflict_not_an_integrity_error(monkeypatch):
+    tenant = make_tenant("restore-vs-write")
+    memory = _trashed(tenant, "task:t1:plan")
+    join = _restore_racing(monkeypatch, lambda: write(tenant, "task:t1:plan", "new"))
+    with pytest.raises(Conflict):
+        services.memory_restore(tenant=tenant, actor=SYSTEM, memory_id=memory.pk)
+    assert join() == []
+    memory.refresh_from_db()
+    assert memory.deleted_at is not None and memory.version == 2  # still in the trash, untouched
+    assert Memory.objects.get(tenant=tenant, key="task:t1:plan", deleted_at__isnull=True).value == "new"
+    assert AuditEvent.objects.get(tenant=tenant, action="memory.restore").outcome == "conflict"
+
+
+def test_two_restores_of_one_memory_at_once_restore_it_once(monkeypatch):
+    tenant = make_tenant("restore-twice")
+    memory = _trashed(tenant, "task:t1:plan")
+    other = []
+    restore = lambda: services.memory_restore(tenant=tenant, actor=SYSTEM, memory_id=memory.pk)  # noqa: E731
+    join = _restore_racing(monkeypatch, lambda: other.append(_outcome(restore)))
+    mine = _outcome(restore)
+    assert join() == []
+    assert sorted([mine, *other]) == ["NotFound", "ok"]
+    memory.refresh_from_db()
+    assert memory.deleted_at is None and memory.version == 3
+    assert MemoryVersion.objects.filter(memory=memory, op="restore").count() == 1
+    outcomes = AuditEvent.objects.filter(tenant=tenant, action="memory.restore").values_list("outcome", flat=True)
+    assert sorted(outcomes) == ["not_found", "ok"]
+
+
+def test_a_restore_racing_the_purge_of_its_memory_restores_it_or_is_not_found(monkeypatch):
+    from memories.services import retention
+
+    tenant = make_tenant("restore-purged")
+    memory = _trashed(tenant, "task:t1:plan")
+    Memory.objects.filter(pk=memory.pk).update(deleted_at=timezone.now() - timedelta(days=3650))
+    join = _restore_racing(monkeypatch, lambda: retention.purge_expired(memories_per_second=0))
+    mine = _outcome(lambda: services.memory_restore(tenant=tenant, actor=SYSTEM, memory_id=memory.pk))
+    assert join() == []
+    if mine == "ok":  # the purge skipped the memory the restore held
+        assert Memory.objects.get(pk=memory.pk).deleted_at is None
+    else:
+        assert mine == "NotFound" and not Memory.objects.filter(pk=memory.pk).exists()
+        assert AuditEvent.objects.get(tenant=tenant, action="memory.restore").outcome == "not_found"

@@ -337,16 +337,25 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         if memory is None:
             raise NotFound("no such memory in the trash", field="memory_id")
         require_key_allowed(actor, key)
+        # Locked, and still in the trash: another restore or the purge may have got there first.
+        memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory.pk).select_for_update().first()
+        if memory is None:
+            raise NotFound("no such memory in the trash", field="memory_id")
         if selectors.memory_get_live(tenant=tenant, key=key) is not None:
             raise Conflict("a live memory holds this key", field="key")
         now = timezone.now()
-        memory = Memory.objects.select_for_update().get(pk=memory.pk)
         memory.deleted_at = None
         memory.version += 1
         memory.updated_at = now
         if memory.expires_at is not None and memory.expires_at <= now:
             memory.expires_at = None  # restoring an expired memory would leave it invisible
-        memory.save(update_fields=["deleted_at", "version", "updated_at", "expires_at"])
+        try:
+            # A savepoint: a write that creates the key after the check above wins the
+            # one-live-key index, and this restore is a conflict, not an error.
+            with transaction.atomic():
+                memory.save(update_fields=["deleted_at", "version", "updated_at", "expires_at"])
+        except IntegrityError:
+            raise Conflict("a live memory holds this key", field="key") from None
         _record_version(memory, MemoryVersion.Op.RESTORE, actor, now)
         op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
