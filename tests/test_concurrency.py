@@ -230,3 +230,47 @@ def test_a_restore_racing_the_purge_of_its_memory_restores_it_or_is_not_found(mo
     else:
         assert mine == "NotFound" and not Memory.objects.filter(pk=memory.pk).exists()
         assert AuditEvent.objects.get(tenant=tenant, action="memory.restore").outcome == "not_found"
+
+
+# --- an update racing a write that marks the memory sensitive ----------------------------
+
+
+def test_an_update_racing_a_sensitive_write_never_stores_the_value_in_plaintext(monkeypatch):
+    """``memory_update`` decides whether to seal its value from the row's ``sensitive`` and
+    ``subject``; a write that marks the memory sensitive (or moves its subject) between that
+    read and the UPDATE must not be undone by it: a memory once sensitive stays so."""
+    import json
+
+    from memories.services import memories as memory_services
+
+    tenant = make_tenant("update-vs-sensitive")
+    memory = write(tenant, "task:t1:card", "plain")
+    decide, me, failures, racer = memory_services.sensitivity.decide, threading.get_ident(), [], []
+
+    def decide_then_race(*args, **kwargs):
+        secret = decide(*args, **kwargs)
+        if threading.get_ident() == me and not racer:
+            done = threading.Event()
+            racer.append(
+                start_thread(
+                    lambda: write(tenant, "task:t1:card", "4111-1111 from the write", sensitive=True),
+                    failures,
+                    done=done,
+                )
+            )
+            wait_for_a_lock_waiter("the sensitive write", alive=lambda: not done.is_set())
+        return secret
+
+    monkeypatch.setattr(memory_services.sensitivity, "decide", decide_then_race)
+    services.memory_update(tenant=tenant, actor=SYSTEM, key="task:t1:card", value="4111-1111 from the update")
+    racer[0].join(20)
+    assert not failures, failures
+    memory.refresh_from_db()
+    assert memory.sensitive and memory.version == 3
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT value, search_text FROM memories_memory WHERE id = %s", [memory.pk])
+        stored, search_text = cursor.fetchone()
+    stored = stored if isinstance(stored, str) else json.dumps(stored)
+    assert "4111" not in stored and '"zmenc"' in stored.replace(" ", "")
+    assert "4111" not in (search_text or "")
+    assert MemoryVersion.objects.get(memory=memory, version=3).sensitive

@@ -267,7 +267,9 @@ def memory_update(
         live = selectors.memories_live(tenant=tenant).filter(key=key)
         if value is not _UNSET:
             # An UPDATE bypasses the field's sealing: seal here, under the row's subject's key.
-            row = live.values_list("subject", "sensitive").first()
+            # Locked: a write that marks it sensitive or moves its subject meanwhile would
+            # otherwise be undone by the UPDATE below (its value stored in plaintext).
+            row = live.select_for_update().values_list("subject", "sensitive").first()
             secret = row is not None and sensitivity.decide(tenant, key=key, value=value, given=None, current=row[1])
             changes["value"] = keyring.seal_value(value, tenant_id=tenant.pk, subject=row[0]) if secret else value
             changes["sensitive"] = secret
