@@ -93,6 +93,33 @@ def test_revocation_through_the_service_is_refused_at_once(tenant_a):
     assert r.status_code == 401 and r.json()["error"]["code"] == "key_revoked"
 
 
+def test_a_key_verified_while_it_is_revoked_is_not_cached_past_the_revocation(
+    tenant_a, monkeypatch, django_capture_on_commit_callbacks
+):
+    """A request that read the key just before a revocation in this process committed must
+    not put it in the cache after the revocation has emptied it: the next request of this
+    process would pass with a revoked key for the cache's TTL."""
+    from types import SimpleNamespace
+
+    from memories.services import api_keys
+
+    write(tenant_a, KEY, "zh-CN")
+    client, key = make_keyed_client(tenant_a)
+    revoked = []
+
+    def now():  # verify_api_key asks for the time right after it read the key
+        if not revoked:
+            with django_capture_on_commit_callbacks(execute=True):
+                revoked.append(services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk))
+        return timezone.now()
+
+    monkeypatch.setattr(api_keys, "timezone", SimpleNamespace(now=now))
+    assert _tool_read(client).status_code == 200  # in flight when the revocation came: it passes
+    assert revoked == [True]
+    r = _tool_read(client)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "key_revoked"
+
+
 def test_revocation_elsewhere_is_refused_once_the_cache_ttl_has_passed(tenant_a, settings, fake_clock):
     settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10
     write(tenant_a, KEY, "zh-CN")

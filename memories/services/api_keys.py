@@ -64,6 +64,7 @@ def verify_api_key(raw: str, *, route: str, surface: str, client_ip: str | None,
     key = key_cache.get(lookup, key_hash)
     cached = key is not None
     if not cached:
+        seen = key_cache.generation()
         key = ApiKey.objects.select_related("tenant").filter(lookup=lookup).first()
     if key is None or not hmac.compare_digest(key.key_hash, key_hash):
         auth_failure(code="invalid_key", tenant=key.tenant if key else None, label=label, **context)
@@ -79,5 +80,5 @@ def verify_api_key(raw: str, *, route: str, surface: str, client_ip: str | None,
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
         key.last_used_at = now
     if not cached:
-        key_cache.put(key)
+        key_cache.put(key, seen=seen)
     return key

@@ -33,6 +33,9 @@ MAX_ENTRIES = 10_000
 # single assignments are atomic under the GIL; the lock only orders clear-and-store.
 _entries: dict[str, tuple[float, ApiKey]] = {}
 _lock = Lock()
+# Moved by every forget: a key read from the database before a forget is not stored after it
+# (a request that read it just before a revocation committed would cache the revoked key).
+_generation = 0
 # Tests move this clock to show the TTL bound without sleeping.
 clock = time.monotonic
 
@@ -56,11 +59,19 @@ def get(lookup: str, key_hash: str) -> ApiKey | None:
     return key
 
 
-def put(key: ApiKey) -> None:
-    """Remember a key that passed every check (its tenant loaded)."""
+def generation() -> int:
+    """Take it before reading a key from the database, and hand it to :func:`put`."""
+    return _generation
+
+
+def put(key: ApiKey, *, seen: int | None = None) -> None:
+    """Remember a key that passed every check (its tenant loaded) — unless something was
+    forgotten since ``seen`` (:func:`generation` before the key was read)."""
     if ttl_seconds() <= 0:
         return
     with _lock:
+        if seen is not None and seen != _generation:
+            return
         if len(_entries) >= MAX_ENTRIES:
             _entries.clear()
         _entries[key.lookup] = (clock(), key)
@@ -68,7 +79,9 @@ def put(key: ApiKey) -> None:
 
 def forget(lookup: str | None = None) -> None:
     """Drop one key (``lookup``), or every key (None: a tenant changed)."""
+    global _generation
     with _lock:
+        _generation += 1
         if lookup is None:
             _entries.clear()
         else:
