@@ -402,6 +402,32 @@ def test_a_finished_job_runs_once(api, session, django_capture_on_commit_callbac
     assert MemoryVersion.objects.count() == versions
 
 
+def test_two_overlapping_deliveries_of_one_job_write_the_summary_once(api, session, monkeypatch):
+    # The resume schedule enqueues a job again while its first delivery still waits in a
+    # backlogged queue: two workers can then run the same job at once. Only the latest
+    # attempt may write; the other steps aside.
+    job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
+    real_digest = summaries._digest
+    overlapping = []
+
+    def digest_while_another_delivery_runs(**kwargs):
+        result = real_digest(**kwargs)
+        if not overlapping:
+            overlapping.append(None)
+            overlapping[0] = services.summarize_run(job_id=job.pk)  # the second worker, start to end
+        return result
+
+    monkeypatch.setattr(summaries, "_digest", digest_while_another_delivery_runs)
+    first = services.summarize_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == ("succeeded", 2)
+    assert first == overlapping[0] == job.result
+    summary = live(api.tenant, "summary:session:s1")
+    assert summary.version == 1
+    assert MemoryVersion.objects.filter(memory_id=summary.pk).count() == 1
+    assert AuditEvent.objects.filter(action="memory.summarize.run").count() == 1
+
+
 def test_a_job_whose_worker_died_on_its_last_attempt_fails_visibly(api, session, settings):
     settings.ZEROMEM_JOB_MAX_ATTEMPTS = 3
     job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)

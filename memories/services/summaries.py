@@ -182,6 +182,9 @@ def summarize_run(*, job_id: int) -> dict:
         with audited_operation(
             tenant=tenant, actor=_job_actor(job), action="memory.summarize.run", target=prefix
         ) as op:
+            current = _attempt_current(job)
+            if current is not None:
+                return current
             result = _write_summary(job=job, digest=digest, text=text, archive=archive)
             result.update(summarizer=summarizer, tokens=tokens)
             Job.objects.filter(pk=job.pk).update(
@@ -221,6 +224,20 @@ def _attempt_begin(job_id: int) -> Job | None:
         return job
 
 
+def _attempt_current(job: Job) -> dict | None:
+    """None if this attempt is still the job's latest (it then holds the job row locked to
+    its commit); else what the job is now, and this attempt writes nothing. Two deliveries
+    of one job can run at once (the resume schedule enqueues a job again while its first
+    delivery still waits in a backlogged queue): only the attempt that began last writes,
+    so the summary is written and its sources archived once."""
+    latest = Job.objects.select_for_update().filter(pk=job.pk).values("status", "attempts", "result").first()
+    if latest is not None and (latest["status"], latest["attempts"]) == (Job.Status.RUNNING, job.attempts):
+        return None
+    if latest is not None and latest["status"] == Job.Status.SUCCEEDED:
+        return latest["result"]
+    return {"status": latest["status"] if latest else "missing", "job_id": job.pk}
+
+
 def _attempt_failed(job: Job, exc: Exception) -> None:
     # The job's error is shown to every memory:read key of the tenant (GET /api/v1/jobs/<id>):
     # only our own SummarizerError messages (the endpoint's status, the kind of bad answer)
@@ -233,7 +250,9 @@ def _attempt_failed(job: Job, exc: Exception) -> None:
         logger.warning("summarize job %s attempt %s failed", job.pk, job.attempts, exc_info=exc)
     last = job.attempts >= _max_attempts()
     with transaction.atomic():
-        Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(
+        # Only the latest attempt speaks for the job: an older one overlapped by it (see
+        # _attempt_current) must not set a job that is running again back to queued.
+        Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING, attempts=job.attempts).update(
             status=Job.Status.FAILED if last else Job.Status.QUEUED,
             error=f"attempt {job.attempts} of {_max_attempts()} failed: {error}",
             finished_at=timezone.now() if last else None,
