@@ -520,6 +520,23 @@ class FakeLLM:
                 if mode == "slow":
                     time.sleep(1.0)
                     mode = "ok"
+                if mode == "trickle":
+                    # Headers at once, then the body a byte at a time, each byte well within
+                    # the read timeout: 3 s of leading blanks (valid JSON), then the answer.
+                    payload = b" " * 30 + json.dumps(OK_ANSWER).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    try:
+                        for i in range(30):
+                            self.wfile.write(payload[i : i + 1])
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                        self.wfile.write(payload[30:])
+                    except OSError:
+                        pass  # the client gave up
+                    return
                 if mode == "error":
                     # An endpoint that echoes the prompt in its error: none of it may be kept.
                     self._send(500, json.dumps({"error": body["messages"][-1]["content"]}).encode())
@@ -633,6 +650,20 @@ def test_llm_failure_fails_the_job_visibly_after_its_attempts_and_writes_nothing
     assert not Memory.objects.filter(key="summary:session:s1").exists()
     job_row = json.dumps([job.params, job.result, job.error])
     assert CANARY not in job_row and "ship v2" not in job_row
+
+
+def test_an_llm_answer_trickling_in_fails_the_attempt_at_the_timeout(
+    api, session, llm, django_capture_on_commit_callbacks
+):
+    # Each byte arrives within the socket's read timeout; the answer as a whole must too,
+    # or a slow endpoint holds a worker (and every job queued behind it) for as long as it likes.
+    llm.mode = "trickle"
+    started = time.monotonic()
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert time.monotonic() - started < 2.0
+    assert job.status == "queued"
+    assert job.error == "attempt 1 of 3 failed: SummarizerError: the LLM endpoint did not answer within 0.3 s"
+    assert live(api.tenant, "summary:session:s1") is None
 
 
 def test_llm_failure_then_success_on_retry(api, session, llm, django_capture_on_commit_callbacks):

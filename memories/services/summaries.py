@@ -28,6 +28,7 @@ import http.client
 import json
 import logging
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -469,9 +470,10 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
         headers["Authorization"] = f"Bearer {settings.ZEROMEM_LLM_API_KEY}"
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     timeout = settings.ZEROMEM_LLM_TIMEOUT_SECONDS
+    deadline = time.monotonic() + timeout
     try:
         with _LLM_OPENER.open(request, timeout=timeout) as response:  # nosec B310
-            raw = response.read(LLM_MAX_ANSWER_BYTES + 1)
+            raw = _read_by(response, deadline=deadline, limit=LLM_MAX_ANSWER_BYTES + 1)
     except urllib.error.HTTPError as exc:
         # The body is not kept: an endpoint may echo the prompt, i.e. memory values.
         if 300 <= exc.code < 400:
@@ -502,6 +504,25 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise SummarizerError("the LLM endpoint's usage.total_tokens is not a count")
     return text.strip(), tokens
+
+
+def _read_by(response, *, deadline: float, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the answer's body, all of it by ``deadline`` (else
+    TimeoutError). The socket's timeout bounds each wait for the next bytes, not the answer:
+    an endpoint sending a byte now and then would hold the worker, and every job queued
+    behind it, for as long as it liked. A read past the deadline is noticed at its next
+    chunk, so an attempt waits at most about twice the timeout for its body."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        chunk = response.read1(min(64 * 1024, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 # --- idle sessions -----------------------------------------------------------------------
