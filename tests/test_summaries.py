@@ -193,6 +193,26 @@ def test_digest_keeps_within_its_budget_and_says_how_many_it_left_out(
     assert live(tenant_a, "summary:task:t1").sources == [f"task:t1:step{i:02d}" for i in range(29, 29 - len(shown), -1)]
 
 
+def test_the_summary_fits_the_tenants_value_limit_in_bytes(api, tenant_a, clock, django_capture_on_commit_callbacks):
+    # 2000 characters of Chinese are ~6000 bytes: a tenant whose values are capped below that
+    # got a summary it refused (413), on every attempt, and the idle-sessions schedule queued
+    # the job again each time it had failed.
+    tenant_a.value_max_bytes = 400
+    tenant_a.save(update_fields=["value_max_bytes"])
+    for i in range(20):
+        write(tenant_a, f"session:zh:note{i:02d}", f"周报每周五下午三点发送，第{i}条", importance=5)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix="session:zh:"))
+    assert job.status == "succeeded", job.error
+    summary = live(tenant_a, "summary:session:zh")
+    stored = len(json.dumps(summary.value, ensure_ascii=False, separators=(",", ":")).encode())
+    assert stored <= 400
+    lines = summary.value.split("\n")
+    assert lines[-1] == f"(+{20 - len(lines[:-1])} more not shown)"
+    # Lineage lists exactly the memories whose lines the summary holds.
+    assert len(summary.sources) == len(lines) - 1 == job.result["sources"] >= 3
+    assert [line.split(" = ")[0] for line in lines[:-1]] == [k.rpartition(":")[2] for k in summary.sources]
+
+
 def test_a_long_value_is_cut_not_dropped(api, tenant_a, clock, settings, django_capture_on_commit_callbacks):
     settings.ZEROMEM_SUMMARY_MAX_CHARS = 100
     write(tenant_a, "task:t2:notes", "x" * 500, importance=9)

@@ -308,7 +308,29 @@ def _digest(*, tenant: Tenant, prefix: str, max_chars: int) -> Digest:
     )
     total = candidates.count()
     # No line is shorter than "k = " plus its newline: more rows than this can never fit.
-    return _digest_of(candidates[: max_chars // 5 + 1], total=total, base=base, max_chars=max_chars)
+    rows = list(candidates[: max_chars // 5 + 1])
+    # The summary is a memory of the tenant: it must fit the tenant's value limit, in bytes
+    # (2000 characters of Chinese are ~6000), or every attempt's write is refused. Fewer
+    # characters until it fits, so the lineage still lists exactly the lines it holds.
+    max_bytes = tenant.effective_value_max_bytes
+    while True:
+        digest = _digest_of(rows, total=total, base=base, max_chars=max_chars)
+        size = _stored_size(digest.text)
+        if size <= max_bytes or max_chars <= 0:
+            return digest
+        max_chars = min(max_chars - 1, max_chars * max_bytes // size)
+
+
+def _stored_size(text: str) -> int:
+    """Bytes ``text`` takes as a memory value (what the tenant's value limit counts)."""
+    return len(json.dumps(text, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _fit_value_limit(text: str, max_bytes: int) -> str:
+    """``text`` cut to fit a value limit of ``max_bytes`` (an LLM's summary)."""
+    while text and (size := _stored_size(text)) > max_bytes:
+        text = text[: min(len(text) - 1, len(text) * max_bytes // size)]
+    return text
 
 
 def summary_without(
@@ -412,7 +434,7 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
     actor = _job_actor(job)
     subjects = {m.subject for m in digest.sources}
     subject = subjects.pop() if len(subjects) == 1 else ""
-    text = text[: settings.ZEROMEM_SUMMARY_MAX_CHARS]
+    text = _fit_value_limit(text[: settings.ZEROMEM_SUMMARY_MAX_CHARS], tenant.effective_value_max_bytes)
     written = memory_write(
         tenant=tenant,
         actor=actor,
