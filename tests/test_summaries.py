@@ -193,6 +193,26 @@ def test_digest_keeps_within_its_budget_and_says_how_many_it_left_out(
     assert live(tenant_a, "summary:task:t1").sources == [f"task:t1:step{i:02d}" for i in range(29, 29 - len(shown), -1)]
 
 
+def test_the_summary_fits_the_tenants_value_limit_in_bytes(api, tenant_a, clock, django_capture_on_commit_callbacks):
+    # 2000 characters of Chinese are ~6000 bytes: a tenant whose values are capped below that
+    # got a summary it refused (413), on every attempt, and the idle-sessions schedule queued
+    # the job again each time it had failed.
+    tenant_a.value_max_bytes = 400
+    tenant_a.save(update_fields=["value_max_bytes"])
+    for i in range(20):
+        write(tenant_a, f"session:zh:note{i:02d}", f"周报每周五下午三点发送，第{i}条", importance=5)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix="session:zh:"))
+    assert job.status == "succeeded", job.error
+    summary = live(tenant_a, "summary:session:zh")
+    stored = len(json.dumps(summary.value, ensure_ascii=False, separators=(",", ":")).encode())
+    assert stored <= 400
+    lines = summary.value.split("\n")
+    assert lines[-1] == f"(+{20 - len(lines[:-1])} more not shown)"
+    # Lineage lists exactly the memories whose lines the summary holds.
+    assert len(summary.sources) == len(lines) - 1 == job.result["sources"] >= 3
+    assert [line.split(" = ")[0] for line in lines[:-1]] == [k.rpartition(":")[2] for k in summary.sources]
+
+
 def test_a_long_value_is_cut_not_dropped(api, tenant_a, clock, settings, django_capture_on_commit_callbacks):
     settings.ZEROMEM_SUMMARY_MAX_CHARS = 100
     write(tenant_a, "task:t2:notes", "x" * 500, importance=9)
@@ -402,6 +422,32 @@ def test_a_finished_job_runs_once(api, session, django_capture_on_commit_callbac
     assert MemoryVersion.objects.count() == versions
 
 
+def test_two_overlapping_deliveries_of_one_job_write_the_summary_once(api, session, monkeypatch):
+    # The resume schedule enqueues a job again while its first delivery still waits in a
+    # backlogged queue: two workers can then run the same job at once. Only the latest
+    # attempt may write; the other steps aside.
+    job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
+    real_digest = summaries._digest
+    overlapping = []
+
+    def digest_while_another_delivery_runs(**kwargs):
+        result = real_digest(**kwargs)
+        if not overlapping:
+            overlapping.append(None)
+            overlapping[0] = services.summarize_run(job_id=job.pk)  # the second worker, start to end
+        return result
+
+    monkeypatch.setattr(summaries, "_digest", digest_while_another_delivery_runs)
+    first = services.summarize_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == ("succeeded", 2)
+    assert first == overlapping[0] == job.result
+    summary = live(api.tenant, "summary:session:s1")
+    assert summary.version == 1
+    assert MemoryVersion.objects.filter(memory_id=summary.pk).count() == 1
+    assert AuditEvent.objects.filter(action="memory.summarize.run").count() == 1
+
+
 def test_a_job_whose_worker_died_on_its_last_attempt_fails_visibly(api, session, settings):
     settings.ZEROMEM_JOB_MAX_ATTEMPTS = 3
     job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
@@ -494,6 +540,23 @@ class FakeLLM:
                 if mode == "slow":
                     time.sleep(1.0)
                     mode = "ok"
+                if mode == "trickle":
+                    # Headers at once, then the body a byte at a time, each byte well within
+                    # the read timeout: 3 s of leading blanks (valid JSON), then the answer.
+                    payload = b" " * 30 + json.dumps(OK_ANSWER).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    try:
+                        for i in range(30):
+                            self.wfile.write(payload[i : i + 1])
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                        self.wfile.write(payload[30:])
+                    except OSError:
+                        pass  # the client gave up
+                    return
                 if mode == "error":
                     # An endpoint that echoes the prompt in its error: none of it may be kept.
                     self._send(500, json.dumps({"error": body["messages"][-1]["content"]}).encode())
@@ -607,6 +670,20 @@ def test_llm_failure_fails_the_job_visibly_after_its_attempts_and_writes_nothing
     assert not Memory.objects.filter(key="summary:session:s1").exists()
     job_row = json.dumps([job.params, job.result, job.error])
     assert CANARY not in job_row and "ship v2" not in job_row
+
+
+def test_an_llm_answer_trickling_in_fails_the_attempt_at_the_timeout(
+    api, session, llm, django_capture_on_commit_callbacks
+):
+    # Each byte arrives within the socket's read timeout; the answer as a whole must too,
+    # or a slow endpoint holds a worker (and every job queued behind it) for as long as it likes.
+    llm.mode = "trickle"
+    started = time.monotonic()
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert time.monotonic() - started < 2.0
+    assert job.status == "queued"
+    assert job.error == "attempt 1 of 3 failed: SummarizerError: the LLM endpoint did not answer within 0.3 s"
+    assert live(api.tenant, "summary:session:s1") is None
 
 
 def test_llm_failure_then_success_on_retry(api, session, llm, django_capture_on_commit_callbacks):

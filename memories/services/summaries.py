@@ -28,6 +28,7 @@ import http.client
 import json
 import logging
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -182,6 +183,9 @@ def summarize_run(*, job_id: int) -> dict:
         with audited_operation(
             tenant=tenant, actor=_job_actor(job), action="memory.summarize.run", target=prefix
         ) as op:
+            current = _attempt_current(job)
+            if current is not None:
+                return current
             result = _write_summary(job=job, digest=digest, text=text, archive=archive)
             result.update(summarizer=summarizer, tokens=tokens)
             Job.objects.filter(pk=job.pk).update(
@@ -221,6 +225,20 @@ def _attempt_begin(job_id: int) -> Job | None:
         return job
 
 
+def _attempt_current(job: Job) -> dict | None:
+    """None if this attempt is still the job's latest (it then holds the job row locked to
+    its commit); else what the job is now, and this attempt writes nothing. Two deliveries
+    of one job can run at once (the resume schedule enqueues a job again while its first
+    delivery still waits in a backlogged queue): only the attempt that began last writes,
+    so the summary is written and its sources archived once."""
+    latest = Job.objects.select_for_update().filter(pk=job.pk).values("status", "attempts", "result").first()
+    if latest is not None and (latest["status"], latest["attempts"]) == (Job.Status.RUNNING, job.attempts):
+        return None
+    if latest is not None and latest["status"] == Job.Status.SUCCEEDED:
+        return latest["result"]
+    return {"status": latest["status"] if latest else "missing", "job_id": job.pk}
+
+
 def _attempt_failed(job: Job, exc: Exception) -> None:
     # The job's error is shown to every memory:read key of the tenant (GET /api/v1/jobs/<id>):
     # only our own SummarizerError messages (the endpoint's status, the kind of bad answer)
@@ -233,7 +251,9 @@ def _attempt_failed(job: Job, exc: Exception) -> None:
         logger.warning("summarize job %s attempt %s failed", job.pk, job.attempts, exc_info=exc)
     last = job.attempts >= _max_attempts()
     with transaction.atomic():
-        Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(
+        # Only the latest attempt speaks for the job: an older one overlapped by it (see
+        # _attempt_current) must not set a job that is running again back to queued.
+        Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING, attempts=job.attempts).update(
             status=Job.Status.FAILED if last else Job.Status.QUEUED,
             error=f"attempt {job.attempts} of {_max_attempts()} failed: {error}",
             finished_at=timezone.now() if last else None,
@@ -288,7 +308,29 @@ def _digest(*, tenant: Tenant, prefix: str, max_chars: int) -> Digest:
     )
     total = candidates.count()
     # No line is shorter than "k = " plus its newline: more rows than this can never fit.
-    return _digest_of(candidates[: max_chars // 5 + 1], total=total, base=base, max_chars=max_chars)
+    rows = list(candidates[: max_chars // 5 + 1])
+    # The summary is a memory of the tenant: it must fit the tenant's value limit, in bytes
+    # (2000 characters of Chinese are ~6000), or every attempt's write is refused. Fewer
+    # characters until it fits, so the lineage still lists exactly the lines it holds.
+    max_bytes = tenant.effective_value_max_bytes
+    while True:
+        digest = _digest_of(rows, total=total, base=base, max_chars=max_chars)
+        size = _stored_size(digest.text)
+        if size <= max_bytes or max_chars <= 0:
+            return digest
+        max_chars = min(max_chars - 1, max_chars * max_bytes // size)
+
+
+def _stored_size(text: str) -> int:
+    """Bytes ``text`` takes as a memory value (what the tenant's value limit counts)."""
+    return len(json.dumps(text, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _fit_value_limit(text: str, max_bytes: int) -> str:
+    """``text`` cut to fit a value limit of ``max_bytes`` (an LLM's summary)."""
+    while text and (size := _stored_size(text)) > max_bytes:
+        text = text[: min(len(text) - 1, len(text) * max_bytes // size)]
+    return text
 
 
 def summary_without(
@@ -392,7 +434,7 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
     actor = _job_actor(job)
     subjects = {m.subject for m in digest.sources}
     subject = subjects.pop() if len(subjects) == 1 else ""
-    text = text[: settings.ZEROMEM_SUMMARY_MAX_CHARS]
+    text = _fit_value_limit(text[: settings.ZEROMEM_SUMMARY_MAX_CHARS], tenant.effective_value_max_bytes)
     written = memory_write(
         tenant=tenant,
         actor=actor,
@@ -450,9 +492,10 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
         headers["Authorization"] = f"Bearer {settings.ZEROMEM_LLM_API_KEY}"
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     timeout = settings.ZEROMEM_LLM_TIMEOUT_SECONDS
+    deadline = time.monotonic() + timeout
     try:
         with _LLM_OPENER.open(request, timeout=timeout) as response:  # nosec B310
-            raw = response.read(LLM_MAX_ANSWER_BYTES + 1)
+            raw = _read_by(response, deadline=deadline, limit=LLM_MAX_ANSWER_BYTES + 1)
     except urllib.error.HTTPError as exc:
         # The body is not kept: an endpoint may echo the prompt, i.e. memory values.
         if 300 <= exc.code < 400:
@@ -483,6 +526,25 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise SummarizerError("the LLM endpoint's usage.total_tokens is not a count")
     return text.strip(), tokens
+
+
+def _read_by(response, *, deadline: float, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the answer's body, all of it by ``deadline`` (else
+    TimeoutError). The socket's timeout bounds each wait for the next bytes, not the answer:
+    an endpoint sending a byte now and then would hold the worker, and every job queued
+    behind it, for as long as it liked. A read past the deadline is noticed at its next
+    chunk, so an attempt waits at most about twice the timeout for its body."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        chunk = response.read1(min(64 * 1024, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 # --- idle sessions -----------------------------------------------------------------------
