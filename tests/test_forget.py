@@ -1011,3 +1011,40 @@ def test_a_summary_committed_while_a_forget_batch_waits_for_its_sources_is_erase
     assert request.status == "completed" and request.receipt["summaries"] == 1
     assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
     assert tables_holding(CANARY) == {}
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_rebuild_waits_for_a_write_to_the_summary_and_versions_after_it(
+    monkeypatch, make_client, django_capture_on_commit_callbacks
+):
+    """A forget rebuilds a shared summary outside its reach from the row it read. A write to
+    that summary committing in between must come first, and the rebuild take the next
+    version: read unlocked, the rebuild wrote the version the write had been acknowledged
+    with (two different texts under one version number, the write's gone)."""
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below
+    tenant = make_tenant("rebuild-race")
+    summary = _shared_summary(tenant, django_capture_on_commit_callbacks)
+    client, _ = make_client(tenant, allow=["user:u1:"])
+    r = client.post(URL, {"keys": ["user:u1:pref_lang"]})
+    assert r.status_code == 202, r.content
+    written, failures, acked = threading.Event(), [], []
+
+    def write_the_summary_and_wait_for_the_forget():
+        with transaction.atomic():
+            acked.append(write(tenant, summary.key, "a note an agent wrote").version)
+            written.set()
+            wait_for_a_lock_waiter("the forget")  # the forget is waiting for the summary now
+
+    racer = start_thread(write_the_summary_and_wait_for_the_forget, failures, done=written)
+    assert written.wait(20)
+    forget.forget_request_execute(request_id=r.json()["id"])
+    racer.join(30)
+
+    assert not failures, failures
+    final = Memory.objects.get(pk=summary.pk)
+    assert acked == [summary.version + 1]
+    assert final.version == acked[0] + 1  # after the write, not over it
+    assert CANARY not in str(final.value)
+    history = list(MemoryVersion.objects.filter(memory_id=summary.pk).values_list("version", flat=True))
+    assert history == [final.version]

@@ -487,7 +487,11 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
             derived: list[Memory] = []
             for start in range(0, len(frontier), ERASE_BATCH_SIZE):
                 chunk = frontier[start : start + ERASE_BATCH_SIZE]
-                derived += _summaries_derived_from(request.tenant_id, chunk)
+                # Locked (in id order, after their sources, as a summarize job locks them): a
+                # write to a summary committing meanwhile comes first, and the rebuild below
+                # starts from its row and version — read unlocked, it wrote over that write
+                # under the version the write was acknowledged with.
+                derived += _summaries_derived_from(request.tenant_id, chunk).order_by("pk").select_for_update()
             # Once each (a summary may come from several chunks), and not one already done.
             derived = [m for m in {m.pk: m for m in derived}.values() if m.pk not in ids and m.key not in rebuilt]
             if not derived:
