@@ -789,7 +789,12 @@ def _redact_rows(table: str, updates: list[tuple[int, dict, dict]]) -> None:
 
 def audit_retention_cutoff(tenant: Tenant | None, now=None):
     days = (tenant.audit_retention_days if tenant else None) or settings.ZEROMEM_AUDIT_RETENTION_DAYS
-    return (now or timezone.now()) - timedelta(days=days)
+    try:
+        return (now or timezone.now()) - timedelta(days=days)
+    except OverflowError:
+        # Kept longer than dates reach (the column takes any positive number): nothing of this
+        # chain is old enough — and the daily purge goes on to the other tenants.
+        return datetime.min.replace(tzinfo=UTC)
 
 
 def audit_purge(*, tenant: Tenant | None, now=None) -> dict:
@@ -861,10 +866,9 @@ def audit_purge_all(*, now=None) -> dict:
 
 
 def _retention_cutoff_of(tenant_id: int | None, tenants: dict, now):
-    if tenant_id is None:
-        # The chain of failed authentications that matched no tenant: the default retention.
-        return now - timedelta(days=settings.ZEROMEM_AUDIT_RETENTION_DAYS)
-    return audit_retention_cutoff(tenants[tenant_id], now)
+    # tenant_id None: the chain of failed authentications that matched no tenant, whose
+    # retention is the default.
+    return audit_retention_cutoff(tenants[tenant_id] if tenant_id is not None else None, now)
 
 
 def _partition_plan(part: partitions.Partition, now, tenants: dict) -> dict | None:

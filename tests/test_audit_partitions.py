@@ -294,3 +294,18 @@ def test_dropping_a_month_behind_a_long_reader_neither_queues_other_readers_nor_
         release.set()
         reader.join(30)
         partitions.ensure_partitions()  # had the drop gone through: the months the suite uses
+
+
+def test_a_retention_longer_than_dates_reach_keeps_that_chain_and_purges_the_others(months, monkeypatch):
+    """A tenant's retention beyond what dates reach (the column takes any positive number)
+    made the daily purge raise OverflowError — before any other tenant's events were purged."""
+    a, b, ids = months
+    a.audit_retention_days = 10**9
+    a.save(update_fields=["audit_retention_days"])
+    now = datetime(2031, 4, 5, tzinfo=UTC)
+    at(monkeypatch, now)
+    done = audit_purge_all(now=now)
+    assert done["part-a"] == 0 and AuditEvent.objects.filter(pk__in=ids["a_jan"]).count() == len(ids["a_jan"])
+    assert exists("audit_auditevent_p2031_01")  # A's January is kept, so the month stays
+    assert done["part-b"] >= 3 and not AuditEvent.objects.filter(pk__in=ids["b_jan"]).exists()
+    assert audit_verify(tenant_id=a.pk).ok and audit_verify(tenant_id=b.pk).ok
