@@ -4,6 +4,7 @@ replaced by ours; per-tenant value_max_bytes and the hard cap; the audit row and
 operation commit or roll back together."""
 
 import re
+from pathlib import Path
 
 import pytest
 from django.db import DatabaseError
@@ -75,3 +76,20 @@ def test_the_operation_rolls_back_when_its_audit_insert_fails(tenant_a, monkeypa
     monkeypatch.undo()
     assert not Memory.objects.filter(tenant=tenant_a).exists()
     assert not AuditEvent.objects.filter(tenant=tenant_a, action="memory.write").exists()
+
+
+def test_the_readmes_jobs_table_names_every_schedule_with_its_period():
+    """Operators read the recurring jobs in the README's Jobs table: a schedule missing there
+    (zeromem:portal-links-purge was) runs unseen."""
+    from django_q.models import Schedule
+
+    from zeromem.schedules import SCHEDULES
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(zeromem:[a-z-]+)` \| ([^|]+) \|", readme, re.MULTILINE))
+    periods = {Schedule.HOURLY: "hourly", Schedule.DAILY: "daily"}
+    expected = {
+        name: f"{minutes} min" if kind == Schedule.MINUTES else periods[kind]
+        for name, (_func, kind, minutes) in SCHEDULES.items()
+    }
+    assert {name: period.strip() for name, period in rows.items()} == expected
