@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.utils import timezone
 
 from memories.models import DataKey
@@ -55,6 +55,34 @@ def masters() -> tuple[str, dict[str, bytes]]:
 
 def _db() -> str:
     return settings.ZEROMEM_KEYSTORE_DATABASE
+
+
+# Sealing vs shredding. A transaction that seals a value under a subject's key holds this
+# lock, shared, until it ends; shred() takes it exclusively, so it waits for every such
+# transaction to commit first, and a seal that comes after it waits for the shred's commit and
+# then finds the key destroyed (and seals under a new one). Without it a write that checked
+# the key just before a forget shredded it committed afterwards: its memory under the destroyed
+# key, its version under a new one, after the forget's receipt said completed. Taken on the
+# main database (the writer's transaction), wherever the key store is; two ints, this
+# namespace and hashtext('<tenant>:<subject>'): a collision only makes a shred wait for an
+# unrelated write. PostgreSQL only (SQLite writes one transaction at a time).
+_SUBJECT_LOCK_NAMESPACE = 0x5A4B  # "ZK"
+
+
+def _subject_lock(tenant_id: int, subject: str, *, shared: bool) -> tuple[str, list] | None:
+    """The lock statement and its parameters, or None when there is no transaction to hold it
+    (or no PostgreSQL)."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.vendor != "postgresql" or not db.in_atomic_block:
+        return None
+    function = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+    return f"SELECT {function}(%s, hashtext(%s))", [_SUBJECT_LOCK_NAMESPACE, f"{tenant_id}:{subject}"]
+
+
+def _take(lock: tuple[str, list] | None) -> None:
+    if lock is not None:
+        with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
+            cursor.execute(*lock)
 
 
 def _ttl() -> float:
@@ -90,14 +118,27 @@ def data_key(data_key_id: int) -> bytes | None:
     return key
 
 
-def _still_current(key_id: int) -> bool:
+def _still_current(key_id: int, lock: tuple[str, list] | None = None) -> bool:
     """One primary-key probe of the key store: the key neither retired nor destroyed. Raw SQL
     built once (no queryset to compile on every sensitive write: the ORM's probe made a
-    sensitive write 1.33× a plain one, against 0.97× without it; bench_crypto)."""
+    sensitive write 1.33× a plain one, against 0.97× without it; bench_crypto). ``lock``
+    (:func:`_subject_lock`) is taken first — in the same message when the key store is the
+    main database and values are bound client-side: two statements, each with its own
+    snapshot, so the probe sees what a shred it waited for committed."""
     db = connections[_db()]
+    probe = _current_probe_sql(db.vendor)
     with db.cursor() as cursor:
-        cursor.execute(_current_probe_sql(db.vendor), [key_id])
+        if lock is not None and db.alias == DEFAULT_DB_ALIAS and not _server_side_binding(db):
+            cursor.execute(f"{lock[0]}; {probe}", [*lock[1], key_id])
+            cursor.nextset()  # past the lock's row, to the probe's
+        else:
+            _take(lock)
+            cursor.execute(probe, [key_id])
         return cursor.fetchone() is not None
+
+
+def _server_side_binding(db) -> bool:
+    return db.settings_dict.get("OPTIONS", {}).get("server_side_binding") is True
 
 
 @functools.cache
@@ -110,16 +151,19 @@ def _current_probe_sql(vendor: str) -> str:
 def current_key(*, tenant_id: int, subject: str) -> tuple[int, bytes]:
     """(id, key) of the data key that seals new values of (tenant, subject); made if none."""
     now = time.monotonic()
+    lock = _subject_lock(tenant_id, subject, shared=True)
     hit = _current.get((tenant_id, subject))
     if hit is not None and now - hit[0] < _ttl():
         # Opening may trust the cache for its few seconds; sealing may not: a forget run by
         # another process (a worker) destroys the key without this process knowing, and a value
         # sealed under it would be acknowledged and never open again. One primary-key probe.
-        if _still_current(hit[1]):
+        if _still_current(hit[1], lock):
             return hit[1], hit[2]
+        lock = None  # taken with the probe
         with _lock:
             _current.pop((tenant_id, subject), None)
             _by_id.pop(hit[1], None)
+    _take(lock)
     current = DataKey.objects.filter(
         tenant_id=tenant_id, subject=subject, retired_at__isnull=True, destroyed_at__isnull=True
     )
@@ -174,6 +218,7 @@ def shred(*, tenant_id: int, subject: str) -> int:
     The rows stay (their ids explain an ``erased`` read) holding nothing that decrypts."""
     if not subject:
         return 0
+    _take(_subject_lock(tenant_id, subject, shared=False))  # after every write sealing under them
     with transaction.atomic(using=_db()):
         ids = list(
             DataKey.objects.select_for_update()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import threading
 
 import pytest
 from django.core.management import call_command
@@ -18,6 +19,7 @@ from memories import keyring, services
 from memories.models import DataKey, Memory, MemoryVersion
 from memories.services.encryption import reencrypt
 from tests.factories import SYSTEM, make_tenant, write
+from tests.helpers import start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.crypto import ErasedValue, MasterKeyError, master_key_id
 
 CANARY = "CANARY-phone-13800138000"
@@ -183,6 +185,45 @@ def test_a_write_after_the_forget_gets_a_new_key_in_a_process_that_still_holds_t
     assert DataKey.objects.get(pk=raw_memory(m)["k"]).destroyed_at is None
     keyring.forget_cache()  # any other process, or this one a few seconds later
     assert read(tenant_a, "user:u1:a") == "two"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_sensitive_write_racing_a_forget_of_its_subject_is_erased_whole_by_it(monkeypatch):
+    """A write seals its value under the subject's key, then its version row; a forget of the
+    subject erasing and shredding in between left, once completed, the memory sealed under the
+    destroyed key (reads 'erased') and its version sealed under a new key — the subject's
+    key name and value still there after the receipt said completed. The shred now waits for
+    a write sealing under the subject's key, and the forget erases once more after it."""
+    from memories.services import forget
+
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below
+    tenant = make_tenant("shred-race")
+    write(tenant, "user:u7:phone", "old number", sensitive=True, subject="u7")
+    request = services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+    sealed, forgotten, failures = threading.Event(), threading.Event(), []
+    seal = keyring.seal_value
+
+    def seal_then_let_the_forget_run(value, **kwargs):
+        envelope = seal(value, **kwargs)
+        if kwargs.get("subject") == "u7" and not sealed.is_set():
+            sealed.set()  # the memory's value is sealed; its version's comes next
+            wait_for_a_lock_waiter("the forget", alive=lambda: not forgotten.is_set())
+        return envelope
+
+    monkeypatch.setattr(keyring, "seal_value", seal_then_let_the_forget_run)
+    writer = start_thread(lambda: write(tenant, "user:u7:diet", CANARY, sensitive=True, subject="u7"), failures)
+    assert sealed.wait(20)
+    forgetting = start_thread(lambda: forget.forget_request_execute(request_id=request.pk), failures, done=forgotten)
+    writer.join(30)
+    forgetting.join(30)
+
+    assert not failures, failures
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert not Memory.objects.filter(tenant=tenant, subject="u7").exists()
+    assert not MemoryVersion.objects.filter(tenant=tenant, memory__key__startswith="user:u7:").exists()
+    assert not MemoryVersion.objects.filter(tenant=tenant).exclude(memory_id__in=Memory.objects.values("pk")).exists()
 
 
 # --- master keys and rotation -------------------------------------------------------------

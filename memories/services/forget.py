@@ -311,7 +311,9 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
        totals and one audit event. Cost per batch: a SELECT on the target's index, a
        lineage SELECT per level, the DELETEs, an UPDATE of the request and the audit
        INSERT (PostgreSQL: 10k memories with 2 versions each in ~2-3 s, bench_forget).
-    3. Destroy the subject's data keys (crypto-shredding, :func:`_shred`).
+    3. Destroy the subject's data keys (crypto-shredding, :func:`_shred`), after every write
+       sealing under them has committed (keyring.shred waits for them); then erase again
+       whatever such a write left.
     3b. Redact the identifying fields of the target's earlier audit events
        (``audit.services.audit_redact_subject``: keyed pseudonyms, the chain still verifies).
     4. Mark it completed, with the final receipt: counts and times only.
@@ -328,7 +330,12 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
         wal_compression = wal_compression_for_erasure()
         while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
             pass
-        _shred(request_id)
+        if _shred(request_id):
+            # The shred waited for writes sealing under the subject's keys (keyring.shred):
+            # what they committed after the batches above is erased too, not left sealed
+            # under a destroyed key.
+            while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
+                pass
         redacted = audit_redact_subject(
             tenant=request.tenant, subject=request.subject, keys=request.keys, prefix=request.prefix
         )
