@@ -800,6 +800,31 @@ def test_idle_sessions_detection_is_a_few_aggregate_queries(tenant_a, clock):
     assert len(detection) <= 4, [q["sql"] for q in detection]
 
 
+def test_idle_sessions_whose_job_failed_wait_out_the_backoff_instead_of_holding_the_batch(tenant_a, clock):
+    """A session whose summarize job failed is idle longest, so first in line: started again
+    on every run, the sessions that always fail took the whole batch every 15 minutes (and
+    spent their attempts again). It waits IDLE_FAILED_BACKOFF — unless it got new memories."""
+    from memories.services import summaries
+
+    write(tenant_a, "session:bad:k", "v")
+    write(tenant_a, "session:changed:k", "v")
+    clock.advance(minutes=5)
+    write(tenant_a, "session:ok:k", "v")
+    clock.advance(minutes=90)
+    for prefix in ("session:bad:", "session:changed:"):
+        job = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix=prefix)
+        Job.objects.filter(pk=job.pk).update(status=Job.Status.FAILED, attempts=3, finished_at=clock.now)
+    clock.advance(minutes=1)
+    write(tenant_a, "session:changed:k", "v2")  # new content since its failure
+
+    assert services.summarize_idle_sessions(idle_minutes=0, now=clock.now + timedelta(minutes=1)) == 2
+    started = Job.objects.filter(status=Job.Status.QUEUED).values_list("params__prefix", flat=True)
+    assert sorted(started) == ["session:changed:", "session:ok:"]
+    Job.objects.filter(status=Job.Status.QUEUED).delete()
+    later = clock.now + summaries.IDLE_FAILED_BACKOFF + timedelta(minutes=1)
+    assert services.summarize_idle_sessions(idle_minutes=0, now=later) == 3  # the backoff is over
+
+
 def test_idle_prefixes_are_configurable(tenant_a, clock, settings):
     settings.ZEROMEM_SUMMARIZE_IDLE_PREFIXES = ["chat:"]
     write(tenant_a, "chat:c1:lang", "en")

@@ -58,6 +58,9 @@ PREFIX_MAX_LEN = validation.KEY_MAX_LEN - len(SUMMARY_KEY_PREFIX)
 MIN_CUT_LINE = 40
 # At most this many jobs per run of the idle-sessions schedule (the next run takes the rest).
 IDLE_BATCH = 200
+# A session whose summarize job failed (its attempts spent) with no memory written since is
+# not started again by the idle schedule for this long.
+IDLE_FAILED_BACKOFF = timedelta(hours=6)
 # A chat completion larger than this is refused rather than read into memory.
 LLM_MAX_ANSWER_BYTES = 1024 * 1024
 
@@ -596,17 +599,30 @@ def summarize_idle_sessions(*, idle_minutes: int | None = None, now: datetime | 
         .filter(tenant_id__in={t for t, _p in idle_sessions}, key__in={summary_key(p) for _t, p in idle_sessions})
         .values_list("tenant_id", "key", "updated_at")
     }
-    pending = set(
-        Job.objects.filter(
-            kind=Job.Kind.SUMMARIZE,
-            status__in=[Job.Status.QUEUED, Job.Status.RUNNING],
-            tenant_id__in={t for t, _p in idle_sessions},
-        ).values_list("tenant_id", "params__prefix")
-    )
+    pending: set[tuple[int, str]] = set()
+    failed: dict[tuple[int, str], datetime] = {}  # the latest failure within IDLE_FAILED_BACKOFF
+    for tenant_id, prefix, status, finished_at in Job.objects.filter(
+        Q(status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
+        | Q(status=Job.Status.FAILED, finished_at__gte=now - IDLE_FAILED_BACKOFF),
+        kind=Job.Kind.SUMMARIZE,
+        tenant_id__in={t for t, _p in idle_sessions},
+    ).values_list("tenant_id", "params__prefix", "status", "finished_at"):
+        if status == Job.Status.FAILED:
+            failed[(tenant_id, prefix)] = max(finished_at, failed.get((tenant_id, prefix), finished_at))
+        else:
+            pending.add((tenant_id, prefix))
 
     def needs_summary(slot, newest_at) -> bool:
         summary_at = summarized.get((slot[0], summary_key(slot[1])))
-        return slot not in pending and (summary_at is None or summary_at < newest_at)
+        # A session whose job failed since its last memory waits out the backoff: started again
+        # every run, the sessions that always fail (idle longest, so first in line) held the
+        # whole batch, and retried their attempts every 15 minutes.
+        failed_at = failed.get(slot)
+        return (
+            slot not in pending
+            and (summary_at is None or summary_at < newest_at)
+            and (failed_at is None or failed_at < newest_at)
+        )
 
     # Longest idle first, so a backlog larger than one batch drains in order.
     due = sorted((t, slot) for slot, t in idle_sessions.items() if needs_summary(slot, t))[:IDLE_BATCH]
