@@ -362,14 +362,17 @@ def _parse(body: Any) -> tuple[str, dict]:
         raise InvalidInput("the tool name is required", field=f"{prefix}name", code="required")
     arguments = body.get("arguments", {})
     if isinstance(arguments, str):
+        reason = None
         try:
             arguments = (
                 json.loads(arguments, parse_constant=_no_constant, parse_float=_finite) if arguments.strip() else {}
             )
-        except ValueError as exc:
-            raise InvalidInput(
-                f"is not valid JSON ({exc.msg})", field=f"{prefix}arguments", code="malformed_json"
-            ) from None
+        except RecursionError:  # nested past the interpreter's recursion limit
+            reason = "nested too deeply"
+        except ValueError as exc:  # a syntax error, or an integer past Python's 4300 digits
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        if reason is not None:
+            raise InvalidInput(f"is not valid JSON ({reason})", field=f"{prefix}arguments", code="malformed_json")
     if not isinstance(arguments, dict):
         raise InvalidInput("must be a JSON object", field=f"{prefix}arguments")
     return name, arguments

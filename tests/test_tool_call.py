@@ -377,6 +377,36 @@ def test_malformed_arguments_json_in_openai_shape_names_function_arguments(api):
     assert body["tool_call_id"] == "c1"
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param("[" * 100_000 + "]" * 100_000, id="nested-past-the-recursion-limit"),
+        pytest.param("1" * 5000, id="integer-of-5000-digits"),
+    ],
+)
+def test_arguments_json_string_the_parser_cannot_read_is_400_naming_arguments(api, value):
+    before = row_counts()
+    r = api.post(CALL, {"name": "memory_write", "arguments": '{"key": "user:u1:x", "value": ' + value + "}"})
+    assert r.status_code == 400, r.content[:300]
+    error = tool_error(r.json())
+    assert error["code"] == "malformed_json" and error["field"] == "arguments", error
+    assert row_counts() == before
+
+
+def test_batch_call_with_arguments_json_nested_past_the_recursion_limit_fails_alone_as_malformed(api):
+    deep = '{"key": "user:u1:y", "value": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    calls = [
+        {"name": "memory_write", "arguments": {"key": "user:u1:x", "value": 1}},
+        {"name": "memory_write", "arguments": deep},
+    ]
+    r = api.post(BATCH, {"calls": calls})
+    assert r.status_code == 200
+    ok, refused = r.json()["results"]
+    assert ok["status"] == "ok"
+    assert tool_error(refused)["code"] == "malformed_json" and refused["error"]["field"] == "arguments"
+    assert not Memory.objects.filter(key="user:u1:y").exists()
+
+
 def test_arguments_that_are_not_an_object_are_400(api):
     r = api.post(CALL, {"name": "memory_read", "arguments": '["user:u1:x"]'})
     assert r.status_code == 400
