@@ -20,15 +20,18 @@ under it (a file system shows its inode size).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 
-from memories.models import Tenant
+from memories.models import Memory, Tenant
 from memories.services import memories as mem
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
+from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
 
 DEFAULT_ROOT = "claude:memories"
@@ -84,13 +87,19 @@ class MemoryTool:
             ) from None
         return Place(path=path, key=key, is_root=not segments)
 
-    def _text(self, place: Place) -> tuple[str, int] | None:
-        """The file's text and version, or None when there is no file at the path."""
+    def _memory(self, place: Place) -> Memory | None:
+        """The file's memory, or None when there is no file at the path."""
         if place.is_root:
             return None
         try:
-            memory = mem.memory_read(tenant=self.tenant, actor=self.actor, key=place.key).memory
+            return mem.memory_read(tenant=self.tenant, actor=self.actor, key=place.key).memory
         except NotFound:
+            return None
+
+    def _text(self, place: Place) -> tuple[str, int] | None:
+        """The file's text and version, or None when there is no file at the path."""
+        memory = self._memory(place)
+        if memory is None:
             return None
         value = memory.value
         return (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)), memory.version
@@ -120,6 +129,32 @@ class MemoryTool:
     def _write(self, key: str, text: str) -> None:
         try:
             mem.memory_write(tenant=self.tenant, actor=self.actor, key=key, value=text)
+        except PayloadTooLarge as exc:
+            raise MemoryToolError(f"The file is too large: {exc.message}") from None
+
+    def _move(self, memory: Memory, key: str) -> None:
+        """``memory`` written again at ``key`` with what it carries besides its value — its
+        subject, sensitivity, tags, category, importance, source and the rest of its TTL — so
+        a renamed file stays encrypted, found by a forget of its subject, and expiring."""
+        ttl = None
+        if memory.expires_at is not None:
+            left = math.ceil((memory.expires_at - timezone.now()).total_seconds())
+            ttl = min(max(1, left), validation.TTL_MAX_SECONDS)
+        erased = isinstance(memory.value, ErasedValue)  # nothing left to keep secret
+        try:
+            mem.memory_write(
+                tenant=self.tenant,
+                actor=self.actor,
+                key=key,
+                value=dict(memory.value) if erased else memory.value,
+                ttl_seconds=ttl,
+                tags=memory.tags,
+                subject=memory.subject,
+                category=memory.category,
+                importance=memory.importance,
+                source=memory.source or None,
+                sensitive=memory.sensitive and not erased,
+            )
         except PayloadTooLarge as exc:
             raise MemoryToolError(f"The file is too large: {exc.message}") from None
 
@@ -267,20 +302,18 @@ class MemoryTool:
             raise MemoryToolError("Cannot rename the /memories directory itself")
         if new.is_root or self._text(new) is not None or self._is_dir(new):
             raise MemoryToolError(f"The destination {new_path} already exists")
-        found = self._text(old)
+        found = self._memory(old)
         under = [] if found is not None else self._under(old)
         if found is None and not under:
             raise MemoryToolError(f"The path {old_path} does not exist")
         if new.key.startswith(old.key + ":"):
             raise MemoryToolError(f"Cannot move {old_path} into itself ({new_path})")
-        moves = [(old.key, new.key, found[0])] if found is not None else []
-        for memory in under:
-            text = memory.value if isinstance(memory.value, str) else json.dumps(memory.value, ensure_ascii=False)
-            moves.append((memory.key, new.key + memory.key[len(old.key) :], text))
+        moves = [(found, new.key)] if found is not None else []
+        moves.extend((memory, new.key + memory.key[len(old.key) :]) for memory in under)
         with transaction.atomic():
-            for source, target, text in moves:
-                self._write(target, text)
-                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=source)
+            for memory, target in moves:
+                self._move(memory, target)
+                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=memory.key)
         return f"Successfully renamed {old_path} to {new_path}"
 
 
