@@ -530,3 +530,38 @@ def test_a_surrogate_pair_escape_is_the_character_it_spells(api):
     assert r.status_code == 200, r.content
     status, body = api.call("memory_read", key="user:u1:x")
     assert body["value"] == "😀"
+
+
+# --- numbers past a double --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "number", ["1e400", "-1e400", "1E+0309", "9" * 210 + "e99", "1" + "0" * 309 + ".5"], ids=lambda n: n[:12]
+)
+def test_a_number_past_a_doubles_range_is_400_malformed_json(existing, number):
+    # memory_read echoes its default: inf could not be rendered (a 500).
+    raw = '{"name": "memory_read", "arguments": {"key": "user:u1:nope", "default": ' + number + "}}"
+    r = existing.post(CALL, raw=raw)
+    assert r.status_code == 400, r.content[:300]
+    assert (rest_error(r)["code"], rest_error(r)["field"]) == ("malformed_json", "body")
+    assert number[:12] in rest_error(r)["message"]
+
+
+def test_a_batch_with_a_number_past_a_doubles_range_runs_none_of_its_calls(existing):
+    before = row_counts()
+    raw = (
+        '{"calls": [{"name": "memory_write", "arguments": {"key": "user:u1:a", "value": 1}},'
+        ' {"name": "memory_read", "arguments": {"key": "user:u1:nope", "default": 1e400}}]}'
+    )
+    r = existing.post("/api/v1/tools/batch", raw=raw)
+    assert r.status_code == 400, r.content[:300]
+    assert row_counts() == before
+
+
+def test_large_finite_numbers_are_kept(api):
+    raw = (
+        '{"name": "memory_write", "arguments": {"key": "user:u1:x", "value": [1e308, -1.5e-400, ' + "9" * 209 + "e99]}}"
+    )
+    r = api.post(CALL, raw=raw)
+    assert r.status_code == 200, r.content
+    assert [float(n) for n in api.call("memory_read", key="user:u1:x")[1]["value"]] == [1e308, 0.0, 1e308]
