@@ -404,7 +404,10 @@ def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
     known = {p.name for p in tool.params}
     for arg in arguments:
         if arg not in known:
-            raise InvalidInput(f"{name} takes no argument '{arg}'", field=arg, code="unknown_argument")
+            # Named by at most its first 64 characters: the name goes into the answer twice and
+            # into the audit event's detail, which a name of the body's size would fill.
+            shown = arg[:64]
+            raise InvalidInput(f"{name} takes no argument '{shown}'", field=shown, code="unknown_argument")
     # Strict-mode models send null for optional arguments they leave out; a required one
     # sent as null is as missing as one left out. A null ``value`` goes on to the service,
     # which refuses it with its reason.

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from audit.models import AuditEvent
 from memories.models import Memory, MemoryVersion
 from tests.helpers import row_counts, tool_error
 
@@ -340,6 +341,18 @@ def test_unknown_argument_is_400_naming_it(api):
     error = tool_error(body)
     assert error["code"] == "unknown_argument" and error["field"] == "colour"
     assert row_counts() == before
+
+
+def test_an_unknown_argument_with_a_huge_name_is_named_by_its_first_64_characters(api):
+    # The name goes into the answer (twice) and the audit event: a 900 KB name must not.
+    name = "colour" + "x" * 900_000
+    status, body = api.call("memory_read", key="user:u1:x", **{name: 1})
+    assert status == 400
+    error = tool_error(body)
+    assert (error["code"], error["field"]) == ("unknown_argument", name[:64])
+    assert len(json.dumps(body)) < 1000
+    event = AuditEvent.objects.filter(action="tool.call").latest("id")
+    assert event.outcome == "invalid" and event.detail["field"] == name[:64]
 
 
 @pytest.mark.parametrize(
