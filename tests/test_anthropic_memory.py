@@ -18,6 +18,7 @@ from zeromem_client.anthropic import AsyncZeroMemMemoryTool, ZeroMemMemoryTool
 
 from audit.models import AuditEvent
 from memories.models import Memory
+from memories.services import claude_memory
 from tests.factories import make_key, make_tenant
 from tests.helpers import FakeJSONEndpoint, rest_error
 
@@ -283,3 +284,25 @@ def test_renaming_one_sensitive_file_keeps_it_encrypted_and_its_subject(api, ten
     assert r.json()["is_error"] is False
     moved = Memory.objects.get(tenant=tenant_a, key="claude:memories:old-card.md")
     assert (moved.subject, moved.sensitive, moved.value) == ("u7", True, "4111 1111")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        {"command": "delete", "path": "/memories/big"},
+        {"command": "rename", "old_path": "/memories/big", "new_path": "/memories/moved"},
+    ],
+    ids=["delete", "rename"],
+)
+def test_a_directory_past_the_listing_cap_is_refused_whole_not_half_done(api, tenant_a, monkeypatch, command):
+    # It answered "Successfully ..." having done the first LIST_MAX_MEMORIES files only.
+    monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 3)
+    for i in range(4):
+        api.post(URL, {"command": "create", "path": f"/memories/big/f{i}.md", "file_text": "x"})
+    r = api.post(URL, command)
+    assert r.status_code == 200 and r.json()["is_error"] is True, r.json()
+    assert "more than 3 files" in r.json()["content"]
+    live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True)
+    assert sorted(live.values_list("key", flat=True)) == [f"claude:memories:big:f{i}.md" for i in range(4)]
+    monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 4)
+    assert api.post(URL, command).json()["is_error"] is False  # at the cap: done whole

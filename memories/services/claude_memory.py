@@ -104,8 +104,10 @@ class MemoryTool:
         value = memory.value
         return (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)), memory.version
 
-    def _under(self, place: Place, *, limit: int = LIST_MAX_MEMORIES) -> list:
-        """The live memories under the directory ``place``, in key order."""
+    def _under(self, place: Place, *, limit: int | None = None) -> list:
+        """The live memories under the directory ``place``, in key order (at most ``limit``,
+        by default ``LIST_MAX_MEMORIES``)."""
+        limit = LIST_MAX_MEMORIES if limit is None else limit
         found: list = []
         cursor = None
         while len(found) < limit:
@@ -122,6 +124,18 @@ class MemoryTool:
             if not cursor:
                 break
         return found
+
+    def _all_under(self, place: Place, path: str) -> list:
+        """Every live memory under the directory ``place``, for a delete or a rename, which
+        acts on all of them or on none: past ``LIST_MAX_MEMORIES`` it is an error result (it
+        did the first ones and answered success)."""
+        under = self._under(place, limit=LIST_MAX_MEMORIES + 1)
+        if len(under) > LIST_MAX_MEMORIES:
+            raise MemoryToolError(
+                f"The directory {path} holds more than {LIST_MAX_MEMORIES} files; "
+                "delete or rename its subdirectories one at a time."
+            )
+        return under
 
     def _is_dir(self, place: Place) -> bool:
         return place.is_root or bool(self._under(place, limit=1))
@@ -288,7 +302,7 @@ class MemoryTool:
         if place.is_root:
             raise MemoryToolError("Cannot delete the /memories directory itself")
         is_file = self._text(place) is not None
-        under = self._under(place)
+        under = self._all_under(place, path)
         if not is_file and not under:
             raise MemoryToolError(f"The path {path} does not exist")
         with transaction.atomic():
@@ -303,7 +317,7 @@ class MemoryTool:
         if new.is_root or self._text(new) is not None or self._is_dir(new):
             raise MemoryToolError(f"The destination {new_path} already exists")
         found = self._memory(old)
-        under = [] if found is not None else self._under(old)
+        under = [] if found is not None else self._all_under(old, old_path)
         if found is None and not under:
             raise MemoryToolError(f"The path {old_path} does not exist")
         if new.key.startswith(old.key + ":"):
