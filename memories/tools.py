@@ -362,14 +362,23 @@ def _parse(body: Any) -> tuple[str, dict]:
         raise InvalidInput("the tool name is required", field=f"{prefix}name", code="required")
     arguments = body.get("arguments", {})
     if isinstance(arguments, str):
+        text, reason = arguments, None
         try:
-            arguments = (
-                json.loads(arguments, parse_constant=_no_constant, parse_float=_finite) if arguments.strip() else {}
-            )
-        except ValueError as exc:
+            arguments = json.loads(text, parse_constant=_no_constant, parse_float=_finite) if text.strip() else {}
+        except RecursionError:  # nested past the interpreter's recursion limit
+            reason = "nested too deeply"
+        except ValueError as exc:  # a syntax error, or an integer past Python's 4300 digits
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        if reason is not None:
+            raise InvalidInput(f"is not valid JSON ({reason})", field=f"{prefix}arguments", code="malformed_json")
+        where = validation.lone_surrogate_field(text, arguments)
+        if where is not None:  # as zeromem.kit.parsers refuses one in a body
+            field = f"{prefix}arguments" + ("" if where == "body" else f".{where}")
             raise InvalidInput(
-                f"is not valid JSON ({exc.msg})", field=f"{prefix}arguments", code="malformed_json"
-            ) from None
+                "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored",
+                field=field,
+                code="invalid_characters",
+            )
     if not isinstance(arguments, dict):
         raise InvalidInput("must be a JSON object", field=f"{prefix}arguments")
     return name, arguments
@@ -395,7 +404,10 @@ def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
     known = {p.name for p in tool.params}
     for arg in arguments:
         if arg not in known:
-            raise InvalidInput(f"{name} takes no argument '{arg}'", field=arg, code="unknown_argument")
+            # Named by at most its first 64 characters: the name goes into the answer twice and
+            # into the audit event's detail, which a name of the body's size would fill.
+            shown = arg[:64]
+            raise InvalidInput(f"{name} takes no argument '{shown}'", field=shown, code="unknown_argument")
     # Strict-mode models send null for optional arguments they leave out; a required one
     # sent as null is as missing as one left out. A null ``value`` goes on to the service,
     # which refuses it with its reason.

@@ -18,6 +18,7 @@ from zeromem_client.anthropic import AsyncZeroMemMemoryTool, ZeroMemMemoryTool
 
 from audit.models import AuditEvent
 from memories.models import Memory
+from memories.services import claude_memory
 from tests.factories import make_key, make_tenant
 from tests.helpers import FakeJSONEndpoint, rest_error
 
@@ -250,3 +251,58 @@ def test_a_path_that_is_not_a_key_is_a_tool_error_and_a_bad_root_a_400(api):
     assert r.json()["content"].startswith("Path /memories/my notes.md cannot be stored")
     r = api.post(URL + "?root=bad%20root", {"command": "view", "path": "/memories"})
     assert r.status_code == 400 and rest_error(r)["field"] == "root"
+
+
+def test_rename_keeps_each_memorys_subject_sensitivity_tags_and_expiry(api, tenant_a):
+    # Files written through the tool call (a subject, sensitive, a TTL, tags), then moved by Claude:
+    # the moved memories stay encrypted, forgettable by their subject and expiring as before.
+    api.call(
+        "memory_write",
+        key="claude:memories:notes:health.md",
+        value="allergic to nuts",
+        subject="u7",
+        sensitive=True,
+        ttl_seconds=3600,
+        tags=["medical"],
+    )
+    api.call("memory_write", key="claude:memories:notes:prefs.json", value={"lang": "fr"}, category="user")
+    r = api.post(URL, {"command": "rename", "old_path": "/memories/notes", "new_path": "/memories/archive"})
+    assert r.json() == {"content": "Successfully renamed /memories/notes to /memories/archive", "is_error": False}
+    moved = Memory.objects.get(tenant=tenant_a, key="claude:memories:archive:health.md", deleted_at__isnull=True)
+    assert (moved.subject, moved.sensitive, moved.tags) == ("u7", True, ["medical"])
+    assert moved.expires_at is not None
+    before = Memory.objects.get(tenant=tenant_a, key="claude:memories:notes:health.md")
+    assert abs((moved.expires_at - before.expires_at).total_seconds()) <= 1
+    assert "nuts" not in (moved.search_text or "")  # a sensitive value is never indexed
+    other = Memory.objects.get(tenant=tenant_a, key="claude:memories:archive:prefs.json", deleted_at__isnull=True)
+    assert (other.value, other.category) == ({"lang": "fr"}, "user")  # the JSON value, not its text
+
+
+def test_renaming_one_sensitive_file_keeps_it_encrypted_and_its_subject(api, tenant_a):
+    api.call("memory_write", key="claude:memories:card.md", value="4111 1111", subject="u7", sensitive=True)
+    r = api.post(URL, {"command": "rename", "old_path": "/memories/card.md", "new_path": "/memories/old-card.md"})
+    assert r.json()["is_error"] is False
+    moved = Memory.objects.get(tenant=tenant_a, key="claude:memories:old-card.md")
+    assert (moved.subject, moved.sensitive, moved.value) == ("u7", True, "4111 1111")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        {"command": "delete", "path": "/memories/big"},
+        {"command": "rename", "old_path": "/memories/big", "new_path": "/memories/moved"},
+    ],
+    ids=["delete", "rename"],
+)
+def test_a_directory_past_the_listing_cap_is_refused_whole_not_half_done(api, tenant_a, monkeypatch, command):
+    # It answered "Successfully ..." having done the first LIST_MAX_MEMORIES files only.
+    monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 3)
+    for i in range(4):
+        api.post(URL, {"command": "create", "path": f"/memories/big/f{i}.md", "file_text": "x"})
+    r = api.post(URL, command)
+    assert r.status_code == 200 and r.json()["is_error"] is True, r.json()
+    assert "more than 3 files" in r.json()["content"]
+    live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True)
+    assert sorted(live.values_list("key", flat=True)) == [f"claude:memories:big:f{i}.md" for i in range(4)]
+    monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 4)
+    assert api.post(URL, command).json()["is_error"] is False  # at the cap: done whole

@@ -149,3 +149,23 @@ def test_a_slot_never_released_is_renewed_only_up_to_the_longest_hold(store, set
     limits.slots_renew()
     assert leaked not in limits._held and taken in limits._held  # given up, not the new one
     limits.slot_release("tenant:leak", taken)
+
+
+def test_claude_memory_commands_that_may_walk_a_directory_take_a_slot(api, tenant_a, store):
+    # A directory delete or rename touches up to 5000 memories in one transaction (seconds):
+    # without a slot, one tenant running many of them held every thread.
+    memory_tool = "/api/v1/anthropic/memory"
+    api.post(memory_tool, {"command": "create", "path": "/memories/d/a.md", "file_text": "x"})
+    held = [limits.slot_acquire(f"tenant:{tenant_a.pk}", limit=2, lease=60) for _ in range(2)]
+    for command in (
+        {"command": "view", "path": "/memories"},
+        {"command": "delete", "path": "/memories/d"},
+        {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/e"},
+    ):
+        r = api.post(memory_tool, command)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_busy", command
+    r = api.post(memory_tool, {"command": "create", "path": "/memories/d/b.md", "file_text": "y"})
+    assert r.status_code == 200  # one file: no slot
+    assert tenant_a.memories.filter(key="claude:memories:d:a.md", deleted_at__isnull=True).exists()
+    limits.slot_release(f"tenant:{tenant_a.pk}", held[0])
+    assert api.post(memory_tool, {"command": "delete", "path": "/memories/d"}).json()["is_error"] is False

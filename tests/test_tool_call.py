@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from audit.models import AuditEvent
 from memories.models import Memory, MemoryVersion
 from tests.helpers import row_counts, tool_error
 
@@ -342,6 +343,18 @@ def test_unknown_argument_is_400_naming_it(api):
     assert row_counts() == before
 
 
+def test_an_unknown_argument_with_a_huge_name_is_named_by_its_first_64_characters(api):
+    # The name goes into the answer (twice) and the audit event: a 900 KB name must not.
+    name = "colour" + "x" * 900_000
+    status, body = api.call("memory_read", key="user:u1:x", **{name: 1})
+    assert status == 400
+    error = tool_error(body)
+    assert (error["code"], error["field"]) == ("unknown_argument", name[:64])
+    assert len(json.dumps(body)) < 1000
+    event = AuditEvent.objects.filter(action="tool.call").latest("id")
+    assert event.outcome == "invalid" and event.detail["field"] == name[:64]
+
+
 @pytest.mark.parametrize(
     "name,arguments,field",
     [
@@ -375,6 +388,36 @@ def test_malformed_arguments_json_in_openai_shape_names_function_arguments(api):
     body = r.json()
     assert tool_error(body)["field"] == "function.arguments"
     assert body["tool_call_id"] == "c1"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param("[" * 100_000 + "]" * 100_000, id="nested-past-the-recursion-limit"),
+        pytest.param("1" * 5000, id="integer-of-5000-digits"),
+    ],
+)
+def test_arguments_json_string_the_parser_cannot_read_is_400_naming_arguments(api, value):
+    before = row_counts()
+    r = api.post(CALL, {"name": "memory_write", "arguments": '{"key": "user:u1:x", "value": ' + value + "}"})
+    assert r.status_code == 400, r.content[:300]
+    error = tool_error(r.json())
+    assert error["code"] == "malformed_json" and error["field"] == "arguments", error
+    assert row_counts() == before
+
+
+def test_batch_call_with_arguments_json_nested_past_the_recursion_limit_fails_alone_as_malformed(api):
+    deep = '{"key": "user:u1:y", "value": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    calls = [
+        {"name": "memory_write", "arguments": {"key": "user:u1:x", "value": 1}},
+        {"name": "memory_write", "arguments": deep},
+    ]
+    r = api.post(BATCH, {"calls": calls})
+    assert r.status_code == 200
+    ok, refused = r.json()["results"]
+    assert ok["status"] == "ok"
+    assert tool_error(refused)["code"] == "malformed_json" and refused["error"]["field"] == "arguments"
+    assert not Memory.objects.filter(key="user:u1:y").exists()
 
 
 def test_arguments_that_are_not_an_object_are_400(api):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from memories.models import Memory
-from tests.helpers import rest_error, row_counts, tool_error
+from tests.helpers import audit_count, rest_error, row_counts, tool_error
 from zeromem.kernel import validation
 
 CALL = "/api/v1/tools/call"
@@ -423,3 +423,145 @@ def test_the_renderer_never_writes_nan_into_an_answer():
 
     with pytest.raises(ValueError):
         CompactJSONRenderer().render({"score": float("nan")})
+
+
+# --- lone surrogates ----------------------------------------------------------------------
+# JSON can spell half of a UTF-16 pair alone ("\ud800"); no UTF-8 text (PostgreSQL, the audit
+# chain, the answer) can hold it. The raw bodies below spell it as a client would send it.
+
+LONE = "\\ud800"
+
+
+@pytest.mark.parametrize(
+    "arguments, field",
+    [
+        ('{"key": "user:u1:x", "value": "a' + LONE + 'b"}', "arguments.value"),
+        ('{"key": "user:u1:x", "value": {"k": ["ok", "' + LONE + '"]}}', "arguments.value.k.1"),
+        ('{"key": "user:u1:x", "value": {"' + LONE + '": 1}}', "arguments.value"),
+        ('{"key": "user:u1:' + LONE + '", "value": "v"}', "arguments.key"),
+        ('{"key": "user:u1:x", "value": "v", "subject": "\\udc00"}', "arguments.subject"),
+        ('{"key": "user:u1:x", "value": "v", "tags": ["' + LONE + '"]}', "arguments.tags.0"),
+        ('{"key": "user:u1:x", "value": "v", "' + LONE + '": 1}', "arguments"),
+    ],
+    ids=["value", "nested-value", "key-in-value", "key", "subject", "tag", "argument-name"],
+)
+def test_lone_surrogate_in_a_tool_call_is_400_naming_where_and_writes_nothing(existing, arguments, field):
+    before, events = row_counts(), audit_count()
+    r = existing.post(CALL, raw='{"name": "memory_write", "arguments": ' + arguments + "}")
+    assert r.status_code == 400, r.content
+    error = rest_error(r)
+    assert (error["code"], error["field"]) == ("invalid_characters", field), error
+    assert row_counts() == before
+    assert audit_count() == events + 1  # the refusal, recorded once
+
+
+@pytest.mark.parametrize("tool", ["memory_read", "memory_list", "memory_search", "memory_summarize"])
+def test_lone_surrogate_in_a_read_or_prefix_argument_is_400(existing, tool):
+    arguments = {
+        "memory_read": '{"key": "user:u1:existing", "default": "' + LONE + '"}',
+        "memory_list": '{"prefix": "user:' + LONE + '"}',
+        "memory_search": '{"query": "hello ' + LONE + '"}',
+        "memory_summarize": '{"prefix": "user:' + LONE + '"}',
+    }[tool]
+    r = existing.post(CALL, raw='{"name": "' + tool + '", "arguments": ' + arguments + "}")
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["code"] == "invalid_characters"
+
+
+def test_lone_surrogate_in_arguments_sent_as_a_json_string_is_400_naming_where(existing):
+    before = row_counts()
+    arguments = '{"key": "user:u1:x", "value": "' + LONE + '"}'
+    r = existing.post(
+        CALL, {"id": "c1", "type": "function", "function": {"name": "memory_write", "arguments": arguments}}
+    )
+    assert r.status_code == 400, r.content
+    body = r.json()
+    error = tool_error(body)
+    assert (error["code"], error["field"]) == ("invalid_characters", "function.arguments.value"), error
+    assert body["tool_call_id"] == "c1"
+    assert row_counts() == before
+
+
+def test_lone_surrogate_in_one_call_of_a_batch_refuses_the_batch_and_runs_none(existing):
+    before = row_counts()
+    calls = (
+        '[{"name": "memory_write", "arguments": {"key": "user:u1:a", "value": 1}},'
+        ' {"name": "memory_write", "arguments": {"key": "user:u1:b", "value": "' + LONE + '"}}]'
+    )
+    r = existing.post("/api/v1/tools/batch", raw='{"calls": ' + calls + "}")
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "calls.1.arguments.value"
+    assert row_counts() == before
+
+
+@pytest.mark.parametrize(
+    "path, raw, field",
+    [
+        ("/api/v1/memories/user:u1:x", '{"value": "' + LONE + '"}', "value"),
+        ("/api/v1/memories/user:u1:x", '{"value": "v", "subject": "' + LONE + '"}', "subject"),
+        ("/api/v1/memories/user:u1:x", '"' + LONE + '"', "body"),
+    ],
+)
+def test_lone_surrogate_over_rest_is_400_naming_the_field(existing, path, raw, field):
+    before = row_counts()
+    r = existing.client.put(path, raw, content_type="application/json", headers=existing._headers(None))
+    assert r.status_code == 400, r.content
+    assert (rest_error(r)["code"], rest_error(r)["field"]) == ("invalid_characters", field)
+    assert row_counts() == before
+
+
+def test_lone_surrogate_in_a_utf7_body_is_400(existing):
+    # UTF-7 spells U+D800 without a JSON escape: "+2AA-".
+    before = row_counts()
+    r = existing.client.put(
+        "/api/v1/memories/user:u1:x",
+        b'{"value": "+2AA-"}',
+        content_type="application/json; charset=utf-7",
+        headers=existing._headers(None),
+    )
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "value"
+    assert row_counts() == before
+
+
+def test_a_surrogate_pair_escape_is_the_character_it_spells(api):
+    # "\ud83d\ude00" is 😀 as Python's json.dumps writes it: fine, and read back as the character.
+    r = api.post(CALL, raw='{"name": "memory_write", "arguments": {"key": "user:u1:x", "value": "\\ud83d\\ude00"}}')
+    assert r.status_code == 200, r.content
+    status, body = api.call("memory_read", key="user:u1:x")
+    assert body["value"] == "😀"
+
+
+# --- numbers past a double --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "number", ["1e400", "-1e400", "1E+0309", "9" * 210 + "e99", "1" + "0" * 309 + ".5"], ids=lambda n: n[:12]
+)
+def test_a_number_past_a_doubles_range_is_400_malformed_json(existing, number):
+    # memory_read echoes its default: inf could not be rendered (a 500).
+    raw = '{"name": "memory_read", "arguments": {"key": "user:u1:nope", "default": ' + number + "}}"
+    r = existing.post(CALL, raw=raw)
+    assert r.status_code == 400, r.content[:300]
+    assert (rest_error(r)["code"], rest_error(r)["field"]) == ("malformed_json", "body")
+    assert number[:12] in rest_error(r)["message"]
+
+
+def test_a_batch_with_a_number_past_a_doubles_range_runs_none_of_its_calls(existing):
+    before = row_counts()
+    raw = (
+        '{"calls": [{"name": "memory_write", "arguments": {"key": "user:u1:a", "value": 1}},'
+        ' {"name": "memory_read", "arguments": {"key": "user:u1:nope", "default": 1e400}}]}'
+    )
+    r = existing.post("/api/v1/tools/batch", raw=raw)
+    assert r.status_code == 400, r.content[:300]
+    assert row_counts() == before
+
+
+def test_large_finite_numbers_are_kept(api):
+    raw = (
+        '{"name": "memory_write", "arguments": {"key": "user:u1:x", "value": [1e308, -1.5e-400, ' + "9" * 209 + "e99]}}"
+    )
+    r = api.post(CALL, raw=raw)
+    assert r.status_code == 200, r.content
+    assert [float(n) for n in api.call("memory_read", key="user:u1:x")[1]["value"]] == [1e308, 0.0, 1e308]

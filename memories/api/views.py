@@ -500,7 +500,7 @@ class PortalLinkCreateView(AuditedAPIView):
 # --- Claude's memory tool -----------------------------------------------------------------
 
 
-class AnthropicMemoryView(AuditedAPIView):
+class AnthropicMemoryView(TenantSlotMixin, AuditedAPIView):
     """Claude's memory tool (``memory_20250818``): the six commands on ``/memories/...``,
     each file a memory under ``root`` (default ``claude:memories``; ``/memories/notes/a.md`` is
     ``claude:memories:notes:a.md``). Post the tool_use ``input`` as is; the answer's
@@ -510,6 +510,12 @@ class AnthropicMemoryView(AuditedAPIView):
 
     surface = "anthropic_memory"
     audit_actions = {"POST": "anthropic.memory"}
+
+    def needs_tenant_slot(self, request) -> bool:
+        # A command on a path that may be a directory reads (view) or changes (delete,
+        # rename: one transaction) up to 5000 memories: a tenant slot, as search takes.
+        command = request.data.get("command") if isinstance(request.data, dict) else None
+        return command in ("view", "delete", "rename")
 
     @extend_schema(
         operation_id="anthropic_memory",

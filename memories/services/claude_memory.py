@@ -20,15 +20,18 @@ under it (a file system shows its inode size).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 
-from memories.models import Tenant
+from memories.models import Memory, Tenant
 from memories.services import memories as mem
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
+from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
 
 DEFAULT_ROOT = "claude:memories"
@@ -84,19 +87,27 @@ class MemoryTool:
             ) from None
         return Place(path=path, key=key, is_root=not segments)
 
-    def _text(self, place: Place) -> tuple[str, int] | None:
-        """The file's text and version, or None when there is no file at the path."""
+    def _memory(self, place: Place) -> Memory | None:
+        """The file's memory, or None when there is no file at the path."""
         if place.is_root:
             return None
         try:
-            memory = mem.memory_read(tenant=self.tenant, actor=self.actor, key=place.key).memory
+            return mem.memory_read(tenant=self.tenant, actor=self.actor, key=place.key).memory
         except NotFound:
+            return None
+
+    def _text(self, place: Place) -> tuple[str, int] | None:
+        """The file's text and version, or None when there is no file at the path."""
+        memory = self._memory(place)
+        if memory is None:
             return None
         value = memory.value
         return (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)), memory.version
 
-    def _under(self, place: Place, *, limit: int = LIST_MAX_MEMORIES) -> list:
-        """The live memories under the directory ``place``, in key order."""
+    def _under(self, place: Place, *, limit: int | None = None) -> list:
+        """The live memories under the directory ``place``, in key order (at most ``limit``,
+        by default ``LIST_MAX_MEMORIES``)."""
+        limit = LIST_MAX_MEMORIES if limit is None else limit
         found: list = []
         cursor = None
         while len(found) < limit:
@@ -114,12 +125,50 @@ class MemoryTool:
                 break
         return found
 
+    def _all_under(self, place: Place, path: str) -> list:
+        """Every live memory under the directory ``place``, for a delete or a rename, which
+        acts on all of them or on none: past ``LIST_MAX_MEMORIES`` it is an error result (it
+        did the first ones and answered success)."""
+        under = self._under(place, limit=LIST_MAX_MEMORIES + 1)
+        if len(under) > LIST_MAX_MEMORIES:
+            raise MemoryToolError(
+                f"The directory {path} holds more than {LIST_MAX_MEMORIES} files; "
+                "delete or rename its subdirectories one at a time."
+            )
+        return under
+
     def _is_dir(self, place: Place) -> bool:
         return place.is_root or bool(self._under(place, limit=1))
 
     def _write(self, key: str, text: str) -> None:
         try:
             mem.memory_write(tenant=self.tenant, actor=self.actor, key=key, value=text)
+        except PayloadTooLarge as exc:
+            raise MemoryToolError(f"The file is too large: {exc.message}") from None
+
+    def _move(self, memory: Memory, key: str) -> None:
+        """``memory`` written again at ``key`` with what it carries besides its value — its
+        subject, sensitivity, tags, category, importance, source and the rest of its TTL — so
+        a renamed file stays encrypted, found by a forget of its subject, and expiring."""
+        ttl = None
+        if memory.expires_at is not None:
+            left = math.ceil((memory.expires_at - timezone.now()).total_seconds())
+            ttl = min(max(1, left), validation.TTL_MAX_SECONDS)
+        erased = isinstance(memory.value, ErasedValue)  # nothing left to keep secret
+        try:
+            mem.memory_write(
+                tenant=self.tenant,
+                actor=self.actor,
+                key=key,
+                value=dict(memory.value) if erased else memory.value,
+                ttl_seconds=ttl,
+                tags=memory.tags,
+                subject=memory.subject,
+                category=memory.category,
+                importance=memory.importance,
+                source=memory.source or None,
+                sensitive=memory.sensitive and not erased,
+            )
         except PayloadTooLarge as exc:
             raise MemoryToolError(f"The file is too large: {exc.message}") from None
 
@@ -253,7 +302,7 @@ class MemoryTool:
         if place.is_root:
             raise MemoryToolError("Cannot delete the /memories directory itself")
         is_file = self._text(place) is not None
-        under = self._under(place)
+        under = self._all_under(place, path)
         if not is_file and not under:
             raise MemoryToolError(f"The path {path} does not exist")
         with transaction.atomic():
@@ -267,20 +316,18 @@ class MemoryTool:
             raise MemoryToolError("Cannot rename the /memories directory itself")
         if new.is_root or self._text(new) is not None or self._is_dir(new):
             raise MemoryToolError(f"The destination {new_path} already exists")
-        found = self._text(old)
-        under = [] if found is not None else self._under(old)
+        found = self._memory(old)
+        under = [] if found is not None else self._all_under(old, old_path)
         if found is None and not under:
             raise MemoryToolError(f"The path {old_path} does not exist")
         if new.key.startswith(old.key + ":"):
             raise MemoryToolError(f"Cannot move {old_path} into itself ({new_path})")
-        moves = [(old.key, new.key, found[0])] if found is not None else []
-        for memory in under:
-            text = memory.value if isinstance(memory.value, str) else json.dumps(memory.value, ensure_ascii=False)
-            moves.append((memory.key, new.key + memory.key[len(old.key) :], text))
+        moves = [(found, new.key)] if found is not None else []
+        moves.extend((memory, new.key + memory.key[len(old.key) :]) for memory in under)
         with transaction.atomic():
-            for source, target, text in moves:
-                self._write(target, text)
-                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=source)
+            for memory, target in moves:
+                self._move(memory, target)
+                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=memory.key)
         return f"Successfully renamed {old_path} to {new_path}"
 
 

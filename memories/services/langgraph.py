@@ -21,6 +21,7 @@ listing ones read at most ``ZEROMEM_LANGGRAPH_SCAN_MAX`` memories under the pref
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -132,6 +133,10 @@ def check_filter(raw: Any, field: str = "filter") -> dict:
     if not isinstance(raw, dict):
         raise InvalidInput("must be an object of field: value", field=field)
     validation.depth_within(raw, field=field)
+    # No stored value holds NUL (validation.value), and PostgreSQL's jsonb cannot take one in
+    # the containment the scan pushes down (a DataError, 500).
+    if "\\u0000" in json.dumps(raw):
+        raise InvalidInput("must not contain NUL characters", field=field, code="invalid_characters")
     stack = [raw]
     while stack:
         node = stack.pop()

@@ -54,6 +54,45 @@ def ascii_text(raw) -> str | None:
     return raw if isinstance(raw, str) and raw.isascii() and raw.isprintable() else None
 
 
+# JSON can spell half of a UTF-16 pair alone ("\ud800"). Python's json reads it into a str
+# that no UTF-8 encoder takes — PostgreSQL's text, the audit chain's hash, the answer's body —
+# so it failed wherever it landed first (a 500). Only a \u escape spells one (UTF-8 bytes
+# cannot), so JSON text without a \ud800-\udfff escape needs no walk; a pair (an emoji as
+# Python's json.dumps writes it) costs one walk over the strings.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_PATH_MAX_LEN = 200
+
+
+def lone_surrogate_field(text: str, data) -> str | None:
+    """Where ``data``, parsed from the JSON ``text``, holds a lone surrogate — in a string or
+    an object's key: the dotted path of that string ("arguments.value", "calls.1.key"; a key
+    names the object holding it; "body" for the top), at most 200 characters; else None.
+    Walks ``data`` (without recursion) only when ``text`` spells a surrogate."""
+    if not _SURROGATE_ESCAPE.search(text) and (text.isascii() or not _SURROGATE.search(text)):
+        return None  # (a body in a charset such as UTF-7 can hold one unescaped)
+    if isinstance(data, str):
+        return "body" if _SURROGATE.search(data) else None
+    stack = [(data, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            children = item.items()
+        elif isinstance(item, list):
+            children = enumerate(item)
+        else:
+            continue
+        for name, child in children:
+            if isinstance(name, str) and _SURROGATE.search(name):
+                return path[:_PATH_MAX_LEN] or "body"
+            if isinstance(child, str):
+                if _SURROGATE.search(child):
+                    return (f"{path}.{name}" if path else str(name))[:_PATH_MAX_LEN]
+            elif isinstance(child, dict | list):
+                stack.append((child, f"{path}.{name}" if path else str(name)))
+    return None
+
+
 def key(value, field: str = "key") -> str:
     if not isinstance(value, str):
         raise InvalidInput("must be a string", field=field)

@@ -4,16 +4,56 @@ Its own module: DRF imports it while loading its views, so it may import nothing
 imports those views (zeromem.kit.api does).
 """
 
+import codecs
+import math
+import re
+
 from rest_framework import exceptions, parsers
+from rest_framework.utils import json
+
+from zeromem.kernel import validation
+
+# A number such as 1e400 reads as float("inf") (DRF refuses only the literals Infinity and
+# NaN): an answer that echoes it (memory_read's default) could not be rendered (a 500, after
+# a batch's earlier calls had committed). A double overflows past 1.8e308: only a number
+# with an exponent of 3+ digits or 210+ digits before its point (+ an exponent up to 99) can,
+# so a body without either parses its floats as before, in C.
+_MAY_OVERFLOW = re.compile(r"[eE]\+?0*[1-9][0-9]{2}|[0-9]{210}")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"{text[:40]} is out of range")
+    return number
 
 
 class JSONParser(parsers.JSONParser):
-    """DRF's parser, but a body nested past the interpreter's recursion limit (thousands of
-    levels) is a 400 ``malformed_json`` instead of a RecursionError (500). Values nested past
+    """DRF's parser (its decoding and strict constants), but a body nested past the
+    interpreter's recursion limit (thousands of levels) or with a number past a double's range
+    (``1e400``) is a 400 ``malformed_json`` instead of a 500, and a string holding a lone
+    surrogate (``"\\ud800"``, which nothing can store) is a 400 ``invalid_characters`` naming
+    where it is (:func:`zeromem.kernel.validation.lone_surrogate_field`). Values nested past
     ``validation.VALUE_MAX_DEPTH`` are refused by the services with their field named."""
 
     def parse(self, stream, media_type=None, parser_context=None):
+        encoding = parsers.get_encoding(parser_context or {})
         try:
-            return super().parse(stream, media_type, parser_context)
+            text = codecs.getreader(encoding)(stream).read()
+            data = json.loads(
+                text,
+                parse_constant=json.strict_constant if self.strict else None,
+                parse_float=_finite if _MAY_OVERFLOW.search(text) else None,
+            )
+        except ValueError as exc:
+            raise exceptions.ParseError(f"JSON parse error - {exc}") from None
         except RecursionError:
             raise exceptions.ParseError("JSON nested too deeply") from None
+        field = validation.lone_surrogate_field(text, data)
+        if field is not None:
+            error = exceptions.ParseError(
+                "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored"
+            )
+            error.zeromem_code, error.zeromem_field = "invalid_characters", field
+            raise error
+        return data
