@@ -513,6 +513,20 @@ def test_searches_key_tree_walks_and_dashboards_are_audited_without_the_search_w
     assert not any("Klingon" in str(e.__dict__) for e in AuditEvent.objects.all())
 
 
+@pytest.mark.parametrize("source", ["memoryversion", "memoryembedding"])
+def test_the_autocomplete_is_no_unaudited_search_of_memory_values(tenant_a, staff_clients, source):
+    # Any model with a foreign key to Memory names it as the autocomplete's target; no admin
+    # form picks a memory from a list, so the search of value words stays the memory list's,
+    # where it is audited (memory.browse).
+    write(tenant_a, "user:u1:pref_lang", "Klingon spoken at home")
+    user, client = staff_clients["admin"]
+    url = f"/admin/autocomplete/?app_label=memories&model_name={source}&field_name=memory&term=Klingon"
+    response = client.get(url)
+    assert response.status_code == 403, response.status_code
+    assert b"user:u1:pref_lang" not in response.content
+    assert not AuditEvent.objects.filter(tenant=tenant_a, action="memory.browse").exists()
+
+
 def test_another_tenants_dashboard_writes_no_event_in_it(tenant_a, tenant_b, staff_clients):
     _user, client = staff_clients["admin"]
     assert client.get(f"/admin/memories/tenant/{tenant_b.pk}/dashboard/").status_code == 404

@@ -152,6 +152,14 @@ class MemoryAdmin(TenantScopedAdmin):
     autocomplete_fields = ("tenant",)
     object_history_template = "zeromem_admin/memory_history.html"
 
+    def get_search_results(self, request, queryset, search_term):
+        if request.path.endswith("/autocomplete/"):
+            # Any model with a foreign key to Memory (a version, an embedding) makes it an
+            # autocomplete target, yet no admin form picks a memory from a list: refused, so
+            # that a search of value words stays the list's, which audits it (memory.browse).
+            raise PermissionDenied
+        return super().get_search_results(request, queryset, search_term)
+
     # --- sensitive values: masked until an explicit, audited reveal --------------------------
 
     def _masked(self, request, obj) -> bool:
