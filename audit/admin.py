@@ -10,7 +10,7 @@ audits the export).
 from __future__ import annotations
 
 import json
-from datetime import datetime, time, timedelta
+from datetime import UTC, datetime, time, timedelta
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
@@ -48,12 +48,18 @@ def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
         moment = None if day else parse_datetime(raw.replace(" ", "T"))
     except ValueError:
         raise ValueError(raw) from None
-    if day is not None:
-        moment = datetime.combine(day + timedelta(days=1) if end_of_day else day, time.min)
-    elif moment is None:
-        raise ValueError(raw)
-    if timezone.is_naive(moment):
-        moment = timezone.make_aware(moment)
+    try:
+        if day is not None:
+            moment = datetime.combine(day + timedelta(days=1) if end_of_day else day, time.min)
+        elif moment is None:
+            raise ValueError(raw)
+        if timezone.is_naive(moment):
+            moment = timezone.make_aware(moment)
+        # In UTC, as the database compares it: 9999-12-31 (through that day) or an offset at
+        # either end of the calendar falls outside it (an OverflowError, or PostgreSQL's error).
+        moment.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(raw) from None
     return moment
 
 

@@ -325,6 +325,23 @@ def test_audit_log_filters(tenant_a, staff_clients):
     assert actions("since=yesterday-ish") == []  # a bad date selects nothing, with a message
 
 
+@pytest.mark.parametrize(
+    "moment", ["until=9999-12-31", "since=9999-12-31T23:59:59-23:59", "since=0001-01-01T00:00+14:00"]
+)
+def test_audit_dates_past_the_calendars_end_are_a_message_naming_the_field(tenant_a, staff_clients, moment):
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["compliance"]
+    field = moment.split("=")[0]
+    listed = client.get(f"/admin/audit/auditevent/?{moment}", follow=True)
+    assert listed.status_code == 200
+    assert f"{field.capitalize()}: not a date or time" in listed.content.decode()
+    assert list(listed.context["cl"].result_list) == []
+    exported = client.get(f"/admin/audit/auditevent/export/?fmt=csv&{moment}", follow=True)
+    assert exported.status_code == 200
+    assert f"{field.capitalize()}: not a date or time" in exported.content.decode()
+    assert not AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").exists()
+
+
 def test_audit_changelist_does_not_count_the_whole_table(tenant_a, staff_clients, django_assert_max_num_queries):
     for i in range(5):
         write(tenant_a, f"user:u{i}:k", "v")
