@@ -29,7 +29,14 @@ from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
-from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, service_error_text, tenant_ids_with
+from zeromem.kit.admin import (
+    InputFilter,
+    TenantScopedAdmin,
+    actor_for,
+    nul_parameter_refused,
+    service_error_text,
+    tenant_ids_with,
+)
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
 
@@ -200,6 +207,9 @@ class AuditEventAdmin(TenantScopedAdmin):
         the export is recorded in that tenant's audit log)."""
         if not self.has_view_permission(request):
             raise PermissionDenied
+        refused = nul_parameter_refused(request)
+        if refused is not None:
+            return refused
         ids = tenant_ids_with(request, self.view_capability)
         tenant_id = request.GET.get("tenant") or (str(next(iter(ids))) if len(ids) == 1 else "")
         if validation.ascii_int(tenant_id) not in ids:

@@ -342,6 +342,45 @@ def test_audit_dates_past_the_calendars_end_are_a_message_naming_the_field(tenan
     assert not AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").exists()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/admin/memories/memory/?category=%00",
+        "/admin/memories/memory/?subject=u1%00",
+        "/admin/memories/memory/?tag=%00",
+        "/admin/memories/memory/?prefix=user:%00",
+        "/admin/memories/forgetrequest/?status=%00",
+        "/admin/memories/membership/?role=%00",
+        "/admin/audit/auditevent/?actor=%00",
+        "/admin/audit/auditevent/?action=memory.%00",
+        "/admin/audit/auditevent/?key_prefix=%00",
+        "/admin/audit/auditevent/?subject=%00",
+        "/admin/audit/auditevent/?outcome=%00",
+        "/admin/audit/auditevent/export/?actor=%00",
+        "/admin/autocomplete/?app_label=memories&model_name=forgetrequest&field_name=tenant&term=%00",
+    ],
+)
+def test_a_nul_in_an_admin_query_parameter_is_a_400_naming_it(tenant_a, staff_clients, url):
+    write(tenant_a, "user:u1:k", "v", subject="u1")
+    _user, client = staff_clients["admin"]
+    before = AuditEvent.objects.filter(tenant=tenant_a).count()
+    response = client.get(url)
+    name = url.split("?")[1].rsplit("&", 1)[-1].split("=")[0]
+    assert response.status_code == 400, (url, response.status_code)
+    assert f"{name}: must not contain a NUL character" in response.content.decode()
+    assert AuditEvent.objects.filter(tenant=tenant_a).count() == before  # nothing browsed, listed or exported
+
+
+@pytest.mark.parametrize(
+    "model", ["memories/memory", "memories/forgetrequest", "portal/portallink", "audit/auditevent"]
+)
+def test_a_tenant_filter_that_is_no_number_is_a_400_naming_it(tenant_a, staff_clients, model):
+    _user, client = staff_clients["admin"]
+    response = client.get(f"/admin/{model}/?tenant=acme")
+    assert response.status_code == 400, response.status_code
+    assert "tenant: must be a tenant id (a number)" in response.content.decode()
+
+
 def test_audit_changelist_does_not_count_the_whole_table(tenant_a, staff_clients, django_assert_max_num_queries):
     for i in range(5):
         write(tenant_a, f"user:u{i}:k", "v")

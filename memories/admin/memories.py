@@ -31,7 +31,14 @@ from memories.models import Memory, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.errors import Conflict, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
+from zeromem.kit.admin import (
+    TenantScopedAdmin,
+    actor_for,
+    list_parameters_refused,
+    may,
+    service_error_text,
+    tenant_ids_with,
+)
 
 REVEAL_SESSION_KEY = "zeromem_revealed_memories"
 REVEAL_SECONDS = 300
@@ -267,6 +274,9 @@ class MemoryAdmin(TenantScopedAdmin):
     def changelist_view(self, request, extra_context=None):
         # A search over keys and value words, or a walk down the key tree, shows data of
         # every memory it matches: audited (memory.browse) in each tenant it covers.
+        refused = list_parameters_refused(request)
+        if refused is not None:
+            return refused
         search = request.GET.get("q", "")
         prefix = request.GET.get(KeyTreeFilter.parameter_name, "")
         if request.method == "GET" and (search or prefix):

@@ -11,12 +11,15 @@ like a missing one.
 
 from __future__ import annotations
 
+import functools
+
 from django.contrib import admin, messages
 from django.core.paginator import Paginator
-from django.http import Http404, HttpResponseRedirect
+from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
 from django.utils.functional import cached_property
 
 from memories.models import Membership, Tenant
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, staff_actor
 from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import CAPABILITIES, Capability, Role
@@ -63,6 +66,39 @@ def actor_for(request, tenant: Tenant | int) -> Actor:
 def service_error_text(exc: ServiceError) -> str:
     """A service's refusal as an admin message: the field it names, then why."""
     return f"{exc.field}: {exc.message}" if exc.field else exc.message
+
+
+def _bad_parameter(name: str, message: str) -> HttpResponse:
+    return HttpResponseBadRequest(f"{name.replace(chr(0), '')}: {message}", content_type="text/plain; charset=utf-8")
+
+
+def nul_parameter_refused(request) -> HttpResponse | None:
+    """A 400 naming the first query parameter that holds a NUL character, else None. The
+    filters hand their values to PostgreSQL, whose text cannot hold one (a 500 otherwise)."""
+    for name, values in request.GET.lists():
+        if any("\x00" in value for value in values):
+            return _bad_parameter(name, "must not contain a NUL character")
+    return None
+
+
+def refusing_nul_parameters(view):
+    """``view``, answering a query parameter with a NUL character with a 400 naming it."""
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        return nul_parameter_refused(request) or view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def list_parameters_refused(request) -> HttpResponse | None:
+    """A 400 naming a change list's query parameter no filter can take (a NUL, a tenant
+    that is no number), else None. Called before anything is listed or audited."""
+    refused = nul_parameter_refused(request)
+    tenant = request.GET.get(TenantFilter.parameter_name)
+    if refused is None and tenant and validation.ascii_int(tenant) is None:
+        refused = _bad_parameter(TenantFilter.parameter_name, "must be a tenant id (a number)")
+    return refused
 
 
 class TenantFilter(admin.SimpleListFilter):
@@ -147,6 +183,9 @@ class TenantScopedAdmin(admin.ModelAdmin):
             # the same: a 404, not the admin's "does not exist" redirect.
             raise Http404("no such object")
         return obj
+
+    def changelist_view(self, request, extra_context=None):
+        return list_parameters_refused(request) or super().changelist_view(request, extra_context)
 
     def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
         try:
