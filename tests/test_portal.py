@@ -453,6 +453,32 @@ def test_a_pending_request_page_refreshes_itself(api, seeded, django_capture_on_
     assert '<li class="">Done</li>' in text and "Receipt" not in text
 
 
+@pytest.mark.parametrize("data", [{"what": "all", "confirm": "yes"}, {"what": "one", "key": "user:u1:pref_lang"}])
+def test_asking_again_while_a_request_is_pending_leads_to_that_request(api, seeded, data):
+    # A script replaying the session cookie cannot flood the tenant's queue: while the end
+    # user's request for the same thing is pending, asking again files nothing new.
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    token = csrf(client)
+    answers = [client.post("/portal/forget", {"csrfmiddlewaretoken": token, **data}) for _ in range(5)]
+    (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
+    assert {(r.status_code, r["Location"]) for r in answers} == {(302, f"/portal/requests/{request.pk}")}
+    created = AuditEvent.objects.filter(tenant=tenant_a, action="forget.create", actor_kind="end_user")
+    assert created.count() == 5  # each ask is recorded; four of them name the pending request
+    assert {e.detail["forget_request"] for e in created} == {request.pk}
+
+
+def test_asking_again_after_the_request_was_carried_out_files_a_new_one(
+    api, seeded, django_capture_on_commit_callbacks
+):
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    first = forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
+    again = forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
+    assert first["Location"] != again["Location"]
+    assert ForgetRequest.objects.filter(tenant=tenant_a, status="completed").count() == 2
+
+
 def test_forgetting_everything_needs_the_confirmation(api, seeded):
     client = open_portal(issue(api)["url"])
     r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "all"})
