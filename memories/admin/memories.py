@@ -42,6 +42,9 @@ from zeromem.kit.admin import (
 
 REVEAL_SESSION_KEY = "zeromem_revealed_memories"
 REVEAL_SECONDS = 300
+# An action works on at most this many memories per run ("select all" may hand it millions:
+# each is loaded with its value and changed by one service call, inside one request).
+ACTION_MAX = 1000
 
 
 class MemoryActionForm(helpers.ActionForm):
@@ -438,11 +441,22 @@ class MemoryAdmin(TenantScopedAdmin):
     def _editable(self, request, queryset):
         return queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMORY_EDIT)).select_related("tenant")
 
+    def _batch(self, request, queryset) -> list[Memory]:
+        """The first ``ACTION_MAX`` memories of ``queryset`` by key; says so when more remain."""
+        batch = list(queryset.order_by("key")[: ACTION_MAX + 1])
+        if len(batch) > ACTION_MAX:
+            self.message_user(
+                request,
+                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
+                messages.WARNING,
+            )
+        return batch[:ACTION_MAX]
+
     @admin.action(permissions=["edit"], description="Forget selected memories (a forget request)")
     def forget_selected(self, request, queryset):
         reason = request.POST.get("reason", "") or "forgotten in the admin"
         by_tenant: dict[Tenant, list[str]] = {}
-        for memory in self._editable(request, queryset).order_by("key")[:1000]:
+        for memory in self._batch(request, self._editable(request, queryset)):
             by_tenant.setdefault(memory.tenant, []).append(memory.key)
         for tenant, keys in by_tenant.items():
             try:
@@ -472,7 +486,7 @@ class MemoryAdmin(TenantScopedAdmin):
             self.message_user(request, "days (extend TTL): give a whole number from 1 to 3650.", messages.ERROR)
             return
         done = 0
-        for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
+        for memory in self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=True)):
             try:
                 services.memory_update(
                     tenant=memory.tenant,
@@ -488,7 +502,7 @@ class MemoryAdmin(TenantScopedAdmin):
     @admin.action(permissions=["edit"], description="Move selected memories to the trash")
     def move_to_trash(self, request, queryset):
         done = 0
-        for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
+        for memory in self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=True)):
             try:
                 services.memory_delete(tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), key=memory.key)
             except NotFound:
@@ -499,7 +513,7 @@ class MemoryAdmin(TenantScopedAdmin):
     @admin.action(permissions=["edit"], description="Restore selected memories from the trash")
     def restore_from_trash(self, request, queryset):
         done, conflicts = 0, []
-        for memory in self._editable(request, queryset).filter(deleted_at__isnull=False):
+        for memory in self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=False)):
             try:
                 services.memory_restore(
                     tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), memory_id=memory.pk
