@@ -150,6 +150,7 @@ class AuditEventAdmin(TenantScopedAdmin):
     )
     list_select_related = ("tenant",)
     ordering = ("-occurred_at", "-pk")
+    sortable_by = ("occurred_at",)  # (tenant, occurred_at) is indexed; any other sorted every event
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 100

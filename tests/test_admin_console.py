@@ -11,8 +11,10 @@ from django.contrib.auth import get_user_model
 from django.urls import reverse
 from django.utils import timezone
 
+from audit.admin import AuditEventAdmin
 from audit.models import AuditEvent
 from memories import services
+from memories.admin.memories import MemoryAdmin
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
 from memories.models import ApiKey, ForgetRequest, Membership, TokenUsageDay, hash_api_key
 from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, write
@@ -379,6 +381,32 @@ def test_a_tenant_filter_that_is_no_number_is_a_400_naming_it(tenant_a, staff_cl
     response = client.get(f"/admin/{model}/?tenant=acme")
     assert response.status_code == 400, response.status_code
     assert "tenant: must be a tenant id (a number)" in response.content.decode()
+
+
+def test_the_lists_sort_only_by_their_indexed_columns(tenant_a, staff_clients):
+    # Any other column (o=<its index>, a header click or a hand-made URL) sorted every event or
+    # memory in scope: 160-400 ms on 1M events instead of under 1 ms, growing with the table.
+    write(tenant_a, "user:u1:b", "v", category="task")
+    write(tenant_a, "user:u1:a", "v", category="user")
+    services.memory_read(tenant=tenant_a, actor=SYSTEM, key="user:u1:a")
+    _user, client = staff_clients["admin"]
+
+    def rows(url):
+        response = client.get(url)
+        assert response.status_code == 200
+        return list(response.context["cl"].result_list)
+
+    memory_events = "/admin/audit/auditevent/?action=memory."  # (reading the list adds audit.list events)
+    newest_first = [e.pk for e in rows(memory_events)]
+    assert len(newest_first) == 3 and newest_first == sorted(newest_first, reverse=True)
+    action = AuditEventAdmin.list_display.index("action")
+    assert [e.pk for e in rows(f"{memory_events}&o={action}")] == newest_first
+    assert [e.pk for e in rows(f"{memory_events}&o=-{action}.1")] == newest_first
+    category = 1 + MemoryAdmin.list_display.index("category")  # (column 0: the actions' checkbox)
+    assert [m.key for m in rows(f"/admin/memories/memory/?o={category}")] == ["user:u1:a", "user:u1:b"]
+    assert [m.key for m in rows("/admin/memories/memory/?o=-1")] == ["user:u1:b", "user:u1:a"]  # by key: indexed
+    header = client.get("/admin/audit/auditevent/").content.decode()
+    assert f"?o={action}" not in header and "?o=0" in header  # only sortable columns link a sort
 
 
 def test_audit_changelist_does_not_count_the_whole_table(tenant_a, staff_clients, django_assert_max_num_queries):

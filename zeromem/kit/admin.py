@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 
 from django.contrib import admin, messages
-from django.contrib.admin.views.main import SEARCH_VAR
+from django.contrib.admin.views.main import SEARCH_VAR, ChangeList
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
 from django.utils.functional import cached_property
@@ -166,6 +166,17 @@ class CheapPaginator(Paginator):
         return self.object_list.order_by()[: self.COUNT_CAP].count()
 
 
+class SortableByChangeList(ChangeList):
+    """Sorts only by the columns of the admin's ``sortable_by`` (when it names them). Django
+    leaves them out of the headers only: ``o=<column>`` in the URL still sorted by any
+    column, every row in scope, when only some are served by an index."""
+
+    def get_ordering_field(self, field_name):
+        if self.sortable_by is not None and field_name not in self.sortable_by:
+            return None
+        return super().get_ordering_field(field_name)
+
+
 class TenantScopedAdmin(admin.ModelAdmin):
     """Base of every ZeroMem ModelAdmin. Subclasses name their capabilities; the tenant is
     reached through ``tenant_field`` (``"pk"`` for the Tenant admin itself)."""
@@ -217,6 +228,9 @@ class TenantScopedAdmin(admin.ModelAdmin):
 
     def get_list_filter(self, request):
         return [TenantFilter if f == "tenant" else f for f in super().get_list_filter(request)]
+
+    def get_changelist(self, request, **kwargs):
+        return SortableByChangeList
 
     def get_paginator(self, request, queryset, per_page, orphans=0, allow_empty_first_page=True):
         return CheapPaginator(queryset, per_page, orphans, allow_empty_first_page)
