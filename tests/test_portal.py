@@ -201,6 +201,22 @@ def test_an_altered_link_is_refused_with_400(api, seeded, alter):
     assert AuditEvent.objects.filter(action="portal.open", outcome="invalid", detail__code="link_altered").count() == 2
 
 
+def test_trying_made_up_links_is_throttled_per_address_and_then_writes_nothing(api, seeded, settings):
+    # Anyone may try tokens: each refusal was one audit row, without end, in a log nothing
+    # may delete. Past the failed-authentication limit of the address: 429, nothing written.
+    settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE = 5
+    url = issue(api)["url"]
+    tries = [Client(REMOTE_ADDR="203.0.113.9").get(f"/portal/open/made-up-{i}") for i in range(8)]
+    assert [r.status_code for r in tries] == [400] * 5 + [429] * 3
+    assert "Too many attempts" in page_text(tries[-1]) and int(tries[-1]["Retry-After"]) >= 1
+    assert AuditEvent.objects.filter(action="portal.open", detail__code="link_altered").count() == 5
+    # Another address is not held up, and a good link opens from the throttled one too.
+    assert Client(REMOTE_ADDR="198.51.100.7").get("/portal/open/made-up").status_code == 400
+    assert (
+        open_portal(url, Client(enforce_csrf_checks=True, REMOTE_ADDR="203.0.113.9")).get("/portal/").status_code == 200
+    )
+
+
 def test_a_link_is_an_opaque_random_token_stored_only_as_its_hash(api, api_b, seeded):
     """The URL names no tenant and no subject, and the database never holds the token."""
     import hashlib
