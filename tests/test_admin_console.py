@@ -16,7 +16,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.admin.memories import MemoryAdmin
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
-from memories.models import ApiKey, ForgetRequest, Membership, TokenUsageDay, hash_api_key
+from memories.models import ApiKey, ForgetRequest, Membership, Memory, TokenUsageDay, hash_api_key
 from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, write
 from zeromem.kernel.errors import NotFound
 
@@ -371,6 +371,25 @@ def test_a_nul_in_an_admin_query_parameter_is_a_400_naming_it(tenant_a, staff_cl
     assert response.status_code == 400, (url, response.status_code)
     assert f"{name}: must not contain a NUL character" in response.content.decode()
     assert AuditEvent.objects.filter(tenant=tenant_a).count() == before  # nothing browsed, listed or exported
+
+
+@pytest.mark.parametrize(
+    ("model", "action"),
+    [
+        ("memories/memory", "move_to_trash"),
+        ("portal/portallink", "withdraw"),
+        ("memories/apikey", "revoke"),
+        ("memories/membership", "delete_selected"),
+    ],
+)
+def test_an_action_on_ids_that_are_no_numbers_is_a_400_naming_them(tenant_a, staff_clients, model, action):
+    memory = write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["admin"]
+    for selected in (["abc"], [str(memory.pk), "1\x00"]):
+        response = client.post(f"/admin/{model}/", {"action": action, "_selected_action": selected, "post": "yes"})
+        assert response.status_code == 400, (selected, response.status_code)
+        assert "_selected_action: must be ids (whole numbers)" in response.content.decode()
+    assert Memory.objects.get(pk=memory.pk).deleted_at is None
 
 
 @pytest.mark.parametrize(
