@@ -10,7 +10,7 @@ audits the export).
 from __future__ import annotations
 
 import json
-from datetime import datetime, time, timedelta
+from datetime import UTC, datetime, time, timedelta
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
@@ -29,7 +29,14 @@ from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
-from zeromem.kit.admin import InputFilter, TenantScopedAdmin, actor_for, service_error_text, tenant_ids_with
+from zeromem.kit.admin import (
+    InputFilter,
+    TenantScopedAdmin,
+    actor_for,
+    nul_parameter_refused,
+    service_error_text,
+    tenant_ids_with,
+)
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
 
@@ -48,12 +55,18 @@ def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
         moment = None if day else parse_datetime(raw.replace(" ", "T"))
     except ValueError:
         raise ValueError(raw) from None
-    if day is not None:
-        moment = datetime.combine(day + timedelta(days=1) if end_of_day else day, time.min)
-    elif moment is None:
-        raise ValueError(raw)
-    if timezone.is_naive(moment):
-        moment = timezone.make_aware(moment)
+    try:
+        if day is not None:
+            moment = datetime.combine(day + timedelta(days=1) if end_of_day else day, time.min)
+        elif moment is None:
+            raise ValueError(raw)
+        if timezone.is_naive(moment):
+            moment = timezone.make_aware(moment)
+        # In UTC, as the database compares it: 9999-12-31 (through that day) or an offset at
+        # either end of the calendar falls outside it (an OverflowError, or PostgreSQL's error).
+        moment.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(raw) from None
     return moment
 
 
@@ -137,6 +150,7 @@ class AuditEventAdmin(TenantScopedAdmin):
     )
     list_select_related = ("tenant",)
     ordering = ("-occurred_at", "-pk")
+    sortable_by = ("occurred_at",)  # (tenant, occurred_at) is indexed; any other sorted every event
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 100
@@ -194,6 +208,9 @@ class AuditEventAdmin(TenantScopedAdmin):
         the export is recorded in that tenant's audit log)."""
         if not self.has_view_permission(request):
             raise PermissionDenied
+        refused = nul_parameter_refused(request)
+        if refused is not None:
+            return refused
         ids = tenant_ids_with(request, self.view_capability)
         tenant_id = request.GET.get("tenant") or (str(next(iter(ids))) if len(ids) == 1 else "")
         if validation.ascii_int(tenant_id) not in ids:

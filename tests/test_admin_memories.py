@@ -222,6 +222,35 @@ def test_extend_ttl_and_trash_and_restore_actions(tenant_a, staff_clients):
     assert actions == ["memory.update", "memory.delete", "memory.restore"]
 
 
+def test_an_action_on_every_memory_of_a_huge_list_works_through_a_bounded_batch_per_run(
+    tenant_a, staff_clients, monkeypatch
+):
+    # "Select all N" hands the action the whole filtered list: a million memories would be
+    # loaded with their values and updated one service call at a time in one request.
+    from memories.admin import memories as memory_admin
+
+    monkeypatch.setattr(memory_admin, "ACTION_MAX", 3, raising=False)
+    for i in range(5):
+        write(tenant_a, f"user:u1:k{i}", f"value {i}", ttl_seconds=60)
+    _user, client = staff_clients["support"]
+
+    def run(action, query="", **extra):
+        data = {"action": action, "select_across": "1", "index": "0", "_selected_action": ["1"], **extra}
+        response = client.post(f"/admin/memories/memory/{query}", data, follow=True)
+        assert response.status_code == 200
+        return response.content.decode()
+
+    later = timezone.now() + timedelta(days=9)
+    assert "at most 3 per run" in run("extend_ttl", ttl_days=10)
+    assert Memory.objects.filter(tenant=tenant_a, expires_at__gt=later).count() == 3
+    assert "at most 3 per run" in run("move_to_trash")
+    assert Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=False).count() == 3
+    assert "at most 3 per run" not in run("move_to_trash")  # the other two
+    assert Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=False).count() == 5
+    assert "at most 3 per run" in run("restore_from_trash", "?state=trash")
+    assert Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).count() == 3
+
+
 def test_list_filters_drill_down_the_key_tree_and_find_by_subject_tag_expiry_and_text(tenant_a, staff_clients):
     write(tenant_a, "user:u1:pref_lang", "en", tags=["lang"])
     write(tenant_a, "user:u2:pref_lang", "fr")

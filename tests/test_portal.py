@@ -201,6 +201,22 @@ def test_an_altered_link_is_refused_with_400(api, seeded, alter):
     assert AuditEvent.objects.filter(action="portal.open", outcome="invalid", detail__code="link_altered").count() == 2
 
 
+def test_trying_made_up_links_is_throttled_per_address_and_then_writes_nothing(api, seeded, settings):
+    # Anyone may try tokens: each refusal was one audit row, without end, in a log nothing
+    # may delete. Past the failed-authentication limit of the address: 429, nothing written.
+    settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE = 5
+    url = issue(api)["url"]
+    tries = [Client(REMOTE_ADDR="203.0.113.9").get(f"/portal/open/made-up-{i}") for i in range(8)]
+    assert [r.status_code for r in tries] == [400] * 5 + [429] * 3
+    assert "Too many attempts" in page_text(tries[-1]) and int(tries[-1]["Retry-After"]) >= 1
+    assert AuditEvent.objects.filter(action="portal.open", detail__code="link_altered").count() == 5
+    # Another address is not held up, and a good link opens from the throttled one too.
+    assert Client(REMOTE_ADDR="198.51.100.7").get("/portal/open/made-up").status_code == 400
+    assert (
+        open_portal(url, Client(enforce_csrf_checks=True, REMOTE_ADDR="203.0.113.9")).get("/portal/").status_code == 200
+    )
+
+
 def test_a_link_is_an_opaque_random_token_stored_only_as_its_hash(api, api_b, seeded):
     """The URL names no tenant and no subject, and the database never holds the token."""
     import hashlib
@@ -451,6 +467,32 @@ def test_a_pending_request_page_refreshes_itself(api, seeded, django_capture_on_
     text = page_text(client.get(r["Location"]))
     assert 'http-equiv="refresh"' in text and '<li class="done">Received</li>' in text
     assert '<li class="">Done</li>' in text and "Receipt" not in text
+
+
+@pytest.mark.parametrize("data", [{"what": "all", "confirm": "yes"}, {"what": "one", "key": "user:u1:pref_lang"}])
+def test_asking_again_while_a_request_is_pending_leads_to_that_request(api, seeded, data):
+    # A script replaying the session cookie cannot flood the tenant's queue: while the end
+    # user's request for the same thing is pending, asking again files nothing new.
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    token = csrf(client)
+    answers = [client.post("/portal/forget", {"csrfmiddlewaretoken": token, **data}) for _ in range(5)]
+    (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
+    assert {(r.status_code, r["Location"]) for r in answers} == {(302, f"/portal/requests/{request.pk}")}
+    created = AuditEvent.objects.filter(tenant=tenant_a, action="forget.create", actor_kind="end_user")
+    assert created.count() == 5  # each ask is recorded; four of them name the pending request
+    assert {e.detail["forget_request"] for e in created} == {request.pk}
+
+
+def test_asking_again_after_the_request_was_carried_out_files_a_new_one(
+    api, seeded, django_capture_on_commit_callbacks
+):
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    first = forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
+    again = forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
+    assert first["Location"] != again["Location"]
+    assert ForgetRequest.objects.filter(tenant=tenant_a, status="completed").count() == 2
 
 
 def test_forgetting_everything_needs_the_confirmation(api, seeded):

@@ -31,10 +31,20 @@ from memories.models import Memory, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.errors import Conflict, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
+from zeromem.kit.admin import (
+    TenantScopedAdmin,
+    actor_for,
+    list_parameters_refused,
+    may,
+    service_error_text,
+    tenant_ids_with,
+)
 
 REVEAL_SESSION_KEY = "zeromem_revealed_memories"
 REVEAL_SECONDS = 300
+# An action works on at most this many memories per run ("select all" may hand it millions:
+# each is loaded with its value and changed by one service call, inside one request).
+ACTION_MAX = 1000
 
 
 class MemoryActionForm(helpers.ActionForm):
@@ -145,12 +155,21 @@ class MemoryAdmin(TenantScopedAdmin):
     search_fields = ("key", "value")
     search_help_text = "Search keys and the text of values."
     ordering = ("key",)
+    sortable_by = ("key",)  # (tenant, key) is indexed; any other column sorted every memory in scope
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 50
     actions = ("forget_selected", "extend_ttl", "move_to_trash", "restore_from_trash")
     autocomplete_fields = ("tenant",)
     object_history_template = "zeromem_admin/memory_history.html"
+
+    def get_search_results(self, request, queryset, search_term):
+        if request.path.endswith("/autocomplete/"):
+            # Any model with a foreign key to Memory (a version, an embedding) makes it an
+            # autocomplete target, yet no admin form picks a memory from a list: refused, so
+            # that a search of value words stays the list's, which audits it (memory.browse).
+            raise PermissionDenied
+        return super().get_search_results(request, queryset, search_term)
 
     # --- sensitive values: masked until an explicit, audited reveal --------------------------
 
@@ -259,6 +278,9 @@ class MemoryAdmin(TenantScopedAdmin):
     def changelist_view(self, request, extra_context=None):
         # A search over keys and value words, or a walk down the key tree, shows data of
         # every memory it matches: audited (memory.browse) in each tenant it covers.
+        refused = list_parameters_refused(request)
+        if refused is not None:
+            return refused
         search = request.GET.get("q", "")
         prefix = request.GET.get(KeyTreeFilter.parameter_name, "")
         if request.method == "GET" and (search or prefix):
@@ -420,11 +442,22 @@ class MemoryAdmin(TenantScopedAdmin):
     def _editable(self, request, queryset):
         return queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMORY_EDIT)).select_related("tenant")
 
+    def _batch(self, request, queryset) -> list[Memory]:
+        """The first ``ACTION_MAX`` memories of ``queryset`` by key; says so when more remain."""
+        batch = list(queryset.order_by("key")[: ACTION_MAX + 1])
+        if len(batch) > ACTION_MAX:
+            self.message_user(
+                request,
+                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
+                messages.WARNING,
+            )
+        return batch[:ACTION_MAX]
+
     @admin.action(permissions=["edit"], description="Forget selected memories (a forget request)")
     def forget_selected(self, request, queryset):
         reason = request.POST.get("reason", "") or "forgotten in the admin"
         by_tenant: dict[Tenant, list[str]] = {}
-        for memory in self._editable(request, queryset).order_by("key")[:1000]:
+        for memory in self._batch(request, self._editable(request, queryset)):
             by_tenant.setdefault(memory.tenant, []).append(memory.key)
         for tenant, keys in by_tenant.items():
             try:
@@ -454,7 +487,7 @@ class MemoryAdmin(TenantScopedAdmin):
             self.message_user(request, "days (extend TTL): give a whole number from 1 to 3650.", messages.ERROR)
             return
         done = 0
-        for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
+        for memory in self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=True)):
             try:
                 services.memory_update(
                     tenant=memory.tenant,
@@ -470,7 +503,7 @@ class MemoryAdmin(TenantScopedAdmin):
     @admin.action(permissions=["edit"], description="Move selected memories to the trash")
     def move_to_trash(self, request, queryset):
         done = 0
-        for memory in self._editable(request, queryset).filter(deleted_at__isnull=True):
+        for memory in self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=True)):
             try:
                 services.memory_delete(tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), key=memory.key)
             except NotFound:
@@ -481,7 +514,7 @@ class MemoryAdmin(TenantScopedAdmin):
     @admin.action(permissions=["edit"], description="Restore selected memories from the trash")
     def restore_from_trash(self, request, queryset):
         done, conflicts = 0, []
-        for memory in self._editable(request, queryset).filter(deleted_at__isnull=False):
+        for memory in self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=False)):
             try:
                 services.memory_restore(
                     tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), memory_id=memory.pk

@@ -16,6 +16,9 @@ and the access logs write its path as ``/portal/open/…`` (zeromem.kit.logs). O
   session (a signed cookie naming the link, ``ZEROMEM_PORTAL_SESSION_SECONDS``), marked by a
   conditional UPDATE of ``PortalLink.opened_at``, so two concurrent opens cannot both win.
 
+Refusals are throttled per client address (``ZEROMEM_AUTH_FAILURES_PER_MINUTE``, as failed
+authentications): past it, :class:`audit.services.AuthThrottled` and nothing is written.
+
 A revoked link's open session ends too: the session is only as good as its link's row.
 
 Looking at the link (GET) checks it without using it up, so a mail client or chat app that
@@ -33,7 +36,8 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from audit.services import audited_operation
+from audit import limits
+from audit.services import AuthThrottled, audited_operation
 from memories.models import Tenant
 from memories.portal.models import PortalLink
 from memories.services.subjects import _validated_subject
@@ -148,6 +152,12 @@ def portal_sign_out(*, link: PortalLink, actor: Actor) -> None:
 
 
 def _refuse(tenant: Tenant | None, actor: Actor, reason: str, *, subject: str = "", link=None) -> None:
+    # Throttled first, per client address, as failed authentications are: anyone may try
+    # tokens, and each refusal is an audit row nothing may delete. Past the limit the open is
+    # answered 429 and nothing is written.
+    tried = limits.hit(f"portalfail:ip:{actor.client_ip or 'unknown'}")
+    if tried.count > settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE:
+        raise AuthThrottled(tried.retry_after)
     # Its own transaction: the open fails, the record of the attempt stays.
     with audited_operation(tenant=tenant, actor=actor, action="portal.open") as op:
         op.record(

@@ -9,6 +9,8 @@ the actor's own and write the audit events.
 
 from __future__ import annotations
 
+import math
+
 from django.conf import settings
 from django.http import HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
@@ -16,6 +18,7 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
 
+from audit.services import AuthThrottled
 from memories.models import ForgetRequest
 from memories.portal import presentation
 from memories.portal.models import PortalLink
@@ -124,6 +127,12 @@ def link_open(request, token):
     except LinkRefused as exc:
         title, message = REFUSED_LINK[exc.reason]
         return _error(request, exc.http_status, title, message, has_session=_session_link(request) is not None)
+    except AuthThrottled as exc:
+        response = _error(
+            request, 429, "Too many attempts", "Too many links that do not work were opened from here. Wait a minute."
+        )
+        response["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        return response
     if not use:
         response = render(request, "portal/open.html", {"tenant": link.tenant})
         # The token is in this page's URL: never sent to another site. (Not "no-referrer":
