@@ -217,6 +217,28 @@ def test_trying_made_up_links_is_throttled_per_address_and_then_writes_nothing(a
     )
 
 
+def test_a_portal_session_loading_pages_past_its_limit_gets_429_and_writes_nothing(
+    api, seeded, settings, limiter_minute
+):
+    """Each page of a session is an audit row of the tenant's, and a session lasts half an
+    hour: past ZEROMEM_PORTAL_PAGES_PER_MINUTE its pages are a 429 (nothing read or written);
+    another session is not held up, and signing out still works."""
+    settings.ZEROMEM_PORTAL_PAGES_PER_MINUTE = 4
+    session = open_portal(issue(api)["url"])
+    other = open_portal(issue(api, "u2")["url"])
+    token = csrf(session)  # the first page
+    pages = [session.get("/portal/").status_code for _ in range(5)]
+    assert pages == [200] * 3 + [429] * 2
+    events = AuditEvent.objects.count()
+    refused = session.post("/portal/forget", {"csrfmiddlewaretoken": token, "what": "all", "confirm": "yes"})
+    assert refused.status_code == 429 and int(refused["Retry-After"]) >= 1
+    assert "Too many attempts" in page_text(refused)
+    assert AuditEvent.objects.count() == events and not ForgetRequest.objects.exists()
+    assert other.get("/portal/").status_code == 200
+    assert session.post("/portal/sign-out", {"csrfmiddlewaretoken": token}).status_code == 200
+    assert AuditEvent.objects.filter(action="portal.sign_out").count() == 1
+
+
 def test_a_link_is_an_opaque_random_token_stored_only_as_its_hash(api, api_b, seeded):
     """The URL names no tenant and no subject, and the database never holds the token."""
     import hashlib

@@ -406,6 +406,8 @@ ZEROMEM_AUDIT_SEAL_WAIT = env.float("ZEROMEM_AUDIT_SEAL_WAIT", default=5.0)
 # is the origin links are built with; empty: the origin the API request came to.
 ZEROMEM_PORTAL_LINK_SECONDS = env.int("ZEROMEM_PORTAL_LINK_SECONDS", default=3600)
 ZEROMEM_PORTAL_SESSION_SECONDS = env.int("ZEROMEM_PORTAL_SESSION_SECONDS", default=1800)
+# Pages a portal session may load per minute (each writes an audit event); past it a 429 page.
+ZEROMEM_PORTAL_PAGES_PER_MINUTE = env.int("ZEROMEM_PORTAL_PAGES_PER_MINUTE", default=60)
 ZEROMEM_PUBLIC_URL = env.str("ZEROMEM_PUBLIC_URL", default="").rstrip("/")
 # Semantic search (memories/search/embeddings.py, semantic.py). "off": words only, the
 # model is never loaded. LOAD_WAIT: a search waits for the model to load (about 3 s) instead

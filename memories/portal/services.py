@@ -132,16 +132,25 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
     return link
 
 
-def portal_session_link(*, link_id: Any) -> PortalLink | None:
+def portal_session_link(*, link_id: Any, count: bool = True) -> PortalLink | None:
     """The opened, not signed-out link a portal session cookie names (it was signed by us,
-    so ``link_id`` is ours), with its tenant; None when it no longer holds."""
+    so ``link_id`` is ours), with its tenant; None when it no longer holds.
+
+    ``count``: the page counts against the session's ``ZEROMEM_PORTAL_PAGES_PER_MINUTE``
+    (exact across processes, audit/limits.py); past it :class:`AuthThrottled` and nothing is
+    written — each page is an audit row of the tenant's, and a session lasts half an hour."""
     if not isinstance(link_id, int) or link_id < 1:
         return None
-    return (
+    link = (
         PortalLink.objects.select_related("tenant")
         .filter(pk=link_id, opened_at__isnull=False, closed_at__isnull=True, revoked_at__isnull=True)
         .first()
     )
+    if link is not None and count:
+        pages = limits.hit(f"portal:link:{link.pk}")
+        if pages.count > settings.ZEROMEM_PORTAL_PAGES_PER_MINUTE:
+            raise AuthThrottled(pages.retry_after)
+    return link
 
 
 def portal_sign_out(*, link: PortalLink, actor: Actor) -> None:

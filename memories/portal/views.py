@@ -9,6 +9,7 @@ the actor's own and write the audit events.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from django.conf import settings
@@ -88,12 +89,35 @@ def _error(request, status: int, title: str, message: str, *, has_session: bool 
     return render(request, "portal/error.html", context, status=status)
 
 
-def _session_link(request) -> PortalLink | None:
+def _session_link(request, *, count: bool = True) -> PortalLink | None:
+    """The session's link; raises AuthThrottled past the session's pages per minute
+    (``count``; see :func:`_pages`)."""
     raw = request.get_signed_cookie(
         COOKIE, default=None, salt=COOKIE_SALT, max_age=settings.ZEROMEM_PORTAL_SESSION_SECONDS
     )
     link_id = validation.ascii_int(raw)
-    return portal_session_link(link_id=link_id) if link_id else None
+    return portal_session_link(link_id=link_id, count=count) if link_id else None
+
+
+def _too_many(request, retry_after: float, message: str) -> HttpResponse:
+    response = _error(request, 429, "Too many attempts", message)
+    response["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return response
+
+
+def _pages(view):
+    """A session page: past ``ZEROMEM_PORTAL_PAGES_PER_MINUTE`` of its session, a 429 page
+    with Retry-After, and nothing read or written."""
+
+    @functools.wraps(view)
+    def page(request, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except AuthThrottled as exc:
+            message = "This page was loaded too often in the last minute. Wait a minute."
+            return _too_many(request, exc.retry_after, message)
+
+    return page
 
 
 def _no_session(request) -> HttpResponse:
@@ -126,13 +150,12 @@ def link_open(request, token):
         )
     except LinkRefused as exc:
         title, message = REFUSED_LINK[exc.reason]
-        return _error(request, exc.http_status, title, message, has_session=_session_link(request) is not None)
-    except AuthThrottled as exc:
-        response = _error(
-            request, 429, "Too many attempts", "Too many links that do not work were opened from here. Wait a minute."
+        return _error(
+            request, exc.http_status, title, message, has_session=_session_link(request, count=False) is not None
         )
-        response["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-        return response
+    except AuthThrottled as exc:
+        message = "Too many links that do not work were opened from here. Wait a minute."
+        return _too_many(request, exc.retry_after, message)
     if not use:
         response = render(request, "portal/open.html", {"tenant": link.tenant})
         # The token is in this page's URL: never sent to another site. (Not "no-referrer":
@@ -155,6 +178,7 @@ def link_open(request, token):
 
 @never_cache
 @require_http_methods(["GET", "HEAD"])
+@_pages
 def home(request):
     link = _session_link(request)
     if link is None:
@@ -192,6 +216,7 @@ def _home(request, link, memories, total, requests, *, error: str = "", status: 
 
 @never_cache
 @require_http_methods(["POST"])
+@_pages
 def forget(request):
     """One memory (``what=one``, ``key``) or everything (``what=all`` with ``confirm=yes``)."""
     link = _session_link(request)
@@ -227,6 +252,7 @@ def forget(request):
 
 @never_cache
 @require_http_methods(["GET", "HEAD"])
+@_pages
 def request_detail(request, request_id):
     link = _session_link(request)
     if link is None:
@@ -246,7 +272,7 @@ def request_detail(request, request_id):
 @never_cache
 @require_http_methods(["POST"])
 def sign_out(request):
-    link = _session_link(request)
+    link = _session_link(request, count=False)  # always possible: it ends the session
     if link is not None:
         portal_sign_out(link=link, actor=end_user_actor(request, link))
     response = render(request, "portal/signed_out.html")
