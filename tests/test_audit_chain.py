@@ -357,6 +357,16 @@ def test_audit_verify_command_exits_nonzero_naming_the_first_bad_event(chained):
     assert f"event {victim}:" in err.getvalue()
 
 
+@pytest.mark.parametrize("args", [["--tenant", "-"], ["--out", "/nonexistent-dir/checkpoint.json"], ["--out", "/"]])
+def test_checkpoint_command_with_a_bad_argument_is_a_command_error_recording_no_checkpoint(chained, args):
+    # Before: an IndexError for the tenant-less chain; an OSError after the checkpoints were
+    # recorded (audited) for a file that cannot be written.
+    with pytest.raises(CommandError, match=args[0]):
+        call_command("audit_checkpoint", *args, stdout=io.StringIO(), stderr=io.StringIO())
+    assert not AuditEvent.objects.filter(action="audit.checkpoint").exists()
+    assert not AuditCheckpoint.objects.exists()
+
+
 def test_checkpoint_command_output_detects_a_cut_tail(chained, tmp_path):
     path = tmp_path / "checkpoint.json"
     call_command("audit_checkpoint", "--tenant", chained.slug, "--out", str(path), stderr=io.StringIO())

@@ -1,4 +1,4 @@
-"""Operator commands: create_tenant and create_api_key."""
+"""Operator commands: create_tenant, create_api_key, and the batch options of the others."""
 
 import json
 from datetime import timedelta
@@ -174,3 +174,23 @@ def test_bench_load_refuses_the_shared_cluster_and_impossible_timelines_before_t
     # Checked before any cluster is created, stopped or started (no database needed).
     with pytest.raises(CommandError, match=message):
         call_command("bench_load", *args, stdout=StringIO())
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        # Before: a ValueError ("Negative indexing is not supported"), or 0 rows reindexed, said as done.
+        (["search_reindex", "--batch", "-1"], "--batch must be at least 1"),
+        (["search_reindex", "--batch", "0"], "--batch must be at least 1"),
+        # Before: nothing purged, reported as a finished purge.
+        (["purge_expired", "--max-batches", "0", "--no-progress"], "--max-batches must be at least 1"),
+        (["purge_expired", "--max-batches", "-3", "--no-progress"], "--max-batches must be at least 1"),
+    ],
+)
+def test_a_batch_option_below_one_is_a_command_error_naming_it(args, named):
+    Tenant.objects.create(slug="reindexed", name="Reindexed")
+    events = AuditEvent.objects.count()
+    with pytest.raises(CommandError, match=named):
+        run(*args)
+    assert AuditEvent.objects.count() == events

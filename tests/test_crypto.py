@@ -11,6 +11,7 @@ import threading
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import IntegrityError, connection, transaction
 from django.test import Client
 
@@ -262,6 +263,41 @@ def test_rewrap_moves_every_data_key_to_the_new_master_key_without_touching_valu
     assert read(tenant_a, "user:u2:phone") == f"{CANARY}-u2" and read(tenant_a, "team:secret") == "tenant key"
     call_command("crypto_rewrap")
     assert "re-wrapped 0 data key(s)" in capsys.readouterr().out
+
+
+def test_rewrap_with_a_batch_below_one_is_refused_and_claims_no_key_moved(tenant_a, settings, capsys):
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    old = settings.ZEROMEM_MASTER_KEYS[0]
+    settings.ZEROMEM_MASTER_KEYS = [new_master(), old]
+    before = set(DataKey.objects.values_list("pk", "master_key_id"))
+    # Before: "re-wrapped 0 data key(s); all 1 live data keys are under master key <new>" —
+    # an operator who then dropped the old master key lost every sensitive value.
+    with pytest.raises(CommandError, match="--batch must be at least 1, not 0"):
+        call_command("crypto_rewrap", "--batch", "0")
+    assert "under master key" not in capsys.readouterr().out
+    assert set(DataKey.objects.values_list("pk", "master_key_id")) == before
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--batch", "0"], "--batch must be at least 1"),
+        (["--batch", "-1"], "--batch must be at least 1"),
+        (["--pause", "-1"], "--pause must be a number of seconds of at least 0"),
+        (["--after-id", "-5"], "--after-id must be at least 0"),
+        (["--tenant-id", "987654321"], "--tenant-id: no tenant 987654321"),
+    ],
+)
+def test_reencrypt_with_a_bad_argument_is_refused_before_any_data_key_is_retired(tenant_a, args, named):
+    for i in range(3):
+        write(tenant_a, f"user:u{i}:phone", f"{CANARY}-{i}", sensitive=True)
+    current = set(DataKey.objects.filter(retired_at__isnull=True).values_list("pk", flat=True))
+    events = AuditEvent.objects.count()
+    # Before: the current keys were retired (and audited), then the batch failed or moved nothing.
+    with pytest.raises(CommandError, match=named):
+        call_command("crypto_reencrypt", "--new-data-keys", *args)
+    assert set(DataKey.objects.filter(retired_at__isnull=True).values_list("pk", flat=True)) == current
+    assert AuditEvent.objects.count() == events
 
 
 def test_reencrypt_killed_midway_completes_on_rerun_with_every_value_readable(tenant_a):

@@ -116,3 +116,25 @@ def test_autovacuum_off_is_a_deploy_warning_naming_the_database():
         assert [(w.id, w.obj) for w in found] == [("zeromem.W003", "default")]
         assert "autovacuum is off" in found[0].msg
     assert autovacuum_on(None, databases=[]) == []  # no database named: nothing is asked
+
+
+@pytest.mark.parametrize(
+    "name, value, says",
+    [
+        # Once a ValueError naming neither the variable nor where it came from.
+        ("ZEROMEM_RATE_LIMIT_PER_MINUTE", "6k", "ZEROMEM_RATE_LIMIT_PER_MINUTE cannot be read"),
+        ("DATABASE_URL", "postgres://zeromem@db:54x2/zeromem", "DATABASE_URL is not a database URL"),
+        # Once accepted: 0 days made the daily audit purge delete every sealed event.
+        ("ZEROMEM_AUDIT_RETENTION_DAYS", "0", "ZEROMEM_AUDIT_RETENTION_DAYS must be a number of at least 1"),
+        # Once accepted: 0 turned the searches' statement_timeout off; negative, every search a 500.
+        ("ZEROMEM_SEARCH_TIMEOUT_MS", "0", "ZEROMEM_SEARCH_TIMEOUT_MS must be a number of at least 1"),
+        ("ZEROMEM_MAX_BODY_BYTES", "-1", "ZEROMEM_MAX_BODY_BYTES must be a number of at least 1"),
+        ("DB_POOL_TIMEOUT", "0", "DB_POOL_TIMEOUT must be a number of at least"),
+        ("Q_RETRY", "300", "Q_RETRY (300) must exceed Q_TIMEOUT (300)"),
+        ("DB_POOL_MAX_SIZE", "1", "DB_POOL_MAX_SIZE (1) is below DB_POOL_MIN_SIZE (2)"),
+    ],
+)
+def test_a_setting_at_a_worst_value_stops_the_start_naming_the_variable(name, value, says):
+    done = _check_deploy("check", **{name: value})
+    assert done.returncode != 0
+    assert "ImproperlyConfigured" in done.stderr and says in done.stderr, done.stderr[-800:]

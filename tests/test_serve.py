@@ -210,6 +210,47 @@ def test_a_bad_process_or_thread_count_is_refused_naming_the_setting(env, capsys
     assert next(iter(env)) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        # A flag of 0 was taken for "not given": the environment's or the machine's value served.
+        (["--processes", "0"], "--processes must be at least 1"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--port", "0"], "--port must be at least 1"),
+        (["--port", "70000"], "--port must be at most 65535"),
+        (["--search-processes", "-1"], "--search-processes must be at least 0"),
+        (["--host", ""], "--host must not be empty"),
+    ],
+)
+def test_a_bad_flag_is_refused_naming_the_flag_even_when_the_environment_has_a_good_value(flags, named, capsys):
+    env = {"PORT": "9000", "ZEROMEM_WEB_PROCESSES": "2", "ZEROMEM_WEB_THREADS": "4", "ZEROMEM_SEARCH_PROCESSES": "1"}
+    with pytest.raises(SystemExit):
+        serving.parse(flags, env)
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env", [{"PORT": "70000"}, {"ZEROMEM_SEARCH_TIER_NICE": "low"}])
+def test_a_bad_port_or_search_priority_in_the_environment_is_refused_before_anything_starts(env, capsys):
+    # The nice value was read only when the first search process started: a ValueError there.
+    with pytest.raises(SystemExit):
+        serving.parse([], env)
+    assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_serve_refuses_an_address_in_use_or_unresolvable_in_one_line_starting_nothing(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = Served(tmp_path / "a", args=["--port", str(port), "--processes", "1", "--threads", "1"], env={}).run()
+    # Before: the search processes started, then granian died with a 140-line backtrace.
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"refusing to start: cannot listen on 127.0.0.1:{port} (HOST, PORT): Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr and "search tier" not in done.stderr
+    done = Served(tmp_path / "b", args=["--processes", "1", "--threads", "1"], env={"HOST": "0.0.0.0:8000"}).run()
+    assert done.returncode == 3 and "HOST '0.0.0.0:8000' is not an address to listen on" in done.stderr
+
+
 def test_a_killed_supervisors_empty_socket_directory_is_swept_by_the_next_one(tmp_path, monkeypatch):
     # Only empty directories of ours older than a minute: a live or starting supervisor's
     # (sockets in it, or just made) and anything else in the temporary directory stay.

@@ -99,6 +99,10 @@ def web_tier(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str,
     """The web server's command line and environment (zeromem/serving.py), once the database
     connections it may open fit (None, after saying why, when they do not)."""
     model = serving.parse(argv, env)
+    problem = serving.address_problem(model.host, model.port)
+    if problem:
+        print(f"[zeromem] refusing to start: {problem}", file=sys.stderr, flush=True)
+        return None
     web_env = model.environment(env)
     serving.reset_metrics_dir(web_env["PROMETHEUS_MULTIPROC_DIR"])
     if subprocess.run([PY, "-m", "zeromem.serving", "check"], cwd=ROOT, env=web_env).returncode != 0:

@@ -22,6 +22,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,15 @@ def default_search_processes() -> int:
 def search_tier_concurrency(environ: Mapping[str, str]) -> int:
     value = environ.get("ZEROMEM_SEARCH_TIER_CONCURRENCY") or DEFAULT_SEARCH_TIER_CONCURRENCY
     return _positive(value, "ZEROMEM_SEARCH_TIER_CONCURRENCY")
+
+
+def search_tier_nice(environ: Mapping[str, str]) -> int:
+    """How far below the web processes' CPU priority the search processes run (0-19)."""
+    nice = environ.get("ZEROMEM_SEARCH_TIER_NICE")
+    value = _count(DEFAULT_SEARCH_TIER_NICE if nice in (None, "") else nice, "ZEROMEM_SEARCH_TIER_NICE")
+    if value > 19:
+        raise ValueError(f"ZEROMEM_SEARCH_TIER_NICE must be at most 19, not {value}")
+    return value
 
 
 def web_threads(environ: Mapping[str, str]) -> int:
@@ -142,8 +152,7 @@ class ServingModel:
         return cmd
 
     def search_tier_command(self, python: str, socket_path: str, environ: Mapping[str, str]) -> list[str]:
-        nice = environ.get("ZEROMEM_SEARCH_TIER_NICE")
-        nice_value = DEFAULT_SEARCH_TIER_NICE if nice in (None, "") else int(nice)
+        nice_value = search_tier_nice(environ)
         manage_py = str(Path(__file__).resolve().parent.parent / "manage.py")
         return [python, manage_py, "search_tier", "--socket", socket_path, "--nice", str(nice_value)]
 
@@ -175,6 +184,24 @@ class ServingModel:
         return var / f"metrics-{self.port}"
 
 
+def address_problem(host: str, port: int) -> str | None:
+    """Why the web server could not listen on ``host:port`` (a name that does not resolve, an
+    address not of this machine, a port in use), or None. Asked before anything starts: the
+    server's own failure is a 140-line backtrace, after the search processes were started."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        return f"HOST {host!r} is not an address to listen on: {exc}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port} (HOST, PORT): {exc.strerror or exc}"
+    return None
+
+
 def reset_metrics_dir(path: str | os.PathLike) -> None:
     """Empty (or create) the metrics directory before the server starts: files left by an
     earlier run's processes would be added to this one's figures."""
@@ -202,20 +229,33 @@ def parse(argv: list[str], environ: Mapping[str, str], *, prog: str = "python3 -
         "0: the web processes rank searches themselves)",
     )
     args = parser.parse_args(argv)
+
+    def given(flag: str, name: str) -> tuple[object, str] | None:
+        # A flag given as 0 is the flag's value (refused below, naming the flag), not "unset".
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            return value, flag
+        return (environ[name], name) if environ.get(name) else None
+
     try:
         threads_per_caller(environ)  # read by each server process (zeromem/asgi.py): refused here first
+        search_tier_nice(environ)  # read by `run` when it starts a search process
+        port, port_name = given("--port", "PORT") or (DEFAULT_PORT, "PORT")
+        port = _positive(port, port_name)
+        if port > 65535:
+            raise ValueError(f"{port_name} must be at most 65535, not {port}")
+        host = args.host if args.host is not None else environ.get("HOST") or DEFAULT_HOST
+        if not host.strip():
+            raise ValueError("--host must not be empty")
+        processes = given("--processes", "ZEROMEM_WEB_PROCESSES") or (default_processes(), "ZEROMEM_WEB_PROCESSES")
+        threads = given("--threads", "ZEROMEM_WEB_THREADS") or (DEFAULT_THREADS, "ZEROMEM_WEB_THREADS")
         return ServingModel(
-            host=args.host or environ.get("HOST") or DEFAULT_HOST,
-            port=_positive(args.port or environ.get("PORT") or DEFAULT_PORT, "PORT"),
-            processes=_positive(
-                args.processes or environ.get("ZEROMEM_WEB_PROCESSES") or default_processes(), "ZEROMEM_WEB_PROCESSES"
-            ),
-            threads=_positive(args.threads or web_threads(environ), "ZEROMEM_WEB_THREADS"),
+            host=host,
+            port=port,
+            processes=_positive(*processes),
+            threads=_positive(*threads),
             search_processes=_count(
-                args.search_processes
-                if args.search_processes is not None
-                else environ.get("ZEROMEM_SEARCH_PROCESSES") or default_search_processes(),
-                "ZEROMEM_SEARCH_PROCESSES",
+                *(given("--search-processes", "ZEROMEM_SEARCH_PROCESSES") or (default_search_processes(), ""))
             ),
         )
     except ValueError as exc:

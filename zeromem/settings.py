@@ -12,6 +12,7 @@ mode SECRET_KEY must be set and the deploy checks pass (see README "Settings").
 """
 
 import hashlib
+import math
 import os
 from pathlib import Path
 
@@ -20,11 +21,31 @@ from django.core.exceptions import ImproperlyConfigured
 
 from zeromem.serving import DEFAULT_SEARCH_TIER_CONCURRENCY, pool_max_size, web_threads
 
+
+class Env(environ.Env):
+    """django-environ, with a value it cannot read refused naming its variable: its own error
+    (``invalid literal for int() with base 10: 'abc'``) names neither the variable nor where."""
+
+    def get_value(self, var, cast=None, default=environ.Env.NOTSET, parse_default=False):
+        try:
+            return super().get_value(var, cast=cast, default=default, parse_default=parse_default)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{var} cannot be read: {exc}") from None
+
+    def db_url(self, var=environ.Env.DEFAULT_DATABASE_ENV, default=environ.Env.NOTSET, engine=None):
+        try:
+            return super().db_url(var, default=default, engine=engine)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{var} is not a database URL: {exc}") from None
+
+    db = db_url
+
+
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(environ.Env().str("ZEROMEM_VAR_DIR", default=str(BASE_DIR / "var")))
+VAR_DIR = Path(Env().str("ZEROMEM_VAR_DIR", default=str(BASE_DIR / "var")))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
-env = environ.Env()
+env = Env()
 # A git-ignored .env (written by `python3 -m zeromem up`) keeps the dev settings for manage.py.
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
@@ -481,6 +502,90 @@ Q_CLUSTER = {
 if env.str("REDIS_URL", default=""):
     Q_CLUSTER.pop("orm")
     Q_CLUSTER["redis"] = env.str("REDIS_URL")
+
+# Numbers at their worst values stop the process here, naming the variable, instead of a
+# silently wrong deployment: ZEROMEM_AUDIT_RETENTION_DAYS=0 had the daily purge delete every
+# sealed audit event, ZEROMEM_SEARCH_TIMEOUT_MS=0 turned the searches' statement_timeout off,
+# a negative one failed every search with a 500. The least value each setting takes (0 where
+# the README gives 0 a meaning, 1 where 0 refuses or erases everything).
+_LEAST = {
+    "ZEROMEM_MAX_BODY_BYTES": 1,
+    "ZEROMEM_VALUE_MAX_BYTES": 1,
+    "ZEROMEM_VALUE_HARD_CAP_BYTES": 1,
+    "ZEROMEM_SEARCH_TIMEOUT_MS": 1,
+    "ZEROMEM_SEARCH_TIER_WAIT_MS": 1,
+    "ZEROMEM_SEARCH_TIER_CONCURRENCY": 1,
+    "ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY": 1,
+    "ZEROMEM_LANGGRAPH_SCAN_MAX": 1,
+    "ZEROMEM_USAGE_FLUSH_SECONDS": 0,
+    "ZEROMEM_TRASH_RETENTION_DAYS": 0,
+    "ZEROMEM_DASHBOARD_STATS_MINUTES": 0,
+    "ZEROMEM_PURGE_PAUSE_RATIO": 0,
+    "ZEROMEM_PURGE_MEMORIES_PER_SECOND": 0,
+    "ZEROMEM_API_KEY_CACHE_SECONDS": 0,
+    "ZEROMEM_RATE_LIMIT_PER_MINUTE": 1,
+    "ZEROMEM_TENANT_MAX_CONCURRENT": 1,
+    "ZEROMEM_TENANT_BUSY_WAIT_SECONDS": 0,
+    "ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND": 0,
+    "ZEROMEM_TENANT_SEARCH_CPU_BURST_MS": 0,
+    "ZEROMEM_IDEMPOTENCY_SECONDS": 1,
+    "ZEROMEM_IDEMPOTENCY_WAIT_SECONDS": 0,
+    "ZEROMEM_IDEMPOTENCY_LEASE_SECONDS": 1,
+    "ZEROMEM_TENANT_SLOT_LEASE_SECONDS": 1,
+    "ZEROMEM_TENANT_SLOT_MAX_HOLD_SECONDS": 1,
+    "ZEROMEM_DATA_KEY_CACHE_SECONDS": 0,
+    "ZEROMEM_AUTH_FAILURES_PER_MINUTE": 1,
+    "ZEROMEM_ADMIN_LOGIN_FAILURES": 1,
+    "ZEROMEM_ADMIN_LOGIN_WINDOW_SECONDS": 1,
+    "ZEROMEM_NUM_PROXIES": 0,
+    "ZEROMEM_JOB_RETENTION_DAYS": 0,
+    "ZEROMEM_SUMMARY_MAX_CHARS": 1,
+    "ZEROMEM_SUMMARIZE_IDLE_MINUTES": 0,
+    "ZEROMEM_LLM_TIMEOUT_SECONDS": 0.001,
+    "ZEROMEM_JOB_MAX_ATTEMPTS": 1,
+    "ZEROMEM_AUDIT_RETENTION_DAYS": 1,
+    "ZEROMEM_AUDIT_SEAL_BATCH": 1,
+    "ZEROMEM_AUDIT_SEAL_WAIT": 0,
+    "ZEROMEM_PORTAL_LINK_SECONDS": 1,
+    "ZEROMEM_PORTAL_SESSION_SECONDS": 1,
+    "ZEROMEM_PORTAL_PAGES_PER_MINUTE": 1,
+    "ZEROMEM_SEMANTIC_CANDIDATES": 1,
+    "ZEROMEM_SEMANTIC_WEIGHT": 0,
+    "ZEROMEM_SEMANTIC_CACHE_SECONDS": 0,
+    "ZEROMEM_SEMANTIC_CACHE_MB": 0,
+    "ZEROMEM_SEMANTIC_PROBE_SECONDS": 0,
+}
+_numbers = {name: globals()[name] for name in _LEAST}
+_numbers |= {"Q_WORKERS": Q_CLUSTER["workers"], "Q_TIMEOUT": Q_CLUSTER["timeout"], "Q_RETRY": Q_CLUSTER["retry"]}
+_numbers["Q_MAX_ATTEMPTS"] = Q_CLUSTER["max_attempts"]
+_LEAST |= {"Q_WORKERS": 1, "Q_TIMEOUT": 1, "Q_RETRY": 1, "Q_MAX_ATTEMPTS": 0}
+if "pool" in DATABASES["default"].get("OPTIONS", {}):
+    _pool = DATABASES["default"]["OPTIONS"]["pool"]
+    _numbers |= {"DB_POOL_MIN_SIZE": _pool["min_size"], "DB_POOL_MAX_SIZE": _pool["max_size"]}
+    _numbers |= {"DB_POOL_TIMEOUT": _pool["timeout"], "DB_POOL_RECONNECT_TIMEOUT": _pool["reconnect_timeout"]}
+    _numbers["DB_CONNECT_TIMEOUT"] = DATABASES["default"]["OPTIONS"]["connect_timeout"]
+    _LEAST |= {"DB_POOL_MIN_SIZE": 0, "DB_POOL_MAX_SIZE": 1, "DB_POOL_TIMEOUT": 0.001, "DB_POOL_RECONNECT_TIMEOUT": 0}
+    _LEAST["DB_CONNECT_TIMEOUT"] = 1
+    if "replica" in DATABASES:
+        _numbers["DB_REPLICA_POOL_MIN_SIZE"] = DATABASES["replica"]["OPTIONS"]["pool"]["min_size"]
+        _LEAST["DB_REPLICA_POOL_MIN_SIZE"] = 0
+for _name, _value in _numbers.items():
+    if not math.isfinite(_value) or _value < _LEAST[_name]:
+        raise ImproperlyConfigured(f"{_name} must be a number of at least {_LEAST[_name]}, not {_value!r}")
+if ZEROMEM_SEMANTIC_WEIGHT > 1:
+    raise ImproperlyConfigured(f"ZEROMEM_SEMANTIC_WEIGHT must be from 0 to 1, not {ZEROMEM_SEMANTIC_WEIGHT!r}")
+if ZEROMEM_VALUE_HARD_CAP_BYTES < ZEROMEM_VALUE_MAX_BYTES:
+    raise ImproperlyConfigured(
+        f"ZEROMEM_VALUE_HARD_CAP_BYTES ({ZEROMEM_VALUE_HARD_CAP_BYTES}) is below ZEROMEM_VALUE_MAX_BYTES "
+        f"({ZEROMEM_VALUE_MAX_BYTES})"
+    )
+if Q_CLUSTER["retry"] <= Q_CLUSTER["timeout"]:
+    # Otherwise django-q2 hands a task still running to a second worker.
+    raise ImproperlyConfigured(f"Q_RETRY ({Q_CLUSTER['retry']}) must exceed Q_TIMEOUT ({Q_CLUSTER['timeout']})")
+for _name in ("DB_POOL_MAX_SIZE",) if "DB_POOL_MAX_SIZE" in _numbers else ():
+    for _least in ("DB_POOL_MIN_SIZE", "DB_REPLICA_POOL_MIN_SIZE"):
+        if _least in _numbers and _numbers[_name] < _numbers[_least]:
+            raise ImproperlyConfigured(f"{_name} ({_numbers[_name]}) is below {_least} ({_numbers[_least]})")
 
 # Portal link tokens never reach a log line (zeromem/kit/logs.py): the filter sits on the
 # loggers that write request paths (Django's 4xx/5xx and runserver lines; granian's access log:

@@ -7,8 +7,9 @@ Audited per tenant: ``crypto.retire`` and, per batch, ``crypto.reencrypt`` with 
 
 import time
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
+from memories.models import Tenant
 from memories.services.encryption import REENCRYPT_BATCH, reencrypt, retire_data_keys
 
 
@@ -23,6 +24,16 @@ class Command(BaseCommand):
         parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep between batches")
 
     def handle(self, *args, batch, tenant_id, after_id, new_data_keys, pause, **options):
+        # Refused before anything changes: with --new-data-keys a bad --batch or --pause used to
+        # retire every current data key first, then fail (or re-encrypt nothing) with no word.
+        if batch < 1:
+            raise CommandError(f"--batch must be at least 1, not {batch}")
+        if after_id < 0:
+            raise CommandError(f"--after-id must be at least 0, not {after_id}")
+        if not 0 <= pause < float("inf"):
+            raise CommandError(f"--pause must be a number of seconds of at least 0, not {pause}")
+        if tenant_id is not None and not Tenant.objects.filter(pk=tenant_id).exists():
+            raise CommandError(f"--tenant-id: no tenant {tenant_id}")
         if new_data_keys:
             n = retire_data_keys(tenant_id=tenant_id)
             self.stdout.write(f"retired {n} data key(s)")

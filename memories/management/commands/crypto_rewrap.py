@@ -4,7 +4,7 @@ Put the new master key first and keep the old one listed, run this, then drop th
 No value is touched: only the data key rows change (fast). Idempotent. Audited: one
 ``crypto.rewrap`` event per tenant and batch, with the count of its keys."""
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from memories import keyring
 from memories.services.encryption import rewrap_data_keys
@@ -17,6 +17,9 @@ class Command(BaseCommand):
         parser.add_argument("--batch", type=int, default=500)
 
     def handle(self, *args, batch, **options):
+        if batch < 1:
+            # [:0] re-wrapped nothing and still said every key was under the new master key.
+            raise CommandError(f"--batch must be at least 1, not {batch}")
         primary, _ = keyring.masters()
         done, total = rewrap_data_keys(batch=batch, progress=lambda n: self.stdout.write(f"re-wrapped {n}"))
         self.stdout.write(f"re-wrapped {done} data key(s); all {total} live data keys are under master key {primary}")

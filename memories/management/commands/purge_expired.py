@@ -57,6 +57,8 @@ class Command(BaseCommand):
     def handle(self, *args, batch_size, max_batches, as_json: bool, no_progress: bool, **options):
         if batch_size < 1:
             raise CommandError("--batch-size must be at least 1")
+        if max_batches is not None and max_batches < 1:
+            raise CommandError(f"--max-batches must be at least 1, not {max_batches}")
         bar = None
         if not no_progress:
             pending = retention.purge_pending()

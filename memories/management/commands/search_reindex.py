@@ -26,6 +26,8 @@ class Command(BaseCommand):
         parser.add_argument("--batch", type=int, default=index.REINDEX_BATCH, help="rows per transaction")
 
     def handle(self, *args, tenant, stats_only, batch, **options):
+        if batch < 1:
+            raise CommandError(f"--batch must be at least 1, not {batch}")
         tenants = Tenant.objects.all()
         if tenant:
             tenants = tenants.filter(slug=tenant)
