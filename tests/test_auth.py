@@ -75,6 +75,10 @@ def test_rest_endpoints_without_a_key_are_401(anonymous, path):
         "Bearer zm_nounderscore",
         "zm_abc_def",
         "Basic dXNlcjpwYXNz",
+        # A control character is no key: a NUL reached PostgreSQL in the lookup (a 500).
+        "Bearer zm_\x00abc_def",
+        "Bearer zm_abc\x00_def",
+        "Bearer zm_abc_d\x1bef",
     ],
 )
 def test_malformed_authorization_header_is_401_malformed_credentials(seeded, header):
