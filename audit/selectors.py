@@ -13,6 +13,7 @@ from django.utils.dateparse import parse_datetime
 from audit.models import AuditEvent
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.keyprefix import startswith_q
 
 TEXT_MAX_LEN = 512
 
@@ -98,7 +99,7 @@ def audit_events(*, tenant, filters: AuditFilters, prefixes: list[str] | None = 
             return qs.none()
         allowed = Q(pk__in=[])
         for p in prefixes:
-            allowed |= Q(target__startswith=p)
+            allowed |= startswith_q("target", p)
         qs = qs.filter(allowed)
     return qs.order_by("-id")
 
@@ -118,7 +119,7 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
     if f.action:
         qs = qs.filter(action__startswith=f.action) if f.action.endswith(".") else qs.filter(action=f.action)
     if f.key_prefix:
-        qs = qs.filter(target__startswith=f.key_prefix)
+        qs = qs.filter(startswith_q("target", f.key_prefix))
     if f.subject:
         qs = qs.filter(subject=f.subject)
     if f.outcome:

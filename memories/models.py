@@ -13,6 +13,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from zeromem.kernel import crypto
+from zeromem.kernel.keyprefix import startswith_q
 from zeromem.kernel.scopes import Role
 
 
@@ -188,7 +189,7 @@ class MemoryQuerySet(models.QuerySet):
         return self.filter(deleted_at__isnull=False)
 
     def under_prefix(self, prefix: str):
-        return self.filter(key__startswith=prefix) if prefix else self
+        return self.filter(startswith_q("key", prefix)) if prefix else self
 
 
 class MemoryManager(models.Manager.from_queryset(MemoryQuerySet)):

@@ -75,6 +75,10 @@ def test_rest_endpoints_without_a_key_are_401(anonymous, path):
         "Bearer zm_nounderscore",
         "zm_abc_def",
         "Basic dXNlcjpwYXNz",
+        # A control character is no key: a NUL reached PostgreSQL in the lookup (a 500).
+        "Bearer zm_\x00abc_def",
+        "Bearer zm_abc\x00_def",
+        "Bearer zm_abc_d\x1bef",
     ],
 )
 def test_malformed_authorization_header_is_401_malformed_credentials(seeded, header):
@@ -326,6 +330,26 @@ def test_search_and_recall_with_broad_prefix_return_only_allowed_keys(u1_client,
     assert body["count"] == 2
     lines = body["text"].splitlines()
     assert sorted(line.split(": ", 1)[0] for line in lines) == ["user:u1:diet", "user:u1:lang"]
+
+
+def test_an_allowlist_does_not_cover_keys_that_differ_from_it_only_in_case(seeded, make_client):
+    # Keys are case-sensitive; SQLite's LIKE is not (for ASCII letters), so there every list,
+    # search, recall and audit review of a key limited to user:u1: showed USER:U1:… too.
+    for key in ["USER:U1:secret", "User:u1:zebra"]:
+        seeded.call("memory_write", key=key, value=f"zebra value of {key}")
+    client, _ = make_client(seeded.tenant, allow=["user:u1:"])
+    allowed = ["user:u1:diet", "user:u1:lang"]
+    assert client.call("memory_list")[1]["keys"] == allowed
+    assert [m["key"] for m in client.get("/api/v1/memories").json()["results"]] == allowed
+    _, body = client.call("memory_search", query="zebra value", limit=50)
+    assert sorted(r["key"] for r in body["results"]) == allowed
+    for args in ({"query": "zebra value"}, {}):
+        _, body = client.call("memory_recall", max_chars=8000, **args)
+        assert sorted(line.split(": ", 1)[0] for line in body["text"].splitlines()) == allowed, args
+    assert client.call("memory_read", key="USER:U1:secret")[0] == 403
+    events = client.get("/api/v1/audit-events", {"limit": 200}).json()["results"]
+    variants = [e["target"] for e in events if e["target"].lower().startswith("user:u1:")]
+    assert events and all(target.startswith("user:u1:") for target in variants)
 
 
 def test_allowlist_with_two_prefixes_sees_both(seeded, make_client):

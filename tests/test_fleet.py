@@ -468,3 +468,22 @@ def test_a_read_after_a_write_inside_replica_reads_goes_to_the_primary(replica_a
             assert ApiKey.objects.filter(tenant=tenant).count() == 1
         assert on_replica.captured_queries == []
     assert reads_go_to() == "default"  # outside the context
+
+
+@pytest.mark.django_db
+def test_metrics_method_label_takes_no_method_name_a_client_makes_up():
+    # The method is the client's to choose (any token): as a label, each new one was a new
+    # counter and histogram series in every process's file, for anyone without a key.
+    tenant = make_tenant("fleet-metrics-methods")
+    made_up = [f"ZMPROBE{i}" for i in range(20)]
+    for method in made_up:
+        assert Client().generic(method, "/healthz").status_code in (400, 401, 405)
+        Client().generic(method, "/api/v1/memories/user:u1:x")
+    Client().get("/healthz")
+
+    text = Client(HTTP_AUTHORIZATION=f"Bearer {_operator_key(tenant)}").get("/metrics").content.decode()
+    methods = set(re.findall(r'^zeromem_http_request\w*\{[^}]*method="([^"]*)"', text, re.M))
+    assert "GET" in methods
+    assert not methods & set(made_up)
+    assert methods <= {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT", "other"}
+    assert _samples(text, "zeromem_http_requests_total", method="other") >= 2 * len(made_up)

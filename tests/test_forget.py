@@ -166,6 +166,21 @@ def test_forget_by_prefix_follows_lineage_to_summaries_without_the_subject(
     ]
 
 
+def test_forget_by_prefix_keeps_the_keys_that_differ_from_it_only_in_case(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    # Keys are case-sensitive; on SQLite the prefix's LIKE was not, and erased these too.
+    write(tenant_a, "team:t1:lead", "Ann leads")
+    for key in ("TEAM:T1:lead", "Team:t1:plan"):
+        write(tenant_a, key, "kept")
+    r = post(api, django_capture_on_commit_callbacks, {"prefix": "team:t1:"})
+    assert get(api, r.json()["id"])["receipt"]["memories"] == 1
+    assert sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", flat=True)) == [
+        "TEAM:T1:lead",
+        "Team:t1:plan",
+    ]
+
+
 def _shared_summary(tenant, capture):
     """summary:user over u1's, u2's and u10's memories (no subject: they are three people)."""
     write(tenant, "user:u1:pref_lang", f"zh-CN {CANARY}")

@@ -48,6 +48,7 @@ from django.utils.dateparse import parse_datetime
 from memories.models import MemoryEmbedding
 from memories.search.text import PREFIX_MARK, QueryTerm, query_terms
 from zeromem.kernel.errors import Unavailable
+from zeromem.kernel.keyprefix import startswith_sql
 
 MAX_QUERY_WORDS = 32  # distinct words of a question that are looked at; the rest are ignored
 MAX_TERMS = 12  # the rarest terms kept for candidates and scoring
@@ -128,15 +129,12 @@ def plan(terms: list[QueryTerm], df: dict[str, int], documents: int, *, exact: b
     return Plan(candidate_terms=candidate_terms, scoring_terms=scoring)
 
 
-def _like_escape(prefix: str) -> str:
-    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-
-
 def _prefix_sql(prefixes: list[str] | None, column: str) -> tuple[str, list]:
     if prefixes is None or "" in prefixes:
         return "", []
-    clauses = " OR ".join(f"{column} LIKE %s ESCAPE '\\'" for _ in prefixes)
-    return f" AND ({clauses})", [_like_escape(p) for p in prefixes]
+    # Case-sensitive on SQLite too (zeromem/kernel/keyprefix.py).
+    conditions = [startswith_sql(column, p) for p in prefixes]
+    return f" AND ({' OR '.join(sql for sql, _ in conditions)})", [arg for _, args in conditions for arg in args]
 
 
 def _tie_break(importance: int, updated_at: datetime, access_count: int, now: datetime) -> float:

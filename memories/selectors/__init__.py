@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from memories.models import Memory, MemoryVersion, Tenant
 from zeromem.kernel import hotsql
+from zeromem.kernel.keyprefix import startswith_q
 
 # recall with only a prefix looks at no more than this many rows per index walk.
 SALIENT_SCAN = 1000
@@ -22,10 +23,11 @@ SALIENT_SCAN = 1000
 
 def _prefix_q(prefixes: list[str]) -> Q:
     # Each prefix is a LIKE 'p%' range scan on the (tenant, key) index; the key column uses
-    # the "C" collation on PostgreSQL so that such scans can use a plain btree.
+    # the "C" collation on PostgreSQL so that such scans can use a plain btree (on SQLite,
+    # whose LIKE ignores case, with an exact comparison besides: zeromem/kernel/keyprefix.py).
     q = Q()
     for p in prefixes:
-        q |= Q(key__startswith=p) if p else Q()
+        q |= startswith_q("key", p) if p else Q()
     return q
 
 

@@ -53,7 +53,8 @@ def verify_api_key(raw: str, *, route: str, surface: str, client_ip: str | None,
     minute), else one indexed SELECT."""
     context = {"route": route, "surface": surface, "client_ip": client_ip, "request_id": request_id}
     raw = raw.strip()
-    if not raw.startswith(API_KEY_PREFIX) or raw.count("_") < 2:
+    # A control character is in no key, and a NUL cannot reach PostgreSQL (the lookup, the counter).
+    if not raw.startswith(API_KEY_PREFIX) or raw.count("_") < 2 or not raw.isprintable():
         auth_failure(code="malformed_credentials", **context)
         raise Unauthenticated("expected 'Authorization: Bearer zm_...'", code="malformed_credentials")
     lookup = raw[len(API_KEY_PREFIX) :].split("_", 1)[0]

@@ -49,6 +49,7 @@ from memories.services.summaries import summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
+from zeromem.kernel.keyprefix import startswith_q
 from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
 
@@ -448,7 +449,7 @@ def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
     if request.subject:
         return qs.filter(subject=request.subject)  # memory_tenant_subject index
     if request.prefix:
-        return qs.filter(key__startswith=request.prefix)  # (tenant, key) pattern index
+        return qs.filter(startswith_q("key", request.prefix))  # (tenant, key) pattern index
     return qs.filter(key__in=request.keys)
 
 

@@ -8,8 +8,8 @@ directory (tests, ``manage.py runserver``) the metrics are the one process's own
 
 What is recorded where:
 
-* requests by route (the URL pattern, never the path: no key or tenant in it), method,
-  status and latency — :class:`MetricsMiddleware`;
+* requests by route (the URL pattern, never the path: no key or tenant in it), method (the
+  standard ones; any other is ``other``), status and latency — :class:`MetricsMiddleware`;
 * tool calls by tool and outcome (``ok``, ``not_found``, ``conflict``, ``error``) —
   :func:`tool_calls` from the tool endpoints;
 * tool results returned to the models, their bytes and estimated tokens, by surface
@@ -165,10 +165,17 @@ class MetricsMiddleware:
         return response
 
 
+# The method is the client's to choose (any token the server parses): as a label, each made-up
+# one was a new series of the counter and of the histogram in every process's file. Others count
+# as ``other``.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
+
+
 def _record(request, response, started: float) -> None:
     route = route_of(request)
-    LATENCY.labels(route=route, method=request.method).observe(time.perf_counter() - started)
-    REQUESTS.labels(route=route, method=request.method, status=str(response.status_code)).inc()
+    method = request.method if request.method in METHODS else "other"
+    LATENCY.labels(route=route, method=method).observe(time.perf_counter() - started)
+    REQUESTS.labels(route=route, method=method, status=str(response.status_code)).inc()
     try:
         _sample_pool()
     except Exception:  # a metric never fails a request  # nosec B110
