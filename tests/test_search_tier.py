@@ -303,3 +303,23 @@ def test_a_search_process_gives_one_tenant_one_turn_unless_configured(settings):
     assert tier.new_gate().per_tenant == 2
     settings.ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY = 9
     assert tier.new_gate().per_tenant == 4  # never more than the process's own turns
+
+
+def test_the_database_unreachable_from_the_tier_is_a_503_database_unavailable_as_in_the_web_process(
+    api, search_tier, settings, monkeypatch
+):
+    from django.db import OperationalError
+
+    _seed(api)
+
+    def unreachable(**kw):
+        raise OperationalError("connection failed: server closed the connection unexpectedly")
+
+    monkeypatch.setattr(ranking, "ranked_ids", unreachable)
+    through_tier = api.call("memory_search", query="wifi")
+    settings.ZEROMEM_SEARCH_TIER = []
+    in_the_web_process = api.call("memory_search", query="wifi")
+    assert through_tier == in_the_web_process
+    status, body = through_tier
+    assert status == 503 and body["error"]["code"] == "database_unavailable"
+    assert search_tier.ranked == 1

@@ -45,7 +45,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
 from django.conf import settings
-from django.db import connection, connections
+from django.db import InterfaceError, OperationalError, connection, connections
 from prometheus_client import Counter
 
 from memories.search.lexical import SearchTimeout
@@ -60,12 +60,15 @@ logger = logging.getLogger("zeromem.search")
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MAX_ANSWER_BYTES = 1024 * 1024
 WARN_EVERY_SECONDS = 60.0
+# The error a ranking that could not reach the database is answered with.
+DATABASE_UNAVAILABLE = "database_unavailable"
 
 # Where each search of a web process was ranked (GET /metrics, added up across processes,
 # zeromem/kit/metrics.py): ``tier``; ``fallback`` (the tier unreachable or failed mid-request:
 # ranked in the web process); ``timeout`` (no answer within ZEROMEM_SEARCH_TIER_WAIT_MS, or
-# the tier's statements ran out of time: 503). Searches with no tier configured, or inside a
-# transaction, are not counted here.
+# the tier's statements ran out of time: 503); ``error`` (the tier failed to rank: a 503 when
+# it could not reach the database, as in a web process, else a 500). Searches with no tier
+# configured, or inside a transaction, are not counted here.
 RANKINGS = Counter("zeromem_search_tier_rankings", "Searches handed to the search tier, by outcome", ["outcome"])
 
 
@@ -153,6 +156,9 @@ def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int
         RANKINGS.labels("timeout").inc()
         raise SearchTimeout()
     RANKINGS.labels("error" if error else "tier").inc()
+    if error == DATABASE_UNAVAILABLE:
+        # What the web process's own ranking raises then: 503 database_unavailable, not a 500.
+        raise OperationalError("the search tier could not reach the database")
     if error:
         raise RuntimeError(f"the search tier failed to rank: {error}")
     return [(int(memory_id), float(score)) for memory_id, score in answer["ranked"]]
@@ -231,6 +237,9 @@ def rank_request(raw: bytes, gate: Gate | None = None) -> bytes:
             }
         except SearchTimeout:
             answer = {"error": "search_timeout"}
+        except (OperationalError, InterfaceError) as exc:  # the database unreachable: 503 upstream
+            logger.warning("search tier: the database is unavailable: %s: %s", type(exc).__name__, exc)
+            answer = {"error": DATABASE_UNAVAILABLE}
         except Exception as exc:  # noqa: BLE001 - reported to the web process, which answers 500
             logger.exception("search tier: ranking failed")
             answer = {"error": type(exc).__name__}
