@@ -39,10 +39,12 @@ import hmac
 import json
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, connections
@@ -107,11 +109,37 @@ def _drop(path: str) -> None:
             pass
 
 
-def _connection(path: str) -> Connection:
+def _connection(path: str, timeout: float) -> Connection:
     conn = _mine.by_path.get(path)
     if conn is None:
-        conn = Client(path, family="AF_UNIX", authkey=authkey())
+        conn = _connect(path, timeout)
         _mine.by_path[path] = conn
+    return conn
+
+
+def _connect(path: str, timeout: float) -> Connection:
+    """``Client(path, family="AF_UNIX", authkey=authkey())``, with no step waiting longer than
+    ``timeout``: a hung search process (stopped, deadlocked) still has its socket, whose
+    backlog takes the connection, and the challenge then never came — the web thread waited
+    for ever. A read or write past it raises an OSError (SO_RCVTIMEO, SO_SNDTIMEO: the
+    descriptor stays blocking, as Connection needs; poll() is not affected)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.settimeout(None)
+        limit = struct.pack("ll", int(timeout), int(timeout % 1 * 1_000_000))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+        conn = Connection(sock.detach())
+    finally:
+        sock.close()  # detached: a no-op
+    try:
+        answer_challenge(conn, authkey())
+        deliver_challenge(conn, authkey())
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -130,8 +158,8 @@ def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int
     ).encode()
     for attempt in (1, 2):
         try:
-            conn = _connection(path)
-        except (OSError, EOFError, AuthenticationError) as exc:  # not running (yet), restarting, misconfigured
+            conn = _connection(path, wait)
+        except (OSError, EOFError, AuthenticationError) as exc:  # not running (yet), restarting, hung, misconfigured
             _warn("search tier %s unreachable (%s): ranking in the web process", path, exc)
             RANKINGS.labels("fallback").inc()
             return None
