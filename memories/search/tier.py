@@ -27,9 +27,9 @@ processes (zeromem/serving.py), and the web processes hand them the ranking:
   stops waiting for them (then they are dropped unranked). Its own connection pool.
 * A web process waits at most ``ZEROMEM_SEARCH_TIER_WAIT_MS`` for an answer: past it the
   search answers 503 ``search_timeout`` (Retry-After). A search process that is not running
-  (not started, restarting) is not an outage: the web process ranks the search itself and
-  logs a warning (once a minute). So does a search inside an open transaction, whose
-  uncommitted writes another process could not see.
+  (not started, restarting), or takes no new connection within that wait (hung), is not an
+  outage: the web process ranks the search itself and logs a warning (once a minute). So does
+  a search inside an open transaction, whose uncommitted writes another process could not see.
 """
 
 from __future__ import annotations
