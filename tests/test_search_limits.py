@@ -395,6 +395,28 @@ def test_a_single_chinese_character_finds_the_words_it_starts(api):
     assert body["results"] == [] or [r["key"] for r in body["results"]] == ["fact:gun"]
 
 
+@pytest.mark.postgres
+def test_a_lone_characters_frequency_reads_at_most_the_capped_rows_of_the_term_table(tenant_a):
+    # A lone character's frequency is the sum over the tenant's terms it starts: a tenant that
+    # wrote text with tens of thousands of distinct bigrams after each of 32 characters made
+    # every search of those characters sum ~2M rows (300 ms of PostgreSQL, outside the timeout).
+    from memories.models import SearchCorpus, SearchTerm
+
+    SearchCorpus.objects.create(tenant=tenant_a, documents=10_000)
+    rare, common = "钱", "枪"
+    SearchTerm.objects.bulk_create(
+        [SearchTerm(tenant=tenant_a, term=rare + chr(0x4E00 + i), ndoc=2) for i in range(10)]
+        + [SearchTerm(tenant=tenant_a, term=common + chr(0x4E00 + i), ndoc=1) for i in range(lexical.COUNT_CAP + 200)]
+    )
+    terms = [t.term for t in text.query_terms(f"{rare} {common}", max_words=lexical.MAX_QUERY_WORDS)]
+    with lexical.deadline() as dl:
+        df, documents, _exact = lexical._frequencies(tenant_a.pk, terms, dl)
+    assert documents == 10_000
+    assert df[rare + text.PREFIX_MARK] == 20  # exact under the cap: it may pick candidates
+    assert df[common + text.PREFIX_MARK] == lexical.COUNT_CAP  # read no further: common either way
+    assert lexical.COUNT_CAP > lexical.CANDIDATES
+
+
 def test_a_value_of_one_huge_word_is_stored_and_the_word_not_indexed(api):
     # PostgreSQL refuses a lexeme over 2 KiB; a 16 KiB run of one letter is no search term.
     status, body = api.call("memory_write", key="fact:blob", value="x" * (16 * 1024 - 2) + "")

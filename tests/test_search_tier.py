@@ -303,3 +303,64 @@ def test_a_search_process_gives_one_tenant_one_turn_unless_configured(settings):
     assert tier.new_gate().per_tenant == 2
     settings.ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY = 9
     assert tier.new_gate().per_tenant == 4  # never more than the process's own turns
+
+
+def test_the_database_unreachable_from_the_tier_is_a_503_database_unavailable_as_in_the_web_process(
+    api, search_tier, settings, monkeypatch
+):
+    from django.db import OperationalError
+
+    _seed(api)
+
+    def unreachable(**kw):
+        raise OperationalError("connection failed: server closed the connection unexpectedly")
+
+    monkeypatch.setattr(ranking, "ranked_ids", unreachable)
+    through_tier = api.call("memory_search", query="wifi")
+    settings.ZEROMEM_SEARCH_TIER = []
+    in_the_web_process = api.call("memory_search", query="wifi")
+    assert through_tier == in_the_web_process
+    status, body = through_tier
+    assert status == 503 and body["error"]["code"] == "database_unavailable"
+    assert search_tier.ranked == 1
+
+
+def test_a_search_process_that_never_answers_a_new_connection_holds_a_search_no_longer_than_the_wait(
+    api, settings, tmp_path, monkeypatch
+):
+    # A hung search process (stopped, deadlocked, swapped out) still has its socket: the kernel
+    # accepts connections into its backlog, and a web thread opening one waited for ever for the
+    # challenge — every search of every tenant ranked there took a thread and never gave it back.
+    import socket
+
+    _seed(api)
+    path = str(tmp_path / "hung.sock")
+    hung = socket.socket(socket.AF_UNIX)
+    hung.bind(path)
+    hung.listen(16)  # and never accepts
+    settings.ZEROMEM_SEARCH_TIER = [path]
+    settings.ZEROMEM_SEARCH_TIER_WAIT_MS = 300
+    monkeypatch.setattr(tier, "_last_warning", 0.0)
+    answers: list = []
+
+    def search() -> None:
+        try:
+            answers.append(tier.ranked(tenant_id=api.tenant.pk, prefixes=None, query="wifi", limit=5))
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            answers.append(exc)
+        finally:
+            tier.close_connections()
+
+    try:
+        started = time.monotonic()
+        searching = threading.Thread(target=search)
+        searching.start()
+        searching.join(5)
+        assert not searching.is_alive() and answers == [None]  # not reachable in time: ranked here
+        assert time.monotonic() - started < 2
+        # And through the API: answered, ranked in the web process, within the wait.
+        started = time.monotonic()
+        assert _keys(api, query="wifi")[:1] == ["fact:office:wifi"]
+        assert time.monotonic() - started < 2
+    finally:
+        hung.close()  # frees a thread still waiting (before the fix), so that the test ends

@@ -27,9 +27,9 @@ processes (zeromem/serving.py), and the web processes hand them the ranking:
   stops waiting for them (then they are dropped unranked). Its own connection pool.
 * A web process waits at most ``ZEROMEM_SEARCH_TIER_WAIT_MS`` for an answer: past it the
   search answers 503 ``search_timeout`` (Retry-After). A search process that is not running
-  (not started, restarting) is not an outage: the web process ranks the search itself and
-  logs a warning (once a minute). So does a search inside an open transaction, whose
-  uncommitted writes another process could not see.
+  (not started, restarting), or takes no new connection within that wait (hung), is not an
+  outage: the web process ranks the search itself and logs a warning (once a minute). So does
+  a search inside an open transaction, whose uncommitted writes another process could not see.
 """
 
 from __future__ import annotations
@@ -39,13 +39,15 @@ import hmac
 import json
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 from django.conf import settings
-from django.db import connection, connections
+from django.db import InterfaceError, OperationalError, connection, connections
 from prometheus_client import Counter
 
 from memories.search.lexical import SearchTimeout
@@ -60,12 +62,15 @@ logger = logging.getLogger("zeromem.search")
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MAX_ANSWER_BYTES = 1024 * 1024
 WARN_EVERY_SECONDS = 60.0
+# The error a ranking that could not reach the database is answered with.
+DATABASE_UNAVAILABLE = "database_unavailable"
 
 # Where each search of a web process was ranked (GET /metrics, added up across processes,
 # zeromem/kit/metrics.py): ``tier``; ``fallback`` (the tier unreachable or failed mid-request:
 # ranked in the web process); ``timeout`` (no answer within ZEROMEM_SEARCH_TIER_WAIT_MS, or
-# the tier's statements ran out of time: 503). Searches with no tier configured, or inside a
-# transaction, are not counted here.
+# the tier's statements ran out of time: 503); ``error`` (the tier failed to rank: a 503 when
+# it could not reach the database, as in a web process, else a 500). Searches with no tier
+# configured, or inside a transaction, are not counted here.
 RANKINGS = Counter("zeromem_search_tier_rankings", "Searches handed to the search tier, by outcome", ["outcome"])
 
 
@@ -104,11 +109,37 @@ def _drop(path: str) -> None:
             pass
 
 
-def _connection(path: str) -> Connection:
+def _connection(path: str, timeout: float) -> Connection:
     conn = _mine.by_path.get(path)
     if conn is None:
-        conn = Client(path, family="AF_UNIX", authkey=authkey())
+        conn = _connect(path, timeout)
         _mine.by_path[path] = conn
+    return conn
+
+
+def _connect(path: str, timeout: float) -> Connection:
+    """``Client(path, family="AF_UNIX", authkey=authkey())``, with no step waiting longer than
+    ``timeout``: a hung search process (stopped, deadlocked) still has its socket, whose
+    backlog takes the connection, and the challenge then never came — the web thread waited
+    for ever. A read or write past it raises an OSError (SO_RCVTIMEO, SO_SNDTIMEO: the
+    descriptor stays blocking, as Connection needs; poll() is not affected)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.settimeout(None)
+        limit = struct.pack("ll", int(timeout), int(timeout % 1 * 1_000_000))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+        conn = Connection(sock.detach())
+    finally:
+        sock.close()  # detached: a no-op
+    try:
+        answer_challenge(conn, authkey())
+        deliver_challenge(conn, authkey())
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -127,8 +158,8 @@ def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int
     ).encode()
     for attempt in (1, 2):
         try:
-            conn = _connection(path)
-        except (OSError, EOFError, AuthenticationError) as exc:  # not running (yet), restarting, misconfigured
+            conn = _connection(path, wait)
+        except (OSError, EOFError, AuthenticationError) as exc:  # not running (yet), restarting, hung, misconfigured
             _warn("search tier %s unreachable (%s): ranking in the web process", path, exc)
             RANKINGS.labels("fallback").inc()
             return None
@@ -153,6 +184,9 @@ def ranked(*, tenant_id: int, prefixes: list[str] | None, query: str, limit: int
         RANKINGS.labels("timeout").inc()
         raise SearchTimeout()
     RANKINGS.labels("error" if error else "tier").inc()
+    if error == DATABASE_UNAVAILABLE:
+        # What the web process's own ranking raises then: 503 database_unavailable, not a 500.
+        raise OperationalError("the search tier could not reach the database")
     if error:
         raise RuntimeError(f"the search tier failed to rank: {error}")
     return [(int(memory_id), float(score)) for memory_id, score in answer["ranked"]]
@@ -231,6 +265,9 @@ def rank_request(raw: bytes, gate: Gate | None = None) -> bytes:
             }
         except SearchTimeout:
             answer = {"error": "search_timeout"}
+        except (OperationalError, InterfaceError) as exc:  # the database unreachable: 503 upstream
+            logger.warning("search tier: the database is unavailable: %s: %s", type(exc).__name__, exc)
+            answer = {"error": DATABASE_UNAVAILABLE}
         except Exception as exc:  # noqa: BLE001 - reported to the web process, which answers 500
             logger.exception("search tier: ranking failed")
             answer = {"error": type(exc).__name__}
