@@ -486,6 +486,36 @@ def test_a_sensitive_memory_is_embedded_by_its_key_only(tenant_a):
     assert rows[plain.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=plain.key, value=CANARY))
 
 
+def test_a_memory_that_becomes_sensitive_loses_the_embedding_of_its_plain_value_at_once(tenant_a):
+    """An embedding made from a plain value carries its meaning; when the memory turns
+    sensitive (a write saying so, or a tenant rule matching an update) it goes in the same
+    transaction, not at the embedding job's next run."""
+    from memories.models import MemoryEmbedding
+    from memories.search import embeddings
+
+    by_write = write(tenant_a, "user:u1:phone", CANARY)
+    by_rule = write(tenant_a, "user:u1:contact", {"note": "plain"})
+    kept = write(tenant_a, "user:u1:pet", "a cat")
+    assert embeddings.embeddings_refresh()["embedded"] == 3
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    services.tenant_settings_update(
+        tenant=tenant_a,
+        actor=SYSTEM,
+        name=tenant_a.name,
+        value_max_bytes=None,
+        trash_retention_days=None,
+        sensitive_fields=["email"],
+    )
+    tenant_a.refresh_from_db()
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key="user:u1:contact", value={"email": CANARY})
+    assert Memory.objects.get(pk=by_rule.pk).sensitive
+    left = set(MemoryEmbedding.objects.filter(tenant_id=tenant_a.pk).values_list("memory_id", flat=True))
+    assert left == {kept.pk}
+    embeddings.embeddings_refresh()  # the job embeds them again, by their keys only
+    rows = {e.memory_id: e for e in MemoryEmbedding.objects.filter(tenant_id=tenant_a.pk)}
+    assert rows[by_write.pk].text_hash == embeddings._text_hash(embeddings.memory_text(key=by_write.key, value=None))
+
+
 @pytest.mark.django_db
 def test_bench_crypto_prints_both_kinds_and_their_ratios(capsys):
     call_command("bench_crypto", "--n", "3", "--keys", "2", "--json")

@@ -166,6 +166,10 @@ def _upsert(
             **search.index_fields(tenant_id=tenant.pk, key=key, value=None if secret else fields["value"], tags=tags),
         }
         if existing is not None:
+            if secret and not existing.sensitive:
+                # Its embedding was made from the plain value (it leaks its meaning): gone with
+                # it, not kept until the embedding job re-embeds the key alone.
+                embeddings.embeddings_delete(memory_ids=[existing.pk])
             for name, val in fields.items():
                 setattr(existing, name, val)
             existing.version += 1
@@ -295,6 +299,8 @@ def memory_update(
                     tenant_id=tenant.pk, key=key, value=None if memory.sensitive else memory.value, tags=memory.tags
                 )
             )
+        if value is not _UNSET and memory.sensitive and not row[1]:
+            embeddings.embeddings_delete(memory_ids=[memory.pk])  # made from the plain value (see _upsert)
         _record_version(memory, MemoryVersion.Op.UPDATE, actor, now)
         op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
