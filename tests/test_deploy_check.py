@@ -132,6 +132,13 @@ def test_autovacuum_off_is_a_deploy_warning_naming_the_database():
         ("DB_POOL_TIMEOUT", "0", "DB_POOL_TIMEOUT must be a number of at least"),
         ("Q_RETRY", "300", "Q_RETRY (300) must exceed Q_TIMEOUT (300)"),
         ("DB_POOL_MAX_SIZE", "1", "DB_POOL_MAX_SIZE (1) is below DB_POOL_MIN_SIZE (2)"),
+        # Once read as False: a typo switched HTTPS redirects off.
+        ("SECURE_SSL_REDIRECT", "ture", "SECURE_SSL_REDIRECT cannot be read: 'ture' is not a yes/no value"),
+        # Once read as the other choice: "of" left the model on, "wieghted" meant rrf.
+        ("ZEROMEM_EMBEDDINGS", "of", "ZEROMEM_EMBEDDINGS must be one of on, off, not 'of'"),
+        ("ZEROMEM_SEMANTIC_FUSION", "wieghted", "ZEROMEM_SEMANTIC_FUSION must be one of weighted, rrf"),
+        ("ZEROMEM_LOG_FORMAT", "jsno", "ZEROMEM_LOG_FORMAT must be one of text, json"),
+        ("ZEROMEM_PURGE_WAL_COMPRESSION", "zstandard", "ZEROMEM_PURGE_WAL_COMPRESSION must be one of auto, off"),
     ],
 )
 def test_a_setting_at_a_worst_value_stops_the_start_naming_the_variable(name, value, says):

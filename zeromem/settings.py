@@ -40,6 +40,18 @@ class Env(environ.Env):
 
     db = db_url
 
+    # A yes/no setting that is neither (SECURE_SSL_REDIRECT=ture) is refused: django-environ
+    # reads any word it does not know as False, silently switching the feature off.
+    BOOLEAN_FALSE_STRINGS = ("false", "off", "no", "n", "0", "")
+
+    @classmethod
+    def parse_value(cls, value, cast):
+        if cast is bool and isinstance(value, str):
+            word = value.strip().lower()
+            if word not in cls.BOOLEAN_TRUE_STRINGS and word not in cls.BOOLEAN_FALSE_STRINGS:
+                raise ValueError(f"{value!r} is not a yes/no value (true/false, on/off, yes/no, 1/0)")
+        return super().parse_value(value, cast)
+
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(Env().str("ZEROMEM_VAR_DIR", default=str(BASE_DIR / "var")))
@@ -579,6 +591,18 @@ if ZEROMEM_VALUE_HARD_CAP_BYTES < ZEROMEM_VALUE_MAX_BYTES:
         f"ZEROMEM_VALUE_HARD_CAP_BYTES ({ZEROMEM_VALUE_HARD_CAP_BYTES}) is below ZEROMEM_VALUE_MAX_BYTES "
         f"({ZEROMEM_VALUE_MAX_BYTES})"
     )
+# Words from a fixed set: a typo (ZEROMEM_EMBEDDINGS=of) was read as the other choice.
+for _name, _value, _choices in (
+    ("ZEROMEM_EMBEDDINGS", ZEROMEM_EMBEDDINGS, ("on", "off")),
+    ("ZEROMEM_SEMANTIC_FUSION", ZEROMEM_SEMANTIC_FUSION, ("weighted", "rrf")),
+    (
+        "ZEROMEM_PURGE_WAL_COMPRESSION",
+        ZEROMEM_PURGE_WAL_COMPRESSION.lower(),
+        ("auto", "off", "", "on", "pglz", "lz4", "zstd"),
+    ),
+):
+    if _value not in _choices:
+        raise ImproperlyConfigured(f"{_name} must be one of {', '.join(c for c in _choices if c)}, not {_value!r}")
 if Q_CLUSTER["retry"] <= Q_CLUSTER["timeout"]:
     # Otherwise django-q2 hands a task still running to a second worker.
     raise ImproperlyConfigured(f"Q_RETRY ({Q_CLUSTER['retry']}) must exceed Q_TIMEOUT ({Q_CLUSTER['timeout']})")
@@ -631,6 +655,8 @@ if ZEROMEM_TRACING:
 # "json": one JSON object per line with the request id (zeromem/kit/logs.py), and the trace id
 # when tracing; "text": plain.
 ZEROMEM_LOG_FORMAT = env.str("ZEROMEM_LOG_FORMAT", default="text")
+if ZEROMEM_LOG_FORMAT not in ("text", "json"):
+    raise ImproperlyConfigured(f"ZEROMEM_LOG_FORMAT must be one of text, json, not {ZEROMEM_LOG_FORMAT!r}")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
