@@ -523,3 +523,29 @@ def test_bench_crypto_prints_both_kinds_and_their_ratios(capsys):
     for name in ("write_plain", "write_sensitive", "read_plain", "read_sensitive"):
         assert result[name]["n"] == 3 and result[name]["errors"] == 0
     assert result["ratio_write_p50"] > 0 and result["ratio_read_p50"] > 0 and result["primitives_us"]["seal"] > 0
+
+
+# --- where plaintext could hide -------------------------------------------------------------
+
+
+def test_a_memory_that_becomes_sensitive_seals_the_versions_written_before(tenant_a):
+    """Its history held the plain values; once it is sensitive every version is sealed, in
+    the same write — by a write saying so, or an update a tenant rule matches."""
+    m = write(tenant_a, "user:u1:phone", CANARY)
+    write(tenant_a, "user:u1:phone", CANARY + "-2", sensitive=True)
+    tenant_a.sensitive_fields = ["email"]
+    tenant_a.save()
+    r = write(tenant_a, "user:u1:contact", {"note": CANARY})
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key="user:u1:contact", value={"email": "x"})
+    for memory in (m, r):
+        texts = raw_values("memories_memoryversion", "memory_id", memory.pk)
+        assert len(texts) == 2 and all(CANARY not in t for t in texts)
+        assert all(MemoryVersion.objects.filter(memory_id=memory.pk).values_list("sensitive", flat=True))
+    versions = services.memory_history(tenant=tenant_a, actor=SYSTEM, key="user:u1:phone")
+    assert [v.value for v in versions] == [CANARY + "-2", CANARY]  # still read back opened
+    # Marked plain again, then a sealed version restored: sensitive again, every version sealed.
+    write(tenant_a, "user:u1:phone", CANARY + "-3", sensitive=False)
+    assert not Memory.objects.get(pk=m.pk).sensitive
+    services.memory_restore_version(tenant=tenant_a, actor=SYSTEM, memory_id=m.pk, version=2)
+    assert Memory.objects.get(pk=m.pk).sensitive
+    assert all(CANARY not in t for t in raw_values("memories_memoryversion", "memory_id", m.pk))

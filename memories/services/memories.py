@@ -80,6 +80,18 @@ def _record_version(memory: Memory, op: str, actor: Actor, now) -> None:
     )
 
 
+def _seal_history(memory: Memory) -> None:
+    # A memory turning sensitive: the versions written while it was plain hold its plain
+    # values — sealed now, in the write's transaction, under the key its value goes under.
+    # bulk_update bypasses the field's sealing (as QuerySet.update does): sealed here. Cost:
+    # one SELECT of its plain versions, one seal each, one UPDATE per 500 of them.
+    plain = list(MemoryVersion.objects.filter(memory_id=memory.pk, sensitive=False).only("pk", "value"))
+    for version in plain:
+        version.value = keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=memory.subject)
+        version.sensitive = True
+    MemoryVersion.objects.bulk_update(plain, ["value", "sensitive"], batch_size=500)
+
+
 def memory_write(
     *,
     tenant: Tenant,
@@ -170,8 +182,11 @@ def _upsert(
                 # Its embedding was made from the plain value (it leaks its meaning): gone with
                 # it, not kept until the embedding job re-embeds the key alone.
                 embeddings.embeddings_delete(memory_ids=[existing.pk])
+            turned = secret and not existing.sensitive
             for name, val in fields.items():
                 setattr(existing, name, val)
+            if turned:
+                _seal_history(existing)  # under the subject its value goes under
             existing.version += 1
             # existing.save(update_fields=...), its UPDATE built once per set of fields.
             hotsql.update(existing, [*fields, "version"])
@@ -301,6 +316,7 @@ def memory_update(
             )
         if value is not _UNSET and memory.sensitive and not row[1]:
             embeddings.embeddings_delete(memory_ids=[memory.pk])  # made from the plain value (see _upsert)
+            _seal_history(memory)
         _record_version(memory, MemoryVersion.Op.UPDATE, actor, now)
         op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
@@ -538,6 +554,9 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
         validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
         now = timezone.now()
         secret = memory.sensitive or old.sensitive
+        if secret and not memory.sensitive:  # turning sensitive again (see _upsert)
+            embeddings.embeddings_delete(memory_ids=[memory.pk])
+            _seal_history(memory)
         Memory.objects.filter(pk=memory.pk).update(
             value=keyring.seal_value(old.value, tenant_id=tenant.pk, subject=memory.subject) if secret else old.value,
             sensitive=secret,
