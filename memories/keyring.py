@@ -19,6 +19,7 @@ never seals a new value here (:func:`current_key` checks it is still current bef
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 import time
@@ -199,7 +200,27 @@ def seal_value(value: Any, *, tenant_id: int, subject: str) -> dict:
     return crypto.seal(key, key_id, value)
 
 
+# The data keys whose values this request opened, while one is being watched
+# (:func:`opened_watch`): an Idempotency-Key answer holding them is kept sealed under them.
+_opened: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("zeromem_opened", default=None)
+
+
+def opened_watch() -> None:
+    """Start noting the data keys :func:`open_value` opens (in this thread/context)."""
+    _opened.set(set())
+
+
+def opened_take() -> set[int]:
+    """The data keys opened since :func:`opened_watch`; stops watching."""
+    opened = _opened.get()
+    _opened.set(None)
+    return opened or set()
+
+
 def open_value(envelope: dict) -> Any:
+    opened = _opened.get()
+    if opened is not None:
+        opened.add(int(envelope["k"]))
     key = data_key(int(envelope["k"]))
     if key is None:
         return ErasedValue(envelope)

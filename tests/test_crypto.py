@@ -549,3 +549,36 @@ def test_a_memory_that_becomes_sensitive_seals_the_versions_written_before(tenan
     services.memory_restore_version(tenant=tenant_a, actor=SYSTEM, memory_id=m.pk, version=2)
     assert Memory.objects.get(pk=m.pk).sensitive
     assert all(CANARY not in t for t in raw_values("memories_memoryversion", "memory_id", m.pk))
+
+
+def test_a_stored_idempotent_answer_holds_no_sensitive_value_in_plaintext(api, tenant_a):
+    """A tool call's answer kept for its Idempotency-Key (a memory_read, a search, a batch)
+    is sealed when the request opened a sensitive value, and still replayed opened."""
+    from memories.models import IdempotencyRecord
+
+    api.call("memory_write", key="user:u7:secret", value=CANARY, sensitive=True)
+    api.call("memory_write", key="user:u7:plain", value="plain-value")
+    read = {"name": "memory_read", "arguments": {"key": "user:u7:secret"}}
+    batch = {"calls": [{"name": "memory_read", "arguments": {"key": "user:u7:secret"}}]}
+    first = api.post("/api/v1/tools/call", read, headers={"Idempotency-Key": "r-1"})
+    first_batch = api.post("/api/v1/tools/batch", batch, headers={"Idempotency-Key": "b-1"})
+    plain = api.post(
+        "/api/v1/tools/call", {**read, "arguments": {"key": "user:u7:plain"}}, headers={"Idempotency-Key": "p-1"}
+    )
+    assert CANARY.encode() in first.content and CANARY.encode() in first_batch.content
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT key, body FROM memories_idempotencyrecord WHERE tenant_id = %s", [tenant_a.pk])
+        stored = {k: bytes(b) for k, b in cursor.fetchall()}
+    assert set(stored) == {"r-1", "b-1", "p-1"}
+    assert CANARY.encode() not in stored["r-1"] + stored["b-1"]
+    assert stored["p-1"] == plain.content  # nothing sensitive opened: kept as it is
+    again = api.post("/api/v1/tools/call", read, headers={"Idempotency-Key": "r-1"})
+    again_batch = api.post("/api/v1/tools/batch", batch, headers={"Idempotency-Key": "b-1"})
+    assert again["Idempotent-Replayed"] == again_batch["Idempotent-Replayed"] == "true"
+    assert again.content == first.content and again_batch.content == first_batch.content
+    # Its subject forgotten (the key destroyed), a stored answer no longer opens: the key is claimed afresh.
+    keyring.shred(tenant_id=tenant_a.pk, subject="u7")
+    keyring.forget_cache()
+    assert IdempotencyRecord.objects.filter(key="r-1").exists()
+    replay = api.post("/api/v1/tools/call", read, headers={"Idempotency-Key": "r-1"})
+    assert not replay.has_header("Idempotent-Replayed") and CANARY.encode() not in replay.content

@@ -18,6 +18,7 @@ runs the work again.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -29,7 +30,9 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from memories import keyring
 from memories.models import ApiKey, IdempotencyRecord, Tenant
+from zeromem.kernel import crypto
 from zeromem.kernel.errors import Conflict, InvalidInput, Unprocessable
 
 HEADER = "Idempotency-Key"
@@ -59,6 +62,7 @@ def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str) -> int
         now = timezone.now()
         claimed = _insert(tenant_id=tenant.pk, api_key_id=api_key.pk, key=key, fingerprint=fingerprint, now=now)
         if claimed is not None:
+            keyring.opened_watch()  # the answer is kept sealed under the data keys the work opens
             return claimed
         record = IdempotencyRecord.objects.filter(tenant=tenant, api_key=api_key, key=key).first()
         if record is None:
@@ -78,6 +82,11 @@ def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str) -> int
                 field=HEADER,
             )
         if record.status is not None:
+            body = _open(bytes(record.body))
+            if body is None:  # sealed under a destroyed key (its subject forgotten): run again
+                IdempotencyRecord.objects.filter(pk=record.pk).delete()
+                continue
+            record.body = body
             return record
         if time.monotonic() >= deadline:
             raise Conflict(
@@ -108,16 +117,51 @@ def _insert(*, tenant_id: int, api_key_id: int, key: str, fingerprint: str, now)
 
 def complete(claim_id: int, *, status: int, body: bytes, headers: dict) -> None:
     """Keep the answer — unless it says the work was not done (429, 5xx): then the claim
-    goes, and a retry does the work."""
+    goes, and a retry does the work. An answer whose work opened sensitive values may hold
+    them: it is kept sealed under each data key opened (README "Encryption at rest": no
+    sensitive value in plaintext at rest, and a forget's shredding reaches this copy too)."""
+    opened = keyring.opened_take()
     if status == 429 or status >= 500:
         release(claim_id)
         return
+    if opened:
+        body = _seal(body, opened)
+        if body is None:  # a key destroyed meanwhile: nothing could open the answer
+            release(claim_id)
+            return
     IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).update(
         status=status, body=body, headers=headers, completed_at=timezone.now()
     )
 
 
+# A sealed answer: this mark, then the envelope (JSON) of the base64 of the answer it seals
+# (sealed again under each further key). No HTTP answer body begins with a NUL.
+_SEALED = b"\x00zmenc\x00"
+
+
+def _seal(body: bytes, key_ids: set[int]) -> bytes | None:
+    for key_id in sorted(key_ids):
+        key = keyring.data_key(key_id)
+        if key is None:
+            return None
+        envelope = crypto.seal(key, key_id, base64.b64encode(body).decode("ascii"))
+        body = _SEALED + json.dumps(envelope, separators=(",", ":")).encode("ascii")
+    return body
+
+
+def _open(body: bytes) -> bytes | None:
+    """The stored answer opened; None when a key it is sealed under is destroyed."""
+    while body.startswith(_SEALED):
+        envelope = json.loads(body[len(_SEALED) :])
+        key = keyring.data_key(int(envelope["k"]))
+        if key is None:
+            return None
+        body = base64.b64decode(crypto.open_envelope(key, envelope))
+    return body
+
+
 def release(claim_id: int) -> None:
+    keyring.opened_take()
     IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).delete()
 
 
