@@ -582,3 +582,16 @@ def test_a_stored_idempotent_answer_holds_no_sensitive_value_in_plaintext(api, t
     assert IdempotencyRecord.objects.filter(key="r-1").exists()
     replay = api.post("/api/v1/tools/call", read, headers={"Idempotency-Key": "r-1"})
     assert not replay.has_header("Idempotent-Replayed") and CANARY.encode() not in replay.content
+
+
+def test_a_summary_of_a_memory_a_tenant_rule_makes_sensitive_is_sealed(tenant_a, django_capture_on_commit_callbacks):
+    """A source the tenant's rules match, written before the rule (not yet re-sealed by
+    crypto_reencrypt), still makes its summary sensitive: the summary's text is its value."""
+    write(tenant_a, "user:u3:contact", {"email": CANARY})
+    tenant_a.sensitive_fields = ["email"]
+    tenant_a.save()
+    job = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="user:u3:")
+    services.summarize_run(job_id=job.pk)
+    summary = Memory.objects.get(tenant=tenant_a, key="summary:user:u3")
+    assert summary.sensitive and CANARY in summary.value
+    assert CANARY not in json.dumps(raw_memory(summary)) and CANARY not in summary.search_text

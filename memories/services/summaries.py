@@ -43,6 +43,7 @@ from django.utils import timezone
 
 from audit.services import audited_operation
 from memories.models import Job, Memory, Tenant
+from memories.services import sensitivity
 from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
@@ -446,8 +447,11 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         subject=subject,
         category=Memory.Category.SUMMARY,
         source=f"job:summarize#{job.pk}",
-        # Made from a sensitive memory, it is as sensitive (sealed, not indexed by its text).
-        sensitive=True if any(m.sensitive for m in digest.sources) else None,
+        # Made from a sensitive memory, it is as sensitive (sealed, not indexed by its text) —
+        # one the tenant's rules match too, though written before the rule and not re-sealed yet.
+        sensitive=True
+        if any(m.sensitive or sensitivity.matches_rules(tenant, key=m.key, value=m.value) for m in digest.sources)
+        else None,
     )
     # Lineage: memory_write keeps no sources, so they are set here, in the same transaction.
     Memory.objects.filter(pk=written.memory.pk).update(sources=[m.key for m in digest.sources])
