@@ -624,3 +624,33 @@ def test_postgresql_lets_the_purge_mode_delete_only_sealed_events(chained):
     with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
         cursor.execute(f"UPDATE {SEALS} SET by_range = false WHERE tenant_id = %s AND seq = 1", [chained.pk])
+
+
+# --- forgeries the purge and redaction must not hide ----------------------------------------
+
+
+def _plain_sql(sql, params=()):
+    """As the application's role: no trigger switched off (an INSERT needs none)."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+
+
+def test_a_forged_event_inserted_into_a_purged_seals_range_is_named(chained):
+    audit_purge(tenant=chained, now=timezone.now() + timedelta(days=10_000))  # seals 1-4 purged
+    assert audit_verify(tenant_id=chained.pk).ok
+    inside = first_id_of(chained, 2) + 1  # an id a purged range seal held
+    uid = "6f1c2a1e-0000-4000-8000-000000000002"
+    _plain_sql(FORGED, [inside, uid, chained.pk, timezone.now(), "0" * 64, None, ""])
+    problem = first_problem(chained)
+    assert (problem.event_id, problem.seal) == (inside, 2) and "purged" in problem.message
+
+
+def test_a_forged_event_claiming_a_purged_old_seal_is_named(upgraded):
+    tenant, _ids = upgraded
+    audit_purge(tenant=tenant, now=timezone.now() + timedelta(days=10_000))  # the old seal 1 and seal 2
+    assert audit_verify(tenant_id=tenant.pk).ok
+    forged_id = first_id_of(tenant, 1)
+    uid = "6f1c2a1e-0000-4000-8000-000000000003"
+    _plain_sql(FORGED, [forged_id, uid, tenant.pk, timezone.now(), "0" * 64, 1, "0" * 64])
+    problem = first_problem(tenant)
+    assert (problem.event_id, problem.seal) == (forged_id, 1) and "purged" in problem.message
