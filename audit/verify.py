@@ -64,6 +64,9 @@ def _tenant_q(tenant_id: int | None) -> Q:
 
 
 def _check_event(row: dict) -> str | None:
+    for name in chain.COMMITTED_FIELDS:
+        if name in (row["redacted"] or {}) and not chain.holds_redaction(name, row[name]):
+            return f"its redacted field {name} holds no pseudonym: the event was edited after its redaction"
     expected = chain.digest(event_fields(row), commitments=row["redacted"] or None)
     if expected != row["digest"]:
         return "its fields do not match its digest: the event was edited or forged"

@@ -654,3 +654,41 @@ def test_a_forged_event_claiming_a_purged_old_seal_is_named(upgraded):
     _plain_sql(FORGED, [forged_id, uid, tenant.pk, timezone.now(), "0" * 64, 1, "0" * 64])
     problem = first_problem(tenant)
     assert (problem.event_id, problem.seal) == (forged_id, 1) and "purged" in problem.message
+
+
+@pytest.mark.parametrize(
+    "column, value",
+    [("target", "user:u7:k1"), ("subject", "u7"), ("target", "redacted:not-a-pseudonym")],
+    ids=["a named key", "a named subject", "no pseudonym"],
+)
+def test_a_redacted_field_overwritten_in_the_redact_mode_names_the_event(chained, column, value):
+    audit_redact_subject(tenant=chained, subject="u1")
+    victim = AuditEvent.objects.filter(tenant=chained, pk__in=sealed_ids(chained), target__startswith="redacted:")[0]
+    assert audit_verify(tenant_id=chained.pk).ok
+    with transaction.atomic(), connection.cursor() as cursor:  # the app's role may announce the mode too
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'redact', true)")
+        cursor.execute(f"UPDATE {TABLE} SET {column} = %s WHERE id = %s", [value, victim.pk])
+    problem = first_problem(chained)
+    assert problem.event_id == victim.pk and column in problem.message
+
+
+def test_a_redacted_client_address_written_back_names_the_event(chained):
+    end_user = Actor(
+        kind="end_user",
+        id="u1",
+        label="end user",
+        scopes=frozenset(["memory:read"]),
+        surface="portal",
+        client_ip="198.51.100.7",
+    )
+    services.memory_read(tenant=chained, actor=end_user, key="user:u1:k1")
+    audit_redact_subject(tenant=chained, subject="u1")
+    own = AuditEvent.objects.get(tenant=chained, actor_kind="end_user")
+    assert own.client_ip is None and audit_verify(tenant_id=chained.pk).ok
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'redact', true)")
+        cursor.execute(f"UPDATE {TABLE} SET client_ip = '192.0.2.1' WHERE id = %s", [own.pk])
+    problem = first_problem(chained)
+    assert problem.event_id == own.pk and "client_ip" in problem.message
