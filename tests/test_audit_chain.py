@@ -692,3 +692,31 @@ def test_a_redacted_client_address_written_back_names_the_event(chained):
         cursor.execute(f"UPDATE {TABLE} SET client_ip = '192.0.2.1' WHERE id = %s", [own.pk])
     problem = first_problem(chained)
     assert problem.event_id == own.pk and "client_ip" in problem.message
+
+
+def test_a_kept_checkpoint_whose_tenant_is_gone_fails_verification(chained, tmp_path):
+    path = tmp_path / "checkpoints.json"
+    call_command("audit_checkpoint", "--out", str(path), stderr=io.StringIO())
+    call_command("audit_verify", "--checkpoint", str(path), stdout=io.StringIO())
+    raw("UPDATE memories_tenant SET slug = 'renamed' WHERE id = %s", [chained.pk])  # no trigger guards it
+    err = io.StringIO()
+    with pytest.raises(CommandError) as failed:
+        call_command("audit_verify", "--checkpoint", str(path), stdout=io.StringIO(), stderr=err)
+    assert failed.value.returncode == 1 and f"'{chained.slug}'" in err.getvalue()
+    with pytest.raises(CommandError, match=chained.slug):  # asked for by name: no such tenant
+        call_command("audit_verify", "--tenant", chained.slug, "--checkpoint", str(path), stdout=io.StringIO())
+    err = io.StringIO()
+    with pytest.raises(CommandError) as failed:  # the renamed chain has no checkpoint in the file
+        call_command("audit_verify", "--tenant", "renamed", "--checkpoint", str(path), stdout=io.StringIO(), stderr=err)
+    assert failed.value.returncode == 1 and "renamed" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "content, field",
+    [('{"tenant": "acme", "seal": "four"}', "seal"), ('{"tenant": "acme", "seal": 4}', "head_hash"), ("[1]", "")],
+)
+def test_a_malformed_checkpoint_file_is_a_command_error_naming_the_field(chained, tmp_path, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(CommandError, match=f"{path}.*{field}"):
+        call_command("audit_verify", "--checkpoint", str(path), stdout=io.StringIO(), stderr=io.StringIO())
