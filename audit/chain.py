@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
 from datetime import UTC, datetime
 from functools import cache
 
@@ -115,3 +116,16 @@ def pseudonym(tenant_id: int | None, value: str) -> str:
     """What a redacted field holds: stable per tenant and value (events of one forgotten
     user still group together), meaningless without the key."""
     return "redacted:" + _mac("p", tenant_id, value)[:16]
+
+
+_PSEUDONYM = re.compile(r"redacted:[0-9a-f]{16}")
+
+
+def holds_redaction(name: str, value) -> bool:
+    """Whether a redacted field holds what redaction leaves there: a pseudonym, or nothing
+    for the client address. Its digest comes from the kept commitment, not from this text,
+    so verification checks the text's form here: a redacted field written back with a name
+    (a key, a user) in the ``redact`` mode does not pass."""
+    if name == "client_ip":
+        return value is None
+    return isinstance(value, str) and _PSEUDONYM.fullmatch(value) is not None

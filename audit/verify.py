@@ -5,8 +5,9 @@ event of an unpurged seal matches its digest (else it was edited), the chain rec
 the seal's events in id order gives the seal's hash (else an event was removed, inserted or
 reordered — seals made before audit migration 0011 also stored each event's chain value, so
 there the break is named at its event), and each seal holds exactly the events it says;
-events in no seal's range, events claiming a seal that does not exist, copied events (a uid
-twice) and forged purge records are found too. Unsealed events (the last
+events in no seal's range, events claiming a seal that does not exist, events inserted into a
+purged seal's range after the purge, copied events (a uid twice) and forged purge records are
+found too. Unsealed events (the last
 minute or so) are checked against their digests. A checkpoint kept outside the database
 catches a cut-off tail: its seal must still be in the chain with the same hash.
 
@@ -63,6 +64,9 @@ def _tenant_q(tenant_id: int | None) -> Q:
 
 
 def _check_event(row: dict) -> str | None:
+    for name in chain.COMMITTED_FIELDS:
+        if name in (row["redacted"] or {}) and not chain.holds_redaction(name, row[name]):
+            return f"its redacted field {name} holds no pseudonym: the event was edited after its redaction"
     expected = chain.digest(event_fields(row), commitments=row["redacted"] or None)
     if expected != row["digest"]:
         return "its fields do not match its digest: the event was edited or forged"
@@ -121,7 +125,10 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
         if seal.purged_at is not None:
             result.purged_seals += 1
             if seal.by_range:
-                ranged.skip_through(seal.last_event_id)  # leftovers of a purge are not events of the chain
+                # A purge deletes every event of the seal's range: one there now was inserted since.
+                for row in ranged.through(seal.last_event_id):
+                    if problem(Problem("lies in a purged seal's range: inserted after the purge", row["id"], seal.seq)):
+                        return result
             if seal.seq > purged_allowed:
                 if problem(Problem("is marked purged but no purge checkpoint covers it", seal=seal.seq)):
                     return result
@@ -177,6 +184,13 @@ def audit_verify(*, tenant_id: int | None, checkpoint: dict | None = None, stop_
     stray = AuditEvent.objects.filter(_tenant_q(tenant_id), seal__gt=older_head).order_by("id").first()
     if stray is not None and problem(Problem(f"claims seal {stray.seal}, which does not exist", event_id=stray.id)):
         return result
+    # An older seal's events are deleted with it: one claiming a purged seal was inserted since.
+    purged = seals.filter(purged_at__isnull=False, by_range=False).values("seq")
+    leftover = AuditEvent.objects.filter(_tenant_q(tenant_id), seal__in=purged).order_by("id").first()
+    if leftover is not None:
+        message = f"claims seal {leftover.seal}, which was purged: inserted after the purge"
+        if problem(Problem(message, event_id=leftover.id, seal=leftover.seal)):
+            return result
     older = seals.filter(purged_at__isnull=True, by_range=False).only("seq", "first_event_id", "last_event_id")
     for seal in older:
         outside = (
@@ -247,10 +261,6 @@ class RangedEvents:
 
     def through(self, event_id: int) -> Iterator[dict]:
         return self._take_while(lambda i: i <= event_id)
-
-    def skip_through(self, event_id: int) -> None:
-        for _row in self.through(event_id):
-            pass
 
     def rest(self) -> Iterator[dict]:
         return self._take_while(lambda i: True)

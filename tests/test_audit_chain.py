@@ -624,3 +624,99 @@ def test_postgresql_lets_the_purge_mode_delete_only_sealed_events(chained):
     with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SELECT set_config('zeromem.audit_mode', 'purge', true)")
         cursor.execute(f"UPDATE {SEALS} SET by_range = false WHERE tenant_id = %s AND seq = 1", [chained.pk])
+
+
+# --- forgeries the purge and redaction must not hide ----------------------------------------
+
+
+def _plain_sql(sql, params=()):
+    """As the application's role: no trigger switched off (an INSERT needs none)."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+
+
+def test_a_forged_event_inserted_into_a_purged_seals_range_is_named(chained):
+    audit_purge(tenant=chained, now=timezone.now() + timedelta(days=10_000))  # seals 1-4 purged
+    assert audit_verify(tenant_id=chained.pk).ok
+    inside = first_id_of(chained, 2) + 1  # an id a purged range seal held
+    uid = "6f1c2a1e-0000-4000-8000-000000000002"
+    _plain_sql(FORGED, [inside, uid, chained.pk, timezone.now(), "0" * 64, None, ""])
+    problem = first_problem(chained)
+    assert (problem.event_id, problem.seal) == (inside, 2) and "purged" in problem.message
+
+
+def test_a_forged_event_claiming_a_purged_old_seal_is_named(upgraded):
+    tenant, _ids = upgraded
+    audit_purge(tenant=tenant, now=timezone.now() + timedelta(days=10_000))  # the old seal 1 and seal 2
+    assert audit_verify(tenant_id=tenant.pk).ok
+    forged_id = first_id_of(tenant, 1)
+    uid = "6f1c2a1e-0000-4000-8000-000000000003"
+    _plain_sql(FORGED, [forged_id, uid, tenant.pk, timezone.now(), "0" * 64, 1, "0" * 64])
+    problem = first_problem(tenant)
+    assert (problem.event_id, problem.seal) == (forged_id, 1) and "purged" in problem.message
+
+
+@pytest.mark.parametrize(
+    "column, value",
+    [("target", "user:u7:k1"), ("subject", "u7"), ("target", "redacted:not-a-pseudonym")],
+    ids=["a named key", "a named subject", "no pseudonym"],
+)
+def test_a_redacted_field_overwritten_in_the_redact_mode_names_the_event(chained, column, value):
+    audit_redact_subject(tenant=chained, subject="u1")
+    victim = AuditEvent.objects.filter(tenant=chained, pk__in=sealed_ids(chained), target__startswith="redacted:")[0]
+    assert audit_verify(tenant_id=chained.pk).ok
+    with transaction.atomic(), connection.cursor() as cursor:  # the app's role may announce the mode too
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'redact', true)")
+        cursor.execute(f"UPDATE {TABLE} SET {column} = %s WHERE id = %s", [value, victim.pk])
+    problem = first_problem(chained)
+    assert problem.event_id == victim.pk and column in problem.message
+
+
+def test_a_redacted_client_address_written_back_names_the_event(chained):
+    end_user = Actor(
+        kind="end_user",
+        id="u1",
+        label="end user",
+        scopes=frozenset(["memory:read"]),
+        surface="portal",
+        client_ip="198.51.100.7",
+    )
+    services.memory_read(tenant=chained, actor=end_user, key="user:u1:k1")
+    audit_redact_subject(tenant=chained, subject="u1")
+    own = AuditEvent.objects.get(tenant=chained, actor_kind="end_user")
+    assert own.client_ip is None and audit_verify(tenant_id=chained.pk).ok
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'redact', true)")
+        cursor.execute(f"UPDATE {TABLE} SET client_ip = '192.0.2.1' WHERE id = %s", [own.pk])
+    problem = first_problem(chained)
+    assert problem.event_id == own.pk and "client_ip" in problem.message
+
+
+def test_a_kept_checkpoint_whose_tenant_is_gone_fails_verification(chained, tmp_path):
+    path = tmp_path / "checkpoints.json"
+    call_command("audit_checkpoint", "--out", str(path), stderr=io.StringIO())
+    call_command("audit_verify", "--checkpoint", str(path), stdout=io.StringIO())
+    raw("UPDATE memories_tenant SET slug = 'renamed' WHERE id = %s", [chained.pk])  # no trigger guards it
+    err = io.StringIO()
+    with pytest.raises(CommandError) as failed:
+        call_command("audit_verify", "--checkpoint", str(path), stdout=io.StringIO(), stderr=err)
+    assert failed.value.returncode == 1 and f"'{chained.slug}'" in err.getvalue()
+    with pytest.raises(CommandError, match=chained.slug):  # asked for by name: no such tenant
+        call_command("audit_verify", "--tenant", chained.slug, "--checkpoint", str(path), stdout=io.StringIO())
+    err = io.StringIO()
+    with pytest.raises(CommandError) as failed:  # the renamed chain has no checkpoint in the file
+        call_command("audit_verify", "--tenant", "renamed", "--checkpoint", str(path), stdout=io.StringIO(), stderr=err)
+    assert failed.value.returncode == 1 and "renamed" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "content, field",
+    [('{"tenant": "acme", "seal": "four"}', "seal"), ('{"tenant": "acme", "seal": 4}', "head_hash"), ("[1]", "")],
+)
+def test_a_malformed_checkpoint_file_is_a_command_error_naming_the_field(chained, tmp_path, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(CommandError, match=f"{path}.*{field}"):
+        call_command("audit_verify", "--checkpoint", str(path), stdout=io.StringIO(), stderr=io.StringIO())

@@ -32,8 +32,14 @@ class Command(BaseCommand):
     def handle(self, *args, tenant=None, checkpoint=None, seal=False, json=False, **options):
         kept = _load_checkpoints(checkpoint) if checkpoint else {}
         failed = False
+        verified = set()
         for label, t in chains(tenant):
             tenant_id = t.pk if t else None
+            verified.add(t.slug if t else None)
+            if checkpoint and tenant and t is not None and t.slug not in kept:
+                # Asked to check this chain against the file, which has no checkpoint of it.
+                self.stderr.write(f"{label}: FAILED — the checkpoint file {checkpoint} holds no checkpoint of it")
+                failed = True
             if seal:
                 audit_seal(tenant_id=tenant_id)
             started = time.perf_counter()
@@ -53,6 +59,12 @@ class Command(BaseCommand):
                 self.stderr.write(f"{label}: FAILED — {result.first_problem}")
                 for extra in result.problems[1:5]:
                     self.stderr.write(f"    also: {extra}")
+        if not tenant:
+            # A kept checkpoint of a chain that is no longer there (the tenant deleted or its
+            # slug changed): its whole chain is gone, which no chain's own walk can show.
+            for slug in sorted(set(kept) - verified, key=str):
+                self.stderr.write(f"'{slug}': FAILED — the checkpoint file names this tenant, which no chain has")
+                failed = True
         if failed:
             raise CommandError("audit chain verification failed", returncode=1)
 
@@ -63,7 +75,15 @@ def _load_checkpoints(path: str) -> dict:
     except (OSError, ValueError) as exc:
         raise CommandError(f"cannot read checkpoint file {path}: {exc}") from exc
     items = data if isinstance(data, list) else [data]
-    return {item.get("tenant"): item for item in items if isinstance(item, dict)}
+    for item in items:
+        # What audit_checkpoint writes; anything else would be skipped or crash the comparison.
+        if not isinstance(item, dict):
+            raise CommandError(f"checkpoint file {path}: each checkpoint must be an object")
+        for name, kind in (("tenant", str), ("seal", int), ("head_hash", str), ("events", int)):
+            value = item.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+                raise CommandError(f"checkpoint file {path}: {name} must be a {kind.__name__}")
+    return {item["tenant"]: item for item in items}
 
 
 def _as_json(label: str, result, rate: float) -> str:
