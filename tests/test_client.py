@@ -254,3 +254,32 @@ def test_a_write_whose_answer_was_lost_is_retried_without_being_done_twice(live_
     assert first["version"] == 1 and moved["version"] == 2
     assert Memory.objects.get(tenant=tenant, key="task:t1:count").version == 2
     assert AuditEvent.objects.filter(tenant=tenant, action="memory.write").count() == 1
+
+
+def test_a_retry_that_finds_its_first_attempt_still_running_waits_for_its_answer(live_server, zm_key, settings):
+    """The first attempt of a write timed out on the client but still runs on the server (its
+    Idempotency-Key claimed, no answer yet): the retry gets a real 409
+    idempotency_in_progress with Retry-After, waits it, and then gets the first attempt's
+    answer — not a Conflict, and the write is not done a second time."""
+    from memories.models import ApiKey, IdempotencyRecord
+    from memories.services import idempotency
+
+    tenant, raw = zm_key
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0.1
+    api_key = ApiKey.objects.get(tenant=tenant)
+    body = {"name": "memory_write", "arguments": {"key": "task:t1:step", "value": 2}}
+    fingerprint = idempotency.fingerprint(method="POST", path="/api/v1/tools/call", if_match=None, data=body)
+    running = IdempotencyRecord.objects.create(tenant=tenant, api_key=api_key, key="step-2", fingerprint=fingerprint)
+    first_answer = b'{"status":"ok","key":"task:t1:step","version":1,"created":true}'
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        # Meanwhile the first attempt finishes and its answer is stored.
+        idempotency.complete(running.pk, status=200, body=first_answer, headers={"Content-Type": "application/json"})
+
+    with ZeroMem(live_server.url, raw, sleep=sleep) as zm:
+        result = zm.memory_write(key="task:t1:step", value=2, idempotency_key="step-2")
+    assert result == {"status": "ok", "key": "task:t1:step", "version": 1, "created": True}
+    assert len(waits) == 1 and 1 <= waits[0] <= 1.1  # the 409's Retry-After
+    assert not AuditEvent.objects.filter(tenant=tenant, action="memory.write").exists()  # not done again
