@@ -283,3 +283,22 @@ def test_a_retry_that_finds_its_first_attempt_still_running_waits_for_its_answer
     assert result == {"status": "ok", "key": "task:t1:step", "version": 1, "created": True}
     assert len(waits) == 1 and 1 <= waits[0] <= 1.1  # the 409's Retry-After
     assert not AuditEvent.objects.filter(tenant=tenant, action="memory.write").exists()  # not done again
+
+
+def test_an_error_answer_that_is_not_json_raises_zeromem_error():
+    """A proxy in front of ZeroMem answers 502 with an HTML page: a tool call raises
+    ZeroMemError with the status, as REST calls do, not a JSON decoding error."""
+
+    def proxy(request):
+        return httpx.Response(
+            502, text="<html><body>502 Bad Gateway</body></html>", headers={"Content-Type": "text/html"}
+        )
+
+    http = httpx.Client(transport=httpx.MockTransport(proxy))
+    with ZeroMem("http://zeromem.invalid", "zm_x_y", http=http, sleep=lambda s: None) as zm:
+        with pytest.raises(ZeroMemError) as exc:
+            zm.memory_read(key="a:b")
+        assert (exc.value.status, exc.value.code) == (502, "http_502")
+        with pytest.raises(ZeroMemError) as exc:
+            zm.batch([{"name": "memory_read", "arguments": {"key": "a:b"}}])
+        assert exc.value.status == 502

@@ -198,10 +198,9 @@ class _Core:
 
     @staticmethod
     def _tool_result(response: httpx.Response) -> dict:
-        body = response.json()
         if response.status_code >= 400:
-            raise _error(response)
-        return body
+            raise _error(response)  # before decoding: a proxy's error page is not JSON
+        return response.json()
 
     @staticmethod
     def _call_body(name: str, arguments: dict) -> dict:
