@@ -113,3 +113,22 @@ def test_session_operations_match_the_sdks_sqlite_session(live_server, acme):
     assert ours[2] == items[58:] and ours[4] == items[59] and ours[6] == items[57]
     live = Memory.objects.filter(tenant=tenant, deleted_at__isnull=True)
     assert [m.value for m in live] == items[:1]
+
+
+def test_a_session_id_holding_a_colon_is_refused_since_it_would_nest_in_another_session(live_server, acme):
+    """Session "a" keeps its items under agent_session:a:items:, so a session "a:items:x" would
+    keep its own under agent_session:a:items:x:items: — inside "a"'s — and session "a" would
+    read, pop and clear them. A ':' in a session id is refused before anything is written."""
+    tenant, raw = acme
+
+    async def main():
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            for session_id in ("a:items:x", "", 7):
+                with pytest.raises(ValueError, match="session_id"):
+                    ZeroMemSession(session_id, zm)
+            await ZeroMemSession("a", zm).add_items([{"role": "user", "content": "mine"}])
+            return await ZeroMemSession("a", zm).get_items()
+
+    assert asyncio.run(main()) == [{"role": "user", "content": "mine"}]
+    keys = list(Memory.objects.filter(tenant=tenant).values_list("key", flat=True))
+    assert len(keys) == 1 and keys[0].startswith("agent_session:a:items:") and keys[0].count(":") == 3

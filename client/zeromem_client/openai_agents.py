@@ -36,6 +36,10 @@ class ZeroMemSession:
     session_settings = None
 
     def __init__(self, session_id: str, client: AsyncZeroMem, *, prefix: str = "agent_session", session_settings=None):
+        # One key segment: with a ':' the session's keys would nest under another session's
+        # items (session "a:items:x" under "a"), which would read, pop and clear them.
+        if not isinstance(session_id, str) or not session_id or ":" in session_id:
+            raise ValueError(f"session_id must be a non-empty string without ':', got {session_id!r}")
         self.session_id = session_id
         self.client = client
         self.base = f"{prefix}:{session_id}"
