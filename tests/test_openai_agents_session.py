@@ -132,3 +132,31 @@ def test_a_session_id_holding_a_colon_is_refused_since_it_would_nest_in_another_
     assert asyncio.run(main()) == [{"role": "user", "content": "mine"}]
     keys = list(Memory.objects.filter(tenant=tenant).values_list("key", flat=True))
     assert len(keys) == 1 and keys[0].startswith("agent_session:a:items:") and keys[0].count(":") == 3
+
+
+def test_pop_item_racing_another_pop_takes_the_next_item(live_server, acme):
+    """Two processes pop the same session at once: the one that loses the race for the last
+    item looks again and pops the one before it, as the README promises — it does not raise."""
+    tenant, raw = acme
+    items = [{"role": "user", "content": f"message {i}"} for i in range(3)]
+
+    class Racing(AsyncZeroMem):
+        """A client whose first read of an item lets another process pop it just before."""
+
+        popped = None
+
+        async def get(self, key):
+            if self.popped is None:
+                async with AsyncZeroMem(live_server.url, raw) as other:
+                    self.popped = await ZeroMemSession("s-1", other).pop_item()
+            return await super().get(key)
+
+    async def main():
+        async with Racing(live_server.url, raw) as zm:
+            session = ZeroMemSession("s-1", zm)
+            await session.add_items(items)
+            mine = await session.pop_item()
+            return zm.popped, mine, await session.get_items()
+
+    theirs, mine, left = asyncio.run(main())
+    assert (theirs, mine, left) == (items[2], items[1], items[:1])

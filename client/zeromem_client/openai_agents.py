@@ -82,8 +82,8 @@ class ZeroMemSession:
             if not items:
                 return None
             last = items[-1]
-            current = await self.client.get(last["key"])
             try:
+                current = await self.client.get(last["key"])
                 await self.client.delete(last["key"], if_match=current["etag"])
             except (NotFound, PreconditionFailed):
                 continue  # another writer popped or changed it: look again
