@@ -160,3 +160,24 @@ def test_pop_item_racing_another_pop_takes_the_next_item(live_server, acme):
 
     theirs, mine, left = asyncio.run(main())
     assert (theirs, mine, left) == (items[2], items[1], items[:1])
+
+
+def test_get_items_without_a_limit_honours_session_settings_as_sqlite_session_does(live_server, acme):
+    from agents.memory import SessionSettings
+
+    tenant, raw = acme
+    items = [{"role": "user", "content": f"message {i}"} for i in range(5)]
+
+    async def run(session):
+        await session.add_items(items)
+        return [await session.get_items(), await session.get_items(limit=3), await session.get_items(limit=-1)]
+
+    async def main():
+        settings = SessionSettings(limit=2)
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            ours = await run(ZeroMemSession("s-2", zm, session_settings=settings))
+        return ours, await run(SQLiteSession("s-2", session_settings=settings))
+
+    ours, sqlite = asyncio.run(main())
+    assert ours == sqlite
+    assert ours == [items[3:], items[2:], items]

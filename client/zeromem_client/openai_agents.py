@@ -52,9 +52,15 @@ class ZeroMemSession:
         return [m async for m in self.client.iter(self.items_prefix)]
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
-        """The history, oldest first; with ``limit``, the latest ``limit`` items."""
+        """The history, oldest first; with ``limit`` (else ``session_settings.limit``), the
+        latest ``limit`` items — as ``SQLiteSession``: 0 is none, a negative limit all."""
+        if limit is None and self.session_settings is not None:
+            settings = self.session_settings
+            limit = settings.get("limit") if isinstance(settings, dict) else settings.limit
         items = [m["value"] for m in await self._all()]
-        return items if limit is None else items[-limit:] if limit > 0 else []
+        if limit is None or limit < 0:
+            return items
+        return items[-limit:] if limit > 0 else []
 
     def _keys(self, count: int) -> list[str]:
         # Time-ordered, fixed width (key order is time order), never going back within this
