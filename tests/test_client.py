@@ -302,3 +302,28 @@ def test_an_error_answer_that_is_not_json_raises_zeromem_error():
         with pytest.raises(ZeroMemError) as exc:
             zm.batch([{"name": "memory_read", "arguments": {"key": "a:b"}}])
         assert exc.value.status == 502
+
+
+def test_without_idempotency_keys_a_write_whose_answer_was_lost_is_not_sent_again(live_server, zm_key):
+    """``idempotency=False``: the server cannot recognise a resent write, so a write whose
+    answer was lost after it reached the server is raised, not done twice; a read is still
+    retried, and so is a write that never reached the server."""
+    tenant, raw = zm_key
+    transport = _LoseFirstAnswer()
+    options = {"sleep": lambda s: None, "idempotency": False}
+    with ZeroMem(live_server.url, raw, http=httpx.Client(transport=transport), **options) as zm:
+        with pytest.raises(httpx.ReadError):
+            zm.memory_update(key="task:t1:count", value=1)  # not_found, answer lost
+        zm.put("task:t1:count", 0)
+        transport.lost = 0
+        with pytest.raises(httpx.ReadError):
+            zm.put("task:t1:count", 1)  # done, answer lost
+        transport.lost = 0
+        assert zm.get("task:t1:count")["version"] == 2  # a read: retried
+    assert Memory.objects.get(tenant=tenant, key="task:t1:count").version == 2
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write").count() == 2
+    waits = []
+    with ZeroMem("http://127.0.0.1:18299", raw, sleep=waits.append, idempotency=False, max_attempts=2) as zm:
+        with pytest.raises(httpx.ConnectError):
+            zm.put("task:t1:count", 2)
+    assert len(waits) == 1  # never reached a server: sent again

@@ -187,6 +187,16 @@ class _Core:
         return response.status_code == 409 and _error_code(response) == "idempotency_in_progress"
 
     @staticmethod
+    def _may_resend(method: str, headers: dict, exc: httpx.TransportError) -> bool:
+        """Whether a request that failed in transit may be sent again. A write without an
+        ``Idempotency-Key`` (``idempotency=False``) may have been done before its answer was
+        lost, and the server could not tell a resend from a new write: only a connection
+        that never carried it is retried."""
+        if method not in WRITE_METHODS or "Idempotency-Key" in headers:
+            return True
+        return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+
+    @staticmethod
     def _memory_path(key: str) -> str:
         return f"/memories/{quote(key, safe='')}"
 
@@ -273,8 +283,8 @@ class ZeroMem(_Core):
             attempt += 1
             try:
                 response = self._http.request(method, self.base + path, params=params, headers=headers, **kwargs)
-            except httpx.TransportError:
-                if not self._retryable(attempt, None):
+            except httpx.TransportError as exc:
+                if not self._retryable(attempt, None) or not self._may_resend(method, headers, exc):
                     raise
                 self._sleep(self._delay(attempt, None))
                 continue
@@ -413,8 +423,8 @@ class AsyncZeroMem(_Core):
             attempt += 1
             try:
                 response = await self._http.request(method, self.base + path, params=params, headers=headers, **kwargs)
-            except httpx.TransportError:
-                if not self._retryable(attempt, None):
+            except httpx.TransportError as exc:
+                if not self._retryable(attempt, None) or not self._may_resend(method, headers, exc):
                     raise
                 await self._sleep(self._delay(attempt, None))
                 continue
