@@ -10,7 +10,7 @@ Depends on httpx only; importing it needs no Django. ``ZeroMem`` is synchronous,
     zm.memory_write(key="user:u1:pref_lang", value="zh-CN")
     zm.memory_read(key="user:u1:pref_lang")["value"]          # 'zh-CN'
     m = zm.get("user:u1:pref_lang")                            # REST, with m["etag"]
-    zm.put("user:u1:pref_lang", {"value": "en"}, if_match=m["etag"])   # PreconditionFailed if it moved
+    zm.put("user:u1:pref_lang", "en", if_match=m["etag"])      # PreconditionFailed if it moved
 
 Retries: a 429 (rate limited, tenant busy), a 503 (database unavailable, search timeout), a
 409 ``idempotency_in_progress`` (a retry that found its first attempt still running) or a
