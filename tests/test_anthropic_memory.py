@@ -253,6 +253,25 @@ def test_a_path_that_is_not_a_key_is_a_tool_error_and_a_bad_root_a_400(api):
     assert r.status_code == 400 and rest_error(r)["field"] == "root"
 
 
+def test_a_colon_in_a_path_name_is_a_tool_error_not_a_second_path_to_a_file(api, tenant_a):
+    # /memories/notes:a.md would be the key claude:memories:notes:a.md — the file
+    # /memories/notes/a.md: the model would read, edit or delete one file under two names.
+    r = api.post(URL, {"command": "create", "path": "/memories/notes/a.md", "file_text": "likes tea\n"})
+    assert r.json() == {"content": "File created successfully at: /memories/notes/a.md", "is_error": False}
+    for command in (
+        {"command": "view", "path": "/memories/notes:a.md"},
+        {"command": "create", "path": "/memories/other:b.md", "file_text": "x"},
+        {"command": "str_replace", "path": "/memories/notes:a.md", "old_str": "tea", "new_str": "coffee"},
+        {"command": "delete", "path": "/memories/notes:a.md"},
+        {"command": "rename", "old_path": "/memories/notes/a.md", "new_path": "/memories/x:y.md"},
+    ):
+        r = api.post(URL, command)
+        assert r.status_code == 200 and r.json()["is_error"] is True, command
+        assert "cannot be stored" in r.json()["content"], command
+    live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True)
+    assert [(m.key, m.value) for m in live] == [("claude:memories:notes:a.md", "likes tea\n")]
+
+
 def test_rename_keeps_each_memorys_subject_sensitivity_tags_and_expiry(api, tenant_a):
     # Files written through the tool call (a subject, sensitive, a TTL, tags), then moved by Claude:
     # the moved memories stay encrypted, forgettable by their subject and expiring as before.

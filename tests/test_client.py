@@ -254,3 +254,76 @@ def test_a_write_whose_answer_was_lost_is_retried_without_being_done_twice(live_
     assert first["version"] == 1 and moved["version"] == 2
     assert Memory.objects.get(tenant=tenant, key="task:t1:count").version == 2
     assert AuditEvent.objects.filter(tenant=tenant, action="memory.write").count() == 1
+
+
+def test_a_retry_that_finds_its_first_attempt_still_running_waits_for_its_answer(live_server, zm_key, settings):
+    """The first attempt of a write timed out on the client but still runs on the server (its
+    Idempotency-Key claimed, no answer yet): the retry gets a real 409
+    idempotency_in_progress with Retry-After, waits it, and then gets the first attempt's
+    answer — not a Conflict, and the write is not done a second time."""
+    from memories.models import ApiKey, IdempotencyRecord
+    from memories.services import idempotency
+
+    tenant, raw = zm_key
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0.1
+    api_key = ApiKey.objects.get(tenant=tenant)
+    body = {"name": "memory_write", "arguments": {"key": "task:t1:step", "value": 2}}
+    fingerprint = idempotency.fingerprint(method="POST", path="/api/v1/tools/call", if_match=None, data=body)
+    running = IdempotencyRecord.objects.create(tenant=tenant, api_key=api_key, key="step-2", fingerprint=fingerprint)
+    first_answer = b'{"status":"ok","key":"task:t1:step","version":1,"created":true}'
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        # Meanwhile the first attempt finishes and its answer is stored.
+        idempotency.complete(running.pk, status=200, body=first_answer, headers={"Content-Type": "application/json"})
+
+    with ZeroMem(live_server.url, raw, sleep=sleep) as zm:
+        result = zm.memory_write(key="task:t1:step", value=2, idempotency_key="step-2")
+    assert result == {"status": "ok", "key": "task:t1:step", "version": 1, "created": True}
+    assert len(waits) == 1 and 1 <= waits[0] <= 1.1  # the 409's Retry-After
+    assert not AuditEvent.objects.filter(tenant=tenant, action="memory.write").exists()  # not done again
+
+
+def test_an_error_answer_that_is_not_json_raises_zeromem_error():
+    """A proxy in front of ZeroMem answers 502 with an HTML page: a tool call raises
+    ZeroMemError with the status, as REST calls do, not a JSON decoding error."""
+
+    def proxy(request):
+        return httpx.Response(
+            502, text="<html><body>502 Bad Gateway</body></html>", headers={"Content-Type": "text/html"}
+        )
+
+    http = httpx.Client(transport=httpx.MockTransport(proxy))
+    with ZeroMem("http://zeromem.invalid", "zm_x_y", http=http, sleep=lambda s: None) as zm:
+        with pytest.raises(ZeroMemError) as exc:
+            zm.memory_read(key="a:b")
+        assert (exc.value.status, exc.value.code) == (502, "http_502")
+        with pytest.raises(ZeroMemError) as exc:
+            zm.batch([{"name": "memory_read", "arguments": {"key": "a:b"}}])
+        assert exc.value.status == 502
+
+
+def test_without_idempotency_keys_a_write_whose_answer_was_lost_is_not_sent_again(live_server, zm_key):
+    """``idempotency=False``: the server cannot recognise a resent write, so a write whose
+    answer was lost after it reached the server is raised, not done twice; a read is still
+    retried, and so is a write that never reached the server."""
+    tenant, raw = zm_key
+    transport = _LoseFirstAnswer()
+    options = {"sleep": lambda s: None, "idempotency": False}
+    with ZeroMem(live_server.url, raw, http=httpx.Client(transport=transport), **options) as zm:
+        with pytest.raises(httpx.ReadError):
+            zm.memory_update(key="task:t1:count", value=1)  # not_found, answer lost
+        zm.put("task:t1:count", 0)
+        transport.lost = 0
+        with pytest.raises(httpx.ReadError):
+            zm.put("task:t1:count", 1)  # done, answer lost
+        transport.lost = 0
+        assert zm.get("task:t1:count")["version"] == 2  # a read: retried
+    assert Memory.objects.get(tenant=tenant, key="task:t1:count").version == 2
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write").count() == 2
+    waits = []
+    with ZeroMem("http://127.0.0.1:18299", raw, sleep=waits.append, idempotency=False, max_attempts=2) as zm:
+        with pytest.raises(httpx.ConnectError):
+            zm.put("task:t1:count", 2)
+    assert len(waits) == 1  # never reached a server: sent again

@@ -113,3 +113,71 @@ def test_session_operations_match_the_sdks_sqlite_session(live_server, acme):
     assert ours[2] == items[58:] and ours[4] == items[59] and ours[6] == items[57]
     live = Memory.objects.filter(tenant=tenant, deleted_at__isnull=True)
     assert [m.value for m in live] == items[:1]
+
+
+def test_a_session_id_holding_a_colon_is_refused_since_it_would_nest_in_another_session(live_server, acme):
+    """Session "a" keeps its items under agent_session:a:items:, so a session "a:items:x" would
+    keep its own under agent_session:a:items:x:items: — inside "a"'s — and session "a" would
+    read, pop and clear them. A ':' in a session id is refused before anything is written."""
+    tenant, raw = acme
+
+    async def main():
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            for session_id in ("a:items:x", "", 7):
+                with pytest.raises(ValueError, match="session_id"):
+                    ZeroMemSession(session_id, zm)
+            await ZeroMemSession("a", zm).add_items([{"role": "user", "content": "mine"}])
+            return await ZeroMemSession("a", zm).get_items()
+
+    assert asyncio.run(main()) == [{"role": "user", "content": "mine"}]
+    keys = list(Memory.objects.filter(tenant=tenant).values_list("key", flat=True))
+    assert len(keys) == 1 and keys[0].startswith("agent_session:a:items:") and keys[0].count(":") == 3
+
+
+def test_pop_item_racing_another_pop_takes_the_next_item(live_server, acme):
+    """Two processes pop the same session at once: the one that loses the race for the last
+    item looks again and pops the one before it, as the README promises — it does not raise."""
+    tenant, raw = acme
+    items = [{"role": "user", "content": f"message {i}"} for i in range(3)]
+
+    class Racing(AsyncZeroMem):
+        """A client whose first read of an item lets another process pop it just before."""
+
+        popped = None
+
+        async def get(self, key):
+            if self.popped is None:
+                async with AsyncZeroMem(live_server.url, raw) as other:
+                    self.popped = await ZeroMemSession("s-1", other).pop_item()
+            return await super().get(key)
+
+    async def main():
+        async with Racing(live_server.url, raw) as zm:
+            session = ZeroMemSession("s-1", zm)
+            await session.add_items(items)
+            mine = await session.pop_item()
+            return zm.popped, mine, await session.get_items()
+
+    theirs, mine, left = asyncio.run(main())
+    assert (theirs, mine, left) == (items[2], items[1], items[:1])
+
+
+def test_get_items_without_a_limit_honours_session_settings_as_sqlite_session_does(live_server, acme):
+    from agents.memory import SessionSettings
+
+    tenant, raw = acme
+    items = [{"role": "user", "content": f"message {i}"} for i in range(5)]
+
+    async def run(session):
+        await session.add_items(items)
+        return [await session.get_items(), await session.get_items(limit=3), await session.get_items(limit=-1)]
+
+    async def main():
+        settings = SessionSettings(limit=2)
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            ours = await run(ZeroMemSession("s-2", zm, session_settings=settings))
+        return ours, await run(SQLiteSession("s-2", session_settings=settings))
+
+    ours, sqlite = asyncio.run(main())
+    assert ours == sqlite
+    assert ours == [items[3:], items[2:], items]

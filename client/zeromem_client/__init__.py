@@ -10,9 +10,10 @@ Depends on httpx only; importing it needs no Django. ``ZeroMem`` is synchronous,
     zm.memory_write(key="user:u1:pref_lang", value="zh-CN")
     zm.memory_read(key="user:u1:pref_lang")["value"]          # 'zh-CN'
     m = zm.get("user:u1:pref_lang")                            # REST, with m["etag"]
-    zm.put("user:u1:pref_lang", {"value": "en"}, if_match=m["etag"])   # PreconditionFailed if it moved
+    zm.put("user:u1:pref_lang", "en", if_match=m["etag"])      # PreconditionFailed if it moved
 
-Retries: a 429 (rate limited, tenant busy), a 503 (database unavailable, search timeout) or a
+Retries: a 429 (rate limited, tenant busy), a 503 (database unavailable, search timeout), a
+409 ``idempotency_in_progress`` (a retry that found its first attempt still running) or a
 connection error is retried up to ``max_attempts`` times in all, waiting ``Retry-After`` when
 the server gives one, else exponential backoff with full jitter. Every write (POST, PUT,
 PATCH, DELETE) carries an ``Idempotency-Key`` that stays the same across its retries, so a
@@ -107,6 +108,14 @@ def _error(response: httpx.Response) -> ZeroMemError:
     return _ERRORS.get(response.status_code, ZeroMemError)(response.status_code, body, response.headers)
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
+
+
 def retry_after_seconds(value: str | None) -> float | None:
     """Seconds from a ``Retry-After`` header: a number of seconds or an HTTP date."""
     if not value:
@@ -171,7 +180,21 @@ class _Core:
     def _retryable(self, attempt: int, response: httpx.Response | None) -> bool:
         if attempt >= self.max_attempts:
             return False
-        return response is None or response.status_code in RETRY_STATUSES
+        if response is None or response.status_code in RETRY_STATUSES:
+            return True
+        # A retry that found its first attempt still running (it timed out here, not there):
+        # waiting gets that attempt's answer; raising Conflict would report a write not done.
+        return response.status_code == 409 and _error_code(response) == "idempotency_in_progress"
+
+    @staticmethod
+    def _may_resend(method: str, headers: dict, exc: httpx.TransportError) -> bool:
+        """Whether a request that failed in transit may be sent again. A write without an
+        ``Idempotency-Key`` (``idempotency=False``) may have been done before its answer was
+        lost, and the server could not tell a resend from a new write: only a connection
+        that never carried it is retried."""
+        if method not in WRITE_METHODS or "Idempotency-Key" in headers:
+            return True
+        return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
 
     @staticmethod
     def _memory_path(key: str) -> str:
@@ -185,10 +208,9 @@ class _Core:
 
     @staticmethod
     def _tool_result(response: httpx.Response) -> dict:
-        body = response.json()
         if response.status_code >= 400:
-            raise _error(response)
-        return body
+            raise _error(response)  # before decoding: a proxy's error page is not JSON
+        return response.json()
 
     @staticmethod
     def _call_body(name: str, arguments: dict) -> dict:
@@ -261,8 +283,8 @@ class ZeroMem(_Core):
             attempt += 1
             try:
                 response = self._http.request(method, self.base + path, params=params, headers=headers, **kwargs)
-            except httpx.TransportError:
-                if not self._retryable(attempt, None):
+            except httpx.TransportError as exc:
+                if not self._retryable(attempt, None) or not self._may_resend(method, headers, exc):
                     raise
                 self._sleep(self._delay(attempt, None))
                 continue
@@ -401,8 +423,8 @@ class AsyncZeroMem(_Core):
             attempt += 1
             try:
                 response = await self._http.request(method, self.base + path, params=params, headers=headers, **kwargs)
-            except httpx.TransportError:
-                if not self._retryable(attempt, None):
+            except httpx.TransportError as exc:
+                if not self._retryable(attempt, None) or not self._may_resend(method, headers, exc):
                     raise
                 await self._sleep(self._delay(attempt, None))
                 continue

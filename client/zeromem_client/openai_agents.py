@@ -36,6 +36,10 @@ class ZeroMemSession:
     session_settings = None
 
     def __init__(self, session_id: str, client: AsyncZeroMem, *, prefix: str = "agent_session", session_settings=None):
+        # One key segment: with a ':' the session's keys would nest under another session's
+        # items (session "a:items:x" under "a"), which would read, pop and clear them.
+        if not isinstance(session_id, str) or not session_id or ":" in session_id:
+            raise ValueError(f"session_id must be a non-empty string without ':', got {session_id!r}")
         self.session_id = session_id
         self.client = client
         self.base = f"{prefix}:{session_id}"
@@ -48,9 +52,15 @@ class ZeroMemSession:
         return [m async for m in self.client.iter(self.items_prefix)]
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
-        """The history, oldest first; with ``limit``, the latest ``limit`` items."""
+        """The history, oldest first; with ``limit`` (else ``session_settings.limit``), the
+        latest ``limit`` items — as ``SQLiteSession``: 0 is none, a negative limit all."""
+        if limit is None and self.session_settings is not None:
+            settings = self.session_settings
+            limit = settings.get("limit") if isinstance(settings, dict) else settings.limit
         items = [m["value"] for m in await self._all()]
-        return items if limit is None else items[-limit:] if limit > 0 else []
+        if limit is None or limit < 0:
+            return items
+        return items[-limit:] if limit > 0 else []
 
     def _keys(self, count: int) -> list[str]:
         # Time-ordered, fixed width (key order is time order), never going back within this
@@ -78,8 +88,8 @@ class ZeroMemSession:
             if not items:
                 return None
             last = items[-1]
-            current = await self.client.get(last["key"])
             try:
+                current = await self.client.get(last["key"])
                 await self.client.delete(last["key"], if_match=current["etag"])
             except (NotFound, PreconditionFailed):
                 continue  # another writer popped or changed it: look again

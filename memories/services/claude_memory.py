@@ -80,6 +80,9 @@ class MemoryTool:
             segments.append(segment)
         key = ":".join([self.root, *segments])
         try:
+            # A ':' would split a name into key segments: /memories/a:b the file /memories/a/b.
+            if any(":" in segment for segment in segments):
+                raise InvalidInput("a name may not contain ':'", field="path")
             validation.key(key)
         except InvalidInput as exc:
             raise MemoryToolError(
