@@ -612,8 +612,8 @@ class IdempotencyRecord(models.Model):
     ``ZEROMEM_IDEMPOTENCY_SECONDS``) gets it again instead of doing the work twice.
 
     Claimed (``status`` null) before the work starts; the answer is stored when it is done.
-    ``fingerprint`` is the SHA-256 of the request (method, path and query, If-Match, the
-    parsed body): the same key with another request is refused. The stored body can hold
+    ``fingerprint`` is the HMAC-SHA256 of the request (method, path and query, If-Match, the
+    parsed body), keyed from SECRET_KEY: the same key with another request is refused. The stored body can hold
     memory values, so the purge schedule deletes records after their window and a forget
     request deletes its tenant's records."""
 

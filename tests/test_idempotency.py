@@ -45,6 +45,31 @@ def test_a_retried_tool_call_gets_the_first_answer_without_doing_it_again(api, t
     assert api.post(CALL, update, headers=_key("k-2")).json()["version"] == 3
 
 
+def test_the_stored_fingerprint_is_keyed_so_a_short_value_cannot_be_guessed_from_it(api, tenant_a):
+    """The fingerprint is kept for the key's window beside the answer; a plain hash of a body
+    holding a phone number could be matched against every candidate number. It is keyed with a
+    secret the database does not hold; a record made before (a plain hash) still replays."""
+    import hashlib
+    import json
+
+    from memories.services import idempotency
+
+    body = {"name": "memory_write", "arguments": {"key": "user:u1:phone", "value": "555-0100", "sensitive": True}}
+    assert api.post(CALL, body, headers=_key("k-phone")).status_code == 200
+    stored = IdempotencyRecord.objects.get(tenant=tenant_a, key="k-phone").fingerprint
+    for guess in ("555-0100", "555-0101"):
+        data = {**body, "arguments": {**body["arguments"], "value": guess}}
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        assert stored != hashlib.sha256("\n".join(["POST", CALL, "", text]).encode()).hexdigest()
+    parts = {"method": "POST", "path": CALL, "if_match": None, "data": body}
+    assert stored == idempotency.fingerprint(**parts)
+    # A record from before the keyed fingerprint: a retry of its request is replayed, not refused.
+    IdempotencyRecord.objects.filter(key="k-phone").update(fingerprint=idempotency.legacy_fingerprint(**parts))
+    again = api.post(CALL, body, headers=_key("k-phone"))
+    assert again.status_code == 200 and again["Idempotent-Replayed"] == "true"
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:phone").version == 1
+
+
 def test_rest_writes_replay_status_and_etag(api, tenant_a):
     path = "/api/v1/memories/user:u1:name"
     first = api.put(path, {"value": "Ann"}, headers=_key("put-1"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import re
 import time
@@ -48,12 +49,30 @@ def key(raw: Any) -> str:
 
 
 def fingerprint(*, method: str, path: str, if_match: str | None, data: Any) -> str:
+    """What identifies the request a key was first used for: HMAC-SHA256 of its method, path,
+    If-Match and body, under a key derived from ``SECRET_KEY``. Keyed, because the body may hold
+    a short sensitive value (a phone number) that a plain hash, kept for
+    ``ZEROMEM_IDEMPOTENCY_SECONDS``, would give away to anyone holding a dump and a list of guesses."""
+    return hmac.new(_fingerprint_key(), _request_text(method, path, if_match, data), hashlib.sha256).hexdigest()
+
+
+def legacy_fingerprint(*, method: str, path: str, if_match: str | None, data: Any) -> str:
+    """The plain SHA-256 that records made before the keyed fingerprint hold: still accepted by
+    :func:`claim` so that a retry spanning the upgrade is replayed, not refused (such records
+    expire within ``ZEROMEM_IDEMPOTENCY_SECONDS``)."""
+    return hashlib.sha256(_request_text(method, path, if_match, data)).hexdigest()
+
+
+def _request_text(method: str, path: str, if_match: str | None, data: Any) -> bytes:
     body = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-    text = "\n".join([method, path, if_match or "", body])
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return "\n".join([method, path, if_match or "", body]).encode("utf-8", "surrogatepass")
 
 
-def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str) -> int | IdempotencyRecord:
+def _fingerprint_key() -> bytes:
+    return hashlib.sha256(b"zeromem-idempotency-fingerprint\x00" + settings.SECRET_KEY.encode()).digest()
+
+
+def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str, legacy: str = "") -> int | IdempotencyRecord:
     """The new claim's id (do the work, then :func:`complete`), or the finished record whose
     answer to replay. Raises 422 for another request under this key, 409 if the first
     request is still running after the wait."""
@@ -74,7 +93,7 @@ def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str) -> int
         if expired or abandoned:
             IdempotencyRecord.objects.filter(pk=record.pk, created_at=record.created_at).delete()
             continue
-        if record.fingerprint != fingerprint:
+        if record.fingerprint != fingerprint and not (legacy and record.fingerprint == legacy):
             raise Unprocessable(
                 f"this {HEADER} was already used for a different request (method, path or body); "
                 "use a new key for a new request",
