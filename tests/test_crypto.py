@@ -342,6 +342,24 @@ def test_reencrypt_seals_memories_a_new_rule_matches(tenant_a):
     assert read(tenant_a, "user:u1:phone") == CANARY
 
 
+def test_reencrypt_seals_a_summary_made_from_a_memory_a_new_rule_matches(tenant_a, django_capture_on_commit_callbacks):
+    """A summary holds its sources' text: when a rule added later makes a source sensitive,
+    crypto_reencrypt seals the summary (and its versions) too, not the source alone."""
+    from tests.factories import summarize
+
+    write(tenant_a, "user:u1:phone", CANARY)
+    summary = summarize(tenant_a, "user:u1:", django_capture_on_commit_callbacks)
+    assert CANARY in json.dumps(raw_memory(summary)) and not summary.sensitive
+    tenant_a.sensitive_keys = ["user:*:phone"]
+    tenant_a.save()
+    reencrypt()
+    summary.refresh_from_db()
+    assert summary.sensitive and CANARY not in json.dumps(raw_memory(summary))
+    assert not any(CANARY in v for v in raw_values("memories_memoryversion", "memory_id", summary.pk))
+    assert CANARY not in summary.search_text
+    assert CANARY in read(tenant_a, summary.key)
+
+
 def crypto_events(tenant) -> list[tuple[str, int | None, dict]]:
     events = AuditEvent.objects.filter(tenant=tenant, action__startswith="crypto.").order_by("id")
     for e in events:

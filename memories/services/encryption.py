@@ -128,10 +128,30 @@ def reencrypt(
             progress(done)
 
 
+def _summary_of_sensitive(memory: Memory, tenant: Tenant) -> bool:
+    """A summary made from a memory that is sensitive (or that the tenant's rules match) holds
+    its text, so it is as sensitive — as summarize_run decides for a new summary. One query of
+    its sources (summaries only)."""
+    if memory.category != Memory.Category.SUMMARY or not memory.sources:
+        return False
+    sources = Memory.objects.filter(tenant_id=memory.tenant_id, key__in=memory.sources).only(
+        "key", "value", "sensitive"
+    )
+    return any(
+        m.sensitive
+        or (not isinstance(m.value, ErasedValue) and sensitivity.matches_rules(tenant, key=m.key, value=m.value))
+        for m in sources
+    )
+
+
 def _reencrypt_one(memory: Memory, tenant: Tenant, done: ReencryptProgress) -> None:
     if isinstance(memory.value, ErasedValue):
         return  # its key is destroyed: nothing can open it, nothing to move
-    want = memory.sensitive or sensitivity.matches_rules(tenant, key=memory.key, value=memory.value)
+    want = (
+        memory.sensitive
+        or sensitivity.matches_rules(tenant, key=memory.key, value=memory.value)
+        or _summary_of_sensitive(memory, tenant)
+    )
     if not want:
         return
     current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=memory.subject)
