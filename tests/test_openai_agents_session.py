@@ -11,7 +11,7 @@ import pytest
 from agents import Agent, OpenAIChatCompletionsModel, Runner, SQLiteSession, set_tracing_disabled
 from agents.memory import Session
 from openai import AsyncOpenAI
-from zeromem_client import AsyncZeroMem
+from zeromem_client import AsyncZeroMem, ZeroMemError
 from zeromem_client.openai_agents import ZeroMemSession
 
 from audit.models import AuditEvent
@@ -181,3 +181,23 @@ def test_get_items_without_a_limit_honours_session_settings_as_sqlite_session_do
     ours, sqlite = asyncio.run(main())
     assert ours == sqlite
     assert ours == [items[3:], items[2:], items]
+
+
+def test_clear_session_refused_for_some_items_raises_instead_of_passing_for_cleared(live_server, acme):
+    """Each call of a batch stands alone: a key that may not delete got a 200 batch of refusals,
+    and clear_session returned as though the history were gone."""
+    tenant, raw = acme
+    reader_only = make_key(tenant, scopes=["memory:read", "memory:write"])[1]
+
+    async def main():
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            await ZeroMemSession("chat-9", zm).add_items([{"role": "user", "content": "hi"}])
+        async with AsyncZeroMem(live_server.url, reader_only) as zm:
+            session = ZeroMemSession("chat-9", zm)
+            with pytest.raises(ZeroMemError) as refused:
+                await session.clear_session()
+            return refused.value, await session.get_items()
+
+    error, left = asyncio.run(main())
+    assert (error.status, error.code) == (403, "missing_scope")
+    assert left == [{"role": "user", "content": "hi"}]

@@ -22,11 +22,13 @@ import secrets
 import time
 from typing import Any
 
-from zeromem_client import AsyncZeroMem, NotFound, PreconditionFailed
+from zeromem_client import AsyncZeroMem, NotFound, PreconditionFailed, ZeroMemError
 
 __all__ = ["ZeroMemSession"]
 
 BATCH = 50
+# Codes of a call refused for who is asking (a 403 when sent alone).
+_REFUSALS = frozenset({"forbidden", "missing_scope", "key_not_allowed", "subject_not_allowed"})
 
 
 class ZeroMemSession:
@@ -99,4 +101,9 @@ class ZeroMemSession:
         keys = [m["key"] for m in await self._all()]
         calls = [{"name": "memory_delete", "arguments": {"key": key}} for key in keys]
         for i in range(0, len(calls), BATCH):
-            await self.client.batch(calls[i : i + BATCH])
+            results = await self.client.batch(calls[i : i + BATCH])
+            # Each call of a batch stands alone: one refused (scope, allowlist) must not pass
+            # for a cleared session. (not_found: another process removed it first.)
+            refused = next((r for r in results if r.get("status") == "error"), None)
+            if refused is not None:
+                raise ZeroMemError(403 if refused["error"].get("code") in _REFUSALS else 400, refused)
