@@ -30,6 +30,9 @@ CONTENT_TYPES = {"csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjso
 # Spreadsheets run a cell that starts with one of these as a formula (CSV injection);
 # such cells get a leading apostrophe in CSV exports (JSON Lines keep the text as it is).
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+# Line breaks to str.splitlines() and JavaScript, which json.dumps leaves raw in a string
+# (it escapes only the ASCII controls): escaped, so a JSON Lines record stays one line.
+_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
 
 def _plain(row: dict) -> dict:
@@ -47,6 +50,13 @@ def _csv_cell(value) -> str:
     return "'" + text if text.startswith(_FORMULA_START) else text
 
 
+def _one_line(text: str) -> str:
+    for char, escape in _LINE_BREAKS.items():
+        if char in text:
+            text = text.replace(char, escape)
+    return text
+
+
 def encode_rows(rows: Iterator[dict], fmt: str) -> Iterator[bytes]:
     """Encode rows, yielding one bytes chunk per CHUNK_ROWS rows (CSV starts with a header)."""
     buffer = io.StringIO()
@@ -59,7 +69,8 @@ def encode_rows(rows: Iterator[dict], fmt: str) -> Iterator[bytes]:
         if writer is not None:
             writer.writerow([_csv_cell(row[c]) for c in COLUMNS])
         else:
-            buffer.write(json.dumps({c: row[c] for c in COLUMNS}, ensure_ascii=False, separators=(",", ":")))
+            line = json.dumps({c: row[c] for c in COLUMNS}, ensure_ascii=False, separators=(",", ":"))
+            buffer.write(_one_line(line))
             buffer.write("\n")
         n += 1
         if n % CHUNK_ROWS == 0:

@@ -227,3 +227,11 @@ def test_the_list_and_exports_show_each_events_seal_number(log, tenant_a):
     assert {e["seal"] for e in listed} >= {1, 2, None} and expected(unsealed) is None
     lines = [json.loads(line) for line in stream(log.get(EXPORT, {"format": "jsonl"})).splitlines()]
     assert {e["id"]: e["seal"] for e in lines} == {e["id"]: expected(e["id"]) for e in lines}
+
+
+def test_jsonl_export_keeps_one_event_per_line_with_unicode_line_separators_in_a_field(log, api, tenant_a):
+    subject = "u4\u2028next\u2029para\x85nel"
+    api.call("memory_write", key="user:u4:lang", value="x", subject=subject)
+    body = stream(log.get(EXPORT, {"format": "jsonl", "key_prefix": "user:u4:"}))
+    lines = [json.loads(line) for line in body.splitlines()]  # str.splitlines breaks at U+2028 too
+    assert [line["subject"] for line in lines if line["action"] == "memory.write"] == [subject]
