@@ -23,7 +23,7 @@ from django.utils.html import format_html
 
 from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
-from audit.selectors import AuditFilters, audit_events_matching
+from audit.selectors import AuditFilters, audit_events_matching, audit_filters
 from audit.services import audit_list_record
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput, ServiceError
@@ -235,9 +235,10 @@ class AuditEventAdmin(TenantScopedAdmin):
 
 
 def audit_filters_from(params) -> AuditFilters:
-    """The list's filter parameters as an ``audit.selectors.AuditFilters``; a bad date names
-    its field (InvalidInput)."""
+    """The list's filter parameters as an ``audit.selectors.AuditFilters``; a bad value names
+    its field (InvalidInput): dates as the list reads them, the rest as the REST API does."""
     values = {name: (params.get(name) or "").strip() or None for name in FILTER_PARAMS}
+    audit_filters({name: values[name] for name in FILTER_PARAMS if name not in ("since", "until")})
     for name, end_of_day in (("since", False), ("until", True)):
         try:
             values[name] = parse_moment(values[name] or "", end_of_day=end_of_day)

@@ -566,6 +566,19 @@ def test_compliance_exports_the_filtered_audit_log_of_one_tenant(tenant_a, tenan
     assert "Since: not a date or time" in bad.content.decode()
 
 
+@pytest.mark.parametrize(
+    "param,value", [("key_prefix", "a" * 513), ("subject", "u1\x01"), ("actor", "x" * 513), ("outcome", "bogus")]
+)
+def test_admin_export_refuses_a_filter_the_api_refuses_naming_it_and_exports_nothing(
+    tenant_a, staff_clients, param, value
+):
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["compliance"]
+    response = client.get("/admin/audit/auditevent/export/", {"fmt": "csv", param: value}, follow=True)
+    assert not response.streaming and f"{param}: must be" in response.content.decode().lower()
+    assert not AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").exists()
+
+
 def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_clients):
     write(tenant_a, "user:u1:k", "v")
     user, client = staff_clients["compliance"]
