@@ -215,7 +215,8 @@ def lg_put(
     *, tenant: Tenant, actor: Actor, namespace: Any, key: Any, value: Any, ttl: Any = None, index: Any = None
 ) -> None:
     """Create or replace an item (``memory.write``). ``index`` is accepted and ignored: every
-    value is indexed for search. A put without ``ttl`` leaves the item without expiry."""
+    value is indexed for search. A put without ``ttl`` gives the item the tenant's
+    retention rule default TTL for its key, from now, or no expiry without a rule."""
     namespace = namespace_labels(namespace)
     key = item_key(key)
     if not isinstance(value, dict):

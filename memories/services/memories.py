@@ -108,7 +108,8 @@ def memory_write(
     sensitive: Any = None,
 ) -> MemoryResult:
     """Upsert. Fields left out keep their current value (or a default on create);
-    ``clear_ttl`` with no ``ttl_seconds`` removes an expiry (a LangGraph put without ttl).
+    ``clear_ttl`` with no ``ttl_seconds`` replaces the expiry with the tenant's default TTL
+    for ``key`` from now, or none without a rule (a LangGraph put without ttl).
     ``sensitive`` (or a tenant sensitivity rule) stores the value encrypted (README
     "Encryption at rest").
 
@@ -145,7 +146,9 @@ def memory_write(
             if given is not None:
                 fields[name] = given
         if clear_ttl and ttl is None:
-            fields["expires_at"] = None
+            # Not simply None: the tenant's rule for the key is this store's default TTL, or a
+            # put (create or replace) would leave the item outliving the rule. One query.
+            fields["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
 
         memory, created = _upsert(
             tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label, sensitive=sensitive
