@@ -244,9 +244,12 @@ def lg_put(
 
 
 def _ttl_minutes(memory: Memory) -> int | None:
+    # Any surface may write tags: a ttl tag that no put could have written is not this
+    # store's (its refresh would be a 400 naming ttl_seconds on a read).
     for tag in memory.tags or ():
         if tag.startswith(TTL_TAG):
-            return validation.ascii_int(tag[len(TTL_TAG) :])
+            minutes = validation.ascii_int(tag[len(TTL_TAG) :])
+            return minutes if minutes is not None and 1 <= minutes <= TTL_MAX_MINUTES else None
     return None
 
 
