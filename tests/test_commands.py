@@ -132,6 +132,13 @@ def test_create_api_key_with_unknown_scope_is_a_command_error(umbrella, scopes):
     assert not ApiKey.objects.exists()
 
 
+@pytest.mark.parametrize("days", ["0", "-1", "3651", "3000000", "1000000000"])
+def test_create_api_key_with_an_expiry_out_of_range_is_a_command_error_naming_it(umbrella, days):
+    with pytest.raises(CommandError, match="expires_in_days: must be between 1 and 3650"):
+        run("create_api_key", "--tenant", "umbrella", "--name", "x", "--expires-in-days", days, "--json")
+    assert not ApiKey.objects.exists()
+
+
 @pytest.mark.parametrize("prefix", ["user::", "bad prefix", "a/b"])
 def test_create_api_key_with_bad_allow_prefix_is_a_command_error(umbrella, prefix):
     with pytest.raises(CommandError, match="allowed_prefixes"):

@@ -153,7 +153,7 @@ def _restore_racing(monkeypatch, meanwhile):
     on once ``meanwhile`` has finished or waits on a lock the restore holds."""
     from memories.services import memories as memory_services
 
-    check = memory_services.selectors.memory_get_live
+    check = memory_services.selectors.memory_lock_current
     failures, done, me = [], threading.Event(), threading.get_ident()
     racer = []
 
@@ -164,7 +164,7 @@ def _restore_racing(monkeypatch, meanwhile):
             wait_for_a_lock_waiter("the racer", alive=lambda: not done.is_set())
         return found
 
-    monkeypatch.setattr(memory_services.selectors, "memory_get_live", check_then_race)
+    monkeypatch.setattr(memory_services.selectors, "memory_lock_current", check_then_race)
 
     def join():
         racer[0].join(20)

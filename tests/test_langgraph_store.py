@@ -184,3 +184,17 @@ def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings, 
     body = {"namespace": ["a"], "key": "k", "value": {"v": 1}}
     assert [client.put("/api/v1/langgraph/store/items", body).status_code for _ in range(3)] == [204, 204, 429]
     assert rest_error(client.post("/api/v1/langgraph/store/items/search", {}))["code"] == "rate_limited"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("tag", ["ttl_minutes=-5", "ttl_minutes=99999999999"])
+def test_refresh_ignores_a_ttl_tag_out_of_range_written_through_another_surface(tenant_a, tag):
+    client, _ = make_keyed_client(tenant_a)
+    # The REST API lets any tag be written on the item's memory, lg:a:k.
+    r = client.put("/api/v1/memories/lg:a:k", {"value": {"v": 1}, "tags": [tag], "ttl_seconds": 600})
+    assert r.status_code == 201, r.content
+    expires = Memory.objects.get(key="lg:a:k").expires_at
+    r = client.get("/api/v1/langgraph/store/items", {"namespace": "a", "key": "k", "refresh_ttl": "true"})
+    assert r.status_code == 200, r.content
+    assert r.json()["value"] == {"v": 1}
+    assert Memory.objects.get(key="lg:a:k").expires_at == expires

@@ -516,6 +516,26 @@ def test_default_ttl_is_applied_through_the_tool_call(api, ttl_rules):
     assert lifetime(Memory.objects.get(tenant=api.tenant, key="session:s1:step")) == timedelta(hours=1)
 
 
+def test_langgraph_put_without_ttl_takes_the_rules_default_ttl_on_create_and_on_replace(api, ttl_rules):
+    # The LangGraph key of namespace ("session", "s1"), item "step", is session:s1:step.
+    item = {"namespace": ["session", "s1"], "key": "step", "value": {"v": 1}}
+    assert api.put("/api/v1/langgraph/store/items", item).status_code == 204
+    created = Memory.objects.get(tenant=api.tenant, key="lg:session:s1:step", deleted_at__isnull=True)
+    assert lifetime(created) is None  # lg: is not session:
+    services.retention_rule_set(tenant=api.tenant, actor=SYSTEM, prefix="lg:session:", default_ttl_seconds=3600)
+
+    assert api.put("/api/v1/langgraph/store/items", {**item, "key": "new"}).status_code == 204
+    fresh = Memory.objects.get(tenant=api.tenant, key="lg:session:s1:new")
+    assert lifetime(fresh) == timedelta(hours=1)
+    # A put replaces the item: with no ttl its expiry is the rule's default again, from now,
+    # never "no expiry" that would outlive the tenant's rule.
+    assert api.put("/api/v1/langgraph/store/items", {**item, "ttl": 1}).status_code == 204
+    with clock_at(timedelta(seconds=30)) as later:
+        assert api.put("/api/v1/langgraph/store/items", item).status_code == 204
+    replaced = Memory.objects.get(pk=created.pk)
+    assert replaced.expires_at == later + timedelta(hours=1)
+
+
 # --- retention_rule_set ------------------------------------------------------------------
 
 

@@ -8,7 +8,9 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
+from memories import services
 from memories.models import Memory
+from tests.factories import SYSTEM
 
 KEY = "user:u1:otp"
 _real_now = timezone.now
@@ -126,3 +128,16 @@ def test_rewrite_without_ttl_keeps_the_expiry(expiring):
     with clock_at(timedelta(seconds=61)):
         _, body = expiring.call("memory_read", key=KEY)
         assert body["status"] == "not_found"
+
+
+def test_restore_over_an_expired_memory_holding_the_key_restores_and_trashes_the_expired_one(tenant_a):
+    old = services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="kept").memory
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="short", ttl_seconds=60)
+    with clock_at(timedelta(seconds=61)):
+        # Nothing live holds the key: the restore is no conflict, whether or not the purge ran.
+        result = services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=old.pk)
+        assert (result.status, result.memory.pk, result.memory.value) == ("ok", old.pk, "kept")
+        assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory.value == "kept"
+    expired = Memory.objects.get(key=KEY, value="short")
+    assert expired.deleted_at is not None and expired.expires_at is not None

@@ -215,7 +215,8 @@ def lg_put(
     *, tenant: Tenant, actor: Actor, namespace: Any, key: Any, value: Any, ttl: Any = None, index: Any = None
 ) -> None:
     """Create or replace an item (``memory.write``). ``index`` is accepted and ignored: every
-    value is indexed for search. A put without ``ttl`` leaves the item without expiry."""
+    value is indexed for search. A put without ``ttl`` gives the item the tenant's
+    retention rule default TTL for its key, from now, or no expiry without a rule."""
     namespace = namespace_labels(namespace)
     key = item_key(key)
     if not isinstance(value, dict):
@@ -243,9 +244,12 @@ def lg_put(
 
 
 def _ttl_minutes(memory: Memory) -> int | None:
+    # Any surface may write tags: a ttl tag that no put could have written is not this
+    # store's (its refresh would be a 400 naming ttl_seconds on a read).
     for tag in memory.tags or ():
         if tag.startswith(TTL_TAG):
-            return validation.ascii_int(tag[len(TTL_TAG) :])
+            minutes = validation.ascii_int(tag[len(TTL_TAG) :])
+            return minutes if minutes is not None and 1 <= minutes <= TTL_MAX_MINUTES else None
     return None
 
 

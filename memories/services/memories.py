@@ -108,7 +108,8 @@ def memory_write(
     sensitive: Any = None,
 ) -> MemoryResult:
     """Upsert. Fields left out keep their current value (or a default on create);
-    ``clear_ttl`` with no ``ttl_seconds`` removes an expiry (a LangGraph put without ttl).
+    ``clear_ttl`` with no ``ttl_seconds`` replaces the expiry with the tenant's default TTL
+    for ``key`` from now, or none without a rule (a LangGraph put without ttl).
     ``sensitive`` (or a tenant sensitivity rule) stores the value encrypted (README
     "Encryption at rest").
 
@@ -145,7 +146,9 @@ def memory_write(
             if given is not None:
                 fields[name] = given
         if clear_ttl and ttl is None:
-            fields["expires_at"] = None
+            # Not simply None: the tenant's rule for the key is this store's default TTL, or a
+            # put (create or replace) would leave the item outliving the rule. One query.
+            fields["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
 
         memory, created = _upsert(
             tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label, sensitive=sensitive
@@ -155,18 +158,26 @@ def memory_write(
         return MemoryResult(status="ok", key=key, memory=memory, created=created)
 
 
+def _lock_current_unexpired(*, tenant: Tenant, key: str, now) -> Memory | None:
+    """The memory at ``key`` not in the trash, locked; an expired one (not yet purged) still
+    holds the key's slot of the one-live-key index: it is trashed here (None returned), so a
+    write or a restore over it behaves as over a free key."""
+    existing = selectors.memory_lock_current(tenant=tenant, key=key)
+    if existing is not None and existing.expires_at is not None and existing.expires_at <= now:
+        existing.deleted_at = now
+        existing.save(update_fields=["deleted_at"])
+        embeddings.embeddings_delete(memory_ids=[existing.pk])
+        existing = None
+    return existing
+
+
 def _upsert(
     *, tenant: Tenant, key: str, fields: dict, now, source_default: str, sensitive: bool | None = None
 ) -> tuple[Memory, bool]:
     # Expired-but-not-yet-purged rows still hold the (tenant, key) slot of the partial
     # unique index; a write over one trashes it first, so it behaves like a fresh key.
     for _ in range(3):
-        existing = selectors.memory_lock_current(tenant=tenant, key=key)
-        if existing is not None and existing.expires_at is not None and existing.expires_at <= now:
-            existing.deleted_at = now
-            existing.save(update_fields=["deleted_at"])
-            embeddings.embeddings_delete(memory_ids=[existing.pk])
-            existing = None
+        existing = _lock_current_unexpired(tenant=tenant, key=key, now=now)
         tags = fields["tags"] if "tags" in fields else (existing.tags if existing is not None else [])
         secret = sensitivity.decide(
             tenant, key=key, value=fields["value"], given=sensitive, current=existing is not None and existing.sensitive
@@ -353,7 +364,8 @@ def memory_delete(
 
 def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryResult:
     """Bring a trashed memory back. No such memory in the tenant's trash raises
-    :class:`NotFound`; a live memory that has taken its key meanwhile, :class:`Conflict`."""
+    :class:`NotFound`; a live memory that has taken its key meanwhile, :class:`Conflict` (an
+    expired one, not yet purged, goes to the trash instead: see :func:`_lock_current_unexpired`)."""
     memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory_id).first()
     key = memory.key if memory else ""
     with audited_operation(tenant=tenant, actor=actor, action="memory.restore", target=key) as op:
@@ -365,9 +377,9 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory.pk).select_for_update().first()
         if memory is None:
             raise NotFound("no such memory in the trash", field="memory_id")
-        if selectors.memory_get_live(tenant=tenant, key=key) is not None:
-            raise Conflict("a live memory holds this key", field="key")
         now = timezone.now()
+        if _lock_current_unexpired(tenant=tenant, key=key, now=now) is not None:
+            raise Conflict("a live memory holds this key", field="key")
         memory.deleted_at = None
         memory.version += 1
         memory.updated_at = now

@@ -3,8 +3,9 @@
 * **Default TTL by prefix.** A tenant's :class:`~memories.models.RetentionRule` rows give
   keys under a prefix a lifetime (``session:`` → 24 h). ``memory_write`` applies the
   longest matching prefix's ``default_ttl_seconds`` when it *creates* a memory without
-  ``ttl_seconds`` (:func:`default_ttl_seconds_for`); updates never change an expiry
-  implicitly.
+  ``ttl_seconds`` (:func:`default_ttl_seconds_for`), and to a LangGraph put without
+  ``ttl`` (create or replace: it is that store's default TTL); updates never change an
+  expiry implicitly.
 * **Purge.** Expired memories are invisible at once (every read filters on
   ``expires_at``); :func:`purge_expired` erases them for good, with their version history,
   and erases trashed memories once their trash retention has passed.

@@ -21,6 +21,8 @@ from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES
 
+API_KEY_MAX_DAYS = 3650  # an API key's longest lifetime (the admin form offers the same)
+
 
 def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant:
     """A new tenant, audited in its own log as ``tenant.create``. The checks come first, and a
@@ -60,8 +62,11 @@ def api_key_create(
             f"{operator[0]!r} is an operator scope: create the key with manage.py create_api_key", field="scopes"
         )
     prefixes = validation.allowlist(allowed_prefixes)
-    if expires_in_days is not None and expires_in_days < 1:
-        raise InvalidInput("must be at least 1", field="expires_in_days")
+    if expires_in_days is not None:
+        # The admin form's bound: a date past year 9999 was an OverflowError (a traceback).
+        expires_in_days = validation.bounded_int(
+            expires_in_days, field="expires_in_days", default=0, low=1, high=API_KEY_MAX_DAYS
+        )
     raw, lookup, key_hash = ApiKey.generate()
     with audited_operation(tenant=tenant, actor=actor, action="api_key.create") as op:
         key = ApiKey.objects.create(
