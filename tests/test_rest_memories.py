@@ -161,6 +161,27 @@ def test_put_with_current_etag_replaces(stored):
     assert stored.put(URL, {"value": "de"}, headers={"If-Match": etag}).status_code == 412
 
 
+def test_put_with_current_etag_and_sensitive_seals_the_new_value(stored):
+    """A conditional replace takes the body's `sensitive` as an unconditional one does (it was
+    a 500: the If-Match path did not pass it on)."""
+    import json
+
+    from django.db import connection
+
+    etag = stored.get(URL)["ETag"]
+    r = stored.put(URL, {"value": "+86 138 0000 0000", "sensitive": True}, headers={"If-Match": etag})
+    assert r.status_code == 200, r.content
+    assert r.json()["value"] == "+86 138 0000 0000" and r.json()["version"] == 2
+    memory = Memory.objects.get(key=KEY)
+    assert memory.sensitive
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT value FROM memories_memory WHERE id = %s", [memory.pk])
+        raw = cursor.fetchone()[0]
+    assert "138 0000" not in (raw if isinstance(raw, str) else json.dumps(raw))
+    bad = stored.put(URL, {"value": "x", "sensitive": "yes"}, headers={"If-Match": r["ETag"]})
+    assert bad.status_code == 400 and rest_error(bad)["field"] == "sensitive"
+
+
 def test_put_with_if_match_on_missing_key_is_412_and_creates_nothing(api):
     counts = row_counts()
     r = api.put(URL, {"value": "x"}, headers={"If-Match": '"1-1"'})

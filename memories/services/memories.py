@@ -264,6 +264,7 @@ def memory_update(
     importance: Any = None,
     source: Any = None,
     if_match: tuple[int, int] | str | None = None,
+    sensitive: Any = None,
 ) -> MemoryResult:
     """Change an existing memory. The version check lives in the UPDATE's WHERE clause, so
     two concurrent updates with the same ``expected_version`` cannot both win. No live
@@ -273,12 +274,18 @@ def memory_update(
     ``if_match=(memory id, version)`` (REST If-Match) is checked the same way, and a
     mismatch — or a missing memory — is HTTP 412 instead of a result; ``"*"`` matches any
     current version.
+
+    ``sensitive`` (REST PUT with If-Match) marks the new value as :func:`memory_write` does; it
+    comes with a ``value``.
     """
     with audited_operation(tenant=tenant, actor=actor, action="memory.update", target=key) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_WRITE)
         require_key_allowed(actor, key)
         expected = validation.version(expected_version)
+        sensitive = sensitivity.flag(sensitive)
+        if sensitive is not None and value is _UNSET:
+            raise InvalidInput("is set with a value", field="sensitive")
         if value is not _UNSET:
             validation.value(value, max_bytes=tenant.effective_value_max_bytes)
             sensitivity.refuse_envelope(value)
@@ -300,7 +307,9 @@ def memory_update(
             # Locked: a write that marks it sensitive or moves its subject meanwhile would
             # otherwise be undone by the UPDATE below (its value stored in plaintext).
             row = live.select_for_update().values_list("subject", "sensitive").first()
-            secret = row is not None and sensitivity.decide(tenant, key=key, value=value, given=None, current=row[1])
+            secret = row is not None and sensitivity.decide(
+                tenant, key=key, value=value, given=sensitive, current=row[1]
+            )
             changes["value"] = keyring.seal_value(value, tenant_id=tenant.pk, subject=row[0]) if secret else value
             changes["sensitive"] = secret
         if ttl is not None:
