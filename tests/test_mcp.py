@@ -211,6 +211,37 @@ def test_a_wrong_call_is_a_tool_error_with_zeromems_code(server):
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("arguments", "field"),
+    [
+        ('{"key": "user:u1:nope", "default": 1e400}', "arguments.default"),
+        ('{"key": "user:u1:nope", "default": {"a": [1, -Infinity]}}', "arguments.default.a.1"),
+        ('{"key": "user:u1:x", "value": NaN}', "arguments.value"),
+    ],
+    ids=["1e400", "nested-infinity", "nan"],
+)
+def test_a_number_past_a_doubles_range_is_a_malformed_json_tool_error(server, arguments, field):
+    # The SDK's parser reads 1e400 as inf and takes NaN/Infinity: echoed by memory_read's
+    # default they made a text content that is not JSON ("value":Infinity), unlike REST's 400.
+    tenant = make_tenant(f"mcp-inf-{field.count('.')}-{len(arguments)}")
+    _key, raw = make_key(tenant)
+    name = "memory_write" if '"value"' in arguments else "memory_read"
+    body = '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "%s", "arguments": %s}}'
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    response = httpx2.post(
+        server, content=body % (name, arguments), headers={**headers, "Authorization": f"Bearer {raw}"}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    result = json.loads(response.text)["result"]
+    assert result["isError"] is True, result
+    text = json.loads(result["content"][0]["text"], parse_constant=lambda c: pytest.fail(f"{c} in the text"))
+    assert text == result["structuredContent"]
+    assert (text["error"]["code"], text["error"]["field"]) == ("malformed_json", field)
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_a_refused_key_is_401_and_a_revoked_one_is_in_its_tenants_log(server):
     tenant = make_tenant("mcp-refused")
     key, raw = make_key(tenant)
