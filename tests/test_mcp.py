@@ -26,13 +26,14 @@ from django.conf import settings
 from django.db import connection
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 
 from audit.models import AuditEvent
 from memories import services, tools
 from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
 from memories.models import TokenUsageDay
 from tests.factories import SYSTEM, make_key, make_tenant
-from zeromem.bench.server import start_server, stop_server
+from zeromem.bench.server import free_port, start_server, stop_server
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tokens import estimate_tokens
 
@@ -211,6 +212,37 @@ def test_a_wrong_call_is_a_tool_error_with_zeromems_code(server):
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("arguments", "field"),
+    [
+        ('{"key": "user:u1:nope", "default": 1e400}', "arguments.default"),
+        ('{"key": "user:u1:nope", "default": {"a": [1, -Infinity]}}', "arguments.default.a.1"),
+        ('{"key": "user:u1:x", "value": NaN}', "arguments.value"),
+    ],
+    ids=["1e400", "nested-infinity", "nan"],
+)
+def test_a_number_past_a_doubles_range_is_a_malformed_json_tool_error(server, arguments, field):
+    # The SDK's parser reads 1e400 as inf and takes NaN/Infinity: echoed by memory_read's
+    # default they made a text content that is not JSON ("value":Infinity), unlike REST's 400.
+    tenant = make_tenant(f"mcp-inf-{field.count('.')}-{len(arguments)}")
+    _key, raw = make_key(tenant)
+    name = "memory_write" if '"value"' in arguments else "memory_read"
+    body = '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "%s", "arguments": %s}}'
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    response = httpx2.post(
+        server, content=body % (name, arguments), headers={**headers, "Authorization": f"Bearer {raw}"}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    result = json.loads(response.text)["result"]
+    assert result["isError"] is True, result
+    text = json.loads(result["content"][0]["text"], parse_constant=lambda c: pytest.fail(f"{c} in the text"))
+    assert text == result["structuredContent"]
+    assert (text["error"]["code"], text["error"]["field"]) == ("malformed_json", field)
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_a_refused_key_is_401_and_a_revoked_one_is_in_its_tenants_log(server):
     tenant = make_tenant("mcp-refused")
     key, raw = make_key(tenant)
@@ -338,6 +370,73 @@ def test_the_stdio_bridge_lists_and_calls_the_tools(server, tmp_path):
     assert read.meta[META_TOKENS] == estimate_tokens(read.content[0].text)  # the cost passes through the bridge
     assert refused.is_error and refused.structured_content["error"]["code"] == "invalid_key"
     assert {e.action for e in mcp_events(tenant)} >= {"memory.write", "memory.read"}
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_bridge_answers_a_call_while_the_server_is_down_and_works_again_once_it_is_back(server, tmp_path):
+    # The SDK's client lets a connection error out of its task group: one call while ZeroMem
+    # restarted ended the bridge, and the MCP client waited for that call's answer forever.
+    tenant = make_tenant("mcp-stdio-down")
+    _key, raw = make_key(tenant)
+    port = free_port()
+
+    def start():
+        return start_server(database_url=_database_url(), processes=1, threads=2, port=port, log=lambda _l: None)
+
+    own = start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "DATABASE"))}
+    env.update(ZEROMEM_VENV=str(_fake_venv(tmp_path)), ZEROMEM_API_KEY=raw)
+    url = f"http://127.0.0.1:{port}/mcp"
+    params = StdioServerParameters(command=sys.executable, args=["-m", "zeromem", "mcp", "--url", url], env=env)
+
+    async def run():
+        nonlocal own
+        async with Client(params) as client:
+            wrote = await client.call_tool("memory_write", {"key": "user:u9:city", "value": "Graz"})
+            stop_server(own)
+            with anyio.fail_after(60), pytest.raises(MCPError) as down:
+                await client.call_tool("memory_read", {"key": "user:u9:city"})
+            own = start()
+            with anyio.fail_after(60):
+                read = await client.call_tool("memory_read", {"key": "user:u9:city"})
+            return wrote, down.value, read
+
+    try:
+        wrote, down, read = anyio.run(run)
+    finally:
+        stop_server(own)
+    assert wrote.structured_content["status"] == "ok"
+    assert "unreachable" in down.message and raw not in down.message
+    assert read.structured_content["value"] == "Graz"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_bridge_with_a_refused_key_exits_saying_the_server_answered_401(server, tmp_path):
+    # Was "Server returned an error response", inside an ExceptionGroup's repr.
+    refused = "zm_nothere_" + "k" * 40
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "DATABASE"))}
+    env.update(ZEROMEM_VENV=str(_fake_venv(tmp_path)), ZEROMEM_API_KEY=refused)
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+    }
+    bridge = subprocess.run(
+        [sys.executable, "-m", "zeromem", "mcp", "--url", server],
+        input=json.dumps(initialize) + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=60,
+    )
+    assert bridge.returncode == 1
+    assert f"ZeroMem at {server} answered 401" in bridge.stderr, bridge.stderr
+    assert "ZEROMEM_API_KEY" in bridge.stderr and refused not in bridge.stderr
+    assert "ExceptionGroup" not in bridge.stderr
 
 
 def test_the_bridge_imports_no_django():

@@ -11,6 +11,7 @@ database: all it needs is the URL and the key (``--url``/``--key``, or ``ZEROMEM
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -26,6 +27,57 @@ from memories.mcp import INSTRUCTIONS, SERVER_NAME
 
 # As the SDK's own default client: 30 s to connect or send, 300 s to read.
 TIMEOUT = httpx2.Timeout(30.0, read=300.0)
+
+
+class _Unreachable(httpx2.AsyncBaseTransport):
+    """The HTTP transport, but a request that gets no answer (ZeroMem restarting, the network
+    down, no reply within the timeout) is answered here: a 502 carrying a JSON-RPC error that
+    says so, which the SDK's client hands back as that one request's error. Left to the SDK's
+    client, the connection error ends its task group: the bridge exits, and the MCP client
+    waits for the call's answer forever."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.inner = httpx2.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            response = await self.inner.handle_async_request(request)
+        except httpx2.TransportError as exc:
+            return self._error(request, 502, f"is unreachable ({type(exc).__name__}: {exc}); retry")
+        if response.status_code < 400:
+            return response
+        # A refusal outside JSON-RPC (401 for a bad key, 429, 503, a wrong URL's 404) would
+        # reach the client as the SDK's "Server returned an error response": say what it was.
+        body = await response.aread()
+        await response.aclose()
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and "jsonrpc" in parsed and "error" in parsed:
+            headers = {"content-type": "application/json"}  # the body as read: decoded
+            return httpx2.Response(response.status_code, headers=headers, content=body, request=request)
+        error = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(error, dict):  # ZeroMem's shape
+            detail = f"{error.get('code')}: {error.get('message')}"
+        elif isinstance(parsed, dict) and isinstance(error, str):  # the SDK's OAuth shape
+            detail = f"{error}: {parsed.get('error_description', '')}"
+        else:
+            detail = response.reason_phrase
+        if response.status_code == 401:
+            detail += " (check the API key: --key or ZEROMEM_API_KEY)"
+        if response.headers.get("retry-after"):
+            detail += f"; retry after {response.headers['retry-after']} s"
+        return self._error(request, response.status_code, f"answered {response.status_code} {detail}")
+
+    def _error(self, request: httpx2.Request, status: int, what: str) -> httpx2.Response:
+        message = f"ZeroMem at {self.url} {what}"[:1000]
+        error = {"jsonrpc": "2.0", "id": None, "error": {"code": types.INTERNAL_ERROR, "message": message}}
+        return httpx2.Response(status, json=error, request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def proxy_server(upstream: Client) -> Server:
@@ -48,7 +100,8 @@ def proxy_server(upstream: Client) -> Server:
 
 
 async def run(url: str, key: str) -> None:
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT) as http:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx2.AsyncClient(headers=headers, timeout=TIMEOUT, transport=_Unreachable(url)) as http:
         async with Client(streamable_http_client(url, http_client=http)) as upstream:
             server = proxy_server(upstream)
             async with stdio_server() as (read_stream, write_stream):
@@ -71,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - the client shows stderr; a traceback helps nobody there
-        print(f"zeromem mcp: {exc!r}", file=sys.stderr, flush=True)
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]  # the SDK's task groups wrap the one error that ended them
+        print(f"zeromem mcp: {exc or repr(exc)}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import math
 import os
 import time
 from concurrent.futures import Executor
@@ -193,11 +194,31 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
         return _error("database_unavailable", "the database is unavailable; retry shortly", retry_after=2)
 
 
+def non_finite_field(arguments: dict) -> str | None:
+    """Where ``arguments`` holds NaN or ±infinity — the dotted path ("arguments.default.a.1"),
+    at most 200 characters — else None. The SDK's JSON parser reads ``1e400`` as infinity and
+    takes the literals ``NaN`` and ``Infinity``, which REST's parser refuses (``malformed_json``)
+    and which no JSON answer can carry (memory_read echoes its ``default``)."""
+    stack: list[tuple[Any, str]] = [(arguments, "arguments")]
+    while stack:
+        item, path = stack.pop()
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for name, child in children:
+            if isinstance(child, float) and not math.isfinite(child):
+                return f"{path}.{name}"[:200]
+            if isinstance(child, dict | list):
+                stack.append((child, f"{path}.{name}"))
+    return None
+
+
 def answer(key: ApiKey | None, actor: Actor | None, name: str, arguments: dict) -> tuple[dict, str, int, int]:
     """The call's result, its text content, and that text's size and estimated tokens — counted
     in the key's tenant's tokens returned per day, as the REST tool responses are."""
     if key is None:
         result = _error("missing_credentials", "send 'Authorization: Bearer zm_...'")
+    elif (where := non_finite_field(arguments)) is not None:
+        message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
+        result = _error("malformed_json", message, field=where)
     else:
         result = run_call(key, actor, name, arguments)
     text = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
