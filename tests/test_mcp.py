@@ -34,6 +34,8 @@ from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
 from memories.models import TokenUsageDay
 from tests.factories import SYSTEM, make_key, make_tenant
 from zeromem.bench.server import free_port, start_server, stop_server
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tokens import estimate_tokens
 
@@ -452,6 +454,28 @@ def test_the_bridge_imports_no_django():
 
 
 # --- ALLOWED_HOSTS → the SDK's transport security (no server) -------------------------------
+
+
+@pytest.mark.django_db
+def test_an_unexpected_failure_is_a_generic_tool_error_not_its_exception_text(monkeypatch):
+    """On some protocol versions the SDK answers an exception escaping call_tool with str(exc):
+    a bug's text (a query, a value) would reach the client, where REST answers a generic 500."""
+    from memories.mcp import server as mcp_server
+
+    tenant = make_tenant("mcp-bug")
+    key, _raw = make_key(tenant)
+
+    def broken(**kwargs):
+        raise RuntimeError("SELECT secret_internal_detail FROM somewhere")
+
+    monkeypatch.setattr(mcp_server.tools, "tool_call", broken)
+    actor = Actor(kind=ActorKind.API_KEY, id=str(key.pk), label=key.display_prefix, scopes=frozenset(key.scopes))
+    result, text, _size, _tokens = mcp_server.answer(key, actor, "memory_read", {"key": "user:u1:x"})
+    assert result == {
+        "status": "error",
+        "error": {"code": "internal_error", "message": "this call failed on the server", "field": None},
+    }
+    assert "secret_internal_detail" not in text
 
 
 def test_transport_security_follows_allowed_hosts():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import logging
 import math
 import os
 import time
@@ -62,6 +63,8 @@ from zeromem.kit import metrics
 from zeromem.kit.api import slot_wait
 from zeromem.kit.http import client_ip_of, request_id_for
 from zeromem.serving import web_threads
+
+logger = logging.getLogger(__name__)
 
 PATH = "/mcp"
 SURFACE = "mcp"
@@ -192,6 +195,11 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
             limits.slot_release(holder, token)
     except DatabaseError:
         return _error("database_unavailable", "the database is unavailable; retry shortly", retry_after=2)
+    except Exception:
+        # A bug: the SDK would answer str(exc) to the client on some protocol versions (what
+        # REST keeps behind a generic 500). Logged here, and a generic tool error there.
+        logger.exception("mcp: tool call %s failed", name)
+        return _error("internal_error", "this call failed on the server")
 
 
 def non_finite_field(arguments: dict) -> str | None:
