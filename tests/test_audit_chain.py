@@ -440,17 +440,20 @@ def test_postgresql_lets_the_redact_mode_change_only_identifying_fields(chained)
 
 # --- redaction ----------------------------------------------------------------------------
 
+# End user u1 reading in the portal, from an address redaction must clear.
+END_USER_U1 = Actor(
+    kind="end_user",
+    id="u1",
+    label="end user",
+    scopes=frozenset(["memory:read"]),
+    surface="portal",
+    client_ip="198.51.100.7",
+)
+
 
 def test_redacting_a_subject_replaces_its_identifiers_and_the_chain_still_verifies(chained, tenant_b):
     activity(chained, n=2, user="u2")
-    end_user = Actor(
-        kind="end_user",
-        id="u1",
-        label="end user",
-        scopes=frozenset(["memory:read"]),
-        surface="portal",
-        client_ip="198.51.100.7",
-    )
+    end_user = END_USER_U1
     services.memory_read(tenant=chained, actor=end_user, key="user:u1:k1")
     before_u2 = list(AuditEvent.objects.filter(tenant=chained, subject="u2").values_list("target", flat=True))
 
@@ -674,14 +677,7 @@ def test_a_redacted_field_overwritten_in_the_redact_mode_names_the_event(chained
 
 
 def test_a_redacted_client_address_written_back_names_the_event(chained):
-    end_user = Actor(
-        kind="end_user",
-        id="u1",
-        label="end user",
-        scopes=frozenset(["memory:read"]),
-        surface="portal",
-        client_ip="198.51.100.7",
-    )
+    end_user = END_USER_U1
     services.memory_read(tenant=chained, actor=end_user, key="user:u1:k1")
     audit_redact_subject(tenant=chained, subject="u1")
     own = AuditEvent.objects.get(tenant=chained, actor_kind="end_user")

@@ -48,19 +48,28 @@ def key(raw: Any) -> str:
     return raw
 
 
+def fingerprints(*, method: str, path: str, if_match: str | None, data: Any) -> tuple[str, str]:
+    """(fingerprint, legacy fingerprint) of a request, from one serialization of its body.
+
+    The fingerprint identifies the request a key was first used for: HMAC-SHA256 of its
+    method, path, If-Match and body, under a key derived from ``SECRET_KEY``. Keyed, because
+    the body may hold a short sensitive value (a phone number) that a plain hash, kept for
+    ``ZEROMEM_IDEMPOTENCY_SECONDS``, would give away to anyone holding a dump and a list of
+    guesses. The legacy one is the plain SHA-256 that records made before it hold: still
+    accepted by :func:`claim` so that a retry spanning the upgrade is replayed, not refused
+    (such records expire within ``ZEROMEM_IDEMPOTENCY_SECONDS``)."""
+    text = _request_text(method, path, if_match, data)
+    return hmac.new(_fingerprint_key(), text, hashlib.sha256).hexdigest(), hashlib.sha256(text).hexdigest()
+
+
 def fingerprint(*, method: str, path: str, if_match: str | None, data: Any) -> str:
-    """What identifies the request a key was first used for: HMAC-SHA256 of its method, path,
-    If-Match and body, under a key derived from ``SECRET_KEY``. Keyed, because the body may hold
-    a short sensitive value (a phone number) that a plain hash, kept for
-    ``ZEROMEM_IDEMPOTENCY_SECONDS``, would give away to anyone holding a dump and a list of guesses."""
-    return hmac.new(_fingerprint_key(), _request_text(method, path, if_match, data), hashlib.sha256).hexdigest()
+    """The request's fingerprint (see :func:`fingerprints`)."""
+    return fingerprints(method=method, path=path, if_match=if_match, data=data)[0]
 
 
 def legacy_fingerprint(*, method: str, path: str, if_match: str | None, data: Any) -> str:
-    """The plain SHA-256 that records made before the keyed fingerprint hold: still accepted by
-    :func:`claim` so that a retry spanning the upgrade is replayed, not refused (such records
-    expire within ``ZEROMEM_IDEMPOTENCY_SECONDS``)."""
-    return hashlib.sha256(_request_text(method, path, if_match, data)).hexdigest()
+    """The plain SHA-256 older records hold (see :func:`fingerprints`)."""
+    return fingerprints(method=method, path=path, if_match=if_match, data=data)[1]
 
 
 def _request_text(method: str, path: str, if_match: str | None, data: Any) -> bytes:

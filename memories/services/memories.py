@@ -92,6 +92,14 @@ def _seal_history(memory: Memory) -> None:
     MemoryVersion.objects.bulk_update(plain, ["value", "sensitive"], batch_size=500)
 
 
+def _turned_sensitive(memory: Memory) -> None:
+    """A memory turning sensitive (a write saying so, a rule matching an update, a restored
+    sealed version): its embedding was made from the plain value (it leaks its meaning) and
+    goes now, not at the embedding job's next run; its plain versions are sealed."""
+    embeddings.embeddings_delete(memory_ids=[memory.pk])
+    _seal_history(memory)
+
+
 def memory_write(
     *,
     tenant: Tenant,
@@ -189,15 +197,11 @@ def _upsert(
             **search.index_fields(tenant_id=tenant.pk, key=key, value=None if secret else fields["value"], tags=tags),
         }
         if existing is not None:
-            if secret and not existing.sensitive:
-                # Its embedding was made from the plain value (it leaks its meaning): gone with
-                # it, not kept until the embedding job re-embeds the key alone.
-                embeddings.embeddings_delete(memory_ids=[existing.pk])
             turned = secret and not existing.sensitive
             for name, val in fields.items():
                 setattr(existing, name, val)
             if turned:
-                _seal_history(existing)  # under the subject its value goes under
+                _turned_sensitive(existing)  # under the subject its value goes under
             existing.version += 1
             # existing.save(update_fields=...), its UPDATE built once per set of fields.
             hotsql.update(existing, [*fields, "version"])
@@ -335,8 +339,7 @@ def memory_update(
                 )
             )
         if value is not _UNSET and memory.sensitive and not row[1]:
-            embeddings.embeddings_delete(memory_ids=[memory.pk])  # made from the plain value (see _upsert)
-            _seal_history(memory)
+            _turned_sensitive(memory)
         _record_version(memory, MemoryVersion.Op.UPDATE, actor, now)
         op.record(subject=memory.subject, version=memory.version)
         return MemoryResult(status="ok", key=key, memory=memory)
@@ -575,9 +578,8 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
         validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
         now = timezone.now()
         secret = memory.sensitive or old.sensitive
-        if secret and not memory.sensitive:  # turning sensitive again (see _upsert)
-            embeddings.embeddings_delete(memory_ids=[memory.pk])
-            _seal_history(memory)
+        if secret and not memory.sensitive:  # turning sensitive again
+            _turned_sensitive(memory)
         Memory.objects.filter(pk=memory.pk).update(
             value=keyring.seal_value(old.value, tenant_id=tenant.pk, subject=memory.subject) if secret else old.value,
             sensitive=secret,

@@ -275,18 +275,14 @@ class AuditedAPIView(TenantAPIView):
         if raw is None or request.method not in IDEMPOTENT_METHODS or api_key is None:
             return
         key = idempotency.key(raw)
-        request_parts = {
-            "method": request.method,
-            "path": request.get_full_path(),
-            "if_match": request.headers.get("If-Match"),
-            "data": request.data,
-        }
+        fingerprint, legacy = idempotency.fingerprints(
+            method=request.method,
+            path=request.get_full_path(),
+            if_match=request.headers.get("If-Match"),
+            data=request.data,
+        )
         outcome = idempotency.claim(
-            tenant=self.tenant,
-            api_key=api_key,
-            key=key,
-            fingerprint=idempotency.fingerprint(**request_parts),
-            legacy=idempotency.legacy_fingerprint(**request_parts),
+            tenant=self.tenant, api_key=api_key, key=key, fingerprint=fingerprint, legacy=legacy
         )
         if isinstance(outcome, IdempotencyRecord):
             raise _Replay(_replayed(outcome))
