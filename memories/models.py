@@ -384,6 +384,9 @@ class Job(models.Model):
         SUCCEEDED = "succeeded"
         FAILED = "failed"
 
+    # A job in one of these states is over: it never runs again (and may be purged).
+    FINISHED = (Status.SUCCEEDED, Status.FAILED)
+
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs", db_index=False)
     kind = models.CharField(max_length=16, choices=Kind.choices)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)

@@ -16,7 +16,7 @@ from django_q.signing import SignedPackage
 from audit.models import AuditEvent
 from memories import services
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
-from memories.services import forget, subjects
+from memories.services import forget, jobs, subjects
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
 from tests.helpers import memory_rows, rest_error, start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.actors import Actor
@@ -865,6 +865,29 @@ def test_finished_jobs_are_purged_after_the_retention_period(tenant_a, tenant_b,
     events = AuditEvent.objects.filter(action="job.purge").order_by("tenant_id")
     assert [(e.tenant_id, e.count) for e in events] == [(tenant_a.pk, 2), (tenant_b.pk, 1)]
     assert tasks.jobs_purge_task() == 0
+
+
+def test_jobs_purge_counts_age_from_when_the_job_finished(tenant_a, settings):
+    """A job accepted long ago that ran late (retried, or behind a backlog) is kept for the
+    whole retention period after it finished; an unfinished one is never purged."""
+    settings.ZEROMEM_JOB_RETENTION_DAYS = 30
+    now = timezone.now()
+    make = lambda status, created, finished: Job.objects.create(  # noqa: E731
+        tenant=tenant_a,
+        kind=Job.Kind.SUMMARIZE,
+        status=status,
+        params={"prefix": "user:u1:"},
+        created_at=created,
+        finished_at=finished,
+    )
+    just_done = make(Job.Status.SUCCEEDED, now - timedelta(days=40), now - timedelta(hours=1))
+    just_failed = make(Job.Status.FAILED, now - timedelta(days=40), now - timedelta(days=29))
+    running = make(Job.Status.RUNNING, now - timedelta(days=40), None)
+    gone = make(Job.Status.SUCCEEDED, now - timedelta(days=40), now - timedelta(days=31))
+
+    assert jobs.jobs_purge() == 1
+    assert set(Job.objects.values_list("pk", flat=True)) == {just_done.pk, just_failed.pk, running.pk}
+    assert not Job.objects.filter(pk=gone.pk).exists()
 
 
 @pytest.mark.postgres

@@ -384,9 +384,9 @@ def _redact_jobs(request: ForgetRequest) -> int:
     else:
         namespaces = {key.rpartition(":")[0] + ":" for key in request.keys}
         hit = lambda prefix: prefix in namespaces  # noqa: E731
-    jobs = Job.objects.filter(
-        tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=[Job.Status.SUCCEEDED, Job.Status.FAILED]
-    ).only("pk", "params", "result")
+    jobs = Job.objects.filter(tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=Job.FINISHED).only(
+        "pk", "params", "result"
+    )
     named = [job for job in jobs.iterator() if isinstance(job.params.get("prefix"), str) and hit(job.params["prefix"])]
     for job in named:
         params = {k: v for k, v in job.params.items() if k != "prefix"} | {"redacted": True}

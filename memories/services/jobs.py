@@ -6,6 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from audit.services import audited_operation
@@ -43,18 +44,23 @@ def _visible(actor: Actor, job: Job) -> bool:
 
 
 def jobs_purge() -> int:
-    """Delete finished jobs (succeeded or failed) older than ``ZEROMEM_JOB_RETENTION_DAYS``:
-    their params and results name key prefixes, so they are not kept longer than a caller
-    could want to read them. Returns how many; one ``job.purge`` audit event per tenant.
-    Cost: one DELETE per tenant with such jobs, on the (tenant, created_at) index."""
+    """Delete finished jobs (succeeded, failed or cancelled) that finished more than
+    ``ZEROMEM_JOB_RETENTION_DAYS`` ago: their params and results name key prefixes, so they
+    are not kept longer than a caller could want to read them. Age counts from
+    ``finished_at`` (a job retried for days, or queued behind a backlog, is kept the whole
+    period after it ended; a job row from before ``finished_at`` was set counts from its
+    ``created_at``); a queued or running job is never deleted. Returns how many; one
+    ``job.purge`` audit event per tenant.
+    Cost: one DELETE per tenant with such jobs; the filter on ``finished_at`` has no index
+    (a daily job over a table this purge keeps to ~30 days of jobs)."""
     cutoff = timezone.now() - timedelta(days=settings.ZEROMEM_JOB_RETENTION_DAYS)
-    finished = [Job.Status.SUCCEEDED, Job.Status.FAILED]
     actor = Actor.system(job="jobs-purge")
     done = 0
-    old = Job.objects.filter(status__in=finished, created_at__lt=cutoff)
+    old = Job.objects.filter(status__in=Job.FINISHED).alias(ended=Coalesce("finished_at", "created_at"))
+    old = old.filter(ended__lt=cutoff)
     for tenant_id in sorted(set(old.values_list("tenant_id", flat=True).distinct())):
         with audited_operation(tenant=Tenant(pk=tenant_id), actor=actor, action="job.purge") as op:
-            count, _ = Job.objects.filter(tenant_id=tenant_id, status__in=finished, created_at__lt=cutoff).delete()
+            count, _ = old.filter(tenant_id=tenant_id).delete()
             if count:
                 op.record(count=count)
             done += count

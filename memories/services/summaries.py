@@ -210,7 +210,7 @@ def _attempt_begin(job_id: int) -> Job | None:
     Returns the job; its status is ``running`` only if this attempt should do the work."""
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=job_id).first()
-        if job is None or job.status in (Job.Status.SUCCEEDED, Job.Status.FAILED):
+        if job is None or job.status in Job.FINISHED:
             return job
         now = timezone.now()
         job.attempts += 1
