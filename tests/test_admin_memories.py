@@ -222,6 +222,23 @@ def test_extend_ttl_and_trash_and_restore_actions(tenant_a, staff_clients):
     assert actions == ["memory.update", "memory.delete", "memory.restore"]
 
 
+def test_restore_action_gives_a_memory_whose_ttl_ran_out_in_the_trash_its_ttl_again(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en", ttl_seconds=3600)
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    # Two hours in the trash: it expired an hour ago and the purge has not run yet.
+    Memory.objects.filter(pk=memory.pk).update(
+        created_at=memory.created_at - timedelta(hours=2), expires_at=memory.expires_at - timedelta(hours=2)
+    )
+    _user, client = staff_clients["support"]
+    before = timezone.now()
+    client.post(
+        "/admin/memories/memory/?state=trash", {"action": "restore_from_trash", "_selected_action": [memory.pk]}
+    )
+    memory.refresh_from_db()
+    assert memory.deleted_at is None
+    assert before + timedelta(hours=1) <= memory.expires_at <= timezone.now() + timedelta(hours=1)
+    assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory.value == "en"
+
 def test_an_action_on_every_memory_of_a_huge_list_works_through_a_bounded_batch_per_run(
     tenant_a, staff_clients, monkeypatch
 ):

@@ -8,9 +8,11 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
+from audit.models import AuditEvent
 from memories import services
 from memories.models import Memory
 from tests.factories import SYSTEM
+from zeromem.kernel.errors import NotFound
 
 KEY = "user:u1:otp"
 _real_now = timezone.now
@@ -141,3 +143,33 @@ def test_restore_over_an_expired_memory_holding_the_key_restores_and_trashes_the
         assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory.value == "kept"
     expired = Memory.objects.get(key=KEY, value="short")
     assert expired.deleted_at is not None and expired.expires_at is not None
+
+
+def test_a_memory_restored_after_its_ttl_ran_out_lives_its_ttl_again_from_the_restore(tenant_a):
+    """Restoring from the trash never makes an expiring memory permanent: one that expired
+    while in the trash (not purged yet) gets its lifespan again — creation to expiry, here its
+    60 s TTL — counted from the restore, and then expires as before."""
+    written = services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="zebra code 4711", ttl_seconds=60)
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    lifespan = written.memory.expires_at - written.memory.created_at
+    assert lifespan == timedelta(seconds=60)
+    with clock_at(timedelta(seconds=300)) as restored_at:
+        result = services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=written.memory.pk)
+        assert result.memory.expires_at == restored_at + lifespan
+        assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory.value == "zebra code 4711"
+    stored = Memory.objects.get(pk=written.memory.pk)
+    assert (stored.deleted_at, stored.expires_at) == (None, restored_at + lifespan)
+    event = AuditEvent.objects.filter(tenant=tenant_a, action="memory.restore").get()
+    assert event.detail == {"ttl_restarted_seconds": 60}
+    with clock_at(timedelta(seconds=300 + 61)):
+        with pytest.raises(NotFound):
+            services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+
+
+def test_a_restored_memory_whose_ttl_has_not_run_out_keeps_its_expiry(tenant_a):
+    written = services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="kept", ttl_seconds=600)
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    with clock_at(timedelta(seconds=60)):
+        result = services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=written.memory.pk)
+    assert result.memory.expires_at == written.memory.expires_at
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.restore").get().detail in (None, {})

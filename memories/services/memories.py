@@ -377,7 +377,10 @@ def memory_delete(
 def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryResult:
     """Bring a trashed memory back. No such memory in the tenant's trash raises
     :class:`NotFound`; a live memory that has taken its key meanwhile, :class:`Conflict` (an
-    expired one, not yet purged, goes to the trash instead: see :func:`_lock_current_unexpired`)."""
+    expired one, not yet purged, goes to the trash instead: see :func:`_lock_current_unexpired`).
+    A memory whose TTL ran out in the trash expires again its lifespan (``expires_at -
+    created_at``) after the restore, audited as ``detail.ttl_restarted_seconds``; one whose
+    TTL has not run out keeps its expiry."""
     memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory_id).first()
     key = memory.key if memory else ""
     with audited_operation(tenant=tenant, actor=actor, action="memory.restore", target=key) as op:
@@ -395,8 +398,15 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         memory.deleted_at = None
         memory.version += 1
         memory.updated_at = now
+        restarted = None
         if memory.expires_at is not None and memory.expires_at <= now:
-            memory.expires_at = None  # restoring an expired memory would leave it invisible
+            # Its TTL ran out in the trash (the purge has not erased it yet). Restored with
+            # that expiry it would stay invisible; made permanent it would outlive what its
+            # writer asked for. It lives its lifespan again, creation to expiry (exactly its
+            # TTL when the TTL was set on creation, by the write or a retention rule; longer
+            # if a later write set it), counted from now. No query: both are on the row.
+            restarted = memory.expires_at - memory.created_at
+            memory.expires_at = now + restarted
         try:
             # A savepoint: a write that creates the key after the check above wins the
             # one-live-key index, and this restore is a conflict, not an error.
@@ -405,7 +415,8 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         except IntegrityError:
             raise Conflict("a live memory holds this key", field="key") from None
         _record_version(memory, MemoryVersion.Op.RESTORE, actor, now)
-        op.record(subject=memory.subject, version=memory.version)
+        detail = {"ttl_restarted_seconds": round(restarted.total_seconds())} if restarted is not None else None
+        op.record(subject=memory.subject, version=memory.version, detail=detail)
         return MemoryResult(status="ok", key=key, memory=memory)
 
 
