@@ -239,6 +239,7 @@ def test_restore_action_gives_a_memory_whose_ttl_ran_out_in_the_trash_its_ttl_ag
     assert before + timedelta(hours=1) <= memory.expires_at <= timezone.now() + timedelta(hours=1)
     assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory.value == "en"
 
+
 def test_an_action_on_every_memory_of_a_huge_list_works_through_a_bounded_batch_per_run(
     tenant_a, staff_clients, monkeypatch
 ):
