@@ -27,6 +27,7 @@ from memories.services import summaries
 from tests.factories import SYSTEM
 from tests.helpers import rest_error, tool_error
 from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import NotFound
 
 CANARY = "CANARY-summary-4b1d9e"
 
@@ -248,6 +249,57 @@ def test_summary_memory_has_category_subject_and_sources(api, tenant_a, clock, d
     status, body = api.call("memory_read", key="summary:user:u7")
     assert (status, body["status"], body["value"]) == (200, "ok", summary.value)
     assert MemoryVersion.objects.filter(memory=summary).count() == 1
+
+
+# --- a summary expires with its sources ----------------------------------------------------
+
+
+def summarize_now(tenant, prefix, capture):
+    with capture(execute=True):
+        services.summarize_start(tenant=tenant, actor=SYSTEM, prefix=prefix)
+    return Memory.objects.get(tenant=tenant, key=summaries.summary_key(prefix), deleted_at__isnull=True)
+
+
+def test_a_summary_of_expiring_memories_expires_when_its_last_source_does(
+    tenant_a, clock, django_capture_on_commit_callbacks
+):
+    first = write(tenant_a, "session:s9:a", "zebra alpha", ttl_seconds=60)
+    last = write(tenant_a, "session:s9:b", "zebra beta", ttl_seconds=120)
+    summary = summarize_now(tenant_a, "session:s9:", django_capture_on_commit_callbacks)
+    assert summary.value == "b = zebra beta\na = zebra alpha"
+    assert summary.expires_at == last.expires_at > first.expires_at
+    clock.advance(seconds=61)
+    assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key="summary:session:s9").memory.pk == summary.pk
+    clock.advance(seconds=60)  # both sources are gone: so is what the summary holds of them
+    with pytest.raises(NotFound):
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key="summary:session:s9")
+    found = services.memory_search(tenant=tenant_a, actor=SYSTEM, query="zebra beta", limit=50)
+    assert [m.key for m, _score in found] == []
+
+
+def test_a_summary_with_one_permanent_source_is_permanent(tenant_a, clock, django_capture_on_commit_callbacks):
+    write(tenant_a, "session:s9:a", "alpha", ttl_seconds=60)
+    write(tenant_a, "session:s9:b", "beta")  # never expires
+    assert summarize_now(tenant_a, "session:s9:", django_capture_on_commit_callbacks).expires_at is None
+
+
+def test_a_summary_run_again_follows_its_sources_new_expiry(tenant_a, clock, django_capture_on_commit_callbacks):
+    write(tenant_a, "session:s9:a", "alpha", ttl_seconds=60)
+    before = summarize_now(tenant_a, "session:s9:", django_capture_on_commit_callbacks)
+    clock.advance(seconds=30)
+    extended = services.memory_update(tenant=tenant_a, actor=SYSTEM, key="session:s9:a", ttl_seconds=3600).memory
+    after = summarize_now(tenant_a, "session:s9:", django_capture_on_commit_callbacks)
+    assert after.pk == before.pk and after.expires_at == extended.expires_at
+    write(tenant_a, "session:s9:b", "beta")  # a permanent source now: the next run makes it permanent
+    assert summarize_now(tenant_a, "session:s9:", django_capture_on_commit_callbacks).expires_at is None
+
+
+def test_a_retention_rule_for_summaries_still_caps_their_expiry(tenant_a, clock, django_capture_on_commit_callbacks):
+    services.retention_rule_set(tenant=tenant_a, actor=SYSTEM, prefix="summary:", default_ttl_seconds=30)
+    write(tenant_a, "session:s9:a", "alpha", ttl_seconds=600)
+    write(tenant_a, "session:s9:b", "beta")
+    summary = summarize_now(tenant_a, "session:s9:", django_capture_on_commit_callbacks)
+    assert summary.updated_at < summary.expires_at <= summary.updated_at + timedelta(seconds=30)
 
 
 def test_sources_without_one_common_subject_give_no_subject(api, tenant_a, clock, django_capture_on_commit_callbacks):

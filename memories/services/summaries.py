@@ -43,7 +43,7 @@ from django.utils import timezone
 
 from audit.services import audited_operation
 from memories.models import Job, Memory, Tenant
-from memories.services import sensitivity
+from memories.services import retention, sensitivity
 from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
@@ -433,7 +433,9 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
     # them locked, waits for this commit, and then finds the summary by its lineage.
     ids = sorted(m.pk for m in digest.sources)
     locked = Memory.objects.filter(tenant=tenant, pk__in=ids).order_by("pk").select_for_update()
-    if len(list(locked.values_list("pk", flat=True))) < len(ids):
+    # Their expiry as it is now (a TTL refreshed while the LLM thought counts), locked too.
+    expiries = list(locked.values_list("expires_at", flat=True))
+    if len(expiries) < len(ids):
         raise SourcesErased("a source was erased while the summary was being made; the retry summarizes the rest")
     actor = _job_actor(job)
     subjects = {m.subject for m in digest.sources}
@@ -453,8 +455,14 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         if any(m.sensitive or sensitivity.matches_rules(tenant, key=m.key, value=m.value) for m in digest.sources)
         else None,
     )
-    # Lineage: memory_write keeps no sources, so they are set here, in the same transaction.
-    Memory.objects.filter(pk=written.memory.pk).update(sources=[m.key for m in digest.sources])
+    # Lineage: memory_write keeps no sources, so they are set here, in the same transaction,
+    # with the expiry the sources give it (see _summary_expiry).
+    written.memory.expires_at = _summary_expiry(
+        tenant=tenant, key=key, sources=expiries, written_at=written.memory.updated_at
+    )
+    Memory.objects.filter(pk=written.memory.pk).update(
+        sources=[m.key for m in digest.sources], expires_at=written.memory.expires_at
+    )
     if archive:
         for memory in digest.sources:
             # If-Match on the version summarized: a memory changed since it was read makes
@@ -463,6 +471,25 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         result["archived"] = len(digest.sources)
     result["chars"] = len(text)
     return result
+
+
+def _summary_expiry(
+    *, tenant: Tenant, key: str, sources: list[datetime | None], written_at: datetime
+) -> datetime | None:
+    """When a summary of memories expiring at ``sources`` expires: when the last of them
+    does (it holds their text, which must not outlive them), never if one of them never
+    expires — or sooner, by the tenant's retention rule for the summary's key, from
+    ``written_at``.
+
+    Set on every summarize run, not kept in step with the sources in between: a source's
+    TTL extended later moves the summary's expiry at the next run (the idle-sessions
+    schedule makes one, the source's update being newer than the summary); until then the
+    summary may go first, never last. Following every TTL change at once would cost each
+    write that sets a TTL a lookup of the summaries naming its key. Cost: one query (the rule).
+    """
+    ends = [] if None in sources else [max(sources)]
+    rule = retention.default_expiry_for(tenant=tenant, key=key, now=written_at)
+    return min([*ends, *([rule] if rule is not None else [])], default=None)
 
 
 # --- the optional LLM summarizer ---------------------------------------------------------
