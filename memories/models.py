@@ -383,9 +383,11 @@ class Job(models.Model):
         RUNNING = "running"
         SUCCEEDED = "succeeded"
         FAILED = "failed"
+        # Not run: the API key that asked for it was revoked or expired before it wrote.
+        CANCELLED = "cancelled"
 
     # A job in one of these states is over: it never runs again (and may be purged).
-    FINISHED = (Status.SUCCEEDED, Status.FAILED)
+    FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs", db_index=False)
     kind = models.CharField(max_length=16, choices=Kind.choices)
@@ -395,6 +397,17 @@ class Job(models.Model):
     error = models.TextField(blank=True, default="")
     attempts = models.PositiveSmallIntegerField(default=0)
     requested_by = models.CharField(max_length=150, blank=True, default="")
+    # The API key that asked (None: staff, a schedule): the job writes on its behalf only while
+    # it is live. No database constraint: a key row gone is a key that no longer speaks.
+    api_key = models.ForeignKey(
+        ApiKey,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
+        related_name="+",
+    )
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

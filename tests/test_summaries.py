@@ -340,6 +340,76 @@ def test_other_tenants_and_other_prefixes_are_untouched(
     assert not Memory.objects.filter(tenant=tenant_b, category="summary").exists()
 
 
+# --- a job asked by a key that has since lost its power ------------------------------------
+
+
+def _queue_with_a_key(tenant, make_client, capture, *, archive=True):
+    """A summarize job of ``session:s1:`` accepted from a new key of ``tenant``, not yet run:
+    (its key row, the on-commit callback that enqueues it)."""
+    client, key = make_client(tenant)
+    with capture() as callbacks:
+        r = client.post("/api/v1/summaries", {"prefix": "session:s1:", "archive": archive})
+    assert r.status_code == 202, r.content
+    assert len(callbacks) == 1
+    return key, Job.objects.get(pk=r.json()["job_id"]), callbacks[0]
+
+
+@pytest.mark.parametrize("how", ["revoked", "expired"])
+def test_a_job_whose_key_was_revoked_or_expired_is_cancelled_and_writes_nothing(
+    tenant_a, session, make_client, clock, how, django_capture_on_commit_callbacks
+):
+    key, job, enqueue = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
+    assert job.api_key_id == key.pk
+    if how == "revoked":
+        services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    else:
+        key.expires_at = clock.now + timedelta(seconds=5)
+        key.save(update_fields=["expires_at"])
+        clock.advance(seconds=10)
+    enqueue()  # the queued work runs (inline in tests)
+
+    job.refresh_from_db()
+    assert (job.status, job.finished_at is not None) == ("cancelled", True)
+    assert job.error == f"cancelled: the API key that asked for it has been {how}"
+    assert live(tenant_a, "summary:session:s1") is None
+    kept = Memory.objects.for_tenant(tenant_a).live().under_prefix("session:s1:")
+    assert sorted(kept.values_list("key", flat=True)) == sorted(DIGEST_ORDER)  # not archived
+    event = AuditEvent.objects.get(tenant=tenant_a, action="memory.summarize.run")
+    assert (event.outcome, event.detail) == ("denied", {"job_id": job.pk, "reason": f"api_key_{how}"})
+    # Over: a second delivery does nothing, and the job is purged like any finished one.
+    assert summaries.summarize_run(job_id=job.pk) == {"status": "cancelled", "job_id": job.pk}
+    assert AuditEvent.objects.filter(action="memory.summarize.run").count() == 1
+    assert job.status in Job.FINISHED
+
+
+def test_a_key_revoked_while_the_summary_is_being_made_stops_its_write(
+    tenant_a, session, make_client, monkeypatch, django_capture_on_commit_callbacks
+):
+    key, job, enqueue = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
+    digest = summaries._digest
+
+    def digest_then_revoke(**kwargs):
+        made = digest(**kwargs)  # the sources are read; the key is revoked before the write
+        services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+        return made
+
+    monkeypatch.setattr(summaries, "_digest", digest_then_revoke)
+    enqueue()
+    job.refresh_from_db()
+    assert job.status == "cancelled" and live(tenant_a, "summary:session:s1") is None
+    assert not Memory.objects.for_tenant(tenant_a).trashed().exists()
+
+
+def test_a_job_of_a_live_key_or_of_the_idle_schedule_runs(
+    tenant_a, session, make_client, django_capture_on_commit_callbacks
+):
+    _key, job, enqueue = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
+    enqueue()
+    job.refresh_from_db()
+    assert job.status == "succeeded", job.error
+    assert Job.objects.create(tenant=tenant_a, kind=Job.Kind.SUMMARIZE).api_key_id is None  # no key: nothing to check
+
+
 # --- refused requests --------------------------------------------------------------------
 
 

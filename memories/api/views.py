@@ -333,8 +333,9 @@ class SummaryStartView(AuditedAPIView):
 
 
 class JobDetailView(AuditedAPIView):
-    """A job of this tenant: ``queued`` → ``running`` → ``succeeded`` or ``failed`` (a failed
-    attempt that will be retried is ``queued`` again, its error shown). Needs memory:read;
+    """A job of this tenant: ``queued`` → ``running`` → ``succeeded``, ``failed`` or
+    ``cancelled`` (the API key that asked was revoked or expired before it wrote); a failed
+    attempt that will be retried is ``queued`` again, its error shown. Needs memory:read;
     a job about keys outside the key's allowlist is not found."""
 
     audit_actions = {"GET": "job.read"}

@@ -17,6 +17,10 @@ Summarizers:
 * ``llm`` (when ``settings.ZEROMEM_LLM_BASE_URL`` is set): the digest is sent to an
   OpenAI-compatible ``{base}/chat/completions`` endpoint and its answer is the summary.
 
+The summary expires when the last of its sources does (never if one of them never does), set
+on every run (:func:`_summary_expiry`). A job asked by an API key is cancelled, nothing
+written, once that key is revoked or expired (:func:`_requester_refusal`).
+
 Lineage lists the memories the summary really covers: those whose lines are in the digest.
 With ``archive=True`` exactly those are moved to the trash; memories left out of the digest
 stay live, so archiving never loses anything the summary does not hold.
@@ -41,13 +45,14 @@ from django.db import transaction
 from django.db.models import Max, Q
 from django.utils import timezone
 
-from audit.services import audited_operation
-from memories.models import Job, Memory, Tenant
+from audit.services import AuditedOperation, audited_operation
+from memories.models import ApiKey, Job, Memory, Tenant
 from memories.services import retention, sensitivity
 from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
 
 logger = logging.getLogger(__name__)
@@ -134,6 +139,7 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
             kind=Job.Kind.SUMMARIZE,
             params={"prefix": prefix, "archive": archive},
             requested_by=actor.label[:150],
+            api_key_id=int(actor.id) if actor.kind == ActorKind.API_KEY else None,
         )
         op.record(target=prefix, detail={"job_id": job.pk, "archive": archive})
         # robust: a broker that refuses the task must not turn the accepted job into a 500.
@@ -158,7 +164,7 @@ def _enqueue(job_id: int) -> None:
 def summarize_run(*, job_id: int) -> dict:
     """Run one attempt of a summarize job (the django-q2 task). Idempotent.
 
-    * A finished job (succeeded or failed) is left alone: a duplicate delivery does nothing.
+    * A finished job (succeeded, failed or cancelled) is left alone: a duplicate delivery does nothing.
     * The attempt is counted first, in its own transaction, so an attempt whose worker is
       killed still counts (django-q2 does not count those: its issue #327); past
       ``ZEROMEM_JOB_MAX_ATTEMPTS`` the job is marked failed and not run again.
@@ -178,18 +184,25 @@ def summarize_run(*, job_id: int) -> dict:
     tenant = job.tenant
     prefix, archive = job.params["prefix"], bool(job.params.get("archive"))
     try:
-        digest = _digest(tenant=tenant, prefix=prefix, max_chars=settings.ZEROMEM_SUMMARY_MAX_CHARS)
-        text, summarizer, tokens = digest.text, "digest", 0
-        if digest.sources and settings.ZEROMEM_LLM_BASE_URL:
-            # Outside any transaction: no lock or connection is held while the LLM thinks.
-            text, tokens = _llm_summarize(digest.text)
-            summarizer = "llm"
+        # A key revoked before the work starts costs no LLM call (checked again below).
+        refusal = _requester_refusal(job)
+        if refusal is None:
+            digest = _digest(tenant=tenant, prefix=prefix, max_chars=settings.ZEROMEM_SUMMARY_MAX_CHARS)
+            text, summarizer, tokens = digest.text, "digest", 0
+            if digest.sources and settings.ZEROMEM_LLM_BASE_URL:
+                # Outside any transaction: no lock or connection is held while the LLM thinks.
+                text, tokens = _llm_summarize(digest.text)
+                summarizer = "llm"
         with audited_operation(
             tenant=tenant, actor=_job_actor(job), action="memory.summarize.run", target=prefix
         ) as op:
             current = _attempt_current(job)
             if current is not None:
                 return current
+            # In the write's transaction: a key revoked while the LLM thought stops the write.
+            refusal = refusal or _requester_refusal(job)
+            if refusal is not None:
+                return _attempt_cancelled(job, op, refusal)
             result = _write_summary(job=job, digest=digest, text=text, archive=archive)
             result.update(summarizer=summarizer, tokens=tokens)
             Job.objects.filter(pk=job.pk).update(
@@ -241,6 +254,38 @@ def _attempt_current(job: Job) -> dict | None:
     if latest is not None and latest["status"] == Job.Status.SUCCEEDED:
         return latest["result"]
     return {"status": latest["status"] if latest else "missing", "job_id": job.pk}
+
+
+def _requester_refusal(job: Job) -> str | None:
+    """Why the API key that asked for ``job`` may no longer have it written (``revoked``,
+    ``expired``, ``deleted``), or None: the key is live, or no key asked (staff, a schedule).
+    The job writes on the key's behalf: once the key has lost its power, so has its queued
+    work. Not locked: a revoke that commits while the write's own transaction runs
+    (milliseconds) does not stop it, as for a request already past authentication; a lock
+    would make every request of the key wait, to update ``last_used_at``, on the summary.
+    Cost: one primary-key SELECT, none for a job no key asked for."""
+    if job.api_key_id is None:
+        return None
+    key = ApiKey.objects.filter(pk=job.api_key_id, tenant_id=job.tenant_id).values("revoked_at", "expires_at").first()
+    if key is None:
+        return "deleted"
+    if key["revoked_at"] is not None:
+        return "revoked"
+    if key["expires_at"] is not None and key["expires_at"] <= timezone.now():
+        return "expired"
+    return None
+
+
+def _attempt_cancelled(job: Job, op: AuditedOperation, refusal: str) -> dict:
+    """End ``job`` as cancelled, nothing written, in the attempt's transaction (which holds
+    the job row, see :func:`_attempt_current`), audited ``denied`` with the reason."""
+    Job.objects.filter(pk=job.pk).update(
+        status=Job.Status.CANCELLED,
+        error=f"cancelled: the API key that asked for it has been {refusal}",
+        finished_at=timezone.now(),
+    )
+    op.record(outcome=Outcome.DENIED, detail={"job_id": job.pk, "reason": f"api_key_{refusal}"})
+    return {"status": Job.Status.CANCELLED.value, "job_id": job.pk}
 
 
 def _attempt_failed(job: Job, exc: Exception) -> None:
