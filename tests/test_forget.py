@@ -215,6 +215,22 @@ def test_a_limited_keys_forget_rebuilds_a_shared_summary_instead_of_erasing_it(
     _assert_rebuilt_without_the_canary(summary)
 
 
+def test_a_summary_rebuilt_without_its_only_permanent_source_expires_with_the_rest(
+    tenant_a, make_client, django_capture_on_commit_callbacks
+):
+    write(tenant_a, "user:u1:pref_lang", f"zh-CN {CANARY}")  # permanent
+    write(tenant_a, "user:u2:addr", "u2 lives on Elm Street", ttl_seconds=600)
+    last = write(tenant_a, "user:u10:secret", "u10 keeps a secret", ttl_seconds=1200)
+    summary = summarize(tenant_a, "user:", django_capture_on_commit_callbacks)
+    assert summary.expires_at is None  # one source never expires
+    client, _ = make_client(tenant_a, allow=["user:u1:"])
+    r = post(client, django_capture_on_commit_callbacks, {"keys": ["user:u1:pref_lang"]})
+    assert get(client, r.json()["id"])["receipt"]["summaries_rebuilt"] == ["summary:user"]
+    _assert_rebuilt_without_the_canary(summary)
+    # What is left of it is the expiring sources' text: it expires when the last of them does.
+    assert Memory.objects.get(pk=summary.pk).expires_at == last.expires_at
+
+
 def test_a_limited_prefix_forget_rebuilds_summaries_of_summaries_outside_its_allowlist(
     tenant_a, make_client, django_capture_on_commit_callbacks
 ):

@@ -45,7 +45,7 @@ from memories import keyring, search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
-from memories.services.summaries import summary_without
+from memories.services.summaries import summary_expiry, summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
@@ -567,7 +567,8 @@ def _summary_rebuild(
     of sources ``rebuilt`` before it), drop its history (every old version holds the
     forgotten text) and keep one version of the new text. Returns the new text, or None
     (nothing changed) when nothing but forgotten sources is left, for the caller to erase.
-    Cost: a SELECT of its other sources, an UPDATE, a DELETE of its versions, an INSERT."""
+    Cost: a SELECT of its other sources, the summary retention rule's SELECT, an UPDATE, a
+    DELETE of its versions, an INSERT."""
     forgotten = {k for k in summary.sources if k in erased}
     keep = [k for k in summary.sources if k not in forgotten]
     remaining = list(
@@ -584,9 +585,21 @@ def _summary_rebuild(
     now = timezone.now()
     version = summary.version + 1
     secret = summary.sensitive
+    # What is left is its other sources' text: it expires when the last of them does (a
+    # forgotten permanent source made it permanent) — never later than it would have.
+    expires_at = summary.expires_at
+    if remaining:
+        ends = summary_expiry(
+            tenant=Tenant(pk=request.tenant_id),
+            key=summary.key,
+            sources=[m.expires_at for m in remaining],
+            written_at=now,
+        )
+        expires_at = ends if expires_at is None else min(ends or expires_at, expires_at)
     Memory.objects.filter(pk=summary.pk).update(
         value=keyring.seal_value(text, tenant_id=request.tenant_id, subject=summary.subject) if secret else text,
         sources=keep,
+        expires_at=expires_at,
         # The rebuilt text replaces the index terms too: a forgotten word must not stay findable.
         **search.index_fields(
             tenant_id=request.tenant_id, key=summary.key, value=None if secret else text, tags=summary.tags

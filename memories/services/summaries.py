@@ -18,7 +18,7 @@ Summarizers:
   OpenAI-compatible ``{base}/chat/completions`` endpoint and its answer is the summary.
 
 The summary expires when the last of its sources does (never if one of them never does), set
-on every run (:func:`_summary_expiry`). A job asked by an API key is cancelled, nothing
+on every run (:func:`summary_expiry`). A job asked by an API key is cancelled, nothing
 written, once that key is revoked or expired (:func:`_requester_refusal`).
 
 Lineage lists the memories the summary really covers: those whose lines are in the digest.
@@ -501,8 +501,8 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         else None,
     )
     # Lineage: memory_write keeps no sources, so they are set here, in the same transaction,
-    # with the expiry the sources give it (see _summary_expiry).
-    written.memory.expires_at = _summary_expiry(
+    # with the expiry the sources give it (see summary_expiry).
+    written.memory.expires_at = summary_expiry(
         tenant=tenant, key=key, sources=expiries, written_at=written.memory.updated_at
     )
     Memory.objects.filter(pk=written.memory.pk).update(
@@ -518,7 +518,7 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
     return result
 
 
-def _summary_expiry(
+def summary_expiry(
     *, tenant: Tenant, key: str, sources: list[datetime | None], written_at: datetime
 ) -> datetime | None:
     """When a summary of memories expiring at ``sources`` expires: when the last of them
@@ -526,7 +526,8 @@ def _summary_expiry(
     expires — or sooner, by the tenant's retention rule for the summary's key, from
     ``written_at``.
 
-    Set on every summarize run, not kept in step with the sources in between: a source's
+    Set on every summarize run (and by a forget request's rebuild of the summary), not kept
+    in step with the sources in between: a source's
     TTL extended later moves the summary's expiry at the next run (the idle-sessions
     schedule makes one, the source's update being newer than the summary); until then the
     summary may go first, never last. Following every TTL change at once would cost each
