@@ -980,3 +980,13 @@ def test_idle_sessions_one_tenants_unsummarizable_session_does_not_stop_the_othe
     assert not Job.objects.filter(tenant=tenant_a).exists()
     # Skipped, not refused on every run: no refusal event piles up in tenant A's log.
     assert not AuditEvent.objects.filter(tenant=tenant_a, action="memory.summarize").exists()
+
+
+def test_a_revoked_keys_job_never_calls_the_llm(
+    tenant_a, session, make_client, llm, django_capture_on_commit_callbacks
+):
+    key, job, enqueue = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
+    services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    enqueue()
+    job.refresh_from_db()
+    assert job.status == "cancelled" and llm.requests == []
