@@ -181,9 +181,16 @@ def _summarize(tenant: Tenant, actor: Actor, a: dict) -> dict:
     return {"status": "ok", "job_id": job.pk}
 
 
-KEY = Param("key", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "e.g. user:u10086:pref_lang", True)
+# Each bound of a schema is the service's own (zeromem/kernel/validation.py): a value a schema
+# allows passes the service's checks of that argument, and one past a bound fails both.
+KEY = Param(
+    "key", {"type": "string", "minLength": 1, "maxLength": validation.KEY_MAX_LEN}, "e.g. user:u10086:pref_lang", True
+)
 PREFIX = Param("prefix", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "key prefix, e.g. user:u10086:")
-QUERY = Param("query", {"type": "string", "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True)
+QUERY = Param(
+    "query", {"type": "string", "minLength": 1, "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True
+)
+LIMIT = {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}
 RECALL_QUERY = Param(
     "query",
     {"type": "string", "maxLength": validation.QUERY_MAX_LEN},
@@ -199,10 +206,30 @@ TOOLS: dict[str, Tool] = {
             (
                 KEY,
                 Param("value", ANY_JSON, "what to remember", True),
-                Param("ttl_seconds", {"type": "integer", "minimum": 1}, "expire after this many seconds"),
-                Param("tags", {"type": "array", "items": {"type": "string"}}, "labels"),
-                Param("subject", {"type": "string"}, "end user this is about"),
-                Param("category", {"type": "string"}, "user, task, decision, fact"),
+                Param(
+                    "ttl_seconds",
+                    {"type": "integer", "minimum": 1, "maximum": validation.TTL_MAX_SECONDS},
+                    "expire after this many seconds",
+                ),
+                Param(
+                    "tags",
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1, "maxLength": validation.TAG_MAX_LEN},
+                        "maxItems": validation.TAGS_MAX,
+                    },
+                    "labels: letters, digits or _-.@+=~:",
+                ),
+                Param("subject", {"type": "string", "maxLength": validation.SUBJECT_MAX_LEN}, "end user this is about"),
+                Param(
+                    "category",
+                    {
+                        "type": "string",
+                        "maxLength": validation.CATEGORY_MAX_LEN,
+                        "pattern": validation.CATEGORY_PATTERN,
+                    },
+                    "user, task, decision, fact",
+                ),
                 Param("sensitive", {"type": "boolean"}, "personal data: store it encrypted"),
             ),
             _write,
@@ -219,7 +246,11 @@ TOOLS: dict[str, Tool] = {
             (
                 KEY,
                 Param("value", ANY_JSON, "new value", True),
-                Param("expected_version", {"type": "integer", "minimum": 1}, "version you read"),
+                Param(
+                    "expected_version",
+                    {"type": "integer", "minimum": 1, "maximum": validation.VERSION_MAX},
+                    "version you read",
+                ),
             ),
             _update,
         ),
@@ -229,8 +260,12 @@ TOOLS: dict[str, Tool] = {
             "List keys under a prefix.",
             (
                 PREFIX,
-                Param("limit", {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}, "max keys"),
-                Param("cursor", {"type": "string"}, "next_cursor of the previous page"),
+                Param("limit", LIMIT, "max keys"),
+                Param(
+                    "cursor",
+                    {"type": "string", "maxLength": validation.CURSOR_MAX_LEN},
+                    "next_cursor of the previous page",
+                ),
             ),
             _list,
         ),
@@ -240,7 +275,7 @@ TOOLS: dict[str, Tool] = {
             (
                 QUERY,
                 PREFIX,
-                Param("limit", {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}, "default 5"),
+                Param("limit", LIMIT, "default 5"),
             ),
             _search,
         ),
@@ -253,8 +288,8 @@ TOOLS: dict[str, Tool] = {
                 PREFIX,
                 Param(
                     "max_chars",
-                    {"type": "integer", "minimum": 50, "maximum": validation.RECALL_MAX_CHARS},
-                    "default 500",
+                    {"type": "integer", "minimum": validation.RECALL_MIN_CHARS, "maximum": validation.RECALL_MAX_CHARS},
+                    f"default {validation.RECALL_DEFAULT_CHARS}",
                 ),
             ),
             _recall,

@@ -473,7 +473,11 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
         max_chars = validation.bounded_int(
-            max_chars, field="max_chars", default=500, low=50, high=validation.RECALL_MAX_CHARS
+            max_chars,
+            field="max_chars",
+            default=validation.RECALL_DEFAULT_CHARS,
+            low=validation.RECALL_MIN_CHARS,
+            high=validation.RECALL_MAX_CHARS,
         )
         with search_budget(tenant.pk):
             packed = search.recall_pack(
