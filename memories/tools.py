@@ -126,7 +126,9 @@ def _write(tenant: Tenant, actor: Actor, a: dict) -> dict:
 
 def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
     try:
-        r = services.memory_read(tenant=tenant, actor=actor, key=a["key"])
+        # Never more than max_chars of the value into the model's context (README "Token cost").
+        max_chars = a.get("max_chars", validation.READ_DEFAULT_CHARS)
+        r = services.memory_read(tenant=tenant, actor=actor, key=a["key"], max_chars=max_chars, offset=a.get("offset"))
     except Erased:
         # Crypto-shredded (its subject was forgotten): an answer, not an error.
         return {"status": "erased", "key": a["key"]}
@@ -136,7 +138,12 @@ def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
             out["value"] = a["default"]  # the caller's fallback, as the seeds' degradation advice asks
         return out
     m = r.memory
-    return {"status": "ok", "key": r.key, "value": m.value, "version": m.version, "updated_at": _updated_at(m)}
+    out = {"status": "ok", "key": r.key, "value": m.value, "version": m.version, "updated_at": _updated_at(m)}
+    if r.cut is not None:
+        out.update(value=r.cut.text, truncated=r.cut.next_offset is not None, chars=r.cut.chars)
+        if r.cut.next_offset is not None:
+            out["next_offset"] = r.cut.next_offset
+    return out
 
 
 def _update(tenant: Tenant, actor: Actor, a: dict) -> dict:
@@ -236,8 +243,22 @@ TOOLS: dict[str, Tool] = {
         ),
         Tool(
             "memory_read",
-            "Read the memory at a key.",
-            (KEY, Param("default", ANY_JSON, "returned as value if the key is missing")),
+            "Read the memory at a key. A value longer than max_chars comes back cut, as text, with "
+            "truncated, chars (its whole length) and next_offset (pass it as offset for the rest).",
+            (
+                KEY,
+                Param("default", ANY_JSON, "returned as value if the key is missing"),
+                Param(
+                    "max_chars",
+                    {"type": "integer", "minimum": 1, "maximum": validation.READ_MAX_CHARS},
+                    f"default {validation.READ_DEFAULT_CHARS}",
+                ),
+                Param(
+                    "offset",
+                    {"type": "integer", "minimum": 0, "maximum": validation.READ_OFFSET_MAX},
+                    "next_offset of a cut read",
+                ),
+            ),
             _read,
         ),
         Tool(

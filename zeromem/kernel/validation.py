@@ -34,6 +34,12 @@ QUERY_MAX_LEN = 500
 VERSION_MAX = 2**31 - 1  # the version column's range
 # Arrays/objects inside a memory value, at most this deep ({"a": {"b": 1}} is 2).
 VALUE_MAX_DEPTH = 32
+# A memory_read tool call answers at most max_chars characters of a value's text (a string as
+# it is, other JSON as its compact JSON text), from offset: the model's context is not the place
+# for a 1 MB value. The maximum is the default value cap, so such a value reads whole in one call.
+READ_DEFAULT_CHARS = 2000
+READ_MAX_CHARS = 16 * 1024
+READ_OFFSET_MAX = 2**31 - 1
 RECALL_MIN_CHARS = 50
 RECALL_DEFAULT_CHARS = 500
 RECALL_MAX_CHARS = 8000
