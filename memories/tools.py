@@ -65,10 +65,10 @@ class Tool:
             # Strict mode: every property listed in `required`; optional ones accept null.
             props = {}
             for p in self.params:
-                schema = _strict(p.schema)
+                schema, bounds = _strict(p.schema)
                 if not p.required:
                     schema = _nullable(schema)
-                props[p.name] = {**schema, "description": p.description}
+                props[p.name] = {**schema, "description": f"{p.description} ({bounds})" if bounds else p.description}
             parameters = {
                 "type": "object",
                 "properties": props,
@@ -92,8 +92,29 @@ class Tool:
         return {"name": self.name, "description": self.description, "inputSchema": self.input_schema()}
 
 
-def _strict(schema: dict) -> dict:
-    return {"anyOf": STRICT_SCALAR} if schema is ANY_JSON else dict(schema)
+# OpenAI's strict mode takes a subset of JSON Schema that may refuse string lengths (its SDK's
+# docs: "minLength and maxLength can be rejected by the API"), and a refused schema fails the
+# whole request: the strict schema says them in its description instead.
+_LENGTHS = ("minLength", "maxLength")
+
+
+def _strict(schema: dict) -> tuple[dict, str]:
+    """``schema`` in OpenAI's strict subset, and the bounds it had to leave out, in words."""
+    if schema is ANY_JSON:
+        return {"anyOf": STRICT_SCALAR}, ""
+    strict = {k: v for k, v in schema.items() if k not in _LENGTHS}
+    bounds = _length_words(schema)
+    if "items" in schema:
+        strict["items"], each = _strict(schema["items"])
+        bounds = bounds or (f"each {each}" if each else "")
+    return strict, bounds
+
+
+def _length_words(schema: dict) -> str:
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if high is None:
+        return f"at least {low} characters" if low else ""
+    return f"{low}-{high} characters" if low else f"at most {high} characters"
 
 
 def _nullable(schema: dict) -> dict:
