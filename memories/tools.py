@@ -339,7 +339,14 @@ TOOLS: dict[str, Tool] = {
         Tool(
             "memory_summarize",
             "Compact the memories under a prefix into one summary memory (a background job).",
-            (Param("prefix", {"type": "string", "maxLength": summaries.PREFIX_MAX_LEN}, "e.g. session:s1:", True),),
+            (
+                Param(
+                    "prefix",
+                    {"type": "string", "minLength": 1, "maxLength": summaries.PREFIX_MAX_LEN},
+                    "e.g. session:s1:",
+                    True,
+                ),
+            ),
             _summarize,
         ),
     )
