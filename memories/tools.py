@@ -65,10 +65,10 @@ class Tool:
             # Strict mode: every property listed in `required`; optional ones accept null.
             props = {}
             for p in self.params:
-                schema = _strict(p.schema)
+                schema, bounds = _strict(p.schema)
                 if not p.required:
                     schema = _nullable(schema)
-                props[p.name] = {**schema, "description": p.description}
+                props[p.name] = {**schema, "description": f"{p.description} ({bounds})" if bounds else p.description}
             parameters = {
                 "type": "object",
                 "properties": props,
@@ -92,8 +92,29 @@ class Tool:
         return {"name": self.name, "description": self.description, "inputSchema": self.input_schema()}
 
 
-def _strict(schema: dict) -> dict:
-    return {"anyOf": STRICT_SCALAR} if schema is ANY_JSON else dict(schema)
+# OpenAI's strict mode takes a subset of JSON Schema that may refuse string lengths (its SDK's
+# docs: "minLength and maxLength can be rejected by the API"), and a refused schema fails the
+# whole request: the strict schema says them in its description instead.
+_LENGTHS = ("minLength", "maxLength")
+
+
+def _strict(schema: dict) -> tuple[dict, str]:
+    """``schema`` in OpenAI's strict subset, and the bounds it had to leave out, in words."""
+    if schema is ANY_JSON:
+        return {"anyOf": STRICT_SCALAR}, ""
+    strict = {k: v for k, v in schema.items() if k not in _LENGTHS}
+    bounds = _length_words(schema)
+    if "items" in schema:
+        strict["items"], each = _strict(schema["items"])
+        bounds = bounds or (f"each {each}" if each else "")
+    return strict, bounds
+
+
+def _length_words(schema: dict) -> str:
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if high is None:
+        return f"at least {low} characters" if low else ""
+    return f"{low}-{high} characters" if low else f"at most {high} characters"
 
 
 def _nullable(schema: dict) -> dict:
@@ -126,7 +147,9 @@ def _write(tenant: Tenant, actor: Actor, a: dict) -> dict:
 
 def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
     try:
-        r = services.memory_read(tenant=tenant, actor=actor, key=a["key"])
+        # Never more than max_chars of the value into the model's context (README "Token cost").
+        max_chars = a.get("max_chars", validation.READ_DEFAULT_CHARS)
+        r = services.memory_read(tenant=tenant, actor=actor, key=a["key"], max_chars=max_chars, offset=a.get("offset"))
     except Erased:
         # Crypto-shredded (its subject was forgotten): an answer, not an error.
         return {"status": "erased", "key": a["key"]}
@@ -136,7 +159,12 @@ def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
             out["value"] = a["default"]  # the caller's fallback, as the seeds' degradation advice asks
         return out
     m = r.memory
-    return {"status": "ok", "key": r.key, "value": m.value, "version": m.version, "updated_at": _updated_at(m)}
+    out = {"status": "ok", "key": r.key, "value": m.value, "version": m.version, "updated_at": _updated_at(m)}
+    if r.cut is not None:
+        out.update(value=r.cut.text, truncated=r.cut.next_offset is not None, chars=r.cut.chars)
+        if r.cut.next_offset is not None:
+            out["next_offset"] = r.cut.next_offset
+    return out
 
 
 def _update(tenant: Tenant, actor: Actor, a: dict) -> dict:
@@ -181,9 +209,16 @@ def _summarize(tenant: Tenant, actor: Actor, a: dict) -> dict:
     return {"status": "ok", "job_id": job.pk}
 
 
-KEY = Param("key", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "e.g. user:u10086:pref_lang", True)
+# Each bound of a schema is the service's own (zeromem/kernel/validation.py): a value a schema
+# allows passes the service's checks of that argument, and one past a bound fails both.
+KEY = Param(
+    "key", {"type": "string", "minLength": 1, "maxLength": validation.KEY_MAX_LEN}, "e.g. user:u10086:pref_lang", True
+)
 PREFIX = Param("prefix", {"type": "string", "maxLength": validation.KEY_MAX_LEN}, "key prefix, e.g. user:u10086:")
-QUERY = Param("query", {"type": "string", "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True)
+QUERY = Param(
+    "query", {"type": "string", "minLength": 1, "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True
+)
+LIMIT = {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}
 RECALL_QUERY = Param(
     "query",
     {"type": "string", "maxLength": validation.QUERY_MAX_LEN},
@@ -199,18 +234,52 @@ TOOLS: dict[str, Tool] = {
             (
                 KEY,
                 Param("value", ANY_JSON, "what to remember", True),
-                Param("ttl_seconds", {"type": "integer", "minimum": 1}, "expire after this many seconds"),
-                Param("tags", {"type": "array", "items": {"type": "string"}}, "labels"),
-                Param("subject", {"type": "string"}, "end user this is about"),
-                Param("category", {"type": "string"}, "user, task, decision, fact"),
+                Param(
+                    "ttl_seconds",
+                    {"type": "integer", "minimum": 1, "maximum": validation.TTL_MAX_SECONDS},
+                    "expire after this many seconds",
+                ),
+                Param(
+                    "tags",
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1, "maxLength": validation.TAG_MAX_LEN},
+                        "maxItems": validation.TAGS_MAX,
+                    },
+                    "labels: letters, digits or _-.@+=~:",
+                ),
+                Param("subject", {"type": "string", "maxLength": validation.SUBJECT_MAX_LEN}, "end user this is about"),
+                Param(
+                    "category",
+                    {
+                        "type": "string",
+                        "maxLength": validation.CATEGORY_MAX_LEN,
+                        "pattern": validation.CATEGORY_PATTERN,
+                    },
+                    "user, task, decision, fact",
+                ),
                 Param("sensitive", {"type": "boolean"}, "personal data: store it encrypted"),
             ),
             _write,
         ),
         Tool(
             "memory_read",
-            "Read the memory at a key.",
-            (KEY, Param("default", ANY_JSON, "returned as value if the key is missing")),
+            "Read the memory at a key. A value longer than max_chars comes back cut, as text, with "
+            "truncated, chars (its whole length) and next_offset (pass it as offset for the rest).",
+            (
+                KEY,
+                Param("default", ANY_JSON, "returned as value if the key is missing"),
+                Param(
+                    "max_chars",
+                    {"type": "integer", "minimum": 1, "maximum": validation.READ_MAX_CHARS},
+                    f"default {validation.READ_DEFAULT_CHARS}",
+                ),
+                Param(
+                    "offset",
+                    {"type": "integer", "minimum": 0, "maximum": validation.READ_OFFSET_MAX},
+                    "next_offset of a cut read",
+                ),
+            ),
             _read,
         ),
         Tool(
@@ -219,7 +288,11 @@ TOOLS: dict[str, Tool] = {
             (
                 KEY,
                 Param("value", ANY_JSON, "new value", True),
-                Param("expected_version", {"type": "integer", "minimum": 1}, "version you read"),
+                Param(
+                    "expected_version",
+                    {"type": "integer", "minimum": 1, "maximum": validation.VERSION_MAX},
+                    "version you read",
+                ),
             ),
             _update,
         ),
@@ -229,8 +302,12 @@ TOOLS: dict[str, Tool] = {
             "List keys under a prefix.",
             (
                 PREFIX,
-                Param("limit", {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}, "max keys"),
-                Param("cursor", {"type": "string"}, "next_cursor of the previous page"),
+                Param("limit", LIMIT, "max keys"),
+                Param(
+                    "cursor",
+                    {"type": "string", "maxLength": validation.CURSOR_MAX_LEN},
+                    "next_cursor of the previous page",
+                ),
             ),
             _list,
         ),
@@ -240,7 +317,7 @@ TOOLS: dict[str, Tool] = {
             (
                 QUERY,
                 PREFIX,
-                Param("limit", {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}, "default 5"),
+                Param("limit", LIMIT, "default 5"),
             ),
             _search,
         ),
@@ -253,8 +330,8 @@ TOOLS: dict[str, Tool] = {
                 PREFIX,
                 Param(
                     "max_chars",
-                    {"type": "integer", "minimum": 50, "maximum": validation.RECALL_MAX_CHARS},
-                    "default 500",
+                    {"type": "integer", "minimum": validation.RECALL_MIN_CHARS, "maximum": validation.RECALL_MAX_CHARS},
+                    f"default {validation.RECALL_DEFAULT_CHARS}",
                 ),
             ),
             _recall,
@@ -262,7 +339,14 @@ TOOLS: dict[str, Tool] = {
         Tool(
             "memory_summarize",
             "Compact the memories under a prefix into one summary memory (a background job).",
-            (Param("prefix", {"type": "string", "maxLength": summaries.PREFIX_MAX_LEN}, "e.g. session:s1:", True),),
+            (
+                Param(
+                    "prefix",
+                    {"type": "string", "minLength": 1, "maxLength": summaries.PREFIX_MAX_LEN},
+                    "e.g. session:s1:",
+                    True,
+                ),
+            ),
             _summarize,
         ),
     )

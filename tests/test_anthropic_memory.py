@@ -101,6 +101,8 @@ def _reference_results(tmp_path, script) -> list[tuple[str, bool]]:
             out.append((tool.call(command), False))
         except ToolError as exc:
             out.append((str(exc), True))
+        except OSError as exc:  # the file system's own refusal, with the model's paths for its own
+            out.append((str(exc).replace(str((tmp_path / "memories").resolve()), "/memories"), True))
     return out
 
 
@@ -163,6 +165,47 @@ def test_the_sdk_tool_runner_drives_all_six_commands_into_zeromem(live_server, a
     surfaces = set(AuditEvent.objects.filter(tenant=tenant, action__startswith="memory.").values_list("surface"))
     assert surfaces == {("anthropic_memory",)}
     assert AuditEvent.objects.filter(tenant=tenant, action="memory.write", outcome="ok").count() == 3
+
+
+# A path under a file is neither a file nor a directory: a file system refuses to create one.
+UNDER_A_FILE = [
+    {"command": "create", "path": "/memories/a.md", "file_text": "x\n"},
+    {"command": "create", "path": "/memories/a.md/b.md", "file_text": "y"},
+    {"command": "create", "path": "/memories/./a.md/b/c.md", "file_text": "y"},
+    {"command": "create", "path": "/memories/d/e.md", "file_text": "e\n"},
+    {"command": "create", "path": "/memories/d", "file_text": "a file where a directory is"},
+    {"command": "rename", "old_path": "/memories/d/e.md", "new_path": "/memories/a.md/e.md"},
+    {"command": "rename", "old_path": "/memories/d/e.md", "new_path": "/memories/a.md/x/e.md"},
+    {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/a.md/d"},
+    {"command": "rename", "old_path": "/memories/a.md", "new_path": "/memories/a.md/x"},
+    {"command": "rename", "old_path": "/memories/missing.md", "new_path": "/memories/a.md/m.md"},
+    {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/a.md"},
+    {"command": "view", "path": "/memories"},
+]
+
+
+def test_a_path_under_a_file_is_refused_as_the_file_system_refuses_it(live_server, acme, tmp_path):
+    tenant, raw = acme
+    fake = FakeAnthropic(UNDER_A_FILE)
+    with ZeroMem(live_server.url, raw) as zm:
+        client = anthropic.Anthropic(base_url=fake.url, api_key="sk-fake", max_retries=0)
+        runner = client.beta.messages.tool_runner(
+            model="claude-fake",
+            max_tokens=1024,
+            tools=[ZeroMemMemoryTool(zm)],
+            messages=[{"role": "user", "content": "File it."}],
+        )
+        runner.until_done()
+    fake.close()
+    ours = [(_content(r), bool(r.get("is_error"))) for r in fake.tool_results()]
+    reference = _reference_results(tmp_path, UNDER_A_FILE)
+    for command, got, want in zip(UNDER_A_FILE, ours, reference, strict=True):
+        assert (_without_dir_sizes(got[0]), got[1]) == (_without_dir_sizes(want[0]), want[1]), command
+    assert ours[1] == ("[Errno 20] Not a directory: '/memories/a.md/b.md'", True)
+    assert ours[5] == ("[Errno 20] Not a directory: '/memories/d/e.md' -> '/memories/a.md/e.md'", True)
+    live = dict(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", "value"))
+    assert live == {"claude:memories:a.md": "x\n", "claude:memories:d:e.md": "e\n"}
+    assert not Memory.objects.filter(tenant=tenant, deleted_at__isnull=False).exists()
 
 
 def test_the_async_tool_runner_with_the_async_tool(live_server, acme, tmp_path):

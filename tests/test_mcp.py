@@ -34,6 +34,7 @@ from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
 from memories.models import TokenUsageDay
 from tests.factories import SYSTEM, make_key, make_tenant
 from zeromem.bench.server import free_port, start_server, stop_server
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
@@ -94,7 +95,10 @@ def calls(url: str, key: str, *pairs: tuple[str, dict]) -> list[dict]:
         out = []
         for name, arguments in pairs:
             r = await client.call_tool(name, arguments)
-            out.append({"is_error": r.is_error, "result": r.structured_content, "text": r.content[0].text})
+            text = r.content[0].text
+            out.append(
+                {"is_error": r.is_error, "result": r.structured_content, "text": text, "size": len(text.encode())}
+            )
         return out
 
     return over_http(url, key, run)
@@ -191,6 +195,35 @@ def test_results_carry_their_cost_in_meta_and_count_in_the_tenants_daily_usage(s
     tokens = re.search(r'^zeromem_tool_result_tokens_total\{surface="mcp"\} (\S+)$', metrics.text, re.M)
     assert tokens and float(tokens.group(1)) >= row.tokens, metrics.text[:2000]
     assert not TokenUsageDay.objects.filter(tenant=other).exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_long_value_is_read_in_slices_of_max_chars_and_the_schema_bounds_are_the_services(server):
+    tenant = make_tenant("mcp-slices")
+    _key, raw = make_key(tenant)
+    value = "周报每周五下午发送。" * 300  # 3,000 characters
+    answers = calls(
+        server,
+        raw,
+        ("memory_write", {"key": "task:t1:notes", "value": value}),
+        ("memory_read", {"key": "task:t1:notes"}),
+        ("memory_read", {"key": "task:t1:notes", "offset": 2000}),
+        ("memory_write", {"key": "task:t1:x", "value": 1, "ttl_seconds": validation.TTL_MAX_SECONDS + 1}),
+    )
+    first, rest, too_long = (a["result"] for a in answers[1:])
+    assert (first["value"], first["truncated"], first["chars"], first["next_offset"]) == (
+        value[:2000],
+        True,
+        3000,
+        2000,
+    )
+    assert (rest["value"], rest["truncated"]) == (value[2000:], False)
+    assert answers[1]["size"] < 2000 * 3 + 200  # the slice, not the value, reached the model
+    assert too_long["error"]["field"] == "ttl_seconds" and answers[3]["is_error"]
+    listed = over_http(server, raw, lambda c: c.list_tools())
+    ttl = next(t for t in listed.tools if t.name == "memory_write").input_schema["properties"]["ttl_seconds"]
+    assert ttl["maximum"] == validation.TTL_MAX_SECONDS
 
 
 @pytest.mark.postgres

@@ -68,6 +68,29 @@ def test_openai_schema_is_strict_mode_compatible(api):
                 assert _accepts_null(schema), (name, prop)
 
 
+def _keywords(schema: dict) -> set[str]:
+    found = set(schema)
+    for part in [*([schema["items"]] if "items" in schema else []), *schema.get("anyOf", [])]:
+        found |= _keywords(part)
+    return found
+
+
+def test_openai_strict_schema_states_string_lengths_in_words_not_keywords(api):
+    # Strict mode takes a subset of JSON Schema in which OpenAI may refuse minLength/maxLength
+    # (the whole tool list is then a 400): the bound is said in the description instead.
+    strict = {t["function"]["name"]: t["function"]["parameters"] for t in _tools(api, format="openai")["tools"]}
+    for name, parameters in strict.items():
+        for prop, schema in parameters["properties"].items():
+            assert not _keywords(schema) & {"minLength", "maxLength"}, (name, prop)
+    write = strict["memory_write"]["properties"]
+    assert "1-512 characters" in strict["memory_read"]["properties"]["key"]["description"]
+    assert "at most 255 characters" in write["subject"]["description"]
+    assert "each 1-64 characters" in write["tags"]["description"]
+    assert write["tags"]["maxItems"] == 20 and write["ttl_seconds"]["maximum"] == 315360000
+    loose = _tools(api, format="openai", strict="false")["tools"][0]["function"]["parameters"]
+    assert loose["properties"]["key"]["maxLength"] == 512
+
+
 def test_openai_is_the_default_format(api):
     assert _tools(api) == _tools(api, format="openai")
 

@@ -99,6 +99,63 @@ def test_read_of_present_key_ignores_the_default(api):
     assert body["status"] == "ok" and body["value"] == "zh-CN"
 
 
+# A read pours no more than max_chars (default 2,000) characters of a value into the model's
+# context; the rest comes with offset.
+
+
+def test_read_of_a_long_value_is_cut_at_2000_characters_and_says_how_to_get_the_rest(api):
+    text = "".join(f"line {i:04d} of the plan\n" for i in range(300))  # 6,900 characters
+    api.call("memory_write", key="task:t1:plan", value=text)
+    status, first = api.call("memory_read", key="task:t1:plan")
+    assert status == 200
+    assert first["value"] == text[:2000]
+    assert (first["truncated"], first["chars"], first["next_offset"]) == (True, len(text), 2000)
+    assert first["version"] == 1 and first["status"] == "ok"
+    pages, offset = [first["value"]], first["next_offset"]
+    while offset is not None:
+        _, page = api.call("memory_read", key="task:t1:plan", offset=offset)
+        assert page["chars"] == len(text)
+        pages.append(page["value"])
+        offset = page.get("next_offset")
+    assert page["truncated"] is False and "next_offset" not in page
+    assert "".join(pages) == text and len(pages) == 4
+    _, whole = api.call("memory_read", key="task:t1:plan", max_chars=8000)
+    assert whole["value"] == text and "truncated" not in whole
+
+
+def test_read_of_a_long_structured_value_is_cut_as_its_json_text(api):
+    value = {"steps": [{"n": i, "what": "步骤"} for i in range(200)]}
+    api.call("memory_write", key="task:t1:steps", value=value)
+    _, first = api.call("memory_read", key="task:t1:steps", max_chars=1000)
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    assert first["value"] == text[:1000] and first["chars"] == len(text) and first["truncated"] is True
+    _, rest = api.call("memory_read", key="task:t1:steps", max_chars=len(text), offset=1000)
+    assert json.loads(first["value"] + rest["value"]) == value and rest["truncated"] is False
+
+
+def test_a_value_within_max_chars_is_read_whole_as_before(api):
+    value = {"lang": "zh-CN", "tz": "Asia/Shanghai"}
+    api.call("memory_write", key="user:u1:prefs", value=value)
+    _, body = api.call("memory_read", key="user:u1:prefs", max_chars=40)
+    assert set(body) == {"status", "key", "value", "version", "updated_at"} and body["value"] == value
+
+
+@pytest.mark.parametrize(("arguments", "field"), [({"max_chars": 0}, "max_chars"), ({"offset": -1}, "offset")])
+def test_read_with_max_chars_or_offset_out_of_range_is_400_naming_it_and_audited(api, arguments, field):
+    api.call("memory_write", key="user:u1:pref_lang", value="zh-CN")
+    status, body = api.call("memory_read", key="user:u1:pref_lang", **arguments)
+    assert status == 400 and tool_error(body)["field"] == field
+    event = AuditEvent.objects.filter(tenant=api.tenant, action="memory.read").latest("id")
+    assert event.outcome == "invalid"
+
+
+def test_rest_read_still_returns_the_whole_value(api):
+    text = "x" * 5000
+    api.call("memory_write", key="task:t1:blob", value=text)
+    r = api.get("/api/v1/memories/task:t1:blob")
+    assert r.status_code == 200 and r.json()["value"] == text
+
+
 # --- memory_update ----------------------------------------------------------------------
 
 

@@ -12,18 +12,11 @@ from memories.services import forget as forget_rules
 from zeromem.kernel import validation
 from zeromem.kit.api import NO_CONTROL_CHARS, ErrorDetailSerializer
 
-
-# The rules of memories/validation.py as OpenAPI patterns: anchored (a JSON Schema ``pattern``
-# matches anywhere otherwise) and in ECMA-262 syntax, where ``\w`` is ASCII-only while Python's
-# is Unicode (keys such as ``user:张三:偏好`` are valid). The services still check every value.
-def _ecma(python_pattern: str) -> str:
-    return "^" + python_pattern.replace(r"\w", r"\p{L}\p{N}_") + "$"
-
-
-KEY_PATTERN = _ecma(validation.KEY_RE.pattern)
-PREFIX_PATTERN = _ecma(rf"(?:{validation._SEGMENT}:?)*")
-TAG_PATTERN = _ecma(validation.TAG_RE.pattern)
-CATEGORY_PATTERN = _ecma(validation.CATEGORY_RE.pattern)
+# The rules of zeromem/kernel/validation.py as OpenAPI patterns (validation.ecma_pattern).
+KEY_PATTERN = validation.ecma_pattern(validation.KEY_RE.pattern)
+PREFIX_PATTERN = validation.ecma_pattern(rf"(?:{validation._SEGMENT}:?)*")
+TAG_PATTERN = validation.ecma_pattern(validation.TAG_RE.pattern)
+CATEGORY_PATTERN = validation.CATEGORY_PATTERN
 
 
 class StringListField(serializers.ListField):
@@ -86,12 +79,12 @@ class StrictRegexField(_OnlyStrings, serializers.RegexField):
     pass
 
 
-@extend_schema_field({"type": "string", "minLength": 1, "maxLength": 64, "pattern": TAG_PATTERN})
+@extend_schema_field({"type": "string", "minLength": 1, "maxLength": validation.TAG_MAX_LEN, "pattern": TAG_PATTERN})
 class TagField(StrictCharField):
     """A tag; its grammar (TAG_PATTERN) is checked by the service."""
 
     def __init__(self, **kwargs):
-        super().__init__(max_length=64, trim_whitespace=False, **kwargs)
+        super().__init__(max_length=validation.TAG_MAX_LEN, trim_whitespace=False, **kwargs)
 
 
 class MemoryListSerializer(serializers.Serializer):
@@ -141,7 +134,9 @@ class _MemoryFieldsIn(serializers.Serializer):
         allow_null=True,
         max_length=validation.TAGS_MAX,
     )
-    category = StrictRegexField(CATEGORY_PATTERN, required=False, allow_null=True, max_length=32, trim_whitespace=False)
+    category = StrictRegexField(
+        CATEGORY_PATTERN, required=False, allow_null=True, max_length=validation.CATEGORY_MAX_LEN, trim_whitespace=False
+    )
     importance = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=10)
     source = StrictRegexField(
         NO_CONTROL_CHARS, required=False, allow_null=True, max_length=validation.SOURCE_MAX_LEN, trim_whitespace=False
@@ -160,7 +155,9 @@ class MemoryPutSerializer(_MemoryFieldsIn):
 
 class MemoryPatchSerializer(_MemoryFieldsIn):
     value = MemoryValueField(required=False, help_text="any JSON value but null")
-    expected_version = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=2**31 - 1)
+    expected_version = StrictIntegerField(
+        required=False, allow_null=True, min_value=1, max_value=validation.VERSION_MAX
+    )
 
 
 class MemoryVersionSerializer(serializers.ModelSerializer):

@@ -171,15 +171,19 @@ class MemoryListView(AuditedAPIView):
                 {"type": "string", "maxLength": validation.KEY_MAX_LEN, "pattern": s.PREFIX_PATTERN},
                 description="key prefix, e.g. user:u10086:",
             ),
-            OpenApiParameter("category", {"type": "string", "maxLength": 32, "pattern": s.CATEGORY_PATTERN}),
+            OpenApiParameter(
+                "category", {"type": "string", "maxLength": validation.CATEGORY_MAX_LEN, "pattern": s.CATEGORY_PATTERN}
+            ),
             OpenApiParameter(
                 "subject",
                 {"type": "string", "maxLength": validation.SUBJECT_MAX_LEN, "pattern": s.NO_CONTROL_CHARS},
             ),
-            OpenApiParameter("tag", {"type": "string", "maxLength": 64, "pattern": s.TAG_PATTERN}),
+            OpenApiParameter("tag", {"type": "string", "maxLength": validation.TAG_MAX_LEN, "pattern": s.TAG_PATTERN}),
             LIMIT_PARAM,
             OpenApiParameter(
-                "cursor", {"type": "string", "maxLength": 1024}, description="next_cursor of the previous page"
+                "cursor",
+                {"type": "string", "maxLength": validation.CURSOR_MAX_LEN},
+                description="next_cursor of the previous page",
             ),
         ],
         responses={200: s.MemoryListSerializer, **ERRORS},
@@ -410,7 +414,9 @@ class ForgetRequestListView(AuditedAPIView):
             ),
             LIMIT_PARAM,
             OpenApiParameter(
-                "cursor", {"type": "string", "maxLength": 1024}, description="next_cursor of the previous page"
+                "cursor",
+                {"type": "string", "maxLength": validation.CURSOR_MAX_LEN},
+                description="next_cursor of the previous page",
             ),
         ],
         responses={200: s.ForgetRequestListSerializer, **ERRORS},

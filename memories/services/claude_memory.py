@@ -19,14 +19,17 @@ under it (a file system shows its inode size).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
+from memories import selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
 from zeromem.kernel import validation
@@ -52,6 +55,11 @@ class Place:
     path: str  # as the model wrote it
     key: str  # the memory key it maps to
     is_root: bool
+    names: tuple[str, ...] = ()  # its names under /memories, "." and ".." resolved
+
+    def shown(self, depth: int | None = None) -> str:
+        """The path as a file system spells it (resolved), or that of its first ``depth`` names."""
+        return "/".join((ROOT_PATH, *self.names[:depth]))
 
 
 class MemoryTool:
@@ -88,7 +96,7 @@ class MemoryTool:
             raise MemoryToolError(
                 f"Path {path} cannot be stored: each name is letters, digits or _ - . @ + = ~ ({exc.message})"
             ) from None
-        return Place(path=path, key=key, is_root=not segments)
+        return Place(path=path, key=key, is_root=not segments, names=tuple(segments))
 
     def _memory(self, place: Place) -> Memory | None:
         """The file's memory, or None when there is no file at the path."""
@@ -142,6 +150,18 @@ class MemoryTool:
 
     def _is_dir(self, place: Place) -> bool:
         return place.is_root or bool(self._under(place, limit=1))
+
+    def _under_a_file(self, place: Place) -> int | None:
+        """How many names of ``place`` lead to the first of its parents that is a file
+        (/memories/a.md/b/c.md while /memories/a.md is a file: 1), or None when none is: a
+        path under a file is neither a file nor a directory. One indexed SELECT (the
+        parents' keys; none of them is read, so no audit event)."""
+        parents = {":".join([self.root, *place.names[:depth]]): depth for depth in range(1, len(place.names))}
+        keys = [key for key in parents if self.actor.may_touch(key)]
+        if not keys:
+            return None
+        files = selectors.memories_live(tenant=self.tenant).filter(key__in=keys).values_list("key", flat=True)
+        return min((parents[key] for key in files), default=None)
 
     def _write(self, key: str, text: str) -> None:
         try:
@@ -246,6 +266,10 @@ class MemoryTool:
         place = self.place(path)
         if place.is_root or self._text(place) is not None or self._is_dir(place):
             raise MemoryToolError(f"File {path} already exists")
+        depth = self._under_a_file(place)
+        if depth is not None:
+            # Where the reference backend's mkdir, or its open, finds a file for a directory.
+            raise MemoryToolError(_not_a_directory(place.shown(depth + 1)))
         self._write(place.key, file_text)
         return f"File created successfully at: {path}"
 
@@ -319,6 +343,14 @@ class MemoryTool:
             raise MemoryToolError("Cannot rename the /memories directory itself")
         if new.is_root or self._text(new) is not None or self._is_dir(new):
             raise MemoryToolError(f"The destination {new_path} already exists")
+        depth = self._under_a_file(new)
+        if depth is not None:
+            # As the reference backend: its mkdir of the destination's missing parents fails
+            # at the file, or (the file is the destination's parent) its rename(2) does, before
+            # looking at the source.
+            parent_is_file = depth == len(new.names) - 1
+            blocked = (old.shown(), new.shown()) if parent_is_file else (new.shown(depth + 1),)
+            raise MemoryToolError(_not_a_directory(*blocked))
         found = self._memory(old)
         under = [] if found is not None else self._all_under(old, old_path)
         if found is None and not under:
@@ -332,6 +364,12 @@ class MemoryTool:
                 self._move(memory, target)
                 mem.memory_delete(tenant=self.tenant, actor=self.actor, key=memory.key)
         return f"Successfully renamed {old_path} to {new_path}"
+
+
+def _not_a_directory(path: str, destination: str | None = None) -> str:
+    """A file system's refusal of a path under a file, as the reference backend's OSError
+    says it ("[Errno 20] Not a directory: '/memories/a.md/b.md'"), with the model's paths."""
+    return str(NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path, None, destination))
 
 
 def _format_size(size: int) -> str:

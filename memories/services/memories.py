@@ -44,6 +44,17 @@ class MemoryResult:
     key: str
     memory: Memory | None = None
     created: bool = False
+    cut: ValueSlice | None = None  # a read with max_chars of a value longer than that
+
+
+@dataclass(frozen=True)
+class ValueSlice:
+    """Characters ``[offset, offset + max_chars)`` of a value's text, for a value too long to
+    answer whole."""
+
+    text: str
+    chars: int  # the whole text's length
+    next_offset: int | None  # where the rest starts; None: the text ends here
 
 
 @dataclass
@@ -234,8 +245,13 @@ def _no_memory() -> NotFound:
     return NotFound("no memory at this key", field="key")
 
 
-def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
+def memory_read(*, tenant: Tenant, actor: Actor, key: Any, max_chars: Any = None, offset: Any = None) -> MemoryResult:
     """The live memory at ``key``; :class:`NotFound` when there is none for this caller.
+
+    With ``max_chars`` or ``offset`` (tool calls), a value whose text (a string as it is, other
+    JSON as compact JSON) is longer than ``max_chars`` (default ``READ_DEFAULT_CHARS``), or read
+    from an ``offset``, comes back as that slice of its text in ``result.cut``; without them
+    (REST, the adapters), whole.
 
     Cost: two statements, no transaction around them — one indexed SELECT and the audit
     INSERT (its own transaction). The read is counted through its audit event:
@@ -246,13 +262,33 @@ def memory_read(*, tenant: Tenant, actor: Actor, key: Any) -> MemoryResult:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
+        cut = max_chars is not None or offset is not None
+        if cut:
+            max_chars = validation.bounded_int(
+                max_chars,
+                field="max_chars",
+                default=validation.READ_DEFAULT_CHARS,
+                low=1,
+                high=validation.READ_MAX_CHARS,
+            )
+            offset = validation.bounded_int(offset, field="offset", default=0, low=0, high=validation.READ_OFFSET_MAX)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()
         op.record(subject=memory.subject, version=memory.version)
         if isinstance(memory.value, ErasedValue):
             raise Erased()
-        return MemoryResult(status="ok", key=key, memory=memory)
+        sliced = _value_slice(memory.value, max_chars=max_chars, offset=offset) if cut else None
+        return MemoryResult(status="ok", key=key, memory=memory, cut=sliced)
+
+
+def _value_slice(value: Any, *, max_chars: int, offset: int) -> ValueSlice | None:
+    # A string's length costs nothing; other JSON is serialized once (a few µs for a small object).
+    text = search.compact(value)
+    if offset == 0 and len(text) <= max_chars:
+        return None
+    end = offset + max_chars
+    return ValueSlice(text=text[offset:end], chars=len(text), next_offset=end if end < len(text) else None)
 
 
 def memory_update(
@@ -484,7 +520,11 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_SEARCH)
         max_chars = validation.bounded_int(
-            max_chars, field="max_chars", default=500, low=50, high=validation.RECALL_MAX_CHARS
+            max_chars,
+            field="max_chars",
+            default=validation.RECALL_DEFAULT_CHARS,
+            low=validation.RECALL_MIN_CHARS,
+            high=validation.RECALL_MAX_CHARS,
         )
         with search_budget(tenant.pk):
             packed = search.recall_pack(

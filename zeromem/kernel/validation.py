@@ -19,17 +19,42 @@ KEY_RE = re.compile(rf"{_SEGMENT}(?::{_SEGMENT})*")
 # A prefix is a key, optionally ending in ":" (a whole subtree) or cut mid-segment.
 PREFIX_RE = re.compile(rf"(?:{_SEGMENT}:?)(?:{_SEGMENT}:?)*")
 
+# Every bound below is also stated by the schemas of the surfaces (the tool schemas of
+# memories/tools.py, the OpenAPI description of memories/api), which are built from these names.
 TTL_MAX_SECONDS = 10 * 365 * 24 * 3600
-TAG_RE = re.compile(r"[\w.@+=~:-]{1,64}")
+TAG_MAX_LEN = 64
+TAG_RE = re.compile(rf"[\w.@+=~:-]{{1,{TAG_MAX_LEN}}}")
 TAGS_MAX = 20
 SUBJECT_MAX_LEN = 255
 SOURCE_MAX_LEN = 255
-CATEGORY_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+CATEGORY_MAX_LEN = 32
+CATEGORY_RE = re.compile(rf"[a-z][a-z0-9_]{{0,{CATEGORY_MAX_LEN - 1}}}")
 LIMIT_MAX = 200
 QUERY_MAX_LEN = 500
+VERSION_MAX = 2**31 - 1  # the version column's range
 # Arrays/objects inside a memory value, at most this deep ({"a": {"b": 1}} is 2).
 VALUE_MAX_DEPTH = 32
+# A memory_read tool call answers at most max_chars characters of a value's text (a string as
+# it is, other JSON as its compact JSON text), from offset: the model's context is not the place
+# for a 1 MB value. The maximum is the default value cap, so such a value reads whole in one call.
+READ_DEFAULT_CHARS = 2000
+READ_MAX_CHARS = 16 * 1024
+READ_OFFSET_MAX = 2**31 - 1
+RECALL_MIN_CHARS = 50
+RECALL_DEFAULT_CHARS = 500
 RECALL_MAX_CHARS = 8000
+
+
+def ecma_pattern(python_pattern: str) -> str:
+    """A rule above as a JSON Schema ``pattern`` (OpenAPI, tool schemas): anchored (a pattern
+    matches anywhere otherwise) and in ECMA-262 syntax, where ``\\w`` is ASCII-only while
+    Python's is Unicode (keys such as ``user:张三:偏好`` are valid). The services still check
+    every value."""
+    return "^" + python_pattern.replace(r"\w", r"\p{L}\p{N}_") + "$"
+
+
+CATEGORY_PATTERN = ecma_pattern(CATEGORY_RE.pattern)  # ASCII: the same in Python and ECMA-262
+
 # An API key's allowlist entries: each is one more OR'ed range in every search, list and
 # recall the key makes (and one more check per key it touches).
 ALLOWLIST_MAX_ENTRIES = 50
@@ -269,7 +294,7 @@ def limit(raw, *, default: int, field: str = "limit") -> int:
 def version(raw, field: str = "expected_version") -> int | None:
     if raw is None:
         return None
-    return bounded_int(raw, field=field, default=0, low=1, high=2**31 - 1)
+    return bounded_int(raw, field=field, default=0, low=1, high=VERSION_MAX)
 
 
 def query(raw, field: str = "query", *, required: bool = True) -> str:
@@ -286,7 +311,11 @@ def query(raw, field: str = "query", *, required: bool = True) -> str:
     return raw
 
 
-# Cursors are opaque to callers: base64 of the last key seen (keyset pagination on key).
+# Cursors are opaque to callers: base64 of the last key seen (keyset pagination on key), at
+# most that of the longest key's UTF-8 (4 bytes a character), unpadded.
+CURSOR_MAX_LEN = -(-KEY_MAX_LEN * 4 * 4 // 3)
+
+
 def encode_cursor(last_key: str) -> str:
     return base64.urlsafe_b64encode(last_key.encode()).decode().rstrip("=")
 
@@ -294,7 +323,7 @@ def encode_cursor(last_key: str) -> str:
 def decode_cursor(raw, field: str = "cursor") -> str | None:
     if raw is None or raw == "":
         return None
-    if not isinstance(raw, str) or len(raw) > 1024:
+    if not isinstance(raw, str) or len(raw) > CURSOR_MAX_LEN:
         raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor")
     try:
         decoded = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode()
