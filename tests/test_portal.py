@@ -16,7 +16,7 @@ from memories import services
 from memories.models import ForgetRequest, Memory
 from memories.portal.models import PortalLink
 from memories.portal.views import COOKIE
-from memories.services import subjects
+from memories.services import forget, subjects
 from tests.factories import SYSTEM, logged_in, make_staff
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden
@@ -538,6 +538,42 @@ def test_forgetting_a_key_that_is_not_the_users_is_404_and_changes_nothing(api, 
     assert list(Memory.objects.order_by("pk").values_list("pk", "value", "version")) == before
     event = AuditEvent.objects.get(action="forget.create")
     assert (event.actor_kind, event.outcome) == ("end_user", "not_found")
+
+
+def test_a_key_rewritten_for_another_user_after_the_page_showed_it_is_not_forgotten(api, seeded):
+    # The page lists task:t9:status (u1's); before u1 presses "Forget", the app writes the key
+    # for u2: the forget is refused as not u1's, and u2's memory stays.
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    assert "task:t9:status" in page_text(client.get("/portal/"))
+    token = csrf(client)
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="task:t9:status", value="u2's now", subject="u2")
+    r = client.post("/portal/forget", {"csrfmiddlewaretoken": token, "what": "one", "key": "task:t9:status"})
+    assert r.status_code == 404 and not ForgetRequest.objects.exists()
+    assert Memory.objects.get(tenant=tenant_a, key="task:t9:status").subject == "u2"
+
+
+def test_a_key_rewritten_for_another_user_before_the_forget_runs_is_not_erased(
+    api, seeded, django_capture_on_commit_callbacks
+):
+    # u1's forget of one key is filed; before the background job runs, the app writes the
+    # key for u2. The job erases only u1's memories under that key (its trashed copies too):
+    # it used to erase the key whoever it belonged to by then.
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    with django_capture_on_commit_callbacks(execute=False):  # filed, not run yet
+        r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": "task:t9:status"})
+    assert r.status_code == 302
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="task:t9:status")  # u1's copy, in the trash
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="task:t9:status", value=CANARY_U2, subject="u2")
+    request = ForgetRequest.objects.get()
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+    assert request.status == "completed" and request.receipt["memories"] == 1
+    assert list(Memory.objects.filter(tenant=tenant_a, key="task:t9:status").values_list("subject", flat=True)) == [
+        "u2"
+    ]
+    assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key="task:t9:status").memory.value == CANARY_U2
 
 
 def test_another_tenants_user_cannot_forget_this_tenants_memory(api_b, seeded):
