@@ -623,6 +623,56 @@ def test_portal_pages_without_a_session_are_403(db):
     assert not ForgetRequest.objects.exists()
 
 
+# What Chromium sends (Fetch Metadata) when another site loads the page: an <img>, an
+# <iframe>, a link or script moving the window there, a sibling subdomain's link; and when
+# the user's own page does (a link or button here, a redirect, a reload, a typed address).
+FROM_ANOTHER_SITE = {
+    "img": {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"},
+    "iframe": {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "iframe"},
+    "navigation": {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "subdomain": {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "fetch": {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors", "Sec-Fetch-Dest": "empty"},
+}
+FROM_THE_USER = {
+    "own page": {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "typed": {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "no metadata": {},
+}
+
+
+@pytest.mark.parametrize("how", list(FROM_ANOTHER_SITE))
+def test_a_page_another_site_makes_the_browser_load_reads_counts_and_writes_nothing(
+    api, seeded, django_capture_on_commit_callbacks, how
+):
+    # Each page is an audit row in the tenant's append-only log (and one of the session's
+    # pages per minute): another site could add rows, or use up the session, at will.
+    client = open_portal(issue(api)["url"])
+    with django_capture_on_commit_callbacks(execute=True):
+        forget_request = subjects.subject_forget(tenant=seeded[0], actor=SYSTEM, subject="u1", key="user:u1:pref_lang")
+    before = AuditEvent.objects.count()
+    for path in ("/portal/", f"/portal/requests/{forget_request.pk}"):
+        r = client.get(path, headers=FROM_ANOTHER_SITE[how])
+        assert r.status_code == 403 and "Please open a new link" in page_text(r), path
+        assert CANARY_U1 not in page_text(r) and "Shipping address" not in page_text(r)
+    assert AuditEvent.objects.count() == before
+    assert client.get("/portal/", headers=FROM_THE_USER["own page"]).status_code == 200
+
+
+@pytest.mark.parametrize("how", list(FROM_THE_USER))
+def test_the_users_own_navigations_show_the_page(api, seeded, how):
+    client = open_portal(issue(api)["url"])
+    r = client.get("/portal/", headers=FROM_THE_USER[how])
+    assert r.status_code == 200 and "Shipping address" in page_text(r)
+    assert AuditEvent.objects.filter(action="subject.memories", actor_kind="end_user").count() == 1
+
+
+def test_the_session_cookie_is_never_sent_on_a_request_another_site_starts(api, seeded):
+    # SameSite=Strict: Lax sends it on a link followed from another site (a top-level GET).
+    client = open_portal(issue(api)["url"])
+    cookie = client.cookies[COOKIE]
+    assert (cookie["samesite"], cookie["httponly"], cookie["path"]) == ("Strict", True, "/portal/")
+
+
 def test_a_tampered_session_cookie_is_refused(api, api_b, seeded):
     client = open_portal(issue(api)["url"])
     other = open_portal(issue(api_b)["url"])
