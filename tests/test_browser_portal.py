@@ -3,14 +3,13 @@ the link the app got for them, sees what is remembered, forgets everything and r
 receipt. The forget job really runs (django-q2 in sync mode, after the request's commit).
 Screenshots: test-artifacts/test_browser_portal/<test>/."""
 
-import http.server
 import re
-import threading
 
 from memories import services
 from memories.models import ForgetRequest, Memory
 from memories.portal import views
 from tests.factories import SYSTEM, make_key, make_tenant
+from tests.helpers import ForeignSite
 
 PHONE = {"width": 390, "height": 844}
 CANARY = "CANARY-browser-u1-4c1d"
@@ -122,22 +121,8 @@ def test_another_site_cannot_make_the_users_browser_load_the_portal(browser_page
     # or faked by the test, Chromium's local network access rules would keep it from loading
     # a loopback address at all), in a tab of its own: the frame it asks for is refused by
     # the portal's frame-ancestors, which the fixture's page would report as a broken page.
-    html = f'<img src="{portal}"><iframe src="{portal}"></iframe><a id="go" href="{portal}">prize</a>'.encode()
-
-    class Elsewhere(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(html)))
-            self.end_headers()
-            self.wfile.write(html)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    elsewhere = f"http://127.0.0.1:{server.server_address[1]}/"
+    site = ForeignSite(f'<img src="{portal}"><iframe src="{portal}"></iframe><a id="go" href="{portal}">prize</a>')
+    elsewhere = site.url + "/"
     assert "127.0.0.1" not in portal
     tab = page.context.new_page()
     # What the server got (the live server runs in this process): Fetch Metadata and cookie.
@@ -156,7 +141,7 @@ def test_another_site_cannot_make_the_users_browser_load_the_portal(browser_page
     assert tab.get_by_role("heading", name="Please open a new link").is_visible()
     assert CANARY not in tab.content()
     tab.close()
-    server.shutdown()
+    site.close()
     assert reads.count() == 1
     assert sorted((m["sec-fetch-dest"], m["sec-fetch-mode"], m["sec-fetch-site"], c) for m, c in seen) == [
         ("document", "navigate", "cross-site", False),

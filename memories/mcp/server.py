@@ -61,7 +61,6 @@ from memories.services import api_keys, usage
 from zeromem.kernel import tracing
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import TenantBusy, Unauthenticated
-from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.tokens import cost_of
 from zeromem.kit import metrics
 from zeromem.kit.api import slot_wait
@@ -249,17 +248,9 @@ def _caller(ctx) -> tuple[ApiKey, Actor] | tuple[None, None]:
         return None, None
     key: ApiKey = user.access_token.api_key
     seen = request.scope.get("zeromem") or {}
-    actor = Actor(
-        kind=ActorKind.API_KEY,
-        id=str(key.pk),
-        label=key.display_prefix,
-        scopes=frozenset(key.scopes),
-        allowed_prefixes=tuple(key.allowed_prefixes),
-        surface=SURFACE,
-        request_id=seen.get("request_id", ""),
-        client_ip=seen.get("client_ip"),
+    return key, api_keys.key_actor(
+        key, surface=SURFACE, request_id=seen.get("request_id", ""), client_ip=seen.get("client_ip")
     )
-    return key, actor
 
 
 def charge(key: ApiKey, actor: Actor, *, action: str, target: str = "") -> int | None:
