@@ -248,12 +248,7 @@ class FakeJSONEndpoint:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 fake.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                out = json.dumps(answer(fake.requests[-1], len(fake.requests))).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
+                _reply(self, json.dumps(answer(fake.requests[-1], len(fake.requests))).encode(), "application/json")
 
             def log_message(self, *args):
                 pass
@@ -265,6 +260,24 @@ class FakeJSONEndpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _reply(handler, body: bytes, content_type: str) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+class ForeignSite(FakeJSONEndpoint):
+    """Another site's page (``html``, answered to every GET) on a free loopback port:
+    ``url``; ``close()`` stops it."""
+
+    def __init__(self, html: str):
+        super().__init__(lambda body, n: {})
+        page = html.encode()
+        self.server.RequestHandlerClass.do_GET = lambda handler: _reply(handler, page, "text/html")
 
 
 class FakeOtlpCollector:

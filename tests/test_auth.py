@@ -15,6 +15,8 @@ from memories.models import ApiKey, Memory
 from memories.services import subjects
 from tests.factories import SYSTEM, KeyedClient, make_key
 from tests.helpers import rest_error, row_counts, tool_error
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.outcomes import ActorKind
 
 READ, WRITE, DELETE, SEARCH = "memory:read", "memory:write", "memory:delete", "memory:search"
 
@@ -350,6 +352,38 @@ def test_an_allowlist_does_not_cover_keys_that_differ_from_it_only_in_case(seede
     events = client.get("/api/v1/audit-events", {"limit": 200}).json()["results"]
     variants = [e["target"] for e in events if e["target"].lower().startswith("user:u1:")]
     assert events and all(target.startswith("user:u1:") for target in variants)
+
+
+def test_a_bare_allowlist_entry_lists_searches_and_recalls_its_own_key_too(seeded, make_client):
+    # `user:u1` (no trailing ':') covers the key user:u1 and the keys under user:u1: (README):
+    # read and write of user:u1 worked, but every query filtered by the allowlist used the
+    # entry as the prefix `user:u1:` only, so list, search, recall, the subject page and the
+    # audit review never showed user:u1 itself. user:u10:… stays out, on SQLite too.
+    # (a value unlike the others: recall drops near-duplicates)
+    seeded.call("memory_write", key="user:u1", value="zebra value: prefers to be called Ann", subject="u1")
+    seeded.call("memory_write", key="user:u10", value="zebra value of user:u10", subject="u1")
+    seeded.call("memory_write", key="USER:U1", value="zebra value of USER:U1", subject="u1")
+    client, _ = make_client(seeded.tenant, allow=["user:u1"])
+    covered = ["user:u1", "user:u1:diet", "user:u1:lang"]
+    assert client.call("memory_read", key="user:u1")[0] == 200
+    assert client.call("memory_read", key="user:u10")[0] == 403
+    for prefix in (None, "", "user:", "user:u1"):
+        args = {} if prefix is None else {"prefix": prefix}
+        assert client.call("memory_list", **args)[1]["keys"] == covered, prefix
+        assert [m["key"] for m in client.get("/api/v1/memories", args).json()["results"]] == covered, prefix
+        _, body = client.call("memory_search", query="zebra value", limit=50, **args)
+        assert sorted(r["key"] for r in body["results"]) == covered, prefix
+        for recall in ({"query": "zebra value"}, {}):
+            _, body = client.call("memory_recall", max_chars=8000, **recall, **args)
+            assert sorted(line.split(": ", 1)[0] for line in body["text"].splitlines()) == covered, (prefix, recall)
+    assert client.call("memory_list", prefix="user:u1:")[1]["keys"] == ["user:u1:diet", "user:u1:lang"]
+    assert client.call("memory_list", prefix="user:u10")[1]["keys"] == []
+    actor = Actor(kind=ActorKind.API_KEY, id="k", scopes=frozenset({READ}), allowed_prefixes=("user:u1",))
+    rows, total = subjects.subject_memories(tenant=seeded.tenant, actor=actor, subject="u1")
+    assert [m.key for m in rows] == covered and total == 3  # not user:u10, also about u1
+    events = client.get("/api/v1/audit-events", {"limit": 200}).json()["results"]
+    targets = {e["target"] for e in events if e["target"].lower().startswith("user:u1")}
+    assert "user:u1" in targets and all(t == "user:u1" or t.startswith("user:u1:") for t in targets)
 
 
 def test_allowlist_with_two_prefixes_sees_both(seeded, make_client):

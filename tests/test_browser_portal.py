@@ -7,7 +7,9 @@ import re
 
 from memories import services
 from memories.models import ForgetRequest, Memory
+from memories.portal import views
 from tests.factories import SYSTEM, make_key, make_tenant
+from tests.helpers import ForeignSite
 
 PHONE = {"width": 390, "height": 844}
 CANARY = "CANARY-browser-u1-4c1d"
@@ -91,3 +93,61 @@ def test_end_user_opens_portal_link_forgets_everything_and_sees_the_receipt(brow
     assert response.status == 403
     assert page.get_by_role("heading", name="Please open a new link").is_visible()
     screenshot("withdrawn")
+
+
+def test_another_site_cannot_make_the_users_browser_load_the_portal(browser_page, live_server, monkeypatch):
+    # An open portal session; then a page on another site shows the portal as an image and
+    # in a frame, and its link takes the window there. Chromium sends no session cookie on
+    # any of them (SameSite=Strict; Lax sent it on the link) and says where they come from
+    # (Sec-Fetch-Site: cross-site): nothing is read, and the tenant's log gains no row.
+    from audit.models import AuditEvent
+
+    page = browser_page
+    tenant = make_tenant("acme")
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:pref_lang", value=f"Chinese {CANARY}")
+    _key, raw = make_key(tenant, scopes=["forget:create"])
+    link = page.request.post(
+        f"{live_server.url}/api/v1/subjects/u1/portal-link", headers={"Authorization": f"Bearer {raw}"}
+    ).json()["url"]
+    page.goto(link)
+    page.get_by_role("button", name="Continue to my page").click()
+    page.wait_for_url(f"{live_server.url}/portal/")
+    assert CANARY in page.locator("main").inner_text()
+    reads = AuditEvent.objects.filter(tenant=tenant, action="subject.memories")
+    assert reads.count() == 1
+
+    portal = f"{live_server.url}/portal/"
+    # Another site, served from 127.0.0.1 (not localhost's site; served from a public name,
+    # or faked by the test, Chromium's local network access rules would keep it from loading
+    # a loopback address at all), in a tab of its own: the frame it asks for is refused by
+    # the portal's frame-ancestors, which the fixture's page would report as a broken page.
+    site = ForeignSite(f'<img src="{portal}"><iframe src="{portal}"></iframe><a id="go" href="{portal}">prize</a>')
+    elsewhere = site.url + "/"
+    assert "127.0.0.1" not in portal
+    tab = page.context.new_page()
+    # What the server got (the live server runs in this process): Fetch Metadata and cookie.
+    seen = []
+    judge = views._sent_by_another_site
+
+    def spy(request):
+        metadata = {k.lower(): v for k, v in request.headers.items() if k.lower().startswith("sec-fetch-")}
+        seen.append((metadata, views.COOKIE in request.COOKIES))
+        return judge(request)
+
+    monkeypatch.setattr(views, "_sent_by_another_site", spy)
+    tab.goto(elsewhere, wait_until="load")
+    with tab.expect_navigation(url=portal):
+        tab.click("#go")
+    assert tab.get_by_role("heading", name="Please open a new link").is_visible()
+    assert CANARY not in tab.content()
+    tab.close()
+    site.close()
+    assert reads.count() == 1
+    assert sorted((m["sec-fetch-dest"], m["sec-fetch-mode"], m["sec-fetch-site"], c) for m, c in seen) == [
+        ("document", "navigate", "cross-site", False),
+        ("iframe", "navigate", "cross-site", False),
+        ("image", "no-cors", "cross-site", False),
+    ], seen
+    # The user's own page still opens: a typed address (Sec-Fetch-Site: none) carries the cookie.
+    page.goto(portal)
+    assert CANARY in page.locator("main").inner_text() and reads.count() == 2

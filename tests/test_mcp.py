@@ -29,6 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from audit.models import AuditEvent
+from audit.services import audit_refusals_flush
 from memories import services, tools
 from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
 from memories.models import TokenUsageDay
@@ -295,6 +296,66 @@ def test_a_refused_key_is_401_and_a_revoked_one_is_in_its_tenants_log(server):
     assert response.status_code == 401
     failed = AuditEvent.objects.get(tenant=tenant, action="auth.failed")
     assert (failed.surface, failed.target, failed.detail["code"]) == ("mcp", "/mcp", "key_revoked")
+
+
+@pytest.fixture
+def server_limited(django_db_setup):
+    """A server whose keys may make 4 requests a minute."""
+    if connection.vendor != "postgresql":
+        pytest.skip("a live server needs the test database on PostgreSQL")
+    env = {"ZEROMEM_RATE_LIMIT_PER_MINUTE": "4", "REDIS_URL": ""}
+    started = start_server(database_url=_database_url(), processes=1, threads=2, log=lambda _line: None, extra_env=env)
+    try:
+        yield f"http://127.0.0.1:{started['port']}/mcp"
+    finally:
+        stop_server(started)
+
+
+def _rpc(url: str, key: str, method: str, params: dict | None = None) -> httpx2.Response:
+    body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params or {}}
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {key}"}
+    return httpx2.post(url, json=body, headers=headers, timeout=30)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_initialize_tools_list_and_ping_are_charged_to_the_keys_rate_limit(server_limited):
+    # Before, only tools/call was: a client could loop the others for free, each one a key
+    # verification (and its audit rows when refused).
+    tenant = make_tenant("mcp-flood")
+    _key, raw = make_key(tenant)
+    _key, other = make_key(tenant)
+    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "flood", "version": "1"}}
+    if time.time() % 60 > 40:  # the limit counts per calendar minute: all of it in one
+        time.sleep(61 - time.time() % 60)
+    answered = [_rpc(server_limited, raw, "initialize", hello) for _ in range(4)]
+    assert [r.status_code for r in answered] == [200] * 4 and "result" in answered[0].json()
+    refused = [
+        _rpc(server_limited, raw, m, hello if m == "initialize" else None) for m in ("initialize", "tools/list", "ping")
+    ]
+    for r in refused:
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "rate_limited" and 1 <= int(r.headers["retry-after"]) <= 60
+        assert r.headers["x-request-id"]
+    call = _rpc(server_limited, raw, "tools/call", {"name": "memory_list", "arguments": {}})
+    assert call.status_code == 200 and call.json()["result"]["structuredContent"]["error"]["code"] == "rate_limited"
+    assert _rpc(server_limited, other, "tools/list").status_code == 200  # per key
+    # An SDK client's session: initialize and notifications/initialized, then its calls.
+    _key, third = make_key(tenant)
+
+    async def session(client):
+        return [(await client.call_tool("memory_list", {})).structured_content["status"] for _ in range(3)]
+
+    assert over_http(server_limited, third, session) == ["ok", "ok", "error"]
+    # Counted like every refusal over a limit: one event per source and minute, later.
+    assert audit_refusals_flush(now=time.time() + 120) >= 1
+    refusals = AuditEvent.objects.filter(tenant=tenant, outcome=AuditEvent.Outcome.INVALID)
+    counted = sorted((e.action, e.surface, e.count, e.detail["code"]) for e in refusals)
+    assert counted == [  # one event per key
+        ("mcp.request", "mcp", 3, "rate_limited"),
+        ("tool.call", "mcp", 1, "rate_limited"),
+        ("tool.call", "mcp", 1, "rate_limited"),
+    ]
 
 
 @pytest.mark.postgres

@@ -16,7 +16,7 @@ from memories import services
 from memories.models import ForgetRequest, Memory
 from memories.portal.models import PortalLink
 from memories.portal.views import COOKIE
-from memories.services import subjects
+from memories.services import forget, subjects
 from tests.factories import SYSTEM, logged_in, make_staff
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden
@@ -540,6 +540,42 @@ def test_forgetting_a_key_that_is_not_the_users_is_404_and_changes_nothing(api, 
     assert (event.actor_kind, event.outcome) == ("end_user", "not_found")
 
 
+def test_a_key_rewritten_for_another_user_after_the_page_showed_it_is_not_forgotten(api, seeded):
+    # The page lists task:t9:status (u1's); before u1 presses "Forget", the app writes the key
+    # for u2: the forget is refused as not u1's, and u2's memory stays.
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    assert "task:t9:status" in page_text(client.get("/portal/"))
+    token = csrf(client)
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="task:t9:status", value="u2's now", subject="u2")
+    r = client.post("/portal/forget", {"csrfmiddlewaretoken": token, "what": "one", "key": "task:t9:status"})
+    assert r.status_code == 404 and not ForgetRequest.objects.exists()
+    assert Memory.objects.get(tenant=tenant_a, key="task:t9:status").subject == "u2"
+
+
+def test_a_key_rewritten_for_another_user_before_the_forget_runs_is_not_erased(
+    api, seeded, django_capture_on_commit_callbacks
+):
+    # u1's forget of one key is filed; before the background job runs, the app writes the
+    # key for u2. The job erases only u1's memories under that key (its trashed copies too):
+    # it used to erase the key whoever it belonged to by then.
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    with django_capture_on_commit_callbacks(execute=False):  # filed, not run yet
+        r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": "task:t9:status"})
+    assert r.status_code == 302
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="task:t9:status")  # u1's copy, in the trash
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="task:t9:status", value=CANARY_U2, subject="u2")
+    request = ForgetRequest.objects.get()
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+    assert request.status == "completed" and request.receipt["memories"] == 1
+    assert list(Memory.objects.filter(tenant=tenant_a, key="task:t9:status").values_list("subject", flat=True)) == [
+        "u2"
+    ]
+    assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key="task:t9:status").memory.value == CANARY_U2
+
+
 def test_another_tenants_user_cannot_forget_this_tenants_memory(api_b, seeded):
     """Tenant B's u1 posts tenant A's key of (the same-named) u1: not found, nothing filed."""
     tenant_a, _ = seeded
@@ -585,6 +621,56 @@ def test_portal_pages_without_a_session_are_403(db):
         r = getattr(client, method)(path, {"what": "all", "confirm": "yes"} if method == "post" else None)
         assert r.status_code == 403 and "Please open a new link" in page_text(r)
     assert not ForgetRequest.objects.exists()
+
+
+# What Chromium sends (Fetch Metadata) when another site loads the page: an <img>, an
+# <iframe>, a link or script moving the window there, a sibling subdomain's link; and when
+# the user's own page does (a link or button here, a redirect, a reload, a typed address).
+FROM_ANOTHER_SITE = {
+    "img": {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"},
+    "iframe": {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "iframe"},
+    "navigation": {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "subdomain": {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "fetch": {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors", "Sec-Fetch-Dest": "empty"},
+}
+FROM_THE_USER = {
+    "own page": {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "typed": {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+    "no metadata": {},
+}
+
+
+@pytest.mark.parametrize("how", list(FROM_ANOTHER_SITE))
+def test_a_page_another_site_makes_the_browser_load_reads_counts_and_writes_nothing(
+    api, seeded, django_capture_on_commit_callbacks, how
+):
+    # Each page is an audit row in the tenant's append-only log (and one of the session's
+    # pages per minute): another site could add rows, or use up the session, at will.
+    client = open_portal(issue(api)["url"])
+    with django_capture_on_commit_callbacks(execute=True):
+        forget_request = subjects.subject_forget(tenant=seeded[0], actor=SYSTEM, subject="u1", key="user:u1:pref_lang")
+    before = AuditEvent.objects.count()
+    for path in ("/portal/", f"/portal/requests/{forget_request.pk}"):
+        r = client.get(path, headers=FROM_ANOTHER_SITE[how])
+        assert r.status_code == 403 and "Please open a new link" in page_text(r), path
+        assert CANARY_U1 not in page_text(r) and "Shipping address" not in page_text(r)
+    assert AuditEvent.objects.count() == before
+    assert client.get("/portal/", headers=FROM_THE_USER["own page"]).status_code == 200
+
+
+@pytest.mark.parametrize("how", list(FROM_THE_USER))
+def test_the_users_own_navigations_show_the_page(api, seeded, how):
+    client = open_portal(issue(api)["url"])
+    r = client.get("/portal/", headers=FROM_THE_USER[how])
+    assert r.status_code == 200 and "Shipping address" in page_text(r)
+    assert AuditEvent.objects.filter(action="subject.memories", actor_kind="end_user").count() == 1
+
+
+def test_the_session_cookie_is_never_sent_on_a_request_another_site_starts(api, seeded):
+    # SameSite=Strict: Lax sends it on a link followed from another site (a top-level GET).
+    client = open_portal(issue(api)["url"])
+    cookie = client.cookies[COOKIE]
+    assert (cookie["samesite"], cookie["httponly"], cookie["path"]) == ("Strict", True, "/portal/")
 
 
 def test_a_tampered_session_cookie_is_refused(api, api_b, seeded):

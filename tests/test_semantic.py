@@ -15,6 +15,7 @@ from memories.models import Memory, MemoryEmbedding
 from memories.search import embeddings, semantic
 from memories.services import forget
 from tests.factories import SYSTEM, make_tenant, write
+from zeromem.kernel.keyprefix import exact
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -315,6 +316,23 @@ def test_a_key_limited_to_a_prefix_gets_no_semantic_match_outside_it(profile, te
     limited, _ = make_client(tenant_a, allow=["task:"])
     _, body = limited.call("memory_search", query="用户的语言偏好")
     assert all(r["key"].startswith("task:") for r in body["results"])
+
+
+def test_an_exact_key_filter_scores_that_key_and_not_the_keys_that_start_with_it(profile, tenant_a):
+    # What a bare allowlist entry adds for its own key (zeromem/kernel/keyprefix.py exact).
+    profile.call("memory_write", key="user:u10086:pref", value="zh-CN, then English")
+    embeddings.embeddings_refresh()
+    key_of = dict(Memory.objects.filter(tenant=tenant_a).values_list("pk", "key"))
+    vector = embeddings.encode(["用户的语言偏好"])[0]
+    hits = semantic.similarities(tenant_id=tenant_a.pk, prefixes=[exact("user:u10086:pref")], query_vector=vector)
+    assert [key_of[m] for m in hits] == ["user:u10086:pref"]
+    hits = semantic.similarities(tenant_id=tenant_a.pk, prefixes=["user:u10086:pref"], query_vector=vector)
+    assert {key_of[m] for m in hits} == {
+        "user:u10086:pref",
+        "user:u10086:pref_lang",
+        "user:u10086:pref_format",
+        "user:u10086:pref_currency",
+    }
 
 
 # --- degradation ----------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from memories.services import api_keys
 from memories.services.api_keys import LAST_USED_RESOLUTION  # noqa: F401 (where last_used_at is refreshed)
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Unauthenticated
-from zeromem.kernel.outcomes import ActorKind
 from zeromem.kit.http import client_ip
 
 
@@ -41,16 +40,8 @@ class KeyPrincipal:
         return self.api_key.tenant
 
     def actor_for(self, request, surface: str) -> Actor:
-        key = self.api_key
-        return Actor(
-            kind=ActorKind.API_KEY,
-            id=str(key.pk),
-            label=key.display_prefix,
-            scopes=frozenset(key.scopes),
-            allowed_prefixes=tuple(key.allowed_prefixes),
-            surface=surface,
-            request_id=getattr(request, "request_id", ""),
-            client_ip=client_ip(request),
+        return api_keys.key_actor(
+            self.api_key, surface=surface, request_id=getattr(request, "request_id", ""), client_ip=client_ip(request)
         )
 
 

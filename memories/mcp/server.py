@@ -4,7 +4,9 @@
   answers their MCP schemas (``Tool.mcp()``), ``tools/call`` runs
   :func:`memories.tools.tool_call` — the service call of ``POST /api/v1/tools/call`` — with an
   actor of ``surface="mcp"``: the same scopes, allowlist and audit rows, the same per-key rate
-  limit (one unit a call) and tenant slots (search and recall). A ZeroMem error is an MCP tool
+  limit (one unit a call) and tenant slots (search and recall). Every other message
+  (``initialize``, ``tools/list``, ``ping``, notifications) costs a unit of that limit too
+  (:class:`RateLimit`), refused over it with ``429 rate_limited``. A ZeroMem error is an MCP tool
   error (``isError``) whose text and ``structuredContent`` are ``{"status":"error","error":
   {"code","message","field"}}``; ``ok``, ``not_found`` and ``conflict`` are results. Every
   result's ``_meta`` carries its text's size and estimated tokens (``zeromem/resultBytes``,
@@ -46,6 +48,8 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+from mcp_types.jsonrpc import INTERNAL_ERROR
 from pydantic import ConfigDict
 
 from audit import limits
@@ -57,7 +61,6 @@ from memories.services import api_keys, usage
 from zeromem.kernel import tracing
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import TenantBusy, Unauthenticated
-from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.tokens import cost_of
 from zeromem.kit import metrics
 from zeromem.kit.api import slot_wait
@@ -72,6 +75,9 @@ SURFACE = "mcp"
 # estimated tokens of its text content, as ``ZeroMem-Result-Bytes``/``-Tokens`` on REST.
 META_BYTES = "zeromem/resultBytes"
 META_TOKENS = "zeromem/resultTokens"
+# The JSON-RPC error of a message over the key's rate limit (implementation-defined server
+# error range); the endpoint answers the HTTP request 429 instead (RateLimit).
+RATE_LIMITED = -32029
 
 
 # --- the request's context, as the router's wrapper saw it ------------------------------
@@ -83,6 +89,7 @@ class _Request:
     request_id: str
     throttled: float | None = None  # Retry-After, when a failed authentication was throttled
     unavailable: bool = False  # the database could not be asked about the key
+    rate_limited: int | None = None  # Retry-After, when the key was over its rate limit
 
 
 _current: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("zeromem_mcp_request", default=None)
@@ -173,12 +180,8 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
     """One tool call as ``POST /api/v1/tools/call`` runs it: the key's rate limit (one unit),
     a tenant slot for the expensive tools, then the registry's service call."""
     try:
-        hit = limits.hit(f"key:{key.pk}", cost=1, now=time.time())
-        if hit.count > settings.ZEROMEM_RATE_LIMIT_PER_MINUTE:
-            retry_after = max(1, int(hit.retry_after + 0.999))
-            # Counted per minute like every refusal over a limit (one event per source and minute).
-            limited = TenantBusy("Request was throttled.", code="rate_limited", retry_after=retry_after)
-            audit_refusal(tenant=key.tenant, actor=actor, action="tool.call", target="", error=limited)
+        retry_after = charge(key, actor, action="tool.call")
+        if retry_after is not None:
             return _error("rate_limited", "Request was throttled.", retry_after=retry_after)
         tenant = key.tenant
         if name not in tools.EXPENSIVE_TOOLS:
@@ -237,24 +240,66 @@ def answer(key: ApiKey | None, actor: Actor | None, name: str, arguments: dict) 
     return result, text, size, tokens
 
 
-async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+def _caller(ctx) -> tuple[ApiKey, Actor] | tuple[None, None]:
+    """The verified key of the message's HTTP request and its actor (None, None without one)."""
     request = ctx.request
     user = request.scope.get("user") if request is not None else None
     if not isinstance(user, AuthenticatedUser) or not isinstance(user.access_token, KeyAccessToken):
+        return None, None
+    key: ApiKey = user.access_token.api_key
+    seen = request.scope.get("zeromem") or {}
+    return key, api_keys.key_actor(
+        key, surface=SURFACE, request_id=seen.get("request_id", ""), client_ip=seen.get("client_ip")
+    )
+
+
+def charge(key: ApiKey, actor: Actor, *, action: str, target: str = "") -> int | None:
+    """One unit of the key's rate limit: for each tool call (:func:`run_call`, ``tool.call``)
+    and each other message (:class:`RateLimit`, ``mcp.request``). Over the limit: the
+    Retry-After in seconds, the refusal counted like every refusal over a limit (one event
+    per source and minute); else None."""
+    hit = limits.hit(f"key:{key.pk}", cost=1, now=time.time())
+    if hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE:
+        return None
+    retry_after = max(1, int(hit.retry_after + 0.999))
+    limited = TenantBusy("Request was throttled.", code="rate_limited", retry_after=retry_after)
+    audit_refusal(tenant=key.tenant, actor=actor, action=action, target=target, error=limited)
+    return retry_after
+
+
+class RateLimit:
+    """Server middleware (the SDK's hook around every inbound message, ``initialize``
+    included): a message other than ``tools/call`` (which :func:`run_call` charges) costs a
+    unit of the key's rate limit — ``initialize``, ``tools/list``, ``ping``, notifications,
+    each a verified request a client could otherwise loop for free. Over the limit a request
+    runs nothing and the endpoint answers it ``429 rate_limited`` with Retry-After, as REST
+    does; a notification over it is dropped."""
+
+    async def __call__(self, ctx, call_next):
+        if ctx.method == "tools/call":
+            return await call_next(ctx)
+        key, actor = _caller(ctx)
+        if key is None:
+            return await call_next(ctx)
+        try:
+            retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target=ctx.method))
+        except DatabaseError:
+            raise MCPError(code=INTERNAL_ERROR, message="the database is unavailable; retry shortly") from None
+        if retry_after is None:
+            return await call_next(ctx)
+        request = (ctx.request.scope.get("zeromem") or {}).get("request")
+        if request is not None:
+            request.rate_limited = retry_after
+        if ctx.request_id is None:
+            return None  # a notification: nothing answers it
+        raise MCPError(code=RATE_LIMITED, message="Request was throttled.", data={"retry_after": retry_after})
+
+
+async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+    key, actor = _caller(ctx)
+    if key is None:
         result, text, size, tokens = answer(None, None, params.name, {})
     else:
-        key: ApiKey = user.access_token.api_key
-        seen = request.scope.get("zeromem") or {}
-        actor = Actor(
-            kind=ActorKind.API_KEY,
-            id=str(key.pk),
-            label=key.display_prefix,
-            scopes=frozenset(key.scopes),
-            allowed_prefixes=tuple(key.allowed_prefixes),
-            surface=SURFACE,
-            request_id=seen.get("request_id", ""),
-            client_ip=seen.get("client_ip"),
-        )
         result, text, size, tokens = await _in_thread(answer, key, actor, params.name, dict(params.arguments or {}))
     return types.CallToolResult(
         content=[types.TextContent(text=text)],
@@ -282,7 +327,7 @@ def transport_security(allowed_hosts: list[str]) -> tuple[TransportSecuritySetti
 
 
 def build_server() -> Server:
-    return Server(
+    server = Server(
         SERVER_NAME,
         version="0.1.0",
         title="ZeroMem memory",
@@ -290,6 +335,8 @@ def build_server() -> Server:
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
+    server.middleware.append(RateLimit())  # inside the SDK's tracing middleware
+    return server
 
 
 class McpEndpoint:
@@ -328,7 +375,10 @@ class McpEndpoint:
             client_ip=client_ip_of(client[0] if client else None, headers.get("x-forwarded-for")),
             request_id=request_id_for(headers.get("x-request-id", "")),
         )
-        scope = {**scope, "zeromem": {"client_ip": request.client_ip, "request_id": request.request_id}}
+        scope = {
+            **scope,
+            "zeromem": {"client_ip": request.client_ip, "request_id": request.request_id, "request": request},
+        }
         tracing.annotate(request_id=request.request_id)  # on the request's span, when tracing
         authorization = headers.get("authorization", "")
         if not authorization.lower().startswith("bearer "):
@@ -362,6 +412,15 @@ class McpEndpoint:
                     # The verifier's refusal was throttled: 429 instead of the SDK's 401.
                     replaced = True
                     return await _throttled(send, request)
+                if request.rate_limited is not None:  # RateLimit refused the message
+                    replaced = True
+                    retry = str(request.rate_limited).encode()
+                    error = {
+                        "code": "rate_limited",
+                        "message": "Request was throttled.",
+                        "retry_after": request.rate_limited,
+                    }
+                    return await _send_json(send, 429, error, [(b"retry-after", retry)], request.request_id)
                 if message["status"] == 401 and request.unavailable:
                     replaced = True
                     error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
@@ -380,11 +439,12 @@ class McpEndpoint:
 async def _throttled(send, request: _Request) -> None:
     retry = max(1, int(request.throttled + 0.999))
     error = {"code": "rate_limited", "message": "too many failed authentications", "retry_after": retry}
+    error["field"] = "Authorization"
     await _send_json(send, 429, error, [(b"retry-after", str(retry).encode())], request.request_id)
 
 
 async def _send_json(send, status: int, error: dict, headers=(), request_id: str = "") -> None:
-    body = json.dumps({"error": {"field": "Authorization" if status == 429 else None, **error}}).encode()
+    body = json.dumps({"error": {"field": None, **error}}).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     if request_id:
         head.append((b"x-request-id", request_id.encode()))

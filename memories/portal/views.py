@@ -2,7 +2,7 @@
 
 No JavaScript, no CDN: server-rendered pages with forms (CSRF-protected by Django's
 middleware). Who is asking is the link, then the portal session cookie it was exchanged
-for (signed, ``/portal/`` only, HttpOnly, ``ZEROMEM_PORTAL_SESSION_SECONDS``); every page
+for (signed, ``/portal/`` only, HttpOnly, SameSite=Strict, ``ZEROMEM_PORTAL_SESSION_SECONDS``); every page
 builds the end-user actor from it and calls the services, which check that the subject is
 the actor's own and write the audit events.
 """
@@ -35,6 +35,7 @@ from zeromem.kit.http import client_ip
 COOKIE = "zm_portal"
 COOKIE_SALT = "zeromem.portal.session"
 COOKIE_PATH = "/portal/"
+COOKIE_SAMESITE = "Strict"
 END_USER_SCOPES = frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE})
 PENDING = (ForgetRequest.Status.RECEIVED, ForgetRequest.Status.RUNNING)
 REFRESH_SECONDS = 2
@@ -105,12 +106,29 @@ def _too_many(request, retry_after: float, message: str) -> HttpResponse:
     return response
 
 
+def _sent_by_another_site(request) -> bool:
+    """Whether the browser says (Fetch Metadata, ``Sec-Fetch-*``: Chromium 76+, Firefox 90+,
+    Safari 16.4+) that another site made it load this page: an ``<img>``, ``<iframe>`` or
+    ``<script>`` there (``Sec-Fetch-Site: cross-site``, ``Sec-Fetch-Mode: no-cors``), or a link
+    or script navigating the window (``cross-site``, ``navigate``); a sibling subdomain is
+    ``same-site``. The user's own clicks, reloads, typed URLs and our redirects and refreshes
+    are ``same-origin`` or ``none`` with ``navigate``. A browser sending none of it is let
+    through: the session cookie (``SameSite=Strict``) is not sent cross-site anyway."""
+    site = request.headers.get("Sec-Fetch-Site")
+    mode = request.headers.get("Sec-Fetch-Mode")
+    return site in ("cross-site", "same-site") or (mode is not None and mode != "navigate")
+
+
 def _pages(view):
     """A session page: past ``ZEROMEM_PORTAL_PAGES_PER_MINUTE`` of its session, a 429 page
-    with Retry-After, and nothing read or written."""
+    with Retry-After, and nothing read or written. Loaded on another site's behalf
+    (:func:`_sent_by_another_site`), the no-session page, and nothing read, counted or
+    written: each page is an audit row in the tenant's append-only log."""
 
     @functools.wraps(view)
     def page(request, *args, **kwargs):
+        if _sent_by_another_site(request):
+            return _no_session(request)
         try:
             return view(request, *args, **kwargs)
         except AuthThrottled as exc:
@@ -171,7 +189,9 @@ def link_open(request, token):
         path=COOKIE_PATH,
         secure=settings.SESSION_COOKIE_SECURE,
         httponly=True,
-        samesite="Lax",
+        # Never sent on a request another site starts, a link followed from there included
+        # (Lax sends it on those): the Continue button's POST and its redirect are ours.
+        samesite=COOKIE_SAMESITE,
     )
     return response
 
@@ -276,7 +296,7 @@ def sign_out(request):
     if link is not None:
         portal_sign_out(link=link, actor=end_user_actor(request, link))
     response = render(request, "portal/signed_out.html")
-    response.delete_cookie(COOKIE, path=COOKIE_PATH, samesite="Lax")
+    response.delete_cookie(COOKIE, path=COOKIE_PATH, samesite=COOKIE_SAMESITE)
     return response
 
 

@@ -47,6 +47,7 @@ from django.db import connection
 from memories.models import MemoryEmbedding
 from memories.search import embeddings
 from zeromem.kernel import cpu, hotsql
+from zeromem.kernel.keyprefix import EXACT
 
 logger = logging.getLogger("zeromem.search")
 
@@ -87,11 +88,16 @@ class _Matrix:
         return self.vectors.nbytes + self.signs.nbytes + self.memory_ids.nbytes * 3 + 2 * 64 * len(self.keys)
 
     def under(self, prefixes: Sequence[str]) -> np.ndarray:
-        """Boolean mask of the rows whose key starts with one of ``prefixes``."""
+        """Boolean mask of the rows whose key starts with one of ``prefixes`` (or is the
+        key an :func:`~zeromem.kernel.keyprefix.exact` filter names)."""
         mask = np.zeros(len(self.keys), dtype=bool)
         for prefix in prefixes:
-            lo = bisect.bisect_left(self.sorted_keys, prefix)
-            hi = bisect.bisect_left(self.sorted_keys, prefix + "\U0010ffff")
+            if prefix.endswith(EXACT):
+                lo = bisect.bisect_left(self.sorted_keys, prefix[:-1])
+                hi = bisect.bisect_right(self.sorted_keys, prefix[:-1])
+            else:
+                lo = bisect.bisect_left(self.sorted_keys, prefix)
+                hi = bisect.bisect_left(self.sorted_keys, prefix + "\U0010ffff")
             mask[self.key_order[lo:hi]] = True
         return mask
 

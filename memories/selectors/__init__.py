@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from memories.models import Memory, MemoryVersion, Tenant
 from zeromem.kernel import hotsql
-from zeromem.kernel.keyprefix import startswith_q
+from zeromem.kernel.keyprefix import matches, startswith_q
 
 # recall with only a prefix looks at no more than this many rows per index walk.
 SALIENT_SCAN = 1000
@@ -227,7 +227,7 @@ def memories_salient_rows(*, tenant: Tenant, prefixes: list[str] | None) -> list
     whole = prefixes is None or "" in prefixes
     rows = list(memories_live(tenant=tenant).order_by("-importance", "-updated_at").values_list(*fields)[:SALIENT_SCAN])
     if not whole:
-        rows = [r for r in rows if any(r[1].startswith(p) for p in prefixes)]
+        rows = [r for r in rows if any(matches(r[1], p) for p in prefixes)]
         rows += list(
             memories_live(tenant=tenant, prefixes=prefixes).order_by("key").values_list(*fields)[:SALIENT_SCAN]
         )

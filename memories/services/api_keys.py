@@ -30,6 +30,20 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 _VERIFIED_FAILURES = frozenset({"key_revoked", "key_expired"})
 
 
+def key_actor(key: ApiKey, *, surface: str, request_id: str = "", client_ip: str | None = None) -> Actor:
+    """The actor of a verified API key (REST and tool calls, MCP): its scopes and allowlist."""
+    return Actor(
+        kind=ActorKind.API_KEY,
+        id=str(key.pk),
+        label=key.display_prefix,
+        scopes=frozenset(key.scopes),
+        allowed_prefixes=tuple(key.allowed_prefixes),
+        surface=surface,
+        request_id=request_id,
+        client_ip=client_ip,
+    )
+
+
 def auth_failure(
     *,
     code: str,

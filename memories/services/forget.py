@@ -448,6 +448,11 @@ def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
     qs = Memory.objects.filter(tenant_id=request.tenant_id)
     if request.subject:
         return qs.filter(subject=request.subject)  # memory_tenant_subject index
+    if "subject" in request.reach:
+        # An end user's request (the portal's "forget this one") reaches their own memories
+        # only: a key the app wrote for someone else after the request was filed is theirs.
+        mine = request.reach["subject"]
+        qs = qs.filter(subject=mine) if mine else qs.none()
     if request.prefix:
         return qs.filter(startswith_q("key", request.prefix))  # (tenant, key) pattern index
     return qs.filter(key__in=request.keys)

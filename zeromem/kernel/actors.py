@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from zeromem.kernel.errors import Forbidden
+from zeromem.kernel.keyprefix import exact
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import ALL_SCOPES, ROLE_SCOPES
 
@@ -53,10 +54,12 @@ class Actor:
         return [p if p.endswith(":") else p + ":" for p in self.allowed_prefixes]
 
     def prefix_filters(self, prefix: str) -> list[str]:
-        """The key prefixes a prefix query must be restricted to (one SQL OR each)."""
+        """The key prefixes a prefix query must be restricted to (one SQL OR each). A bare
+        entry (``user:u1``) covers its own key too: that key, when the query reaches it, is
+        one more filter naming it exactly (:func:`zeromem.kernel.keyprefix.exact`)."""
         if not self.allowed_prefixes:
             return [prefix]
-        narrowed = []
+        narrowed = [exact(p) for p in self.allowed_prefixes if not p.endswith(":") and p.startswith(prefix)]
         for allowed in self._entries():
             if allowed.startswith(prefix):
                 narrowed.append(allowed)  # query is broader than the allowance
