@@ -208,7 +208,7 @@ def test_export_under_asgi_streams_an_async_iterator(log, tenant_a):
 def test_export_of_an_empty_range_is_just_the_header(log):
     future = (timezone.now() + timedelta(days=1)).isoformat()
     assert stream(log.get(EXPORT, {"since": future})).splitlines() == [
-        "id,occurred_at,actor_kind,actor_id,actor_label,surface,action,target,subject,outcome,request_id,"
+        "id,occurred_at,actor_kind,actor_id,actor_label,surface,action,target,subject,actor_filter,outcome,request_id,"
         "client_ip,count,version,detail,seal,digest"
     ]
 
