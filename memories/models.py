@@ -259,7 +259,15 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "namespace", "key"], name="memory_tenant_namespace"),
             models.Index(fields=["tenant", "subject"], name="memory_tenant_subject", condition=~Q(subject="")),
             models.Index(fields=["tenant", "category"], name="memory_tenant_category"),
+            # The TTL purge's tenant-less range (expires_at <= now, every tenant at once).
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
+            # One tenant's expiring memories (the dashboard's "expiring within 24 h"): a range of
+            # this tenant's alone, however many short-lived memories other tenants hold (built
+            # CONCURRENTLY on PostgreSQL, migration 0020). The purge cannot use it (its range is
+            # on the second column), hence both.
+            models.Index(
+                fields=["tenant", "expires_at"], name="memory_tenant_expiring", condition=Q(expires_at__isnull=False)
+            ),
             models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
             # recall with only a prefix: the tenant's most important, most recent memories
             # (built CONCURRENTLY on PostgreSQL, migration 0010).

@@ -4,10 +4,13 @@ with their time."""
 
 from datetime import timedelta
 
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from memories import services
-from memories.models import TenantDashboardStats
+from memories.models import Memory, TenantDashboardStats
 from memories.selectors.dashboard import tenant_dashboard
 from memories.services import dashboard_stats
 from tests.factories import SYSTEM, logged_in, make_staff, make_tenant, write
@@ -62,3 +65,43 @@ def test_a_completed_forget_request_drops_the_stored_figures_that_may_name_the_s
     assert request.status == "completed"
     assert not TenantDashboardStats.objects.filter(tenant=tenant).exists()
     assert tenant_dashboard(tenant=tenant).by_namespace == [("user:u8", 1)]
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="a PostgreSQL query plan")
+def test_expiring_soon_reads_the_tenants_own_range_of_expiring_memories(db):
+    """Another tenant's many short-lived memories (expiring before this tenant's) must not be
+    walked past for this tenant's first 10, nor the whole tenant scanned for the count."""
+    a, b = make_tenant("exp-a"), make_tenant("exp-b")
+    for i in range(12):
+        write(a, f"user:u{i}:lang", "en", ttl_seconds=20 * 3600 + i)
+    write(a, "user:u1:forever", "x")
+    template = write(b, "cache:c:x", "b's", ttl_seconds=60)
+    with connection.cursor() as cursor:
+        columns = [
+            connection.ops.quote_name(f.column)
+            for f in Memory._meta.concrete_fields
+            if not f.primary_key and not getattr(f, "generated", False)
+        ]
+        copied = ", ".join(
+            "key || '-' || g" if c == '"key"' else "expires_at + g * interval '1 second'" if c == '"expires_at"' else c
+            for c in columns
+        )
+        cursor.execute(
+            f"INSERT INTO memories_memory ({', '.join(columns)}) SELECT {copied} "  # noqa: S608 (the model's columns)
+            "FROM memories_memory, generate_series(1, 20000) AS g WHERE id = %s",
+            [template.pk],
+        )
+        cursor.execute("ANALYZE memories_memory")
+
+    with CaptureQueriesContext(connection) as queries:
+        figures = tenant_dashboard(tenant=a)
+
+    assert figures.expiring_count == 12
+    assert [key for _, key, _ in figures.expiring] == [f"user:u{i}:lang" for i in range(10)]
+    expiring = [q["sql"] for q in queries if '"expires_at" <=' in q["sql"]]
+    assert len(expiring) == 2  # the count and the first 10
+    for sql in expiring:
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + sql)
+            explained = "\n".join(line for (line,) in cursor.fetchall())
+        assert "memory_tenant_expiring" in explained, explained
