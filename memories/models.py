@@ -623,7 +623,8 @@ class IdempotencyRecord(models.Model):
     ``fingerprint`` is the HMAC-SHA256 of the request (method, path and query, If-Match, the
     parsed body), keyed from SECRET_KEY: the same key with another request is refused. The stored body can hold
     memory values, so the purge schedule deletes records after their window and a forget
-    request deletes its tenant's records."""
+    request deletes its tenant's finished records; its claims still running stay claimed,
+    with ``keep_answer`` off (their answer is dropped when they end)."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
     api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, db_index=False)
@@ -634,6 +635,9 @@ class IdempotencyRecord(models.Model):
     headers = models.JSONField(default=dict)
     created_at = models.DateTimeField(default=timezone.now)
     completed_at = models.DateTimeField(null=True, blank=True)
+    # Off for a claim that was running when a forget request of its tenant completed: its
+    # work may have read what the forget erased, so its answer is not stored.
+    keep_answer = models.BooleanField(default=True, db_default=True)
 
     class Meta:
         constraints = [
