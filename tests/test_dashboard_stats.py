@@ -10,10 +10,11 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from memories import services
-from memories.models import Memory, TenantDashboardStats
+from memories.models import TenantDashboardStats
 from memories.selectors.dashboard import tenant_dashboard
 from memories.services import dashboard_stats
 from tests.factories import SYSTEM, logged_in, make_staff, make_tenant, write
+from tests.helpers import copy_memory
 
 
 def test_page_uses_stored_figures_and_the_schedule_recounts_active_tenants_only(db, settings):
@@ -75,22 +76,8 @@ def test_expiring_soon_reads_the_tenants_own_range_of_expiring_memories(db):
     for i in range(12):
         write(a, f"user:u{i}:lang", "en", ttl_seconds=20 * 3600 + i)
     write(a, "user:u1:forever", "x")
-    template = write(b, "cache:c:x", "b's", ttl_seconds=60)
+    copy_memory(write(b, "cache:c:x", "b's", ttl_seconds=60), 20000, expires_step="1 second")
     with connection.cursor() as cursor:
-        columns = [
-            connection.ops.quote_name(f.column)
-            for f in Memory._meta.concrete_fields
-            if not f.primary_key and not getattr(f, "generated", False)
-        ]
-        copied = ", ".join(
-            "key || '-' || g" if c == '"key"' else "expires_at + g * interval '1 second'" if c == '"expires_at"' else c
-            for c in columns
-        )
-        cursor.execute(
-            f"INSERT INTO memories_memory ({', '.join(columns)}) SELECT {copied} "  # noqa: S608 (the model's columns)
-            "FROM memories_memory, generate_series(1, 20000) AS g WHERE id = %s",
-            [template.pk],
-        )
         cursor.execute("ANALYZE memories_memory")
 
     with CaptureQueriesContext(connection) as queries:
