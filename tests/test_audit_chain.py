@@ -226,7 +226,9 @@ def test_sealing_waits_for_an_open_writer_and_not_for_an_idle_reader():
 
 def test_editing_any_field_of_a_sealed_event_names_that_event(chained):
     victim = sealed_ids(chained)[5]
-    for column, value in [("target", "user:u9:other"), ("outcome", "denied"), ("occurred_at", timezone.now())]:
+    edits = [("target", "user:u9:other"), ("outcome", "denied"), ("occurred_at", timezone.now())]
+    edits.append(("actor_filter", "u9"))  # a committed field left out of the digest while empty
+    for column, value in edits:
         with transaction.atomic():
             raw(f"UPDATE {TABLE} SET {column} = %s WHERE id = %s", [value, victim])
             problem = first_problem(chained)
@@ -505,6 +507,15 @@ def test_a_reviewers_actor_filter_naming_a_forgotten_end_user_is_redacted(chaine
     assert reads.filter(actor_filter__startswith="redacted:").count() == 3
     audit_seal(tenant_id=chained.pk)
     assert audit_verify(tenant_id=chained.pk).ok
+
+
+def test_clearing_a_readings_actor_filter_is_detected(chained):
+    reviewer = Actor(kind="api_key", id="9", label="zm_review", scopes=frozenset(["audit:read"]), surface="rest")
+    audit_event_list(tenant=chained, actor=reviewer, filters=AuditFilters(actor="u1"))
+    audit_seal(tenant_id=chained.pk)
+    victim = AuditEvent.objects.get(tenant=chained, actor_filter="u1").pk
+    raw(f"UPDATE {TABLE} SET actor_filter = '' WHERE id = %s", [victim])
+    assert first_problem(chained).event_id == victim
 
 
 def test_a_redacted_field_edited_afterwards_is_still_detected(chained):
