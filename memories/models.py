@@ -263,7 +263,7 @@ class Memory(models.Model):
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
             # One tenant's expiring memories (the dashboard's "expiring within 24 h"): a range of
             # this tenant's alone, however many short-lived memories other tenants hold (built
-            # CONCURRENTLY on PostgreSQL, migration 0020). The purge cannot use it (its range is
+            # CONCURRENTLY on PostgreSQL, migration 0021). The purge cannot use it (its range is
             # on the second column), hence both.
             models.Index(
                 fields=["tenant", "expires_at"], name="memory_tenant_expiring", condition=Q(expires_at__isnull=False)

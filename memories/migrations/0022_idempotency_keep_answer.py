@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('memories', '0020_memory_tenant_expiring'),
+        ('memories', '0021_memory_tenant_expiring'),
     ]
 
     operations = [
