@@ -191,10 +191,8 @@ class AuditEventAdmin(TenantScopedAdmin):
             audit_list_record(
                 tenant=tenant,
                 actor=actor_for(request, tenant),
-                key_prefix=params.get("key_prefix", ""),
-                subject=params.get("subject", ""),
+                filters=params,
                 count=count,
-                detail={k: v for k, v in params.items() if k not in ("key_prefix", "subject")},
             )
 
     def get_urls(self):

@@ -4,7 +4,8 @@ All hashes are HMAC-SHA256 under ``settings.ZEROMEM_AUDIT_KEY``, a secret kept o
 database: someone who can write to the database but does not hold the key cannot produce
 a digest, a chain value or a seal that verifies.
 
-* **Commitment** of an identifying field (target, subject, actor id and label, client IP):
+* **Commitment** of an identifying field (target, subject, actor id and label, client IP,
+  the actor a reading of the log filtered by):
   ``HMAC(key, "c" | uid | field | value)``. The event's digest covers commitments rather
   than the raw text, so redaction can replace the text with a pseudonym and keep the
   commitment: the digest still verifies, and the commitment reveals nothing without the key.
@@ -30,7 +31,10 @@ from functools import cache
 from django.conf import settings
 
 # Fields that may be redacted: they enter the digest through their commitment.
-COMMITTED_FIELDS = ("target", "subject", "actor_id", "actor_label", "client_ip")
+COMMITTED_FIELDS = ("target", "subject", "actor_id", "actor_label", "client_ip", "actor_filter")
+# Committed fields added after events were written (audit migration 0014): empty, they are
+# left out of the digest, so the digests of the events written before stay as they were.
+LATER_FIELDS = frozenset({"actor_filter"})
 # Fields that enter the digest as they are (never personal data, never redacted).
 PLAIN_FIELDS = (
     "uid",
@@ -90,6 +94,8 @@ def digest(fields: dict, commitments: dict | None = None) -> str:
         parts.append(canonical(name, fields[name]))
     for name in COMMITTED_FIELDS:
         kept = commitments.get(name) if commitments else None
+        if not kept and name in LATER_FIELDS and not fields.get(name):
+            continue
         parts.append(kept or commitment(uid, name, fields[name], base=base))
     return _mac(*parts, base=base)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
 
 from asgiref.sync import sync_to_async
@@ -30,6 +31,12 @@ CONTENT_TYPES = {"csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjso
 # Spreadsheets run a cell that starts with one of these as a formula (CSV injection);
 # such cells get a leading apostrophe in CSV exports (JSON Lines keep the text as it is).
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+# A spreadsheet that splits on ";" (locales with a decimal comma) starts a cell after each
+# ";" inside a field, and after a '"' there opens a quoted cell: a ";" followed by a formula
+# character (past any quotes) gets the apostrophe after it. Quoting every field (QUOTE_ALL)
+# would not do: a ";" reader takes the quote after a closed quoted field as plain text,
+# so the next field's ";" splits unquoted.
+_FORMULA_AFTER_SEMICOLON = re.compile(r';(?="*[=+\-@\t\r])')
 # Line breaks to str.splitlines() and JavaScript, which json.dumps leaves raw in a string
 # (it escapes only the ASCII controls): escaped, so a JSON Lines record stays one line.
 _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
@@ -47,6 +54,8 @@ def _csv_cell(value) -> str:
     if isinstance(value, dict):
         value = json.dumps(value, sort_keys=True, ensure_ascii=False)
     text = str(value)
+    if ";" in text:
+        text = _FORMULA_AFTER_SEMICOLON.sub(";'", text)
     return "'" + text if text.startswith(_FORMULA_START) else text
 
 

@@ -41,6 +41,7 @@ REVIEW_FIELDS = (
     "action",
     "target",
     "subject",
+    "actor_filter",
     "outcome",
     "request_id",
     "client_ip",
@@ -80,6 +81,9 @@ class AuditEvent(models.Model):
     action = models.CharField(max_length=40)  # memory.read, memory.write, auth.failed, ...
     target = models.CharField(max_length=512, blank=True, default="")  # key or prefix
     subject = models.CharField(max_length=255, blank=True, default="")
+    # A reading of the log (audit.list, audit.export): the actor it filtered by (an end
+    # user's id, say) — here, not in detail, so a forget of that subject redacts it.
+    actor_filter = models.CharField(max_length=512, blank=True, default="", db_default="")
     outcome = models.CharField(max_length=24, choices=Outcome.choices)
     request_id = models.CharField(max_length=64, blank=True, default="")
     client_ip = models.GenericIPAddressField(null=True, blank=True)
@@ -106,6 +110,10 @@ class AuditEvent(models.Model):
             models.Index(fields=["tenant", "target"], name="audit_tenant_target"),
             models.Index(fields=["tenant", "actor_kind", "actor_id"], name="audit_tenant_actor"),
             models.Index(fields=["tenant", "subject"], name="audit_tenant_subject", condition=~Q(subject="")),
+            # The redaction of a forgotten subject finds the readings that filtered by them.
+            models.Index(
+                fields=["tenant", "actor_filter"], name="audit_tenant_actor_filter", condition=~Q(actor_filter="")
+            ),
             # Every event since range seals (seal stays null): the sealing job finds the unsealed
             # tail (id > the tenant's last range seal) and a range seal's events by id range here.
             models.Index(fields=["tenant", "id"], name="audit_unsealed", condition=Q(seal__isnull=True)),

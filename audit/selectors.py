@@ -16,6 +16,9 @@ from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.keyprefix import startswith_q
 
 TEXT_MAX_LEN = 512
+# Filters that a reading of the log records in the event's own redactable fields (target,
+# subject, actor_filter), never in its detail: they may name a subject to be forgotten.
+COLUMN_FILTERS = ("key_prefix", "subject", "actor")
 
 
 @dataclass(frozen=True)
@@ -30,12 +33,12 @@ class AuditFilters:
     actor_kind: str | None = None
 
     def as_detail(self) -> dict:
-        """What an audit event about a read of the log records of its filters. The key prefix
-        and subject go in the event's own target/subject fields (so a forget request redacts
-        them there), not here."""
+        """What an audit event about a read of the log records of its filters. The key prefix,
+        subject and actor go in the event's own target/subject/actor_filter fields (so a
+        forget request redacts them there), not here."""
         out = {}
         for name, value in asdict(self).items():
-            if value is None or name in ("key_prefix", "subject"):
+            if value is None or name in COLUMN_FILTERS:
                 continue
             out[name] = value.isoformat() if isinstance(value, datetime) else value
         return out

@@ -32,7 +32,7 @@ from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
 from audit.seals import tenant_q as _tenant_q
-from audit.selectors import AuditFilters, audit_events
+from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events
 from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
@@ -87,6 +87,7 @@ def audit_record(
     count: int | None = None,
     version: int | None = None,
     detail: dict | None = None,
+    actor_filter: str = "",
 ) -> int:
     """Append one event: one INSERT, no lock shared with other requests (the chain is
     built later by :func:`audit_seal`). Never pass a memory value or a key secret here.
@@ -108,6 +109,7 @@ def audit_record(
         "count": count,
         "version": version,
         "detail": _storable(detail or {}),
+        "actor_filter": _storable(actor_filter)[:512],
     }
     fields["digest"] = chain.digest(fields)
     sql, columns = _insert_sql(connection.vendor)
@@ -202,6 +204,7 @@ class AuditedOperation:
         count: int | None = None,
         version: int | None = None,
         detail: dict | None = None,
+        actor_filter: str = "",
     ) -> None:
         """How the operation ended (once). The event is written when the operation ends: in
         its transaction, or for a :class:`NotFound`/:class:`Conflict` raised after this call,
@@ -215,6 +218,7 @@ class AuditedOperation:
             "count": count,
             "version": version,
             "detail": detail,
+            "actor_filter": actor_filter,
         }
 
     def _write(self, row: dict) -> None:
@@ -687,6 +691,8 @@ def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str) -> Q:
         # and events about keys that name the subject by convention (user:<id>:...).
         q |= Q(subject=subject) | Q(target=subject)
         q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id__in={subject, end_user_actor_id(subject)})
+        # Readings of the log that filtered by the subject as an actor (audit.list, audit.export).
+        q |= ~Q(actor_filter="") & Q(actor_filter__in={subject, end_user_actor_id(subject)})
         q |= Q(target__startswith=f"user:{subject}:") | Q(target__startswith=f"usr:{subject}:")
     if prefix:
         q |= Q(target__startswith=prefix) | Q(target=prefix)
@@ -699,7 +705,7 @@ def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str) -> Q:
 def _redacted_values(row: dict) -> tuple[dict, dict]:
     """(new field values, commitments to keep) for one event row."""
     tenant_id = row["tenant_id"]
-    fields = ["target", "subject"]
+    fields = ["target", "subject", "actor_filter"]
     if row["actor_kind"] == AuditEvent.ActorKind.END_USER:
         # The end user's own events: who (their id) and from where identify them. A label is
         # usually generic ("end user"); it is redacted only when it names them.
@@ -719,9 +725,10 @@ def _redacted_values(row: dict) -> tuple[dict, dict]:
 def audit_redact_subject(
     *, tenant: Tenant, subject: str = "", keys: Iterable[str] = (), prefix: str = "", batch_size: int = 1000
 ) -> int:
-    """Replace the identifying fields (key, subject; for the end user's own portal events
-    also actor and client address) of a forgotten subject's, prefix's or keys' events with
-    a keyed pseudonym, keeping each field's commitment so the chain still verifies.
+    """Replace the identifying fields (key, subject, the actor a reading of the log filtered
+    by; for the end user's own portal events also actor and client address) of a forgotten
+    subject's, prefix's or keys' events with a keyed pseudonym, keeping each field's
+    commitment so the chain still verifies.
 
     Called by ``forget_request_execute`` after the last erased batch, and again on a retry:
     idempotent (a field already redacted is left alone). Returns how many events changed.
@@ -1070,15 +1077,23 @@ def audit_event_list(
                 row.seal = numbers.get(row.pk)  # shown, never saved (events are append-only)
         next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
         rows = rows[:limit]
-        op.record(subject=filters.subject or "", count=len(rows), detail=filters.as_detail())
+        op.record(
+            subject=filters.subject or "", actor_filter=filters.actor or "", count=len(rows), detail=filters.as_detail()
+        )
         return rows, next_cursor
 
 
-def audit_list_record(*, tenant: Tenant, actor: Actor, key_prefix: str, subject: str, count: int, detail: dict) -> None:
+def audit_list_record(*, tenant: Tenant, actor: Actor, filters: dict[str, str], count: int) -> None:
     """Record a reading of the log that a page made itself (the admin's list: ``audit.list``
-    with what the filters were as given and how many rows of this tenant it showed)."""
-    with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=key_prefix) as op:
-        op.record(subject=subject, count=count, detail=detail)
+    with what the filters were as given and how many rows of this tenant it showed). As
+    ``AuditFilters.as_detail``: key prefix, subject and actor in their redactable fields."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.get("key_prefix", "")) as op:
+        op.record(
+            subject=filters.get("subject", ""),
+            actor_filter=filters.get("actor", ""),
+            count=count,
+            detail={k: v for k, v in filters.items() if k not in COLUMN_FILTERS},
+        )
 
 
 def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, fmt: str):
@@ -1089,7 +1104,11 @@ def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, f
         require_scope(actor, Scope.AUDIT_READ)
         if fmt not in EXPORT_FORMATS:
             raise InvalidInput(f"must be one of {', '.join(EXPORT_FORMATS)}", field="format")
-        op.record(subject=filters.subject or "", detail={**filters.as_detail(), "format": fmt})
+        op.record(
+            subject=filters.subject or "",
+            actor_filter=filters.actor or "",
+            detail={**filters.as_detail(), "format": fmt},
+        )
     return audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
 
 

@@ -259,7 +259,15 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "namespace", "key"], name="memory_tenant_namespace"),
             models.Index(fields=["tenant", "subject"], name="memory_tenant_subject", condition=~Q(subject="")),
             models.Index(fields=["tenant", "category"], name="memory_tenant_category"),
+            # The TTL purge's tenant-less range (expires_at <= now, every tenant at once).
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
+            # One tenant's expiring memories (the dashboard's "expiring within 24 h"): a range of
+            # this tenant's alone, however many short-lived memories other tenants hold (built
+            # CONCURRENTLY on PostgreSQL, migration 0021). The purge cannot use it (its range is
+            # on the second column), hence both.
+            models.Index(
+                fields=["tenant", "expires_at"], name="memory_tenant_expiring", condition=Q(expires_at__isnull=False)
+            ),
             models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
             # recall with only a prefix: the tenant's most important, most recent memories
             # (built CONCURRENTLY on PostgreSQL, migration 0010).
@@ -631,7 +639,8 @@ class IdempotencyRecord(models.Model):
     ``fingerprint`` is the HMAC-SHA256 of the request (method, path and query, If-Match, the
     parsed body), keyed from SECRET_KEY: the same key with another request is refused. The stored body can hold
     memory values, so the purge schedule deletes records after their window and a forget
-    request deletes its tenant's records."""
+    request deletes its tenant's finished records; its claims still running stay claimed,
+    with ``keep_answer`` off (their answer is dropped when they end)."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
     api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, db_index=False)
@@ -642,6 +651,9 @@ class IdempotencyRecord(models.Model):
     headers = models.JSONField(default=dict)
     created_at = models.DateTimeField(default=timezone.now)
     completed_at = models.DateTimeField(null=True, blank=True)
+    # Off for a claim that was running when a forget request of its tenant completed: its
+    # work may have read what the forget erased, so its answer is not stored.
+    keep_answer = models.BooleanField(default=True, db_default=True)
 
     class Meta:
         constraints = [

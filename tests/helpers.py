@@ -389,3 +389,24 @@ def _decoded_spans(request) -> list[dict]:
                     }
                 )
     return spans
+
+
+def copy_memory(template: Memory, copies: int, expires_step: str = "") -> None:
+    """PostgreSQL: ``copies`` rows of ``template`` in one INSERT … SELECT (a big tenant in a
+    second, no versions, audit or search terms): keys ``<key>-<n>``; with ``expires_step``
+    (an interval, "1 second") the n-th copy expires n steps after the template."""
+    columns = [
+        connection.ops.quote_name(f.column)
+        for f in Memory._meta.concrete_fields
+        if not f.primary_key and not getattr(f, "generated", False)
+    ]
+    copied = {'"key"': "key || '-' || g"}
+    if expires_step:
+        copied['"expires_at"'] = "expires_at + g * %s::interval"
+    select = ", ".join(copied.get(c, c) for c in columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO memories_memory ({', '.join(columns)}) SELECT {select} "  # noqa: S608 (the model's columns)
+            "FROM memories_memory, generate_series(1, %s) AS g WHERE id = %s",
+            [*([expires_step] if expires_step else []), copies, template.pk],
+        )

@@ -177,6 +177,19 @@ def test_csv_export_defuses_cells_a_spreadsheet_would_run(log, api, tenant_a):
     assert '"target":"=cmd:x:y"' in lines  # JSON Lines keep the text as it is
 
 
+def test_csv_export_defuses_formulas_for_a_spreadsheet_that_splits_on_semicolons(log, api, tenant_a):
+    # Locales with a decimal comma split CSV on ";": a cell after a ";" inside a field must
+    # not start like a formula either (the field is unquoted, or its quoting lapses there).
+    subject = 'u3;=HYPERLINK("http://x");+1;-2;@SUM(A1);"=4'
+    api.call("memory_write", key="user:u3:x", value="v", subject=subject)
+    text = stream(log.get(EXPORT, {"action": "memory.write"}))
+    cells = [cell for row in csv.reader(io.StringIO(text), delimiter=";") for cell in row]
+    assert len(cells) > 2  # split at the subject's semicolons
+    assert [cell for cell in cells if cell.startswith(("=", "+", "-", "@", "\t", "\r"))] == []
+    subjects = [row["subject"] for row in csv.DictReader(io.StringIO(text))]
+    assert "u3;'=HYPERLINK(\"http://x\");'+1;'-2;'@SUM(A1);'\"=4" in subjects  # still readable
+
+
 def test_export_under_asgi_streams_an_async_iterator(log, tenant_a):
     actor = Actor(kind="api_key", id="1", label="zm_t", scopes=frozenset(["audit:read"]), surface="rest")
     response = audit_export_response(
@@ -195,7 +208,7 @@ def test_export_under_asgi_streams_an_async_iterator(log, tenant_a):
 def test_export_of_an_empty_range_is_just_the_header(log):
     future = (timezone.now() + timedelta(days=1)).isoformat()
     assert stream(log.get(EXPORT, {"since": future})).splitlines() == [
-        "id,occurred_at,actor_kind,actor_id,actor_label,surface,action,target,subject,outcome,request_id,"
+        "id,occurred_at,actor_kind,actor_id,actor_label,surface,action,target,subject,actor_filter,outcome,request_id,"
         "client_ip,count,version,detail,seal,digest"
     ]
 

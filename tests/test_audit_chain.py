@@ -20,8 +20,12 @@ from django.utils import timezone
 from audit import chain
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import seal_numbers, unsealed_q
+from audit.selectors import AuditFilters
 from audit.services import (
     audit_checkpoint_create,
+    audit_event_list,
+    audit_export_start,
+    audit_list_record,
     audit_purge,
     audit_record,
     audit_redact_subject,
@@ -222,7 +226,9 @@ def test_sealing_waits_for_an_open_writer_and_not_for_an_idle_reader():
 
 def test_editing_any_field_of_a_sealed_event_names_that_event(chained):
     victim = sealed_ids(chained)[5]
-    for column, value in [("target", "user:u9:other"), ("outcome", "denied"), ("occurred_at", timezone.now())]:
+    edits = [("target", "user:u9:other"), ("outcome", "denied"), ("occurred_at", timezone.now())]
+    edits.append(("actor_filter", "u9"))  # a committed field left out of the digest while empty
+    for column, value in edits:
         with transaction.atomic():
             raw(f"UPDATE {TABLE} SET {column} = %s WHERE id = %s", [value, victim])
             problem = first_problem(chained)
@@ -473,6 +479,43 @@ def test_redacting_a_subject_replaces_its_identifiers_and_the_chain_still_verifi
     audit_seal(tenant_id=chained.pk)
     assert audit_verify(tenant_id=chained.pk).ok
     assert audit_redact_subject(tenant=chained, subject="u1") == 0  # idempotent
+
+
+def test_a_reviewers_actor_filter_naming_a_forgotten_end_user_is_redacted(chained):
+    """Reading the log with actor=<end user> (REST list, export, the admin's list) records
+    the filter; once that end user is forgotten no audit row holds their id."""
+    services.memory_read(tenant=chained, actor=END_USER_U1, key="user:u1:k1")
+    reviewer = Actor(
+        kind="api_key", id="9", label="zm_review", scopes=frozenset(["audit:read", "forget:create"]), surface="rest"
+    )
+    audit_event_list(tenant=chained, actor=reviewer, filters=AuditFilters(actor="u1"))
+    audit_export_start(tenant=chained, actor=reviewer, filters=AuditFilters(actor="u1", action="memory."), fmt="csv")
+    audit_list_record(tenant=chained, actor=reviewer, filters={"actor": "u1"}, count=3)
+    audit_event_list(tenant=chained, actor=reviewer, filters=AuditFilters(actor="zm_agent"))  # names no end user
+    reads = AuditEvent.objects.filter(tenant=chained, action__in=["audit.list", "audit.export"])
+    assert reads.filter(actor_filter="u1").count() == 3  # what the reviewer filtered by, until the forget
+
+    request = services.forget_request_create(tenant=chained, actor=reviewer, subject="u1")
+    services.forget_request_execute(request_id=request.pk)
+
+    def holds_u1(row):
+        return any("u1" in json.dumps(v, default=str) for v in row.values())
+
+    rows = list(AuditEvent.objects.filter(tenant=chained).values())
+    assert [row["id"] for row in rows if holds_u1(row)] == []
+    assert reads.filter(actor_filter="zm_agent").count() == 1  # another actor's filter stays readable
+    assert reads.filter(actor_filter__startswith="redacted:").count() == 3
+    audit_seal(tenant_id=chained.pk)
+    assert audit_verify(tenant_id=chained.pk).ok
+
+
+def test_clearing_a_readings_actor_filter_is_detected(chained):
+    reviewer = Actor(kind="api_key", id="9", label="zm_review", scopes=frozenset(["audit:read"]), surface="rest")
+    audit_event_list(tenant=chained, actor=reviewer, filters=AuditFilters(actor="u1"))
+    audit_seal(tenant_id=chained.pk)
+    victim = AuditEvent.objects.get(tenant=chained, actor_filter="u1").pk
+    raw(f"UPDATE {TABLE} SET actor_filter = '' WHERE id = %s", [victim])
+    assert first_problem(chained).event_id == victim
 
 
 def test_a_redacted_field_edited_afterwards_is_still_detected(chained):

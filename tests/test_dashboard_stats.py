@@ -4,6 +4,9 @@ with their time."""
 
 from datetime import timedelta
 
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from memories import services
@@ -11,6 +14,7 @@ from memories.models import TenantDashboardStats
 from memories.selectors.dashboard import tenant_dashboard
 from memories.services import dashboard_stats
 from tests.factories import SYSTEM, logged_in, make_staff, make_tenant, write
+from tests.helpers import copy_memory
 
 
 def test_page_uses_stored_figures_and_the_schedule_recounts_active_tenants_only(db, settings):
@@ -62,3 +66,31 @@ def test_a_completed_forget_request_drops_the_stored_figures_that_may_name_the_s
     assert request.status == "completed"
     assert not TenantDashboardStats.objects.filter(tenant=tenant).exists()
     assert tenant_dashboard(tenant=tenant).by_namespace == [("user:u8", 1)]
+
+
+@pytest.mark.postgres
+def test_expiring_soon_reads_the_tenants_own_range_of_expiring_memories(transactional_db):
+    """Another tenant's many short-lived memories (expiring before this tenant's) must not be
+    walked past for this tenant's first 10, nor the whole tenant scanned for the count.
+    (transactional_db: the 20,000 rows are truncated afterwards, not left as dead rows that
+    would tilt later tests' query plans, as a rollback would.)"""
+    a, b = make_tenant("exp-a"), make_tenant("exp-b")
+    for i in range(12):
+        write(a, f"user:u{i}:lang", "en", ttl_seconds=20 * 3600 + i)
+    write(a, "user:u1:forever", "x")
+    copy_memory(write(b, "cache:c:x", "b's", ttl_seconds=60), 20000, expires_step="1 second")
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE memories_memory")
+
+    with CaptureQueriesContext(connection) as queries:
+        figures = tenant_dashboard(tenant=a)
+
+    assert figures.expiring_count == 12
+    assert [key for _, key, _ in figures.expiring] == [f"user:u{i}:lang" for i in range(10)]
+    expiring = [q["sql"] for q in queries if '"expires_at" <=' in q["sql"]]
+    assert len(expiring) == 2  # the count and the first 10
+    for sql in expiring:
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + sql)
+            explained = "\n".join(line for (line,) in cursor.fetchall())
+        assert "memory_tenant_expiring" in explained, explained

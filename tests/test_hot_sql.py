@@ -13,6 +13,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import Memory, MemoryVersion
 from tests.factories import SYSTEM, write
+from tests.helpers import copy_memory
 from zeromem.kernel import crypto, hotsql
 
 KEY = "user:u1:pref_lang"
@@ -178,17 +179,7 @@ def test_memories_by_ids_is_a_primary_key_lookup_even_when_the_tenants_statistic
     template = write(tenant_b, "fact:seed", {"text": "zebra"})
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE memories_memory")  # the statistics, with tenant_b at one memory
-        columns = [
-            connection.ops.quote_name(f.column)
-            for f in Memory._meta.concrete_fields
-            if not f.primary_key and not getattr(f, "generated", False)
-        ]
-        copied = ", ".join("key || '-' || g" if c == '"key"' else c for c in columns)
-        cursor.execute(
-            f"INSERT INTO memories_memory ({', '.join(columns)}) SELECT {copied} "  # noqa: S608 (the model's columns)
-            "FROM memories_memory, generate_series(1, 3000) AS g WHERE id = %s",
-            [template.pk],
-        )
+    copy_memory(template, 3000)
     ids = list(Memory.objects.filter(tenant=tenant_b).order_by("-pk").values_list("pk", flat=True)[:15])
     plan = selectors._plan("live_by_ids", connection.vendor)
     values = {"tenant": tenant_b.pk, "now": template.updated_at, "ids": ids}

@@ -15,10 +15,12 @@ from audit import limits
 from audit.models import AuditEvent
 from memories import services
 from memories.models import IdempotencyRecord, Memory, MemoryVersion
+from memories.services import idempotency
 from memories.services.idempotency import idempotency_purge
 from memories.tasks import idempotency_purge_task
 from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant
 from tests.helpers import rest_error
+from zeromem.kernel.errors import Conflict
 from zeromem.schedules import SCHEDULES
 
 CALL = "/api/v1/tools/call"
@@ -159,6 +161,28 @@ def test_a_forget_request_drops_the_stored_answers(api, tenant_a):
     request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u7")
     services.forget_request_execute(request_id=request.pk)
     assert not IdempotencyRecord.objects.filter(tenant=tenant_a).exists()
+
+
+def test_a_forget_keeps_a_running_requests_claim_but_not_its_answer(tenant_a, settings):
+    """A request still running when a forget request completes: a retry must not do its work
+    a second time alongside it (409 while it runs), and its answer — which may hold what the
+    forget erased — is not kept; once it has ended, a retry runs afresh."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    api_key, _ = make_key(tenant_a)
+    running = idempotency.claim(tenant=tenant_a, api_key=api_key, key="k-running", fingerprint="f")
+    assert isinstance(running, int)
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u7")
+    services.forget_request_execute(request_id=request.pk)
+
+    with pytest.raises(Conflict) as retried:
+        idempotency.claim(tenant=tenant_a, api_key=api_key, key="k-running", fingerprint="f")
+    assert retried.value.code == "idempotency_in_progress"
+    idempotency.complete(running, status=200, body=b'{"value": "CANARY-erased"}', headers={})
+    assert not IdempotencyRecord.objects.filter(tenant=tenant_a).exists()  # the answer was not kept
+    again = idempotency.claim(tenant=tenant_a, api_key=api_key, key="k-running", fingerprint="f")
+    assert isinstance(again, int) and again != running  # a new claim: the retry does the work
+    idempotency.complete(again, status=200, body=b'{"value": "new"}', headers={})
+    assert bytes(IdempotencyRecord.objects.get(pk=again).body) == b'{"value": "new"}'  # kept as usual
 
 
 @pytest.mark.postgres

@@ -14,7 +14,9 @@ def backfill_uid_and_digest(apps, schema_editor):
     from audit import chain
 
     AuditEvent = apps.get_model("audit", "AuditEvent")
-    rows = AuditEvent.objects.order_by("id").values("id", *[f for f in chain.DIGEST_FIELDS if f != "uid"])
+    # Fields added later (chain.LATER_FIELDS) are not columns yet; the digest leaves them out.
+    fields = [f for f in chain.DIGEST_FIELDS if f != "uid" and f not in chain.LATER_FIELDS]
+    rows = AuditEvent.objects.order_by("id").values("id", *fields)
     for row in rows.iterator(chunk_size=2000):
         row = dict(row)
         row["uid"] = uuid.uuid4()

@@ -9,7 +9,8 @@ duplicate arriving while the first still runs waits for it (up to
 the same key with a different request (method, path and query, If-Match, body) is 422
 ``idempotency_key_reused``. Answers that say "not done, retry" (429, 5xx) are not kept, so
 the retry does the work. A claim left unfinished by a process that died is given up after
-``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS``.
+``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS``. A forget request drops the tenant's stored answers and
+lets the claims still running finish without storing theirs (:func:`tenant_forget`).
 
 Caveat: the answer is stored right after the work's own transaction commits, not inside it;
 a process killed between the two leaves the claim unfinished, and a retry after the lease
@@ -157,9 +158,13 @@ def complete(claim_id: int, *, status: int, body: bytes, headers: dict) -> None:
         if body is None:  # a key destroyed meanwhile: nothing could open the answer
             release(claim_id)
             return
-    IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).update(
+    kept = IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True, keep_answer=True).update(
         status=status, body=body, headers=headers, completed_at=timezone.now()
     )
+    if not kept:
+        # A forget request completed while the work ran (tenant_forget): the answer may hold
+        # what it erased. The claim goes; a retry runs afresh.
+        release(claim_id)
 
 
 # A sealed answer: this mark, then the envelope (JSON) of the base64 of the answer it seals
@@ -206,5 +211,12 @@ def idempotency_purge(*, now=None) -> int:
 
 def tenant_forget(*, tenant: Tenant) -> int:
     """A forget request drops its tenant's stored answers: they may hold the erased values
-    (a retry after it simply runs again). Called as a forget request completes."""
-    return IdempotencyRecord.objects.filter(tenant=tenant).delete()[0]
+    (a retry after it simply runs again). Called as a forget request completes.
+
+    A claim still running stays claimed — a retry waits for it or gets 409
+    ``idempotency_in_progress``, instead of doing the work a second time alongside it — but
+    with ``keep_answer`` off: its work may have read what was erased, so :func:`complete`
+    drops its answer and the claim, and a retry after that runs afresh. Marked before the
+    stored answers are deleted, so an answer stored in between is deleted too."""
+    IdempotencyRecord.objects.filter(tenant=tenant, status__isnull=True).update(keep_answer=False)
+    return IdempotencyRecord.objects.filter(tenant=tenant, status__isnull=False).delete()[0]
