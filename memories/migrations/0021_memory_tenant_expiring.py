@@ -5,8 +5,6 @@ memory of the tenant (count). ``memory_expiring`` stays: the TTL purge's range i
 tenants and could only scan the new index whole.
 
 Built ``CONCURRENTLY`` on PostgreSQL (this migration is not atomic), so writes go on.
-Numbered 0021 after main's 0020_job_api_key_and_cancelled, which this branch does not hold
-yet: on merging, this migration's dependency becomes that one (a single leaf again).
 """
 
 from django.db import migrations, models
@@ -30,7 +28,7 @@ def backward(apps, schema_editor):
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("memories", "0019_search_erasure_counter")]
+    dependencies = [("memories", "0020_job_api_key_and_cancelled")]
 
     operations = [
         migrations.SeparateDatabaseAndState(
