@@ -414,9 +414,10 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
     """Bring a trashed memory back. No such memory in the tenant's trash raises
     :class:`NotFound`; a live memory that has taken its key meanwhile, :class:`Conflict` (an
     expired one, not yet purged, goes to the trash instead: see :func:`_lock_current_unexpired`).
-    A memory whose TTL ran out in the trash expires again its lifespan (``expires_at -
-    created_at``) after the restore, audited as ``detail.ttl_restarted_seconds``; one whose
-    TTL has not run out keeps its expiry."""
+    A memory whose TTL ran out in the trash gets again the time it had left at its last change
+    before the trash (``expires_at`` minus that change's time: never more than the TTL its
+    writer last asked for), from the restore, audited as ``detail.ttl_restarted_seconds``;
+    one whose TTL has not run out keeps its expiry. Cost: one more indexed SELECT then."""
     memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory_id).first()
     key = memory.key if memory else ""
     with audited_operation(tenant=tenant, actor=actor, action="memory.restore", target=key) as op:
@@ -438,10 +439,11 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         if memory.expires_at is not None and memory.expires_at <= now:
             # Its TTL ran out in the trash (the purge has not erased it yet). Restored with
             # that expiry it would stay invisible; made permanent it would outlive what its
-            # writer asked for. It lives its lifespan again, creation to expiry (exactly its
-            # TTL when the TTL was set on creation, by the write or a retention rule; longer
-            # if a later write set it), counted from now. No query: both are on the row.
-            restarted = memory.expires_at - memory.created_at
+            # writer asked for. It gets again what it had left at its last change: exactly the
+            # TTL when that change set it (a session key refreshed on every write), less when
+            # an earlier write did — never more. Not its age (expires_at - created_at): a key
+            # created months ago with a 1-hour TTL refreshed since would live months.
+            restarted = memory.expires_at - _last_change_at(memory)
             memory.expires_at = now + restarted
         try:
             # A savepoint: a write that creates the key after the check above wins the
@@ -454,6 +456,19 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         detail = {"ttl_restarted_seconds": round(restarted.total_seconds())} if restarted is not None else None
         op.record(subject=memory.subject, version=memory.version, detail=detail)
         return MemoryResult(status="ok", key=key, memory=memory)
+
+
+def _last_change_at(memory: Memory):
+    """When ``memory`` last changed before it went to the trash (its latest version that is
+    not a delete; its creation if it has none). One SELECT on the (memory, version) index."""
+    changed = (
+        MemoryVersion.objects.filter(tenant_id=memory.tenant_id, memory_id=memory.pk)
+        .exclude(op=MemoryVersion.Op.DELETE)
+        .order_by("-version")
+        .values_list("created_at", flat=True)
+        .first()
+    )
+    return changed or memory.created_at
 
 
 def memory_list(
