@@ -175,7 +175,6 @@ def test_a_restored_memory_whose_ttl_has_not_run_out_keeps_its_expiry(tenant_a):
     assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.restore").get().detail in (None, {})
 
 
-
 @contextmanager
 def frozen_at(start, offset: timedelta):
     """timezone.now() fixed at ``start + offset``: steps of one test measured from one start."""
