@@ -12,6 +12,7 @@ as ``not_found``/``conflict``, answered by the tools as results the model reads.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,8 +288,41 @@ def _value_slice(value: Any, *, max_chars: int, offset: int) -> ValueSlice | Non
     text = search.compact(value)
     if offset == 0 and len(text) <= max_chars:
         return None
-    end = offset + max_chars
+    end = _cluster_start(text, offset + max_chars, low=offset)
     return ValueSlice(text=text[offset:end], chars=len(text), next_offset=end if end < len(text) else None)
+
+
+_ZWJ = "\u200d"
+
+
+def _cluster_start(text: str, end: int, *, low: int) -> int:
+    """``end`` moved back to the start of the grapheme cluster it falls inside (a slice ending
+    there would show "e" for "é", half a flag, one person of a family emoji), unless that
+    leaves nothing after ``low``: one cluster longer than a slice is cut. The common clusters
+    (combining marks, variation selectors, ZWJ sequences, skin tones, flag pairs, CRLF), not
+    all of UAX #29 (no Hangul jamo, no Indic conjuncts). A few characters looked at, on a cut
+    read only."""
+    i = end
+    while low < i < len(text) and _joined(text, i):
+        i -= 1
+    return i if i > low else end
+
+
+def _joined(text: str, i: int) -> bool:
+    """``text[i - 1]`` and ``text[i]`` belong to one grapheme cluster."""
+    before, at = text[i - 1], text[i]
+    if unicodedata.category(at) in ("Mn", "Mc", "Me") or _ZWJ in (before, at) or "\U0001f3fb" <= at <= "\U0001f3ff":
+        return True
+    if (before, at) == ("\r", "\n"):
+        return True
+    if before in _REGIONAL and at in _REGIONAL:
+        # Regional indicators pair up from the start of their run (rstrip: C speed).
+        head = text[:i]
+        return (len(head) - len(head.rstrip(_REGIONAL))) % 2 == 1
+    return False
+
+
+_REGIONAL = "".join(chr(c) for c in range(0x1F1E6, 0x1F200))  # the flag letters A-Z
 
 
 def memory_update(
