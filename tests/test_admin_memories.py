@@ -8,6 +8,7 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.db.models import F
 from django.utils import timezone
 
 from audit.models import AuditEvent
@@ -229,6 +230,7 @@ def test_restore_action_gives_a_memory_whose_ttl_ran_out_in_the_trash_its_ttl_ag
     Memory.objects.filter(pk=memory.pk).update(
         created_at=memory.created_at - timedelta(hours=2), expires_at=memory.expires_at - timedelta(hours=2)
     )
+    MemoryVersion.objects.filter(memory_id=memory.pk).update(created_at=F("created_at") - timedelta(hours=2))
     _user, client = staff_clients["support"]
     before = timezone.now()
     client.post(

@@ -5,6 +5,7 @@ that it installs with pip and imports without Django."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -96,6 +97,17 @@ def test_tool_calls_round_trip(zm, zm_key):
     assert (exc.value.status, exc.value.code, exc.value.field) == (400, "invalid_key", "key")
     assert zm.memory_delete(key="user:u1:pref_lang") == {"status": "ok"}
     assert not Memory.objects.filter(tenant=tenant, key="user:u1:pref_lang", deleted_at__isnull=True).exists()
+
+
+def test_memory_read_answers_a_long_value_cut_as_the_model_would_and_get_reads_it_whole(zm):
+    value = {"plan": [f"step {i:03d}: do the next thing" for i in range(100)]}
+    zm.memory_write(key="task:t1:plan", value=value)
+    first = zm.memory_read(key="task:t1:plan")
+    assert isinstance(first["value"], str) and len(first["value"]) == 2000
+    assert (first["truncated"], first["next_offset"]) == (True, 2000)
+    rest = zm.memory_read(key="task:t1:plan", offset=first["next_offset"], max_chars=first["chars"])
+    assert json.loads(first["value"] + rest["value"]) == value
+    assert zm.get("task:t1:plan")["value"] == value
 
 
 def test_rest_resources_with_etags(zm, zm_key):

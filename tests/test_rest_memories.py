@@ -5,6 +5,7 @@ import pytest
 
 from memories.models import ApiKey, Memory
 from tests.helpers import rest_error, row_counts
+from zeromem.kernel import validation
 
 KEY = "user:u1:pref_lang"
 URL = f"/api/v1/memories/{KEY}"
@@ -107,6 +108,21 @@ def test_list_cursor_is_shared_with_the_tool(api):
     _, body = api.call("memory_list", prefix="task:", limit=2)
     r = api.get("/api/v1/memories", {"prefix": "task:", "cursor": body["next_cursor"]})
     assert _keys(r) == ["task:t2:s", "task:t3:s", "task:t4:s"]
+
+
+def test_the_longest_cursor_one_surface_emits_the_other_accepts(api):
+    """A page ending on a 512-character key of 4-byte characters: its cursor (2,731 characters,
+    validation.CURSOR_MAX_LEN) from the tool is taken by REST, and REST's by the tool."""
+    keys = [ch * validation.KEY_MAX_LEN for ch in ("𠀀", "𠀁", "𠀂")]
+    for key in keys:
+        api.call("memory_write", key=key, value=1)
+    _, body = api.call("memory_list", limit=1)
+    assert body["keys"] == keys[:1] and len(body["next_cursor"]) == validation.CURSOR_MAX_LEN
+    r = api.get("/api/v1/memories", {"limit": "1", "cursor": body["next_cursor"]})
+    assert r.status_code == 200 and _keys(r) == keys[1:2]
+    assert len(r.json()["next_cursor"]) == validation.CURSOR_MAX_LEN
+    _, body = api.call("memory_list", cursor=r.json()["next_cursor"])
+    assert body["keys"] == keys[2:] and body["next_cursor"] is None
 
 
 # --- GET / PUT --------------------------------------------------------------------------

@@ -133,6 +133,34 @@ def test_read_of_a_long_structured_value_is_cut_as_its_json_text(api):
     assert json.loads(first["value"] + rest["value"]) == value and rest["truncated"] is False
 
 
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        "e\u0301",  # e + combining acute: é
+        "\U0001f1e9\U0001f1ea",  # regional indicators D E: the German flag
+        "\U0001f468\u200d\U0001f469\u200d\U0001f467",  # a family, joined by ZWJ
+        "\U0001f44d\U0001f3fd",  # thumbs up, medium skin tone
+        "\u2764\ufe0f",  # heart + emoji variation selector
+        "\r\n",
+    ],
+)
+def test_a_cut_never_splits_what_reads_as_one_character(api, cluster):
+    """A slice that would end inside a grapheme cluster ends before it: the model never reads
+    "Jose" for "José" or half a flag, and the slices still join to the value exactly."""
+    text = "a" * 1999 + cluster + "b" * 50
+    api.call("memory_write", key="note:n1:text", value=text)
+    _, first = api.call("memory_read", key="note:n1:text")
+    assert first["value"] == "a" * 1999 and first["next_offset"] == 1999
+    _, rest = api.call("memory_read", key="note:n1:text", offset=first["next_offset"])
+    assert first["value"] + rest["value"] == text and rest["truncated"] is False
+
+
+def test_a_cut_inside_one_long_cluster_still_moves_forward(api):
+    api.call("memory_write", key="note:n1:text", value="e" + "\u0301" * 10)
+    _, first = api.call("memory_read", key="note:n1:text", max_chars=3)
+    assert first["value"] == "e\u0301\u0301" and first["next_offset"] == 3
+
+
 def test_a_value_within_max_chars_is_read_whole_as_before(api):
     value = {"lang": "zh-CN", "tz": "Asia/Shanghai"}
     api.call("memory_write", key="user:u1:prefs", value=value)

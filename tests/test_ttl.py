@@ -173,3 +173,49 @@ def test_a_restored_memory_whose_ttl_has_not_run_out_keeps_its_expiry(tenant_a):
         result = services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=written.memory.pk)
     assert result.memory.expires_at == written.memory.expires_at
     assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.restore").get().detail in (None, {})
+
+
+@contextmanager
+def frozen_at(start, offset: timedelta):
+    """timezone.now() fixed at ``start + offset``: steps of one test measured from one start."""
+    with mock.patch("django.utils.timezone.now", return_value=start + offset):
+        yield start + offset
+
+
+def test_a_restored_session_key_refreshed_for_days_lives_its_last_ttl_not_its_age(tenant_a):
+    """A session key written 10 days ago and refreshed with a 1-day TTL every 12 hours has
+    lived 10 days, but its writer asked for a day: restored after that day ran out in the
+    trash, it gets a day again (expiry minus its last write), not 10 days and a half."""
+    start = _real_now()
+    for half_days in range(21):
+        with frozen_at(start, timedelta(hours=12 * half_days)):
+            written = services.memory_write(
+                tenant=tenant_a, actor=SYSTEM, key=KEY, value=f"turn {half_days}", ttl_seconds=86400
+            )
+    assert written.memory.created_at == start  # one memory, refreshed
+    with frozen_at(start, timedelta(days=10, minutes=1)):
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    with frozen_at(start, timedelta(days=11, hours=1)) as restored_at:
+        result = services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=written.memory.pk)
+        assert result.memory.expires_at == restored_at + timedelta(days=1)
+        assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory.value == "turn 20"
+    event = AuditEvent.objects.filter(tenant=tenant_a, action="memory.restore").get()
+    assert event.detail == {"ttl_restarted_seconds": 86400}
+    with frozen_at(start, timedelta(days=12, hours=1, seconds=1)):
+        with pytest.raises(NotFound):
+            services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+
+
+def test_a_restored_memory_edited_after_its_ttl_was_set_never_outlives_that_ttl(tenant_a):
+    """Set to expire in 600 s, then edited (no TTL: the expiry stays) at 500 s: restored after
+    it ran out, it gets what it had left at its last change (100 s), never more than asked."""
+    start = _real_now()
+    with frozen_at(start, timedelta(0)):
+        written = services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="v1", ttl_seconds=600)
+    with frozen_at(start, timedelta(seconds=500)):
+        services.memory_update(tenant=tenant_a, actor=SYSTEM, key=KEY, value="v2")
+    with frozen_at(start, timedelta(seconds=550)):
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    with frozen_at(start, timedelta(seconds=900)) as restored_at:
+        result = services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=written.memory.pk)
+    assert result.memory.expires_at == restored_at + timedelta(seconds=100)

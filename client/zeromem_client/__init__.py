@@ -8,7 +8,8 @@ Depends on httpx only; importing it needs no Django. ``ZeroMem`` is synchronous,
 
     zm = ZeroMem("http://127.0.0.1:8000", api_key="zm_...")
     zm.memory_write(key="user:u1:pref_lang", value="zh-CN")
-    zm.memory_read(key="user:u1:pref_lang")["value"]          # 'zh-CN'
+    zm.memory_read(key="user:u1:pref_lang")["value"]          # 'zh-CN' (as the model reads it:
+                                                               # past 2,000 characters, cut)
     m = zm.get("user:u1:pref_lang")                            # REST, with m["etag"]
     zm.put("user:u1:pref_lang", "en", if_match=m["etag"])      # PreconditionFailed if it moved
 
@@ -236,7 +237,10 @@ def _tool_method(name: str):
         return self.call(name, **arguments)
 
     sync_method.__name__ = name
-    sync_method.__doc__ = f"The ``{name}`` tool; keyword arguments as in GET /api/v1/tools."
+    sync_method.__doc__ = (
+        f"The ``{name}`` tool; keyword arguments as in GET /api/v1/tools; its result as the model"
+        " sees it (``memory_read`` cuts a long value: ``get`` reads it whole)."
+    )
     return sync_method
 
 
@@ -373,7 +377,10 @@ def _async_tool_method(name: str):
         return await self.call(name, **arguments)
 
     async_method.__name__ = name
-    async_method.__doc__ = f"The ``{name}`` tool; keyword arguments as in GET /api/v1/tools."
+    async_method.__doc__ = (
+        f"The ``{name}`` tool; keyword arguments as in GET /api/v1/tools; its result as the model"
+        " sees it (``memory_read`` cuts a long value: ``get`` reads it whole)."
+    )
     return async_method
 
 

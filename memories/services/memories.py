@@ -12,6 +12,7 @@ as ``not_found``/``conflict``, answered by the tools as results the model reads.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,8 +288,41 @@ def _value_slice(value: Any, *, max_chars: int, offset: int) -> ValueSlice | Non
     text = search.compact(value)
     if offset == 0 and len(text) <= max_chars:
         return None
-    end = offset + max_chars
+    end = _cluster_start(text, offset + max_chars, low=offset)
     return ValueSlice(text=text[offset:end], chars=len(text), next_offset=end if end < len(text) else None)
+
+
+_ZWJ = "\u200d"
+
+
+def _cluster_start(text: str, end: int, *, low: int) -> int:
+    """``end`` moved back to the start of the grapheme cluster it falls inside (a slice ending
+    there would show "e" for "é", half a flag, one person of a family emoji), unless that
+    leaves nothing after ``low``: one cluster longer than a slice is cut. The common clusters
+    (combining marks, variation selectors, ZWJ sequences, skin tones, flag pairs, CRLF), not
+    all of UAX #29 (no Hangul jamo, no Indic conjuncts). A few characters looked at, on a cut
+    read only."""
+    i = end
+    while low < i < len(text) and _joined(text, i):
+        i -= 1
+    return i if i > low else end
+
+
+def _joined(text: str, i: int) -> bool:
+    """``text[i - 1]`` and ``text[i]`` belong to one grapheme cluster."""
+    before, at = text[i - 1], text[i]
+    if unicodedata.category(at) in ("Mn", "Mc", "Me") or _ZWJ in (before, at) or "\U0001f3fb" <= at <= "\U0001f3ff":
+        return True
+    if (before, at) == ("\r", "\n"):
+        return True
+    if before in _REGIONAL and at in _REGIONAL:
+        # Regional indicators pair up from the start of their run (rstrip: C speed).
+        head = text[:i]
+        return (len(head) - len(head.rstrip(_REGIONAL))) % 2 == 1
+    return False
+
+
+_REGIONAL = "".join(chr(c) for c in range(0x1F1E6, 0x1F200))  # the flag letters A-Z
 
 
 def memory_update(
@@ -414,9 +448,10 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
     """Bring a trashed memory back. No such memory in the tenant's trash raises
     :class:`NotFound`; a live memory that has taken its key meanwhile, :class:`Conflict` (an
     expired one, not yet purged, goes to the trash instead: see :func:`_lock_current_unexpired`).
-    A memory whose TTL ran out in the trash expires again its lifespan (``expires_at -
-    created_at``) after the restore, audited as ``detail.ttl_restarted_seconds``; one whose
-    TTL has not run out keeps its expiry."""
+    A memory whose TTL ran out in the trash gets again the time it had left at its last change
+    before the trash (``expires_at`` minus that change's time: never more than the TTL its
+    writer last asked for), from the restore, audited as ``detail.ttl_restarted_seconds``;
+    one whose TTL has not run out keeps its expiry. Cost: one more indexed SELECT then."""
     memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory_id).first()
     key = memory.key if memory else ""
     with audited_operation(tenant=tenant, actor=actor, action="memory.restore", target=key) as op:
@@ -438,10 +473,11 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         if memory.expires_at is not None and memory.expires_at <= now:
             # Its TTL ran out in the trash (the purge has not erased it yet). Restored with
             # that expiry it would stay invisible; made permanent it would outlive what its
-            # writer asked for. It lives its lifespan again, creation to expiry (exactly its
-            # TTL when the TTL was set on creation, by the write or a retention rule; longer
-            # if a later write set it), counted from now. No query: both are on the row.
-            restarted = memory.expires_at - memory.created_at
+            # writer asked for. It gets again what it had left at its last change: exactly the
+            # TTL when that change set it (a session key refreshed on every write), less when
+            # an earlier write did — never more. Not its age (expires_at - created_at): a key
+            # created months ago with a 1-hour TTL refreshed since would live months.
+            restarted = memory.expires_at - _last_change_at(memory)
             memory.expires_at = now + restarted
         try:
             # A savepoint: a write that creates the key after the check above wins the
@@ -454,6 +490,19 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         detail = {"ttl_restarted_seconds": round(restarted.total_seconds())} if restarted is not None else None
         op.record(subject=memory.subject, version=memory.version, detail=detail)
         return MemoryResult(status="ok", key=key, memory=memory)
+
+
+def _last_change_at(memory: Memory):
+    """When ``memory`` last changed before it went to the trash (its latest version that is
+    not a delete; its creation if it has none). One SELECT on the (memory, version) index."""
+    changed = (
+        MemoryVersion.objects.filter(tenant_id=memory.tenant_id, memory_id=memory.pk)
+        .exclude(op=MemoryVersion.Op.DELETE)
+        .order_by("-version")
+        .values_list("created_at", flat=True)
+        .first()
+    )
+    return changed or memory.created_at
 
 
 def memory_list(
