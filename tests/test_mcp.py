@@ -358,6 +358,37 @@ def test_initialize_tools_list_and_ping_are_charged_to_the_keys_rate_limit(serve
     ]
 
 
+def _notify(url: str, key: str, method: str) -> httpx2.Response:
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {key}"}
+    return httpx2.post(url, json={"jsonrpc": "2.0", "method": method}, headers=headers, timeout=30)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_notifications_are_charged_and_a_get_or_delete_is_405_not_a_free_open_stream(server_limited):
+    # The stateless endpoint answers a notification 202 before the server sees it and then
+    # ends: the server middleware never charged it, so notifications looped for free (each a
+    # key verification). And a GET opened an SSE stream that never carries anything, held
+    # open, uncharged, as many as a client liked.
+    tenant = make_tenant("mcp-notify")
+    _key, raw = make_key(tenant)
+    if time.time() % 60 > 40:  # the limit counts per calendar minute: all of it in one
+        time.sleep(61 - time.time() % 60)
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    for method in ("GET", "DELETE"):
+        with httpx2.stream(method, server_limited, headers=headers, timeout=10) as r:
+            assert r.status_code == 405 and r.headers["allow"] == "POST", (method, r.status_code)
+    accepted = [_notify(server_limited, raw, "notifications/initialized") for _ in range(4)]
+    assert [r.status_code for r in accepted] == [202] * 4
+    refused = _notify(server_limited, raw, "notifications/cancelled")
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limited" and 1 <= int(refused.headers["retry-after"]) <= 60
+    assert _rpc(server_limited, raw, "tools/list").status_code == 429  # the 4 used the minute
+    assert audit_refusals_flush(now=time.time() + 120) >= 1
+    counted = [(e.action, e.count) for e in AuditEvent.objects.filter(tenant=tenant, outcome="invalid")]
+    assert counted == [("mcp.request", 2)]
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_failed_authentications_past_the_limit_are_throttled_429(server):
