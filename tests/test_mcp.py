@@ -391,6 +391,25 @@ def test_notifications_are_charged_and_a_get_or_delete_is_405_not_a_free_open_st
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+def test_a_tools_call_the_sdk_refuses_for_its_params_is_charged_once_too(server_limited):
+    # The middleware left every tools/call to run_call's charge, which a call whose params
+    # the SDK refuses (no name, arguments not an object) never reaches: those looped free.
+    tenant = make_tenant("mcp-badcall")
+    _key, raw = make_key(tenant)
+    if time.time() % 60 > 40:  # the limit counts per calendar minute: all of it in one
+        time.sleep(61 - time.time() % 60)
+    bad = [{}, {"name": 5}, {"name": "memory_list", "arguments": "x"}]
+    answered = [_rpc(server_limited, raw, "tools/call", params) for params in bad]
+    assert [(r.status_code, r.json()["error"]["code"]) for r in answered] == [(200, -32602)] * 3
+    call = _rpc(server_limited, raw, "tools/call", {"name": "memory_list", "arguments": {}})
+    assert call.json()["result"]["structuredContent"]["status"] == "ok"  # the 4th unit, charged once
+    refused = _rpc(server_limited, raw, "tools/call", {})
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited", refused.text
+    assert _rpc(server_limited, raw, "tools/list").status_code == 429
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_failed_authentications_past_the_limit_are_throttled_429(server):
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     headers = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer zm_nothere_" + "y" * 40}

@@ -52,7 +52,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR
-from pydantic import ConfigDict
+from pydantic import ConfigDict, ValidationError
 
 from audit import limits
 from audit.services import AuthThrottled, audit_refusal
@@ -275,24 +275,37 @@ class RateLimit:
     """Server middleware (the SDK's hook around every inbound message, ``initialize``
     included): a request other than ``tools/call`` (which :func:`run_call` charges) costs a
     unit of the key's rate limit — ``initialize``, ``tools/list``, ``ping``, each a verified
-    request a client could otherwise loop for free. Over the limit it runs nothing and the
-    endpoint answers it ``429 rate_limited`` with Retry-After, as REST does. A notification
-    is charged by the endpoint (:meth:`McpEndpoint.charge_notification`): the stateless
-    transport answers it ``202`` before the server sees it, and then ends, mostly before
-    this runs."""
+    request a client could otherwise loop for free — and so does a ``tools/call`` the SDK
+    refuses for its params before :func:`call_tool` runs. Over the limit it runs nothing and
+    the endpoint answers it ``429 rate_limited`` with Retry-After, as REST does. A
+    notification is charged by the endpoint (:meth:`McpEndpoint.charge_notification`): the
+    stateless transport answers it ``202`` before the server sees it, and then ends, mostly
+    before this runs."""
 
     async def __call__(self, ctx, call_next):
-        if ctx.method == "tools/call" or ctx.request_id is None:
+        if ctx.request_id is None:
             return await call_next(ctx)
+        if ctx.method != "tools/call":
+            await self._charge(ctx)
+            return await call_next(ctx)
+        try:
+            return await call_next(ctx)
+        except ValidationError:
+            # No name, arguments not an object: refused before call_tool (and its charge).
+            await self._charge(ctx)
+            raise
+
+    @staticmethod
+    async def _charge(ctx) -> None:
         key, actor = _caller(ctx)
         if key is None:
-            return await call_next(ctx)
+            return
         try:
             retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target=ctx.method))
         except DatabaseError:
             raise MCPError(code=INTERNAL_ERROR, message="the database is unavailable; retry shortly") from None
         if retry_after is None:
-            return await call_next(ctx)
+            return
         request = (ctx.request.scope.get("zeromem") or {}).get("request")
         if request is not None:
             request.rate_limited = retry_after
