@@ -559,6 +559,45 @@ def test_the_bridge_answers_a_call_while_the_server_is_down_and_works_again_once
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+def test_the_bridge_over_the_keys_rate_limit_says_429_and_retry_after_and_stays_up(server_limited, tmp_path):
+    # 4 units a minute. Over them the endpoint's 429 reaches the MCP client as that
+    # request's error, saying so; a call over the limit is a tool error; the bridge, still
+    # up, answers the next one.
+    tenant = make_tenant("mcp-stdio-429")
+    _key, raw = make_key(tenant)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "DATABASE"))}
+    env.update(ZEROMEM_VENV=str(_fake_venv(tmp_path)), ZEROMEM_API_KEY=raw)
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "zeromem", "mcp", "--url", server_limited], env=env
+    )
+    if time.time() % 60 > 30:  # the limit counts per calendar minute: all of it in one
+        time.sleep(61 - time.time() % 60)
+
+    async def run():
+        async with Client(params) as client:
+            listed = await client.list_tools()
+            first = await client.call_tool("memory_list", {})
+            refused = None
+            for _ in range(4):  # what is left of the minute's units (the bridge's own messages used some)
+                try:
+                    await client.list_tools()
+                except MCPError as exc:
+                    refused = exc
+                    break
+            over = await client.call_tool("memory_list", {})
+            again = await client.call_tool("memory_list", {})
+            return listed, first, refused, over, again
+
+    listed, first, refused, over, again = anyio.run(run)
+    assert listed.tools and first.structured_content["status"] == "ok"
+    assert f"ZeroMem at {server_limited} answered 429 rate_limited" in str(refused), str(refused)
+    assert "retry after" in str(refused)
+    for result in (over, again):
+        assert result.is_error and result.structured_content["error"]["code"] == "rate_limited"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_the_bridge_with_a_refused_key_exits_saying_the_server_answered_401(server, tmp_path):
     # Was "Server returned an error response", inside an ExceptionGroup's repr.
     refused = "zm_nothere_" + "k" * 40
