@@ -18,8 +18,8 @@
   address or key prefix is 429 with ``Retry-After``, in ZeroMem's error shape.
 - **Stateless** (``stateless_http``, JSON responses): no session lives in a process, so any
   number of server processes can answer any request. So no stream to open and no session to
-  end: ``GET`` and ``DELETE`` are ``405`` (``Allow: POST``), as the transport lets a server
-  without them answer, before any key lookup.
+  end: ``GET``, ``DELETE`` and any other method but ``POST`` are ``405`` (``Allow: POST``),
+  as the transport lets a server without them answer, before any key lookup.
 - **Transport security** from Django's ``ALLOWED_HOSTS`` (:func:`transport_security`).
 
 Sync Django work (the key lookup, the tool's service) runs in worker threads, at most
@@ -392,9 +392,9 @@ class McpEndpoint:
             client_ip=client_ip_of(client[0] if client else None, headers.get("x-forwarded-for")),
             request_id=request_id_for(headers.get("x-request-id", "")),
         )
-        if scope.get("method") in ("GET", "DELETE"):
-            # Stateless: no stream to open (the SDK's was an SSE stream that never carried a
-            # message, held open uncharged) and no session to end.
+        if scope.get("method") != "POST":
+            # Stateless: no stream to open (the SDK's GET was an SSE stream that never carried
+            # a message, held open uncharged) and no session to end (DELETE).
             error = {"code": "method_not_allowed", "message": "this endpoint takes POST only (stateless)"}
             return await _send_json(send, 405, error, [(b"allow", b"POST")], request.request_id)
         scope = {
