@@ -436,13 +436,7 @@ class McpEndpoint:
                     return await _throttled(send, request)
                 if request.rate_limited is not None:  # RateLimit refused the message
                     replaced = True
-                    retry = str(request.rate_limited).encode()
-                    error = {
-                        "code": "rate_limited",
-                        "message": "Request was throttled.",
-                        "retry_after": request.rate_limited,
-                    }
-                    return await _send_json(send, 429, error, [(b"retry-after", retry)], request.request_id)
+                    return await _rate_limited(send, request.rate_limited, request.request_id)
                 if message["status"] == 202 and request.key is not None:
                     refused = await self.charge_notification(send, request)
                     if refused:
@@ -450,8 +444,7 @@ class McpEndpoint:
                         return None
                 if message["status"] == 401 and request.unavailable:
                     replaced = True
-                    error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
-                    return await _send_json(send, 503, error, [(b"retry-after", b"2")], request.request_id)
+                    return await _unavailable(send, request.request_id)
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             elif replaced:
                 return None
@@ -473,14 +466,22 @@ class McpEndpoint:
         try:
             retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target="notification"))
         except DatabaseError:
-            error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
-            await _send_json(send, 503, error, [(b"retry-after", b"2")], request.request_id)
+            await _unavailable(send, request.request_id)
             return True
         if retry_after is None:
             return False
-        error = {"code": "rate_limited", "message": "Request was throttled.", "retry_after": retry_after}
-        await _send_json(send, 429, error, [(b"retry-after", str(retry_after).encode())], request.request_id)
+        await _rate_limited(send, retry_after, request.request_id)
         return True
+
+
+async def _rate_limited(send, retry_after: int, request_id: str) -> None:
+    error = {"code": "rate_limited", "message": "Request was throttled.", "retry_after": retry_after}
+    await _send_json(send, 429, error, [(b"retry-after", str(retry_after).encode())], request_id)
+
+
+async def _unavailable(send, request_id: str) -> None:
+    error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
+    await _send_json(send, 503, error, [(b"retry-after", b"2")], request_id)
 
 
 async def _throttled(send, request: _Request) -> None:
