@@ -13,7 +13,7 @@ from django.utils.dateparse import parse_datetime
 from audit.models import AuditEvent
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
-from zeromem.kernel.keyprefix import startswith_q
+from zeromem.kernel.keyprefix import EXACT, startswith_q
 
 TEXT_MAX_LEN = 512
 # Filters that a reading of the log records in the event's own redactable fields (target,
@@ -65,6 +65,15 @@ def _text(raw, field: str) -> str | None:
     return raw
 
 
+def _key_prefix(raw) -> str | None:
+    # Free text (a target is not always a key), but never the exact-key marker, which no key
+    # or prefix holds: the filters below would read "user:u1$" as "exactly user:u1".
+    prefix = _text(raw, "key_prefix")
+    if prefix and EXACT in prefix:
+        raise InvalidInput(f"must not contain '{EXACT}' (no key holds it)", field="key_prefix")
+    return prefix
+
+
 def _choice(raw, field: str, choices) -> str | None:
     if raw is None:
         return None
@@ -80,7 +89,7 @@ def audit_filters(raw: Mapping) -> AuditFilters:
         until=_datetime(raw.get("until"), "until"),
         actor=_text(raw.get("actor"), "actor"),
         action=_text(raw.get("action"), "action"),
-        key_prefix=_text(raw.get("key_prefix"), "key_prefix"),
+        key_prefix=_key_prefix(raw.get("key_prefix")),
         subject=_text(raw.get("subject"), "subject"),
         outcome=_choice(raw.get("outcome"), "outcome", AuditEvent.Outcome.values),
         actor_kind=_choice(raw.get("actor_kind"), "actor_kind", AuditEvent.ActorKind.values),

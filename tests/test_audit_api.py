@@ -130,6 +130,19 @@ def test_bad_filters_are_400_naming_the_field(log, params, field):
     assert rest_error(r)["field"] == field
 
 
+def test_a_key_prefix_holding_the_exact_key_marker_is_400_not_an_exact_key_filter(log, tenant_a, make_client):
+    # A filter ending in "$" names one key exactly inside the services (keyprefix.exact);
+    # typed by a reviewer, "user:u1:lang$" answered the events of user:u1:lang (and no
+    # target starts with it): "$" is in no key nor prefix, and refused here as everywhere.
+    limited, _ = make_client(tenant_a, scopes=["audit:read"], allow=["user:u1"])
+    for client in (log, limited):
+        for prefix in ("user:u1:lang$", "user:u1$", "user:$", "user:u1:$x"):
+            r = client.get(EVENTS, {"key_prefix": prefix})
+            assert r.status_code == 400, (prefix, r.content)
+            assert rest_error(r)["field"] == "key_prefix"
+            assert client.get(EXPORT, {"key_prefix": prefix}).status_code == 400
+
+
 def test_reading_the_log_needs_the_audit_scope(api, make_client, tenant_a):
     reader, _ = make_client(tenant_a, scopes=["memory:read"])
     for path in (EVENTS, EXPORT):

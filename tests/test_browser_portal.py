@@ -151,3 +151,57 @@ def test_another_site_cannot_make_the_users_browser_load_the_portal(browser_page
     # The user's own page still opens: a typed address (Sec-Fetch-Site: none) carries the cookie.
     page.goto(portal)
     assert CANARY in page.locator("main").inner_text() and reads.count() == 2
+
+
+def test_a_link_followed_from_a_webmail_then_forget_one_and_sign_out_work(browser_page, live_server, monkeypatch):
+    # The whole flow as an end user meets it: the link clicked in a webmail (another site:
+    # Sec-Fetch-Site cross-site, no session cookie), the landing page's Continue (a POST of
+    # ours), "Forget this" and "Close this page" (POST forms: navigate, same-origin), all
+    # let through by the Fetch Metadata check; after the sign-out the session is gone.
+    page = browser_page
+    tenant = make_tenant("acme")
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:pref_lang", value=f"Chinese {CANARY}")
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:tz", value="Europe/Paris")
+    _key, raw = make_key(tenant, scopes=["forget:create"])
+    link = page.request.post(
+        f"{live_server.url}/api/v1/subjects/u1/portal-link", headers={"Authorization": f"Bearer {raw}"}
+    ).json()["url"]
+    seen = []
+    judge = views._sent_by_another_site
+
+    def spy(request):
+        seen.append((request.method, request.path, request.headers.get("Sec-Fetch-Site")))
+        return judge(request)
+
+    monkeypatch.setattr(views, "_sent_by_another_site", spy)
+    webmail = ForeignSite(f'<p>Your link: <a id="open" href="{link}">see what Acme remembers</a></p>')
+    page.goto(webmail.url + "/", wait_until="load")
+    with page.expect_navigation(url=link):
+        page.click("#open")
+    page.get_by_role("button", name="Continue to my page").click()
+    page.wait_for_url(f"{live_server.url}/portal/")
+    assert CANARY in page.locator("main").inner_text()
+
+    page.locator(".card.memory").filter(has_text=CANARY).get_by_role("button", name="Forget this").click()
+    page.wait_for_url(re.compile(r"/portal/requests/\d+$"))
+    page.get_by_role("heading", name="Receipt").wait_for()
+    request = ForgetRequest.objects.get()
+    assert (request.status, request.keys, request.receipt["memories"]) == ("completed", ["user:u1:pref_lang"], 1)
+    assert list(Memory.objects.filter(tenant=tenant).values_list("key", flat=True)) == ["user:u1:tz"]
+
+    page.get_by_role("link", name="Back to what is remembered about you").click()
+    assert "Europe/Paris" in page.locator("main").inner_text()
+    page.get_by_role("button", name="Close this page").click()
+    page.wait_for_load_state()
+    webmail.close()
+    response = page.goto(f"{live_server.url}/portal/")
+    assert response.status == 403 and page.get_by_role("heading", name="Please open a new link").is_visible()
+    assert [(m, p) for m, p, _s in seen] == [
+        ("GET", "/portal/"),
+        ("POST", "/portal/forget"),
+        ("GET", f"/portal/requests/{request.pk}"),
+        *[("GET", f"/portal/requests/{request.pk}")] * (len(seen) - 6),
+        ("GET", "/portal/"),
+        ("GET", "/portal/"),
+    ], seen
+    assert {s for _m, _p, s in seen[:-1]} == {"same-origin"} and seen[-1][2] == "none"

@@ -311,10 +311,26 @@ def server_limited(django_db_setup):
         stop_server(started)
 
 
-def _rpc(url: str, key: str, method: str, params: dict | None = None) -> httpx2.Response:
-    body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params or {}}
+def _rpc(url: str, key: str, method: str, params: dict | None = None, *, notify: bool = False) -> httpx2.Response:
+    """One JSON-RPC request (a notification with ``notify``) POSTed with ``key``."""
+    body = {"jsonrpc": "2.0", "method": method} if notify else {"jsonrpc": "2.0", "id": 1, "method": method}
+    if params is not None or not notify:
+        body["params"] = params or {}
     headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {key}"}
     return httpx2.post(url, json=body, headers=headers, timeout=30)
+
+
+def _rate_limited(r: httpx2.Response) -> bool:
+    """The endpoint's answer over the key's rate limit: 429, ZeroMem's error, Retry-After."""
+    retry = int(r.headers.get("retry-after", 0))
+    return r.status_code == 429 and r.json()["error"]["code"] == "rate_limited" and 1 <= retry <= 60
+
+
+def _wait_for_a_minutes_start(latest: int = 40) -> None:
+    """The rate limit counts per calendar minute: a test's requests fall in one if they start
+    no later than ``latest`` seconds into it."""
+    if time.time() % 60 > latest:
+        time.sleep(61 - time.time() % 60)
 
 
 @pytest.mark.postgres
@@ -326,17 +342,14 @@ def test_initialize_tools_list_and_ping_are_charged_to_the_keys_rate_limit(serve
     _key, raw = make_key(tenant)
     _key, other = make_key(tenant)
     hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "flood", "version": "1"}}
-    if time.time() % 60 > 40:  # the limit counts per calendar minute: all of it in one
-        time.sleep(61 - time.time() % 60)
+    _wait_for_a_minutes_start()
     answered = [_rpc(server_limited, raw, "initialize", hello) for _ in range(4)]
     assert [r.status_code for r in answered] == [200] * 4 and "result" in answered[0].json()
     refused = [
         _rpc(server_limited, raw, m, hello if m == "initialize" else None) for m in ("initialize", "tools/list", "ping")
     ]
     for r in refused:
-        assert r.status_code == 429, r.text
-        assert r.json()["error"]["code"] == "rate_limited" and 1 <= int(r.headers["retry-after"]) <= 60
-        assert r.headers["x-request-id"]
+        assert _rate_limited(r) and r.headers["x-request-id"], r.text
     call = _rpc(server_limited, raw, "tools/call", {"name": "memory_list", "arguments": {}})
     assert call.status_code == 200 and call.json()["result"]["structuredContent"]["error"]["code"] == "rate_limited"
     assert _rpc(server_limited, other, "tools/list").status_code == 200  # per key
@@ -356,6 +369,47 @@ def test_initialize_tools_list_and_ping_are_charged_to_the_keys_rate_limit(serve
         ("tool.call", "mcp", 1, "rate_limited"),
         ("tool.call", "mcp", 1, "rate_limited"),
     ]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_notifications_are_charged_and_a_get_or_delete_is_405_not_a_free_open_stream(server_limited):
+    # The stateless endpoint answers a notification 202 before the server sees it and then
+    # ends: the server middleware never charged it, so notifications looped for free (each a
+    # key verification). And a GET opened an SSE stream that never carries anything, held
+    # open, uncharged, as many as a client liked.
+    tenant = make_tenant("mcp-notify")
+    _key, raw = make_key(tenant)
+    _wait_for_a_minutes_start()
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    for method in ("GET", "DELETE", "HEAD", "PUT"):
+        with httpx2.stream(method, server_limited, headers=headers, timeout=10) as r:
+            assert r.status_code == 405 and r.headers["allow"] == "POST", (method, r.status_code)
+    accepted = [_rpc(server_limited, raw, "notifications/initialized", notify=True) for _ in range(4)]
+    assert [r.status_code for r in accepted] == [202] * 4
+    refused = _rpc(server_limited, raw, "notifications/cancelled", notify=True)
+    assert _rate_limited(refused), refused.text
+    assert _rate_limited(_rpc(server_limited, raw, "tools/list"))  # the 4 used the minute
+    assert audit_refusals_flush(now=time.time() + 120) >= 1
+    counted = [(e.action, e.count) for e in AuditEvent.objects.filter(tenant=tenant, outcome="invalid")]
+    assert counted == [("mcp.request", 2)]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_tools_call_the_sdk_refuses_for_its_params_is_charged_once_too(server_limited):
+    # The middleware left every tools/call to run_call's charge, which a call whose params
+    # the SDK refuses (no name, arguments not an object) never reaches: those looped free.
+    _key, raw = make_key(make_tenant("mcp-badcall"))
+    _wait_for_a_minutes_start()
+    bad = [{}, {"name": 5}, {"name": "memory_list", "arguments": "x"}]
+    answered = [_rpc(server_limited, raw, "tools/call", params) for params in bad]
+    assert [(r.status_code, r.json()["error"]["code"]) for r in answered] == [(200, -32602)] * 3
+    call = _rpc(server_limited, raw, "tools/call", {"name": "memory_list", "arguments": {}})
+    assert call.json()["result"]["structuredContent"]["status"] == "ok"  # the 4th unit, charged once
+    refused = _rpc(server_limited, raw, "tools/call", {})
+    assert _rate_limited(refused), refused.text
+    assert _rate_limited(_rpc(server_limited, raw, "tools/list"))
 
 
 @pytest.mark.postgres
@@ -439,17 +493,22 @@ def _fake_venv(tmp_path: Path) -> Path:
     return venv
 
 
+def _bridge(url: str, key: str, tmp_path: Path) -> StdioServerParameters:
+    """The stdio bridge to ``url`` as an MCP client starts it: no Django settings, no
+    database, only the URL and the key (the key from the environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "DATABASE"))}
+    env.update(ZEROMEM_VENV=str(_fake_venv(tmp_path)), ZEROMEM_API_KEY=key)
+    return StdioServerParameters(
+        command=sys.executable, args=["-m", "zeromem", "mcp", "--url", url], env=env, cwd=str(ROOT)
+    )
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_the_stdio_bridge_lists_and_calls_the_tools(server, tmp_path):
     tenant = make_tenant("mcp-stdio")
     _key, raw = make_key(tenant)
-    # No Django settings, no database: only the URL and the key (the key from the environment).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "DATABASE"))}
-    env.update(ZEROMEM_VENV=str(_fake_venv(tmp_path)), ZEROMEM_API_KEY=raw)
-    params = StdioServerParameters(
-        command=sys.executable, args=["-m", "zeromem", "mcp", "--url", server], env=env, cwd=str(ROOT)
-    )
+    params = _bridge(server, raw, tmp_path)
 
     async def run():
         async with Client(params) as client:
@@ -505,6 +564,39 @@ def test_the_bridge_answers_a_call_while_the_server_is_down_and_works_again_once
     assert wrote.structured_content["status"] == "ok"
     assert "unreachable" in down.message and raw not in down.message
     assert read.structured_content["value"] == "Graz"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_bridge_over_the_keys_rate_limit_says_429_and_retry_after_and_stays_up(server_limited, tmp_path):
+    # 4 units a minute. Over them the endpoint's 429 reaches the MCP client as that
+    # request's error, saying so; a call over the limit is a tool error; the bridge, still
+    # up, answers the next one.
+    _key, raw = make_key(make_tenant("mcp-stdio-429"))
+    params = _bridge(server_limited, raw, tmp_path)
+    _wait_for_a_minutes_start(30)
+
+    async def run():
+        async with Client(params) as client:
+            listed = await client.list_tools()
+            first = await client.call_tool("memory_list", {})
+            refused = None
+            for _ in range(4):  # what is left of the minute's units (the bridge's own messages used some)
+                try:
+                    await client.list_tools()
+                except MCPError as exc:
+                    refused = exc
+                    break
+            over = await client.call_tool("memory_list", {})
+            again = await client.call_tool("memory_list", {})
+            return listed, first, refused, over, again
+
+    listed, first, refused, over, again = anyio.run(run)
+    assert listed.tools and first.structured_content["status"] == "ok"
+    assert f"ZeroMem at {server_limited} answered 429 rate_limited" in str(refused), str(refused)
+    assert "retry after" in str(refused)
+    for result in (over, again):
+        assert result.is_error and result.structured_content["error"]["code"] == "rate_limited"
 
 
 @pytest.mark.postgres

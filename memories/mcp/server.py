@@ -17,7 +17,9 @@
   and audit as the REST API; route ``/mcp``). A refused key is the SDK's 401; a throttled
   address or key prefix is 429 with ``Retry-After``, in ZeroMem's error shape.
 - **Stateless** (``stateless_http``, JSON responses): no session lives in a process, so any
-  number of server processes can answer any request.
+  number of server processes can answer any request. So no stream to open and no session to
+  end: ``GET``, ``DELETE`` and any other method but ``POST`` are ``405`` (``Allow: POST``),
+  as the transport lets a server without them answer, before any key lookup.
 - **Transport security** from Django's ``ALLOWED_HOSTS`` (:func:`transport_security`).
 
 Sync Django work (the key lookup, the tool's service) runs in worker threads, at most
@@ -50,7 +52,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR
-from pydantic import ConfigDict
+from pydantic import ConfigDict, ValidationError
 
 from audit import limits
 from audit.services import AuthThrottled, audit_refusal
@@ -90,6 +92,7 @@ class _Request:
     throttled: float | None = None  # Retry-After, when a failed authentication was throttled
     unavailable: bool = False  # the database could not be asked about the key
     rate_limited: int | None = None  # Retry-After, when the key was over its rate limit
+    key: ApiKey | None = None  # the verified key
 
 
 _current: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("zeromem_mcp_request", default=None)
@@ -152,6 +155,7 @@ class ApiKeyVerifier:
         except DatabaseError:
             request.unavailable = True  # the wrapper answers 503 instead of the SDK's 401
             return None
+        request.key = key
         return KeyAccessToken(token=token, client_id=str(key.pk), scopes=list(key.scopes), api_key=key)
 
 
@@ -269,29 +273,42 @@ def charge(key: ApiKey, actor: Actor, *, action: str, target: str = "") -> int |
 
 class RateLimit:
     """Server middleware (the SDK's hook around every inbound message, ``initialize``
-    included): a message other than ``tools/call`` (which :func:`run_call` charges) costs a
-    unit of the key's rate limit — ``initialize``, ``tools/list``, ``ping``, notifications,
-    each a verified request a client could otherwise loop for free. Over the limit a request
-    runs nothing and the endpoint answers it ``429 rate_limited`` with Retry-After, as REST
-    does; a notification over it is dropped."""
+    included): a request other than ``tools/call`` (which :func:`run_call` charges) costs a
+    unit of the key's rate limit — ``initialize``, ``tools/list``, ``ping``, each a verified
+    request a client could otherwise loop for free — and so does a ``tools/call`` the SDK
+    refuses for its params before :func:`call_tool` runs. Over the limit it runs nothing and
+    the endpoint answers it ``429 rate_limited`` with Retry-After, as REST does. A
+    notification is charged by the endpoint (:meth:`McpEndpoint.charge_notification`): the
+    stateless transport answers it ``202`` before the server sees it, and then ends, mostly
+    before this runs."""
 
     async def __call__(self, ctx, call_next):
-        if ctx.method == "tools/call":
+        if ctx.request_id is None:
             return await call_next(ctx)
+        if ctx.method != "tools/call":
+            await self._charge(ctx)
+            return await call_next(ctx)
+        try:
+            return await call_next(ctx)
+        except ValidationError:
+            # No name, arguments not an object: refused before call_tool (and its charge).
+            await self._charge(ctx)
+            raise
+
+    @staticmethod
+    async def _charge(ctx) -> None:
         key, actor = _caller(ctx)
         if key is None:
-            return await call_next(ctx)
+            return
         try:
             retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target=ctx.method))
         except DatabaseError:
             raise MCPError(code=INTERNAL_ERROR, message="the database is unavailable; retry shortly") from None
         if retry_after is None:
-            return await call_next(ctx)
+            return
         request = (ctx.request.scope.get("zeromem") or {}).get("request")
         if request is not None:
             request.rate_limited = retry_after
-        if ctx.request_id is None:
-            return None  # a notification: nothing answers it
         raise MCPError(code=RATE_LIMITED, message="Request was throttled.", data={"retry_after": retry_after})
 
 
@@ -375,6 +392,11 @@ class McpEndpoint:
             client_ip=client_ip_of(client[0] if client else None, headers.get("x-forwarded-for")),
             request_id=request_id_for(headers.get("x-request-id", "")),
         )
+        if scope.get("method") != "POST":
+            # Stateless: no stream to open (the SDK's GET was an SSE stream that never carried
+            # a message, held open uncharged) and no session to end (DELETE).
+            error = {"code": "method_not_allowed", "message": "this endpoint takes POST only (stateless)"}
+            return await _send_json(send, 405, error, [(b"allow", b"POST")], request.request_id)
         scope = {
             **scope,
             "zeromem": {"client_ip": request.client_ip, "request_id": request.request_id, "request": request},
@@ -414,17 +436,15 @@ class McpEndpoint:
                     return await _throttled(send, request)
                 if request.rate_limited is not None:  # RateLimit refused the message
                     replaced = True
-                    retry = str(request.rate_limited).encode()
-                    error = {
-                        "code": "rate_limited",
-                        "message": "Request was throttled.",
-                        "retry_after": request.rate_limited,
-                    }
-                    return await _send_json(send, 429, error, [(b"retry-after", retry)], request.request_id)
+                    return await _rate_limited(send, request.rate_limited, request.request_id)
+                if message["status"] == 202 and request.key is not None:
+                    refused = await self.charge_notification(send, request)
+                    if refused:
+                        replaced = True
+                        return None
                 if message["status"] == 401 and request.unavailable:
                     replaced = True
-                    error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
-                    return await _send_json(send, 503, error, [(b"retry-after", b"2")], request.request_id)
+                    return await _unavailable(send, request.request_id)
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             elif replaced:
                 return None
@@ -434,6 +454,34 @@ class McpEndpoint:
             await self.sdk_app(scope, receive, send_wrapped)
         finally:
             _current.reset(token)
+
+    @staticmethod
+    async def charge_notification(send, request: _Request) -> bool:
+        """A notification (or a client's response) the transport is about to accept ``202``:
+        one unit of the key's rate limit (``mcp.request``), as every other message. Over the
+        limit, or without a database to count it, the answer sent here instead (429 with
+        Retry-After; 503), and True."""
+        key = request.key
+        actor = api_keys.key_actor(key, surface=SURFACE, request_id=request.request_id, client_ip=request.client_ip)
+        try:
+            retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target="notification"))
+        except DatabaseError:
+            await _unavailable(send, request.request_id)
+            return True
+        if retry_after is None:
+            return False
+        await _rate_limited(send, retry_after, request.request_id)
+        return True
+
+
+async def _rate_limited(send, retry_after: int, request_id: str) -> None:
+    error = {"code": "rate_limited", "message": "Request was throttled.", "retry_after": retry_after}
+    await _send_json(send, 429, error, [(b"retry-after", str(retry_after).encode())], request_id)
+
+
+async def _unavailable(send, request_id: str) -> None:
+    error = {"code": "database_unavailable", "message": "the database is unavailable; retry shortly"}
+    await _send_json(send, 503, error, [(b"retry-after", b"2")], request_id)
 
 
 async def _throttled(send, request: _Request) -> None:
