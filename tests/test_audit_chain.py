@@ -444,6 +444,17 @@ def test_postgresql_lets_the_redact_mode_change_only_identifying_fields(chained)
         cursor.execute(f"UPDATE {TABLE} SET outcome = 'denied' WHERE id = %s", [victim])
 
 
+@pytest.mark.postgres
+def test_postgresql_lets_the_seal_mode_change_no_actor_filter(chained):
+    # The seal mode writes an event's seal and chain value, nothing else: not the actor a
+    # reading of the log filtered by either (audit migration 0014's column).
+    victim = sealed_ids(chained)[0]
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('zeromem.audit_mode', 'seal', true)")
+        cursor.execute(f"UPDATE {TABLE} SET seal = 1, actor_filter = 'u1' WHERE id = %s", [victim])
+    assert AuditEvent.objects.get(pk=victim).actor_filter == ""
+
+
 # --- redaction ----------------------------------------------------------------------------
 
 # End user u1 reading in the portal, from an address redaction must clear.
