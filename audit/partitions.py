@@ -38,7 +38,7 @@ _LOCK = (0x5A4D, -1)  # pg_advisory_xact_lock: the audit namespace, "partitions"
 # How long creating a partition waits for the event table's lock; every audit INSERT waits
 # behind it meanwhile.
 CREATE_LOCK_TIMEOUT = "1s"
-_LOCK_NOT_AVAILABLE = "55P03"
+LOCK_NOT_AVAILABLE = "55P03"
 _logger = logging.getLogger("zeromem.audit")
 _BOUND = re.compile(r"FROM \((.+)\) TO \((.+)\)")
 
@@ -169,7 +169,7 @@ def ensure_partitions(*, now: datetime | None = None, ahead: int = MONTHS_AHEAD)
             for month in wanted:
                 created.append(create_partition(cursor, month))
     except OperationalError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+        if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise
         busy = [partition_name(month) for month in wanted]
         _logger.warning("audit partitions %s not created: the event table is busy; the next run tries again", busy)

@@ -437,11 +437,22 @@ def test_postgresql_refuses_truncate_of_the_audit_tables(chained, table):
 
 
 @pytest.mark.postgres
-def test_postgresql_lets_the_redact_mode_change_only_identifying_fields(chained):
+@pytest.mark.parametrize(
+    ("mode", "change"),
+    [
+        ("redact", "outcome = 'denied'"),  # it changes only identifying fields
+        # The seal mode writes an event's seal and chain value, nothing else: not the actor a
+        # reading of the log filtered by either (audit migration 0014's column, audit/0015).
+        ("seal", "seal = 1, actor_filter = 'u1'"),
+    ],
+)
+def test_postgresql_lets_a_maintenance_mode_change_only_its_own_fields(chained, mode, change):
     victim = sealed_ids(chained)[0]
+    before = AuditEvent.objects.filter(pk=victim).values().get()
     with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute("SELECT set_config('zeromem.audit_mode', 'redact', true)")
-        cursor.execute(f"UPDATE {TABLE} SET outcome = 'denied' WHERE id = %s", [victim])
+        cursor.execute("SELECT set_config('zeromem.audit_mode', %s, true)", [mode])
+        cursor.execute(f"UPDATE {TABLE} SET {change} WHERE id = %s", [victim])
+    assert AuditEvent.objects.filter(pk=victim).values().get() == before
 
 
 # --- redaction ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
+from django.db.migrations.loader import MigrationLoader
 from django.utils import timezone
 
 from audit import partitions
@@ -309,3 +310,71 @@ def test_a_retention_longer_than_dates_reach_keeps_that_chain_and_purges_the_oth
     assert exists("audit_auditevent_p2031_01")  # A's January is kept, so the month stays
     assert done["part-b"] >= 3 and not AuditEvent.objects.filter(pk__in=ids["b_jan"]).exists()
     assert audit_verify(tenant_id=a.pk).ok and audit_verify(tenant_id=b.pk).ok
+
+
+def _actor_filter_indexes() -> tuple[bool | None, set[str]]:
+    """(whether the parent's index is valid — None: no such index, the tables whose
+    partition index is attached to it)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass('audit_tenant_actor_filter')")
+        row = cursor.fetchone()
+        cursor.execute(
+            "SELECT ix.indrelid::regclass::text FROM pg_inherits x JOIN pg_index ix ON ix.indexrelid = x.inhrelid "
+            "WHERE x.inhparent = to_regclass('audit_tenant_actor_filter')"
+        )
+        return (row[0] if row else None), {name for (name,) in cursor.fetchall()}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_building_the_actor_filter_index_behind_a_long_transaction_never_queues_every_tenants_events():
+    """audit/0014's index (tenant, actor_filter). A plain CREATE INDEX on the parent takes
+    SHARE on every partition: waiting behind one long transaction that wrote the log, it
+    would queue every other tenant's audit INSERT — every request — until that transaction
+    ends, then hold them for the build. Built ON ONLY the parent (its lock asked with a short
+    lock_timeout), each partition's CONCURRENTLY and attached, inserts go on; in the end the
+    index is valid on every partition."""
+    loader = MigrationLoader(connection)
+    node = ("audit", "0014_audit_actor_filter")
+    add_column, build = loader.get_migration(*node).operations
+    before = loader.project_state(node, at_end=False)
+    with_column = before.clone()
+    add_column.state_forwards("audit", with_column)
+    after = with_column.clone()
+    build.state_forwards("audit", after)
+    a, b = make_tenant("index-long"), make_tenant("index-other")
+    with connection.cursor() as cursor:
+        cursor.execute("DROP INDEX audit_tenant_actor_filter")  # as before the migration
+    holding, release, failures = threading.Event(), threading.Event(), []
+
+    def long_transaction():
+        with transaction.atomic():
+            audit_record(tenant=a, actor=AGENT, action="memory.read", outcome="ok")
+            holding.set()
+            release.wait(30)
+
+    def migrate():
+        with connection.schema_editor(atomic=False) as editor:
+            build.database_forwards("audit", editor, with_column, after)
+
+    holder = start_thread(long_transaction, failures, done=holding)
+    try:
+        assert holding.wait(20)
+        job = start_thread(migrate, failures)
+        wait_for_a_lock_waiter("the index build", alive=job.is_alive)  # it waits behind the transaction now
+        started = time.monotonic()
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '5s'")  # the test never hangs
+                audit_record(tenant=b, actor=AGENT, action="memory.read", outcome="ok")  # another tenant's request
+        except DatabaseError:
+            pass
+        waited = time.monotonic() - started
+        assert waited < 3, f"another tenant's audit INSERT waited {waited:.1f} s behind the index build"
+    finally:
+        release.set()
+        holder.join(30)
+    job.join(60)
+    assert not failures, failures
+    valid, indexed = _actor_filter_indexes()
+    assert valid is True
+    assert indexed == {p.name for p in partitions.partitions()}

@@ -2,6 +2,7 @@
 the dashboard-stats schedule, recomputed only for tenants with activity since, and shown
 with their time."""
 
+import importlib
 from datetime import timedelta
 
 import pytest
@@ -94,3 +95,32 @@ def test_expiring_soon_reads_the_tenants_own_range_of_expiring_memories(transact
             cursor.execute("EXPLAIN " + sql)
             explained = "\n".join(line for (line,) in cursor.fetchall())
         assert "memory_tenant_expiring" in explained, explained
+
+
+def _index_valid(name):
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s", [name]
+        )
+        row = cursor.fetchone()
+    return row[0] if row else None
+
+
+@pytest.mark.postgres
+def test_rerunning_the_tenant_expiring_migration_rebuilds_an_index_an_interrupted_run_left_invalid(
+    transactional_db,
+):
+    """CREATE INDEX CONCURRENTLY interrupted (a lock or statement timeout, a killed deploy)
+    leaves the index INVALID: the planner never uses it, every write still maintains it. The
+    migration run again must build it, not skip it as existing (IF NOT EXISTS)."""
+    migration = importlib.import_module("memories.migrations.0021_memory_tenant_expiring")
+    with connection.cursor() as cursor:  # as an interrupted build leaves it
+        cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'memory_tenant_expiring'::regclass")
+    assert _index_valid("memory_tenant_expiring") is False
+    try:
+        with connection.schema_editor(atomic=False) as editor:
+            migration.forward(None, editor)
+        assert _index_valid("memory_tenant_expiring") is True
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("REINDEX INDEX memory_tenant_expiring")  # valid again for the next tests

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
+from django.db import transaction
 from django.utils import timezone
 
 from audit import limits
@@ -19,7 +20,7 @@ from memories.services import idempotency
 from memories.services.idempotency import idempotency_purge
 from memories.tasks import idempotency_purge_task
 from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant
-from tests.helpers import rest_error
+from tests.helpers import rest_error, start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.errors import Conflict
 from zeromem.schedules import SCHEDULES
 
@@ -183,6 +184,69 @@ def test_a_forget_keeps_a_running_requests_claim_but_not_its_answer(tenant_a, se
     assert isinstance(again, int) and again != running  # a new claim: the retry does the work
     idempotency.complete(again, status=200, body=b'{"value": "new"}', headers={})
     assert bytes(IdempotencyRecord.objects.get(pk=again).body) == b'{"value": "new"}'  # kept as usual
+
+
+def _hold(work, failures):
+    """``work()`` in a transaction of its own thread, kept open until the returned event is
+    set: (thread, done, release)."""
+    done, release = threading.Event(), threading.Event()
+
+    def run():
+        with transaction.atomic():
+            work()
+            done.set()
+            release.wait(30)
+
+    return start_thread(run, failures, done=done), done, release
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", ["forget", "complete"])
+def test_a_claim_completing_while_a_forget_completes_keeps_no_answer_in_either_order(first, settings):
+    """The forget's mark and delete (in its completing transaction) and the request's
+    complete() race on one row: whichever commits first, no answer of a request that ran
+    alongside the forget is left to replay, and the retry then runs afresh."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    tenant = make_tenant("idem-race")
+    api_key, _ = make_key(tenant)
+    running = idempotency.claim(tenant=tenant, api_key=api_key, key="k-race", fingerprint="f")
+    forget = lambda: idempotency.tenant_forget(tenant=tenant)  # noqa: E731
+    answer = lambda: idempotency.complete(running, status=200, body=b'{"v": "CANARY"}', headers={})  # noqa: E731
+    holding, other = (forget, answer) if first == "forget" else (answer, forget)
+    failures = []
+    thread, done, release = _hold(holding, failures)
+    try:
+        assert done.wait(20)
+        second = start_thread(other, failures)
+        wait_for_a_lock_waiter("the second writer", alive=second.is_alive)  # it waits for the row
+    finally:
+        release.set()
+        thread.join(30)
+    second.join(30)
+    assert not failures, failures
+    assert not IdempotencyRecord.objects.filter(tenant=tenant).exists()
+    again = idempotency.claim(tenant=tenant, api_key=api_key, key="k-race", fingerprint="f")
+    assert isinstance(again, int)  # a new claim: the retry does the work, nothing replayed
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_marked_claim_whose_worker_died_is_given_up_after_its_lease(settings):
+    """A claim the forget marked whose process died never completes: after the lease a retry
+    claims afresh, and its answer is kept as usual (a later retry replays it)."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    tenant = make_tenant("idem-dead")
+    api_key, _ = make_key(tenant)
+    dead = idempotency.claim(tenant=tenant, api_key=api_key, key="k-dead", fingerprint="f")
+    idempotency.tenant_forget(tenant=tenant)
+    past = timezone.now() - timedelta(seconds=settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+    IdempotencyRecord.objects.filter(pk=dead).update(created_at=past)
+    retry = idempotency.claim(tenant=tenant, api_key=api_key, key="k-dead", fingerprint="f")
+    assert isinstance(retry, int) and retry != dead
+    idempotency.complete(retry, status=200, body=b'{"v": "new"}', headers={})
+    replayed = idempotency.claim(tenant=tenant, api_key=api_key, key="k-dead", fingerprint="f")
+    assert isinstance(replayed, IdempotencyRecord) and bytes(replayed.body) == b'{"v": "new"}'
 
 
 @pytest.mark.postgres

@@ -34,6 +34,7 @@ from datetime import UTC, datetime, timedelta
 from django.db import migrations
 
 from audit import partitions
+from zeromem.kernel.pgindexes import drop_if_invalid
 
 TABLE = "audit_auditevent"
 LEGACY = "audit_auditevent_legacy"
@@ -83,13 +84,7 @@ def forward(apps, schema_editor):
             boundary = max(_boundary(now), partitions.add_months(partitions.month_start(newest), 1))
         # 1 and 2: outside any transaction, inserts continue. An index left invalid by an
         # interrupted earlier run is built again.
-        cursor.execute(
-            "SELECT NOT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
-            [ID_KEY],
-        )
-        row = cursor.fetchone()
-        if row and row[0]:
-            cursor.execute(f"DROP INDEX CONCURRENTLY {ID_KEY}")
+        drop_if_invalid(cursor, ID_KEY)
         cursor.execute(f"CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {ID_KEY} ON {TABLE} (id, occurred_at)")
         cursor.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS audit_auditevent_legacy_bound")
         cursor.execute(

@@ -4,10 +4,13 @@ dashboard's "expiring within 24 h" of one tenant, which read the tenant-less
 memory of the tenant (count). ``memory_expiring`` stays: the TTL purge's range is over all
 tenants and could only scan the new index whole.
 
-Built ``CONCURRENTLY`` on PostgreSQL (this migration is not atomic), so writes go on.
+Built ``CONCURRENTLY`` on PostgreSQL (this migration is not atomic), so writes go on; an
+index a run interrupted mid-build left invalid is dropped and built again.
 """
 
 from django.db import migrations, models
+
+from zeromem.kernel.pgindexes import drop_if_invalid
 
 CREATE = (
     "CREATE INDEX {concurrently} IF NOT EXISTS memory_tenant_expiring ON memories_memory "
@@ -17,6 +20,9 @@ CREATE = (
 
 def forward(apps, schema_editor):
     postgresql = schema_editor.connection.vendor == "postgresql"
+    if postgresql:  # a run interrupted mid-build left the index invalid: built again
+        with schema_editor.connection.cursor() as cursor:
+            drop_if_invalid(cursor, "memory_tenant_expiring")
     schema_editor.execute(CREATE.format(concurrently="CONCURRENTLY" if postgresql else ""))
 
 
