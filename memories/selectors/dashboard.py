@@ -38,13 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 
-from django.db import connection, transaction
+from django.db import connections, transaction
 from django.db.models import Count, Q, Sum, TextField
 from django.db.models.functions import Cast, Length
 from django.utils import timezone
 
 from audit import daily
 from memories.models import ForgetRequest, Memory, Tenant, TenantDashboardStats, TokenUsageDay
+from zeromem.kernel.replica import reads_go_to
 
 DAYS = 14
 CHARS_PER_TOKEN = 4
@@ -141,11 +142,12 @@ def expiring_soon(*, tenant: Tenant, now) -> tuple[int, list[tuple[int, str, dat
     each, without parallel workers (their start-up, ~5 ms, is most of a count of a few
     hundred index entries; the planner's overestimate asked for them)."""
     until = now + timedelta(hours=24)
-    if connection.vendor != "postgresql":
+    db = connections[reads_go_to()]  # the replica, under replica_reads() (the admin page)
+    if db.vendor != "postgresql":
         soon = Memory.objects.for_tenant(tenant).live(now).filter(expires_at__isnull=False, expires_at__lte=until)
         return soon.count(), list(soon.order_by("expires_at").values_list("pk", "key", "expires_at")[:10])
     params = [tenant.pk, now, tenant.pk, until]
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(using=db.alias), db.cursor() as cursor:
         cursor.execute("SELECT set_config('max_parallel_workers_per_gather', '0', true)")
         cursor.execute(f"SELECT COUNT(*) {_EXPIRING_SQL}", params)  # nosec B608: constant SQL
         count = cursor.fetchone()[0]
