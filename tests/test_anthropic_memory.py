@@ -368,3 +368,69 @@ def test_a_directory_past_the_listing_cap_is_refused_whole_not_half_done(api, te
     assert sorted(live.values_list("key", flat=True)) == [f"claude:memories:big:f{i}.md" for i in range(4)]
     monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 4)
     assert api.post(URL, command).json()["is_error"] is False  # at the cap: done whole
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (
+            {"command": "create", "path": "/memories/a.md", "file_text": "file"},
+            {"command": "create", "path": "/memories/a.md/b.md", "file_text": "under it"},
+        ),
+        (
+            {"command": "rename", "old_path": "/memories/x.md", "new_path": "/memories/a.md"},
+            {"command": "create", "path": "/memories/a.md/b.md", "file_text": "under it"},
+        ),
+    ],
+)
+def test_concurrent_commands_never_leave_a_path_both_a_file_and_a_directory(
+    transactional_db, monkeypatch, first, second
+):
+    """Two connections: each command, once its checks pass, waits (up to 3 s) for the other
+    to pass its own before writing. Unlocked, both passed (no file yet at /memories/a.md, nothing
+    under it yet) and both wrote; with the tree lock the second waits for the first's commit,
+    then sees the file."""
+    import threading
+
+    from django.db import connection
+
+    from tests.factories import SYSTEM
+
+    tenant = make_tenant("race-tree")
+    claude_memory.memory_tool_run(
+        tenant=tenant, actor=SYSTEM, command={"command": "create", "path": "/memories/x.md", "file_text": "x"}
+    )
+    both_checked = threading.Barrier(2, timeout=3)
+    write = claude_memory.MemoryTool._write
+
+    def write_after_the_other_checked(self, key, text):
+        try:
+            both_checked.wait()
+        except threading.BrokenBarrierError:
+            pass  # the other is waiting for this one's lock
+        return write(self, key, text)
+
+    monkeypatch.setattr(claude_memory.MemoryTool, "_write", write_after_the_other_checked)
+    outcomes = {}
+
+    def run(name, command):
+        try:
+            outcomes[name] = claude_memory.memory_tool_run(tenant=tenant, actor=SYSTEM, command=command)
+        except claude_memory.MemoryToolError as exc:
+            outcomes[name] = exc
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("first", first), ("second", second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    keys = set(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", flat=True))
+    file, under = "claude:memories:a.md", "claude:memories:a.md:b.md"
+    assert not (file in keys and under in keys), (keys, outcomes)
+    refused = [o for o in outcomes.values() if isinstance(o, claude_memory.MemoryToolError)]
+    assert len(refused) == 1, outcomes  # one ran, the other was refused as a file system would
+    assert "Not a directory" in str(refused[0]) or "already exists" in str(refused[0]), refused

@@ -6,7 +6,7 @@ import importlib
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -72,14 +72,20 @@ def test_a_completed_forget_request_drops_the_stored_figures_that_may_name_the_s
 @pytest.mark.postgres
 def test_expiring_soon_reads_the_tenants_own_range_of_expiring_memories(transactional_db):
     """Another tenant's many short-lived memories (expiring before this tenant's) must not be
-    walked past for this tenant's first 10, nor the whole tenant scanned for the count.
-    (transactional_db: the 20,000 rows are truncated afterwards, not left as dead rows that
-    would tilt later tests' query plans, as a rollback would.)"""
+    walked past for this tenant's first 10, nor the whole tenant scanned for the count — even
+    when the tenant has many memories without a TTL, which made the planner overestimate the
+    count and scan all the tenant's rows (a parallel bitmap scan) or the tenant-less
+    memory_expiring. (transactional_db: the rows are truncated afterwards, not left as dead
+    rows that would tilt later tests' query plans, as a rollback would.)"""
     a, b = make_tenant("exp-a"), make_tenant("exp-b")
     for i in range(12):
         write(a, f"user:u{i}:lang", "en", ttl_seconds=20 * 3600 + i)
     write(a, "user:u1:forever", "x")
-    copy_memory(write(b, "cache:c:x", "b's", ttl_seconds=60), 20000, expires_step="1 second")
+    write(a, "user:u1:later", "x", ttl_seconds=25 * 3600)  # not within 24 h
+    write(a, "user:u1:binned", "x", ttl_seconds=3600)
+    services.memory_delete(tenant=a, actor=SYSTEM, key="user:u1:binned")  # in the trash: not live
+    copy_memory(write(a, "fact:f:x", "a's"), 30000)  # no TTL
+    copy_memory(write(b, "cache:c:x", "b's", ttl_seconds=60), 60000, expires_step="1 second")
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE memories_memory")
 
@@ -88,13 +94,28 @@ def test_expiring_soon_reads_the_tenants_own_range_of_expiring_memories(transact
 
     assert figures.expiring_count == 12
     assert [key for _, key, _ in figures.expiring] == [f"user:u{i}:lang" for i in range(10)]
-    expiring = [q["sql"] for q in queries if '"expires_at" <=' in q["sql"]]
+    assert tenant_dashboard(tenant=b).expiring_count == 60001
+    expiring = [q["sql"] for q in queries if "(tenant_id, expires_at) <=" in q["sql"]]
     assert len(expiring) == 2  # the count and the first 10
     for sql in expiring:
-        with connection.cursor() as cursor:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")  # as the selector
             cursor.execute("EXPLAIN " + sql)
             explained = "\n".join(line for (line,) in cursor.fetchall())
         assert "memory_tenant_expiring" in explained, explained
+        assert "memory_tenant_category" not in explained and "Seq Scan" not in explained, explained
+
+
+def test_expiring_soon_on_sqlite_counts_the_same(db):
+    """SQLite (the embedded default) keeps the ORM's query; the same figures."""
+    a, b = make_tenant("exp-sa"), make_tenant("exp-sb")
+    for i in range(3):
+        write(a, f"user:u{i}:lang", "en", ttl_seconds=3600 + i)
+    write(a, "user:u1:later", "x", ttl_seconds=25 * 3600)
+    write(b, "user:u1:lang", "en", ttl_seconds=60)
+    figures = tenant_dashboard(tenant=a)
+    assert figures.expiring_count == 3
+    assert [key for _, key, _ in figures.expiring] == ["user:u0:lang", "user:u1:lang", "user:u2:lang"]
 
 
 def _index_valid(name):

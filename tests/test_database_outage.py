@@ -6,13 +6,15 @@ by ``pg_terminate_backend`` (as after a restart). ``manage.py bench_load`` does 
 with a real ``pg_ctl -m immediate stop`` under load.
 """
 
+import asyncio
+import json
 import socket
 
 import psycopg
 import pytest
 from django.db import connection
 
-from tests.factories import KeyedClient
+from tests.factories import KeyedClient, make_key, make_tenant
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -97,3 +99,69 @@ def test_pooled_connections_killed_by_a_database_restart_cost_no_request_an_erro
         status, body = api.call("memory_read", key="fact:restart")
         assert (status, body["status"], body["value"]) == (200, "ok", "kept")
         connection.close()
+
+
+async def _mcp_post(endpoint, raw_key: str, body: dict) -> tuple[int, dict, dict]:
+    """One POST /mcp through the endpoint's ASGI app in this process (its session manager
+    running, as under the router's lifespan): (status, headers, JSON body)."""
+    payload = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/mcp",
+        "raw_path": b"/mcp",
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"authorization", f"Bearer {raw_key}".encode()),
+            (b"content-type", b"application/json"),
+            (b"accept", b"application/json, text/event-stream"),
+            (b"x-request-id", b"outage-mcp-1"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+    }
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": payload, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    async with endpoint.session_manager.run():
+        await endpoint(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], headers, json.loads(body_bytes)
+
+
+def test_the_mcp_endpoint_answers_503_with_retry_after_when_the_key_cannot_be_checked(request, settings):
+    # The bearer key is real, but the database that would verify it (and charge its rate
+    # limit) is unreachable: not the SDK's 401 "invalid token", ZeroMem's 503 to retry.
+    from memories.mcp.server import McpEndpoint
+
+    settings.ALLOWED_HOSTS = ["127.0.0.1"]
+    _key, raw = make_key(make_tenant("outage-mcp"))
+    endpoint = McpEndpoint()
+    request.getfixturevalue("database_unreachable")
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    status, headers, body = asyncio.run(_mcp_post(endpoint, raw, ping))
+    assert status == 503, body
+    assert body == {
+        "error": {
+            "field": None,
+            "code": "database_unavailable",
+            "message": "the database is unavailable; retry shortly",
+        }
+    }
+    assert headers["retry-after"] == "2"
+    assert headers["x-request-id"].endswith(".outage-mcp-1")  # the request id, echoed
+    assert headers["content-type"] == "application/json"
+    assert "www-authenticate" not in headers  # not the SDK's refusal of the key

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from memories import selectors
@@ -38,6 +38,15 @@ from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
 
 DEFAULT_ROOT = "claude:memories"
+# Creating a file or renaming onto a path checks that no file stands where a directory is
+# needed and no directory where the file goes; two such commands at once (/memories/a.md and
+# /memories/a.md/b.md) could both pass, leaving a path both a file and a directory. Each takes
+# this transaction-level advisory lock on (tenant, root, the path's top-level name) first:
+# paths that can clash share that name, so they run one after the other, and the second
+# sees the first's file. Two ints, this namespace and hashtext(): a collision only makes
+# one command wait for an unrelated one.
+_TREE_LOCK_NAMESPACE = 0x5A54  # "ZT"
+
 ROOT_PATH = "/memories"
 MAX_LINES = 999999
 LINE_NUMBER_WIDTH = len(str(MAX_LINES))
@@ -262,8 +271,31 @@ class MemoryTool:
         lines.extend(f"{size}\t{path}/{name}" for size, name in items)
         return f"{header}\n" + "\n".join(lines)
 
+    def _tree_locked(self, place: Place, run):
+        """``run()`` in one transaction holding the lock on ``place``'s top-level name (see
+        ``_TREE_LOCK_NAMESPACE``). A refusal (:class:`MemoryToolError`) is raised after the
+        commit, so the reads that led to it keep their audit events."""
+        refused = None
+        with transaction.atomic():
+            if connection.vendor == "postgresql":  # SQLite: one writing transaction at a time
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                        [_TREE_LOCK_NAMESPACE, ":".join([str(self.tenant.pk), self.root, *place.names[:1]])],
+                    )
+            try:
+                result = run()
+            except MemoryToolError as exc:
+                refused = exc
+        if refused is not None:
+            raise refused
+        return result
+
     def create(self, path: str, file_text: str) -> str:
         place = self.place(path)
+        return self._tree_locked(place, lambda: self._create(place, path, file_text))
+
+    def _create(self, place: Place, path: str, file_text: str) -> str:
         if place.is_root or self._text(place) is not None or self._is_dir(place):
             raise MemoryToolError(f"File {path} already exists")
         depth = self._under_a_file(place)
@@ -339,6 +371,9 @@ class MemoryTool:
 
     def rename(self, old_path: str, new_path: str) -> str:
         old, new = self.place(old_path), self.place(new_path)
+        return self._tree_locked(new, lambda: self._rename(old, new, old_path, new_path))
+
+    def _rename(self, old: Place, new: Place, old_path: str, new_path: str) -> str:
         if old.is_root:
             raise MemoryToolError("Cannot rename the /memories directory itself")
         if new.is_root or self._text(new) is not None or self._is_dir(new):
