@@ -332,6 +332,11 @@ class MemoryVersion(models.Model):
     actor_kind = models.CharField(max_length=16)
     actor_id = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now)
+    # The end user the memory was about when this version was written (its ``subject`` then):
+    # a key rewritten for another end user keeps the earlier one's values in its history, and
+    # their forget request erases those versions too (memories/services/forget.py). Empty for
+    # versions written before migration 0023 (their subject was not recorded).
+    subject = models.CharField(max_length=255, blank=True, default="")
 
     class Meta:
         constraints = [
@@ -343,7 +348,11 @@ class MemoryVersion(models.Model):
         ]
         # The unique (memory, version) index serves history reads; tenant-wide erasure
         # (forget requests) uses this one.
-        indexes = [models.Index(fields=["tenant", "memory"], name="memoryversion_tenant")]
+        indexes = [
+            models.Index(fields=["tenant", "memory"], name="memoryversion_tenant"),
+            # A forget request's versions of its subject under keys now about someone else.
+            models.Index(fields=["tenant", "subject"], name="memoryversion_tenant_subject", condition=~Q(subject="")),
+        ]
 
     def __str__(self) -> str:
         return f"{self.memory_id} v{self.version} ({self.op})"

@@ -20,6 +20,7 @@ from memories.services import forget, jobs, subjects
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
 from tests.helpers import memory_rows, rest_error, start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import NotFound
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
 
@@ -139,6 +140,93 @@ def test_forget_by_subject_erases_memories_versions_trash_and_summaries(
     assert Memory.objects.filter(pk=other_summary.pk).exists()
     assert (memory_rows(tenant_a, subject="u2"), memory_rows(tenant_b)) == untouched
     assert MemoryVersion.objects.filter(memory__subject="u2").count() == versions_u2
+
+
+def test_forget_by_subject_erases_their_versions_of_a_key_since_rewritten_for_someone_else(
+    api, tenant_a, tenant_b, django_capture_on_commit_callbacks
+):
+    """A key the app rewrote for another end user keeps its memory (the value now is theirs);
+    the forgotten user's earlier values go from its history."""
+    write(tenant_a, "shared:other", "u3 only", subject="u3")
+    for tenant in (tenant_a, tenant_b):
+        write(tenant, "shared:profile", f"{CANARY} u1 v1", subject="u1")
+        write(tenant, "shared:profile", f"{CANARY} u1 v2", subject="u1")
+    made_before = summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)  # u1's v2 and u3's
+    assert CANARY in made_before.value
+    for tenant in (tenant_a, tenant_b):
+        write(tenant, "shared:profile", "u2 now", subject="u2")
+    made_after = summarize(tenant_a, "shared:pro", django_capture_on_commit_callbacks)  # u2's value
+    made_after_value = made_after.value
+    memory = Memory.objects.get(tenant=tenant_a, key="shared:profile")
+    assert list(MemoryVersion.objects.filter(memory=memory).order_by("version").values_list("subject", flat=True)) == [
+        "u1",
+        "u1",
+        "u2",
+    ]
+    b_versions = list(MemoryVersion.objects.filter(tenant=tenant_b).values_list("pk", "value"))
+
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "u1"})
+    done = get(api, r.json()["id"])
+
+    assert done["status"] == "completed"
+    assert (done["receipt"]["memories"], done["receipt"]["versions"]) == (0, 2 + 1)  # + the summary's
+    # The summary made while the profile was u1's goes (staff reach every summary: erased
+    # whole, as one made of a forgotten memory); the one made of u2's value stays.
+    assert done["receipt"]["summaries"] == 1 and not Memory.objects.filter(pk=made_before.pk).exists()
+    made_after.refresh_from_db()
+    assert made_after.value == made_after_value
+    memory.refresh_from_db()
+    assert (memory.value, memory.subject, memory.version) == ("u2 now", "u2", 3)
+    assert list(MemoryVersion.objects.filter(memory=memory).values_list("version", "value")) == [(3, "u2 now")]
+    history = api.get("/api/v1/memories/shared:profile/history")
+    assert history.status_code == 200, history.content
+    assert CANARY not in history.content.decode()
+    assert Memory.objects.filter(tenant=tenant_a, key="shared:other").exists()
+    assert list(MemoryVersion.objects.filter(tenant=tenant_b).values_list("pk", "value")) == b_versions
+    erased = AuditEvent.objects.filter(tenant=tenant_a, action="forget.erase", detail__forget_request=r.json()["id"])
+    assert [(e.detail["versions"], e.detail["summaries"]) for e in erased] == [(3, 1)]
+    # The erased version cannot be brought back by a restore of its number (support staff's).
+    with pytest.raises(NotFound):
+        services.memory_restore_version(tenant=tenant_a, actor=SYSTEM, memory_id=memory.pk, version=1)
+    assert MemoryVersion.objects.filter(memory=memory).count() == 1
+
+
+def test_an_end_users_forget_of_one_key_erases_their_versions_of_it_and_keeps_the_new_owners(
+    tenant_a, django_capture_on_commit_callbacks
+):
+    write(tenant_a, "user:u1:nick", f"{CANARY} nick", tags=["a"])  # subject u1 (from the key)
+    write(tenant_a, "user:u1:city", f"{CANARY} city")  # theirs, not asked for
+    write(tenant_a, "user:u2:addr", "u2 lives on Elm Street")
+    shared = summarize(tenant_a, "user:", django_capture_on_commit_callbacks)  # of everyone's, u1's nick too
+    assert shared.subject == "" and f"{CANARY} nick" in shared.value
+    end_user = Actor(kind=ActorKind.END_USER, id="u1", scopes=frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE}))
+    with django_capture_on_commit_callbacks(execute=False):
+        request = subjects.subject_forget(tenant=tenant_a, actor=end_user, subject="u1", key="user:u1:nick")
+    # Before the job runs, the app gives both keys to another end user.
+    write(tenant_a, "user:u1:nick", "u7 took it", subject="u7")
+    write(tenant_a, "user:u1:city", "u7 city", subject="u7")
+    later = summarize(tenant_a, "user:u1:", django_capture_on_commit_callbacks)  # made of u7's values
+    later_value = later.value
+    assert "u7 took it" in later_value and CANARY not in later_value
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+
+    assert request.status == "completed"
+    assert (request.receipt["memories"], request.receipt["versions"]) == (0, 1)
+    # The summary made while the nick was u1's is rebuilt without it (it is of other people
+    # too); the one made of u7's values stays as it was.
+    assert request.receipt["summaries_rebuilt"] == ["summary:user"]
+    shared.refresh_from_db()
+    assert f"{CANARY} nick" not in str(shared.value) and "user:u1:nick" not in shared.sources
+    assert "u2 lives on Elm Street" in shared.value
+    later.refresh_from_db()
+    assert later.value == later_value
+    nick = Memory.objects.get(tenant=tenant_a, key="user:u1:nick")
+    assert (nick.value, nick.subject) == ("u7 took it", "u7")
+    assert list(MemoryVersion.objects.filter(memory=nick).values_list("value", flat=True)) == ["u7 took it"]
+    # Only the key asked for: their versions under another key stay.
+    city = Memory.objects.get(tenant=tenant_a, key="user:u1:city")
+    assert MemoryVersion.objects.filter(memory=city, subject="u1").count() == 1
 
 
 def test_forget_by_prefix_follows_lineage_to_summaries_without_the_subject(
@@ -768,6 +856,9 @@ def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
     summary = summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)  # a job, a django-q2 task row
     assert summary.sources and CANARY in str(summary.value)
     write(tenant_a, "user:u10:diary", "not the canary")  # another subject stays
+    # A key the app wrote for u9 and then handed to u10: u10's value stays, u9's history goes.
+    write(tenant_a, "shared:draft", f"{CANARY} draft", subject="u9")
+    write(tenant_a, "shared:draft", "handed over", subject="u10")
     # Support staff changed the memory in the admin, and the change message quoted it.
     staff = get_user_model().objects.create_user("support", password="x" * 12)
     diary = Memory.objects.get(key="user:u9:diary")
@@ -830,7 +921,7 @@ def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
     assert tables_holding(END_USER_IP) == {}
     assert not AuditEvent.objects.filter(actor_kind="end_user", actor_id=subjects.end_user_actor_id("u9")).exists()
     assert CANARY not in str(done)
-    assert memory_rows(tenant_a) == [("user:u10:diary", 1, None)]
+    assert memory_rows(tenant_a) == [("shared:draft", 2, None), ("user:u10:diary", 1, None)]
 
 
 # --- benchmark ----------------------------------------------------------------------------

@@ -477,7 +477,11 @@ def _summaries_derived_from(tenant_id: int, keys: list[str]) -> QuerySet[Memory]
 
 def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | None = None) -> bool:
     """Erase one batch; False when nothing was left (or the request is no longer running).
-    ``wal_compression``: set locally for the batch (retention.wal_compression_for_erasure)."""
+    ``wal_compression``: set locally for the batch (retention.wal_compression_for_erasure).
+
+    First the target's memories, a batch at a time; once none is left, the subject's own
+    earlier values in the history of keys since rewritten for someone else
+    (:func:`_versions_left`), with the summaries made from them while they were current."""
     with transaction.atomic():
         set_local_wal_compression(wal_compression)
         request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
@@ -489,42 +493,38 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
         # the wait, that summary outlived its erased sources.
         targets = _target_memories(request).order_by("pk").select_for_update()
         rows = list(targets.values_list("pk", "key", "category")[:batch_size])
-        if not rows:
-            return False
-        ids = {pk for pk, _, _ in rows}
-        summary_ids = {pk for pk, _, category in rows if category == Memory.Category.SUMMARY}
-        erased_keys = {key for _, key, _ in rows}
+        version_ids: list[int] = []
+        made_from_theirs = None
+        if rows:
+            ids = {pk for pk, _, _ in rows}
+            summary_ids = {pk for pk, _, category in rows if category == Memory.Category.SUMMARY}
+            erased_keys = {key for _, key, _ in rows}
+        else:
+            left = _versions_left(request)
+            picked = list(left.order_by("pk").values_list("pk", "memory_id")[:batch_size]) if left is not None else []
+            if not picked:
+                return False
+            # Their memories locked (in id order, as everywhere): a restore of one of these
+            # versions holds its memory's lock while it copies the version, so it commits
+            # first (its new version is someone else's then) or finds the version gone.
+            held = dict(
+                Memory.objects.filter(tenant_id=request.tenant_id, pk__in=sorted({m for _, m in picked}))
+                .order_by("pk")
+                .select_for_update()
+                .values_list("key", "pk")
+            )
+            version_ids = [pk for pk, _ in picked]
+            ids, summary_ids, erased_keys = set(), set(), set(held)
+            made_from_theirs = partial(_made_from_their_values, subject=_own_subject(request), held=held)
         rebuilt: dict[str, Any] = {}  # key -> its new text, for summaries made from it
-        frontier = sorted(erased_keys)
-        for _level in range(LINEAGE_DEPTH_MAX):
-            derived: list[Memory] = []
-            for start in range(0, len(frontier), ERASE_BATCH_SIZE):
-                chunk = frontier[start : start + ERASE_BATCH_SIZE]
-                # Locked (in id order, after their sources, as a summarize job locks them): a
-                # write to a summary committing meanwhile comes first, and the rebuild below
-                # starts from its row and version — read unlocked, it wrote over that write
-                # under the version the write was acknowledged with.
-                derived += _summaries_derived_from(request.tenant_id, chunk).order_by("pk").select_for_update()
-            # Once each (a summary may come from several chunks), and not one already done.
-            derived = [m for m in {m.pk: m for m in derived}.values() if m.pk not in ids and m.key not in rebuilt]
-            if not derived:
-                break
-            for summary in derived:
-                if _in_reach(request.reach, key=summary.key, subject=summary.subject):
-                    ids.add(summary.pk)
-                    summary_ids.add(summary.pk)
-                    erased_keys.add(summary.key)
-                    continue
-                # Outside the requester's reach (it holds other people's memories too):
-                # rebuilt without the forgotten sources, never erased whole.
-                text = _summary_rebuild(request, summary, erased=erased_keys, rebuilt=rebuilt, erasing=ids)
-                if text is None:  # nothing but forgotten sources: nothing else is lost
-                    ids.add(summary.pk)
-                    summary_ids.add(summary.pk)
-                    erased_keys.add(summary.key)
-                else:
-                    rebuilt[summary.key] = text
-            frontier = sorted({m.key for m in derived})
+        _follow_lineage(
+            request,
+            ids=ids,
+            summary_ids=summary_ids,
+            erased_keys=erased_keys,
+            rebuilt=rebuilt,
+            first_level=made_from_theirs,
+        )
 
         # Every memory erased here locked before its rows go (the targets already are; this
         # adds the derived summaries): a write or the embedding job holding one finishes
@@ -536,6 +536,11 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
         list(locked.values_list("pk", flat=True))
         # Versions and embeddings go with their memory (on_delete=CASCADE, a DELETE each).
         _total, per_model = Memory.objects.filter(tenant_id=request.tenant_id, pk__in=ids).only("pk").delete()
+        versions_left, _ = (
+            MemoryVersion.objects.filter(tenant_id=request.tenant_id, pk__in=version_ids).delete()
+            if version_ids
+            else (0, {})
+        )
         # Admin history of these memories names them (object_repr is the key) and may
         # describe the change: it goes too.
         admin_log_entries, _ = LogEntry.objects.filter(
@@ -543,7 +548,7 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
         ).delete()
         counts = {
             "memories": len(ids) - len(summary_ids),
-            "versions": per_model.get("memories.MemoryVersion", 0),
+            "versions": per_model.get("memories.MemoryVersion", 0) + versions_left,
             "summaries": len(summary_ids),
             "admin_log_entries": admin_log_entries,
             "batches": 1,
@@ -559,10 +564,102 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
             actor=Actor.system(job=FORGET_JOB),
             action="forget.erase",
             outcome=Outcome.OK,
-            count=len(ids),
+            count=len(ids) + versions_left,
             detail={"forget_request": request_id, **counts, "summaries_rebuilt": len(rebuilt)},
         )
         return True
+
+
+def _follow_lineage(
+    request: ForgetRequest,
+    *,
+    ids: set[int],
+    summary_ids: set[int],
+    erased_keys: set[str],
+    rebuilt: dict[str, Any],
+    first_level=None,
+) -> None:
+    """Down the lineage of ``erased_keys``: each summary made from them is erased (added to
+    ``ids``/``summary_ids``) when the requester may reach it or nothing else is left of it,
+    else rebuilt without them (``rebuilt``); then the summaries made from those, and so on.
+    ``first_level``, when given, picks which of the summaries made directly from
+    ``erased_keys`` hold what is forgotten."""
+    frontier = sorted(erased_keys)
+    for level in range(LINEAGE_DEPTH_MAX):
+        derived: list[Memory] = []
+        for start in range(0, len(frontier), ERASE_BATCH_SIZE):
+            chunk = frontier[start : start + ERASE_BATCH_SIZE]
+            # Locked (in id order, after their sources, as a summarize job locks them): a
+            # write to a summary committing meanwhile comes first, and the rebuild below
+            # starts from its row and version — read unlocked, it wrote over that write
+            # under the version the write was acknowledged with.
+            derived += _summaries_derived_from(request.tenant_id, chunk).order_by("pk").select_for_update()
+        # Once each (a summary may come from several chunks), and not one already done.
+        derived = [m for m in {m.pk: m for m in derived}.values() if m.pk not in ids and m.key not in rebuilt]
+        if level == 0 and first_level is not None:
+            derived = [m for m in derived if first_level(m)]
+        if not derived:
+            break
+        for summary in derived:
+            if _in_reach(request.reach, key=summary.key, subject=summary.subject):
+                ids.add(summary.pk)
+                summary_ids.add(summary.pk)
+                erased_keys.add(summary.key)
+                continue
+            # Outside the requester's reach (it holds other people's memories too):
+            # rebuilt without the forgotten sources, never erased whole.
+            text = _summary_rebuild(request, summary, erased=erased_keys, rebuilt=rebuilt, erasing=ids)
+            if text is None:  # nothing but forgotten sources: nothing else is lost
+                ids.add(summary.pk)
+                summary_ids.add(summary.pk)
+                erased_keys.add(summary.key)
+            else:
+                rebuilt[summary.key] = text
+        frontier = sorted({m.key for m in derived})
+
+
+def _versions_left(request: ForgetRequest) -> QuerySet[MemoryVersion] | None:
+    """The requester's own earlier values under keys their request leaves: versions written
+    while the memory was about the request's subject (``MemoryVersion.subject``) of memories
+    since rewritten for another end user. Their memories stay (the current value is someone
+    else's); these versions go. None when the request names no subject."""
+    subject = _own_subject(request)
+    if not subject:
+        return None
+    qs = MemoryVersion.objects.filter(tenant_id=request.tenant_id, subject=subject)  # memoryversion_tenant_subject
+    if not request.subject:
+        # An end user's request for a prefix or keys: their versions under those keys only.
+        keys = Memory.objects.filter(tenant_id=request.tenant_id)
+        keys = keys.filter(startswith_q("key", request.prefix)) if request.prefix else keys.filter(key__in=request.keys)
+        qs = qs.filter(memory_id__in=keys.values("pk"))
+    return qs
+
+
+def _own_subject(request: ForgetRequest) -> str:
+    """The end user whose values the request erases: its subject, or the end user who filed
+    it for a prefix or keys (``reach``); empty for a request by keys or prefix alone."""
+    return request.subject or request.reach.get("subject", "")
+
+
+def _made_from_their_values(summary: Memory, *, subject: str, held: dict[str, int]) -> bool:
+    """Whether ``summary`` was last written while one of its sources in ``held`` (key →
+    memory id) held ``subject``'s value: the source's latest version written at or before the
+    summary's last write is theirs (or is gone: erased by an earlier batch). A summary made
+    after the key went to someone else holds their value, not the forgotten one's.
+    Cost: one indexed SELECT per such source."""
+    for key in summary.sources:
+        memory_id = held.get(key)
+        if memory_id is None:
+            continue
+        then = (
+            MemoryVersion.objects.filter(memory_id=memory_id, created_at__lte=summary.updated_at)
+            .order_by("-version")
+            .values_list("subject", flat=True)
+            .first()
+        )
+        if then is None or then == subject:
+            return True
+    return False
 
 
 def _summary_rebuild(
@@ -624,6 +721,7 @@ def _summary_rebuild(
         actor_kind=actor.kind,
         actor_id=actor.id,
         created_at=now,
+        subject=summary.subject,
     )
     return text
 

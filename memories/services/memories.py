@@ -88,6 +88,7 @@ def _record_version(memory: Memory, op: str, actor: Actor, now) -> None:
             actor_kind=actor.kind,
             actor_id=actor.id,
             created_at=now,
+            subject=memory.subject,
         )
     )
 
