@@ -414,6 +414,41 @@ def test_a_tools_call_the_sdk_refuses_for_its_params_is_charged_once_too(server_
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+def test_requests_the_sdk_refuses_before_any_handler_are_charged_too(server_limited):
+    # Malformed JSON, a body that is no JSON-RPC message, a wrong Accept or Content-Type: the
+    # SDK answers them itself (400/406) after the key was verified, and they looped free.
+    tenant = make_tenant("mcp-refused")
+    _key, raw = make_key(tenant)
+    auth = {"Authorization": f"Bearer {raw}"}
+    both = "application/json, text/event-stream"
+    _wait_for_a_minutes_start()
+    refused = [
+        httpx2.post(
+            server_limited, content=b"{not json", headers={**auth, "Accept": both, "Content-Type": "application/json"}
+        ),
+        httpx2.post(server_limited, json={"hello": 1}, headers={**auth, "Accept": both}),
+        httpx2.post(
+            server_limited, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers={**auth, "Accept": "text/html"}
+        ),
+        httpx2.post(server_limited, content=b"x", headers={**auth, "Accept": both, "Content-Type": "text/plain"}),
+    ]
+    assert [r.status_code for r in refused] == [400, 400, 406, 400], [r.text for r in refused]
+    assert all(r.headers.get("x-request-id") for r in refused)
+    assert _rate_limited(_rpc(server_limited, raw, "tools/list"))  # the four used the minute
+    again = httpx2.post(
+        server_limited, content=b"{not json", headers={**auth, "Accept": both, "Content-Type": "application/json"}
+    )
+    assert _rate_limited(again), again.text
+    # A charged request is charged once: a refused tools/call's params (-32602) is one unit.
+    _key, other = make_key(tenant)
+    for _ in range(3):
+        assert _rpc(server_limited, other, "tools/call", {}).json()["error"]["code"] == -32602
+    assert _rpc(server_limited, other, "ping").status_code == 200
+    assert _rate_limited(_rpc(server_limited, other, "ping"))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_failed_authentications_past_the_limit_are_throttled_429(server):
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     headers = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer zm_nothere_" + "y" * 40}

@@ -93,6 +93,7 @@ class _Request:
     unavailable: bool = False  # the database could not be asked about the key
     rate_limited: int | None = None  # Retry-After, when the key was over its rate limit
     key: ApiKey | None = None  # the verified key
+    charged: bool = False  # a unit of the key's rate limit was taken for this HTTP request
 
 
 _current: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("zeromem_mcp_request", default=None)
@@ -300,13 +301,15 @@ class RateLimit:
         key, actor = _caller(ctx)
         if key is None:
             return
+        request = (ctx.request.scope.get("zeromem") or {}).get("request")
+        if request is not None:
+            request.charged = True
         try:
             retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target=ctx.method))
         except DatabaseError:
             raise MCPError(code=INTERNAL_ERROR, message="the database is unavailable; retry shortly") from None
         if retry_after is None:
             return
-        request = (ctx.request.scope.get("zeromem") or {}).get("request")
         if request is not None:
             request.rate_limited = retry_after
         raise MCPError(code=RATE_LIMITED, message="Request was throttled.", data={"retry_after": retry_after})
@@ -437,8 +440,12 @@ class McpEndpoint:
                 if request.rate_limited is not None:  # RateLimit refused the message
                     replaced = True
                     return await _rate_limited(send, request.rate_limited, request.request_id)
-                if message["status"] == 202 and request.key is not None:
-                    refused = await self.charge_notification(send, request)
+                if request.key is not None and not request.charged and message["status"] in (202, 400, 406, 413):
+                    # A notification (202), or a message the SDK refused itself before any
+                    # handler (400 malformed JSON, JSON-RPC or Content-Type, 406 Accept, 413):
+                    # a verified request like any other, charged here.
+                    target = "notification" if message["status"] == 202 else "refused"
+                    refused = await self.charge_notification(send, request, target=target)
                     if refused:
                         replaced = True
                         return None
@@ -456,15 +463,17 @@ class McpEndpoint:
             _current.reset(token)
 
     @staticmethod
-    async def charge_notification(send, request: _Request) -> bool:
-        """A notification (or a client's response) the transport is about to accept ``202``:
-        one unit of the key's rate limit (``mcp.request``), as every other message. Over the
-        limit, or without a database to count it, the answer sent here instead (429 with
-        Retry-After; 503), and True."""
+    async def charge_notification(send, request: _Request, *, target: str = "notification") -> bool:
+        """A notification (or a client's response) the transport is about to accept ``202``,
+        or a message it is about to refuse itself (``target`` "refused"): one unit of the
+        key's rate limit (``mcp.request``), as every other message. Over the limit, or without
+        a database to count it, the answer sent here instead (429 with Retry-After; 503), and
+        True."""
         key = request.key
+        request.charged = True
         actor = api_keys.key_actor(key, surface=SURFACE, request_id=request.request_id, client_ip=request.client_ip)
         try:
-            retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target="notification"))
+            retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target=target))
         except DatabaseError:
             await _unavailable(send, request.request_id)
             return True
