@@ -7,17 +7,14 @@ never look the tenant up themselves.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from django.conf import settings
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from rest_framework.throttling import BaseThrottle
 
-from audit import limits
 from audit.services import AuthThrottled
 from memories.models import ApiKey, Tenant
 from memories.services import api_keys
@@ -111,9 +108,9 @@ class ApiKeyRateThrottle(BaseThrottle):
         if not isinstance(principal, KeyPrincipal):
             return True
         cost = view.rate_cost(request) if hasattr(view, "rate_cost") else 1
-        hit = limits.hit(f"key:{principal.api_key.pk}", cost=cost, now=time.time())
-        self._wait = hit.retry_after
-        return hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE
+        wait = api_keys.rate_limit_take(principal.api_key, cost=cost)
+        self._wait = wait or 0.0
+        return wait is None
 
     def wait(self):
         return max(1.0, self._wait)

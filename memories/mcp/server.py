@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -263,10 +262,10 @@ def charge(key: ApiKey, actor: Actor, *, action: str, target: str = "") -> int |
     and each other message (:class:`RateLimit`, ``mcp.request``). Over the limit: the
     Retry-After in seconds, the refusal counted like every refusal over a limit (one event
     per source and minute); else None."""
-    hit = limits.hit(f"key:{key.pk}", cost=1, now=time.time())
-    if hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE:
+    wait = api_keys.rate_limit_take(key)
+    if wait is None:
         return None
-    retry_after = max(1, int(hit.retry_after + 0.999))
+    retry_after = max(1, int(wait + 0.999))
     limited = TenantBusy("Request was throttled.", code="rate_limited", retry_after=retry_after)
     audit_refusal(tenant=key.tenant, actor=actor, action=action, target=target, error=limited)
     return retry_after

@@ -11,10 +11,13 @@ and key prefix first (:func:`audit.services.audit_auth_failure`, which raises
 from __future__ import annotations
 
 import hmac
+import time
 from datetime import timedelta
 
+from django.conf import settings
 from django.utils import timezone
 
+from audit import limits
 from audit.services import audit_auth_failure
 from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
 from memories.services import key_cache
@@ -97,3 +100,13 @@ def verify_api_key(raw: str, *, route: str, surface: str, client_ip: str | None,
     if not cached:
         key_cache.put(key, seen=seen)
     return key
+
+
+def rate_limit_take(key: ApiKey, *, cost: int = 1) -> float | None:
+    """Take ``cost`` units of ``key``'s rate limit (``ZEROMEM_RATE_LIMIT_PER_MINUTE`` per
+    calendar minute, exact across processes: audit/limits.py, Redis when configured, else one
+    UPSERT). None within the limit; past it, the seconds until the minute ends. Every surface
+    charges through here: REST (``ApiKeyRateThrottle``, a batch one unit per call) and MCP
+    (``memories.mcp.server.charge``)."""
+    hit = limits.hit(f"key:{key.pk}", cost=cost, now=time.time())
+    return None if hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE else hit.retry_after
