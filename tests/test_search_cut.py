@@ -10,6 +10,7 @@ import pytest
 
 from audit.models import AuditEvent
 from memories import keyring, tools
+from memories.services.memories import _cluster_start
 from tests.factories import write
 from tests.helpers import tool_error
 from zeromem.kernel import validation
@@ -143,3 +144,32 @@ def test_search_states_max_chars_with_memory_reads_bounds_in_every_schema():
     assert bounds(strict[0]["properties"]["max_chars"]) == bounds(strict[1]["properties"]["max_chars"])
     assert strict[0]["properties"]["max_chars"]["type"] == ["integer", "null"]  # optional: null is absent
     assert "max_chars" in strict[0]["required"]
+
+
+# --- the grapheme rule, over long runs of flags ---------------------------------------------
+
+_REGIONAL = "".join(chr(c) for c in range(0x1F1E6, 0x1F200))
+
+
+def _joined_by_copy(text: str, i: int) -> bool:
+    """The rule for regional indicators as it was first written (a copy of text[:i])."""
+    head = text[:i]
+    return (len(head) - len(head.rstrip(_REGIONAL))) % 2 == 1
+
+
+def _cluster_start_by_copy(text: str, end: int) -> int:
+    i = end
+    while 0 < i < len(text) and text[i - 1] in _REGIONAL and text[i] in _REGIONAL and _joined_by_copy(text, i):
+        i -= 1
+    return i if i > 0 else end
+
+
+@pytest.mark.parametrize("lead", ["", "a", "\U0001f1e9"])
+def test_a_cut_inside_a_long_run_of_flags_ends_where_the_copying_rule_ended_it(lead):
+    """Regional indicators pair up from the start of their run, however long: a cut at every
+    point of a 2,000-letter run ends between two flags, as the rule that copied text[:i] did."""
+    text = lead + "\U0001f1e9\U0001f1ea\U0001f1eb\U0001f1f7" * 500 + "z"
+    ends = [_cluster_start(text, end, low=0) for end in range(1, len(text))]
+    assert ends == [_cluster_start_by_copy(text, end) for end in range(1, len(text))]
+    run_start = 1 if lead == "a" else 0
+    assert all((end - run_start) % 2 == 0 for end in ends if end > run_start + 1 and end < len(text) - 1)
