@@ -187,13 +187,24 @@ def _list(tenant: Tenant, actor: Actor, a: dict) -> dict:
 
 
 def _search(tenant: Tenant, actor: Actor, a: dict) -> dict:
-    results = services.memory_search(
-        tenant=tenant, actor=actor, query=a["query"], prefix=a.get("prefix") or "", limit=a.get("limit")
+    # Never more than max_chars of each value into the model's context, as a read (README "Token cost").
+    hits = services.memory_search(
+        tenant=tenant,
+        actor=actor,
+        query=a["query"],
+        prefix=a.get("prefix") or "",
+        limit=a.get("limit"),
+        max_chars=a.get("max_chars", validation.READ_DEFAULT_CHARS),
     )
-    return {
-        "status": "ok",
-        "results": [{"key": m.key, "value": m.value, "score": round(s, 3)} for m, s in results],
-    }
+    return {"status": "ok", "results": [_search_result(hit) for hit in hits]}
+
+
+def _search_result(hit: services.SearchHit) -> dict:
+    out = {"key": hit.memory.key, "value": hit.memory.value, "score": round(hit.score, 3)}
+    if hit.cut is not None:
+        # A first slice always has a rest: memory_read(key, offset=next_offset) reads on.
+        out.update(value=hit.cut.text, truncated=True, chars=hit.cut.chars, next_offset=hit.cut.next_offset)
+    return out
 
 
 def _recall(tenant: Tenant, actor: Actor, a: dict) -> dict:
@@ -219,6 +230,11 @@ QUERY = Param(
     "query", {"type": "string", "minLength": 1, "maxLength": validation.QUERY_MAX_LEN}, "question or keywords", True
 )
 LIMIT = {"type": "integer", "minimum": 1, "maximum": validation.LIMIT_MAX}
+MAX_CHARS = Param(
+    "max_chars",
+    {"type": "integer", "minimum": 1, "maximum": validation.READ_MAX_CHARS},
+    f"default {validation.READ_DEFAULT_CHARS}",
+)
 RECALL_QUERY = Param(
     "query",
     {"type": "string", "maxLength": validation.QUERY_MAX_LEN},
@@ -269,11 +285,7 @@ TOOLS: dict[str, Tool] = {
             (
                 KEY,
                 Param("default", ANY_JSON, "returned as value if the key is missing"),
-                Param(
-                    "max_chars",
-                    {"type": "integer", "minimum": 1, "maximum": validation.READ_MAX_CHARS},
-                    f"default {validation.READ_DEFAULT_CHARS}",
-                ),
+                MAX_CHARS,
                 Param(
                     "offset",
                     {"type": "integer", "minimum": 0, "maximum": validation.READ_OFFSET_MAX},
@@ -313,11 +325,13 @@ TOOLS: dict[str, Tool] = {
         ),
         Tool(
             "memory_search",
-            "Find memories relevant to a question or keywords, best first.",
+            "Find memories relevant to a question or keywords, best first. A value longer than "
+            "max_chars comes back cut as memory_read cuts it (truncated, chars, next_offset).",
             (
                 QUERY,
                 PREFIX,
                 Param("limit", LIMIT, "default 5"),
+                Param(MAX_CHARS.name, MAX_CHARS.schema, f"per result; {MAX_CHARS.description}"),
             ),
             _search,
         ),

@@ -108,6 +108,9 @@ def test_memory_read_answers_a_long_value_cut_as_the_model_would_and_get_reads_i
     rest = zm.memory_read(key="task:t1:plan", offset=first["next_offset"], max_chars=first["chars"])
     assert json.loads(first["value"] + rest["value"]) == value
     assert zm.get("task:t1:plan")["value"] == value
+    found = zm.memory_search(query="next thing")["results"][0]  # a search, too, as the model reads it
+    assert (found["value"], found["truncated"], found["next_offset"]) == (first["value"], True, 2000)
+    assert zm.memory_search(query="next thing", max_chars=first["chars"])["results"][0]["value"] == value
 
 
 def test_rest_resources_with_etags(zm, zm_key):

@@ -75,11 +75,11 @@ def test_the_search_index_holds_the_key_but_not_the_sensitive_value(tenant_a):
     row = Memory.objects.get(tenant=tenant_a, key="user:u1:contact_email")
     assert CANARY_WORD not in row.search_text and "email" in row.search_text
     found = services.memory_search(tenant=tenant_a, actor=SYSTEM, query=CANARY_WORD)
-    assert [m.key for m, _ in found] == ["user:u1:pet"]
+    assert [hit.memory.key for hit in found] == ["user:u1:pet"]
     by_key = services.memory_search(tenant=tenant_a, actor=SYSTEM, query="contact email")
-    assert "user:u1:contact_email" in [m.key for m, _ in by_key]
+    assert "user:u1:contact_email" in [hit.memory.key for hit in by_key]
     # ... and a reader allowed to search gets it opened.
-    assert {"email": f"{CANARY_WORD}@example.com"} in [m.value for m, _ in by_key]
+    assert {"email": f"{CANARY_WORD}@example.com"} in [hit.memory.value for hit in by_key]
 
 
 def test_tenant_rules_make_memories_sensitive_by_key_pattern_and_field_name(tenant_a):

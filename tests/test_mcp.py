@@ -211,8 +211,9 @@ def test_a_long_value_is_read_in_slices_of_max_chars_and_the_schema_bounds_are_t
         ("memory_read", {"key": "task:t1:notes"}),
         ("memory_read", {"key": "task:t1:notes", "offset": 2000}),
         ("memory_write", {"key": "task:t1:x", "value": 1, "ttl_seconds": validation.TTL_MAX_SECONDS + 1}),
+        ("memory_search", {"query": "周报", "max_chars": 500}),
     )
-    first, rest, too_long = (a["result"] for a in answers[1:])
+    first, rest, too_long, found = (a["result"] for a in answers[1:])
     assert (first["value"], first["truncated"], first["chars"], first["next_offset"]) == (
         value[:2000],
         True,
@@ -222,6 +223,10 @@ def test_a_long_value_is_read_in_slices_of_max_chars_and_the_schema_bounds_are_t
     assert (rest["value"], rest["truncated"]) == (value[2000:], False)
     assert answers[1]["size"] < 2000 * 3 + 200  # the slice, not the value, reached the model
     assert too_long["error"]["field"] == "ttl_seconds" and answers[3]["is_error"]
+    assert [(r["key"], r["value"], r["truncated"], r["next_offset"]) for r in found["results"]] == [
+        ("task:t1:notes", value[:500], True, 500)
+    ]
+    assert answers[4]["size"] < 500 * 3 + 200  # a search, too, pours a slice per result
     listed = over_http(server, raw, lambda c: c.list_tools())
     ttl = next(t for t in listed.tools if t.name == "memory_write").input_schema["properties"]["ttl_seconds"]
     assert ttl["maximum"] == validation.TTL_MAX_SECONDS

@@ -56,7 +56,7 @@ def slow_ranker(**kw):
 
 
 ranking._candidate_lists = slow_ranker
-observed["results"] = [m.key for m, _ in services.memory_search(tenant=tenant, actor=actor, query="zebra")]
+observed["results"] = [h.memory.key for h in services.memory_search(tenant=tenant, actor=actor, query="zebra")]
 observed["audited"] = AuditEvent.objects.filter(action="memory.search", outcome="ok").count()
 services.memory_read(tenant=tenant, actor=actor, key="fact:a")
 observed["read_audited"] = AuditEvent.objects.filter(action="memory.read", outcome="ok").count()

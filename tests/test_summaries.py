@@ -274,7 +274,7 @@ def test_a_summary_of_expiring_memories_expires_when_its_last_source_does(
     with pytest.raises(NotFound):
         services.memory_read(tenant=tenant_a, actor=SYSTEM, key="summary:session:s9")
     found = services.memory_search(tenant=tenant_a, actor=SYSTEM, query="zebra beta", limit=50)
-    assert [m.key for m, _score in found] == []
+    assert [hit.memory.key for hit in found] == []
 
 
 def test_a_summary_with_one_permanent_source_is_permanent(tenant_a, clock, django_capture_on_commit_callbacks):

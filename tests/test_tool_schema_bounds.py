@@ -87,6 +87,7 @@ def test_every_tool_states_the_bounds_of_its_arguments():
         ("memory_update", "expected_version", "maximum"),
         ("memory_list", "cursor", "maxLength"),
         ("memory_search", "query", "maxLength"),
+        ("memory_search", "max_chars", "maximum"),
         ("memory_recall", "max_chars", "minimum"),
         ("memory_summarize", "prefix", "maxLength"),
     ]:

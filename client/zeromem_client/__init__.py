@@ -239,7 +239,8 @@ def _tool_method(name: str):
     sync_method.__name__ = name
     sync_method.__doc__ = (
         f"The ``{name}`` tool; keyword arguments as in GET /api/v1/tools; its result as the model"
-        " sees it (``memory_read`` cuts a long value: ``get`` reads it whole)."
+        " sees it (``memory_read`` and each ``memory_search`` result cut a long value: ``get`` reads"
+        " it whole)."
     )
     return sync_method
 
@@ -379,7 +380,8 @@ def _async_tool_method(name: str):
     async_method.__name__ = name
     async_method.__doc__ = (
         f"The ``{name}`` tool; keyword arguments as in GET /api/v1/tools; its result as the model"
-        " sees it (``memory_read`` cuts a long value: ``get`` reads it whole)."
+        " sees it (``memory_read`` and each ``memory_search`` result cut a long value: ``get`` reads"
+        " it whole)."
     )
     return async_method
 

@@ -307,7 +307,11 @@ def lg_search(
         if offset + limit > validation.LIMIT_MAX:
             raise InvalidInput(f"offset + limit must be at most {validation.LIMIT_MAX} with a query", field="offset")
         ranked = mem.memory_search(tenant=tenant, actor=actor, query=query, prefix=prefix, limit=validation.LIMIT_MAX)
-        found = [(m, s) for m, s in ranked if parse_key(m.key) is not None and item_matches(m.value, flt)]
+        found = [
+            (h.memory, h.score)
+            for h in ranked
+            if parse_key(h.memory.key) is not None and item_matches(h.memory.value, flt)
+        ]
         page = found[offset : offset + limit]
     else:
         page = [

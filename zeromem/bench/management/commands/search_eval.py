@@ -202,7 +202,7 @@ class Command(BenchCommand):
             started = time.perf_counter()
             found = services.memory_search(tenant=tenant, actor=actor, query=question[:500], prefix=prefix, limit=depth)
             ms = (time.perf_counter() - started) * 1000
-            keys = [m.key for m, _score in found]
+            keys = [hit.memory.key for hit in found]
             rank = next((i + 1 for i, key in enumerate(keys) if key in relevant), None)
             recall = len(relevant.intersection(keys[:RECALL_DEPTH])) / len(relevant)
             ranks.append(rank)
