@@ -16,7 +16,7 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -451,6 +451,47 @@ def test_revoking_a_key_cancels_its_queued_jobs_at_once(
     # A second revoke of the same key cancels nothing more and writes no cancellation event.
     assert services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk) is False
     assert AuditEvent.objects.filter(action="memory.summarize.cancel").count() == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_revoke_racing_a_worker_that_starts_the_job_leaves_it_to_the_worker():
+    """The worker's attempt marks the job running under the job's row lock; a revoke arriving
+    meanwhile waits for that row and then finds the job no longer queued: it is left to the
+    in-job check (which cancels it), never cancelled under a running attempt."""
+    from tests.factories import make_key, make_tenant
+    from tests.helpers import start_thread, wait_for_a_lock_waiter
+
+    tenant = make_tenant("revoke-race")
+    key, _raw = make_key(tenant)
+    job_id = Job.objects.create(
+        tenant=tenant, kind=Job.Kind.SUMMARIZE, params={"prefix": "session:s1:"}, api_key=key
+    ).pk  # accepted, its queue entry not picked up yet
+    began, release, failures = threading.Event(), threading.Event(), []
+
+    def attempt():
+        with transaction.atomic():
+            assert summaries._attempt_begin(job_id).status == "running"
+            began.set()
+            release.wait(30)
+
+    worker = start_thread(attempt, failures, done=began)
+    try:
+        assert began.wait(20) and not failures, failures
+        revoke = start_thread(lambda: services.api_key_revoke(tenant=tenant, actor=SYSTEM, key_id=key.pk), failures)
+        wait_for_a_lock_waiter("the revoke", alive=revoke.is_alive)  # waits for the job's row
+    finally:
+        release.set()
+        worker.join(30)
+    revoke.join(30)
+    assert not failures, failures
+    assert Job.objects.get(pk=job_id).status == "running"
+    assert not AuditEvent.objects.filter(action="memory.summarize.cancel").exists()
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    # The next attempt's own check then cancels it: the key is revoked.
+    assert summaries.summarize_run(job_id=job_id) == {"status": "cancelled", "job_id": job_id}
+    assert Job.objects.get(pk=job_id).error == "cancelled: the API key that asked for it has been revoked"
 
 
 def test_a_revoke_that_fails_cancels_nothing(
