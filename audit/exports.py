@@ -30,13 +30,17 @@ COLUMNS = (*REVIEW_FIELDS, "seal", "digest")
 CONTENT_TYPES = {"csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjson"}
 # Spreadsheets run a cell that starts with one of these as a formula (CSV injection);
 # such cells get a leading apostrophe in CSV exports (JSON Lines keep the text as it is).
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-# A spreadsheet that splits on ";" (locales with a decimal comma) starts a cell after each
-# ";" inside a field, and after a '"' there opens a quoted cell: a ";" followed by a formula
-# character (past any quotes) gets the apostrophe after it. Quoting every field (QUOTE_ALL)
-# would not do: a ";" reader takes the quote after a closed quoted field as plain text,
-# so the next field's ";" splits unquoted.
-_FORMULA_AFTER_SEMICOLON = re.compile(r';(?="*[=+\-@\t\r])')
+_FORMULA_CHARS = r"=+\-@\t\r"
+# A cell starts at the field's start, after a ";" inside it (a spreadsheet in a locale with
+# a decimal comma splits CSV on ";"; after a '"' there a quoted cell opens) and after a CR or
+# LF inside it (the same reader, its quoting lapsed, starts a row there; so does any reader
+# that splits lines without minding quotes). Quoting every field (QUOTE_ALL) would not do: a
+# ";" reader takes the quote after a closed quoted field as plain text, so the next field's
+# ";" splits unquoted. A cell whose first character other than spaces, tabs and quotes is a
+# formula character (spreadsheets may trim the spaces: " =1+1") gets the apostrophe at its
+# very start: "'" + field, ";'" and "\n'".
+_FORMULA_CELL = re.compile(rf'(?:^|(?<=[;\r\n]))(?=[ \t"]*[{_FORMULA_CHARS}])')
+_CELL_MAY_START = (" ", "\t", '"', "=", "+", "-", "@", "\r")
 # Line breaks to str.splitlines() and JavaScript, which json.dumps leaves raw in a string
 # (it escapes only the ASCII controls): escaped, so a JSON Lines record stays one line.
 _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
@@ -54,9 +58,10 @@ def _csv_cell(value) -> str:
     if isinstance(value, dict):
         value = json.dumps(value, sort_keys=True, ensure_ascii=False)
     text = str(value)
-    if ";" in text:
-        text = _FORMULA_AFTER_SEMICOLON.sub(";'", text)
-    return "'" + text if text.startswith(_FORMULA_START) else text
+    # Most cells have no cell start but their first character: one cheap look first.
+    if not text.startswith(_CELL_MAY_START) and ";" not in text and "\n" not in text and "\r" not in text:
+        return text
+    return _FORMULA_CELL.sub("'", text)
 
 
 def _one_line(text: str) -> str:

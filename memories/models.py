@@ -649,7 +649,8 @@ class IdempotencyRecord(models.Model):
     parsed body), keyed from SECRET_KEY: the same key with another request is refused. The stored body can hold
     memory values, so the purge schedule deletes records after their window and a forget
     request deletes its tenant's finished records; its claims still running stay claimed,
-    with ``keep_answer`` off (their answer is dropped when they end)."""
+    with ``keep_answer`` off (their answer is dropped when they end) — except the records
+    marked ``holds_no_values``."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False)
     api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, db_index=False)
@@ -663,6 +664,10 @@ class IdempotencyRecord(models.Model):
     # Off for a claim that was running when a forget request of its tenant completed: its
     # work may have read what the forget erased, so its answer is not stored.
     keep_answer = models.BooleanField(default=True, db_default=True)
+    # On for the claim of a request whose answer holds no memory value (the POST that files a
+    # forget request: its answer is the request, ids and the target): a forget request neither
+    # marks it nor drops its stored answer, so a retry gets the first answer, not a second request.
+    holds_no_values = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         constraints = [

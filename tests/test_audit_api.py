@@ -203,6 +203,47 @@ def test_csv_export_defuses_formulas_for_a_spreadsheet_that_splits_on_semicolons
     assert "u3;'=HYPERLINK(\"http://x\");'+1;'-2;'@SUM(A1);'\"=4" in subjects  # still readable
 
 
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _formula_cells(text: str, delimiter: str) -> list[str]:
+    """The cells of ``text`` read with ``delimiter`` that a spreadsheet would run: starting
+    with a formula character, also past leading spaces (spreadsheets may trim them)."""
+    cells = [cell for row in csv.reader(io.StringIO(text, newline=""), delimiter=delimiter) for cell in row]
+    return [cell for cell in cells if cell.lstrip(" ").startswith(FORMULA_START)]
+
+
+def test_csv_export_defuses_a_formula_after_a_semicolon_and_spaces(log, api, tenant_a):
+    # "; =1+1": the cell a ";" reader starts there is " =1+1", run once its spaces are trimmed.
+    subject = 'u4; =1+1;  +2;   -3; @SUM(A1); "=4'
+    assert api.call("memory_write", key="user:u4:x", value="v", subject=subject)[0] == 200
+    text = stream(log.get(EXPORT, {"action": "memory.write"}))
+    assert len([c for row in csv.reader(io.StringIO(text), delimiter=";") for c in row]) > 5
+    assert _formula_cells(text, ";") == []
+    assert _formula_cells(text, ",") == []
+    subjects = [row["subject"] for row in csv.DictReader(io.StringIO(text))]
+    assert "u4;' =1+1;'  +2;'   -3;' @SUM(A1);' \"=4" in subjects  # the text is all still there
+
+
+def test_csv_export_defuses_leading_spaces_and_line_breaks_before_a_formula(log, api, tenant_a):
+    # A refused call is recorded with its input as sent: a key that starts with spaces before
+    # "=", and keys with a CR or LF followed by a formula, inside one field.
+    sent = ["  =1+1", " \t@SUM(A1)", "a\n=HYPERLINK(1)", "b\r\n+2", "c\r-3", "d\n  =4", "e\n\r=5", 'f\n"=6']
+    for key in sent:
+        status, _body = api.call("memory_read", key=key)
+        assert status == 400, key
+    text = stream(log.get(EXPORT, {"action": "memory.read", "outcome": "invalid"}))
+    for delimiter in (",", ";"):
+        assert _formula_cells(text, delimiter) == [], delimiter
+    # A reader that splits lines on every line break, quotes or not, starts no cell with one either.
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    assert [line for line in lines if line.lstrip(' "').startswith(FORMULA_START)] == []
+    targets = {row["target"] for row in csv.DictReader(io.StringIO(text, newline=""))}
+    expected = ["'  =1+1", "' \t@SUM(A1)", "a\n'=HYPERLINK(1)", "b\r\n'+2", "c\r'-3", "d\n'  =4", "e\n'\r'=5"]
+    expected.append("f\n'\"=6")
+    assert set(expected) <= targets, targets
+
+
 def test_export_under_asgi_streams_an_async_iterator(log, tenant_a):
     actor = Actor(kind="api_key", id="1", label="zm_t", scopes=frozenset(["audit:read"]), surface="rest")
     response = audit_export_response(

@@ -15,7 +15,7 @@ from django.utils import timezone
 from audit import limits
 from audit.models import AuditEvent
 from memories import services
-from memories.models import IdempotencyRecord, Memory, MemoryVersion
+from memories.models import ForgetRequest, IdempotencyRecord, Memory, MemoryVersion
 from memories.services import idempotency
 from memories.services.idempotency import idempotency_purge
 from memories.tasks import idempotency_purge_task
@@ -184,6 +184,44 @@ def test_a_forget_keeps_a_running_requests_claim_but_not_its_answer(tenant_a, se
     assert isinstance(again, int) and again != running  # a new claim: the retry does the work
     idempotency.complete(again, status=200, body=b'{"value": "new"}', headers={})
     assert bytes(IdempotencyRecord.objects.get(pk=again).body) == b'{"value": "new"}'  # kept as usual
+
+
+FORGET = "/api/v1/forget-requests"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retried_forget_request_gets_its_first_answer_though_the_forget_ran_before_it_was_stored(settings):
+    """The worker can finish a small forget before the POST that filed it has stored its
+    answer (here: tasks run inline, so the forget runs in the POST's on-commit, between the
+    claim and the answer). Its own claim is not marked by the forget it filed, nor is its
+    stored answer dropped by a later forget: a retry gets the same request, none is filed
+    twice. Other requests' answers still go (they may hold what was erased)."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    tenant = make_tenant("idem-forget")
+    client, _key_row = make_keyed_client(tenant)
+    client.call("memory_write", key="user:u7:secret", value="CANARY-forget", subject="u7")
+    read = {"name": "memory_read", "arguments": {"key": "user:u7:secret"}}
+    assert client.post(CALL, read, headers=_key("read-1")).status_code == 200
+
+    body = {"subject": "u7"}
+    first = client.post(FORGET, body, headers=_key("forget-1"))
+    assert first.status_code == 202, first.content
+    request_id = first.json()["id"]
+    request = services.forget_request_get(tenant=tenant, actor=SYSTEM, request_id=request_id)
+    assert request.status == "completed"  # it ran before the POST's answer was stored
+    assert not Memory.objects.filter(tenant=tenant, key="user:u7:secret").exists()
+    assert not IdempotencyRecord.objects.filter(tenant=tenant, key="read-1").exists()  # holds the value: gone
+
+    again = client.post(FORGET, body, headers=_key("forget-1"))
+    assert (again.status_code, again["Idempotent-Replayed"]) == (202, "true"), again.content
+    assert again.json()["id"] == request_id and again["Location"] == first["Location"]
+    # A later forget of the tenant keeps that answer too (it holds no memory value).
+    later = client.post(FORGET, {"subject": "u8"}, headers=_key("forget-2"))
+    assert later.status_code == 202 and later.json()["id"] != request_id
+    third = client.post(FORGET, body, headers=_key("forget-1"))
+    assert (third.status_code, third.json()["id"]) == (202, request_id)
+    assert ForgetRequest.objects.filter(tenant=tenant).count() == 2
+    assert AuditEvent.objects.filter(tenant=tenant, action="forget.create").count() == 2
 
 
 def _hold(work, failures):

@@ -16,7 +16,7 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -354,14 +354,17 @@ def _queue_with_a_key(tenant, make_client, capture, *, archive=True):
     return key, Job.objects.get(pk=r.json()["job_id"]), callbacks[0]
 
 
-@pytest.mark.parametrize("how", ["revoked", "expired"])
-def test_a_job_whose_key_was_revoked_or_expired_is_cancelled_and_writes_nothing(
+@pytest.mark.parametrize("how", ["expired", "deleted"])
+def test_a_job_whose_key_expired_or_is_gone_is_cancelled_by_the_worker_and_writes_nothing(
     tenant_a, session, make_client, clock, how, django_capture_on_commit_callbacks
 ):
+    """Expiry happens at no moment anything could act on (and a key row deleted by hand has no
+    service call): the worker's check cancels the job when it picks it up. (A revoke cancels
+    the queued jobs itself: test_revoking_a_key_cancels_its_queued_jobs_at_once.)"""
     key, job, enqueue = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
     assert job.api_key_id == key.pk
-    if how == "revoked":
-        services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    if how == "deleted":
+        key.delete()
     else:
         key.expires_at = clock.now + timedelta(seconds=5)
         key.save(update_fields=["expires_at"])
@@ -380,6 +383,139 @@ def test_a_job_whose_key_was_revoked_or_expired_is_cancelled_and_writes_nothing(
     assert summaries.summarize_run(job_id=job.pk) == {"status": "cancelled", "job_id": job.pk}
     assert AuditEvent.objects.filter(action="memory.summarize.run").count() == 1
     assert job.status in Job.FINISHED
+
+
+def test_revoking_a_key_cancels_its_queued_jobs_at_once(
+    tenant_a, session, make_client, clock, django_capture_on_commit_callbacks
+):
+    """The revoke cancels the key's queued jobs in its own transaction (the job's status says
+    so before any worker runs), with one audit event counting them; a running job, a finished
+    one and another key's are left alone (the running one meets the in-job check)."""
+    write(tenant_a, "session:s2:lang", "en")
+    key, queued, enqueue = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
+    _other_key, others, _enqueue_other = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
+    second = Job.objects.create(
+        tenant=tenant_a,
+        kind=Job.Kind.SUMMARIZE,
+        params={"prefix": "session:s2:"},
+        api_key=key,
+        attempts=1,
+        error="attempt 1 of 5 failed: SummarizerError: the LLM endpoint answered HTTP 502",
+    )  # queued again after a failed attempt: still not running
+    running = Job.objects.create(
+        tenant=tenant_a,
+        kind=Job.Kind.SUMMARIZE,
+        status=Job.Status.RUNNING,
+        params={"prefix": "session:s3:"},
+        api_key=key,
+        attempts=1,
+        started_at=clock.now,
+    )
+    done = Job.objects.create(
+        tenant=tenant_a,
+        kind=Job.Kind.SUMMARIZE,
+        status=Job.Status.SUCCEEDED,
+        params={"prefix": "session:s4:"},
+        api_key=key,
+        result={"sources": 1},
+        finished_at=clock.now,
+    )
+    staff_job = Job.objects.create(tenant=tenant_a, kind=Job.Kind.SUMMARIZE, params={"prefix": "session:s5:"})
+
+    assert services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk) is True
+
+    for job in (queued, second):
+        job.refresh_from_db()
+        assert (job.status, job.finished_at is not None) == ("cancelled", True), job
+        assert job.error == "cancelled: the API key that asked for it has been revoked"
+        assert job.attempts in (0, 1)
+    assert Job.objects.get(pk=running.pk).status == "running"
+    assert Job.objects.get(pk=done.pk).status == "succeeded"
+    assert Job.objects.get(pk=others.pk).status == "queued"
+    assert Job.objects.get(pk=staff_job.pk).status == "queued"
+    # One event for the cancellation, counting the jobs, in the revoke's transaction.
+    event = AuditEvent.objects.get(tenant=tenant_a, action="memory.summarize.cancel")
+    assert (event.outcome, event.count, event.target) == ("denied", 2, key.display_prefix)
+    assert event.detail == {"reason": "api_key_revoked", "job_ids": sorted([queued.pk, second.pk])}
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="api_key.revoke", outcome="ok").count() == 1
+    # The status shows it at once, to another key of the tenant.
+    viewer, _ = make_client(tenant_a)
+    r = viewer.get(f"/api/v1/jobs/{queued.pk}")
+    assert (r.status_code, r.json()["status"]) == (200, "cancelled"), r.content
+
+    # The queued delivery finds it over: nothing written, no second event.
+    enqueue()
+    queued.refresh_from_db()
+    assert queued.status == "cancelled" and live(tenant_a, "summary:session:s1") is None
+    assert not AuditEvent.objects.filter(action="memory.summarize.run").exists()
+    # A second revoke of the same key cancels nothing more and writes no cancellation event.
+    assert services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk) is False
+    assert AuditEvent.objects.filter(action="memory.summarize.cancel").count() == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_revoke_racing_a_worker_that_starts_the_job_leaves_it_to_the_worker():
+    """The worker's attempt marks the job running under the job's row lock; a revoke arriving
+    meanwhile waits for that row and then finds the job no longer queued: it is left to the
+    in-job check (which cancels it), never cancelled under a running attempt."""
+    from tests.factories import make_key, make_tenant
+    from tests.helpers import start_thread, wait_for_a_lock_waiter
+
+    tenant = make_tenant("revoke-race")
+    key, _raw = make_key(tenant)
+    job_id = Job.objects.create(
+        tenant=tenant, kind=Job.Kind.SUMMARIZE, params={"prefix": "session:s1:"}, api_key=key
+    ).pk  # accepted, its queue entry not picked up yet
+    began, release, failures = threading.Event(), threading.Event(), []
+
+    def attempt():
+        with transaction.atomic():
+            assert summaries._attempt_begin(job_id).status == "running"
+            began.set()
+            release.wait(30)
+
+    worker = start_thread(attempt, failures, done=began)
+    try:
+        assert began.wait(20) and not failures, failures
+        revoke = start_thread(lambda: services.api_key_revoke(tenant=tenant, actor=SYSTEM, key_id=key.pk), failures)
+        wait_for_a_lock_waiter("the revoke", alive=revoke.is_alive)  # waits for the job's row
+    finally:
+        release.set()
+        worker.join(30)
+    revoke.join(30)
+    assert not failures, failures
+    assert Job.objects.get(pk=job_id).status == "running"
+    assert not AuditEvent.objects.filter(action="memory.summarize.cancel").exists()
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    # The next attempt's own check then cancels it: the key is revoked.
+    assert summaries.summarize_run(job_id=job_id) == {"status": "cancelled", "job_id": job_id}
+    assert Job.objects.get(pk=job_id).error == "cancelled: the API key that asked for it has been revoked"
+
+
+def test_a_revoke_that_fails_cancels_nothing(
+    tenant_a, session, make_client, monkeypatch, django_capture_on_commit_callbacks
+):
+    """The cancellation is part of the revoke's transaction: a revoke whose own audit event
+    cannot be written (the last step) rolls back, and the jobs stay queued, the key live."""
+    key, job, _enqueue = _queue_with_a_key(tenant_a, make_client, django_capture_on_commit_callbacks)
+    from audit import services as audit_services
+
+    record = audit_services.audit_record
+
+    def failing_revoke_event(**row):
+        if row["action"] == "api_key.revoke":
+            raise RuntimeError("the audit event could not be written")
+        return record(**row)
+
+    monkeypatch.setattr(audit_services, "audit_record", failing_revoke_event)
+    with pytest.raises(RuntimeError):
+        services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    job.refresh_from_db()
+    key.refresh_from_db()
+    assert (job.status, job.finished_at, key.revoked_at) == ("queued", None, None)
+    assert not AuditEvent.objects.filter(action="memory.summarize.cancel").exists()
 
 
 def test_a_key_revoked_while_the_summary_is_being_made_stops_its_write(

@@ -417,6 +417,10 @@ ZEROMEM_LLM_TIMEOUT_SECONDS = env.float("ZEROMEM_LLM_TIMEOUT_SECONDS", default=3
 # How many times a job (e.g. a forget request) is started before it is marked failed. Counted
 # by the job itself: django-q2's max_attempts misses tasks of killed workers (issue #327).
 ZEROMEM_JOB_MAX_ATTEMPTS = env.int("ZEROMEM_JOB_MAX_ATTEMPTS", default=5)
+# manage.py migrate on PostgreSQL asks for table locks with this lock_timeout (seconds; 0: no
+# limit): an ALTER behind a long transaction fails fast instead of queueing the table's
+# requests behind it (memories/management/commands/migrate.py).
+ZEROMEM_MIGRATION_LOCK_TIMEOUT = env.float("ZEROMEM_MIGRATION_LOCK_TIMEOUT", default=5.0)
 # Audit log (audit/chain.py). The key of its hashes must live outside the database: whoever
 # holds it could forge a chain. Derived from SECRET_KEY unless set, so set it explicitly in
 # production and keep it when SECRET_KEY rotates (a new key cannot verify old events).
@@ -555,6 +559,7 @@ _LEAST = {
     "ZEROMEM_SUMMARIZE_IDLE_MINUTES": 0,
     "ZEROMEM_LLM_TIMEOUT_SECONDS": 0.001,
     "ZEROMEM_JOB_MAX_ATTEMPTS": 1,
+    "ZEROMEM_MIGRATION_LOCK_TIMEOUT": 0,
     "ZEROMEM_AUDIT_RETENTION_DAYS": 1,
     "ZEROMEM_AUDIT_SEAL_BATCH": 1,
     "ZEROMEM_AUDIT_SEAL_WAIT": 0,

@@ -397,7 +397,9 @@ class ForgetRequestListView(AuditedAPIView):
     )
     def post(self, request):
         data = _validated(s.ForgetRequestCreateSerializer, request.data)
-        forget_request = services.forget_request_create(tenant=self.tenant, actor=self.actor, **data)
+        forget_request = services.forget_request_create(
+            tenant=self.tenant, actor=self.actor, idempotency_claim=self._idempotency_claim, **data
+        )
         return Response(
             s.ForgetRequestOutSerializer(forget_request).data,
             status=status.HTTP_202_ACCEPTED,

@@ -43,6 +43,7 @@ from django_q.tasks import async_task
 from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import keyring, search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
+from memories.services.idempotency import holds_no_values as idempotency_holds_no_values
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
 from memories.services.summaries import summary_expiry, summary_without
@@ -94,6 +95,7 @@ def forget_request_create(
     reason: Any = "",
     due_in_days: Any = None,
     end_user_subject: str = "",
+    idempotency_claim: int | None = None,
 ) -> ForgetRequest:
     """Accept a request to forget exactly one target: a ``subject``, a key ``prefix`` or a
     list of ``keys`` (at most 1000). Needs the ``forget:create`` scope; a key limited to some
@@ -104,8 +106,12 @@ def forget_request_create(
     subject of an end-user actor): summaries derived from the target outside that reach
     are rebuilt without the forgotten sources when it runs, never erased whole.
 
-    Cost: one INSERT and the audit INSERT in one transaction; after its commit, the queue
-    INSERT (ORM broker). A failed enqueue is logged, not raised: the request is stored, and
+    ``idempotency_claim``: the ``Idempotency-Key`` claim of the request filing it (REST), marked
+    in the same transaction as holding no memory value (:func:`idempotency.holds_no_values`):
+    the forget may complete before that request stores its answer, and must not drop it.
+
+    Cost: one INSERT and the audit INSERT in one transaction (and the claim's UPDATE); after
+    its commit, the queue INSERT (ORM broker). A failed enqueue is logged, not raised: the request is stored, and
     :func:`forget_requests_resume` enqueues it later.
     """
     with audited_operation(tenant=tenant, actor=actor, action="forget.create") as op:
@@ -133,6 +139,7 @@ def forget_request_create(
             count=len(target.get("keys", ())) or None,
             detail={"forget_request": request.pk, "by": _target_kind(request), "due_in_days": days},
         )
+        idempotency_holds_no_values(idempotency_claim, tenant=tenant)
         # robust: the request is already committed; if the broker is down, the resume
         # schedule enqueues it later instead of the caller seeing an error.
         transaction.on_commit(partial(_enqueue, request.pk), robust=True)

@@ -10,7 +10,9 @@ the same key with a different request (method, path and query, If-Match, body) i
 ``idempotency_key_reused``. Answers that say "not done, retry" (429, 5xx) are not kept, so
 the retry does the work. A claim left unfinished by a process that died is given up after
 ``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS``. A forget request drops the tenant's stored answers and
-lets the claims still running finish without storing theirs (:func:`tenant_forget`).
+lets the claims still running finish without storing theirs (:func:`tenant_forget`), but for
+those of requests whose answer holds no memory value (:func:`holds_no_values`: the POST that
+filed a forget request, which the forget may finish before that POST stores its answer).
 
 Caveat: the answer is stored right after the work's own transaction commits, not inside it;
 a process killed between the two leaves the claim unfinished, and a retry after the lease
@@ -209,6 +211,15 @@ def idempotency_purge(*, now=None) -> int:
         deleted += IdempotencyRecord.objects.filter(pk__in=ids).delete()[0]
 
 
+def holds_no_values(claim_id: int | None, *, tenant: Tenant) -> None:
+    """Mark the running claim ``claim_id`` as one whose answer holds no memory value, so that
+    :func:`tenant_forget` leaves it (and its answer, once stored) alone. Called in the work's
+    transaction (a forget request's filing): the mark commits with the work, before any
+    worker can see the forget it filed. Cost: one primary-key UPDATE, none without a claim."""
+    if claim_id is not None:
+        IdempotencyRecord.objects.filter(pk=claim_id, tenant=tenant, status__isnull=True).update(holds_no_values=True)
+
+
 def tenant_forget(*, tenant: Tenant) -> int:
     """A forget request drops its tenant's stored answers: they may hold the erased values
     (a retry after it simply runs again). Called as a forget request completes.
@@ -217,6 +228,11 @@ def tenant_forget(*, tenant: Tenant) -> int:
     ``idempotency_in_progress``, instead of doing the work a second time alongside it — but
     with ``keep_answer`` off: its work may have read what was erased, so :func:`complete`
     drops its answer and the claim, and a retry after that runs afresh. Marked before the
-    stored answers are deleted, so an answer stored in between is deleted too."""
-    IdempotencyRecord.objects.filter(tenant=tenant, status__isnull=True).update(keep_answer=False)
-    return IdempotencyRecord.objects.filter(tenant=tenant, status__isnull=False).delete()[0]
+    stored answers are deleted, so an answer stored in between is deleted too.
+
+    Records marked :func:`holds_no_values` are left as they are: the POST that filed this
+    very forget request is typically still running when a small forget completes, and a
+    retry must get that request again, not file a second one."""
+    records = IdempotencyRecord.objects.filter(tenant=tenant, holds_no_values=False)
+    records.filter(status__isnull=True).update(keep_answer=False)
+    return records.filter(status__isnull=False).delete()[0]

@@ -10,11 +10,21 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from audit.services import audited_operation
-from memories.models import Job, Tenant
+from memories.models import ApiKey, Job, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import NotFound
+from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
+
+# At most this many job ids are named in a cancellation's audit event (its count has them all).
+CANCEL_EVENT_MAX_IDS = 100
+
+
+def cancelled_error(reason: str) -> str:
+    """A job's ``error`` once the API key that asked for it has lost its power (``revoked``,
+    ``expired``, ``deleted``): the same words whether the revoke or the worker ended it."""
+    return f"cancelled: the API key that asked for it has been {reason}"
 
 
 def job_get(*, tenant: Tenant, actor: Actor, job_id: Any) -> Job:
@@ -41,6 +51,44 @@ def _visible(actor: Actor, job: Job) -> bool:
         return True
     prefix = job.params.get("prefix") if isinstance(job.params, dict) else None
     return isinstance(prefix, str) and bool(prefix) and actor.may_touch_prefix(prefix)
+
+
+def jobs_cancel_for_key(*, tenant: Tenant, actor: Actor, key: ApiKey, reason: str = "revoked") -> int:
+    """End as ``cancelled`` (nothing run, ``finished_at`` now) the jobs ``key`` asked for that
+    are still ``queued``; returns how many. Called by the key's revoke, in its transaction, so
+    ``GET /api/v1/jobs/{id}`` says so at once instead of when a worker picks the job up. One
+    ``memory.summarize.cancel`` event (``denied``, as a job the worker cancels) counts them,
+    with ``detail.reason`` (``api_key_revoked``) and the first ``CANCEL_EVENT_MAX_IDS`` job ids;
+    none when there were none. A job already ``running`` is left to its own checks (the
+    worker's, before the work and in the write's transaction): its attempt holds the row.
+
+    Races: a worker's attempt that marks the job running locks the row first; this UPDATE
+    waits for it and then skips the row (no longer queued), or, committing first, leaves the
+    attempt a finished job it does nothing with. Cost: one UPDATE over the tenant's jobs (its
+    ``job_tenant_created`` index; no index on the key: jobs are purged after
+    ``ZEROMEM_JOB_RETENTION_DAYS``) and, when any, the audit INSERT.
+    """
+    with audited_operation(
+        tenant=tenant, actor=actor, action="memory.summarize.cancel", target=key.display_prefix
+    ) as op:
+        ids = sorted(
+            Job.objects.filter(tenant=tenant, api_key_id=key.pk, status=Job.Status.QUEUED)
+            .select_for_update()
+            .values_list("pk", flat=True)
+        )
+        if not ids:
+            return 0
+        # Locked above; the status is checked again in case an attempt began in between.
+        count = Job.objects.filter(pk__in=ids, status=Job.Status.QUEUED).update(
+            status=Job.Status.CANCELLED, error=cancelled_error(reason), finished_at=timezone.now()
+        )
+        if count:
+            op.record(
+                outcome=Outcome.DENIED,
+                count=count,
+                detail={"reason": f"api_key_{reason}", "job_ids": ids[:CANCEL_EVENT_MAX_IDS]},
+            )
+        return count
 
 
 def jobs_purge() -> int:

@@ -19,7 +19,8 @@ Summarizers:
 
 The summary expires when the last of its sources does (never if one of them never does), set
 on every run (:func:`summary_expiry`). A job asked by an API key is cancelled, nothing
-written, once that key is revoked or expired (:func:`_requester_refusal`).
+written, once that key is revoked or expired (:func:`_requester_refusal`); the revoke
+itself cancels the key's jobs still queued (:func:`memories.services.jobs.jobs_cancel_for_key`).
 
 Lineage lists the memories the summary really covers: those whose lines are in the digest.
 With ``archive=True`` exactly those are moved to the trash; memories left out of the digest
@@ -48,6 +49,7 @@ from django.utils import timezone
 from audit.services import AuditedOperation, audited_operation
 from memories.models import ApiKey, Job, Memory, Tenant
 from memories.services import retention, sensitivity
+from memories.services.jobs import cancelled_error
 from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
@@ -281,7 +283,7 @@ def _attempt_cancelled(job: Job, op: AuditedOperation, refusal: str) -> dict:
     the job row, see :func:`_attempt_current`), audited ``denied`` with the reason."""
     Job.objects.filter(pk=job.pk).update(
         status=Job.Status.CANCELLED,
-        error=f"cancelled: the API key that asked for it has been {refusal}",
+        error=cancelled_error(refusal),
         finished_at=timezone.now(),
     )
     op.record(outcome=Outcome.DENIED, detail={"job_id": job.pk, "reason": f"api_key_{refusal}"})

@@ -15,6 +15,7 @@ from audit.services import audited_operation
 from memories.models import ApiKey, Tenant
 from memories.portal.models import PortalLink
 from memories.services import key_cache, sensitivity
+from memories.services.jobs import jobs_cancel_for_key
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput
@@ -87,7 +88,10 @@ def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
     """Revoke the tenant's key ``key_id``; False (audited as not found) when there is no such
     key or it was revoked already. The portal links the key issued are withdrawn with it
     (unopened ones stop opening, open portal sessions end): one more UPDATE of the tenant's
-    links (no index on the issuer: links are short-lived and purged, the table stays small)."""
+    links (no index on the issuer: links are short-lived and purged, the table stays small).
+    The key's jobs still queued are cancelled in the same transaction, with their own audit
+    event (:func:`~memories.services.jobs.jobs_cancel_for_key`; a running one stops at its
+    own check of the key)."""
     with audited_operation(tenant=tenant, actor=actor, action="api_key.revoke") as op:
         now = timezone.now()
         updated = ApiKey.objects.filter(tenant=tenant, pk=key_id, revoked_at__isnull=True).update(revoked_at=now)
@@ -98,6 +102,8 @@ def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
             links = PortalLink.objects.filter(
                 tenant=tenant, created_by_kind=ActorKind.API_KEY, created_by=str(key.pk), revoked_at__isnull=True
             ).update(revoked_at=now)
+        if updated:
+            jobs_cancel_for_key(tenant=tenant, actor=actor, key=key, reason="revoked")
         op.record(
             target=key.display_prefix if key else "",
             outcome=Outcome.OK if updated else Outcome.NOT_FOUND,
