@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('memories', '0022_idempotency_keep_answer'),
+        ('memories', '0024_memoryversion_tenant_subject'),
     ]
 
     operations = [
