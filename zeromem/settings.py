@@ -417,6 +417,12 @@ ZEROMEM_LLM_TIMEOUT_SECONDS = env.float("ZEROMEM_LLM_TIMEOUT_SECONDS", default=3
 # How many times a job (e.g. a forget request) is started before it is marked failed. Counted
 # by the job itself: django-q2's max_attempts misses tasks of killed workers (issue #327).
 ZEROMEM_JOB_MAX_ATTEMPTS = env.int("ZEROMEM_JOB_MAX_ATTEMPTS", default=5)
+# Jobs one tenant may have pending (queued or running) at once, per kind; past it an API key or
+# an end user gets 429 too_many_jobs (memories/services/jobs.py). django-q2's queue is one FIFO
+# line for every tenant: without a cap one key at its rate limit grew it without bound, and
+# every other tenant's forget requests waited behind it.
+ZEROMEM_TENANT_MAX_PENDING_JOBS = env.int("ZEROMEM_TENANT_MAX_PENDING_JOBS", default=20)
+ZEROMEM_TENANT_MAX_PENDING_FORGETS = env.int("ZEROMEM_TENANT_MAX_PENDING_FORGETS", default=100)
 # Audit log (audit/chain.py). The key of its hashes must live outside the database: whoever
 # holds it could forge a chain. Derived from SECRET_KEY unless set, so set it explicitly in
 # production and keep it when SECRET_KEY rotates (a new key cannot verify old events).
@@ -555,6 +561,8 @@ _LEAST = {
     "ZEROMEM_SUMMARIZE_IDLE_MINUTES": 0,
     "ZEROMEM_LLM_TIMEOUT_SECONDS": 0.001,
     "ZEROMEM_JOB_MAX_ATTEMPTS": 1,
+    "ZEROMEM_TENANT_MAX_PENDING_JOBS": 1,
+    "ZEROMEM_TENANT_MAX_PENDING_FORGETS": 1,
     "ZEROMEM_AUDIT_RETENTION_DAYS": 1,
     "ZEROMEM_AUDIT_SEAL_BATCH": 1,
     "ZEROMEM_AUDIT_SEAL_WAIT": 0,

@@ -44,6 +44,7 @@ from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import keyring, search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
+from memories.services.jobs import require_pending_room
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
 from memories.services.summaries import summary_expiry, summary_without
 from zeromem.kernel import validation
@@ -104,8 +105,13 @@ def forget_request_create(
     subject of an end-user actor): summaries derived from the target outside that reach
     are rebuilt without the forgotten sources when it runs, never erased whole.
 
-    Cost: one INSERT and the audit INSERT in one transaction; after its commit, the queue
-    INSERT (ORM broker). A failed enqueue is logged, not raised: the request is stored, and
+    An API key's or end user's request past the tenant's
+    ``ZEROMEM_TENANT_MAX_PENDING_FORGETS`` pending (received or running) requests is refused
+    (429 ``too_many_jobs``, nothing stored; :func:`~memories.services.jobs.require_pending_room`):
+    the workers are shared by every tenant. Staff and the system are not capped.
+
+    Cost: the cap's lock and COUNT, one INSERT and the audit INSERT in one transaction; after
+    its commit, the queue INSERT (ORM broker). A failed enqueue is logged, not raised: the request is stored, and
     :func:`forget_requests_resume` enqueues it later.
     """
     with audited_operation(tenant=tenant, actor=actor, action="forget.create") as op:
@@ -115,6 +121,14 @@ def forget_request_create(
         reason = _validated_reason(reason)
         days = validation.bounded_int(
             due_in_days, field="due_in_days", default=DUE_IN_DAYS_DEFAULT, low=1, high=DUE_IN_DAYS_MAX
+        )
+        require_pending_room(
+            tenant=tenant,
+            actor=actor,
+            kind="forget",
+            pending=ForgetRequest.objects.filter(tenant=tenant, status__in=PENDING),  # forget_tenant_status_due
+            limit=settings.ZEROMEM_TENANT_MAX_PENDING_FORGETS,
+            setting="ZEROMEM_TENANT_MAX_PENDING_FORGETS",
         )
         now = timezone.now()
         request = ForgetRequest.objects.create(
