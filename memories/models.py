@@ -465,6 +465,9 @@ class ForgetRequest(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveSmallIntegerField(default=0)
+    # Attempts in a row that erased nothing (reset by each batch): what ZEROMEM_JOB_MAX_ATTEMPTS
+    # bounds, so a target too large for one attempt is never given up while it shrinks.
+    stalled_attempts = models.PositiveSmallIntegerField(default=0)
     # When the request last moved (accepted, attempt started, batch erased, re-enqueued): a
     # pending request that has not moved for Q_CLUSTER["retry"] seconds lost its worker or
     # its queue entry, and forget_requests_resume() enqueues it again.
