@@ -405,6 +405,8 @@ class Job(models.Model):
 
     # A job in one of these states is over: it never runs again (and may be purged).
     FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+    # Waiting for a worker or on one: what the per-tenant cap counts (job_tenant_pending).
+    PENDING = (Status.QUEUED, Status.RUNNING)
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs", db_index=False)
     kind = models.CharField(max_length=16, choices=Kind.choices)
@@ -430,7 +432,16 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["tenant", "created_at"], name="job_tenant_created")]
+        indexes = [
+            models.Index(fields=["tenant", "created_at"], name="job_tenant_created"),
+            # The per-tenant cap's COUNT (services.jobs.require_pending_room) and the schedules'
+            # look for pending jobs: a few rows per tenant, whatever the finished ones number.
+            models.Index(
+                fields=["tenant", "kind"],
+                condition=models.Q(status__in=["queued", "running"]),
+                name="job_tenant_pending",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.pk} ({self.status})"
@@ -463,6 +474,9 @@ class ForgetRequest(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveSmallIntegerField(default=0)
+    # Attempts in a row that erased nothing (reset by each batch): what ZEROMEM_JOB_MAX_ATTEMPTS
+    # bounds, so a target too large for one attempt is never given up while it shrinks.
+    stalled_attempts = models.PositiveSmallIntegerField(default=0)
     # When the request last moved (accepted, attempt started, batch erased, re-enqueued): a
     # pending request that has not moved for Q_CLUSTER["retry"] seconds lost its worker or
     # its queue entry, and forget_requests_resume() enqueues it again.

@@ -623,7 +623,7 @@ def test_overdue_and_status_filters(api, tenant_a, django_capture_on_commit_call
     forget.forget_request_execute(request_id=done_late.pk)
     _age(done_late, due_days_ago=2)
     failed = create(subject="failed")
-    ForgetRequest.objects.filter(pk=failed.pk).update(attempts=99)
+    ForgetRequest.objects.filter(pk=failed.pk).update(attempts=99, stalled_attempts=99)
     forget.forget_request_execute(request_id=failed.pk)  # gives up: failed
     _age(failed, due_days_ago=3)
 
@@ -776,6 +776,63 @@ def test_attempts_are_bounded_and_then_the_request_fails(
     # Final: later deliveries neither retry nor count.
     assert forget.forget_request_execute(request_id=request.pk)["status"] == "failed"
     assert ForgetRequest.objects.get(pk=request.pk).attempts == 3
+
+
+def test_a_forget_that_erases_something_on_every_attempt_is_never_given_up(tenant_a, monkeypatch, settings):
+    """A subject too large for one attempt (~1,500 memories/s here: ~450k per Q_TIMEOUT of
+    300 s) was killed by the timeout on every attempt, each one erasing batches, and marked
+    failed for good after ZEROMEM_JOB_MAX_ATTEMPTS — the obligation left unmet. Only attempts
+    in a row that erase nothing count."""
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 2
+    for n in range(5):
+        write(tenant_a, f"user:u1:k{n}", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    real = forget._erase_batch
+
+    def one_batch_then_killed(request_id, *, batch_size, **kwargs):
+        # The first batch of each attempt commits; the worker then dies (Q_TIMEOUT's kill).
+        if calls.pop():
+            raise ConnectionError("worker killed by the timeout")
+        return real(request_id, batch_size=batch_size, **kwargs)
+
+    monkeypatch.setattr(forget, "_erase_batch", one_batch_then_killed)
+    for attempt in range(1, 4):  # batches of 2: three attempts erase 2, 2 and 1 memories
+        calls = [True, False]
+        with pytest.raises(ConnectionError):
+            forget.forget_request_execute(request_id=request.pk, batch_size=2)
+        assert ForgetRequest.objects.get(pk=request.pk).status == "running", f"given up at attempt {attempt}"
+    calls = [False, False, False]
+    assert forget.forget_request_execute(request_id=request.pk, batch_size=2)["status"] == "completed"
+    done = ForgetRequest.objects.get(pk=request.pk)
+    assert done.attempts == 4 and done.receipt["memories"] == 5
+    assert not Memory.objects.filter(tenant=tenant_a, subject="u1").exists()
+
+
+def test_a_long_forget_hands_its_worker_back_and_continues_at_the_back_of_the_queue(tenant_a, tenant_b, monkeypatch):
+    """One request held a worker until it ended or Q_TIMEOUT killed it: two of one tenant's
+    huge forgets held both default workers, every other tenant's job waiting behind. After
+    FORGET_SLICE_SECONDS of batches it enqueues itself again (the back of the line) and
+    returns, so the other tenants' jobs queued meanwhile run first."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueued for real, run here by hand
+    monkeypatch.setattr(forget, "FORGET_SLICE_SECONDS", 0)  # every batch is a slice's last
+    for n in range(3):
+        write(tenant_a, f"user:u1:k{n}", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    OrmQ.objects.all().delete()  # (its enqueue on commit did not run: no commit in this test)
+
+    result = forget.forget_request_execute(request_id=request.pk, batch_size=2)
+    assert result["status"] == "running" and result["continued"] is True
+    assert ForgetRequest.objects.get(pk=request.pk).receipt["batches"] == 1
+    assert Memory.objects.filter(tenant=tenant_a, subject="u1").count() == 1
+    (entry,) = OrmQ.objects.all()
+    assert SignedPackage.loads(entry.payload)["args"] == (request.pk,)
+
+    assert forget.forget_request_execute(request_id=request.pk, batch_size=2)["status"] == "running"
+    assert forget.forget_request_execute(request_id=request.pk, batch_size=2)["status"] == "completed"
+    done = ForgetRequest.objects.get(pk=request.pk)
+    assert done.receipt["memories"] == 3 and done.receipt["batches"] == 2
 
 
 def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django_capture_on_commit_callbacks):

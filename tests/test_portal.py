@@ -506,6 +506,21 @@ def test_asking_again_while_a_request_is_pending_leads_to_that_request(api, seed
     assert {e.detail["forget_request"] for e in created} == {request.pk}
 
 
+def test_forgetting_while_the_tenant_is_at_its_pending_forgets_cap_is_a_429_page_and_files_nothing(
+    api, seeded, settings
+):
+    # The cap (ZEROMEM_TENANT_MAX_PENDING_FORGETS) counts the tenant's pending requests, the
+    # portal's too: many end users' sessions must not fill the queue every tenant shares.
+    tenant_a, _ = seeded
+    settings.ZEROMEM_TENANT_MAX_PENDING_FORGETS = 1
+    assert api.post("/api/v1/forget-requests", {"subject": "u2"}).status_code == 202
+    client = open_portal(issue(api)["url"])
+    r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "all", "confirm": "yes"})
+    assert r.status_code == 429 and int(r["Retry-After"]) >= 1
+    assert "try again" in page_text(r).lower()
+    assert ForgetRequest.objects.filter(tenant=tenant_a).count() == 1
+
+
 def test_asking_again_after_the_request_was_carried_out_files_a_new_one(
     api, seeded, django_capture_on_commit_callbacks
 ):

@@ -421,6 +421,12 @@ ZEROMEM_JOB_MAX_ATTEMPTS = env.int("ZEROMEM_JOB_MAX_ATTEMPTS", default=5)
 # limit): an ALTER behind a long transaction fails fast instead of queueing the table's
 # requests behind it (memories/management/commands/migrate.py).
 ZEROMEM_MIGRATION_LOCK_TIMEOUT = env.float("ZEROMEM_MIGRATION_LOCK_TIMEOUT", default=5.0)
+# Jobs one tenant may have pending (queued or running) at once, per kind; past it an API key or
+# an end user gets 429 too_many_jobs (memories/services/jobs.py). django-q2's queue is one FIFO
+# line for every tenant: without a cap one key at its rate limit grew it without bound, and
+# every other tenant's forget requests waited behind it.
+ZEROMEM_TENANT_MAX_PENDING_JOBS = env.int("ZEROMEM_TENANT_MAX_PENDING_JOBS", default=20)
+ZEROMEM_TENANT_MAX_PENDING_FORGETS = env.int("ZEROMEM_TENANT_MAX_PENDING_FORGETS", default=100)
 # Audit log (audit/chain.py). The key of its hashes must live outside the database: whoever
 # holds it could forge a chain. Derived from SECRET_KEY unless set, so set it explicitly in
 # production and keep it when SECRET_KEY rotates (a new key cannot verify old events).
@@ -560,6 +566,8 @@ _LEAST = {
     "ZEROMEM_LLM_TIMEOUT_SECONDS": 0.001,
     "ZEROMEM_JOB_MAX_ATTEMPTS": 1,
     "ZEROMEM_MIGRATION_LOCK_TIMEOUT": 0,
+    "ZEROMEM_TENANT_MAX_PENDING_JOBS": 1,
+    "ZEROMEM_TENANT_MAX_PENDING_FORGETS": 1,
     "ZEROMEM_AUDIT_RETENTION_DAYS": 1,
     "ZEROMEM_AUDIT_SEAL_BATCH": 1,
     "ZEROMEM_AUDIT_SEAL_WAIT": 0,

@@ -27,7 +27,7 @@ from memories.portal.services import LinkRefused, portal_link_open, portal_sessi
 from memories.services import subjects
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound, TenantBusy
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
 from zeromem.kit.http import client_ip
@@ -267,6 +267,9 @@ def forget(request):
         )
     except (InvalidInput, Forbidden) as exc:
         return _service_error(request, exc)
+    except TenantBusy as exc:  # the tenant's pending forget requests are at their cap
+        message = "Too many requests to forget are waiting to be carried out here right now. Try again in a minute."
+        return _too_many(request, exc.extra.get("retry_after", 10), message)
     return HttpResponseRedirect(reverse("portal-request", kwargs={"request_id": forget_request.pk}))
 
 

@@ -27,6 +27,7 @@ not the subject or keys: the request row is the one place that names the target.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
@@ -45,6 +46,7 @@ from memories import keyring, search
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
 from memories.services.idempotency import holds_no_values as idempotency_holds_no_values
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
+from memories.services.jobs import require_pending_room
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
 from memories.services.summaries import summary_expiry, summary_without
 from zeromem.kernel import validation
@@ -67,6 +69,10 @@ ERASE_BATCH_SIZE = 500
 # Summaries of summaries are erased too; this bounds the walk down the lineage per batch.
 LINEAGE_DEPTH_MAX = 10
 RESUME_MAX = 1000
+# A run erases batches for at most this long (and at most half of Q_TIMEOUT), then enqueues the
+# request again, at the back of the queue every tenant shares, and hands its worker back: a
+# huge target no longer holds a worker until Q_TIMEOUT kills it, while other tenants wait.
+FORGET_SLICE_SECONDS = 60
 PK_MAX = 2**63 - 1
 FORGET_JOB = "forget"
 TASK = "memories.tasks.forget_request_task"
@@ -110,9 +116,15 @@ def forget_request_create(
     in the same transaction as holding no memory value (:func:`idempotency.holds_no_values`):
     the forget may complete before that request stores its answer, and must not drop it.
 
-    Cost: one INSERT and the audit INSERT in one transaction (and the claim's UPDATE); after
-    its commit, the queue INSERT (ORM broker). A failed enqueue is logged, not raised: the request is stored, and
-    :func:`forget_requests_resume` enqueues it later.
+    An API key's or end user's request past the tenant's
+    ``ZEROMEM_TENANT_MAX_PENDING_FORGETS`` pending (received or running) requests is refused
+    (429 ``too_many_jobs``, nothing stored; :func:`~memories.services.jobs.require_pending_room`):
+    the workers are shared by every tenant. Staff and the system are not capped.
+
+    Cost: the cap's lock and COUNT, one INSERT and the audit INSERT in one transaction (and the
+    claim's UPDATE); after its commit, the queue INSERT (ORM broker). A failed enqueue is
+    logged, not raised: the request is stored, and :func:`forget_requests_resume` enqueues it
+    later.
     """
     with audited_operation(tenant=tenant, actor=actor, action="forget.create") as op:
         require_scope(actor, Scope.FORGET_CREATE)
@@ -121,6 +133,14 @@ def forget_request_create(
         reason = _validated_reason(reason)
         days = validation.bounded_int(
             due_in_days, field="due_in_days", default=DUE_IN_DAYS_DEFAULT, low=1, high=DUE_IN_DAYS_MAX
+        )
+        require_pending_room(
+            tenant=tenant,
+            actor=actor,
+            kind="forget",
+            pending=ForgetRequest.objects.filter(tenant=tenant, status__in=PENDING),  # forget_tenant_status_due
+            limit=settings.ZEROMEM_TENANT_MAX_PENDING_FORGETS,
+            setting="ZEROMEM_TENANT_MAX_PENDING_FORGETS",
         )
         now = timezone.now()
         request = ForgetRequest.objects.create(
@@ -311,14 +331,18 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
     """Carry out one request (the job). Idempotent and safe to run again at any point, also
     concurrently with itself (each batch locks the request row).
 
-    1. Count an attempt in its own transaction; past ``ZEROMEM_JOB_MAX_ATTEMPTS`` the
-       request is marked failed instead (bounds endless redelivery).
+    1. Count an attempt in its own transaction; past ``ZEROMEM_JOB_MAX_ATTEMPTS`` attempts in
+       a row that erased nothing the request is marked failed instead (bounds endless
+       redelivery; an attempt that erased a batch made progress, and a large target may need
+       many).
     2. Erase in batches of up to ``batch_size`` memories; each batch is one transaction:
        the memories (live, trashed and expired), their versions, the summaries derived
        from them (lineage, transitively), their admin log entries, the receipt's running
        totals and one audit event. Cost per batch: a SELECT on the target's index, a
        lineage SELECT per level, the DELETEs, an UPDATE of the request and the audit
        INSERT (PostgreSQL: 10k memories with 2 versions each in ~2-3 s, bench_forget).
+       After ``FORGET_SLICE_SECONDS`` of batches the run enqueues the request again and
+       returns (``"continued": true``): the worker goes back to the shared queue.
     3. Destroy the subject's data keys (crypto-shredding, :func:`_shred`), after every write
        sealing under them has committed (keyring.shred waits for them); then erase again
        whatever such a write left.
@@ -336,8 +360,14 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
         return _result(request)
     try:
         wal_compression = wal_compression_for_erasure()
+        deadline = time.monotonic() + min(FORGET_SLICE_SECONDS, settings.Q_CLUSTER["timeout"] / 2)
         while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
-            pass
+            if time.monotonic() >= deadline:
+                # The rest in a later run, behind what other tenants queued meanwhile. A lost
+                # enqueue is picked up by forget_requests_resume once the request stops moving.
+                _enqueue(request_id)
+                request.refresh_from_db()
+                return {**_result(request), "continued": True}
         if _shred(request_id):
             # The shred waited for writes sealing under the subject's keys (keyring.shred):
             # what they committed after the batches above is erased too, not left sealed
@@ -416,12 +446,25 @@ def _start_attempt(request_id: int) -> ForgetRequest | None:
             return request
         now = timezone.now()
         attempts = request.attempts + 1
+        stalled = request.stalled_attempts + 1  # reset by every batch erased (_erase_batch)
         actor = Actor.system(job=FORGET_JOB)
         limit = settings.ZEROMEM_JOB_MAX_ATTEMPTS
-        if attempts > limit:
-            error = f"gave up after {limit} attempts" + (f"; last error: {request.error}" if request.error else "")
+        if stalled > limit:
+            error = (
+                f"gave up after {limit} attempts"
+                + (" in a row that erased nothing" if stalled != attempts else "")
+                + (f"; last error: {request.error}" if request.error else "")
+            )
             receipt = {**request.receipt, "failed_at": _iso(now)}
-            _advance(request_id, Status.FAILED, attempts=attempts, error=error, receipt=receipt, progress_at=now)
+            _advance(
+                request_id,
+                Status.FAILED,
+                attempts=attempts,
+                stalled_attempts=stalled,
+                error=error,
+                receipt=receipt,
+                progress_at=now,
+            )
             audit_record(
                 tenant=request.tenant,
                 actor=actor,
@@ -435,6 +478,7 @@ def _start_attempt(request_id: int) -> ForgetRequest | None:
                 request_id,
                 Status.RUNNING,
                 attempts=attempts,
+                stalled_attempts=stalled,
                 started_at=request.started_at or now,
                 receipt=receipt,
                 progress_at=now,
@@ -565,7 +609,7 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
             receipt[name] = receipt.get(name, 0) + n
         receipt["summaries_rebuilt"] = sorted(set(receipt.get("summaries_rebuilt", [])) | set(rebuilt))
         now = timezone.now()
-        ForgetRequest.objects.filter(pk=request_id).update(receipt=receipt, progress_at=now)
+        ForgetRequest.objects.filter(pk=request_id).update(receipt=receipt, progress_at=now, stalled_attempts=0)
         audit_record(
             tenant=request.tenant,
             actor=Actor.system(job=FORGET_JOB),

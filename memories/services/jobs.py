@@ -6,6 +6,8 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import connection
+from django.db.models import QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -13,12 +15,55 @@ from audit.services import audited_operation
 from memories.models import ApiKey, Job, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import NotFound
-from zeromem.kernel.outcomes import Outcome
+from zeromem.kernel.errors import NotFound, TenantBusy
+from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
 
 # At most this many job ids are named in a cancellation's audit event (its count has them all).
 CANCEL_EVENT_MAX_IDS = 100
+
+# pg_advisory_xact_lock namespaces (with the tenant id): one tenant's starts of one kind take
+# turns for the few milliseconds of their count and INSERT, so the cap is exact.
+_PENDING_LOCK_NAMESPACES = {"summarize": 0x5A4A, "forget": 0x5A46}  # "ZJ", "ZF"
+# What a refused caller is told to wait: jobs take from milliseconds to minutes, so this is a
+# polling interval, not a promise.
+PENDING_RETRY_AFTER_SECONDS = 10
+# Who is capped: the callers a program drives at API rate. Staff (a console, by hand) and the
+# schedules (bounded by their own batches; the idle-sessions schedule keeps to the cap itself)
+# are not, so support can still file a forget request for a tenant at its cap.
+CAPPED_ACTORS = (ActorKind.API_KEY, ActorKind.END_USER)
+
+
+class TooManyJobs(TenantBusy):
+    """The tenant already has as many jobs of this kind pending as it may (429)."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message, code="too_many_jobs", field=field, retry_after=PENDING_RETRY_AFTER_SECONDS)
+
+
+def require_pending_room(
+    *, tenant: Tenant, actor: Actor, kind: str, pending: QuerySet, limit: int, setting: str, field: str | None = None
+) -> None:
+    """Refuse (:class:`TooManyJobs`) a new job of ``kind`` when the tenant already has
+    ``limit`` of them ``pending`` (queued or running). Must run inside the transaction that
+    then inserts the job: on PostgreSQL it takes a transaction-level advisory lock on (kind,
+    tenant), so concurrent starts of one tenant count each other's rows; other tenants never
+    wait on it. The queue every tenant shares is one FIFO line, so this cap is what bounds
+    how many of one tenant's jobs another tenant's job can find ahead of it.
+
+    Cost: the lock and one COUNT on a pending-rows index; nothing for staff or the schedules."""
+    if actor.kind not in CAPPED_ACTORS:
+        return
+    if connection.vendor == "postgresql":  # SQLite: one writing transaction at a time anyway
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_PENDING_LOCK_NAMESPACES[kind], tenant.pk])
+    if pending.count() >= limit:
+        what = "summarize jobs" if kind == "summarize" else "forget requests"
+        raise TooManyJobs(
+            f"this tenant already has {limit} {what} queued or running ({setting}); "
+            "retry once one of them has finished",
+            field=field,
+        )
 
 
 def cancelled_error(reason: str) -> str:

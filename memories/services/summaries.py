@@ -49,7 +49,7 @@ from django.utils import timezone
 from audit.services import AuditedOperation, audited_operation
 from memories.models import ApiKey, Job, Memory, Tenant
 from memories.services import retention, sensitivity
-from memories.services.jobs import cancelled_error
+from memories.services.jobs import cancelled_error, require_pending_room
 from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
@@ -107,7 +107,10 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
     Needs ``memory:read`` and ``memory:write`` (and ``memory:delete`` with ``archive``), and
     an allowlist that covers both the prefix and the summary key: the job writes (and may
     archive) on the caller's behalf. The job row holds the prefix and the flag, no values.
-    Cost: the job INSERT and the audit INSERT; the work is enqueued after commit.
+    An API key's start past the tenant's ``ZEROMEM_TENANT_MAX_PENDING_JOBS`` pending summarize
+    jobs is refused (429 ``too_many_jobs``, :func:`~memories.services.jobs.require_pending_room`).
+    Cost: the cap's lock and COUNT, the job INSERT and the audit INSERT; the work is enqueued
+    after commit.
     """
     with audited_operation(tenant=tenant, actor=actor, action="memory.summarize", target=prefix) as op:
         prefix = validation.prefix(prefix)
@@ -136,6 +139,14 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
                 f"(the prefix and its summary key '{summary_key(prefix)}')",
                 field="prefix",
             )
+        require_pending_room(
+            tenant=tenant,
+            actor=actor,
+            kind="summarize",
+            pending=Job.objects.filter(tenant=tenant, kind=Job.Kind.SUMMARIZE, status__in=Job.PENDING),
+            limit=settings.ZEROMEM_TENANT_MAX_PENDING_JOBS,
+            setting="ZEROMEM_TENANT_MAX_PENDING_JOBS",
+        )
         job = Job.objects.create(
             tenant=tenant,
             kind=Job.Kind.SUMMARIZE,
@@ -637,7 +648,8 @@ def summarize_idle_sessions(*, idle_minutes: int | None = None, now: datetime | 
     ``settings.ZEROMEM_SUMMARIZE_IDLE_PREFIXES`` (``session:s1:`` under ``session:``) whose
     newest live memory is older than ``idle_minutes`` (default
     ``ZEROMEM_SUMMARIZE_IDLE_MINUTES``), with no summary written since and no summarize job
-    pending for it. Returns the number of jobs started (at most ``IDLE_BATCH`` per run).
+    pending for it. Returns the number of jobs started (at most ``IDLE_BATCH`` per run, and no
+    tenant past ``ZEROMEM_TENANT_MAX_PENDING_JOBS`` pending summarize jobs).
 
     Cost: three aggregate queries (newest memory per namespace, summaries, pending jobs),
     whatever the number of memories; then one job and audit INSERT per session started.
@@ -679,6 +691,7 @@ def summarize_idle_sessions(*, idle_minutes: int | None = None, now: datetime | 
         .values_list("tenant_id", "key", "updated_at")
     }
     pending: set[tuple[int, str]] = set()
+    room = {t: settings.ZEROMEM_TENANT_MAX_PENDING_JOBS for t, _p in idle_sessions}  # per tenant
     failed: dict[tuple[int, str], datetime] = {}  # the latest failure within IDLE_FAILED_BACKOFF
     for tenant_id, prefix, status, finished_at in Job.objects.filter(
         Q(status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
@@ -690,6 +703,7 @@ def summarize_idle_sessions(*, idle_minutes: int | None = None, now: datetime | 
             failed[(tenant_id, prefix)] = max(finished_at, failed.get((tenant_id, prefix), finished_at))
         else:
             pending.add((tenant_id, prefix))
+            room[tenant_id] -= 1
 
     def needs_summary(slot, newest_at) -> bool:
         summary_at = summarized.get((slot[0], summary_key(slot[1])))
@@ -703,8 +717,16 @@ def summarize_idle_sessions(*, idle_minutes: int | None = None, now: datetime | 
             and (failed_at is None or failed_at < newest_at)
         )
 
-    # Longest idle first, so a backlog larger than one batch drains in order.
-    due = sorted((t, slot) for slot, t in idle_sessions.items() if needs_summary(slot, t))[:IDLE_BATCH]
+    # Longest idle first, so a backlog larger than one batch drains in order; but no tenant
+    # past ZEROMEM_TENANT_MAX_PENDING_JOBS pending, counting the jobs started here: one tenant's
+    # thousands of old sessions took the whole batch on every run, and the others' waited.
+    due = []
+    for t, slot in sorted((t, slot) for slot, t in idle_sessions.items() if needs_summary(slot, t)):
+        if len(due) == IDLE_BATCH:
+            break
+        if room[slot[0]] > 0:
+            room[slot[0]] -= 1
+            due.append((t, slot))
     tenants = Tenant.objects.in_bulk({tenant_id for _t, (tenant_id, _p) in due})
     actor = Actor.system(job="summarize_idle")
     for _t, (tenant_id, prefix) in due:

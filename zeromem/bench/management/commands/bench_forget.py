@@ -229,19 +229,25 @@ class Command(BenchCommand):
     @staticmethod
     def _work_the_queue(request_id: int, batch_size: int) -> dict:
         """What a django-q2 worker does with the entry the POST enqueued: take it from the
-        broker, unsign it, run its function, acknowledge it. Returns the request's result."""
+        broker, unsign it, run its function, acknowledge it — again for each continuation a
+        run longer than ``forget.FORGET_SLICE_SECONDS`` enqueued. Returns the request's result."""
         name = f"forget-request-{request_id}"
         broker = get_broker()
-        for _ in range(100):
+        polls_without_it = 0
+        while polls_without_it < 100:
+            polls_without_it += 1
             for ack_id, payload in broker.dequeue() or []:
                 task = SignedPackage.loads(payload)
                 if task["name"] != name:
                     continue
                 if task["func"] != services.forget.TASK or task["args"] != (request_id,):
                     raise CommandError(f"unexpected queue entry {task['func']}{task['args']}")
+                polls_without_it = 0
                 # The task is a thin wrapper of this call; the bench's --batch-size passed on.
                 services.forget_request_execute(request_id=request_id, batch_size=batch_size)
                 broker.acknowledge(ack_id)
                 request = ForgetRequest.objects.get(pk=request_id)
+                if request.status == ForgetRequest.Status.RUNNING:
+                    continue  # its slice ended: the continuation is in the queue
                 return {"status": request.status, "receipt": request.receipt}
         raise CommandError(f"{name} never reached the queue")

@@ -1,0 +1,19 @@
+"""``ForgetRequest.stalled_attempts``: attempts in a row that erased nothing, reset by every
+erased batch. ``ZEROMEM_JOB_MAX_ATTEMPTS`` bounds it instead of ``attempts``, so a target too
+large for one attempt (killed by ``Q_TIMEOUT`` after erasing batches) is never marked failed
+while it shrinks. A constant default: PostgreSQL adds the column without rewriting the table.
+"""
+
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+    dependencies = [("memories", "0026_job_tenant_pending")]
+
+    operations = [
+        migrations.AddField(
+            model_name="forgetrequest",
+            name="stalled_attempts",
+            field=models.PositiveSmallIntegerField(default=0),
+        ),
+    ]
