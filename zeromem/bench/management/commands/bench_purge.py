@@ -344,8 +344,8 @@ class Command(BenchCommand):
             )
             cursor.execute(
                 """INSERT INTO memories_memoryversion (tenant_id, memory_id, version, value, op, actor_kind, actor_id,
-                       created_at, sensitive)
-                   SELECT tenant_id, id, 1, value, 'write', 'system', '', now(), false FROM memories_memory
+                       created_at, sensitive, subject)
+                   SELECT tenant_id, id, 1, value, 'write', 'system', '', now(), false, subject FROM memories_memory
                    WHERE tenant_id = %s AND key LIKE %s""",
                 [tenant.pk, f"session:{tag}s%"],
             )
