@@ -229,6 +229,39 @@ def test_an_end_users_forget_of_one_key_erases_their_versions_of_it_and_keeps_th
     assert MemoryVersion.objects.filter(memory=city, subject="u1").count() == 1
 
 
+@pytest.mark.parametrize("after_hand_over", ["summarized_again", "trashed", "tagged"])
+def test_a_summary_made_while_a_handed_over_key_was_theirs_goes_whatever_happened_to_it_since(
+    tenant_a, after_hand_over, django_capture_on_commit_callbacks
+):
+    """Whether a summary holds the forgotten user's value was judged by its last write
+    (``updated_at``) alone: a summary made from u1's value and then made again from u2's kept
+    u1's text in its history; one trashed or re-tagged after the hand-over kept it as its value."""
+    write(tenant_a, "shared:profile", f"{CANARY} u1", subject="u1")
+    write(tenant_a, "shared:other", "u3 only", subject="u3")
+    made = summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)
+    assert CANARY in str(made.value)
+    write(tenant_a, "shared:profile", "u2 now", subject="u2")  # handed over
+    if after_hand_over == "summarized_again":
+        summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)  # of u2's value now
+    elif after_hand_over == "trashed":
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=made.key)
+    else:
+        services.memory_update(tenant=tenant_a, actor=SYSTEM, key=made.key, tags=["kept"])
+
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+
+    assert request.status == "completed"
+    assert not [m.key for m in Memory.objects.filter(tenant=tenant_a) if CANARY in str(m.value)]
+    assert not [
+        (v.memory_id, v.version) for v in MemoryVersion.objects.filter(tenant=tenant_a) if CANARY in str(v.value)
+    ]
+    assert request.receipt["summaries"] == 1  # staff reach every summary: erased whole
+    profile = Memory.objects.get(tenant=tenant_a, key="shared:profile")
+    assert (profile.value, profile.subject) == ("u2 now", "u2")
+
+
 def test_forget_by_prefix_follows_lineage_to_summaries_without_the_subject(
     api, tenant_a, django_capture_on_commit_callbacks
 ):

@@ -36,8 +36,9 @@ from django.conf import settings
 from django.contrib.admin.models import LogEntry
 from django.contrib.contenttypes.models import ContentType
 from django.db import connection, transaction
-from django.db.models import BooleanField, Q, QuerySet
+from django.db.models import BooleanField, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.expressions import RawSQL
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 from django_q.tasks import async_task
 
@@ -693,22 +694,29 @@ def _own_subject(request: ForgetRequest) -> str:
 
 
 def _made_from_their_values(summary: Memory, *, subject: str, held: dict[str, int]) -> bool:
-    """Whether ``summary`` was last written while one of its sources in ``held`` (key →
-    memory id) held ``subject``'s value: the source's latest version written at or before the
-    summary's last write is theirs (or is gone: erased by an earlier batch). A summary made
-    after the key went to someone else holds their value, not the forgotten one's.
-    Cost: one indexed SELECT per such source."""
+    """Whether ``summary`` holds, now or in its history, a value one of its sources in ``held``
+    (key → memory id) had while it was ``subject``'s: at its last write or at any of its
+    versions, the source's latest version written at or before then is theirs (or is gone:
+    erased by an earlier batch). A summary made only after the key went to someone else holds
+    their value, not the forgotten one's. Not its last write alone: a summary made from the
+    forgotten value and since made again (its old version keeps that text), trashed or
+    re-tagged (its value still is that text) was left holding it.
+    Cost: per such source, one indexed SELECT and one over the summary's versions."""
     for key in summary.sources:
         memory_id = held.get(key)
         if memory_id is None:
             continue
-        then = (
-            MemoryVersion.objects.filter(memory_id=memory_id, created_at__lte=summary.updated_at)
-            .order_by("-version")
-            .values_list("subject", flat=True)
-            .first()
-        )
+        versions = MemoryVersion.objects.filter(memory_id=memory_id).order_by("-version")
+        then = versions.filter(created_at__lte=summary.updated_at).values_list("subject", flat=True).first()
         if then is None or then == subject:
+            return True
+        at_each = Subquery(versions.filter(created_at__lte=OuterRef("created_at")).values("subject")[:1])
+        if (
+            MemoryVersion.objects.filter(memory_id=summary.pk)
+            .annotate(then=Coalesce(at_each, Value(subject)))
+            .filter(then=subject)
+            .exists()
+        ):
             return True
     return False
 
