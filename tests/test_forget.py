@@ -868,6 +868,51 @@ def test_a_long_forget_hands_its_worker_back_and_continues_at_the_back_of_the_qu
     assert done.receipt["memories"] == 3 and done.receipt["batches"] == 2
 
 
+def test_a_second_delivery_of_a_sliced_forget_does_not_become_a_second_chain_of_slices(
+    tenant_a, settings, monkeypatch, django_capture_on_commit_callbacks
+):
+    """Each slice enqueues its continuation. A second delivery of the request — the resume
+    schedule's, once a continuation waited in a long queue past Q_RETRY, or a redelivery —
+    continued too, at every one of its slices: two runs of one request for ever after (each a
+    worker, the second mostly waiting on the first's row lock), a third at the next resume,
+    while every other tenant's job waited behind them. A continuation that another run has
+    overtaken ends at once; one line of slices is left."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueued for real, run here by hand
+    monkeypatch.setattr(forget, "FORGET_SLICE_SECONDS", 0)  # every batch is a slice's last
+    for n in range(8):
+        write(tenant_a, f"user:u1:k{n}", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    OrmQ.objects.all().delete()  # (its enqueue on commit did not run: no commit in this test)
+
+    def run_queue():
+        entries = list(OrmQ.objects.order_by("pk"))
+        OrmQ.objects.filter(pk__in=[e.pk for e in entries]).delete()
+        for entry in entries:
+            task = SignedPackage.loads(entry.payload)
+            (request_id,) = task["args"]
+            forget.forget_request_execute(request_id=request_id, **task["kwargs"], batch_size=1)
+        return len(entries)
+
+    forget.forget_request_execute(request_id=request.pk, batch_size=1)  # slice 1: its continuation queued
+    # The continuation waits in a long queue; the resume schedule finds the request not moving.
+    long_ago = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"] + 1)
+    ForgetRequest.objects.filter(pk=request.pk).update(progress_at=long_ago)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.forget_requests_resume() == 1
+    assert OrmQ.objects.count() == 2
+
+    assert run_queue() == 2  # both continue (neither knew of the other when it started)...
+    assert run_queue() == 2
+    assert OrmQ.objects.count() == 1  # ...then the overtaken one ends: one line of slices again
+    while run_queue():
+        pass
+    done = ForgetRequest.objects.get(pk=request.pk)
+    assert done.status == "completed" and done.receipt["memories"] == 8
+    assert not Memory.objects.filter(tenant=tenant_a, subject="u1").exists()
+
+
 def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django_capture_on_commit_callbacks):
     write(tenant_a, "user:u1:k", "value")
     write(tenant_a, "user:u2:k", "value")

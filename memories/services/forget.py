@@ -245,9 +245,11 @@ def _validated_reason(raw: Any) -> str:
     return raw
 
 
-def _enqueue(request_id: int) -> None:
-    # The payload is the id only: queue and task tables hold nothing a forget must erase.
-    async_task(TASK, request_id, task_name=f"forget-request-{request_id}")
+def _enqueue(request_id: int, *, continues: int | None = None) -> None:
+    # The payload is the id (and a slice's attempt number) only: queue and task tables hold
+    # nothing a forget must erase.
+    extra = {"continues": continues} if continues is not None else {}
+    async_task(TASK, request_id, task_name=f"forget-request-{request_id}", **extra)
 
 
 # --- reading requests ------------------------------------------------------------------
@@ -328,7 +330,9 @@ def _validated_bool(raw: Any, *, field: str) -> bool | None:
 # --- carrying a request out -------------------------------------------------------------
 
 
-def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZE) -> dict:
+def forget_request_execute(
+    *, request_id: int, batch_size: int = ERASE_BATCH_SIZE, continues: int | None = None
+) -> dict:
     """Carry out one request (the job). Idempotent and safe to run again at any point, also
     concurrently with itself (each batch locks the request row).
 
@@ -343,7 +347,11 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
        lineage SELECT per level, the DELETEs, an UPDATE of the request and the audit
        INSERT (PostgreSQL: 10k memories with 2 versions each in ~2-3 s, bench_forget).
        After ``FORGET_SLICE_SECONDS`` of batches the run enqueues the request again and
-       returns (``"continued": true``): the worker goes back to the shared queue.
+       returns (``"continued": true``): the worker goes back to the shared queue. That
+       continuation carries the run's attempt number (``continues``) and does nothing
+       (``"superseded": true``, no attempt counted) when another run of the request has
+       started since — a second delivery (the resume schedule's, a redelivery) then carries
+       the request on alone, instead of both continuing at every slice for ever.
     3. Destroy the subject's data keys (crypto-shredding, :func:`_shred`), after every write
        sealing under them has committed (keyring.shred waits for them); then erase again
        whatever such a write left.
@@ -354,9 +362,11 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
     Returns the request's status and receipt (what django-q2 stores as the task result:
     counts and times, no content).
     """
-    request = _start_attempt(request_id)
+    request, superseded = _start_attempt(request_id, continues=continues)
     if request is None:
         return {"forget_request": request_id, "status": "missing"}
+    if superseded:
+        return {**_result(request), "superseded": True}
     if request.status != Status.RUNNING:
         return _result(request)
     try:
@@ -366,7 +376,7 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
             if time.monotonic() >= deadline:
                 # The rest in a later run, behind what other tenants queued meanwhile. A lost
                 # enqueue is picked up by forget_requests_resume once the request stops moving.
-                _enqueue(request_id)
+                _enqueue(request_id, continues=request.attempts)
                 request.refresh_from_db()
                 return {**_result(request), "continued": True}
         if _shred(request_id):
@@ -438,13 +448,18 @@ def _advance(request_id: int, to: str, **fields) -> bool:
     return bool(ForgetRequest.objects.filter(pk=request_id, status__in=_FORWARD[to]).update(status=to, **fields))
 
 
-def _start_attempt(request_id: int) -> ForgetRequest | None:
+def _start_attempt(request_id: int, *, continues: int | None = None) -> tuple[ForgetRequest | None, bool]:
+    """Count an attempt (or give up). Returns the request and whether this delivery is a
+    slice's continuation (``continues``: the attempt number of the run that enqueued it) that
+    another run has overtaken since: then nothing is counted, and it is to do nothing."""
     with transaction.atomic():
         request = (
             ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=request_id).first()
         )
         if request is None or request.status in FINISHED:
-            return request
+            return request, False
+        if continues is not None and request.attempts != continues:
+            return request, True
         now = timezone.now()
         attempts = request.attempts + 1
         stalled = request.stalled_attempts + 1  # reset by every batch erased (_erase_batch)
@@ -492,7 +507,7 @@ def _start_attempt(request_id: int) -> ForgetRequest | None:
                 detail={"forget_request": request_id, "attempt": attempts},
             )
         request.refresh_from_db()
-        return request
+        return request, False
 
 
 def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
