@@ -262,6 +262,29 @@ def test_a_summary_made_while_a_handed_over_key_was_theirs_goes_whatever_happene
     assert (profile.value, profile.subject) == ("u2 now", "u2")
 
 
+def test_a_summary_first_made_before_a_handed_over_key_existed_and_again_after_stays(
+    tenant_a, django_capture_on_commit_callbacks
+):
+    """Its first version predates the key (no version of it then: not the forgotten user's
+    value), its second was made of the new owner's value: nothing of u1's in it."""
+    write(tenant_a, "shared:other", "u3 only", subject="u3")
+    summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)  # of u3's only
+    write(tenant_a, "shared:profile", f"{CANARY} u1", subject="u1")
+    write(tenant_a, "shared:profile", "u2 now", subject="u2")  # handed over
+    again = summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)
+    assert "u2 now" in str(again.value) and "shared:profile" in again.sources
+    versions = list(MemoryVersion.objects.filter(memory=again).order_by("version").values_list("version", "value"))
+
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+
+    assert request.status == "completed" and request.receipt["summaries"] == 0
+    assert list(MemoryVersion.objects.filter(memory=again).order_by("version").values_list("version", "value")) == (
+        versions
+    )
+
+
 def test_forget_by_prefix_follows_lineage_to_summaries_without_the_subject(
     api, tenant_a, django_capture_on_commit_callbacks
 ):

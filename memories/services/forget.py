@@ -716,7 +716,7 @@ def _made_from_their_values(summary: Memory, *, subject: str, held: dict[str, in
     their value, not the forgotten one's. Not its last write alone: a summary made from the
     forgotten value and since made again (its old version keeps that text), trashed or
     re-tagged (its value still is that text) was left holding it.
-    Cost: per such source, one indexed SELECT and one over the summary's versions."""
+    Cost: per such source, two indexed SELECTs (the second over the summary's versions)."""
     for key in summary.sources:
         memory_id = held.get(key)
         if memory_id is None:
@@ -726,8 +726,10 @@ def _made_from_their_values(summary: Memory, *, subject: str, held: dict[str, in
         if then is None or then == subject:
             return True
         at_each = Subquery(versions.filter(created_at__lte=OuterRef("created_at")).values("subject")[:1])
+        # A version of the summary older than the source memory was made of something else.
+        born = Memory.objects.filter(pk=memory_id).values("created_at")[:1]
         if (
-            MemoryVersion.objects.filter(memory_id=summary.pk)
+            MemoryVersion.objects.filter(memory_id=summary.pk, created_at__gte=Subquery(born))
             .annotate(then=Coalesce(at_each, Value(subject)))
             .filter(then=subject)
             .exists()
