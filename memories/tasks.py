@@ -19,8 +19,8 @@ def purge_expired_task() -> dict:
     return retention.purge_expired()
 
 
-def forget_request_task(request_id: int) -> dict:
-    return forget.forget_request_execute(request_id=request_id)
+def forget_request_task(request_id: int, continues: int | None = None) -> dict:
+    return forget.forget_request_execute(request_id=request_id, continues=continues)
 
 
 def forget_requests_resume_task() -> int:

@@ -229,6 +229,62 @@ def test_an_end_users_forget_of_one_key_erases_their_versions_of_it_and_keeps_th
     assert MemoryVersion.objects.filter(memory=city, subject="u1").count() == 1
 
 
+@pytest.mark.parametrize("after_hand_over", ["summarized_again", "trashed", "tagged"])
+def test_a_summary_made_while_a_handed_over_key_was_theirs_goes_whatever_happened_to_it_since(
+    tenant_a, after_hand_over, django_capture_on_commit_callbacks
+):
+    """Whether a summary holds the forgotten user's value was judged by its last write
+    (``updated_at``) alone: a summary made from u1's value and then made again from u2's kept
+    u1's text in its history; one trashed or re-tagged after the hand-over kept it as its value."""
+    write(tenant_a, "shared:profile", f"{CANARY} u1", subject="u1")
+    write(tenant_a, "shared:other", "u3 only", subject="u3")
+    made = summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)
+    assert CANARY in str(made.value)
+    write(tenant_a, "shared:profile", "u2 now", subject="u2")  # handed over
+    if after_hand_over == "summarized_again":
+        summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)  # of u2's value now
+    elif after_hand_over == "trashed":
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=made.key)
+    else:
+        services.memory_update(tenant=tenant_a, actor=SYSTEM, key=made.key, tags=["kept"])
+
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+
+    assert request.status == "completed"
+    assert not [m.key for m in Memory.objects.filter(tenant=tenant_a) if CANARY in str(m.value)]
+    assert not [
+        (v.memory_id, v.version) for v in MemoryVersion.objects.filter(tenant=tenant_a) if CANARY in str(v.value)
+    ]
+    assert request.receipt["summaries"] == 1  # staff reach every summary: erased whole
+    profile = Memory.objects.get(tenant=tenant_a, key="shared:profile")
+    assert (profile.value, profile.subject) == ("u2 now", "u2")
+
+
+def test_a_summary_first_made_before_a_handed_over_key_existed_and_again_after_stays(
+    tenant_a, django_capture_on_commit_callbacks
+):
+    """Its first version predates the key (no version of it then: not the forgotten user's
+    value), its second was made of the new owner's value: nothing of u1's in it."""
+    write(tenant_a, "shared:other", "u3 only", subject="u3")
+    summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)  # of u3's only
+    write(tenant_a, "shared:profile", f"{CANARY} u1", subject="u1")
+    write(tenant_a, "shared:profile", "u2 now", subject="u2")  # handed over
+    again = summarize(tenant_a, "shared:", django_capture_on_commit_callbacks)
+    assert "u2 now" in str(again.value) and "shared:profile" in again.sources
+    versions = list(MemoryVersion.objects.filter(memory=again).order_by("version").values_list("version", "value"))
+
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+
+    assert request.status == "completed" and request.receipt["summaries"] == 0
+    assert list(MemoryVersion.objects.filter(memory=again).order_by("version").values_list("version", "value")) == (
+        versions
+    )
+
+
 def test_forget_by_prefix_follows_lineage_to_summaries_without_the_subject(
     api, tenant_a, django_capture_on_commit_callbacks
 ):
@@ -833,6 +889,51 @@ def test_a_long_forget_hands_its_worker_back_and_continues_at_the_back_of_the_qu
     assert forget.forget_request_execute(request_id=request.pk, batch_size=2)["status"] == "completed"
     done = ForgetRequest.objects.get(pk=request.pk)
     assert done.receipt["memories"] == 3 and done.receipt["batches"] == 2
+
+
+def test_a_second_delivery_of_a_sliced_forget_does_not_become_a_second_chain_of_slices(
+    tenant_a, settings, monkeypatch, django_capture_on_commit_callbacks
+):
+    """Each slice enqueues its continuation. A second delivery of the request — the resume
+    schedule's, once a continuation waited in a long queue past Q_RETRY, or a redelivery —
+    continued too, at every one of its slices: two runs of one request for ever after (each a
+    worker, the second mostly waiting on the first's row lock), a third at the next resume,
+    while every other tenant's job waited behind them. A continuation that another run has
+    overtaken ends at once; one line of slices is left."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueued for real, run here by hand
+    monkeypatch.setattr(forget, "FORGET_SLICE_SECONDS", 0)  # every batch is a slice's last
+    for n in range(8):
+        write(tenant_a, f"user:u1:k{n}", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    OrmQ.objects.all().delete()  # (its enqueue on commit did not run: no commit in this test)
+
+    def run_queue():
+        entries = list(OrmQ.objects.order_by("pk"))
+        OrmQ.objects.filter(pk__in=[e.pk for e in entries]).delete()
+        for entry in entries:
+            task = SignedPackage.loads(entry.payload)
+            (request_id,) = task["args"]
+            forget.forget_request_execute(request_id=request_id, **task["kwargs"], batch_size=1)
+        return len(entries)
+
+    forget.forget_request_execute(request_id=request.pk, batch_size=1)  # slice 1: its continuation queued
+    # The continuation waits in a long queue; the resume schedule finds the request not moving.
+    long_ago = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"] + 1)
+    ForgetRequest.objects.filter(pk=request.pk).update(progress_at=long_ago)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.forget_requests_resume() == 1
+    assert OrmQ.objects.count() == 2
+
+    assert run_queue() == 2  # both continue (neither knew of the other when it started)...
+    assert run_queue() == 2
+    assert OrmQ.objects.count() == 1  # ...then the overtaken one ends: one line of slices again
+    while run_queue():
+        pass
+    done = ForgetRequest.objects.get(pk=request.pk)
+    assert done.status == "completed" and done.receipt["memories"] == 8
+    assert not Memory.objects.filter(tenant=tenant_a, subject="u1").exists()
 
 
 def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django_capture_on_commit_callbacks):

@@ -36,8 +36,9 @@ from django.conf import settings
 from django.contrib.admin.models import LogEntry
 from django.contrib.contenttypes.models import ContentType
 from django.db import connection, transaction
-from django.db.models import BooleanField, Q, QuerySet
+from django.db.models import BooleanField, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.expressions import RawSQL
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 from django_q.tasks import async_task
 
@@ -244,9 +245,11 @@ def _validated_reason(raw: Any) -> str:
     return raw
 
 
-def _enqueue(request_id: int) -> None:
-    # The payload is the id only: queue and task tables hold nothing a forget must erase.
-    async_task(TASK, request_id, task_name=f"forget-request-{request_id}")
+def _enqueue(request_id: int, *, continues: int | None = None) -> None:
+    # The payload is the id (and a slice's attempt number) only: queue and task tables hold
+    # nothing a forget must erase.
+    extra = {"continues": continues} if continues is not None else {}
+    async_task(TASK, request_id, task_name=f"forget-request-{request_id}", **extra)
 
 
 # --- reading requests ------------------------------------------------------------------
@@ -327,7 +330,9 @@ def _validated_bool(raw: Any, *, field: str) -> bool | None:
 # --- carrying a request out -------------------------------------------------------------
 
 
-def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZE) -> dict:
+def forget_request_execute(
+    *, request_id: int, batch_size: int = ERASE_BATCH_SIZE, continues: int | None = None
+) -> dict:
     """Carry out one request (the job). Idempotent and safe to run again at any point, also
     concurrently with itself (each batch locks the request row).
 
@@ -342,7 +347,11 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
        lineage SELECT per level, the DELETEs, an UPDATE of the request and the audit
        INSERT (PostgreSQL: 10k memories with 2 versions each in ~2-3 s, bench_forget).
        After ``FORGET_SLICE_SECONDS`` of batches the run enqueues the request again and
-       returns (``"continued": true``): the worker goes back to the shared queue.
+       returns (``"continued": true``): the worker goes back to the shared queue. That
+       continuation carries the run's attempt number (``continues``) and does nothing
+       (``"superseded": true``, no attempt counted) when another run of the request has
+       started since — a second delivery (the resume schedule's, a redelivery) then carries
+       the request on alone, instead of both continuing at every slice for ever.
     3. Destroy the subject's data keys (crypto-shredding, :func:`_shred`), after every write
        sealing under them has committed (keyring.shred waits for them); then erase again
        whatever such a write left.
@@ -353,9 +362,11 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
     Returns the request's status and receipt (what django-q2 stores as the task result:
     counts and times, no content).
     """
-    request = _start_attempt(request_id)
+    request, superseded = _start_attempt(request_id, continues=continues)
     if request is None:
         return {"forget_request": request_id, "status": "missing"}
+    if superseded:
+        return {**_result(request), "superseded": True}
     if request.status != Status.RUNNING:
         return _result(request)
     try:
@@ -365,7 +376,7 @@ def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZ
             if time.monotonic() >= deadline:
                 # The rest in a later run, behind what other tenants queued meanwhile. A lost
                 # enqueue is picked up by forget_requests_resume once the request stops moving.
-                _enqueue(request_id)
+                _enqueue(request_id, continues=request.attempts)
                 request.refresh_from_db()
                 return {**_result(request), "continued": True}
         if _shred(request_id):
@@ -437,13 +448,18 @@ def _advance(request_id: int, to: str, **fields) -> bool:
     return bool(ForgetRequest.objects.filter(pk=request_id, status__in=_FORWARD[to]).update(status=to, **fields))
 
 
-def _start_attempt(request_id: int) -> ForgetRequest | None:
+def _start_attempt(request_id: int, *, continues: int | None = None) -> tuple[ForgetRequest | None, bool]:
+    """Count an attempt (or give up). Returns the request and whether this delivery is a
+    slice's continuation (``continues``: the attempt number of the run that enqueued it) that
+    another run has overtaken since: then nothing is counted, and it is to do nothing."""
     with transaction.atomic():
         request = (
             ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=request_id).first()
         )
         if request is None or request.status in FINISHED:
-            return request
+            return request, False
+        if continues is not None and request.attempts != continues:
+            return request, True
         now = timezone.now()
         attempts = request.attempts + 1
         stalled = request.stalled_attempts + 1  # reset by every batch erased (_erase_batch)
@@ -491,7 +507,7 @@ def _start_attempt(request_id: int) -> ForgetRequest | None:
                 detail={"forget_request": request_id, "attempt": attempts},
             )
         request.refresh_from_db()
-        return request
+        return request, False
 
 
 def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
@@ -693,22 +709,31 @@ def _own_subject(request: ForgetRequest) -> str:
 
 
 def _made_from_their_values(summary: Memory, *, subject: str, held: dict[str, int]) -> bool:
-    """Whether ``summary`` was last written while one of its sources in ``held`` (key →
-    memory id) held ``subject``'s value: the source's latest version written at or before the
-    summary's last write is theirs (or is gone: erased by an earlier batch). A summary made
-    after the key went to someone else holds their value, not the forgotten one's.
-    Cost: one indexed SELECT per such source."""
+    """Whether ``summary`` holds, now or in its history, a value one of its sources in ``held``
+    (key → memory id) had while it was ``subject``'s: at its last write or at any of its
+    versions, the source's latest version written at or before then is theirs (or is gone:
+    erased by an earlier batch). A summary made only after the key went to someone else holds
+    their value, not the forgotten one's. Not its last write alone: a summary made from the
+    forgotten value and since made again (its old version keeps that text), trashed or
+    re-tagged (its value still is that text) was left holding it.
+    Cost: per such source, two indexed SELECTs (the second over the summary's versions)."""
     for key in summary.sources:
         memory_id = held.get(key)
         if memory_id is None:
             continue
-        then = (
-            MemoryVersion.objects.filter(memory_id=memory_id, created_at__lte=summary.updated_at)
-            .order_by("-version")
-            .values_list("subject", flat=True)
-            .first()
-        )
+        versions = MemoryVersion.objects.filter(memory_id=memory_id).order_by("-version")
+        then = versions.filter(created_at__lte=summary.updated_at).values_list("subject", flat=True).first()
         if then is None or then == subject:
+            return True
+        at_each = Subquery(versions.filter(created_at__lte=OuterRef("created_at")).values("subject")[:1])
+        # A version of the summary older than the source memory was made of something else.
+        born = Memory.objects.filter(pk=memory_id).values("created_at")[:1]
+        if (
+            MemoryVersion.objects.filter(memory_id=summary.pk, created_at__gte=Subquery(born))
+            .annotate(then=Coalesce(at_each, Value(subject)))
+            .filter(then=subject)
+            .exists()
+        ):
             return True
     return False
 
