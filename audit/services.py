@@ -45,6 +45,7 @@ from zeromem.kernel.errors import (
     TenantBusy,
     Unavailable,
 )
+from zeromem.kernel.pglocks import int4_key
 from zeromem.kernel.replica import replica_reads
 from zeromem.kernel.scopes import Scope
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
@@ -463,7 +464,7 @@ def _lock_chain(tenant_id: int | None) -> None:
     # Sealers and purgers of one tenant take turns; API requests never take this lock.
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_SEAL_LOCK_NAMESPACE, tenant_id or 0])
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_SEAL_LOCK_NAMESPACE, int4_key(tenant_id or 0)])
 
 
 # --- sealing ------------------------------------------------------------------------------

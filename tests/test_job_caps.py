@@ -167,3 +167,23 @@ def test_the_cap_is_exact_when_a_tenants_requests_race(kind, monkeypatch, settin
     assert sorted(outcomes) == ["ok"] * 3 + ["too_many_jobs"] * 5
     model = Job if kind == "summarize" else ForgetRequest
     assert model.objects.filter(tenant=tenant).count() == 3
+
+
+@pytest.mark.postgres
+def test_a_tenant_with_a_64_bit_id_can_start_jobs_and_seal_its_log(make_client):
+    # Ids are BigAutoField: the cap's and the sealer's advisory locks passed the tenant id as
+    # the second int of pg_advisory_xact_lock(int, int) — past 2^31-1 the statement failed
+    # (no pg_advisory_xact_lock(integer, bigint)) and every summarize start of that tenant
+    # answered 500, and its log could not be sealed.
+    if connection.vendor != "postgresql":
+        pytest.skip("advisory locks are PostgreSQL's")
+    from audit.services import audit_seal
+    from memories.models import Tenant
+
+    big = Tenant.objects.create(pk=2**40 + 7, slug="big-id", name="Big id")
+    client, _key = make_client(big)
+    write(big, "session:s1:a", "hello")
+    r = _summarize(client, "session:s1:")
+    assert r.status_code == 202, r.content
+    assert Job.objects.filter(tenant=big).count() == 1
+    assert audit_seal(tenant_id=big.pk) >= 1

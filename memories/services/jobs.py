@@ -17,6 +17,7 @@ from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import NotFound, TenantBusy
 from zeromem.kernel.outcomes import ActorKind, Outcome
+from zeromem.kernel.pglocks import int4_key
 from zeromem.kernel.scopes import Scope
 
 # At most this many job ids are named in a cancellation's audit event (its count has them all).
@@ -56,7 +57,9 @@ def require_pending_room(
         return
     if connection.vendor == "postgresql":  # SQLite: one writing transaction at a time anyway
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_PENDING_LOCK_NAMESPACES[kind], tenant.pk])
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(%s, %s)", [_PENDING_LOCK_NAMESPACES[kind], int4_key(tenant.pk)]
+            )
     if pending.count() >= limit:
         what = "summarize jobs" if kind == "summarize" else "forget requests"
         raise TooManyJobs(
