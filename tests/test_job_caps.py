@@ -117,6 +117,31 @@ def test_a_completed_forget_request_makes_room_again(api, settings):
     assert _forget(api, "u1").status_code == 202
 
 
+def test_one_end_user_cannot_fill_the_tenants_forget_cap_for_everyone_else(api, tenant_a, settings):
+    # The tenant's cap alone let one end user file a request per memory they own (the portal's
+    # "forget this one") until every other end user and the app's keys got 429.
+    from memories.services import subjects
+
+    settings.ZEROMEM_TENANT_MAX_PENDING_FORGETS = 5
+    settings.ZEROMEM_END_USER_MAX_PENDING_FORGETS = 2
+    for n in range(4):
+        write(tenant_a, f"user:u1:k{n}", f"v{n}")
+    write(tenant_a, "user:u2:k0", "v")
+    u1 = Actor(kind="end_user", id="u1", scopes=frozenset({"memory:read", "forget:create"}))
+    u2 = Actor(kind="end_user", id="u2", scopes=frozenset({"memory:read", "forget:create"}))
+    for n in range(2):
+        subjects.subject_forget(tenant=tenant_a, actor=u1, subject="u1", key=f"user:u1:k{n}")
+    with pytest.raises(TenantBusy) as refused:
+        subjects.subject_forget(tenant=tenant_a, actor=u1, subject="u1", key="user:u1:k2")
+    assert refused.value.code == "too_many_jobs"
+    assert "ZEROMEM_END_USER_MAX_PENDING_FORGETS" in refused.value.message
+    assert ForgetRequest.objects.filter(tenant=tenant_a).count() == 2
+    # Another end user and the app's keys still file theirs.
+    subjects.subject_forget(tenant=tenant_a, actor=u2, subject="u2", key="user:u2:k0")
+    assert _forget(api, "u9").status_code == 202
+    assert ForgetRequest.objects.filter(tenant=tenant_a).count() == 4
+
+
 def test_staff_and_the_system_are_not_capped(tenant_a, settings):
     """The console and the schedules are not driven at API rate; a tenant over its cap must
     still be able to have support file a forget request."""

@@ -427,6 +427,8 @@ ZEROMEM_MIGRATION_LOCK_TIMEOUT = env.float("ZEROMEM_MIGRATION_LOCK_TIMEOUT", def
 # every other tenant's forget requests waited behind it.
 ZEROMEM_TENANT_MAX_PENDING_JOBS = env.int("ZEROMEM_TENANT_MAX_PENDING_JOBS", default=20)
 ZEROMEM_TENANT_MAX_PENDING_FORGETS = env.int("ZEROMEM_TENANT_MAX_PENDING_FORGETS", default=100)
+# ... and one end user (the portal) of those, so one cannot fill the tenant's and lock out the rest.
+ZEROMEM_END_USER_MAX_PENDING_FORGETS = env.int("ZEROMEM_END_USER_MAX_PENDING_FORGETS", default=10)
 # Audit log (audit/chain.py). The key of its hashes must live outside the database: whoever
 # holds it could forge a chain. Derived from SECRET_KEY unless set, so set it explicitly in
 # production and keep it when SECRET_KEY rotates (a new key cannot verify old events).
@@ -568,6 +570,7 @@ _LEAST = {
     "ZEROMEM_MIGRATION_LOCK_TIMEOUT": 0,
     "ZEROMEM_TENANT_MAX_PENDING_JOBS": 1,
     "ZEROMEM_TENANT_MAX_PENDING_FORGETS": 1,
+    "ZEROMEM_END_USER_MAX_PENDING_FORGETS": 1,
     "ZEROMEM_AUDIT_RETENTION_DAYS": 1,
     "ZEROMEM_AUDIT_SEAL_BATCH": 1,
     "ZEROMEM_AUDIT_SEAL_WAIT": 0,

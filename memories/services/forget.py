@@ -135,11 +135,23 @@ def forget_request_create(
         days = validation.bounded_int(
             due_in_days, field="due_in_days", default=DUE_IN_DAYS_DEFAULT, low=1, high=DUE_IN_DAYS_MAX
         )
+        pending = ForgetRequest.objects.filter(tenant=tenant, status__in=PENDING)  # forget_tenant_status_due
+        if actor.kind == ActorKind.END_USER:
+            # One end user (a request per memory they own) must not fill the tenant's cap and
+            # lock every other end user and the app's keys out of filing theirs.
+            require_pending_room(
+                tenant=tenant,
+                actor=actor,
+                kind="forget",
+                pending=pending.filter(requested_by_kind=ActorKind.END_USER, requested_by=actor.id),
+                limit=settings.ZEROMEM_END_USER_MAX_PENDING_FORGETS,
+                setting="ZEROMEM_END_USER_MAX_PENDING_FORGETS",
+            )
         require_pending_room(
             tenant=tenant,
             actor=actor,
             kind="forget",
-            pending=ForgetRequest.objects.filter(tenant=tenant, status__in=PENDING),  # forget_tenant_status_due
+            pending=pending,
             limit=settings.ZEROMEM_TENANT_MAX_PENDING_FORGETS,
             setting="ZEROMEM_TENANT_MAX_PENDING_FORGETS",
         )
