@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from audit import limits
@@ -18,6 +18,7 @@ from memories import services
 from memories.models import ForgetRequest, IdempotencyRecord, Memory, MemoryVersion
 from memories.services import idempotency
 from memories.services.idempotency import idempotency_purge
+from memories.services.jobs import _PENDING_LOCK_NAMESPACES
 from memories.tasks import idempotency_purge_task
 from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant
 from tests.helpers import rest_error, start_thread, wait_for_a_lock_waiter
@@ -236,6 +237,46 @@ def _hold(work, failures):
             release.wait(30)
 
     return start_thread(run, failures, done=done), done, release
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_forget_completing_between_a_forget_posts_claim_and_its_filing_keeps_that_posts_answer(settings):
+    """Another forget request of the tenant completes while the POST filing a new one has
+    claimed its Idempotency-Key but not yet filed (here: it waits for the pending-forgets cap's
+    lock): that forget marks the running claim ``keep_answer`` off before the filing marks it
+    ``holds_no_values``. The filing's answer holds no memory value all the same: it is kept,
+    and a retry gets the same request instead of filing a second one."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    tenant = make_tenant("idem-forget-race")
+    client, _key_row = make_keyed_client(tenant)
+    failures, posted = [], []
+
+    def cap_lock():  # what require_pending_room takes for this tenant's forget requests
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_PENDING_LOCK_NAMESPACES["forget"], tenant.pk])
+
+    def post():
+        posted.append(client.post(FORGET, {"subject": "u7"}, headers=_key("f-1")))
+
+    holder, held, release = _hold(cap_lock, failures)
+    try:
+        assert held.wait(20)
+        poster = start_thread(post, failures)
+        wait_for_a_lock_waiter("the filing POST", alive=poster.is_alive)  # claimed, waiting for the cap's lock
+        other = services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u9")  # runs inline
+        assert ForgetRequest.objects.get(pk=other.pk).status == "completed"
+    finally:
+        release.set()
+        holder.join(30)
+    poster.join(30)
+    assert not failures, failures
+    first = posted[0]
+    assert first.status_code == 202, first.content
+    again = client.post(FORGET, {"subject": "u7"}, headers=_key("f-1"))
+    assert (again.status_code, again.get("Idempotent-Replayed")) == (202, "true"), again.content
+    assert again.json()["id"] == first.json()["id"]
+    assert ForgetRequest.objects.filter(tenant=tenant, subject="u7").count() == 1
 
 
 @pytest.mark.postgres

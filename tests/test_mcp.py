@@ -454,6 +454,33 @@ def test_requests_the_sdk_refuses_before_any_handler_are_charged_too(server_limi
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+def test_other_refusals_of_a_verified_key_are_charged_too(server_limited):
+    # The key is verified before the SDK checks Host and Origin (421, 403) and routes the path
+    # (404 below /mcp), and before ZeroMem refuses a tools/call's NaN arguments: each looped free.
+    tenant = make_tenant("mcp-refused-more")
+    _key, raw = make_key(tenant)
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {}}
+    nan_call = (
+        b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call",'
+        b' "params": {"name": "memory_read", "arguments": {"key": "user:u1:k", "default": NaN}}}'
+    )
+    _wait_for_a_minutes_start()
+    refused = [
+        httpx2.post(server_limited, json=body, headers={**headers, "Host": "evil.example"}, timeout=30),
+        httpx2.post(server_limited, json=body, headers={**headers, "Origin": "http://evil.example"}, timeout=30),
+        httpx2.post(f"{server_limited}/nothing", json=body, headers=headers, timeout=30),
+        httpx2.post(server_limited, content=nan_call, headers={**headers, "Content-Type": "application/json"}),
+    ]
+    assert [r.status_code for r in refused] == [421, 403, 404, 200], [r.text for r in refused]
+    assert refused[3].json()["result"]["structuredContent"]["error"]["code"] == "malformed_json"
+    assert _rate_limited(_rpc(server_limited, raw, "ping"))  # the four used the minute
+    again = httpx2.post(server_limited, json=body, headers={**headers, "Origin": "http://evil.example"}, timeout=30)
+    assert _rate_limited(again), again.text
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_failed_authentications_past_the_limit_are_throttled_429(server):
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     headers = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer zm_nothere_" + "y" * 40}

@@ -5,11 +5,13 @@ with memory_read(key, offset=next_offset). The REST LangGraph search keeps whole
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 
 from audit.models import AuditEvent
 from memories import keyring, tools
+from memories.services import memories as memories_service
 from memories.services.memories import _cluster_start
 from tests.factories import write
 from tests.helpers import tool_error
@@ -73,6 +75,24 @@ def test_a_result_cut_never_splits_what_reads_as_one_character(api):
     _, body = _search(api, query="roadmap")
     cut = _by_key(body)["note:n1:flag"]
     assert cut["value"] == text[:1999] and cut["next_offset"] == 1999
+
+
+def test_a_cut_inside_an_overlong_run_of_combining_marks_looks_back_a_bounded_way(api):
+    """A run of combining marks reads as one character however long it is: the cut walked
+    back over all of it, a step per mark (200 results of 8,150 marks took a search from 46 to
+    609 ms of CPU), to answer the few characters before the run. Past 32 characters back
+    (Unicode's stream-safe text allows 30 marks in a row) such a cluster is cut where the
+    slice ends, as one longer than the whole slice already was."""
+    text = "roadmap " + "\u0301" * 2400
+    api.call("memory_write", key="note:n1:marks", value=text)
+    _, body = _search(api, query="roadmap")
+    cut = _by_key(body)["note:n1:marks"]
+    assert cut["value"] == text[:2000] and cut["next_offset"] == 2000
+    with mock.patch("memories.services.memories._joined", wraps=memories_service._joined) as joined:
+        assert _cluster_start(text, 2000, low=0) == 2000
+    assert joined.call_count <= 33
+    short = "roadmap " + "a" * 1990 + "e" + "\u0301" * 5 + "b" * 50  # a real cluster across the cut
+    assert _cluster_start(short, 2000, low=0) == 8 + 1990
 
 
 def test_an_erased_result_is_answered_as_erased_not_cut(api, tenant_a):

@@ -187,6 +187,9 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
         retry_after = charge(key, actor, action="tool.call")
         if retry_after is not None:
             return _error("rate_limited", "Request was throttled.", retry_after=retry_after)
+        if (where := non_finite_field(arguments)) is not None:  # refused, charged all the same
+            message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
+            return _error("malformed_json", message, field=where)
         tenant = key.tenant
         if name not in tools.EXPENSIVE_TOOLS:
             return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
@@ -231,9 +234,6 @@ def answer(key: ApiKey | None, actor: Actor | None, name: str, arguments: dict) 
     in the key's tenant's tokens returned per day, as the REST tool responses are."""
     if key is None:
         result = _error("missing_credentials", "send 'Authorization: Bearer zm_...'")
-    elif (where := non_finite_field(arguments)) is not None:
-        message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
-        result = _error("malformed_json", message, field=where)
     else:
         result = run_call(key, actor, name, arguments)
     text = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
@@ -316,6 +316,9 @@ class RateLimit:
 
 async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
     key, actor = _caller(ctx)
+    request = (ctx.request.scope.get("zeromem") or {}).get("request") if ctx.request is not None else None
+    if request is not None and key is not None:
+        request.charged = True  # by run_call: the endpoint charges no other unit, whatever its status
     if key is None:
         result, text, size, tokens = answer(None, None, params.name, {})
     else:
@@ -439,10 +442,11 @@ class McpEndpoint:
                 if request.rate_limited is not None:  # RateLimit refused the message
                     replaced = True
                     return await _rate_limited(send, request.rate_limited, request.request_id)
-                if request.key is not None and not request.charged and message["status"] in (202, 400, 406, 413):
+                if request.key is not None and not request.charged and message["status"] != 200:
                     # A notification (202), or a message the SDK refused itself before any
-                    # handler (400 malformed JSON, JSON-RPC or Content-Type, 406 Accept, 413):
-                    # a verified request like any other, charged here.
+                    # handler (400 malformed JSON, JSON-RPC or Content-Type, 403 Origin, 404 a
+                    # path below /mcp, 406 Accept, 413, 421 Host, a 500): a verified request
+                    # like any other, charged here. A 200 was charged by RateLimit or run_call.
                     target = "notification" if message["status"] == 202 else "refused"
                     refused = await self.charge_notification(send, request, target=target)
                     if refused:

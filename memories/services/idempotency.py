@@ -215,9 +215,14 @@ def holds_no_values(claim_id: int | None, *, tenant: Tenant) -> None:
     """Mark the running claim ``claim_id`` as one whose answer holds no memory value, so that
     :func:`tenant_forget` leaves it (and its answer, once stored) alone. Called in the work's
     transaction (a forget request's filing): the mark commits with the work, before any
-    worker can see the forget it filed. Cost: one primary-key UPDATE, none without a claim."""
+    worker can see the forget it filed. ``keep_answer`` is put back on too: another forget of
+    the tenant may have completed between the claim and this work, and turned it off — an
+    answer that holds no memory value is kept all the same (a retry must get this request
+    again, not file a second one). Cost: one primary-key UPDATE, none without a claim."""
     if claim_id is not None:
-        IdempotencyRecord.objects.filter(pk=claim_id, tenant=tenant, status__isnull=True).update(holds_no_values=True)
+        IdempotencyRecord.objects.filter(pk=claim_id, tenant=tenant, status__isnull=True).update(
+            holds_no_values=True, keep_answer=True
+        )
 
 
 def tenant_forget(*, tenant: Tenant) -> int:

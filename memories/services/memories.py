@@ -302,11 +302,19 @@ def _cluster_start(text: str, end: int, *, low: int) -> int:
     leaves nothing after ``low``: one cluster longer than a slice is cut. The common clusters
     (combining marks, variation selectors, ZWJ sequences, skin tones, flag pairs, CRLF), not
     all of UAX #29 (no Hangul jamo, no Indic conjuncts). A few characters looked at, on a cut
-    read only."""
+    read only: at most ``_CLUSTER_LOOKBACK`` back — a longer "cluster" (a run of thousands of
+    combining marks) is cut too, instead of a step per mark on every cut (per result, in a
+    search)."""
+    floor = max(low, end - _CLUSTER_LOOKBACK)
     i = end
-    while low < i < len(text) and _joined(text, i):
+    while floor < i < len(text) and _joined(text, i):
         i -= 1
-    return i if i > low else end
+    return i if i > floor else end
+
+
+# Unicode's stream-safe text (UAX #15) has at most 30 combining marks in a row; the longest
+# emoji ZWJ sequences are about a dozen code points.
+_CLUSTER_LOOKBACK = 32
 
 
 def _joined(text: str, i: int) -> bool:
