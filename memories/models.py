@@ -336,7 +336,7 @@ class MemoryVersion(models.Model):
     # a key rewritten for another end user keeps the earlier one's values in its history, and
     # their forget request erases those versions too (memories/services/forget.py). Empty for
     # versions written before migration 0023 (their subject was not recorded).
-    subject = models.CharField(max_length=255, blank=True, default="")
+    subject = models.CharField(max_length=255, blank=True, default="", db_default="")
 
     class Meta:
         constraints = [
@@ -476,7 +476,7 @@ class ForgetRequest(models.Model):
     attempts = models.PositiveSmallIntegerField(default=0)
     # Attempts in a row that erased nothing (reset by each batch): what ZEROMEM_JOB_MAX_ATTEMPTS
     # bounds, so a target too large for one attempt is never given up while it shrinks.
-    stalled_attempts = models.PositiveSmallIntegerField(default=0)
+    stalled_attempts = models.PositiveSmallIntegerField(default=0, db_default=0)
     # When the request last moved (accepted, attempt started, batch erased, re-enqueued): a
     # pending request that has not moved for Q_CLUSTER["retry"] seconds lost its worker or
     # its queue entry, and forget_requests_resume() enqueues it again.

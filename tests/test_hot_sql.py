@@ -8,6 +8,7 @@ import pytest
 from django.db import DatabaseError, OperationalError, connection, transaction
 from django.db.models.signals import pre_save
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from audit.models import AuditEvent
 from memories import services
@@ -189,3 +190,30 @@ def test_memories_by_ids_is_a_primary_key_lookup_even_when_the_tenants_statistic
     assert "memories_memory_pkey" in explained, explained
     assert sorted(selectors.memories_by_ids(tenant=tenant_b, ids=ids)) == sorted(ids)
     assert selectors.memories_by_ids(tenant=tenant_a, ids=ids) == {}  # still the tenant's own only
+
+
+def test_the_previous_releases_inserts_still_work_during_a_rolling_deploy(tenant_a):
+    # Columns this release added (MemoryVersion.subject, ForgetRequest.stalled_attempts) keep
+    # a database default: the code of the release before, still running on other instances
+    # after `migrate`, inserts rows without naming them — without it every write failed
+    # (NOT NULL) until the last old instance was gone.
+    memory = write(tenant_a, KEY, "zh-CN")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO memories_memoryversion (tenant_id, memory_id, version, value, sensitive, op, actor_kind,"
+            " actor_id, created_at) VALUES (%s, %s, 99, '\"v\"', false, 'write', 'system', '', %s)",
+            [tenant_a.pk, memory.pk, timezone.now()],
+        )
+    assert MemoryVersion.objects.get(memory=memory, version=99).subject == ""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT table_name, column_name, column_default FROM information_schema.columns"
+                " WHERE (table_name, column_name) IN (('memories_memoryversion', 'subject'),"
+                " ('memories_forgetrequest', 'stalled_attempts')) ORDER BY 1"
+            )
+            defaults = cursor.fetchall()
+        assert [(t, c, d is not None) for t, c, d in defaults] == [
+            ("memories_forgetrequest", "stalled_attempts", True),
+            ("memories_memoryversion", "subject", True),
+        ]

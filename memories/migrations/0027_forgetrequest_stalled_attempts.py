@@ -1,7 +1,9 @@
 """``ForgetRequest.stalled_attempts``: attempts in a row that erased nothing, reset by every
 erased batch. ``ZEROMEM_JOB_MAX_ATTEMPTS`` bounds it instead of ``attempts``, so a target too
 large for one attempt (killed by ``Q_TIMEOUT`` after erasing batches) is never marked failed
-while it shrinks. A constant default: PostgreSQL adds the column without rewriting the table.
+while it shrinks. A constant database default: PostgreSQL adds the column without rewriting
+the table, and the code of the release before, still running during a rolling deploy, can
+insert requests without naming it.
 """
 
 from django.db import migrations, models
@@ -14,6 +16,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="forgetrequest",
             name="stalled_attempts",
-            field=models.PositiveSmallIntegerField(default=0),
+            field=models.PositiveSmallIntegerField(db_default=0, default=0),
         ),
     ]

@@ -81,7 +81,8 @@ def _plain(model) -> bool:
 
 
 def insert(obj) -> None:
-    """``obj.save()`` of a new instance: one ``INSERT … RETURNING`` its primary key."""
+    """``obj.save()`` of a new instance: one ``INSERT … RETURNING`` its primary key (and, as
+    ``save()``, the fields that have a database default)."""
     model = type(obj)
     db = connections[DEFAULT_DB_ALIAS]
     if not (_plain(model) and db.features.can_return_columns_from_insert):
@@ -92,8 +93,10 @@ def insert(obj) -> None:
     if any(_expression(v) for v in values):
         obj.save(force_insert=True)
         return
-    (pk,) = fetchone(sql, [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)])
-    setattr(obj, model._meta.pk.attname, pk)
+    row = fetchone(sql, [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)])
+    # What save() reads back: the primary key and the fields with a database default.
+    for field, value in zip(model._meta.db_returning_fields, row, strict=True):
+        setattr(obj, field.attname, value)
     obj._state.adding = False
     obj._state.db = DEFAULT_DB_ALIAS
 
@@ -126,7 +129,7 @@ def _insert_plan(model, vendor: str) -> tuple[str, tuple]:
     query = InsertQuery(model)
     query.insert_values(fields, [model()], raw=False)
     compiler = query.get_compiler(connection=db)
-    compiler.returning_fields = [meta.pk]
+    compiler.returning_fields = list(meta.db_returning_fields)  # as save() asks for them
     ((sql, _params),) = compiler.as_sql()
     return sql, fields
 
