@@ -131,6 +131,8 @@ def test_autovacuum_off_is_a_deploy_warning_naming_the_database():
         ("ZEROMEM_MAX_BODY_BYTES", "-1", "ZEROMEM_MAX_BODY_BYTES must be a number of at least 1"),
         ("DB_POOL_TIMEOUT", "0", "DB_POOL_TIMEOUT must be a number of at least"),
         ("Q_RETRY", "300", "Q_RETRY (300) must exceed Q_TIMEOUT (300)"),
+        # Once accepted: a slow LLM endpoint got the worker killed mid-attempt, again and again.
+        ("ZEROMEM_LLM_TIMEOUT_SECONDS", "200", "ZEROMEM_LLM_TIMEOUT_SECONDS (200) must be at most half of Q_TIMEOUT"),
         ("DB_POOL_MAX_SIZE", "1", "DB_POOL_MAX_SIZE (1) is below DB_POOL_MIN_SIZE (2)"),
         # Once read as False: a typo switched HTTPS redirects off.
         ("SECURE_SSL_REDIRECT", "ture", "SECURE_SSL_REDIRECT cannot be read: 'ture' is not a yes/no value"),

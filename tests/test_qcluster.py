@@ -124,6 +124,7 @@ class Cluster:
             "Q_WORKERS": "1",
             "Q_TIMEOUT": str(Q_TIMEOUT),
             "Q_RETRY": str(Q_RETRY),
+            "ZEROMEM_LLM_TIMEOUT_SECONDS": "3",  # at most half of Q_TIMEOUT
             "Q_MAX_ATTEMPTS": "5",
             "ZEROMEM_JOB_MAX_ATTEMPTS": str(JOB_MAX_ATTEMPTS),
             "ZEROMEM_QTASKS_DIR": str(self.pids_dir),

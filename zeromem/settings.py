@@ -622,6 +622,14 @@ for _name, _value, _choices in (
 if Q_CLUSTER["retry"] <= Q_CLUSTER["timeout"]:
     # Otherwise django-q2 hands a task still running to a second worker.
     raise ImproperlyConfigured(f"Q_RETRY ({Q_CLUSTER['retry']}) must exceed Q_TIMEOUT ({Q_CLUSTER['timeout']})")
+if ZEROMEM_LLM_TIMEOUT_SECONDS * 2 > Q_CLUSTER["timeout"]:
+    # A summarize attempt waits for one LLM answer and then writes: past half of Q_TIMEOUT a slow
+    # endpoint got the worker killed mid-attempt (counted, retried, the same wait again) instead
+    # of the job failing cleanly with the LLM's error.
+    raise ImproperlyConfigured(
+        f"ZEROMEM_LLM_TIMEOUT_SECONDS ({ZEROMEM_LLM_TIMEOUT_SECONDS:g}) must be at most half of Q_TIMEOUT "
+        f"({Q_CLUSTER['timeout']})"
+    )
 for _name in ("DB_POOL_MAX_SIZE",) if "DB_POOL_MAX_SIZE" in _numbers else ():
     for _least in ("DB_POOL_MIN_SIZE", "DB_REPLICA_POOL_MIN_SIZE"):
         if _least in _numbers and _numbers[_name] < _numbers[_least]:
