@@ -266,13 +266,7 @@ def memory_read(*, tenant: Tenant, actor: Actor, key: Any, max_chars: Any = None
         require_key_allowed(actor, key)
         cut = max_chars is not None or offset is not None
         if cut:
-            max_chars = validation.bounded_int(
-                max_chars,
-                field="max_chars",
-                default=validation.READ_DEFAULT_CHARS,
-                low=1,
-                high=validation.READ_MAX_CHARS,
-            )
+            max_chars = validation.read_max_chars(max_chars)
             offset = validation.bounded_int(offset, field="offset", default=0, low=0, high=validation.READ_OFFSET_MAX)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
@@ -588,13 +582,7 @@ def memory_search(
         require_scope(actor, Scope.MEMORY_SEARCH)
         limit = validation.limit(limit, default=5)
         if max_chars is not None:
-            max_chars = validation.bounded_int(
-                max_chars,
-                field="max_chars",
-                default=validation.READ_DEFAULT_CHARS,
-                low=1,
-                high=validation.READ_MAX_CHARS,
-            )
+            max_chars = validation.read_max_chars(max_chars)
         with search_budget(tenant.pk):
             results = search.search_ranked(
                 tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit

@@ -291,6 +291,11 @@ def limit(raw, *, default: int, field: str = "limit") -> int:
     return bounded_int(raw, field=field, default=default, low=1, high=LIMIT_MAX)
 
 
+def read_max_chars(raw) -> int:
+    """A tool read's or search's ``max_chars``: characters of a value answered (per result)."""
+    return bounded_int(raw, field="max_chars", default=READ_DEFAULT_CHARS, low=1, high=READ_MAX_CHARS)
+
+
 def version(raw, field: str = "expected_version") -> int | None:
     if raw is None:
         return None
