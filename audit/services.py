@@ -724,7 +724,14 @@ def _redacted_values(row: dict) -> tuple[dict, dict]:
 
 
 def audit_redact_subject(
-    *, tenant: Tenant, subject: str = "", keys: Iterable[str] = (), prefix: str = "", batch_size: int = 1000
+    *,
+    tenant: Tenant,
+    subject: str = "",
+    keys: Iterable[str] = (),
+    prefix: str = "",
+    batch_size: int = 1000,
+    after: int = 0,
+    on_page=None,
 ) -> int:
     """Replace the identifying fields (key, subject, the actor a reading of the log filtered
     by; for the end user's own portal events also actor and client address) of a forgotten
@@ -733,13 +740,15 @@ def audit_redact_subject(
 
     Called by ``forget_request_execute`` after the last erased batch, and again on a retry:
     idempotent (a field already redacted is left alone). Returns how many events changed.
-    Cost: the tenant's subject/target indexes, one UPDATE per redacted event.
+    Pages of ``batch_size`` events in id order, each its own transaction, from the event after
+    ``after``; ``on_page(last_id, changed)``, when given, is called after each page commits and
+    ends the run early by returning False (a forget's slice, continued from ``last_id``).
+    Cost: the tenant's subject/target indexes, one UPDATE per set of fields per page.
     """
     q = _redaction_q(subject=subject, keys=keys, prefix=prefix)
     columns = ["id", "uid", "tenant_id", "actor_kind", "redacted", *chain.COMMITTED_FIELDS]
     table = AuditEvent._meta.db_table
     changed = 0
-    after = 0
     while True:
         with _maintenance("redact"):
             rows = list(
@@ -755,6 +764,8 @@ def audit_redact_subject(
                     updates.append((row["id"], new, kept))
             _redact_rows(table, updates)
             changed += len(updates)
+        if on_page is not None and not on_page(after, len(updates)):
+            return changed
 
 
 def _redact_rows(table: str, updates: list[tuple[int, dict, dict]]) -> None:

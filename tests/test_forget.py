@@ -886,9 +886,12 @@ def test_a_long_forget_hands_its_worker_back_and_continues_at_the_back_of_the_qu
     assert SignedPackage.loads(entry.payload)["args"] == (request.pk,)
 
     assert forget.forget_request_execute(request_id=request.pk, batch_size=2)["status"] == "running"
+    # The audit redaction's page is a slice of its own too (the slice here is 0 s).
+    assert forget.forget_request_execute(request_id=request.pk, batch_size=2)["status"] == "running"
     assert forget.forget_request_execute(request_id=request.pk, batch_size=2)["status"] == "completed"
     done = ForgetRequest.objects.get(pk=request.pk)
     assert done.receipt["memories"] == 3 and done.receipt["batches"] == 2
+    assert done.receipt["audit_events_redacted"] >= 3
 
 
 def test_a_second_delivery_of_a_sliced_forget_does_not_become_a_second_chain_of_slices(
@@ -934,6 +937,44 @@ def test_a_second_delivery_of_a_sliced_forget_does_not_become_a_second_chain_of_
     done = ForgetRequest.objects.get(pk=request.pk)
     assert done.status == "completed" and done.receipt["memories"] == 8
     assert not Memory.objects.filter(tenant=tenant_a, subject="u1").exists()
+
+
+def test_the_audit_redaction_is_sliced_too_and_each_page_is_progress(tenant_a, settings, monkeypatch):
+    """The redaction after the last batch was one step: a heavy user's years of audited reads
+    (millions of events at ~3k/s; bench_forget: 100k events took 29 of 32 s) held the worker
+    until Q_TIMEOUT killed it, every attempt counted as erasing nothing, and the request ended
+    failed for good. It now goes page by page from a cursor in the request, in the same slices
+    as the batches, and every page resets the stalled attempts."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueued for real, run here by hand
+    monkeypatch.setattr(forget, "FORGET_SLICE_SECONDS", 0)  # every page is a slice's last
+    monkeypatch.setattr(forget, "REDACT_PAGE", 10)
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 2
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    for _ in range(34):
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key="user:u1:lang")
+    naming = AuditEvent.objects.filter(tenant=tenant_a, subject="u1").count()
+    assert naming >= 35
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    OrmQ.objects.all().delete()  # (its enqueue on commit did not run: no commit in this test)
+
+    runs = 0
+    forget.forget_request_execute(request_id=request.pk)
+    while entries := list(OrmQ.objects.order_by("pk")):
+        OrmQ.objects.filter(pk__in=[e.pk for e in entries]).delete()
+        for entry in entries:
+            task = SignedPackage.loads(entry.payload)
+            forget.forget_request_execute(request_id=task["args"][0], **task["kwargs"])
+            runs += 1
+            mid = ForgetRequest.objects.get(pk=request.pk)
+            assert mid.status in ("running", "completed") and mid.stalled_attempts <= 1
+    done = ForgetRequest.objects.get(pk=request.pk)
+    assert done.status == "completed", done.error
+    assert runs >= naming // 10  # a page per slice
+    assert done.receipt["audit_events_redacted"] == naming
+    assert forget.REDACT_CURSOR not in done.receipt  # the cursor goes with the run
+    assert not AuditEvent.objects.filter(tenant=tenant_a, subject="u1").exists()
 
 
 def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django_capture_on_commit_callbacks):

@@ -74,6 +74,10 @@ RESUME_MAX = 1000
 # request again, at the back of the queue every tenant shares, and hands its worker back: a
 # huge target no longer holds a worker until Q_TIMEOUT kills it, while other tenants wait.
 FORGET_SLICE_SECONDS = 60
+# Audit events redacted per transaction, and where the redaction has got to (receipt key,
+# while the request runs).
+REDACT_PAGE = 1000
+REDACT_CURSOR = "audit_redacted_through"
 PK_MAX = 2**63 - 1
 FORGET_JOB = "forget"
 TASK = "memories.tasks.forget_request_task"
@@ -397,11 +401,33 @@ def forget_request_execute(
             # under a destroyed key.
             while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
                 pass
-        redacted = audit_redact_subject(
-            tenant=request.tenant, subject=request.subject, keys=request.keys, prefix=request.prefix
+        # The audit redaction is sliced like the batches (a heavy user's years of audited reads
+        # are millions of events, ~3k/s): each page commits and moves the request's cursor, so
+        # a continuation or a retry goes on from there, and a page is progress (stalled
+        # attempts reset).
+        stopped = False
+
+        def page(through: int, changed: int) -> bool:
+            nonlocal stopped
+            _redaction_progress(request_id, through=through, changed=changed)
+            stopped = time.monotonic() >= deadline
+            return not stopped
+
+        audit_redact_subject(
+            tenant=request.tenant,
+            subject=request.subject,
+            keys=request.keys,
+            prefix=request.prefix,
+            batch_size=REDACT_PAGE,
+            after=int(ForgetRequest.objects.values_list("receipt", flat=True).get(pk=request_id).get(REDACT_CURSOR, 0)),
+            on_page=page,
         )
+        if stopped:
+            _enqueue(request_id, continues=request.attempts)
+            request.refresh_from_db()
+            return {**_result(request), "continued": True}
         _redact_jobs(request)
-        return _complete(request_id, audit_events_redacted=redacted)
+        return _complete(request_id)
     except Exception as exc:
         _note_error(request_id, exc)
         raise
@@ -814,7 +840,22 @@ def _summary_rebuild(
     return text
 
 
-def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
+def _redaction_progress(request_id: int, *, through: int, changed: int) -> None:
+    """One committed page of the audit redaction: the receipt counts its events and the cursor
+    (``REDACT_CURSOR``, an event id; dropped at completion) moves on; a page is progress."""
+    with transaction.atomic():
+        request = ForgetRequest.objects.select_for_update(of=("self",)).filter(pk=request_id).first()
+        if request is None or request.status != Status.RUNNING:
+            return
+        receipt = dict(request.receipt)
+        receipt["audit_events_redacted"] = receipt.get("audit_events_redacted", 0) + changed
+        receipt[REDACT_CURSOR] = max(int(receipt.get(REDACT_CURSOR, 0)), through)
+        ForgetRequest.objects.filter(pk=request_id).update(
+            receipt=receipt, progress_at=timezone.now(), stalled_attempts=0
+        )
+
+
+def _complete(request_id: int) -> dict:
     with transaction.atomic():
         request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING:
@@ -827,7 +868,7 @@ def _complete(request_id: int, *, audit_events_redacted: int) -> dict:
             # values are unreadable in every copy, backups of the main database included.
             data_keys_destroyed=request.receipt.get("data_keys_destroyed", 0),
             crypto_shredded=bool(request.subject),
-            audit_events_redacted=audit_events_redacted,
+            audit_events_redacted=request.receipt.get("audit_events_redacted", 0),
             received_at=request.receipt.get("received_at") or _iso(request.created_at),
             started_at=request.receipt.get("started_at") or _iso(request.started_at or now),
             completed_at=_iso(now),
