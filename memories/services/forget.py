@@ -419,7 +419,7 @@ def forget_request_execute(
             keys=request.keys,
             prefix=request.prefix,
             batch_size=REDACT_PAGE,
-            after=int(ForgetRequest.objects.values_list("receipt", flat=True).get(pk=request_id).get(REDACT_CURSOR, 0)),
+            after=int(request.receipt.get(REDACT_CURSOR, 0)),  # read at this run's start
             on_page=page,
         )
         if stopped:
