@@ -441,6 +441,8 @@ class Job(models.Model):
                 condition=models.Q(status__in=["queued", "running"]),
                 name="job_tenant_pending",
             ),
+            # Whose turn it is (services.jobs.job_claim_next): a tenant's latest attempt start.
+            models.Index(fields=["tenant", "kind", "started_at"], name="job_tenant_started"),
         ]
 
     def __str__(self) -> str:

@@ -28,7 +28,7 @@ def forget_requests_resume_task() -> int:
 
 
 def summarize_task(job_id: int) -> dict:
-    return summaries.summarize_run(job_id=job_id)
+    return summaries.summarize_delivery(job_id=job_id)
 
 
 def summarize_idle_sessions_task() -> int:

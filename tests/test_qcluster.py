@@ -41,7 +41,7 @@ from django_q.tasks import async_task
 
 from audit.models import AuditEvent
 from memories import services
-from memories.models import ForgetRequest, Memory, MemoryVersion
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget, retention
 from tests import qtasks
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize
@@ -252,6 +252,24 @@ def test_a_real_cluster_takes_a_request_from_the_orm_queue_and_completes_it(
     sockets = _database_sockets(processes)
     assert len({pid for pids in sockets.values() for pid in pids}) >= 3, sockets  # sentinel, worker, monitor...
     assert {inode: pids for inode, pids in sockets.items() if len(pids) > 1} == {}
+
+
+def test_a_real_cluster_gives_another_tenants_summarize_job_the_next_turn(cluster, monkeypatch):
+    """One worker, tenant A's six jobs queued before tenant B's one: B's runs second (it ran
+    seventh when a delivery ran the job it was enqueued for; tests/test_job_turns.py)."""
+    monkeypatch.setattr(Conf, "SYNC", False)
+    a, b = make_tenant("qc-turn-a"), make_tenant("qc-turn-b")
+    for i in range(6):
+        services.summarize_start(tenant=a, actor=SYSTEM, prefix=f"session:a{i}:")
+    b_job = services.summarize_start(tenant=b, actor=SYSTEM, prefix="session:b0:").pk
+    assert OrmQ.objects.count() == 7
+
+    cluster.start()
+    cluster.wait_for("every job to succeed", lambda: Job.objects.filter(status="succeeded").count() == 7)
+    order = list(Job.objects.order_by("started_at").values_list("pk", flat=True))
+    assert order.index(b_job) == 1, order
+    assert set(Job.objects.values_list("attempts", flat=True)) == {1}
+    cluster.wait_for("every queue row to be acknowledged", lambda: OrmQ.objects.count() == 0)
 
 
 def _seed_twin(slug: str, capture):

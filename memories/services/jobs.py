@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import QuerySet
+from django.db.models import F, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -112,9 +112,9 @@ def jobs_cancel_for_key(*, tenant: Tenant, actor: Actor, key: ApiKey, reason: st
 
     Races: a worker's attempt that marks the job running locks the row first; this UPDATE
     waits for it and then skips the row (no longer queued), or, committing first, leaves the
-    attempt a finished job it does nothing with. Cost: one UPDATE over the tenant's jobs (its
-    ``job_tenant_created`` index; no index on the key: jobs are purged after
-    ``ZEROMEM_JOB_RETENTION_DAYS``) and, when any, the audit INSERT.
+    attempt a finished job it does nothing with. Cost: a locking SELECT and an UPDATE over the
+    tenant's pending jobs (the ``job_tenant_pending`` partial index: a few rows, however many
+    finished jobs the tenant keeps; no index on the key is needed) and, when any, the audit INSERT.
     """
     with audited_operation(
         tenant=tenant, actor=actor, action="memory.summarize.cancel", target=key.display_prefix
@@ -137,6 +137,44 @@ def jobs_cancel_for_key(*, tenant: Tenant, actor: Actor, key: ApiKey, reason: st
                 detail={"reason": f"api_key_{reason}", "job_ids": ids[:CANCEL_EVENT_MAX_IDS]},
             )
         return count
+
+
+def job_claim_next(*, kind: str, now=None) -> Job | None:
+    """Lock and return the job of ``kind`` whose turn it is, or None; the caller is in a
+    transaction and begins the job's attempt in it.
+
+    django-q2's queue is one first-come line for every tenant, so one tenant's 20 queued jobs
+    put another's behind all of them (with an LLM summarizer, 20 × the LLM's answer time ÷
+    ``Q_WORKERS``). A queue entry is therefore a turn, not an order: it runs the waiting job
+    of the tenant *served longest ago* (the latest attempt start among its jobs of this kind;
+    a tenant never served first), the oldest one of that tenant. Every job was enqueued once,
+    so each still has a turn coming (see summaries.summarize_delivery).
+
+    Waiting means ``queued`` for a first attempt; or whose latest attempt began more than
+    ``Q_TIMEOUT`` ago — then that attempt is over (django-q2 kills a task at ``Q_TIMEOUT``):
+    ``queued`` after a failure (its retry not taken sooner than django-q2 itself would take
+    it, ``Q_RETRY`` > ``Q_TIMEOUT``), or ``running`` with its worker gone.
+    ``SKIP LOCKED``: two workers never claim one job, and neither waits on the other.
+
+    Cost: one statement over the waiting jobs (the ``job_tenant_pending`` index; at most
+    ``ZEROMEM_TENANT_MAX_PENDING_JOBS`` per tenant for API keys), one probe of
+    ``job_tenant_started`` per waiting job for its tenant's latest start.
+    """
+    over = (now or timezone.now()) - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
+    served = (
+        Job.objects.filter(tenant_id=OuterRef("tenant_id"), kind=kind, started_at__isnull=False)
+        .order_by("-started_at")
+        .values("started_at")[:1]
+    )
+    waiting = Q(status=Job.Status.QUEUED, attempts=0) | Q(status__in=Job.PENDING, attempts__gt=0, started_at__lt=over)
+    return (
+        Job.objects.filter(waiting, kind=kind)
+        .annotate(served=Subquery(served))
+        .order_by(F("served").asc(nulls_first=True), "created_at", "pk")
+        .select_for_update(skip_locked=True, of=("self",))
+        .select_related("tenant")
+        .first()
+    )
 
 
 def jobs_purge() -> int:
