@@ -171,8 +171,7 @@ def job_claim_next(*, kind: str, now=None) -> Job | None:
         Job.objects.filter(waiting, kind=kind)
         .annotate(served=Subquery(served))
         .order_by(F("served").asc(nulls_first=True), "created_at", "pk")
-        .select_for_update(skip_locked=True, of=("self",))
-        .select_related("tenant")
+        .select_for_update(skip_locked=True)
         .first()
     )
 
