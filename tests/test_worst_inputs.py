@@ -1,0 +1,85 @@
+"""The worst value of an input, on the machine-facing surfaces (REST, the tool endpoints):
+what it costs (time, memory, rows) and that it is refused the way every bad input is — a
+4xx naming the field, in the error envelope, nothing written beyond the refusal's event."""
+
+import time
+
+import pytest
+
+from audit.models import AuditEvent
+from memories.models import ForgetRequest, Job
+from tests.helpers import rest_error, row_counts, tool_error
+from zeromem.kernel import validation
+from zeromem.kernel.errors import InvalidInput
+
+CALL = "/api/v1/tools/call"
+
+# --- a prefix that fails at its end ------------------------------------------------------------
+
+# Letters and then one character no prefix holds. The prefix rule read "(?:SEGMENT:?)+",
+# which splits a run of letters into segments every possible way before it refuses: 24 letters
+# took 0.9 s of CPU here, and each letter more doubled it (40: hours; a prefix may have 512).
+# `re` holds the GIL while it runs, so such a request stalled every thread of its process.
+# 26 letters (~3.5 s before) keep a failing run short; after, the refusal takes microseconds.
+BACKTRACKING_PREFIX = "a" * 26 + "!"
+WORST_PREFIXES = ["a" * 511 + "!", "a:" * 255 + "!", ("a" * 100 + ":") * 5 + "!", "a" * 511 + " "]
+FAST = 0.5  # seconds: a request's whole round trip, with room for a loaded machine
+
+
+def test_a_prefix_rule_check_takes_no_time_whatever_the_prefix():
+    started = time.process_time()
+    for prefix in [BACKTRACKING_PREFIX, *WORST_PREFIXES]:
+        with pytest.raises(InvalidInput) as refused:
+            validation.prefix(prefix)
+        assert refused.value.field == "prefix"
+    assert time.process_time() - started < FAST
+
+
+def test_the_prefix_rule_still_takes_what_it_took():
+    for good in ["user", "user:", "user:u1", "user:u1:", "user:u1:pref_l", "用户:张三:", "a.b@c+d=e~f-g:h_i"]:
+        assert validation.prefix(good) == good
+    for bad in [":", ":a", "a::", "a::b", "a:b::", "a b", "a/b", "a:\x00", "a\n"]:
+        with pytest.raises(InvalidInput):
+            validation.prefix(bad)
+
+
+def _refused_fast(started: float, response_status: int) -> None:
+    assert time.perf_counter() - started < FAST
+    assert response_status == 400
+
+
+@pytest.mark.parametrize("tool", ["memory_list", "memory_search", "memory_recall", "memory_summarize"])
+def test_a_tool_calls_backtracking_prefix_is_refused_at_once_naming_prefix(api, tool):
+    api.call("memory_write", key="user:u1:x", value="kept")
+    rows = row_counts()
+    arguments = {"prefix": BACKTRACKING_PREFIX}
+    if tool == "memory_search":
+        arguments["query"] = "anything"
+    started = time.perf_counter()
+    status, body = api.call(tool, **arguments)
+    _refused_fast(started, status)
+    assert tool_error(body)["field"] == "prefix"
+    assert row_counts() == rows
+    assert not Job.objects.exists()
+
+
+def test_a_rest_list_with_a_backtracking_prefix_is_refused_at_once(api):
+    started = time.perf_counter()
+    response = api.get("/api/v1/memories", {"prefix": BACKTRACKING_PREFIX})
+    _refused_fast(started, response.status_code)
+    assert rest_error(response)["field"] == "prefix"
+
+
+def test_a_forget_request_or_summary_with_a_backtracking_prefix_is_refused_and_stores_nothing(api):
+    for path in ("/api/v1/forget-requests", "/api/v1/summaries"):
+        started = time.perf_counter()
+        response = api.post(path, {"prefix": BACKTRACKING_PREFIX})
+        _refused_fast(started, response.status_code)
+        assert rest_error(response)["field"] == "prefix"
+    assert not ForgetRequest.objects.exists()
+    assert not Job.objects.exists()
+    refusals = AuditEvent.objects.filter(tenant=api.tenant).exclude(outcome=AuditEvent.Outcome.OK)
+    assert {(e.action, e.detail.get("code")) for e in refusals} == {
+        ("forget.create", "invalid_prefix"),
+        ("memory.summarize", "invalid_prefix"),
+    }
