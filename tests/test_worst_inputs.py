@@ -7,7 +7,7 @@ import time
 import pytest
 
 from audit.models import AuditEvent
-from memories.models import ForgetRequest, Job
+from memories.models import ForgetRequest, Job, Memory
 from tests.helpers import rest_error, row_counts, tool_error
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
@@ -83,3 +83,63 @@ def test_a_forget_request_or_summary_with_a_backtracking_prefix_is_refused_and_s
         ("forget.create", "invalid_prefix"),
         ("memory.summarize", "invalid_prefix"),
     }
+
+
+# --- a batch whose answer grows past what one request should build ----------------------------
+
+
+def _seed_large(tenant, n: int, *, chars: int) -> None:
+    from memories import services
+    from tests.factories import SYSTEM
+
+    # Quotes: the value's JSON is twice its length, as is a cut of it rendered in an answer.
+    for i in range(n):
+        services.memory_write(tenant=tenant, actor=SYSTEM, key=f"big:k{i:03}", value="zebra " + '"' * chars)
+
+
+def test_a_batch_stops_running_calls_once_its_answer_holds_the_cap(api, monkeypatch):
+    from memories import tools
+
+    monkeypatch.setattr(tools, "BATCH_ANSWER_MAX_BYTES", 40_000, raising=False)
+    _seed_large(api.tenant, 1, chars=4_990)  # a read answers ~10 KB
+    read = {"name": "memory_read", "arguments": {"key": "big:k000", "max_chars": 16_384}}
+    calls = [{**read, "id": f"c{i}"} for i in range(6)]
+    calls.append({"name": "memory_write", "arguments": {"key": "big:late", "value": 1}, "id": "late"})
+    events_before = AuditEvent.objects.filter(tenant=api.tenant).count()
+
+    response = api.post("/api/v1/tools/batch", {"calls": calls})
+
+    assert response.status_code == 200
+    results = response.json()["results"]
+    assert [r["status"] for r in results] == ["ok"] * 4 + ["error"] * 3
+    for i, result in enumerate(results[4:], start=4):
+        assert result["error"]["code"] == "answer_too_large"
+        assert result["error"]["field"] == f"calls.{i}"
+        assert result["tool_call_id"] == calls[i]["id"]
+    # The write after the cap was not run: no memory, no version, no memory.write event.
+    assert not Memory.objects.filter(tenant=api.tenant, key="big:late").exists()
+    events = AuditEvent.objects.filter(tenant=api.tenant).order_by("id")[events_before:]
+    assert [(e.action, e.outcome) for e in events] == [("memory.read", "ok")] * 4 + [("tool.batch", "invalid")]
+    assert events[4].count == 3
+    assert events[4].detail["code"] == "answer_too_large"
+
+
+def test_the_largest_batch_of_searches_builds_an_answer_of_the_cap_plus_one_call(api):
+    from memories import tools
+
+    # 200 memories of 16 KB each (the value cap); a search of them all, max_chars 16,384, is the
+    # largest answer one call gives (~3.3 MB). 50 of them were 160 MB, built in 8 s.
+    _seed_large(api.tenant, 200, chars=8_000)
+    search = {"name": "memory_search", "arguments": {"query": "zebra", "limit": 200, "max_chars": 16_384}}
+
+    started = time.perf_counter()
+    response = api.post("/api/v1/tools/batch", {"calls": [search] * 50})
+    elapsed = time.perf_counter() - started
+
+    assert response.status_code == 200
+    results = response.json()["results"]
+    ran = [r for r in results if r["status"] == "ok"]
+    assert len(ran) == 2 and all(len(r["results"]) == 200 for r in ran)
+    assert {r["error"]["code"] for r in results[2:]} == {"answer_too_large"}
+    assert len(response.content) < tools.BATCH_ANSWER_MAX_BYTES + 4 * 1024 * 1024
+    assert elapsed < 5
