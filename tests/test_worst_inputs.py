@@ -143,3 +143,49 @@ def test_the_largest_batch_of_searches_builds_an_answer_of_the_cap_plus_one_call
     assert {r["error"]["code"] for r in results[2:]} == {"answer_too_large"}
     assert len(response.content) < tools.BATCH_ANSWER_MAX_BYTES + 4 * 1024 * 1024
     assert elapsed < 5
+
+
+# --- requests Django refuses before a view: still the error envelope on API paths ---------------
+
+
+def _envelope(response, *, status: int, code: str, field: str | None) -> None:
+    assert response.status_code == status
+    assert response["Content-Type"] == "application/json"
+    assert response.json()["error"] == {"code": code, "message": response.json()["error"]["message"], "field": field}
+
+
+def test_more_query_parameters_than_django_parses_is_a_400_naming_query_and_audited(api, settings):
+    many = "&".join(f"p{i}=1" for i in range(settings.DATA_UPLOAD_MAX_NUMBER_FIELDS + 1))
+    response = api.get(f"/api/v1/memories?{many}")
+    _envelope(response, status=400, code="too_many_fields", field="query")
+    assert "1000" in response.json()["error"]["message"]
+    event = AuditEvent.objects.filter(tenant=api.tenant).latest("id")
+    assert (event.action, event.outcome, event.detail["code"]) == ("memory.list", "invalid", "too_many_fields")
+    # The same limit on an endpoint that audits nothing (the tool schemas).
+    _envelope(api.get(f"/api/v1/tools?{many}"), status=400, code="too_many_fields", field="query")
+
+
+@pytest.mark.parametrize("path", ["/api/v1/memories", "/healthz", "/api/v1/no-such-endpoint"])
+def test_a_host_outside_allowed_hosts_on_an_api_path_is_a_400_in_the_error_envelope(api, path):
+    response = api.get(path, headers={"Host": "attacker.example"})
+    _envelope(response, status=400, code="bad_host", field="Host")
+
+
+def test_a_bad_request_on_a_browser_path_is_still_djangos_page(db, client):
+    response = client.get("/admin/login/", headers={"Host": "attacker.example"})
+    assert response.status_code == 400
+    assert response["Content-Type"].startswith("text/html")
+
+
+@pytest.mark.parametrize("length", ["10000000000000000000", "18446744073709551615", "9" * 40])
+def test_a_content_length_past_nineteen_digits_is_413_before_any_read(api, length):
+    # A server passes any Content-Length it can hold (granian: up to 2**64 - 1); past 19 digits
+    # the cap's check could not read it, and Django refused the body itself, with its HTML page.
+    response = api.client.generic(
+        "POST",
+        CALL,
+        b'{"name":"memory_list","arguments":{}}',
+        content_type="application/json",
+        headers={**api._headers(None), "Content-Length": length},
+    )
+    _envelope(response, status=413, code="too_large", field="body")

@@ -9,6 +9,7 @@ import time
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import TooManyFieldsSent
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from drf_spectacular.utils import OpenApiResponse
@@ -22,7 +23,7 @@ from audit.services import audit_refusal
 from memories.models import IdempotencyRecord, Tenant
 from memories.services import idempotency, usage
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import ServiceError, TenantBusy
+from zeromem.kernel.errors import InvalidInput, ServiceError, TenantBusy
 from zeromem.kernel.tokens import cost_of
 from zeromem.kit import metrics
 
@@ -62,7 +63,16 @@ def retry_after(error: dict | None) -> dict:
     return {"Retry-After": str(seconds)} if seconds else {}
 
 
+def too_many_fields() -> InvalidInput:
+    """Django's TooManyFieldsSent (a query string of more parameters than it parses) as the
+    refusal it is."""
+    limit = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
+    return InvalidInput(f"more than {limit} query parameters", field="query", code="too_many_fields")
+
+
 def exception_handler(exc, context):
+    if isinstance(exc, TooManyFieldsSent):
+        exc = too_many_fields()
     if isinstance(exc, ServiceError):
         # Refusals, and the services' NotFound (404) and Conflict (409, current_version).
         retry_after = exc.extra.get("retry_after")
@@ -313,6 +323,8 @@ class AuditedAPIView(TenantAPIView):
     def handle_exception(self, exc):
         if isinstance(exc, _Replay):
             return exc.response
+        if isinstance(exc, TooManyFieldsSent):  # refused like any bad input, and audited
+            exc = too_many_fields()
         # A key over its rate limit is a refusal too, counted per minute (audit_refusal).
         refusals = (exceptions.ValidationError, exceptions.ParseError, ServiceError, exceptions.Throttled)
         refused = isinstance(exc, refusals)
