@@ -189,3 +189,65 @@ def test_a_content_length_past_nineteen_digits_is_413_before_any_read(api, lengt
         headers={**api._headers(None), "Content-Length": length},
     )
     _envelope(response, status=413, code="too_large", field="body")
+
+
+# --- walks over a body that name where they stopped -----------------------------------------------
+
+# An object under a long name holding many small containers: each walk built, for every
+# container, the dotted path to it at once — the long name copied once per container, all of
+# them held on the walk's stack. A 1 MiB body (a 500,000-character name, 40,000 empty lists)
+# asked for ~20 GB; these sizes ask for 100 MB, and a few MB once paths are built on a hit.
+LONG_NAME = "n" * 20_000
+SIBLINGS = 5_000
+WALK_PEAK_BYTES = 16 * 1024 * 1024
+
+
+def _wide_under_a_long_name(last) -> dict:
+    return {LONG_NAME: {**{f"a{i}": [] for i in range(SIBLINGS)}, "z": [last]}}
+
+
+def _peak(fn):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_body_with_an_emoji_under_many_containers_is_walked_in_bounded_memory(api):
+    import json
+
+    # The emoji, as json.dumps writes it (a \ud83d\ude00 pair), makes the parser look for a
+    # lone surrogate: a walk of every string and name.
+    body = json.dumps({"name": "memory_list", "arguments": {"prefix": "x:"}, "extra": _wide_under_a_long_name("😀")})
+    response, peak = _peak(lambda: api.post(CALL, raw=body))
+    assert response.status_code == 200  # a call's fields beside its own are not looked at
+    assert peak < WALK_PEAK_BYTES
+
+
+def test_a_lone_surrogate_is_still_named_by_its_path_cut_at_200_characters():
+    import json
+
+    data = _wide_under_a_long_name("\ud800")
+    text = json.dumps(data)
+    assert validation.lone_surrogate_field(text, data) == f"{LONG_NAME}.z.0"[:200]
+    nested = {"calls": [{"arguments": {"key": "ok", "value": ["a", "\udc00"]}}]}
+    assert validation.lone_surrogate_field(json.dumps(nested), nested) == "calls.0.arguments.value.1"
+    named = {"calls": [{"\ud800": 1}]}
+    assert validation.lone_surrogate_field(json.dumps(named), named) == "calls.0"
+    assert validation.lone_surrogate_field(json.dumps({"\ud800": 1}), {"\ud800": 1}) == "body"
+
+
+def test_mcp_arguments_are_checked_for_non_finite_numbers_in_bounded_memory():
+    from memories.mcp.server import non_finite_field
+
+    where, peak = _peak(lambda: non_finite_field(_wide_under_a_long_name(float("nan"))))
+    assert where == f"arguments.{LONG_NAME}.z.0"[:200]
+    assert peak < WALK_PEAK_BYTES
+    assert non_finite_field({"key": "a:b", "default": {"x": [1, 2.5, {"y": float("-inf")}]}}) == (
+        "arguments.default.x.2.y"
+    )
+    assert non_finite_field({"key": "a:b", "value": [1, 2.5]}) is None
