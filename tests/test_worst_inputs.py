@@ -251,3 +251,48 @@ def test_mcp_arguments_are_checked_for_non_finite_numbers_in_bounded_memory():
         "arguments.default.x.2.y"
     )
     assert non_finite_field({"key": "a:b", "value": [1, 2.5]}) is None
+
+
+# --- the answer of work that committed is the answer, whatever happens after -------------------
+
+
+def _kill_own_backend() -> None:
+    import psycopg
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    db = connection.settings_dict
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"] or None, dbname=db["NAME"]
+    ) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_whose_answer_cannot_be_kept_for_retries_still_answers_what_it_did(monkeypatch):
+    # The database goes away between the batch's last commit and the storing of its answer
+    # for Idempotency-Key retries: that was a 500 — for writes that had committed.
+    from django.db import connection
+
+    from memories.services import idempotency
+    from tests.factories import make_keyed_client, make_tenant
+
+    api, _key = make_keyed_client(make_tenant("outage-after-work"))
+    api.client.raise_request_exception = False
+    complete = idempotency.complete
+
+    def database_gone_then_complete(*args, **kwargs):
+        _kill_own_backend()
+        return complete(*args, **kwargs)
+
+    monkeypatch.setattr(idempotency, "complete", database_gone_then_complete)
+    calls = [{"name": "memory_write", "arguments": {"key": f"w:k{i}", "value": i}} for i in range(3)]
+    response = api.post("/api/v1/tools/batch", {"calls": calls}, headers={"Idempotency-Key": "batch-1"})
+
+    assert response.status_code == 200, response.content
+    assert [r["status"] for r in response.json()["results"]] == ["ok"] * 3
+    connection.close()  # the killed one: a server ends it with the request; the test client does not
+    assert Memory.objects.filter(tenant=api.tenant, key__startswith="w:").count() == 3

@@ -5,12 +5,13 @@ Error shape, on every surface and status: ``{"error": {"code", "message", "field
 """
 
 import functools
+import logging
 import time
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import TooManyFieldsSent
-from django.db import InterfaceError, OperationalError
+from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import exceptions, serializers, status
@@ -26,6 +27,8 @@ from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput, ServiceError, TenantBusy
 from zeromem.kernel.tokens import cost_of
 from zeromem.kit import metrics
+
+logger = logging.getLogger(__name__)
 
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
@@ -308,7 +311,14 @@ class AuditedAPIView(TenantAPIView):
                 if not getattr(response, "is_rendered", True):
                     response.render()
                 headers = {h: response[h] for h in idempotency.REPLAYED_HEADERS if response.has_header(h)}
-                idempotency.complete(claim, status=response.status_code, body=response.content, headers=headers)
+                try:
+                    idempotency.complete(claim, status=response.status_code, body=response.content, headers=headers)
+                except DatabaseError:
+                    # The work has committed (a batch's calls, a write): its answer is the answer,
+                    # not a 500. Not kept for retries — as when the process dies here (README
+                    # "Safe retries"): the claim lapses after its lease, or goes now if it can.
+                    logger.warning("idempotency: answer not kept", exc_info=True)
+                    _release_quietly(claim)
         return response
 
     def dispatch(self, request, *args, **kwargs):
@@ -341,6 +351,13 @@ class AuditedAPIView(TenantAPIView):
                 error=exc,
             )
         return super().handle_exception(exc)
+
+
+def _release_quietly(claim: int) -> None:
+    try:
+        idempotency.release(claim)
+    except DatabaseError:
+        pass  # the database is gone: the claim lapses after its lease
 
 
 RESULT_BYTES_HEADER = "ZeroMem-Result-Bytes"
