@@ -296,3 +296,26 @@ def test_a_batch_whose_answer_cannot_be_kept_for_retries_still_answers_what_it_d
     assert [r["status"] for r in response.json()["results"]] == ["ok"] * 3
     connection.close()  # the killed one: a server ends it with the request; the test client does not
     assert Memory.objects.filter(tenant=api.tenant, key__startswith="w:").count() == 3
+
+
+# --- what anyone may ask without a key --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "accept", ["application/vnd.oai.openapi", "application/vnd.oai.openapi+json", "application/json"]
+)
+def test_the_openapi_schema_costs_an_anonymous_client_no_rebuild(anonymous, accept):
+    # It was built and rendered for every request: ~65 ms of CPU each (/healthz: ~1 ms).
+    first = anonymous.get("/api/v1/schema", headers={"Accept": accept})
+    assert first.status_code == 200
+    started = time.process_time()
+    again = [
+        anonymous.get("/api/v1/schema", params, headers={"Accept": accept})
+        for params in ({}, {"lang": "de"}, {"version": "x" * 1000}, {"lang": "zz", "version": "2"}, {})
+    ]
+    per_request = (time.process_time() - started) / len(again)
+    assert per_request < 0.015
+    for response in again:
+        assert (response.status_code, response.content) == (200, first.content)
+        assert response["Content-Type"] == first["Content-Type"]
+    assert b"x" * 1000 not in first.content

@@ -4,10 +4,11 @@ from django.db import DatabaseError, connection
 from django.http import JsonResponse
 from django.urls import include, path
 from django.views.decorators.csrf import csrf_exempt
-from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularRedocView, SpectacularSwaggerView
 
 from memories.api.metrics import MetricsView
 from zeromem.kit.api import too_many_fields
+from zeromem.kit.schema import SchemaView
 from zeromem.middleware import API_PATHS, error_response
 
 
@@ -70,7 +71,7 @@ urlpatterns = [
     path("api/v1/", include("audit.urls")),
     # Read-only pages: other methods are 405 (OPTIONS on the Swagger page was a 500: DRF's
     # metadata response rendered through its HTML template).
-    path("api/v1/schema", SpectacularAPIView.as_view(http_method_names=READ_ONLY), name="schema"),
+    path("api/v1/schema", SchemaView.as_view(http_method_names=READ_ONLY), name="schema"),
     path(
         "api/v1/docs",
         SpectacularSwaggerView.as_view(url_name="schema", http_method_names=READ_ONLY),
