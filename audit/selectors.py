@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.db import OperationalError, connections, transaction
 from django.db.models import Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from audit.models import AuditEvent
 from zeromem.kernel import validation
+from zeromem.kernel.deadlines import first_rows
 from zeromem.kernel.errors import InvalidInput, Unavailable
 from zeromem.kernel.keyprefix import EXACT, startswith_q
 
@@ -156,27 +156,5 @@ def audit_page(qs: QuerySet[AuditEvent], size: int) -> list[AuditEvent]:
     (past it :class:`AuditListTimeout`, 503). A filter no index serves (an actor, an exact
     action, an outcome) that matches few events reads the tenant's whole log before the page
     is full — linear in the log, which every audited request grows (0.2-0.3 s at 2M events).
-    Cost: the query, and two ``set_config`` (the deadline, then the session's own back) in a
-    transaction (or savepoint) of its own."""
-    alias = qs.db
-    db = connections[alias]
-    if db.vendor != "postgresql":
-        return list(qs[:size])
-    try:
-        with transaction.atomic(using=alias):
-            with db.cursor() as cursor:
-                cursor.execute(
-                    "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true)",
-                    [str(settings.ZEROMEM_AUDIT_LIST_TIMEOUT_MS)],
-                )
-                previous = cursor.fetchone()[0]
-            rows = list(qs[:size])
-            with db.cursor() as cursor:
-                cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
-            return rows
-    except OperationalError as exc:
-        from psycopg import errors
-
-        if isinstance(exc.__cause__, errors.QueryCanceled):
-            raise AuditListTimeout() from None
-        raise
+    Cost: the query and two ``set_config`` (zeromem/kernel/deadlines.py)."""
+    return first_rows(qs, size, timeout_ms=settings.ZEROMEM_AUDIT_LIST_TIMEOUT_MS, timed_out=AuditListTimeout)

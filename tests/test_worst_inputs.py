@@ -344,6 +344,9 @@ def _seed_audit_events(tenant, n: int) -> None:
 
 
 @pytest.mark.postgres
+# Committed, then emptied by TRUNCATE: rolled back, the seeded rows stayed as dead tuples
+# that changed the planner's estimates for later tests (tests/test_hot_sql.py).
+@pytest.mark.django_db(transaction=True)
 def test_an_audit_page_its_filters_leave_empty_stops_at_the_deadline(make_client, tenant_a, settings):
     # Filters with no index (actor, an exact action, outcome) that match nothing read the whole
     # log to fill a page: 0.2-0.3 s at 2M events, linear in the log, which every audited
@@ -371,3 +374,49 @@ def test_an_audit_page_its_filters_leave_empty_stops_at_the_deadline(make_client
     with connection.cursor() as cursor:
         cursor.execute("SELECT current_setting('statement_timeout')")
         assert cursor.fetchone()[0] in ("0", "0ms")
+
+
+def _seed_memories(tenant, n: int) -> None:
+    """``n`` more live memories of ``tenant`` under ``bulk:``, copies of one written by the
+    service (one INSERT; only their keys differ)."""
+    from django.db import connection
+
+    from memories import services
+    from tests.factories import SYSTEM
+
+    template = services.memory_write(tenant=tenant, actor=SYSTEM, key="bulk:template", value="v", tags=["common"])
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'bulk:k' || g, {listed} FROM {Memory._meta.db_table}, generate_series(1, %s) g WHERE id = %s",
+            [n, template.memory.pk],
+        )
+
+
+@pytest.mark.postgres
+# Committed, then emptied by TRUNCATE: rolled back, the seeded rows stayed as dead tuples
+# that changed the planner's estimates for later tests (tests/test_hot_sql.py).
+@pytest.mark.django_db(transaction=True)
+def test_a_list_page_a_tag_leaves_empty_stops_at_the_deadline(api, settings):
+    # No index serves the tag filter: a tag few memories carry read every memory of the
+    # tenant in key order to fill a page (0.45 s at 1M memories). Now it stops at
+    # ZEROMEM_MEMORY_LIST_TIMEOUT_MS.
+    _seed_memories(api.tenant, 50_000)
+    settings.ZEROMEM_MEMORY_LIST_TIMEOUT_MS = 1
+
+    response = api.get("/api/v1/memories", {"tag": "rare"})
+
+    assert response.status_code == 503, response.content
+    error = rest_error(response)
+    assert (error["code"], error["field"]) == ("list_timeout", "tag")
+    assert "prefix" in error["message"]
+    event = AuditEvent.objects.filter(tenant=api.tenant, action="memory.list").latest("id")
+    assert (event.outcome, event.detail.get("code")) == ("unavailable", "list_timeout")
+
+    settings.ZEROMEM_MEMORY_LIST_TIMEOUT_MS = 60_000
+    response = api.get("/api/v1/memories", {"tag": "rare"})
+    assert (response.status_code, response.json()["results"]) == (200, [])
+    response = api.get("/api/v1/memories", {"tag": "common", "limit": "3"})
+    assert [m["key"] for m in response.json()["results"]] == ["bulk:k1", "bulk:k10", "bulk:k100"]
