@@ -191,6 +191,18 @@ def test_a_content_length_past_nineteen_digits_is_413_before_any_read(api, lengt
     _envelope(response, status=413, code="too_large", field="body")
 
 
+def test_a_content_length_of_leading_zeros_is_its_number(api):
+    body = b'{"name":"memory_list","arguments":{}}'
+    response = api.client.generic(
+        "POST",
+        CALL,
+        body,
+        content_type="application/json",
+        headers={**api._headers(None), "Content-Length": "0" * 30 + str(len(body))},
+    )
+    assert response.status_code == 200, response.content
+
+
 # --- walks over a body that name where they stopped -----------------------------------------------
 
 # An object under a long name holding many small containers: each walk built, for every

@@ -37,7 +37,7 @@ def _too_many_digits(declared: str) -> bool:
     """A Content-Length of more digits than ascii_int reads (a server passes any it can hold:
     granian, up to 2**64 - 1), so larger than any cap."""
     text = declared.strip(" \t")
-    return len(text) > 19 and text.isascii() and text.isdigit()
+    return text.isascii() and text.isdigit() and len(text.lstrip("0")) > 19
 
 
 def _read_chunked(request, cap: int) -> HttpResponse | None:
