@@ -432,3 +432,48 @@ def test_a_list_page_a_tag_leaves_empty_stops_at_the_deadline(api, settings):
     assert (response.status_code, response.json()["results"]) == (200, [])
     response = api.get("/api/v1/memories", {"tag": "common", "limit": "3"})
     assert [m["key"] for m in response.json()["results"]] == ["bulk:k1", "bulk:k10", "bulk:k100"]
+
+
+# --- booleans where integers go (True == 1 in Python) -------------------------------------------
+
+BOOLEAN_AS_INTEGER = [
+    ("memory_list", {"limit": True}, "limit"),
+    ("memory_search", {"query": "x", "limit": True}, "limit"),
+    ("memory_search", {"query": "x", "max_chars": True}, "max_chars"),
+    ("memory_recall", {"query": "x", "max_chars": True}, "max_chars"),
+    ("memory_read", {"key": "user:u1:x", "max_chars": True}, "max_chars"),
+    ("memory_read", {"key": "user:u1:x", "offset": False}, "offset"),
+    ("memory_update", {"key": "user:u1:x", "value": 2, "expected_version": True}, "expected_version"),
+    ("memory_write", {"key": "user:u1:y", "value": 2, "ttl_seconds": True}, "ttl_seconds"),
+]
+
+
+@pytest.mark.parametrize(("tool", "arguments", "field"), BOOLEAN_AS_INTEGER)
+def test_a_boolean_where_a_tool_takes_an_integer_is_refused_naming_it(api, tool, arguments, field):
+    api.call("memory_write", key="user:u1:x", value=1)
+    rows = row_counts()
+    status, body = api.call(tool, **arguments)
+    assert (status, tool_error(body)["field"]) == (400, field)
+    assert row_counts() == rows
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        ("put", "/api/v1/memories/user:u1:x", {"value": 1, "importance": True}, "importance"),
+        ("put", "/api/v1/memories/user:u1:x", {"value": 1, "ttl_seconds": True}, "ttl_seconds"),
+        ("patch", "/api/v1/memories/user:u1:x", {"expected_version": True}, "expected_version"),
+        ("post", "/api/v1/forget-requests", {"keys": ["user:u1:x"], "due_in_days": True}, "due_in_days"),
+        ("put", "/api/v1/langgraph/store/items", {"namespace": ["a"], "key": "k", "value": {}, "ttl": True}, "ttl"),
+        ("post", "/api/v1/langgraph/store/items/search", {"limit": True}, "limit"),
+        ("post", "/api/v1/langgraph/store/items/search", {"offset": False}, "offset"),
+        ("post", "/api/v1/langgraph/store/namespaces", {"max_depth": True}, "max_depth"),
+    ],
+)
+def test_a_boolean_where_rest_takes_an_integer_is_refused_naming_it(api, method, path, body, field):
+    api.put("/api/v1/memories/user:u1:x", {"value": 0})
+    rows = row_counts()
+    response = getattr(api, method)(path, body)
+    assert (response.status_code, rest_error(response)["field"]) == (400, field)
+    assert row_counts() == rows
+    assert not ForgetRequest.objects.exists()
