@@ -32,7 +32,7 @@ from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
 from audit.seals import tenant_q as _tenant_q
-from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events
+from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events, audit_page
 from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
@@ -1073,7 +1073,9 @@ def audit_event_list(
     *, tenant: Tenant, actor: Actor, filters: AuditFilters, limit=None, cursor=None
 ) -> tuple[list[AuditEvent], str | None]:
     """Newest first, keyset-paginated on the id. Scope ``audit:read``; the reading is itself
-    an ``audit.list`` event. Cost: one index range scan, limit + 1 rows, one INSERT."""
+    an ``audit.list`` event. Cost: one index range scan, limit + 1 rows, one INSERT — or, for
+    filters no index serves that match few events, a scan of the log up to
+    ``ZEROMEM_AUDIT_LIST_TIMEOUT_MS`` (:func:`audit.selectors.audit_page`)."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
@@ -1082,7 +1084,7 @@ def audit_event_list(
         if before is not None:
             qs = qs.filter(pk__lt=before)
         with replica_reads():  # the review of the log may lag it by the replica's delay
-            rows = list(qs[: limit + 1])
+            rows = audit_page(qs, limit + 1)
             numbers = seal_numbers(tenant.pk, [r.pk for r in rows if r.seal is None])
         for row in rows:
             if row.seal is None:

@@ -26,6 +26,7 @@ from memories.services import summaries
 from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, ServiceError
+from zeromem.kernel.outcomes import Outcome
 
 # A memory value is any JSON. OpenAI's strict mode cannot express a free-form object, so
 # the strict schema offers scalars (a structured value can be sent as a JSON string);
@@ -561,6 +562,12 @@ def _run(tool: Tool, tenant: Tenant, actor: Actor, arguments: dict) -> dict:
 
 
 BATCH_MAX_CALLS = 50
+# A batch stops running calls once its results hold this many bytes (as the answer renders
+# them). One call answers at most ~3-6 MB (a search of 200 results of 16,384 characters), but
+# 50 of them made one request of 5 KB build a 160 MB answer: 8 s and ~400 MB of one web
+# process's memory, as many times at once as the tenant has slots.
+BATCH_ANSWER_MAX_BYTES = 4 * 1024 * 1024
+ANSWER_TOO_LARGE = "answer_too_large"
 logger = logging.getLogger(__name__)
 
 
@@ -568,7 +575,13 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
     """Run ``body["calls"]`` (1-50 calls) in order, each in its own transaction: one failing
     call does not undo the others, and each result stands alone. A batch with a call that is
     not shaped like a tool call is malformed: refused whole (InvalidInput), nothing runs;
-    well-shaped calls that fail (unknown tool, bad key) fail alone."""
+    well-shaped calls that fail (unknown tool, bad key) fail alone.
+
+    Once the results so far hold ``BATCH_ANSWER_MAX_BYTES``, the calls left are not run: each
+    answers an ``answer_too_large`` error naming it (send it again), and the batch records one
+    ``tool.batch`` event (``invalid``, ``count``: the calls not run).
+
+    Cost: the calls', plus one serialization of each result to count its bytes."""
     calls = body.get("calls") if isinstance(body, dict) else None
     if not isinstance(calls, list) or not calls:
         raise InvalidInput("must be a non-empty list of tool calls", field="calls")
@@ -576,7 +589,36 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
         raise InvalidInput(f"at most {BATCH_MAX_CALLS} calls per batch", field="calls", code="too_many")
     for i, call in enumerate(calls):
         _check_shape(call, f"calls.{i}.")
-    return [_batch_call(tenant, actor, call) for call in calls]
+    results: list[dict] = []
+    size = 0
+    for i, call in enumerate(calls):
+        if size >= BATCH_ANSWER_MAX_BYTES:
+            results.extend(_not_run(rest, j) for j, rest in enumerate(calls[i:], start=i))
+            with audited_operation(tenant=tenant, actor=actor, action="tool.batch", atomic=False) as op:
+                detail = {"code": ANSWER_TOO_LARGE, "field": f"calls.{i}", "answer_bytes": size}
+                op.record(outcome=Outcome.INVALID, count=len(calls) - i, detail=detail)
+            break
+        result = _batch_call(tenant, actor, call)
+        size += _answer_bytes(result)
+        results.append(result)
+    return results
+
+
+def _answer_bytes(result: dict) -> int:
+    # As zeromem/renderers.py writes it (compact, UTF-8, str() for what JSON lacks).
+    return len(json.dumps(result, ensure_ascii=False, separators=(",", ":"), default=str).encode())
+
+
+def _not_run(call: Any, index: int) -> dict:
+    message = (
+        f"not run: the batch's answer reached {BATCH_ANSWER_MAX_BYTES} bytes before this call; "
+        "send it again (alone, or in a later batch)"
+    )
+    result = {"status": "error", "error": {"code": ANSWER_TOO_LARGE, "message": message, "field": f"calls.{index}"}}
+    call_id = call_id_of(call)
+    if call_id is not None:
+        result["tool_call_id"] = call_id
+    return result
 
 
 def _batch_call(tenant: Tenant, actor: Actor, call: Any) -> dict:

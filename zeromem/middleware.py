@@ -33,6 +33,13 @@ def _too_large(cap: int) -> HttpResponse:
     return error_response(413, "too_large", f"request body is over {cap} bytes", field="body")
 
 
+def _too_many_digits(declared: str) -> bool:
+    """A Content-Length of more digits than ascii_int reads (a server passes any it can hold:
+    granian, up to 2**64 - 1), so larger than any cap."""
+    text = declared.strip(" \t")
+    return text.isascii() and text.isdigit() and len(text.lstrip("0")) > 19
+
+
 def _read_chunked(request, cap: int) -> HttpResponse | None:
     """A chunked body under WSGI has no Content-Length, so Django reads it as empty (its
     stream is limited to Content-Length, 0). The server (granian) streams the decoded
@@ -70,8 +77,9 @@ class RequestIdMiddleware:
         # request.META, not request.headers: that one copies every header into a new mapping.
         request.request_id = request_id_for(request.META.get("HTTP_X_REQUEST_ID", ""))
         cap = settings.ZEROMEM_MAX_BODY_BYTES
-        length = validation.ascii_int(request.META.get("CONTENT_LENGTH") or "0")
-        if length is not None and length > cap:
+        declared = request.META.get("CONTENT_LENGTH") or "0"
+        length = validation.ascii_int(declared)
+        if (length is not None and length > cap) or _too_many_digits(declared):
             # From the header alone: not one byte of the body has been read.
             return _too_large(cap)
         if "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower() and "wsgi.input" in request.META:

@@ -1,12 +1,15 @@
 from django.contrib import admin
+from django.core.exceptions import DisallowedHost, RequestDataTooBig, TooManyFieldsSent
 from django.db import DatabaseError, connection
 from django.http import JsonResponse
 from django.urls import include, path
 from django.views.decorators.csrf import csrf_exempt
-from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularRedocView, SpectacularSwaggerView
 
 from memories.api.metrics import MetricsView
-from zeromem.middleware import error_response
+from zeromem.kit.api import too_many_fields
+from zeromem.kit.schema import SchemaView
+from zeromem.middleware import API_PATHS, error_response
 
 
 @csrf_exempt  # no cookie auth and no state: a POST gets 405 below, not a CSRF page
@@ -33,12 +36,31 @@ def api_not_found(request, exception=None):
     return page_not_found(request, exception)
 
 
+def api_bad_request(request, exception=None):
+    """Django's own refusals before any view (a Host outside ALLOWED_HOSTS, more query
+    parameters than DATA_UPLOAD_MAX_NUMBER_FIELDS, a body Django will not read): on API paths
+    in the error envelope, like every other answer there; elsewhere Django's page."""
+    if request.path.startswith(API_PATHS):
+        if isinstance(exception, DisallowedHost):
+            return error_response(400, "bad_host", "Invalid Host header", field="Host")
+        if isinstance(exception, RequestDataTooBig):
+            return error_response(413, "too_large", "request body is too large", field="body")
+        if isinstance(exception, TooManyFieldsSent):
+            error = too_many_fields()
+            return error_response(400, error.code, error.message, field=error.field)
+        return error_response(400, "bad_request", "the request is malformed")
+    from django.views.defaults import bad_request
+
+    return bad_request(request, exception)
+
+
 def server_error(request):
     return error_response(500, "server_error", "internal error; the request id is in X-Request-ID")
 
 
 READ_ONLY = ["get", "head"]
 
+handler400 = api_bad_request
 handler404 = api_not_found
 handler500 = server_error
 
@@ -49,7 +71,7 @@ urlpatterns = [
     path("api/v1/", include("audit.urls")),
     # Read-only pages: other methods are 405 (OPTIONS on the Swagger page was a 500: DRF's
     # metadata response rendered through its HTML template).
-    path("api/v1/schema", SpectacularAPIView.as_view(http_method_names=READ_ONLY), name="schema"),
+    path("api/v1/schema", SchemaView.as_view(http_method_names=READ_ONLY), name="schema"),
     path(
         "api/v1/docs",
         SpectacularSwaggerView.as_view(url_name="schema", http_method_names=READ_ONLY),

@@ -14,7 +14,8 @@ from zeromem.kit.api import NO_CONTROL_CHARS, ErrorDetailSerializer
 
 # The rules of zeromem/kernel/validation.py as OpenAPI patterns (validation.ecma_pattern).
 KEY_PATTERN = validation.ecma_pattern(validation.KEY_RE.pattern)
-PREFIX_PATTERN = validation.ecma_pattern(rf"(?:{validation._SEGMENT}:?)*")
+# Empty, or PREFIX_RE (each character matched one way: no backtracking in a client's validator).
+PREFIX_PATTERN = validation.ecma_pattern(rf"(?:{validation.PREFIX_RE.pattern})?")
 TAG_PATTERN = validation.ecma_pattern(validation.TAG_RE.pattern)
 CATEGORY_PATTERN = validation.CATEGORY_PATTERN
 

@@ -59,7 +59,7 @@ from memories import tools
 from memories.mcp import INSTRUCTIONS, SERVER_NAME
 from memories.models import ApiKey
 from memories.services import api_keys, usage
-from zeromem.kernel import tracing
+from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import TenantBusy, Unauthenticated
 from zeromem.kernel.tokens import cost_of
@@ -217,15 +217,16 @@ def non_finite_field(arguments: dict) -> str | None:
     at most 200 characters — else None. The SDK's JSON parser reads ``1e400`` as infinity and
     takes the literals ``NaN`` and ``Infinity``, which REST's parser refuses (``malformed_json``)
     and which no JSON answer can carry (memory_read echoes its ``default``)."""
-    stack: list[tuple[Any, str]] = [(arguments, "arguments")]
+    # Trails, not paths, on the stack (validation.dotted_path: memory linear in the containers).
+    stack: list[tuple[Any, tuple]] = [(arguments, ("arguments", None))]
     while stack:
-        item, path = stack.pop()
+        item, trail = stack.pop()
         children = item.items() if isinstance(item, dict) else enumerate(item)
         for name, child in children:
             if isinstance(child, float) and not math.isfinite(child):
-                return f"{path}.{name}"[:200]
+                return validation.dotted_path((name, trail))
             if isinstance(child, dict | list):
-                stack.append((child, f"{path}.{name}"))
+                stack.append((child, (name, trail)))
     return None
 
 

@@ -5,11 +5,13 @@ Error shape, on every surface and status: ``{"error": {"code", "message", "field
 """
 
 import functools
+import logging
 import time
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
-from django.db import InterfaceError, OperationalError
+from django.core.exceptions import TooManyFieldsSent
+from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import exceptions, serializers, status
@@ -22,9 +24,11 @@ from audit.services import audit_refusal
 from memories.models import IdempotencyRecord, Tenant
 from memories.services import idempotency, usage
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import ServiceError, TenantBusy
+from zeromem.kernel.errors import InvalidInput, ServiceError, TenantBusy
 from zeromem.kernel.tokens import cost_of
 from zeromem.kit import metrics
+
+logger = logging.getLogger(__name__)
 
 _DRF_CODES = {
     exceptions.NotAuthenticated: "missing_credentials",
@@ -62,7 +66,16 @@ def retry_after(error: dict | None) -> dict:
     return {"Retry-After": str(seconds)} if seconds else {}
 
 
+def too_many_fields() -> InvalidInput:
+    """Django's TooManyFieldsSent (a query string of more parameters than it parses) as the
+    refusal it is."""
+    limit = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
+    return InvalidInput(f"more than {limit} query parameters", field="query", code="too_many_fields")
+
+
 def exception_handler(exc, context):
+    if isinstance(exc, TooManyFieldsSent):
+        exc = too_many_fields()
     if isinstance(exc, ServiceError):
         # Refusals, and the services' NotFound (404) and Conflict (409, current_version).
         retry_after = exc.extra.get("retry_after")
@@ -298,7 +311,14 @@ class AuditedAPIView(TenantAPIView):
                 if not getattr(response, "is_rendered", True):
                     response.render()
                 headers = {h: response[h] for h in idempotency.REPLAYED_HEADERS if response.has_header(h)}
-                idempotency.complete(claim, status=response.status_code, body=response.content, headers=headers)
+                try:
+                    idempotency.complete(claim, status=response.status_code, body=response.content, headers=headers)
+                except DatabaseError:
+                    # The work has committed (a batch's calls, a write): its answer is the answer,
+                    # not a 500. Not kept for retries — as when the process dies here (README
+                    # "Safe retries"): the claim lapses after its lease, or goes now if it can.
+                    logger.warning("idempotency: answer not kept", exc_info=True)
+                    _release_quietly(claim)
         return response
 
     def dispatch(self, request, *args, **kwargs):
@@ -313,6 +333,8 @@ class AuditedAPIView(TenantAPIView):
     def handle_exception(self, exc):
         if isinstance(exc, _Replay):
             return exc.response
+        if isinstance(exc, TooManyFieldsSent):  # refused like any bad input, and audited
+            exc = too_many_fields()
         # A key over its rate limit is a refusal too, counted per minute (audit_refusal).
         refusals = (exceptions.ValidationError, exceptions.ParseError, ServiceError, exceptions.Throttled)
         refused = isinstance(exc, refusals)
@@ -329,6 +351,13 @@ class AuditedAPIView(TenantAPIView):
                 error=exc,
             )
         return super().handle_exception(exc)
+
+
+def _release_quietly(claim: int) -> None:
+    try:
+        idempotency.release(claim)
+    except DatabaseError:
+        pass  # the database is gone: the claim lapses after its lease
 
 
 RESULT_BYTES_HEADER = "ZeroMem-Result-Bytes"

@@ -1,0 +1,479 @@
+"""The worst value of an input, on the machine-facing surfaces (REST, the tool endpoints):
+what it costs (time, memory, rows) and that it is refused the way every bad input is — a
+4xx naming the field, in the error envelope, nothing written beyond the refusal's event."""
+
+import time
+
+import pytest
+
+from audit.models import AuditEvent
+from memories.models import ForgetRequest, Job, Memory
+from tests.helpers import rest_error, row_counts, tool_error
+from zeromem.kernel import validation
+from zeromem.kernel.errors import InvalidInput
+
+CALL = "/api/v1/tools/call"
+
+# --- a prefix that fails at its end ------------------------------------------------------------
+
+# Letters and then one character no prefix holds. The prefix rule read "(?:SEGMENT:?)+",
+# which splits a run of letters into segments every possible way before it refuses: 24 letters
+# took 0.9 s of CPU here, and each letter more doubled it (40: hours; a prefix may have 512).
+# `re` holds the GIL while it runs, so such a request stalled every thread of its process.
+# 26 letters (~3.5 s before) keep a failing run short; after, the refusal takes microseconds.
+BACKTRACKING_PREFIX = "a" * 26 + "!"
+WORST_PREFIXES = ["a" * 511 + "!", "a:" * 255 + "!", ("a" * 100 + ":") * 5 + "!", "a" * 511 + " "]
+FAST = 0.5  # seconds: a request's whole round trip, with room for a loaded machine
+
+
+def test_a_prefix_rule_check_takes_no_time_whatever_the_prefix():
+    started = time.process_time()
+    for prefix in [BACKTRACKING_PREFIX, *WORST_PREFIXES]:
+        with pytest.raises(InvalidInput) as refused:
+            validation.prefix(prefix)
+        assert refused.value.field == "prefix"
+    assert time.process_time() - started < FAST
+
+
+def test_the_prefix_rule_still_takes_what_it_took():
+    for good in ["user", "user:", "user:u1", "user:u1:", "user:u1:pref_l", "用户:张三:", "a.b@c+d=e~f-g:h_i"]:
+        assert validation.prefix(good) == good
+    for bad in [":", ":a", "a::", "a::b", "a:b::", "a b", "a/b", "a:\x00", "a\n"]:
+        with pytest.raises(InvalidInput):
+            validation.prefix(bad)
+
+
+def _refused_fast(started: float, response_status: int) -> None:
+    assert time.perf_counter() - started < FAST
+    assert response_status == 400
+
+
+@pytest.mark.parametrize("tool", ["memory_list", "memory_search", "memory_recall", "memory_summarize"])
+def test_a_tool_calls_backtracking_prefix_is_refused_at_once_naming_prefix(api, tool):
+    api.call("memory_write", key="user:u1:x", value="kept")
+    rows = row_counts()
+    arguments = {"prefix": BACKTRACKING_PREFIX}
+    if tool == "memory_search":
+        arguments["query"] = "anything"
+    started = time.perf_counter()
+    status, body = api.call(tool, **arguments)
+    _refused_fast(started, status)
+    assert tool_error(body)["field"] == "prefix"
+    assert row_counts() == rows
+    assert not Job.objects.exists()
+
+
+def test_a_rest_list_with_a_backtracking_prefix_is_refused_at_once(api):
+    started = time.perf_counter()
+    response = api.get("/api/v1/memories", {"prefix": BACKTRACKING_PREFIX})
+    _refused_fast(started, response.status_code)
+    assert rest_error(response)["field"] == "prefix"
+
+
+def test_a_forget_request_or_summary_with_a_backtracking_prefix_is_refused_and_stores_nothing(api):
+    for path in ("/api/v1/forget-requests", "/api/v1/summaries"):
+        started = time.perf_counter()
+        response = api.post(path, {"prefix": BACKTRACKING_PREFIX})
+        _refused_fast(started, response.status_code)
+        assert rest_error(response)["field"] == "prefix"
+    assert not ForgetRequest.objects.exists()
+    assert not Job.objects.exists()
+    refusals = AuditEvent.objects.filter(tenant=api.tenant).exclude(outcome=AuditEvent.Outcome.OK)
+    assert {(e.action, e.detail.get("code")) for e in refusals} == {
+        ("forget.create", "invalid_prefix"),
+        ("memory.summarize", "invalid_prefix"),
+    }
+
+
+# --- a batch whose answer grows past what one request should build ----------------------------
+
+
+def _seed_large(tenant, n: int, *, chars: int) -> None:
+    from memories import services
+    from tests.factories import SYSTEM
+
+    # Quotes: the value's JSON is twice its length, as is a cut of it rendered in an answer.
+    for i in range(n):
+        services.memory_write(tenant=tenant, actor=SYSTEM, key=f"big:k{i:03}", value="zebra " + '"' * chars)
+
+
+def test_a_batch_stops_running_calls_once_its_answer_holds_the_cap(api, monkeypatch):
+    from memories import tools
+
+    monkeypatch.setattr(tools, "BATCH_ANSWER_MAX_BYTES", 40_000, raising=False)
+    _seed_large(api.tenant, 1, chars=4_990)  # a read answers ~10 KB
+    read = {"name": "memory_read", "arguments": {"key": "big:k000", "max_chars": 16_384}}
+    calls = [{**read, "id": f"c{i}"} for i in range(6)]
+    calls.append({"name": "memory_write", "arguments": {"key": "big:late", "value": 1}, "id": "late"})
+    events_before = AuditEvent.objects.filter(tenant=api.tenant).count()
+
+    response = api.post("/api/v1/tools/batch", {"calls": calls})
+
+    assert response.status_code == 200
+    results = response.json()["results"]
+    assert [r["status"] for r in results] == ["ok"] * 4 + ["error"] * 3
+    for i, result in enumerate(results[4:], start=4):
+        assert result["error"]["code"] == "answer_too_large"
+        assert result["error"]["field"] == f"calls.{i}"
+        assert result["tool_call_id"] == calls[i]["id"]
+    # The write after the cap was not run: no memory, no version, no memory.write event.
+    assert not Memory.objects.filter(tenant=api.tenant, key="big:late").exists()
+    events = AuditEvent.objects.filter(tenant=api.tenant).order_by("id")[events_before:]
+    assert [(e.action, e.outcome) for e in events] == [("memory.read", "ok")] * 4 + [("tool.batch", "invalid")]
+    assert events[4].count == 3
+    assert events[4].detail["code"] == "answer_too_large"
+
+
+def test_the_largest_batch_of_searches_builds_an_answer_of_the_cap_plus_one_call(api):
+    from memories import tools
+
+    # 200 memories of 16 KB each (the value cap); a search of them all, max_chars 16,384, is the
+    # largest answer one call gives (~3.3 MB). 50 of them were 160 MB, built in 8 s.
+    _seed_large(api.tenant, 200, chars=8_000)
+    search = {"name": "memory_search", "arguments": {"query": "zebra", "limit": 200, "max_chars": 16_384}}
+
+    started = time.perf_counter()
+    response = api.post("/api/v1/tools/batch", {"calls": [search] * 50})
+    elapsed = time.perf_counter() - started
+
+    assert response.status_code == 200
+    results = response.json()["results"]
+    ran = [r for r in results if r["status"] == "ok"]
+    assert len(ran) == 2 and all(len(r["results"]) == 200 for r in ran)
+    assert {r["error"]["code"] for r in results[2:]} == {"answer_too_large"}
+    assert len(response.content) < tools.BATCH_ANSWER_MAX_BYTES + 4 * 1024 * 1024
+    assert elapsed < 5
+
+
+# --- requests Django refuses before a view: still the error envelope on API paths ---------------
+
+
+def _envelope(response, *, status: int, code: str, field: str | None) -> None:
+    assert response.status_code == status
+    assert response["Content-Type"] == "application/json"
+    assert response.json()["error"] == {"code": code, "message": response.json()["error"]["message"], "field": field}
+
+
+def test_more_query_parameters_than_django_parses_is_a_400_naming_query_and_audited(api, settings):
+    many = "&".join(f"p{i}=1" for i in range(settings.DATA_UPLOAD_MAX_NUMBER_FIELDS + 1))
+    response = api.get(f"/api/v1/memories?{many}")
+    _envelope(response, status=400, code="too_many_fields", field="query")
+    assert "1000" in response.json()["error"]["message"]
+    event = AuditEvent.objects.filter(tenant=api.tenant).latest("id")
+    assert (event.action, event.outcome, event.detail["code"]) == ("memory.list", "invalid", "too_many_fields")
+    # The same limit on an endpoint that audits nothing (the tool schemas).
+    _envelope(api.get(f"/api/v1/tools?{many}"), status=400, code="too_many_fields", field="query")
+
+
+@pytest.mark.parametrize("path", ["/api/v1/memories", "/healthz", "/api/v1/no-such-endpoint"])
+def test_a_host_outside_allowed_hosts_on_an_api_path_is_a_400_in_the_error_envelope(api, path):
+    response = api.get(path, headers={"Host": "attacker.example"})
+    _envelope(response, status=400, code="bad_host", field="Host")
+
+
+def test_a_bad_request_on_a_browser_path_is_still_djangos_page(db, client):
+    response = client.get("/admin/login/", headers={"Host": "attacker.example"})
+    assert response.status_code == 400
+    assert response["Content-Type"].startswith("text/html")
+
+
+@pytest.mark.parametrize("length", ["10000000000000000000", "18446744073709551615", "9" * 40])
+def test_a_content_length_past_nineteen_digits_is_413_before_any_read(api, length):
+    # A server passes any Content-Length it can hold (granian: up to 2**64 - 1); past 19 digits
+    # the cap's check could not read it, and Django refused the body itself, with its HTML page.
+    response = api.client.generic(
+        "POST",
+        CALL,
+        b'{"name":"memory_list","arguments":{}}',
+        content_type="application/json",
+        headers={**api._headers(None), "Content-Length": length},
+    )
+    _envelope(response, status=413, code="too_large", field="body")
+
+
+def test_a_content_length_of_leading_zeros_is_its_number(api):
+    body = b'{"name":"memory_list","arguments":{}}'
+    response = api.client.generic(
+        "POST",
+        CALL,
+        body,
+        content_type="application/json",
+        headers={**api._headers(None), "Content-Length": "0" * 30 + str(len(body))},
+    )
+    assert response.status_code == 200, response.content
+
+
+# --- walks over a body that name where they stopped -----------------------------------------------
+
+# An object under a long name holding many small containers: each walk built, for every
+# container, the dotted path to it at once — the long name copied once per container, all of
+# them held on the walk's stack. A 1 MiB body (a 500,000-character name, 40,000 empty lists)
+# asked for ~20 GB; these sizes ask for 100 MB, and a few MB once paths are built on a hit.
+LONG_NAME = "n" * 20_000
+SIBLINGS = 5_000
+WALK_PEAK_BYTES = 16 * 1024 * 1024
+
+
+def _wide_under_a_long_name(last) -> dict:
+    return {LONG_NAME: {**{f"a{i}": [] for i in range(SIBLINGS)}, "z": [last]}}
+
+
+def _peak(fn):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_body_with_an_emoji_under_many_containers_is_walked_in_bounded_memory(api):
+    import json
+
+    # The emoji, as json.dumps writes it (a \ud83d\ude00 pair), makes the parser look for a
+    # lone surrogate: a walk of every string and name.
+    body = json.dumps({"name": "memory_list", "arguments": {"prefix": "x:"}, "extra": _wide_under_a_long_name("😀")})
+    response, peak = _peak(lambda: api.post(CALL, raw=body))
+    assert response.status_code == 200  # a call's fields beside its own are not looked at
+    assert peak < WALK_PEAK_BYTES
+
+
+def test_a_lone_surrogate_is_still_named_by_its_path_cut_at_200_characters():
+    import json
+
+    data = _wide_under_a_long_name("\ud800")
+    text = json.dumps(data)
+    assert validation.lone_surrogate_field(text, data) == f"{LONG_NAME}.z.0"[:200]
+    nested = {"calls": [{"arguments": {"key": "ok", "value": ["a", "\udc00"]}}]}
+    assert validation.lone_surrogate_field(json.dumps(nested), nested) == "calls.0.arguments.value.1"
+    named = {"calls": [{"\ud800": 1}]}
+    assert validation.lone_surrogate_field(json.dumps(named), named) == "calls.0"
+    assert validation.lone_surrogate_field(json.dumps({"\ud800": 1}), {"\ud800": 1}) == "body"
+
+
+def test_mcp_arguments_are_checked_for_non_finite_numbers_in_bounded_memory():
+    from memories.mcp.server import non_finite_field
+
+    where, peak = _peak(lambda: non_finite_field(_wide_under_a_long_name(float("nan"))))
+    assert where == f"arguments.{LONG_NAME}.z.0"[:200]
+    assert peak < WALK_PEAK_BYTES
+    assert non_finite_field({"key": "a:b", "default": {"x": [1, 2.5, {"y": float("-inf")}]}}) == (
+        "arguments.default.x.2.y"
+    )
+    assert non_finite_field({"key": "a:b", "value": [1, 2.5]}) is None
+
+
+# --- the answer of work that committed is the answer, whatever happens after -------------------
+
+
+def _kill_own_backend() -> None:
+    import psycopg
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    db = connection.settings_dict
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"] or None, dbname=db["NAME"]
+    ) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_whose_answer_cannot_be_kept_for_retries_still_answers_what_it_did(monkeypatch):
+    # The database goes away between the batch's last commit and the storing of its answer
+    # for Idempotency-Key retries: that was a 500 — for writes that had committed.
+    from django.db import connection
+
+    from memories.services import idempotency
+    from tests.factories import make_keyed_client, make_tenant
+
+    api, _key = make_keyed_client(make_tenant("outage-after-work"))
+    api.client.raise_request_exception = False
+    complete = idempotency.complete
+
+    def database_gone_then_complete(*args, **kwargs):
+        _kill_own_backend()
+        return complete(*args, **kwargs)
+
+    monkeypatch.setattr(idempotency, "complete", database_gone_then_complete)
+    calls = [{"name": "memory_write", "arguments": {"key": f"w:k{i}", "value": i}} for i in range(3)]
+    response = api.post("/api/v1/tools/batch", {"calls": calls}, headers={"Idempotency-Key": "batch-1"})
+
+    assert response.status_code == 200, response.content
+    assert [r["status"] for r in response.json()["results"]] == ["ok"] * 3
+    connection.close()  # the killed one: a server ends it with the request; the test client does not
+    assert Memory.objects.filter(tenant=api.tenant, key__startswith="w:").count() == 3
+
+
+# --- what anyone may ask without a key --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "accept", ["application/vnd.oai.openapi", "application/vnd.oai.openapi+json", "application/json"]
+)
+def test_the_openapi_schema_costs_an_anonymous_client_no_rebuild(anonymous, accept):
+    # It was built and rendered for every request: ~65 ms of CPU each (/healthz: ~1 ms).
+    first = anonymous.get("/api/v1/schema", headers={"Accept": accept})
+    assert first.status_code == 200
+    started = time.process_time()
+    again = [
+        anonymous.get("/api/v1/schema", params, headers={"Accept": accept})
+        for params in ({}, {"lang": "de"}, {"version": "x" * 1000}, {"lang": "zz", "version": "2"}, {})
+    ]
+    per_request = (time.process_time() - started) / len(again)
+    assert per_request < 0.015
+    for response in again:
+        assert (response.status_code, response.content) == (200, first.content)
+        assert response["Content-Type"] == first["Content-Type"]
+    assert b"x" * 1000 not in first.content
+
+
+# --- a page of the audit log that its filters leave empty -----------------------------------------
+
+
+def _seed_audit_events(tenant, n: int) -> None:
+    """``n`` more ``memory.read`` events of ``tenant``, copies of one real event (one INSERT)."""
+    from django.db import connection
+
+    from audit.services import audit_record
+    from tests.factories import SYSTEM
+
+    template = audit_record(tenant=tenant, actor=SYSTEM, action="memory.read", outcome="ok", target="user:u1:k")
+    columns = [f.column for f in AuditEvent._meta.local_concrete_fields if f.column not in ("id", "uid")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {AuditEvent._meta.db_table} ({listed}, uid) "  # noqa: S608 (names from the model)
+            f"SELECT {listed}, gen_random_uuid() FROM {AuditEvent._meta.db_table}, generate_series(1, %s) "
+            "WHERE id = %s",
+            [n, template],
+        )
+
+
+@pytest.mark.postgres
+# Committed, then emptied by TRUNCATE: rolled back, the seeded rows stayed as dead tuples
+# that changed the planner's estimates for later tests (tests/test_hot_sql.py).
+@pytest.mark.django_db(transaction=True)
+def test_an_audit_page_its_filters_leave_empty_stops_at_the_deadline(make_client, tenant_a, settings):
+    # Filters with no index (actor, an exact action, outcome) that match nothing read the whole
+    # log to fill a page: 0.2-0.3 s at 2M events, linear in the log, which every audited
+    # request grows. Now each page's query stops at ZEROMEM_AUDIT_LIST_TIMEOUT_MS.
+    reviewer, _key = make_client(tenant_a, scopes=["audit:read"])
+    _seed_audit_events(tenant_a, 50_000)  # read in ~10 ms: past a 1 ms deadline
+    settings.ZEROMEM_AUDIT_LIST_TIMEOUT_MS = 1
+    before = AuditEvent.objects.filter(tenant=tenant_a, action="audit.list").count()
+
+    response = reviewer.get("/api/v1/audit-events", {"action": "memory.nothing"})
+
+    assert response.status_code == 503, response.content
+    assert rest_error(response)["code"] == "audit_list_timeout"
+    assert "since" in rest_error(response)["message"]
+    assert response["Retry-After"]
+    events = AuditEvent.objects.filter(tenant=tenant_a, action="audit.list").order_by("id")[before:]
+    assert [(e.outcome, e.detail.get("code")) for e in events] == [("unavailable", "audit_list_timeout")]
+
+    settings.ZEROMEM_AUDIT_LIST_TIMEOUT_MS = 60_000
+    response = reviewer.get("/api/v1/audit-events", {"action": "memory.nothing"})
+    assert (response.status_code, response.json()["results"]) == (200, [])
+    # The deadline was the page query's own: later statements of the request ran without it.
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('statement_timeout')")
+        assert cursor.fetchone()[0] in ("0", "0ms")
+
+
+def _seed_memories(tenant, n: int) -> None:
+    """``n`` more live memories of ``tenant`` under ``bulk:``, copies of one written by the
+    service (one INSERT; only their keys differ)."""
+    from django.db import connection
+
+    from memories import services
+    from tests.factories import SYSTEM
+
+    template = services.memory_write(tenant=tenant, actor=SYSTEM, key="bulk:template", value="v", tags=["common"])
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'bulk:k' || g, {listed} FROM {Memory._meta.db_table}, generate_series(1, %s) g WHERE id = %s",
+            [n, template.memory.pk],
+        )
+
+
+@pytest.mark.postgres
+# Committed, then emptied by TRUNCATE: rolled back, the seeded rows stayed as dead tuples
+# that changed the planner's estimates for later tests (tests/test_hot_sql.py).
+@pytest.mark.django_db(transaction=True)
+def test_a_list_page_a_tag_leaves_empty_stops_at_the_deadline(api, settings):
+    # No index serves the tag filter: a tag few memories carry read every memory of the
+    # tenant in key order to fill a page (0.45 s at 1M memories). Now it stops at
+    # ZEROMEM_MEMORY_LIST_TIMEOUT_MS.
+    _seed_memories(api.tenant, 50_000)
+    settings.ZEROMEM_MEMORY_LIST_TIMEOUT_MS = 1
+
+    response = api.get("/api/v1/memories", {"tag": "rare"})
+
+    assert response.status_code == 503, response.content
+    error = rest_error(response)
+    assert (error["code"], error["field"]) == ("list_timeout", "tag")
+    assert "prefix" in error["message"]
+    event = AuditEvent.objects.filter(tenant=api.tenant, action="memory.list").latest("id")
+    assert (event.outcome, event.detail.get("code")) == ("unavailable", "list_timeout")
+
+    settings.ZEROMEM_MEMORY_LIST_TIMEOUT_MS = 60_000
+    response = api.get("/api/v1/memories", {"tag": "rare"})
+    assert (response.status_code, response.json()["results"]) == (200, [])
+    response = api.get("/api/v1/memories", {"tag": "common", "limit": "3"})
+    assert [m["key"] for m in response.json()["results"]] == ["bulk:k1", "bulk:k10", "bulk:k100"]
+
+
+# --- booleans where integers go (True == 1 in Python) -------------------------------------------
+
+BOOLEAN_AS_INTEGER = [
+    ("memory_list", {"limit": True}, "limit"),
+    ("memory_search", {"query": "x", "limit": True}, "limit"),
+    ("memory_search", {"query": "x", "max_chars": True}, "max_chars"),
+    ("memory_recall", {"query": "x", "max_chars": True}, "max_chars"),
+    ("memory_read", {"key": "user:u1:x", "max_chars": True}, "max_chars"),
+    ("memory_read", {"key": "user:u1:x", "offset": False}, "offset"),
+    ("memory_update", {"key": "user:u1:x", "value": 2, "expected_version": True}, "expected_version"),
+    ("memory_write", {"key": "user:u1:y", "value": 2, "ttl_seconds": True}, "ttl_seconds"),
+]
+
+
+@pytest.mark.parametrize(("tool", "arguments", "field"), BOOLEAN_AS_INTEGER)
+def test_a_boolean_where_a_tool_takes_an_integer_is_refused_naming_it(api, tool, arguments, field):
+    api.call("memory_write", key="user:u1:x", value=1)
+    rows = row_counts()
+    status, body = api.call(tool, **arguments)
+    assert (status, tool_error(body)["field"]) == (400, field)
+    assert row_counts() == rows
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        ("put", "/api/v1/memories/user:u1:x", {"value": 1, "importance": True}, "importance"),
+        ("put", "/api/v1/memories/user:u1:x", {"value": 1, "ttl_seconds": True}, "ttl_seconds"),
+        ("patch", "/api/v1/memories/user:u1:x", {"expected_version": True}, "expected_version"),
+        ("post", "/api/v1/forget-requests", {"keys": ["user:u1:x"], "due_in_days": True}, "due_in_days"),
+        ("put", "/api/v1/langgraph/store/items", {"namespace": ["a"], "key": "k", "value": {}, "ttl": True}, "ttl"),
+        ("post", "/api/v1/langgraph/store/items/search", {"limit": True}, "limit"),
+        ("post", "/api/v1/langgraph/store/items/search", {"offset": False}, "offset"),
+        ("post", "/api/v1/langgraph/store/namespaces", {"max_depth": True}, "max_depth"),
+    ],
+)
+def test_a_boolean_where_rest_takes_an_integer_is_refused_naming_it(api, method, path, body, field):
+    api.put("/api/v1/memories/user:u1:x", {"value": 0})
+    rows = row_counts()
+    response = getattr(api, method)(path, body)
+    assert (response.status_code, rest_error(response)["field"]) == (400, field)
+    assert row_counts() == rows
+    assert not ForgetRequest.objects.exists()

@@ -1,0 +1,37 @@
+"""A page query under a deadline: for pages whose filters no index serves, which read rows
+until the page is full — all of them when few match."""
+
+from collections.abc import Callable
+
+from django.db import OperationalError, connections, transaction
+from django.db.models import QuerySet
+
+
+def first_rows(qs: QuerySet, size: int, *, timeout_ms: int, timed_out: Callable[[], Exception]) -> list:
+    """The first ``size`` rows of ``qs``; on PostgreSQL its statement stops after
+    ``timeout_ms`` and ``timed_out()`` is raised. The deadline is the query's own: set in a
+    transaction (or savepoint) of its own and the session's value set back after it, so the
+    request's later statements (its audit INSERT) run as before. Cost: the query and two
+    ``set_config``. Elsewhere (SQLite) the query as it is."""
+    alias = qs.db
+    db = connections[alias]
+    if db.vendor != "postgresql":
+        return list(qs[:size])
+    try:
+        with transaction.atomic(using=alias):
+            with db.cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true)",
+                    [str(timeout_ms)],
+                )
+                previous = cursor.fetchone()[0]
+            rows = list(qs[:size])
+            with db.cursor() as cursor:
+                cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
+            return rows
+    except OperationalError as exc:
+        from psycopg import errors
+
+        if isinstance(exc.__cause__, errors.QueryCanceled):
+            raise timed_out() from None
+        raise
