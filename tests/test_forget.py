@@ -1,6 +1,7 @@
 """Forget requests: POST/GET /api/v1/forget-requests, the job that carries them out
 (memories.services.forget), its receipt, deadline, retries and the residue it must not leave."""
 
+import json
 import threading
 from datetime import datetime, timedelta
 
@@ -355,7 +356,15 @@ def test_a_limited_keys_forget_rebuilds_a_shared_summary_instead_of_erasing_it(
     done = get(client, r.json()["id"])
     assert done["status"] == "completed"
     assert (done["receipt"]["memories"], done["receipt"]["summaries"]) == (1, 0)
-    assert done["receipt"]["summaries_rebuilt"] == ["summary:user"]
+    # summary:user is outside the key's allowlist: counted, not named (DESIGN: an agent never
+    # sees keys outside its allowlist); a key that may read it sees its name.
+    assert (done["receipt"]["summaries_rebuilt"], done["receipt"]["summaries_rebuilt_outside_allowlist"]) == ([], 1)
+    assert "summary:user" not in r.content.decode() + json.dumps(get(client, r.json()["id"]))
+    listed = client.get("/api/v1/forget-requests").json()["results"]
+    assert [row["receipt"]["summaries_rebuilt"] for row in listed] == [[]]
+    wide, _ = make_client(tenant_a)
+    seen = get(wide, r.json()["id"])["receipt"]
+    assert seen["summaries_rebuilt"] == ["summary:user"] and "summaries_rebuilt_outside_allowlist" not in seen
     _assert_rebuilt_without_the_canary(summary)
 
 
@@ -369,7 +378,7 @@ def test_a_summary_rebuilt_without_its_only_permanent_source_expires_with_the_re
     assert summary.expires_at is None  # one source never expires
     client, _ = make_client(tenant_a, allow=["user:u1:"])
     r = post(client, django_capture_on_commit_callbacks, {"keys": ["user:u1:pref_lang"]})
-    assert get(client, r.json()["id"])["receipt"]["summaries_rebuilt"] == ["summary:user"]
+    assert get(client, r.json()["id"])["receipt"]["summaries_rebuilt_outside_allowlist"] == 1
     _assert_rebuilt_without_the_canary(summary)
     # What is left of it is the expiring sources' text: it expires when the last of them does.
     assert Memory.objects.get(pk=summary.pk).expires_at == last.expires_at
@@ -387,7 +396,9 @@ def test_a_limited_prefix_forget_rebuilds_summaries_of_summaries_outside_its_all
     r = post(client, django_capture_on_commit_callbacks, {"prefix": "user:u1:"})
     done = get(client, r.json()["id"])
     assert done["receipt"]["summaries"] == 0
-    assert done["receipt"]["summaries_rebuilt"] == ["summary:user", "summary:weekly"]
+    assert (done["receipt"]["summaries_rebuilt"], done["receipt"]["summaries_rebuilt_outside_allowlist"]) == ([], 2)
+    stored = ForgetRequest.objects.get(pk=r.json()["id"]).receipt
+    assert stored["summaries_rebuilt"] == ["summary:user", "summary:weekly"]
     _assert_rebuilt_without_the_canary(summary)
     weekly = Memory.objects.get(pk=weekly.pk)
     assert CANARY not in str(weekly.value) and "ship on friday" in weekly.value and "u2 lives" in weekly.value

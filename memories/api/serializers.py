@@ -364,8 +364,10 @@ class ForgetReceiptSerializer(serializers.Serializer):
     admin_log_entries = serializers.IntegerField()
     batches = serializers.IntegerField()
     audit_events_redacted = serializers.IntegerField()
-    # Summaries outside the requester's reach, rebuilt without the forgotten memories.
+    # Summaries outside the requester's reach, rebuilt without the forgotten memories: named
+    # when the reader's allowlist covers them, else counted (services.forget_receipt).
     summaries_rebuilt = serializers.ListField(child=serializers.CharField(), required=False)
+    summaries_rebuilt_outside_allowlist = serializers.IntegerField(required=False)
     # Crypto-shredding (a subject's forget): its data keys destroyed, so its encrypted values
     # are unreadable in every copy — backups of the main database too (README "Encryption at rest").
     data_keys_destroyed = serializers.IntegerField(required=False)
@@ -399,9 +401,9 @@ class ForgetRequestOutSerializer(serializers.Serializer):
 
     @extend_schema_field(ForgetReceiptSerializer(allow_null=True, help_text="when completed; else null"))
     def get_receipt(self, obj) -> dict | None:
-        if obj.status != ForgetRequest.Status.COMPLETED:
-            return None
-        return ForgetReceiptSerializer(obj.receipt).data
+        # The view passes its actor: what the receipt may name depends on who reads it.
+        receipt = forget_rules.forget_receipt(actor=self.context["actor"], request=obj)
+        return None if receipt is None else ForgetReceiptSerializer(receipt).data
 
     @extend_schema_field({"type": "string", "nullable": True, "description": "why it failed; else null"})
     def get_error(self, obj) -> str | None:

@@ -401,7 +401,7 @@ class ForgetRequestListView(AuditedAPIView):
             tenant=self.tenant, actor=self.actor, idempotency_claim=self._idempotency_claim, **data
         )
         return Response(
-            s.ForgetRequestOutSerializer(forget_request).data,
+            s.ForgetRequestOutSerializer(forget_request, context={"actor": self.actor}).data,
             status=status.HTTP_202_ACCEPTED,
             headers={"Location": reverse("forget-requests-detail", kwargs={"request_id": forget_request.pk})},
         )
@@ -433,7 +433,12 @@ class ForgetRequestListView(AuditedAPIView):
             limit=q.get("limit"),
             cursor=q.get("cursor"),
         )
-        return Response({"results": s.ForgetRequestOutSerializer(rows, many=True).data, "next_cursor": next_cursor})
+        return Response(
+            {
+                "results": s.ForgetRequestOutSerializer(rows, many=True, context={"actor": self.actor}).data,
+                "next_cursor": next_cursor,
+            }
+        )
 
 
 class ForgetRequestDetailView(AuditedAPIView):
@@ -451,7 +456,7 @@ class ForgetRequestDetailView(AuditedAPIView):
     )
     def get(self, request, request_id):
         forget_request = services.forget_request_get(tenant=self.tenant, actor=self.actor, request_id=request_id)
-        return Response(s.ForgetRequestOutSerializer(forget_request).data)
+        return Response(s.ForgetRequestOutSerializer(forget_request, context={"actor": self.actor}).data)
 
 
 # --- end-user portal ----------------------------------------------------------------------

@@ -296,6 +296,22 @@ def forget_request_get(*, tenant: Tenant, actor: Actor, request_id: Any) -> Forg
         return request
 
 
+def forget_receipt(*, actor: Actor, request: ForgetRequest) -> dict | None:
+    """The receipt of a completed request as ``actor`` may see it, else None. An agent never
+    sees keys outside its key's allowlist (DESIGN): the summaries rebuilt outside it (shared
+    summaries a limited key's forget reached into) are counted in
+    ``summaries_rebuilt_outside_allowlist``, not named. No query."""
+    if request.status != ForgetRequest.Status.COMPLETED:
+        return None
+    receipt = dict(request.receipt)
+    rebuilt = receipt.get("summaries_rebuilt") or []
+    shown = [key for key in rebuilt if actor.may_touch(key)]
+    receipt["summaries_rebuilt"] = shown
+    if len(shown) < len(rebuilt):
+        receipt["summaries_rebuilt_outside_allowlist"] = len(rebuilt) - len(shown)
+    return receipt
+
+
 def forget_request_list(
     *,
     tenant: Tenant,
