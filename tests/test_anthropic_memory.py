@@ -434,3 +434,76 @@ def test_concurrent_commands_never_leave_a_path_both_a_file_and_a_directory(
     refused = [o for o in outcomes.values() if isinstance(o, claude_memory.MemoryToolError)]
     assert len(refused) == 1, outcomes  # one ran, the other was refused as a file system would
     assert "Not a directory" in str(refused[0]) or "already exists" in str(refused[0]), refused
+
+
+def test_memories_written_under_a_file_through_rest_stay_behind_it(api, tenant_a):
+    # REST (or MCP, a batch, an import) may write both claude:memories:a and keys under it; a
+    # file system cannot hold /memories/a as a file and a directory. The file wins: what lies
+    # under it is not listed, read, edited or deleted by a path through it, and moves with it.
+    for key, value in (
+        ("claude:memories:a", "file a"),
+        ("claude:memories:a:b", "under a"),
+        ("claude:memories:a:c:d", "deeper"),
+        ("claude:memories:e:f", "ok"),
+    ):
+        assert api.put(f"/api/v1/memories/{key}", {"value": value}).status_code == 201
+
+    def run(command):
+        r = api.post(URL, command)
+        assert r.status_code == 200, r.content
+        return r.json()["content"], r.json()["is_error"]
+
+    listing, _ = run({"command": "view", "path": "/memories"})
+    assert listing.splitlines()[1:] == ["8B\t/memories", "6B\t/memories/a", "2B\t/memories/e/", "2B\t/memories/e/f"]
+    for path in ("/memories/a/b", "/memories/a/c", "/memories/a/c/d"):
+        assert run({"command": "view", "path": path}) == (
+            f"The path {path} does not exist. Please provide a valid path.",
+            True,
+        )
+    for command in (
+        {"command": "str_replace", "path": "/memories/a/b", "old_str": "under", "new_str": "over"},
+        {"command": "insert", "path": "/memories/a/b", "insert_line": 0, "insert_text": "x"},
+    ):
+        assert run(command) == ("The path /memories/a/b does not exist. Please provide a valid path.", True)
+    assert run({"command": "delete", "path": "/memories/a/c"}) == ("The path /memories/a/c does not exist", True)
+    assert run({"command": "create", "path": "/memories/a/c", "file_text": "x"}) == (
+        "[Errno 20] Not a directory: '/memories/a/c'",
+        True,
+    )
+    assert run({"command": "rename", "old_path": "/memories/a/b", "new_path": "/memories/q"}) == (
+        "[Errno 20] Not a directory: '/memories/a/b' -> '/memories/q'",
+        True,
+    )
+    assert run({"command": "rename", "old_path": "/memories/e", "new_path": "/memories/a/b"}) == (
+        "[Errno 20] Not a directory: '/memories/e' -> '/memories/a/b'",
+        True,
+    )
+    # Nothing under the file was read (no audit event) or changed.
+    read = AuditEvent.objects.filter(tenant=tenant_a, action="memory.read", target__startswith="claude:memories:a:")
+    assert not read.exists()
+    live = dict(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", "value"))
+    assert live == {
+        "claude:memories:a": "file a",
+        "claude:memories:a:b": "under a",
+        "claude:memories:a:c:d": "deeper",
+        "claude:memories:e:f": "ok",
+    }
+
+    # A rename moves the file with what lies under it: the old path is gone, not a directory.
+    assert run({"command": "rename", "old_path": "/memories/a", "new_path": "/memories/z"}) == (
+        "Successfully renamed /memories/a to /memories/z",
+        False,
+    )
+    assert run({"command": "view", "path": "/memories/a"})[1] is True
+    live = dict(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", "value"))
+    assert live == {
+        "claude:memories:z": "file a",
+        "claude:memories:z:b": "under a",
+        "claude:memories:z:c:d": "deeper",
+        "claude:memories:e:f": "ok",
+    }
+    # A delete of the file takes what lies under it too (to the trash): the path is gone.
+    assert run({"command": "delete", "path": "/memories/z"}) == ("Successfully deleted /memories/z", False)
+    assert run({"command": "view", "path": "/memories/z"})[1] is True
+    live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True)
+    assert list(live) == ["claude:memories:e:f"]
