@@ -198,3 +198,21 @@ def test_refresh_ignores_a_ttl_tag_out_of_range_written_through_another_surface(
     assert r.status_code == 200, r.content
     assert r.json()["value"] == {"v": 1}
     assert Memory.objects.get(key="lg:a:k").expires_at == expires
+
+
+@pytest.mark.django_db
+def test_a_filtered_search_finds_items_the_tenants_rules_keep_encrypted(tenant_a):
+    # The scan narrows by jsonb containment in the database; a sensitive item is stored as an
+    # envelope there, so the containment never matched it and the search left it out.
+    tenant_a.sensitive_fields = ["email"]
+    tenant_a.save(update_fields=["sensitive_fields"])
+    client, _ = make_keyed_client(tenant_a)
+    for key, value in (("ann", {"plan": "pro", "email": "ann@example.com"}), ("bo", {"plan": "pro"})):
+        r = client.put("/api/v1/langgraph/store/items", {"namespace": ["users"], "key": key, "value": value})
+        assert r.status_code == 204, r.content
+    assert Memory.objects.get(tenant=tenant_a, key="lg:users:ann").sensitive
+    r = client.post("/api/v1/langgraph/store/items/search", {"namespace_prefix": ["users"], "filter": {"plan": "pro"}})
+    assert r.status_code == 200, r.content
+    assert [(i["key"], i["value"]["plan"]) for i in r.json()["items"]] == [("ann", "pro"), ("bo", "pro")]
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": {"email": "ann@example.com"}})
+    assert [i["key"] for i in r.json()["items"]] == ["ann"]

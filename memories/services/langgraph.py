@@ -27,6 +27,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
+from django.db.models import Q
 
 from audit.services import audited_operation
 from memories import selectors
@@ -330,10 +331,12 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
         require_scope(actor, Scope.MEMORY_READ)
         qs = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
         if connection.vendor == "postgresql":
-            # Plain string fields narrow the scan in the database (jsonb @>); the matcher checks again.
+            # Plain string fields narrow the scan in the database (jsonb @>); the matcher checks
+            # again. A sensitive item is an envelope there (a tenant rule may encrypt any put):
+            # it passes to the matcher, which sees its opened value.
             pushed = {k: v for k, v in flt.items() if isinstance(v, str)}
             if pushed:
-                qs = qs.filter(value__contains=pushed)
+                qs = qs.filter(Q(value__contains=pushed) | Q(sensitive=True))
         out: list[Memory] = []
         skipped = 0
         for memory in qs[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX].iterator(chunk_size=200):
