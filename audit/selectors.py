@@ -7,15 +7,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
-from django.db.models import Q, QuerySet
+from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
-from audit.models import AuditEvent
+from audit.models import AuditEvent, AuditSeal
 from zeromem.kernel import validation
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.keyprefix import EXACT, startswith_q
 
 TEXT_MAX_LEN = 512
+# A page of the review list reads at most this many of the tenant's events (newest first
+# from its cursor), whatever its filters: see :func:`list_window_floor`.
+LIST_SCAN_MAX = 10_000
 # Filters that a reading of the log records in the event's own redactable fields (target,
 # subject, actor_filter), never in its detail: they may name a subject to be forgotten.
 COLUMN_FILTERS = ("key_prefix", "subject", "actor")
@@ -137,3 +140,30 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
     if f.outcome:
         qs = qs.filter(outcome=f.outcome)
     return qs
+
+
+def list_window_floor(*, tenant, before: int | None) -> int | None:
+    """The lowest event id a page of the review list reads below ``before`` (a cursor), or
+    None when the page reads on to the tenant's first event.
+
+    A filter no index serves (an outcome, an action, an actor) read the tenant's whole log to
+    fill one page. A page reads the tenant's newest ``LIST_SCAN_MAX`` events below its cursor
+    instead — the window, ``id >= floor`` — and answers the matches among them, with the
+    floor as its cursor when they are fewer than its limit. The window is found on the
+    partial index ``audit_unsealed`` (tenant, id) WHERE seal IS NULL, which since range seals
+    (audit migration 0011) holds every new event: one index range of ``LIST_SCAN_MAX``
+    entries. Events an older seal numbered are not in it; they all lie at or below the last
+    such seal's last id, so a window reaching down there is not used (the page reads on, as
+    before, over what is left; retention purges them in time).
+
+    Cost: one index-only range read of up to ``LIST_SCAN_MAX`` entries, and when the window is
+    full one read of the tenant's older seals (a few rows, by the seals' (tenant, seq) key)."""
+    window = AuditEvent.objects.for_tenant(tenant).filter(seal__isnull=True)
+    if before is not None:
+        window = window.filter(pk__lt=before)
+    floor = window.order_by("-id").values_list("id", flat=True)[LIST_SCAN_MAX - 1 : LIST_SCAN_MAX].first()
+    if floor is None:
+        return None
+    numbered = AuditSeal.objects.filter(tenant=tenant, by_range=False, purged_at__isnull=True)
+    numbered_top = numbered.aggregate(top=Max("last_event_id"))["top"]
+    return floor if numbered_top is None or floor > numbered_top else None

@@ -32,7 +32,7 @@ from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
 from audit.seals import tenant_q as _tenant_q
-from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events
+from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events, list_window_floor
 from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
@@ -1073,7 +1073,10 @@ def audit_event_list(
     *, tenant: Tenant, actor: Actor, filters: AuditFilters, limit=None, cursor=None
 ) -> tuple[list[AuditEvent], str | None]:
     """Newest first, keyset-paginated on the id. Scope ``audit:read``; the reading is itself
-    an ``audit.list`` event. Cost: one index range scan, limit + 1 rows, one INSERT."""
+    an ``audit.list`` event. A page reads at most ``selectors.LIST_SCAN_MAX`` events of the
+    tenant, whatever the filters (:func:`audit.selectors.list_window_floor`): fewer matches
+    than ``limit`` — none even — come with a ``next_cursor`` while older events remain.
+    Cost: two index range scans of at most LIST_SCAN_MAX entries, limit + 1 rows, one INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
@@ -1082,12 +1085,18 @@ def audit_event_list(
         if before is not None:
             qs = qs.filter(pk__lt=before)
         with replica_reads():  # the review of the log may lag it by the replica's delay
+            floor = list_window_floor(tenant=tenant, before=before)
+            if floor is not None:
+                qs = qs.filter(pk__gte=floor, seal__isnull=True)  # the window: on audit_unsealed
             rows = list(qs[: limit + 1])
             numbers = seal_numbers(tenant.pk, [r.pk for r in rows if r.seal is None])
         for row in rows:
             if row.seal is None:
                 row.seal = numbers.get(row.pk)  # shown, never saved (events are append-only)
-        next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
+        if len(rows) > limit:
+            next_cursor = validation.encode_cursor(str(rows[limit - 1].pk))
+        else:  # the window read, older events remain: the next page reads below it
+            next_cursor = validation.encode_cursor(str(floor)) if floor is not None else None
         rows = rows[:limit]
         op.record(
             subject=filters.subject or "", actor_filter=filters.actor or "", count=len(rows), detail=filters.as_detail()

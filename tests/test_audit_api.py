@@ -10,12 +10,14 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
+from audit import selectors
 from audit.exports import audit_export_response
 from audit.models import AuditEvent, AuditSeal
 from audit.seals import unsealed_q
 from audit.selectors import AuditFilters
 from audit.services import audit_record, audit_seal
 from tests.helpers import rest_error
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 
 CANARY = "CANARY-audit-api-9d2e"
@@ -302,3 +304,57 @@ def test_jsonl_export_keeps_one_event_per_line_with_unicode_line_separators_in_a
     body = stream(log.get(EXPORT, {"format": "jsonl", "key_prefix": "user:u4:"}))
     lines = [json.loads(line) for line in body.splitlines()]  # str.splitlines breaks at U+2028 too
     assert [line["subject"] for line in lines if line["action"] == "memory.write"] == [subject]
+
+
+# --- bounded pages ------------------------------------------------------------------------------
+
+
+def _walk(client, **params) -> tuple[list[int], int]:
+    """Every event id the list answers following next_cursor, and how many pages it took."""
+    seen, cursor, pages = [], None, 0
+    while True:
+        page = events(client, **params, **({"cursor": cursor} if cursor else {}))
+        pages += 1
+        seen += [e["id"] for e in page["results"] if e["action"] != "audit.list"]
+        cursor = page["next_cursor"]
+        if not cursor:
+            return seen, pages
+
+
+def test_a_page_reads_a_bounded_window_of_the_log_and_its_cursor_goes_on(log, tenant_a, monkeypatch):
+    # A filter no index serves (an outcome, an action, an actor) read the tenant's whole log
+    # for one page: 0.5-0.8 s a page at 4 M events, growing with the log, for every page and
+    # every reader at once (the list takes no tenant slot). A page now reads at most
+    # LIST_SCAN_MAX events: fewer matches than the limit, none even, come with a next_cursor
+    # while older events remain, and the walk still finds each match once.
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    for _ in range(10):  # newer than the denial
+        audit_record(tenant=tenant_a, actor=Actor.system(job="t"), action="memory.read", outcome="ok")
+    denied = AuditEvent.objects.filter(tenant=tenant_a, outcome="denied").order_by("-id")
+    want = list(denied.values_list("id", flat=True))
+    assert want
+    first = events(log, outcome="denied")
+    assert first["results"] == [] and first["next_cursor"]
+    seen, pages = _walk(log, outcome="denied")
+    assert seen == want and pages > 3
+    everything = AuditEvent.objects.filter(tenant=tenant_a).exclude(action="audit.list").order_by("-id")
+    assert _walk(log, limit=3)[0] == list(everything.values_list("id", flat=True))
+
+
+def test_events_sealed_before_range_seals_are_listed_whole(log, tenant_a, monkeypatch):
+    # Events an older seal numbered are outside the window's index (seal IS NULL), and events
+    # that committed late below such a seal's last id are inside it: a window reaching down
+    # there would skip the numbered ones between them, so the page reads on to the end.
+    from tests.test_audit_chain import _seal_the_old_way
+
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    oldest = list(AuditEvent.objects.filter(tenant=tenant_a).order_by("id")[:12])
+    assert len(oldest) == 12
+    _seal_the_old_way(tenant_a, [e for i, e in enumerate(oldest[:10]) if i not in (1, 2, 3)])  # 1-3: late
+    audit_seal(tenant_id=tenant_a.pk)
+    below = [e.pk for e in reversed(oldest[:11])]
+    # Below the 12th: 10 (new), 9..4 (numbered), 3..1 (new, committed late), 0 (numbered).
+    page = events(log, limit=50, cursor=validation.encode_cursor(str(oldest[11].pk)))
+    assert [e["id"] for e in page["results"]] == below and page["next_cursor"] is None
+    want = AuditEvent.objects.filter(tenant=tenant_a).exclude(action="audit.list").order_by("-id")
+    assert _walk(log, limit=2)[0] == list(want.values_list("id", flat=True))
