@@ -507,3 +507,35 @@ def test_memories_written_under_a_file_through_rest_stay_behind_it(api, tenant_a
     assert run({"command": "view", "path": "/memories/z"})[1] is True
     live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True)
     assert list(live) == ["claude:memories:e:f"]
+
+
+@pytest.mark.postgres
+def test_a_listing_reads_the_sizes_of_files_not_their_values(api, tenant_a):
+    # A view of /memories loaded every value under it (up to 5,000 of up to 256 KB: 500 files
+    # of 250 KB took 1.0 s and 152 MB of Python heap) to show sizes. The database measures a
+    # plaintext value's text now; a sensitive one, sealed there, is still opened to be measured.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    files = {
+        "claude:memories:notes:a.md": "héllo\n",
+        "claude:memories:notes:b.json": {"lang": "fr", "n": [1, 2.5], "s": 'q"\n'},
+        "claude:memories:c.md": "x" * 3000,
+    }
+    for key, value in files.items():
+        api.call("memory_write", key=key, value=value)
+    api.call("memory_write", key="claude:memories:notes:secret.md", value="pin 1234", subject="u7", sensitive=True)
+    with CaptureQueriesContext(connection) as queries:
+        listing = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"]
+    assert listing.splitlines()[1:] == [
+        "3.0K\t/memories",
+        "2.9K\t/memories/c.md",
+        "58B\t/memories/notes/",
+        "7B\t/memories/notes/a.md",
+        "43B\t/memories/notes/b.json",
+        "8B\t/memories/notes/secret.md",
+    ]
+    reads_values = [
+        q["sql"] for q in queries if '"memories_memory"."value"' in q["sql"] and not q["sql"].startswith("INSERT")
+    ]
+    assert len(reads_values) == 1 and "secret.md" in str(reads_values)  # the sealed one only

@@ -128,9 +128,10 @@ class MemoryTool:
         value = memory.value
         return (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)), memory.version
 
-    def _under(self, place: Place, *, limit: int | None = None) -> list:
+    def _under(self, place: Place, *, limit: int | None = None, rows: str = "memories") -> list:
         """The live memories under the directory ``place``, in key order (at most ``limit``,
-        by default ``LIST_MAX_MEMORIES``)."""
+        by default ``LIST_MAX_MEMORIES``): ``rows`` "memories" (values loaded), "keys", or
+        "sizes" ((key, bytes of its text) pairs: the database measures the values)."""
         limit = LIST_MAX_MEMORIES if limit is None else limit
         found: list = []
         cursor = None
@@ -141,7 +142,8 @@ class MemoryTool:
                 prefix=place.key + ":",
                 limit=min(validation.LIMIT_MAX, limit - len(found)),
                 cursor=cursor,
-                keys_only=False,
+                keys_only=rows == "keys",
+                sizes=rows == "sizes",
             )
             found.extend(page.keys)
             cursor = page.next_cursor
@@ -149,11 +151,11 @@ class MemoryTool:
                 break
         return found
 
-    def _all_under(self, place: Place, path: str) -> list:
-        """Every live memory under the directory ``place``, for a delete or a rename, which
-        acts on all of them or on none: past ``LIST_MAX_MEMORIES`` it is an error result (it
-        did the first ones and answered success)."""
-        under = self._under(place, limit=LIST_MAX_MEMORIES + 1)
+    def _all_under(self, place: Place, path: str, *, rows: str = "memories") -> list:
+        """Every live memory under the directory ``place`` (``rows`` as :meth:`_under`), for a
+        delete or a rename, which acts on all of them or on none: past ``LIST_MAX_MEMORIES``
+        it is an error result (it did the first ones and answered success)."""
+        under = self._under(place, limit=LIST_MAX_MEMORIES + 1, rows=rows)
         if len(under) > LIST_MAX_MEMORIES:
             raise MemoryToolError(
                 f"The directory {path} holds more than {LIST_MAX_MEMORIES} files; "
@@ -162,7 +164,7 @@ class MemoryTool:
         return under
 
     def _is_dir(self, place: Place) -> bool:
-        return place.is_root or bool(self._under(place, limit=1))
+        return place.is_root or bool(self._under(place, limit=1, rows="keys"))
 
     def _under_a_file(self, place: Place) -> int | None:
         """How many names of ``place`` lead to the first of its parents that is a file
@@ -227,10 +229,10 @@ class MemoryTool:
         found = self._text(place)
         if found is not None:
             return self._view_file(path, found[0], view_range)
-        memories = self._under(place)
-        if not memories and not place.is_root:
+        sizes = self._under(place, rows="sizes")
+        if not sizes and not place.is_root:
             raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
-        return self._listing(path, place, memories)
+        return self._listing(path, place, sizes)
 
     def _view_file(self, path: str, content: str, view_range: list[int] | None) -> str:
         lines = content.split("\n")
@@ -244,13 +246,11 @@ class MemoryTool:
         numbered = [f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}" for i, line in enumerate(display)]
         return f"Here's the content of {path} with line numbers:\n" + "\n".join(numbered)
 
-    def _listing(self, path: str, place: Place, memories: list) -> str:
+    def _listing(self, path: str, place: Place, sizes: list[tuple[str, int]]) -> str:
         # Relative names → size; a directory's size is the bytes of the files under it.
         files: dict[tuple[str, ...], int] = {}
-        for memory in memories:
-            rel = tuple(memory.key[len(place.key) + 1 :].split(":"))
-            value = memory.value if isinstance(memory.value, str) else json.dumps(memory.value, ensure_ascii=False)
-            files[rel] = len(value.encode("utf-8"))
+        for key, size in sizes:
+            files[tuple(key[len(place.key) + 1 :].split(":"))] = size
         # A memory under a file (written by another surface) is behind it: not listed.
         files = {rel: size for rel, size in files.items() if not any(rel[:d] in files for d in range(1, len(rel)))}
         dirs: dict[tuple[str, ...], int] = {}
@@ -375,11 +375,11 @@ class MemoryTool:
             raise MemoryToolError(f"The path {path} does not exist")
         # A file goes with what another surface wrote under it (the path is gone after).
         is_file = self._text(place) is not None
-        under = self._all_under(place, path)
+        under = self._all_under(place, path, rows="keys")
         if not is_file and not under:
             raise MemoryToolError(f"The path {path} does not exist")
         with transaction.atomic():
-            for key in ([place.key] if is_file else []) + [m.key for m in under]:
+            for key in ([place.key] if is_file else []) + under:
                 mem.memory_delete(tenant=self.tenant, actor=self.actor, key=key)
         return f"Successfully deleted {path}"
 
