@@ -329,17 +329,26 @@ def lg_search(
 def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
-        qs = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
+        window = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
+        window = window[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]  # the items read, whatever the filter
+        qs = window
         if connection.vendor == "postgresql":
-            # Plain string fields narrow the scan in the database (jsonb @>); the matcher checks
-            # again. A sensitive item is an envelope there (a tenant rule may encrypt any put):
-            # it passes to the matcher, which sees its opened value.
+            # Plain string fields narrow the window in the database (jsonb @>), so fewer values
+            # travel; the matcher checks again. Inside the window: the cap applied to the rows
+            # that matched read every item under the prefix for a rare value. A sensitive item
+            # is an envelope there (a tenant rule may encrypt any put): it passes to the
+            # matcher, which sees its opened value.
             pushed = {k: v for k, v in flt.items() if isinstance(v, str)}
             if pushed:
-                qs = qs.filter(Q(value__contains=pushed) | Q(sensitive=True))
+                qs = (
+                    selectors.memories_live(tenant=tenant)
+                    .filter(pk__in=window.values("pk"))
+                    .filter(Q(value__contains=pushed) | Q(sensitive=True))
+                    .order_by("key")
+                )
         out: list[Memory] = []
         skipped = 0
-        for memory in qs[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX].iterator(chunk_size=200):
+        for memory in qs.iterator(chunk_size=200):
             if parse_key(memory.key) is None or not item_matches(memory.value, flt):
                 continue
             if skipped < offset:
