@@ -238,3 +238,21 @@ def test_a_filter_pushed_into_the_database_reads_no_more_than_the_scan_cap(tenan
     assert keys({"plan": {"$eq": "pro"}}) == []  # k6 lies past the first 5 items: not read
     assert keys({"plan": "pro"}) == []
     assert keys({"plan": "free", "n": {"$gte": 3}}) == ["k3", "k4"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("key", ["lg:users:u1:a~zz", "lg:users:u1:a~7e", "lg:users:u1:a~C3", "lg:users:a.b:k"])
+def test_a_memory_no_item_maps_to_is_not_listed_as_an_item(tenant_a, key):
+    # Another surface may write any key under the prefix. One this mapping never produces (a
+    # "~" not followed by two upper-case hex digits of UTF-8, a label holding ".") was listed
+    # as an item whose namespace and key lead to another memory: its get was a 404 and its
+    # delete a 204 that left it in place.
+    client, _ = make_keyed_client(tenant_a)
+    assert client.put(f"/api/v1/memories/{key}", {"value": {"v": 1}}).status_code == 201
+    body = {"namespace": ["users", "u1"], "key": "ok", "value": {"v": 2}}
+    assert client.put("/api/v1/langgraph/store/items", body).status_code == 204
+    r = client.post("/api/v1/langgraph/store/items/search", {"namespace_prefix": ["users"]})
+    assert [(i["namespace"], i["key"]) for i in r.json()["items"]] == [(["users", "u1"], "ok")]
+    r = client.post("/api/v1/langgraph/store/namespaces", {})
+    assert r.json()["namespaces"] == [["users", "u1"]]
+    assert Memory.objects.live().filter(tenant=tenant_a, key=key).exists()

@@ -97,12 +97,20 @@ def namespace_prefix(namespace: tuple[str, ...]) -> str:
 
 
 def parse_key(zeromem_key: str) -> tuple[tuple[str, ...], str] | None:
-    """(namespace, key) of a memory under the prefix; None for a key that is no item (no namespace)."""
+    """(namespace, key) of a memory under the prefix; None for a key that is no item: no
+    namespace, or a key :func:`memory_key` never produces (other surfaces write any key under
+    the prefix: ``a~zz``, ``a~7e``, a label with ``.``), whose (namespace, key) would lead a get
+    or a delete to another memory."""
     rest = zeromem_key[len(root()) + 1 :]
     parts = rest.split(":")
     if len(parts) < 2:
         return None
-    return tuple(decode_segment(p) for p in parts[:-1]), decode_segment(parts[-1])
+    labels, key = tuple(decode_segment(p) for p in parts[:-1]), decode_segment(parts[-1])
+    if any("." in label for label in labels) or any(
+        encode_segment(text) != part for text, part in zip((*labels, key), parts, strict=True)
+    ):
+        return None
+    return labels, key
 
 
 def _iso(moment) -> str:
