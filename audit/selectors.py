@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
@@ -140,6 +140,31 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
     if f.outcome:
         qs = qs.filter(outcome=f.outcome)
     return qs
+
+
+# audit.services.audit_record reads an event's occurred_at from its server's clock and
+# INSERTs it at once, drawing its id then: ids grow with the time of the INSERT. So while the
+# servers' clocks agree within this margin (NTP keeps them within milliseconds), an event of
+# occurred_at >= t + margin has a larger id than every event of occurred_at < t, whatever the
+# order of their occurred_at values. Generous: it only costs the windows of a day's events.
+ID_CLOCK_MARGIN = timedelta(days=1)
+
+
+def list_id_bounds(*, tenant, filters: AuditFilters) -> tuple[int | None, int | None]:
+    """(below, above): every event matching the time filters has ``above < id < below``
+    (None: no bound), so a page of the review list starts its window at ``until`` and stops at
+    ``since`` instead of reading windows of events outside the range. Two reads of the
+    (tenant, occurred_at) index, one row each: the first event a day past ``until`` (by
+    ``ID_CLOCK_MARGIN``), the last a day before ``since``."""
+    events = AuditEvent.objects.for_tenant(tenant)
+    below = above = None
+    if filters.until:
+        later = events.filter(occurred_at__gte=filters.until + ID_CLOCK_MARGIN).order_by("occurred_at")
+        below = later.values_list("id", flat=True).first()
+    if filters.since:
+        earlier = events.filter(occurred_at__lt=filters.since - ID_CLOCK_MARGIN).order_by("-occurred_at")
+        above = earlier.values_list("id", flat=True).first()
+    return below, above
 
 
 def list_window_floor(*, tenant, before: int | None) -> int | None:

@@ -32,7 +32,7 @@ from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
 from audit.seals import tenant_q as _tenant_q
-from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events, list_window_floor
+from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events, list_id_bounds, list_window_floor
 from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
@@ -1075,17 +1075,26 @@ def audit_event_list(
     """Newest first, keyset-paginated on the id. Scope ``audit:read``; the reading is itself
     an ``audit.list`` event. A page reads at most ``selectors.LIST_SCAN_MAX`` events of the
     tenant, whatever the filters (:func:`audit.selectors.list_window_floor`): fewer matches
-    than ``limit`` — none even — come with a ``next_cursor`` while older events remain.
-    Cost: two index range scans of at most LIST_SCAN_MAX entries, limit + 1 rows, one INSERT."""
+    than ``limit`` — none even — come with a ``next_cursor`` while older events remain; the
+    windows start at ``until`` and end at ``since`` (:func:`audit.selectors.list_id_bounds`).
+    Cost: two index range scans of at most LIST_SCAN_MAX entries, two one-row index reads
+    with a time range, limit + 1 rows, one INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
         before = validation.decode_id_cursor(cursor)
         qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
-        if before is not None:
-            qs = qs.filter(pk__lt=before)
         with replica_reads():  # the review of the log may lag it by the replica's delay
+            below, above = list_id_bounds(tenant=tenant, filters=filters)
+            if below is not None and (before is None or below < before):
+                before = below  # nothing newer matches until: the window starts there
+            if before is not None:
+                qs = qs.filter(pk__lt=before)
+            if above is not None:
+                qs = qs.filter(pk__gt=above)
             floor = list_window_floor(tenant=tenant, before=before)
+            if floor is not None and above is not None and floor <= above:
+                floor = None  # the window reaches past since: this page reads to it, the last
             if floor is not None:
                 qs = qs.filter(pk__gte=floor, seal__isnull=True)  # the window: on audit_unsealed
             rows = list(qs[: limit + 1])

@@ -358,3 +358,62 @@ def test_events_sealed_before_range_seals_are_listed_whole(log, tenant_a, monkey
     assert [e["id"] for e in page["results"]] == below and page["next_cursor"] is None
     want = AuditEvent.objects.filter(tenant=tenant_a).exclude(action="audit.list").order_by("-id")
     assert _walk(log, limit=2)[0] == list(want.values_list("id", flat=True))
+
+
+@pytest.fixture
+def dated(db, monkeypatch):
+    """A tenant's log over ten days, its clock moved: 7 events ten days ago (the tenant's
+    creation and 6 reads), 3 five days ago, then 20 now."""
+    from types import SimpleNamespace
+
+    from audit import services as audit_services
+    from tests.factories import make_tenant
+
+    now = timezone.now()
+    clock = SimpleNamespace(now=lambda: now - timedelta(days=10))
+    monkeypatch.setattr(audit_services, "timezone", clock)
+    tenant = make_tenant("dated")
+    system = Actor.system(job="t")
+    for i in range(6):
+        audit_record(tenant=tenant, actor=system, action="memory.read", outcome="ok", target=f"old:{i}")
+    clock.now = lambda: now - timedelta(days=5)
+    for i in range(3):
+        audit_record(tenant=tenant, actor=system, action="memory.read", outcome="ok", target=f"mid:{i}")
+    monkeypatch.undo()
+    for i in range(20):
+        audit_record(tenant=tenant, actor=system, action="memory.read", outcome="ok", target=f"new:{i}")
+    return tenant, now
+
+
+def _service_walk(tenant, **filters) -> tuple[list[str], list[int]]:
+    """The targets a walk of the list answers, and each page's number of rows."""
+    from audit.selectors import audit_filters
+    from audit.services import audit_event_list
+
+    targets, sizes, cursor = [], [], None
+    while True:
+        rows, cursor = audit_event_list(
+            tenant=tenant, actor=Actor.system(job="t"), filters=audit_filters(filters), limit=50, cursor=cursor
+        )
+        targets += [r.target for r in rows if r.action != "audit.list"]
+        sizes.append(len(rows))
+        if not cursor:
+            return targets, sizes
+
+
+def test_a_time_range_starts_the_window_at_until_and_ends_the_walk_at_since(dated, monkeypatch):
+    # With bounded windows, until = 9 days ago read the 20 newest events' windows first (empty
+    # pages), and since = an hour ago went on reading windows down to the first event. The
+    # bounds come from events a day (ID_CLOCK_MARGIN) past until and before since.
+    tenant, now = dated
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    old, sizes = _service_walk(tenant, until=(now - timedelta(days=9)).isoformat())
+    assert old == [f"old:{i}" for i in reversed(range(6))] + ["dated"]  # and the tenant's creation
+    assert sizes[0] == 4  # the first page is the first window at until: full
+    new, sizes = _service_walk(tenant, since=(now - timedelta(hours=1)).isoformat())  # mid: 5 days back
+    assert new == [f"new:{i}" for i in reversed(range(20))]
+    assert len(sizes) <= 6  # 20 events of 4-event windows; none of the 10 older read
+    mid, _ = _service_walk(
+        tenant, since=(now - timedelta(days=6)).isoformat(), until=(now - timedelta(days=4)).isoformat()
+    )
+    assert mid == ["mid:2", "mid:1", "mid:0"]
