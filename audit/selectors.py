@@ -192,3 +192,17 @@ def list_window_floor(*, tenant, before: int | None) -> int | None:
     numbered = AuditSeal.objects.filter(tenant=tenant, by_range=False, purged_at__isnull=True)
     numbered_top = numbered.aggregate(top=Max("last_event_id"))["top"]
     return floor if numbered_top is None or floor > numbered_top else None
+
+
+def few_by_index(*, tenant, filters: AuditFilters) -> bool:
+    """Whether a ``subject`` or ``key_prefix`` filter names at most ``LIST_SCAN_MAX`` events
+    of the tenant (whatever the cursor and the other filters, so every page of a walk agrees):
+    then a page reads them by that filter's index, (tenant, subject) or (tenant, target), as
+    bounded as a window and in full pages, instead of windows over the whole log. Cost: one
+    read of at most LIST_SCAN_MAX + 1 entries of that index."""
+    if not (filters.subject or filters.key_prefix):
+        return False
+    named = audit_events_matching(
+        AuditEvent.objects.for_tenant(tenant), AuditFilters(subject=filters.subject, key_prefix=filters.key_prefix)
+    )
+    return not list(named.order_by().values_list("id", flat=True)[LIST_SCAN_MAX : LIST_SCAN_MAX + 1])

@@ -32,7 +32,14 @@ from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
 from audit.seals import tenant_q as _tenant_q
-from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events, list_id_bounds, list_window_floor
+from audit.selectors import (
+    COLUMN_FILTERS,
+    AuditFilters,
+    audit_events,
+    few_by_index,
+    list_id_bounds,
+    list_window_floor,
+)
 from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
@@ -1077,6 +1084,8 @@ def audit_event_list(
     tenant, whatever the filters (:func:`audit.selectors.list_window_floor`): fewer matches
     than ``limit`` — none even — come with a ``next_cursor`` while older events remain; the
     windows start at ``until`` and end at ``since`` (:func:`audit.selectors.list_id_bounds`).
+    A subject or key prefix naming at most that many events is read by its index instead
+    (:func:`audit.selectors.few_by_index`: one more index read of at most LIST_SCAN_MAX).
     Cost: two index range scans of at most LIST_SCAN_MAX entries, two one-row index reads
     with a time range, limit + 1 rows, one INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
@@ -1092,7 +1101,8 @@ def audit_event_list(
                 qs = qs.filter(pk__lt=before)
             if above is not None:
                 qs = qs.filter(pk__gt=above)
-            floor = list_window_floor(tenant=tenant, before=before)
+            few = few_by_index(tenant=tenant, filters=filters)
+            floor = None if few else list_window_floor(tenant=tenant, before=before)
             if floor is not None and above is not None and floor <= above:
                 floor = None  # the window reaches past since: this page reads to it, the last
             if floor is not None:

@@ -417,3 +417,13 @@ def test_a_time_range_starts_the_window_at_until_and_ends_the_walk_at_since(date
         tenant, since=(now - timedelta(days=6)).isoformat(), until=(now - timedelta(days=4)).isoformat()
     )
     assert mid == ["mid:2", "mid:1", "mid:0"]
+
+
+def test_a_subject_or_key_prefix_naming_few_events_reads_them_by_its_index_in_one_page(dated, monkeypatch):
+    # The bounded windows gave a subject's 3 events in pages of at most one, across the log;
+    # a filter whose index names at most LIST_SCAN_MAX events reads them at once.
+    tenant, _ = dated
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    assert _service_walk(tenant, key_prefix="mid:") == (["mid:2", "mid:1", "mid:0"], [3])
+    old, sizes = _service_walk(tenant, key_prefix="old:", outcome="ok")  # 6: past the cap, windows
+    assert old == [f"old:{i}" for i in reversed(range(6))] and len(sizes) > 1
