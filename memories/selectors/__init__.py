@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from memories.models import Memory, MemoryVersion, Tenant
 from zeromem.kernel import hotsql
-from zeromem.kernel.keyprefix import matches, startswith_q
+from zeromem.kernel.keyprefix import EXACT, matches, startswith_q
 
 # recall with only a prefix looks at no more than this many rows per index walk.
 SALIENT_SCAN = 1000
@@ -220,6 +220,53 @@ def keys_and_text_sizes(tenant: Tenant, qs: QuerySet[Memory]) -> list[tuple[str,
         values = memories_live(tenant=tenant).filter(key__in=sealed).values_list("key", "value")
         opened = {key: text_bytes(value) for key, value in values}
     return [(key, opened.get(key, size) if sensitive else size) for key, size, sensitive in rows]
+
+
+# One step of the walk over the namespaces of a key range: the next namespace holding a live
+# memory, read on the (tenant, namespace, key) index (a "loose index scan").
+_NAMESPACE_WALK_SQL = """
+WITH RECURSIVE walk(namespace, n) AS (
+    SELECT (SELECT m.namespace FROM memories_memory m
+            WHERE m.tenant_id = %(tenant)s AND m.namespace >= %(low)s AND m.namespace < %(high)s AND {live}
+            ORDER BY m.namespace LIMIT 1), 1
+  UNION ALL
+    SELECT (SELECT m.namespace FROM memories_memory m
+            WHERE m.tenant_id = %(tenant)s AND m.namespace > w.namespace AND m.namespace < %(high)s AND {live}
+            ORDER BY m.namespace LIMIT 1), w.n + 1
+    FROM walk w WHERE w.namespace IS NOT NULL AND w.n < %(limit)s
+)
+SELECT namespace FROM walk WHERE namespace IS NOT NULL
+"""
+_LIVE_SQL = "m.deleted_at IS NULL AND (m.expires_at IS NULL OR m.expires_at > %(now)s)"
+
+
+def namespaces_live(*, tenant: Tenant, prefixes: list[str], limit: int) -> list[str]:
+    """The distinct namespaces, sorted, of the live memories under ``prefixes`` (filters as
+    ``Actor.prefix_filters`` gives them: each ends with ``:`` or names one key exactly), at
+    most ``limit``.
+
+    A DISTINCT read every memory under them. On PostgreSQL each filter ``p:`` is a walk
+    instead: the keys under ``p:`` are those of namespace ``p`` and of the namespaces from
+    ``p:`` up to ``p;``, so each step reads the first live row of the next namespace on the
+    (tenant, namespace, key) index — the namespaces' count of steps, each past the dead rows
+    (trashed, expired) at the start of its namespace."""
+    if connection.vendor != "postgresql" or any(not p.endswith((":", EXACT)) for p in prefixes):
+        qs = memories_live(tenant=tenant, prefixes=prefixes).order_by("namespace")
+        return list(qs.values_list("namespace", flat=True).distinct()[:limit])
+    found: set[str] = set()
+    now = timezone.now()
+    for p in prefixes:
+        if p.endswith(EXACT):
+            found.update(memories_live(tenant=tenant, prefixes=[p]).values_list("namespace", flat=True))
+            continue
+        own = memories_live(tenant=tenant).filter(namespace=p[:-1], key__startswith=p)
+        if own.exists():
+            found.add(p[:-1])
+        params = {"tenant": tenant.pk, "low": p, "high": p[:-1] + ";", "limit": limit, "now": now}
+        with connection.cursor() as cursor:
+            cursor.execute(_NAMESPACE_WALK_SQL.format(live=_LIVE_SQL), params)
+            found.update(namespace for (namespace,) in cursor.fetchall())
+    return sorted(found)[:limit]
 
 
 def memories_with_tag(qs: QuerySet[Memory], tag: str) -> QuerySet[Memory]:

@@ -416,11 +416,8 @@ def lg_list_namespaces(
     db_prefix = validation.prefix(namespace_prefix(tuple(fixed)), field="prefix")
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=db_prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
-        rows = (
-            selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(db_prefix))
-            .order_by("namespace")
-            .values_list("namespace", flat=True)
-            .distinct()[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]
+        rows = selectors.namespaces_live(
+            tenant=tenant, prefixes=actor.prefix_filters(db_prefix), limit=settings.ZEROMEM_LANGGRAPH_SCAN_MAX
         )
         found: set[tuple[str, ...]] = set()
         for ns in rows:
