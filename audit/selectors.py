@@ -189,9 +189,15 @@ def list_window_floor(*, tenant, before: int | None) -> int | None:
     floor = window.order_by("-id").values_list("id", flat=True)[LIST_SCAN_MAX - 1 : LIST_SCAN_MAX].first()
     if floor is None:
         return None
-    numbered = AuditSeal.objects.filter(tenant=tenant, by_range=False, purged_at__isnull=True)
-    numbered_top = numbered.aggregate(top=Max("last_event_id"))["top"]
+    numbered_top = _numbered_top(tenant)
     return floor if numbered_top is None or floor > numbered_top else None
+
+
+def _numbered_top(tenant) -> int | None:
+    """The highest id an event numbered by an older seal (audit migration 0011) may have, or
+    None when the tenant has none left. One read of its older seals."""
+    numbered = AuditSeal.objects.filter(tenant=tenant, by_range=False, purged_at__isnull=True)
+    return numbered.aggregate(top=Max("last_event_id"))["top"]
 
 
 def few_by_index(*, tenant, filters: AuditFilters) -> bool:
@@ -206,3 +212,44 @@ def few_by_index(*, tenant, filters: AuditFilters) -> bool:
         AuditEvent.objects.for_tenant(tenant), AuditFilters(subject=filters.subject, key_prefix=filters.key_prefix)
     )
     return not list(named.order_by().values_list("id", flat=True)[LIST_SCAN_MAX : LIST_SCAN_MAX + 1])
+
+
+@dataclass(frozen=True)
+class PageBounds:
+    """The ids one page of the review list or an export reads: ``above < id < before`` and,
+    with a ``floor``, ``id >= floor`` — the window; a page answering fewer rows than asked
+    goes on below ``floor``, or is the last when there is none. ``unsealed``: the events
+    read all have no seal number (none numbered by an older seal remains below ``before``),
+    so the query says so and reads them on ``audit_unsealed``, (tenant, id), last page too."""
+
+    before: int | None
+    above: int | None
+    floor: int | None
+    unsealed: bool
+
+    def narrow(self, qs: QuerySet[AuditEvent]) -> QuerySet[AuditEvent]:
+        if self.before is not None:
+            qs = qs.filter(pk__lt=self.before)
+        if self.above is not None:
+            qs = qs.filter(pk__gt=self.above)
+        if self.floor is not None:
+            qs = qs.filter(pk__gte=self.floor)
+        return qs.filter(seal__isnull=True) if self.unsealed else qs
+
+
+def list_page_bounds(*, tenant, filters: AuditFilters, before: int | None, few: bool) -> PageBounds:
+    """The :class:`PageBounds` of a page below the cursor ``before``. ``few``:
+    :func:`few_by_index` said the filter's own index names few events: no window, and that
+    index read (the query does not say ``seal IS NULL``, which would favour another)."""
+    below, above = list_id_bounds(tenant=tenant, filters=filters)
+    if below is not None and (before is None or below < before):
+        before = below  # nothing newer matches until: the window starts there
+    if few:
+        return PageBounds(before, above, None, unsealed=False)
+    floor = list_window_floor(tenant=tenant, before=before)
+    if floor is not None and above is not None and floor <= above:
+        floor = None  # the window reaches past since: this page reads to it, the last
+    if floor is not None:
+        return PageBounds(before, above, floor, unsealed=True)
+    numbered_top = _numbered_top(tenant)
+    return PageBounds(before, above, None, unsealed=numbered_top is None or (above or 0) >= numbered_top)

@@ -37,8 +37,7 @@ from audit.selectors import (
     AuditFilters,
     audit_events,
     few_by_index,
-    list_id_bounds,
-    list_window_floor,
+    list_page_bounds,
 )
 from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
@@ -1094,20 +1093,9 @@ def audit_event_list(
         before = validation.decode_id_cursor(cursor)
         qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
         with replica_reads():  # the review of the log may lag it by the replica's delay
-            below, above = list_id_bounds(tenant=tenant, filters=filters)
-            if below is not None and (before is None or below < before):
-                before = below  # nothing newer matches until: the window starts there
-            if before is not None:
-                qs = qs.filter(pk__lt=before)
-            if above is not None:
-                qs = qs.filter(pk__gt=above)
             few = few_by_index(tenant=tenant, filters=filters)
-            floor = None if few else list_window_floor(tenant=tenant, before=before)
-            if floor is not None and above is not None and floor <= above:
-                floor = None  # the window reaches past since: this page reads to it, the last
-            if floor is not None:
-                qs = qs.filter(pk__gte=floor, seal__isnull=True)  # the window: on audit_unsealed
-            rows = list(qs[: limit + 1])
+            bounds = list_page_bounds(tenant=tenant, filters=filters, before=before, few=few)
+            rows = list(bounds.narrow(qs)[: limit + 1])
             numbers = seal_numbers(tenant.pk, [r.pk for r in rows if r.seal is None])
         for row in rows:
             if row.seal is None:
@@ -1115,6 +1103,7 @@ def audit_event_list(
         if len(rows) > limit:
             next_cursor = validation.encode_cursor(str(rows[limit - 1].pk))
         else:  # the window read, older events remain: the next page reads below it
+            floor = bounds.floor
             next_cursor = validation.encode_cursor(str(floor)) if floor is not None else None
         rows = rows[:limit]
         op.record(
