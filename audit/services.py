@@ -1085,8 +1085,9 @@ def audit_event_list(
     windows start at ``until`` and end at ``since`` (:func:`audit.selectors.list_id_bounds`).
     A subject or key prefix naming at most that many events is read by its index instead
     (:func:`audit.selectors.few_by_index`: one more index read of at most LIST_SCAN_MAX).
-    Cost: two index range scans of at most LIST_SCAN_MAX entries, two one-row index reads
-    with a time range, limit + 1 rows, one INSERT."""
+    Cost: up to three index reads of at most LIST_SCAN_MAX entries each (a subject or key
+    prefix's probe, the window's floor, the page), two one-row index reads with a time range,
+    one read of the tenant's older seals, limit + 1 rows, one INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
