@@ -35,7 +35,11 @@ class AuditEventSerializer(serializers.ModelSerializer):
 
 class AuditEventListSerializer(serializers.Serializer):
     results = AuditEventSerializer(many=True)
-    next_cursor = serializers.CharField(allow_null=True)
+    next_cursor = serializers.CharField(
+        allow_null=True,
+        help_text="null at the end; a page reads a bounded window of the log, so it may hold fewer rows than "
+        "limit (even none) with a next_cursor",
+    )
 
 
 class AuditCheckpointSerializer(serializers.Serializer):

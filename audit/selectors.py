@@ -5,19 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
-from django.conf import settings
-from django.db.models import Q, QuerySet
+from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
-from audit.models import AuditEvent
+from audit.models import AuditEvent, AuditSeal
 from zeromem.kernel import validation
-from zeromem.kernel.deadlines import first_rows
-from zeromem.kernel.errors import InvalidInput, Unavailable
+from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.keyprefix import EXACT, startswith_q
 
 TEXT_MAX_LEN = 512
+# A page of the review list reads at most this many of the tenant's events (newest first
+# from its cursor), whatever its filters: see :func:`list_window_floor`.
+LIST_SCAN_MAX = 10_000
 # Filters that a reading of the log records in the event's own redactable fields (target,
 # subject, actor_filter), never in its detail: they may name a subject to be forgotten.
 COLUMN_FILTERS = ("key_prefix", "subject", "actor")
@@ -141,20 +142,114 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
     return qs
 
 
-class AuditListTimeout(Unavailable):
-    def __init__(self):
-        super().__init__(
-            "finding this page took too long and was stopped: its filters match few events, so the "
-            "page reads the log until it fills; narrow it with since and until",
-            code="audit_list_timeout",
-            retry_after=1,
-        )
+# audit.services.audit_record reads an event's occurred_at from its server's clock and
+# INSERTs it at once, drawing its id then: ids grow with the time of the INSERT. So while the
+# servers' clocks agree within this margin (NTP keeps them within milliseconds), an event of
+# occurred_at >= t + margin has a larger id than every event of occurred_at < t, whatever the
+# order of their occurred_at values. Generous: it only costs the windows of a day's events.
+ID_CLOCK_MARGIN = timedelta(days=1)
 
 
-def audit_page(qs: QuerySet[AuditEvent], size: int) -> list[AuditEvent]:
-    """The first ``size`` rows of ``qs``, on PostgreSQL under ``ZEROMEM_AUDIT_LIST_TIMEOUT_MS``
-    (past it :class:`AuditListTimeout`, 503). A filter no index serves (an actor, an exact
-    action, an outcome) that matches few events reads the tenant's whole log before the page
-    is full — linear in the log, which every audited request grows (0.2-0.3 s at 2M events).
-    Cost: the query and two ``set_config`` (zeromem/kernel/deadlines.py)."""
-    return first_rows(qs, size, timeout_ms=settings.ZEROMEM_AUDIT_LIST_TIMEOUT_MS, timed_out=AuditListTimeout)
+def list_id_bounds(*, tenant, filters: AuditFilters) -> tuple[int | None, int | None]:
+    """(below, above): every event matching the time filters has ``above < id < below``
+    (None: no bound), so a page of the review list starts its window at ``until`` and stops at
+    ``since`` instead of reading windows of events outside the range. Two reads of the
+    (tenant, occurred_at) index, one row each: the first event a day past ``until`` (by
+    ``ID_CLOCK_MARGIN``), the last a day before ``since``."""
+    events = AuditEvent.objects.for_tenant(tenant)
+    below = above = None
+    if filters.until:
+        later = events.filter(occurred_at__gte=filters.until + ID_CLOCK_MARGIN).order_by("occurred_at")
+        below = later.values_list("id", flat=True).first()
+    if filters.since:
+        earlier = events.filter(occurred_at__lt=filters.since - ID_CLOCK_MARGIN).order_by("-occurred_at")
+        above = earlier.values_list("id", flat=True).first()
+    return below, above
+
+
+def list_window_floor(*, tenant, before: int | None) -> int | None:
+    """The lowest event id a page of the review list reads below ``before`` (a cursor), or
+    None when the page reads on to the tenant's first event.
+
+    A filter no index serves (an outcome, an action, an actor) read the tenant's whole log to
+    fill one page. A page reads the tenant's newest ``LIST_SCAN_MAX`` events below its cursor
+    instead — the window, ``id >= floor`` — and answers the matches among them, with the
+    floor as its cursor when they are fewer than its limit. The window is found on the
+    partial index ``audit_unsealed`` (tenant, id) WHERE seal IS NULL, which since range seals
+    (audit migration 0011) holds every new event: one index range of ``LIST_SCAN_MAX``
+    entries. Events an older seal numbered are not in it; they all lie at or below the last
+    such seal's last id, so a window reaching down there is not used (the page reads on, as
+    before, over what is left; retention purges them in time).
+
+    Cost: one index-only range read of up to ``LIST_SCAN_MAX`` entries, and when the window is
+    full one read of the tenant's older seals (a few rows, by the seals' (tenant, seq) key)."""
+    window = AuditEvent.objects.for_tenant(tenant).filter(seal__isnull=True)
+    if before is not None:
+        window = window.filter(pk__lt=before)
+    floor = window.order_by("-id").values_list("id", flat=True)[LIST_SCAN_MAX - 1 : LIST_SCAN_MAX].first()
+    if floor is None:
+        return None
+    numbered_top = _numbered_top(tenant)
+    return floor if numbered_top is None or floor > numbered_top else None
+
+
+def _numbered_top(tenant) -> int | None:
+    """The highest id an event numbered by an older seal (audit migration 0011) may have, or
+    None when the tenant has none left. One read of its older seals."""
+    numbered = AuditSeal.objects.filter(tenant=tenant, by_range=False, purged_at__isnull=True)
+    return numbered.aggregate(top=Max("last_event_id"))["top"]
+
+
+def few_by_index(*, tenant, filters: AuditFilters) -> bool:
+    """Whether a ``subject`` or ``key_prefix`` filter names at most ``LIST_SCAN_MAX`` events
+    of the tenant (whatever the cursor and the other filters, so every page of a walk agrees):
+    then a page reads them by that filter's index, (tenant, subject) or (tenant, target), as
+    bounded as a window and in full pages, instead of windows over the whole log. Cost: one
+    read of at most LIST_SCAN_MAX + 1 entries of that index."""
+    if not (filters.subject or filters.key_prefix):
+        return False
+    named = audit_events_matching(
+        AuditEvent.objects.for_tenant(tenant), AuditFilters(subject=filters.subject, key_prefix=filters.key_prefix)
+    )
+    return not list(named.order_by().values_list("id", flat=True)[LIST_SCAN_MAX : LIST_SCAN_MAX + 1])
+
+
+@dataclass(frozen=True)
+class PageBounds:
+    """The ids one page of the review list or an export reads: ``above < id < before`` and,
+    with a ``floor``, ``id >= floor`` — the window; a page answering fewer rows than asked
+    goes on below ``floor``, or is the last when there is none. ``unsealed``: the events
+    read all have no seal number (none numbered by an older seal remains below ``before``),
+    so the query says so and reads them on ``audit_unsealed``, (tenant, id), last page too."""
+
+    before: int | None
+    above: int | None
+    floor: int | None
+    unsealed: bool
+
+    def narrow(self, qs: QuerySet[AuditEvent]) -> QuerySet[AuditEvent]:
+        if self.before is not None:
+            qs = qs.filter(pk__lt=self.before)
+        if self.above is not None:
+            qs = qs.filter(pk__gt=self.above)
+        if self.floor is not None:
+            qs = qs.filter(pk__gte=self.floor)
+        return qs.filter(seal__isnull=True) if self.unsealed else qs
+
+
+def list_page_bounds(*, tenant, filters: AuditFilters, before: int | None, few: bool) -> PageBounds:
+    """The :class:`PageBounds` of a page below the cursor ``before``. ``few``:
+    :func:`few_by_index` said the filter's own index names few events: no window, and that
+    index read (the query does not say ``seal IS NULL``, which would favour another)."""
+    below, above = list_id_bounds(tenant=tenant, filters=filters)
+    if below is not None and (before is None or below < before):
+        before = below  # nothing newer matches until: the window starts there
+    if few:
+        return PageBounds(before, above, None, unsealed=False)
+    floor = list_window_floor(tenant=tenant, before=before)
+    if floor is not None and above is not None and floor <= above:
+        floor = None  # the window reaches past since: this page reads to it, the last
+    if floor is not None:
+        return PageBounds(before, above, floor, unsealed=True)
+    numbered_top = _numbered_top(tenant)
+    return PageBounds(before, above, None, unsealed=numbered_top is None or (above or 0) >= numbered_top)

@@ -32,7 +32,13 @@ from audit import chain, daily, limits, partitions
 from audit.models import AuditCheckpoint, AuditEvent, AuditSeal
 from audit.seals import head_seal, range_head, seal_events_q, seal_numbers, unsealed_q
 from audit.seals import tenant_q as _tenant_q
-from audit.selectors import COLUMN_FILTERS, AuditFilters, audit_events, audit_page
+from audit.selectors import (
+    COLUMN_FILTERS,
+    AuditFilters,
+    audit_events,
+    few_by_index,
+    list_page_bounds,
+)
 from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import (
@@ -1073,23 +1079,33 @@ def audit_event_list(
     *, tenant: Tenant, actor: Actor, filters: AuditFilters, limit=None, cursor=None
 ) -> tuple[list[AuditEvent], str | None]:
     """Newest first, keyset-paginated on the id. Scope ``audit:read``; the reading is itself
-    an ``audit.list`` event. Cost: one index range scan, limit + 1 rows, one INSERT — or, for
-    filters no index serves that match few events, a scan of the log up to
-    ``ZEROMEM_AUDIT_LIST_TIMEOUT_MS`` (:func:`audit.selectors.audit_page`)."""
+    an ``audit.list`` event. A page reads at most ``selectors.LIST_SCAN_MAX`` events of the
+    tenant, whatever the filters (:func:`audit.selectors.list_window_floor`): fewer matches
+    than ``limit`` — none even — come with a ``next_cursor`` while older events remain; the
+    windows start at ``until`` and end at ``since`` (:func:`audit.selectors.list_id_bounds`).
+    A subject or key prefix naming at most that many events is read by its index instead
+    (:func:`audit.selectors.few_by_index`: one more index read of at most LIST_SCAN_MAX).
+    Cost: up to three index reads of at most LIST_SCAN_MAX entries each (a subject or key
+    prefix's probe, the window's floor, the page), two one-row index reads with a time range,
+    one read of the tenant's older seals, limit + 1 rows, one INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.list", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         limit = validation.limit(limit, default=50)
         before = validation.decode_id_cursor(cursor)
         qs = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
-        if before is not None:
-            qs = qs.filter(pk__lt=before)
         with replica_reads():  # the review of the log may lag it by the replica's delay
-            rows = audit_page(qs, limit + 1)
+            few = few_by_index(tenant=tenant, filters=filters)
+            bounds = list_page_bounds(tenant=tenant, filters=filters, before=before, few=few)
+            rows = list(bounds.narrow(qs)[: limit + 1])
             numbers = seal_numbers(tenant.pk, [r.pk for r in rows if r.seal is None])
         for row in rows:
             if row.seal is None:
                 row.seal = numbers.get(row.pk)  # shown, never saved (events are append-only)
-        next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
+        if len(rows) > limit:
+            next_cursor = validation.encode_cursor(str(rows[limit - 1].pk))
+        else:  # the window read, older events remain: the next page reads below it
+            floor = bounds.floor
+            next_cursor = validation.encode_cursor(str(floor)) if floor is not None else None
         rows = rows[:limit]
         op.record(
             subject=filters.subject or "", actor_filter=filters.actor or "", count=len(rows), detail=filters.as_detail()

@@ -434,3 +434,108 @@ def test_concurrent_commands_never_leave_a_path_both_a_file_and_a_directory(
     refused = [o for o in outcomes.values() if isinstance(o, claude_memory.MemoryToolError)]
     assert len(refused) == 1, outcomes  # one ran, the other was refused as a file system would
     assert "Not a directory" in str(refused[0]) or "already exists" in str(refused[0]), refused
+
+
+def test_memories_written_under_a_file_through_rest_stay_behind_it(api, tenant_a):
+    # REST (or MCP, a batch, an import) may write both claude:memories:a and keys under it; a
+    # file system cannot hold /memories/a as a file and a directory. The file wins: what lies
+    # under it is not listed, read, edited or deleted by a path through it, and moves with it.
+    for key, value in (
+        ("claude:memories:a", "file a"),
+        ("claude:memories:a:b", "under a"),
+        ("claude:memories:a:c:d", "deeper"),
+        ("claude:memories:e:f", "ok"),
+    ):
+        assert api.put(f"/api/v1/memories/{key}", {"value": value}).status_code == 201
+
+    def run(command):
+        r = api.post(URL, command)
+        assert r.status_code == 200, r.content
+        return r.json()["content"], r.json()["is_error"]
+
+    listing, _ = run({"command": "view", "path": "/memories"})
+    assert listing.splitlines()[1:] == ["8B\t/memories", "6B\t/memories/a", "2B\t/memories/e/", "2B\t/memories/e/f"]
+    for path in ("/memories/a/b", "/memories/a/c", "/memories/a/c/d"):
+        assert run({"command": "view", "path": path}) == (
+            f"The path {path} does not exist. Please provide a valid path.",
+            True,
+        )
+    for command in (
+        {"command": "str_replace", "path": "/memories/a/b", "old_str": "under", "new_str": "over"},
+        {"command": "insert", "path": "/memories/a/b", "insert_line": 0, "insert_text": "x"},
+    ):
+        assert run(command) == ("The path /memories/a/b does not exist. Please provide a valid path.", True)
+    assert run({"command": "delete", "path": "/memories/a/c"}) == ("The path /memories/a/c does not exist", True)
+    assert run({"command": "create", "path": "/memories/a/c", "file_text": "x"}) == (
+        "[Errno 20] Not a directory: '/memories/a/c'",
+        True,
+    )
+    assert run({"command": "rename", "old_path": "/memories/a/b", "new_path": "/memories/q"}) == (
+        "[Errno 20] Not a directory: '/memories/a/b' -> '/memories/q'",
+        True,
+    )
+    assert run({"command": "rename", "old_path": "/memories/e", "new_path": "/memories/a/b"}) == (
+        "[Errno 20] Not a directory: '/memories/e' -> '/memories/a/b'",
+        True,
+    )
+    # Nothing under the file was read (no audit event) or changed.
+    read = AuditEvent.objects.filter(tenant=tenant_a, action="memory.read", target__startswith="claude:memories:a:")
+    assert not read.exists()
+    live = dict(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", "value"))
+    assert live == {
+        "claude:memories:a": "file a",
+        "claude:memories:a:b": "under a",
+        "claude:memories:a:c:d": "deeper",
+        "claude:memories:e:f": "ok",
+    }
+
+    # A rename moves the file with what lies under it: the old path is gone, not a directory.
+    assert run({"command": "rename", "old_path": "/memories/a", "new_path": "/memories/z"}) == (
+        "Successfully renamed /memories/a to /memories/z",
+        False,
+    )
+    assert run({"command": "view", "path": "/memories/a"})[1] is True
+    live = dict(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", "value"))
+    assert live == {
+        "claude:memories:z": "file a",
+        "claude:memories:z:b": "under a",
+        "claude:memories:z:c:d": "deeper",
+        "claude:memories:e:f": "ok",
+    }
+    # A delete of the file takes what lies under it too (to the trash): the path is gone.
+    assert run({"command": "delete", "path": "/memories/z"}) == ("Successfully deleted /memories/z", False)
+    assert run({"command": "view", "path": "/memories/z"})[1] is True
+    live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True)
+    assert list(live) == ["claude:memories:e:f"]
+
+
+@pytest.mark.postgres
+def test_a_listing_reads_the_sizes_of_files_not_their_values(api, tenant_a):
+    # A view of /memories loaded every value under it (up to 5,000 of up to 256 KB: 500 files
+    # of 250 KB took 1.0 s and 152 MB of Python heap) to show sizes. The database measures a
+    # plaintext value's text now; a sensitive one, sealed there, is still opened to be measured.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    files = {
+        "claude:memories:notes:a.md": "héllo\n",
+        "claude:memories:notes:b.json": {"lang": "fr", "n": [1, 2.5], "s": 'q"\n'},
+        "claude:memories:c.md": "x" * 3000,
+    }
+    for key, value in files.items():
+        api.call("memory_write", key=key, value=value)
+    api.call("memory_write", key="claude:memories:notes:secret.md", value="pin 1234", subject="u7", sensitive=True)
+    with CaptureQueriesContext(connection) as queries:
+        listing = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"]
+    assert listing.splitlines()[1:] == [
+        "3.0K\t/memories",
+        "2.9K\t/memories/c.md",
+        "58B\t/memories/notes/",
+        "7B\t/memories/notes/a.md",
+        "43B\t/memories/notes/b.json",
+        "8B\t/memories/notes/secret.md",
+    ]
+    reads_values = [
+        q["sql"] for q in queries if '"memories_memory"."value"' in q["sql"] and not q["sql"].startswith("INSERT")
+    ]
+    assert len(reads_values) == 1 and "secret.md" in str(reads_values)  # the sealed one only

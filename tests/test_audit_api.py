@@ -10,12 +10,14 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
+from audit import selectors
 from audit.exports import audit_export_response
 from audit.models import AuditEvent, AuditSeal
 from audit.seals import unsealed_q
 from audit.selectors import AuditFilters
 from audit.services import audit_record, audit_seal
 from tests.helpers import rest_error
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 
 CANARY = "CANARY-audit-api-9d2e"
@@ -302,3 +304,166 @@ def test_jsonl_export_keeps_one_event_per_line_with_unicode_line_separators_in_a
     body = stream(log.get(EXPORT, {"format": "jsonl", "key_prefix": "user:u4:"}))
     lines = [json.loads(line) for line in body.splitlines()]  # str.splitlines breaks at U+2028 too
     assert [line["subject"] for line in lines if line["action"] == "memory.write"] == [subject]
+
+
+# --- bounded pages ------------------------------------------------------------------------------
+
+
+def _walk(client, **params) -> tuple[list[int], int]:
+    """Every event id the list answers following next_cursor, and how many pages it took."""
+    seen, cursor, pages = [], None, 0
+    while True:
+        page = events(client, **params, **({"cursor": cursor} if cursor else {}))
+        pages += 1
+        seen += [e["id"] for e in page["results"] if e["action"] != "audit.list"]
+        cursor = page["next_cursor"]
+        if not cursor:
+            return seen, pages
+
+
+def test_a_page_reads_a_bounded_window_of_the_log_and_its_cursor_goes_on(log, tenant_a, monkeypatch):
+    # A filter no index serves (an outcome, an action, an actor) read the tenant's whole log
+    # for one page: 0.5-0.8 s a page at 4 M events, growing with the log, for every page and
+    # every reader at once (the list takes no tenant slot). A page now reads at most
+    # LIST_SCAN_MAX events: fewer matches than the limit, none even, come with a next_cursor
+    # while older events remain, and the walk still finds each match once.
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    for _ in range(10):  # newer than the denial
+        audit_record(tenant=tenant_a, actor=Actor.system(job="t"), action="memory.read", outcome="ok")
+    denied = AuditEvent.objects.filter(tenant=tenant_a, outcome="denied").order_by("-id")
+    want = list(denied.values_list("id", flat=True))
+    assert want
+    first = events(log, outcome="denied")
+    assert first["results"] == [] and first["next_cursor"]
+    seen, pages = _walk(log, outcome="denied")
+    assert seen == want and pages > 3
+    everything = AuditEvent.objects.filter(tenant=tenant_a).exclude(action="audit.list").order_by("-id")
+    assert _walk(log, limit=3)[0] == list(everything.values_list("id", flat=True))
+
+
+def test_events_sealed_before_range_seals_are_listed_whole(log, tenant_a, monkeypatch):
+    # Events an older seal numbered are outside the window's index (seal IS NULL), and events
+    # that committed late below such a seal's last id are inside it: a window reaching down
+    # there would skip the numbered ones between them, so the page reads on to the end.
+    from tests.test_audit_chain import _seal_the_old_way
+
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    oldest = list(AuditEvent.objects.filter(tenant=tenant_a).order_by("id")[:12])
+    assert len(oldest) == 12
+    _seal_the_old_way(tenant_a, [e for i, e in enumerate(oldest[:10]) if i not in (1, 2, 3)])  # 1-3: late
+    audit_seal(tenant_id=tenant_a.pk)
+    below = [e.pk for e in reversed(oldest[:11])]
+    # Below the 12th: 10 (new), 9..4 (numbered), 3..1 (new, committed late), 0 (numbered).
+    page = events(log, limit=50, cursor=validation.encode_cursor(str(oldest[11].pk)))
+    assert [e["id"] for e in page["results"]] == below and page["next_cursor"] is None
+    want = AuditEvent.objects.filter(tenant=tenant_a).exclude(action="audit.list").order_by("-id")
+    assert _walk(log, limit=2)[0] == list(want.values_list("id", flat=True))
+
+
+@pytest.fixture
+def dated(db, monkeypatch):
+    """A tenant's log over ten days, its clock moved: 7 events ten days ago (the tenant's
+    creation and 6 reads), 3 five days ago, then 20 now."""
+    from types import SimpleNamespace
+
+    from audit import services as audit_services
+    from tests.factories import make_tenant
+
+    now = timezone.now()
+    clock = SimpleNamespace(now=lambda: now - timedelta(days=10))
+    monkeypatch.setattr(audit_services, "timezone", clock)
+    tenant = make_tenant("dated")
+    system = Actor.system(job="t")
+    for i in range(6):
+        audit_record(tenant=tenant, actor=system, action="memory.read", outcome="ok", target=f"old:{i}")
+    clock.now = lambda: now - timedelta(days=5)
+    for i in range(3):
+        audit_record(tenant=tenant, actor=system, action="memory.read", outcome="ok", target=f"mid:{i}")
+    monkeypatch.undo()
+    for i in range(20):
+        audit_record(tenant=tenant, actor=system, action="memory.read", outcome="ok", target=f"new:{i}")
+    return tenant, now
+
+
+def _service_walk(tenant, **filters) -> tuple[list[str], list[int]]:
+    """The targets a walk of the list answers, and each page's number of rows."""
+    from audit.selectors import audit_filters
+    from audit.services import audit_event_list
+
+    targets, sizes, cursor = [], [], None
+    while True:
+        rows, cursor = audit_event_list(
+            tenant=tenant, actor=Actor.system(job="t"), filters=audit_filters(filters), limit=50, cursor=cursor
+        )
+        targets += [r.target for r in rows if r.action != "audit.list"]
+        sizes.append(len(rows))
+        if not cursor:
+            return targets, sizes
+
+
+def test_a_time_range_starts_the_window_at_until_and_ends_the_walk_at_since(dated, monkeypatch):
+    # With bounded windows, until = 9 days ago read the 20 newest events' windows first (empty
+    # pages), and since = an hour ago went on reading windows down to the first event. The
+    # bounds come from events a day (ID_CLOCK_MARGIN) past until and before since.
+    tenant, now = dated
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    old, sizes = _service_walk(tenant, until=(now - timedelta(days=9)).isoformat())
+    assert old == [f"old:{i}" for i in reversed(range(6))] + ["dated"]  # and the tenant's creation
+    assert sizes[0] == 4  # the first page is the first window at until: full
+    new, sizes = _service_walk(tenant, since=(now - timedelta(hours=1)).isoformat())  # mid: 5 days back
+    assert new == [f"new:{i}" for i in reversed(range(20))]
+    assert len(sizes) <= 6  # 20 events of 4-event windows; none of the 10 older read
+    mid, _ = _service_walk(
+        tenant, since=(now - timedelta(days=6)).isoformat(), until=(now - timedelta(days=4)).isoformat()
+    )
+    assert mid == ["mid:2", "mid:1", "mid:0"]
+
+
+def test_a_subject_or_key_prefix_naming_few_events_reads_them_by_its_index_in_one_page(dated, monkeypatch):
+    # The bounded windows gave a subject's 3 events in pages of at most one, across the log;
+    # a filter whose index names at most LIST_SCAN_MAX events reads them at once.
+    tenant, _ = dated
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    assert _service_walk(tenant, key_prefix="mid:") == (["mid:2", "mid:1", "mid:0"], [3])
+    old, sizes = _service_walk(tenant, key_prefix="old:", outcome="ok")  # 6: past the cap, windows
+    assert old == [f"old:{i}" for i in reversed(range(6))] and len(sizes) > 1
+
+
+def _event_rows_scanned(sql: str) -> int:
+    """Rows of the event table's partitions that ``sql`` reads (every loop of each scan node,
+    those its filter removed included), from its EXPLAIN ANALYZE, index access preferred."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny table is no measure of a big one
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)
+        plan = cursor.fetchone()[0]
+        cursor.execute("SET LOCAL enable_seqscan = on")
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    total, stack = 0, [plan[0]["Plan"]]
+    while stack:
+        node = stack.pop()
+        if node.get("Relation Name", "").startswith("audit_auditevent"):
+            rows = node.get("Actual Rows", 0) + node.get("Rows Removed by Filter", 0)
+            total += rows * node.get("Actual Loops", 1)
+        stack.extend(node.get("Plans", []))
+    return total
+
+
+@pytest.mark.postgres
+def test_every_page_of_a_walk_reads_a_bounded_window_the_last_one_too(dated, monkeypatch):
+    # The last page (fewer than LIST_SCAN_MAX events left below its cursor) read the rest
+    # without saying "seal IS NULL", so not on the (tenant, id) index: by another, over the
+    # tenant's whole log again. With no event of an older seal left, it says so now.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    tenant, _ = dated
+    monkeypatch.setattr(selectors, "LIST_SCAN_MAX", 4)
+    with CaptureQueriesContext(connection) as queries:
+        targets, _ = _service_walk(tenant, action="memory.read")
+    assert len(targets) == 29
+    pages = [q["sql"] for q in queries if q["sql"].startswith("SELECT") and '"digest"' in q["sql"]]
+    scanned = [_event_rows_scanned(sql) for sql in pages]  # measured after the walk: the first
+    # page's window (no upper bound) holds the walk's own audit.list events besides its 4
+    assert len(pages) > 5 and scanned[0] <= 4 + len(pages) and max(scanned[1:]) <= 4 + 1, scanned

@@ -138,6 +138,20 @@ def test_rest_resources_with_etags(zm, zm_key):
         zm.get("task:t1:status")
 
 
+def test_keys_that_are_dot_segments_reach_their_memory(zm, zm_key):
+    # "." and ".." are valid keys, but a URL path segment "." or ".." is removed by httpx's
+    # normalisation: get("..") asked GET /api/v1, get(".") the list route.
+    tenant, _ = zm_key
+    for key in (".", "..", "..."):
+        assert zm.put(key, f"value of {key}")["key"] == key
+        assert zm.get(key)["value"] == f"value of {key}"
+        assert [v["version"] for v in zm.history(key)] == [1]
+        zm.delete(key)
+        with pytest.raises(NotFound):
+            zm.get(key)
+    assert not Memory.objects.live().filter(tenant=tenant).exists()
+
+
 def test_batch(zm):
     results = zm.batch(
         [

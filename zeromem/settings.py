@@ -322,8 +322,6 @@ ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
 # One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
-# A page of GET /api/v1/audit-events stops after this long (503 audit_list_timeout); README "Audit log".
-ZEROMEM_AUDIT_LIST_TIMEOUT_MS = env.int("ZEROMEM_AUDIT_LIST_TIMEOUT_MS", default=2000)
 # A page of GET /api/v1/memories filtered by tag stops after this long (503 list_timeout).
 ZEROMEM_MEMORY_LIST_TIMEOUT_MS = env.int("ZEROMEM_MEMORY_LIST_TIMEOUT_MS", default=2000)
 # The search tier (memories/search/tier.py, README "Search tier"): the Unix sockets of the
@@ -541,7 +539,6 @@ _LEAST = {
     "ZEROMEM_VALUE_MAX_BYTES": 1,
     "ZEROMEM_VALUE_HARD_CAP_BYTES": 1,
     "ZEROMEM_SEARCH_TIMEOUT_MS": 1,
-    "ZEROMEM_AUDIT_LIST_TIMEOUT_MS": 1,
     "ZEROMEM_MEMORY_LIST_TIMEOUT_MS": 1,
     "ZEROMEM_SEARCH_TIER_WAIT_MS": 1,
     "ZEROMEM_SEARCH_TIER_CONCURRENCY": 1,

@@ -199,7 +199,10 @@ class _Core:
 
     @staticmethod
     def _memory_path(key: str) -> str:
-        return f"/memories/{quote(key, safe='')}"
+        # "." and ".." are keys, but as a URL path segment httpx removes them (RFC 3986 dot
+        # segments): spelled %2E, they reach the memory (the server decodes them).
+        quoted = quote(key, safe="")
+        return f"/memories/{quoted.replace('.', '%2E') if quoted in ('.', '..') else quoted}"
 
     @staticmethod
     def _memory(response: httpx.Response) -> dict:

@@ -12,13 +12,14 @@ from typing import Any
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Q, QuerySet
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from memories.models import Memory, MemoryVersion, Tenant
 from zeromem.kernel import hotsql
 from zeromem.kernel.deadlines import first_rows
 from zeromem.kernel.errors import Unavailable
-from zeromem.kernel.keyprefix import matches, startswith_q
+from zeromem.kernel.keyprefix import EXACT, matches, startswith_q
 
 # recall with only a prefix looks at no more than this many rows per index walk.
 SALIENT_SCAN = 1000
@@ -167,10 +168,12 @@ def memory_keys_page(
     subject: str | None = None,
     tag: str | None = None,
     keys_only: bool = True,
+    sizes: bool = False,
 ) -> tuple[list, str | None]:
     """Keyset page ordered by key: ``limit + 1`` rows fetched to know if there is more.
 
-    Returns (keys or Memory rows, the last key of the page when another page follows)."""
+    Returns (keys or Memory rows — with ``sizes``, (key, bytes of the value's text) pairs
+    (:func:`keys_and_text_sizes`) — the last key of the page when another page follows)."""
     qs = memories_live(tenant=tenant, prefixes=prefixes)
     if after:
         qs = qs.filter(key__gt=after)
@@ -181,18 +184,98 @@ def memory_keys_page(
     if tag:
         qs = memories_with_tag(qs, tag)
     qs = qs.order_by("key")
-    page = qs.values_list("key", flat=True) if keys_only else qs
-    if tag:
+    if sizes:
+        rows = keys_and_text_sizes(tenant, qs[: limit + 1])
+    elif tag:
         # No index serves the tag: a tag few memories carry reads the tenant's every memory
         # in key order to fill the page (0.45 s at 1M memories): under a deadline.
+        page = qs.values_list("key", flat=True) if keys_only else qs
         timeout = settings.ZEROMEM_MEMORY_LIST_TIMEOUT_MS
         rows = first_rows(page, limit + 1, timeout_ms=timeout, timed_out=MemoryListTimeout)
     else:
-        rows = list(page[: limit + 1])
+        rows = list(qs.values_list("key", flat=True)[: limit + 1] if keys_only else qs[: limit + 1])
     more = len(rows) > limit
     rows = rows[:limit]
-    last = (rows[-1] if keys_only else rows[-1].key) if rows and more else None
-    return rows, last
+    if not (rows and more):
+        return rows, None
+    last = rows[-1]
+    return rows, (last[0] if sizes else last if keys_only else last.key)
+
+
+# The UTF-8 bytes of a value's text as the Claude memory tool shows it: a string as it is,
+# other JSON as its JSON text (PostgreSQL's spelling, which is Python's json.dumps but for
+# numbers in exponent form).
+_TEXT_BYTES_SQL = (
+    "octet_length(CASE WHEN jsonb_typeof(memories_memory.value) = 'string' "
+    "THEN memories_memory.value #>> '{}' ELSE memories_memory.value::text END)"
+)
+
+
+def text_bytes(value: Any) -> int:
+    return len((value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode("utf-8"))
+
+
+def keys_and_text_sizes(tenant: Tenant, qs: QuerySet[Memory]) -> list[tuple[str, int]]:
+    """(key, bytes of the value's text) for the memories of ``qs``, in its order. On
+    PostgreSQL the database measures a plaintext value (none is loaded: a listing of 5,000
+    values of 256 KB read 1.25 GB to show sizes); a sensitive one is sealed there, so those
+    are loaded and opened (one more query, by key). SQLite: every value is loaded."""
+    if connection.vendor != "postgresql":
+        return [(m.key, text_bytes(m.value)) for m in qs]
+    rows = list(qs.annotate(text_bytes=RawSQL(_TEXT_BYTES_SQL, [])).values_list("key", "text_bytes", "sensitive"))
+    sealed = [key for key, _, sensitive in rows if sensitive]
+    opened = {}
+    if sealed:
+        values = memories_live(tenant=tenant).filter(key__in=sealed).values_list("key", "value")
+        opened = {key: text_bytes(value) for key, value in values}
+    return [(key, opened.get(key, size) if sensitive else size) for key, size, sensitive in rows]
+
+
+# One step of the walk over the namespaces of a key range: the next namespace holding a live
+# memory, read on the (tenant, namespace, key) index (a "loose index scan").
+_NAMESPACE_WALK_SQL = """
+WITH RECURSIVE walk(namespace, n) AS (
+    SELECT (SELECT m.namespace FROM memories_memory m
+            WHERE m.tenant_id = %(tenant)s AND m.namespace >= %(low)s AND m.namespace < %(high)s AND {live}
+            ORDER BY m.namespace LIMIT 1), 1
+  UNION ALL
+    SELECT (SELECT m.namespace FROM memories_memory m
+            WHERE m.tenant_id = %(tenant)s AND m.namespace > w.namespace AND m.namespace < %(high)s AND {live}
+            ORDER BY m.namespace LIMIT 1), w.n + 1
+    FROM walk w WHERE w.namespace IS NOT NULL AND w.n < %(limit)s
+)
+SELECT namespace FROM walk WHERE namespace IS NOT NULL
+"""
+_LIVE_SQL = "m.deleted_at IS NULL AND (m.expires_at IS NULL OR m.expires_at > %(now)s)"
+
+
+def namespaces_live(*, tenant: Tenant, prefixes: list[str], limit: int) -> list[str]:
+    """The distinct namespaces, sorted, of the live memories under ``prefixes`` (filters as
+    ``Actor.prefix_filters`` gives them: each ends with ``:`` or names one key exactly), at
+    most ``limit``.
+
+    A DISTINCT read every memory under them. On PostgreSQL each filter ``p:`` is a walk
+    instead: the keys under ``p:`` are those of namespace ``p`` and of the namespaces from
+    ``p:`` up to ``p;``, so each step reads the first live row of the next namespace on the
+    (tenant, namespace, key) index — the namespaces' count of steps, each past the dead rows
+    (trashed, expired) at the start of its namespace."""
+    if connection.vendor != "postgresql" or any(not p.endswith((":", EXACT)) for p in prefixes):
+        qs = memories_live(tenant=tenant, prefixes=prefixes).order_by("namespace")
+        return list(qs.values_list("namespace", flat=True).distinct()[:limit])
+    found: set[str] = set()
+    now = timezone.now()
+    for p in prefixes:
+        if p.endswith(EXACT):
+            found.update(memories_live(tenant=tenant, prefixes=[p]).values_list("namespace", flat=True))
+            continue
+        own = memories_live(tenant=tenant).filter(namespace=p[:-1], key__startswith=p)
+        if own.exists():
+            found.add(p[:-1])
+        params = {"tenant": tenant.pk, "low": p, "high": p[:-1] + ";", "limit": limit, "now": now}
+        with connection.cursor() as cursor:
+            cursor.execute(_NAMESPACE_WALK_SQL.format(live=_LIVE_SQL), params)
+            found.update(namespace for (namespace,) in cursor.fetchall())
+    return sorted(found)[:limit]
 
 
 class MemoryListTimeout(Unavailable):

@@ -6,9 +6,13 @@ another, e.g. ``user:u10086:memories``): ``/memories/notes/a.md`` is the key
 ``claude:memories:notes:a.md`` — path segments become key segments, so a path segment must be
 a valid key segment (letters, digits, ``_ - . @ + = ~``). Directories are not stored: a path
 is a directory when keys lie under it (``/memories`` itself always is one), so a directory
-disappears with its last file, as in git. The key's allowlist and scopes govern the root like
-any key; every step runs through the memory services (their audit events carry the
-surface, ``anthropic_memory``).
+disappears with its last file, as in git. The tool never makes a path both a file and a
+directory, but other surfaces write any keys (REST ``claude:memories:a`` and
+``claude:memories:a:b``): then the file wins, as on a file system — what lies under a file is
+not listed, read or edited through it (a path through a file does not exist), and goes with
+it on a delete or a rename, so the path the model deleted or moved is gone. The key's
+allowlist and scopes govern the root like any key; every step runs through the memory
+services (their audit events carry the surface, ``anthropic_memory``).
 
 The six commands answer with the texts of the Anthropic SDK's reference file-system backend
 (``anthropic.lib.tools._beta_builtin_memory_tool.BetaLocalFilesystemMemoryTool``); what it
@@ -124,9 +128,10 @@ class MemoryTool:
         value = memory.value
         return (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)), memory.version
 
-    def _under(self, place: Place, *, limit: int | None = None) -> list:
+    def _under(self, place: Place, *, limit: int | None = None, rows: str = "memories") -> list:
         """The live memories under the directory ``place``, in key order (at most ``limit``,
-        by default ``LIST_MAX_MEMORIES``)."""
+        by default ``LIST_MAX_MEMORIES``): ``rows`` "memories" (values loaded), "keys", or
+        "sizes" ((key, bytes of its text) pairs: the database measures the values)."""
         limit = LIST_MAX_MEMORIES if limit is None else limit
         found: list = []
         cursor = None
@@ -137,7 +142,8 @@ class MemoryTool:
                 prefix=place.key + ":",
                 limit=min(validation.LIMIT_MAX, limit - len(found)),
                 cursor=cursor,
-                keys_only=False,
+                keys_only=rows == "keys",
+                sizes=rows == "sizes",
             )
             found.extend(page.keys)
             cursor = page.next_cursor
@@ -145,11 +151,11 @@ class MemoryTool:
                 break
         return found
 
-    def _all_under(self, place: Place, path: str) -> list:
-        """Every live memory under the directory ``place``, for a delete or a rename, which
-        acts on all of them or on none: past ``LIST_MAX_MEMORIES`` it is an error result (it
-        did the first ones and answered success)."""
-        under = self._under(place, limit=LIST_MAX_MEMORIES + 1)
+    def _all_under(self, place: Place, path: str, *, rows: str = "memories") -> list:
+        """Every live memory under the directory ``place`` (``rows`` as :meth:`_under`), for a
+        delete or a rename, which acts on all of them or on none: past ``LIST_MAX_MEMORIES``
+        it is an error result (it did the first ones and answered success)."""
+        under = self._under(place, limit=LIST_MAX_MEMORIES + 1, rows=rows)
         if len(under) > LIST_MAX_MEMORIES:
             raise MemoryToolError(
                 f"The directory {path} holds more than {LIST_MAX_MEMORIES} files; "
@@ -158,7 +164,7 @@ class MemoryTool:
         return under
 
     def _is_dir(self, place: Place) -> bool:
-        return place.is_root or bool(self._under(place, limit=1))
+        return place.is_root or bool(self._under(place, limit=1, rows="keys"))
 
     def _under_a_file(self, place: Place) -> int | None:
         """How many names of ``place`` lead to the first of its parents that is a file
@@ -218,13 +224,15 @@ class MemoryTool:
 
     def view(self, path: str, view_range: list[int] | None = None) -> str:
         place = self.place(path)
+        if self._under_a_file(place) is not None:
+            raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
         found = self._text(place)
         if found is not None:
             return self._view_file(path, found[0], view_range)
-        memories = self._under(place)
-        if not memories and not place.is_root:
+        sizes = self._under(place, rows="sizes")
+        if not sizes and not place.is_root:
             raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
-        return self._listing(path, place, memories)
+        return self._listing(path, place, sizes)
 
     def _view_file(self, path: str, content: str, view_range: list[int] | None) -> str:
         lines = content.split("\n")
@@ -238,13 +246,13 @@ class MemoryTool:
         numbered = [f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}" for i, line in enumerate(display)]
         return f"Here's the content of {path} with line numbers:\n" + "\n".join(numbered)
 
-    def _listing(self, path: str, place: Place, memories: list) -> str:
+    def _listing(self, path: str, place: Place, sizes: list[tuple[str, int]]) -> str:
         # Relative names → size; a directory's size is the bytes of the files under it.
         files: dict[tuple[str, ...], int] = {}
-        for memory in memories:
-            rel = tuple(memory.key[len(place.key) + 1 :].split(":"))
-            value = memory.value if isinstance(memory.value, str) else json.dumps(memory.value, ensure_ascii=False)
-            files[rel] = len(value.encode("utf-8"))
+        for key, size in sizes:
+            files[tuple(key[len(place.key) + 1 :].split(":"))] = size
+        # A memory under a file (written by another surface) is behind it: not listed.
+        files = {rel: size for rel, size in files.items() if not any(rel[:d] in files for d in range(1, len(rel)))}
         dirs: dict[tuple[str, ...], int] = {}
         for rel, size in files.items():
             for depth in range(1, len(rel)):
@@ -296,17 +304,20 @@ class MemoryTool:
         return self._tree_locked(place, lambda: self._create(place, path, file_text))
 
     def _create(self, place: Place, path: str, file_text: str) -> str:
-        if place.is_root or self._text(place) is not None or self._is_dir(place):
-            raise MemoryToolError(f"File {path} already exists")
         depth = self._under_a_file(place)
         if depth is not None:
-            # Where the reference backend's mkdir, or its open, finds a file for a directory.
+            # Where the reference backend's mkdir, or its open, finds a file for a directory
+            # (first: a memory another surface wrote behind the file is not "already there").
             raise MemoryToolError(_not_a_directory(place.shown(depth + 1)))
+        if place.is_root or self._text(place) is not None or self._is_dir(place):
+            raise MemoryToolError(f"File {path} already exists")
         self._write(place.key, file_text)
         return f"File created successfully at: {path}"
 
     def _file(self, path: str) -> tuple[Place, str, int]:
         place = self.place(path)
+        if self._under_a_file(place) is not None:
+            raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
         found = self._text(place)
         if found is None:
             if self._is_dir(place):
@@ -360,12 +371,15 @@ class MemoryTool:
         place = self.place(path)
         if place.is_root:
             raise MemoryToolError("Cannot delete the /memories directory itself")
+        if self._under_a_file(place) is not None:
+            raise MemoryToolError(f"The path {path} does not exist")
+        # A file goes with what another surface wrote under it (the path is gone after).
         is_file = self._text(place) is not None
-        under = self._all_under(place, path)
+        under = self._all_under(place, path, rows="keys")
         if not is_file and not under:
             raise MemoryToolError(f"The path {path} does not exist")
         with transaction.atomic():
-            for key in ([place.key] if is_file else []) + [m.key for m in under]:
+            for key in ([place.key] if is_file else []) + under:
                 mem.memory_delete(tenant=self.tenant, actor=self.actor, key=key)
         return f"Successfully deleted {path}"
 
@@ -376,9 +390,9 @@ class MemoryTool:
     def _rename(self, old: Place, new: Place, old_path: str, new_path: str) -> str:
         if old.is_root:
             raise MemoryToolError("Cannot rename the /memories directory itself")
-        if new.is_root or self._text(new) is not None or self._is_dir(new):
-            raise MemoryToolError(f"The destination {new_path} already exists")
         depth = self._under_a_file(new)
+        if depth is None and (new.is_root or self._text(new) is not None or self._is_dir(new)):
+            raise MemoryToolError(f"The destination {new_path} already exists")
         if depth is not None:
             # As the reference backend: its mkdir of the destination's missing parents fails
             # at the file, or (the file is the destination's parent) its rename(2) does, before
@@ -386,8 +400,12 @@ class MemoryTool:
             parent_is_file = depth == len(new.names) - 1
             blocked = (old.shown(), new.shown()) if parent_is_file else (new.shown(depth + 1),)
             raise MemoryToolError(_not_a_directory(*blocked))
+        if self._under_a_file(old) is not None:
+            # The reference backend's rename(2) of a path through a file.
+            raise MemoryToolError(_not_a_directory(old.shown(), new.shown()))
         found = self._memory(old)
-        under = [] if found is not None else self._all_under(old, old_path)
+        # A file moves with what another surface wrote under it (the old path is gone after).
+        under = self._all_under(old, old_path)
         if found is None and not under:
             raise MemoryToolError(f"The path {old_path} does not exist")
         if new.key.startswith(old.key + ":"):

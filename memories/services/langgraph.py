@@ -27,6 +27,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
+from django.db.models import Q
 
 from audit.services import audited_operation
 from memories import selectors
@@ -96,12 +97,20 @@ def namespace_prefix(namespace: tuple[str, ...]) -> str:
 
 
 def parse_key(zeromem_key: str) -> tuple[tuple[str, ...], str] | None:
-    """(namespace, key) of a memory under the prefix; None for a key that is no item (no namespace)."""
+    """(namespace, key) of a memory under the prefix; None for a key that is no item: no
+    namespace, or a key :func:`memory_key` never produces (other surfaces write any key under
+    the prefix: ``a~zz``, ``a~7e``, a label with ``.``), whose (namespace, key) would lead a get
+    or a delete to another memory."""
     rest = zeromem_key[len(root()) + 1 :]
     parts = rest.split(":")
     if len(parts) < 2:
         return None
-    return tuple(decode_segment(p) for p in parts[:-1]), decode_segment(parts[-1])
+    labels, key = tuple(decode_segment(p) for p in parts[:-1]), decode_segment(parts[-1])
+    if any("." in label for label in labels) or any(
+        encode_segment(text) != part for text, part in zip((*labels, key), parts, strict=True)
+    ):
+        return None
+    return labels, key
 
 
 def _iso(moment) -> str:
@@ -328,15 +337,26 @@ def lg_search(
 def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
-        qs = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
+        window = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
+        window = window[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]  # the items read, whatever the filter
+        qs = window
         if connection.vendor == "postgresql":
-            # Plain string fields narrow the scan in the database (jsonb @>); the matcher checks again.
+            # Plain string fields narrow the window in the database (jsonb @>), so fewer values
+            # travel; the matcher checks again. Inside the window: the cap applied to the rows
+            # that matched read every item under the prefix for a rare value. A sensitive item
+            # is an envelope there (a tenant rule may encrypt any put): it passes to the
+            # matcher, which sees its opened value.
             pushed = {k: v for k, v in flt.items() if isinstance(v, str)}
             if pushed:
-                qs = qs.filter(value__contains=pushed)
+                qs = (
+                    selectors.memories_live(tenant=tenant)
+                    .filter(pk__in=window.values("pk"))
+                    .filter(Q(value__contains=pushed) | Q(sensitive=True))
+                    .order_by("key")
+                )
         out: list[Memory] = []
         skipped = 0
-        for memory in qs[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX].iterator(chunk_size=200):
+        for memory in qs.iterator(chunk_size=200):
             if parse_key(memory.key) is None or not item_matches(memory.value, flt):
                 continue
             if skipped < offset:
@@ -396,11 +416,8 @@ def lg_list_namespaces(
     db_prefix = validation.prefix(namespace_prefix(tuple(fixed)), field="prefix")
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=db_prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
-        rows = (
-            selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(db_prefix))
-            .order_by("namespace")
-            .values_list("namespace", flat=True)
-            .distinct()[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]
+        rows = selectors.namespaces_live(
+            tenant=tenant, prefixes=actor.prefix_filters(db_prefix), limit=settings.ZEROMEM_LANGGRAPH_SCAN_MAX
         )
         found: set[tuple[str, ...]] = set()
         for ns in rows:

@@ -533,8 +533,11 @@ def memory_list(
     subject: Any = None,
     tag: Any = None,
     keys_only: bool = True,
+    sizes: bool = False,
 ) -> ListResult:
-    """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch."""
+    """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch. With
+    ``sizes``: (key, bytes of the value's text) pairs, values measured by the database
+    (``selectors.keys_and_text_sizes``: only sensitive ones are loaded)."""
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_READ)
@@ -553,6 +556,7 @@ def memory_list(
             subject=subject,
             tag=tag,
             keys_only=keys_only,
+            sizes=sizes,
         )
         op.record(target=prefix, count=len(rows))
         return ListResult(keys=rows, next_cursor=validation.encode_cursor(last) if last else None)
