@@ -370,6 +370,48 @@ def test_a_directory_past_the_listing_cap_is_refused_whole_not_half_done(api, te
     assert api.post(URL, command).json()["is_error"] is False  # at the cap: done whole
 
 
+@pytest.mark.parametrize(
+    ("command", "field"),
+    [
+        ({"command": "delete", "path": "/memories/big"}, "path"),
+        ({"command": "rename", "old_path": "/memories/big", "new_path": "/memories/moved"}, "old_path"),
+    ],
+    ids=["delete", "rename"],
+)
+def test_a_directory_command_costs_a_rate_limit_unit_per_file(api, tenant_a, settings, limiter_minute, command, field):
+    """A rename or delete of a directory changes up to LIST_MAX_MEMORIES files (10,000 version
+    and audit rows for a rename) for one unit of the key's rate limit, where a batch pays per
+    call: a key could change millions of memories a minute. Now each file costs a unit, taken
+    before anything changes."""
+    from memories import services
+    from tests.factories import SYSTEM
+
+    def files(directory):
+        for i in range(6):
+            services.memory_write(tenant=tenant_a, actor=SYSTEM, key=f"claude:memories:{directory}:f{i}.md", value="x")
+
+    def live():
+        return sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True))
+
+    files("big")
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 8
+    assert api.post(URL, {"command": "view", "path": "/memories"}).status_code == 200  # 1 unit
+    assert api.post(URL, {"command": "view", "path": "/memories/big"}).status_code == 200  # 2
+    r = api.post(URL, command)  # 3, and 5 more files: 8, the limit
+    assert (r.status_code, r.json()["is_error"]) == (200, False), r.content
+
+    files("big")
+    before = live()
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 12
+    r = api.post(URL, dict(command, **({"new_path": "/memories/again"} if field == "old_path" else {})))
+    # The request's own unit is the 9th (within 12); its 5 more files would make 14.
+    assert r.status_code == 429, r.content
+    error = rest_error(r)
+    assert (error["code"], error["field"]) == ("rate_limited", field)
+    assert "6 files" in error["message"] and int(r["Retry-After"]) >= 1
+    assert live() == before  # refused before anything changed
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize(
     ("first", "second"),

@@ -414,7 +414,7 @@ def test_list_pagination_under_allowlist_stays_inside_it(seeded, make_client):
 def test_rate_limit_gives_429_with_retry_after_on_the_request_over_budget(api, settings):
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 3
     # Fix the clock inside one minute window so the test cannot straddle two windows.
-    with mock.patch("memories.services.api_keys.time.time", return_value=MINUTE + 10.0):
+    with mock.patch("audit.limits.time.time", return_value=MINUTE + 10.0):
         for i in range(3):
             status, _ = api.call("memory_write", key=f"user:u1:k{i}", value=i)
             assert status == 200
@@ -431,17 +431,17 @@ def test_rate_limit_is_per_key(tenant_a, make_client, settings):
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
     first, _ = make_client(tenant_a)
     second, _ = make_client(tenant_a)
-    with mock.patch("memories.services.api_keys.time.time", return_value=MINUTE + 0.5):
+    with mock.patch("audit.limits.time.time", return_value=MINUTE + 0.5):
         assert [first.call("memory_list")[0] for _ in range(3)] == [200, 200, 429]
         assert second.call("memory_list")[0] == 200
 
 
 def test_rate_limit_window_resets_next_minute(api, settings):
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 1
-    with mock.patch("memories.services.api_keys.time.time", return_value=MINUTE + 0.5):
+    with mock.patch("audit.limits.time.time", return_value=MINUTE + 0.5):
         assert api.call("memory_list")[0] == 200
         assert api.call("memory_list")[0] == 429
-    with mock.patch("memories.services.api_keys.time.time", return_value=MINUTE + 61.0):
+    with mock.patch("audit.limits.time.time", return_value=MINUTE + 61.0):
         assert api.call("memory_list")[0] == 200
 
 

@@ -11,7 +11,6 @@ and key prefix first (:func:`audit.services.audit_auth_failure`, which raises
 from __future__ import annotations
 
 import hmac
-import time
 from datetime import timedelta
 
 from django.conf import settings
@@ -108,5 +107,11 @@ def rate_limit_take(key: ApiKey, *, cost: int = 1) -> float | None:
     UPSERT). None within the limit; past it, the seconds until the minute ends. Every surface
     charges through here: REST (``ApiKeyRateThrottle``, a batch one unit per call) and MCP
     (``memories.mcp.server.charge``)."""
-    hit = limits.hit(f"key:{key.pk}", cost=cost, now=time.time())
+    return rate_limit_take_id(key.pk, cost=cost)
+
+
+def rate_limit_take_id(key_id: int, *, cost: int = 1) -> float | None:
+    """:func:`rate_limit_take` by the key's id (an API-key actor's ``id``): what a service
+    charges for work it finds only as it runs (the Claude memory tool's directory commands)."""
+    hit = limits.hit(f"key:{key_id}", cost=cost)
     return None if hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE else hit.retry_after

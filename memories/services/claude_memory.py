@@ -36,10 +36,12 @@ from django.utils import timezone
 from memories import selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
+from memories.services.api_keys import rate_limit_take_id
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.crypto import ErasedValue
-from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, TenantBusy
+from zeromem.kernel.outcomes import ActorKind
 
 DEFAULT_ROOT = "claude:memories"
 # Creating a file or renaming onto a path checks that no file stands where a directory is
@@ -162,6 +164,24 @@ class MemoryTool:
                 "delete or rename its subdirectories one at a time."
             )
         return under
+
+    def _charge(self, files: int, *, field: str) -> None:
+        """A directory's delete or rename changes every file under it in one command: an API
+        key pays one unit of its rate limit per file (the request paid the first), as a batch
+        pays per call, before anything changes — past the limit the command is refused (429
+        ``rate_limited``, ``Retry-After``) and the units stay taken, as a refused request's do.
+        Staff and end users are not rate limited. Cost: one counter round trip."""
+        if files <= 1 or self.actor.kind != ActorKind.API_KEY:
+            return
+        wait = rate_limit_take_id(int(self.actor.id), cost=files - 1)
+        if wait is not None:
+            raise TenantBusy(
+                f"this command changes {files} files, one unit of the API key's rate limit each, "
+                "past what is left of it this minute; try again later or on a smaller directory",
+                code="rate_limited",
+                field=field,
+                retry_after=max(1, math.ceil(wait)),
+            )
 
     def _is_dir(self, place: Place) -> bool:
         return place.is_root or bool(self._under(place, limit=1, rows="keys"))
@@ -378,8 +398,10 @@ class MemoryTool:
         under = self._all_under(place, path, rows="keys")
         if not is_file and not under:
             raise MemoryToolError(f"The path {path} does not exist")
+        keys = ([place.key] if is_file else []) + under
+        self._charge(len(keys), field="path")
         with transaction.atomic():
-            for key in ([place.key] if is_file else []) + under:
+            for key in keys:
                 mem.memory_delete(tenant=self.tenant, actor=self.actor, key=key)
         return f"Successfully deleted {path}"
 
@@ -412,6 +434,7 @@ class MemoryTool:
             raise MemoryToolError(f"Cannot move {old_path} into itself ({new_path})")
         moves = [(found, new.key)] if found is not None else []
         moves.extend((memory, new.key + memory.key[len(old.key) :]) for memory in under)
+        self._charge(len(moves), field="old_path")
         with transaction.atomic():
             for memory, target in moves:
                 self._move(memory, target)
