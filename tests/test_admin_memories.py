@@ -109,6 +109,11 @@ def test_support_adds_a_memory_through_memory_write(tenant_a, staff_clients):
         ("null", "must not be null"),
         (json.dumps("x" * 20000), "serialized value is 20002 bytes; the limit is 16384"),
         (json.dumps("a\u0000b"), "must not contain NUL characters"),
+        # A lone surrogate (half of a UTF-16 pair) parses but no UTF-8 can hold it: was a 500.
+        ('"\\ud800"', "a lone surrogate (half of a UTF-16 pair) cannot be stored"),
+        ('{"\\udfff": 1}', "a lone surrogate (half of a UTF-16 pair) cannot be stored"),
+        # Nested past the interpreter's recursion limit, json.loads raised RecursionError: a 500.
+        pytest.param("[" * 100_000 + "]" * 100_000, "must not nest arrays or objects more than 32 deep", id="deep"),
     ],
 )
 def test_invalid_value_is_a_clear_form_error_and_changes_nothing(tenant_a, staff_clients, value, message):

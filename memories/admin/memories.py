@@ -93,6 +93,10 @@ class MemoryForm(forms.ModelForm):
                 f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}). "
                 'Text needs double quotes, e.g. "zh-CN".'
             ) from None
+        except RecursionError:  # nested past the interpreter's limit (thousands of levels)
+            raise forms.ValidationError(
+                f"must not nest arrays or objects more than {validation.VALUE_MAX_DEPTH} deep"
+            ) from None
         tenant = self.instance.tenant if self.instance.pk else self.cleaned_data.get("tenant")
         max_bytes = tenant.effective_value_max_bytes if tenant else None
         self._service_check(validation.value, parsed, max_bytes=max_bytes or 16384)
