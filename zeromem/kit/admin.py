@@ -14,8 +14,9 @@ from __future__ import annotations
 import functools
 
 from django.contrib import admin, messages
-from django.contrib.admin import helpers
+from django.contrib.admin import helpers, widgets
 from django.contrib.admin.views.main import SEARCH_VAR, ChangeList
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
 from django.utils.functional import cached_property
@@ -178,6 +179,24 @@ class SortableByChangeList(ChangeList):
         return super().get_ordering_field(field_name)
 
 
+class AutocompleteSelect(widgets.AutocompleteSelect):
+    """Django's autocomplete widget, which looks the posted value up to show it again when
+    the form comes back with errors: a value that is no id of the target (``tenant=acme``)
+    raised ValueError there, a 500 in place of the form's own "select a valid choice"."""
+
+    def optgroups(self, name, value, attr=None):
+        target = self.field.target_field
+        return super().optgroups(name, [v for v in value if _is_value_of(target, v)], attr)
+
+
+def _is_value_of(field, raw) -> bool:
+    try:
+        field.to_python(raw)
+    except ValidationError:
+        return False
+    return True
+
+
 class TenantScopedAdmin(admin.ModelAdmin):
     """Base of every ZeroMem ModelAdmin. Subclasses name their capabilities; the tenant is
     reached through ``tenant_field`` (``"pk"`` for the Tenant admin itself)."""
@@ -222,6 +241,8 @@ class TenantScopedAdmin(admin.ModelAdmin):
             return HttpResponseRedirect(request.get_full_path())
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        if "widget" not in kwargs and db_field.name in self.get_autocomplete_fields(request):
+            kwargs["widget"] = AutocompleteSelect(db_field, self.admin_site, using=kwargs.get("using"))
         if db_field.related_model is Tenant:
             capability = self.add_capability or self.change_capability or self.view_capability
             kwargs["queryset"] = Tenant.objects.filter(pk__in=tenant_ids_with(request, capability)).order_by("slug")
