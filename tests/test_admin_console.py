@@ -402,6 +402,58 @@ def test_a_tenant_filter_that_is_no_number_is_a_400_naming_it(tenant_a, staff_cl
     assert "tenant: must be a tenant id (a number)" in response.content.decode()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        # A search of values that is no memory.browse (unaudited) and obeys no word or length cap.
+        "/admin/memories/memory/?value__icontains=secretword",
+        "/admin/memories/memory/?search_text__contains=secretword",
+        "/admin/memories/memory/?key__iregex=(u.*)*1",
+        "/admin/memories/memory/?tenant__id__exact=1",
+        # Unindexed scans of every event or row of the tenant.
+        "/admin/audit/auditevent/?detail__icontains=x",
+        "/admin/audit/auditevent/?actor_label__regex=.*",
+        "/admin/memories/forgetrequest/?reason__icontains=x",
+        "/admin/memories/forgetrequest/?status__exact=received&error__icontains=x",
+        "/admin/memories/apikey/?lookup__startswith=zm",
+        "/admin/memories/membership/?role__exact=viewer&user__username__startswith=a",
+        "/admin/portal/portallink/?token_hash__startswith=a",
+        "/admin/memories/tenant/?name__icontains=a",
+    ],
+)
+def test_a_list_filters_only_through_its_own_filters(tenant_a, staff_clients, url):
+    # Django's admin turns any other query parameter naming a column of the model into a
+    # filter on it: every lookup (icontains, regex…) on every column, indexed or not.
+    write(tenant_a, "user:u1:k", "secretword", subject="u1")
+    _user, client = staff_clients["admin"]
+    before = AuditEvent.objects.filter(tenant=tenant_a).count()
+    response = client.get(url)
+    name = url.split("?")[1].rsplit("&", 1)[-1].split("=")[0]
+    assert response.status_code == 400, (url, response.status_code)
+    assert f"{name}: is not a filter of this list" in response.content.decode()
+    assert AuditEvent.objects.filter(tenant=tenant_a).count() == before  # nothing listed or browsed
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/admin/memories/memory/?tenant={tenant}&state=everything&expiry=never&category=note&prefix=user:&subject=u1&tag=t",
+        "/admin/memories/memory/?q=secretword&o=-1&p=1&all=&_popup=1",
+        "/admin/memories/forgetrequest/?tenant={tenant}&overdue=open&status__exact=received&q=u1&o=2",
+        "/admin/memories/membership/?tenant={tenant}&role__exact=admin&q=admin",
+        "/admin/audit/auditevent/?tenant={tenant}&since=2026-01-01&until=2099-01-01&actor=system&action=memory."
+        "&key_prefix=user:&subject=u1&outcome=ok",
+        "/admin/portal/portallink/?tenant={tenant}&q=u1",
+        "/admin/memories/apikey/?tenant={tenant}&q=k",
+    ],
+)
+def test_every_filter_search_sort_and_page_parameter_of_a_list_is_taken(tenant_a, staff_clients, url):
+    write(tenant_a, "user:u1:k", "secretword", subject="u1")
+    _user, client = staff_clients["admin"]
+    response = client.get(url.format(tenant=tenant_a.pk))
+    assert response.status_code == 200, (url, response.status_code, response.content[:300])
+
+
 @pytest.mark.parametrize("form", ["memory", "forgetrequest"])
 def test_a_tenant_that_is_no_number_in_an_add_form_is_a_form_error(tenant_a, staff_clients, form):
     # The tenant field's autocomplete widget looked the posted value up to show it again: a

@@ -282,14 +282,14 @@ class MemoryAdmin(TenantScopedAdmin):
     def changelist_view(self, request, extra_context=None):
         # A search over keys and value words, or a walk down the key tree, shows data of
         # every memory it matches: audited (memory.browse) in each tenant it covers.
-        refused = list_parameters_refused(request)
+        refused = list_parameters_refused(request, self)
         if refused is not None:
             return refused
         search = request.GET.get("q", "")
         prefix = request.GET.get(KeyTreeFilter.parameter_name, "")
         if request.method == "GET" and (search or prefix):
             ids = tenant_ids_with(request, Capability.MEMORY_VIEW)
-            chosen = validation.ascii_int(request.GET.get("tenant__id__exact") or request.GET.get("tenant") or "")
+            chosen = validation.ascii_int(request.GET.get("tenant") or "")
             for tenant in Tenant.objects.filter(pk__in=[chosen] if chosen in ids else ids).order_by("pk"):
                 services.memories_browse(
                     tenant=tenant, actor=actor_for(request, tenant.pk), search=search, prefix=prefix

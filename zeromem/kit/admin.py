@@ -15,7 +15,7 @@ import functools
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers, widgets
-from django.contrib.admin.views.main import SEARCH_VAR, ChangeList
+from django.contrib.admin.views.main import ERROR_FLAG, IGNORED_PARAMS, PAGE_VAR, SEARCH_VAR, ChangeList
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
@@ -101,11 +101,21 @@ SEARCH_WORDS_MAX = 10
 SEARCH_CHARS_MAX = 200
 
 
-def list_parameters_refused(request) -> HttpResponse | None:
-    """A 400 naming a change list's query parameter no filter can take (a NUL, a tenant
-    that is no number, a search over ``SEARCH_WORDS_MAX`` words or ``SEARCH_CHARS_MAX``
-    characters), else None. Called before anything is listed or audited."""
+# What a change list takes besides its filters' parameters: search, sort, page, show all,
+# popup, the error flag Django's own redirect adds.
+LIST_PARAMETERS = frozenset({*IGNORED_PARAMS, PAGE_VAR, ERROR_FLAG})
+
+
+def list_parameters_refused(request, model_admin: TenantScopedAdmin) -> HttpResponse | None:
+    """A 400 naming a change list's query parameter no filter can take (one that is none of
+    ``model_admin``'s filters, a NUL, a tenant that is no number, a search over
+    ``SEARCH_WORDS_MAX`` words or ``SEARCH_CHARS_MAX`` characters), else None. Called before
+    anything is listed or audited."""
     refused = nul_parameter_refused(request)
+    taken = LIST_PARAMETERS | model_admin.filter_parameters(request)
+    unknown = next((name for name in request.GET if name not in taken), None)
+    if refused is None and unknown is not None:
+        refused = _bad_parameter(unknown, "is not a filter of this list")
     tenant = request.GET.get(TenantFilter.parameter_name)
     search = request.GET.get(SEARCH_VAR, "")
     if refused is None and tenant and validation.ascii_int(tenant) is None:
@@ -229,7 +239,25 @@ class TenantScopedAdmin(admin.ModelAdmin):
         return obj
 
     def changelist_view(self, request, extra_context=None):
-        return list_parameters_refused(request) or super().changelist_view(request, extra_context)
+        return list_parameters_refused(request, self) or super().changelist_view(request, extra_context)
+
+    def filter_parameters(self, request) -> set[str]:
+        """The query parameters the list's filters take: a filter class's ``parameter_name``;
+        for a field named in ``list_filter``, the choices its stock filter links to."""
+        names = set()
+        for item in self.get_list_filter(request):
+            if isinstance(item, type) and issubclass(item, admin.SimpleListFilter):
+                names.add(item.parameter_name)
+            elif isinstance(item, str):
+                names.update({f"{item}__exact", f"{item}__isnull"})
+        return names
+
+    def lookup_allowed(self, lookup, value, request=None):
+        # Django's own rule lets any parameter naming a column of the model filter on it, with
+        # any lookup (?value__icontains=…, ?detail__regex=…): a search of every row in scope on
+        # an unindexed column, outside the list's audited search and its caps. Only the list's
+        # filters take parameters (list_parameters_refused names any other with a 400 first).
+        return request is not None and lookup in self.filter_parameters(request)
 
     def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
         try:
