@@ -180,10 +180,11 @@ class MemoryAdmin(TenantScopedAdmin):
     def _masked(self, request, obj) -> bool:
         """A sensitive memory's value stays hidden on every page until this staff member
         reveals it (``memory.reveal``, audited); the reveal lasts ``REVEAL_SECONDS``."""
-        if obj is None or not obj.sensitive:
-            return False
+        return obj is not None and obj.sensitive and not self._revealed(request, obj)
+
+    def _revealed(self, request, obj) -> bool:
         shown = request.session.get(REVEAL_SESSION_KEY, {}).get(str(obj.pk))
-        return not (shown and shown > timezone.now().timestamp())
+        return bool(shown and shown > timezone.now().timestamp())
 
     def has_change_permission(self, request, obj=None):
         # A masked value cannot be edited: the form would show it. Reveal first.
@@ -216,7 +217,8 @@ class MemoryAdmin(TenantScopedAdmin):
         shown = {pk: until for pk, until in shown.items() if until > now}
         shown[str(obj.pk)] = now + REVEAL_SECONDS
         request.session[REVEAL_SESSION_KEY] = shown
-        return HttpResponseRedirect(reverse("admin:memories_memory_change", args=[obj.pk]))
+        page = "history" if request.POST.get("next") == "history" else "change"  # a page name, never a URL
+        return HttpResponseRedirect(reverse(f"admin:memories_memory_{page}", args=[obj.pk]))
 
     def reveal_view(self, request, object_id):
         return require_POST(self._reveal)(request, object_id)
@@ -376,7 +378,10 @@ class MemoryAdmin(TenantScopedAdmin):
         except ServiceError:
             raise PermissionDenied from None
         live = obj.deleted_at is None and (obj.expires_at is None or obj.expires_at > timezone.now())
-        masked = self._masked(request, obj)
+        # Version by version: a memory written plain again keeps the versions it wrote while
+        # sensitive (sealed), and they stay hidden until a reveal as the memory itself would.
+        revealed = self._revealed(request, obj)
+        masked = [not revealed and (obj.sensitive or v.sensitive) for v in versions]
         context = {
             **self.admin_site.each_context(request),
             "title": f"History of {obj.key}",
@@ -390,13 +395,14 @@ class MemoryAdmin(TenantScopedAdmin):
                     "op": v.op,
                     "actor": actor_label(v.actor_kind, v.actor_id),
                     "created_at": v.created_at,
-                    "value": "•••••• sensitive value, hidden (reveal it on the memory's page)"
-                    if masked
+                    "value": "•••••• sensitive value, hidden"
+                    if hidden
                     else json.dumps(v.value, ensure_ascii=False, indent=2),
                     "current": v.version == obj.version,
                 }
-                for v in versions
+                for v, hidden in zip(versions, masked, strict=True)
             ],
+            "can_reveal": any(masked),
             "can_restore": live and self.has_change_permission(request, obj),
             "preserved_filters": self.get_preserved_filters(request),
             **(extra_context or {}),
