@@ -48,10 +48,15 @@ ACTION_MAX = 1000
 
 
 class MemoryActionForm(helpers.ActionForm):
-    ttl_days = forms.IntegerField(
-        required=False, min_value=1, max_value=3650, initial=7, label="days (extend TTL)", widget=forms.NumberInput
+    # Taken as typed: the action that uses a field checks it and says what is wrong with it
+    # (a refused field here made Django answer only "No action selected.").
+    ttl_days = forms.CharField(
+        required=False,
+        initial=7,
+        label="days (extend TTL)",
+        widget=forms.NumberInput(attrs={"min": 1, "max": 3650}),
     )
-    reason = forms.CharField(required=False, max_length=200, label="reason (forget)")
+    reason = forms.CharField(required=False, label="reason (forget)", widget=forms.TextInput(attrs={"maxlength": 1000}))
 
 
 class MemoryForm(forms.ModelForm):
