@@ -465,6 +465,9 @@ def test_a_tenant_that_is_no_number_in_an_add_form_is_a_form_error(tenant_a, sta
     assert "tenant" in response.context["adminform"].form.errors
     assert not Memory.objects.filter(tenant=tenant_a).exists()
     assert not ForgetRequest.objects.filter(tenant=tenant_a).exists()
+    # The add page takes its initial values from the URL: the same lookup, on a GET.
+    for tenant in ("acme", "%00"):
+        assert client.get(f"/admin/memories/{form}/add/?tenant={tenant}").status_code == 200
 
 
 def test_the_lists_sort_only_by_their_indexed_columns(tenant_a, staff_clients):
