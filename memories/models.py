@@ -498,6 +498,16 @@ class ForgetRequest(models.Model):
             models.Index(
                 fields=["progress_at"], name="forget_pending", condition=Q(status__in=["received", "running"])
             ),
+            # The admin's queue, a page at a time in its order, and its search by subject: the
+            # requests are kept with their receipts (built CONCURRENTLY on PostgreSQL, migration 0028).
+            models.Index(
+                models.F("tenant"),
+                models.ExpressionWrapper(Q(status="completed"), output_field=models.BooleanField()),
+                models.F("due_at"),
+                models.F("id"),
+                name="forget_tenant_queue",
+            ),
+            models.Index(fields=["tenant", "subject"], name="forget_tenant_subject", condition=~Q(subject="")),
         ]
         constraints = [
             models.CheckConstraint(
@@ -512,6 +522,13 @@ class ForgetRequest(models.Model):
 
     def __str__(self) -> str:
         return f"forget #{self.pk} ({self.status})"
+
+    @classmethod
+    def done(cls) -> models.ExpressionWrapper:
+        """``status = 'completed'``: the queue's order is (this, due_at, id) — the open requests
+        by due date, so the overdue ones first, then the done ones — which the index
+        ``forget_tenant_queue`` holds in that order, however many requests a tenant kept."""
+        return models.ExpressionWrapper(Q(status=cls.Status.COMPLETED), output_field=models.BooleanField())
 
     @property
     def is_overdue(self) -> bool:

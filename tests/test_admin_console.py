@@ -258,6 +258,78 @@ def test_forget_queue_lists_overdue_first_then_by_due_date(tenant_a, staff_clien
     assert [r.subject for r in overdue] == ["late"]
 
 
+def _plans(queries, table: str) -> list[str]:
+    """EXPLAIN ANALYZE of each captured SELECT that reads ``table`` (PostgreSQL)."""
+    from django.db import connection, transaction
+
+    plans = []
+    for sql in [q["sql"] for q in queries if q["sql"].startswith("SELECT") and f'FROM "{table}"' in q["sql"]]:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            cursor.execute("EXPLAIN (ANALYZE, COSTS) " + sql)
+            plans.append("\n".join(line for (line,) in cursor.fetchall()))
+    return plans
+
+
+def _many_done_requests(tenant, count: int) -> None:
+    """``count`` completed forget requests of ``tenant`` in one INSERT … SELECT (PostgreSQL)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO memories_forgetrequest (status, subject, prefix, keys, reason, requested_by_kind,"
+            " requested_by, created_at, due_at, started_at, completed_at, attempts, receipt, error, tenant_id,"
+            " progress_at, reach, stalled_attempts)"
+            " SELECT 'completed', 'u' || g, '', '[]', 'erasure', 'system', 'test', now() - g * interval '1 hour',"
+            " now() - g * interval '1 hour' + interval '30 days', now(), now(), 1, '{}', '', %s, now(),"
+            " '{}', 0 FROM generate_series(1, %s) g",
+            [tenant.pk, count],
+        )
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "query", ["", "?overdue=yes", "?overdue=open", "?status__exact=completed", "?p=3", "?q=u4242", "?o=7"]
+)
+def test_the_forget_queue_reads_an_index_of_its_tenant_not_every_request_it_kept(
+    transactional_db, tenant_a, tenant_b, staff_clients, query
+):
+    # Requests are kept with their receipts: the queue's order (a CASE over status and due
+    # date), a column sort or a substring search sorted or scanned every request the tenant
+    # ever filed — 0.8-1.7 s a page at 1M requests. (transactional_db: the rows are truncated
+    # afterwards, not left as dead rows that would tilt later tests' plans.)
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1", reason="erasure")
+    _many_done_requests(tenant_a, 5000)
+    _many_done_requests(tenant_b, 30000)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE memories_forgetrequest")
+    _user, client = staff_clients["compliance"]
+    with CaptureQueriesContext(connection) as queries:
+        response = client.get(f"/admin/memories/forgetrequest/{query}")
+    assert response.status_code == 200
+    plans = _plans(queries, "memories_forgetrequest")
+    assert plans
+    for plan in plans:
+        assert "Seq Scan" not in plan, plan
+        discarded = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
+        assert all(n < 100 for n in discarded), plan  # no walk over the tenant's done requests
+        sorted_rows = [int(n) for n in re.findall(r"(?m)^\s*(?:->\s*)?Sort\s+\(cost=\S+ rows=(\d+)", plan)]
+        assert all(n < 100 for n in sorted_rows), plan  # a sort of the few open requests at most
+    if query.startswith("?q="):
+        assert any("forget_tenant_subject" in plan for plan in plans), plans
+
+
+def test_the_forget_queue_finds_a_subject_by_its_whole_id(tenant_a, staff_clients):
+    for subject in ("u42", "u4242", "U42"):
+        services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject=subject, reason="erasure")
+    _user, client = staff_clients["compliance"]
+    rows = client.get("/admin/memories/forgetrequest/?q=u42").context["cl"].result_list
+    assert [r.subject for r in rows] == ["u42"]
+
+
 # --- dashboard -------------------------------------------------------------------------------
 
 
