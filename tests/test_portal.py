@@ -372,6 +372,22 @@ def test_staff_withdraw_a_subjects_links_and_sessions_from_the_admin(api, api_b,
     assert (event.actor_kind, event.actor_id, event.subject, event.count) == ("staff", str(support.pk), "u1", 2)
 
 
+def test_the_admin_finds_an_end_users_portal_links_by_the_whole_subject_through_its_index(api, seeded, tenant_a):
+    # Django's "=subject" is iexact: UPPER(subject) = UPPER('u1'), which no index serves and
+    # which also found "U1"'s links.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    issue(api, subject="u1")
+    issue(api, subject="U1")
+    with CaptureQueriesContext(connection) as queries:
+        page = logged_in(make_staff(tenant_a, "support")).get("/admin/portal/portallink/?q=u1")
+    assert page_text(page).count('class="field-subject">u1<') == 1
+    assert 'class="field-subject">U1<' not in page_text(page)
+    listing = [q["sql"] for q in queries if 'FROM "portal_portallink"' in q["sql"]]
+    assert listing and all("UPPER(" not in sql for sql in listing), listing
+
+
 def test_log_lines_of_portal_paths_carry_no_token(api, seeded, caplog):
     """Django's 4xx line and the server's access-log record (granian hands the path as an
     argument) are written without the token."""

@@ -28,7 +28,9 @@ class PortalLinkAdmin(TenantScopedAdmin):
     list_display_links = None  # no page per link
     list_select_related = ("tenant",)
     list_filter = ("tenant",)
-    search_fields = ("=subject",)  # the whole subject: an index lookup, not a scan
+    # The whole subject, as stored: an index lookup (portallink_tenant_subject), not a scan
+    # ("=subject" would be iexact, UPPER(subject) = UPPER(…), which no index serves).
+    search_fields = ("subject__exact",)
     ordering = ("-created_at", "-pk")
     show_full_result_count = False
     actions = ("withdraw",)
