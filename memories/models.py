@@ -276,6 +276,12 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "-importance", "-updated_at"], name="memory_tenant_salience"),
             # The embedding job finds memories written since its watermark (memories/search/embeddings.py).
             models.Index(fields=["updated_at"], name="memory_updated"),
+            # The admin's memory list sorted by last update or by expiry, either way, a page at a
+            # time: ordered by (tenant, column, id), as these hold it (the never-expiring ones,
+            # NULL, too: the partial memory_tenant_expiring leaves them out). Built CONCURRENTLY
+            # on PostgreSQL, migration 0029.
+            models.Index(fields=["tenant", "updated_at", "id"], name="memory_tenant_updated"),
+            models.Index(fields=["tenant", "expires_at", "id"], name="memory_tenant_expires"),
         ]
 
     def __str__(self) -> str:

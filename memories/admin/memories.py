@@ -164,7 +164,9 @@ class MemoryAdmin(TenantScopedAdmin):
     search_fields = ("key", "value")
     search_help_text = "Search keys and the text of values."
     ordering = ("key",)
-    sortable_by = ("key",)  # (tenant, key) is indexed; any other column sorted every memory in scope
+    # Each a tenant-led index (tenant, key) / (tenant, updated_at, id) / (tenant, expires_at, id):
+    # any other column sorted every memory in scope.
+    sortable_by = ("key", "updated_at", "expires_at")
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 50

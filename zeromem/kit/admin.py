@@ -15,7 +15,7 @@ import functools
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers, widgets
-from django.contrib.admin.views.main import ERROR_FLAG, IGNORED_PARAMS, PAGE_VAR, SEARCH_VAR, ChangeList
+from django.contrib.admin.views.main import ERROR_FLAG, IGNORED_PARAMS, ORDER_VAR, PAGE_VAR, SEARCH_VAR, ChangeList
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
@@ -181,7 +181,32 @@ class CheapPaginator(Paginator):
 class SortableByChangeList(ChangeList):
     """Sorts only by the columns of the admin's ``sortable_by`` (when it names them). Django
     leaves them out of the headers only: ``o=<column>`` in the URL still sorted by any
-    column, every row in scope, when only some are served by an index."""
+    column, every row in scope, when only some are served by an index.
+
+    Every order is led by the tenant, in the direction of the first sort column, and ends
+    with the id in that direction too: (tenant, column, id) is how the lists' indexes hold
+    rows, so a page is a range of one (a staff member of several tenants included: an index
+    scan over ``tenant_id IN (…)`` comes out in tenant order). Django's order (the column,
+    then ``-pk`` whatever the column's direction) sorted every row in scope for several
+    tenants, and for one tenant every run of equal values (all the memories that never
+    expire) on each page."""
+
+    def get_ordering(self, request, queryset):
+        ordering = super().get_ordering(request, queryset)
+        if ORDER_VAR in self.params:
+            # The order asked for alone: Django follows it with the list's default order (the
+            # memory list's key), a sort of every run of equal values the index cannot do.
+            asked = super().get_ordering(request, queryset.order_by())
+            if any(not (isinstance(o, str) and o.lstrip("-") == "pk") for o in asked):
+                ordering = asked
+        tenant = self.model_admin.tenant_ordering_field
+        if tenant is None or not ordering:
+            return ordering
+        first = ordering[0]
+        descending = first.startswith("-") if isinstance(first, str) else bool(getattr(first, "descending", False))
+        sign = "-" if descending else ""
+        columns = [o for o in ordering if not (isinstance(o, str) and o.lstrip("-") in ("pk", "id", tenant))]
+        return [sign + tenant, *columns, sign + "pk"]
 
     def get_ordering_field(self, field_name):
         if self.sortable_by is not None and field_name not in self.sortable_by:
@@ -226,6 +251,12 @@ class TenantScopedAdmin(admin.ModelAdmin):
     @property
     def _tenant_lookup(self) -> str:
         return "pk" if self.tenant_field == "pk" else f"{self.tenant_field}_id"
+
+    @property
+    def tenant_ordering_field(self) -> str | None:
+        """The column every order of the list starts with (SortableByChangeList); none for
+        the tenants' own list."""
+        return None if self.tenant_field == "pk" else f"{self.tenant_field}_id"
 
     def tenant_id_of(self, obj) -> int:
         return obj.pk if self.tenant_field == "pk" else getattr(obj, f"{self.tenant_field}_id")
