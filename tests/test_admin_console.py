@@ -316,6 +316,8 @@ def test_the_forget_queue_reads_an_index_of_its_tenant_not_every_request_it_kept
         assert "Seq Scan" not in plan, plan
         discarded = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
         assert all(n < 100 for n in discarded), plan  # no walk over the tenant's done requests
+        if plan.startswith("Aggregate"):
+            continue  # the capped count: at most 10,000 rows, in the list's order, by design
         sorted_rows = [int(n) for n in re.findall(r"(?m)^\s*(?:->\s*)?Sort\s+\(cost=\S+ rows=(\d+)", plan)]
         assert all(n < 100 for n in sorted_rows), plan  # a sort of the few open requests at most
     if query.startswith("?q="):

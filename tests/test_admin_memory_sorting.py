@@ -70,8 +70,8 @@ def _page_plans(queries) -> list[str]:
     """EXPLAIN ANALYZE of the list's page query (the one with ORDER BY and LIMIT)."""
     plans = []
     for sql in [q["sql"] for q in queries if 'FROM "memories_memory"' in q["sql"] and "ORDER BY" in q["sql"]]:
-        if "DISTINCT" in sql:
-            continue  # the key tree filter's namespaces
+        if sql.startswith("SELECT COUNT(*)"):
+            continue  # the capped count reads up to 10,000 rows by design
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
             cursor.execute("EXPLAIN (ANALYZE, COSTS) " + sql)
@@ -111,3 +111,30 @@ def test_every_sort_of_the_memory_list_reads_a_page_of_a_tenant_led_index(
         assert "Seq Scan" not in plan and "Bitmap" not in plan, plan
         read = [int(n) for n in re.findall(r"(?m)Index (?:Only )?Scan.*actual time=\S+ rows=(\d+)", plan)]
         assert read and max(read) <= 2 * MemoryAdmin.list_per_page, plan
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("query", ["prefix=log:", "prefix=user:u1", "prefix=log:&o=-7"])
+def test_the_capped_count_of_a_filtered_list_reads_the_tenants_index_not_every_tenants_rows(
+    transactional_db, tenant_a, tenant_b, staff_clients, query
+):
+    """The list counts at most 10,000 rows (CheapPaginator): a LIMIT the planner, misjudging
+    how many of this tenant's rows match a prefix other tenants hold plenty of, answered with
+    a scan of the whole table, every tenant's memories (83-158 ms at 500k memories) — the
+    count with the list's order reads a range of the tenant's index instead. (transactional_db:
+    the rows are truncated afterwards, not left as dead rows that would tilt later tests' plans.)"""
+    copy_memory(write(tenant_a, "user:u1:k", "a's"), 60000)
+    copy_memory(write(tenant_b, "log:l1:e", "b's"), 80000)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE memories_memory")
+    _user, client = staff_clients["support"]
+    with CaptureQueriesContext(connection) as queries:
+        assert client.get(f"/admin/memories/memory/?{query}").status_code == 200
+    counts = [q["sql"] for q in queries if q["sql"].startswith("SELECT COUNT(*)") and "memories_memory" in q["sql"]]
+    assert counts
+    for sql in counts:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            cursor.execute("EXPLAIN (ANALYZE, COSTS) " + sql)
+            plan = "\n".join(line for (line,) in cursor.fetchall())
+        assert "Seq Scan" not in plan, plan

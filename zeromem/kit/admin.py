@@ -175,7 +175,11 @@ class CheapPaginator(Paginator):
 
     @cached_property
     def count(self):
-        return self.object_list.order_by()[: self.COUNT_CAP].count()
+        # Counted in the list's own order (a range of a tenant-led index, SortableByChangeList),
+        # not unordered: for a filter the planner misjudges (a key prefix other tenants hold
+        # plenty of), "the first 10,000 rows in any order" was a scan of the whole table,
+        # every tenant's rows, that found none (83-158 ms at 500k memories).
+        return self.object_list[: self.COUNT_CAP].count()
 
 
 class SortableByChangeList(ChangeList):
