@@ -276,6 +276,12 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "-importance", "-updated_at"], name="memory_tenant_salience"),
             # The embedding job finds memories written since its watermark (memories/search/embeddings.py).
             models.Index(fields=["updated_at"], name="memory_updated"),
+            # The admin's memory list sorted by last update or by expiry, either way, a page at a
+            # time: ordered by (tenant, column, id), as these hold it (the never-expiring ones,
+            # NULL, too: the partial memory_tenant_expiring leaves them out). Built CONCURRENTLY
+            # on PostgreSQL, migration 0029.
+            models.Index(fields=["tenant", "updated_at", "id"], name="memory_tenant_updated"),
+            models.Index(fields=["tenant", "expires_at", "id"], name="memory_tenant_expires"),
         ]
 
     def __str__(self) -> str:
@@ -500,6 +506,16 @@ class ForgetRequest(models.Model):
             models.Index(
                 fields=["progress_at"], name="forget_pending", condition=Q(status__in=["received", "running"])
             ),
+            # The admin's queue, a page at a time in its order, and its search by subject: the
+            # requests are kept with their receipts (built CONCURRENTLY on PostgreSQL, migration 0028).
+            models.Index(
+                models.F("tenant"),
+                models.ExpressionWrapper(Q(status="completed"), output_field=models.BooleanField()),
+                models.F("due_at"),
+                models.F("id"),
+                name="forget_tenant_queue",
+            ),
+            models.Index(fields=["tenant", "subject"], name="forget_tenant_subject", condition=~Q(subject="")),
         ]
         constraints = [
             models.CheckConstraint(
@@ -514,6 +530,13 @@ class ForgetRequest(models.Model):
 
     def __str__(self) -> str:
         return f"forget #{self.pk} ({self.status})"
+
+    @classmethod
+    def done(cls) -> models.ExpressionWrapper:
+        """``status = 'completed'``: the queue's order is (this, due_at, id) — the open requests
+        by due date, so the overdue ones first, then the done ones — which the index
+        ``forget_tenant_queue`` holds in that order, however many requests a tenant kept."""
+        return models.ExpressionWrapper(Q(status=cls.Status.COMPLETED), output_field=models.BooleanField())
 
     @property
     def is_overdue(self) -> bool:

@@ -49,3 +49,15 @@ def test_successful_sign_ins_are_not_counted(staff):
     for _ in range(5):
         assert sign_in("right-password-1").status_code == 302
     assert sign_in("wrong").status_code == 200
+
+
+@pytest.mark.parametrize("spelling", ["ops ", " ops", "\tops\n", "ｏｐｓ", "ＯＰＳ"])
+def test_another_spelling_of_the_same_name_is_counted_with_it(staff, spelling):
+    # The sign-in form strips the name and normalises it (NFKC) before looking the account
+    # up: each spelling signed in as "ops", yet each had a counter of its own, so a padded or
+    # full-width name gave a password guesser another ZEROMEM_ADMIN_LOGIN_FAILURES tries per
+    # spelling (hundreds of spellings per name).
+    for _ in range(3):
+        assert sign_in("wrong").status_code == 200
+    assert sign_in("right-password-1", username=spelling).status_code == 429
+    assert sign_in("wrong", username=spelling).status_code == 429

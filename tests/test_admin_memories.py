@@ -109,6 +109,11 @@ def test_support_adds_a_memory_through_memory_write(tenant_a, staff_clients):
         ("null", "must not be null"),
         (json.dumps("x" * 20000), "serialized value is 20002 bytes; the limit is 16384"),
         (json.dumps("a\u0000b"), "must not contain NUL characters"),
+        # A lone surrogate (half of a UTF-16 pair) parses but no UTF-8 can hold it: was a 500.
+        ('"\\ud800"', "a lone surrogate (half of a UTF-16 pair) cannot be stored"),
+        ('{"\\udfff": 1}', "a lone surrogate (half of a UTF-16 pair) cannot be stored"),
+        # Nested past the interpreter's recursion limit, json.loads raised RecursionError: a 500.
+        pytest.param("[" * 100_000 + "]" * 100_000, "must not nest arrays or objects more than 32 deep", id="deep"),
     ],
 )
 def test_invalid_value_is_a_clear_form_error_and_changes_nothing(tenant_a, staff_clients, value, message):
@@ -221,6 +226,28 @@ def test_extend_ttl_and_trash_and_restore_actions(tenant_a, staff_clients):
     assert ops == ["write", "update", "delete", "restore"]
     actions = [e.action for e in AuditEvent.objects.filter(tenant=tenant_a, actor_kind="staff").order_by("pk")]
     assert actions == ["memory.update", "memory.delete", "memory.restore"]
+
+
+@pytest.mark.parametrize(
+    ("action", "data", "message"),
+    [
+        ("extend_ttl", {"ttl_days": "5000"}, "days (extend TTL): give a whole number from 1 to 3650."),
+        ("extend_ttl", {"ttl_days": "seven"}, "days (extend TTL): give a whole number from 1 to 3650."),
+        ("forget_selected", {"reason": "r" * 1001}, "reason: must be at most 1000 characters"),
+    ],
+)
+def test_an_action_given_a_bad_value_says_which_and_changes_nothing(tenant_a, staff_clients, action, data, message):
+    # The action form checked these fields first and, refusing one, said only "No action
+    # selected." — naming nothing.
+    memory = write(tenant_a, KEY, "en", ttl_seconds=60)
+    _user, client = staff_clients["support"]
+    response = client.post(
+        "/admin/memories/memory/", {"action": action, "_selected_action": [memory.pk], **data}, follow=True
+    )
+    shown = [str(m) for m in response.context["messages"]]
+    assert message in shown, shown
+    assert Memory.objects.get(pk=memory.pk).expires_at == memory.expires_at
+    assert not ForgetRequest.objects.filter(tenant=tenant_a).exists()
 
 
 def test_restore_action_gives_a_memory_whose_ttl_ran_out_in_the_trash_its_ttl_again(tenant_a, staff_clients):

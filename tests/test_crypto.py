@@ -432,6 +432,29 @@ def test_admin_masks_a_sensitive_value_until_an_audited_reveal(tenant_a, staff_c
     assert CANARY.encode() not in admin_client.get(f"/admin/memories/memory/{memory.pk}/change/").content
 
 
+def test_admin_history_masks_the_versions_written_while_sensitive_after_the_memory_turns_plain(tenant_a, staff_clients):
+    # The history masked every version or none, by the memory's flag today: once an app wrote
+    # the key plain again (sensitive=false), the versions written while sensitive showed their
+    # values to any staff member who opened the history, with no reveal.
+    from audit.models import AuditEvent
+
+    memory = write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="user:u1:phone", value="plain now", sensitive=False)
+    _user, support = staff_clients["support"]
+    history_url = f"/admin/memories/memory/{memory.pk}/history/"
+    history = support.get(history_url)
+    assert history.status_code == 200 and b"plain now" in history.content
+    assert CANARY.encode() not in history.content and b"Reveal values" in history.content
+    assert not AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal").exists()
+
+    r = support.post(f"/admin/memories/memory/{memory.pk}/reveal/", {"next": "history"})
+    assert r.status_code == 302 and r["Location"] == history_url
+    assert AuditEvent.objects.filter(tenant_id=tenant_a.pk, action="memory.reveal", outcome="ok").count() == 1
+    assert CANARY.encode() in support.get(history_url).content
+    _admin, admin_client = staff_clients["admin"]
+    assert CANARY.encode() not in admin_client.get(history_url).content  # revealed to that user only
+
+
 def test_compliance_never_sees_a_sensitive_value(tenant_a, staff_clients):
     from audit.models import AuditEvent
 

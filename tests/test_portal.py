@@ -372,6 +372,47 @@ def test_staff_withdraw_a_subjects_links_and_sessions_from_the_admin(api, api_b,
     assert (event.actor_kind, event.actor_id, event.subject, event.count) == ("staff", str(support.pk), "u1", 2)
 
 
+def test_withdrawing_every_link_of_a_long_list_works_through_a_bounded_batch_per_run(
+    api, seeded, tenant_a, monkeypatch
+):
+    # "Select all" handed the action every link in scope: one audited service call per end
+    # user, all in one request (links live an hour: tens of thousands for a busy app).
+    from memories.admin import portal_links
+
+    monkeypatch.setattr(portal_links, "WITHDRAW_MAX", 2)
+    for subject in ("u1", "u2", "u3"):
+        issue(api, subject=subject)
+    staff = logged_in(make_staff(tenant_a, "support"))
+    everything = {"action": "withdraw", "select_across": "1", "index": "0", "_selected_action": ["1"]}
+
+    def run():
+        return page_text(staff.post("/admin/portal/portallink/", everything, follow=True))
+
+    first = run()
+    assert "at most 2 end users per run" in first and "2 portal links withdrawn for 2 end users." in first
+    assert PortalLink.objects.filter(tenant=tenant_a, revoked_at__isnull=True).count() == 1
+    second = run()
+    assert "at most 2" not in second and "1 portal links withdrawn for 1 end users." in second
+    assert not PortalLink.objects.filter(tenant=tenant_a, revoked_at__isnull=True).exists()
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="portal.revoke").count() == 3  # none twice
+
+
+def test_the_admin_finds_an_end_users_portal_links_by_the_whole_subject_through_its_index(api, seeded, tenant_a):
+    # Django's "=subject" is iexact: UPPER(subject) = UPPER('u1'), which no index serves and
+    # which also found "U1"'s links.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    issue(api, subject="u1")
+    issue(api, subject="U1")
+    with CaptureQueriesContext(connection) as queries:
+        page = logged_in(make_staff(tenant_a, "support")).get("/admin/portal/portallink/?q=u1")
+    assert page_text(page).count('class="field-subject">u1<') == 1
+    assert 'class="field-subject">U1<' not in page_text(page)
+    listing = [q["sql"] for q in queries if 'FROM "portal_portallink"' in q["sql"]]
+    assert listing and all("UPPER(" not in sql for sql in listing), listing
+
+
 def test_log_lines_of_portal_paths_carry_no_token(api, seeded, caplog):
     """Django's 4xx line and the server's access-log record (granian hands the path as an
     argument) are written without the token."""

@@ -7,6 +7,7 @@ import pytest
 from memories.models import Memory
 from tests.helpers import audit_count, rest_error, row_counts, tool_error
 from zeromem.kernel import validation
+from zeromem.kernel.errors import InvalidInput
 
 CALL = "/api/v1/tools/call"
 BAD_KEYS = [
@@ -157,6 +158,16 @@ def test_nul_in_value_is_400_naming_value_and_writes_nothing(existing, value):
     status, body = existing.call("memory_update", key="user:u1:existing", value=value)
     assert_refused(status, body, field="value")
     assert row_counts() == before
+
+
+@pytest.mark.parametrize("value", ["\ud800", {"k": ["ok", "b\udfff"]}, {"k\udc00": 1}], ids=["str", "nested", "key"])
+def test_a_lone_surrogate_in_a_value_is_refused_naming_value(value):
+    # Every surface but the JSON parsers (which refuse it first) hands the services Python
+    # values: the admin's form, in-process adapters. Serialising one to UTF-8 was a 500.
+    with pytest.raises(InvalidInput) as refused:
+        validation.value(value, max_bytes=16384)
+    assert refused.value.field == "value" and refused.value.code == "invalid_characters"
+    assert "lone surrogate" in refused.value.message
 
 
 def test_null_value_is_400_naming_value_and_writes_nothing(existing):

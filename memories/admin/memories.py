@@ -48,10 +48,15 @@ ACTION_MAX = 1000
 
 
 class MemoryActionForm(helpers.ActionForm):
-    ttl_days = forms.IntegerField(
-        required=False, min_value=1, max_value=3650, initial=7, label="days (extend TTL)", widget=forms.NumberInput
+    # Taken as typed: the action that uses a field checks it and says what is wrong with it
+    # (a refused field here made Django answer only "No action selected.").
+    ttl_days = forms.CharField(
+        required=False,
+        initial=7,
+        label="days (extend TTL)",
+        widget=forms.NumberInput(attrs={"min": 1, "max": 3650}),
     )
-    reason = forms.CharField(required=False, max_length=200, label="reason (forget)")
+    reason = forms.CharField(required=False, label="reason (forget)", widget=forms.TextInput(attrs={"maxlength": 1000}))
 
 
 class MemoryForm(forms.ModelForm):
@@ -92,6 +97,10 @@ class MemoryForm(forms.ModelForm):
             raise forms.ValidationError(
                 f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}). "
                 'Text needs double quotes, e.g. "zh-CN".'
+            ) from None
+        except RecursionError:  # nested past the interpreter's limit (thousands of levels)
+            raise forms.ValidationError(
+                f"must not nest arrays or objects more than {validation.VALUE_MAX_DEPTH} deep"
             ) from None
         tenant = self.instance.tenant if self.instance.pk else self.cleaned_data.get("tenant")
         max_bytes = tenant.effective_value_max_bytes if tenant else None
@@ -155,7 +164,9 @@ class MemoryAdmin(TenantScopedAdmin):
     search_fields = ("key", "value")
     search_help_text = "Search keys and the text of values."
     ordering = ("key",)
-    sortable_by = ("key",)  # (tenant, key) is indexed; any other column sorted every memory in scope
+    # Each a tenant-led index (tenant, key) / (tenant, updated_at, id) / (tenant, expires_at, id):
+    # any other column sorted every memory in scope.
+    sortable_by = ("key", "updated_at", "expires_at")
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 50
@@ -176,10 +187,11 @@ class MemoryAdmin(TenantScopedAdmin):
     def _masked(self, request, obj) -> bool:
         """A sensitive memory's value stays hidden on every page until this staff member
         reveals it (``memory.reveal``, audited); the reveal lasts ``REVEAL_SECONDS``."""
-        if obj is None or not obj.sensitive:
-            return False
+        return obj is not None and obj.sensitive and not self._revealed(request, obj)
+
+    def _revealed(self, request, obj) -> bool:
         shown = request.session.get(REVEAL_SESSION_KEY, {}).get(str(obj.pk))
-        return not (shown and shown > timezone.now().timestamp())
+        return bool(shown and shown > timezone.now().timestamp())
 
     def has_change_permission(self, request, obj=None):
         # A masked value cannot be edited: the form would show it. Reveal first.
@@ -212,7 +224,8 @@ class MemoryAdmin(TenantScopedAdmin):
         shown = {pk: until for pk, until in shown.items() if until > now}
         shown[str(obj.pk)] = now + REVEAL_SECONDS
         request.session[REVEAL_SESSION_KEY] = shown
-        return HttpResponseRedirect(reverse("admin:memories_memory_change", args=[obj.pk]))
+        page = "history" if request.POST.get("next") == "history" else "change"  # a page name, never a URL
+        return HttpResponseRedirect(reverse(f"admin:memories_memory_{page}", args=[obj.pk]))
 
     def reveal_view(self, request, object_id):
         return require_POST(self._reveal)(request, object_id)
@@ -278,14 +291,14 @@ class MemoryAdmin(TenantScopedAdmin):
     def changelist_view(self, request, extra_context=None):
         # A search over keys and value words, or a walk down the key tree, shows data of
         # every memory it matches: audited (memory.browse) in each tenant it covers.
-        refused = list_parameters_refused(request)
+        refused = list_parameters_refused(request, self)
         if refused is not None:
             return refused
         search = request.GET.get("q", "")
         prefix = request.GET.get(KeyTreeFilter.parameter_name, "")
         if request.method == "GET" and (search or prefix):
             ids = tenant_ids_with(request, Capability.MEMORY_VIEW)
-            chosen = validation.ascii_int(request.GET.get("tenant__id__exact") or request.GET.get("tenant") or "")
+            chosen = validation.ascii_int(request.GET.get("tenant") or "")
             for tenant in Tenant.objects.filter(pk__in=[chosen] if chosen in ids else ids).order_by("pk"):
                 services.memories_browse(
                     tenant=tenant, actor=actor_for(request, tenant.pk), search=search, prefix=prefix
@@ -372,7 +385,10 @@ class MemoryAdmin(TenantScopedAdmin):
         except ServiceError:
             raise PermissionDenied from None
         live = obj.deleted_at is None and (obj.expires_at is None or obj.expires_at > timezone.now())
-        masked = self._masked(request, obj)
+        # Version by version: a memory written plain again keeps the versions it wrote while
+        # sensitive (sealed), and they stay hidden until a reveal as the memory itself would.
+        revealed = self._revealed(request, obj)
+        masked = [not revealed and (obj.sensitive or v.sensitive) for v in versions]
         context = {
             **self.admin_site.each_context(request),
             "title": f"History of {obj.key}",
@@ -386,13 +402,14 @@ class MemoryAdmin(TenantScopedAdmin):
                     "op": v.op,
                     "actor": actor_label(v.actor_kind, v.actor_id),
                     "created_at": v.created_at,
-                    "value": "•••••• sensitive value, hidden (reveal it on the memory's page)"
-                    if masked
+                    "value": "•••••• sensitive value, hidden"
+                    if hidden
                     else json.dumps(v.value, ensure_ascii=False, indent=2),
                     "current": v.version == obj.version,
                 }
-                for v in versions
+                for v, hidden in zip(versions, masked, strict=True)
             ],
+            "can_reveal": any(masked),
             "can_restore": live and self.has_change_permission(request, obj),
             "preserved_filters": self.get_preserved_filters(request),
             **(extra_context or {}),

@@ -9,7 +9,8 @@ from django.utils import timezone
 
 from memories.models import Memory
 from memories.selectors import memories_with_tag
-from zeromem.kit.admin import InputFilter
+from zeromem.kernel import validation
+from zeromem.kit.admin import InputFilter, TenantFilter, tenant_ids_with
 
 EXPIRING_SOON = timedelta(hours=24)
 
@@ -65,37 +66,60 @@ class CategoryFilter(admin.SimpleListFilter):
 
 
 class KeyTreeFilter(admin.SimpleListFilter):
-    """Drill down the key tree: the namespaces one segment below the chosen prefix."""
+    """Drill down the key tree: the namespaces one segment below the chosen prefix.
+
+    Found by index probes of (tenant, namespace, key), per tenant: the first namespace at or
+    after a bound, then a jump past the whole subtree of the child it belongs to — a few
+    probes per child listed, however many memories the namespaces hold. (A DISTINCT over the
+    namespaces read every memory in scope on each page of the list: 85-110 ms at 300k memories
+    in three namespaces.) Bounds compare bytes: namespaces are in the "C" collation on
+    PostgreSQL (migration 0002) and SQLite compares bytes; ";" is the byte after ":"."""
 
     title = "key tree"
     parameter_name = "prefix"
     CHILDREN_MAX = 50
-    SCAN_MAX = 5000
+    # Tenants whose trees are merged when none is chosen (the probes are per tenant): past
+    # it, choose a tenant to walk its tree.
+    TENANTS_MAX = 10
 
     def lookups(self, request, model_admin):
         prefix = self.value() or ""
-        qs = model_admin.get_queryset(request)
-        if prefix:
-            qs = qs.filter(key__startswith=prefix)
-        # Distinct namespaces under the prefix (bounded: a tenant may hold a namespace per user).
-        names = qs.exclude(namespace="").values_list("namespace", flat=True).distinct().order_by("namespace")
-        children: list[str] = []
-        for name in names[: self.SCAN_MAX]:
-            rest = (name + ":")[len(prefix) :]
-            if not rest or not (name + ":").startswith(prefix):
-                continue
-            child = prefix + rest.split(":", 1)[0] + ":"
-            if child != prefix and (not children or children[-1] != child):
-                children.append(child)
-            if len(children) >= self.CHILDREN_MAX:
-                break
+        in_scope = tenant_ids_with(request, model_admin.view_capability)
+        chosen = validation.ascii_int(request.GET.get(TenantFilter.parameter_name) or "")
+        tenants = [chosen] if chosen in in_scope else sorted(in_scope)
+        children: set[str] = set()
+        if len(tenants) <= self.TENANTS_MAX:
+            for tenant_id in tenants:
+                children.update(self._children(model_admin.get_queryset(request).filter(tenant_id=tenant_id), prefix))
         lookups = []
         if prefix:
             parent = prefix[:-1].rpartition(":")[0]
             lookups.append((parent + ":" if parent else "", f"↑ {parent + ':' if parent else 'top'}"))
             lookups.append((prefix, f"● {prefix}"))
-        lookups.extend((child, child) for child in children)
+        # In namespace order ("user:u1" before "user:u10"), as one tenant's probes find them.
+        lookups.extend((child, child) for child in sorted(children, key=lambda c: c[:-1])[: self.CHILDREN_MAX])
         return [(value, label) for value, label in lookups if value != ""]
+
+    def _children(self, queryset, prefix: str) -> list[str]:
+        """The children of ``prefix`` among one tenant's namespaces, in order: at most
+        ``CHILDREN_MAX``, each costing one or two index probes."""
+        upper = prefix[:-1] + ";" if prefix else None  # past every namespace under the prefix
+        bound, inclusive = (prefix, True) if prefix else ("", False)  # ("": keys at the top)
+        children: list[str] = []
+        while len(children) < self.CHILDREN_MAX:
+            probe = queryset.filter(**{"namespace__gte" if inclusive else "namespace__gt": bound})
+            if upper is not None:
+                probe = probe.filter(namespace__lt=upper)
+            name = probe.order_by("namespace").values_list("namespace", flat=True).first()
+            if name is None:
+                break
+            child = prefix + (name[len(prefix) :] + ":").split(":", 1)[0]  # (without its ":")
+            if child + ":" not in children:
+                children.append(child + ":")
+            # "user:u1" itself: next, the namespaces just after it ("user:u10" sorts before
+            # "user:u1:x"); otherwise past everything under "user:u1:".
+            bound, inclusive = (name, False) if name == child else (child + ";", True)
+        return children
 
     def queryset(self, request, queryset):
         return queryset.filter(key__startswith=self.value()) if self.value() else queryset

@@ -21,6 +21,10 @@ from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
 
+# End users whose links one run of the action withdraws: each is an audited service call, and
+# "select all" may hand it every link in scope (they live ZEROMEM_PORTAL_LINK_SECONDS).
+WITHDRAW_MAX = 1000
+
 
 class PortalLinkAdmin(TenantScopedAdmin):
     view_capability = Capability.FORGET_VIEW  # whoever sees the forget requests (and their subjects)
@@ -28,7 +32,9 @@ class PortalLinkAdmin(TenantScopedAdmin):
     list_display_links = None  # no page per link
     list_select_related = ("tenant",)
     list_filter = ("tenant",)
-    search_fields = ("=subject",)  # the whole subject: an index lookup, not a scan
+    # The whole subject, as stored: an index lookup (portallink_tenant_subject), not a scan
+    # ("=subject" would be iexact, UPPER(subject) = UPPER(…), which no index serves).
+    search_fields = ("subject__exact",)
     ordering = ("-created_at", "-pk")
     show_full_result_count = False
     actions = ("withdraw",)
@@ -56,7 +62,22 @@ class PortalLinkAdmin(TenantScopedAdmin):
     )
     def withdraw(self, request, queryset):
         allowed = tenant_ids_with(request, Capability.FORGET_CREATE)
-        targets = sorted(set(queryset.filter(tenant_id__in=allowed).values_list("tenant_id", "subject")))
+        # End users with a link still standing (the others have nothing left to withdraw),
+        # at most WITHDRAW_MAX per run.
+        targets = list(
+            queryset.filter(tenant_id__in=allowed, revoked_at__isnull=True)
+            .order_by("tenant_id", "subject")
+            .values_list("tenant_id", "subject")
+            .distinct()[: WITHDRAW_MAX + 1]
+        )
+        if len(targets) > WITHDRAW_MAX:
+            targets = targets[:WITHDRAW_MAX]
+            self.message_user(
+                request,
+                f"This action withdraws the links of at most {WITHDRAW_MAX} end users per run: "
+                "run it again for the rest.",
+                messages.WARNING,
+            )
         tenants = Tenant.objects.in_bulk({tenant_id for tenant_id, _ in targets})
         done = 0
         for tenant_id, subject in targets:

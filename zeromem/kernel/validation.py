@@ -221,7 +221,16 @@ def value(raw, *, max_bytes: int, field: str = "value") -> None:
         raise InvalidInput(f"must be JSON-serializable ({exc})", field=field) from None
     if "\\u0000" in text:  # PostgreSQL's jsonb cannot hold NUL in text
         raise InvalidInput("must not contain NUL characters", field=field)
-    size = len(text.encode())
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError:
+        # A value handed over as Python (the admin's form, in-process adapters); the JSON
+        # parsers refuse one first, naming where it is (lone_surrogate_field).
+        raise InvalidInput(
+            "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored",
+            field=field,
+            code="invalid_characters",
+        ) from None
     if size > max_bytes:
         raise PayloadTooLarge(f"serialized value is {size} bytes; the limit is {max_bytes}", field=field)
 

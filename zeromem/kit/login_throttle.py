@@ -12,6 +12,7 @@ import hashlib
 import math
 
 from django.conf import settings
+from django.contrib.auth.forms import UsernameField
 from django.http import HttpResponse
 
 from audit import limits
@@ -21,7 +22,9 @@ BUCKET = "adminlogin:"
 
 
 def _bucket(request) -> str:
-    username = str(request.POST.get("username", ""))[:150].casefold()
+    # The name as the sign-in form looks the account up (stripped, NFKC-normalised): "ops ",
+    # " ops" and a full-width "ｏｐｓ" all sign in as "ops", so they share its counter.
+    username = UsernameField(max_length=150).to_python(request.POST.get("username", ""))[:150].casefold()
     digest = hashlib.sha256(f"{client_ip(request) or '-'}|{username}".encode()).hexdigest()[:32]
     return BUCKET + digest
 
