@@ -32,7 +32,7 @@ def backward(apps, schema_editor):
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("memories", "0027_forgetrequest_stalled_attempts")]
+    dependencies = [("memories", "0029_memory_tenant_updated_expires")]
 
     operations = [
         migrations.SeparateDatabaseAndState(
