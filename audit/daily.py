@@ -9,7 +9,8 @@ Why at sealing and not on insert: an UPSERT of the day's counter row in the requ
 transaction would hold that row's lock until the request commits, so every audited request
 of a tenant would queue behind the others on one row (``bench_dashboard`` measures the cost
 per insert). The sealing job already reads each event once, in id order, under the tenant's
-chain lock; folding its batch adds a GROUP BY in Python and a few UPSERTs, off the hot path.
+chain lock; folding its batch adds a GROUP BY (in the database: :func:`_count`) and a few
+UPSERTs, off the hot path.
 
 **Exactly once.** ``AuditDailyFold.through_seq`` is the last seal folded into the counts, per
 tenant; :func:`fold` folds the seals after it and moves it, in one transaction, under the
@@ -18,7 +19,8 @@ table) is skipped. Events not folded yet — the unsealed tail and any seal afte
 watermark — are counted live by :func:`counts`, so the figures are always current.
 
 **Adding a metric** is one entry in :data:`METRICS`: a name and what one event adds to it
-(``0`` for most events; an event's ``count`` or a number from its ``detail`` for a sum).
+(``0`` for most events; an event's ``count`` or a number from its ``detail`` for a sum —
+then mark it ``per_event``, and events are counted one by one in Python).
 No migration: counts are rows keyed by (tenant, day, metric). A new metric counts from the
 next fold on; older days show 0 for it (``manage.py audit_fold_daily --rebuild`` would
 refold kept history — not built; see the README).
@@ -29,10 +31,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import date
+from datetime import UTC, date
 
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Count, Q
+from django.db.models.functions import TruncDate
 
 from audit.models import AuditDailyCount, AuditDailyFold, AuditEvent, AuditSeal
 from audit.seals import seals_events_q, unsealed_q
@@ -63,6 +66,10 @@ class EventRow:
 class DailyMetric:
     name: str
     value: Callable[[EventRow], int]  # what one event adds to the day's figure
+    # True when ``value`` reads an event's ``count`` or ``detail``: then events are counted one
+    # by one in Python. Else they are counted by the database, per (day, action, outcome,
+    # actor kind), and ``value`` is asked once per group (:func:`tally_groups`).
+    per_event: bool = False
 
 
 def _memory(e: EventRow) -> bool:
@@ -94,6 +101,40 @@ def tally(rows: Iterable[tuple]) -> Counter:
             if value:
                 out[(day, metric.name)] += value
     return out
+
+
+GROUP_COLUMNS = ("action", "outcome", "actor_kind")
+
+
+def tally_groups(rows: Iterable[tuple]) -> Counter:
+    """:func:`tally` of ``(day, action, outcome, actor_kind, events)`` groups: what the
+    metrics that read only those columns (all but ``per_event`` ones) add up to."""
+    out: Counter = Counter()
+    for day, action, outcome, actor_kind, events in rows:
+        event = EventRow(action, outcome, actor_kind, None, {})
+        for metric in METRICS:
+            value = metric.value(event)
+            if value:
+                out[(day, metric.name)] += value * events
+    return out
+
+
+def _count(tenant_id: int, q: Q) -> Counter:
+    """The metrics of the tenant's events matching ``q``. With no ``per_event`` metric the
+    database groups them (one aggregate: a few hundred rows whatever the events number) —
+    counting 1M unsealed events one by one in Python, as a stalled sealing job leaves them for
+    the dashboard, took 15.6 s. Cost: one read of the matching events either way."""
+    if any(metric.per_event for metric in METRICS):
+        return tally(_events(tenant_id, q))
+    groups = (
+        AuditEvent.objects.filter(q, tenant_id=tenant_id)
+        .annotate(day=TruncDate("occurred_at", tzinfo=UTC))
+        .order_by()
+        .values("day", *GROUP_COLUMNS)
+        .annotate(events=Count("id"))
+        .values_list("day", *GROUP_COLUMNS, "events")
+    )
+    return tally_groups(groups)
 
 
 def _add(tenant_id: int, counts: Counter) -> None:
@@ -137,7 +178,7 @@ def fold(tenant_id: int, *, max_events: int = 50_000) -> int:
                 return folded
             kept = [s for s in seals if s.purged_at is None]
             if kept:
-                _add(tenant_id, tally(_events(tenant_id, seals_events_q(kept))))
+                _add(tenant_id, _count(tenant_id, seals_events_q(kept)))
             AuditDailyFold.objects.filter(pk=mark.pk).update(through_seq=seals[-1].seq)
             folded += sum(s.count for s in kept)
 
@@ -158,8 +199,10 @@ def counts(tenant_id: int, *, since: date) -> dict[str, dict[date, int]]:
     unfolded = list(AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=through, purged_at__isnull=True))
     if unfolded:
         tails.append(seals_events_q(unfolded))
-    rows = [row for q in tails for row in _events(tenant_id, q)]
-    for (day, metric), value in tally(rows).items():
+    live: Counter = Counter()
+    for q in tails:
+        live += _count(tenant_id, q)
+    for (day, metric), value in live.items():
         if day >= since:
             out[metric][day] = out[metric].get(day, 0) + value
     return out
