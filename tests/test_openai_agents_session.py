@@ -201,3 +201,26 @@ def test_clear_session_refused_for_some_items_raises_instead_of_passing_for_clea
     error, left = asyncio.run(main())
     assert (error.status, error.code) == (403, "missing_scope")
     assert left == [{"role": "user", "content": "hi"}]
+
+
+def test_the_latest_items_are_read_from_the_end_not_by_walking_the_whole_history(live_server, acme):
+    """get_items(limit=3) and pop_item on a 450-item session read the list newest first: one
+    page each (memory.list events), where they walked all three pages of the history."""
+    tenant, raw = acme
+    items = [{"role": "user", "content": f"message {i}"} for i in range(450)]
+    lists = AuditEvent.objects.filter(tenant=tenant, action="memory.list")
+
+    def on_session(operation):
+        async def main():
+            async with AsyncZeroMem(live_server.url, raw) as zm:
+                return await operation(ZeroMemSession("long", zm))
+
+        before = lists.count()
+        result = asyncio.run(main())
+        return result, lists.count() - before
+
+    on_session(lambda session: session.add_items(items))
+    assert on_session(lambda session: session.get_items(limit=3)) == (items[-3:], 1)
+    assert on_session(lambda session: session.pop_item()) == (items[-1], 1)
+    many, pages = on_session(lambda session: session.get_items(limit=250))  # past one page
+    assert (many, pages) == (items[-251:-1], 2)

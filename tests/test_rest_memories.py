@@ -375,3 +375,20 @@ def test_answers_carrying_values_are_not_stored_by_caches(api):
     ):
         assert r.status_code in (200, 404), r.content
         assert r["Cache-Control"] == "no-store", r.request["PATH_INFO"]
+
+
+def test_a_list_in_descending_order_pages_back_from_the_last_key(api):
+    for i in range(5):
+        assert api.put(f"/api/v1/memories/log:e{i}", {"value": i}).status_code in (200, 201)
+    first = api.get("/api/v1/memories", {"prefix": "log:", "order": "desc", "limit": 2}).json()
+    assert [m["key"] for m in first["results"]] == ["log:e4", "log:e3"]
+    page = {"prefix": "log:", "order": "desc", "limit": 2, "cursor": first["next_cursor"]}
+    second = api.get("/api/v1/memories", page)
+    assert [m["key"] for m in second.json()["results"]] == ["log:e2", "log:e1"]
+    ascending = api.get("/api/v1/memories", {"prefix": "log:", "limit": 2}).json()
+    assert [m["key"] for m in ascending["results"]] == ["log:e0", "log:e1"]
+
+
+def test_a_list_order_other_than_asc_or_desc_is_a_400_naming_order(api):
+    r = api.get("/api/v1/memories", {"order": "newest"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "order"

@@ -27,6 +27,7 @@ from zeromem_client import AsyncZeroMem, NotFound, PreconditionFailed, ZeroMemEr
 __all__ = ["ZeroMemSession"]
 
 BATCH = 50
+PAGE = 200  # the list API's largest page
 # Codes of a call refused for who is asking (a 403 when sent alone).
 _REFUSALS = frozenset({"forbidden", "missing_scope", "key_not_allowed", "subject_not_allowed"})
 
@@ -59,10 +60,24 @@ class ZeroMemSession:
         if limit is None and self.session_settings is not None:
             settings = self.session_settings
             limit = settings.get("limit") if isinstance(settings, dict) else settings.limit
-        items = [m["value"] for m in await self._all()]
         if limit is None or limit < 0:
-            return items
-        return items[-limit:] if limit > 0 else []
+            return [m["value"] for m in await self._all()]
+        return [m["value"] for m in reversed(await self._latest(limit))] if limit > 0 else []
+
+    async def _latest(self, count: int) -> list[dict]:
+        """The last ``count`` items, newest first: pages of the list in descending key order,
+        so a long history is not read to find its end."""
+        found: list[dict] = []
+        cursor = None
+        while len(found) < count:
+            page = await self.client.list(
+                self.items_prefix, limit=min(count - len(found), PAGE), cursor=cursor, order="desc"
+            )
+            found.extend(page["results"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                break
+        return found[:count]
 
     def _keys(self, count: int) -> list[str]:
         # Time-ordered, fixed width (key order is time order), never going back within this
@@ -86,10 +101,10 @@ class ZeroMemSession:
 
     async def pop_item(self) -> Any | None:
         while True:
-            items = await self._all()
+            items = await self._latest(1)
             if not items:
                 return None
-            last = items[-1]
+            last = items[0]
             try:
                 current = await self.client.get(last["key"])
                 await self.client.delete(last["key"], if_match=current["etag"])

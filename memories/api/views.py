@@ -179,11 +179,14 @@ class MemoryListView(AuditedAPIView):
                 {"type": "string", "maxLength": validation.SUBJECT_MAX_LEN, "pattern": s.NO_CONTROL_CHARS},
             ),
             OpenApiParameter("tag", {"type": "string", "maxLength": validation.TAG_MAX_LEN, "pattern": s.TAG_PATTERN}),
+            OpenApiParameter(
+                "order", str, enum=["asc", "desc"], description="by key: asc (default) or desc, the last keys first"
+            ),
             LIMIT_PARAM,
             OpenApiParameter(
                 "cursor",
                 {"type": "string", "maxLength": validation.CURSOR_MAX_LEN},
-                description="next_cursor of the previous page",
+                description="next_cursor of the previous page (of the same order)",
             ),
         ],
         responses={200: s.MemoryListSerializer, **ERRORS},
@@ -200,6 +203,7 @@ class MemoryListView(AuditedAPIView):
             subject=q.get("subject"),
             tag=q.get("tag"),
             keys_only=False,
+            order=q.get("order"),
         )
         return Response({"results": [s.memory_out(m) for m in r.keys], "next_cursor": r.next_cursor})
 

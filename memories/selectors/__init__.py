@@ -169,21 +169,23 @@ def memory_keys_page(
     tag: str | None = None,
     keys_only: bool = True,
     sizes: bool = False,
+    descending: bool = False,
 ) -> tuple[list, str | None]:
-    """Keyset page ordered by key: ``limit + 1`` rows fetched to know if there is more.
+    """Keyset page ordered by key (``descending``: from the last key back, ``after`` then
+    being the key the previous page ended on): ``limit + 1`` rows fetched to know if there is more.
 
     Returns (keys or Memory rows — with ``sizes``, (key, bytes of the value's text) pairs
     (:func:`keys_and_text_sizes`) — the last key of the page when another page follows)."""
     qs = memories_live(tenant=tenant, prefixes=prefixes)
     if after:
-        qs = qs.filter(key__gt=after)
+        qs = qs.filter(key__lt=after) if descending else qs.filter(key__gt=after)
     if category:
         qs = qs.filter(category=category)
     if subject:
         qs = qs.filter(subject=subject)
     if tag:
         qs = memories_with_tag(qs, tag)
-    qs = qs.order_by("key")
+    qs = qs.order_by("-key" if descending else "key")
     if sizes:
         rows = keys_and_text_sizes(tenant, qs[: limit + 1])
     elif tag:

@@ -534,10 +534,14 @@ def memory_list(
     tag: Any = None,
     keys_only: bool = True,
     sizes: bool = False,
+    order: Any = None,
 ) -> ListResult:
     """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch. With
     ``sizes``: (key, bytes of the value's text) pairs, values measured by the database
-    (``selectors.keys_and_text_sizes``: only sensitive ones are loaded)."""
+    (``selectors.keys_and_text_sizes``: only sensitive ones are loaded). ``order``: ``asc``
+    (default) or ``desc``, the last keys first — the newest items of a time-keyed log (an
+    agent session's history) in one page instead of a walk over all of it. Cost: one range
+    read of the (tenant, key) index either way, ``limit + 1`` rows, and the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_READ)
@@ -547,6 +551,8 @@ def memory_list(
         subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
         if tag is not None:
             tag = validation.tags([tag], field="tag")[0]
+        if order not in (None, "asc", "desc"):
+            raise InvalidInput("must be asc or desc", field="order")
         rows, last = selectors.memory_keys_page(
             tenant=tenant,
             prefixes=actor.prefix_filters(prefix),
@@ -557,6 +563,7 @@ def memory_list(
             tag=tag,
             keys_only=keys_only,
             sizes=sizes,
+            descending=order == "desc",
         )
         op.record(target=prefix, count=len(rows))
         return ListResult(keys=rows, next_cursor=validation.encode_cursor(last) if last else None)
