@@ -27,6 +27,7 @@ from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, ServiceError
 from zeromem.kernel.outcomes import Outcome
+from zeromem.kernel.tokens import compact_json
 
 # A memory value is any JSON. OpenAI's strict mode cannot express a free-form object, so
 # the strict schema offers scalars (a structured value can be sent as a JSON string);
@@ -605,8 +606,7 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
 
 
 def _answer_bytes(result: dict) -> int:
-    # As zeromem/renderers.py writes it (compact, UTF-8, str() for what JSON lacks).
-    return len(json.dumps(result, ensure_ascii=False, separators=(",", ":"), default=str).encode())
+    return len(compact_json(result))  # as the answer renders it
 
 
 def _not_run(call: Any, index: int) -> dict:

@@ -1,6 +1,6 @@
-import json
-
 from rest_framework.renderers import JSONRenderer
+
+from zeromem.kernel.tokens import compact_json
 
 
 class CompactJSONRenderer(JSONRenderer):
@@ -12,6 +12,4 @@ class CompactJSONRenderer(JSONRenderer):
     def render(self, data, accepted_media_type=None, renderer_context=None):
         if data is None:
             return b""
-        # allow_nan=False: NaN or Infinity would make the answer invalid JSON; the inputs
-        # refuse them, and anything that slips through is an error, not a broken body.
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str, allow_nan=False).encode()
+        return compact_json(data)

@@ -13,7 +13,17 @@ microseconds for a typical result) and is the same whichever model reads the res
 
 from __future__ import annotations
 
+import json
+
 ASCII_CHARS_PER_TOKEN = 4
+
+
+def compact_json(data) -> bytes:
+    """A result as the model receives it (zeromem/renderers.py): no spaces, UTF-8 text rather
+    than \\u escapes, ``str()`` of what JSON lacks. ``allow_nan=False``: NaN or Infinity would
+    make the answer invalid JSON; the inputs refuse them, and anything that slips through is
+    an error, not a broken body."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str, allow_nan=False).encode()
 
 
 def estimate_tokens(text: str) -> int:
