@@ -11,7 +11,7 @@ index a run interrupted mid-build left invalid is dropped and built again.
 
 from django.db import migrations, models
 
-from zeromem.kernel.pgindexes import drop_if_invalid
+from zeromem.kernel import pgindexes
 
 CREATE = {
     "forget_tenant_queue": (
@@ -26,18 +26,13 @@ CREATE = {
 
 
 def forward(apps, schema_editor):
-    postgresql = schema_editor.connection.vendor == "postgresql"
-    for name, create in CREATE.items():
-        if postgresql:  # a run interrupted mid-build left the index invalid: built again
-            with schema_editor.connection.cursor() as cursor:
-                drop_if_invalid(cursor, name)
-        schema_editor.execute(create.format(concurrently="CONCURRENTLY" if postgresql else ""))
+    for name, sql in CREATE.items():
+        pgindexes.create(schema_editor, name, sql)
 
 
 def backward(apps, schema_editor):
-    postgresql = schema_editor.connection.vendor == "postgresql"
     for name in CREATE:
-        schema_editor.execute(f"DROP INDEX {'CONCURRENTLY ' if postgresql else ''}IF EXISTS {name}")
+        pgindexes.drop(schema_editor, name)
 
 
 class Migration(migrations.Migration):

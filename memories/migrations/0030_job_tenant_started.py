@@ -9,7 +9,7 @@ index a run interrupted mid-build left invalid is dropped and built again.
 
 from django.db import migrations, models
 
-from zeromem.kernel.pgindexes import drop_if_invalid
+from zeromem.kernel import pgindexes
 
 CREATE = (
     "CREATE INDEX {concurrently} IF NOT EXISTS job_tenant_started ON memories_job (tenant_id, kind, started_at)"
@@ -17,16 +17,11 @@ CREATE = (
 
 
 def forward(apps, schema_editor):
-    postgresql = schema_editor.connection.vendor == "postgresql"
-    if postgresql:  # a run interrupted mid-build left the index invalid: built again
-        with schema_editor.connection.cursor() as cursor:
-            drop_if_invalid(cursor, "job_tenant_started")
-    schema_editor.execute(CREATE.format(concurrently="CONCURRENTLY" if postgresql else ""))
+    pgindexes.create(schema_editor, "job_tenant_started", CREATE)
 
 
 def backward(apps, schema_editor):
-    postgresql = schema_editor.connection.vendor == "postgresql"
-    schema_editor.execute(f"DROP INDEX {'CONCURRENTLY ' if postgresql else ''}IF EXISTS job_tenant_started")
+    pgindexes.drop(schema_editor, "job_tenant_started")
 
 
 class Migration(migrations.Migration):
