@@ -27,6 +27,7 @@ BENCHMARKS = (
     "search_eval",
     "bench_search",
     "bench_tokens",
+    "bench_fold",
 )
 
 

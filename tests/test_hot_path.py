@@ -244,6 +244,92 @@ def test_reads_of_a_deleted_then_rewritten_key_go_to_the_memory_read(tenant_a):
     assert Memory.objects.get(tenant=tenant_a, key=KEY, deleted_at__isnull=False).access_count == 1
 
 
+def _read(tenant, key=KEY):
+    services.memory_read(tenant=tenant, actor=SYSTEM, key=key)
+
+
+@pytest.mark.postgres
+def test_the_fold_updates_every_memory_read_with_one_statement(tenant_a):
+    """One UPDATE for all the memories a group of seals read (after one SELECT locking them in
+    id order), not one UPDATE — a round trip and the ORM's query building — per memory."""
+    keys = [f"user:u{i}:lang" for i in range(30)]
+    for key in keys:
+        write(tenant_a, key, "en")
+    access.access_counts_fold()
+    for key in keys:
+        _read(tenant_a, key)
+    _read(tenant_a, keys[0])
+    with CaptureQueriesContext(connection) as queries:
+        assert access.access_counts_fold() == 31
+    updates = [q["sql"] for q in queries if q["sql"].lstrip().startswith("UPDATE") and "memories_memory " in q["sql"]]
+    assert len(updates) == 1, updates
+    assert _counts(tenant_a, keys[0])[0] == 2 and _counts(tenant_a, keys[29])[0] == 1
+
+
+def test_a_count_at_the_top_of_its_column_stays_there(tenant_a):
+    """access_count is a 32-bit column: a fold that would pass its top leaves it there instead
+    of failing (and failing again every minute, the tenant's reads never counted)."""
+    write(tenant_a, KEY, "zh-CN")
+    access.access_counts_fold()
+    Memory.objects.filter(tenant=tenant_a, key=KEY).update(access_count=2**31 - 2)
+    for _ in range(3):
+        _read(tenant_a)
+    assert access.access_counts_fold() == 3
+    assert _counts(tenant_a)[0] == 2**31 - 1
+
+
+def test_a_backlog_is_folded_in_groups_each_moving_the_watermark(tenant_a, settings, monkeypatch):
+    """A backlog of seals (the job stopped for a while) is read a group at a time, each group
+    its own transaction with the watermark: a crash keeps the groups before it, counts the
+    rest on the next run, and nothing twice."""
+    settings.ZEROMEM_AUDIT_SEAL_BATCH = 1  # a seal per event
+    monkeypatch.setattr(access, "FOLD_EVENTS", 2)
+    write(tenant_a, KEY, "zh-CN")
+    access.access_counts_fold()
+    for _ in range(5):
+        _read(tenant_a)
+    real, calls = access._add_counts, []
+
+    def crash_on_second_group(credited):
+        calls.append(credited)
+        if len(calls) == 2:
+            raise RuntimeError("worker killed")
+        real(credited)
+
+    monkeypatch.setattr(access, "_add_counts", crash_on_second_group)
+    with pytest.raises(RuntimeError):
+        access.access_counts_fold()
+    assert _counts(tenant_a)[0] == 2  # the first group of two seals, committed with its watermark
+    monkeypatch.setattr(access, "_add_counts", real)
+    assert access.access_counts_fold(seal=False) == 3 and _counts(tenant_a)[0] == 5
+    assert access.access_counts_fold() == 0
+
+
+@pytest.mark.postgres
+def test_counting_reads_leaves_the_indexes_alone_where_the_page_has_room(tenant_a):
+    """memories_memory's pages are filled to 80% (migration 0032): the fold's UPDATE, which
+    changes no indexed column, finds room beside the row and is HOT — no entry in any index,
+    none in the search GIN per word. On pages filled to 100% it moved every row it updated."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT reloptions FROM pg_class WHERE relname = 'memories_memory'")
+        assert "fillfactor=80" in (cursor.fetchone()[0] or [])
+    keys = [f"fact:f{i}:note" for i in range(300)]
+    for key in keys:
+        write(tenant_a, key, f"note {key} about several words of a value")
+    access.access_counts_fold()
+    for key in keys[::10]:
+        _read(tenant_a, key)
+    stats = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'memories_memory'"
+    with connection.cursor() as cursor:
+        cursor.execute(stats)
+        updates_before, hot_before = cursor.fetchone()
+        assert access.access_counts_fold() == 30
+        cursor.execute(stats)
+        updates, hot = cursor.fetchone()
+    assert updates - updates_before == 30
+    assert hot - hot_before == 30
+
+
 def test_the_fold_is_scheduled_every_minute():
     func, _type, minutes = SCHEDULES["zeromem:access-counts"]
     assert func == "memories.tasks.access_counts_fold_task" and minutes == 1

@@ -17,9 +17,9 @@ of the same key can land on the new memory — never on another key, never lost.
 
 from __future__ import annotations
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, F, Max, Value
-from django.db.models.functions import Coalesce, Greatest
+from django.db.models.functions import Coalesce, Greatest, Least
 from django.utils import timezone
 
 from audit.models import AuditEvent, AuditSeal
@@ -34,9 +34,10 @@ def access_counts_fold(*, seal: bool = True) -> int:
     """Seal the audit tails (unless ``seal=False``), then add every tenant's newly sealed
     reads to its memories' counts. Returns how many reads it counted.
 
-    Cost per tenant with new seals: the seal range (one indexed aggregate), one grouped
-    SELECT of the read events by primary-key range, one SELECT of the memories read and one
-    UPDATE per memory read, the watermark UPDATE — one transaction."""
+    Cost per tenant with new seals, per group of them (``FOLD_EVENTS``): the seals (one
+    indexed range), one grouped SELECT of the read events by primary-key range, one SELECT of
+    the memories read, on PostgreSQL one locking SELECT and one UPDATE of them all (SQLite: one
+    UPDATE per memory read), the watermark UPDATE — one transaction."""
     if seal:
         audit_seal_all()
     heads = AuditSeal.objects.filter(tenant__isnull=False).values("tenant_id").annotate(head=Max("seq")).order_by()
@@ -48,19 +49,44 @@ def access_counts_fold(*, seal: bool = True) -> int:
     return counted
 
 
+# A run folds a tenant's seals in groups of about this many events, each group one
+# transaction that moves the watermark past it: a backlog (the job stopped for a day) is
+# read a group at a time, not all at once into memory and into one statement.
+FOLD_EVENTS = 50_000
+FOLD_SEALS = 1_000  # and at most this many seals (a quiet tenant's seals hold a few events each)
+# access_count is a 32-bit integer column: a count that would pass it stays at its top.
+COUNT_MAX = 2**31 - 1
+
+
 def _fold_tenant(tenant_id: int) -> int:
+    counted = 0
+    while True:
+        n, more = _fold_group(tenant_id)
+        counted += n
+        if not more:
+            return counted
+
+
+def _fold_group(tenant_id: int) -> tuple[int, bool]:
+    """Fold the tenant's next seals (up to ``FOLD_EVENTS`` events and ``FOLD_SEALS`` seals; one
+    seal at least) in one transaction. Returns (reads counted, whether seals are left after them)."""
     with transaction.atomic():
         AccessCountFold.objects.get_or_create(tenant_id=tenant_id)
         # The lock orders concurrent runs: the second sees the first one's watermark.
         mark = AccessCountFold.objects.select_for_update().get(tenant_id=tenant_id)
-        seals = list(
-            AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=mark.seal).only(
-                "seq", "first_event_id", "last_event_id", "by_range"
-            )
+        pending = list(
+            AuditSeal.objects.filter(tenant_id=tenant_id, seq__gt=mark.seal)
+            .order_by("seq")
+            .only("seq", "first_event_id", "last_event_id", "by_range", "count")[:FOLD_SEALS]
         )
+        seals, events = [], 0
+        for seal in pending:  # consecutive by seq, as seals_events_q needs
+            if seals and events + seal.count > FOLD_EVENTS:
+                break
+            seals.append(seal)
+            events += seal.count
         if not seals:
-            return 0
-        head = max(s.seq for s in seals)
+            return 0, False
         # Every event of a seal has an id within its seal's first..last (a seal takes its
         # events in id order), so the primary-key range bounds the scan.
         reads = (
@@ -75,17 +101,41 @@ def _fold_tenant(tenant_id: int) -> int:
             .order_by()
         )
         by_key = {r["target"]: (r["n"], r["last"]) for r in reads}
-        counted = 0
-        for memory_id, n, last in _credited(tenant_id, by_key):
-            Memory.objects.filter(pk=memory_id).update(
-                access_count=F("access_count") + n,
-                last_accessed_at=Greatest(Coalesce("last_accessed_at", Value(last)), Value(last)),
-            )
-            counted += n
-        mark.seal = head
+        credited = _credited(tenant_id, by_key)
+        _add_counts(credited)
+        mark.seal = seals[-1].seq
         mark.folded_at = timezone.now()
         mark.save(update_fields=["seal", "folded_at"])
-        return counted
+        return sum(n for _, n, _ in credited), len(seals) < len(pending) or len(pending) == FOLD_SEALS
+
+
+# PostgreSQL: the memories read are locked in id order (as a forget request's batch locks
+# its memories, so the two never wait on each other in a cycle), then updated by ONE
+# statement — not one UPDATE per memory, a round trip and the ORM's query building each.
+_LOCK_SQL = "SELECT id FROM memories_memory WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
+_ADD_SQL = f"""
+UPDATE memories_memory m
+SET access_count = LEAST(m.access_count::bigint + v.n, {COUNT_MAX}),
+    last_accessed_at = GREATEST(COALESCE(m.last_accessed_at, v.last), v.last)
+FROM unnest(%s::bigint[], %s::bigint[], %s::timestamptz[]) AS v(id, n, last)
+WHERE m.id = v.id"""
+
+
+def _add_counts(credited: list[tuple[int, int, object]]) -> None:
+    """Add each memory's reads to its count and move its last read forward."""
+    if not credited:
+        return
+    if connection.vendor == "postgresql":
+        ids, counts, lasts = (list(column) for column in zip(*credited, strict=True))
+        with connection.cursor() as cursor:
+            cursor.execute(_LOCK_SQL, [sorted(ids)])
+            cursor.execute(_ADD_SQL, [ids, counts, lasts])
+        return
+    for memory_id, n, last in sorted(credited, key=lambda row: row[0]):
+        Memory.objects.filter(pk=memory_id).update(
+            access_count=Least(F("access_count") + n, Value(COUNT_MAX)),
+            last_accessed_at=Greatest(Coalesce("last_accessed_at", Value(last)), Value(last)),
+        )
 
 
 def _credited(tenant_id: int, by_key: dict) -> list[tuple[int, int, object]]:
