@@ -1,6 +1,7 @@
 """The read's hot path (issue 11 item 2): statements per authenticated, audited read, the
 API key cache and its revocation bound, access counts folded from the audit log."""
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -9,8 +10,9 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from audit.models import AuditEvent
+from audit.services import audit_seal_all
 from memories import services
-from memories.models import AccessCountFold, Memory
+from memories.models import AccessCountFold, Memory, Tenant
 from memories.services import access, key_cache
 from tests.factories import SYSTEM, make_keyed_client, write
 from zeromem.schedules import SCHEDULES
@@ -328,6 +330,40 @@ def test_counting_reads_leaves_the_indexes_alone_where_the_page_has_room(tenant_
         updates, hot = cursor.fetchone()
     assert updates - updates_before == 30
     assert hot - hot_before == 30
+
+
+@pytest.mark.postgres
+def test_finding_the_tenants_to_fold_reads_no_more_seals_than_there_are_tenants(tenant_a, tenant_b):
+    """Seals accumulate with the log's whole history (one per tenant and sealing run): which
+    tenants have reads to fold is one index probe each, not a grouped MAX over every seal."""
+    write(tenant_a, KEY, "zh-CN")
+    access.access_counts_fold()
+    with connection.cursor() as cursor:  # 20,000 old seals of tenant b, all folded (below)
+        cursor.execute(
+            """INSERT INTO audit_auditseal (seq, first_event_id, last_event_id, count, total, prev_hash, hash,
+                   sealed_at, tenant_id, by_range)
+               SELECT s + 1000, 0, 0, 1, s, '', '', now(), %s, true FROM generate_series(1, 20000) s""",
+            [tenant_b.pk],
+        )
+        cursor.execute("ANALYZE audit_auditseal")
+    _read(tenant_a)
+    audit_seal_all()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO memories_accesscountfold (tenant_id, seal, folded_at)"
+            " SELECT %s, max(seq), now() FROM audit_auditseal WHERE tenant_id = %s"
+            " ON CONFLICT (tenant_id) DO UPDATE SET seal = EXCLUDED.seal",
+            [tenant_b.pk, tenant_b.pk],
+        )
+    plan = json.loads(access._due_tenants().explain(format="json", analyze=True))[0]["Plan"]
+
+    def seal_rows(node):
+        own = node.get("Actual Rows", 0) * node.get("Actual Loops", 1)
+        here = own if node.get("Relation Name") == "audit_auditseal" else 0
+        return here + sum(seal_rows(child) for child in node.get("Plans", []))
+
+    assert seal_rows(plan) <= Tenant.objects.count(), plan
+    assert list(access._due_tenants()) == [tenant_a.pk]
 
 
 def test_the_fold_is_scheduled_every_minute():

@@ -18,14 +18,14 @@ of the same key can land on the new memory — never on another key, never lost.
 from __future__ import annotations
 
 from django.db import connection, transaction
-from django.db.models import Count, F, Max, Value
+from django.db.models import Count, F, Max, OuterRef, QuerySet, Subquery, Value
 from django.db.models.functions import Coalesce, Greatest, Least
 from django.utils import timezone
 
 from audit.models import AuditEvent, AuditSeal
 from audit.seals import seals_events_q
 from audit.services import audit_seal_all
-from memories.models import AccessCountFold, Memory
+from memories.models import AccessCountFold, Memory, Tenant
 
 READ_ACTION = "memory.read"
 
@@ -34,19 +34,29 @@ def access_counts_fold(*, seal: bool = True) -> int:
     """Seal the audit tails (unless ``seal=False``), then add every tenant's newly sealed
     reads to its memories' counts. Returns how many reads it counted.
 
-    Cost per tenant with new seals, per group of them (``FOLD_EVENTS``): the seals (one
-    indexed range), one grouped SELECT of the read events by primary-key range, one SELECT of
-    the memories read, on PostgreSQL one locking SELECT and one UPDATE of them all (SQLite: one
-    UPDATE per memory read), the watermark UPDATE — one transaction."""
+    Cost: one probe of the seals' (tenant, seq) index per tenant; then, per tenant with new
+    seals and per group of them (``FOLD_EVENTS``), in one transaction: the seals (one indexed
+    range), one grouped SELECT of the read events by primary-key range, one SELECT of the
+    memories read, on PostgreSQL one locking SELECT and one UPDATE of them all (SQLite: one
+    UPDATE per memory read), the watermark UPDATE."""
     if seal:
         audit_seal_all()
-    heads = AuditSeal.objects.filter(tenant__isnull=False).values("tenant_id").annotate(head=Max("seq")).order_by()
-    folded = dict(AccessCountFold.objects.values_list("tenant_id", "seal"))
-    counted = 0
-    for row in heads:
-        if row["head"] > folded.get(row["tenant_id"], 0):
-            counted += _fold_tenant(row["tenant_id"])
-    return counted
+    return sum(_fold_tenant(tenant_id) for tenant_id in _due_tenants())
+
+
+def _due_tenants() -> QuerySet:
+    """Ids of the tenants with a seal past their watermark: per tenant, its last seal by one
+    probe of the (tenant, seq) index (a subquery with a LIMIT, which the planner runs per
+    tenant rather than joining every seal), not a grouped MAX over every seal ever made (0.2 s
+    at 2M seals, every minute, growing with the log's whole history)."""
+    watermark = AccessCountFold.objects.filter(tenant=OuterRef("pk")).values("seal")[:1]
+    head = AuditSeal.objects.filter(tenant=OuterRef("pk")).order_by("-seq").values("seq")[:1]
+    return (
+        Tenant.objects.annotate(head=Subquery(head), watermark=Coalesce(Subquery(watermark), Value(0)))
+        .filter(head__gt=F("watermark"))
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
 
 
 # A run folds a tenant's seals in groups of about this many events, each group one
