@@ -1061,6 +1061,32 @@ def test_idle_sessions_detection_is_a_few_aggregate_queries(tenant_a, clock):
     assert len(detection) <= 4, [q["sql"] for q in detection]
 
 
+@pytest.mark.postgres
+def test_idle_sessions_already_summarized_stay_in_the_database(tenant_a, clock):
+    """Summarized sessions pile up with a tenant's history: each run compared every one of
+    them in Python and sent each summary key back in a list (100k sessions: 17 s and 112 MB a
+    run, starting nothing). Only the sessions to start leave the server, whatever their number."""
+    with connection.cursor() as cursor:  # 300 sessions, each summarized after its last memory
+        for category, key, at in (
+            ("session", "'session:s' || g || ':k'", "%s"),
+            ("summary", "'summary:session:s' || g", "%s + interval '1 minute'"),
+        ):
+            cursor.execute(
+                f"""INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, sensitive)
+                   SELECT %s, {key}, regexp_replace({key}, ':[^:]*$', ''), '"v"', 'v', %s, '', '[]', 5, '', 1,
+                       {at}, {at}, 0, '[]', false
+                   FROM generate_series(1, 300) g""",
+                [tenant_a.pk, category, clock.now, clock.now],
+            )
+    write(tenant_a, "session:new:k", "v")  # the one to start
+    with CaptureQueriesContext(connection) as queries:
+        assert services.summarize_idle_sessions(idle_minutes=0, now=clock.now + timedelta(hours=1)) == 1
+    assert list(Job.objects.values_list("params__prefix", flat=True)) == ["session:new:"]
+    detection = [q["sql"] for q in queries.captured_queries if "INSERT" not in q["sql"]]
+    assert max(len(sql) for sql in detection) < 4000, max(detection, key=len)
+
+
 def test_idle_sessions_whose_job_failed_wait_out_the_backoff_instead_of_holding_the_batch(tenant_a, clock):
     """A session whose summarize job failed is idle longest, so first in line: started again
     on every run, the sessions that always fail took the whole batch every 15 minutes (and
