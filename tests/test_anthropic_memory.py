@@ -581,3 +581,60 @@ def test_a_listing_reads_the_sizes_of_files_not_their_values(api, tenant_a):
         q["sql"] for q in queries if '"memories_memory"."value"' in q["sql"] and not q["sql"].startswith("INSERT")
     ]
     assert len(reads_values) == 1 and "secret.md" in str(reads_values)  # the sealed one only
+
+
+def _names_whose_32_bit_lock_keys_collide(tenant) -> tuple[str, str]:
+    """Two top-level names whose tree locks were one lock when the key was 32 bits
+    (``hashtext('<tenant>:<root>:<name>')``): found among 300,000 names (~10 pairs)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT min(name), max(name) FROM (SELECT 'n' || i AS name,"
+            " hashtext(%s || 'n' || i) AS h FROM generate_series(1, 300000) AS i) AS names"
+            " GROUP BY h HAVING count(*) > 1 LIMIT 1",
+            [f"{tenant.pk}:{claude_memory.DEFAULT_ROOT}:"],
+        )
+        return cursor.fetchone()
+
+
+@pytest.mark.postgres
+def test_commands_on_names_whose_32_bit_lock_keys_collide_do_not_wait_on_each_other(transactional_db, monkeypatch):
+    """The tree lock's key was 32 bits: a command on /memories/<a> waited for one on an
+    unrelated /memories/<b> whose key collided (any tenant's). It is 64 bits now."""
+    import threading
+
+    from tests.factories import SYSTEM
+    from tests.helpers import start_thread
+
+    tenant = make_tenant("tree-collide")
+    a, b = _names_whose_32_bit_lock_keys_collide(tenant)
+    holding, release = threading.Event(), threading.Event()
+    write = claude_memory.MemoryTool._write
+
+    def write_holding_the_lock(self, key, text):
+        if key.startswith(f"{claude_memory.DEFAULT_ROOT}:{a}:"):
+            holding.set()
+            release.wait(10)
+        return write(self, key, text)
+
+    monkeypatch.setattr(claude_memory.MemoryTool, "_write", write_holding_the_lock)
+
+    def create(name):
+        command = {"command": "create", "path": f"/memories/{name}/f.md", "file_text": name}
+        return lambda: claude_memory.memory_tool_run(tenant=tenant, actor=SYSTEM, command=command)
+
+    failures: list = []
+    first = start_thread(create(a), failures)
+    second_done = threading.Event()
+    try:
+        assert holding.wait(10), failures
+        second = start_thread(create(b), failures, done=second_done)
+        assert second_done.wait(5), f"/memories/{b} waited for /memories/{a}'s lock"
+    finally:
+        release.set()
+        first.join()
+    second.join()
+    assert not failures, failures
+    keys = set(Memory.objects.filter(tenant=tenant).values_list("key", flat=True))
+    assert keys == {f"claude:memories:{a}:f.md", f"claude:memories:{b}:f.md"}
