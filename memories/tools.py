@@ -151,14 +151,23 @@ def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
     try:
         # Never more than max_chars of the value into the model's context (README "Token cost").
         max_chars = a.get("max_chars", validation.READ_DEFAULT_CHARS)
-        r = services.memory_read(tenant=tenant, actor=actor, key=a["key"], max_chars=max_chars, offset=a.get("offset"))
+        r = services.memory_read(
+            tenant=tenant,
+            actor=actor,
+            key=a["key"],
+            max_chars=max_chars,
+            offset=a.get("offset"),
+            default=a.get("default"),
+        )
     except Erased:
         # Crypto-shredded (its subject was forgotten): an answer, not an error.
         return {"status": "erased", "key": a["key"]}
     except NotFound:
         out = {"status": "not_found", "key": a["key"]}
         if a.get("default") is not None:
-            out["value"] = a["default"]  # the caller's fallback, as the seeds' degradation advice asks
+            # The caller's fallback, as the seeds' degradation advice asks; the service checked it
+            # as a written value (the tenant's value cap): it goes into the model's context.
+            out["value"] = a["default"]
         return out
     m = r.memory
     out = {"status": "ok", "key": r.key, "value": m.value, "version": m.version, "updated_at": _updated_at(m)}

@@ -99,6 +99,51 @@ def test_read_of_present_key_ignores_the_default(api):
     assert body["status"] == "ok" and body["value"] == "zh-CN"
 
 
+@pytest.mark.parametrize(
+    ("default", "status", "code"),
+    [
+        ("x" * 20000, 413, "too_large"),  # past the tenant's value cap (16,384 bytes), as a write
+        ({"a": "b\u0000c"}, 400, "invalid"),  # PostgreSQL's jsonb cannot hold NUL: a write refuses it
+        (json.loads("[" * 33 + "]" * 33), 400, "too_deep"),  # past 32 arrays deep
+    ],
+)
+def test_a_default_a_write_would_refuse_is_refused_naming_default_and_changes_nothing(api, default, status, code):
+    """The default is echoed to the model as the value: the value rules of a write apply to
+    it (it was echoed whatever its size), whether the key is there or not."""
+    api.call("memory_write", key="user:u1:there", value="v")
+    before = row_counts()
+    for key in ("user:u1:missing", "user:u1:there"):
+        got, body = api.call("memory_read", key=key, default=default)
+        error = tool_error(body)
+        assert (got, error["field"], error["code"]) == (status, "default", code), body
+    assert row_counts() == before
+    events = AuditEvent.objects.filter(tenant=api.tenant, action="memory.read").order_by("-id")[:2]
+    assert [e.outcome for e in events] == ["invalid", "invalid"]
+
+
+def test_a_default_at_the_value_cap_is_echoed(api):
+    default = "x" * (16 * 1024 - 2)  # 16,384 bytes as JSON, quotes included
+    _, body = api.call("memory_read", key="user:u1:missing", default=default)
+    assert body == {"status": "not_found", "key": "user:u1:missing", "value": default}
+
+
+def test_a_batch_answers_a_refused_default_as_that_calls_error_and_runs_the_others(api):
+    r = api.post(
+        BATCH,
+        {
+            "calls": [
+                {"id": "c1", "name": "memory_read", "arguments": {"key": "user:u1:a", "default": "x" * 20000}},
+                {"id": "c2", "name": "memory_write", "arguments": {"key": "user:u1:b", "value": 1}},
+            ]
+        },
+    )
+    assert r.status_code == 200
+    first, second = r.json()["results"]
+    assert first["tool_call_id"] == "c1" and tool_error(first)["field"] == "default"
+    assert first["error"]["code"] == "too_large" and "x" * 100 not in json.dumps(first)
+    assert second["status"] == "ok"
+
+
 # A read pours no more than max_chars (default 2,000) characters of a value into the model's
 # context; the rest comes with offset.
 
