@@ -145,7 +145,7 @@ def memory_write(
         sensitive = sensitivity.flag(sensitive)
         ttl = validation.ttl_seconds(ttl_seconds)
         tags = validation.tags(tags)
-        subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
+        subject = validation.subject(subject)
         require_subject_allowed(actor, key=key, subject=subject)
         category = validation.category(category)
         importance = validation.importance(importance)
