@@ -524,6 +524,12 @@ def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
     for p in tool.params:
         if p.required and p.name not in arguments:
             raise InvalidInput("is required", field=p.name, code="required")
+        if p.schema.get("type") == "integer" and p.name in arguments:
+            # As the schema says and REST bodies hold (StrictIntegerField): a JSON integer. The
+            # services parse ASCII digits too (REST query strings), which took "10" here.
+            given = arguments[p.name]
+            if isinstance(given, bool) or not isinstance(given, int):
+                raise InvalidInput('must be an integer (a JSON number such as 10, not "10")', field=p.name)
     return tool, arguments
 
 

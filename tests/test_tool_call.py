@@ -5,6 +5,7 @@ import json
 import pytest
 
 from audit.models import AuditEvent
+from memories import tools
 from memories.models import Memory, MemoryVersion
 from tests.helpers import row_counts, tool_error
 
@@ -503,6 +504,51 @@ def test_missing_required_argument_is_400_naming_it(api, name, arguments, field)
     error = tool_error(r.json())
     assert error["code"] == "required" and error["field"] == field
     assert row_counts() == before
+
+
+REQUIRED = {
+    "memory_write": {"key": "user:u1:k", "value": "v"},
+    "memory_read": {"key": "user:u1:k"},
+    "memory_update": {"key": "user:u1:k", "value": "new"},
+    "memory_search": {"query": "v"},
+    "memory_summarize": {"prefix": "user:u1:"},
+}
+INTEGER_ARGUMENTS = [
+    (tool.name, p.name, p.schema["minimum"])
+    for tool in tools.TOOLS.values()
+    for p in tool.params
+    if p.schema.get("type") == "integer"
+]
+
+
+def test_every_integer_argument_is_covered():
+    assert {(t, a) for t, a, _ in INTEGER_ARGUMENTS} == {
+        ("memory_write", "ttl_seconds"),
+        ("memory_read", "max_chars"),
+        ("memory_read", "offset"),
+        ("memory_update", "expected_version"),
+        ("memory_list", "limit"),
+        ("memory_search", "limit"),
+        ("memory_search", "max_chars"),
+        ("memory_recall", "max_chars"),
+    }
+
+
+@pytest.mark.parametrize(("tool", "argument", "low"), INTEGER_ARGUMENTS)
+@pytest.mark.parametrize("spelt", [str, float], ids=["string", "float"])
+def test_an_integer_argument_is_a_json_integer_not_a_numeric_string(api, tool, argument, low, spelt):
+    """The schema says "integer" and REST bodies refuse "10" (StrictIntegerField): a tool call
+    took "10" for limit, max_chars, offset and expected_version (ttl_seconds refused it)."""
+    api.call("memory_write", key="user:u1:k", value="v")
+    before = row_counts()
+    status, body = api.call(tool, **{**REQUIRED.get(tool, {}), argument: spelt(max(low, 1))})
+    error = tool_error(body)
+    assert (status, error["field"]) == (400, argument), body
+    assert "integer" in error["message"]
+    assert row_counts() == before
+    assert Memory.objects.get(tenant=api.tenant, key="user:u1:k").value == "v"
+    status, body = api.call(tool, **{**REQUIRED.get(tool, {}), argument: max(low, 1)})
+    assert status == 200 and body["status"] == "ok", body
 
 
 def test_malformed_arguments_json_is_400(api):
