@@ -296,6 +296,39 @@ def test_a_path_that_is_not_a_key_is_a_tool_error_and_a_bad_root_a_400(api):
     assert r.status_code == 400 and rest_error(r)["field"] == "root"
 
 
+def test_a_name_in_nfd_is_stored_as_its_nfc_one_file_as_the_reference_backend_stores_it(api, tenant_a, tmp_path):
+    """macOS spells file names decomposed (NFD: "e" + U+0301), which the key grammar refused
+    ("cannot be stored") while the SDK's own backend stores them. Names are NFC on the way in:
+    "café" composed or decomposed names one file, whatever spelling the model uses."""
+    decomposed, composed = "/memories/cafe\u0301/re\u0301sume\u0301.md", "/memories/caf\u00e9/r\u00e9sum\u00e9.md"
+    create = {"command": "create", "path": decomposed, "file_text": "likes tea\n"}
+    [(reference, is_error)] = _reference_results(tmp_path, [create])
+    r = api.post(URL, create)
+    assert (
+        r.json()
+        == {"content": reference, "is_error": is_error}
+        == {
+            "content": f"File created successfully at: {decomposed}",
+            "is_error": False,
+        }
+    )
+    [memory] = Memory.objects.filter(tenant=tenant_a)
+    assert memory.key == "claude:memories:caf\u00e9:r\u00e9sum\u00e9.md" and memory.value == "likes tea\n"
+    r = api.post(URL, {"command": "str_replace", "path": composed, "old_str": "tea", "new_str": "coffee"})
+    assert r.json()["is_error"] is False, r.json()
+    r = api.post(URL, {"command": "view", "path": decomposed})
+    assert r.json() == {
+        "content": "Here's the content of " + decomposed + " with line numbers:\n     1\tlikes coffee\n     2\t",
+        "is_error": False,
+    }
+    r = api.post(URL, {"command": "create", "path": composed, "file_text": "again"})
+    assert r.json()["is_error"] is True and "already exists" in r.json()["content"]
+    r = api.post(URL, {"command": "rename", "old_path": composed, "new_path": "/memories/cafe\u0301/old.md"})
+    assert r.json()["is_error"] is False, r.json()
+    live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True)
+    assert list(live) == ["claude:memories:caf\u00e9:old.md"]
+
+
 def test_a_colon_in_a_path_name_is_a_tool_error_not_a_second_path_to_a_file(api, tenant_a):
     # /memories/notes:a.md would be the key claude:memories:notes:a.md — the file
     # /memories/notes/a.md: the model would read, edit or delete one file under two names.

@@ -27,6 +27,7 @@ import errno
 import json
 import math
 import os
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,9 @@ class MemoryTool:
                     raise MemoryToolError(f"Path {path} would escape /memories directory")
                 segments.pop()
                 continue
-            segments.append(segment)
+            # NFC: macOS spells names decomposed ("e" + U+0301), which no key segment holds
+            # (a combining mark is no letter); composed, "café" either way is one file.
+            segments.append(unicodedata.normalize("NFC", segment))
         key = ":".join([self.root, *segments])
         try:
             # A ':' would split a name into key segments: /memories/a:b the file /memories/a/b.
