@@ -151,14 +151,23 @@ def _read(tenant: Tenant, actor: Actor, a: dict) -> dict:
     try:
         # Never more than max_chars of the value into the model's context (README "Token cost").
         max_chars = a.get("max_chars", validation.READ_DEFAULT_CHARS)
-        r = services.memory_read(tenant=tenant, actor=actor, key=a["key"], max_chars=max_chars, offset=a.get("offset"))
+        r = services.memory_read(
+            tenant=tenant,
+            actor=actor,
+            key=a["key"],
+            max_chars=max_chars,
+            offset=a.get("offset"),
+            default=a.get("default"),
+        )
     except Erased:
         # Crypto-shredded (its subject was forgotten): an answer, not an error.
         return {"status": "erased", "key": a["key"]}
     except NotFound:
         out = {"status": "not_found", "key": a["key"]}
         if a.get("default") is not None:
-            out["value"] = a["default"]  # the caller's fallback, as the seeds' degradation advice asks
+            # The caller's fallback, as the seeds' degradation advice asks; the service checked it
+            # as a written value (the tenant's value cap): it goes into the model's context.
+            out["value"] = a["default"]
         return out
     m = r.memory
     out = {"status": "ok", "key": r.key, "value": m.value, "version": m.version, "updated_at": _updated_at(m)}
@@ -515,6 +524,12 @@ def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
     for p in tool.params:
         if p.required and p.name not in arguments:
             raise InvalidInput("is required", field=p.name, code="required")
+        if p.schema.get("type") == "integer" and p.name in arguments:
+            # As the schema says and REST bodies hold (StrictIntegerField): a JSON integer. The
+            # services parse ASCII digits too (REST query strings), which took "10" here.
+            given = arguments[p.name]
+            if isinstance(given, bool) or not isinstance(given, int):
+                raise InvalidInput('must be an integer (a JSON number such as 10, not "10")', field=p.name)
     return tool, arguments
 
 

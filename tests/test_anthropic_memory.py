@@ -296,6 +296,39 @@ def test_a_path_that_is_not_a_key_is_a_tool_error_and_a_bad_root_a_400(api):
     assert r.status_code == 400 and rest_error(r)["field"] == "root"
 
 
+def test_a_name_in_nfd_is_stored_as_its_nfc_one_file_as_the_reference_backend_stores_it(api, tenant_a, tmp_path):
+    """macOS spells file names decomposed (NFD: "e" + U+0301), which the key grammar refused
+    ("cannot be stored") while the SDK's own backend stores them. Names are NFC on the way in:
+    "café" composed or decomposed names one file, whatever spelling the model uses."""
+    decomposed, composed = "/memories/cafe\u0301/re\u0301sume\u0301.md", "/memories/caf\u00e9/r\u00e9sum\u00e9.md"
+    create = {"command": "create", "path": decomposed, "file_text": "likes tea\n"}
+    [(reference, is_error)] = _reference_results(tmp_path, [create])
+    r = api.post(URL, create)
+    assert (
+        r.json()
+        == {"content": reference, "is_error": is_error}
+        == {
+            "content": f"File created successfully at: {decomposed}",
+            "is_error": False,
+        }
+    )
+    [memory] = Memory.objects.filter(tenant=tenant_a)
+    assert memory.key == "claude:memories:caf\u00e9:r\u00e9sum\u00e9.md" and memory.value == "likes tea\n"
+    r = api.post(URL, {"command": "str_replace", "path": composed, "old_str": "tea", "new_str": "coffee"})
+    assert r.json()["is_error"] is False, r.json()
+    r = api.post(URL, {"command": "view", "path": decomposed})
+    assert r.json() == {
+        "content": "Here's the content of " + decomposed + " with line numbers:\n     1\tlikes coffee\n     2\t",
+        "is_error": False,
+    }
+    r = api.post(URL, {"command": "create", "path": composed, "file_text": "again"})
+    assert r.json()["is_error"] is True and "already exists" in r.json()["content"]
+    r = api.post(URL, {"command": "rename", "old_path": composed, "new_path": "/memories/cafe\u0301/old.md"})
+    assert r.json()["is_error"] is False, r.json()
+    live = Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True)
+    assert list(live) == ["claude:memories:caf\u00e9:old.md"]
+
+
 def test_a_colon_in_a_path_name_is_a_tool_error_not_a_second_path_to_a_file(api, tenant_a):
     # /memories/notes:a.md would be the key claude:memories:notes:a.md — the file
     # /memories/notes/a.md: the model would read, edit or delete one file under two names.
@@ -581,3 +614,60 @@ def test_a_listing_reads_the_sizes_of_files_not_their_values(api, tenant_a):
         q["sql"] for q in queries if '"memories_memory"."value"' in q["sql"] and not q["sql"].startswith("INSERT")
     ]
     assert len(reads_values) == 1 and "secret.md" in str(reads_values)  # the sealed one only
+
+
+def _names_whose_32_bit_lock_keys_collide(tenant) -> tuple[str, str]:
+    """Two top-level names whose tree locks were one lock when the key was 32 bits
+    (``hashtext('<tenant>:<root>:<name>')``): found among 300,000 names (~10 pairs)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT min(name), max(name) FROM (SELECT 'n' || i AS name,"
+            " hashtext(%s || 'n' || i) AS h FROM generate_series(1, 300000) AS i) AS names"
+            " GROUP BY h HAVING count(*) > 1 LIMIT 1",
+            [f"{tenant.pk}:{claude_memory.DEFAULT_ROOT}:"],
+        )
+        return cursor.fetchone()
+
+
+@pytest.mark.postgres
+def test_commands_on_names_whose_32_bit_lock_keys_collide_do_not_wait_on_each_other(transactional_db, monkeypatch):
+    """The tree lock's key was 32 bits: a command on /memories/<a> waited for one on an
+    unrelated /memories/<b> whose key collided (any tenant's). It is 64 bits now."""
+    import threading
+
+    from tests.factories import SYSTEM
+    from tests.helpers import start_thread
+
+    tenant = make_tenant("tree-collide")
+    a, b = _names_whose_32_bit_lock_keys_collide(tenant)
+    holding, release = threading.Event(), threading.Event()
+    write = claude_memory.MemoryTool._write
+
+    def write_holding_the_lock(self, key, text):
+        if key.startswith(f"{claude_memory.DEFAULT_ROOT}:{a}:"):
+            holding.set()
+            release.wait(10)
+        return write(self, key, text)
+
+    monkeypatch.setattr(claude_memory.MemoryTool, "_write", write_holding_the_lock)
+
+    def create(name):
+        command = {"command": "create", "path": f"/memories/{name}/f.md", "file_text": name}
+        return lambda: claude_memory.memory_tool_run(tenant=tenant, actor=SYSTEM, command=command)
+
+    failures: list = []
+    first = start_thread(create(a), failures)
+    second_done = threading.Event()
+    try:
+        assert holding.wait(10), failures
+        second = start_thread(create(b), failures, done=second_done)
+        assert second_done.wait(5), f"/memories/{b} waited for /memories/{a}'s lock"
+    finally:
+        release.set()
+        first.join()
+    second.join()
+    assert not failures, failures
+    keys = set(Memory.objects.filter(tenant=tenant).values_list("key", flat=True))
+    assert keys == {f"claude:memories:{a}:f.md", f"claude:memories:{b}:f.md"}

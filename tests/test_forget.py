@@ -143,6 +143,18 @@ def test_forget_by_subject_erases_memories_versions_trash_and_summaries(
     assert MemoryVersion.objects.filter(memory__subject="u2").count() == versions_u2
 
 
+def test_a_whitespace_only_subject_stored_before_writes_refused_it_can_still_be_forgotten(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    legacy = write(tenant_a, "note:n1:x", "about nobody in particular")
+    Memory.objects.filter(pk=legacy.pk).update(subject="  ")  # as written before the rule
+    kept = write(tenant_a, "note:n1:y", "kept", subject="u2")
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "  "})
+    assert r.status_code == 202, r.content
+    assert get(api, r.json()["id"])["receipt"]["memories"] == 1
+    assert not Memory.objects.filter(pk=legacy.pk).exists() and Memory.objects.filter(pk=kept.pk).exists()
+
+
 def test_forget_by_subject_erases_their_versions_of_a_key_since_rewritten_for_someone_else(
     api, tenant_a, tenant_b, django_capture_on_commit_callbacks
 ):

@@ -16,7 +16,7 @@ from typing import TypedDict
 
 import pytest
 from langgraph.graph import END, START, StateGraph
-from langgraph.store.base import BaseStore, GetOp, PutOp
+from langgraph.store.base import BaseStore, GetOp, InvalidNamespaceError, PutOp
 from langgraph.store.memory import InMemoryStore
 
 from memories.models import Memory
@@ -152,6 +152,10 @@ def async_batch_and_ttl_and_refusals(store, tenant):
             ("s",), "k", {"v": 1}
         )
     assert (refused.value.status, refused.value.code) == (403, "missing_scope")
+    # A namespace whose labels fill the key's 512 characters is LangGraph's InvalidNamespaceError
+    # (it was a ZeroMemStoreError naming the key).
+    with pytest.raises(InvalidNamespaceError):
+        store.put(("n" * 300, "m" * 300), "k", {"v": 1})
 
 
 class State(TypedDict):

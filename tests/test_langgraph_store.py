@@ -4,6 +4,7 @@ and the refusals through Django's test client."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -149,6 +150,11 @@ def sdk_other_tenant_and_scope_and_allowlist_refusals(live_server):
         ("put", "/store/items", {"namespace": [], "key": "k", "value": {}}, "namespace"),
         ("put", "/store/items", {"namespace": ["a.b"], "key": "k", "value": {}}, "namespace"),
         ("put", "/store/items", {"namespace": ["a"], "key": "", "value": {}}, "key"),
+        # The key a put maps to is too long: the namespace's fault when its labels alone fill
+        # it (each label within 512 characters; an escaped "!" takes 3), else the key's.
+        ("put", "/store/items", {"namespace": ["n" * 300, "m" * 300], "key": "k", "value": {}}, "namespace"),
+        ("put", "/store/items", {"namespace": ["!" * 200], "key": "k", "value": {}}, "namespace"),
+        ("put", "/store/items", {"namespace": ["n" * 300], "key": "k" * 300, "value": {}}, "key"),
         ("put", "/store/items", {"namespace": ["a"], "key": "k", "value": [1]}, "value"),
         ("put", "/store/items", {"namespace": ["a"], "key": "k", "value": {}, "ttl": 0}, "ttl"),
         ("put", "/store/items", {"namespace": ["a"], "key": "k", "value": {}, "colour": 1}, "colour"),
@@ -176,6 +182,13 @@ def test_get_without_namespace_or_key_names_the_field(tenant_a):
     client, _ = make_keyed_client(tenant_a)
     assert rest_error(client.get("/api/v1/langgraph/store/items", {"key": "k"}))["field"] == "namespace"
     assert rest_error(client.get("/api/v1/langgraph/store/items", {"namespace": "a"}))["field"] == "key"
+    long = {"namespace": ".".join(["n" * 300, "m" * 300]), "key": "k"}
+    assert rest_error(client.get("/api/v1/langgraph/store/items", long))["field"] == "namespace"
+    body = json.dumps({"namespace": ["n" * 300, "m" * 300], "key": "k"})
+    r = client.client.delete(
+        "/api/v1/langgraph/store/items", body, content_type="application/json", headers=client._headers(None)
+    )
+    assert r.status_code == 400 and rest_error(r)["field"] == "namespace"
 
 
 @pytest.mark.django_db

@@ -284,6 +284,26 @@ def test_a_number_past_a_doubles_range_is_a_malformed_json_tool_error(server, ar
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+def test_an_unknown_method_is_named_by_its_first_64_characters_not_echoed_whole(server):
+    """The SDK answers METHOD_NOT_FOUND with the method name as its ``data``, whole: a 1 MB
+    name (one request's body) came back whole, as the SDK's client reads it, and went into
+    the audit event of a refusal over the rate limit."""
+    tenant = make_tenant("mcp-method")
+    _key, raw = make_key(tenant)
+    method = "x" * (1024 * 1024 - 100)  # the body within ZEROMEM_MAX_BODY_BYTES
+    r = _rpc(server, raw, method)
+    assert len(r.content) < 1000, len(r.content)
+    error = r.json()["error"]
+    assert error["code"] == -32601 and error["message"] == "Method not found"
+    assert error["data"] == "x" * 64 + "…"
+    short = _rpc(server, raw, "resources/nothing").json()["error"]
+    assert (short["code"], short["data"]) == (-32601, "resources/nothing")  # a name within 64 as it is
+    as_64 = _rpc(server, raw, "y" * 64).json()["error"]
+    assert as_64["data"] == "y" * 64
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_a_refused_key_is_401_and_a_revoked_one_is_in_its_tenants_log(server):
     tenant = make_tenant("mcp-refused")
     key, raw = make_key(tenant)

@@ -123,13 +123,22 @@ def test_the_result_cost_headers_count_the_cut_results(api):
     assert int(cut["ZeroMem-Result-Bytes"]) < 5 * 2000 + 1000 < int(whole["ZeroMem-Result-Bytes"])
 
 
-@pytest.mark.parametrize("max_chars", [0, validation.READ_MAX_CHARS + 1, "lots", 2.5])
-def test_a_bad_max_chars_is_400_naming_it_and_audited_as_invalid(api, max_chars):
+@pytest.mark.parametrize(
+    ("max_chars", "action"),
+    [
+        (0, "memory.search"),
+        (validation.READ_MAX_CHARS + 1, "memory.search"),
+        # Not an integer, as the tool's schema requires: the call itself is malformed.
+        ("lots", "tool.call"),
+        (2.5, "tool.call"),
+    ],
+)
+def test_a_bad_max_chars_is_400_naming_it_and_audited_as_invalid(api, max_chars, action):
     api.call("memory_write", key="note:n1:roadmap", value=LONG)
     r, body = _search(api, query="roadmap", max_chars=max_chars)
     assert r.status_code == 400 and tool_error(body)["field"] == "max_chars"
-    events = AuditEvent.objects.filter(tenant=api.tenant, action="memory.search")
-    assert list(events.values_list("outcome", flat=True)) == ["invalid"]
+    events = AuditEvent.objects.filter(tenant=api.tenant, action__in=["memory.search", "tool.call"])
+    assert list(events.values_list("action", "outcome")) == [(action, "invalid")]
 
 
 def test_each_search_of_a_batch_is_cut_by_its_own_max_chars(api):

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from audit.models import AuditEvent
+from memories import tools
 from memories.models import Memory, MemoryVersion
 from tests.helpers import row_counts, tool_error
 
@@ -97,6 +98,51 @@ def test_read_of_present_key_ignores_the_default(api):
     api.call("memory_write", key="user:u1:pref_lang", value="zh-CN")
     _, body = api.call("memory_read", key="user:u1:pref_lang", default="en")
     assert body["status"] == "ok" and body["value"] == "zh-CN"
+
+
+@pytest.mark.parametrize(
+    ("default", "status", "code"),
+    [
+        ("x" * 20000, 413, "too_large"),  # past the tenant's value cap (16,384 bytes), as a write
+        ({"a": "b\u0000c"}, 400, "invalid"),  # PostgreSQL's jsonb cannot hold NUL: a write refuses it
+        (json.loads("[" * 33 + "]" * 33), 400, "too_deep"),  # past 32 arrays deep
+    ],
+)
+def test_a_default_a_write_would_refuse_is_refused_naming_default_and_changes_nothing(api, default, status, code):
+    """The default is echoed to the model as the value: the value rules of a write apply to
+    it (it was echoed whatever its size), whether the key is there or not."""
+    api.call("memory_write", key="user:u1:there", value="v")
+    before = row_counts()
+    for key in ("user:u1:missing", "user:u1:there"):
+        got, body = api.call("memory_read", key=key, default=default)
+        error = tool_error(body)
+        assert (got, error["field"], error["code"]) == (status, "default", code), body
+    assert row_counts() == before
+    events = AuditEvent.objects.filter(tenant=api.tenant, action="memory.read").order_by("-id")[:2]
+    assert [e.outcome for e in events] == ["invalid", "invalid"]
+
+
+def test_a_default_at_the_value_cap_is_echoed(api):
+    default = "x" * (16 * 1024 - 2)  # 16,384 bytes as JSON, quotes included
+    _, body = api.call("memory_read", key="user:u1:missing", default=default)
+    assert body == {"status": "not_found", "key": "user:u1:missing", "value": default}
+
+
+def test_a_batch_answers_a_refused_default_as_that_calls_error_and_runs_the_others(api):
+    r = api.post(
+        BATCH,
+        {
+            "calls": [
+                {"id": "c1", "name": "memory_read", "arguments": {"key": "user:u1:a", "default": "x" * 20000}},
+                {"id": "c2", "name": "memory_write", "arguments": {"key": "user:u1:b", "value": 1}},
+            ]
+        },
+    )
+    assert r.status_code == 200
+    first, second = r.json()["results"]
+    assert first["tool_call_id"] == "c1" and tool_error(first)["field"] == "default"
+    assert first["error"]["code"] == "too_large" and "x" * 100 not in json.dumps(first)
+    assert second["status"] == "ok"
 
 
 # A read pours no more than max_chars (default 2,000) characters of a value into the model's
@@ -458,6 +504,51 @@ def test_missing_required_argument_is_400_naming_it(api, name, arguments, field)
     error = tool_error(r.json())
     assert error["code"] == "required" and error["field"] == field
     assert row_counts() == before
+
+
+REQUIRED = {
+    "memory_write": {"key": "user:u1:k", "value": "v"},
+    "memory_read": {"key": "user:u1:k"},
+    "memory_update": {"key": "user:u1:k", "value": "new"},
+    "memory_search": {"query": "v"},
+    "memory_summarize": {"prefix": "user:u1:"},
+}
+INTEGER_ARGUMENTS = [
+    (tool.name, p.name, p.schema["minimum"])
+    for tool in tools.TOOLS.values()
+    for p in tool.params
+    if p.schema.get("type") == "integer"
+]
+
+
+def test_every_integer_argument_is_covered():
+    assert {(t, a) for t, a, _ in INTEGER_ARGUMENTS} == {
+        ("memory_write", "ttl_seconds"),
+        ("memory_read", "max_chars"),
+        ("memory_read", "offset"),
+        ("memory_update", "expected_version"),
+        ("memory_list", "limit"),
+        ("memory_search", "limit"),
+        ("memory_search", "max_chars"),
+        ("memory_recall", "max_chars"),
+    }
+
+
+@pytest.mark.parametrize(("tool", "argument", "low"), INTEGER_ARGUMENTS)
+@pytest.mark.parametrize("spelt", [str, float], ids=["string", "float"])
+def test_an_integer_argument_is_a_json_integer_not_a_numeric_string(api, tool, argument, low, spelt):
+    """The schema says "integer" and REST bodies refuse "10" (StrictIntegerField): a tool call
+    took "10" for limit, max_chars, offset and expected_version (ttl_seconds refused it)."""
+    api.call("memory_write", key="user:u1:k", value="v")
+    before = row_counts()
+    status, body = api.call(tool, **{**REQUIRED.get(tool, {}), argument: spelt(max(low, 1))})
+    error = tool_error(body)
+    assert (status, error["field"]) == (400, argument), body
+    assert "integer" in error["message"]
+    assert row_counts() == before
+    assert Memory.objects.get(tenant=api.tenant, key="user:u1:k").value == "v"
+    status, body = api.call(tool, **{**REQUIRED.get(tool, {}), argument: max(low, 1)})
+    assert status == 200 and body["status"] == "ok", body
 
 
 def test_malformed_arguments_json_is_400(api):

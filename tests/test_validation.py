@@ -261,6 +261,29 @@ def test_bad_subject_or_category_is_400_naming_it(existing, args, field):
     assert row_counts() == before
 
 
+BLANK_SUBJECTS = [" ", "   ", "\u3000", "\u00a0\u2003"]  # ASCII, ideographic, no-break, em spaces
+
+
+@pytest.mark.parametrize("subject", BLANK_SUBJECTS)
+def test_a_whitespace_only_subject_is_refused_on_a_write_naming_subject(existing, subject):
+    """A subject names the end user a forget request finds by it: one of only whitespace named
+    nobody, and a forget by the subject the client meant found nothing."""
+    before = row_counts()
+    status, body = existing.call("memory_write", key="user:u1:existing", value="v", subject=subject)
+    assert_refused(status, body, field="subject")
+    r = existing.put("/api/v1/memories/note:n1:x", {"value": "v", "subject": subject})
+    assert r.status_code == 400 and rest_error(r)["field"] == "subject", r.content
+    assert row_counts() == before
+    assert Memory.objects.get(key="user:u1:existing").subject == "u1"
+
+
+def test_a_subject_with_inner_spaces_and_an_empty_one_are_still_written(existing):
+    status, _ = existing.call("memory_write", key="note:n1:x", value="v", subject="Jane Doe")
+    assert status == 200 and Memory.objects.get(key="note:n1:x").subject == "Jane Doe"
+    status, _ = existing.call("memory_write", key="note:n1:x", value="v", subject="")
+    assert status == 200 and Memory.objects.get(key="note:n1:x").subject == ""
+
+
 @pytest.mark.parametrize("expected", [0, -1, "one"])
 def test_bad_expected_version_is_400(existing, expected):
     before = row_counts()

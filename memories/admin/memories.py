@@ -122,9 +122,7 @@ class MemoryForm(forms.ModelForm):
         return self._service_check(validation.importance, self.cleaned_data.get("importance"))
 
     def clean_subject(self):
-        return self._service_check(
-            validation.short_text, self.cleaned_data.get("subject") or "", field="subject", max_len=255
-        )
+        return self._service_check(validation.subject, self.cleaned_data.get("subject") or "")
 
     def clean(self):
         data = super().clean()

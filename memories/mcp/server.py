@@ -50,7 +50,7 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
-from mcp_types.jsonrpc import INTERNAL_ERROR
+from mcp_types.jsonrpc import INTERNAL_ERROR, METHOD_NOT_FOUND
 from pydantic import ConfigDict, ValidationError
 
 from audit import limits
@@ -272,6 +272,32 @@ def charge(key: ApiKey, actor: Actor, *, action: str, target: str = "") -> int |
     return retry_after
 
 
+# An unknown method is named in the SDK's METHOD_NOT_FOUND error (its ``data``) and in an
+# audit event's target by at most this many characters: the SDK echoed the name whole (a
+# request of 1 MB, an answer of 1 MB), as tool calls name an unknown argument (memories/tools.py).
+METHOD_SHOWN_MAX = 64
+
+
+def shown_method(method: str) -> str:
+    """``method`` as an answer or an audit event names it: its first ``METHOD_SHOWN_MAX``
+    characters, then "…" when it is longer."""
+    return method if len(method) <= METHOD_SHOWN_MAX else method[:METHOD_SHOWN_MAX] + "…"
+
+
+class ShortMethodNames:
+    """Server middleware: the SDK's METHOD_NOT_FOUND (raised inside the middleware chain, by
+    the lookup or the spec's method table) names the method by :func:`shown_method`."""
+
+    async def __call__(self, ctx, call_next):
+        try:
+            return await call_next(ctx)
+        except MCPError as exc:
+            data = exc.error.data
+            if exc.error.code != METHOD_NOT_FOUND or not isinstance(data, str) or len(data) <= METHOD_SHOWN_MAX:
+                raise
+            raise MCPError(code=METHOD_NOT_FOUND, message=exc.error.message, data=shown_method(data)) from None
+
+
 class RateLimit:
     """Server middleware (the SDK's hook around every inbound message, ``initialize``
     included): a request other than ``tools/call`` (which :func:`run_call` charges) costs a
@@ -305,7 +331,8 @@ class RateLimit:
         if request is not None:
             request.charged = True
         try:
-            retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target=ctx.method))
+            target = shown_method(ctx.method)
+            retry_after = await _in_thread(lambda: charge(key, actor, action="mcp.request", target=target))
         except DatabaseError:
             raise MCPError(code=INTERNAL_ERROR, message="the database is unavailable; retry shortly") from None
         if retry_after is None:
@@ -358,7 +385,8 @@ def build_server() -> Server:
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
-    server.middleware.append(RateLimit())  # inside the SDK's tracing middleware
+    server.middleware.append(ShortMethodNames())  # inside the SDK's tracing middleware
+    server.middleware.append(RateLimit())
     return server
 
 

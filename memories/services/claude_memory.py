@@ -27,6 +27,7 @@ import errno
 import json
 import math
 import os
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +50,11 @@ DEFAULT_ROOT = "claude:memories"
 # /memories/a.md/b.md) could both pass, leaving a path both a file and a directory. Each takes
 # this transaction-level advisory lock on (tenant, root, the path's top-level name) first:
 # paths that can clash share that name, so they run one after the other, and the second
-# sees the first's file. Two ints, this namespace and hashtext(): a collision only makes
-# one command wait for an unrelated one.
-_TREE_LOCK_NAMESPACE = 0x5A54  # "ZT"
+# sees the first's file. One bigint: hashtextextended() of "ZT:<tenant>:<root>:<name>", 64
+# bits. It was two ints, a namespace and hashtext(), 32 bits: 100,000 top-level names (all
+# tenants') held ~1 pair whose commands waited on each other; 64 bits, ~3e-10 pairs.
+# PostgreSQL keeps one-bigint locks apart from the other services' two-int ones.
+_TREE_LOCK_TAG = "ZT"
 
 ROOT_PATH = "/memories"
 MAX_LINES = 999999
@@ -100,7 +103,9 @@ class MemoryTool:
                     raise MemoryToolError(f"Path {path} would escape /memories directory")
                 segments.pop()
                 continue
-            segments.append(segment)
+            # NFC: macOS spells names decomposed ("e" + U+0301), which no key segment holds
+            # (a combining mark is no letter); composed, "café" either way is one file.
+            segments.append(unicodedata.normalize("NFC", segment))
         key = ":".join([self.root, *segments])
         try:
             # A ':' would split a name into key segments: /memories/a:b the file /memories/a/b.
@@ -301,15 +306,15 @@ class MemoryTool:
 
     def _tree_locked(self, place: Place, run):
         """``run()`` in one transaction holding the lock on ``place``'s top-level name (see
-        ``_TREE_LOCK_NAMESPACE``). A refusal (:class:`MemoryToolError`) is raised after the
+        ``_TREE_LOCK_TAG``). A refusal (:class:`MemoryToolError`) is raised after the
         commit, so the reads that led to it keep their audit events."""
         refused = None
         with transaction.atomic():
             if connection.vendor == "postgresql":  # SQLite: one writing transaction at a time
                 with connection.cursor() as cursor:
                     cursor.execute(
-                        "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
-                        [_TREE_LOCK_NAMESPACE, ":".join([str(self.tenant.pk), self.root, *place.names[:1]])],
+                        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                        [":".join([_TREE_LOCK_TAG, str(self.tenant.pk), self.root, *place.names[:1]])],
                     )
             try:
                 result = run()

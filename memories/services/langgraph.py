@@ -91,6 +91,22 @@ def memory_key(namespace: tuple[str, ...], key: str) -> str:
     return ":".join((root(), *(encode_segment(label) for label in namespace), encode_segment(key)))
 
 
+def item_memory_key(namespace: tuple[str, ...], key: str) -> str:
+    """:func:`memory_key`, checked: a key past ``KEY_MAX_LEN`` is the namespace's fault when
+    its labels, escaped, leave no room for a key (the client raises LangGraph's
+    ``InvalidNamespaceError`` for a refusal naming ``namespace``), else the key's."""
+    room = validation.KEY_MAX_LEN - len(namespace_prefix(namespace))
+    if room < 1:
+        raise InvalidInput(
+            f"its labels, joined under {root()}: and escaped (~XX for each byte of a character other "
+            f"than letters, digits or _ - . @ + =), take {validation.KEY_MAX_LEN - room} characters of a "
+            f"key's {validation.KEY_MAX_LEN}, with none left for the item's key",
+            field="namespace",
+            code="too_long",
+        )
+    return validation.key(memory_key(namespace, key), field="key")
+
+
 def namespace_prefix(namespace: tuple[str, ...]) -> str:
     """The ZeroMem key prefix holding a namespace and everything below it."""
     return ":".join((root(), *(encode_segment(label) for label in namespace))) + ":"
@@ -244,7 +260,7 @@ def lg_put(
     mem.memory_write(
         tenant=tenant,
         actor=actor,
-        key=validation.key(memory_key(namespace, key), field="key"),
+        key=item_memory_key(namespace, key),
         value=value,
         ttl_seconds=minutes * 60 if minutes else None,
         tags=[f"{TTL_TAG}{minutes}"] if minutes else [],
@@ -275,7 +291,7 @@ def lg_get(*, tenant: Tenant, actor: Actor, namespace: Any, key: Any, refresh_tt
     namespace = namespace_labels(namespace)
     key = item_key(key)
     refresh = _flag(refresh_ttl, "refresh_ttl")
-    memory = mem.memory_read(tenant=tenant, actor=actor, key=validation.key(memory_key(namespace, key))).memory
+    memory = mem.memory_read(tenant=tenant, actor=actor, key=item_memory_key(namespace, key)).memory
     if refresh:
         memory = _refresh(tenant, actor, memory)
     return item_of(memory)
@@ -287,7 +303,7 @@ def lg_delete(*, tenant: Tenant, actor: Actor, namespace: Any, key: Any) -> None
     namespace = namespace_labels(namespace)
     key = item_key(key)
     try:
-        mem.memory_delete(tenant=tenant, actor=actor, key=validation.key(memory_key(namespace, key)))
+        mem.memory_delete(tenant=tenant, actor=actor, key=item_memory_key(namespace, key))
     except NotFound:
         pass
 

@@ -145,7 +145,7 @@ def memory_write(
         sensitive = sensitivity.flag(sensitive)
         ttl = validation.ttl_seconds(ttl_seconds)
         tags = validation.tags(tags)
-        subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
+        subject = validation.subject(subject)
         require_subject_allowed(actor, key=key, subject=subject)
         category = validation.category(category)
         importance = validation.importance(importance)
@@ -247,13 +247,17 @@ def _no_memory() -> NotFound:
     return NotFound("no memory at this key", field="key")
 
 
-def memory_read(*, tenant: Tenant, actor: Actor, key: Any, max_chars: Any = None, offset: Any = None) -> MemoryResult:
+def memory_read(
+    *, tenant: Tenant, actor: Actor, key: Any, max_chars: Any = None, offset: Any = None, default: Any = None
+) -> MemoryResult:
     """The live memory at ``key``; :class:`NotFound` when there is none for this caller.
 
     With ``max_chars`` or ``offset`` (tool calls), a value whose text (a string as it is, other
     JSON as compact JSON) is longer than ``max_chars`` (default ``READ_DEFAULT_CHARS``), or read
     from an ``offset``, comes back as that slice of its text in ``result.cut``; without them
-    (REST, the adapters), whole.
+    (REST, the adapters), whole. ``default`` (a tool read's fallback, echoed by the caller when
+    there is no memory) is checked as a written value is (the tenant's value cap, no NUL, 32
+    deep), whether or not there is one; the service does not use it.
 
     Cost: two statements, no transaction around them — one indexed SELECT and the audit
     INSERT (its own transaction). The read is counted through its audit event:
@@ -268,6 +272,8 @@ def memory_read(*, tenant: Tenant, actor: Actor, key: Any, max_chars: Any = None
         if cut:
             max_chars = validation.read_max_chars(max_chars)
             offset = validation.bounded_int(offset, field="offset", default=0, low=0, high=validation.READ_OFFSET_MAX)
+        if default is not None:
+            validation.value(default, max_bytes=tenant.effective_value_max_bytes, field="default")
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()

@@ -288,6 +288,18 @@ def short_text(raw, *, field: str, max_len: int) -> str | None:
     return raw
 
 
+def subject(raw, field: str = "subject") -> str | None:
+    """A subject as a write stores it: :func:`short_text`, and not only whitespace (Unicode's
+    too: an ideographic space), which names no end user — a forget by the subject meant would
+    miss it. "" (no subject) is allowed. Reads and forget requests take any
+    :func:`short_text`, so a whitespace-only subject written before this rule is still found
+    and forgotten."""
+    raw = short_text(raw, field=field, max_len=SUBJECT_MAX_LEN)
+    if raw and raw.isspace():
+        raise InvalidInput('must not be only whitespace (leave it out, or "" for none)', field=field, code="blank")
+    return raw
+
+
 def category(raw, field: str = "category") -> str | None:
     if raw is None:
         return None
