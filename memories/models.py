@@ -261,6 +261,13 @@ class Memory(models.Model):
             models.Index(fields=["tenant", "category"], name="memory_tenant_category"),
             # The TTL purge's tenant-less range (expires_at <= now, every tenant at once).
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
+            # One tenant's expiring memories (the dashboard's "expiring within 24 h"): a range of
+            # this tenant's alone, however many short-lived memories other tenants hold (built
+            # CONCURRENTLY on PostgreSQL, migration 0021). The purge cannot use it (its range is
+            # on the second column), hence both.
+            models.Index(
+                fields=["tenant", "expires_at"], name="memory_tenant_expiring", condition=Q(expires_at__isnull=False)
+            ),
             models.Index(fields=["tenant", "deleted_at"], name="memory_trash", condition=Q(deleted_at__isnull=False)),
             # recall with only a prefix: the tenant's most important, most recent memories
             # (built CONCURRENTLY on PostgreSQL, migration 0010).
@@ -271,10 +278,8 @@ class Memory(models.Model):
             models.Index(fields=["updated_at"], name="memory_updated"),
             # The admin's memory list sorted by last update or by expiry, either way, a page at a
             # time: ordered by (tenant, column, id), as these hold it (the never-expiring ones,
-            # NULL, too). Built CONCURRENTLY on PostgreSQL, migration 0029. memory_tenant_expires
-            # is also one tenant's expiring memories (the dashboard's "expiring within 24 h"): a
-            # range of this tenant's alone, however many short-lived memories other tenants hold;
-            # the purge cannot use it (its range is on the second column), hence memory_expiring.
+            # NULL, too: the partial memory_tenant_expiring leaves them out). Built CONCURRENTLY
+            # on PostgreSQL, migration 0029.
             models.Index(fields=["tenant", "updated_at", "id"], name="memory_tenant_updated"),
             models.Index(fields=["tenant", "expires_at", "id"], name="memory_tenant_expires"),
         ]

@@ -102,7 +102,7 @@ def test_expiring_soon_reads_the_tenants_own_range_of_expiring_memories(transact
             cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")  # as the selector
             cursor.execute("EXPLAIN " + sql)
             explained = "\n".join(line for (line,) in cursor.fetchall())
-        assert "memory_tenant_expires" in explained, explained
+        assert "memory_tenant_expiring" in explained, explained
         assert "memory_tenant_category" not in explained and "Seq Scan" not in explained, explained
 
 
@@ -128,36 +128,20 @@ def _index_valid(name):
 
 
 @pytest.mark.postgres
-def test_rerunning_the_tenant_expires_migration_rebuilds_an_index_an_interrupted_run_left_invalid(
+def test_rerunning_the_tenant_expiring_migration_rebuilds_an_index_an_interrupted_run_left_invalid(
     transactional_db,
 ):
     """CREATE INDEX CONCURRENTLY interrupted (a lock or statement timeout, a killed deploy)
     leaves the index INVALID: the planner never uses it, every write still maintains it. The
     migration run again must build it, not skip it as existing (IF NOT EXISTS)."""
-    migration = importlib.import_module("memories.migrations.0029_memory_tenant_updated_expires")
+    migration = importlib.import_module("memories.migrations.0021_memory_tenant_expiring")
     with connection.cursor() as cursor:  # as an interrupted build leaves it
-        cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'memory_tenant_expires'::regclass")
-    assert _index_valid("memory_tenant_expires") is False
+        cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'memory_tenant_expiring'::regclass")
+    assert _index_valid("memory_tenant_expiring") is False
     try:
         with connection.schema_editor(atomic=False) as editor:
             migration.forward(None, editor)
-        assert _index_valid("memory_tenant_expires") is True
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("REINDEX INDEX memory_tenant_expires")  # valid again for the next tests
-
-
-@pytest.mark.postgres
-def test_the_partial_tenant_expiring_index_is_dropped_and_comes_back_on_migrating_back(transactional_db):
-    """0031 drops memory_tenant_expiring (memory_tenant_expires serves its range, above);
-    migrating back builds it again, valid."""
-    migration = importlib.import_module("memories.migrations.0031_drop_memory_tenant_expiring")
-    assert _index_valid("memory_tenant_expiring") is None
-    try:
-        with connection.schema_editor(atomic=False) as editor:
-            migration.backward(None, editor)
         assert _index_valid("memory_tenant_expiring") is True
     finally:
-        with connection.schema_editor(atomic=False) as editor:
-            migration.forward(None, editor)
-    assert _index_valid("memory_tenant_expiring") is None
+        with connection.cursor() as cursor:
+            cursor.execute("REINDEX INDEX memory_tenant_expiring")  # valid again for the next tests

@@ -309,7 +309,7 @@ def test_a_backlog_is_folded_in_groups_each_moving_the_watermark(tenant_a, setti
 
 @pytest.mark.postgres
 def test_counting_reads_leaves_the_indexes_alone_where_the_page_has_room(tenant_a):
-    """memories_memory's pages are filled to 80% (migration 0032): the fold's UPDATE, which
+    """memories_memory's pages are filled to 80% (migration 0031): the fold's UPDATE, which
     changes no indexed column, finds room beside the row and is HOT — no entry in any index,
     none in the search GIN per word. On pages filled to 100% it moved every row it updated."""
     with connection.cursor() as cursor:

@@ -126,8 +126,7 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
 
 
 # The tenant's live memories expiring in (now, now + 24 h]. A row comparison on (tenant_id,
-# expires_at) is one range of memory_tenant_expires (tenant, expires_at, id), which a NULL
-# expiry never enters, and no other index can serve it: the
+# expires_at) is one range of memory_tenant_expiring, and no other index can serve it: the
 # planner, which cannot know that a tenant's 200k memories hold a few hundred with a TTL nor
 # that another tenant's many short-lived ones are not this tenant's, otherwise estimated tens
 # of thousands of rows and scanned the tenant's rows or the tenant-less memory_expiring.
@@ -139,7 +138,7 @@ _EXPIRING_SQL = (
 
 def expiring_soon(*, tenant: Tenant, now) -> tuple[int, list[tuple[int, str, datetime]]]:
     """How many of the tenant's live memories expire within 24 hours, and (pk, key,
-    expires_at) of the first 10 of them. On PostgreSQL one range of memory_tenant_expires
+    expires_at) of the first 10 of them. On PostgreSQL one range of memory_tenant_expiring
     each, without parallel workers (their start-up, ~5 ms, is most of a count of a few
     hundred index entries; the planner's overestimate asked for them)."""
     until = now + timedelta(hours=24)

@@ -1,7 +1,7 @@
 """``python manage.py bench_fold``: what counting reads into memories costs the database —
 the ``zeromem:access-counts`` job (memories/services/access.py), one UPDATE of
 ``access_count``/``last_accessed_at`` per memory read since its last run — on pages filled to
-100% and to ``memories_memory``'s fillfactor (80, memories migration 0032), side by side in
+100% and to ``memories_memory``'s fillfactor (80, memories migration 0031), side by side in
 one run (PostgreSQL)::
 
     DATABASE_URL=postgres://... ZEROMEM_ENV=development python manage.py bench_fold

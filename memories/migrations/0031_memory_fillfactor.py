@@ -26,6 +26,6 @@ def backward(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("memories", "0031_drop_memory_tenant_expiring")]
+    dependencies = [("memories", "0030_job_tenant_started")]
 
     operations = [migrations.RunPython(forward, backward)]
