@@ -17,7 +17,7 @@ from memories import services
 from memories.admin.memories import MemoryAdmin
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
 from memories.models import ApiKey, ForgetRequest, Membership, Memory, TokenUsageDay, hash_api_key
-from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, write
+from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, make_tenant, write
 from zeromem.kernel.errors import NotFound
 
 pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
@@ -802,6 +802,40 @@ def test_searches_key_tree_walks_and_dashboards_are_audited_without_the_search_w
     assert browse == [("", {"search_chars": 7}), ("user:u1:", {})], browse
     assert events.filter(action="tenant.dashboard", target=tenant_a.slug, outcome="ok").count() == 1
     assert not any("Klingon" in str(e.__dict__) for e in AuditEvent.objects.all())
+
+
+@pytest.mark.parametrize("query", [{"q": "Klingon"}, {"prefix": "user:u1:"}])
+def test_a_search_over_more_tenants_than_it_may_cover_asks_for_a_tenant_and_records_nothing(
+    tenant_a, superuser_client, query
+):
+    """Each tenant's own log (its chain, its retention, its reviewers' export) must show a
+    search or key-tree walk of its memories: one event per tenant covered. A superuser's
+    search over every tenant wrote one per tenant, thousands per page: past KeyTreeFilter's
+    TENANTS_MAX the list asks for a tenant, shows nothing and records nothing."""
+    tenants = [tenant_a, *(make_tenant(f"t{n:02d}") for n in range(MemoryAdmin.BROWSE_TENANTS_MAX))]
+    for tenant in tenants:
+        write(tenant, "user:u1:pref_lang", "Klingon spoken at home")
+    user, client = superuser_client
+    browsed = AuditEvent.objects.filter(action="memory.browse")
+
+    response = client.get("/admin/memories/memory/", query)
+    assert response.status_code == 200
+    assert list(response.context["cl"].result_list) == []
+    assert "Choose a tenant" in response.content.decode()
+    assert not browsed.exists()
+
+    response = client.get("/admin/memories/memory/", {**query, "tenant": tenants[3].pk})
+    assert [m.tenant_id for m in response.context["cl"].result_list] == [tenants[3].pk]
+    assert list(browsed.values_list("tenant_id", "actor_id")) == [(tenants[3].pk, str(user.pk))]
+
+
+def test_a_search_over_a_few_tenants_is_recorded_in_each_of_them(tenant_a, tenant_b, superuser_client):
+    write(tenant_a, "user:u1:pref_lang", "Klingon spoken at home")
+    _user, client = superuser_client
+    response = client.get("/admin/memories/memory/", {"q": "Klingon"})
+    assert [m.tenant_id for m in response.context["cl"].result_list] == [tenant_a.pk]
+    browsed = AuditEvent.objects.filter(action="memory.browse").order_by("tenant_id")
+    assert list(browsed.values_list("tenant_id", flat=True)) == [tenant_a.pk, tenant_b.pk]
 
 
 @pytest.mark.parametrize("source", ["memoryversion", "memoryembedding"])
