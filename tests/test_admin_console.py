@@ -869,3 +869,81 @@ def test_another_tenants_dashboard_writes_no_event_in_it(tenant_a, tenant_b, sta
     _user, client = staff_clients["admin"]
     assert client.get(f"/admin/memories/tenant/{tenant_b.pk}/dashboard/").status_code == 404
     assert not AuditEvent.objects.filter(tenant=tenant_b, action="tenant.dashboard").exists()
+
+
+# --- the audit list's filters no index serves read bounded windows --------------------------
+
+
+def test_an_audit_list_filter_no_index_serves_reads_windows_with_older_links(tenant_a, staff_clients, monkeypatch):
+    """An actor, action or outcome filter read the tenant's whole log for each page (and its
+    capped count): 85-230 ms at 1M events, growing with the log. As the REST review list does,
+    a page reads the matches among the tenant's newest LIST_SCAN_MAX events below its cursor
+    (``before``), and links the older ones."""
+    monkeypatch.setattr("audit.selectors.LIST_SCAN_MAX", 10)
+    user, client = staff_clients["compliance"]
+    with pytest.raises(NotFound):
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key="user:u1:missing")  # the oldest: not_found
+    for n in range(25):
+        write(tenant_a, f"user:u1:k{n}", "v")
+    found, pages, url = [], 0, "/admin/audit/auditevent/?outcome=not_found"
+    while url:
+        response = client.get(url)
+        assert response.status_code == 200
+        found += [e.action for e in response.context["cl"].result_list]
+        older = re.search(r'href="(\?[^"]*before=\d+[^"]*)" id="audit-older"', response.content.decode())
+        url = older and "/admin/audit/auditevent/" + older.group(1).replace("&amp;", "&")
+        pages += 1
+    assert found == ["memory.read"] and pages >= 3  # empty windows first, then the match
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="audit.list", actor_id=str(user.pk)).count() >= 1
+    # Without such a filter the list reads its index a page at a time: no window, no link.
+    assert 'id="audit-older"' not in client.get("/admin/audit/auditevent/").content.decode()
+    assert client.get("/admin/audit/auditevent/?before=x").status_code == 400
+
+
+def test_a_windowed_audit_filter_over_several_tenants_asks_for_one(tenant_a, tenant_b, superuser_client):
+    # The windows are the tenant's own events: a filter no index serves lists one tenant.
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = superuser_client
+    response = client.get("/admin/audit/auditevent/?action=memory.write")
+    assert response.status_code == 200 and list(response.context["cl"].result_list) == []
+    assert "Choose a tenant" in response.content.decode()
+    response = client.get(f"/admin/audit/auditevent/?action=memory.write&tenant={tenant_a.pk}")
+    assert [e.action for e in response.context["cl"].result_list] == ["memory.write"]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("query", ["outcome=denied", "action=tool.", "actor=nobody", "actor=zm_b&action=memory.read"])
+def test_an_audit_list_filter_no_index_serves_reads_at_most_a_window(transactional_db, tenant_a, staff_clients, query):
+    """A rare (or absent) match read every event of the tenant, for the page and for its capped
+    count; now at most LIST_SCAN_MAX entries of audit_unsealed (tenant, id) per query.
+    (transactional_db: the rows are truncated afterwards.)"""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from audit.selectors import LIST_SCAN_MAX
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO audit_auditevent (uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label,"
+            " surface, action, target, subject, outcome, request_id, detail, digest, chain, redacted)"
+            " SELECT md5(%s || g::text)::uuid, %s, now() - g * interval '1 second', 'api_key', '1', 'zm_b',"
+            " 'tool', 'memory.read', 'user:u' || g || ':k', 'u' || g, 'ok', '', '{}',"
+            " md5(g::text) || md5(g::text), '', '{}' FROM generate_series(1, 30000) g",
+            [tenant_a.slug, tenant_a.pk],
+        )
+        cursor.execute("ANALYZE audit_auditevent")
+    _user, client = staff_clients["compliance"]
+    with CaptureQueriesContext(connection) as queries:
+        response = client.get(f"/admin/audit/auditevent/?{query}")
+    assert response.status_code == 200
+    reads = [q["sql"] for q in queries if "audit_auditevent" in q["sql"] and "ORDER BY" in q["sql"]]
+    assert reads
+    for sql in reads:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            cursor.execute("EXPLAIN (ANALYZE, COSTS) " + sql)
+            plan = "\n".join(line for (line,) in cursor.fetchall())
+        # (the planner reads the empty partitions ahead with a Seq Scan: no rows)
+        read = [int(n) for n in re.findall(r"(?m)Scan.*actual time=\S+ rows=(\d+)", plan)]
+        read += [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
+        assert read and max(read) <= LIST_SCAN_MAX + 1, plan
