@@ -273,12 +273,19 @@ class AuditEventAdmin(TenantScopedAdmin):
     def _audit_reading(self, request, rows) -> None:
         """Reading the log is itself recorded (``audit.list``, as the audit API does), in
         each tenant whose events the page showed — after the page's rows were read, so the
-        record of this reading is not among them."""
+        record of this reading is not among them — and, when the list covers one tenant (chosen,
+        or the only one in scope), in it even when the page is empty: a filter that found
+        nothing (in a window, say) still read that tenant's log."""
         shown: dict = {}
         for event in rows:
             shown.setdefault(event.tenant, 0)
             shown[event.tenant] += 1
-        params = {k: request.GET[k] for k in FILTER_PARAMS if request.GET.get(k)}
+        ids = tenant_ids_with(request, self.view_capability)
+        chosen = validation.ascii_int(request.GET.get("tenant") or "")
+        covered = [chosen] if chosen in ids else sorted(ids)
+        if not shown and len(covered) == 1:
+            shown[get_tenant_model().objects.get(pk=covered[0])] = 0
+        params = {k: request.GET[k] for k in (*FILTER_PARAMS, BEFORE_VAR) if request.GET.get(k)}
         for tenant, count in shown.items():
             audit_list_record(
                 tenant=tenant,
