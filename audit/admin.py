@@ -46,6 +46,7 @@ FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "
 # reads the matches among a window of the tenant's events (AuditChangeList), as the REST list.
 WINDOWED_PARAMS = ("actor", "action", "outcome")
 BEFORE_VAR = "before"  # the window's cursor: events below this id
+REFUSED = object()  # AuditChangeList: the filters were refused, nothing is listed
 
 
 def parse_moment(raw: str, *, end_of_day: bool = False) -> datetime | None:
@@ -174,7 +175,7 @@ class AuditChangeList(SortableByChangeList):
     def get_queryset(self, request, exclude_parameters=None):
         self._bounds = self._window(request)
         qs = super().get_queryset(request, exclude_parameters)
-        if self._bounds == "refused":
+        if self._bounds is REFUSED:
             return qs.none()
         if self._bounds is not None:
             qs = self._bounds.narrow(qs)
@@ -185,7 +186,7 @@ class AuditChangeList(SortableByChangeList):
 
     def get_ordering(self, request, queryset):
         ordering = super().get_ordering(request, queryset)
-        if self._bounds is None or self._bounds == "refused" or not ordering:
+        if self._bounds is None or self._bounds is REFUSED or not ordering:
             return ordering
         # By id, as the window is cut (ids follow the INSERTs' time): a range of audit_unsealed.
         sign = "-" if str(ordering[0]).startswith("-") else ""
@@ -204,12 +205,12 @@ class AuditChangeList(SortableByChangeList):
                 "Choose a tenant (the tenant filter) to filter by actor, action or outcome: the list reads "
                 "one tenant's events at a time for them.",
             )
-            return "refused"
+            return REFUSED
         try:
             filters = audit_filters_from(request.GET)
         except InvalidInput as exc:
             messages.error(request, service_error_text(exc))
-            return "refused"
+            return REFUSED
         tenant = get_tenant_model().objects.get(pk=tenants[0])
         if not any(request.GET.get(name) for name in WINDOWED_PARAMS):
             return list_page_bounds(tenant=tenant, filters=filters, before=before, few=True)  # before alone
@@ -275,7 +276,7 @@ class AuditEventAdmin(TenantScopedAdmin):
         each tenant whose events the page showed — after the page's rows were read, so the
         record of this reading is not among them — and, when the list covers one tenant (chosen,
         or the only one in scope), in it even when the page is empty: a filter that found
-        nothing (in a window, say) still read that tenant's log."""
+        nothing (in a window, say) still read that tenant's log; a refused filter did not."""
         shown: dict = {}
         for event in rows:
             shown.setdefault(event.tenant, 0)
@@ -283,7 +284,7 @@ class AuditEventAdmin(TenantScopedAdmin):
         ids = tenant_ids_with(request, self.view_capability)
         chosen = validation.ascii_int(request.GET.get("tenant") or "")
         covered = [chosen] if chosen in ids else sorted(ids)
-        if not shown and len(covered) == 1:
+        if not shown and len(covered) == 1 and _filters_taken(request.GET):
             shown[get_tenant_model().objects.get(pk=covered[0])] = 0
         params = {k: request.GET[k] for k in (*FILTER_PARAMS, BEFORE_VAR) if request.GET.get(k)}
         for tenant, count in shown.items():
@@ -329,6 +330,15 @@ class AuditEventAdmin(TenantScopedAdmin):
         except ServiceError as exc:
             messages.error(request, service_error_text(exc))
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
+
+
+def _filters_taken(params) -> bool:
+    """Whether the list's filters are all valid (a refused one listed nothing: no reading)."""
+    try:
+        audit_filters_from(params)
+    except InvalidInput:
+        return False
+    return True
 
 
 def audit_filters_from(params) -> AuditFilters:

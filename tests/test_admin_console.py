@@ -948,3 +948,14 @@ def test_an_audit_list_filter_no_index_serves_reads_at_most_a_window(transaction
         read = [int(n) for n in re.findall(r"(?m)Scan.*actual time=\S+ rows=(\d+)", plan)]
         read += [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
         assert read and max(read) <= LIST_SCAN_MAX + 1, plan
+
+
+def test_a_refused_audit_filter_records_no_reading(tenant_a, staff_clients):
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["compliance"]
+    for query in ("since=yesterday", "outcome=ok&since=yesterday", "actor=" + "a" * 600):
+        response = client.get(f"/admin/audit/auditevent/?{query}")
+        assert response.status_code == 200 and list(response.context["cl"].result_list) == [], query
+    assert not AuditEvent.objects.filter(action="audit.list").exists()
+    assert client.get("/admin/audit/auditevent/?outcome=denied").status_code == 200  # valid, nothing found
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="audit.list", count=0).count() == 1
