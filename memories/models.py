@@ -282,6 +282,23 @@ class Memory(models.Model):
             # on PostgreSQL, migration 0029.
             models.Index(fields=["tenant", "updated_at", "id"], name="memory_tenant_updated"),
             models.Index(fields=["tenant", "expires_at", "id"], name="memory_tenant_expires"),
+            # The same three orders of the trash (state=trash): the key index above holds only
+            # live memories, and these two walked past every live one to reach the trashed.
+            # Only trashed rows are entered (a move to the trash rewrites every index entry
+            # anyway). Built CONCURRENTLY on PostgreSQL, migration 0033.
+            models.Index(
+                fields=["tenant", "key", "id"], name="memory_trash_key", condition=Q(deleted_at__isnull=False)
+            ),
+            models.Index(
+                fields=["tenant", "updated_at", "id"],
+                name="memory_trash_updated",
+                condition=Q(deleted_at__isnull=False),
+            ),
+            models.Index(
+                fields=["tenant", "expires_at", "id"],
+                name="memory_trash_expires",
+                condition=Q(deleted_at__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -17,7 +17,7 @@ from memories import services
 from memories.admin.memories import MemoryAdmin
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
 from memories.models import ApiKey, ForgetRequest, Membership, Memory, TokenUsageDay, hash_api_key
-from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, write
+from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, make_tenant, write
 from zeromem.kernel.errors import NotFound
 
 pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
@@ -804,6 +804,41 @@ def test_searches_key_tree_walks_and_dashboards_are_audited_without_the_search_w
     assert not any("Klingon" in str(e.__dict__) for e in AuditEvent.objects.all())
 
 
+@pytest.mark.parametrize("query", [{"q": "Klingon"}, {"prefix": "user:u1:"}])
+def test_a_search_over_more_tenants_than_it_may_cover_asks_for_a_tenant_and_records_nothing(
+    transactional_db, tenant_a, superuser_client, query
+):
+    """Each tenant's own log (its chain, its retention, its reviewers' export) must show a
+    search or key-tree walk of its memories: one event per tenant covered. A superuser's
+    search over every tenant wrote one per tenant, thousands per page: past KeyTreeFilter's
+    TENANTS_MAX the list asks for a tenant, shows nothing and records nothing. (transactional_db:
+    the rows are truncated afterwards; rolled back, they tilted a later test's expiry plan.)"""
+    tenants = [tenant_a, *(make_tenant(f"t{n:02d}") for n in range(MemoryAdmin.BROWSE_TENANTS_MAX))]
+    for tenant in tenants:
+        write(tenant, "user:u1:pref_lang", "Klingon spoken at home")
+    user, client = superuser_client
+    browsed = AuditEvent.objects.filter(action="memory.browse")
+
+    response = client.get("/admin/memories/memory/", query)
+    assert response.status_code == 200
+    assert list(response.context["cl"].result_list) == []
+    assert "Choose a tenant" in response.content.decode()
+    assert not browsed.exists()
+
+    response = client.get("/admin/memories/memory/", {**query, "tenant": tenants[3].pk})
+    assert [m.tenant_id for m in response.context["cl"].result_list] == [tenants[3].pk]
+    assert list(browsed.values_list("tenant_id", "actor_id")) == [(tenants[3].pk, str(user.pk))]
+
+
+def test_a_search_over_a_few_tenants_is_recorded_in_each_of_them(tenant_a, tenant_b, superuser_client):
+    write(tenant_a, "user:u1:pref_lang", "Klingon spoken at home")
+    _user, client = superuser_client
+    response = client.get("/admin/memories/memory/", {"q": "Klingon"})
+    assert [m.tenant_id for m in response.context["cl"].result_list] == [tenant_a.pk]
+    browsed = AuditEvent.objects.filter(action="memory.browse").order_by("tenant_id")
+    assert list(browsed.values_list("tenant_id", flat=True)) == [tenant_a.pk, tenant_b.pk]
+
+
 @pytest.mark.parametrize("source", ["memoryversion", "memoryembedding"])
 def test_the_autocomplete_is_no_unaudited_search_of_memory_values(tenant_a, staff_clients, source):
     # Any model with a foreign key to Memory names it as the autocomplete's target; no admin
@@ -835,3 +870,93 @@ def test_another_tenants_dashboard_writes_no_event_in_it(tenant_a, tenant_b, sta
     _user, client = staff_clients["admin"]
     assert client.get(f"/admin/memories/tenant/{tenant_b.pk}/dashboard/").status_code == 404
     assert not AuditEvent.objects.filter(tenant=tenant_b, action="tenant.dashboard").exists()
+
+
+# --- the audit list's filters no index serves read bounded windows --------------------------
+
+
+def test_an_audit_list_filter_no_index_serves_reads_windows_with_older_links(tenant_a, staff_clients, monkeypatch):
+    """An actor, action or outcome filter read the tenant's whole log for each page (and its
+    capped count): 85-230 ms at 1M events, growing with the log. As the REST review list does,
+    a page reads the matches among the tenant's newest LIST_SCAN_MAX events below its cursor
+    (``before``), and links the older ones."""
+    monkeypatch.setattr("audit.selectors.LIST_SCAN_MAX", 10)
+    user, client = staff_clients["compliance"]
+    with pytest.raises(NotFound):
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key="user:u1:missing")  # the oldest: not_found
+    for n in range(25):
+        write(tenant_a, f"user:u1:k{n}", "v")
+    found, pages, url = [], 0, "/admin/audit/auditevent/?outcome=not_found"
+    while url:
+        response = client.get(url)
+        assert response.status_code == 200
+        found += [e.action for e in response.context["cl"].result_list]
+        older = re.search(r'href="(\?[^"]*before=\d+[^"]*)" id="audit-older"', response.content.decode())
+        url = older and "/admin/audit/auditevent/" + older.group(1).replace("&amp;", "&")
+        pages += 1
+    assert found == ["memory.read"] and pages >= 3  # empty windows first, then the match
+    readings = AuditEvent.objects.filter(tenant=tenant_a, action="audit.list", actor_id=str(user.pk)).order_by("pk")
+    assert len(readings) == pages and "before" in readings.last().detail  # each window read is recorded
+    # Without such a filter the list reads its index a page at a time: no window, no link.
+    assert 'id="audit-older"' not in client.get("/admin/audit/auditevent/").content.decode()
+    assert client.get("/admin/audit/auditevent/?before=x").status_code == 400
+
+
+def test_a_windowed_audit_filter_over_several_tenants_asks_for_one(tenant_a, tenant_b, superuser_client):
+    # The windows are the tenant's own events: a filter no index serves lists one tenant.
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = superuser_client
+    response = client.get("/admin/audit/auditevent/?action=memory.write")
+    assert response.status_code == 200 and list(response.context["cl"].result_list) == []
+    assert "Choose a tenant" in response.content.decode()
+    response = client.get(f"/admin/audit/auditevent/?action=memory.write&tenant={tenant_a.pk}")
+    assert [e.action for e in response.context["cl"].result_list] == ["memory.write"]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("query", ["outcome=denied", "action=tool.", "actor=nobody", "actor=zm_b&action=memory.read"])
+def test_an_audit_list_filter_no_index_serves_reads_at_most_a_window(transactional_db, tenant_a, staff_clients, query):
+    """A rare (or absent) match read every event of the tenant, for the page and for its capped
+    count; now at most LIST_SCAN_MAX entries of audit_unsealed (tenant, id) per query.
+    (transactional_db: the rows are truncated afterwards.)"""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from audit.selectors import LIST_SCAN_MAX
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO audit_auditevent (uid, tenant_id, occurred_at, actor_kind, actor_id, actor_label,"
+            " surface, action, target, subject, outcome, request_id, detail, digest, chain, redacted)"
+            " SELECT md5(%s || g::text)::uuid, %s, now() - g * interval '1 second', 'api_key', '1', 'zm_b',"
+            " 'tool', 'memory.read', 'user:u' || g || ':k', 'u' || g, 'ok', '', '{}',"
+            " md5(g::text) || md5(g::text), '', '{}' FROM generate_series(1, 30000) g",
+            [tenant_a.slug, tenant_a.pk],
+        )
+        cursor.execute("ANALYZE audit_auditevent")
+    _user, client = staff_clients["compliance"]
+    with CaptureQueriesContext(connection) as queries:
+        response = client.get(f"/admin/audit/auditevent/?{query}")
+    assert response.status_code == 200
+    reads = [q["sql"] for q in queries if "audit_auditevent" in q["sql"] and "ORDER BY" in q["sql"]]
+    assert reads
+    for sql in reads:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            cursor.execute("EXPLAIN (ANALYZE, COSTS) " + sql)
+            plan = "\n".join(line for (line,) in cursor.fetchall())
+        # (the planner reads the empty partitions ahead with a Seq Scan: no rows)
+        read = [int(n) for n in re.findall(r"(?m)Scan.*actual time=\S+ rows=(\d+)", plan)]
+        read += [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
+        assert read and max(read) <= LIST_SCAN_MAX + 1, plan
+
+
+def test_a_refused_audit_filter_records_no_reading(tenant_a, staff_clients):
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["compliance"]
+    for query in ("since=yesterday", "outcome=ok&since=yesterday", "actor=" + "a" * 600):
+        response = client.get(f"/admin/audit/auditevent/?{query}")
+        assert response.status_code == 200 and list(response.context["cl"].result_list) == [], query
+    assert not AuditEvent.objects.filter(action="audit.list").exists()
+    assert client.get("/admin/audit/auditevent/?outcome=denied").status_code == 200  # valid, nothing found
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="audit.list", count=0).count() == 1

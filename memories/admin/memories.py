@@ -171,6 +171,9 @@ class MemoryAdmin(TenantScopedAdmin):
     actions = ("forget_selected", "extend_ttl", "move_to_trash", "restore_from_trash")
     autocomplete_fields = ("tenant",)
     object_history_template = "zeromem_admin/memory_history.html"
+    # A search or key-tree walk covers at most this many tenants (the chosen one, else every
+    # tenant in scope): each records it in its own audit log (memory.browse).
+    BROWSE_TENANTS_MAX = KeyTreeFilter.TENANTS_MAX
 
     def get_search_results(self, request, queryset, search_term):
         if request.path.endswith("/autocomplete/"):
@@ -292,16 +295,34 @@ class MemoryAdmin(TenantScopedAdmin):
         refused = list_parameters_refused(request, self)
         if refused is not None:
             return refused
+        # Each tenant's own log must show it (a tenant's reviewers read and export only theirs,
+        # under its own chain and retention): one event per tenant covered, so a search over
+        # more than BROWSE_TENANTS_MAX (a superuser's, over every tenant) asks for a tenant
+        # instead, and shows and records nothing.
         search = request.GET.get("q", "")
         prefix = request.GET.get(KeyTreeFilter.parameter_name, "")
         if request.method == "GET" and (search or prefix):
             ids = tenant_ids_with(request, Capability.MEMORY_VIEW)
             chosen = validation.ascii_int(request.GET.get("tenant") or "")
-            for tenant in Tenant.objects.filter(pk__in=[chosen] if chosen in ids else ids).order_by("pk"):
-                services.memories_browse(
-                    tenant=tenant, actor=actor_for(request, tenant.pk), search=search, prefix=prefix
+            covered = [chosen] if chosen in ids else sorted(ids)
+            if len(covered) > self.BROWSE_TENANTS_MAX:
+                request._zeromem_browse_refused = True
+                self.message_user(
+                    request,
+                    f"Choose a tenant (the tenant filter) to search or walk the key tree: a search covers at most "
+                    f"{self.BROWSE_TENANTS_MAX} tenants, and each records it in its audit log.",
+                    messages.ERROR,
                 )
+            else:
+                for tenant in Tenant.objects.filter(pk__in=covered).order_by("pk"):
+                    services.memories_browse(
+                        tenant=tenant, actor=actor_for(request, tenant.pk), search=search, prefix=prefix
+                    )
         return super().changelist_view(request, extra_context)
+
+    def get_queryset(self, request):
+        qs = super().get_queryset(request)
+        return qs.none() if getattr(request, "_zeromem_browse_refused", False) else qs
 
     # --- opening a memory is an audited read ---------------------------------------------
 

@@ -6,8 +6,9 @@ Run it against a throw-away database, e.g.::
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/zm_adminbench python manage.py migrate
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/zm_adminbench python manage.py bench_admin
 
-A new tenant (``adminbench-<random>``) gets ``--events`` audit events and ``--memories``
-memories, bulk-inserted with ``generate_series`` (audit events are append-only, so they stay);
+A new tenant (``adminbench-<random>``) gets ``--events`` audit events, ``--memories``
+memories and ``--trashed`` memories in the trash, bulk-inserted with ``generate_series``
+(audit events are append-only, so they stay);
 a staff user with the ``admin`` role then opens each page ``--repeat`` times through Django's
 test client (no network), and the command prints the median and the fastest time per page.
 The figures show what the capped count (no full ``COUNT(*)``) and the tenant-leading indexes
@@ -39,9 +40,12 @@ PAGES = (
     # One of 199 actors (fixed-width labels: no label is a prefix of another) and one action:
     # 1 row in 995 matches, not every row.
     "/admin/audit/auditevent/?actor=zm_b007&action=memory.write",
+    # No event matches: the windows' cost (each page reads 10,000 events, see audit.selectors).
+    "/admin/audit/auditevent/?outcome=denied",
     "/admin/memories/memory/",
     "/admin/memories/memory/?prefix=user:",
     "/admin/memories/memory/?q=u4242",
+    "/admin/memories/memory/?state=trash",
     "/admin/memories/forgetrequest/",
     "/admin/memories/tenant/{tenant}/dashboard/",
 )
@@ -55,9 +59,10 @@ class Command(BenchCommand):
     def add_bench_arguments(self, parser):
         parser.add_argument("--events", type=int, default=1_000_000)
         parser.add_argument("--memories", type=int, default=200_000)
+        parser.add_argument("--trashed", type=int, default=200_000)
         parser.add_argument("--repeat", type=int, default=5)
 
-    def handle(self, *args, events: int, memories: int, repeat: int, **options):
+    def handle(self, *args, events: int, memories: int, trashed: int, repeat: int, **options):
         self.require_postgresql()
         slug = f"adminbench-{secrets.token_hex(3)}"
         tenant = Tenant.objects.create(slug=slug, name=slug)
@@ -84,10 +89,20 @@ class Command(BenchCommand):
                    FROM generate_series(1, %s) g""",
                 [tenant.pk, memories],
             )
+            cursor.execute(
+                """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, sensitive,
+                       deleted_at)
+                   SELECT %s, 'trash:t' || g || ':old', 'trash:t' || g, '"a value"', 'trash t' || g || ' old',
+                       'user', 'u' || g, '[]', 5, '', 1, now(), now(), 0, '[]', false,
+                       now() - (g %% 1000) * interval '1 minute'
+                   FROM generate_series(1, %s) g""",
+                [tenant.pk, trashed],
+            )
             cursor.execute("ANALYZE audit_auditevent")
             cursor.execute("ANALYZE memories_memory")
         self.stdout.write(
-            f"tenant {slug}: {events:,} audit events, {memories:,} memories inserted in "
+            f"tenant {slug}: {events:,} audit events, {memories:,} memories, {trashed:,} in the trash inserted in "
             f"{time.perf_counter() - started:.1f} s"
         )
         user = get_user_model().objects.create_user(username=f"{slug}-admin", password=None)
