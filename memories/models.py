@@ -285,7 +285,7 @@ class Memory(models.Model):
             # The same three orders of the trash (state=trash): the key index above holds only
             # live memories, and these two walked past every live one to reach the trashed.
             # Only trashed rows are entered (a move to the trash rewrites every index entry
-            # anyway). Built CONCURRENTLY on PostgreSQL, migration 0033.
+            # anyway). Built CONCURRENTLY on PostgreSQL, migration 0032.
             models.Index(
                 fields=["tenant", "key", "id"], name="memory_trash_key", condition=Q(deleted_at__isnull=False)
             ),

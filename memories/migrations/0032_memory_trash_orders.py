@@ -35,7 +35,7 @@ def backward(apps, schema_editor):
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("memories", "0032_memory_fillfactor")]
+    dependencies = [("memories", "0031_memory_fillfactor")]
 
     operations = [
         migrations.SeparateDatabaseAndState(
