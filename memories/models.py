@@ -464,7 +464,7 @@ class Job(models.Model):
                 condition=models.Q(status__in=["queued", "running"]),
                 name="job_tenant_pending",
             ),
-            # Whose turn it is (services.jobs.job_claim_next): a tenant's latest attempt start.
+            # Whose turn it is (services.jobs.turn_claim_next): a tenant's latest attempt start.
             models.Index(fields=["tenant", "kind", "started_at"], name="job_tenant_started"),
         ]
 
@@ -506,6 +506,11 @@ class ForgetRequest(models.Model):
     # pending request that has not moved for Q_CLUSTER["retry"] seconds lost its worker or
     # its queue entry, and forget_requests_resume() enqueues it again.
     progress_at = models.DateTimeField(default=timezone.now)
+    # Its turns at the workers every tenant shares (services.jobs.turn_claim_next): when it last
+    # held one (a step began, or handed the worker back), and whether a step holds one now. A
+    # step still "stepping" Q_TIMEOUT after it began is over (failed, or its worker died).
+    turn_at = models.DateTimeField(null=True, blank=True)
+    stepping = models.BooleanField(default=False, db_default=False)
     # Running totals, updated in the same transaction as each erased batch, so a retry
     # after a crash continues the count instead of starting it again.
     receipt = models.JSONField(default=dict, blank=True)
@@ -533,6 +538,8 @@ class ForgetRequest(models.Model):
                 name="forget_tenant_queue",
             ),
             models.Index(fields=["tenant", "subject"], name="forget_tenant_subject", condition=~Q(subject="")),
+            # Whose turn it is (services.jobs.turn_claim_next): a tenant's latest turn at a worker.
+            models.Index(fields=["tenant", "turn_at"], name="forget_tenant_turn"),
         ]
         constraints = [
             models.CheckConstraint(

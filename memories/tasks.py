@@ -8,7 +8,7 @@ django-q2 does not count a killed worker's attempt (django-q2 issue #327).
 
 from memories.search import embeddings
 from memories.search import index as search_index
-from memories.services import access, dashboard_stats, forget, idempotency, jobs, retention, summaries
+from memories.services import access, dashboard_stats, forget, idempotency, jobs, retention, summaries, turns
 
 
 def jobs_purge_task() -> int:
@@ -20,7 +20,9 @@ def purge_expired_task() -> dict:
 
 
 def forget_request_task(request_id: int, continues: int | None = None) -> dict:
-    return forget.forget_request_execute(request_id=request_id, continues=continues)
+    # A turn (services.turns): a step of whichever request or job waits longest by tenant.
+    # ``continues``: carried by continuations queued before turns; unused.
+    return turns.delivery_run(forget_request=request_id)
 
 
 def forget_requests_resume_task() -> int:
@@ -28,7 +30,7 @@ def forget_requests_resume_task() -> int:
 
 
 def summarize_task(job_id: int) -> dict:
-    return summaries.summarize_delivery(job_id=job_id)
+    return turns.delivery_run(summarize_job=job_id)
 
 
 def summarize_idle_sessions_task() -> int:

@@ -123,8 +123,9 @@ def seed_user(tenant, user="u1", n=3, versions=2):
 def summarize(tenant, prefix, capture):
     """Run the real summarizer (deterministic digest) into summary:<prefix>, with lineage.
     ``capture`` is pytest-django's ``django_capture_on_commit_callbacks``."""
-    with capture(execute=True):
-        services.summarize_start(tenant=tenant, actor=SYSTEM, prefix=prefix)
+    with capture(execute=False):  # not a queue turn, which a pending forget request would take
+        job = services.summarize_start(tenant=tenant, actor=SYSTEM, prefix=prefix)
+    services.summarize_run(job_id=job.pk)
     summary = Memory.objects.get(tenant=tenant, key="summary:" + prefix.rstrip(":"), deleted_at__isnull=True)
     assert summary.category == "summary" and summary.sources, summary.sources
     return summary

@@ -15,7 +15,7 @@ from django_q.models import OrmQ, Task
 from django_q.signing import SignedPackage
 
 from audit.models import AuditEvent
-from memories import services
+from memories import services, tasks
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget, jobs, subjects
 from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
@@ -920,12 +920,12 @@ def test_a_long_forget_hands_its_worker_back_and_continues_at_the_back_of_the_qu
 def test_a_second_delivery_of_a_sliced_forget_does_not_become_a_second_chain_of_slices(
     tenant_a, settings, monkeypatch, django_capture_on_commit_callbacks
 ):
-    """Each slice enqueues its continuation. A second delivery of the request — the resume
-    schedule's, once a continuation waited in a long queue past Q_RETRY, or a redelivery —
-    continued too, at every one of its slices: two runs of one request for ever after (each a
-    worker, the second mostly waiting on the first's row lock), a third at the next resume,
-    while every other tenant's job waited behind them. A continuation that another run has
-    overtaken ends at once; one line of slices is left."""
+    """Each step that hands its worker back enqueues a delivery. A second delivery of the
+    request — the resume schedule's, once a continuation waited in a long queue past Q_RETRY,
+    or a redelivery — continued it too, at every one of its slices: two runs of one request for
+    ever after (each a worker, the second mostly waiting on the first's row lock), a third at
+    the next resume. A delivery is now a turn: one that comes while a step of the request holds
+    a worker begins nothing (services.jobs.turn_claim_next), and one line of steps is left."""
     from django_q.conf import Conf
 
     monkeypatch.setattr(Conf, "SYNC", False)  # enqueued for real, run here by hand
@@ -940,25 +940,30 @@ def test_a_second_delivery_of_a_sliced_forget_does_not_become_a_second_chain_of_
         OrmQ.objects.filter(pk__in=[e.pk for e in entries]).delete()
         for entry in entries:
             task = SignedPackage.loads(entry.payload)
-            (request_id,) = task["args"]
-            forget.forget_request_execute(request_id=request_id, **task["kwargs"], batch_size=1)
+            tasks.forget_request_task(*task["args"], **task["kwargs"])
         return len(entries)
 
-    forget.forget_request_execute(request_id=request.pk, batch_size=1)  # slice 1: its continuation queued
-    # The continuation waits in a long queue; the resume schedule finds the request not moving.
+    forget.forget_request_execute(request_id=request.pk, batch_size=1)  # slice 1: its delivery queued
+    (continuation,) = OrmQ.objects.all()
+    # A worker takes it and begins the next step; meanwhile the resume schedule finds the
+    # request not moving (the continuation had waited in a long queue) and enqueues it again.
+    continuation.delete()
+    step = forget.forget_step_begin(request.pk)
     long_ago = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"] + 1)
     ForgetRequest.objects.filter(pk=request.pk).update(progress_at=long_ago)
     with django_capture_on_commit_callbacks(execute=True):
         assert services.forget_requests_resume() == 1
-    assert OrmQ.objects.count() == 2
-
-    assert run_queue() == 2  # both continue (neither knew of the other when it started)...
-    assert run_queue() == 2
-    assert OrmQ.objects.count() == 1  # ...then the overtaken one ends: one line of slices again
-    while run_queue():
-        pass
+    assert run_queue() == 1  # the resume's delivery: the step holds a worker, it begins nothing
+    assert ForgetRequest.objects.get(pk=request.pk).attempts == 2
+    forget.forget_step_run(step, batch_size=1)  # that step hands back: one delivery queued
+    assert OrmQ.objects.count() == 1
+    steps = 2
+    while run_queue():  # each delivery one step, which queues the next: one line
+        steps += 1
+        assert OrmQ.objects.count() <= 1
     done = ForgetRequest.objects.get(pk=request.pk)
     assert done.status == "completed" and done.receipt["memories"] == 8
+    assert done.attempts == steps
     assert not Memory.objects.filter(tenant=tenant_a, subject="u1").exists()
 
 

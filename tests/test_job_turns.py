@@ -1,9 +1,10 @@
-"""Tenants take turns in the summarize queue.
+"""Tenants take turns at the workers: summarize jobs and forget requests.
 
 django-q2's queue is one first-come line for every tenant: tenant A's 20 queued summarize jobs
-(its cap) put tenant B's one behind all of them — with an LLM summarizer, minutes. A delivery
-of ``memories.tasks.summarize_task`` is therefore a turn: it runs the waiting job of the tenant
-served longest ago (services.jobs.job_claim_next), whichever job it was enqueued for.
+(its cap) put tenant B's job or forget request behind all of them — with an LLM summarizer,
+minutes. A delivery of ``memories.tasks.summarize_task`` or ``forget_request_task`` is therefore
+a turn: it runs what waits of the tenant served longest ago (services.jobs.turn_claim_next),
+whichever job or request it was enqueued for.
 
 These tests hand the deliveries to the task in queue order, as a single worker would;
 tests/test_qcluster.py runs the same with a real cluster.
@@ -15,19 +16,26 @@ import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from django_q.models import OrmQ
+from django_q.signing import SignedPackage
+from django_q.tasks import async_task
 
-from memories import tasks
-from memories.models import Job
-from memories.services import summaries
-from memories.services.jobs import job_claim_next
-from tests.factories import SYSTEM, make_tenant, write
+from memories import services, tasks
+from memories.models import ForgetRequest, Job
+from memories.services import forget, summaries
+from memories.services.jobs import turn_claim_next
+from tests.factories import SYSTEM, make_tenant, seed_user, write
 
 
 def _jobs(tenant, n, name="s"):
     return [summaries.summarize_start(tenant=tenant, actor=SYSTEM, prefix=f"session:{name}{i}:").pk for i in range(n)]
+
+
+def _claim_of(sql: str, table: str) -> bool:
+    return "SKIP LOCKED" in sql and sql.startswith(f'SELECT "{table}".')
 
 
 def _run_order(ids):
@@ -82,7 +90,7 @@ def test_a_delivery_for_a_job_already_run_on_another_turn_runs_the_next_or_nothi
 
 def test_a_live_attempt_is_not_started_twice_by_a_delivery(tenant_a):
     (job_id,) = _jobs(tenant_a, 1)
-    assert summaries._attempt_begin(job_id).status == "running"  # a worker is on it
+    assert summaries.summarize_attempt_begin(job_id).status == "running"  # a worker is on it
     assert tasks.summarize_task(job_id) == {"status": "running", "job_id": job_id}
     job = Job.objects.get(pk=job_id)
     assert (job.status, job.attempts) == ("running", 1)
@@ -91,7 +99,7 @@ def test_a_live_attempt_is_not_started_twice_by_a_delivery(tenant_a):
 def test_an_attempt_older_than_q_timeout_is_taken_again_its_worker_is_gone(tenant_a, tenant_b, settings):
     settings.Q_CLUSTER = {**settings.Q_CLUSTER, "timeout": 300}
     (dead,) = _jobs(tenant_a, 1, "a")
-    summaries._attempt_begin(dead)
+    summaries.summarize_attempt_begin(dead)
     Job.objects.filter(pk=dead).update(started_at=timezone.now() - timedelta(seconds=301))
     (fresh,) = _jobs(tenant_b, 1, "b")
     # B was never served: its job goes first; then the dead attempt's job runs again.
@@ -105,7 +113,7 @@ def test_an_attempt_older_than_q_timeout_is_taken_again_its_worker_is_gone(tenan
 def test_a_failed_attempt_is_retried_no_sooner_than_q_timeout_after_it_began(tenant_a, tenant_b, settings):
     settings.Q_CLUSTER = {**settings.Q_CLUSTER, "timeout": 300}
     (failed,) = _jobs(tenant_a, 1, "a")
-    summaries._attempt_begin(failed)
+    summaries.summarize_attempt_begin(failed)
     Job.objects.filter(pk=failed).update(status="queued", error="attempt 1 of 5 failed: SummarizerError: 502")
     (other,) = _jobs(tenant_b, 1, "b")
     tasks.summarize_task(other)
@@ -122,7 +130,7 @@ def test_cancelled_and_finished_jobs_are_never_claimed(tenant_a):
     Job.objects.filter(pk=ids[0]).update(status="cancelled")
     Job.objects.filter(pk=ids[1]).update(status="failed", attempts=5)
     with transaction.atomic():
-        assert job_claim_next(kind=Job.Kind.SUMMARIZE).pk == ids[2]
+        assert turn_claim_next().pk == ids[2]
 
 
 @pytest.mark.postgres
@@ -138,7 +146,7 @@ def test_two_workers_claiming_at_once_get_different_jobs_and_neither_waits(monke
     def worker():
         try:
             with transaction.atomic():
-                job = job_claim_next(kind=Job.Kind.SUMMARIZE)
+                job = turn_claim_next()
                 claimed.append(job.pk)
                 both.wait()  # both hold their claim's lock here
         except BaseException as exc:  # noqa: BLE001 — reported below
@@ -177,10 +185,187 @@ def test_the_claim_reads_the_pending_jobs_and_probes_each_tenants_latest_start(t
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE memories_job")
     with CaptureQueriesContext(connection) as ctx, transaction.atomic():
-        assert job_claim_next(kind=Job.Kind.SUMMARIZE).tenant == tenant_b
-    (claim,) = [q["sql"] for q in ctx.captured_queries if "SKIP LOCKED" in q["sql"]]
+        assert turn_claim_next().tenant == tenant_b
+    (claim,) = [q["sql"] for q in ctx.captured_queries if _claim_of(q["sql"], "memories_job")]
     with connection.cursor() as cursor:
         cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + claim)
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "job_tenant_pending" in plan and "job_tenant_started" in plan, plan
     assert "Seq Scan on memories_job" not in plan, plan
+
+
+# --- forget requests take turns too ---------------------------------------------------------
+#
+# A forget request's deliveries (its first, and one each time a step hands its worker back)
+# were first-come too: another tenant's forget found up to 20 of one tenant's summarize
+# deliveries ahead of it (with an LLM summarizer, 20 × its answer time ÷ Q_WORKERS), and one
+# tenant's pile of forgets put everyone's work behind them. A delivery of either task now runs
+# what waits of the tenant served longest ago, a forget before a job of the same tenant.
+
+
+@pytest.fixture
+def turns(monkeypatch):
+    """What each delivery ran, in order: ("forget", request id) per step, ("job", job id) per
+    attempt."""
+    ran: list[tuple[str, int]] = []
+    step_run, attempt_run = forget.forget_step_run, summaries.summarize_attempt_run
+
+    def forget_step(request, **kwargs):
+        ran.append(("forget", request.pk))
+        return step_run(request, **kwargs)
+
+    def job_attempt(job):
+        ran.append(("job", job.pk))
+        return attempt_run(job)
+
+    monkeypatch.setattr(forget, "forget_step_run", forget_step)
+    monkeypatch.setattr(summaries, "summarize_attempt_run", job_attempt)
+    return ran
+
+
+def _forget(tenant, user="u1", n=2):
+    seed_user(tenant, user, n=n, versions=1)
+    return services.forget_request_create(tenant=tenant, actor=SYSTEM, subject=user).pk
+
+
+def test_another_tenants_forget_request_takes_the_next_turn_whatever_queued_ahead_of_it(tenant_a, tenant_b, turns):
+    write(tenant_a, "session:a0:k", "a fact")
+    tasks.summarize_task(_jobs(tenant_a, 1, "x")[0])  # A has been served
+    turns.clear()
+    a = _jobs(tenant_a, 4, "a")
+    Job.objects.filter(pk=a[1]).update(status="cancelled")  # its key was revoked: never run
+    b = _forget(tenant_b)
+    for job_id in a:  # the queue's order: A's four, then B's forget
+        tasks.summarize_task(job_id)
+    tasks.forget_request_task(b)
+    assert turns == [("forget", b), ("job", a[0]), ("job", a[2]), ("job", a[3])]
+    assert ForgetRequest.objects.get(pk=b).status == "completed"
+    assert dict(Job.objects.filter(pk__in=a).values_list("pk", "status")) == {
+        a[0]: "succeeded",
+        a[1]: "cancelled",
+        a[2]: "succeeded",
+        a[3]: "succeeded",
+    }
+    # The delivery left over (one per job or step enqueued; the cancelled job's ran a turn)
+    # runs nothing and says what became of its own.
+    assert tasks.forget_request_task(b)["status"] == "completed"
+    assert Job.objects.get(pk=a[1]).attempts == 0 and ForgetRequest.objects.get(pk=b).attempts == 1
+
+
+def test_one_tenants_pile_of_forget_requests_takes_turns_with_the_others(tenant_a, tenant_b, tenant_c, turns):
+    a = [_forget(tenant_a, f"u{i}") for i in range(3)]
+    b = _forget(tenant_b)
+    (c,) = _jobs(tenant_c, 1, "c")
+    for request_id in a + [b]:
+        tasks.forget_request_task(request_id)
+    tasks.summarize_task(c)
+    # No tenant served yet: a forget first; then B and C, never served; then A's others.
+    assert turns == [("forget", a[0]), ("forget", b), ("job", c), ("forget", a[1]), ("forget", a[2])]
+    assert set(ForgetRequest.objects.values_list("status", flat=True)) == {"completed"}
+
+
+def test_a_sliced_forget_waits_for_its_tenants_next_turn_counted_from_the_end_of_its_step(
+    tenant_a, tenant_b, turns, monkeypatch
+):
+    """A step hands its worker back after FORGET_SLICE_SECONDS (0 here: every batch or redaction
+    page is a step) and enqueues a delivery; the request then waits for its tenant's turn, which
+    counts from the step's end: a step of a minute is not one short turn."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueued for real, run here by hand
+    monkeypatch.setattr(forget, "FORGET_SLICE_SECONDS", 0)
+    request = _forget(tenant_a, n=2)
+    b = _jobs(tenant_b, 3, "b")
+    OrmQ.objects.all().delete()  # (no commit in this test: nothing was enqueued on commit)
+    for func, arg in [(tasks.forget_request_task, request)] + [(tasks.summarize_task, j) for j in b]:
+        async_task(f"memories.tasks.{func.__name__}", arg)
+    deliveries = 0
+    while entries := list(OrmQ.objects.order_by("pk")):  # a single worker, first come
+        entry = entries[0]
+        entry.delete()
+        task = SignedPackage.loads(entry.payload)
+        getattr(tasks, task["func"].rsplit(".", 1)[1])(*task["args"], **task["kwargs"])
+        deliveries += 1
+    step = ("forget", request)
+    assert turns[:6] == [step, ("job", b[0]), step, ("job", b[1]), step, ("job", b[2])]
+    assert set(turns[6:]) <= {step}  # the rest of its steps (if any), B done
+    assert ForgetRequest.objects.get(pk=request).status == "completed"
+    # One delivery per job and per step, none left over: one line of steps, not two.
+    assert deliveries == len(turns) == 3 + ForgetRequest.objects.get(pk=request).attempts
+
+
+def test_a_forget_step_that_holds_a_worker_is_not_begun_again_until_q_timeout_after_it_began(
+    tenant_a, settings, turns, monkeypatch
+):
+    """A second delivery of a request whose step is live (the resume schedule's, a redelivery)
+    runs nothing; a step that failed, or whose worker died, is taken again Q_TIMEOUT after it
+    began, as a job's attempt is — django-q2's redelivery (after Q_RETRY > Q_TIMEOUT) takes it."""
+    settings.Q_CLUSTER = {**settings.Q_CLUSTER, "timeout": 300}
+    request_id = _forget(tenant_a)
+    assert forget.forget_step_begin(request_id).stepping  # a worker is on it
+    assert tasks.forget_request_task(request_id)["status"] == "running"
+    assert turns == [] and ForgetRequest.objects.get(pk=request_id).attempts == 1
+
+    ForgetRequest.objects.filter(pk=request_id).update(turn_at=timezone.now() - timedelta(seconds=301))
+    real = forget._erase_batch
+    monkeypatch.setattr(forget, "_erase_batch", lambda *a, **k: (_ for _ in ()).throw(OperationalError("gone")))
+    with pytest.raises(OperationalError):
+        tasks.forget_request_task(request_id)  # taken again: attempt 2, which fails
+    failed = ForgetRequest.objects.get(pk=request_id)
+    assert (failed.status, failed.attempts, failed.stepping) == ("running", 2, True)
+    monkeypatch.setattr(forget, "_erase_batch", real)
+    assert tasks.forget_request_task(request_id)["status"] == "running"  # its retry is not due
+    assert ForgetRequest.objects.get(pk=request_id).attempts == 2
+
+    ForgetRequest.objects.filter(pk=request_id).update(turn_at=timezone.now() - timedelta(seconds=301))
+    assert tasks.forget_request_task(request_id)["status"] == "completed"  # the redelivery
+    done = ForgetRequest.objects.get(pk=request_id)
+    assert (done.attempts, done.stepping, done.receipt["memories"]) == (3, False, 4)  # 2 live, trashed, expired
+
+
+@pytest.mark.postgres
+def test_the_claim_reads_the_pending_forget_requests_and_probes_each_tenants_latest_turn(tenant_a, tenant_b):
+    """The receipts every tenant keeps (completed requests are never purged) are not read."""
+    now = timezone.now()
+    ForgetRequest.objects.bulk_create(
+        ForgetRequest(
+            tenant=tenant,
+            status=ForgetRequest.Status.COMPLETED,
+            subject=f"u{n}",
+            requested_by_kind="system",
+            created_at=now - timedelta(minutes=n + lag),
+            due_at=now,
+            turn_at=now - timedelta(minutes=n + lag),
+        )
+        for tenant, lag in ((tenant_a, 0), (tenant_b, 60))  # B was served an hour before A
+        for n in range(5000)
+    )
+    _forget(tenant_a, "x1")
+    _forget(tenant_a, "x2")
+    b = _forget(tenant_b, "x3")
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE memories_forgetrequest")
+    with CaptureQueriesContext(connection) as ctx, transaction.atomic():
+        assert turn_claim_next().pk == b
+    (claim,) = [q["sql"] for q in ctx.captured_queries if _claim_of(q["sql"], "memories_forgetrequest")]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + claim)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "forget_pending" in plan and "forget_tenant_turn" in plan, plan
+    assert "Seq Scan on memories_forgetrequest" not in plan, plan
+
+
+def test_a_forget_steps_turn_counts_from_when_it_handed_its_worker_back(tenant_a, tenant_b, monkeypatch):
+    """B's job began while A's step held a worker (2 workers): B's next job goes before A's
+    next step, whose turn counts from its end, not its start."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # the hand-back's delivery queued, not run here
+    monkeypatch.setattr(forget, "FORGET_SLICE_SECONDS", 0)
+    request_id = _forget(tenant_a)
+    b = _jobs(tenant_b, 2, "b")
+    step = forget.forget_step_begin(request_id)  # worker 1
+    summaries.summarize_attempt_run(summaries.summarize_attempt_begin(b[0]))  # worker 2, meanwhile
+    assert forget.forget_step_run(step)["continued"] is True  # worker 1 hands back
+    with transaction.atomic():
+        assert turn_claim_next().pk == b[1]

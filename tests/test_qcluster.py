@@ -272,6 +272,30 @@ def test_a_real_cluster_gives_another_tenants_summarize_job_the_next_turn(cluste
     cluster.wait_for("every queue row to be acknowledged", lambda: OrmQ.objects.count() == 0)
 
 
+def test_a_real_cluster_gives_another_tenants_forget_request_the_next_turn(cluster, monkeypatch):
+    """One worker, tenant A's six summarize jobs queued before tenant B's forget request: B's
+    forget runs first (neither tenant served yet; at equal turns a forget goes before a job),
+    on the turn of A's first delivery (it ran seventh, behind all of A's, when forget requests
+    kept their own first-come deliveries)."""
+    monkeypatch.setattr(Conf, "SYNC", False)
+    a, b = make_tenant("qc-fturn-a"), make_tenant("qc-fturn-b")
+    seed_user(b, "u1", n=2, versions=1)
+    for i in range(6):
+        services.summarize_start(tenant=a, actor=SYSTEM, prefix=f"session:a{i}:")
+    request = services.forget_request_create(tenant=b, actor=SYSTEM, subject="u1")
+    assert OrmQ.objects.count() == 7
+
+    cluster.start()
+    cluster.wait_for("the forget request to complete", lambda: _request(request.pk).status == "completed")
+    cluster.wait_for("every job to succeed", lambda: Job.objects.filter(status="succeeded").count() == 6)
+    forget_started = _request(request.pk).started_at
+    before = Job.objects.filter(started_at__lt=forget_started).count()
+    assert before == 0, list(Job.objects.order_by("started_at").values_list("started_at", flat=True))
+    assert _request(request.pk).attempts == 1
+    assert set(Job.objects.values_list("attempts", flat=True)) == {1}
+    cluster.wait_for("every queue row to be acknowledged", lambda: OrmQ.objects.count() == 0)
+
+
 def _seed_twin(slug: str, capture):
     tenant = make_tenant(slug)
     for i in range(12):

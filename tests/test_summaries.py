@@ -474,7 +474,7 @@ def test_a_revoke_racing_a_worker_that_starts_the_job_leaves_it_to_the_worker():
 
     def attempt():
         with transaction.atomic():
-            assert summaries._attempt_begin(job_id).status == "running"
+            assert summaries.summarize_attempt_begin(job_id).status == "running"
             began.set()
             release.wait(30)
 

@@ -7,9 +7,9 @@ history; and by id in any state, as the admin opens them: view, versions, restor
 version), ``tenants`` (tenants, their settings, API keys), ``memberships`` (who may use the
 admin for a tenant, in which role), ``browsing`` (staff searches, key-tree walks and
 dashboards, audited), ``summaries`` (summarize a namespace, the idle-sessions
-schedule), ``jobs`` (background jobs as callers see them), ``retention`` (default TTLs by
-prefix, the purge of expired memories and old trash), ``forget`` (forget requests: accept,
-carry out, resume).
+schedule), ``jobs`` (background jobs as callers see them; whose turn it is at the workers),
+``turns`` (a queue delivery runs that turn), ``retention`` (default TTLs by prefix, the purge
+of expired memories and old trash), ``forget`` (forget requests: accept, carry out, resume).
 """
 
 from memories.services.browsing import dashboard_view, memories_browse

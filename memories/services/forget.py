@@ -5,7 +5,8 @@ list of keys, for good.
   transaction that commits before the caller answers (the request is durable the moment
   it is accepted), then enqueued after the commit. The queue payload is the request id and
   nothing else, so the queue tables never hold what is being forgotten.
-* :func:`forget_request_execute` (the job, ``memories.tasks.forget_request_task``) erases
+* :func:`forget_request_execute` (the job: a step of it runs on a turn of the shared queue,
+  ``memories.tasks.forget_request_task`` → ``services.turns.delivery_run``) erases
   the target's memories — live, trashed and expired alike — with every version and every
   summary derived from them, in batches of one short transaction each, and ends with a
   receipt of counts and times (never erased content).
@@ -70,9 +71,9 @@ ERASE_BATCH_SIZE = 500
 # Summaries of summaries are erased too; this bounds the walk down the lineage per batch.
 LINEAGE_DEPTH_MAX = 10
 RESUME_MAX = 1000
-# A run erases batches for at most this long (and at most half of Q_TIMEOUT), then enqueues the
-# request again, at the back of the queue every tenant shares, and hands its worker back: a
-# huge target no longer holds a worker until Q_TIMEOUT kills it, while other tenants wait.
+# A step erases batches for at most this long (and at most half of Q_TIMEOUT), then hands its
+# worker back and the request waits for its tenant's next turn (services.jobs.turn_claim_next):
+# a huge target no longer holds a worker until Q_TIMEOUT kills it, while other tenants wait.
 FORGET_SLICE_SECONDS = 60
 # Audit events redacted per transaction, and where the redaction has got to (receipt key,
 # while the request runs).
@@ -261,11 +262,11 @@ def _validated_reason(raw: Any) -> str:
     return raw
 
 
-def _enqueue(request_id: int, *, continues: int | None = None) -> None:
-    # The payload is the id (and a slice's attempt number) only: queue and task tables hold
-    # nothing a forget must erase.
-    extra = {"continues": continues} if continues is not None else {}
-    async_task(TASK, request_id, task_name=f"forget-request-{request_id}", **extra)
+def _enqueue(request_id: int) -> None:
+    # The payload is the id only: queue and task tables hold nothing a forget must erase. A
+    # delivery is a turn (services.turns.delivery_run): it runs the step of whichever tenant's
+    # turn it is, this request's in its tenant's turn.
+    async_task(TASK, request_id, task_name=f"forget-request-{request_id}")
 
 
 # --- reading requests ------------------------------------------------------------------
@@ -362,28 +363,33 @@ def _validated_bool(raw: Any, *, field: str) -> bool | None:
 # --- carrying a request out -------------------------------------------------------------
 
 
-def forget_request_execute(
-    *, request_id: int, batch_size: int = ERASE_BATCH_SIZE, continues: int | None = None
-) -> dict:
-    """Carry out one request (the job). Idempotent and safe to run again at any point, also
-    concurrently with itself (each batch locks the request row).
+def forget_request_execute(*, request_id: int, batch_size: int = ERASE_BATCH_SIZE) -> dict:
+    """Carry out one request now, whoever's turn it is (a step: :func:`forget_step_begin`, then
+    :func:`forget_step_run`); the queue's deliveries take turns instead
+    (services.turns.delivery_run). Idempotent and safe to run again at any point, also
+    concurrently with itself (each batch locks the request row)."""
+    request = forget_step_begin(request_id)
+    if request is None:
+        return {"forget_request": request_id, "status": "missing"}
+    return forget_step_run(request, batch_size=batch_size)
 
-    1. Count an attempt in its own transaction; past ``ZEROMEM_JOB_MAX_ATTEMPTS`` attempts in
-       a row that erased nothing the request is marked failed instead (bounds endless
+
+def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZE) -> dict:
+    """One step of a request that :func:`forget_step_begin` began (its attempt counted):
+
+    1. (The attempt, counted by :func:`forget_step_begin`; past ``ZEROMEM_JOB_MAX_ATTEMPTS``
+       attempts in a row that erased nothing the request is failed instead: bounds endless
        redelivery; an attempt that erased a batch made progress, and a large target may need
-       many).
+       many.)
     2. Erase in batches of up to ``batch_size`` memories; each batch is one transaction:
        the memories (live, trashed and expired), their versions, the summaries derived
        from them (lineage, transitively), their admin log entries, the receipt's running
        totals and one audit event. Cost per batch: a SELECT on the target's index, a
        lineage SELECT per level, the DELETEs, an UPDATE of the request and the audit
        INSERT (PostgreSQL: 10k memories with 2 versions each in ~2-3 s, bench_forget).
-       After ``FORGET_SLICE_SECONDS`` of batches the run enqueues the request again and
-       returns (``"continued": true``): the worker goes back to the shared queue. That
-       continuation carries the run's attempt number (``continues``) and does nothing
-       (``"superseded": true``, no attempt counted) when another run of the request has
-       started since — a second delivery (the resume schedule's, a redelivery) then carries
-       the request on alone, instead of both continuing at every slice for ever.
+       After ``FORGET_SLICE_SECONDS`` of batches the step hands its worker back
+       (``"continued": true``): the request waits for its tenant's next turn, and a delivery
+       is enqueued for it (services.jobs.turn_claim_next).
     3. Destroy the subject's data keys (crypto-shredding, :func:`_shred`), after every write
        sealing under them has committed (keyring.shred waits for them); then erase again
        whatever such a write left.
@@ -392,13 +398,10 @@ def forget_request_execute(
     4. Mark it completed, with the final receipt: counts and times only.
 
     Returns the request's status and receipt (what django-q2 stores as the task result:
-    counts and times, no content).
+    counts and times, no content). A step that raises leaves the request ``stepping``: it
+    waits again ``Q_TIMEOUT`` after the step began, as a job's failed attempt does.
     """
-    request, superseded = _start_attempt(request_id, continues=continues)
-    if request is None:
-        return {"forget_request": request_id, "status": "missing"}
-    if superseded:
-        return {**_result(request), "superseded": True}
+    request_id = request.pk
     if request.status != Status.RUNNING:
         return _result(request)
     try:
@@ -406,11 +409,9 @@ def forget_request_execute(
         deadline = time.monotonic() + min(FORGET_SLICE_SECONDS, settings.Q_CLUSTER["timeout"] / 2)
         while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
             if time.monotonic() >= deadline:
-                # The rest in a later run, behind what other tenants queued meanwhile. A lost
-                # enqueue is picked up by forget_requests_resume once the request stops moving.
-                _enqueue(request_id, continues=request.attempts)
-                request.refresh_from_db()
-                return {**_result(request), "continued": True}
+                # The rest in a later turn. A lost enqueue is picked up by
+                # forget_requests_resume once the request stops moving.
+                return _hand_back(request)
         if _shred(request_id):
             # The shred waited for writes sealing under the subject's keys (keyring.shred):
             # what they committed after the batches above is erased too, not left sealed
@@ -439,14 +440,30 @@ def forget_request_execute(
             on_page=page,
         )
         if stopped:
-            _enqueue(request_id, continues=request.attempts)
-            request.refresh_from_db()
-            return {**_result(request), "continued": True}
+            return _hand_back(request)
         _redact_jobs(request)
         return _complete(request_id)
     except Exception as exc:
         _note_error(request_id, exc)
         raise
+
+
+def _hand_back(request: ForgetRequest) -> dict:
+    """End the step with the request still running: its worker goes back to the shared queue
+    and the request waits for its tenant's next turn, which counts from now (a step of
+    ``FORGET_SLICE_SECONDS`` is not one short turn); a delivery is enqueued for it, after the
+    request is marked waiting (a delivery run at once would find it still stepping)."""
+    ForgetRequest.objects.filter(pk=request.pk, status=Status.RUNNING).update(stepping=False, turn_at=timezone.now())
+    _enqueue(request.pk)
+    request.refresh_from_db()
+    return {**_result(request), "continued": True}
+
+
+def forget_request_state(request_id: int) -> dict:
+    """What a request is now (:func:`_result`), for a delivery enqueued for it that found
+    nothing waiting. Cost: one primary-key SELECT."""
+    request = ForgetRequest.objects.filter(pk=request_id).first()
+    return _result(request) if request is not None else {"forget_request": request_id, "status": "missing"}
 
 
 def _shred(request_id: int) -> int:
@@ -502,18 +519,17 @@ def _advance(request_id: int, to: str, **fields) -> bool:
     return bool(ForgetRequest.objects.filter(pk=request_id, status__in=_FORWARD[to]).update(status=to, **fields))
 
 
-def _start_attempt(request_id: int, *, continues: int | None = None) -> tuple[ForgetRequest | None, bool]:
-    """Count an attempt (or give up). Returns the request and whether this delivery is a
-    slice's continuation (``continues``: the attempt number of the run that enqueued it) that
-    another run has overtaken since: then nothing is counted, and it is to do nothing."""
+def forget_step_begin(request_id: int) -> ForgetRequest | None:
+    """Begin a step: count an attempt (or give up), mark the request ``stepping`` and take
+    its turn (``turn_at``). Returns the request (None if there is none); its status is
+    ``running`` only if the step is to erase. In its own transaction, or the caller's: a
+    delivery claims the request and begins its step in one (services.turns.delivery_run)."""
     with transaction.atomic():
         request = (
             ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=request_id).first()
         )
         if request is None or request.status in FINISHED:
-            return request, False
-        if continues is not None and request.attempts != continues:
-            return request, True
+            return request
         now = timezone.now()
         attempts = request.attempts + 1
         stalled = request.stalled_attempts + 1  # reset by every batch erased (_erase_batch)
@@ -534,6 +550,8 @@ def _start_attempt(request_id: int, *, continues: int | None = None) -> tuple[Fo
                 error=error,
                 receipt=receipt,
                 progress_at=now,
+                stepping=False,
+                turn_at=now,
             )
             audit_record(
                 tenant=request.tenant,
@@ -552,6 +570,8 @@ def _start_attempt(request_id: int, *, continues: int | None = None) -> tuple[Fo
                 started_at=request.started_at or now,
                 receipt=receipt,
                 progress_at=now,
+                stepping=True,
+                turn_at=now,
             )
             audit_record(
                 tenant=request.tenant,
@@ -561,7 +581,7 @@ def _start_attempt(request_id: int, *, continues: int | None = None) -> tuple[Fo
                 detail={"forget_request": request_id, "attempt": attempts},
             )
         request.refresh_from_db()
-        return request, False
+        return request
 
 
 def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
@@ -889,7 +909,16 @@ def _complete(request_id: int) -> dict:
             started_at=request.receipt.get("started_at") or _iso(request.started_at or now),
             completed_at=_iso(now),
         )
-        _advance(request_id, Status.COMPLETED, completed_at=now, receipt=receipt, progress_at=now, error="")
+        _advance(
+            request_id,
+            Status.COMPLETED,
+            completed_at=now,
+            receipt=receipt,
+            progress_at=now,
+            error="",
+            stepping=False,
+            turn_at=now,
+        )
         # The dashboard's stored figures may name the subject's namespaces: counted afresh.
         TenantDashboardStats.objects.filter(tenant_id=request.tenant_id).delete()
         # Stored first answers of Idempotency-Key requests may hold the erased values.

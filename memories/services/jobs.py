@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import F, OuterRef, Q, QuerySet, Subquery
-from django.db.models.functions import Coalesce
+from django.db.models import DateTimeField, OuterRef, Q, QuerySet, Subquery, Value
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from audit.services import audited_operation
-from memories.models import ApiKey, Job, Tenant
+from memories.models import ApiKey, ForgetRequest, Job, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import NotFound, TenantBusy
@@ -20,6 +20,10 @@ from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.pglocks import int4_key
 from zeromem.kernel.scopes import Scope
 
+# Forget requests waiting for a worker or on one (ForgetRequest.Status; forget.PENDING).
+FORGET_PENDING = (ForgetRequest.Status.RECEIVED, ForgetRequest.Status.RUNNING)
+# A tenant's last turn when it never had one: before any other.
+NEVER = Value(datetime(1970, 1, 1, tzinfo=UTC), output_field=DateTimeField())
 # At most this many job ids are named in a cancellation's audit event (its count has them all).
 CANCEL_EVENT_MAX_IDS = 100
 
@@ -139,41 +143,70 @@ def jobs_cancel_for_key(*, tenant: Tenant, actor: Actor, key: ApiKey, reason: st
         return count
 
 
-def job_claim_next(*, kind: str, now=None) -> Job | None:
-    """Lock and return the job of ``kind`` whose turn it is, or None; the caller is in a
-    transaction and begins the job's attempt in it.
+def turn_claim_next(*, now=None) -> Job | ForgetRequest | None:
+    """Lock and return the summarize job or forget request whose turn it is, or None; the
+    caller is in a transaction and begins its attempt (or step) in it.
 
-    django-q2's queue is one first-come line for every tenant, so one tenant's 20 queued jobs
-    put another's behind all of them (with an LLM summarizer, 20 × the LLM's answer time ÷
-    ``Q_WORKERS``). A queue entry is therefore a turn, not an order: it runs the waiting job
-    of the tenant *served longest ago* (the latest attempt start among its jobs of this kind;
-    a tenant never served first), the oldest one of that tenant. Every job was enqueued once,
-    so each still has a turn coming (see summaries.summarize_delivery).
+    django-q2's queue is one first-come line for every tenant and both kinds of work: one
+    tenant's 20 queued summarize jobs put another's job or forget request behind all of them
+    (with an LLM summarizer, 20 × the LLM's answer time ÷ ``Q_WORKERS``). A delivery of either
+    task is therefore a turn, not an order: it runs what waits of the tenant *served longest
+    ago* — the latest of its summarize attempts' starts and its forget requests' turns (a step's
+    start and its end); a tenant never served first — and of that tenant its forget request due
+    first, else its oldest job. Every job and every step was enqueued once, so each still has a
+    turn coming (see services.turns.delivery_run).
 
-    Waiting means ``queued`` for a first attempt; or whose latest attempt began more than
+    A job waits when ``queued`` for a first attempt, or when its latest attempt began more than
     ``Q_TIMEOUT`` ago — then that attempt is over (django-q2 kills a task at ``Q_TIMEOUT``):
     ``queued`` after a failure (its retry not taken sooner than django-q2 itself would take
-    it, ``Q_RETRY`` > ``Q_TIMEOUT``), or ``running`` with its worker gone.
-    ``SKIP LOCKED``: two workers never claim one job, and neither waits on the other.
+    it, ``Q_RETRY`` > ``Q_TIMEOUT``), or ``running`` with its worker gone. A forget request
+    waits when received or running with no step holding a worker (``stepping``: a step that
+    handed its worker back after ``FORGET_SLICE_SECONDS``), or with a step that began more than
+    ``Q_TIMEOUT`` ago. ``SKIP LOCKED``: two workers never claim one, and neither waits on the
+    other (the kind not chosen stays locked to the caller's commit, milliseconds).
 
-    Cost: one statement over the waiting jobs (the ``job_tenant_pending`` index; at most
-    ``ZEROMEM_TENANT_MAX_PENDING_JOBS`` per tenant for API keys), one probe of
-    ``job_tenant_started`` per waiting job for its tenant's latest start.
+    Cost: two statements, one over the waiting jobs (the ``job_tenant_pending`` index; at most
+    ``ZEROMEM_TENANT_MAX_PENDING_JOBS`` per tenant for API keys) and one over the pending forget
+    requests (``forget_pending``), each with two index probes per row for its tenant's latest
+    turn (``job_tenant_started``, ``forget_tenant_turn``).
     """
     over = (now or timezone.now()) - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
-    served = (
-        Job.objects.filter(tenant_id=OuterRef("tenant_id"), kind=kind, started_at__isnull=False)
-        .order_by("-started_at")
-        .values("started_at")[:1]
-    )
-    waiting = Q(status=Job.Status.QUEUED, attempts=0) | Q(status__in=Job.PENDING, attempts__gt=0, started_at__lt=over)
-    return (
-        Job.objects.filter(waiting, kind=kind)
-        .annotate(served=Subquery(served))
-        .order_by(F("served").asc(nulls_first=True), "created_at", "pk")
+    job_waits = Q(status=Job.Status.QUEUED, attempts=0) | Q(status__in=Job.PENDING, attempts__gt=0, started_at__lt=over)
+    job = (
+        Job.objects.filter(job_waits, kind=Job.Kind.SUMMARIZE)
+        .annotate(served=_served())
+        .order_by("served", "created_at", "pk")
         .select_for_update(skip_locked=True)
         .first()
     )
+    forget_waits = Q(stepping=False) | Q(turn_at__lt=over)
+    request = (
+        ForgetRequest.objects.filter(forget_waits, status__in=FORGET_PENDING)
+        .annotate(served=_served())
+        .order_by("served", "due_at", "created_at", "pk")
+        .select_for_update(skip_locked=True)
+        .first()
+    )
+    if request is not None and (job is None or request.served <= job.served):
+        return request
+    return job
+
+
+def _served():
+    """When the row's tenant last had a turn (``NEVER`` if it never had one): the latest start
+    of an attempt of its summarize jobs and the latest turn of its forget requests."""
+    job = (
+        Job.objects.filter(tenant_id=OuterRef("tenant_id"), kind=Job.Kind.SUMMARIZE, started_at__isnull=False)
+        .order_by("-started_at")
+        .values("started_at")[:1]
+    )
+    forget = (
+        ForgetRequest.objects.filter(tenant_id=OuterRef("tenant_id"), turn_at__isnull=False)
+        .order_by("-turn_at")
+        .values("turn_at")[:1]
+    )
+    # Coalesced: GREATEST of a NULL is NULL on SQLite (PostgreSQL skips it).
+    return Greatest(Coalesce(Subquery(job), NEVER), Coalesce(Subquery(forget), NEVER))
 
 
 def jobs_purge() -> int:

@@ -2,7 +2,7 @@
 
 ``summarize_start`` checks the caller and queues a :class:`~memories.models.Job`;
 ``summarize_run`` does the work, on a delivery of the django-q2 task
-``memories.tasks.summarize_task`` (``summarize_delivery``: tenants take turns).
+``memories.tasks.summarize_task`` (``services.turns.delivery_run``: tenants take turns).
 
 The summary lands at a documented key: ``summary:<prefix without its trailing ':'>``, so
 ``session:s1:`` is summarized into ``summary:session:s1`` and ``user:u10086:`` into
@@ -50,7 +50,7 @@ from django.utils import timezone
 from audit.services import AuditedOperation, audited_operation
 from memories.models import ApiKey, Job, Memory, Tenant
 from memories.services import retention, sensitivity
-from memories.services.jobs import cancelled_error, job_claim_next, require_pending_room
+from memories.services.jobs import cancelled_error, require_pending_room
 from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
@@ -190,25 +190,19 @@ def summarize_run(*, job_id: int) -> dict:
     Cost: one query for the sources (ordered by importance and recency, read until the
     budget is full) and a count; then per write the usual memory_write/memory_delete cost.
     """
-    return _attempt_run(_attempt_begin(job_id), job_id)
+    return _attempt_run(summarize_attempt_begin(job_id), job_id)
 
 
-def summarize_delivery(*, job_id: int) -> dict:
-    """One delivery of the summarize queue (the django-q2 task ``summarize_task``): runs an
-    attempt of the job whose turn it is (:func:`~memories.services.jobs.job_claim_next`: the
-    waiting job of the tenant served longest ago), which need not be ``job_id``, the job the
-    delivery was enqueued for — that one runs on a later delivery, each job having been
-    enqueued once; a failed attempt re-raises, so django-q2 delivers again after ``Q_RETRY``
-    and that delivery takes the retry. With nothing waiting it runs nothing and returns
-    ``job_id``'s state (its result once it succeeded): the job began on another delivery's
-    turn, and a live attempt is not started twice. The claim and the attempt's start commit
-    together. Cost: :func:`job_claim_next`'s statement, then :func:`summarize_run`'s.
-    """
-    with transaction.atomic():
-        claimed = job_claim_next(kind=Job.Kind.SUMMARIZE)
-        job = _attempt_begin(claimed.pk) if claimed is not None else None
-    if job is not None:
-        return _attempt_run(job, job.pk)
+def summarize_attempt_run(job: Job) -> dict:
+    """Run the attempt :func:`summarize_attempt_begin` began, on a delivery's turn
+    (services.turns.delivery_run): see :func:`summarize_run`."""
+    return _attempt_run(job, job.pk)
+
+
+def summarize_job_state(job_id: int) -> dict:
+    """What a job is now, for a delivery enqueued for it that found nothing waiting: its
+    result once it succeeded, else its status (it began on another delivery's turn, and a live
+    attempt is not started twice). Cost: one primary-key SELECT."""
     own = Job.objects.filter(pk=job_id).values("status", "result").first()
     if own is None:
         return {"status": "missing", "job_id": job_id}
@@ -218,7 +212,7 @@ def summarize_delivery(*, job_id: int) -> dict:
 
 
 def _attempt_run(job: Job | None, job_id: int) -> dict:
-    """The attempt :func:`_attempt_begin` began (see :func:`summarize_run`)."""
+    """The attempt :func:`summarize_attempt_begin` began (see :func:`summarize_run`)."""
     if job is not None and job.status == Job.Status.SUCCEEDED:
         return job.result
     if job is None or job.status != Job.Status.RUNNING:
@@ -260,8 +254,9 @@ def _attempt_run(job: Job | None, job_id: int) -> dict:
         raise
 
 
-def _attempt_begin(job_id: int) -> Job | None:
-    """Count the attempt and mark the job running (its own transaction, committed at once).
+def summarize_attempt_begin(job_id: int) -> Job | None:
+    """Count the attempt and mark the job running (its own transaction, or the caller's: a
+    delivery claims the job and begins its attempt in one, services.turns.delivery_run).
     Returns the job; its status is ``running`` only if this attempt should do the work."""
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=job_id).first()
