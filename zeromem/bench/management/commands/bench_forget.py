@@ -243,7 +243,8 @@ class Command(BenchCommand):
                 if task["func"] != services.forget.TASK or task["args"] != (request_id,):
                     raise CommandError(f"unexpected queue entry {task['func']}{task['args']}")
                 polls_without_it = 0
-                # The task is a thin wrapper of this call; the bench's --batch-size passed on.
+                # The task runs a turn (services.turns), here always this request's step: this
+                # call, with the bench's --batch-size passed on.
                 services.forget_request_execute(request_id=request_id, batch_size=batch_size)
                 broker.acknowledge(ack_id)
                 request = ForgetRequest.objects.get(pk=request_id)
