@@ -11,28 +11,23 @@ on; an index a run interrupted mid-build left invalid is dropped and built again
 
 from django.db import migrations, models
 
-from zeromem.kernel.pgindexes import drop_if_invalid
+from zeromem.kernel import pgindexes
 
 CREATE = "CREATE INDEX {concurrently} IF NOT EXISTS forget_tenant_turn ON memories_forgetrequest (tenant_id, turn_at)"
 
 
 def forward(apps, schema_editor):
-    postgresql = schema_editor.connection.vendor == "postgresql"
-    if postgresql:  # a run interrupted mid-build left the index invalid: built again
-        with schema_editor.connection.cursor() as cursor:
-            drop_if_invalid(cursor, "forget_tenant_turn")
-    schema_editor.execute(CREATE.format(concurrently="CONCURRENTLY" if postgresql else ""))
+    pgindexes.create(schema_editor, "forget_tenant_turn", CREATE)
 
 
 def backward(apps, schema_editor):
-    postgresql = schema_editor.connection.vendor == "postgresql"
-    schema_editor.execute(f"DROP INDEX {'CONCURRENTLY ' if postgresql else ''}IF EXISTS forget_tenant_turn")
+    pgindexes.drop(schema_editor, "forget_tenant_turn")
 
 
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("memories", "0030_job_tenant_started")]
+    dependencies = [("memories", "0031_drop_memory_tenant_expiring")]
 
     operations = [
         migrations.AddField(
