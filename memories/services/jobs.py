@@ -1,4 +1,4 @@
-"""Background jobs as callers see them (``GET /api/v1/jobs/{id}``)."""
+"""Background jobs as callers see them (``GET /api/v1/jobs/{id}``), and whose turn it is at the workers."""
 
 from __future__ import annotations
 

@@ -176,7 +176,8 @@ def _enqueue(job_id: int) -> None:
 
 
 def summarize_run(*, job_id: int) -> dict:
-    """Run one attempt of a summarize job (the django-q2 task). Idempotent.
+    """Run one attempt of this summarize job now, whoever's turn it is (a delivery of the django-q2
+    task takes turns: services.turns.delivery_run). Idempotent.
 
     * A finished job (succeeded, failed or cancelled) is left alone: a duplicate delivery does nothing.
     * The attempt is counted first, in its own transaction, so an attempt whose worker is
