@@ -27,7 +27,7 @@ def backward(apps, schema_editor):
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("memories", "0031_drop_memory_tenant_expiring")]
+    dependencies = [("memories", "0032_memory_fillfactor")]
 
     operations = [
         migrations.AddField(
