@@ -27,7 +27,7 @@ def backward(apps, schema_editor):
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("memories", "0032_memory_fillfactor")]
+    dependencies = [("memories", "0032_memory_trash_orders")]
 
     operations = [
         migrations.AddField(
