@@ -540,6 +540,10 @@ class ForgetRequest(models.Model):
             models.Index(fields=["tenant", "subject"], name="forget_tenant_subject", condition=~Q(subject="")),
             # Whose turn it is (services.jobs.turn_claim_next): a tenant's latest turn at a worker.
             models.Index(fields=["tenant", "turn_at"], name="forget_tenant_turn"),
+            # The fleet's "forget requests overdue" gauge (every scrape of /metrics): the open and
+            # failed requests by due date, across tenants — not every request ever kept with its
+            # receipt (built CONCURRENTLY on PostgreSQL, migration 0034).
+            models.Index(fields=["due_at"], name="forget_open_due", condition=~Q(status="completed")),
         ]
         constraints = [
             models.CheckConstraint(

@@ -182,6 +182,14 @@ def _record(request, response, started: float) -> None:
         pass
 
 
+def overdue_forget_requests(now):
+    """Forget requests not completed past their due date, every tenant's: a range of the
+    partial index ``forget_open_due`` (memories 0034), not a read of every request kept."""
+    from memories.models import ForgetRequest
+
+    return ForgetRequest.objects.exclude(status=ForgetRequest.Status.COMPLETED).filter(due_at__lte=now)
+
+
 class DatabaseCollector:
     """Gauges read from the database at scrape time (fleet-wide: the same whichever process
     answers)."""
@@ -190,7 +198,7 @@ class DatabaseCollector:
         from django_q.brokers import get_broker
 
         from audit.services import audit_unsealed_count
-        from memories.models import ForgetRequest, Job
+        from memories.models import Job
 
         now = timezone.now()
         queued = GaugeMetricFamily("zeromem_jobs", "Jobs queued or running, by status", labels=["status"])
@@ -205,9 +213,7 @@ class DatabaseCollector:
             first = list(first)
             oldest.add_metric([], (now - first[0][0]).total_seconds() if first else 0.0)
             broker.add_metric([], get_broker().queue_size() or 0)
-            overdue.add_metric(
-                [], ForgetRequest.objects.exclude(status=ForgetRequest.Status.COMPLETED).filter(due_at__lte=now).count()
-            )
+            overdue.add_metric([], overdue_forget_requests(now).count())
             unsealed.add_metric([], audit_unsealed_count())
         except DatabaseError:
             return  # the database is down: /healthz says so; these gauges are left out
