@@ -1,0 +1,189 @@
+"""What the ``search-stats`` schedule costs: one tenant's term recount, and the staleness check.
+
+    python manage.py bench_stats [--size 100000] [--writes 0,100,1000,10000] [--tenants 10000] [--json]
+
+A tenant ``bench-search-<size>`` holds ``--size`` memories of bench_search's synthetic text
+(built as that command builds it, reused when it is there). For each figure of ``--writes``,
+that many of its memories get new text (the search columns as a write makes them, a newer
+``updated_at``), then the tenant is recounted (``stats_refresh``): its time, the rows of
+``SearchTerm`` inserted, updated and deleted, and the WAL written — with ``pg_walinspect``
+(created when the role may), the records of ``memories_searchterm`` and its index in this
+database; else the cluster's WAL, every session's. Then whether the schedule would pick the
+tenant after that many writes (``stale_tenant_ids``).
+
+``--tenants``: that many more small tenants (one memory each, counted) are made, and
+``stale_tenant_ids()`` — run every 10 minutes over every tenant — is timed with none due and
+with one in a hundred due. Use a database of its own: the tenants stay there.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+from django.db import DatabaseError, connection, transaction
+
+from memories.models import Memory, SearchTerm, Tenant
+from memories.search import index as search_index
+from zeromem.bench.management.commands import bench_search
+from zeromem.bench.options import BenchCommand
+
+
+class Command(BenchCommand):
+    help = "Cost of the search-stats schedule: one tenant's term recount (time, rows, WAL), the staleness check."
+    shared_options = ("json", "seed")
+    postgresql_needed = "bench_stats measures PostgreSQL: run it with DATABASE_URL set to a database of its own"
+
+    def add_bench_arguments(self, parser):
+        parser.add_argument("--size", type=int, default=100_000, help="memories of the recounted tenant (%(default)s)")
+        parser.add_argument("--writes", default="0,100,1000,10000", help="memories rewritten before each recount")
+        parser.add_argument("--repeat", type=int, default=1, help="recounts per --writes figure (%(default)s)")
+        parser.add_argument("--tenants", type=int, default=0, help="small tenants for the staleness check (0: none)")
+
+    def handle(self, *args, size, writes, repeat, tenants, seed, **options):
+        self.require_postgresql()
+        rng = random.Random(seed)
+        self.walinspect = self._walinspect()
+        loader = bench_search.Command(stdout=self.stderr if self.json_output else self.stdout)
+        loader.json_output = self.json_output
+        loader.real_vectors = None
+        loader.vocab = bench_search._vocabulary(rng)
+        tenant, _key = loader._tenant(f"bench-search-{size}", size, False, rng)
+        with connection.cursor() as c:
+            c.execute("ANALYZE memories_memory")
+        search_index.stats_refresh(tenant_id=tenant.pk)
+        ids = list(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("pk", flat=True))
+        words = loader.vocab[0]
+        result = {"size": size, "walinspect": self.walinspect, "recounts": [], "staleness": None}
+        for k in [int(w) for w in writes.split(",") if w.strip()]:
+            for _ in range(repeat):
+                self._rewrite(tenant.pk, rng.sample(ids, min(k, len(ids))), words, rng)
+                due = tenant.pk in search_index.stale_tenant_ids()
+                row = {"writes": k, "due": due, **self._recount(tenant.pk)}
+                self.log(f"  {k} writes: {row}")
+                result["recounts"].append(row)
+        if tenants:
+            result["staleness"] = self._staleness(tenants)
+        self.emit(result)
+
+    def _rewrite(self, tenant_id: int, pks: list[int], words: list[str], rng: random.Random) -> None:
+        """New text for these memories, as a write stores it (search columns, updated_at)."""
+        with transaction.atomic():
+            for pk in pks:
+                value = " ".join(rng.choices(words[:5000], k=rng.randint(5, 40)))
+                fields = search_index.index_fields(tenant_id=tenant_id, key=f"note:{pk}", value=value, tags=[])
+                Memory.objects.filter(pk=pk).update(value=value, updated_at=search_index.timezone.now(), **fields)
+
+    def _recount(self, tenant_id: int) -> dict:
+        before_rows = self._tuples()
+        with connection.cursor() as c:
+            c.execute("SELECT pg_current_wal_lsn()")
+            before = c.fetchone()[0]
+        started = time.perf_counter()
+        terms = search_index.stats_refresh(tenant_id=tenant_id)
+        seconds = time.perf_counter() - started
+        with connection.cursor() as c:
+            c.execute("SELECT pg_current_wal_flush_lsn()")  # pg_walinspect reads up to there
+            after = c.fetchone()[0]
+        rows = {k: v - before_rows[k] for k, v in self._tuples().items()}
+        wal_mb = round(self._wal(before, after) / 1e6, 2)
+        return {"seconds": round(seconds, 2), "terms": terms, **rows, "wal_mb": wal_mb}
+
+    def _tuples(self) -> dict:
+        """SearchTerm rows inserted, updated and deleted so far (this backend's counts flushed)."""
+        with connection.cursor() as c:
+            c.execute("SELECT pg_stat_force_next_flush()")
+        with connection.cursor() as c:
+            c.execute("SELECT pg_stat_clear_snapshot()")
+            c.execute(
+                "SELECT n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables WHERE relname = %s",
+                [SearchTerm._meta.db_table],
+            )
+            ins, upd, dele = c.fetchone()
+        return {"inserted": ins, "updated": upd, "deleted": dele}
+
+    def _staleness(self, n: int) -> dict:
+        have = Tenant.objects.filter(slug__startswith="bench-stats-small-").count()
+        if have < n:
+            self.log(f"making {n - have} small tenants")
+            with connection.cursor() as c:
+                c.execute(
+                    """INSERT INTO memories_tenant (slug, name, created_at, sensitive_keys, sensitive_fields)
+                       SELECT 'bench-stats-small-' || g, 'bench_stats', now(), '[]', '[]'
+                       FROM generate_series(%s, %s) g""",
+                    [have, n - 1],
+                )
+                c.execute(
+                    """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
+                         tags, importance, source, version, created_at, updated_at, access_count, sources, sensitive)
+                       SELECT t.id, 'note:a', 'note', '"pelican"', '', 'note', '', '[]', 0, 'bench', 1,
+                              now(), now(), 0, '[]', false
+                       FROM memories_tenant t WHERE t.slug LIKE 'bench-stats-small-%%'
+                         AND NOT EXISTS (SELECT 1 FROM memories_memory m WHERE m.tenant_id = t.id)"""
+                )
+                c.execute("ANALYZE")
+        search_index.stats_refresh_stale()
+        timings = {}
+        for label in ("none due", "1% due"):
+            if label == "1% due":
+                with connection.cursor() as c:
+                    c.execute(
+                        """UPDATE memories_memory SET updated_at = now() WHERE tenant_id IN (
+                             SELECT id FROM memories_tenant WHERE slug LIKE 'bench-stats-small-%%'
+                             ORDER BY id LIMIT %s)""",
+                        [max(1, n // 100)],
+                    )
+            samples = []
+            for _ in range(5):
+                started = time.perf_counter()
+                due = search_index.stale_tenant_ids()
+                samples.append((time.perf_counter() - started) * 1000)
+            timings[label] = {"due": len(due), "ms_median": round(statistics.median(samples), 1)}
+        search_index.stats_refresh_stale()
+        return {"tenants": Tenant.objects.count(), **timings}
+
+    def _wal(self, before, after) -> float:
+        with connection.cursor() as cursor:
+            if self.walinspect:
+                cursor.execute(
+                    """SELECT coalesce(sum(record_length + coalesce(fpi_length, 0)), 0)
+                       FROM pg_get_wal_records_info(%s, %s)
+                       WHERE block_ref ~ (
+                           SELECT 'rel \\d+/' || d.oid || '/(' || string_agg(pg_relation_filenode(c.oid)::text, '|')
+                                  || ') '
+                           FROM pg_class c, pg_database d
+                           WHERE d.datname = current_database()
+                             AND (c.oid = %s::regclass
+                                  OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = %s::regclass))
+                           GROUP BY d.oid)""",
+                    [before, after, SearchTerm._meta.db_table, SearchTerm._meta.db_table],
+                )
+            else:
+                cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after, before])
+            return float(cursor.fetchone()[0])
+
+    def _walinspect(self) -> bool:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            return True
+        except DatabaseError:
+            return False
+
+    def print_table(self, result: dict) -> None:
+        wal = "SearchTerm's WAL" if result["walinspect"] else "cluster WAL"
+        self.stdout.write(f"\nZeroMem bench_stats — one tenant of {result['size']} memories, recounted\n")
+        self.stdout.write(
+            f"  {'writes':>7} {'due':>4} {'s':>7} {'terms':>8} {'inserted':>9} {'updated':>8} {'deleted':>8} {wal:>17}"
+        )
+        for r in result["recounts"]:
+            self.stdout.write(
+                f"  {r['writes']:>7} {'yes' if r['due'] else 'no':>4} {r['seconds']:>7} {r['terms']:>8}"
+                f" {r['inserted']:>9} {r['updated']:>8} {r['deleted']:>8} {r['wal_mb']:>14} MB"
+            )
+        s = result["staleness"]
+        if s:
+            self.stdout.write(f"\n  stale_tenant_ids() over {s['tenants']} tenants:")
+            for label in ("none due", "1% due"):
+                self.stdout.write(f"    {label:<9} {s[label]['ms_median']:>8} ms ({s[label]['due']} due)")
