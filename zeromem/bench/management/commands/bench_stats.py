@@ -40,9 +40,15 @@ class Command(BenchCommand):
         parser.add_argument("--writes", default="0,100,1000,10000", help="memories rewritten before each recount")
         parser.add_argument("--repeat", type=int, default=1, help="recounts per --writes figure (%(default)s)")
         parser.add_argument("--tenants", type=int, default=0, help="small tenants for the staleness check (0: none)")
+        parser.add_argument(
+            "--full-rewrite",
+            action="store_true",
+            help="recount as before (every term row of the tenant deleted and inserted again), to compare",
+        )
 
-    def handle(self, *args, size, writes, repeat, tenants, seed, **options):
+    def handle(self, *args, size, writes, repeat, tenants, full_rewrite, seed, **options):
         self.require_postgresql()
+        self.full_rewrite = full_rewrite
         rng = random.Random(seed)
         self.walinspect = self._walinspect()
         loader = bench_search.Command(stdout=self.stderr if self.json_output else self.stdout)
@@ -55,7 +61,8 @@ class Command(BenchCommand):
         search_index.stats_refresh(tenant_id=tenant.pk)
         ids = list(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("pk", flat=True))
         words = loader.vocab[0]
-        result = {"size": size, "walinspect": self.walinspect, "recounts": [], "staleness": None}
+        result = {"size": size, "full_rewrite": full_rewrite, "walinspect": self.walinspect}
+        result.update(recounts=[], staleness=None)
         for k in [int(w) for w in writes.split(",") if w.strip()]:
             for _ in range(repeat):
                 self._rewrite(tenant.pk, rng.sample(ids, min(k, len(ids))), words, rng)
@@ -81,7 +88,7 @@ class Command(BenchCommand):
             c.execute("SELECT pg_current_wal_lsn()")
             before = c.fetchone()[0]
         started = time.perf_counter()
-        terms = search_index.stats_refresh(tenant_id=tenant_id)
+        terms = (_full_rewrite if self.full_rewrite else search_index.stats_refresh)(tenant_id=tenant_id)
         seconds = time.perf_counter() - started
         with connection.cursor() as c:
             c.execute("SELECT pg_current_wal_flush_lsn()")  # pg_walinspect reads up to there
@@ -173,7 +180,8 @@ class Command(BenchCommand):
 
     def print_table(self, result: dict) -> None:
         wal = "SearchTerm's WAL" if result["walinspect"] else "cluster WAL"
-        self.stdout.write(f"\nZeroMem bench_stats — one tenant of {result['size']} memories, recounted\n")
+        how = "every row rewritten (as before)" if result["full_rewrite"] else "changed rows written"
+        self.stdout.write(f"\nZeroMem bench_stats — one tenant of {result['size']} memories, recounted: {how}\n")
         self.stdout.write(
             f"  {'writes':>7} {'due':>4} {'s':>7} {'terms':>8} {'inserted':>9} {'updated':>8} {'deleted':>8} {wal:>17}"
         )
@@ -187,3 +195,26 @@ class Command(BenchCommand):
             self.stdout.write(f"\n  stale_tenant_ids() over {s['tenants']} tenants:")
             for label in ("none due", "1% due"):
                 self.stdout.write(f"    {label:<9} {s[label]['ms_median']:>8} ms ({s[label]['due']} due)")
+
+
+def _full_rewrite(*, tenant_id: int) -> int:
+    """The recount as it was before it wrote only what changed: every term row of the tenant
+    deleted, then all inserted from the count (the corpus row as stats_refresh leaves it)."""
+    from memories.models import SearchCorpus
+
+    prefix = f"{int(tenant_id)}:"
+    inner = f"SELECT search_tsv FROM memories_memory WHERE tenant_id = {int(tenant_id)} AND deleted_at IS NULL"  # nosec B608
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL statement_timeout = 0")
+        started = search_index.timezone.now()
+        SearchTerm.objects.filter(tenant_id=tenant_id).delete()
+        cursor.execute(
+            """INSERT INTO memories_searchterm (tenant_id, term, ndoc)
+               SELECT %s, substr(word, %s), ndoc FROM ts_stat(%s)
+               WHERE left(word, %s) = %s AND length(word) - %s <= 255""",
+            [tenant_id, len(prefix) + 1, inner, len(prefix), prefix, len(prefix)],
+        )
+        terms = cursor.rowcount
+        cursor.execute("SELECT count(*) FROM memories_memory WHERE tenant_id = %s AND deleted_at IS NULL", [tenant_id])
+        SearchCorpus.objects.filter(tenant_id=tenant_id).update(documents=cursor.fetchone()[0], refreshed_at=started)
+    return terms
