@@ -544,6 +544,14 @@ class ForgetRequest(models.Model):
             # failed requests by due date, across tenants — not every request ever kept with its
             # receipt (built CONCURRENTLY on PostgreSQL, migration 0034).
             models.Index(fields=["due_at"], name="forget_open_due", condition=~Q(status="completed")),
+            # The search-stats schedule's "a forget completed since the tenant's term count"
+            # (memories/search/index.py stale_tenant_ids), every 10 minutes over every tenant:
+            # a few entries past the count, not the tenant's whole history (migration 0035).
+            models.Index(
+                fields=["tenant", "completed_at"],
+                name="forget_tenant_completed",
+                condition=Q(completed_at__isnull=False),
+            ),
         ]
         constraints = [
             models.CheckConstraint(
