@@ -136,9 +136,13 @@ def stale_tenant_ids() -> list[int]:
     (``SearchErasure``), a memory trashed: the erased memories' terms must leave
     ``SearchTerm`` too, not only their counts, and a trashed memory no longer counts — or with
     memories written since, as many as one in ``STATS_CHANGE_SHARE`` of those counted, or any
-    once the count is ``STATS_MAX_AGE`` old. Bounded: the writes are counted up to that share
-    on memory_tenant_updated (tenant, updated_at, id); the trash is found on the partial
-    index memory_trash (tenant, deleted_at)."""
+    once the count is ``STATS_MAX_AGE`` old. It runs over every tenant every 10 minutes, so
+    it reads no tenant's history: the writes are counted up to that share on
+    memory_tenant_updated (tenant, updated_at, id); the latest trashed memory and the latest
+    completed forget request are one entry each of the partial indexes memory_trash (tenant,
+    deleted_at) and forget_tenant_completed (tenant, completed_at) — as max(), which PostgreSQL
+    reads from the end of an index, not as EXISTS, for which it may scan the table expecting
+    an early match (2,000 tenants, one with 200k completed requests: 32 s a run)."""
     if connection.vendor != "postgresql":
         return []
     with connection.cursor() as cursor:
@@ -150,10 +154,10 @@ def stale_tenant_ids() -> list[int]:
                       AND EXISTS (SELECT 1 FROM memories_memory m WHERE m.tenant_id = t.id AND m.deleted_at IS NULL))
                   OR (c.refreshed_at IS NOT NULL AND (
                         e.batches > c.erasures_counted
-                        OR EXISTS (SELECT 1 FROM memories_memory m
-                                   WHERE m.tenant_id = t.id AND m.deleted_at > c.refreshed_at)
-                        OR EXISTS (SELECT 1 FROM memories_forgetrequest f
-                                   WHERE f.tenant_id = t.id AND f.completed_at > c.refreshed_at)
+                        OR (SELECT max(m.deleted_at) FROM memories_memory m WHERE m.tenant_id = t.id)
+                           > c.refreshed_at
+                        OR (SELECT max(f.completed_at) FROM memories_forgetrequest f WHERE f.tenant_id = t.id)
+                           > c.refreshed_at
                         OR (c.refreshed_at < %(old)s
                             AND EXISTS (SELECT 1 FROM memories_memory m
                                         WHERE m.tenant_id = t.id AND m.deleted_at IS NULL

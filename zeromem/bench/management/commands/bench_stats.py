@@ -1,6 +1,7 @@
 """What the ``search-stats`` schedule costs: one tenant's term recount, and the staleness check.
 
-    python manage.py bench_stats [--size 100000] [--writes 0,100,1000,10000] [--tenants 10000] [--json]
+    python manage.py bench_stats [--size 100000] [--writes 0,100,1000,10000] [--tenants 10000]
+                                 [--forget-history 200000] [--before] [--json]
 
 A tenant ``bench-search-<size>`` holds ``--size`` memories of bench_search's synthetic text
 (built as that command builds it, reused when it is there). For each figure of ``--writes``,
@@ -11,9 +12,13 @@ that many of its memories get new text (the search columns as a write makes them
 database; else the cluster's WAL, every session's. Then whether the schedule would pick the
 tenant after that many writes (``stale_tenant_ids``).
 
-``--tenants``: that many more small tenants (one memory each, counted) are made, and
+``--tenants``: that many more small tenants (one memory each, counted) are made, one of them
+with ``--forget-history`` completed forget requests (kept with their receipts), and
 ``stale_tenant_ids()`` — run every 10 minutes over every tenant — is timed with none due and
-with one in a hundred due. Use a database of its own: the tenants stay there.
+with one in a hundred due. ``--before``: the recount and the staleness check as they were
+(every term row deleted and inserted again; every memory and completed forget request of each
+tenant read), to compare in one sitting (run ``migrate memories 0034`` first for the forget
+requests as they were read). Use a database of its own: the tenants stay there.
 """
 
 from __future__ import annotations
@@ -41,14 +46,21 @@ class Command(BenchCommand):
         parser.add_argument("--repeat", type=int, default=1, help="recounts per --writes figure (%(default)s)")
         parser.add_argument("--tenants", type=int, default=0, help="small tenants for the staleness check (0: none)")
         parser.add_argument(
-            "--full-rewrite",
+            "--forget-history",
+            type=int,
+            default=0,
+            help="completed forget requests kept by one of the small tenants (%(default)s)",
+        )
+        parser.add_argument(
+            "--before",
             action="store_true",
-            help="recount as before (every term row of the tenant deleted and inserted again), to compare",
+            help="the code as it was, to compare: the recount deleting and inserting every term row of the "
+            "tenant, the staleness check reading every memory and completed forget request of each tenant",
         )
 
-    def handle(self, *args, size, writes, repeat, tenants, full_rewrite, seed, **options):
+    def handle(self, *args, size, writes, repeat, tenants, forget_history, before, seed, **options):
         self.require_postgresql()
-        self.full_rewrite = full_rewrite
+        self.before = before
         rng = random.Random(seed)
         self.walinspect = self._walinspect()
         loader = bench_search.Command(stdout=self.stderr if self.json_output else self.stdout)
@@ -61,17 +73,18 @@ class Command(BenchCommand):
         search_index.stats_refresh(tenant_id=tenant.pk)
         ids = list(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("pk", flat=True))
         words = loader.vocab[0]
-        result = {"size": size, "full_rewrite": full_rewrite, "walinspect": self.walinspect}
+        result = {"size": size, "before": before, "walinspect": self.walinspect}
         result.update(recounts=[], staleness=None)
         for k in [int(w) for w in writes.split(",") if w.strip()]:
             for _ in range(repeat):
                 self._rewrite(tenant.pk, rng.sample(ids, min(k, len(ids))), words, rng)
-                due = tenant.pk in search_index.stale_tenant_ids()
+                # As it was, any write made the tenant due.
+                due = k > 0 if self.before else tenant.pk in search_index.stale_tenant_ids()
                 row = {"writes": k, "due": due, **self._recount(tenant.pk)}
                 self.log(f"  {k} writes: {row}")
                 result["recounts"].append(row)
         if tenants:
-            result["staleness"] = self._staleness(tenants)
+            result["staleness"] = self._staleness(tenants, forget_history)
         self.emit(result)
 
     def _rewrite(self, tenant_id: int, pks: list[int], words: list[str], rng: random.Random) -> None:
@@ -88,14 +101,14 @@ class Command(BenchCommand):
             c.execute("SELECT pg_current_wal_lsn()")
             before = c.fetchone()[0]
         started = time.perf_counter()
-        terms = (_full_rewrite if self.full_rewrite else search_index.stats_refresh)(tenant_id=tenant_id)
+        terms = (_full_rewrite if self.before else search_index.stats_refresh)(tenant_id=tenant_id)
         seconds = time.perf_counter() - started
         with connection.cursor() as c:
             c.execute("SELECT pg_current_wal_flush_lsn()")  # pg_walinspect reads up to there
             after = c.fetchone()[0]
         rows = {k: v - before_rows[k] for k, v in self._tuples().items()}
-        wal_mb = round(self._wal(before, after) / 1e6, 2)
-        return {"seconds": round(seconds, 2), "terms": terms, **rows, "wal_mb": wal_mb}
+        wal, own = self._wal(before, after)
+        return {"seconds": round(seconds, 2), "terms": terms, **rows, "wal_mb": round(wal / 1e6, 2), "wal_own": own}
 
     def _tuples(self) -> dict:
         """SearchTerm rows inserted, updated and deleted so far (this backend's counts flushed)."""
@@ -110,7 +123,7 @@ class Command(BenchCommand):
             ins, upd, dele = c.fetchone()
         return {"inserted": ins, "updated": upd, "deleted": dele}
 
-    def _staleness(self, n: int) -> dict:
+    def _staleness(self, n: int, history: int) -> dict:
         have = Tenant.objects.filter(slug__startswith="bench-stats-small-").count()
         if have < n:
             self.log(f"making {n - have} small tenants")
@@ -129,7 +142,25 @@ class Command(BenchCommand):
                        FROM memories_tenant t WHERE t.slug LIKE 'bench-stats-small-%%'
                          AND NOT EXISTS (SELECT 1 FROM memories_memory m WHERE m.tenant_id = t.id)"""
                 )
-                c.execute("ANALYZE")
+        with connection.cursor() as c:
+            c.execute(
+                """SELECT count(*) FROM memories_forgetrequest f JOIN memories_tenant t ON t.id = f.tenant_id
+                   WHERE t.slug = 'bench-stats-small-0'"""
+            )
+            kept = c.fetchone()[0]
+            if kept < history:
+                self.log(f"filing {history - kept} completed forget requests of bench-stats-small-0")
+                c.execute(
+                    """INSERT INTO memories_forgetrequest (status, subject, prefix, keys, reason, requested_by_kind,
+                         requested_by, created_at, due_at, completed_at, attempts, receipt, error, tenant_id,
+                         progress_at, reach, stalled_attempts, stepping)
+                       SELECT 'completed', 'u' || g, '', '[]', '', 'api_key', '', now() - interval '2 days',
+                              now() - interval '1 day', now() - interval '1 day' + g * interval '1 ms', 1, '{}', '',
+                              t.id, now(), '{}', 0, false
+                       FROM memories_tenant t, generate_series(1, %s) g WHERE t.slug = 'bench-stats-small-0'""",
+                    [history - kept],
+                )
+            c.execute("ANALYZE")
         search_index.stats_refresh_stale()
         timings = {}
         for label in ("none due", "1% due"):
@@ -142,33 +173,44 @@ class Command(BenchCommand):
                         [max(1, n // 100)],
                     )
             samples = []
-            for _ in range(5):
+            check = _stale_tenant_ids_before if self.before else search_index.stale_tenant_ids
+            while len(samples) < 5 and sum(samples) < 10_000:
                 started = time.perf_counter()
-                due = search_index.stale_tenant_ids()
+                due = check()
                 samples.append((time.perf_counter() - started) * 1000)
             timings[label] = {"due": len(due), "ms_median": round(statistics.median(samples), 1)}
         search_index.stats_refresh_stale()
-        return {"tenants": Tenant.objects.count(), **timings}
+        with connection.cursor() as c:
+            c.execute("SELECT max(n) FROM (SELECT count(*) AS n FROM memories_forgetrequest GROUP BY tenant_id) f")
+            most = c.fetchone()[0] or 0
+        return {"tenants": Tenant.objects.count(), "most_forget_requests": most, **timings}
 
-    def _wal(self, before, after) -> float:
+    def _wal(self, before, after) -> tuple[float, bool]:
+        """(bytes, whether only SearchTerm's): the records of ``memories_searchterm`` and its
+        index with pg_walinspect, else — or when a checkpoint has recycled the segments since
+        (a recount at 1M writes more than max_wal_size) — the cluster's, every session's."""
+        if self.walinspect:
+            try:
+                with transaction.atomic(), connection.cursor() as cursor:
+                    cursor.execute(
+                        """SELECT coalesce(sum(record_length + coalesce(fpi_length, 0)), 0)
+                           FROM pg_get_wal_records_info(%s, %s)
+                           WHERE block_ref ~ (
+                               SELECT 'rel \\d+/' || d.oid || '/('
+                                      || string_agg(pg_relation_filenode(c.oid)::text, '|') || ') '
+                               FROM pg_class c, pg_database d
+                               WHERE d.datname = current_database()
+                                 AND (c.oid = %s::regclass
+                                      OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = %s::regclass))
+                               GROUP BY d.oid)""",
+                        [before, after, SearchTerm._meta.db_table, SearchTerm._meta.db_table],
+                    )
+                    return float(cursor.fetchone()[0]), True
+            except DatabaseError:
+                pass
         with connection.cursor() as cursor:
-            if self.walinspect:
-                cursor.execute(
-                    """SELECT coalesce(sum(record_length + coalesce(fpi_length, 0)), 0)
-                       FROM pg_get_wal_records_info(%s, %s)
-                       WHERE block_ref ~ (
-                           SELECT 'rel \\d+/' || d.oid || '/(' || string_agg(pg_relation_filenode(c.oid)::text, '|')
-                                  || ') '
-                           FROM pg_class c, pg_database d
-                           WHERE d.datname = current_database()
-                             AND (c.oid = %s::regclass
-                                  OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = %s::regclass))
-                           GROUP BY d.oid)""",
-                    [before, after, SearchTerm._meta.db_table, SearchTerm._meta.db_table],
-                )
-            else:
-                cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after, before])
-            return float(cursor.fetchone()[0])
+            cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after, before])
+            return float(cursor.fetchone()[0]), False
 
     def _walinspect(self) -> bool:
         try:
@@ -180,7 +222,7 @@ class Command(BenchCommand):
 
     def print_table(self, result: dict) -> None:
         wal = "SearchTerm's WAL" if result["walinspect"] else "cluster WAL"
-        how = "every row rewritten (as before)" if result["full_rewrite"] else "changed rows written"
+        how = "the code as it was (--before)" if result["before"] else "the code as it is"
         self.stdout.write(f"\nZeroMem bench_stats — one tenant of {result['size']} memories, recounted: {how}\n")
         self.stdout.write(
             f"  {'writes':>7} {'due':>4} {'s':>7} {'terms':>8} {'inserted':>9} {'updated':>8} {'deleted':>8} {wal:>17}"
@@ -189,10 +231,14 @@ class Command(BenchCommand):
             self.stdout.write(
                 f"  {r['writes']:>7} {'yes' if r['due'] else 'no':>4} {r['seconds']:>7} {r['terms']:>8}"
                 f" {r['inserted']:>9} {r['updated']:>8} {r['deleted']:>8} {r['wal_mb']:>14} MB"
+                + ("" if r["wal_own"] else " (cluster's)")
             )
         s = result["staleness"]
         if s:
-            self.stdout.write(f"\n  stale_tenant_ids() over {s['tenants']} tenants:")
+            self.stdout.write(
+                f"\n  stale_tenant_ids() over {s['tenants']} tenants"
+                f" (at most {s['most_forget_requests']} forget requests in one):"
+            )
             for label in ("none due", "1% due"):
                 self.stdout.write(f"    {label:<9} {s[label]['ms_median']:>8} ms ({s[label]['due']} due)")
 
@@ -218,3 +264,24 @@ def _full_rewrite(*, tenant_id: int) -> int:
         cursor.execute("SELECT count(*) FROM memories_memory WHERE tenant_id = %s AND deleted_at IS NULL", [tenant_id])
         SearchCorpus.objects.filter(tenant_id=tenant_id).update(documents=cursor.fetchone()[0], refreshed_at=started)
     return terms
+
+
+def _stale_tenant_ids_before() -> list[int]:
+    """The staleness check as it was: "written since" under an OR with "never counted", off the
+    (tenant, updated_at) index, so every memory of every counted tenant was read."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT t.id FROM memories_tenant t
+               LEFT JOIN memories_searchcorpus c ON c.tenant_id = t.id
+               LEFT JOIN memories_searcherasure e ON e.tenant_id = t.id
+               WHERE EXISTS (SELECT 1 FROM memories_memory m
+                             WHERE m.tenant_id = t.id AND m.deleted_at IS NULL
+                               AND (c.refreshed_at IS NULL OR m.updated_at > c.refreshed_at))
+                  OR (c.refreshed_at IS NOT NULL AND (
+                        e.batches > c.erasures_counted
+                        OR EXISTS (SELECT 1 FROM memories_memory m
+                                   WHERE m.tenant_id = t.id AND m.deleted_at > c.refreshed_at)
+                        OR EXISTS (SELECT 1 FROM memories_forgetrequest f
+                                   WHERE f.tenant_id = t.id AND f.completed_at > c.refreshed_at)))"""
+        )
+        return [row[0] for row in cursor.fetchall()]
