@@ -491,6 +491,60 @@ def test_a_forget_completed_while_the_term_statistics_are_counted_is_counted_aga
     assert not SearchTerm.objects.filter(tenant=tenant, term="zanzibar").exists()
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_two_counts_of_one_tenant_at_once_take_turns():
+    """The schedule and ``search_reindex --stats-only`` may count one tenant at once: the
+    second inserted the new terms the first had inserted and not yet committed, and failed on
+    the primary key once it had. Now they take turns (an advisory lock on the tenant)."""
+    import threading
+
+    from memories.models import SearchTerm
+    from memories.search import index
+    from tests.factories import make_tenant
+
+    tenant = make_tenant("stats-twice")
+    write(tenant, "note:a", "pelican zanzibar")
+    counted, go, errors = threading.Event(), threading.Event(), []
+
+    def hold_the_count_open(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.lstrip().startswith("WITH counted"):
+            counted.set()
+            go.wait(30)
+        return result
+
+    def first():
+        try:
+            with connection.execute_wrapper(hold_the_count_open):
+                index.stats_refresh(tenant_id=tenant.pk)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            counted.set()
+            connection.close()
+
+    def second():
+        try:
+            index.stats_refresh(tenant_id=tenant.pk)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            connection.close()
+
+    one = threading.Thread(target=first)
+    one.start()
+    assert counted.wait(30)
+    two = threading.Thread(target=second)
+    two.start()
+    time.sleep(0.5)  # the second reaches its lock (or, without one, its INSERT)
+    go.set()
+    one.join(30)
+    two.join(30)
+    assert errors == []
+    assert SearchTerm.objects.get(tenant=tenant, term="zanzibar").ndoc == 1
+
+
 def _forget_in_a_worker(forget, request_id):
     try:
         forget.forget_request_execute(request_id=request_id)
