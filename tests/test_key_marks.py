@@ -14,6 +14,7 @@ import yaml
 from memories.api import serializers
 from memories.mcp import server as mcp_server
 from memories.models import Memory
+from memories.search.text import tokenize
 from tests.factories import make_key, make_keyed_client
 from tests.helpers import rest_error, row_counts, tool_error
 from zeromem.kernel import validation
@@ -247,3 +248,15 @@ def test_the_claude_memory_tool_stores_a_name_whose_marks_have_no_composed_form(
     assert "/memories/हिंदी.md" in r.json()["content"]
     r = api.post("/api/v1/anthropic/memory", {"command": "create", "path": "/memories/\u093f.md", "file_text": "x"})
     assert r.json()["is_error"] is True and "cannot be stored" in r.json()["content"]
+
+
+def test_a_search_finds_a_memory_by_the_words_of_its_marked_key(api):
+    """A word keeps its marks (it was cut at each mark into single letters no query looks
+    for); on SQLite, FTS5 takes marks as parts of a term too (migration 0035)."""
+    assert tokenize("user u1 हिंदी, नमस्ते ที่อยู่ café") == ["user", "u1", "हिंदी", "नमस्ते", "ที่อยู่", "café"]
+    assert api.call("memory_write", key=HINDI, value="नमस्ते")[0] == 200
+    assert api.call("memory_write", key="user:u1:english", value="hello")[0] == 200
+    _, body = api.call("memory_search", query="हिंदी")
+    assert [r["key"] for r in body["results"]] == [HINDI], body
+    _, body = api.call("memory_search", query="नमस्ते", prefix="user:u1:हि")
+    assert [r["key"] for r in body["results"]] == [HINDI], body
