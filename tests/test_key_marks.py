@@ -260,3 +260,14 @@ def test_a_search_finds_a_memory_by_the_words_of_its_marked_key(api):
     assert [r["key"] for r in body["results"]] == [HINDI], body
     _, body = api.call("memory_search", query="नमस्ते", prefix="user:u1:हि")
     assert [r["key"] for r in body["results"]] == [HINDI], body
+
+
+def test_the_claude_memory_tool_lists_no_name_it_cannot_open(api, tenant_a):
+    """Another surface takes a key as given, so REST can write a decomposed name under the
+    tool's root; the tool reads paths in NFC, so no path reaches it: it is not listed (it was,
+    and a view of the listed path answered that it does not exist)."""
+    assert api.put("/api/v1/memories/claude:memories:cafe%CC%81.md", {"value": "x"}).status_code == 201
+    assert api.put("/api/v1/memories/claude:memories:cafe%CC%81:a.md", {"value": "y"}).status_code == 201
+    assert api.put("/api/v1/memories/claude:memories:%E0%A4%B9%E0%A4%BF.md", {"value": "z"}).status_code == 201
+    r = api.post("/api/v1/anthropic/memory", {"command": "view", "path": "/memories"})
+    assert r.json()["content"].split("\n")[1:] == ["1B\t/memories", "1B\t/memories/हि.md"], r.json()

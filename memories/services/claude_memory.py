@@ -277,8 +277,15 @@ class MemoryTool:
         files: dict[tuple[str, ...], int] = {}
         for key, size in sizes:
             files[tuple(key[len(place.key) + 1 :].split(":"))] = size
-        # A memory under a file (written by another surface) is behind it: not listed.
-        files = {rel: size for rel, size in files.items() if not any(rel[:d] in files for d in range(1, len(rel)))}
+        # A memory under a file (written by another surface) is behind it: not listed. Nor is
+        # one whose names are not in NFC (another surface's "cafe\u0301"): no path reaches it,
+        # since a path's names are taken in NFC (place).
+        files = {
+            rel: size
+            for rel, size in files.items()
+            if not any(rel[:d] in files for d in range(1, len(rel)))
+            and all(unicodedata.is_normalized("NFC", name) for name in rel)
+        }
         dirs: dict[tuple[str, ...], int] = {}
         for rel, size in files.items():
             for depth in range(1, len(rel)):
