@@ -152,6 +152,19 @@ def test_keys_that_are_dot_segments_reach_their_memory(zm, zm_key):
     assert not Memory.objects.live().filter(tenant=tenant).exists()
 
 
+def test_keys_with_combining_marks_round_trip_over_the_tools_and_rest(zm, zm_key):
+    tenant, _ = zm_key
+    for key in ("user:u1:हिंदी", "user:u1:cafe\u0301", "user:u1:ที่อยู่"):
+        assert zm.memory_write(key=key, value="v")["key"] == key
+        assert zm.memory_read(key=key)["value"] == "v"
+        assert zm.put(key, "w")["key"] == key
+        assert zm.get(key)["value"] == "w"
+    assert zm.memory_list(prefix="user:u1:हि")["keys"] == ["user:u1:हिंदी"]
+    assert sorted(Memory.objects.live().filter(tenant=tenant).values_list("key", flat=True)) == sorted(
+        ["user:u1:हिंदी", "user:u1:cafe\u0301", "user:u1:ที่อยู่"]
+    )
+
+
 def test_batch(zm):
     results = zm.batch(
         [

@@ -12,11 +12,10 @@ from memories.services import forget as forget_rules
 from zeromem.kernel import validation
 from zeromem.kit.api import NO_CONTROL_CHARS, ErrorDetailSerializer
 
-# The rules of zeromem/kernel/validation.py as OpenAPI patterns (validation.ecma_pattern).
-KEY_PATTERN = validation.ecma_pattern(validation.KEY_RE.pattern)
-# Empty, or PREFIX_RE (each character matched one way: no backtracking in a client's validator).
-PREFIX_PATTERN = validation.ecma_pattern(rf"(?:{validation.PREFIX_RE.pattern})?")
-TAG_PATTERN = validation.ecma_pattern(validation.TAG_RE.pattern)
+# The rules of zeromem/kernel/validation.py as OpenAPI patterns (ECMA-262, with \p{L}, \p{N}, \p{M}).
+KEY_PATTERN = validation.KEY_PATTERN
+PREFIX_PATTERN = validation.PREFIX_PATTERN  # empty (no prefix) too
+TAG_PATTERN = validation.TAG_PATTERN
 CATEGORY_PATTERN = validation.CATEGORY_PATTERN
 
 

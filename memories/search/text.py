@@ -10,6 +10,8 @@ One tokenizer serves both sides, so a question finds what a write indexed:
   approach for Chinese full-text search. "周报发送时间" → 周报 报发 发送 送时 时间; the
   question "周报什么时候发送？" shares 周报 and 发送 with it. A CJK run of one character is
   indexed as that character.
+* A word keeps its combining marks: "हिंदी" and "ที่อยู่" are one term each (the scripts whose
+  vowel signs are marks were cut at each mark into single letters that no query looks for).
 * Question words and stop words ("which", "does", "什么", "怎么") are dropped from queries.
 * A Latin query word also matches, at a lower weight, the word that is its first four
   letters, for key abbreviations ("language" → lang, "preference" → pref). It does not match
@@ -27,12 +29,34 @@ slow a query down.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import unicodedata
 from dataclasses import dataclass
 
 _WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
+# Characters that are neither word characters nor blanks: punctuation, symbols, and the
+# combining marks (Mn, Mc, Me) that Devanagari, Thai or Bengali words are spelt with, which a
+# word keeps (below).
+_NOT_WORD_RE = re.compile(r"[^\w\s]")
+
+
+@functools.lru_cache(maxsize=256)
+def _marked_word_re(marks: str) -> re.Pattern:
+    """Words of letters and digits, each letter or digit followed by any of ``marks``."""
+    return re.compile(rf"[^\W_](?:[^\W_]|[{re.escape(marks)}])*")
+
+
+def _words(text: str) -> list[str]:
+    """Runs of letters and digits, the marks that follow a letter kept in its word: "हिंदी"
+    (ह, a vowel sign, a nasal sign, द, a vowel sign) is one word, not ह and द. `re` has no
+    class of all marks, so the text's own marks make the pattern (cached by them)."""
+    if text.isascii():
+        return _WORD_RE.findall(text)
+    marks = "".join(sorted(c for c in set(_NOT_WORD_RE.findall(text)) if unicodedata.category(c)[0] == "M"))
+    return _marked_word_re(marks).findall(text) if marks else _WORD_RE.findall(text)
+
 
 # Each distinct term is indexed at most this many times (see the module docstring).
 TERM_CAP = 2
@@ -97,7 +121,7 @@ def tokenize(text: str) -> list[str]:
     CJK runs as bigrams."""
     text = unicodedata.normalize("NFKC", text).lower()
     terms: list[str] = []
-    for word in _WORD_RE.findall(text):
+    for word in _words(text):
         if len(word) > TERM_MAX_LEN and not any(is_cjk(ch) for ch in word[:TERM_MAX_LEN]):
             continue
         run: list[str] = []

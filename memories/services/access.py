@@ -123,9 +123,9 @@ def _fold_group(tenant_id: int) -> tuple[int, bool]:
 # its memories, so the two never wait on each other in a cycle), then updated by ONE
 # statement — not one UPDATE per memory, a round trip and the ORM's query building each.
 _LOCK_SQL = "SELECT id FROM memories_memory WHERE id = ANY(%s) ORDER BY id FOR UPDATE"
-_ADD_SQL = f"""
+_ADD_SQL = """
 UPDATE memories_memory m
-SET access_count = LEAST(m.access_count::bigint + v.n, {COUNT_MAX}),
+SET access_count = LEAST(m.access_count::bigint + v.n, %s),
     last_accessed_at = GREATEST(COALESCE(m.last_accessed_at, v.last), v.last)
 FROM unnest(%s::bigint[], %s::bigint[], %s::timestamptz[]) AS v(id, n, last)
 WHERE m.id = v.id"""
@@ -139,7 +139,7 @@ def _add_counts(credited: list[tuple[int, int, object]]) -> None:
         ids, counts, lasts = (list(column) for column in zip(*credited, strict=True))
         with connection.cursor() as cursor:
             cursor.execute(_LOCK_SQL, [sorted(ids)])
-            cursor.execute(_ADD_SQL, [ids, counts, lasts])
+            cursor.execute(_ADD_SQL, [COUNT_MAX, ids, counts, lasts])
         return
     for memory_id, n, last in sorted(credited, key=lambda row: row[0]):
         Memory.objects.filter(pk=memory_id).update(

@@ -103,8 +103,8 @@ class MemoryTool:
                     raise MemoryToolError(f"Path {path} would escape /memories directory")
                 segments.pop()
                 continue
-            # NFC: macOS spells names decomposed ("e" + U+0301), which no key segment holds
-            # (a combining mark is no letter); composed, "café" either way is one file.
+            # NFC: macOS spells names decomposed ("e" + U+0301); composed, "café" either way
+            # is one file (keys themselves are taken as given: two spellings, two keys).
             segments.append(unicodedata.normalize("NFC", segment))
         key = ":".join([self.root, *segments])
         try:
@@ -114,7 +114,8 @@ class MemoryTool:
             validation.key(key)
         except InvalidInput as exc:
             raise MemoryToolError(
-                f"Path {path} cannot be stored: each name is letters, digits or _ - . @ + = ~ ({exc.message})"
+                f"Path {path} cannot be stored: each name is letters (with their combining marks), "
+                f"digits or _ - . @ + = ~ ({exc.message})"
             ) from None
         return Place(path=path, key=key, is_root=not segments, names=tuple(segments))
 
@@ -276,8 +277,15 @@ class MemoryTool:
         files: dict[tuple[str, ...], int] = {}
         for key, size in sizes:
             files[tuple(key[len(place.key) + 1 :].split(":"))] = size
-        # A memory under a file (written by another surface) is behind it: not listed.
-        files = {rel: size for rel, size in files.items() if not any(rel[:d] in files for d in range(1, len(rel)))}
+        # A memory under a file (written by another surface) is behind it: not listed. Nor is
+        # one whose names are not in NFC (another surface's "cafe\u0301"): no path reaches it,
+        # since a path's names are taken in NFC (place).
+        files = {
+            rel: size
+            for rel, size in files.items()
+            if not any(rel[:d] in files for d in range(1, len(rel)))
+            and all(unicodedata.is_normalized("NFC", name) for name in rel)
+        }
         dirs: dict[tuple[str, ...], int] = {}
         for rel, size in files.items():
             for depth in range(1, len(rel)):

@@ -757,16 +757,21 @@ def _idle_due_python(roots: list[str], *, now: datetime, idle: timedelta) -> lis
             and (failed_at is None or failed_at < newest_at)
         )
 
-    # Longest idle first, so a backlog larger than one batch drains in order; but no tenant
-    # past ZEROMEM_TENANT_MAX_PENDING_JOBS pending, counting the jobs started here: one tenant's
-    # thousands of old sessions took the whole batch on every run, and the others' waited.
+    return _within_room(sorted((t, slot) for slot, t in idle_sessions.items() if needs_summary(slot, t)), room)
+
+
+def _within_room(candidates, room: dict[int, int]) -> list[tuple[datetime, tuple[int, str]]]:
+    """Longest idle first, so a backlog larger than one batch drains in order; but no tenant
+    past ZEROMEM_TENANT_MAX_PENDING_JOBS pending (``room``: what each has left), counting the
+    jobs started here: one tenant's thousands of old sessions took the whole batch on every
+    run, and the others' waited. At most ``IDLE_BATCH``."""
     due = []
-    for t, slot in sorted((t, slot) for slot, t in idle_sessions.items() if needs_summary(slot, t)):
+    for newest, slot in candidates:
         if len(due) == IDLE_BATCH:
             break
         if room[slot[0]] > 0:
             room[slot[0]] -= 1
-            due.append((t, slot))
+            due.append((newest, slot))
     return due
 
 
@@ -845,14 +850,7 @@ def _idle_due_sql(roots: list[str], *, now: datetime, idle: timedelta) -> list[t
         .order_by()
     ):
         room[tenant_id] -= pending
-    due = []
-    for newest, slot in candidates:
-        if len(due) == IDLE_BATCH:
-            break
-        if room[slot[0]] > 0:
-            room[slot[0]] -= 1
-            due.append((newest, slot))
-    return due
+    return _within_room(candidates, room)
 
 
 def _session_prefix(namespace_prefix: str, roots: list[str]) -> str | None:

@@ -1,7 +1,8 @@
 """Input rules shared by every surface. Each failure names the field at fault.
 
 Key grammar (see README "Keys"): segments joined by ``:``; each segment is one or more
-Unicode letters or digits, or ``_ - . @ + = ~``; no empty segment, no whitespace or control
+Unicode letters or digits, or ``_ - . @ + = ~``, each of them optionally followed by combining
+marks (a segment never starts with a mark); no empty segment, no whitespace or control
 characters, no ``/``; at most 512 characters. Recommended shape, as the seeds advise:
 ``{namespace}:{user or session id}:{name}``, e.g. ``user:u10086:pref_lang``.
 """
@@ -9,12 +10,23 @@ characters, no ``/``; at most 512 characters. Recommended shape, as the seeds ad
 import base64
 import json
 import re
+import unicodedata
 from datetime import timedelta
 
 from zeromem.kernel.errors import InvalidInput, PayloadTooLarge
 
 KEY_MAX_LEN = 512
-_SEGMENT = r"[\w.@+=~-]+"
+# A segment's characters: Unicode letters and digits (Python's \w: categories L and N, and _)
+# and these, "-" last (a class's end in Python and ECMA-262 alike).
+_PUNCTUATION = ".@+=~-"
+_SEGMENT = rf"[\w{_PUNCTUATION}]+"
+# Each character may be followed by combining marks (categories Mn, Mc, Me: Devanagari's and
+# Thai's vowel signs, Arabic harakat, Hebrew niqqud, an accent spelt apart). `re` has no \p{M}
+# (a class of all 2,500 marks would cost 0.2 s at import to build), so KEY_RE, PREFIX_RE and
+# TAG_RE are the rules without marks and a string holding any is checked in two passes: each
+# mark must follow a segment's character (never a ":", never the start), then the string
+# without its marks must match (without_marks). A string without marks — every key before
+# marks were allowed — is one fullmatch, as before.
 KEY_RE = re.compile(rf"{_SEGMENT}(?::{_SEGMENT})*")
 # A prefix is a key, optionally ending in ":" (a whole subtree) or cut mid-segment. Written
 # so that each character has one way to match: "(?:SEG:?)+" read the same strings, but split
@@ -22,12 +34,34 @@ KEY_RE = re.compile(rf"{_SEGMENT}(?::{_SEGMENT})*")
 # its end ("a" * 24 + "!": 0.9 s of CPU, doubling with each letter; 40 letters: hours), and
 # `re` holds the GIL meanwhile, so one request stalled every thread of its process.
 PREFIX_RE = re.compile(rf"{_SEGMENT}(?::{_SEGMENT})*:?")
+_OUTSIDE = re.compile(rf"[^\w:{_PUNCTUATION}]")
+_STARTS_OUTSIDE = re.compile(rf"(?:^|:)[^\w:{_PUNCTUATION}]")
+
+
+def without_marks(text: str) -> str | None:
+    """``text`` without its combining marks, when each follows a character of a segment (a
+    letter, a digit, ``_ . @ + = ~ -`` or another mark: not ``:`` nor the start); None when
+    a mark starts a segment or a character is neither a mark nor in the key alphabet. A few
+    passes over the string, none backtracking; each distinct character looked up once."""
+    outside = set(_OUTSIDE.findall(text))
+    if any(unicodedata.category(ch)[0] != "M" for ch in outside) or _STARTS_OUTSIDE.search(text):
+        return None
+    return _OUTSIDE.sub("", text) if outside else text
+
+
+def _with_marks(rule: re.Pattern, text: str) -> bool:
+    """Whether ``text``, refused by ``rule`` as it is, holds marks and matches without them."""
+    if text.isascii():
+        return False
+    bare = without_marks(text)
+    return bare is not None and bare != text and rule.fullmatch(bare) is not None
+
 
 # Every bound below is also stated by the schemas of the surfaces (the tool schemas of
 # memories/tools.py, the OpenAPI description of memories/api), which are built from these names.
 TTL_MAX_SECONDS = 10 * 365 * 24 * 3600
 TAG_MAX_LEN = 64
-TAG_RE = re.compile(rf"[\w.@+=~:-]{{1,{TAG_MAX_LEN}}}")
+TAG_RE = re.compile(rf"[\w:{_PUNCTUATION}]{{1,{TAG_MAX_LEN}}}")  # marks as in keys, after any but ":"
 TAGS_MAX = 20
 SUBJECT_MAX_LEN = 255
 SOURCE_MAX_LEN = 255
@@ -58,6 +92,16 @@ def ecma_pattern(python_pattern: str) -> str:
 
 
 CATEGORY_PATTERN = ecma_pattern(CATEGORY_RE.pattern)  # ASCII: the same in Python and ECMA-262
+
+# The key rules with their marks, as JSON Schema patterns (the OpenAPI description): \p{M} in
+# ECMA-262's u-flag syntax, as \p{L} and \p{N} already were; each character is matched one way
+# (a mark only after a character, ":" only between segments), so a client's validator cannot
+# backtrack. tests/test_key_marks.py checks them against the service on every kind of string.
+_ECMA_CHARS = rf"\p{{L}}\p{{N}}_{_PUNCTUATION}"
+_ECMA_SEGMENT = rf"[{_ECMA_CHARS}][\p{{M}}{_ECMA_CHARS}]*"
+KEY_PATTERN = rf"^{_ECMA_SEGMENT}(?::{_ECMA_SEGMENT})*$"
+PREFIX_PATTERN = rf"^(?:{_ECMA_SEGMENT}(?::{_ECMA_SEGMENT})*:?)?$"  # "" too: no prefix
+TAG_PATTERN = rf"^(?:[{_ECMA_CHARS}]\p{{M}}*|:)+$"  # with the schemas' maxLength
 
 # An API key's allowlist entries: each is one more OR'ed range in every search, list and
 # recall the key makes (and one more check per key it touches).
@@ -148,10 +192,10 @@ def key(value, field: str = "key") -> str:
         raise InvalidInput("must not be empty", field=field)
     if len(value) > KEY_MAX_LEN:
         raise InvalidInput(f"must be at most {KEY_MAX_LEN} characters", field=field, code="too_long")
-    if not KEY_RE.fullmatch(value):
+    if not KEY_RE.fullmatch(value) and not _with_marks(KEY_RE, value):
         raise InvalidInput(
-            "must be ':'-separated segments of letters, digits or _-.@+=~ with no empty segment, "
-            "e.g. 'user:u10086:pref_lang'",
+            "must be ':'-separated segments of letters (with any combining marks), digits or _-.@+=~ "
+            "with no empty segment, e.g. 'user:u10086:pref_lang'",
             field=field,
             code="invalid_key",
         )
@@ -165,7 +209,7 @@ def prefix(value, field: str = "prefix") -> str:
         raise InvalidInput("must be a string", field=field)
     if len(value) > KEY_MAX_LEN:
         raise InvalidInput(f"must be at most {KEY_MAX_LEN} characters", field=field, code="too_long")
-    if not PREFIX_RE.fullmatch(value):
+    if not PREFIX_RE.fullmatch(value) and not _with_marks(PREFIX_RE, value):
         raise InvalidInput("must be the start of a key, e.g. 'user:u10086:'", field=field, code="invalid_prefix")
     return value
 
@@ -271,8 +315,10 @@ def tags(raw, field: str = "tags") -> list[str] | None:
     if len(raw) > TAGS_MAX:
         raise InvalidInput(f"at most {TAGS_MAX} tags", field=field, code="out_of_range")
     for t in raw:
-        if not TAG_RE.fullmatch(t):
-            raise InvalidInput("each tag is 1-64 letters, digits or _-.@+=~:", field=field)
+        if len(t) > TAG_MAX_LEN or not (TAG_RE.fullmatch(t) or _with_marks(TAG_RE, t)):
+            raise InvalidInput(
+                f"each tag is 1-{TAG_MAX_LEN} letters (with any combining marks), digits or _-.@+=~:", field=field
+            )
     return list(dict.fromkeys(raw))
 
 
