@@ -546,7 +546,7 @@ class ForgetRequest(models.Model):
             models.Index(fields=["due_at"], name="forget_open_due", condition=~Q(status="completed")),
             # The search-stats schedule's "a forget completed since the tenant's term count"
             # (memories/search/index.py stale_tenant_ids), every 10 minutes over every tenant:
-            # a few entries past the count, not the tenant's whole history (migration 0035).
+            # a few entries past the count, not the tenant's whole history (migration 0036).
             models.Index(
                 fields=["tenant", "completed_at"],
                 name="forget_tenant_completed",

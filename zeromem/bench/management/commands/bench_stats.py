@@ -17,7 +17,7 @@ with ``--forget-history`` completed forget requests (kept with their receipts), 
 ``stale_tenant_ids()`` — run every 10 minutes over every tenant — is timed with none due and
 with one in a hundred due. ``--before``: the recount and the staleness check as they were
 (every term row deleted and inserted again; every memory and completed forget request of each
-tenant read), to compare in one sitting (run ``migrate memories 0034`` first for the forget
+tenant read), to compare in one sitting (run ``migrate memories 0035`` first for the forget
 requests as they were read). Use a database of its own: the tenants stay there.
 """
 
