@@ -28,6 +28,7 @@ BENCHMARKS = (
     "bench_search",
     "bench_tokens",
     "bench_fold",
+    "bench_stats",
 )
 
 
