@@ -1,5 +1,6 @@
-"""New PostgreSQL connections while a benchmark runs, and the warm-up that waits for the
-server's connection pools to stop growing (the goal under load: no connection per request)."""
+"""New PostgreSQL connections while a benchmark runs, the warm-up that waits for the server's
+connection pools to stop growing (the goal under load: no connection per request), and the WAL
+one table wrote between two positions (pg_walinspect)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,45 @@ def connections_text(counted: dict) -> str:
         f"{counted['new_backends_seen_pg_stat_activity']} (pg_stat_activity); "
         f"client backends {counted['client_backends_before']} → {counted['client_backends_after']}"
     )
+
+
+def walinspect_available() -> bool:
+    """Whether pg_walinspect can be used here (created if the role may: a superuser's database)."""
+    from django.db import DatabaseError, connection, transaction
+
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        return True
+    except DatabaseError:
+        return False
+
+
+# The WAL records that touch one table or one of its indexes, in this database.
+_TABLE_WAL_SQL = """
+SELECT coalesce(sum(record_length + coalesce(fpi_length, 0)), 0)
+FROM pg_get_wal_records_info(%s, %s)
+WHERE block_ref ~ (
+    SELECT 'rel \\d+/' || d.oid || '/(' || string_agg(pg_relation_filenode(c.oid)::text, '|') || ') '
+    FROM pg_class c, pg_database d
+    WHERE d.datname = current_database()
+      AND (c.oid = %s::regclass OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = %s::regclass))
+    GROUP BY d.oid)"""
+
+
+def table_wal_bytes(before, after, table: str, *, walinspect: bool) -> tuple[float, bool]:
+    """Bytes of WAL between two flushed positions and whether they are ``table``'s own: with
+    pg_walinspect, the records that touch the table or one of its indexes; without it — or when
+    a checkpoint has recycled the segments since — the cluster's, every session's."""
+    from django.db import DatabaseError, connection, transaction
+
+    if walinspect:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(_TABLE_WAL_SQL, [before, after, table, table])
+                return float(cursor.fetchone()[0]), True
+        except DatabaseError:
+            pass
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after, before])
+        return float(cursor.fetchone()[0]), False

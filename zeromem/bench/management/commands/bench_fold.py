@@ -30,13 +30,14 @@ import secrets
 import statistics
 import time
 
-from django.db import DatabaseError, connection, transaction
+from django.db import connection, transaction
 
 from audit.services import audit_seal
 from memories import services
 from memories.models import Memory
 from memories.services import access
 from zeromem.bench.options import BenchCommand
+from zeromem.bench.pgwatch import table_wal_bytes, walinspect_available
 from zeromem.kernel.actors import Actor
 
 SYSTEM = Actor.system(job="bench_fold")
@@ -56,7 +57,7 @@ class Command(BenchCommand):
     def handle(self, *args, **options):
         self.require_postgresql()
         rnd = random.Random(options["seed"])
-        self.walinspect = self._walinspect()
+        self.walinspect = walinspect_available()
         table = Memory._meta.db_table
         fillfactor = self._fillfactor(table)
         suffix = secrets.token_hex(4)
@@ -170,39 +171,10 @@ class Command(BenchCommand):
             "ms_per_memory": round(seconds * 1000 / max(counted, 1), 3),
             "updates": updates,
             "hot": hot,
-            "wal_bytes_per_memory": round(self._wal(before, after) / max(counted, 1)),
+            "wal_bytes_per_memory": round(
+                table_wal_bytes(before, after, Memory._meta.db_table, walinspect=self.walinspect)[0] / max(counted, 1)
+            ),
         }
-
-    def _wal(self, before, after) -> float:
-        """Bytes of WAL between two positions: with pg_walinspect (a superuser's database), the
-        records that touch ``memories_memory`` or one of its indexes; without, the cluster's
-        (every session's, every table's)."""
-        with connection.cursor() as cursor:
-            if self.walinspect:
-                cursor.execute(
-                    """SELECT coalesce(sum(record_length + coalesce(fpi_length, 0)), 0)
-                       FROM pg_get_wal_records_info(%s, %s)
-                       WHERE block_ref ~ (
-                           SELECT 'rel \\d+/' || d.oid || '/(' || string_agg(pg_relation_filenode(c.oid)::text, '|')
-                                  || ') '
-                           FROM pg_class c, pg_database d
-                           WHERE d.datname = current_database()
-                             AND (c.oid = %s::regclass
-                                  OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = %s::regclass))
-                           GROUP BY d.oid)""",
-                    [before, after, Memory._meta.db_table, Memory._meta.db_table],
-                )
-            else:
-                cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after, before])
-            return float(cursor.fetchone()[0])
-
-    def _walinspect(self) -> bool:
-        try:
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
-            return True
-        except DatabaseError:
-            return False
 
     def print_table(self, result: dict) -> None:
         o = result["options"]

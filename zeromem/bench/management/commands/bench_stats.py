@@ -27,12 +27,13 @@ import random
 import statistics
 import time
 
-from django.db import DatabaseError, connection, transaction
+from django.db import connection, transaction
 
 from memories.models import Memory, SearchTerm, Tenant
 from memories.search import index as search_index
 from zeromem.bench.management.commands import bench_search
 from zeromem.bench.options import BenchCommand
+from zeromem.bench.pgwatch import table_wal_bytes, walinspect_available
 
 
 class Command(BenchCommand):
@@ -62,7 +63,7 @@ class Command(BenchCommand):
         self.require_postgresql()
         self.before = before
         rng = random.Random(seed)
-        self.walinspect = self._walinspect()
+        self.walinspect = walinspect_available()
         loader = bench_search.Command(stdout=self.stderr if self.json_output else self.stdout)
         loader.json_output = self.json_output
         loader.real_vectors = None
@@ -107,7 +108,7 @@ class Command(BenchCommand):
             c.execute("SELECT pg_current_wal_flush_lsn()")  # pg_walinspect reads up to there
             after = c.fetchone()[0]
         rows = {k: v - before_rows[k] for k, v in self._tuples().items()}
-        wal, own = self._wal(before, after)
+        wal, own = table_wal_bytes(before, after, SearchTerm._meta.db_table, walinspect=self.walinspect)
         return {"seconds": round(seconds, 2), "terms": terms, **rows, "wal_mb": round(wal / 1e6, 2), "wal_own": own}
 
     def _tuples(self) -> dict:
@@ -184,41 +185,6 @@ class Command(BenchCommand):
             c.execute("SELECT max(n) FROM (SELECT count(*) AS n FROM memories_forgetrequest GROUP BY tenant_id) f")
             most = c.fetchone()[0] or 0
         return {"tenants": Tenant.objects.count(), "most_forget_requests": most, **timings}
-
-    def _wal(self, before, after) -> tuple[float, bool]:
-        """(bytes, whether only SearchTerm's): the records of ``memories_searchterm`` and its
-        index with pg_walinspect, else — or when a checkpoint has recycled the segments since
-        (a recount at 1M writes more than max_wal_size) — the cluster's, every session's."""
-        if self.walinspect:
-            try:
-                with transaction.atomic(), connection.cursor() as cursor:
-                    cursor.execute(
-                        """SELECT coalesce(sum(record_length + coalesce(fpi_length, 0)), 0)
-                           FROM pg_get_wal_records_info(%s, %s)
-                           WHERE block_ref ~ (
-                               SELECT 'rel \\d+/' || d.oid || '/('
-                                      || string_agg(pg_relation_filenode(c.oid)::text, '|') || ') '
-                               FROM pg_class c, pg_database d
-                               WHERE d.datname = current_database()
-                                 AND (c.oid = %s::regclass
-                                      OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = %s::regclass))
-                               GROUP BY d.oid)""",
-                        [before, after, SearchTerm._meta.db_table, SearchTerm._meta.db_table],
-                    )
-                    return float(cursor.fetchone()[0]), True
-            except DatabaseError:
-                pass
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after, before])
-            return float(cursor.fetchone()[0]), False
-
-    def _walinspect(self) -> bool:
-        try:
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
-            return True
-        except DatabaseError:
-            return False
 
     def print_table(self, result: dict) -> None:
         wal = "SearchTerm's WAL" if result["walinspect"] else "cluster WAL"
