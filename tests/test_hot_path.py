@@ -418,6 +418,82 @@ def test_a_write_over_an_existing_memory_is_four_statements_after_warm_up(tenant
     assert memory.version == 3 and history == [(1, "zh-CN"), (2, "en"), (3, "de")]
 
 
+# --- prepared statements (zeromem/kernel/hotsql.py, DB_PREPARED_STATEMENTS) ----------------
+
+
+def _prepared() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements WHERE NOT from_sql")
+        return [row[0] for row in cursor.fetchall()]
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's prepared statements")
+def test_the_hot_statements_are_prepared_once_per_connection(tenant_a):
+    """A read's SELECT and audit INSERT and a write's row lock, UPDATE and version INSERT are
+    parsed and planned once per connection; later calls send only their parameters."""
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    body = {"name": "memory_write", "arguments": {"key": KEY, "value": "en"}}
+    for value in ("en", "de"):
+        body["arguments"]["value"] = value
+        assert client.post("/api/v1/tools/call", body).status_code == 200
+        assert _tool_read(client).json()["value"] == value
+    prepared = _prepared()
+    assert any(s.startswith("SELECT") and "memories_memory" in s and "FOR UPDATE" not in s for s in prepared)
+    assert any(s.startswith("SELECT") and "FOR UPDATE" in s for s in prepared)
+    assert any(s.startswith("UPDATE") and "memories_memory" in s for s in prepared)
+    assert any(s.startswith("INSERT") and "memories_memoryversion" in s for s in prepared)
+    assert any(s.startswith("INSERT") and "audit_auditevent" in s for s in prepared)
+    assert all("$1" in s for s in prepared)  # parameters apart from the text, never inlined
+    for value in ("fr", "it", "es"):  # the same statements again: nothing more is prepared
+        body["arguments"]["value"] = value
+        client.post("/api/v1/tools/call", body)
+        assert _tool_read(client).json()["value"] == value
+    assert sorted(_prepared()) == sorted(prepared)
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's prepared statements")
+def test_without_prepared_statements_the_hot_path_binds_client_side(tenant_a, monkeypatch):
+    """Behind PgBouncer in transaction mode (ZEROMEM_PGBOUNCER, or DB_PREPARED_STATEMENTS=false)
+    the connection has no prepare threshold: nothing is prepared, the answers are the same."""
+    from zeromem.kernel import hotsql
+
+    def no_server_binding(conn):
+        raise AssertionError("a statement was bound server-side")
+
+    connection.ensure_connection()
+    monkeypatch.setattr(connection.connection, "prepare_threshold", None)
+    monkeypatch.setattr(hotsql, "_server_bound", no_server_binding)
+    write(tenant_a, KEY, "zh-CN")
+    client, _ = make_keyed_client(tenant_a)
+    body = {"name": "memory_write", "arguments": {"key": KEY, "value": "en"}}
+    assert client.post("/api/v1/tools/call", body).json()["version"] == 2
+    assert _tool_read(client).json()["value"] == "en"
+    assert AuditEvent.objects.filter(tenant=tenant_a, action__in=["memory.read", "memory.write"]).count() == 3
+
+
+def test_prepared_statements_follow_the_pgbouncer_setting():
+    """settings.py: on by default, off behind PgBouncer unless asked for (PgBouncer >= 1.21
+    with max_prepared_statements tracks them), off when asked."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import zeromem.settings as s; print(s.DATABASES['default']['OPTIONS'].get('prepare_threshold'))"
+
+    def threshold(**env):
+        base = {k: v for k, v in os.environ.items() if k not in ("ZEROMEM_PGBOUNCER", "DB_PREPARED_STATEMENTS")}
+        base |= {"DATABASE_URL": "postgres://u@127.0.0.1:5432/x", "SECRET_KEY": "k" * 50, **env}
+        done = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()[-1]
+
+    assert threshold() == "5"
+    assert threshold(ZEROMEM_PGBOUNCER="true") == "None"
+    assert threshold(ZEROMEM_PGBOUNCER="true", DB_PREPARED_STATEMENTS="true") == "5"
+    assert threshold(DB_PREPARED_STATEMENTS="false") == "None"
+
+
 # --- content negotiation (zeromem/kit/negotiation.py) ---------------------------------------
 
 

@@ -205,6 +205,15 @@ if env.str("DATABASE_URL", default=""):
             DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
             DATABASES["default"]["OPTIONS"]["server_side_binding"] = False
             DATABASES["default"]["OPTIONS"]["prepare_threshold"] = None
+        # The hot path's statements (zeromem/kernel/hotsql.py: a read's SELECT and audit INSERT,
+        # a write's lock, UPDATE and version row, the rate counter) are prepared once per
+        # connection: planning the live-memory SELECT against memories_memory's 16 indexes cost
+        # PostgreSQL more than running it. Everything else stays client-side bound. Off behind
+        # PgBouncer in transaction mode (a prepared statement belongs to one server connection;
+        # Debian 12's PgBouncer 1.18 does not track them; >= 1.21 with max_prepared_statements
+        # does: then set DB_PREPARED_STATEMENTS=true).
+        if env.bool("DB_PREPARED_STATEMENTS", default=not ZEROMEM_PGBOUNCER):
+            DATABASES["default"]["OPTIONS"]["prepare_threshold"] = env.int("DB_PREPARE_THRESHOLD", default=5)
         # Read scaling (zeromem/kernel/replica.py): audit review, exports and the dashboard
         # may read from a streaming replica; everything else, and every write, the primary.
         if env.str("DATABASE_REPLICA_URL", default=""):

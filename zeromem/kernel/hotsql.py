@@ -24,6 +24,8 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.models import signals
 from django.db.models.sql import InsertQuery
 
+from zeromem.kernel import tracing
+
 
 def fetchone(sql: str, params: Sequence) -> tuple | None:
     """Run one statement on the default connection and return its first row (or None)."""
@@ -48,12 +50,34 @@ def _run(sql: str, params: Sequence, fetch):
     db.validate_thread_sharing()
     db.validate_no_broken_transaction()
     with db.wrap_database_errors:
-        cursor = db.create_cursor()
+        if getattr(db.connection, "prepare_threshold", None) is None or tracing.on():
+            # SQLite; no prepared statements (PgBouncer); or traced: OpenTelemetry's psycopg
+            # instrumentation wraps the connection's own cursor class, not this one.
+            cursor = db.create_cursor()
+            try:
+                cursor.execute(sql, params)
+                return fetch(cursor)
+            finally:
+                cursor.close()
+        cursor = _server_bound(db.connection)
         try:
-            cursor.execute(sql, params)
+            cursor.execute(sql, params, prepare=True)
             return fetch(cursor)
         finally:
             cursor.close()
+
+
+@functools.cache
+def _server_bound_class():
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    return ServerBindingCursor
+
+
+def _server_bound(conn):
+    # Django's server-side binding cursor (psycopg's Cursor): the statement is parsed and
+    # planned by PostgreSQL once per connection and its parameters sent apart from it.
+    return _server_bound_class()(conn)
 
 
 def execute(sql: str, params: Sequence) -> int:
