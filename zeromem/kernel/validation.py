@@ -45,23 +45,18 @@ _STARTS_OUTSIDE = re.compile(rf"(?:^|:)[^\w:{_PUNCTUATION}]")
 # format character stays refused — bidi controls (U+202A-202E, U+2066-2069) above all, which
 # make a key display as another key.
 JOINERS = frozenset("\u200c\u200d")
-_JOINER = re.compile("[\u200c\u200d]")
+_BEFORE_JOINER = re.compile("(?s).(?=[\u200c\u200d])")
+_AFTER_JOINER = re.compile("(?s)(?<=[\u200c\u200d]).")
 
 
 def _joiners_placed(text: str, *, open_end: bool) -> bool:
     """Whether each joiner of ``text`` lies between two letters or marks (``open_end``: or
-    ends the text after one: a prefix may be cut after it)."""
-    last = len(text) - 1
-    for found in _JOINER.finditer(text):
-        at = found.start()
-        if at == 0 or unicodedata.category(text[at - 1])[0] not in "LM":
-            return False
-        if at == last:
-            if not open_end:
-                return False
-        elif unicodedata.category(text[at + 1])[0] not in "LM":
-            return False
-    return True
+    ends the text after one: a prefix may be cut after it). The caller has refused a joiner
+    that starts the text or a segment. Two passes; each distinct neighbour looked up once."""
+    if not open_end and text[-1] in JOINERS:
+        return False
+    neighbours = set(_BEFORE_JOINER.findall(text)) | set(_AFTER_JOINER.findall(text))
+    return all(unicodedata.category(ch)[0] in "LM" for ch in neighbours)
 
 
 def without_marks(text: str, *, open_end: bool = False) -> str | None:
