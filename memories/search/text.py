@@ -155,6 +155,10 @@ def is_cjk(ch: str) -> bool:
     )
 
 
+# The characters is_cjk takes, as a class.
+_CJK_RE = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\U00020000-\U0002ffff]")
+
+
 STOPWORDS = frozenset(
     """a an and are as at be been but by can could did do does for from had has have how i if in
     into is it its me my of on or our please should so than that the their them then there these
@@ -189,6 +193,9 @@ def tokenize(text: str) -> list[str]:
     text = unicodedata.normalize("NFKC", text).lower()
     if not text.isascii():
         text = fold(text)
+    if text.isascii() or not _CJK_RE.search(text):
+        # No CJK run to cut into bigrams: the words are the terms (one pass, not one per letter).
+        return [word for word in _words(text) if len(word) <= TERM_MAX_LEN]
     terms: list[str] = []
     for word in _words(text):
         if len(word) > TERM_MAX_LEN and not any(is_cjk(ch) for ch in word[:TERM_MAX_LEN]):

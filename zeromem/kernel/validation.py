@@ -69,10 +69,11 @@ def without_marks(text: str, *, open_end: bool = False) -> str | None:
     outside = set(_OUTSIDE.findall(text))
     if not outside:
         return text
-    joiners = outside & JOINERS
-    if any(unicodedata.category(ch)[0] != "M" for ch in outside - joiners) or _STARTS_OUTSIDE.search(text):
+    joined = "\u200c" in outside or "\u200d" in outside
+    others = outside - JOINERS if joined else outside
+    if any(unicodedata.category(ch)[0] != "M" for ch in others) or _STARTS_OUTSIDE.search(text):
         return None
-    if joiners and not _joiners_placed(text, open_end=open_end):
+    if joined and not _joiners_placed(text, open_end=open_end):
         return None
     return _OUTSIDE.sub("", text)
 
