@@ -12,6 +12,13 @@ One tokenizer serves both sides, so a question finds what a write indexed:
   indexed as that character.
 * A word keeps its combining marks: "हिंदी" and "ที่อยู่" are one term each (the scripts whose
   vowel signs are marks were cut at each mark into single letters that no query looks for).
+* Arabic harakat and Quranic marks, tatweel (U+0640) and Hebrew niqqud and cantillation are
+  folded out of the terms (``fold``): "كِتَابٌ", "كـتـاب" and "كتاب" are the term كتاب, "עִבְרִית"
+  is עברית; the value and key keep them as written.
+* A zero-width non-joiner or joiner inside a word is dropped from its term ("می‌خواهم" →
+  میخواهم, Devanagari "क्‍ष" → क्ष); a word of Arabic script with a non-joiner (Persian's
+  morpheme boundary: "کتاب‌ها", books) is also indexed by its parts (کتاب, ها), so کتاب
+  finds it, as a Persian writer who types a space or nothing there does.
 * Question words and stop words ("which", "does", "什么", "怎么") are dropped from queries.
 * A Latin query word also matches, at a lower weight, the word that is its first four
   letters, for key abbreviations ("language" → lang, "preference" → pref). It does not match
@@ -48,14 +55,74 @@ def _marked_word_re(marks: str) -> re.Pattern:
     return re.compile(rf"[^\W_](?:[^\W_]|[{re.escape(marks)}])*")
 
 
+# ZERO WIDTH NON-JOINER and JOINER: kept inside a word by _words (as its marks are), then
+# dropped from its term (_unjoined).
+_ZWNJ, _ZWJ = "\u200c", "\u200d"
+_JOINERS = _ZWNJ + _ZWJ
+
+
+def _is_arabic_letter(ch: str) -> bool:
+    cp = ord(ch)
+    return 0x0620 <= cp <= 0x06FF or 0x0750 <= cp <= 0x077F or 0x08A0 <= cp <= 0x08FF
+
+
 def _words(text: str) -> list[str]:
     """Runs of letters and digits, the marks that follow a letter kept in its word: "हिंदी"
-    (ह, a vowel sign, a nasal sign, द, a vowel sign) is one word, not ह and द. `re` has no
-    class of all marks, so the text's own marks make the pattern (cached by them)."""
+    (ह, a vowel sign, a nasal sign, द, a vowel sign) is one word, not ह and द; and the
+    joiners inside one. `re` has no class of all marks, so the text's own marks make the
+    pattern (cached by them)."""
     if text.isascii():
         return _WORD_RE.findall(text)
-    marks = "".join(sorted(c for c in set(_NOT_WORD_RE.findall(text)) if unicodedata.category(c)[0] == "M"))
-    return _marked_word_re(marks).findall(text) if marks else _WORD_RE.findall(text)
+    marks = "".join(
+        sorted(c for c in set(_NOT_WORD_RE.findall(text)) if c in _JOINERS or unicodedata.category(c)[0] == "M")
+    )
+    if not marks:
+        return _WORD_RE.findall(text)
+    words = _marked_word_re(marks).findall(text)
+    return _unjoined(words) if _ZWNJ in marks or _ZWJ in marks else words
+
+
+def _unjoined(words: list[str]) -> list[str]:
+    """Each word without its joiners; a word of Arabic script cut by a non-joiner, its parts
+    after it (a Persian suffix or prefix: کتاب‌ها → کتابها, کتاب, ها)."""
+    out: list[str] = []
+    for word in words:
+        if _ZWNJ not in word and _ZWJ not in word:
+            out.append(word)
+            continue
+        out.append(word.replace(_ZWNJ, "").replace(_ZWJ, ""))
+        if _ZWNJ in word:
+            parts = word.split(_ZWNJ)
+            if any(part and _is_arabic_letter(part[-1]) for part in parts[:-1]):
+                out.extend(part.replace(_ZWJ, "") for part in parts if part.strip(_ZWJ))
+    return out
+
+
+# Folded out of every term: Arabic harakat (fatha, kasra, damma, tanween, shadda, sukun...),
+# Quranic annotation marks and the superscript alef, the tatweel (U+0640, a stretch of the
+# line between letters: كـتـاب is كتاب), and Hebrew niqqud and cantillation marks. Writers
+# leave them out or put them in as they please; a question must find the word either way.
+# The combining marks (Mn) of those ranges only: Hebrew maqaf, paseq and sof pasuq, the
+# Arabic end-of-ayah sign and the small waw and yeh (letters) are not marks and stay.
+_FOLDED = "\u0640" + "".join(
+    chr(cp)
+    for first, last in (
+        (0x0591, 0x05C7),
+        (0x0610, 0x061A),
+        (0x064B, 0x065F),
+        (0x0670, 0x0670),
+        (0x06D6, 0x06ED),
+        (0x08D3, 0x08FF),
+    )
+    for cp in range(first, last + 1)
+    if unicodedata.category(chr(cp)) == "Mn"
+)
+_FOLDED_RE = re.compile(f"[{re.escape(_FOLDED)}]+")
+
+
+def fold(text: str) -> str:
+    """``text`` without the marks that the terms fold out (:data:`_FOLDED`)."""
+    return _FOLDED_RE.sub("", text)
 
 
 # Each distinct term is indexed at most this many times (see the module docstring).
@@ -86,6 +153,10 @@ def is_cjk(ch: str) -> bool:
         or 0xF900 <= cp <= 0xFAFF
         or 0x20000 <= cp <= 0x2FFFF
     )
+
+
+# The characters is_cjk takes, as a class.
+_CJK_RE = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\U00020000-\U0002ffff]")
 
 
 STOPWORDS = frozenset(
@@ -120,6 +191,11 @@ def tokenize(text: str) -> list[str]:
     """Words of a text, in order, duplicates kept: Latin words lowercased (not stemmed),
     CJK runs as bigrams."""
     text = unicodedata.normalize("NFKC", text).lower()
+    if not text.isascii():
+        text = fold(text)
+    if text.isascii() or not _CJK_RE.search(text):
+        # No CJK run to cut into bigrams: the words are the terms (one pass, not one per letter).
+        return [word for word in _words(text) if len(word) <= TERM_MAX_LEN]
     terms: list[str] = []
     for word in _words(text):
         if len(word) > TERM_MAX_LEN and not any(is_cjk(ch) for ch in word[:TERM_MAX_LEN]):

@@ -2,8 +2,10 @@
 
 Key grammar (see README "Keys"): segments joined by ``:``; each segment is one or more
 Unicode letters or digits, or ``_ - . @ + = ~``, each of them optionally followed by combining
-marks (a segment never starts with a mark); no empty segment, no whitespace or control
-characters, no ``/``; at most 512 characters. Recommended shape, as the seeds advise:
+marks (a segment never starts with a mark), with a zero-width non-joiner or joiner (U+200C,
+U+200D) allowed between two letters or marks (Persian می‌خواهم, Devanagari half forms); no empty
+segment, no whitespace, control or other format characters (bidi controls), no ``/``; at
+most 512 characters. Recommended shape, as the seeds advise:
 ``{namespace}:{user or session id}:{name}``, e.g. ``user:u10086:pref_lang``.
 """
 
@@ -36,24 +38,52 @@ KEY_RE = re.compile(rf"{_SEGMENT}(?::{_SEGMENT})*")
 PREFIX_RE = re.compile(rf"{_SEGMENT}(?::{_SEGMENT})*:?")
 _OUTSIDE = re.compile(rf"[^\w:{_PUNCTUATION}]")
 _STARTS_OUTSIDE = re.compile(rf"(?:^|:)[^\w:{_PUNCTUATION}]")
+# ZERO WIDTH NON-JOINER and JOINER: format characters (Cf), but Persian spells everyday words
+# with the first (می‌خواهم, کتاب‌ها) and Indic scripts use both inside words (Devanagari half
+# forms, Sinhala conjuncts, Malayalam chillu in the older spelling). Each is taken between two
+# letters or marks: never first or last in a segment, next to ":", nor doubled. Every other
+# format character stays refused — bidi controls (U+202A-202E, U+2066-2069) above all, which
+# make a key display as another key.
+JOINERS = frozenset("\u200c\u200d")
+_BEFORE_JOINER = re.compile("(?s).(?=[\u200c\u200d])")
+_AFTER_JOINER = re.compile("(?s)(?<=[\u200c\u200d]).")
 
 
-def without_marks(text: str) -> str | None:
-    """``text`` without its combining marks, when each follows a character of a segment (a
-    letter, a digit, ``_ . @ + = ~ -`` or another mark: not ``:`` nor the start); None when
-    a mark starts a segment or a character is neither a mark nor in the key alphabet. A few
-    passes over the string, none backtracking; each distinct character looked up once."""
+def _joiners_placed(text: str, *, open_end: bool) -> bool:
+    """Whether each joiner of ``text`` lies between two letters or marks (``open_end``: or
+    ends the text after one: a prefix may be cut after it). The caller has refused a joiner
+    that starts the text or a segment. Two passes; each distinct neighbour looked up once."""
+    if not open_end and text[-1] in JOINERS:
+        return False
+    neighbours = set(_BEFORE_JOINER.findall(text)) | set(_AFTER_JOINER.findall(text))
+    return all(unicodedata.category(ch)[0] in "LM" for ch in neighbours)
+
+
+def without_marks(text: str, *, open_end: bool = False) -> str | None:
+    """``text`` without its combining marks and joiners, when each mark follows a character
+    of a segment (a letter, a digit, ``_ . @ + = ~ -``, another mark or a joiner: not ``:``
+    nor the start) and each joiner lies between letters or marks (:func:`_joiners_placed`);
+    None when a character is neither a mark, a joiner nor in the key alphabet, or one is out
+    of place. A few passes over the string, none backtracking; each distinct character
+    looked up once."""
     outside = set(_OUTSIDE.findall(text))
-    if any(unicodedata.category(ch)[0] != "M" for ch in outside) or _STARTS_OUTSIDE.search(text):
+    if not outside:
+        return text
+    joined = "\u200c" in outside or "\u200d" in outside
+    others = outside - JOINERS if joined else outside
+    if any(unicodedata.category(ch)[0] != "M" for ch in others) or _STARTS_OUTSIDE.search(text):
         return None
-    return _OUTSIDE.sub("", text) if outside else text
+    if joined and not _joiners_placed(text, open_end=open_end):
+        return None
+    return _OUTSIDE.sub("", text)
 
 
-def _with_marks(rule: re.Pattern, text: str) -> bool:
-    """Whether ``text``, refused by ``rule`` as it is, holds marks and matches without them."""
+def _with_marks(rule: re.Pattern, text: str, *, open_end: bool = False) -> bool:
+    """Whether ``text``, refused by ``rule`` as it is, holds marks or joiners and matches
+    without them."""
     if text.isascii():
         return False
-    bare = without_marks(text)
+    bare = without_marks(text, open_end=open_end)
     return bare is not None and bare != text and rule.fullmatch(bare) is not None
 
 
@@ -93,15 +123,32 @@ def ecma_pattern(python_pattern: str) -> str:
 
 CATEGORY_PATTERN = ecma_pattern(CATEGORY_RE.pattern)  # ASCII: the same in Python and ECMA-262
 
-# The key rules with their marks, as JSON Schema patterns (the OpenAPI description): \p{M} in
-# ECMA-262's u-flag syntax, as \p{L} and \p{N} already were; each character is matched one way
-# (a mark only after a character, ":" only between segments), so a client's validator cannot
-# backtrack. tests/test_key_marks.py checks them against the service on every kind of string.
-_ECMA_CHARS = rf"\p{{L}}\p{{N}}_{_PUNCTUATION}"
-_ECMA_SEGMENT = rf"[{_ECMA_CHARS}][\p{{M}}{_ECMA_CHARS}]*"
+# The key rules with their marks and joiners, as JSON Schema patterns (the OpenAPI
+# description): \p{M} in ECMA-262's u-flag syntax, as \p{L} and \p{N} already were; each
+# character is matched one way (a mark only after a character, a joiner only after a letter or
+# mark and before one, ":" only between segments), so a client's validator cannot backtrack.
+# A segment is a letter or one of the others (digit, _-.@+=~), then any of those or marks,
+# each letter or mark followed by any number of (joiner, letter or mark). A prefix's joiner
+# may also end the string ("$" inside the group: no lookaround needed). tests/test_key_marks.py
+# checks them against the service on every kind of string.
+_ECMA_OTHER = rf"[\p{{N}}_{_PUNCTUATION}]"
+_ECMA_LM = r"[\p{L}\p{M}]"
+_ECMA_JOINER = r"[\u200C\u200D]"
+
+
+def _ecma_segment(after_joiner: str) -> str:
+    return (
+        rf"(?:{_ECMA_OTHER}|\p{{L}}(?:{_ECMA_JOINER}{after_joiner})*)"
+        rf"(?:{_ECMA_OTHER}|{_ECMA_LM}(?:{_ECMA_JOINER}{after_joiner})*)*"
+    )
+
+
+_ECMA_SEGMENT = _ecma_segment(_ECMA_LM)
+_ECMA_PREFIX_SEGMENT = _ecma_segment(rf"(?:{_ECMA_LM}|$)")
 KEY_PATTERN = rf"^{_ECMA_SEGMENT}(?::{_ECMA_SEGMENT})*$"
-PREFIX_PATTERN = rf"^(?:{_ECMA_SEGMENT}(?::{_ECMA_SEGMENT})*:?)?$"  # "" too: no prefix
-TAG_PATTERN = rf"^(?:[{_ECMA_CHARS}]\p{{M}}*|:)+$"  # with the schemas' maxLength
+PREFIX_PATTERN = rf"^(?:{_ECMA_PREFIX_SEGMENT}(?::{_ECMA_PREFIX_SEGMENT})*:?)?$"  # "" too: no prefix
+# A tag: segments as a key's, with any number of ":" before, between and after them.
+TAG_PATTERN = rf"^(?::+|:*{_ECMA_SEGMENT}(?::+{_ECMA_SEGMENT})*:*)$"  # with the schemas' maxLength
 
 # An API key's allowlist entries: each is one more OR'ed range in every search, list and
 # recall the key makes (and one more check per key it touches).
@@ -195,7 +242,8 @@ def key(value, field: str = "key") -> str:
     if not KEY_RE.fullmatch(value) and not _with_marks(KEY_RE, value):
         raise InvalidInput(
             "must be ':'-separated segments of letters (with any combining marks), digits or _-.@+=~ "
-            "with no empty segment, e.g. 'user:u10086:pref_lang'",
+            "with no empty segment (a zero-width non-joiner or joiner only between letters), "
+            "e.g. 'user:u10086:pref_lang'",
             field=field,
             code="invalid_key",
         )
@@ -209,7 +257,7 @@ def prefix(value, field: str = "prefix") -> str:
         raise InvalidInput("must be a string", field=field)
     if len(value) > KEY_MAX_LEN:
         raise InvalidInput(f"must be at most {KEY_MAX_LEN} characters", field=field, code="too_long")
-    if not PREFIX_RE.fullmatch(value) and not _with_marks(PREFIX_RE, value):
+    if not PREFIX_RE.fullmatch(value) and not _with_marks(PREFIX_RE, value, open_end=True):
         raise InvalidInput("must be the start of a key, e.g. 'user:u10086:'", field=field, code="invalid_prefix")
     return value
 
@@ -317,7 +365,9 @@ def tags(raw, field: str = "tags") -> list[str] | None:
     for t in raw:
         if len(t) > TAG_MAX_LEN or not (TAG_RE.fullmatch(t) or _with_marks(TAG_RE, t)):
             raise InvalidInput(
-                f"each tag is 1-{TAG_MAX_LEN} letters (with any combining marks), digits or _-.@+=~:", field=field
+                f"each tag is 1-{TAG_MAX_LEN} letters (with any combining marks), digits or _-.@+=~: "
+                "(a zero-width non-joiner or joiner only between letters)",
+                field=field,
             )
     return list(dict.fromkeys(raw))
 
