@@ -671,3 +671,55 @@ def test_commands_on_names_whose_32_bit_lock_keys_collide_do_not_wait_on_each_ot
     assert not failures, failures
     keys = set(Memory.objects.filter(tenant=tenant).values_list("key", flat=True))
     assert keys == {f"claude:memories:{a}:f.md", f"claude:memories:{b}:f.md"}
+
+
+@pytest.mark.postgres
+def test_a_listing_of_many_directories_does_work_in_proportion_to_its_entries(api, tenant_a, monkeypatch):
+    # The listing looked for each directory's children among every file and directory under
+    # /memories: a view of 5,000 top-level directories of one file each (any key with
+    # memory:write can write them) took 6.4 s of one CPU, holding the interpreter, per request.
+    # It counts Python calls (generator steps included) in the listing, not time.
+    import sys
+
+    from django.db import connection
+
+    dirs = 1500
+    api.call("memory_write", key="claude:memories:d0:f.md", value="x")
+    with connection.cursor() as cursor:  # 1,499 more in one statement (no versions or audit)
+        columns = [
+            connection.ops.quote_name(f.column)
+            for f in Memory._meta.concrete_fields
+            if not f.primary_key and not getattr(f, "generated", False)
+        ]
+        select = ", ".join(
+            "'claude:memories:d' || g || ':f.md'"
+            if c == '"key"'
+            else ("'claude:memories:d' || g" if c == '"namespace"' else c)
+            for c in columns
+        )
+        cursor.execute(
+            f"INSERT INTO memories_memory ({', '.join(columns)}) SELECT {select} "  # noqa: S608 (the model's columns)
+            "FROM memories_memory, generate_series(1, %s) AS g WHERE key = 'claude:memories:d0:f.md'",
+            [dirs - 1],
+        )
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    listing = claude_memory.MemoryTool._listing
+
+    def counted(self, *args):
+        sys.setprofile(count)
+        try:
+            return listing(self, *args)
+        finally:
+            sys.setprofile(None)
+
+    monkeypatch.setattr(claude_memory.MemoryTool, "_listing", counted)
+    content = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"]
+    lines = content.splitlines()
+    assert len(lines) == 2 + 2 * dirs  # header, the total, then each directory and its file
+    assert lines[2:4] == ["1B\t/memories/d0/", "1B\t/memories/d0/f.md"]
+    assert calls < 100 * dirs, calls  # was 1500 directories x 4500 entries: 6.8 million

@@ -290,12 +290,15 @@ class MemoryTool:
         for rel, size in files.items():
             for depth in range(1, len(rel)):
                 dirs[rel[:depth]] = dirs.get(rel[:depth], 0) + size
+        # Each entry's name under its parent, gathered once: looking for a directory's children
+        # among every entry made a view of 5,000 top-level directories 6.4 s of CPU.
+        children: dict[tuple[str, ...], set[str]] = {}
+        for rel in (*files, *dirs):
+            children.setdefault(rel[:-1], set()).add(rel[-1])
         items: list[tuple[str, str]] = []
 
         def collect(parent: tuple[str, ...], depth: int) -> None:
-            children = (rel for rel in (*files, *dirs) if len(rel) == len(parent) + 1 and rel[:-1] == parent)
-            names = sorted({rel[-1] for rel in children})
-            for name in names:
+            for name in sorted(children.get(parent, ())):
                 if name.startswith("."):
                     continue
                 rel = (*parent, name)
