@@ -8,6 +8,8 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from langgraph_sdk import get_sync_client
 from langgraph_sdk.errors import NotFoundError, PermissionDeniedError
@@ -15,7 +17,7 @@ from langgraph_sdk.errors import NotFoundError, PermissionDeniedError
 from audit.models import AuditEvent
 from memories.models import Memory
 from memories.services import langgraph as lg
-from tests.factories import make_key, make_keyed_client, make_tenant
+from tests.factories import make_key, make_keyed_client, make_tenant, write
 from tests.helpers import rest_error
 
 
@@ -175,6 +177,53 @@ def test_bad_input_is_a_400_naming_the_field(tenant_a, method, path, body, field
     assert r.status_code == 400, r.content
     assert rest_error(r)["field"] == field
     assert Memory.objects.count() == before
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "flt",
+    [
+        {f"k{i}": i for i in range(1500)},
+        {"a": list(range(1500))},
+        {"a": {f"k{i}": {"$gte": 0} for i in range(800)}},
+    ],
+    ids=["fields", "list-items", "nested-operators"],
+)
+def test_a_filter_past_its_condition_cap_is_400_and_reads_nothing(tenant_a, flt):
+    # The matcher walks the filter for each of the up to 10,000 items read: 1,500 conditions
+    # that stored values of 16 KB all met but the last took 6.8 s of one CPU per search.
+    client, _ = make_keyed_client(tenant_a)
+    write(tenant_a, "lg:a:k", {"a": 1})
+    with CaptureQueriesContext(connection) as queries:
+        r = client.post("/api/v1/langgraph/store/items/search", {"filter": flt})
+    assert r.status_code == 400, r.content
+    error = rest_error(r)
+    assert (error["field"], error["code"]) == ("filter", "too_many")
+    assert str(lg.FILTER_MAX_CONDITIONS) in error["message"]
+    assert not [q for q in queries if "memories_memory" in q["sql"] and q["sql"].startswith("SELECT")]
+
+
+@pytest.mark.django_db
+def test_an_unknown_operator_inside_a_list_is_400_not_500(tenant_a):
+    # Operators were checked in objects only: in a list item, "$regex" reached the matcher,
+    # which looked it up among the comparisons (KeyError, 500) for a stored item of a number.
+    client, _ = make_keyed_client(tenant_a)
+    write(tenant_a, "lg:a:k", {"n": [5]})
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": {"n": [{"$regex": 1}]}})
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "filter" and "$regex" in rest_error(r)["message"]
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": {"n": [{"$gte": 5}]}})
+    assert [i["key"] for i in r.json()["items"]] == ["k"]
+
+
+@pytest.mark.django_db
+def test_a_filter_at_its_condition_cap_is_answered(tenant_a):
+    client, _ = make_keyed_client(tenant_a)
+    value = {f"k{i}": i for i in range(lg.FILTER_MAX_CONDITIONS)}
+    write(tenant_a, "lg:a:k", value)
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": value})
+    assert r.status_code == 200, r.content
+    assert [i["key"] for i in r.json()["items"]] == ["k"]
 
 
 @pytest.mark.django_db
