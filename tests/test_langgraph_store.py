@@ -217,6 +217,16 @@ def test_an_unknown_operator_inside_a_list_is_400_not_500(tenant_a):
 
 
 @pytest.mark.django_db
+def test_operators_mixed_with_fields_in_one_object_are_400_not_500(tenant_a):
+    # {"$gt": 1, "b": 2} took "b" for an operator too: a KeyError (500) on a stored number.
+    client, _ = make_keyed_client(tenant_a)
+    write(tenant_a, "lg:a:k", {"n": 5})
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": {"n": {"$gt": 1, "b": 2}}})
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "filter"
+
+
+@pytest.mark.django_db
 def test_a_filter_at_its_condition_cap_is_answered(tenant_a):
     client, _ = make_keyed_client(tenant_a)
     value = {f"k{i}": i for i in range(lg.FILTER_MAX_CONDITIONS)}

@@ -180,6 +180,10 @@ def check_filter(raw: Any, field: str = "filter") -> dict:
         if isinstance(node, list):
             stack.extend(sub for sub in node if isinstance(sub, dict | list))
             continue
+        operators = [name for name in node if name.startswith("$")]
+        if operators and node is not raw and len(operators) < len(node):
+            # The matcher reads an object with an operator as operators only (LangGraph's rule).
+            raise InvalidInput(f"an object with an operator ('{operators[0]}') may hold only operators", field=field)
         for name, sub in node.items():
             if name.startswith("$") and name not in _OPERATORS:
                 raise InvalidInput(f"unknown operator '{name}'; use {', '.join(sorted(_OPERATORS))}", field=field)
