@@ -260,6 +260,34 @@ def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings, 
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("query", [None, "coffee"], ids=["scan", "ranked"])
+def test_a_search_that_refreshes_ttls_costs_a_rate_limit_unit_per_item_refreshed(
+    tenant_a, settings, limiter_minute, query
+):
+    """refresh_ttl=true on a search writes each item it returns again (a version and an audit
+    row each, up to 200) for one unit of the key's rate limit, where a batch pays per call.
+    Now each refreshed item costs a unit (the request paid the first), taken before any."""
+    client, _ = make_keyed_client(tenant_a)
+    for i in range(6):
+        write(tenant_a, f"lg:n:k{i}", {"drink": "coffee"}, ttl_seconds=600, tags=["ttl_minutes=10"])
+    write(tenant_a, "lg:n:plain", {"drink": "coffee"})  # no TTL: nothing to refresh
+    versions = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 8
+    body = {"namespace_prefix": ["n"], "refresh_ttl": True, "limit": 10, **({"query": query} if query else {})}
+    r = client.post("/api/v1/langgraph/store/items/search", body)  # 1 unit, and 5 more items: 6
+    assert r.status_code == 200, r.content
+    assert len(r.json()["items"]) == 7
+    refreshed = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
+    assert refreshed == [(k, v + (k != "lg:n:plain")) for k, v in versions]
+    r = client.post("/api/v1/langgraph/store/items/search", body)  # the 7th unit; 5 more: 12
+    assert r.status_code == 429, r.content
+    error = rest_error(r)
+    assert (error["code"], error["field"]) == ("rate_limited", "refresh_ttl")
+    assert "6 items" in error["message"] and int(r["Retry-After"]) >= 1
+    assert sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version")) == refreshed
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("tag", ["ttl_minutes=-5", "ttl_minutes=99999999999"])
 def test_refresh_ignores_a_ttl_tag_out_of_range_written_through_another_surface(tenant_a, tag):
     client, _ = make_keyed_client(tenant_a)

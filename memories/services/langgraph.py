@@ -22,6 +22,7 @@ listing ones read at most ``ZEROMEM_LANGGRAPH_SCAN_MAX`` memories under the pref
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -33,9 +34,11 @@ from audit.services import audited_operation
 from memories import selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
+from memories.services.api_keys import rate_limit_take_id
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import InvalidInput, NotFound
+from zeromem.kernel.errors import InvalidInput, NotFound, TenantBusy
+from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
 
 TTL_TAG = "ttl_minutes="
@@ -297,10 +300,14 @@ def _ttl_minutes(memory: Memory) -> int | None:
     return None
 
 
+def _refreshes(memory: Memory) -> bool:
+    return bool(_ttl_minutes(memory)) and memory.expires_at is not None
+
+
 def _refresh(tenant: Tenant, actor: Actor, memory: Memory) -> Memory:
-    minutes = _ttl_minutes(memory)
-    if not minutes or memory.expires_at is None:
+    if not _refreshes(memory):
         return memory
+    minutes = _ttl_minutes(memory)
     return mem.memory_update(tenant=tenant, actor=actor, key=memory.key, ttl_seconds=minutes * 60).memory
 
 
@@ -361,12 +368,33 @@ def lg_search(
         page = [
             (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
         ]
+    if refresh:
+        _charge_refreshes(actor, sum(1 for memory, _ in page if _refreshes(memory)))
     out = []
     for memory, score in page:
         if refresh:
             memory = _refresh(tenant, actor, memory)
         out.append(item_of(memory, score))
     return out
+
+
+def _charge_refreshes(actor: Actor, items: int) -> None:
+    """A search with ``refresh_ttl`` writes each item it refreshes again (a version and an
+    audit row each, up to ``LIMIT_MAX``): an API key pays one unit of its rate limit per item
+    (the request paid the first), as a batch pays per call, before any is written — past the
+    limit the search is refused (429 ``rate_limited``) and the units stay taken, as a refused
+    request's do. Cost: one counter round trip."""
+    if items <= 1 or actor.kind != ActorKind.API_KEY:
+        return
+    wait = rate_limit_take_id(int(actor.id), cost=items - 1)
+    if wait is not None:
+        raise TenantBusy(
+            f"refresh_ttl writes the {items} items found again, one unit of the API key's rate limit each, "
+            "past what is left of it this minute; try again later, with a smaller limit, or without refresh_ttl",
+            code="rate_limited",
+            field="refresh_ttl",
+            retry_after=max(1, math.ceil(wait)),
+        )
 
 
 def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:
