@@ -288,6 +288,34 @@ def test_a_search_that_refreshes_ttls_costs_a_rate_limit_unit_per_item_refreshed
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("query", [None, "coffee"], ids=["scan", "ranked"])
+def test_an_item_deleted_between_a_search_and_its_refresh_is_left_out_not_a_404(tenant_a, monkeypatch, query):
+    # The refresh of an item another client deleted (or that expired) after the search read
+    # it raised NotFound: the whole search answered 404 for one item gone.
+    from memories import services
+    from tests.factories import SYSTEM
+
+    client, _ = make_keyed_client(tenant_a)
+    for i in range(3):
+        write(tenant_a, f"lg:n:k{i}", {"drink": "coffee"}, ttl_seconds=600, tags=["ttl_minutes=10"])
+    charge = lg._charge_refreshes
+
+    def deleted_meanwhile(actor, items):
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="lg:n:k1")
+        return charge(actor, items)
+
+    monkeypatch.setattr(lg, "_charge_refreshes", deleted_meanwhile)
+    body = {"namespace_prefix": ["n"], "refresh_ttl": True, **({"query": query} if query else {})}
+    r = client.post("/api/v1/langgraph/store/items/search", body)
+    assert r.status_code == 200, r.content
+    assert sorted(i["key"] for i in r.json()["items"]) == ["k0", "k2"]
+    assert sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", "version")) == [
+        ("lg:n:k0", 2),
+        ("lg:n:k2", 2),
+    ]
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("tag", ["ttl_minutes=-5", "ttl_minutes=99999999999"])
 def test_refresh_ignores_a_ttl_tag_out_of_range_written_through_another_surface(tenant_a, tag):
     client, _ = make_keyed_client(tenant_a)

@@ -373,7 +373,12 @@ def lg_search(
     out = []
     for memory, score in page:
         if refresh:
-            memory = _refresh(tenant, actor, memory)
+            try:
+                memory = _refresh(tenant, actor, memory)
+            except NotFound:
+                # Deleted (or expired) since the search read it: gone, so not listed; the
+                # items refreshed before it stay refreshed, and the answer says so.
+                continue
         out.append(item_of(memory, score))
     return out
 
