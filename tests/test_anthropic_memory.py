@@ -280,6 +280,10 @@ def test_another_tenant_sees_nothing(api, api_b, tenant_a):
         ({"command": "insert", "path": "/memories/a", "insert_line": "1", "insert_text": "x"}, "insert_line"),
         ({"command": "delete", "path": "/memories/a", "force": True}, "force"),
         ([1, 2], "body"),
+        # No value holds NUL: the refusal named "value", a field the command does not have.
+        ({"command": "create", "path": "/memories/a", "file_text": "a\x00b"}, "file_text"),
+        ({"command": "str_replace", "path": "/memories/a", "old_str": "a", "new_str": "\x00"}, "new_str"),
+        ({"command": "insert", "path": "/memories/a", "insert_line": 0, "insert_text": "\x00"}, "insert_text"),
     ],
 )
 def test_malformed_commands_are_400_naming_the_field(api, tenant_a, body, field):

@@ -487,7 +487,13 @@ def _string(command: dict, name: str, *, required: bool = True) -> str | None:
         return None
     if not isinstance(value, str):
         raise InvalidInput("is required (a string)" if value is None else "must be a string", field=name)
+    if name in _STORED_TEXTS and "\x00" in value:
+        # What the memory service would refuse naming "value", named as the command names it.
+        raise InvalidInput("must not contain NUL characters", field=name)
     return value
+
+
+_STORED_TEXTS = frozenset({"file_text", "new_str", "insert_text"})
 
 
 def _integer(command: dict, name: str) -> int:
