@@ -743,3 +743,40 @@ def test_a_str_replace_of_several_occurrences_names_the_lines_the_reference_name
     ours = [(r.json()["content"], r.json()["is_error"]) for r in (api.post(URL, command) for command in script)]
     assert ours == _reference_results(tmp_path, script)
     assert ours[1][1] and "Multiple occurrences" in ours[1][0]
+
+
+@pytest.mark.parametrize(
+    ("command", "answer"),
+    [
+        ({"command": "delete", "path": "/memories/d"}, "Successfully deleted /memories/d"),
+        (
+            {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/e"},
+            "The file /memories/d/f1.md no longer exists (may have been deleted or renamed concurrently).",
+        ),
+    ],
+    ids=["delete", "rename"],
+)
+def test_a_file_deleted_while_its_directory_is_deleted_or_renamed_is_no_404(
+    api, tenant_a, monkeypatch, command, answer
+):
+    # A file another client deleted after the command listed the directory made the
+    # command's delete of it raise NotFound: an HTTP 404 "no memory at this key" where the
+    # model expects a tool result. A delete leaves the gone file out; a rename, which would
+    # write the gone file at its new path first, does nothing and says which file went.
+    from memories import services
+    from tests.factories import SYSTEM
+
+    for i in range(3):
+        services.memory_write(tenant=tenant_a, actor=SYSTEM, key=f"claude:memories:d:f{i}.md", value="x")
+    charge = claude_memory.MemoryTool._charge
+
+    def deleted_meanwhile(self, files, *, field):
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="claude:memories:d:f1.md")
+        return charge(self, files, field=field)
+
+    monkeypatch.setattr(claude_memory.MemoryTool, "_charge", deleted_meanwhile)
+    r = api.post(URL, command)
+    assert r.status_code == 200, r.content
+    assert r.json() == {"content": answer, "is_error": command["command"] == "rename"}
+    live = sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True))
+    assert live == ([] if command["command"] == "delete" else ["claude:memories:d:f0.md", "claude:memories:d:f2.md"])

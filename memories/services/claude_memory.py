@@ -423,7 +423,10 @@ class MemoryTool:
         self._charge(len(keys), field="path")
         with transaction.atomic():
             for key in keys:
-                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=key)
+                try:
+                    mem.memory_delete(tenant=self.tenant, actor=self.actor, key=key)
+                except NotFound:
+                    pass  # deleted (or expired) since the listing: gone, as this command wants
         return f"Successfully deleted {path}"
 
     def rename(self, old_path: str, new_path: str) -> str:
@@ -456,10 +459,18 @@ class MemoryTool:
         moves = [(found, new.key)] if found is not None else []
         moves.extend((memory, new.key + memory.key[len(old.key) :]) for memory in under)
         self._charge(len(moves), field="old_path")
-        with transaction.atomic():
-            for memory, target in moves:
-                self._move(memory, target)
-                mem.memory_delete(tenant=self.tenant, actor=self.actor, key=memory.key)
+        try:
+            with transaction.atomic():
+                for memory, target in moves:
+                    self._move(memory, target)
+                    mem.memory_delete(tenant=self.tenant, actor=self.actor, key=memory.key)
+        except NotFound:
+            # Deleted (or expired) since the listing: its move is undone with the others
+            # rather than writing a file that is gone at its new path.
+            gone = "/".join((ROOT_PATH, *memory.key[len(self.root) + 1 :].split(":")))
+            raise MemoryToolError(
+                f"The file {gone} no longer exists (may have been deleted or renamed concurrently)."
+            ) from None
         return f"Successfully renamed {old_path} to {new_path}"
 
 
