@@ -780,3 +780,18 @@ def test_a_file_deleted_while_its_directory_is_deleted_or_renamed_is_no_404(
     assert r.json() == {"content": answer, "is_error": command["command"] == "rename"}
     live = sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True))
     assert live == ([] if command["command"] == "delete" else ["claude:memories:d:f0.md", "claude:memories:d:f2.md"])
+
+
+@pytest.mark.postgres
+def test_a_view_of_a_large_directory_writes_one_audit_event(api, tenant_a):
+    # The listing read the directory 200 keys a page, each page a memory.list event: a view
+    # of 5,000 files wrote 25 audit rows for one request (and one unit of the rate limit).
+    from tests.helpers import copy_memory
+
+    api.post(URL, {"command": "create", "path": "/memories/f", "file_text": "x"})
+    copy_memory(Memory.objects.get(tenant=tenant_a, key="claude:memories:f"), 449)
+    before = AuditEvent.objects.count()
+    r = api.post(URL, {"command": "view", "path": "/memories"})
+    assert r.status_code == 200 and len(r.json()["content"].splitlines()) == 2 + 450, r.content
+    events = list(AuditEvent.objects.order_by("pk")[before:].values_list("action", "count"))
+    assert events == [("memory.list", 450)], events

@@ -141,23 +141,16 @@ class MemoryTool:
         by default ``LIST_MAX_MEMORIES``): ``rows`` "memories" (values loaded), "keys", or
         "sizes" ((key, bytes of its text) pairs: the database measures the values)."""
         limit = LIST_MAX_MEMORIES if limit is None else limit
-        found: list = []
-        cursor = None
-        while len(found) < limit:
-            page = mem.memory_list(
-                tenant=self.tenant,
-                actor=self.actor,
-                prefix=place.key + ":",
-                limit=min(validation.LIMIT_MAX, limit - len(found)),
-                cursor=cursor,
-                keys_only=rows == "keys",
-                sizes=rows == "sizes",
-            )
-            found.extend(page.keys)
-            cursor = page.next_cursor
-            if not cursor:
-                break
-        return found
+        # One page, so one memory.list event: pages of LIMIT_MAX wrote 25 for 5,000 files.
+        return mem.memory_list(
+            tenant=self.tenant,
+            actor=self.actor,
+            prefix=place.key + ":",
+            limit=limit,
+            keys_only=rows == "keys",
+            sizes=rows == "sizes",
+            page_max=LIST_MAX_MEMORIES + 1,
+        ).keys
 
     def _all_under(self, place: Place, path: str, *, rows: str = "memories") -> list:
         """Every live memory under the directory ``place`` (``rows`` as :meth:`_under`), for a
