@@ -21,8 +21,10 @@ listing ones read at most ``ZEROMEM_LANGGRAPH_SCAN_MAX`` memories under the pref
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import operator
 import re
 from typing import Any
 
@@ -414,12 +416,13 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
             # that matched read every item under the prefix for a rare value. A sensitive item
             # is an envelope there (a tenant rule may encrypt any put): it passes to the
             # matcher, which sees its opened value.
-            pushed = {k: v for k, v in flt.items() if isinstance(v, str)}
+            pushed = [_pushed(k, v) for k, v in flt.items()]
+            pushed = [q for q in pushed if q is not None]
             if pushed:
                 qs = (
                     selectors.memories_live(tenant=tenant)
                     .filter(pk__in=window.values("pk"))
-                    .filter(Q(value__contains=pushed) | Q(sensitive=True))
+                    .filter(functools.reduce(operator.and_, pushed) | Q(sensitive=True))
                     .order_by("key")
                 )
         out: list[Memory] = []
@@ -435,6 +438,23 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
                 break
         op.record(target=prefix, count=len(out))
         return out
+
+
+def _pushed(name: str, wanted: Any) -> Q | None:
+    """The values ``{name: wanted}`` matches (:func:`value_matches`, Python's ``==``) as jsonb
+    containment, or None when there is none to push (objects, lists, null: null also matches
+    a value without ``name``; operators but ``$eq``). A number or a boolean matches its equal of the other kind too
+    (``1 == 1.0 == True``; jsonb compares numbers by value, not booleans with numbers)."""
+    if isinstance(wanted, dict) and "$eq" in wanted:  # operators only (check_filter)
+        return _pushed(name, wanted["$eq"])
+    if isinstance(wanted, str):
+        return Q(value__contains={name: wanted})
+    if isinstance(wanted, bool):
+        return Q(value__contains={name: wanted}) | Q(value__contains={name: int(wanted)})
+    if isinstance(wanted, int | float):
+        q = Q(value__contains={name: wanted})
+        return q | Q(value__contains={name: bool(wanted)}) if wanted in (0, 1) else q
+    return None
 
 
 def _conditions(raw: Any, field: str) -> tuple[str, ...] | None:
