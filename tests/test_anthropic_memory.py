@@ -280,6 +280,10 @@ def test_another_tenant_sees_nothing(api, api_b, tenant_a):
         ({"command": "insert", "path": "/memories/a", "insert_line": "1", "insert_text": "x"}, "insert_line"),
         ({"command": "delete", "path": "/memories/a", "force": True}, "force"),
         ([1, 2], "body"),
+        # No value holds NUL: the refusal named "value", a field the command does not have.
+        ({"command": "create", "path": "/memories/a", "file_text": "a\x00b"}, "file_text"),
+        ({"command": "str_replace", "path": "/memories/a", "old_str": "a", "new_str": "\x00"}, "new_str"),
+        ({"command": "insert", "path": "/memories/a", "insert_line": 0, "insert_text": "\x00"}, "insert_text"),
     ],
 )
 def test_malformed_commands_are_400_naming_the_field(api, tenant_a, body, field):
@@ -671,3 +675,123 @@ def test_commands_on_names_whose_32_bit_lock_keys_collide_do_not_wait_on_each_ot
     assert not failures, failures
     keys = set(Memory.objects.filter(tenant=tenant).values_list("key", flat=True))
     assert keys == {f"claude:memories:{a}:f.md", f"claude:memories:{b}:f.md"}
+
+
+@pytest.mark.postgres
+def test_a_listing_of_many_directories_does_work_in_proportion_to_its_entries(api, tenant_a, monkeypatch):
+    # The listing looked for each directory's children among every file and directory under
+    # /memories: a view of 5,000 top-level directories of one file each (any key with
+    # memory:write can write them) took 6.4 s of one CPU, holding the interpreter, per request.
+    # It counts Python calls (generator steps included) in the listing, not time.
+    import sys
+
+    from django.db import connection
+
+    dirs = 1500
+    api.call("memory_write", key="claude:memories:d0:f.md", value="x")
+    with connection.cursor() as cursor:  # 1,499 more in one statement (no versions or audit)
+        columns = [
+            connection.ops.quote_name(f.column)
+            for f in Memory._meta.concrete_fields
+            if not f.primary_key and not getattr(f, "generated", False)
+        ]
+        select = ", ".join(
+            "'claude:memories:d' || g || ':f.md'"
+            if c == '"key"'
+            else ("'claude:memories:d' || g" if c == '"namespace"' else c)
+            for c in columns
+        )
+        cursor.execute(
+            f"INSERT INTO memories_memory ({', '.join(columns)}) SELECT {select} "  # noqa: S608 (the model's columns)
+            "FROM memories_memory, generate_series(1, %s) AS g WHERE key = 'claude:memories:d0:f.md'",
+            [dirs - 1],
+        )
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    listing = claude_memory.MemoryTool._listing
+
+    def counted(self, *args):
+        sys.setprofile(count)
+        try:
+            return listing(self, *args)
+        finally:
+            sys.setprofile(None)
+
+    monkeypatch.setattr(claude_memory.MemoryTool, "_listing", counted)
+    content = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"]
+    lines = content.splitlines()
+    assert len(lines) == 2 + 2 * dirs  # header, the total, then each directory and its file
+    assert lines[2:4] == ["1B\t/memories/d0/", "1B\t/memories/d0/f.md"]
+    assert calls < 100 * dirs, calls  # was 1500 directories x 4500 entries: 6.8 million
+
+
+@pytest.mark.parametrize(
+    "old_str", ["tea", "aa", "\n", "tea\nand", "a"], ids=["word", "overlapping", "newline", "across-lines", "char"]
+)
+def test_a_str_replace_of_several_occurrences_names_the_lines_the_reference_names(api, tmp_path, old_str):
+    # The line numbers are counted in one pass now (the reference's count from the start
+    # took 19 s on 256 KB of one character): the same refusal, word for word.
+    text = "tea\n\naaaa tea\nand tea\n" + "x\n" * 50 + "tea aa\ntea\nand\n"
+    script = [
+        {"command": "create", "path": "/memories/t.md", "file_text": text},
+        {"command": "str_replace", "path": "/memories/t.md", "old_str": old_str, "new_str": "z"},
+    ]
+    ours = [(r.json()["content"], r.json()["is_error"]) for r in (api.post(URL, command) for command in script)]
+    assert ours == _reference_results(tmp_path, script)
+    assert ours[1][1] and "Multiple occurrences" in ours[1][0]
+
+
+@pytest.mark.parametrize(
+    ("command", "answer"),
+    [
+        ({"command": "delete", "path": "/memories/d"}, "Successfully deleted /memories/d"),
+        (
+            {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/e"},
+            "The file /memories/d/f1.md no longer exists (may have been deleted or renamed concurrently).",
+        ),
+    ],
+    ids=["delete", "rename"],
+)
+def test_a_file_deleted_while_its_directory_is_deleted_or_renamed_is_no_404(
+    api, tenant_a, monkeypatch, command, answer
+):
+    # A file another client deleted after the command listed the directory made the
+    # command's delete of it raise NotFound: an HTTP 404 "no memory at this key" where the
+    # model expects a tool result. A delete leaves the gone file out; a rename, which would
+    # write the gone file at its new path first, does nothing and says which file went.
+    from memories import services
+    from tests.factories import SYSTEM
+
+    for i in range(3):
+        services.memory_write(tenant=tenant_a, actor=SYSTEM, key=f"claude:memories:d:f{i}.md", value="x")
+    charge = claude_memory.MemoryTool._charge
+
+    def deleted_meanwhile(self, files, *, field):
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="claude:memories:d:f1.md")
+        return charge(self, files, field=field)
+
+    monkeypatch.setattr(claude_memory.MemoryTool, "_charge", deleted_meanwhile)
+    r = api.post(URL, command)
+    assert r.status_code == 200, r.content
+    assert r.json() == {"content": answer, "is_error": command["command"] == "rename"}
+    live = sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True))
+    assert live == ([] if command["command"] == "delete" else ["claude:memories:d:f0.md", "claude:memories:d:f2.md"])
+
+
+@pytest.mark.postgres
+def test_a_view_of_a_large_directory_writes_one_audit_event(api, tenant_a):
+    # The listing read the directory 200 keys a page, each page a memory.list event: a view
+    # of 5,000 files wrote 25 audit rows for one request (and one unit of the rate limit).
+    from tests.helpers import copy_memory
+
+    api.post(URL, {"command": "create", "path": "/memories/f", "file_text": "x"})
+    copy_memory(Memory.objects.get(tenant=tenant_a, key="claude:memories:f"), 449)
+    before = AuditEvent.objects.count()
+    r = api.post(URL, {"command": "view", "path": "/memories"})
+    assert r.status_code == 200 and len(r.json()["content"].splitlines()) == 2 + 450, r.content
+    events = list(AuditEvent.objects.order_by("pk")[before:].values_list("action", "count"))
+    assert events == [("memory.list", 450)], events

@@ -8,6 +8,8 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from langgraph_sdk import get_sync_client
 from langgraph_sdk.errors import NotFoundError, PermissionDeniedError
@@ -15,7 +17,7 @@ from langgraph_sdk.errors import NotFoundError, PermissionDeniedError
 from audit.models import AuditEvent
 from memories.models import Memory
 from memories.services import langgraph as lg
-from tests.factories import make_key, make_keyed_client, make_tenant
+from tests.factories import make_key, make_keyed_client, make_tenant, write
 from tests.helpers import rest_error
 
 
@@ -178,6 +180,63 @@ def test_bad_input_is_a_400_naming_the_field(tenant_a, method, path, body, field
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    "flt",
+    [
+        {f"k{i}": i for i in range(1500)},
+        {"a": list(range(1500))},
+        {"a": {f"k{i}": {"$gte": 0} for i in range(800)}},
+    ],
+    ids=["fields", "list-items", "nested-operators"],
+)
+def test_a_filter_past_its_condition_cap_is_400_and_reads_nothing(tenant_a, flt):
+    # The matcher walks the filter for each of the up to 10,000 items read: 1,500 conditions
+    # that stored values of 16 KB all met but the last took 6.8 s of one CPU per search.
+    client, _ = make_keyed_client(tenant_a)
+    write(tenant_a, "lg:a:k", {"a": 1})
+    with CaptureQueriesContext(connection) as queries:
+        r = client.post("/api/v1/langgraph/store/items/search", {"filter": flt})
+    assert r.status_code == 400, r.content
+    error = rest_error(r)
+    assert (error["field"], error["code"]) == ("filter", "too_many")
+    assert str(lg.FILTER_MAX_CONDITIONS) in error["message"]
+    assert not [q for q in queries if "memories_memory" in q["sql"] and q["sql"].startswith("SELECT")]
+
+
+@pytest.mark.django_db
+def test_an_unknown_operator_inside_a_list_is_400_not_500(tenant_a):
+    # Operators were checked in objects only: in a list item, "$regex" reached the matcher,
+    # which looked it up among the comparisons (KeyError, 500) for a stored item of a number.
+    client, _ = make_keyed_client(tenant_a)
+    write(tenant_a, "lg:a:k", {"n": [5]})
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": {"n": [{"$regex": 1}]}})
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "filter" and "$regex" in rest_error(r)["message"]
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": {"n": [{"$gte": 5}]}})
+    assert [i["key"] for i in r.json()["items"]] == ["k"]
+
+
+@pytest.mark.django_db
+def test_operators_mixed_with_fields_in_one_object_are_400_not_500(tenant_a):
+    # {"$gt": 1, "b": 2} took "b" for an operator too: a KeyError (500) on a stored number.
+    client, _ = make_keyed_client(tenant_a)
+    write(tenant_a, "lg:a:k", {"n": 5})
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": {"n": {"$gt": 1, "b": 2}}})
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "filter"
+
+
+@pytest.mark.django_db
+def test_a_filter_at_its_condition_cap_is_answered(tenant_a):
+    client, _ = make_keyed_client(tenant_a)
+    value = {f"k{i}": i for i in range(lg.FILTER_MAX_CONDITIONS)}
+    write(tenant_a, "lg:a:k", value)
+    r = client.post("/api/v1/langgraph/store/items/search", {"filter": value})
+    assert r.status_code == 200, r.content
+    assert [i["key"] for i in r.json()["items"]] == ["k"]
+
+
+@pytest.mark.django_db
 def test_get_without_namespace_or_key_names_the_field(tenant_a):
     client, _ = make_keyed_client(tenant_a)
     assert rest_error(client.get("/api/v1/langgraph/store/items", {"key": "k"}))["field"] == "namespace"
@@ -198,6 +257,62 @@ def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings, 
     body = {"namespace": ["a"], "key": "k", "value": {"v": 1}}
     assert [client.put("/api/v1/langgraph/store/items", body).status_code for _ in range(3)] == [204, 204, 429]
     assert rest_error(client.post("/api/v1/langgraph/store/items/search", {}))["code"] == "rate_limited"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("query", [None, "coffee"], ids=["scan", "ranked"])
+def test_a_search_that_refreshes_ttls_costs_a_rate_limit_unit_per_item_refreshed(
+    tenant_a, settings, limiter_minute, query
+):
+    """refresh_ttl=true on a search writes each item it returns again (a version and an audit
+    row each, up to 200) for one unit of the key's rate limit, where a batch pays per call.
+    Now each refreshed item costs a unit (the request paid the first), taken before any."""
+    client, _ = make_keyed_client(tenant_a)
+    for i in range(6):
+        write(tenant_a, f"lg:n:k{i}", {"drink": "coffee"}, ttl_seconds=600, tags=["ttl_minutes=10"])
+    write(tenant_a, "lg:n:plain", {"drink": "coffee"})  # no TTL: nothing to refresh
+    versions = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 8
+    body = {"namespace_prefix": ["n"], "refresh_ttl": True, "limit": 10, **({"query": query} if query else {})}
+    r = client.post("/api/v1/langgraph/store/items/search", body)  # 1 unit, and 5 more items: 6
+    assert r.status_code == 200, r.content
+    assert len(r.json()["items"]) == 7
+    refreshed = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
+    assert refreshed == [(k, v + (k != "lg:n:plain")) for k, v in versions]
+    r = client.post("/api/v1/langgraph/store/items/search", body)  # the 7th unit; 5 more: 12
+    assert r.status_code == 429, r.content
+    error = rest_error(r)
+    assert (error["code"], error["field"]) == ("rate_limited", "refresh_ttl")
+    assert "6 items" in error["message"] and int(r["Retry-After"]) >= 1
+    assert sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version")) == refreshed
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("query", [None, "coffee"], ids=["scan", "ranked"])
+def test_an_item_deleted_between_a_search_and_its_refresh_is_left_out_not_a_404(tenant_a, monkeypatch, query):
+    # The refresh of an item another client deleted (or that expired) after the search read
+    # it raised NotFound: the whole search answered 404 for one item gone.
+    from memories import services
+    from tests.factories import SYSTEM
+
+    client, _ = make_keyed_client(tenant_a)
+    for i in range(3):
+        write(tenant_a, f"lg:n:k{i}", {"drink": "coffee"}, ttl_seconds=600, tags=["ttl_minutes=10"])
+    charge = lg._charge_refreshes
+
+    def deleted_meanwhile(actor, items):
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="lg:n:k1")
+        return charge(actor, items)
+
+    monkeypatch.setattr(lg, "_charge_refreshes", deleted_meanwhile)
+    body = {"namespace_prefix": ["n"], "refresh_ttl": True, **({"query": query} if query else {})}
+    r = client.post("/api/v1/langgraph/store/items/search", body)
+    assert r.status_code == 200, r.content
+    assert sorted(i["key"] for i in r.json()["items"]) == ["k0", "k2"]
+    assert sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", "version")) == [
+        ("lg:n:k0", 2),
+        ("lg:n:k2", 2),
+    ]
 
 
 @pytest.mark.django_db
@@ -252,6 +367,39 @@ def test_a_filter_pushed_into_the_database_reads_no_more_than_the_scan_cap(tenan
     assert keys({"plan": {"$eq": "pro"}}) == []  # k6 lies past the first 5 items: not read
     assert keys({"plan": "pro"}) == []
     assert keys({"plan": "free", "n": {"$gte": 3}}) == ["k3", "k4"]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("wanted", "found"),
+    [
+        (1, ["a", "b", "c"]),
+        (True, ["a", "b", "c"]),
+        (0, ["f", "g"]),
+        (False, ["f", "g"]),
+        (2.0, ["d"]),
+        (3, []),
+        ({"$eq": 1}, ["a", "b", "c"]),
+        ({"$eq": "1", "$ne": 2}, ["e"]),
+    ],
+)
+def test_a_number_or_boolean_equality_is_checked_in_the_database(tenant_a, monkeypatch, wanted, found):
+    # Only string equalities narrowed the scan: {"n": 5} matching nothing sent every item
+    # under the prefix, up to 10,000, to the matcher (1.3-1.7 s with values of 15 KB, 0.7 s
+    # small). Numbers and booleans are pushed too, with Python's equality (1 == 1.0 == True).
+    client, _ = make_keyed_client(tenant_a)
+    values = {"a": 1, "b": 1.0, "c": True, "d": 2, "e": "1", "f": False, "g": 0, "i": [1], "j": None}
+    for key, n in values.items():
+        write(tenant_a, f"lg:users:{key}", {"n": n})
+    write(tenant_a, "lg:users:h", {"m": 1})
+    seen = []
+    matches = lg.item_matches
+    monkeypatch.setattr(lg, "item_matches", lambda value, flt: seen.append(value) or matches(value, flt))
+    r = client.post("/api/v1/langgraph/store/items/search", {"namespace_prefix": ["users"], "filter": {"n": wanted}})
+    assert r.status_code == 200, r.content
+    assert [i["key"] for i in r.json()["items"]] == found
+    assert len(seen) == len(found)  # the database sent no item that does not match
 
 
 @pytest.mark.django_db

@@ -21,7 +21,10 @@ listing ones read at most ``ZEROMEM_LANGGRAPH_SCAN_MAX`` memories under the pref
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import operator
 import re
 from typing import Any
 
@@ -33,9 +36,11 @@ from audit.services import audited_operation
 from memories import selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
+from memories.services.api_keys import rate_limit_take_id
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import InvalidInput, NotFound
+from zeromem.kernel.errors import InvalidInput, NotFound, TenantBusy
+from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import Scope
 
 TTL_TAG = "ttl_minutes="
@@ -43,6 +48,9 @@ TTL_MAX_MINUTES = validation.TTL_MAX_SECONDS // 60
 _KEEP = re.compile(r"[\w.@+=-]")
 _ESCAPED = re.compile(r"(?:~[0-9A-F]{2})+")
 _OPERATORS = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte"})
+# The matcher walks the filter for every item a search reads (up to ZEROMEM_LANGGRAPH_SCAN_MAX):
+# 1,500 conditions that 16 KB values all met but the last took 6.8 s of one CPU per search.
+FILTER_MAX_CONDITIONS = 100
 
 
 def root() -> str:
@@ -162,13 +170,29 @@ def check_filter(raw: Any, field: str = "filter") -> dict:
     # the containment the scan pushes down (a DataError, 500).
     if "\\u0000" in json.dumps(raw):
         raise InvalidInput("must not contain NUL characters", field=field, code="invalid_characters")
-    stack = [raw]
+    stack: list = [raw]
+    conditions = 0
     while stack:
         node = stack.pop()
+        conditions += len(node)
+        if conditions > FILTER_MAX_CONDITIONS:
+            raise InvalidInput(
+                f"must hold at most {FILTER_MAX_CONDITIONS} conditions (fields, operators and list items, "
+                "at any depth)",
+                field=field,
+                code="too_many",
+            )
+        if isinstance(node, list):
+            stack.extend(sub for sub in node if isinstance(sub, dict | list))
+            continue
+        operators = [name for name in node if name.startswith("$")]
+        if operators and node is not raw and len(operators) < len(node):
+            # The matcher reads an object with an operator as operators only (LangGraph's rule).
+            raise InvalidInput(f"an object with an operator ('{operators[0]}') may hold only operators", field=field)
         for name, sub in node.items():
             if name.startswith("$") and name not in _OPERATORS:
                 raise InvalidInput(f"unknown operator '{name}'; use {', '.join(sorted(_OPERATORS))}", field=field)
-            if isinstance(sub, dict):
+            if isinstance(sub, dict | list):
                 stack.append(sub)
     return raw
 
@@ -278,10 +302,14 @@ def _ttl_minutes(memory: Memory) -> int | None:
     return None
 
 
+def _refreshes(memory: Memory) -> bool:
+    return bool(_ttl_minutes(memory)) and memory.expires_at is not None
+
+
 def _refresh(tenant: Tenant, actor: Actor, memory: Memory) -> Memory:
-    minutes = _ttl_minutes(memory)
-    if not minutes or memory.expires_at is None:
+    if not _refreshes(memory):
         return memory
+    minutes = _ttl_minutes(memory)
     return mem.memory_update(tenant=tenant, actor=actor, key=memory.key, ttl_seconds=minutes * 60).memory
 
 
@@ -342,12 +370,38 @@ def lg_search(
         page = [
             (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
         ]
+    if refresh:
+        _charge_refreshes(actor, sum(1 for memory, _ in page if _refreshes(memory)))
     out = []
     for memory, score in page:
         if refresh:
-            memory = _refresh(tenant, actor, memory)
+            try:
+                memory = _refresh(tenant, actor, memory)
+            except NotFound:
+                # Deleted (or expired) since the search read it: gone, so not listed; the
+                # items refreshed before it stay refreshed, and the answer says so.
+                continue
         out.append(item_of(memory, score))
     return out
+
+
+def _charge_refreshes(actor: Actor, items: int) -> None:
+    """A search with ``refresh_ttl`` writes each item it refreshes again (a version and an
+    audit row each, up to ``LIMIT_MAX``): an API key pays one unit of its rate limit per item
+    (the request paid the first), as a batch pays per call, before any is written — past the
+    limit the search is refused (429 ``rate_limited``) and the units stay taken, as a refused
+    request's do. Cost: one counter round trip."""
+    if items <= 1 or actor.kind != ActorKind.API_KEY:
+        return
+    wait = rate_limit_take_id(int(actor.id), cost=items - 1)
+    if wait is not None:
+        raise TenantBusy(
+            f"refresh_ttl writes the {items} items found again, one unit of the API key's rate limit each, "
+            "past what is left of it this minute; try again later, with a smaller limit, or without refresh_ttl",
+            code="rate_limited",
+            field="refresh_ttl",
+            retry_after=max(1, math.ceil(wait)),
+        )
 
 
 def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:
@@ -362,12 +416,13 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
             # that matched read every item under the prefix for a rare value. A sensitive item
             # is an envelope there (a tenant rule may encrypt any put): it passes to the
             # matcher, which sees its opened value.
-            pushed = {k: v for k, v in flt.items() if isinstance(v, str)}
+            pushed = [_pushed(k, v) for k, v in flt.items()]
+            pushed = [q for q in pushed if q is not None]
             if pushed:
                 qs = (
                     selectors.memories_live(tenant=tenant)
                     .filter(pk__in=window.values("pk"))
-                    .filter(Q(value__contains=pushed) | Q(sensitive=True))
+                    .filter(functools.reduce(operator.and_, pushed) | Q(sensitive=True))
                     .order_by("key")
                 )
         out: list[Memory] = []
@@ -383,6 +438,23 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
                 break
         op.record(target=prefix, count=len(out))
         return out
+
+
+def _pushed(name: str, wanted: Any) -> Q | None:
+    """The values ``{name: wanted}`` matches (:func:`value_matches`, Python's ``==``) as jsonb
+    containment, or None when there is none to push (objects, lists, null: null also matches
+    a value without ``name``; operators but ``$eq``). A number or a boolean matches its equal of the other kind too
+    (``1 == 1.0 == True``; jsonb compares numbers by value, not booleans with numbers)."""
+    if isinstance(wanted, dict) and "$eq" in wanted:  # operators only (check_filter)
+        return _pushed(name, wanted["$eq"])
+    if isinstance(wanted, str):
+        return Q(value__contains={name: wanted})
+    if isinstance(wanted, bool):
+        return Q(value__contains={name: wanted}) | Q(value__contains={name: int(wanted)})
+    if isinstance(wanted, int | float):
+        q = Q(value__contains={name: wanted})
+        return q | Q(value__contains={name: bool(wanted)}) if wanted in (0, 1) else q
+    return None
 
 
 def _conditions(raw: Any, field: str) -> tuple[str, ...] | None:

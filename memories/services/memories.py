@@ -541,17 +541,20 @@ def memory_list(
     keys_only: bool = True,
     sizes: bool = False,
     order: Any = None,
+    page_max: int = validation.LIMIT_MAX,
 ) -> ListResult:
     """Keys under a prefix, ordered, keyset-paginated; only keys the actor may touch. With
     ``sizes``: (key, bytes of the value's text) pairs, values measured by the database
     (``selectors.keys_and_text_sizes``: only sensitive ones are loaded). ``order``: ``asc``
     (default) or ``desc``, the last keys first — the newest items of a time-keyed log (an
-    agent session's history) in one page instead of a walk over all of it. Cost: one range
-    read of the (tenant, key) index either way, ``limit + 1`` rows, and the audit INSERT."""
+    agent session's history) in one page instead of a walk over all of it. ``page_max``: a
+    service reading a whole directory at once (the Claude memory tool's listing) takes more
+    than ``LIMIT_MAX`` in one page, so one audit event. Cost: one range read of the
+    (tenant, key) index either way, ``limit + 1`` rows, and the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         prefix = validation.prefix(prefix)
         require_scope(actor, Scope.MEMORY_READ)
-        limit = validation.limit(limit, default=50)
+        limit = validation.bounded_int(limit, field="limit", default=50, low=1, high=page_max)
         after = validation.decode_cursor(cursor)
         category = validation.category(category)
         subject = validation.short_text(subject, field="subject", max_len=validation.SUBJECT_MAX_LEN)
