@@ -120,16 +120,17 @@ def _counts_orm(*, tenant: Tenant, now) -> dict:
 
 
 # The live counts as every memory of the tenant minus the ones that are not live, so that
-# the tenant's rows are read from two indexes alone (index-only scans, no heap: neither
-# index holds deleted_at or expires_at, so a filter on them would read every row):
+# the tenant's rows are read from indexes alone (index-only scans, no heap: neither index
+# holds deleted_at or expires_at, so a filter on them would read every row of the tenant):
 # - every memory by category: memory_tenant_category (tenant_id, category);
 # - every memory by namespace: memory_tenant_namespace (tenant_id, namespace, key);
-# - minus the trashed ones (memory_trash, WHERE deleted_at IS NOT NULL) and the expired ones
-#   not trashed (memory_tenant_expires, a range of (tenant_id, expires_at) up to now): only
-#   these rows are read from the heap, for their namespace and category. The TTL purge and
-#   the trash retention keep them few; the trash can hold up to its retention's deletions.
-# Memories of a category or namespace all of whose rows are not live leave it out.
-# nosec B608 below: constant SQL, the values are parameters.
+# - minus the trashed ones: memory_trash_figures (tenant_id, namespace, category) WHERE
+#   deleted_at IS NOT NULL (migration 0037), index-only too;
+# - and minus the expired ones not trashed yet: a range of (tenant_id, expires_at) up to now
+#   (memory_tenant_expires), the only rows read from the heap, for their namespace and
+#   category; the TTL purge keeps them few.
+# A category or namespace none of whose memories is live is left out.
+# Constant SQL (nosec B608): the values are parameters.
 _COUNTS_SQL = """
 WITH dead AS MATERIALIZED (
     SELECT namespace, category FROM memories_memory WHERE tenant_id = %(tenant)s AND deleted_at IS NOT NULL
