@@ -354,6 +354,11 @@ ZEROMEM_USAGE_FLUSH_SECONDS = env.float("ZEROMEM_USAGE_FLUSH_SECONDS", default=1
 ZEROMEM_TRASH_RETENTION_DAYS = env.int("ZEROMEM_TRASH_RETENTION_DAYS", default=30)
 # The admin dashboard's memory figures are at most this old for a tenant with activity.
 ZEROMEM_DASHBOARD_STATS_MINUTES = env.int("ZEROMEM_DASHBOARD_STATS_MINUTES", default=10)
+# Its JSON size of live memories (a read of every live row) is recounted with every count for
+# a tenant of at most ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES live memories, and at most every
+# ZEROMEM_DASHBOARD_CHARS_HOURS above that (memories/services/dashboard_stats.py).
+ZEROMEM_DASHBOARD_CHARS_HOURS = env.float("ZEROMEM_DASHBOARD_CHARS_HOURS", default=24.0)
+ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES = env.int("ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES", default=50000)
 # The TTL purge sleeps this × each batch's time after the batch (memories/services/retention.py).
 ZEROMEM_PURGE_PAUSE_RATIO = env.float("ZEROMEM_PURGE_PAUSE_RATIO", default=0.0)
 # The TTL purge erases at most this many memories per second (0: unpaced), so its WAL is an
@@ -556,6 +561,8 @@ _LEAST = {
     "ZEROMEM_USAGE_FLUSH_SECONDS": 0,
     "ZEROMEM_TRASH_RETENTION_DAYS": 0,
     "ZEROMEM_DASHBOARD_STATS_MINUTES": 0,
+    "ZEROMEM_DASHBOARD_CHARS_HOURS": 0,
+    "ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES": 0,
     "ZEROMEM_PURGE_PAUSE_RATIO": 0,
     "ZEROMEM_PURGE_MEMORIES_PER_SECOND": 0,
     "ZEROMEM_API_KEY_CACHE_SECONDS": 0,

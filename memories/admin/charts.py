@@ -21,6 +21,8 @@ def dashboard_context(figures: TenantFigures) -> dict:
     return {
         "memory_count": figures.memory_count,
         "memory_figures_at": figures.memory_figures_at,
+        # Shown only when the sizes are older than the counts (a large tenant's, summed less often).
+        "chars_at": figures.chars_at if figures.chars_at != figures.memory_figures_at else None,
         "trash_count": figures.trash_count,
         "category_chart": bar_chart([(c or "-", n) for c, n in figures.by_category]),
         "namespace_chart": bar_chart([(ns or "(top level)", n) for ns, n in figures.by_namespace]),

@@ -66,29 +66,106 @@ class TenantFigures:
     operations: dict[str, list[int]]  # one count per day for each of SERIES
     tokens: dict  # the estimate of prompt tokens saved, with its inputs
     tokens_returned: list[int]  # estimated tokens of tool results sent, one figure per day of ``days``
-    # When the memory figures (count, by category/namespace, sizes) were computed; None: now.
+    # When the memory figures (count, by category/namespace) were computed; None: now.
     memory_figures_at: datetime | None = None
+    # When the JSON size of live memories (the token estimate's input) was summed: on a large
+    # tenant less often than the counts (memories/services/dashboard_stats.py); None: now.
+    chars_at: datetime | None = None
 
 
-def memory_figures(*, tenant: Tenant, now) -> dict:
+def memory_figures(*, tenant: Tenant, now, chars: bool = True) -> dict:
     """The aggregates over every live memory of the tenant (JSON-ready): the part of the page
     that grows with the tenant's memories. Served from ``TenantDashboardStats`` (the
-    ``dashboard-stats`` schedule) when there is one; computed here otherwise."""
-    live = Memory.objects.for_tenant(tenant).live(now)
+    ``dashboard-stats`` schedule) when there is one; computed here otherwise.
+
+    The counts are exact. On PostgreSQL they come from one statement that reads no row of
+    the live memories (:data:`_COUNTS_SQL`). ``chars`` (the JSON size of the live memories,
+    for the token estimate) does read every live row: with ``chars=False`` it is left out,
+    and the caller keeps an earlier one (``chars_at``, ``chars_memories``: when, and over how
+    many memories, it was summed)."""
+    db = connections[reads_go_to()]  # the replica, under replica_reads() (the admin page)
+    if db.vendor == "postgresql":
+        figures = _counts_postgresql(db, tenant=tenant, now=now)
+    else:
+        figures = _counts_orm(tenant=tenant, now=now)
+    if chars:
+        figures.update(memory_chars(tenant=tenant, now=now))
+    return figures
+
+
+def memory_chars(*, tenant: Tenant, now) -> dict:
+    """The JSON characters of the tenant's live memories and how many they are, summed in one
+    read of every live row (the value is in the heap, no index holds it)."""
+    sizes = (
+        Memory.objects.using(reads_go_to())
+        .for_tenant(tenant)
+        .live(now)
+        .aggregate(chars=Sum(Length(Cast("value", output_field=TextField()))), memories=Count("pk"))
+    )
+    return {"chars": sizes["chars"] or 0, "chars_memories": sizes["memories"], "chars_at": now.isoformat()}
+
+
+def _counts_orm(*, tenant: Tenant, now) -> dict:
+    """The counts as the ORM writes them (SQLite, the embedded default): a scan of the live rows."""
+    live = Memory.objects.using(reads_go_to()).for_tenant(tenant).live(now)
     by_category = live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12]
     by_namespace = live.values_list("namespace").annotate(n=Count("pk")).order_by("-n", "namespace")[:10]
-    sizes = live.aggregate(
-        chars=Sum(Length(Cast("value", output_field=TextField()))),
-        memories=Count("pk"),
-        namespaces=Count("namespace", distinct=True),
-    )
+    sizes = live.aggregate(memories=Count("pk"), namespaces=Count("namespace", distinct=True))
     return {
         "memory_count": sizes["memories"] or 0,
         "by_category": [list(row) for row in by_category],
         "by_namespace": [list(row) for row in by_namespace],
-        "chars": sizes["chars"] or 0,
         "namespaces": sizes["namespaces"] or 0,
     }
+
+
+# The live counts as every memory of the tenant minus the ones that are not live, so that
+# the tenant's rows are read from indexes alone (index-only scans, no heap: neither index
+# holds deleted_at or expires_at, so a filter on them would read every row of the tenant):
+# - every memory by category: memory_tenant_category (tenant_id, category);
+# - every memory by namespace: memory_tenant_namespace (tenant_id, namespace, key);
+# - minus the trashed ones: memory_trash_figures (tenant_id, namespace, category) WHERE
+#   deleted_at IS NOT NULL (migration 0037), index-only too;
+# - and minus the expired ones not trashed yet: a range of (tenant_id, expires_at) up to now
+#   (memory_tenant_expires), the only rows read from the heap, for their namespace and
+#   category; the TTL purge keeps them few.
+# A category or namespace none of whose memories is live is left out.
+# Constant SQL (nosec B608): the values are parameters.
+_COUNTS_SQL = """
+WITH dead AS MATERIALIZED (
+    SELECT namespace, category FROM memories_memory WHERE tenant_id = %(tenant)s AND deleted_at IS NOT NULL
+    UNION ALL
+    SELECT namespace, category FROM memories_memory
+    WHERE tenant_id = %(tenant)s AND expires_at IS NOT NULL AND expires_at <= %(now)s AND deleted_at IS NULL
+), by_namespace AS MATERIALIZED (
+    SELECT t.namespace, t.n - coalesce(d.n, 0) AS n
+    FROM (SELECT namespace, count(*) AS n FROM memories_memory WHERE tenant_id = %(tenant)s GROUP BY namespace) t
+    LEFT JOIN (SELECT namespace, count(*) AS n FROM dead GROUP BY namespace) d USING (namespace)
+), by_category AS (
+    SELECT t.category, t.n - coalesce(d.n, 0) AS n
+    FROM (SELECT category, count(*) AS n FROM memories_memory WHERE tenant_id = %(tenant)s GROUP BY category) t
+    LEFT JOIN (SELECT category, count(*) AS n FROM dead GROUP BY category) d USING (category)
+)
+(SELECT 'category', category, n FROM by_category WHERE n > 0 ORDER BY n DESC, category LIMIT 12)
+UNION ALL
+(SELECT 'namespace', namespace, n FROM by_namespace WHERE n > 0 ORDER BY n DESC, namespace LIMIT 10)
+UNION ALL
+(SELECT 'totals', NULL, count(*) FROM by_namespace WHERE n > 0)
+UNION ALL
+(SELECT 'totals', 'memories', coalesce(sum(n), 0) FROM by_namespace WHERE n > 0)
+"""
+
+
+def _counts_postgresql(db, *, tenant: Tenant, now) -> dict:
+    figures = {"memory_count": 0, "by_category": [], "by_namespace": [], "namespaces": 0}
+    with db.cursor() as cursor:
+        cursor.execute(_COUNTS_SQL, {"tenant": tenant.pk, "now": now})
+        for kind, name, n in cursor.fetchall():
+            if kind == "totals":
+                figures["memory_count" if name == "memories" else "namespaces"] = int(n)
+            else:
+                figures[f"by_{kind}"].append([name, int(n)])
+    return figures
 
 
 def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
@@ -122,7 +199,15 @@ def tenant_dashboard(*, tenant: Tenant, now=None) -> TenantFigures:
         tokens=tokens,
         tokens_returned=returned,
         memory_figures_at=stats.computed_at if stats is not None else None,
+        chars_at=_chars_at(stats),
     )
+
+
+def _chars_at(stats: TenantDashboardStats | None) -> datetime | None:
+    if stats is None:
+        return None
+    at = stats.figures.get("chars_at")  # figures stored before it was kept: summed with the counts
+    return datetime.fromisoformat(at) if at else stats.computed_at
 
 
 # The tenant's live memories expiring in (now, now + 24 h]. A row comparison on (tenant_id,
@@ -176,11 +261,15 @@ def tokens_saved(*, memory: dict, per_day: dict[str, dict[date, int]]) -> dict:
     """The estimate described in the module docstring, with its inputs (shown on the page):
     ``memory`` is :func:`memory_figures`, ``per_day`` the daily counts of the window."""
     reads = sum(per_day["agent_reads"].values())
-    chars = memory["chars"]
     memories = memory["memory_count"]
     namespaces = max(memory["namespaces"], 1 if memories else 0)
-    namespace_tokens = chars / namespaces / CHARS_PER_TOKEN if namespaces else 0
-    memory_tokens = chars / memories / CHARS_PER_TOKEN if memories else 0
+    # The average memory's characters, from the last sum of them (over ``chars_memories``
+    # memories, on a large tenant up to ZEROMEM_DASHBOARD_CHARS_HOURS ago), times today's
+    # memories per namespace: the same as chars ÷ namespaces when the sum is today's.
+    summed_over = memory.get("chars_memories", memories)
+    average_chars = memory["chars"] / summed_over if summed_over else 0
+    namespace_tokens = average_chars * memories / namespaces / CHARS_PER_TOKEN if namespaces else 0
+    memory_tokens = average_chars / CHARS_PER_TOKEN if memories else 0
     per_read = max(0.0, namespace_tokens - CALL_TOKENS - memory_tokens)
     return {
         "reads": reads,

@@ -2,17 +2,24 @@
 (``memories.selectors.dashboard.memory_figures``), stored per tenant in
 ``TenantDashboardStats`` so a page view does not scan every memory of the tenant.
 
-A tenant is recomputed when its stored figures are older than
+A tenant is recounted when its stored figures are older than
 ``ZEROMEM_DASHBOARD_STATS_MINUTES`` and it has audit events since (every change to a memory
-— write, delete, purge, forget — writes one), or when it has memories and no figures yet.
-Cost per recomputed tenant: the aggregates the page used to run (a scan of the tenant's
-live memories: about 0.5 s at 200k memories on 2 shared cores); per idle tenant, one EXISTS
-on the audit log's (tenant, occurred_at) index. Derived data: not audited.
+— write, delete, purge, forget — writes one) or memories that expired since (a TTL writes
+none), or when it has memories and no figures yet.
+
+Cost per recounted tenant: the counts (memories, by category, by namespace, distinct
+namespaces) read two indexes of the tenant, index-only, and the heap rows of its trashed
+and expired memories alone (memories.selectors.dashboard._COUNTS_SQL). The JSON size of live
+memories, which reads every live row, is summed with them for a tenant of at most
+``ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES`` live memories, and at most every
+``ZEROMEM_DASHBOARD_CHARS_HOURS`` above that (the page says as of when). Per idle tenant: one
+EXISTS on the audit log's (tenant, occurred_at) index and one on memory_tenant_expiring.
+Derived data: not audited.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db.models import Exists, OuterRef, Q
@@ -20,16 +27,34 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from memories.models import Memory, Tenant, TenantDashboardStats
-from memories.selectors.dashboard import memory_figures
+from memories.selectors.dashboard import memory_chars, memory_figures
+
+CHARS_KEPT = ("chars", "chars_memories", "chars_at")
 
 
 def dashboard_stats_refresh(*, tenant: Tenant, now=None) -> TenantDashboardStats:
     now = now or timezone.now()
-    figures = memory_figures(tenant=tenant, now=now)
+    figures = memory_figures(tenant=tenant, now=now, chars=False)
+    previous = TenantDashboardStats.objects.filter(tenant=tenant).values_list("figures", flat=True).first()
+    if _chars_still_good(previous, figures, now):
+        figures.update({name: previous[name] for name in CHARS_KEPT})
+    else:
+        figures.update(memory_chars(tenant=tenant, now=now))
     stats, _ = TenantDashboardStats.objects.update_or_create(
         tenant=tenant, defaults={"figures": figures, "computed_at": now}
     )
     return stats
+
+
+def _chars_still_good(previous: dict | None, figures: dict, now) -> bool:
+    """Keep the last sum of JSON characters on a large tenant until it is
+    ZEROMEM_DASHBOARD_CHARS_HOURS old; a small tenant's is summed with every count."""
+    if figures["memory_count"] <= settings.ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES:
+        return False
+    if not previous or not all(name in previous for name in CHARS_KEPT):
+        return False
+    summed_at = datetime.fromisoformat(previous["chars_at"])
+    return now - summed_at < timedelta(hours=settings.ZEROMEM_DASHBOARD_CHARS_HOURS)
 
 
 def stale_tenants(now=None):
@@ -37,13 +62,19 @@ def stale_tenants(now=None):
     due = now - timedelta(minutes=settings.ZEROMEM_DASHBOARD_STATS_MINUTES)
     stats = TenantDashboardStats.objects.filter(tenant=OuterRef("pk"))
     active_since = AuditEvent.objects.filter(tenant=OuterRef("tenant"), occurred_at__gt=OuterRef("computed_at"))
-    stale = TenantDashboardStats.objects.filter(computed_at__lte=due).filter(Exists(active_since))
+    # Counted live then, expired since: one range of memory_tenant_expiring.
+    expired_since = Memory.objects.filter(
+        tenant=OuterRef("tenant"), expires_at__gt=OuterRef("computed_at"), expires_at__lte=now
+    )
+    stale = TenantDashboardStats.objects.filter(computed_at__lte=due).filter(
+        Exists(active_since) | Exists(expired_since)
+    )
     never = ~Exists(stats) & Exists(Memory.objects.filter(tenant=OuterRef("pk")))
     return Tenant.objects.filter(Q(pk__in=stale.values("tenant")) | never).order_by("pk")
 
 
 def dashboard_stats_refresh_stale(now=None) -> dict[str, int]:
-    """Recompute every stale tenant's figures. Returns {slug: live memories}."""
+    """Recount every stale tenant's figures. Returns {slug: live memories}."""
     now = now or timezone.now()
     return {
         tenant.slug: dashboard_stats_refresh(tenant=tenant, now=now).figures["memory_count"]

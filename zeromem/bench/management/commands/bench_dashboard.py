@@ -16,6 +16,14 @@ dashboard page is opened ``--repeat`` times through Django's test client, altern
 * **after**: from the daily counts (``audit.daily.counts``) and the stored memory figures
   (``TenantDashboardStats``, recounted once here as the ``dashboard-stats`` schedule does).
 
+With ``--figures``, no audit events: only the recount of the memory figures (the
+``dashboard-stats`` schedule's work per active tenant) on ``--memories`` memories spread as a
+fleet writes them (a namespace per 10 memories, 6 categories, values of 40–400 characters, 5%
+with a TTL of which 1% expired, 5% in the trash), after VACUUM ANALYZE, ``--repeat`` times
+alternately: the old aggregates (every live row read), the counts (index-only:
+``memory_figures(chars=False)``) and the sum of sizes alone (``memory_chars``); then where the
+counts' rows come from (EXPLAIN (ANALYZE, BUFFERS)).
+
 Also printed: the hot-path alternative that was not chosen — an UPSERT of the day's counter
 row in the audited request's own transaction — as the cost per ``audit_record`` with and
 without it, one thread and ``--threads`` threads on one tenant (the row lock each
@@ -54,6 +62,31 @@ from zeromem.kernel.actors import Actor
 
 TARGET_MS = 200
 AGENT = Actor(kind="api_key", id="1", label="zm_bench", scopes=frozenset(["memory:read"]), surface="tool")
+
+
+def legacy_memory_figures(*, tenant: Tenant, now) -> dict:
+    """The memory figures as computed before the index-only counts (the code removed from
+    memories/selectors/dashboard.py): three aggregates over every live row of the tenant."""
+    from django.db.models import Sum, TextField
+    from django.db.models.functions import Cast, Length
+
+    from memories.models import Memory
+
+    live = Memory.objects.for_tenant(tenant).live(now)
+    by_category = live.values_list("category").annotate(n=Count("pk")).order_by("-n", "category")[:12]
+    by_namespace = live.values_list("namespace").annotate(n=Count("pk")).order_by("-n", "namespace")[:10]
+    sizes = live.aggregate(
+        chars=Sum(Length(Cast("value", output_field=TextField()))),
+        memories=Count("pk"),
+        namespaces=Count("namespace", distinct=True),
+    )
+    return {
+        "memory_count": sizes["memories"] or 0,
+        "by_category": [list(row) for row in by_category],
+        "by_namespace": [list(row) for row in by_namespace],
+        "chars": sizes["chars"] or 0,
+        "namespaces": sizes["namespaces"] or 0,
+    }
 
 
 def legacy_daily(*, tenant: Tenant, now):
@@ -106,11 +139,16 @@ class Command(BenchCommand):
         parser.add_argument("--repeat", type=int, default=5)
         parser.add_argument("--inserts", type=int, default=2000, help="audit_record calls per hot-path variant")
         parser.add_argument("--threads", type=int, default=4, help="threads of the contended hot-path variant")
+        parser.add_argument(
+            "--figures", action="store_true", help="only the memory figures' recount: old aggregates vs counts + sizes"
+        )
 
-    def handle(self, *args, events, memories, repeat, inserts, threads, **options):
+    def handle(self, *args, events, memories, repeat, inserts, threads, figures, **options):
         self.require_postgresql()
         if min(events, repeat, inserts, threads) < 1:
             raise CommandError("--events, --repeat, --inserts and --threads must be at least 1")
+        if figures:
+            return self._figures(memories, repeat)
         out = self.stdout.write
         slug = f"dashbench-{secrets.token_hex(3)}"
         tenant = Tenant.objects.create(slug=slug, name=slug)
@@ -173,6 +211,64 @@ class Command(BenchCommand):
             one = self._inserts(tenant, inserts, 1, upsert)
             many = self._inserts(tenant, inserts, threads, upsert)
             out(f"  {name:52s} {one:18.0f} {many:20.0f}")
+
+    def _figures(self, memories: int, repeat: int) -> None:
+        out = self.stdout.write
+        slug = f"figbench-{secrets.token_hex(3)}"
+        tenant = Tenant.objects.create(slug=slug, name=slug)
+        t0 = time.perf_counter()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """INSERT INTO memories_memory (tenant_id, key, namespace, value, search_text, category, subject,
+                       tags, importance, source, version, created_at, updated_at, access_count, sources, sensitive,
+                       expires_at, deleted_at)
+                   SELECT %s, 'user:u' || (g %% %s) || ':k' || g, 'user:u' || (g %% %s),
+                       to_jsonb(repeat('x', 40 + ((g::bigint * 7919) %% 360)::int)), 'user u' || g || ' a value',
+                       (ARRAY['user','task','decision','fact','summary','note'])[1 + g %% 6], 'u' || (g %% %s),
+                       '[]', 5, '', 1, now(), now(), 0, '[]', false,
+                       CASE WHEN g %% 100 = 1 THEN now() - interval '1 hour'
+                            WHEN g %% 20 = 2 THEN now() + interval '30 days' END,
+                       CASE WHEN g %% 20 = 3 THEN now() - interval '1 day' END
+                   FROM generate_series(1, %s) g""",
+                [tenant.pk, *([max(1, memories // 10)] * 3), memories],
+            )
+            cursor.execute("VACUUM ANALYZE memories_memory")  # what autovacuum does after the seeding
+        out(f"tenant {slug}: {memories:,} memories inserted and vacuumed in {time.perf_counter() - t0:.1f} s")
+
+        now = timezone.now()
+        variants = {
+            "old: aggregates over every live row": lambda: legacy_memory_figures(tenant=tenant, now=now),
+            "new: counts (index-only)": lambda: dashboard.memory_figures(tenant=tenant, now=now, chars=False),
+            "new: sum of sizes alone (every few hours)": lambda: dashboard.memory_chars(tenant=tenant, now=now),
+        }
+        timings = {name: [] for name in variants}
+        results = {}
+        for _ in range(repeat):
+            for name, run in variants.items():
+                start = time.perf_counter()
+                results[name] = run()
+                timings[name].append((time.perf_counter() - start) * 1000)
+        old, counts, sizes = results.values()
+        new = {**counts, "chars": sizes["chars"]}
+        if {k: old[k] for k in new} != new:
+            raise CommandError(f"the old and new figures disagree: {old} vs {new}")
+        out(f"\nmemory figures at {memories:,} memories ({repeat} runs each, alternating)   median  [range] ms")
+        for name, samples in timings.items():
+            out(f"  {name:52s} {statistics.median(samples):8.0f}  [{min(samples):.0f}–{max(samples):.0f}]")
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + dashboard._COUNTS_SQL, {"tenant": tenant.pk, "now": now}
+            )
+            plan = cursor.fetchone()[0][0]["Plan"]
+        out("where the counts' rows come from (EXPLAIN ANALYZE):")
+        for node in _nodes(plan):
+            if node.get("Relation Name") == "memories_memory":
+                out(
+                    f"  {node['Node Type']:18s} {node.get('Index Name', ''):26s} "
+                    f"rows {node['Actual Rows'] * node['Actual Loops']:>9,}  "
+                    f"heap fetches {node.get('Heap Fetches', '-')}"
+                    f"  buffers hit {node['Shared Hit Blocks']:,} read {node['Shared Read Blocks']:,}"
+                )
 
     @contextmanager
     def _variant(self, name: str):
@@ -255,3 +351,9 @@ class Command(BenchCommand):
         for w in workers:
             w.join()
         return (time.perf_counter() - start) / (per * threads) * 1e6
+
+
+def _nodes(node):
+    yield node
+    for child in node.get("Plans", []):
+        yield from _nodes(child)
