@@ -764,7 +764,7 @@ def audit_redact_subject(
     Cost per page: the tenant's events from ``after`` to the page's last match, read on
     ``audit_unsealed`` (tenant, id) — by the events' id alone, every tenant's events in that
     span were read (a subject whose first event was old read the whole table from there; 2.4M
-    rows for the first page in ``bench_audit``'s 3M-event database); one UPDATE per set of fields.
+    rows for the first page in a 2.9M-event database); one UPDATE per set of fields.
     """
     q = _redaction_q(subject=subject, keys=keys, prefix=prefix)
     # Above the last id an older seal (before audit/0011) numbered, no event has a seal

@@ -775,7 +775,7 @@ def test_a_malformed_checkpoint_file_is_a_command_error_naming_the_field(chained
 @pytest.mark.postgres
 def test_a_redaction_reads_its_own_tenants_events_not_every_tenants(chained, tenant_b):
     # The pages walked the events by id alone, filtering the tenant: every tenant's events
-    # after the subject's first one were read (2.4M rows for one page in a 3M-event database,
+    # after the subject's first one were read (2.4M rows for one page in a 2.9M-event database,
     # most of a forget's time). With no event of an older seal above the cursor, a page says
     # seal IS NULL and reads the tenant's own on audit_unsealed (tenant, id). Both tenants
     # keep their chains; the other tenant's u1 is left alone.
