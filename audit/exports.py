@@ -13,15 +13,17 @@ import io
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 from django.http import StreamingHttpResponse
 from django.utils import timezone
 
+from audit import selectors
 from audit.models import REVIEW_FIELDS
 from audit.seals import seal_numbers
-from audit.selectors import AuditFilters
+from audit.selectors import AuditFilters, few_by_index, list_page_bounds
 from audit.services import audit_export_start
 from zeromem.kernel.replica import REPLICA, replica_configured, replica_reads
 
@@ -95,36 +97,50 @@ def encode_rows(rows: Iterator[dict], fmt: str) -> Iterator[bytes]:
         yield buffer.getvalue().encode()
 
 
-def _pages(queryset, tenant_id: int) -> Iterator[dict]:
-    """The rows, newest first, CHUNK_ROWS at a time by keyset on the id (each page one
-    short query, no server-side cursor), handing the database connection back between
-    pages: a client that reads slowly holds a thread, never a pooled connection. A row's
-    ``seal`` is its seal's number (a range seal's: one query over the page's seals)."""
-    before = None
+def _pages(queryset, tenant, filters: AuditFilters) -> Iterator[dict]:
+    """The rows, newest first, in windows of the tenant's log as the review list reads it
+    (:func:`audit.selectors.list_page_bounds`): each query reads at most
+    ``selectors.EXPORT_SCAN_MAX`` of the tenant's events (a subject or key prefix naming few
+    events: by its own index) and answers at most CHUNK_ROWS of the matches, by keyset on
+    the id inside the window, then the next window below it. No server-side cursor, and the
+    database connection goes back between queries: a client that reads slowly holds a
+    thread, never a pooled connection, and a filter few events match (an actor, an action,
+    an outcome) no longer reads the tenant's whole log in one query. The windows are
+    contiguous id ranges, so every matching event comes once, in order. A row's ``seal`` is
+    its seal's number (a range seal's: one query over the page's seals)."""
+    with replica_reads():  # an export may lag the log by the replica's delay
+        few = few_by_index(tenant=tenant, filters=filters)
+    before = bounds = None
     while True:
-        page = queryset if before is None else queryset.filter(pk__lt=before)
-        with replica_reads():  # an export may lag the log by the replica's delay
-            rows = list(page.order_by("-id").values(*COLUMNS)[:CHUNK_ROWS])
-            numbers = seal_numbers(tenant_id, [r["id"] for r in rows if r["seal"] is None])
+        with replica_reads():
+            if bounds is None:
+                bounds = list_page_bounds(
+                    tenant=tenant, filters=filters, before=before, few=few, window=selectors.EXPORT_SCAN_MAX
+                )
+            rows = list(bounds.narrow(queryset).order_by("-id").values(*COLUMNS)[:CHUNK_ROWS])
+            numbers = seal_numbers(tenant.pk, [r["id"] for r in rows if r["seal"] is None])
         for row in rows:
             if row["seal"] is None:
                 row["seal"] = numbers.get(row["id"])
         if not connection.in_atomic_block:
-            connection.close()  # with the pool: back to the pool until the next page
+            connection.close()  # with the pool: back to the pool until the next query
             if replica_configured():
                 connections[REPLICA].close()
         yield from rows
-        if len(rows) < CHUNK_ROWS:
+        if len(rows) == CHUNK_ROWS:  # more of this window below the last row
+            bounds = replace(bounds, before=rows[-1]["id"])
+        elif bounds.floor is not None:  # the window is read: the next one below it
+            before, bounds = bounds.floor, None
+        else:
             return
-        before = rows[-1]["id"]
 
 
-def _chunks(queryset, tenant_id: int, fmt: str) -> Iterator[bytes]:
-    yield from encode_rows(_pages(queryset, tenant_id), fmt)
+def _chunks(queryset, tenant, filters: AuditFilters, fmt: str) -> Iterator[bytes]:
+    yield from encode_rows(_pages(queryset, tenant, filters), fmt)
 
 
-async def _async_chunks(queryset, tenant_id: int, fmt: str) -> AsyncIterator[bytes]:
-    chunks = _chunks(queryset, tenant_id, fmt)
+async def _async_chunks(queryset, tenant, filters: AuditFilters, fmt: str) -> AsyncIterator[bytes]:
+    chunks = _chunks(queryset, tenant, filters, fmt)
     fetch = sync_to_async(lambda: next(chunks, None), thread_sensitive=True)
     while (chunk := await fetch()) is not None:
         yield chunk
@@ -136,7 +152,8 @@ def audit_export_response(
     """Check, audit (``audit.export``) and stream the tenant's events matching ``filters``,
     newest first. ``asynchronous``: the request is served under ASGI."""
     queryset = audit_export_start(tenant=tenant, actor=actor, filters=filters, fmt=fmt)
-    body = _async_chunks(queryset, tenant.pk, fmt) if asynchronous else _chunks(queryset, tenant.pk, fmt)
+    chunks = _async_chunks if asynchronous else _chunks
+    body = chunks(queryset, tenant, filters, fmt)
     response = StreamingHttpResponse(body, content_type=CONTENT_TYPES[fmt])
     stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
     response["Content-Disposition"] = f'attachment; filename="audit-{tenant.slug}-{stamp}.{fmt}"'

@@ -19,6 +19,10 @@ TEXT_MAX_LEN = 512
 # A page of the review list reads at most this many of the tenant's events (newest first
 # from its cursor), whatever its filters: see :func:`list_window_floor`.
 LIST_SCAN_MAX = 10_000
+# A query of an export reads at most this many (a window, as the list's): an export reads on
+# window after window, so a larger one costs fewer queries (a rare filter over 1.5M events:
+# 10k windows 2.5-2.7 s in 480 queries, 50k 1.7 s in 120, longest query 40 ms).
+EXPORT_SCAN_MAX = 50_000
 # Filters that a reading of the log records in the event's own redactable fields (target,
 # subject, actor_filter), never in its detail: they may name a subject to be forgotten.
 COLUMN_FILTERS = ("key_prefix", "subject", "actor")
@@ -167,7 +171,7 @@ def list_id_bounds(*, tenant, filters: AuditFilters) -> tuple[int | None, int | 
     return below, above
 
 
-def list_window_floor(*, tenant, before: int | None) -> int | None:
+def list_window_floor(*, tenant, before: int | None, window: int | None = None) -> int | None:
     """The lowest event id a page of the review list reads below ``before`` (a cursor), or
     None when the page reads on to the tenant's first event.
 
@@ -182,11 +186,13 @@ def list_window_floor(*, tenant, before: int | None) -> int | None:
     before, over what is left; retention purges them in time).
 
     Cost: one index-only range read of up to ``LIST_SCAN_MAX`` entries, and when the window is
-    full one read of the tenant's older seals (a few rows, by the seals' (tenant, seq) key)."""
-    window = AuditEvent.objects.for_tenant(tenant).filter(seal__isnull=True)
+    full one read of the tenant's older seals (a few rows, by the seals' (tenant, seq) key).
+    ``window``: another number of events than ``LIST_SCAN_MAX`` (an export's)."""
+    size = window or LIST_SCAN_MAX
+    events = AuditEvent.objects.for_tenant(tenant).filter(seal__isnull=True)
     if before is not None:
-        window = window.filter(pk__lt=before)
-    floor = window.order_by("-id").values_list("id", flat=True)[LIST_SCAN_MAX - 1 : LIST_SCAN_MAX].first()
+        events = events.filter(pk__lt=before)
+    floor = events.order_by("-id").values_list("id", flat=True)[size - 1 : size].first()
     if floor is None:
         return None
     numbered_top = _numbered_top(tenant)
@@ -237,16 +243,19 @@ class PageBounds:
         return qs.filter(seal__isnull=True) if self.unsealed else qs
 
 
-def list_page_bounds(*, tenant, filters: AuditFilters, before: int | None, few: bool) -> PageBounds:
+def list_page_bounds(
+    *, tenant, filters: AuditFilters, before: int | None, few: bool, window: int | None = None
+) -> PageBounds:
     """The :class:`PageBounds` of a page below the cursor ``before``. ``few``:
     :func:`few_by_index` said the filter's own index names few events: no window, and that
-    index read (the query does not say ``seal IS NULL``, which would favour another)."""
+    index read (the query does not say ``seal IS NULL``, which would favour another).
+    ``window``: its size, when not ``LIST_SCAN_MAX`` (an export's: ``EXPORT_SCAN_MAX``)."""
     below, above = list_id_bounds(tenant=tenant, filters=filters)
     if below is not None and (before is None or below < before):
         before = below  # nothing newer matches until: the window starts there
     if few:
         return PageBounds(before, above, None, unsealed=False)
-    floor = list_window_floor(tenant=tenant, before=before)
+    floor = list_window_floor(tenant=tenant, before=before, window=window)
     if floor is not None and above is not None and floor <= above:
         floor = None  # the window reaches past since: this page reads to it, the last
     if floor is not None:

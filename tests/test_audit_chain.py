@@ -770,3 +770,35 @@ def test_a_malformed_checkpoint_file_is_a_command_error_naming_the_field(chained
     path.write_text(content)
     with pytest.raises(CommandError, match=f"{path}.*{field}"):
         call_command("audit_verify", "--checkpoint", str(path), stdout=io.StringIO(), stderr=io.StringIO())
+
+
+@pytest.mark.postgres
+def test_a_redaction_reads_its_own_tenants_events_not_every_tenants(chained, tenant_b):
+    # The pages walked the events by id alone, filtering the tenant: every tenant's events
+    # after the subject's first one were read (2.4M rows for one page in a 2.9M-event database,
+    # most of a forget's time). With no event of an older seal above the cursor, a page says
+    # seal IS NULL and reads the tenant's own on audit_unsealed (tenant, id). Both tenants
+    # keep their chains; the other tenant's u1 is left alone.
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.test_audit_api import _event_rows_scanned
+
+    for i in range(60):  # tenant B's busy log after A's subject's events
+        audit_record(tenant=tenant_b, actor=AGENT, action="memory.read", outcome="ok", target=f"user:u1:b{i}")
+    activity(chained, n=2, user="u1")
+    mine = AuditEvent.objects.filter(tenant=chained).count()
+    with CaptureQueriesContext(connection) as queries:
+        assert audit_redact_subject(tenant=chained, subject="u1", batch_size=5) > 0
+    pages = [q["sql"] for q in queries if q["sql"].startswith("SELECT") and '"redacted"' in q["sql"]]
+    assert len(pages) > 3
+    with transaction.atomic(), connection.cursor() as cursor:
+        # As on a big table (a sort of all the tenant's matches is no option): pages walk an index in id order.
+        cursor.execute("SET LOCAL enable_bitmapscan = off")
+        cursor.execute("SET LOCAL enable_sort = off")
+        scanned = [_event_rows_scanned(sql) for sql in pages]
+    assert max(scanned) <= mine, (scanned, mine)
+    assert not AuditEvent.objects.filter(tenant=chained, subject="u1").exists()
+    assert AuditEvent.objects.filter(tenant=tenant_b, target__startswith="user:u1:b").count() == 60
+    audit_seal(tenant_id=chained.pk)
+    audit_seal(tenant_id=tenant_b.pk)
+    assert audit_verify(tenant_id=chained.pk).ok and audit_verify(tenant_id=tenant_b.pk).ok
