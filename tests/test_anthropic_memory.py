@@ -795,3 +795,49 @@ def test_a_view_of_a_large_directory_writes_one_audit_event(api, tenant_a):
     assert r.status_code == 200 and len(r.json()["content"].splitlines()) == 2 + 450, r.content
     events = list(AuditEvent.objects.order_by("pk")[before:].values_list("action", "count"))
     assert events == [("memory.list", 450)], events
+
+
+def test_a_rename_loads_its_files_values_a_chunk_at_a_time(api, tenant_a, monkeypatch):
+    # A directory's rename read every file's value up front (5,000 files, up to the value cap
+    # each, in one process's memory for one request); now the listing reads keys and the values
+    # are loaded MOVE_CHUNK at a time as they move. The files move whole, with their versions.
+    from memories import selectors as memory_selectors
+    from memories.services import memories as mem
+
+    monkeypatch.setattr(claude_memory, "MOVE_CHUNK", 2)
+    for i in range(5):
+        api.post(URL, {"command": "create", "path": f"/memories/d/f{i}.md", "file_text": f"text {i}"})
+    listed, loaded = [], []
+    memory_list, memories_live = mem.memory_list, memory_selectors.memories_live
+
+    def listing(**kwargs):
+        listed.append(kwargs.get("keys_only", True) or kwargs.get("sizes", False))
+        return memory_list(**kwargs)
+
+    class Recorded:
+        def __init__(self, qs):
+            self.qs = qs
+
+        def __getattr__(self, name):
+            return getattr(self.qs, name)
+
+        def filter(self, *args, **kwargs):
+            if "key__in" not in kwargs:
+                return self.qs.filter(*args, **kwargs)
+            rows = list(self.qs.filter(*args, **kwargs))
+            loaded.append(len(rows))
+            return rows
+
+    def live(**kwargs):
+        return Recorded(memories_live(**kwargs))
+
+    monkeypatch.setattr(mem, "memory_list", listing)
+    monkeypatch.setattr(memory_selectors, "memories_live", live)
+    r = api.post(URL, {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/e"})
+    assert r.status_code == 200 and r.json()["content"] == "Successfully renamed /memories/d to /memories/e", r.content
+    assert listed and all(listed), listed  # no listing loaded values
+    assert loaded == [2, 2, 1], loaded  # the values, two files at a time
+    live_keys = sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True))
+    assert live_keys == [f"claude:memories:e:f{i}.md" for i in range(5)]
+    moved = Memory.objects.get(tenant=tenant_a, key="claude:memories:e:f3.md", deleted_at__isnull=True)
+    assert moved.value == "text 3"

@@ -61,6 +61,8 @@ MAX_LINES = 999999
 LINE_NUMBER_WIDTH = len(str(MAX_LINES))
 # A listing reads at most this many memories under the directory (200 per page).
 LIST_MAX_MEMORIES = 5000
+# A directory's rename loads the values of this many files at a time.
+MOVE_CHUNK = 100
 COMMANDS = ("view", "create", "str_replace", "insert", "delete", "rename")
 
 
@@ -444,23 +446,34 @@ class MemoryTool:
             raise MemoryToolError(_not_a_directory(old.shown(), new.shown()))
         found = self._memory(old)
         # A file moves with what another surface wrote under it (the old path is gone after).
-        under = self._all_under(old, old_path)
+        # The listing reads keys only: the values are loaded MOVE_CHUNK at a time as they move,
+        # so a rename of 5,000 files holds one chunk of values in memory, not 5,000 (up to
+        # ZEROMEM_VALUE_MAX_BYTES each: 80 MB of text at the default cap, more at a tenant's).
+        under = self._all_under(old, old_path, rows="keys")
         if found is None and not under:
             raise MemoryToolError(f"The path {old_path} does not exist")
         if new.key.startswith(old.key + ":"):
             raise MemoryToolError(f"Cannot move {old_path} into itself ({new_path})")
-        moves = [(found, new.key)] if found is not None else []
-        moves.extend((memory, new.key + memory.key[len(old.key) :]) for memory in under)
-        self._charge(len(moves), field="old_path")
+        self._charge(len(under) + (found is not None), field="old_path")
+        key = old.key
         try:
             with transaction.atomic():
-                for memory, target in moves:
-                    self._move(memory, target)
-                    mem.memory_delete(tenant=self.tenant, actor=self.actor, key=memory.key)
+                if found is not None:
+                    self._move(found, new.key)
+                    mem.memory_delete(tenant=self.tenant, actor=self.actor, key=found.key)
+                for start in range(0, len(under), MOVE_CHUNK):
+                    chunk = under[start : start + MOVE_CHUNK]
+                    # The listed keys (the actor's allowlist applied by the listing), live now.
+                    loaded = {m.key: m for m in selectors.memories_live(tenant=self.tenant).filter(key__in=chunk)}
+                    for key in chunk:
+                        if key not in loaded:
+                            raise NotFound("no memory at this key", field="key")
+                        self._move(loaded.pop(key), new.key + key[len(old.key) :])
+                        mem.memory_delete(tenant=self.tenant, actor=self.actor, key=key)
         except NotFound:
             # Deleted (or expired) since the listing: its move is undone with the others
             # rather than writing a file that is gone at its new path.
-            gone = "/".join((ROOT_PATH, *memory.key[len(self.root) + 1 :].split(":")))
+            gone = "/".join((ROOT_PATH, *key[len(self.root) + 1 :].split(":")))
             raise MemoryToolError(
                 f"The file {gone} no longer exists (may have been deleted or renamed concurrently)."
             ) from None
