@@ -289,6 +289,31 @@ def test_a_search_that_refreshes_ttls_costs_a_rate_limit_unit_per_item_refreshed
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("query", [None, "coffee"], ids=["scan", "ranked"])
+def test_a_refresh_by_a_key_without_write_scope_is_refused_before_it_is_charged(
+    tenant_a, settings, limiter_minute, query
+):
+    # A search with refresh_ttl by a key without memory:write took one unit of its rate limit
+    # per item to refresh, then its first refresh was refused (403): a read-only key spent its
+    # minute on writes it may not do, and past the limit got a 429 instead of the 403.
+    client, _ = make_keyed_client(tenant_a, scopes=["memory:read", "memory:search"])
+    for i in range(6):
+        write(tenant_a, f"lg:n:k{i}", {"drink": "coffee"}, ttl_seconds=600, tags=["ttl_minutes=10"])
+    versions = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 3
+    body = {"namespace_prefix": ["n"], "limit": 10, **({"query": query} if query else {})}
+    r = client.post("/api/v1/langgraph/store/items/search", {**body, "refresh_ttl": True})  # 1 unit
+    assert r.status_code == 403, r.content
+    assert rest_error(r)["code"] == "missing_scope"
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.update", outcome="denied").exists()
+    for _ in range(2):  # units 2 and 3: the refused refresh took no more
+        r = client.post("/api/v1/langgraph/store/items/search", body)
+        assert r.status_code == 200, r.content
+    assert client.post("/api/v1/langgraph/store/items/search", body).status_code == 429
+    assert sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version")) == versions
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("query", [None, "coffee"], ids=["scan", "ranked"])
 def test_an_item_deleted_between_a_search_and_its_refresh_is_left_out_not_a_404(tenant_a, monkeypatch, query):
     # The refresh of an item another client deleted (or that expired) after the search read
     # it raised NotFound: the whole search answered 404 for one item gone.

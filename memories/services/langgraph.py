@@ -371,7 +371,12 @@ def lg_search(
             (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
         ]
     if refresh:
-        _charge_refreshes(actor, sum(1 for memory, _ in page if _refreshes(memory)))
+        due = [memory for memory, _ in page if _refreshes(memory)]
+        if due and not actor.has_scope(Scope.MEMORY_WRITE):
+            # Refused (and audited) as the first refresh would be, before it is charged.
+            with audited_operation(tenant=tenant, actor=actor, action="memory.update", target=due[0].key):
+                require_scope(actor, Scope.MEMORY_WRITE)
+        _charge_refreshes(actor, len(due))
     out = []
     for memory, score in page:
         if refresh:
