@@ -419,8 +419,8 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
         window = window[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]  # the items read, whatever the filter
         qs = window
         if connection.vendor == "postgresql":
-            # Plain string fields narrow the window in the database (jsonb @>), so fewer values
-            # travel; the matcher checks again. Inside the window: the cap applied to the rows
+            # Equalities (jsonb @>) and ranges (jsonpath) narrow the window in the database, so
+            # fewer values travel; the matcher checks again. Inside the window: the cap applied to the rows
             # that matched read every item under the prefix for a rare value. A sensitive item
             # is an envelope there (a tenant rule may encrypt any put): it passes to the
             # matcher, which sees its opened value.
