@@ -552,6 +552,21 @@ def test_a_range_no_value_can_meet_reads_no_item(tenant_a, operand):
     assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.list", outcome="ok").exists()
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_float_equality_finds_the_int_of_the_same_value_past_two_to_the_53(tenant_a):
+    # Python compares an int and a float exactly: 12345678901234567168 == 1.2345678901234567e19.
+    # The pushed containment compared the float's shortest digits (...567000) and left it out.
+    client, _ = make_keyed_client(tenant_a)
+    write(tenant_a, "lg:users:a", {"n": 12345678901234567168})
+    write(tenant_a, "lg:users:b", {"n": 2**60})
+    for wanted, found in ((1.2345678901234567e19, ["a"]), (float(2**60), ["b"]), ({"$eq": float(2**60)}, ["b"])):
+        body = {"namespace_prefix": ["users"], "filter": {"n": wanted}}
+        r = client.post("/api/v1/langgraph/store/items/search", body)
+        assert r.status_code == 200, r.content
+        assert [i["key"] for i in r.json()["items"]] == found, wanted
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize("key", ["lg:users:u1:a~zz", "lg:users:u1:a~7e", "lg:users:u1:a~C3", "lg:users:a.b:k"])
 def test_a_memory_no_item_maps_to_is_not_listed_as_an_item(tenant_a, key):

@@ -547,6 +547,10 @@ def _pushed(name: str, wanted: Any) -> Q | None:
         return Q(value__contains={name: wanted}) | Q(value__contains={name: int(wanted)})
     if isinstance(wanted, int | float):
         q = Q(value__contains={name: wanted})
+        if isinstance(wanted, float) and wanted.is_integer() and abs(wanted) >= 2**53:
+            # Python compares an int with a float exactly; the float's JSON digits are its
+            # shortest (1.2345678901234567e+19 is ...567000, the int it equals ...567168).
+            q |= Q(value__contains={name: int(wanted)})
         return q | Q(value__contains={name: bool(wanted)}) if wanted in (0, 1) else q
     return None
 
