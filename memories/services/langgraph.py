@@ -30,7 +30,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Q
+from django.db.models import BooleanField, F, Func, Q
 
 from audit.services import audited_operation
 from memories import selectors
@@ -48,6 +48,7 @@ TTL_MAX_MINUTES = validation.TTL_MAX_SECONDS // 60
 _KEEP = re.compile(r"[\w.@+=-]")
 _ESCAPED = re.compile(r"(?:~[0-9A-F]{2})+")
 _OPERATORS = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte"})
+_RANGES = frozenset({"$gt", "$gte", "$lt", "$lte"})
 # The matcher walks the filter for every item a search reads (up to ZEROMEM_LANGGRAPH_SCAN_MAX):
 # 1,500 conditions that 16 KB values all met but the last took 6.8 s of one CPU per search.
 FILTER_MAX_CONDITIONS = 100
@@ -202,6 +203,8 @@ def _number(x: Any) -> float | None:
         return None
     try:
         return float(x)
+    except OverflowError:  # an int past the largest double: infinite, as float("1e400") is (was a 500)
+        return math.inf if x > 0 else -math.inf
     except ValueError:
         return None
 
@@ -371,7 +374,12 @@ def lg_search(
             (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
         ]
     if refresh:
-        _charge_refreshes(actor, sum(1 for memory, _ in page if _refreshes(memory)))
+        due = [memory for memory, _ in page if _refreshes(memory)]
+        if due and not actor.has_scope(Scope.MEMORY_WRITE):
+            # Refused (and audited) as the first refresh would be, before it is charged.
+            with audited_operation(tenant=tenant, actor=actor, action="memory.update", target=due[0].key):
+                require_scope(actor, Scope.MEMORY_WRITE)
+        _charge_refreshes(actor, len(due))
     out = []
     for memory, score in page:
         if refresh:
@@ -411,18 +419,23 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
         window = window[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]  # the items read, whatever the filter
         qs = window
         if connection.vendor == "postgresql":
-            # Plain string fields narrow the window in the database (jsonb @>), so fewer values
-            # travel; the matcher checks again. Inside the window: the cap applied to the rows
+            # Equalities (jsonb @>) and ranges (jsonpath) narrow the window in the database, so
+            # fewer values travel; the matcher checks again. Inside the window: the cap applied to the rows
             # that matched read every item under the prefix for a rare value. A sensitive item
             # is an envelope there (a tenant rule may encrypt any put): it passes to the
             # matcher, which sees its opened value.
-            pushed = [_pushed(k, v) for k, v in flt.items()]
-            pushed = [q for q in pushed if q is not None]
-            if pushed:
+            try:
+                pushed = _pushdown(flt)
+            except _NoMatch:
+                # A range operand that is no number ("abc", null, true, NaN): the matcher
+                # answers False for every value, so no row is read.
+                op.record(target=prefix, count=0)
+                return []
+            if pushed is not None:
                 qs = (
                     selectors.memories_live(tenant=tenant)
                     .filter(pk__in=window.values("pk"))
-                    .filter(functools.reduce(operator.and_, pushed) | Q(sensitive=True))
+                    .filter(pushed | Q(sensitive=True))
                     .order_by("key")
                 )
         out: list[Memory] = []
@@ -440,6 +453,87 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
         return out
 
 
+class _NoMatch(Exception):
+    """A filter no value can match (:func:`_pushdown`)."""
+
+
+class _PathExists(Func):
+    """``jsonb_path_exists(value, path, vars, silent => true)``: a path's error (a missing
+    field in strict mode) is no match rather than an error."""
+
+    output_field = BooleanField()
+
+    def __init__(self, path: str, variables: dict[str, float]):
+        super().__init__(F("value"))
+        self.path, self.variables = path, json.dumps(variables)
+
+    def as_sql(self, compiler, connection, **extra):
+        sql, params = compiler.compile(self.source_expressions[0])
+        return f"jsonb_path_exists({sql}, %s::jsonpath, %s::jsonb, true)", (*params, self.path, self.variables)
+
+
+def _pushdown(flt: dict) -> Q | None:
+    """The part of ``flt`` the database checks, a superset of what :func:`item_matches`
+    accepts (it judges every row the query returns); None when nothing is pushed. Raises
+    :class:`_NoMatch` when no value can match."""
+    pushed = [q for q in (_pushed(k, v) for k, v in flt.items()) if q is not None]
+    variables: dict[str, float] = {}
+    ranges = _ranges(flt, (), variables)
+    if ranges:
+        pushed.append(Q(_PathExists("strict $ ? (" + " && ".join(ranges) + ")", variables)))
+    return functools.reduce(operator.and_, pushed) if pushed else None
+
+
+def _ranges(node: dict, path: tuple[str, ...], variables: dict[str, float]) -> list[str]:
+    """jsonpath predicates (on the item's value, ``$``) for the ``$gt $gte $lt $lte`` of
+    ``node``'s fields, nested objects included (not inside lists). :func:`_operator` compares
+    ``float()``s, numeric strings included: a string passes (the matcher decides); a jsonb
+    number passes when its exact value is past a bound no number it rounds to a double past
+    the operand can miss (float() is monotonic and ``float(repr(b)) == b``):
+    ``float(a) > b`` ⇒ ``a > b``; ``float(a) >= b`` ⇒ ``a > nextafter(b, -inf)``; likewise below.
+    Booleans, null, lists, objects and a missing field fail the comparison (strict mode: a
+    list is not unwrapped), as in the matcher."""
+    out: list[str] = []
+    for name, wanted in node.items():
+        if not isinstance(wanted, dict):
+            continue
+        here = (*path, name)
+        if not any(k.startswith("$") for k in wanted):  # fields (check_filter: not mixed)
+            out.extend(_ranges(wanted, here, variables))
+            continue
+        if not _RANGES.intersection(wanted):
+            continue
+        tests: list[str] = []
+        numbers = True  # whether a number can pass at all
+        for op, operand in wanted.items():
+            if op not in _RANGES:
+                continue
+            b = _number(operand)
+            if b is None or math.isnan(b):
+                raise _NoMatch  # _operator: False for every value
+            if op == "$gt":
+                sign, bound = ">", b
+            elif op == "$gte":
+                sign, bound = ">", math.nextafter(b, -math.inf)
+            elif op == "$lt":
+                sign, bound = "<", b
+            else:
+                sign, bound = "<", math.nextafter(b, math.inf)
+            if math.isinf(bound):
+                numbers &= (bound < 0) == (sign == ">")  # > -inf, < inf: any number; else none
+                continue
+            var = f"b{len(variables)}"
+            variables[var] = bound
+            tests.append(f"@ {sign} ${var}")
+        if not numbers:
+            test = '@.type() == "string"'
+        else:
+            test = '@.type() == "string" || (' + (" && ".join(tests) or '@.type() == "number"') + ")"
+        field = "".join("." + json.dumps(label, ensure_ascii=False) for label in here)
+        out.append(f"exists(@{field} ? ({test}))")
+    return out
+
+
 def _pushed(name: str, wanted: Any) -> Q | None:
     """The values ``{name: wanted}`` matches (:func:`value_matches`, Python's ``==``) as jsonb
     containment, or None when there is none to push (objects, lists, null: null also matches
@@ -453,6 +547,10 @@ def _pushed(name: str, wanted: Any) -> Q | None:
         return Q(value__contains={name: wanted}) | Q(value__contains={name: int(wanted)})
     if isinstance(wanted, int | float):
         q = Q(value__contains={name: wanted})
+        if isinstance(wanted, float) and wanted.is_integer() and abs(wanted) >= 2**53:
+            # Python compares an int with a float exactly; the float's JSON digits are its
+            # shortest (1.2345678901234567e+19 is ...567000, the int it equals ...567168).
+            q |= Q(value__contains={name: int(wanted)})
         return q | Q(value__contains={name: bool(wanted)}) if wanted in (0, 1) else q
     return None
 
