@@ -394,6 +394,17 @@ def test_a_filter_pushed_into_the_database_reads_no_more_than_the_scan_cap(tenan
     assert keys({"plan": "free", "n": {"$gte": 3}}) == ["k3", "k4"]
 
 
+def _assert_found_and_only_they_matched(client, monkeypatch, flt: dict, found: list[str]) -> None:
+    """The search under ``users`` finds ``found``, and the database sent the matcher nothing else."""
+    seen = []
+    matches = lg.item_matches
+    monkeypatch.setattr(lg, "item_matches", lambda value, wanted: seen.append(value) or matches(value, wanted))
+    r = client.post("/api/v1/langgraph/store/items/search", {"namespace_prefix": ["users"], "filter": flt})
+    assert r.status_code == 200, r.content
+    assert [i["key"] for i in r.json()["items"]] == found
+    assert len(seen) == len(found)  # the database sent no item that does not match
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db
 @pytest.mark.parametrize(
@@ -418,13 +429,7 @@ def test_a_number_or_boolean_equality_is_checked_in_the_database(tenant_a, monke
     for key, n in values.items():
         write(tenant_a, f"lg:users:{key}", {"n": n})
     write(tenant_a, "lg:users:h", {"m": 1})
-    seen = []
-    matches = lg.item_matches
-    monkeypatch.setattr(lg, "item_matches", lambda value, flt: seen.append(value) or matches(value, flt))
-    r = client.post("/api/v1/langgraph/store/items/search", {"namespace_prefix": ["users"], "filter": {"n": wanted}})
-    assert r.status_code == 200, r.content
-    assert [i["key"] for i in r.json()["items"]] == found
-    assert len(seen) == len(found)  # the database sent no item that does not match
+    _assert_found_and_only_they_matched(client, monkeypatch, {"n": wanted}, found)
 
 
 def test_an_int_past_the_largest_double_compares_as_infinite():
@@ -527,13 +532,7 @@ def test_a_range_is_checked_in_the_database(tenant_a, monkeypatch, wanted, found
     for key, n in values.items():
         write(tenant_a, f"lg:users:{key}", {"n": n})
     write(tenant_a, "lg:users:m", {"m": 10})
-    seen = []
-    matches = lg.item_matches
-    monkeypatch.setattr(lg, "item_matches", lambda value, flt: seen.append(value) or matches(value, flt))
-    r = client.post("/api/v1/langgraph/store/items/search", {"namespace_prefix": ["users"], "filter": {"n": wanted}})
-    assert r.status_code == 200, r.content
-    assert [i["key"] for i in r.json()["items"]] == found
-    assert len(seen) == len(found)  # the database sent no item that does not match
+    _assert_found_and_only_they_matched(client, monkeypatch, {"n": wanted}, found)
 
 
 @pytest.mark.postgres
