@@ -54,9 +54,10 @@ def test_a_tenant_without_stored_figures_is_counted_on_the_spot(db):
     assert figures.memory_count == 1 and figures.memory_figures_at is None
 
 
-def test_a_completed_forget_request_drops_the_stored_figures_that_may_name_the_subject(
-    db, django_capture_on_commit_callbacks
+def test_a_completed_forget_request_recounts_the_stored_figures_that_may_name_the_subject(
+    db, settings, django_capture_on_commit_callbacks
 ):
+    settings.ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES = 50000  # a small tenant: its sizes summed again too
     tenant = make_tenant("stats-forget")
     write(tenant, "user:u7:lang", "en", subject="u7")
     write(tenant, "user:u8:lang", "fr", subject="u8")
@@ -66,8 +67,50 @@ def test_a_completed_forget_request_drops_the_stored_figures_that_may_name_the_s
         request = services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7", reason="erasure")
     request.refresh_from_db()
     assert request.status == "completed"
-    assert not TenantDashboardStats.objects.filter(tenant=tenant).exists()
+    stats = TenantDashboardStats.objects.get(tenant=tenant)  # recounted at once, sizes summed too
+    assert stats.figures["by_namespace"] == [["user:u8", 1]]
+    assert stats.figures == _fresh_recount(tenant, stats.computed_at)
     assert tenant_dashboard(tenant=tenant).by_namespace == [("user:u8", 1)]
+
+
+def test_after_a_forget_the_page_reads_recounted_figures_and_keeps_a_large_tenants_sizes_as_of_before(
+    db, settings, django_capture_on_commit_callbacks
+):
+    """Completing a forget request used to drop the stored figures, so the next page view
+    recounted everything on the spot, the sum of every live value's size included (a read of
+    every live row: 2.3 s at 1M memories for the staff member opening the page). The counts,
+    which may name the subject's namespaces, are recounted at once (index-only); a large
+    tenant's sizes are kept as of their last sum and summed again at the next recount."""
+    settings.ZEROMEM_DASHBOARD_STATS_MINUTES = 10
+    settings.ZEROMEM_DASHBOARD_CHARS_HOURS = 6
+    settings.ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES = 2  # "large": more than 2 live memories
+    tenant = make_tenant("forget-big")
+    for user in ("u1", "u2", "u42"):
+        write(tenant, f"user:{user}:bio", "x" * 98, subject=user)  # 100 JSON characters each
+    write(tenant, "user:u1:tz", "y" * 98, subject="u1")
+    t0 = timezone.now() - timedelta(hours=1)
+    dashboard_stats.dashboard_stats_refresh(tenant=tenant, now=t0)
+    with django_capture_on_commit_callbacks(execute=True):  # the forget job runs inline
+        request = services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u42", reason="erasure")
+    request.refresh_from_db()
+    assert request.status == "completed"
+
+    with CaptureQueriesContext(connection) as queries:
+        figures = tenant_dashboard(tenant=tenant)
+    assert [q["sql"] for q in queries if "LENGTH(" in q["sql"].upper()] == []  # no read of every live row
+    assert figures.by_namespace == [("user:u1", 2), ("user:u2", 1)]  # user:u42 gone at once
+    assert figures.memory_count == 3 and figures.memory_figures_at > t0
+    assert figures.chars_at == t0  # the sizes: as of their last sum, before the forget
+    client = logged_in(make_staff(tenant, "viewer"))
+    body = client.get(f"/admin/memories/tenant/{tenant.pk}/dashboard/").content.decode()
+    assert "Memory sizes (JSON characters) as of" in body and "user:u42" not in body
+
+    # The next recount sums the sizes again, though the last sum is younger than 6 hours.
+    later = timezone.now() + timedelta(minutes=11)
+    assert dashboard_stats.dashboard_stats_refresh_stale(now=later) == {"forget-big": 3}
+    stored = TenantDashboardStats.objects.get(tenant=tenant).figures
+    assert stored == _fresh_recount(tenant, later)
+    assert stored["chars"] == 300 and stored["chars_memories"] == 3
 
 
 @pytest.mark.postgres
@@ -183,9 +226,10 @@ def test_stored_figures_equal_a_fresh_full_recount_after_writes_deletes_expiry_a
     write(tenant, "note:n:x", "new namespace", category="note")
     with django_capture_on_commit_callbacks(execute=True):  # the forget job runs inline
         services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u2", reason="erasure")
+    recounted = TenantDashboardStats.objects.get(tenant=tenant).computed_at  # at once: no longer names u2
     assert tenant_dashboard(tenant=tenant, now=later).by_namespace == [
-        (ns, n) for ns, n in _fresh_recount(tenant, later)["by_namespace"]
-    ]  # counted on the spot: the stored figures that named u2 are gone
+        (ns, n) for ns, n in _fresh_recount(tenant, recounted)["by_namespace"]
+    ]
     dashboard_stats.dashboard_stats_refresh_stale(now=later + timedelta(minutes=11))
     stored = TenantDashboardStats.objects.get(tenant=tenant).figures
     assert stored == _fresh_recount(tenant, later + timedelta(minutes=11))

@@ -14,6 +14,9 @@ memories, which reads every live row, is summed with them for a tenant of at mos
 ``ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES`` live memories, and at most every
 ``ZEROMEM_DASHBOARD_CHARS_HOURS`` above that (the page says as of when). Per idle tenant: one
 EXISTS on the audit log's (tenant, occurred_at) index and one on memory_tenant_expiring.
+A completed forget request recounts its tenant's counts at once (they may name the subject's
+namespaces) and keeps a large tenant's sizes, which include the erased values' sizes but
+name nothing, as of their last sum ("as of" on the page) until the next recount sums them.
 Derived data: not audited.
 """
 
@@ -30,14 +33,23 @@ from memories.models import Memory, Tenant, TenantDashboardStats
 from memories.selectors.dashboard import memory_chars, memory_figures
 
 CHARS_KEPT = ("chars", "chars_memories", "chars_at")
+# Set on the sizes kept through a forget: they include the erased values' sizes, so the next
+# recount sums them again, however young they are.
+CHARS_STALE = "chars_stale"
 
 
-def dashboard_stats_refresh(*, tenant: Tenant, now=None) -> TenantDashboardStats:
+def dashboard_stats_refresh(*, tenant: Tenant, now=None, after_forget: bool = False) -> TenantDashboardStats:
+    """Recount the tenant's stored figures. ``after_forget`` (a completed forget request, in
+    its transaction): the counts, which may name the subject's namespaces, are recounted at
+    once; a large tenant's sizes (a read of every live row) are kept as of their last sum,
+    marked to be summed again at the next recount."""
     now = now or timezone.now()
     figures = memory_figures(tenant=tenant, now=now, chars=False)
     previous = TenantDashboardStats.objects.filter(tenant=tenant).values_list("figures", flat=True).first()
-    if _chars_still_good(previous, figures, now):
+    if _chars_kept(previous, figures, now, after_forget=after_forget):
         figures.update({name: previous[name] for name in CHARS_KEPT})
+        if after_forget:
+            figures[CHARS_STALE] = True
     else:
         figures.update(memory_chars(tenant=tenant, now=now))
     stats, _ = TenantDashboardStats.objects.update_or_create(
@@ -46,12 +58,25 @@ def dashboard_stats_refresh(*, tenant: Tenant, now=None) -> TenantDashboardStats
     return stats
 
 
-def _chars_still_good(previous: dict | None, figures: dict, now) -> bool:
+def dashboard_stats_after_forget(*, tenant: Tenant, now=None) -> None:
+    """A forget request completed: the stored figures may name the subject's namespaces
+    (``user:u42``), so they are recounted at once, in the forget's transaction; a tenant
+    without stored figures is counted on the spot by its next page view, as before."""
+    if TenantDashboardStats.objects.filter(tenant=tenant).exists():
+        dashboard_stats_refresh(tenant=tenant, now=now, after_forget=True)
+
+
+def _chars_kept(previous: dict | None, figures: dict, now, *, after_forget: bool = False) -> bool:
     """Keep the last sum of JSON characters on a large tenant until it is
-    ZEROMEM_DASHBOARD_CHARS_HOURS old; a small tenant's is summed with every count."""
+    ZEROMEM_DASHBOARD_CHARS_HOURS old, or has been through a forget (and then until the next
+    recount); a small tenant's is summed with every count."""
     if figures["memory_count"] <= settings.ZEROMEM_DASHBOARD_CHARS_EXACT_MEMORIES:
         return False
     if not previous or not all(name in previous for name in CHARS_KEPT):
+        return False
+    if after_forget:
+        return True
+    if previous.get(CHARS_STALE):
         return False
     summed_at = datetime.fromisoformat(previous["chars_at"])
     return now - summed_at < timedelta(hours=settings.ZEROMEM_DASHBOARD_CHARS_HOURS)

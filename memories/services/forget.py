@@ -45,7 +45,8 @@ from django_q.tasks import async_task
 
 from audit.services import audit_record, audit_redact_subject, audited_operation
 from memories import keyring, search
-from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant, TenantDashboardStats
+from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
+from memories.services.dashboard_stats import dashboard_stats_after_forget
 from memories.services.idempotency import holds_no_values as idempotency_holds_no_values
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
 from memories.services.jobs import require_pending_room
@@ -919,8 +920,9 @@ def _complete(request_id: int) -> dict:
             stepping=False,
             turn_at=now,
         )
-        # The dashboard's stored figures may name the subject's namespaces: counted afresh.
-        TenantDashboardStats.objects.filter(tenant_id=request.tenant_id).delete()
+        # The dashboard's stored figures may name the subject's namespaces: recounted at once
+        # (index-only); a large tenant's sizes are summed again at the next recount.
+        dashboard_stats_after_forget(tenant=request.tenant, now=now)
         # Stored first answers of Idempotency-Key requests may hold the erased values.
         idempotency_tenant_forget(tenant=request.tenant)
         audit_record(
