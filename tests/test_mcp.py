@@ -27,6 +27,7 @@ from django.db import connection
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from mcp_types import JSONRPCError
 
 from audit.models import AuditEvent
 from audit.services import audit_refusals_flush
@@ -470,6 +471,36 @@ def test_requests_the_sdk_refuses_before_any_handler_are_charged_too(server_limi
         assert _rpc(server_limited, other, "tools/call", {}).json()["error"]["code"] == -32602
     assert _rpc(server_limited, other, "ping").status_code == 200
     assert _rate_limited(_rpc(server_limited, other, "ping"))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("body", "field", "said"),
+    [
+        ({"jsonrpc": "2.0", "id": 1}, "method", "'method' is required"),
+        ({"jsonrpc": "1.0", "id": 1, "method": "ping"}, "jsonrpc", "'jsonrpc': input should be '2.0'"),
+        ({"jsonrpc": "2.0", "id": 1, "method": "ping", "params": "x"}, "params", "'params': input should be"),
+        ({"jsonrpc": "2.0", "method": 5}, "method", "'method': input should be a valid string"),
+        ([1, 2], None, "a JSON object"),
+    ],
+)
+def test_a_body_that_is_no_json_rpc_message_is_refused_naming_the_member_without_pydantics_text(
+    server, body, field, said
+):
+    # The SDK answered 400 with pydantic's whole validation text: every member of every kind
+    # of JSON-RPC message (up to 2 kB) and "For further information visit
+    # https://errors.pydantic.dev/...". ZeroMem's 4xx name the field, briefly.
+    _key, raw = make_key(make_tenant("mcp-badbody"))
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    r = httpx2.post(server, json=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.headers.get("x-request-id"), r.text
+    error = JSONRPCError.model_validate(r.json()).error  # the JSON-RPC shape clients parse
+    assert error.code == -32602 and r.json()["id"] is None
+    assert said in error.message and len(error.message) <= 120, error.message
+    assert "pydantic" not in r.text and "JSONRPCNotification" not in r.text, r.text
+    assert error.data == {"field": field}
+    assert int(r.headers["content-length"]) == len(r.content)
 
 
 @pytest.mark.postgres

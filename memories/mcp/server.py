@@ -41,6 +41,7 @@ from typing import Any
 
 import anyio
 import mcp_types as types
+import pydantic_core
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 from django.http.request import split_domain_port, validate_host
@@ -458,11 +459,19 @@ class McpEndpoint:
             return await _throttled(send, request)
         token = _current.set(request)
         request_id = request.request_id.encode()
+        body: list[bytes] = []  # the request's body, kept to name the member of a refused message
+
+        async def receive_kept():
+            message = await receive()
+            if message["type"] == "http.request":
+                body.append(message.get("body", b""))
+            return message
 
         replaced = False
+        held = None  # a 400's start, held until its body is known (short_refusal)
 
         async def send_wrapped(message):
-            nonlocal replaced
+            nonlocal replaced, held
             if message["type"] == "http.response.start":
                 if message["status"] == 401 and request.throttled is not None:
                     # The verifier's refusal was throttled: 429 instead of the SDK's 401.
@@ -485,12 +494,20 @@ class McpEndpoint:
                     replaced = True
                     return await _unavailable(send, request.request_id)
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+                if message["status"] == 400:
+                    held = message
+                    return None
             elif replaced:
                 return None
+            elif held is not None:
+                start, held = held, None
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    start, message = short_refusal(start, message, b"".join(body))
+                await send(start)
             await send(message)
 
         try:
-            await self.sdk_app(scope, receive, send_wrapped)
+            await self.sdk_app(scope, receive_kept, send_wrapped)
         finally:
             _current.reset(token)
 
@@ -513,6 +530,54 @@ class McpEndpoint:
             return False
         await _rate_limited(send, retry_after, request.request_id)
         return True
+
+
+# The SDK's answer to a body that parses as JSON but is no JSON-RPC message (400, id null):
+# "Validation error: " and pydantic's whole text — every member of each of the four kinds of
+# message it could have been, the input echoed, and a documentation URL (up to 2 kB).
+SDK_VALIDATION_ERROR = "Validation error: "
+
+
+def short_refusal(start: dict, message: dict, request_body: bytes) -> tuple[dict, dict]:
+    """The SDK's 400 for a body that is no JSON-RPC message (``start`` and ``message``, its
+    answer) with a short message naming the offending member instead of pydantic's text, and
+    that member in the error's ``data`` (``{"field": "method"}``; None: the body is no JSON
+    object); the JSON-RPC error shape, code and id unchanged. Any other answer as it was."""
+    try:
+        answer = json.loads(message.get("body", b""))
+        error = answer["error"]
+        if not str(error.get("message", "")).startswith(SDK_VALIDATION_ERROR):
+            return start, message
+        types.jsonrpc_message_adapter.validate_python(pydantic_core.from_json(request_body), by_name=False)
+        return start, message  # valid now: not the refusal this rewrites
+    except ValidationError as exc:
+        field, text = refusal_of(exc)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return start, message
+    answer["error"] = {**error, "message": f"Invalid JSON-RPC message: {text}", "data": {"field": field}}
+    body = json.dumps(answer, separators=(",", ":")).encode()
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return {**start, "headers": headers}, {**message, "body": body}
+
+
+def refusal_of(exc: ValidationError) -> tuple[str | None, str]:
+    """The offending member and a short sentence: of the kinds of message the body could
+    have been (request, notification, response, error), the one it misses by fewest errors,
+    and that kind's first error; pydantic's message without its input or URL."""
+    by_kind: dict[str, list[dict]] = {}
+    for error in exc.errors(include_url=False, include_input=False):
+        loc = error["loc"]
+        by_kind.setdefault(str(loc[0]) if loc else "", []).append(error)
+    first = min(by_kind.values(), key=len)[0]  # ties: the first kind (a request before the rest)
+    path = first["loc"][1:]
+    if not path:
+        return None, "the body must be a JSON object (jsonrpc, id, method, params)"
+    field = ".".join(str(part) for part in path)[:METHOD_SHOWN_MAX]
+    if first["type"] == "missing":
+        return field, f"'{field}' is required"
+    said = first["msg"]
+    return field, f"'{field}': {said[:1].lower()}{said[1:]}"[:160]
 
 
 async def _rate_limited(send, retry_after: int, request_id: str) -> None:
