@@ -69,6 +69,29 @@ def test_repeating_a_word_does_not_outrank_matching_more_words(api):
     assert body["results"][0]["key"] == "note:billing"
 
 
+def test_a_stem_cuts_the_longest_suffix_that_leaves_four_letters():
+    # stem() looks only at the suffixes a word's last letter allows; the rule is unchanged.
+    import itertools
+
+    from memories.search import text
+
+    def reference(term: str) -> str:
+        cuts = [s for s in text._SUFFIXES if term.endswith(s) and len(term) - len(s) >= 4]
+        return term[: -len(max(cuts, key=len))] if cuts else term
+
+    stems = ["", "a", "abc", "abcd", "pack", "distribut", "compat", "xe"]
+    words = {stem + suffix for stem, suffix in itertools.product(stems, ["", *text._SUFFIXES])}
+    words |= {w + s for w in ("ag", "nation", "nes", "ties") for s in text._SUFFIXES}
+    assert {w: text.stem(w) for w in words} == {w: reference(w) for w in words}
+    assert [text.stem(w) for w in ("packages", "installed", "distributions", "compatible", "安装")] == [
+        "packag",
+        "install",
+        "distribut",
+        "compat",
+        "安装",
+    ]
+
+
 def test_query_terms_drop_filler_words_and_count_a_stem_once():
     from memories import search
 

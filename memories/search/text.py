@@ -229,12 +229,19 @@ _SUFFIXES = sorted(
 )
 
 
+# The suffixes by their last letter, longest first: a word is compared with the few that can
+# end it (a write stems every word of its value: 1.7 µs a word against all 27 suffixes).
+_SUFFIXES_BY_LAST: dict[str, tuple[str, ...]] = {}
+for _suffix in _SUFFIXES:
+    _SUFFIXES_BY_LAST[_suffix[-1]] = (*_SUFFIXES_BY_LAST.get(_suffix[-1], ()), _suffix)
+
+
 def stem(term: str) -> str:
     """A light English stem: "packages" → "packag", "installed" → "install",
     "distributions" → "distribut", "compatible" → "compat". CJK terms are left alone."""
     if not term or is_cjk(term[0]):
         return term
-    for suffix in _SUFFIXES:
+    for suffix in _SUFFIXES_BY_LAST.get(term[-1], ()):
         if term.endswith(suffix) and len(term) - len(suffix) >= 4:
             return term[: -len(suffix)]
     return term
