@@ -213,7 +213,7 @@ if env.str("DATABASE_URL", default=""):
         # Debian 12's PgBouncer 1.18 does not track them; >= 1.21 with max_prepared_statements
         # does: then set DB_PREPARED_STATEMENTS=true).
         if env.bool("DB_PREPARED_STATEMENTS", default=not ZEROMEM_PGBOUNCER):
-            DATABASES["default"]["OPTIONS"]["prepare_threshold"] = env.int("DB_PREPARE_THRESHOLD", default=5)
+            DATABASES["default"]["OPTIONS"]["prepare_threshold"] = 5  # psycopg's default; hotsql prepares at once
         # Read scaling (zeromem/kernel/replica.py): audit review, exports and the dashboard
         # may read from a streaming replica; everything else, and every write, the primary.
         if env.str("DATABASE_REPLICA_URL", default=""):

@@ -11,6 +11,7 @@ and key prefix first (:func:`audit.services.audit_auth_failure`, which raises
 from __future__ import annotations
 
 import hmac
+import math
 from datetime import timedelta
 
 from django.conf import settings
@@ -21,7 +22,7 @@ from audit.services import audit_auth_failure
 from memories.models import API_KEY_PREFIX, ApiKey, Tenant, hash_api_key
 from memories.services import key_cache
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import Unauthenticated
+from zeromem.kernel.errors import TenantBusy, Unauthenticated
 from zeromem.kernel.outcomes import ActorKind
 
 # last_used_at is refreshed at most this often, so a busy key costs no write per request.
@@ -115,3 +116,17 @@ def rate_limit_take_id(key_id: int, *, cost: int = 1) -> float | None:
     charges for work it finds only as it runs (the Claude memory tool's directory commands)."""
     hit = limits.hit(f"key:{key_id}", cost=cost)
     return None if hit.count <= settings.ZEROMEM_RATE_LIMIT_PER_MINUTE else hit.retry_after
+
+
+def rate_limit_charge_items(actor: Actor, items: int, *, field: str, message: str) -> None:
+    """Work a service finds only as it runs, ``items`` writes for one request (a Claude memory
+    tool directory command's files, a LangGraph search's refreshed items): an API key pays one
+    unit of its rate limit per item (the request paid the first), as a batch pays per call,
+    before any is written. Past the limit: :class:`TenantBusy` ``rate_limited`` naming
+    ``field`` with ``message`` (the units stay taken, as a refused request's do). Staff and end
+    users are not rate limited. Cost: one counter round trip."""
+    if items <= 1 or actor.kind != ActorKind.API_KEY:
+        return
+    wait = rate_limit_take_id(int(actor.id), cost=items - 1)
+    if wait is not None:
+        raise TenantBusy(message, code="rate_limited", field=field, retry_after=max(1, math.ceil(wait)))

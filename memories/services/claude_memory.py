@@ -37,12 +37,11 @@ from django.utils import timezone
 from memories import selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
-from memories.services.api_keys import rate_limit_take_id
+from memories.services.api_keys import rate_limit_charge_items
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.crypto import ErasedValue
-from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, TenantBusy
-from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
 
 DEFAULT_ROOT = "claude:memories"
 # Creating a file or renaming onto a path checks that no file stands where a directory is
@@ -167,22 +166,16 @@ class MemoryTool:
         return under
 
     def _charge(self, files: int, *, field: str) -> None:
-        """A directory's delete or rename changes every file under it in one command: an API
-        key pays one unit of its rate limit per file (the request paid the first), as a batch
-        pays per call, before anything changes — past the limit the command is refused (429
-        ``rate_limited``, ``Retry-After``) and the units stay taken, as a refused request's do.
-        Staff and end users are not rate limited. Cost: one counter round trip."""
-        if files <= 1 or self.actor.kind != ActorKind.API_KEY:
-            return
-        wait = rate_limit_take_id(int(self.actor.id), cost=files - 1)
-        if wait is not None:
-            raise TenantBusy(
-                f"this command changes {files} files, one unit of the API key's rate limit each, "
-                "past what is left of it this minute; try again later or on a smaller directory",
-                code="rate_limited",
-                field=field,
-                retry_after=max(1, math.ceil(wait)),
-            )
+        """A directory's delete or rename changes every file under it in one command: one unit
+        of an API key's rate limit per file, before anything changes (past the limit the command
+        is refused, 429 ``rate_limited``)."""
+        rate_limit_charge_items(
+            self.actor,
+            files,
+            field=field,
+            message=f"this command changes {files} files, one unit of the API key's rate limit each, "
+            "past what is left of it this minute; try again later or on a smaller directory",
+        )
 
     def _is_dir(self, place: Place) -> bool:
         return place.is_root or bool(self._under(place, limit=1, rows="keys"))

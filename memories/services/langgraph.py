@@ -36,11 +36,10 @@ from audit.services import audited_operation
 from memories import selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
-from memories.services.api_keys import rate_limit_take_id
+from memories.services.api_keys import rate_limit_charge_items
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import InvalidInput, NotFound, TenantBusy
-from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.errors import InvalidInput, NotFound
 from zeromem.kernel.scopes import Scope
 
 TTL_TAG = "ttl_minutes="
@@ -395,21 +394,15 @@ def lg_search(
 
 def _charge_refreshes(actor: Actor, items: int) -> None:
     """A search with ``refresh_ttl`` writes each item it refreshes again (a version and an
-    audit row each, up to ``LIMIT_MAX``): an API key pays one unit of its rate limit per item
-    (the request paid the first), as a batch pays per call, before any is written — past the
-    limit the search is refused (429 ``rate_limited``) and the units stay taken, as a refused
-    request's do. Cost: one counter round trip."""
-    if items <= 1 or actor.kind != ActorKind.API_KEY:
-        return
-    wait = rate_limit_take_id(int(actor.id), cost=items - 1)
-    if wait is not None:
-        raise TenantBusy(
-            f"refresh_ttl writes the {items} items found again, one unit of the API key's rate limit each, "
-            "past what is left of it this minute; try again later, with a smaller limit, or without refresh_ttl",
-            code="rate_limited",
-            field="refresh_ttl",
-            retry_after=max(1, math.ceil(wait)),
-        )
+    audit row each, up to ``LIMIT_MAX``): one unit of an API key's rate limit per item, before
+    any is written (past the limit the search is refused, 429 ``rate_limited``)."""
+    rate_limit_charge_items(
+        actor,
+        items,
+        field="refresh_ttl",
+        message=f"refresh_ttl writes the {items} items found again, one unit of the API key's rate limit each, "
+        "past what is left of it this minute; try again later, with a smaller limit, or without refresh_ttl",
+    )
 
 
 def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:

@@ -50,34 +50,25 @@ def _run(sql: str, params: Sequence, fetch):
     db.validate_thread_sharing()
     db.validate_no_broken_transaction()
     with db.wrap_database_errors:
-        if getattr(db.connection, "prepare_threshold", None) is None or tracing.on():
-            # SQLite; no prepared statements (PgBouncer); or traced: OpenTelemetry's psycopg
-            # instrumentation wraps the connection's own cursor class, not this one.
-            cursor = db.create_cursor()
-            try:
-                cursor.execute(sql, params)
-                return fetch(cursor)
-            finally:
-                cursor.close()
-        cursor = _server_bound(db.connection)
+        # Prepared once per connection (server-side binding) unless the connection has no
+        # prepare threshold (SQLite; PgBouncer: DB_PREPARED_STATEMENTS off) or the process
+        # traces: OpenTelemetry's psycopg instrumentation wraps the connection's own cursor
+        # class, not this one.
+        prepared = getattr(db.connection, "prepare_threshold", None) is not None and not tracing.on()
+        cursor = _server_bound(db.connection) if prepared else db.create_cursor()
         try:
-            cursor.execute(sql, params, prepare=True)
+            cursor.execute(sql, params, **({"prepare": True} if prepared else {}))
             return fetch(cursor)
         finally:
             cursor.close()
 
 
-@functools.cache
-def _server_bound_class():
-    from django.db.backends.postgresql.base import ServerBindingCursor
-
-    return ServerBindingCursor
-
-
 def _server_bound(conn):
     # Django's server-side binding cursor (psycopg's Cursor): the statement is parsed and
     # planned by PostgreSQL once per connection and its parameters sent apart from it.
-    return _server_bound_class()(conn)
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    return ServerBindingCursor(conn)
 
 
 def execute(sql: str, params: Sequence) -> int:
