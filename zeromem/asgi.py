@@ -6,9 +6,12 @@ small router in front of two apps.
 - everything else → Django. How is a setting, ``ZEROMEM_ASGI_DJANGO``, chosen by measurement
   (README "Serving", ``manage.py bench_serve --django-modes``):
 
-  * ``wsgi`` (default): Django's WSGI app through a2wsgi's WSGI→ASGI adapter, in a pool of
+  * ``wsgi`` (default): Django's WSGI app through zeromem/kit/wsgi_bridge.py, in a pool of
     ``ZEROMEM_WEB_THREADS`` threads. A request runs start to end in one thread, as under a
-    WSGI server; the body is streamed to ``wsgi.input`` and the cap is the middleware's.
+    WSGI server; a small body is read before the request takes a thread, a larger or chunked
+    one streams to ``wsgi.input`` (a2wsgi's), and the cap is the middleware's.
+  * ``a2wsgi``: the same through a2wsgi's own responder (a thread hop per message), for
+    comparison (``bench_serve --django-modes bridge,a2wsgi``).
   * ``asgi``: Django's own ASGIHandler. It reads the whole request body (into a spooled
     file) before any middleware runs, so the body cap is enforced here, around it: from
     ``content-length`` before a byte is received, and while a chunked body's messages arrive.
@@ -33,6 +36,7 @@ tracing.setup()
 from django.conf import settings  # noqa: E402
 
 from zeromem.kit.fair_threads import FairThreads, caller_of  # noqa: E402
+from zeromem.kit.wsgi_bridge import PREREAD_BYTES, WsgiBridge  # noqa: E402
 from zeromem.serving import threads_per_caller, web_threads  # noqa: E402
 
 
@@ -75,8 +79,14 @@ async def _refuse(send, cap: int) -> None:
 
 
 def django_app(mode: str):
-    """Django as an ASGI app: ``wsgi`` (its WSGI app through a2wsgi) or ``asgi`` (ASGIHandler)."""
+    """Django as an ASGI app: ``wsgi`` (its WSGI app through the bridge), ``a2wsgi`` (through
+    a2wsgi's responder) or ``asgi`` (ASGIHandler)."""
     if mode == "wsgi":
+        from zeromem.wsgi import application as wsgi_application
+
+        preread = min(PREREAD_BYTES, settings.ZEROMEM_MAX_BODY_BYTES)
+        return WsgiBridge(wsgi_application, web_threads(os.environ), preread_bytes=preread)
+    if mode == "a2wsgi":
         from a2wsgi import WSGIMiddleware
 
         from zeromem.wsgi import application as wsgi_application
@@ -86,7 +96,7 @@ def django_app(mode: str):
         from django.core.handlers.asgi import ASGIHandler
 
         return body_capped(ASGIHandler(), settings.ZEROMEM_MAX_BODY_BYTES)
-    raise django.core.exceptions.ImproperlyConfigured(f"ZEROMEM_ASGI_DJANGO must be wsgi or asgi, not {mode!r}")
+    raise django.core.exceptions.ImproperlyConfigured(f"ZEROMEM_ASGI_DJANGO must be wsgi, a2wsgi or asgi, not {mode!r}")
 
 
 class _CoroutineReceive:
@@ -131,6 +141,11 @@ class Router:
         )
         if kind != "http" or self.threads is None:
             return await app(scope, receive, send)
+        if isinstance(app, WsgiBridge):
+            # A small body is read before the request waits for its turn at a thread.
+            body = await app.preread(scope, receive)
+            async with self.threads.thread(caller_of(scope)):
+                return await app.respond(scope, receive, send, body)
         async with self.threads.thread(caller_of(scope)):
             return await app(scope, receive, send)
 

@@ -75,7 +75,8 @@ SYSTEM = Actor.system(job="bench_serve")
 # How Django is served (README "Serving"): granian's interface and zeromem/asgi.py's
 # ZEROMEM_ASGI_DJANGO. `serve` runs the first; the others are there to compare against it.
 DJANGO_MODES = {
-    "a2wsgi": ("asgi", "wsgi"),  # the ASGI router; Django's WSGI app through a2wsgi (production)
+    "bridge": ("asgi", "wsgi"),  # the ASGI router; Django's WSGI app through zeromem/kit/wsgi_bridge.py (production)
+    "a2wsgi": ("asgi", "a2wsgi"),  # the ASGI router; Django's WSGI app through a2wsgi's responder
     "asgi": ("asgi", "asgi"),  # the ASGI router; Django's ASGIHandler
     "granian-wsgi": ("wsgi", None),  # Django alone, granian WSGI (no /mcp): the floor
 }
@@ -216,7 +217,7 @@ class Command(BenchCommand):
         parser.add_argument("--max-requests", type=int, default=200_000, help="request cap of each cell")
         parser.add_argument(
             "--django-modes",
-            default="a2wsgi",
+            default="bridge",
             help=f"comma-separated, run one after the other and compared: {', '.join(DJANGO_MODES)} (a2wsgi)",
         )
 

@@ -1,0 +1,238 @@
+"""The WSGI bridge behind the ASGI router (zeromem/kit/wsgi_bridge.py): a small request body is
+read before the request takes a thread, a whole response reaches the server without the thread
+waiting on the event loop, a streaming one is sent chunk by chunk with the thread waiting on
+each (so a gone client stops it), and a slow sender holds no request thread."""
+
+import asyncio
+import io
+import json
+import threading
+
+import pytest
+
+from tests.factories import make_key, make_tenant
+from zeromem.kit.fair_threads import FairThreads
+from zeromem.kit.wsgi_bridge import WsgiBridge
+
+
+def _scope(method="POST", path="/x", headers=()):
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1"), *headers],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+    }
+
+
+def _receiver(*pieces: bytes):
+    """An ASGI receive() handing out ``pieces`` as the body's messages, counting the calls."""
+    calls = {"n": 0}
+
+    async def receive():
+        calls["n"] += 1
+        index = calls["n"] - 1
+        if index >= len(pieces):
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": pieces[index], "more_body": index < len(pieces) - 1}
+
+    return receive, calls
+
+
+@pytest.fixture
+def hops(monkeypatch):
+    """How many times a request thread waited on the event loop (asyncio.run_coroutine_threadsafe,
+    which a2wsgi's Body and the bridge's streaming use)."""
+    count = {"n": 0}
+    real = asyncio.run_coroutine_threadsafe
+
+    def counted(coro, loop):
+        count["n"] += 1
+        return real(coro, loop)
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", counted)
+    return count
+
+
+def test_a_small_body_is_read_first_and_a_whole_response_costs_the_thread_no_hop(hops):
+    seen = {}
+    closed = []
+
+    class Answer(list):
+        def close(self):
+            closed.append(threading.current_thread().name)
+
+    def app(environ, start_response):
+        seen["input"] = type(environ["wsgi.input"])
+        seen["body"] = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
+        start_response("201 Created", [("Content-Type", "application/json")])
+        return Answer([b'{"ok":', b"true}"])
+
+    receive, calls = _receiver(b'{"na', b'me": 1}')
+    sent = []
+    asyncio.run(WsgiBridge(app, 2)(_scope(headers=[(b"content-length", b"11")]), receive, _async(sent.append)))
+    assert seen == {"input": io.BytesIO, "body": b'{"name": 1}'}
+    assert calls["n"] == 2  # both pieces, read in the loop
+    assert sent == [
+        {"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"application/json")]},
+        {"type": "http.response.body", "body": b'{"ok":true}', "more_body": False},
+    ]
+    assert closed and closed[0].startswith("WSGI")  # closed in the request thread
+    assert hops["n"] == 0
+
+
+def test_a_chunked_or_large_body_streams_to_the_app_as_it_arrives(hops):
+    seen = {}
+
+    def app(environ, start_response):
+        seen["body"] = environ["wsgi.input"].read()
+        start_response("200 OK", [])
+        return [b"done"]
+
+    receive, calls = _receiver(b"a" * 10, b"b" * 10, b"c" * 10)
+    sent = []
+    bridge = WsgiBridge(app, 2, preread_bytes=16)
+    asyncio.run(bridge(_scope(headers=[(b"content-length", b"30")]), receive, _async(sent.append)))
+    assert seen["body"] == b"a" * 10 + b"b" * 10 + b"c" * 10
+    assert hops["n"] == 3  # one per message, received from the request thread
+    assert sent[-1] == {"type": "http.response.body", "body": b"done", "more_body": False}
+
+    receive, calls = _receiver(b"x" * 5, b"y" * 5)
+    hops["n"] = 0
+    asyncio.run(bridge(_scope(headers=[(b"transfer-encoding", b"chunked")]), receive, _async(sent.append)))
+    assert seen["body"] == b"x" * 5 + b"y" * 5 and hops["n"] == 2
+
+
+def test_a_streaming_response_is_sent_chunk_by_chunk_and_a_gone_client_stops_it(hops):
+    produced, closed = [], []
+
+    class Stream:
+        streaming = True
+
+        def __iter__(self):
+            for n in range(100):
+                produced.append(n)
+                yield f"chunk {n}\n".encode()
+
+        def close(self):
+            closed.append(True)
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/csv")])
+        return Stream()
+
+    sent = []
+
+    async def send(message):
+        if len(sent) == 3:
+            raise OSError("the client went away")
+        sent.append(message)
+
+    receive, _calls = _receiver()
+    with pytest.raises(OSError, match="went away"):
+        asyncio.run(WsgiBridge(app, 2)(_scope(method="GET"), receive, send))
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert sent[1] == {"type": "http.response.body", "body": b"chunk 0\n", "more_body": True}
+    assert len(produced) == 3  # the chunk whose send failed was the last one made
+    assert closed == [True]
+    assert hops["n"] == 4  # start, two chunks, and the one that failed
+
+
+def test_an_app_that_fails_before_answering_sends_nothing_and_raises():
+    def app(environ, start_response):
+        raise RuntimeError("boom")
+
+    sent = []
+    receive, _calls = _receiver()
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(WsgiBridge(app, 1)(_scope(method="GET"), receive, _async(sent.append)))
+    assert sent == []
+
+
+def test_a_client_sending_its_body_slowly_holds_no_request_thread():
+    """Through the router with one request thread: a POST whose body has not arrived waits
+    without a thread, and a GET of another caller is answered meanwhile."""
+    from zeromem.asgi import Router
+
+    def app(environ, start_response):
+        body = environ["wsgi.input"].read()
+        start_response("200 OK", [])
+        return [b"got " + body]
+
+    class NoMcp:
+        session_manager = None
+
+        async def __call__(self, scope, receive, send):  # pragma: no cover - /mcp is not called
+            raise AssertionError
+
+    router = Router(WsgiBridge(app, 1), NoMcp(), FairThreads(1, 1))
+
+    async def scenario():
+        arrived = asyncio.Event()
+
+        async def slow_receive():
+            await arrived.wait()
+            return {"type": "http.request", "body": b"late", "more_body": False}
+
+        slow_sent, quick_sent = [], []
+        slow_scope = _scope(path="/slow", headers=[(b"content-length", b"4")])
+        slow = asyncio.create_task(router(slow_scope, slow_receive, _async(slow_sent.append)))
+        await asyncio.sleep(0.05)
+        quick_receive, _calls = _receiver()
+        quick_scope = _scope(method="GET", path="/quick") | {"client": ("127.0.0.2", 1)}
+        await asyncio.wait_for(router(quick_scope, quick_receive, _async(quick_sent.append)), timeout=5)
+        assert not slow.done()
+        arrived.set()
+        await asyncio.wait_for(slow, timeout=5)
+        return slow_sent, quick_sent
+
+    slow_sent, quick_sent = asyncio.run(scenario())
+    assert quick_sent[-1]["body"] == b"got " and slow_sent[-1]["body"] == b"got late"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_django_through_the_bridge_answers_a_tool_call_and_closes_the_request():
+    """Django's own app behind the bridge (what ``serve`` runs): a tool call's JSON answer, the
+    request id header, and the response closed (its connection back, request_finished sent)."""
+    from django.core.signals import request_finished
+
+    from zeromem.asgi import django_app
+
+    tenant = make_tenant("bridge")
+    _key, raw = make_key(tenant)
+    finished = []
+
+    def on_finished(**kwargs):
+        finished.append(threading.current_thread().name)
+
+    request_finished.connect(on_finished)
+    try:
+        body = json.dumps({"name": "memory_write", "arguments": {"key": "fact:bridge:1", "value": "v"}}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"authorization", f"Bearer {raw}".encode()),
+        ]
+        receive, _calls = _receiver(body)
+        sent = []
+        asyncio.run(
+            django_app("wsgi")(_scope(path="/api/v1/tools/call", headers=headers), receive, _async(sent.append))
+        )
+    finally:
+        request_finished.disconnect(on_finished)
+    start, answer = sent
+    assert start["status"] == 200 and (b"x-request-id" in dict(start["headers"]))
+    assert json.loads(answer["body"])["status"] == "ok" and answer["more_body"] is False
+    assert finished and finished[0].startswith("WSGI")
+    assert tenant.memories.get(key="fact:bridge:1").value == "v"
+
+
+def _async(function):
+    async def call(message):
+        function(message)
+
+    return call

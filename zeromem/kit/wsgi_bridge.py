@@ -1,0 +1,170 @@
+"""Django's WSGI app served to the ASGI router (zeromem/asgi.py) with as few thread hops as a
+request allows.
+
+a2wsgi's responder (``a2wsgi.WSGIMiddleware``) runs the WSGI app in a thread and crosses to the
+event loop and back — the thread waiting each time — for every message: the request body's
+``receive()``, ``start_response``, each body chunk and the closing empty chunk, four blocking
+hops for a small JSON call beside the executor's own. Each is a wake-up of the loop and of the
+thread, under the GIL the process's other request threads hold (README "Serving": a2wsgi cost
++0.3–0.5 ms of server CPU a request over granian's own WSGI interface). Here:
+
+- a body of a declared ``Content-Length`` up to :data:`PREREAD_BYTES` is read in the loop before
+  the request takes its thread (``wsgi.input`` is then an in-memory file); a larger or chunked
+  body streams through a2wsgi's ``Body`` as before, one hop per message, so the body cap of
+  zeromem/middleware.py still refuses it from the header or while it streams;
+- a response that is not streaming (Django's ``HttpResponse``) is handed to the loop whole,
+  without the thread waiting for it, and the thread goes on with the response's ``close()`` (the
+  request's deferred work, the connection's return to the pool) while the loop sends it;
+- a streaming response (exports, files) crosses per chunk and waits for each to be sent, as
+  a2wsgi does: a slow reader slows its own thread, a gone one stops it (the send raises there).
+
+The environ is a2wsgi's (``build_environ``), so what Django sees does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import io
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from a2wsgi.wsgi import Body, build_environ
+
+logger = logging.getLogger(__name__)
+
+# A body up to this size (declared in Content-Length) is read before the request takes a thread.
+# Tool calls and REST writes are a few hundred bytes to a few KB; a larger body (an import, a
+# 1 MB value) streams as before.
+PREREAD_BYTES = 64 * 1024
+
+
+class WsgiBridge:
+    """An ASGI app running the WSGI ``app`` in a pool of ``workers`` threads (``executor``: the
+    router shares it with the MCP endpoint). HTTP only: the router owns the lifespan."""
+
+    def __init__(self, app, workers: int, *, preread_bytes: int = PREREAD_BYTES):
+        self.app = app
+        self.preread_bytes = preread_bytes
+        self.executor = ThreadPoolExecutor(thread_name_prefix="WSGI", max_workers=workers)
+
+    async def __call__(self, scope, receive, send):
+        await self.respond(scope, receive, send, await self.preread(scope, receive))
+
+    async def respond(self, scope, receive, send, body: bytes | None) -> None:
+        """Run the app on ``body`` (:meth:`preread`'s), or on the body still to be received."""
+        loop = asyncio.get_running_loop()
+        if body is None:
+
+            async def coroutine_receive():  # a2wsgi's Body takes a coroutine, granian's receive is not one
+                return await receive()
+
+            wsgi_input = Body(loop, coroutine_receive)
+        else:
+            wsgi_input = io.BytesIO(body)
+        environ = build_environ(scope, wsgi_input)
+        response = _Response(loop, send)
+        context = contextvars.copy_context()
+        done = loop.run_in_executor(self.executor, context.run, response.run, self.app, environ)
+        # The whole response (not streaming) arrives here before the thread is done: the thread
+        # closes it meanwhile. A streaming one is sent by the thread itself.
+        await asyncio.wait({response.whole, done}, return_when=asyncio.FIRST_COMPLETED)
+        if response.whole.done() and not response.whole.cancelled():
+            start, chunk = response.whole.result()
+            await send(start)
+            await send({"type": "http.response.body", "body": chunk, "more_body": False})
+        await done
+
+    async def preread(self, scope, receive) -> bytes | None:
+        """The request body when it declares a length up to ``preread_bytes`` (or has none to
+        declare); None when it is to stream to the app as it arrives. The router calls it before
+        the request waits for a thread: a client sending its body slowly holds no thread."""
+        declared = None
+        for name, value in scope.get("headers") or ():
+            if name == b"content-length":
+                if declared is not None or not value.isdigit():  # bytes.isdigit(): ASCII digits only
+                    return None
+                declared = int(value)
+            elif name == b"transfer-encoding":
+                return None
+        if declared is None:
+            return b"" if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS") else None
+        if declared > self.preread_bytes:
+            return None
+        chunks, received = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: what came is the body
+                break
+            chunk = message.get("body", b"")
+            chunks.append(chunk)
+            received += len(chunk)
+            if not message.get("more_body", False) or received >= declared:
+                break
+        return b"".join(chunks)
+
+
+class _Response:
+    """One request's WSGI side, run in a request thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, send):
+        self.loop = loop
+        self.send = send
+        self.whole: asyncio.Future = loop.create_future()
+        self.start: dict | None = None
+        self.started = False  # the start message went to the client (streaming only)
+        self.written: list[bytes] = []  # WSGI's legacy write() before the iterable
+
+    def start_response(self, status: str, headers, exc_info=None):
+        if exc_info is not None and self.started:
+            raise exc_info[1].with_traceback(exc_info[2])
+        code, _, _ = status.partition(" ")
+        self.start = {
+            "type": "http.response.start",
+            "status": int(code),
+            "headers": [
+                (name.strip().encode("latin1").lower(), value.strip().encode("latin1")) for name, value in headers
+            ],
+        }
+        return self.written.append
+
+    def run(self, app, environ) -> None:
+        iterable = app(environ, self.start_response)
+        try:
+            if getattr(iterable, "streaming", None) is False or isinstance(iterable, (list, tuple)):
+                chunk = b"".join([*self.written, *iterable])
+                self.loop.call_soon_threadsafe(_settle, self.whole, (self.start, chunk))
+            else:
+                self._stream(iterable)
+        finally:
+            close = getattr(iterable, "close", None)
+            if close is not None:
+                close()
+            self.loop.call_soon_threadsafe(_settle, self.whole, None)
+
+    def _stream(self, iterable) -> None:
+        for chunk in self.written:
+            self._send_now({"type": "http.response.body", "body": chunk, "more_body": True})
+        for chunk in iterable:
+            if chunk:
+                self._send_now({"type": "http.response.body", "body": chunk, "more_body": True})
+        self._send_now({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _send_now(self, message: dict) -> None:
+        """Send from the thread and wait until the server took the message (backpressure)."""
+        if not self.started:
+            self.started = True
+            asyncio.run_coroutine_threadsafe(_sent(self.send, self.start), self.loop).result()
+        asyncio.run_coroutine_threadsafe(_sent(self.send, message), self.loop).result()
+
+
+async def _sent(send, message: dict) -> None:
+    await send(message)  # run_coroutine_threadsafe takes a coroutine; granian's send is not one
+
+
+def _settle(future: asyncio.Future, value) -> None:
+    if value is None:
+        if not future.done():
+            future.cancel()
+    elif not future.done():
+        future.set_result(value)
