@@ -142,6 +142,13 @@ def test_a_streaming_response_is_sent_chunk_by_chunk_and_a_gone_client_stops_it(
     assert hops["n"] == 4  # start, two chunks, and the one that failed
 
 
+def test_a_websocket_is_closed():
+    sent = []
+    receive, _calls = _receiver()
+    asyncio.run(WsgiBridge(lambda environ, start_response: [], 1)({"type": "websocket"}, receive, _async(sent.append)))
+    assert sent == [{"type": "websocket.close", "code": 1000}]
+
+
 def test_an_app_that_fails_before_answering_sends_nothing_and_raises():
     def app(environ, start_response):
         raise RuntimeError("boom")

@@ -41,7 +41,8 @@ PREREAD_BYTES = 64 * 1024
 
 class WsgiBridge:
     """An ASGI app running the WSGI ``app`` in a pool of ``workers`` threads (``executor``: the
-    router shares it with the MCP endpoint). HTTP only: the router owns the lifespan."""
+    router shares it with the MCP endpoint). HTTP; a WebSocket is closed; the router owns the
+    lifespan."""
 
     def __init__(self, app, workers: int, *, preread_bytes: int = PREREAD_BYTES):
         self.app = app
@@ -49,6 +50,9 @@ class WsgiBridge:
         self.executor = ThreadPoolExecutor(thread_name_prefix="WSGI", max_workers=workers)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":  # WSGI has none: closed, as a2wsgi does
+            await send({"type": "websocket.close", "code": 1000})
+            return
         await self.respond(scope, receive, send, await self.preread(scope, receive))
 
     async def respond(self, scope, receive, send, body: bytes | None) -> None:
