@@ -588,7 +588,7 @@ logger = logging.getLogger(__name__)
 
 
 def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
-    """Run ``body["calls"]`` (1-50 calls) in order, each in its own transaction: one failing
+    """Run ``body["calls"]`` (1-50 calls; no other field) in order, each in its own transaction: one failing
     call does not undo the others, and each result stands alone. A batch with a call that is
     not shaped like a tool call is malformed: refused whole (InvalidInput), nothing runs;
     well-shaped calls that fail (unknown tool, bad key) fail alone.
@@ -601,6 +601,9 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
     calls = body.get("calls") if isinstance(body, dict) else None
     if not isinstance(calls, list) or not calls:
         raise InvalidInput("must be a non-empty list of tool calls", field="calls")
+    unknown = sorted(set(body) - {"calls"})
+    if unknown:  # as every closed body of the API: a misspelt option is refused, not ignored
+        raise InvalidInput(f"unknown field '{unknown[0]}'", field=unknown[0], code="unknown_field")
     if len(calls) > BATCH_MAX_CALLS:
         raise InvalidInput(f"at most {BATCH_MAX_CALLS} calls per batch", field="calls", code="too_many")
     for i, call in enumerate(calls):

@@ -708,6 +708,34 @@ def test_superuser_changes_tenant_settings_through_an_audited_service(tenant_a, 
     assert tenant_a.name == "Acme Corporation"
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param("[" + "9" * 5000 + "]", id="integer-past-4300-digits"),  # ValueError: was a 500
+        pytest.param("[" * 100_000 + "]" * 100_000, id="nested-past-the-recursion-limit"),  # was a 500
+        pytest.param('["user:*:\\ud800"]', id="lone-surrogate"),  # PostgreSQL refused it: was a 500
+        pytest.param('["user:*:\\u0000"]', id="nul"),  # jsonb cannot hold NUL: was a 500
+        pytest.param('["user:*:\\u0007"]', id="control-character"),
+    ],
+)
+@pytest.mark.parametrize("field", ["sensitive_keys", "sensitive_fields"])
+def test_tenant_sensitivity_rules_that_cannot_be_stored_are_refused_naming_the_field(
+    tenant_a, superuser_client, field, raw
+):
+    _user, client = superuser_client
+    data = {"name": "Acme", "value_max_bytes": "", "trash_retention_days": "", "sensitive_keys": "[]"}
+    data |= {"sensitive_fields": "[]", field: raw}
+    before = AuditEvent.objects.filter(action="tenant.update").count()
+    response = client.post(f"/admin/memories/tenant/{tenant_a.pk}/change/", data, follow=True)
+    assert response.status_code == 200
+    page = response.content.decode()
+    reasons = ("Enter a valid JSON", "control characters", "lone surrogate")
+    assert field in page and any(reason in page for reason in reasons), page[:3000]
+    tenant_a.refresh_from_db()
+    assert (tenant_a.sensitive_keys, tenant_a.sensitive_fields) == ([], [])
+    assert AuditEvent.objects.filter(action="tenant.update", outcome="ok").count() == before
+
+
 def test_compliance_exports_the_filtered_audit_log_of_one_tenant(tenant_a, tenant_b, staff_clients):
     import csv
     import io

@@ -17,6 +17,7 @@ from memories.models import ForgetRequest, Memory, MemoryVersion
 from tests.factories import SYSTEM, write
 
 KEY = "user:u10086:pref_lang"
+TOO_MANY_DIGITS = "Not valid JSON: a number has more than 4300 digits"
 
 pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
 
@@ -114,6 +115,9 @@ def test_support_adds_a_memory_through_memory_write(tenant_a, staff_clients):
         ('{"\\udfff": 1}', "a lone surrogate (half of a UTF-16 pair) cannot be stored"),
         # Nested past the interpreter's recursion limit, json.loads raised RecursionError: a 500.
         pytest.param("[" * 100_000 + "]" * 100_000, "must not nest arrays or objects more than 32 deep", id="deep"),
+        # An integer past Python's 4300 digits: json.loads raised a plain ValueError, a 500.
+        pytest.param("9" * 5000, TOO_MANY_DIGITS, id="long-integer"),
+        pytest.param('{"n": [1, ' + "9" * 4301 + "]}", TOO_MANY_DIGITS, id="long-integer-nested"),
     ],
 )
 def test_invalid_value_is_a_clear_form_error_and_changes_nothing(tenant_a, staff_clients, value, message):

@@ -437,6 +437,37 @@ def test_log_lines_of_portal_paths_carry_no_token(api, seeded, caplog):
     assert any(isinstance(f, RedactPortalTokens) for f in access.filters)
 
 
+def test_a_continue_refused_by_the_csrf_check_is_logged_without_the_token(api, seeded, caplog):
+    """The landing page's button posts to /portal/open/<token>; a POST that fails Django's CSRF
+    check (no cookie, a proxy's Origin not trusted) is logged by ``django.security.csrf`` with
+    the path — redacted at that logger, so no handler (Django's DEBUG console, an error
+    tracker's) gets a link that still opens."""
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    token = path_of(issue(api)["url"]).rsplit("/", 1)[-1]
+    # A handler on Django's own logger sees a record before the console handler at the root
+    # (whose filter also redacts) does: as Django's DEBUG console handler on "django" does.
+    kept = Keep()
+    django_logger = logging.getLogger("django")
+    django_logger.addHandler(kept)
+    try:
+        with caplog.at_level(logging.INFO):
+            response = Client(enforce_csrf_checks=True).post(f"/portal/open/{token}")
+    finally:
+        django_logger.removeHandler(kept)
+    assert response.status_code == 403
+    assert kept.lines and all("/portal/open/…" in line for line in kept.lines), kept.lines
+    assert not any(token in r.getMessage() for r in caplog.records)
+
+
 # --- the page ------------------------------------------------------------------------------
 
 

@@ -688,3 +688,16 @@ def test_empty_or_missing_batch_is_400(api, body):
     r = api.post(BATCH, body)
     assert r.status_code == 400
     assert r.json()["error"]["field"] == "calls"
+
+
+def test_batch_with_an_unknown_top_level_field_is_400_naming_it_and_runs_none(api):
+    # As every other closed body (PUT /memories, POST /summaries...): a misspelt option is
+    # refused, not silently ignored while the calls run.
+    before = row_counts()
+    r = api.post(
+        BATCH, {"calls": [{"name": "memory_write", "arguments": {"key": "user:u1:a", "value": 1}}], "atomic": True}
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["field"] == "atomic" and error["code"] == "unknown_field"
+    assert row_counts() == before

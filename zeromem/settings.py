@@ -655,7 +655,7 @@ for _name in ("DB_POOL_MAX_SIZE",) if "DB_POOL_MAX_SIZE" in _numbers else ():
             raise ImproperlyConfigured(f"{_name} ({_numbers[_name]}) is below {_least} ({_numbers[_least]})")
 
 # Portal link tokens never reach a log line (zeromem/kit/logs.py): the filter sits on the
-# loggers that write request paths (Django's 4xx/5xx and runserver lines; granian's access log:
+# loggers that write request paths (Django's 4xx/5xx, CSRF and runserver lines; granian's access log:
 # zeromem/asgi.py, zeromem/wsgi.py) and on the console handler, for whatever propagates to it.
 _PORTAL_TOKENS = {"()": "zeromem.kit.logs.RedactPortalTokens"}
 # OpenTelemetry traces (zeromem/kernel/tracing.py, README "Traces"): off unless ZEROMEM_TRACING
@@ -725,6 +725,9 @@ LOGGING = {
         "django.db.backends": {"level": "WARNING"},
         "django.request": {"filters": ["portal_tokens"]},
         "django.server": {"filters": ["portal_tokens"]},
+        # "Forbidden (CSRF cookie not set.): /portal/open/<token>": the landing page's button
+        # refused by the CSRF check, its link still unused.
+        "django.security.csrf": {"filters": ["portal_tokens"]},
         # The MCP SDK logs every stateless request's start and end at INFO ("Terminating session").
         "mcp": {"level": env.str("MCP_LOG_LEVEL", default="WARNING")},
     },

@@ -4,6 +4,7 @@ layer's validators), the audited view of a value, its history and restoring a ve
 from __future__ import annotations
 
 import json
+import sys
 
 from django import forms
 from django.contrib import admin, messages
@@ -97,6 +98,10 @@ class MemoryForm(forms.ModelForm):
             raise forms.ValidationError(
                 f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}). "
                 'Text needs double quotes, e.g. "zh-CN".'
+            ) from None
+        except ValueError:  # an integer past Python's int_max_str_digits (4300): was a 500
+            raise forms.ValidationError(
+                f"Not valid JSON: a number has more than {sys.get_int_max_str_digits()} digits"
             ) from None
         except RecursionError:  # nested past the interpreter's limit (thousands of levels)
             raise forms.ValidationError(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from django import forms
 from django.apps import apps
 from django.contrib import admin
+from django.core.exceptions import ValidationError
 from django.db.models import OuterRef, Subquery
 from django.http import Http404
 from django.shortcuts import get_object_or_404
@@ -20,9 +22,37 @@ from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
 
 
+class RulesJSONField(forms.JSONField):
+    """Django's JSON form field, but JSON that Python's json cannot read as data — an integer
+    past 4300 digits (ValueError), nesting past the recursion limit — is "Enter a valid JSON."
+    like any other bad JSON, not a 500 (Django catches only JSONDecodeError)."""
+
+    def to_python(self, value):
+        try:
+            return super().to_python(value)
+        except (ValueError, RecursionError):
+            raise ValidationError(self.error_messages["invalid"], code="invalid", params={"value": value}) from None
+
+    def bound_data(self, data, initial):
+        try:
+            return super().bound_data(data, initial)
+        except (ValueError, RecursionError):
+            return forms.fields.InvalidJSONInput(data)  # shown back as typed, as Django does bad JSON
+
+
+class TenantForm(forms.ModelForm):
+    sensitive_keys = RulesJSONField(required=False)
+    sensitive_fields = RulesJSONField(required=False)
+
+    class Meta:
+        model = Tenant
+        fields = ("slug", "name", "value_max_bytes", "trash_retention_days", "sensitive_keys", "sensitive_fields")
+
+
 @admin.register(Tenant)
 class TenantAdmin(TenantScopedAdmin):
     tenant_field = "pk"
+    form = TenantForm
     view_capability = Capability.TENANT_VIEW
     list_display = ("slug", "name", "your_role", "dashboard_link", "created_at")
     search_fields = ("slug", "name")

@@ -73,5 +73,15 @@ def rules(raw: Any, *, field: str) -> list[str] | None:
             raise InvalidInput(
                 f"each entry must be a non-empty string of at most {RULE_MAX_LEN} characters", field=field
             )
+        # Neither matches anything (keys and field names hold none) nor can be stored:
+        # PostgreSQL's jsonb refuses NUL and half of a UTF-16 pair (a 500 when it got there).
+        if any(ord(c) < 32 or ord(c) == 127 for c in item):
+            raise InvalidInput("must not contain control characters", field=field)
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in item):
+            raise InvalidInput(
+                "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored",
+                field=field,
+                code="invalid_characters",
+            )
         out.append(item.strip())
     return sorted(set(out))

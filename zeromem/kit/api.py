@@ -112,12 +112,14 @@ def exception_handler(exc, context):
     return response
 
 
-# Request bodies whose unknown fields are refused (400 unknown_field, memories.api.views._validated).
+# Request bodies whose unknown fields are refused (400 unknown_field: memories.api.views._validated,
+# memories.tools.tool_batch).
 CLOSED_REQUEST_COMPONENTS = (
     "MemoryPutRequest",
     "PatchedMemoryPatchRequest",
     "SummaryStartRequest",
     "ForgetRequestCreateRequest",
+    "ToolBatchRequest",
 )
 
 

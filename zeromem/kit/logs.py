@@ -10,8 +10,11 @@ outside a request (jobs, commands).
 
 Log filters. ``RedactPortalTokens`` keeps portal link tokens out of every log line: the
 access log (granian's ``granian.access``: the path is an argument), Django's 4xx/5xx lines
-(``django.request``: "Bad Request: /portal/open/<token>") and the development server's
-(``django.server``). Installed on those loggers by settings.LOGGING."""
+(``django.request``: "Bad Request: /portal/open/<token>"), its CSRF refusals
+(``django.security.csrf``: "Forbidden (CSRF cookie not set.): /portal/open/<token>") and the
+development server's (``django.server``). Installed on those loggers by settings.LOGGING: a
+logger's filter changes the record before any handler sees it (Django's DEBUG console handler
+on ``django`` comes before the console handler at the root, which redacts too)."""
 
 from __future__ import annotations
 
