@@ -13,10 +13,11 @@ import json
 from datetime import UTC, datetime, time, timedelta
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import PAGE_VAR
 from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
-from django.http import HttpResponseBadRequest, HttpResponseRedirect
+from django.http import Http404, HttpResponseBadRequest, HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
@@ -26,9 +27,9 @@ from audit import selectors
 from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching, audit_filters, few_by_index, list_page_bounds
-from audit.services import audit_list_record
+from audit.services import audit_event_view, audit_list_record
 from zeromem.kernel import validation
-from zeromem.kernel.errors import InvalidInput, ServiceError
+from zeromem.kernel.errors import InvalidInput, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
 from zeromem.kit.admin import (
@@ -294,6 +295,32 @@ class AuditEventAdmin(TenantScopedAdmin):
                 filters=params,
                 count=count,
             )
+
+    # --- opening one event is a reading of the log, audited as the list is ------------------
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def history_view(self, request, object_id, extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().history_view(request, object_id, extra_context)
+
+    def _audit_opening(self, request, object_id) -> None:
+        """``audit.view`` in the event's tenant (``audit.services.audit_event_view``) before
+        its page is shown; another tenant's event is a 404 and records nothing. A POST is
+        refused by the read-only admin (403) before anything is shown."""
+        if request.method not in ("GET", "HEAD"):
+            return
+        obj = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        try:
+            audit_event_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), event_id=obj.pk)
+        except NotFound:
+            raise Http404("no such object") from None
+        except ServiceError:
+            raise PermissionDenied from None
 
     def get_urls(self):
         return [

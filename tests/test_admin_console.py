@@ -777,6 +777,26 @@ def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_cl
     assert (event.actor_id, event.target, event.count, event.detail) == (str(user.pk), "user:u1:", 1, {"outcome": "ok"})
 
 
+def test_opening_one_audit_event_in_the_admin_is_itself_audited(tenant_a, tenant_b, staff_clients):
+    # The list and the exports recorded their reading (audit.list, audit.export); the page of
+    # one event (its target, subject, actor, client address and detail) and its history page
+    # recorded nothing: a reviewer could read the log event by event unseen.
+    write(tenant_a, "user:u1:k", "v")
+    write(tenant_b, "user:u2:k", "v")
+    user, client = staff_clients["compliance"]
+    seen = AuditEvent.objects.get(tenant=tenant_a, action="memory.write")
+    for page in ("change", "history"):
+        assert client.get(f"/admin/audit/auditevent/{seen.pk}/{page}/").status_code == 200
+    views = AuditEvent.objects.filter(tenant=tenant_a, action="audit.view").order_by("pk")
+    assert [(e.actor_id, e.target, e.subject, e.count, e.detail) for e in views] == [
+        (str(user.pk), "user:u1:k", "u1", 1, {"event": seen.pk})
+    ] * 2
+    theirs = AuditEvent.objects.get(tenant=tenant_b, action="memory.write")
+    assert client.get(f"/admin/audit/auditevent/{theirs.pk}/change/").status_code == 404
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action="audit.view").exists()
+    assert views.count() == 2
+
+
 def test_the_services_refuse_staff_whose_role_lacks_the_power_and_audit_it(tenant_a):
     from memories import services as staff_services
     from zeromem.kernel.actors import staff_actor
