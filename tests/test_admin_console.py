@@ -332,6 +332,31 @@ def test_the_forget_queue_finds_a_subject_by_its_whole_id(tenant_a, staff_client
     assert [r.subject for r in rows] == ["u42"]
 
 
+def test_reading_the_forget_queue_in_the_admin_is_audited_as_the_rest_api_is(tenant_a, tenant_b, staff_clients):
+    # GET /api/v1/forget-requests[/<id>] record forget.list / forget.read; the admin's queue,
+    # its search by an end user's whole subject and a request's page (subject, reason,
+    # receipt) recorded nothing.
+    mine = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u42", reason="erasure")
+    services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u7", reason="erasure")
+    theirs = services.forget_request_create(tenant=tenant_b, actor=SYSTEM, subject="u42", reason="erasure")
+    user, client = staff_clients["viewer"]
+    readings = AuditEvent.objects.filter(tenant=tenant_a, action__in=["forget.list", "forget.read"]).order_by("pk")
+
+    assert client.get("/admin/memories/forgetrequest/?q=u42").status_code == 200
+    assert client.get("/admin/memories/forgetrequest/").status_code == 200
+    for page in ("change", "history"):
+        assert client.get(f"/admin/memories/forgetrequest/{mine.pk}/{page}/").status_code == 200
+    assert client.get(f"/admin/memories/forgetrequest/{theirs.pk}/change/").status_code == 404
+    got = [(e.action, e.actor_id, e.subject, e.count, e.detail) for e in readings]
+    assert got == [
+        ("forget.list", str(user.pk), "u42", 1, {}),
+        ("forget.list", str(user.pk), "", 2, {}),
+        ("forget.read", str(user.pk), "", None, {"forget_request": mine.pk}),
+        ("forget.read", str(user.pk), "", None, {"forget_request": mine.pk}),
+    ]
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action__in=["forget.list", "forget.read"]).exists()
+
+
 # --- dashboard -------------------------------------------------------------------------------
 
 
