@@ -9,6 +9,7 @@ audits the export).
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import UTC, datetime, time, timedelta
 
@@ -23,7 +24,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.html import format_html
 
-from audit import selectors
+from audit import limits, selectors
 from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching, audit_filters, few_by_index, list_page_bounds
@@ -41,6 +42,7 @@ from zeromem.kit.admin import (
     service_error_text,
     tenant_ids_with,
 )
+from zeromem.kit.api import slot_wait
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
 # Filters no index of the tenant's events serves in the list's order: with one of them a page
@@ -347,7 +349,20 @@ class AuditEventAdmin(TenantScopedAdmin):
             fmt = "csv"
         try:
             filters = audit_filters_from(request.GET)
-            return audit_export_response(
+        except ServiceError as exc:
+            messages.error(request, service_error_text(exc))
+            return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
+        # One of the tenant's slots for as long as it streams, as the REST export takes
+        # (zeromem.kit.api.TenantSlotMixin): past ZEROMEM_TENANT_MAX_CONCURRENT, refused.
+        holder = f"tenant:{tenant.pk}"
+        token = slot_wait(holder)
+        if token is None:
+            messages.error(
+                request, "This tenant already runs its limit of exports and searches at once; try again shortly."
+            )
+            return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
+        try:
+            response = audit_export_response(
                 tenant=tenant,
                 actor=actor_for(request, tenant),
                 filters=filters,
@@ -355,8 +370,15 @@ class AuditEventAdmin(TenantScopedAdmin):
                 asynchronous=isinstance(request, ASGIRequest),
             )
         except ServiceError as exc:
+            limits.slot_release(holder, token)
             messages.error(request, service_error_text(exc))
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
+        except BaseException:
+            limits.slot_release(holder, token)
+            raise
+        # Given back by the server's close() once the last byte is sent (or the client left).
+        response._resource_closers.append(functools.partial(limits.slot_release, holder, token))
+        return response
 
 
 def _filters_taken(params) -> bool:

@@ -794,6 +794,33 @@ def test_admin_export_refuses_a_filter_the_api_refuses_naming_it_and_exports_not
     assert not AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").exists()
 
 
+def test_an_admin_export_takes_one_of_the_tenants_slots_as_the_rest_export_does(
+    tenant_a, staff_clients, counter_store, settings
+):
+    # GET /api/v1/audit-events/export holds one of the tenant's ZEROMEM_TENANT_MAX_CONCURRENT
+    # slots while it streams; the admin's export held none: a reviewer's tabs (or a script
+    # with their session) could stream any number of whole-log exports at once, each a thread.
+    from audit import limits
+
+    settings.ZEROMEM_TENANT_MAX_CONCURRENT = 1
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0.1
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["compliance"]
+    url = f"/admin/audit/auditevent/export/?fmt=csv&tenant={tenant_a.pk}"
+    first = client.get(url)
+    assert first.status_code == 200 and first.streaming
+    exports = AuditEvent.objects.filter(tenant=tenant_a, action="audit.export")
+    assert exports.count() == 1
+    busy = client.get(url, follow=True)  # the first still streams: refused, with a message
+    assert not busy.streaming and "exports" in busy.content.decode()
+    assert exports.count() == 1  # a refused export is no export
+    b"".join(first.streaming_content)  # the test client closes it after the last byte: the slot is back
+    second = client.get(url)
+    assert second.streaming
+    assert limits.slot_acquire(f"tenant:{tenant_a.pk}", limit=1, lease=60) is None  # held while it streams
+    b"".join(second.streaming_content)
+
+
 def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_clients):
     write(tenant_a, "user:u1:k", "v")
     user, client = staff_clients["compliance"]
