@@ -9,26 +9,28 @@ audits the export).
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import UTC, datetime, time, timedelta
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import PAGE_VAR
 from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
-from django.http import HttpResponseBadRequest, HttpResponseRedirect
+from django.http import Http404, HttpResponseBadRequest, HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.html import format_html
 
-from audit import selectors
+from audit import limits, selectors
 from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching, audit_filters, few_by_index, list_page_bounds
-from audit.services import audit_list_record
+from audit.services import audit_event_view, audit_list_record
 from zeromem.kernel import validation
-from zeromem.kernel.errors import InvalidInput, ServiceError
+from zeromem.kernel.errors import InvalidInput, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
 from zeromem.kit.admin import (
@@ -40,6 +42,7 @@ from zeromem.kit.admin import (
     service_error_text,
     tenant_ids_with,
 )
+from zeromem.kit.api import slot_wait
 
 FILTER_PARAMS = ("since", "until", "actor", "action", "key_prefix", "subject", "outcome")
 # Filters no index of the tenant's events serves in the list's order: with one of them a page
@@ -295,6 +298,32 @@ class AuditEventAdmin(TenantScopedAdmin):
                 count=count,
             )
 
+    # --- opening one event is a reading of the log, audited as the list is ------------------
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def history_view(self, request, object_id, extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().history_view(request, object_id, extra_context)
+
+    def _audit_opening(self, request, object_id) -> None:
+        """``audit.view`` in the event's tenant (``audit.services.audit_event_view``) before
+        its page is shown; another tenant's event is a 404 and records nothing. A POST is
+        refused by the read-only admin (403) before anything is shown."""
+        if request.method not in ("GET", "HEAD"):
+            return
+        obj = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        try:
+            audit_event_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), event_id=obj.pk)
+        except NotFound:
+            raise Http404("no such object") from None
+        except ServiceError:
+            raise PermissionDenied from None
+
     def get_urls(self):
         return [
             path("export/", self.admin_site.admin_view(self.export_view), name="audit_auditevent_export"),
@@ -320,7 +349,20 @@ class AuditEventAdmin(TenantScopedAdmin):
             fmt = "csv"
         try:
             filters = audit_filters_from(request.GET)
-            return audit_export_response(
+        except ServiceError as exc:
+            messages.error(request, service_error_text(exc))
+            return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
+        # One of the tenant's slots for as long as it streams, as the REST export takes
+        # (zeromem.kit.api.TenantSlotMixin): past ZEROMEM_TENANT_MAX_CONCURRENT, refused.
+        holder = f"tenant:{tenant.pk}"
+        token = slot_wait(holder)
+        if token is None:
+            messages.error(
+                request, "This tenant already runs its limit of exports and searches at once; try again shortly."
+            )
+            return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
+        try:
+            response = audit_export_response(
                 tenant=tenant,
                 actor=actor_for(request, tenant),
                 filters=filters,
@@ -328,8 +370,15 @@ class AuditEventAdmin(TenantScopedAdmin):
                 asynchronous=isinstance(request, ASGIRequest),
             )
         except ServiceError as exc:
+            limits.slot_release(holder, token)
             messages.error(request, service_error_text(exc))
             return HttpResponseRedirect(reverse("admin:audit_auditevent_changelist"))
+        except BaseException:
+            limits.slot_release(holder, token)
+            raise
+        # Given back by the server's close() once the last byte is sent (or the client left).
+        response._resource_closers.append(functools.partial(limits.slot_release, holder, token))
+        return response
 
 
 def _filters_taken(params) -> bool:

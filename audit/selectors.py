@@ -162,13 +162,23 @@ def list_id_bounds(*, tenant, filters: AuditFilters) -> tuple[int | None, int | 
     ``ID_CLOCK_MARGIN``), the last a day before ``since``."""
     events = AuditEvent.objects.for_tenant(tenant)
     below = above = None
-    if filters.until:
-        later = events.filter(occurred_at__gte=filters.until + ID_CLOCK_MARGIN).order_by("occurred_at")
+    # A day past 9999-12-31 (or before 0001-01-01) is outside the calendar, and no event is
+    # there: no bound on that side (the sum overflowed, a 500).
+    if filters.until and (later_than := _shifted(filters.until, ID_CLOCK_MARGIN)) is not None:
+        later = events.filter(occurred_at__gte=later_than).order_by("occurred_at")
         below = later.values_list("id", flat=True).first()
-    if filters.since:
-        earlier = events.filter(occurred_at__lt=filters.since - ID_CLOCK_MARGIN).order_by("-occurred_at")
+    if filters.since and (earlier_than := _shifted(filters.since, -ID_CLOCK_MARGIN)) is not None:
+        earlier = events.filter(occurred_at__lt=earlier_than).order_by("-occurred_at")
         above = earlier.values_list("id", flat=True).first()
     return below, above
+
+
+def _shifted(moment: datetime, delta: timedelta) -> datetime | None:
+    """``moment + delta``, or None past either end of the calendar."""
+    try:
+        return moment + delta
+    except OverflowError:
+        return None
 
 
 def list_window_floor(*, tenant, before: int | None, window: int | None = None) -> int | None:

@@ -1160,6 +1160,23 @@ def audit_list_record(*, tenant: Tenant, actor: Actor, filters: dict[str, str], 
         )
 
 
+def audit_event_view(*, tenant: Tenant, actor: Actor, event_id: Any) -> AuditEvent:
+    """One event of the tenant's log, opened by a reviewer (the admin's page of an event and
+    its history): scope ``audit:read``, recorded as ``audit.view`` with the event's id in
+    ``detail`` and its target and subject in the reading's own (redactable) fields, as the
+    list records its filters. :class:`NotFound` for another tenant's event or none."""
+    with audited_operation(tenant=tenant, actor=actor, action="audit.view") as op:
+        require_scope(actor, Scope.AUDIT_READ)
+        pk = validation.ascii_int(event_id) if isinstance(event_id, str) else event_id
+        valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= 2**63 - 1
+        event = AuditEvent.objects.for_tenant(tenant).filter(pk=pk).first() if valid else None
+        if event is None:
+            op.record(outcome=AuditEvent.Outcome.NOT_FOUND, detail={"event": pk if valid else None})
+            raise NotFound("no such audit event", field="event_id")
+        op.record(target=event.target, subject=event.subject, count=1, detail={"event": event.pk})
+        return event
+
+
 def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, fmt: str):
     """Check the reader may export, record the ``audit.export`` event (committed before the
     first row is sent: an export the client abandons halfway was still an export) and

@@ -332,6 +332,31 @@ def test_the_forget_queue_finds_a_subject_by_its_whole_id(tenant_a, staff_client
     assert [r.subject for r in rows] == ["u42"]
 
 
+def test_reading_the_forget_queue_in_the_admin_is_audited_as_the_rest_api_is(tenant_a, tenant_b, staff_clients):
+    # GET /api/v1/forget-requests[/<id>] record forget.list / forget.read; the admin's queue,
+    # its search by an end user's whole subject and a request's page (subject, reason,
+    # receipt) recorded nothing.
+    mine = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u42", reason="erasure")
+    services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u7", reason="erasure")
+    theirs = services.forget_request_create(tenant=tenant_b, actor=SYSTEM, subject="u42", reason="erasure")
+    user, client = staff_clients["viewer"]
+    readings = AuditEvent.objects.filter(tenant=tenant_a, action__in=["forget.list", "forget.read"]).order_by("pk")
+
+    assert client.get("/admin/memories/forgetrequest/?q=u42").status_code == 200
+    assert client.get("/admin/memories/forgetrequest/").status_code == 200
+    for page in ("change", "history"):
+        assert client.get(f"/admin/memories/forgetrequest/{mine.pk}/{page}/").status_code == 200
+    assert client.get(f"/admin/memories/forgetrequest/{theirs.pk}/change/").status_code == 404
+    got = [(e.action, e.actor_id, e.subject, e.count, e.detail) for e in readings]
+    assert got == [
+        ("forget.list", str(user.pk), "u42", 1, {}),
+        ("forget.list", str(user.pk), "", 2, {}),
+        ("forget.read", str(user.pk), "", None, {"forget_request": mine.pk}),
+        ("forget.read", str(user.pk), "", None, {"forget_request": mine.pk}),
+    ]
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action__in=["forget.list", "forget.read"]).exists()
+
+
 # --- dashboard -------------------------------------------------------------------------------
 
 
@@ -416,6 +441,21 @@ def test_audit_dates_past_the_calendars_end_are_a_message_naming_the_field(tenan
     assert exported.status_code == 200
     assert f"{field.capitalize()}: not a date or time" in exported.content.decode()
     assert not AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").exists()
+
+
+@pytest.mark.parametrize("moment", ["until=9999-12-30", "until=9999-12-31T12:00", "since=0001-01-01"])
+def test_audit_dates_at_the_calendars_ends_list_and_export_every_event(tenant_a, staff_clients, moment):
+    # With a windowed filter (action) the list bounds its window a day past until / before
+    # since: at the calendar's ends that overflowed, a 500 (the export: a cut body).
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["compliance"]
+    query = f"tenant={tenant_a.pk}&action=memory.write&{moment}"
+    listed = client.get(f"/admin/audit/auditevent/?{query}")
+    assert listed.status_code == 200
+    assert [e.action for e in listed.context["cl"].result_list] == ["memory.write"]
+    exported = client.get(f"/admin/audit/auditevent/export/?fmt=csv&{query}")
+    assert exported.status_code == 200
+    assert "memory.write" in b"".join(exported.streaming_content).decode()
 
 
 @pytest.mark.parametrize(
@@ -782,12 +822,59 @@ def test_admin_export_refuses_a_filter_the_api_refuses_naming_it_and_exports_not
     assert not AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").exists()
 
 
+def test_an_admin_export_takes_one_of_the_tenants_slots_as_the_rest_export_does(
+    tenant_a, staff_clients, counter_store, settings
+):
+    # GET /api/v1/audit-events/export holds one of the tenant's ZEROMEM_TENANT_MAX_CONCURRENT
+    # slots while it streams; the admin's export held none: a reviewer's tabs (or a script
+    # with their session) could stream any number of whole-log exports at once, each a thread.
+    from audit import limits
+
+    settings.ZEROMEM_TENANT_MAX_CONCURRENT = 1
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0.1
+    write(tenant_a, "user:u1:k", "v")
+    _user, client = staff_clients["compliance"]
+    url = f"/admin/audit/auditevent/export/?fmt=csv&tenant={tenant_a.pk}"
+    first = client.get(url)
+    assert first.status_code == 200 and first.streaming
+    exports = AuditEvent.objects.filter(tenant=tenant_a, action="audit.export")
+    assert exports.count() == 1
+    busy = client.get(url, follow=True)  # the first still streams: refused, with a message
+    assert not busy.streaming and "exports" in busy.content.decode()
+    assert exports.count() == 1  # a refused export is no export
+    b"".join(first.streaming_content)  # the test client closes it after the last byte: the slot is back
+    second = client.get(url)
+    assert second.streaming
+    assert limits.slot_acquire(f"tenant:{tenant_a.pk}", limit=1, lease=60) is None  # held while it streams
+    b"".join(second.streaming_content)
+
+
 def test_reading_the_audit_log_in_the_admin_is_itself_audited(tenant_a, staff_clients):
     write(tenant_a, "user:u1:k", "v")
     user, client = staff_clients["compliance"]
     client.get("/admin/audit/auditevent/?key_prefix=user:u1:&outcome=ok")
     (event,) = AuditEvent.objects.filter(tenant=tenant_a, action="audit.list")
     assert (event.actor_id, event.target, event.count, event.detail) == (str(user.pk), "user:u1:", 1, {"outcome": "ok"})
+
+
+def test_opening_one_audit_event_in_the_admin_is_itself_audited(tenant_a, tenant_b, staff_clients):
+    # The list and the exports recorded their reading (audit.list, audit.export); the page of
+    # one event (its target, subject, actor, client address and detail) and its history page
+    # recorded nothing: a reviewer could read the log event by event unseen.
+    write(tenant_a, "user:u1:k", "v")
+    write(tenant_b, "user:u2:k", "v")
+    user, client = staff_clients["compliance"]
+    seen = AuditEvent.objects.get(tenant=tenant_a, action="memory.write")
+    for page in ("change", "history"):
+        assert client.get(f"/admin/audit/auditevent/{seen.pk}/{page}/").status_code == 200
+    views = AuditEvent.objects.filter(tenant=tenant_a, action="audit.view").order_by("pk")
+    assert [(e.actor_id, e.target, e.subject, e.count, e.detail) for e in views] == [
+        (str(user.pk), "user:u1:k", "u1", 1, {"event": seen.pk})
+    ] * 2
+    theirs = AuditEvent.objects.get(tenant=tenant_b, action="memory.write")
+    assert client.get(f"/admin/audit/auditevent/{theirs.pk}/change/").status_code == 404
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action="audit.view").exists()
+    assert views.count() == 2
 
 
 def test_the_services_refuse_staff_whose_role_lacks_the_power_and_audit_it(tenant_a):

@@ -222,4 +222,6 @@ def test_audit_events_cannot_be_added_changed_or_deleted(role, tenant_a, staff_c
     page = client.get(f"/admin/audit/auditevent/{event.pk}/change/")
     assert page.status_code == 200 and b"memory.write" in page.content
     assert AuditEvent.objects.filter(pk=event.pk, action="memory.write").exists()
-    assert AuditEvent.objects.count() == count
+    # Nothing written but the record of the one reading (audit.view of the page shown).
+    assert AuditEvent.objects.count() == count + 1
+    assert AuditEvent.objects.filter(action="audit.view", detail={"event": event.pk}).count() == 1

@@ -7,17 +7,20 @@ import json
 
 from django import forms
 from django.contrib import admin
+from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.http import HttpResponseRedirect
+from django.http import Http404, HttpResponseRedirect
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
 from memories import services
 from memories.admin.display import actor_label
-from memories.models import ForgetRequest
+from memories.models import ForgetRequest, Tenant
+from zeromem.kernel import validation
+from zeromem.kernel.errors import NotFound
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may
+from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
 
 
 class OverdueFilter(admin.SimpleListFilter):
@@ -116,6 +119,52 @@ class ForgetRequestAdmin(TenantScopedAdmin):
     @admin.display(description="receipt")
     def receipt_display(self, obj):
         return format_html("<pre>{}</pre>", json.dumps(obj.receipt, indent=2, ensure_ascii=False))
+
+    # --- reading the queue is audited, as the REST API's forget.list / forget.read ---------
+
+    def changelist_view(self, request, extra_context=None):
+        response = super().changelist_view(request, extra_context)
+        changelist = (getattr(response, "context_data", None) or {}).get("cl")
+        if request.method == "GET" and changelist is not None:
+            self._audit_queue(request, changelist.result_list)
+        return response
+
+    def _audit_queue(self, request, rows) -> None:
+        """``forget.list`` in each tenant whose requests the page showed (with a search, in the
+        one tenant it covers even when it found nothing): the searched subject in the event's
+        own subject field, how many of that tenant's requests the page showed."""
+        shown: dict[int, int] = {}
+        for row in rows:
+            shown[row.tenant_id] = shown.get(row.tenant_id, 0) + 1
+        search = request.GET.get("q", "")
+        ids = tenant_ids_with(request, self.view_capability)
+        chosen = validation.ascii_int(request.GET.get("tenant") or "")
+        covered = [chosen] if chosen in ids else sorted(ids)
+        if not shown and search and len(covered) == 1:
+            shown[covered[0]] = 0
+        for tenant in Tenant.objects.filter(pk__in=shown).order_by("pk"):
+            services.forget_queue_viewed(
+                tenant=tenant, actor=actor_for(request, tenant.pk), search=search, count=shown[tenant.pk]
+            )
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def history_view(self, request, object_id, extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().history_view(request, object_id, extra_context)
+
+    def _audit_opening(self, request, object_id) -> None:
+        if request.method not in ("GET", "HEAD"):
+            return  # a change is refused (read-only once filed) before anything is shown
+        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        try:
+            services.forget_request_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), request_id=obj.pk)
+        except NotFound:
+            raise Http404("no such object") from None
 
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data

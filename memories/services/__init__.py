@@ -14,10 +14,12 @@ of expired memories and old trash), ``forget`` (forget requests: accept, carry o
 
 from memories.services.browsing import dashboard_view, memories_browse
 from memories.services.forget import (
+    forget_queue_viewed,
     forget_request_create,
     forget_request_execute,
     forget_request_get,
     forget_request_list,
+    forget_request_view,
     forget_requests_resume,
 )
 from memories.services.jobs import job_get
@@ -51,10 +53,12 @@ from memories.services.summaries import (
 from memories.services.tenants import api_key_create, api_key_revoke, tenant_create, tenant_settings_update
 
 __all__ = [
+    "forget_queue_viewed",
     "forget_request_create",
     "forget_request_execute",
     "forget_request_get",
     "forget_request_list",
+    "forget_request_view",
     "forget_requests_resume",
     "_UNSET",
     "ListResult",

@@ -298,6 +298,30 @@ def forget_request_get(*, tenant: Tenant, actor: Actor, request_id: Any) -> Forg
         return request
 
 
+def forget_request_view(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest:
+    """One request opened by staff in the admin (its page or history; the admin lets any
+    member of the tenant see its queue), recorded as ``forget.read`` as
+    :func:`forget_request_get` records it; :class:`NotFound` for another tenant's or none."""
+    with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
+        pk = validation.ascii_int(request_id) if isinstance(request_id, str) else request_id
+        valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= PK_MAX
+        request = ForgetRequest.objects.filter(tenant=tenant, pk=pk).first() if valid else None
+        detail = {"forget_request": pk if valid else None}
+        if request is None:
+            op.record(outcome=Outcome.NOT_FOUND, detail=detail)
+            raise NotFound("no such forget request", field="request_id")
+        op.record(detail=detail)
+        return request
+
+
+def forget_queue_viewed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:
+    """Record a page of the admin's forget queue showing ``count`` of ``tenant``'s requests,
+    as ``forget.list`` (as ``GET /api/v1/forget-requests`` records it); a search by an end
+    user's whole subject goes in the event's own (redactable) ``subject``."""
+    with audited_operation(tenant=tenant, actor=actor, action="forget.list") as op:
+        op.record(subject=search[: validation.SUBJECT_MAX_LEN] if isinstance(search, str) else "", count=count)
+
+
 def forget_receipt(*, actor: Actor, request: ForgetRequest) -> dict | None:
     """The receipt of a completed request as ``actor`` may see it, else None. An agent never
     sees keys outside its key's allowlist (DESIGN): the summaries rebuilt outside it (shared
