@@ -125,6 +125,17 @@ def pseudonym(tenant_id: int | None, value: str) -> str:
 
 
 _PSEUDONYM = re.compile(r"redacted:[0-9a-f]{16}")
+# Where an event's ``redacted`` map keeps the bindings of its pseudonyms (beside {field: commitment}).
+BOUND = "bound"
+
+
+def binding(uid, name: str, kept_commitment: str, text) -> str:
+    """Ties what a redacted field holds (its pseudonym, or nothing for the client address) to
+    the field's kept commitment. The digest covers the commitment, not the pseudonym: without
+    this, someone who can write to the database could put another well-formed pseudonym in a
+    redacted field (another forgotten user's, moving an event from one to the other) and the
+    event would still verify."""
+    return _mac("b", uid, name, kept_commitment, "" if text is None else text)
 
 
 def holds_redaction(name: str, value) -> bool:

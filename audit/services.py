@@ -723,6 +723,7 @@ def _redacted_values(row: dict, pseudonyms: dict | None = None) -> tuple[dict, d
         if row["actor_id"] and row["actor_id"] in (row["actor_label"] or ""):
             fields.append("actor_label")
     kept = dict(row["redacted"] or {})
+    bound = dict(kept.get(chain.BOUND) or {})
     new = {}
     for name in fields:
         if name in kept or row[name] in ("", None):
@@ -730,14 +731,17 @@ def _redacted_values(row: dict, pseudonyms: dict | None = None) -> tuple[dict, d
         kept[name] = chain.commitment(row["uid"], name, row[name])
         if name == "client_ip":
             new[name] = None
-            continue
-        value = str(row[name])
-        if pseudonyms is None:
-            new[name] = chain.pseudonym(tenant_id, value)
-        elif (pseudonym := pseudonyms.get((tenant_id, value))) is not None:
-            new[name] = pseudonym
         else:
-            new[name] = pseudonyms[tenant_id, value] = chain.pseudonym(tenant_id, value)
+            value = str(row[name])
+            if pseudonyms is None:
+                new[name] = chain.pseudonym(tenant_id, value)
+            elif (pseudonym := pseudonyms.get((tenant_id, value))) is not None:
+                new[name] = pseudonym
+            else:
+                new[name] = pseudonyms[tenant_id, value] = chain.pseudonym(tenant_id, value)
+        bound[name] = chain.binding(row["uid"], name, kept[name], new[name])
+    if bound:
+        kept[chain.BOUND] = bound
     return new, kept
 
 

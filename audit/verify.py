@@ -64,9 +64,15 @@ def _tenant_q(tenant_id: int | None) -> Q:
 
 
 def _check_event(row: dict) -> str | None:
+    redacted = row["redacted"] or {}
+    bound = redacted.get(chain.BOUND) or {}
     for name in chain.COMMITTED_FIELDS:
-        if name in (row["redacted"] or {}) and not chain.holds_redaction(name, row[name]):
+        if name not in redacted:
+            continue
+        if not chain.holds_redaction(name, row[name]):
             return f"its redacted field {name} holds no pseudonym: the event was edited after its redaction"
+        if bound.get(name) != chain.binding(row["uid"], name, redacted[name], row[name]):
+            return f"its redacted field {name} holds another pseudonym than its redaction wrote: the event was edited"
     expected = chain.digest(event_fields(row), commitments=row["redacted"] or None)
     if expected != row["digest"]:
         return "its fields do not match its digest: the event was edited or forged"

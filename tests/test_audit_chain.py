@@ -13,6 +13,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.apps import apps as django_apps
 from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
@@ -715,8 +716,15 @@ def test_a_forged_event_claiming_a_purged_old_seal_is_named(upgraded):
 
 @pytest.mark.parametrize(
     "column, value",
-    [("target", "user:u7:k1"), ("subject", "u7"), ("target", "redacted:not-a-pseudonym")],
-    ids=["a named key", "a named subject", "no pseudonym"],
+    [
+        ("target", "user:u7:k1"),
+        ("subject", "u7"),
+        ("target", "redacted:not-a-pseudonym"),
+        # Well formed, and another forgotten user's: bound to nothing this event committed to.
+        ("target", chain.pseudonym(None, "user:u7:k1")),
+        ("subject", "redacted:0123456789abcdef"),
+    ],
+    ids=["a named key", "a named subject", "no pseudonym", "another pseudonym", "a made-up pseudonym"],
 )
 def test_a_redacted_field_overwritten_in_the_redact_mode_names_the_event(chained, column, value):
     audit_redact_subject(tenant=chained, subject="u1")
@@ -728,6 +736,32 @@ def test_a_redacted_field_overwritten_in_the_redact_mode_names_the_event(chained
         cursor.execute(f"UPDATE {TABLE} SET {column} = %s WHERE id = %s", [value, victim.pk])
     problem = first_problem(chained)
     assert problem.event_id == victim.pk and column in problem.message
+
+
+def test_redactions_made_before_their_pseudonyms_were_bound_are_bound_by_the_migration(chained):
+    """audit 0016: events redacted before bindings existed verify after it, and are then held
+    to the pseudonyms they had."""
+    import importlib
+
+    audit_redact_subject(tenant=chained, subject="u1")
+    redacted = list(AuditEvent.objects.filter(tenant=chained).exclude(redacted={}).order_by("id"))
+    assert redacted and all(set(e.redacted[chain.BOUND]) == set(e.redacted) - {chain.BOUND} for e in redacted)
+    with transaction.atomic(), connection.cursor() as cursor:  # as they were before the migration
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'redact', true)")
+        for event in redacted:
+            old = {k: v for k, v in event.redacted.items() if k != chain.BOUND}
+            cursor.execute(f"UPDATE {TABLE} SET redacted = %s WHERE id = %s", [json.dumps(old), event.pk])
+    assert first_problem(chained).event_id == redacted[0].pk
+    migration = importlib.import_module("audit.migrations.0016_audit_bind_pseudonyms")
+    migration.forward(django_apps, None)
+    assert audit_verify(tenant_id=chained.pk).ok
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('zeromem.audit_mode', 'redact', true)")
+        cursor.execute(f"UPDATE {TABLE} SET target = %s WHERE id = %s", ["redacted:0123456789abcdef", redacted[0].pk])
+    problem = first_problem(chained)
+    assert problem.event_id == redacted[0].pk and "another pseudonym" in problem.message
 
 
 def test_a_redacted_client_address_written_back_names_the_event(chained):
