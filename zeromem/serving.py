@@ -1,12 +1,14 @@
 """The production web tier's serving model: ``python3 -m zeromem serve`` (README "Serving").
 
 granian serving the ASGI router ``zeromem.asgi:application`` (``/mcp`` → the MCP SDK, the rest
-→ Django's WSGI app through a2wsgi), ``processes`` worker processes × ``threads`` request
-threads each (the router's thread pool, shared by Django's requests and MCP's calls).
+→ Django's WSGI app through zeromem/kit/wsgi_bridge.py), ``processes`` worker processes ×
+``threads`` request threads each (the router's thread pool, shared by Django's requests and
+MCP's calls).
 Measured on this project (README "Serving"): granian had the least server CPU per request of
 uvicorn ASGI, gunicorn sync/gthread and granian ASGI/WSGI; behind the router, Django's WSGI app
-through a2wsgi costs +0.3-0.5 ms a request over granian WSGI where Django's ASGIHandler cost
-+1.5-3 ms (its ~16 sync/async thread hops per request); a request that is slow holds one
+through a2wsgi cost +0.3-0.5 ms a request over granian WSGI (the bridge that replaced a2wsgi's
+responder saved 0.2-0.45 ms of it) where Django's ASGIHandler cost +1.5-3 ms (its ~16
+sync/async thread hops per request); a request that is slow holds one
 thread of its process and nothing else, where a single-threaded worker stalls every request
 queued behind it.
 

@@ -218,7 +218,7 @@ class Command(BenchCommand):
         parser.add_argument(
             "--django-modes",
             default="bridge",
-            help=f"comma-separated, run one after the other and compared: {', '.join(DJANGO_MODES)} (a2wsgi)",
+            help=f"comma-separated, run one after the other and compared: {', '.join(DJANGO_MODES)} (bridge)",
         )
 
     def handle(self, *args, **opts):
