@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import threading
+import time
 
 import pytest
 
@@ -147,6 +148,27 @@ def test_a_websocket_is_closed():
     receive, _calls = _receiver()
     asyncio.run(WsgiBridge(lambda environ, start_response: [], 1)({"type": "websocket"}, receive, _async(sent.append)))
     assert sent == [{"type": "websocket.close", "code": 1000}]
+
+
+def test_a_whole_response_to_a_gone_client_returns_only_once_its_thread_has_closed_it():
+    closed = []
+
+    class Answer(list):
+        def close(self):
+            time.sleep(0.2)  # the request's deferred work
+            closed.append(True)
+
+    def app(environ, start_response):
+        start_response("200 OK", [])
+        return Answer([b"x"])
+
+    async def send(message):
+        raise OSError("the client went away")
+
+    receive, _calls = _receiver()
+    with pytest.raises(OSError, match="went away"):
+        asyncio.run(WsgiBridge(app, 1)(_scope(method="GET"), receive, send))
+    assert closed == [True]
 
 
 def test_an_app_that_fails_before_answering_sends_nothing_and_raises():

@@ -72,11 +72,16 @@ class WsgiBridge:
         done = loop.run_in_executor(self.executor, context.run, response.run, self.app, environ)
         # The whole response (not streaming) arrives here before the thread is done: the thread
         # closes it meanwhile. A streaming one is sent by the thread itself.
-        await asyncio.wait({response.whole, done}, return_when=asyncio.FIRST_COMPLETED)
-        if response.whole.done() and not response.whole.cancelled():
-            start, chunk = response.whole.result()
-            await send(start)
-            await send({"type": "http.response.body", "body": chunk, "more_body": False})
+        try:
+            await asyncio.wait({response.whole, done}, return_when=asyncio.FIRST_COMPLETED)
+            if response.whole.done() and not response.whole.cancelled():
+                start, chunk = response.whole.result()
+                await send(start)
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
+        finally:
+            # Even when the client is gone: the request holds its turn at a thread (the router's)
+            # until its thread has closed the response.
+            await asyncio.wait({done})
         await done
 
     async def preread(self, scope, receive) -> bytes | None:
