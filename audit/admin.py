@@ -34,6 +34,7 @@ from zeromem.kernel.errors import InvalidInput, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
 from zeromem.kit.admin import (
+    AuditedOpeningAdmin,
     InputFilter,
     SortableByChangeList,
     TenantScopedAdmin,
@@ -222,7 +223,7 @@ class AuditChangeList(SortableByChangeList):
 
 
 @admin.register(AuditEvent)
-class AuditEventAdmin(TenantScopedAdmin):
+class AuditEventAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
     view_capability = Capability.AUDIT_VIEW
     list_display = ("occurred_at", "tenant", "actor", "surface", "action", "target", "subject", "outcome", "version")
     list_filter = (
@@ -299,14 +300,6 @@ class AuditEventAdmin(TenantScopedAdmin):
             )
 
     # --- opening one event is a reading of the log, audited as the list is ------------------
-
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        self._audit_opening(request, object_id)
-        return super().change_view(request, object_id, form_url, extra_context)
-
-    def history_view(self, request, object_id, extra_context=None):
-        self._audit_opening(request, object_id)
-        return super().history_view(request, object_id, extra_context)
 
     def _audit_opening(self, request, object_id) -> None:
         """``audit.view`` in the event's tenant (``audit.services.audit_event_view``) before

@@ -20,7 +20,7 @@ from memories.models import ForgetRequest, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.errors import NotFound
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
+from zeromem.kit.admin import AuditedOpeningAdmin, TenantScopedAdmin, actor_for, may, tenant_ids_with
 
 
 class OverdueFilter(admin.SimpleListFilter):
@@ -54,7 +54,7 @@ class ForgetRequestForm(forms.ModelForm):
         pass  # the service validates and stores the request
 
 
-class ForgetRequestAdmin(TenantScopedAdmin):
+class ForgetRequestAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
     view_capability = Capability.FORGET_VIEW
     add_capability = Capability.FORGET_CREATE
     list_display = ("id", "tenant", "status", "target", "due_at", "overdue", "created_at", "completed_at")
@@ -146,14 +146,6 @@ class ForgetRequestAdmin(TenantScopedAdmin):
             services.forget_queue_viewed(
                 tenant=tenant, actor=actor_for(request, tenant.pk), search=search, count=shown[tenant.pk]
             )
-
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        self._audit_opening(request, object_id)
-        return super().change_view(request, object_id, form_url, extra_context)
-
-    def history_view(self, request, object_id, extra_context=None):
-        self._audit_opening(request, object_id)
-        return super().history_view(request, object_id, extra_context)
 
     def _audit_opening(self, request, object_id) -> None:
         if request.method not in ("GET", "HEAD"):

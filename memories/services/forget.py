@@ -288,14 +288,7 @@ def forget_request_get(*, tenant: Tenant, actor: Actor, request_id: Any) -> Forg
     with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         pk = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
-        valid = pk is not None and 1 <= pk <= PK_MAX
-        request = _visible(tenant=tenant, actor=actor).filter(pk=pk).first() if valid else None
-        detail = {"forget_request": pk if valid else None}
-        if request is None:
-            op.record(outcome=Outcome.NOT_FOUND, detail=detail)
-            raise NotFound("no such forget request", field="request_id")
-        op.record(detail=detail)
-        return request
+        return _one_request(op, _visible(tenant=tenant, actor=actor), pk)
 
 
 def forget_request_view(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest:
@@ -304,14 +297,19 @@ def forget_request_view(*, tenant: Tenant, actor: Actor, request_id: Any) -> For
     :func:`forget_request_get` records it; :class:`NotFound` for another tenant's or none."""
     with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         pk = validation.ascii_int(request_id) if isinstance(request_id, str) else request_id
-        valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= PK_MAX
-        request = ForgetRequest.objects.filter(tenant=tenant, pk=pk).first() if valid else None
-        detail = {"forget_request": pk if valid else None}
-        if request is None:
-            op.record(outcome=Outcome.NOT_FOUND, detail=detail)
-            raise NotFound("no such forget request", field="request_id")
-        op.record(detail=detail)
-        return request
+        return _one_request(op, ForgetRequest.objects.filter(tenant=tenant), pk)
+
+
+def _one_request(op, requests, pk) -> ForgetRequest:
+    """The request ``pk`` among ``requests``, recorded on ``op``; NotFound (recorded) if none."""
+    valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= PK_MAX
+    request = requests.filter(pk=pk).first() if valid else None
+    detail = {"forget_request": pk if valid else None}
+    if request is None:
+        op.record(outcome=Outcome.NOT_FOUND, detail=detail)
+        raise NotFound("no such forget request", field="request_id")
+    op.record(detail=detail)
+    return request
 
 
 def forget_queue_viewed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:

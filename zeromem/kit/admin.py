@@ -236,6 +236,22 @@ def _is_value_of(field, raw) -> bool:
     return True
 
 
+class AuditedOpeningAdmin:
+    """Mixin: opening one object's page or its history is a reading the subclass audits in
+    ``_audit_opening(request, object_id)`` (through its service) before the page is shown."""
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def history_view(self, request, object_id, extra_context=None):
+        self._audit_opening(request, object_id)
+        return super().history_view(request, object_id, extra_context)
+
+    def _audit_opening(self, request, object_id) -> None:
+        raise NotImplementedError
+
+
 class TenantScopedAdmin(admin.ModelAdmin):
     """Base of every ZeroMem ModelAdmin. Subclasses name their capabilities; the tenant is
     reached through ``tenant_field`` (``"pk"`` for the Tenant admin itself)."""
