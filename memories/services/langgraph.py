@@ -170,6 +170,14 @@ def check_filter(raw: Any, field: str = "filter") -> dict:
     # the containment the scan pushes down (a DataError, 500).
     if "\\u0000" in json.dumps(raw):
         raise InvalidInput("must not contain NUL characters", field=field, code="invalid_characters")
+    try:
+        json.dumps(raw, ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # jsonb refuses a lone surrogate too (a DataError, 500)
+        raise InvalidInput(
+            "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) matches no stored value",
+            field=field,
+            code="invalid_characters",
+        ) from None
     stack: list = [raw]
     conditions = 0
     while stack:
@@ -469,12 +477,166 @@ def _pushdown(flt: dict) -> Q | None:
     """The part of ``flt`` the database checks, a superset of what :func:`item_matches`
     accepts (it judges every row the query returns); None when nothing is pushed. Raises
     :class:`_NoMatch` when no value can match."""
-    pushed = [q for q in (_pushed(k, v) for k, v in flt.items()) if q is not None]
+    pushed = [q for q in (_pushed((k,), v) for k, v in flt.items()) if q is not None]
     variables: dict[str, float] = {}
     ranges = _ranges(flt, (), variables)
     if ranges:
         pushed.append(Q(_PathExists("strict $ ? (" + " && ".join(ranges) + ")", variables)))
-    return functools.reduce(operator.and_, pushed) if pushed else None
+    return _all(pushed)
+
+
+def _all(qs: list[Q | None]) -> Q | None:
+    qs = [q for q in qs if q is not None]
+    return functools.reduce(operator.and_, qs) if qs else None
+
+
+def _nest(path: tuple[str, ...], leaf: Any) -> dict:
+    for label in reversed(path):
+        leaf = {label: leaf}
+    return leaf
+
+
+class _At(Func):
+    """A test of the value at ``path`` (``#>``: NULL where a field is missing or an object is
+    not one) against the JSON ``operand`` (jsonb equality: strings byte for byte, numbers by
+    value, no number equals a boolean): ``"eq"`` equal, ``"ne"`` not equal (a missing field included),
+    ``"present"`` present and not null, ``"null"`` missing or null."""
+
+    output_field = BooleanField()
+    _TESTS = {
+        "eq": "({at}) = %s::jsonb",
+        "ne": "({at}) IS DISTINCT FROM %s::jsonb",
+        "present": "({at}) <> %s::jsonb",
+        "null": "coalesce({at}, 'null'::jsonb) = %s::jsonb",
+    }
+
+    def __init__(self, path: tuple[str, ...], test: str, operand: Any = None):
+        super().__init__(F("value"))
+        self.path, self.test, self.operand = list(path), test, json.dumps(operand)
+
+    def as_sql(self, compiler, connection, **extra):
+        sql, params = compiler.compile(self.source_expressions[0])
+        at = f"{sql} #> %s::text[]"
+        return "(" + self._TESTS[self.test].format(at=at) + ")", (*params, self.path, self.operand)
+
+
+def _pushed(path: tuple[str, ...], wanted: Any) -> Q | None:
+    """The values ``{path: wanted}`` matches (:func:`value_matches`) as a condition on the
+    item's value, a superset, or None when there is none to push. Fields and nested objects as
+    jsonb containment (an object at each level, as the matcher wants); ``$eq`` as Python's
+    ``==``; ``$ne`` keeps every row but those whose value jsonb proves equal (:func:`_unequal`);
+    ranges are :func:`_ranges`' (no other operator passes check_filter)."""
+    if isinstance(wanted, dict):
+        if any(k.startswith("$") for k in wanted):  # operators only (check_filter)
+            return _all(
+                [
+                    _equal(path, wanted["$eq"], literal=True) if "$eq" in wanted else None,
+                    _unequal(path, wanted["$ne"]) if "$ne" in wanted else None,
+                ]
+            )
+        return _all([Q(value__contains=_nest(path, {}))] + [_pushed((*path, k), v) for k, v in wanted.items()])
+    return _equal(path, wanted, literal=False)
+
+
+def _equal(path: tuple[str, ...], wanted: Any, *, literal: bool) -> Q | None:
+    """``value_matches(value at path, wanted)`` (``literal``: ``value == wanted``, the ``$eq``
+    operand, whose objects are values, not filters). A number or a boolean matches its equal of
+    the other kind too (``1 == 1.0 == True``; jsonb compares numbers by value, not booleans with
+    numbers). Null also matches a missing field. Lists and objects: containment of their parts
+    :func:`_containable` keeps, in any order (the matcher checks the length and the order)."""
+    if wanted is None:
+        return Q(_At(path, "null"))
+    if isinstance(wanted, str):
+        return Q(value__contains=_nest(path, wanted))
+    if isinstance(wanted, bool):
+        return Q(value__contains=_nest(path, wanted)) | Q(value__contains=_nest(path, int(wanted)))
+    if isinstance(wanted, int | float):
+        if not math.isfinite(wanted):
+            return None  # not JSON (inf never equals a stored value; nan nothing)
+        q = Q(value__contains=_nest(path, wanted))
+        if isinstance(wanted, float) and wanted.is_integer() and abs(wanted) >= 2**53:
+            # Python compares an int with a float exactly; the float's JSON digits are its
+            # shortest (1.2345678901234567e+19 is ...567000, the int it equals ...567168).
+            q |= Q(value__contains=_nest(path, int(wanted)))
+        return q | Q(value__contains=_nest(path, bool(wanted))) if wanted in (0, 1) else q
+    if _plain(wanted, literal=literal):
+        return Q(_At(path, "eq", wanted))
+    part = _containable(wanted, literal=literal)
+    return None if part is _SKIP else Q(value__contains=_nest(path, part))
+
+
+def _plain(wanted: Any, *, literal: bool) -> bool:
+    """Whether ``wanted`` (a list, or a ``$eq`` object) matches exactly the values jsonb finds
+    equal to it: strings, null, numbers :func:`_exact` takes but 0 and 1 (``True`` equals
+    those), lists of those, and in a ``$eq`` operand objects of those (in a filter an object
+    matches any object holding its fields)."""
+    if wanted is None or isinstance(wanted, str):
+        return True
+    if isinstance(wanted, bool):
+        return False
+    if isinstance(wanted, int | float):
+        return _exact(wanted) and wanted not in (0, 1)
+    if isinstance(wanted, list):
+        return all(_plain(w, literal=literal) for w in wanted)
+    if isinstance(wanted, dict):
+        return literal and all(_plain(w, literal=literal) for w in wanted.values())
+    return False
+
+
+_SKIP = object()
+
+
+def _containable(wanted: Any, *, literal: bool, in_list: bool = False) -> Any:
+    """The part of ``wanted`` (an element of a list or object the matcher compares) that any
+    value it matches contains in the jsonb sense, or ``_SKIP`` for none: strings, null (in a
+    list, or a ``$eq`` object, where the field must be present), numbers that only a number
+    of the same value equals (not 0 or 1, which ``True``/``False`` equal, nor a float past
+    2^53, whose JSON digits are not its value), lists and objects of those; in a filter, an
+    operator object contributes its ``$eq``."""
+    if isinstance(wanted, str):
+        return wanted
+    if wanted is None:
+        return None if (literal or in_list) else _SKIP
+    if isinstance(wanted, bool):
+        return _SKIP
+    if isinstance(wanted, int | float):
+        if not math.isfinite(wanted) or wanted in (0, 1) or (isinstance(wanted, float) and abs(wanted) >= 2**53):
+            return _SKIP
+        return wanted
+    if isinstance(wanted, list):
+        parts = [_containable(w, literal=literal, in_list=True) for w in wanted]
+        return [p for p in parts if p is not _SKIP]
+    if isinstance(wanted, dict):
+        if not literal and any(k.startswith("$") for k in wanted):
+            return _containable(wanted["$eq"], literal=True, in_list=in_list) if "$eq" in wanted else _SKIP
+        parts = {k: _containable(v, literal=literal) for k, v in wanted.items()}
+        return {k: p for k, p in parts.items() if p is not _SKIP}
+    return _SKIP
+
+
+def _exact(operand: Any) -> bool:
+    """Whether jsonb's equality with ``operand`` implies Python's ``==`` on the value read back:
+    strings, booleans, null, numbers below 2^53 (a stored decimal of the same value reads as
+    that number), lists and objects of those."""
+    if operand is None or isinstance(operand, str | bool):
+        return True
+    if isinstance(operand, int | float):
+        return math.isfinite(operand) and abs(operand) < 2**53
+    if isinstance(operand, list):
+        return all(_exact(x) for x in operand)
+    if isinstance(operand, dict):
+        return all(_exact(x) for x in operand.values())
+    return False
+
+
+def _unequal(path: tuple[str, ...], operand: Any) -> Q | None:
+    """``value != operand``: every row but those whose value at ``path`` jsonb proves equal
+    to ``operand`` (a superset: ``1`` and ``true`` are unequal to jsonb, equal to Python, so
+    such a row passes and the matcher drops it). ``$ne: null`` keeps the items whose field is
+    present and not null (the matcher reads a missing field as None)."""
+    if not _exact(operand):
+        return None
+    return Q(_At(path, "present" if operand is None else "ne", operand))
 
 
 def _ranges(node: dict, path: tuple[str, ...], variables: dict[str, float]) -> list[str]:
@@ -525,27 +687,6 @@ def _ranges(node: dict, path: tuple[str, ...], variables: dict[str, float]) -> l
         field = "".join("." + json.dumps(label, ensure_ascii=False) for label in here)
         out.append(f"exists(@{field} ? ({test}))")
     return out
-
-
-def _pushed(name: str, wanted: Any) -> Q | None:
-    """The values ``{name: wanted}`` matches (:func:`value_matches`, Python's ``==``) as jsonb
-    containment, or None when there is none to push (objects, lists, null: null also matches
-    a value without ``name``; operators but ``$eq``). A number or a boolean matches its equal of the other kind too
-    (``1 == 1.0 == True``; jsonb compares numbers by value, not booleans with numbers)."""
-    if isinstance(wanted, dict) and "$eq" in wanted:  # operators only (check_filter)
-        return _pushed(name, wanted["$eq"])
-    if isinstance(wanted, str):
-        return Q(value__contains={name: wanted})
-    if isinstance(wanted, bool):
-        return Q(value__contains={name: wanted}) | Q(value__contains={name: int(wanted)})
-    if isinstance(wanted, int | float):
-        q = Q(value__contains={name: wanted})
-        if isinstance(wanted, float) and wanted.is_integer() and abs(wanted) >= 2**53:
-            # Python compares an int with a float exactly; the float's JSON digits are its
-            # shortest (1.2345678901234567e+19 is ...567000, the int it equals ...567168).
-            q |= Q(value__contains={name: int(wanted)})
-        return q | Q(value__contains={name: bool(wanted)}) if wanted in (0, 1) else q
-    return None
 
 
 def _conditions(raw: Any, field: str) -> tuple[str, ...] | None:
