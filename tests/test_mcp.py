@@ -889,8 +889,13 @@ def test_mcp_matrix(server, identity):
             "params.arguments.key",
         ),
         ('{"jsonrpc": "2.0", "id": 1, "method": "ping", "method": "tools/list"}', "method"),
+        (  # past 64 KiB: checked in a worker thread
+            '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "memory_write",'
+            ' "arguments": {"key": "user:u1:big", "value": "%s", "value": 1}}}' % ("x" * 100_000),
+            "params.arguments.value",
+        ),
     ],
-    ids=["tool-name", "argument", "method"],
+    ids=["tool-name", "argument", "method", "100-kB"],
 )
 def test_a_repeated_member_is_a_parse_error_naming_it_and_runs_nothing(server, body, field):
     # The SDK's parser (pydantic's) kept the last value: a proxy or an audit of the raw body
@@ -912,3 +917,19 @@ def test_a_repeated_member_is_a_parse_error_naming_it_and_runs_nothing(server, b
     assert int(r.headers["content-length"]) == len(r.content)
     assert services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys == ["user:u1:kept"]
     assert not [e for e in mcp_events(tenant) if e.action.startswith("memory.")]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_body_refused_for_a_repeated_member_is_charged_as_the_sdks_refusals(server_limited):
+    _key, raw = make_key(make_tenant("mcp-dup-charged"))
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {raw}",
+    }
+    body = '{"jsonrpc": "2.0", "id": 1, "method": "ping", "method": "ping"}'
+    _wait_for_a_minutes_start()
+    refused = [httpx2.post(server_limited, content=body, headers=headers, timeout=30) for _ in range(4)]
+    assert [r.status_code for r in refused] == [400] * 4, [r.text for r in refused]
+    assert _rate_limited(_rpc(server_limited, raw, "ping"))  # the four used the minute
