@@ -473,7 +473,16 @@ def _parse(body: Any) -> tuple[str, dict]:
     if isinstance(arguments, str):
         text, reason = arguments, None
         try:
-            arguments = json.loads(text, parse_constant=_no_constant, parse_float=_finite) if text.strip() else {}
+            arguments = (
+                validation.loads_unique(text, parse_constant=_no_constant, parse_float=_finite) if text.strip() else {}
+            )
+        except validation.DuplicateKey as exc:  # as zeromem.kit.parsers refuses one in a body
+            where = validation.duplicate_key_field(text, prefix=f"{prefix}arguments") or f"{prefix}arguments"
+            raise InvalidInput(
+                f"is not valid JSON here: the object {exc}, each name may appear once",
+                field=where,
+                code="duplicate_key",
+            ) from None
         except RecursionError:  # nested past the interpreter's recursion limit
             reason = "nested too deeply"
         except ValueError as exc:  # a syntax error, or an integer past Python's 4300 digits

@@ -118,6 +118,8 @@ def test_support_adds_a_memory_through_memory_write(tenant_a, staff_clients):
         # An integer past Python's 4300 digits: json.loads raised a plain ValueError, a 500.
         pytest.param("9" * 5000, TOO_MANY_DIGITS, id="long-integer"),
         pytest.param('{"n": [1, ' + "9" * 4301 + "]}", TOO_MANY_DIGITS, id="long-integer-nested"),
+        # A member named twice: json.loads kept the last, the other was dropped unsaid.
+        pytest.param('{"a": {"city": "Lyon", "city": "Paris"}}', "names 'city' twice (a.city)", id="repeated-member"),
     ],
 )
 def test_invalid_value_is_a_clear_form_error_and_changes_nothing(tenant_a, staff_clients, value, message):

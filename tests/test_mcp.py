@@ -871,3 +871,65 @@ def test_mcp_matrix(server, identity):
     # Tenant A's memory is as it was.
     memory = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=TARGET).memory
     assert (memory.value, memory.version) == (CANARY, 1)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (
+            '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "memory_read",'
+            ' "name": "memory_delete", "arguments": {"key": "user:u1:kept"}}}',
+            "params.name",
+        ),
+        (
+            '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "memory_delete",'
+            ' "arguments": {"key": "user:u1:other", "key": "user:u1:kept"}}}',
+            "params.arguments.key",
+        ),
+        ('{"jsonrpc": "2.0", "id": 1, "method": "ping", "method": "tools/list"}', "method"),
+        (  # past 64 KiB: checked in a worker thread
+            '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "memory_write",'
+            ' "arguments": {"key": "user:u1:big", "value": "%s", "value": 1}}}' % ("x" * 100_000),
+            "params.arguments.value",
+        ),
+    ],
+    ids=["tool-name", "argument", "method", "100-kB"],
+)
+def test_a_repeated_member_is_a_parse_error_naming_it_and_runs_nothing(server, body, field):
+    # The SDK's parser (pydantic's) kept the last value: a proxy or an audit of the raw body
+    # that read the first saw a memory_read where ZeroMem ran a memory_delete.
+    tenant = make_tenant(f"mcp-dup-{field.replace('.', '-')}")
+    _key, raw = make_key(tenant)
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:kept", value="keep me")
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {raw}",
+    }
+    r = httpx2.post(server, content=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.headers.get("x-request-id"), r.text
+    error = JSONRPCError.model_validate(r.json()).error
+    assert error.code == -32700 and r.json()["id"] is None, r.text
+    assert repr(field.rsplit(".", 1)[-1]) in error.message and len(error.message) <= 160, error.message
+    assert error.data == {"field": field}
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys == ["user:u1:kept"]
+    assert not [e for e in mcp_events(tenant) if e.action.startswith("memory.")]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_body_refused_for_a_repeated_member_is_charged_as_the_sdks_refusals(server_limited):
+    _key, raw = make_key(make_tenant("mcp-dup-charged"))
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {raw}",
+    }
+    body = '{"jsonrpc": "2.0", "id": 1, "method": "ping", "method": "ping"}'
+    _wait_for_a_minutes_start()
+    refused = [httpx2.post(server_limited, content=body, headers=headers, timeout=30) for _ in range(4)]
+    assert [r.status_code for r in refused] == [400] * 4, [r.text for r in refused]
+    assert _rate_limited(_rpc(server_limited, raw, "ping"))  # the four used the minute

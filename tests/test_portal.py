@@ -563,6 +563,46 @@ def test_a_pending_request_page_refreshes_itself(api, seeded, django_capture_on_
     assert '<li class="">Done</li>' in text and "Receipt" not in text
 
 
+REFRESH = re.compile(r'<meta http-equiv="refresh" content="(\d+)(?:; url=([^"]+))?">')
+
+
+def follow_refreshes(client, path: str, most: int = 100) -> tuple[list[int], str]:
+    """Load ``path`` and every page its meta refresh leads to, as a tab left open would:
+    (the interval of each refresh, the last page's text)."""
+    intervals = []
+    text = page_text(client.get(path))
+    while (found := REFRESH.search(text)) and len(intervals) < most:
+        intervals.append(int(found.group(1)))
+        url = (found.group(2) or path).replace("&amp;", "&")  # no url: this page again
+        assert path_of(url) == path, url
+        text = page_text(client.get(url))
+    return intervals, text
+
+
+@pytest.mark.parametrize("page", ["request", "home"])
+def test_a_pending_request_page_left_open_backs_off_then_stops_and_offers_a_link(
+    api, seeded, django_capture_on_commit_callbacks, settings, page
+):
+    # It reloaded itself every 2 s for as long as the request was pending, and each load is
+    # 2 audit rows: a tab left open while the workers were stalled wrote ~1,800 rows in 30 min.
+    settings.ZEROMEM_PORTAL_PAGES_PER_MINUTE = 1000
+    tenant_a, _ = seeded
+    client = open_portal(issue(api)["url"])
+    with django_capture_on_commit_callbacks(execute=False):  # the job never runs
+        r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "all", "confirm": "yes"})
+    path = r["Location"] if page == "request" else "/portal/"
+    before = AuditEvent.objects.filter(tenant=tenant_a).count()
+    intervals, last = follow_refreshes(client, path)
+    rows = AuditEvent.objects.filter(tenant=tenant_a).count() - before
+    assert intervals == [2, 4, 8, 16, 32, 60, 60, 60, 60, 60], intervals  # 6 min 2 s of checking
+    assert rows <= 2 * (len(intervals) + 1), rows
+    assert "http-equiv" not in last and f'<a href="{path}">Check again</a>' in last, last
+    assert ForgetRequest.objects.get().status == "received"
+    # Check again starts over at 2 s; a counter out of range is the first load's.
+    for query in ("", "?refresh=x", "?refresh=-1", "?refresh=" + "9" * 40):
+        assert REFRESH.search(page_text(client.get(path + query))).group(1) == "2", query
+
+
 @pytest.mark.parametrize("data", [{"what": "all", "confirm": "yes"}, {"what": "one", "key": "user:u1:pref_lang"}])
 def test_asking_again_while_a_request_is_pending_leads_to_that_request(api, seeded, data):
     # A script replaying the session cookie cannot flood the tenant's queue: while the end

@@ -93,7 +93,12 @@ class MemoryForm(forms.ModelForm):
     def clean_value(self):
         text = self.cleaned_data["value"]
         try:
-            parsed = json.loads(text)
+            parsed = validation.loads_unique(text)
+        except validation.DuplicateKey as exc:  # json.loads kept the last value, dropping the other
+            where = validation.duplicate_key_field(text) or exc.name[:64]
+            raise forms.ValidationError(
+                f"Not valid JSON here: an object names {exc.name[:64]!r} twice ({where}); each name may appear once."
+            ) from None
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(
                 f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}). "

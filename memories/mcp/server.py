@@ -51,7 +51,7 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
-from mcp_types.jsonrpc import INTERNAL_ERROR, METHOD_NOT_FOUND
+from mcp_types.jsonrpc import INTERNAL_ERROR, METHOD_NOT_FOUND, PARSE_ERROR
 from pydantic import ConfigDict, ValidationError
 
 from audit import limits
@@ -94,6 +94,7 @@ class _Request:
     rate_limited: int | None = None  # Retry-After, when the key was over its rate limit
     key: ApiKey | None = None  # the verified key
     charged: bool = False  # a unit of the key's rate limit was taken for this HTTP request
+    repeated: tuple[str, str] | None = None  # (path, name) of a member the body names twice
 
 
 _current: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("zeromem_mcp_request", default=None)
@@ -465,6 +466,15 @@ class McpEndpoint:
             message = await receive()
             if message["type"] == "http.request":
                 body.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    request.repeated = await _repeated_member(b"".join(body))
+                    if request.repeated is not None:
+                        # A body that does not parse (its last byte a NUL, its length kept for
+                        # the SDK's body cap): the SDK answers its own 400 -32700 Parse error,
+                        # charged as its other refusals, and runs nothing; that answer is
+                        # rewritten below to name the member.
+                        last = message.get("body", b"")
+                        message = {**message, "body": last[:-1] + b"\x00" if last else b"\x00"}
             return message
 
         replaced = False
@@ -502,7 +512,10 @@ class McpEndpoint:
             elif held is not None:
                 start, held = held, None
                 if message["type"] == "http.response.body" and not message.get("more_body"):
-                    start, message = short_refusal(start, message, b"".join(body))
+                    if request.repeated is not None:
+                        start, message = repeated_refusal(start, message, *request.repeated)
+                    else:
+                        start, message = short_refusal(start, message, b"".join(body))
                 await send(start)
             await send(message)
 
@@ -555,6 +568,49 @@ def short_refusal(start: dict, message: dict, request_body: bytes) -> tuple[dict
     except (ValueError, KeyError, TypeError, AttributeError):
         return start, message
     answer["error"] = {**error, "message": f"Invalid JSON-RPC message: {text}", "data": {"field": field}}
+    body = json.dumps(answer, separators=(",", ":")).encode()
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return {**start, "headers": headers}, {**message, "body": body}
+
+
+# A body past this is checked for a repeated member in a worker thread (a megabyte of small
+# objects takes ~10 ms to parse), not on the event loop.
+REPEAT_CHECK_INLINE_BYTES = 64 * 1024
+
+
+async def _repeated_member(request_body: bytes) -> tuple[str, str] | None:
+    """(path, name) of a member a JSON object of the body names twice — ``("params.name",
+    "name")`` — else None (a body that does not parse is the SDK's to refuse). The SDK's parser
+    (pydantic's) keeps the last value; a proxy, WAF or audit of the raw body may read the first."""
+
+    def check():
+        try:
+            validation.loads_unique(request_body)
+        except validation.DuplicateKey as exc:
+            return validation.duplicate_key_field(request_body) or exc.name[:64], exc.name
+        except (ValueError, RecursionError):
+            return None
+        return None
+
+    if len(request_body) <= REPEAT_CHECK_INLINE_BYTES:
+        return check()
+    return await _in_thread(check)
+
+
+def repeated_refusal(start: dict, message: dict, field: str, name: str) -> tuple[dict, dict]:
+    """The SDK's 400 Parse error (``-32700``, id null) for a body whose member ``field`` is
+    named twice, with a message naming it and ``{"field": field}`` as its ``data`` (as
+    :func:`short_refusal`'s). Any other answer as it was."""
+    try:
+        answer = json.loads(message.get("body", b""))
+        error = answer["error"]
+        if error.get("code") != PARSE_ERROR:
+            return start, message
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return start, message
+    said = f"Parse error: an object names {name[:64]!r} twice ({field}); each name may appear once"
+    answer["error"] = {**error, "message": said[:160], "data": {"field": field}}
     body = json.dumps(answer, separators=(",", ":")).encode()
     headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
     headers.append((b"content-length", str(len(body)).encode()))

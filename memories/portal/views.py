@@ -38,7 +38,14 @@ COOKIE_PATH = "/portal/"
 COOKIE_SAMESITE = "Strict"
 END_USER_SCOPES = frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE})
 PENDING = (ForgetRequest.Status.RECEIVED, ForgetRequest.Status.RUNNING)
-REFRESH_SECONDS = 2
+# A page showing a pending request reloads itself (a meta refresh: no script), after 2 s, then
+# twice as long each time up to 60 s, REFRESH_LOADS times (6 min 2 s in all), then offers a
+# "Check again" link: each load is 2 audit rows, so a tab left open writes at most 22 (it
+# reloaded every 2 s for as long as the request was pending: ~1,800 rows in 30 minutes with
+# the workers stalled). The count of reloads so far rides in the reload's URL (?refresh=n).
+REFRESH_FIRST_SECONDS = 2
+REFRESH_MAX_SECONDS = 60
+REFRESH_LOADS = 10
 
 REFUSED_LINK = {
     "altered": (
@@ -229,9 +236,26 @@ def _home(request, link, memories, total, requests, *, error: str = "", status: 
         "total": total,
         "requests": [_request_view(r) for r in requests],
         "error": error,
-        "refresh": REFRESH_SECONDS if any(r.status in PENDING for r in requests) else None,
+        "refresh": _refresh(request, any(r.status in PENDING for r in requests)),
     }
     return render(request, "portal/home.html", context, status=status)
+
+
+def _refresh(request, pending: bool) -> dict | None:
+    """How a page showing a pending request reloads itself: ``{"seconds", "url"}`` for its
+    meta refresh, or ``{"stopped": True, "url"}`` (a "Check again" link) once it has reloaded
+    itself REFRESH_LOADS times; None when nothing is pending. A count in the URL that is not
+    one of 1..REFRESH_LOADS is the first load's."""
+    if not pending:
+        return None
+    raw = request.GET.get("refresh", "")
+    done = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else 0
+    if not 0 < done <= REFRESH_LOADS:
+        done = 0
+    if done == REFRESH_LOADS:
+        return {"stopped": True, "url": request.path}
+    seconds = min(REFRESH_FIRST_SECONDS * 2**done, REFRESH_MAX_SECONDS)
+    return {"seconds": seconds, "url": f"{request.path}?refresh={done + 1}"}
 
 
 @never_cache
@@ -288,7 +312,7 @@ def request_detail(request, request_id):
     except NotFound:
         return _error(request, 404, "No such request", "There is no request of yours with this number.")
     view = _request_view(forget_request)
-    context = {"tenant": link.tenant, "r": view, "refresh": REFRESH_SECONDS if view["pending"] else None}
+    context = {"tenant": link.tenant, "r": view, "refresh": _refresh(request, view["pending"])}
     return render(request, "portal/request.html", context)
 
 

@@ -214,6 +214,79 @@ def lone_surrogate_field(text: str, data) -> str | None:
     return None
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names a member twice: ``{"name": "memory_read", "name": "memory_delete"}``.
+    Python's json keeps the last value, a proxy, WAF or audit of the raw body may keep the
+    first: refused everywhere ZeroMem parses JSON, so no two readers act on different bodies."""
+
+    def __init__(self, name: str):
+        super().__init__(f"repeats the member {name[:64]!r}")
+        self.name = name
+
+
+def _unique(pairs: list) -> dict:
+    # object_pairs_hook: one call per object, which the scanner hands its members as a list.
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for name, _value in pairs:
+            if name in seen:
+                raise DuplicateKey(name)
+            seen.add(name)
+    return obj
+
+
+def loads_unique(text, **kwargs):
+    """``json.loads(text, **kwargs)``, but an object that repeats a member name raises
+    :class:`DuplicateKey` (a ``ValueError``). A body without repeats costs ~1.2-1.5× json's own
+    parse (README "Keys, values and results")."""
+    return json.loads(text, object_pairs_hook=_unique, **kwargs)
+
+
+class _Repeating(dict):
+    __slots__ = ("repeated",)
+
+
+def _marked(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    obj = _Repeating(obj)
+    seen = set()
+    for name, _value in pairs:
+        if name in seen:
+            obj.repeated = name
+            break
+        seen.add(name)
+    return obj
+
+
+def duplicate_key_field(text, prefix: str = "") -> str | None:
+    """The dotted path of a member named twice in the JSON ``text`` ("arguments.key",
+    "calls.1.arguments.value"; under ``prefix`` if given) — the outermost such object's, then
+    in document order — at most 200 characters; None if no object repeats a name or ``text``
+    does not parse. For a refusal's field: parses ``text`` again, marking such objects."""
+    try:
+        data = json.loads(text, object_pairs_hook=_marked)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[object, tuple | None]] = [(data, (prefix, None) if prefix else None)]
+    while stack:
+        item, trail = stack.pop()
+        if isinstance(item, _Repeating):
+            return dotted_path((item.repeated, trail))
+        if isinstance(item, dict):
+            children = list(item.items())
+        elif isinstance(item, list):
+            children = list(enumerate(item))
+        else:
+            continue
+        for name, child in reversed(children):
+            if isinstance(child, dict | list):
+                stack.append((child, (name, trail)))
+    return None
+
+
 def dotted_path(trail: tuple | None, max_len: int = _PATH_MAX_LEN) -> str:
     """The dotted path ("calls.1.key") of a walk's trail — ``(name, parent's trail)`` pairs,
     None at the top — at most ``max_len`` characters. A walk keeps trails, not paths: a path

@@ -30,18 +30,25 @@ class JSONParser(parsers.JSONParser):
     interpreter's recursion limit (thousands of levels) or with a number past a double's range
     (``1e400``) is a 400 ``malformed_json`` instead of a 500, and a string holding a lone
     surrogate (``"\\ud800"``, which nothing can store) is a 400 ``invalid_characters`` naming
-    where it is (:func:`zeromem.kernel.validation.lone_surrogate_field`). Values nested past
+    where it is (:func:`zeromem.kernel.validation.lone_surrogate_field`), and an object that
+    names a member twice is a 400 ``duplicate_key`` naming its path (``arguments.key``; Python
+    kept the last value, a proxy or an audit of the raw body may read the first). Values nested past
     ``validation.VALUE_MAX_DEPTH`` are refused by the services with their field named."""
 
     def parse(self, stream, media_type=None, parser_context=None):
         encoding = parsers.get_encoding(parser_context or {})
         try:
             text = codecs.getreader(encoding)(stream).read()
-            data = json.loads(
+            data = validation.loads_unique(
                 text,
                 parse_constant=json.strict_constant if self.strict else None,
                 parse_float=_finite,
             )
+        except validation.DuplicateKey as exc:
+            error = exceptions.ParseError(f"JSON parse error - the object {exc}: each name may appear once")
+            field = validation.duplicate_key_field(text) or "body"
+            error.zeromem_code, error.zeromem_field = "duplicate_key", field
+            raise error from None
         except ValueError as exc:
             raise exceptions.ParseError(f"JSON parse error - {exc}") from None
         except RecursionError:
