@@ -236,19 +236,34 @@ def keys_and_text_sizes(tenant: Tenant, qs: QuerySet[Memory]) -> list[tuple[str,
 
 
 # One step of the walk over the namespaces of a key range: the next namespace holding a live
-# memory, read on the (tenant, namespace, key) index (a "loose index scan").
+# memory, read on the (tenant, namespace, key) index (a "loose index scan"). Each step bounds
+# (tenant_id, namespace) as one row range rather than "tenant_id = %s AND namespace > ...":
+# only an index starting with both columns can serve it, whatever the statistics. With the
+# equality, statistics taken before a tenant's bulk import (no rows of it, as far as the
+# planner knew) made any index on tenant_id look as cheap, and each step read and sorted the
+# whole tenant there (100,000 memories in 20 namespaces: 1.1 s, 0.01 s once analyzed).
 _NAMESPACE_WALK_SQL = """
 WITH RECURSIVE walk(namespace, n) AS (
     SELECT (SELECT m.namespace FROM memories_memory m
-            WHERE m.tenant_id = %(tenant)s AND m.namespace >= %(low)s AND m.namespace < %(high)s AND {live}
-            ORDER BY m.namespace LIMIT 1), 1
+            WHERE (m.tenant_id, m.namespace) >= (%(tenant)s, %(low)s)
+              AND (m.tenant_id, m.namespace) < (%(tenant)s, %(high)s) AND {live}
+            ORDER BY m.tenant_id, m.namespace LIMIT 1), 1
   UNION ALL
     SELECT (SELECT m.namespace FROM memories_memory m
-            WHERE m.tenant_id = %(tenant)s AND m.namespace > w.namespace AND m.namespace < %(high)s AND {live}
-            ORDER BY m.namespace LIMIT 1), w.n + 1
+            WHERE (m.tenant_id, m.namespace) > (%(tenant)s, w.namespace)
+              AND (m.tenant_id, m.namespace) < (%(tenant)s, %(high)s) AND {live}
+            ORDER BY m.tenant_id, m.namespace LIMIT 1), w.n + 1
     FROM walk w WHERE w.namespace IS NOT NULL AND w.n < %(limit)s
 )
 SELECT namespace FROM walk WHERE namespace IS NOT NULL
+"""
+# Whether namespace ``own`` holds a live memory whose key starts with ``low`` (``own`` + ":"),
+# as one (tenant_id, namespace, key) row range, for the same reason.
+_OWN_NAMESPACE_SQL = """
+SELECT 1 FROM memories_memory m
+WHERE (m.tenant_id, m.namespace, m.key) >= (%(tenant)s, %(own)s, %(low)s)
+  AND (m.tenant_id, m.namespace, m.key) < (%(tenant)s, %(own)s, %(high)s) AND {live}
+LIMIT 1
 """
 _LIVE_SQL = "m.deleted_at IS NULL AND (m.expires_at IS NULL OR m.expires_at > %(now)s)"
 
@@ -272,11 +287,11 @@ def namespaces_live(*, tenant: Tenant, prefixes: list[str], limit: int) -> list[
         if p.endswith(EXACT):
             found.update(memories_live(tenant=tenant, prefixes=[p]).values_list("namespace", flat=True))
             continue
-        own = memories_live(tenant=tenant).filter(namespace=p[:-1], key__startswith=p)
-        if own.exists():
-            found.add(p[:-1])
-        params = {"tenant": tenant.pk, "low": p, "high": p[:-1] + ";", "limit": limit, "now": now}
+        params = {"tenant": tenant.pk, "own": p[:-1], "low": p, "high": p[:-1] + ";", "limit": limit, "now": now}
         with connection.cursor() as cursor:
+            cursor.execute(_OWN_NAMESPACE_SQL.format(live=_LIVE_SQL), params)
+            if cursor.fetchone():
+                found.add(p[:-1])
             cursor.execute(_NAMESPACE_WALK_SQL.format(live=_LIVE_SQL), params)
             found.update(namespace for (namespace,) in cursor.fetchall())
     return sorted(found)[:limit]
