@@ -7,7 +7,7 @@ MCP's calls).
 Measured on this project (README "Serving"): granian had the least server CPU per request of
 uvicorn ASGI, gunicorn sync/gthread and granian ASGI/WSGI; behind the router, Django's WSGI app
 through a2wsgi cost +0.3-0.5 ms a request over granian WSGI (the bridge that replaced a2wsgi's
-responder saved 0.2-0.45 ms of it) where Django's ASGIHandler cost +1.5-3 ms (its ~16
+responder saved 0.2-0.3 ms of it, 0.7-0.8 ms on a tool read) where Django's ASGIHandler cost +1.5-3 ms (its ~16
 sync/async thread hops per request); a request that is slow holds one
 thread of its process and nothing else, where a single-threaded worker stalls every request
 queued behind it.
