@@ -778,6 +778,7 @@ class FakeLLM:
         self.mode = "ok"
         self.requests: list[dict] = []
         self.redirect = (302, "")  # mode "redirect": (status, Location)
+        self.content = ""  # mode "content": the summary the model answers
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -817,6 +818,25 @@ class FakeLLM:
                         self.wfile.write(payload[30:])
                     except OSError:
                         pass  # the client gave up
+                    return
+                if mode == "header_drip":
+                    # The status line at once, then a header line every 0.1 s (each well within
+                    # the read timeout) for 3 s, before any byte of the body.
+                    try:
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                        self.wfile.flush()
+                        for i in range(30):
+                            time.sleep(0.1)
+                            self.wfile.write(f"X-Drip-{i}: .\r\n".encode())
+                            self.wfile.flush()
+                        self.wfile.write(b"Content-Length: 0\r\n\r\n")
+                    except OSError:
+                        pass  # the client gave up
+                    self.close_connection = True
+                    return
+                if mode == "content":
+                    answer = {**OK_ANSWER, "choices": [{"message": {"role": "assistant", "content": fake.content}}]}
+                    self._send(200, json.dumps(answer).encode())  # ASCII: a lone surrogate as \ud800
                     return
                 if mode == "error":
                     # An endpoint that echoes the prompt in its error: none of it may be kept.
@@ -945,6 +965,71 @@ def test_an_llm_answer_trickling_in_fails_the_attempt_at_the_timeout(
     assert job.status == "queued"
     assert job.error == "attempt 1 of 3 failed: SummarizerError: the LLM endpoint did not answer within 0.3 s"
     assert live(api.tenant, "summary:session:s1") is None
+
+
+def test_an_llm_answer_whose_headers_trickle_in_fails_the_attempt_at_the_timeout(
+    api, session, llm, django_capture_on_commit_callbacks
+):
+    # The deadline covers the whole answer, headers included: one header line at a time,
+    # each within the socket's read timeout, held the worker for up to 100 lines of 64 KiB.
+    llm.mode = "header_drip"
+    started = time.monotonic()
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert time.monotonic() - started < 1.5
+    assert job.status == "queued"
+    assert job.error == "attempt 1 of 3 failed: SummarizerError: the LLM endpoint did not answer within 0.3 s"
+    assert live(api.tenant, "summary:session:s1") is None
+
+
+def test_an_llm_summary_with_nul_control_characters_or_lone_surrogates_is_stored_cleaned(
+    api, session, llm, django_capture_on_commit_callbacks
+):
+    # A value with NUL or a lone surrogate cannot be stored: every attempt failed on the
+    # write, each after paying for the same LLM answer again.
+    llm.mode = "content"
+    llm.content = "ship\x00 v2\x1b[2J on \ud800Friday\r\nbell\x07\tend"
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "succeeded", job.error
+    assert live(api.tenant, "summary:session:s1").value == "ship v2[2J on \ufffdFriday\nbell\tend"
+    assert len(llm.requests) == 1
+
+
+@pytest.mark.parametrize("content", ["\x00\x00", "\x1b\x07 \r\n"])
+def test_an_llm_summary_of_nothing_but_control_characters_is_an_empty_summary(
+    api, session, llm, content, django_capture_on_commit_callbacks
+):
+    llm.mode = "content"
+    llm.content = content
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "queued"
+    assert job.error == "attempt 1 of 3 failed: SummarizerError: the LLM endpoint answered an empty summary"
+    assert live(api.tenant, "summary:session:s1") is None
+
+
+def test_sensitive_memories_never_go_to_the_llm_endpoint(
+    api, tenant_a, session, llm, django_capture_on_commit_callbacks
+):
+    # A sealed value leaves the search index and the embeddings; it must not leave the server
+    # for an outside LLM either. The namespace is summarized by the digest, sealed.
+    write(tenant_a, "session:s1:phone", CANARY, sensitive=True)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "succeeded", job.error
+    assert (job.result["summarizer"], job.result["tokens"]) == ("digest", 0)
+    assert llm.requests == []
+    summary = live(api.tenant, "summary:session:s1")
+    assert summary.sensitive and CANARY in summary.value
+
+
+def test_a_tenant_rules_sensitive_memory_never_goes_to_the_llm_endpoint(
+    api, tenant_a, session, llm, django_capture_on_commit_callbacks
+):
+    tenant_a.sensitive_keys = ["session:*:phone"]
+    tenant_a.save()
+    Memory.objects.filter(tenant=tenant_a).update(sensitive=False)
+    write(tenant_a, "session:s1:phone", CANARY)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "succeeded", job.error
+    assert job.result["summarizer"] == "digest" and llm.requests == []
 
 
 def test_llm_failure_then_success_on_retry(api, session, llm, django_capture_on_commit_callbacks):

@@ -34,6 +34,8 @@ import http.client
 import json
 import logging
 import re
+import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -226,8 +228,9 @@ def _attempt_run(job: Job | None, job_id: int) -> dict:
         if refusal is None:
             digest = _digest(tenant=tenant, prefix=prefix, max_chars=settings.ZEROMEM_SUMMARY_MAX_CHARS)
             text, summarizer, tokens = digest.text, "digest", 0
-            if digest.sources and settings.ZEROMEM_LLM_BASE_URL:
-                # Outside any transaction: no lock or connection is held while the LLM thinks.
+            # A sensitive value never leaves the server: such a namespace keeps the digest.
+            if digest.sources and settings.ZEROMEM_LLM_BASE_URL and not _any_sensitive(tenant, digest.sources):
+                # Outside any transaction: no lock is held while the LLM thinks.
                 text, tokens = _llm_summarize(digest.text)
                 summarizer = "llm"
         with audited_operation(
@@ -534,9 +537,7 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         source=f"job:summarize#{job.pk}",
         # Made from a sensitive memory, it is as sensitive (sealed, not indexed by its text) —
         # one the tenant's rules match too, though written before the rule and not re-sealed yet.
-        sensitive=True
-        if any(m.sensitive or sensitivity.matches_rules(tenant, key=m.key, value=m.value) for m in digest.sources)
-        else None,
+        sensitive=True if _any_sensitive(tenant, digest.sources) else None,
     )
     # Lineage: memory_write keeps no sources, so they are set here, in the same transaction,
     # with the expiry the sources give it (see summary_expiry).
@@ -554,6 +555,12 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         result["archived"] = len(digest.sources)
     result["chars"] = len(text)
     return result
+
+
+def _any_sensitive(tenant: Tenant, sources: list[Memory]) -> bool:
+    """Whether one of ``sources`` is sensitive: marked, or matched by the tenant's rules
+    though written before the rule and not re-sealed yet. No query."""
+    return any(m.sensitive or sensitivity.matches_rules(tenant, key=m.key, value=m.value) for m in sources)
 
 
 def summary_expiry(
@@ -587,7 +594,119 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_LLM_OPENER = urllib.request.build_opener(_NoRedirects)
+class _Deadline:
+    """A wall-clock deadline for one request: when it passes (a timer thread), every socket
+    the request opened is shut down, so whatever read is waiting — the status line, a header,
+    the TLS handshake, the body — ends at once. The socket's own timeout bounds each wait for
+    the next bytes, not the answer: an endpoint sending a header line now and then held the
+    worker for up to 100 lines of 64 KiB."""
+
+    def __init__(self, seconds: float):
+        self.at = time.monotonic() + seconds
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self.expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+    def expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+    def connection(self, http_class):
+        """``http_class`` (an http.client connection) whose sockets this deadline watches."""
+
+        def make(host, **kwargs):
+            conn = http_class(host, **kwargs)
+            create = conn._create_connection
+
+            def create_watched(*args, **kw):
+                sock = create(*args, **kw)
+                with self._lock:
+                    self._sockets.append(sock)
+                    expired = self.expired
+                if expired:  # (it passed while connecting)
+                    _shut(sock)
+                return sock
+
+            conn._create_connection = create_watched
+            return conn
+
+        return make
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
+class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self._deadline = deadline
+
+    def do_open(self, http_class, req, **kwargs):
+        return super().do_open(self._deadline.connection(http_class), req, **kwargs)
+
+
+class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self._deadline = deadline
+
+    def do_open(self, http_class, req, **kwargs):
+        return super().do_open(self._deadline.connection(http_class), req, **kwargs)
+
+
+def _post(request: urllib.request.Request, timeout: float) -> bytes:
+    """The body of the answer to ``request`` (at most ``LLM_MAX_ANSWER_BYTES`` + 1 bytes), all
+    of it — connection, headers and body — within ``timeout`` seconds, else TimeoutError.
+    Redirects are not followed (an HTTPError, as for any status >= 300)."""
+    with _Deadline(timeout) as deadline:
+        opener = urllib.request.build_opener(
+            _NoRedirects, _DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline)
+        )
+        try:
+            with opener.open(request, timeout=timeout) as response:  # nosec B310
+                raw = _read_by(response, deadline=deadline.at, limit=LLM_MAX_ANSWER_BYTES + 1)
+            if deadline.expired:  # the body was cut short by the shutdown: not the answer
+                raise TimeoutError
+            return raw
+        except urllib.error.HTTPError as exc:
+            exc.close()  # its connection
+            if deadline.expired:
+                raise TimeoutError from None
+            raise
+        except (OSError, http.client.HTTPException):
+            if deadline.expired:  # the socket was shut down under the read
+                raise TimeoutError from None
+            raise
+
+
+# What an LLM's text may not hold: control characters but tab and newline (NUL cannot be
+# stored in PostgreSQL's jsonb; the others are no summary), and lone surrogates (not Unicode:
+# json.loads joins every valid pair, so any surrogate left is half of one).
+_LLM_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _llm_text(text: str) -> str:
+    """The model's ``text`` as it can be stored: control characters but tab and newline
+    dropped (CRLF becomes LF), a lone surrogate replaced by U+FFFD. Stored raw, a NUL or a lone
+    surrogate failed every attempt on the write, each after paying for the answer again."""
+    return _LONE_SURROGATE.sub("\ufffd", _LLM_CONTROL.sub("", text)).strip()
 
 
 def _llm_summarize(digest_text: str) -> tuple[str, int]:
@@ -610,10 +729,8 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
         headers["Authorization"] = f"Bearer {settings.ZEROMEM_LLM_API_KEY}"
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     timeout = settings.ZEROMEM_LLM_TIMEOUT_SECONDS
-    deadline = time.monotonic() + timeout
     try:
-        with _LLM_OPENER.open(request, timeout=timeout) as response:  # nosec B310
-            raw = _read_by(response, deadline=deadline, limit=LLM_MAX_ANSWER_BYTES + 1)
+        raw = _post(request, timeout)
     except urllib.error.HTTPError as exc:
         # The body is not kept: an endpoint may echo the prompt, i.e. memory values.
         if 300 <= exc.code < 400:
@@ -639,19 +756,19 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
         tokens = usage.get("total_tokens", 0)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise SummarizerError("the LLM endpoint's answer is not a chat completion") from None
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str) or not (text := _llm_text(text)):
         raise SummarizerError("the LLM endpoint answered an empty summary")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise SummarizerError("the LLM endpoint's usage.total_tokens is not a count")
-    return text.strip(), tokens
+    return text, tokens
 
 
 def _read_by(response, *, deadline: float, limit: int) -> bytes:
     """Up to ``limit`` bytes of the answer's body, all of it by ``deadline`` (else
     TimeoutError). The socket's timeout bounds each wait for the next bytes, not the answer:
     an endpoint sending a byte now and then would hold the worker, and every job queued
-    behind it, for as long as it liked. A read past the deadline is noticed at its next
-    chunk, so an attempt waits at most about twice the timeout for its body."""
+    behind it, for as long as it liked. A read waiting at the deadline is ended by
+    :class:`_Deadline` shutting the socket down."""
     chunks: list[bytes] = []
     size = 0
     while size < limit:
