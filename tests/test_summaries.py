@@ -834,6 +834,33 @@ class FakeLLM:
                         pass  # the client gave up
                     self.close_connection = True
                     return
+                if mode == "huge":
+                    # 100 MB of a JSON string, no Content-Length: only the connection's end ends it.
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    try:
+                        self.wfile.write(b'{"choices": [{"message": {"content": "')
+                        for _ in range(100):
+                            self.wfile.write(b"x" * 1024 * 1024)
+                    except OSError:
+                        pass  # the client gave up
+                    self.close_connection = True
+                    return
+                if mode == "429":
+                    self.send_response(429)
+                    self.send_header("Retry-After", "3600")
+                    self.send_header("Content-Type", "text/html")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if mode == "html":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/html")
+                    self.send_header("Content-Length", "15")
+                    self.end_headers()
+                    self.wfile.write(b"<html>hi</html>")
+                    return
                 if mode == "content":
                     answer = {**OK_ANSWER, "choices": [{"message": {"role": "assistant", "content": fake.content}}]}
                     self._send(200, json.dumps(answer).encode())  # ASCII: a lone surrogate as \ud800
@@ -1003,6 +1030,45 @@ def test_an_llm_summary_of_nothing_but_control_characters_is_an_empty_summary(
     job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
     assert job.status == "queued"
     assert job.error == "attempt 1 of 3 failed: SummarizerError: the LLM endpoint answered an empty summary"
+    assert live(api.tenant, "summary:session:s1") is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("huge", "the LLM endpoint's answer is larger than 1048576 bytes"),
+        ("429", "the LLM endpoint answered HTTP 429"),
+        ("html", "the LLM endpoint's answer is not a chat completion"),
+    ],
+)
+def test_an_outsize_refused_or_foreign_llm_answer_fails_the_attempt_and_writes_nothing(
+    api, session, llm, mode, error, django_capture_on_commit_callbacks
+):
+    llm.mode = mode
+    started = time.monotonic()
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert time.monotonic() - started < 1.5  # 100 MB is not read: the first MiB and a byte
+    assert job.status == "queued"
+    assert job.error == f"attempt 1 of 3 failed: SummarizerError: {error}"
+    assert live(api.tenant, "summary:session:s1") is None
+
+
+def test_an_llm_summary_of_megabytes_is_stored_cut_to_the_summary_budget(
+    api, session, llm, settings, django_capture_on_commit_callbacks
+):
+    llm.mode = "content"
+    llm.content = "界" * 150_000  # 900 KB as JSON escapes
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "succeeded", job.error
+    summary = live(api.tenant, "summary:session:s1")
+    assert summary.value == "界" * settings.ZEROMEM_SUMMARY_MAX_CHARS
+    assert job.result["chars"] == settings.ZEROMEM_SUMMARY_MAX_CHARS
+
+
+def test_a_tls_error_fails_the_attempt(api, session, llm, settings, django_capture_on_commit_callbacks):
+    settings.ZEROMEM_LLM_BASE_URL = llm.url.replace("http://", "https://")  # TLS to a plain HTTP server
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert job.status == "queued" and "SummarizerError: the LLM endpoint is unreachable (SSL" in job.error
     assert live(api.tenant, "summary:session:s1") is None
 
 
