@@ -410,3 +410,13 @@ def copy_memory(template: Memory, copies: int, expires_step: str = "") -> None:
             "FROM memories_memory, generate_series(1, %s) AS g WHERE id = %s",
             [*([expires_step] if expires_step else []), copies, template.pk],
         )
+
+
+def fresh_memory_table() -> None:
+    """Inside a test's transaction on PostgreSQL: memories_memory (and what references it)
+    as a new, empty table with unbloated indexes, for a test about query plans. The sizes the
+    planner reads (pg_class's pages and tuples) are not transactional: earlier tests' rolled
+    back rows leave the table and its indexes larger than what they hold, and a plan test then
+    measures that history. TRUNCATE is transactional: the test's end brings the old table back."""
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE memories_memory CASCADE")

@@ -446,13 +446,15 @@ def _path(row: Row, s: Staff, object_id=None) -> str:
 
 
 def _state(s: Staff) -> tuple:
+    # Ordered: a save that writes the same values moves its row, and an unordered read then
+    # lists the same rows in another order.
     return (
-        list(Memory.objects.filter(tenant=s.a).values_list("key", "value", "version", "deleted_at")),
+        list(Memory.objects.filter(tenant=s.a).order_by("pk").values_list("key", "value", "version", "deleted_at")),
         MemoryVersion.objects.filter(tenant=s.a).count(),
-        list(ApiKey.objects.filter(tenant=s.a).values_list("pk", "revoked_at")),
-        list(Membership.objects.filter(tenant=s.a).values_list("pk", "role")),
-        list(ForgetRequest.objects.filter(tenant=s.a).values_list("pk", "status")),
-        list(PortalLink.objects.filter(tenant=s.a).values_list("pk", "revoked_at")),
+        list(ApiKey.objects.filter(tenant=s.a).order_by("pk").values_list("pk", "revoked_at")),
+        list(Membership.objects.filter(tenant=s.a).order_by("pk").values_list("pk", "role")),
+        list(ForgetRequest.objects.filter(tenant=s.a).order_by("pk").values_list("pk", "status")),
+        list(PortalLink.objects.filter(tenant=s.a).order_by("pk").values_list("pk", "revoked_at")),
     )
 
 

@@ -14,7 +14,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import Memory, MemoryVersion
 from tests.factories import SYSTEM, write
-from tests.helpers import copy_memory
+from tests.helpers import copy_memory, fresh_memory_table
 from zeromem.kernel import crypto, hotsql
 
 KEY = "user:u1:pref_lang"
@@ -177,6 +177,7 @@ def test_memories_by_ids_is_a_primary_key_lookup_even_when_the_tenants_statistic
     table) — 166 ms a search at 100k memories in bench_search's build."""
     from memories import selectors
 
+    fresh_memory_table()
     template = write(tenant_b, "fact:seed", {"text": "zebra"})
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE memories_memory")  # the statistics, with tenant_b at one memory

@@ -18,7 +18,7 @@ from audit.models import AuditEvent
 from memories.models import Memory
 from memories.services import langgraph as lg
 from tests.factories import make_key, make_keyed_client, make_tenant, write
-from tests.helpers import rest_error
+from tests.helpers import fresh_memory_table, rest_error
 
 
 def sdk(live_server, raw_key, *, bearer=False):
@@ -404,6 +404,7 @@ def test_a_pushed_filter_reads_its_window_as_one_key_range_whatever_the_statisti
     from django.test.utils import CaptureQueriesContext
 
     settings.ZEROMEM_LANGGRAPH_SCAN_MAX = 5
+    fresh_memory_table()
     client, _ = make_keyed_client(tenant_a)
     for i in range(8):
         r = client.put("/api/v1/langgraph/store/items", {"namespace": ["users"], "key": f"k{i}", "value": {"n": i}})
@@ -775,6 +776,7 @@ def test_listing_namespaces_walks_the_namespace_index_on_a_tenant_not_analyzed_y
     starting with tenant_id and sorted the tenant there — every memory of the tenant once per
     namespace (100,000 memories, 20 namespaces: 1.1 s, 0.01 s once analyzed). The steps bound
     (tenant, namespace) as one row range, which only the (tenant, namespace, key) index serves."""
+    fresh_memory_table()
     Memory.objects.bulk_create(Memory(tenant=tenant_b, key=f"b:k{i}", namespace="b", value=i) for i in range(50))
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE memories_memory")  # tenant_a: no rows, as far as the planner knows
