@@ -22,6 +22,7 @@ from memories.services.encryption import reencrypt
 from tests.factories import SYSTEM, make_tenant, write
 from tests.helpers import start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.crypto import ErasedValue, MasterKeyError, master_key_id
+from zeromem.kernel.errors import Erased
 
 CANARY = "CANARY-phone-13800138000"
 CANARY_WORD = "zebracanaryword"
@@ -142,7 +143,7 @@ def test_forgetting_a_subject_destroys_its_data_keys_and_says_so(tenant_a, djang
     key = DataKey.objects.get(pk=envelope["k"])
     assert key.destroyed_at is not None and bytes(key.wrapped) == b"" and key.master_key_id == "" and key.subject == ""
     keyring.forget_cache()
-    assert isinstance(keyring.open_value(envelope), ErasedValue)
+    assert isinstance(keyring.open_value(envelope, tenant_id=tenant_a.pk), ErasedValue)
     assert read(tenant_a, "user:u2:phone") == "other person"
     from audit.models import AuditEvent
 
@@ -636,3 +637,25 @@ def test_a_summary_of_a_memory_a_tenant_rule_makes_sensitive_is_sealed(tenant_a,
     summary = Memory.objects.get(tenant=tenant_a, key="summary:user:u3")
     assert summary.sensitive and CANARY in summary.value
     assert CANARY not in json.dumps(raw_memory(summary)) and CANARY not in summary.search_text
+
+
+def test_a_ciphertext_copied_into_another_tenants_row_does_not_open_there(tenant_a, tenant_b, api_b):
+    """An envelope is bound to its data key, and the data key to its tenant: tenant A's sealed
+    value copied by SQL into tenant B's row (a restore gone wrong, a tampering operator) must
+    not open as B — not through the service, REST, history or search."""
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    b = write(tenant_b, "user:u9:phone", "b's own", sensitive=True)
+    a_envelope = raw_values("memories_memory", "id", Memory.objects.get(tenant=tenant_a).pk)[0]
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE memories_memory SET value = %s WHERE id = %s", [a_envelope, b.pk])
+        cursor.execute("UPDATE memories_memoryversion SET value = %s WHERE memory_id = %s", [a_envelope, b.pk])
+    keyring.forget_cache()
+    with pytest.raises(Erased):  # it reads as a value that cannot be opened: erased
+        read(tenant_b, "user:u9:phone")
+    history = services.memory_history(tenant=tenant_b, actor=SYSTEM, key="user:u9:phone")
+    assert CANARY not in json.dumps([v.value for v in history])
+    response = api_b.get("/api/v1/memories/user:u9:phone")
+    assert response.status_code == 410 and CANARY not in response.content.decode()
+    found = services.memory_search(tenant=tenant_b, actor=SYSTEM, query="phone")
+    assert CANARY not in json.dumps([hit.memory.value for hit in found])
+    assert read(tenant_a, "user:u1:phone") == CANARY  # A's own row still opens

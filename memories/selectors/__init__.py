@@ -15,6 +15,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
+from memories import keyring
 from memories.models import Memory, MemoryVersion, Tenant
 from zeromem.kernel import hotsql
 from zeromem.kernel.deadlines import first_rows
@@ -231,7 +232,7 @@ def keys_and_text_sizes(tenant: Tenant, qs: QuerySet[Memory]) -> list[tuple[str,
     opened = {}
     if sealed:
         values = memories_live(tenant=tenant).filter(key__in=sealed).values_list("key", "value")
-        opened = {key: text_bytes(value) for key, value in values}
+        opened = {key: text_bytes(keyring.open_loaded(value, tenant_id=tenant.pk)) for key, value in values}
     return [(key, opened.get(key, size) if sensitive else size) for key, size, sensitive in rows]
 
 

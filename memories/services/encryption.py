@@ -135,7 +135,7 @@ def _summary_of_sensitive(memory: Memory, tenant: Tenant) -> bool:
     if memory.category != Memory.Category.SUMMARY or not memory.sources:
         return False
     sources = Memory.objects.filter(tenant_id=memory.tenant_id, key__in=memory.sources).only(
-        "key", "value", "sensitive"
+        "tenant_id", "key", "value", "sensitive"
     )
     return any(
         m.sensitive

@@ -98,7 +98,7 @@ def _seal_history(memory: Memory) -> None:
     # values — sealed now, in the write's transaction, under the key its value goes under.
     # bulk_update bypasses the field's sealing (as QuerySet.update does): sealed here. Cost:
     # one SELECT of its plain versions, one seal each, one UPDATE per 500 of them.
-    plain = list(MemoryVersion.objects.filter(memory_id=memory.pk, sensitive=False).only("pk", "value"))
+    plain = list(MemoryVersion.objects.filter(memory_id=memory.pk, sensitive=False).only("pk", "tenant_id", "value"))
     for version in plain:
         version.value = keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=memory.subject)
         version.sensitive = True

@@ -111,3 +111,9 @@ class ErasedValue(dict):
     def __init__(self, envelope: dict):
         super().__init__(erased=True)
         self.envelope = envelope
+
+
+class Unopened(dict):
+    """A sealed value as loaded, before its row's tenant is known (``SealedJSONField``):
+    the row opens it with the tenant bound (``memories.keyring.open_value``). It holds the
+    envelope itself, so anything that leaks it leaks ciphertext, never plaintext."""
