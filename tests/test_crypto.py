@@ -659,3 +659,24 @@ def test_a_ciphertext_copied_into_another_tenants_row_does_not_open_there(tenant
     found = services.memory_search(tenant=tenant_b, actor=SYSTEM, query="phone")
     assert CANARY not in json.dumps([hit.memory.value for hit in found])
     assert read(tenant_a, "user:u1:phone") == CANARY  # A's own row still opens
+
+
+def test_a_wrong_master_key_at_runtime_is_a_503_naming_the_setting_not_a_500(api, tenant_a, settings):
+    """The master keys replaced under a running process (a bad deploy of the secret): every
+    surface answers a clear 503 naming ZEROMEM_MASTER_KEYS, never a 500; plain values still read."""
+    write(tenant_a, "user:u1:phone", CANARY, sensitive=True)
+    write(tenant_a, "user:u1:lang", "zh")
+    settings.ZEROMEM_MASTER_KEYS = [new_master()]
+    keyring.forget_cache()
+    api.raise_request_exception = False
+    response = api.get("/api/v1/memories/user:u1:phone")
+    assert response.status_code == 503, response.content
+    body = response.json()["error"]
+    assert body["code"] == "encryption_unavailable" and "ZEROMEM_MASTER_KEYS" in body["message"]
+    call = {"name": "memory_read", "arguments": {"key": "user:u1:phone"}}
+    response = api.post("/api/v1/tools/call", call)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "encryption_unavailable"
+    response = api.put("/api/v1/memories/user:u1:email", {"value": CANARY, "sensitive": True})  # u1's key
+    assert response.status_code == 503 and "ZEROMEM_MASTER_KEYS" in response.content.decode()
+    assert api.get("/api/v1/memories/user:u1:lang").status_code == 200
+    assert not Memory.objects.filter(key="user:u1:email").exists()
