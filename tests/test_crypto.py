@@ -680,3 +680,21 @@ def test_a_wrong_master_key_at_runtime_is_a_503_naming_the_setting_not_a_500(api
     assert response.status_code == 503 and "ZEROMEM_MASTER_KEYS" in response.content.decode()
     assert api.get("/api/v1/memories/user:u1:lang").status_code == 200
     assert not Memory.objects.filter(key="user:u1:email").exists()
+
+
+def test_data_key_rotation_leaves_no_version_under_a_retired_key(tenant_a):
+    """A memory whose manual sensitive mark was cleared keeps the versions it wrote while
+    sealed (still sealed, the admin masks them): a data key rotation must move them too, or
+    they stay under the retired key for good."""
+    write(tenant_a, "user:u1:note", CANARY, sensitive=True)
+    m = write(tenant_a, "user:u1:note", "now plain", sensitive=False)
+    assert not m.sensitive
+    old_keys = set(DataKey.objects.values_list("pk", flat=True))
+    keyring.retire_current()
+    done = reencrypt(batch=10)
+    assert done.versions == 1
+    for v in MemoryVersion.objects.filter(memory_id=m.pk, sensitive=True):
+        assert json.loads(raw_values("memories_memoryversion", "id", v.pk)[0])["k"] not in old_keys
+        assert v.value == CANARY
+    assert raw_memory(Memory.objects.get(pk=m.pk)) == "now plain"
+    assert reencrypt(batch=10).versions == 0  # idempotent
