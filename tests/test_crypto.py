@@ -698,3 +698,25 @@ def test_data_key_rotation_leaves_no_version_under_a_retired_key(tenant_a):
         assert v.value == CANARY
     assert raw_memory(Memory.objects.get(pk=m.pk)) == "now plain"
     assert reencrypt(batch=10).versions == 0  # idempotent
+
+
+def test_data_key_rotation_keeps_a_version_under_the_key_of_the_end_user_it_was_written_for(
+    tenant_a, django_capture_on_commit_callbacks
+):
+    """A key rewritten for another end user keeps the first one's value in its history, sealed
+    under the first one's key; re-sealing it under the memory's current subject's key (u2) made
+    a backup taken after the rotation still open u1's value after u1's forget."""
+    write(tenant_a, "shared:note", CANARY, sensitive=True, subject="u1")
+    m = write(tenant_a, "shared:note", "u2's note", subject="u2")
+    keyring.retire_current()
+    reencrypt(batch=10)
+    v1 = MemoryVersion.objects.get(memory_id=m.pk, version=1)
+    backup = json.loads(raw_values("memories_memoryversion", "id", v1.pk)[0])  # a dump after the rotation
+    assert v1.value == CANARY
+    with django_capture_on_commit_callbacks(execute=True):
+        request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    request.refresh_from_db()
+    assert request.status == "completed"
+    keyring.forget_cache()
+    assert isinstance(keyring.open_value(backup, tenant_id=tenant_a.pk), ErasedValue)
+    assert read(tenant_a, "shared:note") == "u2's note"

@@ -144,6 +144,13 @@ def _summary_of_sensitive(memory: Memory, tenant: Tenant) -> bool:
     )
 
 
+def version_subject(version: MemoryVersion, memory: Memory) -> str:
+    """The end user whose key seals ``version``: the one it was written for (a key rewritten
+    for another end user keeps the first one's values in its history, and that user's forget
+    must shred them in backups too), else — recorded before migration 0023 — the memory's."""
+    return version.subject or memory.subject
+
+
 def _count(counts: dict[int, dict], memory: Memory, memories: int, versions: int) -> None:
     if memories or versions:
         mine = counts.setdefault(memory.tenant_id, {"count": 0, "versions": 0})
@@ -165,11 +172,12 @@ def _reencrypt_sealed_versions_of_plain(plain: list[Memory], done: ReencryptProg
         memory = by_id[version.memory_id]
         if isinstance(version.value, ErasedValue):
             continue
-        current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=memory.subject)
+        subject = version_subject(version, memory)
+        current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=subject)
         if not _stale(version.raw, current_id):
             continue
         MemoryVersion.objects.filter(pk=version.pk).update(
-            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=memory.subject)
+            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=subject)
         )
         done.versions += 1
         _count(counts, memory, 0, 1)
@@ -199,10 +207,12 @@ def _reencrypt_one(memory: Memory, tenant: Tenant, done: ReencryptProgress) -> b
     for version in versions:
         if isinstance(version.value, ErasedValue):
             continue
+        subject = version_subject(version, memory)
+        current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=subject)
         if version.sensitive and not _stale(version.raw, current_id):
             continue
         MemoryVersion.objects.filter(pk=version.pk).update(
-            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=memory.subject),
+            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=subject),
             sensitive=True,
         )
         done.versions += 1
