@@ -128,6 +128,26 @@ def _data_key(data_key_id: int) -> tuple[bytes | None, int | None]:
     return key, tenant
 
 
+def preload(data_key_ids) -> None:
+    """Fetch the data keys of ``data_key_ids`` not cached here in one query (a page of values
+    sealed under many end users' keys: one query, not one per key)."""
+    now = time.monotonic()
+    ttl = _ttl()
+    if ttl <= 0:
+        return  # nothing is kept: each open fetches its key
+    missing = {i for i in data_key_ids if (hit := _by_id.get(i)) is None or now - hit[0] >= ttl}
+    if not missing:
+        return
+    rows = {row.pk: row for row in DataKey.objects.filter(pk__in=missing)}
+    loaded = {}
+    for key_id in missing:
+        row = rows.get(key_id)
+        key = None if row is None or row.destroyed_at is not None or not row.wrapped else _unwrap(row)
+        loaded[key_id] = (now, key, None if row is None else row.tenant_id)
+    with _lock:
+        _by_id.update(loaded)
+
+
 def _still_current(key_id: int, lock: tuple[str, list] | None = None) -> bool:
     """One primary-key probe of the key store: the key neither retired nor destroyed. Raw SQL
     built once (no queryset to compile on every sensitive write: the ORM's probe made a

@@ -18,6 +18,7 @@ from django.utils import timezone
 from memories import keyring
 from memories.models import Memory, MemoryVersion, Tenant
 from zeromem.kernel import hotsql
+from zeromem.kernel.crypto import Unopened
 from zeromem.kernel.deadlines import first_rows
 from zeromem.kernel.errors import Unavailable
 from zeromem.kernel.keyprefix import EXACT, matches, startswith_q
@@ -143,6 +144,10 @@ def _fetch_one(plan: _Plan, values: dict) -> Memory | None:
 
 def _instance(plan: _Plan, row: tuple) -> Memory:
     """The row as the ORM's iterator would build it: each column through its converters."""
+    return Memory.from_db(connection.alias, plan.attnames, _converted(plan, row))
+
+
+def _converted(plan: _Plan, row: tuple) -> tuple | list:
     cached = connection.__dict__.setdefault("_zeromem_plan_converters", {})
     converters = cached.get(plan.name)
     if converters is None:
@@ -156,7 +161,7 @@ def _instance(plan: _Plan, row: tuple) -> Memory:
             for func in funcs:
                 value = func(value, expression, connection)
             row[pos] = value
-    return Memory.from_db(connection.alias, plan.attnames, row)
+    return row
 
 
 def memory_keys_page(
@@ -333,8 +338,12 @@ def memories_by_ids(*, tenant: Tenant, ids: list[int]) -> dict[int, Memory]:
         return {m.pk: m for m in memories_live(tenant=tenant).filter(pk__in=ids)}
     plan = _plan("live_by_ids", connection.vendor)
     values = {"tenant": tenant.pk, "now": timezone.now(), "ids": list(ids)}
-    rows = hotsql.fetchall(plan.sql, [values[name] for name in plan.order])
-    return {m.pk: m for m in (_instance(plan, row) for row in rows)}
+    rows = [_converted(plan, row) for row in hotsql.fetchall(plan.sql, [values[name] for name in plan.order])]
+    # A search's sealed results are often of as many end users, each with a data key: fetched
+    # in one query, not one each (200 results of 200 users, keys not cached: 161 -> 25 ms).
+    at = plan.attnames.index("value")
+    keyring.preload(int(row[at]["k"]) for row in rows if isinstance(row[at], Unopened))
+    return {m.pk: m for m in (Memory.from_db(connection.alias, plan.attnames, row) for row in rows)}
 
 
 def memories_salient_rows(*, tenant: Tenant, prefixes: list[str] | None) -> list[tuple]:
