@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import threading
 import time
 from typing import Any
@@ -33,8 +34,10 @@ from memories.models import DataKey
 from zeromem.kernel import crypto
 from zeromem.kernel.crypto import SETTING, ErasedValue, MasterKeyError
 
+logger = logging.getLogger(__name__)
+
 _lock = threading.Lock()
-_by_id: dict[int, tuple[float, bytes | None]] = {}
+_by_id: dict[int, tuple[float, bytes | None, int | None]] = {}  # id: (when, key, its tenant)
 _current: dict[tuple[int, str], tuple[float, int, bytes]] = {}
 _masters_cache: tuple[tuple[str, ...], str, dict[str, bytes]] | None = None
 
@@ -108,15 +111,41 @@ def _unwrap(row: DataKey) -> bytes:
 
 def data_key(data_key_id: int) -> bytes | None:
     """The unwrapped data key, or None when it was destroyed (or never existed here)."""
+    return _data_key(data_key_id)[0]
+
+
+def _data_key(data_key_id: int) -> tuple[bytes | None, int | None]:
+    """(the unwrapped data key or None, the tenant it belongs to)."""
     now = time.monotonic()
     hit = _by_id.get(data_key_id)
     if hit is not None and now - hit[0] < _ttl():
-        return hit[1]
+        return hit[1], hit[2]
     row = DataKey.objects.filter(pk=data_key_id).first()
     key = None if row is None or row.destroyed_at is not None or not row.wrapped else _unwrap(row)
+    tenant = None if row is None else row.tenant_id
     with _lock:
-        _by_id[data_key_id] = (now, key)
-    return key
+        _by_id[data_key_id] = (now, key, tenant)
+    return key, tenant
+
+
+def preload(data_key_ids) -> None:
+    """Fetch the data keys of ``data_key_ids`` not cached here in one query (a page of values
+    sealed under many end users' keys: one query, not one per key)."""
+    now = time.monotonic()
+    ttl = _ttl()
+    if ttl <= 0:
+        return  # nothing is kept: each open fetches its key
+    missing = {i for i in data_key_ids if (hit := _by_id.get(i)) is None or now - hit[0] >= ttl}
+    if not missing:
+        return
+    rows = {row.pk: row for row in DataKey.objects.filter(pk__in=missing)}
+    loaded = {}
+    for key_id in missing:
+        row = rows.get(key_id)
+        key = None if row is None or row.destroyed_at is not None or not row.wrapped else _unwrap(row)
+        loaded[key_id] = (now, key, None if row is None else row.tenant_id)
+    with _lock:
+        _by_id.update(loaded)
 
 
 def _still_current(key_id: int, lock: tuple[str, list] | None = None) -> bool:
@@ -187,7 +216,7 @@ def current_key(*, tenant_id: int, subject: str) -> tuple[int, bytes]:
         key = _unwrap(row)
     with _lock:
         _current[(tenant_id, subject)] = (now, row.pk, key)
-        _by_id[row.pk] = (now, key)
+        _by_id[row.pk] = (now, key, tenant_id)
     return row.pk, key
 
 
@@ -217,14 +246,31 @@ def opened_take() -> set[int]:
     return opened or set()
 
 
-def open_value(envelope: dict) -> Any:
+def open_value(envelope: dict, *, tenant_id: int) -> Any:
+    """The value sealed in ``envelope``, read as a row of ``tenant_id``: an
+    :class:`ErasedValue` when its data key is destroyed, missing, or another tenant's (a
+    ciphertext copied between tenants' rows never opens; the key's wrapping binds its tenant,
+    so editing the key row's tenant makes it fail to unwrap instead)."""
+    key_id = int(envelope["k"])
+    key, owner = _data_key(key_id)
+    if key is not None and owner != tenant_id:
+        logger.warning(
+            "a sealed value of tenant %s names data key %s of tenant %s: not opened", tenant_id, key_id, owner
+        )
+        return ErasedValue(dict(envelope))
     opened = _opened.get()
     if opened is not None:
-        opened.add(int(envelope["k"]))
-    key = data_key(int(envelope["k"]))
+        opened.add(key_id)
     if key is None:
-        return ErasedValue(envelope)
+        return ErasedValue(dict(envelope))
     return crypto.open_envelope(key, envelope)
+
+
+def open_loaded(value: Any, *, tenant_id: int) -> Any:
+    """A value as ``SealedJSONField`` loaded it (``values_list`` too), opened as ``tenant_id``'s."""
+    if isinstance(value, crypto.Unopened):
+        return open_value(value, tenant_id=tenant_id)
+    return value
 
 
 def envelope_key_id(value: Any) -> int | None:

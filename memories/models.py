@@ -118,16 +118,18 @@ class SealedJSONField(models.JSONField):
 
     ``save()``/``create()`` seal through :meth:`pre_save`; a ``QuerySet.update()`` bypasses it,
     so services pass an already sealed envelope there (``memories.keyring.seal_value``), and a
-    CHECK constraint refuses a sensitive row holding anything else. Loading opens the envelope
-    (``memories.keyring.open_value``); a value whose data key was destroyed loads as
-    :class:`~zeromem.kernel.crypto.ErasedValue`."""
+    CHECK constraint refuses a sensitive row holding anything else. Loading marks an envelope
+    :class:`~zeromem.kernel.crypto.Unopened`; the row opens it once its tenant is known
+    (:class:`OpensSealedValues`, ``memories.keyring.open_value``), so a ciphertext of another
+    tenant's key copied into this row never opens here. A value whose data key was destroyed
+    (or belongs to another tenant) loads as :class:`~zeromem.kernel.crypto.ErasedValue`.
+    ``values()``/``values_list()`` of the field give the ``Unopened`` envelope: open it with
+    ``keyring.open_loaded(value, tenant_id=...)``."""
 
     def from_db_value(self, value, expression, connection):
         value = super().from_db_value(value, expression, connection)
         if crypto.is_envelope(value):
-            from memories import keyring
-
-            return keyring.open_value(value)
+            return crypto.Unopened(value)
         return value
 
     def pre_save(self, model_instance, add):
@@ -140,6 +142,22 @@ class SealedJSONField(models.JSONField):
 
             return keyring.seal_value(value, tenant_id=scope[0], subject=scope[1])
         return value
+
+
+class OpensSealedValues:
+    """Opens the row's sealed ``value`` on load under the row's own tenant: the data key
+    must be this tenant's (its wrapping binds it to its tenant), else the value reads as
+    erased — a ciphertext copied from another tenant's row never opens here."""
+
+    @classmethod
+    def from_db(cls, db, field_names, values):
+        instance = super().from_db(db, field_names, values)
+        value = instance.__dict__.get("value")
+        if isinstance(value, crypto.Unopened):
+            from memories import keyring
+
+            instance.value = keyring.open_loaded(value, tenant_id=instance.tenant_id)
+        return instance
 
 
 class DataKey(models.Model):
@@ -197,7 +215,7 @@ class MemoryManager(models.Manager.from_queryset(MemoryQuerySet)):
         return super().get_queryset().defer("search_tsv")
 
 
-class Memory(models.Model):
+class Memory(OpensSealedValues, models.Model):
     class Category(models.TextChoices):
         USER = "user"
         TASK = "task"
@@ -334,7 +352,7 @@ class AccessCountFold(models.Model):
         return f"reads counted through seal {self.seal}"
 
 
-class MemoryVersion(models.Model):
+class MemoryVersion(OpensSealedValues, models.Model):
     """One row per version of a memory, written with the change that made it.
 
     The latest row equals the memory's current value; earlier rows are its history, so a

@@ -110,16 +110,16 @@ def reencrypt(
             if not rows:
                 return done
             counts: dict[int, dict] = {}
+            plain: list[Memory] = []
             for memory in rows:
                 tenant = tenants.get(memory.tenant_id) or tenants.setdefault(
                     memory.tenant_id, Tenant.objects.get(pk=memory.tenant_id)
                 )
                 memories, versions = done.memories, done.versions
-                _reencrypt_one(memory, tenant, done)
-                if (done.memories, done.versions) != (memories, versions):
-                    mine = counts.setdefault(memory.tenant_id, {"count": 0, "versions": 0})
-                    mine["count"] += done.memories - memories
-                    mine["versions"] += done.versions - versions
+                if not _reencrypt_one(memory, tenant, done):
+                    plain.append(memory)
+                _count(counts, memory, done.memories - memories, done.versions - versions)
+            _reencrypt_sealed_versions_of_plain(plain, done, counts)
             _audit_per_tenant("crypto.reencrypt", REENCRYPT_JOB, counts)
             done.batches += 1
             done.scanned += len(rows)
@@ -135,7 +135,7 @@ def _summary_of_sensitive(memory: Memory, tenant: Tenant) -> bool:
     if memory.category != Memory.Category.SUMMARY or not memory.sources:
         return False
     sources = Memory.objects.filter(tenant_id=memory.tenant_id, key__in=memory.sources).only(
-        "key", "value", "sensitive"
+        "tenant_id", "key", "value", "sensitive"
     )
     return any(
         m.sensitive
@@ -144,16 +144,57 @@ def _summary_of_sensitive(memory: Memory, tenant: Tenant) -> bool:
     )
 
 
-def _reencrypt_one(memory: Memory, tenant: Tenant, done: ReencryptProgress) -> None:
+def version_subject(version: MemoryVersion, memory: Memory) -> str:
+    """The end user whose key seals ``version``: the one it was written for (a key rewritten
+    for another end user keeps the first one's values in its history, and that user's forget
+    must shred them in backups too), else — recorded before migration 0023 — the memory's."""
+    return version.subject or memory.subject
+
+
+def _count(counts: dict[int, dict], memory: Memory, memories: int, versions: int) -> None:
+    if memories or versions:
+        mine = counts.setdefault(memory.tenant_id, {"count": 0, "versions": 0})
+        mine["count"] += memories
+        mine["versions"] += versions
+
+
+def _reencrypt_sealed_versions_of_plain(plain: list[Memory], done: ReencryptProgress, counts: dict) -> None:
+    """A memory no longer sealed (its manual mark cleared) keeps the versions it wrote while
+    sealed, sealed: they move to the current key too, or a retired key would hold them for
+    good. One query for the batch's plain memories."""
+    if not plain:
+        return
+    by_id = {m.pk: m for m in plain}
+    versions = MemoryVersion.objects.filter(memory_id__in=list(by_id), sensitive=True).annotate(
+        raw=Cast("value", TextField())
+    )
+    for version in versions:
+        memory = by_id[version.memory_id]
+        if isinstance(version.value, ErasedValue):
+            continue
+        subject = version_subject(version, memory)
+        current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=subject)
+        if not _stale(version.raw, current_id):
+            continue
+        MemoryVersion.objects.filter(pk=version.pk).update(
+            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=subject)
+        )
+        done.versions += 1
+        _count(counts, memory, 0, 1)
+
+
+def _reencrypt_one(memory: Memory, tenant: Tenant, done: ReencryptProgress) -> bool:
+    """Seal ``memory`` and its versions under its current key when it should be sealed;
+    False when it should not (its sealed versions are the caller's)."""
     if isinstance(memory.value, ErasedValue):
-        return  # its key is destroyed: nothing can open it, nothing to move
+        return True  # its key is destroyed: nothing can open it, nothing to move
     want = (
         memory.sensitive
         or sensitivity.matches_rules(tenant, key=memory.key, value=memory.value)
         or _summary_of_sensitive(memory, tenant)
     )
     if not want:
-        return
+        return False
     current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=memory.subject)
     if not memory.sensitive or _stale(memory.raw, current_id):
         Memory.objects.filter(pk=memory.pk).update(
@@ -166,10 +207,13 @@ def _reencrypt_one(memory: Memory, tenant: Tenant, done: ReencryptProgress) -> N
     for version in versions:
         if isinstance(version.value, ErasedValue):
             continue
+        subject = version_subject(version, memory)
+        current_id, _ = keyring.current_key(tenant_id=memory.tenant_id, subject=subject)
         if version.sensitive and not _stale(version.raw, current_id):
             continue
         MemoryVersion.objects.filter(pk=version.pk).update(
-            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=memory.subject),
+            value=keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=subject),
             sensitive=True,
         )
         done.versions += 1
+    return True

@@ -98,9 +98,14 @@ def _seal_history(memory: Memory) -> None:
     # values — sealed now, in the write's transaction, under the key its value goes under.
     # bulk_update bypasses the field's sealing (as QuerySet.update does): sealed here. Cost:
     # one SELECT of its plain versions, one seal each, one UPDATE per 500 of them.
-    plain = list(MemoryVersion.objects.filter(memory_id=memory.pk, sensitive=False).only("pk", "value"))
+    plain = list(
+        MemoryVersion.objects.filter(memory_id=memory.pk, sensitive=False).only("pk", "tenant_id", "value", "subject")
+    )
     for version in plain:
-        version.value = keyring.seal_value(version.value, tenant_id=memory.tenant_id, subject=memory.subject)
+        # Under the key of the end user it was written for (encryption.version_subject).
+        version.value = keyring.seal_value(
+            version.value, tenant_id=memory.tenant_id, subject=version.subject or memory.subject
+        )
         version.sensitive = True
     MemoryVersion.objects.bulk_update(plain, ["value", "sensitive"], batch_size=500)
 

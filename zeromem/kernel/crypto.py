@@ -23,14 +23,20 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from zeromem.kernel.errors import Unavailable
+
 SETTING = "ZEROMEM_MASTER_KEYS"
 ENVELOPE_MARK = "zmenc"
 KEY_BYTES = 32
 NONCE_BYTES = 12
 
 
-class MasterKeyError(Exception):
-    """A master key is missing, malformed or wrong; the message names the setting."""
+class MasterKeyError(Unavailable):
+    """A master key is missing, malformed or wrong; the message names the setting. Surfaces
+    answer 503 ``encryption_unavailable`` (a deployment fault, not the caller's), audited as
+    ``unavailable``; start-up checks refuse to start on it (``zeromem.E010``-``E012``)."""
+
+    default_code = "encryption_unavailable"
 
 
 def parse_master_keys(raw: list[str]) -> dict[str, bytes]:
@@ -111,3 +117,9 @@ class ErasedValue(dict):
     def __init__(self, envelope: dict):
         super().__init__(erased=True)
         self.envelope = envelope
+
+
+class Unopened(dict):
+    """A sealed value as loaded, before its row's tenant is known (``SealedJSONField``):
+    the row opens it with the tenant bound (``memories.keyring.open_value``). It holds the
+    envelope itself, so anything that leaks it leaks ciphertext, never plaintext."""
