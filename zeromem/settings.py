@@ -214,6 +214,19 @@ if env.str("DATABASE_URL", default=""):
         # does: then set DB_PREPARED_STATEMENTS=true).
         if env.bool("DB_PREPARED_STATEMENTS", default=not ZEROMEM_PGBOUNCER):
             DATABASES["default"]["OPTIONS"]["prepare_threshold"] = 5  # psycopg's default; hotsql prepares at once
+            # ... and planned once: PostgreSQL plans a prepared statement for its first five
+            # executions with the values given (a "custom" plan) before settling on one plan.
+            # Those five read the tenant's statistics, which say a tenant imported since the
+            # last ANALYZE holds no rows: a point read then filtered the whole tenant on its
+            # first index (20-30 ms at 100k memories, each new connection). The hot statements
+            # are point lookups by key or id, which one plan serves whatever the values.
+            # Only prepared statements (hotsql's) are affected.
+            # Not behind PgBouncer, which refuses a startup `options` parameter unless listed
+            # in its ignore_startup_parameters (set plan_cache_mode on the role there instead).
+            if not ZEROMEM_PGBOUNCER:
+                generic = "-c plan_cache_mode=force_generic_plan"
+                options = DATABASES["default"]["OPTIONS"].get("options", "")
+                DATABASES["default"]["OPTIONS"]["options"] = f"{options} {generic}".strip()
         # Read scaling (zeromem/kernel/replica.py): audit review, exports and the dashboard
         # may read from a streaming replica; everything else, and every write, the primary.
         if env.str("DATABASE_REPLICA_URL", default=""):
