@@ -416,9 +416,9 @@ def _charge_refreshes(actor: Actor, items: int) -> None:
 def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
-        window = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
-        window = window[: settings.ZEROMEM_LANGGRAPH_SCAN_MAX]  # the items read, whatever the filter
-        qs = window
+        live = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
+        cap = settings.ZEROMEM_LANGGRAPH_SCAN_MAX
+        qs = live[:cap]  # the window: the items read, whatever the filter
         if connection.vendor == "postgresql":
             # Equalities (jsonb @>) and ranges (jsonpath) narrow the window in the database, so
             # fewer values travel; the matcher checks again. Inside the window: the cap applied to the rows
@@ -437,11 +437,9 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
                 # "id IN (the window)", whose semi-join the planner turned into a nested loop
                 # re-running the window per row when a namespace's statistics were stale
                 # (10,000 items loaded, not yet analyzed: 12-15 s for one search).
-                unwindowed = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix))
-                cap = settings.ZEROMEM_LANGGRAPH_SCAN_MAX
-                last = unwindowed.order_by("key").values_list("key", flat=True)[cap - 1 : cap].first()
-                bounded = unwindowed if last is None else unwindowed.filter(key__lte=last)
-                qs = bounded.filter(pushed | Q(sensitive=True)).order_by("key")
+                last = live.values_list("key", flat=True)[cap - 1 : cap].first()
+                bounded = live if last is None else live.filter(key__lte=last)
+                qs = bounded.filter(pushed | Q(sensitive=True))
         out: list[Memory] = []
         skipped = 0
         for memory in qs.iterator(chunk_size=200):
