@@ -130,6 +130,10 @@ def test_autovacuum_off_is_a_deploy_warning_naming_the_database():
         ("ZEROMEM_SEARCH_TIMEOUT_MS", "0", "ZEROMEM_SEARCH_TIMEOUT_MS must be a number of at least 1"),
         ("ZEROMEM_MAX_BODY_BYTES", "-1", "ZEROMEM_MAX_BODY_BYTES must be a number of at least 1"),
         ("DB_POOL_TIMEOUT", "0", "DB_POOL_TIMEOUT must be a number of at least"),
+        # Once unbounded: a day's cache kept a shredded data key (a forget) or a revoked API key
+        # working in every other process for a day.
+        ("ZEROMEM_DATA_KEY_CACHE_SECONDS", "86400", "ZEROMEM_DATA_KEY_CACHE_SECONDS must be at most 300"),
+        ("ZEROMEM_API_KEY_CACHE_SECONDS", "301", "ZEROMEM_API_KEY_CACHE_SECONDS must be at most 300"),
         ("Q_RETRY", "300", "Q_RETRY (300) must exceed Q_TIMEOUT (300)"),
         # Once accepted: a slow LLM endpoint got the worker killed mid-attempt, again and again.
         ("ZEROMEM_LLM_TIMEOUT_SECONDS", "200", "ZEROMEM_LLM_TIMEOUT_SECONDS (200) must be at most half of Q_TIMEOUT"),

@@ -632,6 +632,12 @@ if "pool" in DATABASES["default"].get("OPTIONS", {}):
 for _name, _value in _numbers.items():
     if not math.isfinite(_value) or _value < _LEAST[_name]:
         raise ImproperlyConfigured(f"{_name} must be a number of at least {_LEAST[_name]}, not {_value!r}")
+# Upper bounds where a large value breaks a promise the README makes: a revoked API key and a
+# shredded data key (a forget) keep working in other processes for up to the cache time.
+_MOST = {"ZEROMEM_API_KEY_CACHE_SECONDS": 300, "ZEROMEM_DATA_KEY_CACHE_SECONDS": 300}
+for _name, _most in _MOST.items():
+    if globals()[_name] > _most:
+        raise ImproperlyConfigured(f"{_name} must be at most {_most} (seconds), not {globals()[_name]!r}")
 if ZEROMEM_SEMANTIC_WEIGHT > 1:
     raise ImproperlyConfigured(f"ZEROMEM_SEMANTIC_WEIGHT must be from 0 to 1, not {ZEROMEM_SEMANTIC_WEIGHT!r}")
 if ZEROMEM_VALUE_HARD_CAP_BYTES < ZEROMEM_VALUE_MAX_BYTES:
