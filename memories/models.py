@@ -479,6 +479,8 @@ class Job(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # No attempt before this (a summarize job's LLM endpoint answered 429/503 with Retry-After).
+    retry_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         indexes = [

@@ -12,7 +12,7 @@ import json
 import re
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -23,7 +23,7 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from memories import services
 from memories.models import Job, Memory, MemoryVersion
-from memories.services import summaries
+from memories.services import summaries, turns
 from tests.factories import SYSTEM
 from tests.helpers import rest_error, tool_error
 from zeromem.kernel.actors import Actor
@@ -1025,7 +1025,6 @@ def test_an_llm_summary_of_nothing_but_control_characters_is_an_empty_summary(
     ("mode", "error"),
     [
         ("huge", "the LLM endpoint's answer is larger than 1048576 bytes"),
-        ("429", "the LLM endpoint answered HTTP 429"),
         ("html", "the LLM endpoint's answer is not a chat completion"),
     ],
 )
@@ -1039,6 +1038,67 @@ def test_an_outsize_refused_or_foreign_llm_answer_fails_the_attempt_and_writes_n
     assert job.status == "queued"
     assert job.error == f"attempt 1 of 3 failed: SummarizerError: {error}"
     assert live(api.tenant, "summary:session:s1") is None
+
+
+def test_an_llm_429_with_retry_after_puts_the_next_attempt_off_until_then(
+    api, session, llm, clock, settings, django_capture_on_commit_callbacks
+):
+    # Once ignored: django-q2 came back after Q_RETRY (6 min) however long the endpoint had
+    # asked for, and a job spent its attempts on answers the endpoint had said it would refuse.
+    llm.mode = ["429", "ok"]  # the 429 says Retry-After: 3600
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    asked_at = clock.now
+    assert (job.status, job.attempts) == ("queued", 1)
+    assert abs((job.retry_at - asked_at).total_seconds() - 3600) < 1
+    assert job.error.startswith(
+        "attempt 1 of 3 failed: SummarizerBusy: the LLM endpoint answered HTTP 429 (Retry-After: 3600 s); "
+        "next attempt not before "
+    )
+    assert api.get(f"/api/v1/jobs/{job.pk}").json()["error"] == job.error
+
+    # django-q2's own retry of the task comes after Q_RETRY: it counts no attempt, asks nothing.
+    clock.advance(seconds=settings.Q_CLUSTER["retry"] + 1)
+    assert turns.delivery_run(summarize_job=job.pk) == {"status": "queued", "job_id": job.pk}
+    assert services.summarize_run(job_id=job.pk) == {"status": "queued", "job_id": job.pk}
+    assert services.summarize_jobs_resume() == 0  # not yet
+    job.refresh_from_db()
+    assert (job.status, job.attempts, len(llm.requests)) == ("queued", 1, 1)
+
+    # Once the hour is up, the resume schedule enqueues it and the attempt runs.
+    clock.advance(seconds=3600)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.summarize_jobs_resume() == 1
+    job.refresh_from_db()
+    assert (job.status, job.attempts, job.retry_at, len(llm.requests)) == ("succeeded", 2, None, 2)
+    assert live(api.tenant, "summary:session:s1").value == OK_ANSWER["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("120", 120.0),
+        (" 0 ", 0.0),
+        ("99999999999", 6 * 3600.0),  # a day's quota or a typo: at most LLM_RETRY_AFTER_MAX
+        ("\u00b2", None),  # a non-ASCII digit is not a delay
+        ("-5", None),
+        ("soon", None),
+        ("", None),
+        (None, None),
+        ("Fri, 04 Dec 2026 23:59:59 GMT", 0.0),  # in the past: now
+        ("Sat, 05 Dec 2026 12:10:00 GMT", 600.0),
+        ("Sat, 05 Dec 2026 12:10:00", None),  # no zone: not an HTTP-date
+    ],
+)
+def test_retry_after_is_read_as_seconds_or_an_http_date(monkeypatch, header, seconds):
+    monkeypatch.setattr(timezone, "now", lambda: datetime(2026, 12, 5, 12, 0, tzinfo=UTC))
+    assert summaries._retry_after(header) == seconds
+
+
+def test_an_llm_error_without_retry_after_is_an_ordinary_failure(api, session, llm, django_capture_on_commit_callbacks):
+    llm.mode = "error"  # 500, no Retry-After
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    assert (job.status, job.attempts, job.retry_at) == ("queued", 1, None)
+    assert job.error == "attempt 1 of 3 failed: SummarizerError: the LLM endpoint answered HTTP 500"
 
 
 def test_an_llm_summary_of_megabytes_is_stored_cut_to_the_summary_budget(

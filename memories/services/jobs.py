@@ -170,8 +170,11 @@ def turn_claim_next(*, now=None) -> Job | ForgetRequest | None:
     requests (``forget_pending``), each with two index probes per row for its tenant's latest
     turn (``job_tenant_started``, ``forget_tenant_turn``).
     """
-    over = (now or timezone.now()) - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
+    now = now or timezone.now()
+    over = now - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
     job_waits = Q(status=Job.Status.QUEUED, attempts=0) | Q(status__in=Job.PENDING, attempts__gt=0, started_at__lt=over)
+    # A job whose LLM endpoint asked for time (Retry-After, Job.retry_at) does not wait yet.
+    job_waits &= Q(retry_at__isnull=True) | Q(retry_at__lte=now)
     job = (
         Job.objects.filter(job_waits, kind=Job.Kind.SUMMARIZE)
         .annotate(served=_served())

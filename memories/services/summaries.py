@@ -30,6 +30,7 @@ stay live, so archiving never loses anything the summary does not hold.
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import json
 import logging
@@ -74,6 +75,9 @@ IDLE_BATCH = 200
 IDLE_FAILED_BACKOFF = timedelta(hours=6)
 # A chat completion larger than this is refused rather than read into memory.
 LLM_MAX_ANSWER_BYTES = 1024 * 1024
+# The longest wait an LLM endpoint's Retry-After may ask of a job's next attempt (a daily quota
+# says "tomorrow"); a job still has ZEROMEM_JOB_MAX_ATTEMPTS attempts in all.
+LLM_RETRY_AFTER_MAX = 6 * 3600
 
 LLM_INSTRUCTIONS = (
     "You compact an AI agent's memory. Below are memories as 'key = value' lines, most "
@@ -85,6 +89,17 @@ LLM_INSTRUCTIONS = (
 class SummarizerError(RuntimeError):
     """The summarizer could not produce a summary (the LLM endpoint failed). The job's
     attempt fails and django-q2 retries it; nothing has been written."""
+
+
+class SummarizerBusy(SummarizerError):
+    """The LLM endpoint said "not now" (HTTP 429 or 503) and when to come back (its
+    ``Retry-After``): the job's next attempt waits that long (``Job.retry_at``), up to
+    :data:`LLM_RETRY_AFTER_MAX`, instead of coming back after ``Q_RETRY`` and spending its
+    attempts on answers the endpoint already said it would refuse."""
+
+    def __init__(self, message: str, *, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class SourcesErased(SummarizerError):
@@ -267,6 +282,10 @@ def summarize_attempt_begin(job_id: int) -> Job | None:
         if job is None or job.status in Job.FINISHED:
             return job
         now = timezone.now()
+        if job.retry_at is not None and job.retry_at > now:
+            # The LLM endpoint asked for time (Retry-After): this delivery counts no attempt and
+            # runs nothing; summarize_jobs_resume enqueues the job once the time has come.
+            return job
         job.attempts += 1
         if job.attempts > _max_attempts():
             job.status = Job.Status.FAILED
@@ -279,7 +298,8 @@ def summarize_attempt_begin(job_id: int) -> Job | None:
             # started_at is when the latest attempt began: summarize_jobs_resume() reads it.
             job.status = Job.Status.RUNNING
             job.started_at = now
-        job.save(update_fields=["attempts", "status", "error", "started_at", "finished_at"])
+        job.retry_at = None
+        job.save(update_fields=["attempts", "status", "error", "started_at", "finished_at", "retry_at"])
         return job
 
 
@@ -340,13 +360,20 @@ def _attempt_failed(job: Job, exc: Exception) -> None:
         error = f"{type(exc).__name__} (details in the server log)"
         logger.warning("summarize job %s attempt %s failed", job.pk, job.attempts, exc_info=exc)
     last = job.attempts >= _max_attempts()
+    now = timezone.now()
+    # The endpoint's Retry-After: no attempt before then (turn_claim_next, summarize_attempt_begin
+    # and summarize_jobs_resume read it).
+    retry_at = now + timedelta(seconds=exc.retry_after) if isinstance(exc, SummarizerBusy) and not last else None
+    if retry_at is not None:
+        error += f"; next attempt not before {retry_at.isoformat(timespec='seconds').replace('+00:00', 'Z')}"
     with transaction.atomic():
         # Only the latest attempt speaks for the job: an older one overlapped by it (see
         # _attempt_current) must not set a job that is running again back to queued.
         Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING, attempts=job.attempts).update(
             status=Job.Status.FAILED if last else Job.Status.QUEUED,
             error=f"attempt {job.attempts} of {_max_attempts()} failed: {error}",
-            finished_at=timezone.now() if last else None,
+            finished_at=now if last else None,
+            retry_at=retry_at,
         )
 
 
@@ -364,7 +391,13 @@ def summarize_jobs_resume(*, now: datetime | None = None) -> int:
     cutoff = now - timedelta(seconds=2 * settings.Q_CLUSTER.get("retry", 360))
     stale = list(
         Job.objects.filter(kind=Job.Kind.SUMMARIZE, status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
-        .filter(Q(started_at__lt=cutoff) | Q(started_at__isnull=True, created_at__lt=cutoff))
+        .filter(
+            Q(started_at__lt=cutoff)
+            | Q(started_at__isnull=True, created_at__lt=cutoff)
+            # Its Retry-After has passed: the delivery django-q2 retried found it still waiting.
+            | Q(status=Job.Status.QUEUED, retry_at__lte=now)
+        )
+        .exclude(retry_at__gt=now)
         .order_by("created_at")
         .values_list("pk", flat=True)[:IDLE_BATCH]
     )
@@ -709,6 +742,25 @@ def _llm_text(text: str) -> str:
     return _LONE_SURROGATE.sub("\ufffd", _LLM_CONTROL.sub("", text)).strip()
 
 
+_DELAY_SECONDS = re.compile(r"[0-9]{1,12}")  # ASCII digits only (str.isdigit takes "²")
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (RFC 9110: delay-seconds or an HTTP-date),
+    at most :data:`LLM_RETRY_AFTER_MAX`; None when absent or unreadable (the job then comes
+    back after ``Q_RETRY`` as for any failure)."""
+    value = (value or "").strip()
+    if _DELAY_SECONDS.fullmatch(value):
+        return float(min(int(value), LLM_RETRY_AFTER_MAX))
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return min(max((when - timezone.now()).total_seconds(), 0.0), float(LLM_RETRY_AFTER_MAX))
+
+
 def _llm_summarize(digest_text: str) -> tuple[str, int]:
     """POST the digest to ``{ZEROMEM_LLM_BASE_URL}/chat/completions`` (OpenAI-compatible).
     Returns (summary text, total tokens). Any failure raises :class:`SummarizerError`."""
@@ -737,6 +789,11 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
             raise SummarizerError(
                 f"the LLM endpoint answered HTTP {exc.code}, a redirect, which is not followed "
                 "(it would carry the API key elsewhere): set ZEROMEM_LLM_BASE_URL to the final URL"
+            ) from None
+        wait = _retry_after(exc.headers.get("Retry-After")) if exc.code in (429, 503) and exc.headers else None
+        if wait is not None:
+            raise SummarizerBusy(
+                f"the LLM endpoint answered HTTP {exc.code} (Retry-After: {wait:.0f} s)", retry_after=wait
             ) from None
         raise SummarizerError(f"the LLM endpoint answered HTTP {exc.code}") from None
     except TimeoutError:
