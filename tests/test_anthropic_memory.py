@@ -407,6 +407,26 @@ def test_a_directory_past_the_listing_cap_is_refused_whole_not_half_done(api, te
     assert api.post(URL, command).json()["is_error"] is False  # at the cap: done whole
 
 
+def test_a_view_of_a_directory_past_the_listing_cap_says_it_is_cut(api, tenant_a, monkeypatch):
+    # A listing read the first LIST_MAX_MEMORIES files and showed them as the whole directory:
+    # 5,001 files under /memories/a/ hid /memories/z.md, and the model was not told.
+    monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 3)
+    for i in range(3):
+        api.post(URL, {"command": "create", "path": f"/memories/a/x/f{i}.md", "file_text": "x"})
+    whole = api.post(URL, {"command": "view", "path": "/memories"}).json()
+    assert whole["is_error"] is False and "Listing cut" not in whole["content"]  # at the cap: all of it
+    api.post(URL, {"command": "create", "path": "/memories/z.md", "file_text": "zz"})
+    r = api.post(URL, {"command": "view", "path": "/memories"})
+    lines = r.json()["content"].splitlines()
+    assert lines[1:-1] == ["3B\t/memories", "3B\t/memories/a/", "3B\t/memories/a/x/"]
+    assert lines[-1] == (
+        "(Listing cut: /memories holds more than 3 files; only the first 3 by name are listed and "
+        "counted in the sizes above. View a subdirectory to see the rest.)"
+    )
+    events = AuditEvent.objects.filter(tenant=tenant_a, action="memory.list").order_by("-pk")
+    assert events.first().count == 4  # one page: the cap and the one past it
+
+
 @pytest.mark.parametrize(
     ("command", "field"),
     [
@@ -714,10 +734,10 @@ def test_a_listing_of_many_directories_does_work_in_proportion_to_its_entries(ap
 
     listing = claude_memory.MemoryTool._listing
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         sys.setprofile(count)
         try:
-            return listing(self, *args)
+            return listing(self, *args, **kwargs)
         finally:
             sys.setprofile(None)
 

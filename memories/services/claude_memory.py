@@ -243,10 +243,13 @@ class MemoryTool:
         found = self._text(place)
         if found is not None:
             return self._view_file(path, found[0], view_range)
-        sizes = self._under(place, rows="sizes")
+        # One past the cap: a directory holding more is listed from its first LIST_MAX_MEMORIES
+        # files and says so (it listed them as if they were all, leaving out the rest).
+        sizes = self._under(place, limit=LIST_MAX_MEMORIES + 1, rows="sizes")
         if not sizes and not place.is_root:
             raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
-        return self._listing(path, place, sizes)
+        cut = len(sizes) > LIST_MAX_MEMORIES
+        return self._listing(path, place, sizes[:LIST_MAX_MEMORIES], cut=cut)
 
     def _view_file(self, path: str, content: str, view_range: list[int] | None) -> str:
         lines = content.split("\n")
@@ -260,7 +263,7 @@ class MemoryTool:
         numbered = [f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}" for i, line in enumerate(display)]
         return f"Here's the content of {path} with line numbers:\n" + "\n".join(numbered)
 
-    def _listing(self, path: str, place: Place, sizes: list[tuple[str, int]]) -> str:
+    def _listing(self, path: str, place: Place, sizes: list[tuple[str, int]], *, cut: bool = False) -> str:
         # Relative names → size; a directory's size is the bytes of the files under it.
         files: dict[tuple[str, ...], int] = {}
         for key, size in sizes:
@@ -301,6 +304,12 @@ class MemoryTool:
         header = f"Here're the files and directories up to 2 levels deep in {path}, excluding hidden items:"
         lines = [f"{_format_size(sum(files.values()))}\t{path}"]
         lines.extend(f"{size}\t{path}/{name}" for size, name in items)
+        if cut:
+            lines.append(
+                f"(Listing cut: {path} holds more than {LIST_MAX_MEMORIES} files; only the first "
+                f"{LIST_MAX_MEMORIES} by name are listed and counted in the sizes above. "
+                "View a subdirectory to see the rest.)"
+            )
         return f"{header}\n" + "\n".join(lines)
 
     def _tree_locked(self, place: Place, run):
