@@ -105,6 +105,7 @@ def test_zeromem_store(transactional_db, live_server):
         same_results_as_langgraphs_in_memory_store(store, tenant)
         a_compiled_state_graph_reads_and_writes_the_store(store, tenant)
         async_batch_and_ttl_and_refusals(store, tenant)
+        a_batch_with_a_get_or_put_the_server_refuses_sends_nothing(store, tenant)
     finally:
         store.close()
 
@@ -156,6 +157,27 @@ def async_batch_and_ttl_and_refusals(store, tenant):
     # (it was a ZeroMemStoreError naming the key).
     with pytest.raises(InvalidNamespaceError):
         store.put(("n" * 300, "m" * 300), "k", {"v": 1})
+
+
+def a_batch_with_a_get_or_put_the_server_refuses_sends_nothing(store, tenant):
+    store.put(("x", "y"), "k", {"v": "xy"})
+    # A get's namespace travels as its labels joined by ".": ("x.y",) read the item of ("x", "y").
+    assert InMemoryStore().batch([GetOp(("x.y",), "k")]) == [None]
+    with pytest.raises(InvalidNamespaceError):
+        store.batch([GetOp(("x.y",), "k")])
+    # A put the server refuses came after the batch's earlier puts were written: half done.
+    before = set(Memory.objects.values_list("pk", "version"))
+    for bad, refused in (
+        (PutOp(("x", "bad.label"), "k", {"v": 2}), InvalidNamespaceError),
+        (PutOp(("x", ""), "k", {"v": 2}), InvalidNamespaceError),
+        (PutOp(("x",), "", {"v": 2}), ZeroMemStoreError),
+        (PutOp(("x",), "k", ["not", "an", "object"]), ZeroMemStoreError),
+    ):
+        with pytest.raises(refused) as raised:
+            store.batch([PutOp(("x",), "first", {"v": 1}), GetOp(("x", "y"), "k"), bad])
+        if refused is ZeroMemStoreError:
+            assert (raised.value.status, raised.value.field) == (400, "value" if bad.key else "key")
+    assert set(Memory.objects.values_list("pk", "version")) == before
 
 
 class State(TypedDict):

@@ -23,7 +23,7 @@ are whole minutes (a fraction is rounded up).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -141,10 +141,38 @@ def _result(op: Op, response: httpx.Response) -> Result:
     return None
 
 
+def _refusal(field: str, message: str) -> Exception:
+    """What the server answers to such a request (a 400 naming ``field``), raised before any is sent."""
+    if field == "namespace":
+        return InvalidNamespaceError(message)
+    return ZeroMemStoreError(400, {"code": "invalid", "field": field, "message": message})
+
+
+def _check(op: Op) -> None:
+    """Refuse what the server would refuse of a get or a put, before the batch sends anything.
+    A get's namespace travels as its labels joined by ".": a label holding one was split by
+    the server into two (("a.b",) read the item of ("a", "b")). A put refused by the server
+    after the batch's earlier puts were written left the batch half done."""
+    if not isinstance(op, GetOp | PutOp):
+        return
+    namespace = op.namespace
+    if not isinstance(namespace, tuple | list) or not namespace:
+        raise _refusal("namespace", "must be a non-empty tuple of labels")
+    for label in namespace:
+        if not isinstance(label, str) or not label or "." in label:
+            raise _refusal("namespace", f"labels must be non-empty strings without '.', got {label!r}")
+    if not isinstance(op.key, str) or not op.key:
+        raise _refusal("key", "must be a non-empty string")
+    if isinstance(op, PutOp) and op.value is not None and not isinstance(op.value, Mapping):
+        raise _refusal("value", "must be a JSON object (a dict)")
+
+
 def _plan(ops: Iterable[Op]) -> tuple[list[Op], list[int], list[PutOp]]:
     """The batch as InMemoryStore runs it: reads first (in order), then the puts, the last
-    put of each (namespace, key) winning."""
+    put of each (namespace, key) winning. Every get and put is checked first (:func:`_check`)."""
     ops = list(ops)
+    for op in ops:
+        _check(op)
     reads = [i for i, op in enumerate(ops) if not isinstance(op, PutOp)]
     puts: dict[tuple, PutOp] = {}
     for op in ops:
