@@ -14,7 +14,8 @@ other. Needs ``pip install 'zeromem-client[langgraph]'`` (httpx and langgraph).
 Semantics, as LangGraph's ``InMemoryStore``: in one ``batch`` the reads (get, search, list
 namespaces) see the state before the batch's puts, and the last put of a (namespace, key)
 wins; deleting a missing item is no error. Where ZeroMem differs: a search without a query
-is ordered by namespace and key (``InMemoryStore``: insertion order); a search with a query
+is ordered by the memory key, labels and key joined by ``:`` (``("a",)``/``"k"`` after
+``("a", "b")``/``"k"``; ``InMemoryStore``: insertion order); a search with a query
 is ranked by ZeroMem's own search (lexical and semantic), with its ``score``, and returns
 only items that match the query (``InMemoryStore`` without an index ignores the query); TTLs
 are whole minutes (a fraction is rounded up).
