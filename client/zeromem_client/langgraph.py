@@ -44,6 +44,12 @@ from langgraph.store.base import (
 )
 
 API_PATH = "/api/v1/langgraph"
+# What one request of the routes takes: a search's limit (and, with a query, offset + limit:
+# ZeroMem ranks at most that many items), a namespace listing's limit, and max_depth (a key of
+# 512 characters holds fewer labels). LangGraph takes any: larger reads go in pages.
+SEARCH_PAGE = 200
+NAMESPACES_PAGE = 1000
+MAX_DEPTH = 512
 
 
 class ZeroMemStoreError(Exception):
@@ -168,6 +174,31 @@ def _check(op: Op) -> None:
         raise _refusal("value", "must be a JSON object (a dict)")
 
 
+def _window(op: Op) -> tuple[Op, int, int] | None:
+    """A search or namespace listing as (its first request, its limit, a page's size), the
+    limit past what ZeroMem can hold cut off; None for any other operation (one request)."""
+    if isinstance(op, SearchOp):
+        limit = op.limit
+        if op.query:
+            limit = max(0, min(limit, SEARCH_PAGE - op.offset))
+        return op, limit, SEARCH_PAGE
+    if isinstance(op, ListNamespacesOp):
+        if op.max_depth is not None and op.max_depth > MAX_DEPTH:
+            op = op._replace(max_depth=MAX_DEPTH)
+        return op, op.limit, NAMESPACES_PAGE
+    return None
+
+
+def _next_page(op: Op, left: int, page: int, got: list | None) -> Op | None:
+    """The next request of a paged read (``left`` still wanted after ``got``), or None when done."""
+    if got is not None and (len(got) < op.limit or left <= 0):
+        return None
+    if left <= 0:
+        return None
+    offset = op.offset if got is None else op.offset + op.limit
+    return op._replace(offset=offset, limit=min(left, page))
+
+
 def _plan(ops: Iterable[Op]) -> tuple[list[Op], list[int], list[PutOp]]:
     """The batch as InMemoryStore runs it: reads first (in order), then the puts, the last
     put of each (namespace, key) winning. Every get and put is checked first (:func:`_check`)."""
@@ -222,12 +253,43 @@ class ZeroMemStore(BaseStore):
             self._aclient = httpx.AsyncClient(**self._client_args)
         return self._aclient
 
+    def _read(self, op: Op) -> Result:
+        window = _window(op)
+        if window is None:
+            method, path, kwargs = _request(op)
+            return _result(op, self.client.request(method, path, **kwargs))
+        first, left, page = window
+        out: list = []
+        got, request = None, _next_page(first, left, page, None)
+        while request is not None:
+            method, path, kwargs = _request(request)
+            got = _result(request, self.client.request(method, path, **kwargs))
+            out.extend(got)
+            left -= request.limit
+            request = _next_page(request, left, page, got)
+        return out
+
+    async def _aread(self, op: Op) -> Result:
+        window = _window(op)
+        if window is None:
+            method, path, kwargs = _request(op)
+            return _result(op, await self.aclient.request(method, path, **kwargs))
+        first, left, page = window
+        out: list = []
+        got, request = None, _next_page(first, left, page, None)
+        while request is not None:
+            method, path, kwargs = _request(request)
+            got = _result(request, await self.aclient.request(method, path, **kwargs))
+            out.extend(got)
+            left -= request.limit
+            request = _next_page(request, left, page, got)
+        return out
+
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         ops, reads, puts = _plan(ops)
         results: list[Result] = [None] * len(ops)
         for i in reads:
-            method, path, kwargs = _request(ops[i])
-            results[i] = _result(ops[i], self.client.request(method, path, **kwargs))
+            results[i] = self._read(ops[i])
         for op in puts:
             method, path, kwargs = _request(op)
             _result(op, self.client.request(method, path, **kwargs))
@@ -237,8 +299,7 @@ class ZeroMemStore(BaseStore):
         ops, reads, puts = _plan(ops)
         results: list[Result] = [None] * len(ops)
         for i in reads:
-            method, path, kwargs = _request(ops[i])
-            results[i] = _result(ops[i], await self.aclient.request(method, path, **kwargs))
+            results[i] = await self._aread(ops[i])
         for op in puts:
             method, path, kwargs = _request(op)
             _result(op, await self.aclient.request(method, path, **kwargs))
