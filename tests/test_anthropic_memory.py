@@ -255,6 +255,32 @@ def test_root_is_governed_by_the_allowlist_and_scopes(api, tenant_a, make_client
     assert r.json()["content"].endswith("     1\thi")
 
 
+@pytest.mark.parametrize(
+    ("root", "command", "field"),
+    [
+        (None, {"command": "create", "path": "/memories/a.md", "file_text": "x"}, "root"),
+        ("user:u1:m", {"command": "create", "path": "/memories/a.md", "file_text": "x"}, "path"),
+        ("user:u1:m", {"command": "view", "path": "/memories/a.md"}, "path"),
+        ("user:u1:m", {"command": "insert", "path": "/memories/a.md", "insert_line": 0, "insert_text": "x"}, "path"),
+        ("user:u1:m", {"command": "delete", "path": "/memories/a.md"}, "path"),
+        ("user:u1:m", {"command": "rename", "old_path": "/memories/notes/n.md", "new_path": "/memories/b"}, "new_path"),
+        ("user:u1:m", {"command": "rename", "old_path": "/memories/a.md", "new_path": "/memories/notes/b"}, "old_path"),
+    ],
+)
+def test_a_path_outside_the_keys_allowlist_is_a_403_naming_the_commands_field(
+    api, tenant_a, make_client, root, command, field
+):
+    # The refusal named "key", a field no command has: the model's path, or the root, is at fault.
+    api.post(URL + "?root=user:u1:m", {"command": "create", "path": "/memories/notes/n.md", "file_text": "n"})
+    api.post(URL + "?root=user:u1:m", {"command": "create", "path": "/memories/a.md", "file_text": "a"})
+    before = set(Memory.objects.values_list("pk", "version"))
+    limited, _ = make_client(tenant_a, allow=["user:u1:m:notes:"])
+    r = limited.post(URL + (f"?root={root}" if root else ""), command)
+    assert r.status_code == 403, r.content
+    assert (rest_error(r)["code"], rest_error(r)["field"]) == ("key_not_allowed", field)
+    assert set(Memory.objects.values_list("pk", "version")) == before
+
+
 def test_another_tenant_sees_nothing(api, api_b, tenant_a):
     api.post(URL, {"command": "create", "path": "/memories/secret.md", "file_text": "CANARY-a"})
     for command in (

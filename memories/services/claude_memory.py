@@ -41,7 +41,7 @@ from memories.services.api_keys import rate_limit_charge_items
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.crypto import ErasedValue
-from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from zeromem.kernel.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge
 
 DEFAULT_ROOT = "claude:memories"
 # Creating a file or renaming onto a path checks that no file stands where a directory is
@@ -545,6 +545,30 @@ def memory_tool_run(*, tenant: Tenant, actor: Actor, command: Any, root: Any = N
         if field != "command" and field not in FIELDS[name]:
             raise InvalidInput(f"{name} takes no field '{field}'", field=field, code="unknown_field")
     tool = MemoryTool(tenant=tenant, actor=actor, root=root)
+    try:
+        return _run(tool, name, command)
+    except Forbidden as exc:
+        if exc.code == "key_not_allowed" and exc.field == "key":
+            # The memory services name "key", which no command has: name what the model (or
+            # the caller, for the root) wrote that leads outside the key's allowlist.
+            exc.field = _outside_allowlist(tool, name, command)
+        raise
+
+
+def _outside_allowlist(tool: MemoryTool, name: str, command: dict) -> str:
+    actor = tool.actor
+    if not actor.may_touch(tool.root) and not actor.prefix_filters(tool.root + ":"):
+        return "root"  # nothing under it is within reach
+    if name != "rename":
+        return "path"
+    try:
+        old = tool.place(command["old_path"])
+    except MemoryToolError:  # not reached: the command got as far as a refusal
+        return "old_path"
+    return "new_path" if actor.may_touch(old.key) else "old_path"
+
+
+def _run(tool: MemoryTool, name: str, command: dict) -> str:
     if name == "view":
         view_range = command.get("view_range")
         if view_range is not None and (
