@@ -281,6 +281,29 @@ def test_a_path_outside_the_keys_allowlist_is_a_403_naming_the_commands_field(
     assert set(Memory.objects.values_list("pk", "version")) == before
 
 
+def test_a_key_allowed_a_directorys_contents_views_deletes_and_renames_the_directory(api, tenant_a, make_client):
+    # A key allowed user:u1:m:notes: saw /memories/notes/ in the listing of /memories, but a
+    # view, delete or rename of /memories/notes was a 403: the tool first read the path as a
+    # file, at the key user:u1:m:notes, which that allowlist does not cover (only keys under it).
+    root = URL + "?root=user:u1:m"
+    for name in ("a.md", "sub/b.md"):
+        api.post(root, {"command": "create", "path": f"/memories/notes/{name}", "file_text": "n"})
+    limited, _ = make_client(tenant_a, allow=["user:u1:m:notes:"])
+    r = limited.post(root, {"command": "view", "path": "/memories/notes"})
+    assert r.status_code == 200, r.content
+    assert r.json()["content"].splitlines()[1:] == [
+        "2B\t/memories/notes",
+        "1B\t/memories/notes/a.md",
+        "1B\t/memories/notes/sub/",
+        "1B\t/memories/notes/sub/b.md",
+    ]
+    r = limited.post(root, {"command": "rename", "old_path": "/memories/notes", "new_path": "/memories/elsewhere"})
+    assert r.status_code == 403 and rest_error(r)["field"] == "new_path"  # outside: refused, named
+    r = limited.post(root, {"command": "delete", "path": "/memories/notes"})
+    assert r.json() == {"content": "Successfully deleted /memories/notes", "is_error": False}
+    assert not Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).exists()
+
+
 def test_another_tenant_sees_nothing(api, api_b, tenant_a):
     api.post(URL, {"command": "create", "path": "/memories/secret.md", "file_text": "CANARY-a"})
     for command in (

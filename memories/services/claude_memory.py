@@ -124,10 +124,19 @@ class MemoryTool:
         """The file's memory, or None when there is no file at the path."""
         if place.is_root:
             return None
+        if not self.actor.may_touch(place.key) and self._reaches(place.key):
+            # Not a file to this caller but maybe a directory: an allowlist of
+            # user:u1:m:notes: covers what lies under /memories/notes, not its own key (reading
+            # it was a 403 for a view, delete or rename of the directory it lists).
+            return None
         try:
             return mem.memory_read(tenant=self.tenant, actor=self.actor, key=place.key).memory
         except NotFound:
             return None
+
+    def _reaches(self, key: str) -> bool:
+        """Whether the key's allowlist reaches the key or anything under it."""
+        return self.actor.may_touch(key) or bool(self.actor.prefix_filters(key + ":"))
 
     def _text(self, place: Place) -> tuple[str, int] | None:
         """The file's text and version, or None when there is no file at the path."""
@@ -556,8 +565,7 @@ def memory_tool_run(*, tenant: Tenant, actor: Actor, command: Any, root: Any = N
 
 
 def _outside_allowlist(tool: MemoryTool, name: str, command: dict) -> str:
-    actor = tool.actor
-    if not actor.may_touch(tool.root) and not actor.prefix_filters(tool.root + ":"):
+    if not tool._reaches(tool.root):
         return "root"  # nothing under it is within reach
     if name != "rename":
         return "path"
@@ -565,7 +573,7 @@ def _outside_allowlist(tool: MemoryTool, name: str, command: dict) -> str:
         old = tool.place(command["old_path"])
     except MemoryToolError:  # not reached: the command got as far as a refusal
         return "old_path"
-    return "new_path" if actor.may_touch(old.key) else "old_path"
+    return "new_path" if tool._reaches(old.key) else "old_path"
 
 
 def _run(tool: MemoryTool, name: str, command: dict) -> str:
