@@ -191,9 +191,7 @@ def _window(op: Op) -> tuple[Op, int, int] | None:
 
 def _next_page(op: Op, left: int, page: int, got: list | None) -> Op | None:
     """The next request of a paged read (``left`` still wanted after ``got``), or None when done."""
-    if got is not None and (len(got) < op.limit or left <= 0):
-        return None
-    if left <= 0:
+    if left <= 0 or (got is not None and len(got) < op.limit):
         return None
     offset = op.offset if got is None else op.offset + op.limit
     return op._replace(offset=offset, limit=min(left, page))
