@@ -255,6 +255,55 @@ def test_root_is_governed_by_the_allowlist_and_scopes(api, tenant_a, make_client
     assert r.json()["content"].endswith("     1\thi")
 
 
+@pytest.mark.parametrize(
+    ("root", "command", "field"),
+    [
+        (None, {"command": "create", "path": "/memories/a.md", "file_text": "x"}, "root"),
+        ("user:u1:m", {"command": "create", "path": "/memories/a.md", "file_text": "x"}, "path"),
+        ("user:u1:m", {"command": "view", "path": "/memories/a.md"}, "path"),
+        ("user:u1:m", {"command": "insert", "path": "/memories/a.md", "insert_line": 0, "insert_text": "x"}, "path"),
+        ("user:u1:m", {"command": "delete", "path": "/memories/a.md"}, "path"),
+        ("user:u1:m", {"command": "rename", "old_path": "/memories/notes/n.md", "new_path": "/memories/b"}, "new_path"),
+        ("user:u1:m", {"command": "rename", "old_path": "/memories/a.md", "new_path": "/memories/notes/b"}, "old_path"),
+    ],
+)
+def test_a_path_outside_the_keys_allowlist_is_a_403_naming_the_commands_field(
+    api, tenant_a, make_client, root, command, field
+):
+    # The refusal named "key", a field no command has: the model's path, or the root, is at fault.
+    api.post(URL + "?root=user:u1:m", {"command": "create", "path": "/memories/notes/n.md", "file_text": "n"})
+    api.post(URL + "?root=user:u1:m", {"command": "create", "path": "/memories/a.md", "file_text": "a"})
+    before = set(Memory.objects.values_list("pk", "version"))
+    limited, _ = make_client(tenant_a, allow=["user:u1:m:notes:"])
+    r = limited.post(URL + (f"?root={root}" if root else ""), command)
+    assert r.status_code == 403, r.content
+    assert (rest_error(r)["code"], rest_error(r)["field"]) == ("key_not_allowed", field)
+    assert set(Memory.objects.values_list("pk", "version")) == before
+
+
+def test_a_key_allowed_a_directorys_contents_views_deletes_and_renames_the_directory(api, tenant_a, make_client):
+    # A key allowed user:u1:m:notes: saw /memories/notes/ in the listing of /memories, but a
+    # view, delete or rename of /memories/notes was a 403: the tool first read the path as a
+    # file, at the key user:u1:m:notes, which that allowlist does not cover (only keys under it).
+    root = URL + "?root=user:u1:m"
+    for name in ("a.md", "sub/b.md"):
+        api.post(root, {"command": "create", "path": f"/memories/notes/{name}", "file_text": "n"})
+    limited, _ = make_client(tenant_a, allow=["user:u1:m:notes:"])
+    r = limited.post(root, {"command": "view", "path": "/memories/notes"})
+    assert r.status_code == 200, r.content
+    assert r.json()["content"].splitlines()[1:] == [
+        "2B\t/memories/notes",
+        "1B\t/memories/notes/a.md",
+        "1B\t/memories/notes/sub/",
+        "1B\t/memories/notes/sub/b.md",
+    ]
+    r = limited.post(root, {"command": "rename", "old_path": "/memories/notes", "new_path": "/memories/elsewhere"})
+    assert r.status_code == 403 and rest_error(r)["field"] == "new_path"  # outside: refused, named
+    r = limited.post(root, {"command": "delete", "path": "/memories/notes"})
+    assert r.json() == {"content": "Successfully deleted /memories/notes", "is_error": False}
+    assert not Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).exists()
+
+
 def test_another_tenant_sees_nothing(api, api_b, tenant_a):
     api.post(URL, {"command": "create", "path": "/memories/secret.md", "file_text": "CANARY-a"})
     for command in (
@@ -405,6 +454,26 @@ def test_a_directory_past_the_listing_cap_is_refused_whole_not_half_done(api, te
     assert sorted(live.values_list("key", flat=True)) == [f"claude:memories:big:f{i}.md" for i in range(4)]
     monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 4)
     assert api.post(URL, command).json()["is_error"] is False  # at the cap: done whole
+
+
+def test_a_view_of_a_directory_past_the_listing_cap_says_it_is_cut(api, tenant_a, monkeypatch):
+    # A listing read the first LIST_MAX_MEMORIES files and showed them as the whole directory:
+    # 5,001 files under /memories/a/ hid /memories/z.md, and the model was not told.
+    monkeypatch.setattr(claude_memory, "LIST_MAX_MEMORIES", 3)
+    for i in range(3):
+        api.post(URL, {"command": "create", "path": f"/memories/a/x/f{i}.md", "file_text": "x"})
+    whole = api.post(URL, {"command": "view", "path": "/memories"}).json()
+    assert whole["is_error"] is False and "Listing cut" not in whole["content"]  # at the cap: all of it
+    api.post(URL, {"command": "create", "path": "/memories/z.md", "file_text": "zz"})
+    r = api.post(URL, {"command": "view", "path": "/memories"})
+    lines = r.json()["content"].splitlines()
+    assert lines[1:-1] == ["3B\t/memories", "3B\t/memories/a/", "3B\t/memories/a/x/"]
+    assert lines[-1] == (
+        "(Listing cut: /memories holds more than 3 files; only the first 3 by name are listed and "
+        "counted in the sizes above. View a subdirectory to see the rest.)"
+    )
+    events = AuditEvent.objects.filter(tenant=tenant_a, action="memory.list").order_by("-pk")
+    assert events.first().count == 4  # one page: the cap and the one past it
 
 
 @pytest.mark.parametrize(
@@ -714,10 +783,10 @@ def test_a_listing_of_many_directories_does_work_in_proportion_to_its_entries(ap
 
     listing = claude_memory.MemoryTool._listing
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         sys.setprofile(count)
         try:
-            return listing(self, *args)
+            return listing(self, *args, **kwargs)
         finally:
             sys.setprofile(None)
 

@@ -20,7 +20,7 @@ from langgraph.store.base import BaseStore, GetOp, InvalidNamespaceError, PutOp
 from langgraph.store.memory import InMemoryStore
 
 from memories.models import Memory
-from tests.factories import make_key, make_tenant
+from tests.factories import make_key, make_tenant, write
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client"))
 from zeromem_client.langgraph import ZeroMemStore, ZeroMemStoreError  # noqa: E402
@@ -105,6 +105,8 @@ def test_zeromem_store(transactional_db, live_server):
         same_results_as_langgraphs_in_memory_store(store, tenant)
         a_compiled_state_graph_reads_and_writes_the_store(store, tenant)
         async_batch_and_ttl_and_refusals(store, tenant)
+        a_batch_with_a_get_or_put_the_server_refuses_sends_nothing(store, tenant)
+        limits_past_a_pages_size_are_read_in_pages(store, tenant)
     finally:
         store.close()
 
@@ -156,6 +158,45 @@ def async_batch_and_ttl_and_refusals(store, tenant):
     # (it was a ZeroMemStoreError naming the key).
     with pytest.raises(InvalidNamespaceError):
         store.put(("n" * 300, "m" * 300), "k", {"v": 1})
+
+
+def a_batch_with_a_get_or_put_the_server_refuses_sends_nothing(store, tenant):
+    store.put(("x", "y"), "k", {"v": "xy"})
+    # A get's namespace travels as its labels joined by ".": ("x.y",) read the item of ("x", "y").
+    assert InMemoryStore().batch([GetOp(("x.y",), "k")]) == [None]
+    with pytest.raises(InvalidNamespaceError):
+        store.batch([GetOp(("x.y",), "k")])
+    # A put the server refuses came after the batch's earlier puts were written: half done.
+    before = set(Memory.objects.values_list("pk", "version"))
+    for bad, refused in (
+        (PutOp(("x", "bad.label"), "k", {"v": 2}), InvalidNamespaceError),
+        (PutOp(("x", ""), "k", {"v": 2}), InvalidNamespaceError),
+        (PutOp(("x",), "", {"v": 2}), ZeroMemStoreError),
+        (PutOp(("x",), "k", ["not", "an", "object"]), ZeroMemStoreError),
+    ):
+        with pytest.raises(refused) as raised:
+            store.batch([PutOp(("x",), "first", {"v": 1}), GetOp(("x", "y"), "k"), bad])
+        if refused is ZeroMemStoreError:
+            assert (raised.value.status, raised.value.field) == (400, "value" if bad.key else "key")
+    assert set(Memory.objects.values_list("pk", "version")) == before
+
+
+def limits_past_a_pages_size_are_read_in_pages(store, tenant):
+    # LangGraph takes any limit and max_depth; the routes take a page (search 200, namespaces
+    # 1,000, depth 512): a search with limit=300 was a ZeroMemStoreError (400 naming limit).
+    for i in range(250):
+        write(tenant, f"lg:many:{i:03d}", {"i": i, "text": "a bean"})
+    mem = InMemoryStore()
+    for i in range(250):
+        mem.put(("many",), f"{i:03d}", {"i": i, "text": "a bean"})
+    for limit, offset in ((300, 0), (250, 0), (201, 40), (1000, 199)):
+        got = store.search(("many",), limit=limit, offset=offset, refresh_ttl=False)
+        assert [i.key for i in got] == [i.key for i in mem.search(("many",), limit=limit, offset=offset)]
+    assert len(store.search(("many",), filter={"text": "a bean"}, limit=10_000, refresh_ttl=False)) == 250
+    ranked = store.search(("many",), query="bean", limit=500, refresh_ttl=False)  # ranks at most 200
+    assert 0 < len(ranked) <= 200 and store.search(("many",), query="bean", offset=200, limit=50) == []
+    everything = store.list_namespaces(limit=5000, max_depth=1000)
+    assert everything == store.list_namespaces() and ("many",) in everything
 
 
 class State(TypedDict):

@@ -794,3 +794,33 @@ def test_listing_namespaces_walks_the_namespace_index_on_a_tenant_not_analyzed_y
     assert r.json()["namespaces"] == [[c] for c in sorted("zyxwvutsrq")]
     reads = [q["sql"] for q in queries if "memories_memory" in q["sql"] and not q["sql"].startswith("INSERT")]
     assert reads and sum(_rows_scanned(sql) for sql in reads) <= 100
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("allow", "namespace", "key", "field"),
+    [
+        (["lg:users:u1:"], ["users", "u2"], "prefs", "namespace"),
+        (["lg:users:u1:"], ["users"], "u1", "namespace"),
+        (["lg:users:u1:sub:"], ["users", "u1"], "prefs", "namespace"),
+        (["lg:users:u1:prefs"], ["users", "u1"], "other", "key"),
+    ],
+)
+def test_an_item_outside_the_keys_allowlist_is_a_403_naming_namespace_or_key(tenant_a, allow, namespace, key, field):
+    # The refusal named "key" whatever was at fault: a namespace the key may not reach is
+    # the namespace's, a key beside the one a bare entry allows is the key's.
+    client, _ = make_keyed_client(tenant_a, allow=allow)
+    items = "/api/v1/langgraph/store/items"
+    for r in (
+        client.put(items, {"namespace": namespace, "key": key, "value": {"v": 1}}),
+        client.get(items, {"namespace": ".".join(namespace), "key": key}),
+        client.client.delete(
+            items,
+            json.dumps({"namespace": namespace, "key": key}),
+            content_type="application/json",
+            headers=client._headers(None),
+        ),
+    ):
+        assert r.status_code == 403, r.content
+        assert (rest_error(r)["code"], rest_error(r)["field"]) == ("key_not_allowed", field)
+    assert not Memory.objects.filter(tenant=tenant_a).exists()

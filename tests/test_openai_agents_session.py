@@ -224,3 +224,24 @@ def test_the_latest_items_are_read_from_the_end_not_by_walking_the_whole_history
     assert on_session(lambda session: session.pop_item()) == (items[-1], 1)
     many, pages = on_session(lambda session: session.get_items(limit=250))  # past one page
     assert (many, pages) == (items[-251:-1], 2)
+
+
+def test_add_items_refused_for_one_item_adds_none_of_them(live_server, acme):
+    """Each call of a batch stands alone: an item past the tenant's value cap was refused while
+    the others of its call (and of the batches before it) stayed, a history with a hole in it.
+    SQLiteSession adds the items of one call in one transaction: all or none."""
+    tenant, raw = acme
+    items = [{"role": "user", "content": f"message {i}"} for i in range(60)]
+    items[55] = {"role": "user", "content": "x" * 20_000}  # past the 16 KiB default cap
+
+    async def main():
+        async with AsyncZeroMem(live_server.url, raw) as zm:
+            session = ZeroMemSession("chat-7", zm)
+            await session.add_items([{"role": "user", "content": "before"}])
+            with pytest.raises(RuntimeError, match="value"):
+                await session.add_items(items)
+            return await session.get_items()
+
+    assert asyncio.run(main()) == [{"role": "user", "content": "before"}]
+    live = Memory.objects.filter(tenant=tenant, deleted_at__isnull=True, key__startswith="agent_session:chat-7:")
+    assert live.count() == 1

@@ -14,7 +14,8 @@ other. Needs ``pip install 'zeromem-client[langgraph]'`` (httpx and langgraph).
 Semantics, as LangGraph's ``InMemoryStore``: in one ``batch`` the reads (get, search, list
 namespaces) see the state before the batch's puts, and the last put of a (namespace, key)
 wins; deleting a missing item is no error. Where ZeroMem differs: a search without a query
-is ordered by namespace and key (``InMemoryStore``: insertion order); a search with a query
+is ordered by the memory key, labels and key joined by ``:`` (``("a",)``/``"k"`` after
+``("a", "b")``/``"k"``; ``InMemoryStore``: insertion order); a search with a query
 is ranked by ZeroMem's own search (lexical and semantic), with its ``score``, and returns
 only items that match the query (``InMemoryStore`` without an index ignores the query); TTLs
 are whole minutes (a fraction is rounded up).
@@ -23,7 +24,7 @@ are whole minutes (a fraction is rounded up).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -43,6 +44,12 @@ from langgraph.store.base import (
 )
 
 API_PATH = "/api/v1/langgraph"
+# What one request of the routes takes: a search's limit (and, with a query, offset + limit:
+# ZeroMem ranks at most that many items), a namespace listing's limit, and max_depth (a key of
+# 512 characters holds fewer labels). LangGraph takes any: larger reads go in pages.
+SEARCH_PAGE = 200
+NAMESPACES_PAGE = 1000
+MAX_DEPTH = 512
 
 
 class ZeroMemStoreError(Exception):
@@ -141,10 +148,61 @@ def _result(op: Op, response: httpx.Response) -> Result:
     return None
 
 
+def _refusal(field: str, message: str) -> Exception:
+    """What the server answers to such a request (a 400 naming ``field``), raised before any is sent."""
+    if field == "namespace":
+        return InvalidNamespaceError(message)
+    return ZeroMemStoreError(400, {"code": "invalid", "field": field, "message": message})
+
+
+def _check(op: Op) -> None:
+    """Refuse what the server would refuse of a get or a put, before the batch sends anything.
+    A get's namespace travels as its labels joined by ".": a label holding one was split by
+    the server into two (("a.b",) read the item of ("a", "b")). A put refused by the server
+    after the batch's earlier puts were written left the batch half done."""
+    if not isinstance(op, GetOp | PutOp):
+        return
+    namespace = op.namespace
+    if not isinstance(namespace, tuple | list) or not namespace:
+        raise _refusal("namespace", "must be a non-empty tuple of labels")
+    for label in namespace:
+        if not isinstance(label, str) or not label or "." in label:
+            raise _refusal("namespace", f"labels must be non-empty strings without '.', got {label!r}")
+    if not isinstance(op.key, str) or not op.key:
+        raise _refusal("key", "must be a non-empty string")
+    if isinstance(op, PutOp) and op.value is not None and not isinstance(op.value, Mapping):
+        raise _refusal("value", "must be a JSON object (a dict)")
+
+
+def _window(op: Op) -> tuple[Op, int, int] | None:
+    """A search or namespace listing as (its first request, its limit, a page's size), the
+    limit past what ZeroMem can hold cut off; None for any other operation (one request)."""
+    if isinstance(op, SearchOp):
+        limit = op.limit
+        if op.query:
+            limit = max(0, min(limit, SEARCH_PAGE - op.offset))
+        return op, limit, SEARCH_PAGE
+    if isinstance(op, ListNamespacesOp):
+        if op.max_depth is not None and op.max_depth > MAX_DEPTH:
+            op = op._replace(max_depth=MAX_DEPTH)
+        return op, op.limit, NAMESPACES_PAGE
+    return None
+
+
+def _next_page(op: Op, left: int, page: int, got: list | None) -> Op | None:
+    """The next request of a paged read (``left`` still wanted after ``got``), or None when done."""
+    if left <= 0 or (got is not None and len(got) < op.limit):
+        return None
+    offset = op.offset if got is None else op.offset + op.limit
+    return op._replace(offset=offset, limit=min(left, page))
+
+
 def _plan(ops: Iterable[Op]) -> tuple[list[Op], list[int], list[PutOp]]:
     """The batch as InMemoryStore runs it: reads first (in order), then the puts, the last
-    put of each (namespace, key) winning."""
+    put of each (namespace, key) winning. Every get and put is checked first (:func:`_check`)."""
     ops = list(ops)
+    for op in ops:
+        _check(op)
     reads = [i for i, op in enumerate(ops) if not isinstance(op, PutOp)]
     puts: dict[tuple, PutOp] = {}
     for op in ops:
@@ -193,12 +251,43 @@ class ZeroMemStore(BaseStore):
             self._aclient = httpx.AsyncClient(**self._client_args)
         return self._aclient
 
+    def _read(self, op: Op) -> Result:
+        window = _window(op)
+        if window is None:
+            method, path, kwargs = _request(op)
+            return _result(op, self.client.request(method, path, **kwargs))
+        first, left, page = window
+        out: list = []
+        got, request = None, _next_page(first, left, page, None)
+        while request is not None:
+            method, path, kwargs = _request(request)
+            got = _result(request, self.client.request(method, path, **kwargs))
+            out.extend(got)
+            left -= request.limit
+            request = _next_page(request, left, page, got)
+        return out
+
+    async def _aread(self, op: Op) -> Result:
+        window = _window(op)
+        if window is None:
+            method, path, kwargs = _request(op)
+            return _result(op, await self.aclient.request(method, path, **kwargs))
+        first, left, page = window
+        out: list = []
+        got, request = None, _next_page(first, left, page, None)
+        while request is not None:
+            method, path, kwargs = _request(request)
+            got = _result(request, await self.aclient.request(method, path, **kwargs))
+            out.extend(got)
+            left -= request.limit
+            request = _next_page(request, left, page, got)
+        return out
+
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         ops, reads, puts = _plan(ops)
         results: list[Result] = [None] * len(ops)
         for i in reads:
-            method, path, kwargs = _request(ops[i])
-            results[i] = _result(ops[i], self.client.request(method, path, **kwargs))
+            results[i] = self._read(ops[i])
         for op in puts:
             method, path, kwargs = _request(op)
             _result(op, self.client.request(method, path, **kwargs))
@@ -208,8 +297,7 @@ class ZeroMemStore(BaseStore):
         ops, reads, puts = _plan(ops)
         results: list[Result] = [None] * len(ops)
         for i in reads:
-            method, path, kwargs = _request(ops[i])
-            results[i] = _result(ops[i], await self.aclient.request(method, path, **kwargs))
+            results[i] = await self._aread(ops[i])
         for op in puts:
             method, path, kwargs = _request(op)
             _result(op, await self.aclient.request(method, path, **kwargs))

@@ -94,10 +94,35 @@ class ZeroMemSession:
             {"name": "memory_write", "arguments": {"key": key, "value": item}}
             for key, item in zip(self._keys(len(items)), items, strict=True)
         ]
-        for i in range(0, len(calls), BATCH):
-            for result in await self.client.batch(calls[i : i + BATCH]):
-                if result.get("status") != "ok":
-                    raise RuntimeError(f"ZeroMem refused a session item: {result.get('error')}")
+        # All or none, as SQLiteSession adds them in one transaction: each call of a batch
+        # stands alone, so an item refused (past the value cap, say) left the others of this
+        # call written, a history with a hole in it. Those written are deleted again.
+        written: list[str] = []
+        try:
+            for i in range(0, len(calls), BATCH):
+                chunk = calls[i : i + BATCH]
+                results = await self.client.batch(chunk)
+                written.extend(
+                    call["arguments"]["key"]
+                    for call, result in zip(chunk, results, strict=False)
+                    if result.get("status") == "ok"
+                )
+                refused = next((r for r in results if r.get("status") != "ok"), None)
+                if refused is not None:
+                    raise RuntimeError(f"ZeroMem refused a session item: {refused.get('error')}")
+        except BaseException:
+            await self._delete(written)
+            raise
+
+    async def _delete(self, keys: list[str]) -> None:
+        """Undo the writes of an add_items that failed (best effort: the error is the add's)."""
+        for i in range(0, len(keys), BATCH):
+            try:
+                await self.client.batch(
+                    [{"name": "memory_delete", "arguments": {"key": key}} for key in keys[i : i + BATCH]]
+                )
+            except Exception:
+                return
 
     async def pop_item(self) -> Any | None:
         while True:

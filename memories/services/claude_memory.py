@@ -41,7 +41,7 @@ from memories.services.api_keys import rate_limit_charge_items
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.crypto import ErasedValue
-from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from zeromem.kernel.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge
 
 DEFAULT_ROOT = "claude:memories"
 # Creating a file or renaming onto a path checks that no file stands where a directory is
@@ -124,10 +124,19 @@ class MemoryTool:
         """The file's memory, or None when there is no file at the path."""
         if place.is_root:
             return None
+        if not self.actor.may_touch(place.key) and self._reaches(place.key):
+            # Not a file to this caller but maybe a directory: an allowlist of
+            # user:u1:m:notes: covers what lies under /memories/notes, not its own key (reading
+            # it was a 403 for a view, delete or rename of the directory it lists).
+            return None
         try:
             return mem.memory_read(tenant=self.tenant, actor=self.actor, key=place.key).memory
         except NotFound:
             return None
+
+    def _reaches(self, key: str) -> bool:
+        """Whether the key's allowlist reaches the key or anything under it."""
+        return self.actor.may_touch(key) or bool(self.actor.prefix_filters(key + ":"))
 
     def _text(self, place: Place) -> tuple[str, int] | None:
         """The file's text and version, or None when there is no file at the path."""
@@ -243,10 +252,13 @@ class MemoryTool:
         found = self._text(place)
         if found is not None:
             return self._view_file(path, found[0], view_range)
-        sizes = self._under(place, rows="sizes")
+        # One past the cap: a directory holding more is listed from its first LIST_MAX_MEMORIES
+        # files and says so (it listed them as if they were all, leaving out the rest).
+        sizes = self._under(place, limit=LIST_MAX_MEMORIES + 1, rows="sizes")
         if not sizes and not place.is_root:
             raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
-        return self._listing(path, place, sizes)
+        cut = len(sizes) > LIST_MAX_MEMORIES
+        return self._listing(path, place, sizes[:LIST_MAX_MEMORIES], cut=cut)
 
     def _view_file(self, path: str, content: str, view_range: list[int] | None) -> str:
         lines = content.split("\n")
@@ -260,7 +272,7 @@ class MemoryTool:
         numbered = [f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}" for i, line in enumerate(display)]
         return f"Here's the content of {path} with line numbers:\n" + "\n".join(numbered)
 
-    def _listing(self, path: str, place: Place, sizes: list[tuple[str, int]]) -> str:
+    def _listing(self, path: str, place: Place, sizes: list[tuple[str, int]], *, cut: bool = False) -> str:
         # Relative names → size; a directory's size is the bytes of the files under it.
         files: dict[tuple[str, ...], int] = {}
         for key, size in sizes:
@@ -301,6 +313,12 @@ class MemoryTool:
         header = f"Here're the files and directories up to 2 levels deep in {path}, excluding hidden items:"
         lines = [f"{_format_size(sum(files.values()))}\t{path}"]
         lines.extend(f"{size}\t{path}/{name}" for size, name in items)
+        if cut:
+            lines.append(
+                f"(Listing cut: {path} holds more than {LIST_MAX_MEMORIES} files; only the first "
+                f"{LIST_MAX_MEMORIES} by name are listed and counted in the sizes above. "
+                "View a subdirectory to see the rest.)"
+            )
         return f"{header}\n" + "\n".join(lines)
 
     def _tree_locked(self, place: Place, run):
@@ -536,6 +554,29 @@ def memory_tool_run(*, tenant: Tenant, actor: Actor, command: Any, root: Any = N
         if field != "command" and field not in FIELDS[name]:
             raise InvalidInput(f"{name} takes no field '{field}'", field=field, code="unknown_field")
     tool = MemoryTool(tenant=tenant, actor=actor, root=root)
+    try:
+        return _run(tool, name, command)
+    except Forbidden as exc:
+        if exc.code == "key_not_allowed" and exc.field == "key":
+            # The memory services name "key", which no command has: name what the model (or
+            # the caller, for the root) wrote that leads outside the key's allowlist.
+            exc.field = _outside_allowlist(tool, name, command)
+        raise
+
+
+def _outside_allowlist(tool: MemoryTool, name: str, command: dict) -> str:
+    if not tool._reaches(tool.root):
+        return "root"  # nothing under it is within reach
+    if name != "rename":
+        return "path"
+    try:
+        old = tool.place(command["old_path"])
+    except MemoryToolError:  # not reached: the command got as far as a refusal
+        return "old_path"
+    return "new_path" if tool._reaches(old.key) else "old_path"
+
+
+def _run(tool: MemoryTool, name: str, command: dict) -> str:
     if name == "view":
         view_range = command.get("view_range")
         if view_range is not None and (

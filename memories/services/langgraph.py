@@ -39,7 +39,7 @@ from memories.services import memories as mem
 from memories.services.api_keys import rate_limit_charge_items
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import InvalidInput, NotFound
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
 from zeromem.kernel.scopes import Scope
 
 TTL_TAG = "ttl_minutes="
@@ -291,15 +291,32 @@ def lg_put(
         if isinstance(ttl, float) and ttl.is_integer():
             ttl = int(ttl)
         minutes = _bounded(ttl, field="ttl", default=0, low=1, high=TTL_MAX_MINUTES)
-    mem.memory_write(
-        tenant=tenant,
-        actor=actor,
-        key=item_memory_key(namespace, key),
-        value=value,
-        ttl_seconds=minutes * 60 if minutes else None,
-        tags=[f"{TTL_TAG}{minutes}"] if minutes else [],
-        clear_ttl=True,
+    try:
+        mem.memory_write(
+            tenant=tenant,
+            actor=actor,
+            key=item_memory_key(namespace, key),
+            value=value,
+            ttl_seconds=minutes * 60 if minutes else None,
+            tags=[f"{TTL_TAG}{minutes}"] if minutes else [],
+            clear_ttl=True,
+        )
+    except Forbidden as exc:
+        _blame(exc, actor, namespace)
+        raise
+
+
+def _blame(exc: Forbidden, actor: Actor, namespace: tuple[str, ...]) -> None:
+    """A refusal for the key's allowlist names "key" (the memory's): name the item's field
+    at fault — its ``key`` when an entry allows single keys of this namespace (a bare
+    ``lg:users:u1:prefs``; ``lg:users:u1:sub:`` allows none), else its ``namespace``."""
+    if exc.code != "key_not_allowed" or exc.field != "key":
+        return
+    prefix = namespace_prefix(namespace)
+    bare_key_here = any(
+        entry.startswith(prefix) and ":" not in entry[len(prefix) :] for entry in actor.allowed_prefixes or ()
     )
+    exc.field = "key" if bare_key_here else "namespace"
 
 
 def _ttl_minutes(memory: Memory) -> int | None:
@@ -329,9 +346,13 @@ def lg_get(*, tenant: Tenant, actor: Actor, namespace: Any, key: Any, refresh_tt
     namespace = namespace_labels(namespace)
     key = item_key(key)
     refresh = _flag(refresh_ttl, "refresh_ttl")
-    memory = mem.memory_read(tenant=tenant, actor=actor, key=item_memory_key(namespace, key)).memory
-    if refresh:
-        memory = _refresh(tenant, actor, memory)
+    try:
+        memory = mem.memory_read(tenant=tenant, actor=actor, key=item_memory_key(namespace, key)).memory
+        if refresh:
+            memory = _refresh(tenant, actor, memory)
+    except Forbidden as exc:
+        _blame(exc, actor, namespace)
+        raise
     return item_of(memory)
 
 
@@ -344,6 +365,9 @@ def lg_delete(*, tenant: Tenant, actor: Actor, namespace: Any, key: Any) -> None
         mem.memory_delete(tenant=tenant, actor=actor, key=item_memory_key(namespace, key))
     except NotFound:
         pass
+    except Forbidden as exc:
+        _blame(exc, actor, namespace)
+        raise
 
 
 def lg_search(
