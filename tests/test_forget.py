@@ -1420,3 +1420,52 @@ def test_a_summary_rebuild_waits_for_a_write_to_the_summary_and_versions_after_i
     assert CANARY not in str(final.value)
     history = list(MemoryVersion.objects.filter(memory_id=summary.pk).values_list("version", flat=True))
     assert history == [final.version]
+
+
+# --- writes acknowledged while a request is open --------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("sensitive", [False, True])
+def test_a_write_acknowledged_after_the_erasing_but_before_completion_is_forgotten_too(monkeypatch, sensitive):
+    """The rule: what is written for the target before the request completes is forgotten
+    (before the job runs, or while it runs); what is written after ``completed_at`` stays.
+    A write committed by another connection after the erasing batches, while the job redacts
+    the audit log, was kept under a ``completed`` receipt (and, sealed, under a data key the
+    shred had missed)."""
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below, in this thread
+    tenant = make_tenant("forget-late-write")
+    write(tenant, "user:u7:diet", "vegetarian", subject="u7")
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+    write(tenant, "user:u7:city", "Lyon", subject="u7")  # after acceptance, before the job: forgotten
+    redact, failures, passes = forget.audit_redact_subject, [], []
+
+    def redact_after_a_late_write(**kwargs):
+        def late_write():
+            write(tenant, "user:u7:pet", "a cat named " + CANARY, subject="u7", sensitive=sensitive)
+
+        if not passes:  # once: the job's first pass over the audit log
+            start_thread(late_write, failures).join(30)
+        passes.append(kwargs["after"])
+        return redact(**kwargs)
+
+    monkeypatch.setattr(forget, "audit_redact_subject", redact_after_a_late_write)
+    forget.forget_request_execute(request_id=request.pk)
+
+    assert not failures, failures
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert len(passes) == 2 and passes[1] > passes[0]  # the second pass went on from the cursor
+    assert not Memory.objects.filter(tenant=tenant, subject="u7").exists()
+    assert not MemoryVersion.objects.filter(tenant=tenant, subject="u7").exists()
+    assert request.receipt["memories"] == 3
+    assert not AuditEvent.objects.filter(tenant=tenant, target="user:u7:pet").exists()
+    if sensitive:  # the late write's key (the shred before it found none) is destroyed too
+        from memories.models import DataKey
+
+        assert request.receipt["data_keys_destroyed"] == 1
+        assert not DataKey.objects.filter(tenant_id=tenant.pk, subject="u7").exists()
+    # After completion a write is new data about them, and stays.
+    write(tenant, "user:u7:diet", "vegan", subject="u7")
+    assert Memory.objects.filter(tenant=tenant, subject="u7").count() == 1

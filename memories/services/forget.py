@@ -430,42 +430,51 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
     try:
         wal_compression = wal_compression_for_erasure()
         deadline = time.monotonic() + min(FORGET_SLICE_SECONDS, settings.Q_CLUSTER["timeout"] / 2)
-        while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
-            if time.monotonic() >= deadline:
-                # The rest in a later turn. A lost enqueue is picked up by
-                # forget_requests_resume once the request stops moving.
-                return _hand_back(request)
-        if _shred(request_id):
-            # The shred waited for writes sealing under the subject's keys (keyring.shred):
-            # what they committed after the batches above is erased too, not left sealed
-            # under a destroyed key.
+        while True:
             while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
-                pass
-        # The audit redaction is sliced like the batches (a heavy user's years of audited reads
-        # are millions of events, ~3k/s): each page commits and moves the request's cursor, so
-        # a continuation or a retry goes on from there, and a page is progress (stalled
-        # attempts reset).
-        stopped = False
+                if time.monotonic() >= deadline:
+                    # The rest in a later turn. A lost enqueue is picked up by
+                    # forget_requests_resume once the request stops moving.
+                    return _hand_back(request)
+            if _shred(request_id):
+                # The shred waited for writes sealing under the subject's keys (keyring.shred):
+                # what they committed after the batches above is erased too, not left sealed
+                # under a destroyed key.
+                while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
+                    pass
+            # The audit redaction is sliced like the batches (a heavy user's years of audited
+            # reads are millions of events, ~3k/s): each page commits and moves the request's
+            # cursor, so a continuation or a retry goes on from there, and a page is progress
+            # (stalled attempts reset).
+            stopped = False
 
-        def page(through: int, changed: int) -> bool:
-            nonlocal stopped
-            _redaction_progress(request_id, through=through, changed=changed)
-            stopped = time.monotonic() >= deadline
-            return not stopped
+            def page(through: int, changed: int) -> bool:
+                nonlocal stopped
+                _redaction_progress(request_id, through=through, changed=changed)
+                stopped = time.monotonic() >= deadline
+                return not stopped
 
-        audit_redact_subject(
-            tenant=request.tenant,
-            subject=request.subject,
-            keys=request.keys,
-            prefix=request.prefix,
-            batch_size=REDACT_PAGE,
-            after=int(request.receipt.get(REDACT_CURSOR, 0)),  # read at this run's start
-            on_page=page,
-        )
-        if stopped:
-            return _hand_back(request)
-        _redact_jobs(request)
-        return _complete(request_id)
+            audit_redact_subject(
+                tenant=request.tenant,
+                subject=request.subject,
+                keys=request.keys,
+                prefix=request.prefix,
+                batch_size=REDACT_PAGE,
+                after=int(request.receipt.get(REDACT_CURSOR, 0)),  # read at this pass's start
+                on_page=page,
+            )
+            if stopped:
+                return _hand_back(request)
+            _redact_jobs(request)
+            result = _complete(request_id)
+            if result is not None:
+                return result
+            # A write for the target committed after the batches above (while the audit log
+            # was redacted): acknowledged before completion, it is forgotten too — another
+            # pass erases it, shreds the key it sealed under and redacts its audit events.
+            request.refresh_from_db()
+            if time.monotonic() >= deadline:
+                return _hand_back(request)
     except Exception as exc:
         _note_error(request_id, exc)
         raise
@@ -914,12 +923,27 @@ def _redaction_progress(request_id: int, *, through: int, changed: int) -> None:
         )
 
 
-def _complete(request_id: int) -> dict:
+def _target_left(request: ForgetRequest) -> bool:
+    """Whether anything of the target is stored again: a write committed after the erasing
+    batches. Cost: one or two indexed EXISTS (the target's index, the subject's versions)."""
+    if _target_memories(request).exists():
+        return True
+    left = _versions_left(request)
+    return left is not None and left.exists()
+
+
+def _complete(request_id: int) -> dict | None:
+    """Mark the request completed with its final receipt; None (nothing changed) when a write
+    for its target committed since the erasing batches, for the caller to erase it first."""
     with transaction.atomic():
         request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING:
             return _result(request)
+        # Taken before the look below: a write it misses commits after this moment, so what
+        # was acknowledged before ``completed_at`` is forgotten and what comes after stays.
         now = timezone.now()
+        if _target_left(request):
+            return None
         receipt = {name: request.receipt.get(name, 0) for name in RECEIPT_COUNTS}
         receipt.update(
             summaries_rebuilt=request.receipt.get("summaries_rebuilt", []),
