@@ -460,6 +460,32 @@ def test_forgetting_a_subject_drops_its_prefix_and_key_from_finished_summarize_j
     assert other["prefix"] == "team:t1:" and other_result["key"] == "summary:team:t1"
 
 
+def test_a_summarize_job_still_pending_when_its_namespace_is_forgotten_is_cancelled_and_redacted(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    """A job asked for before the forget completes is part of what is forgotten: a queued
+    summarize of ``user:u9:`` ran after the forget, found nothing and kept ``user:u9:`` in its
+    params and ``summary:user:u9`` in its result for good (only finished jobs were redacted)."""
+    write(tenant_a, "user:u9:lang", "de")
+    write(tenant_a, "team:t1:plan", "ship")
+    with django_capture_on_commit_callbacks(execute=False):  # queued, not yet run
+        theirs = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="user:u9:")
+        other = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="team:t1:")
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "u9"})
+    assert get(api, r.json()["id"])["status"] == "completed"
+    services.summarize_run(job_id=theirs.pk)  # its delivery comes after all
+    theirs.refresh_from_db()
+    assert theirs.status == "cancelled" and theirs.finished_at is not None
+    assert theirs.params == {"archive": False, "redacted": True} and not theirs.result
+    assert "u9" not in str((theirs.params, theirs.result, theirs.error))
+    assert not Memory.objects.filter(tenant=tenant_a, key="summary:user:u9").exists()
+    event = AuditEvent.objects.get(tenant=tenant_a, action="memory.summarize.cancel")
+    assert (event.count, event.detail["reason"], event.detail["job_ids"]) == (1, "forgotten", [theirs.pk])
+    assert event.detail["forget_request"] == r.json()["id"] and "u9" not in str(event.detail)
+    other.refresh_from_db()
+    assert other.status == "queued" and other.params["prefix"] == "team:t1:"
+
+
 def test_forget_by_keys_erases_those_keys_and_summaries_of_summaries(api, tenant_a, django_capture_on_commit_callbacks):
     write(tenant_a, "note:n1:a", "first")
     write(tenant_a, "note:n1:a", "first, again")
@@ -1003,6 +1029,12 @@ def test_the_audit_redaction_is_sliced_too_and_each_page_is_progress(tenant_a, s
     assert done.receipt["audit_events_redacted"] == naming
     assert forget.REDACT_CURSOR not in done.receipt  # the cursor goes with the run
     assert not AuditEvent.objects.filter(tenant=tenant_a, subject="u1").exists()
+    # One trail however many steps: each step after a slice went through the shred again and
+    # recorded another datakey.destroy (count 0) before.
+    trail = AuditEvent.objects.filter(tenant=tenant_a, detail__forget_request=request.pk)
+    assert trail.filter(action="datakey.destroy").count() == 1
+    assert trail.filter(action="forget.complete").count() == 1
+    assert trail.filter(action="forget.start").count() == runs + 1  # one per step
 
 
 def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django_capture_on_commit_callbacks):
@@ -1330,6 +1362,37 @@ def test_a_summary_job_that_read_its_sources_before_a_forget_writes_nothing_of_t
         return read
 
     monkeypatch.setattr(summaries, "_digest", digest_then_forget)
+    # The forget cancelled the job (its namespace forgotten): the attempt writes nothing.
+    assert summaries.summarize_run(job_id=job.pk) == {"status": "cancelled", "job_id": job.pk}
+    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+    assert tables_holding(CANARY) == {}
+    assert tables_holding("user:u7") == {}  # nor its prefix, in the job or an audit event
+    job.refresh_from_db()
+    assert job.status == "cancelled" and "prefix" not in job.params
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_job_whose_sources_a_forget_by_keys_erased_meanwhile_writes_nothing_of_them(monkeypatch):
+    """As above, for a forget by keys, which leaves the job of their namespace to run: the
+    write finds a source gone and fails the attempt; the retry summarizes the rest."""
+    from memories.services import summaries
+
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below, in this thread
+    monkeypatch.setattr(summaries, "_enqueue", lambda job_id: None)
+    tenant = make_tenant("summary-race-keys")
+    write(tenant, "user:u7:diet", f"{CANARY} vegetarian")
+    write(tenant, "user:u7:city", "Lyon")
+    job = summaries.summarize_start(tenant=tenant, actor=SYSTEM, prefix="user:u7:")
+    digest = summaries._digest
+
+    def digest_then_forget(**kwargs):
+        read = digest(**kwargs)  # the sources are read ...
+        request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, keys=["user:u7:diet"])
+        forget.forget_request_execute(request_id=request.pk)  # ... and one forgotten before the write
+        return read
+
+    monkeypatch.setattr(summaries, "_digest", digest_then_forget)
     with pytest.raises(summaries.SummarizerError):
         summaries.summarize_run(job_id=job.pk)
     assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
@@ -1338,8 +1401,8 @@ def test_a_summary_job_that_read_its_sources_before_a_forget_writes_nothing_of_t
     assert job.status == "queued" and "erased" in job.error  # retried; nothing of the erased value said
 
     monkeypatch.setattr(summaries, "_digest", digest)
-    assert summaries.summarize_run(job_id=job.pk)["sources"] == 0  # the retry finds nothing left
-    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+    assert summaries.summarize_run(job_id=job.pk)["sources"] == 1  # the retry summarizes the rest
+    assert CANARY not in str(Memory.objects.get(tenant=tenant, key="summary:user:u7").value)
 
 
 @pytest.mark.postgres

@@ -49,7 +49,7 @@ from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
 from memories.services.dashboard_stats import dashboard_stats_after_forget
 from memories.services.idempotency import holds_no_values as idempotency_holds_no_values
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
-from memories.services.jobs import require_pending_room
+from memories.services.jobs import CANCEL_EVENT_MAX_IDS, require_pending_room
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
 from memories.services.summaries import summary_expiry, summary_without
 from zeromem.kernel import validation
@@ -502,15 +502,21 @@ def _shred(request_id: int) -> int:
     """Crypto-shredding: a subject's data keys are destroyed once its memories are erased, so
     every copy of what they sealed — in backups and dumps of the main database too — stops
     opening (memories.keyring.shred). Idempotent: the count adds to the receipt only once the
-    keys are gone; a rerun finds none left. Audited as ``datakey.destroy``."""
+    keys are gone; a rerun finds none left. Audited as ``datakey.destroy``: the first time,
+    and again only when a rerun destroys keys (a write sealed since under a new one)."""
     with transaction.atomic():
         request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING or not request.subject:
             return 0
         destroyed = keyring.shred(tenant_id=request.tenant_id, subject=request.subject)
         receipt = dict(request.receipt)
+        first = "data_keys_destroyed" not in receipt
         receipt["data_keys_destroyed"] = receipt.get("data_keys_destroyed", 0) + destroyed
         ForgetRequest.objects.filter(pk=request_id).update(receipt=receipt, progress_at=timezone.now())
+        if not (first or destroyed):
+            # Every step of the request comes through here (a continuation after a slice of
+            # the audit redaction, a retry): one event says the keys went, not one per step.
+            return 0
         audit_record(
             tenant=request.tenant,
             actor=Actor.system(job=FORGET_JOB),
@@ -523,10 +529,16 @@ def _shred(request_id: int) -> int:
 
 
 def _redact_jobs(request: ForgetRequest) -> int:
-    """Finished summarize jobs about the target name it (``params.prefix``, ``result.key``):
-    their prefix and key are dropped, their counts stay. Idempotent; pending jobs are left
-    to finish (their summary is then found by lineage on a later forget). Cost: one scan of
-    the tenant's finished summarize jobs, an UPDATE per job named."""
+    """Summarize jobs about the target name it (``params.prefix``, ``result.key``): their
+    prefix and key are dropped, their counts stay. A job still pending (queued, or an attempt
+    under way) for a namespace the request forgets whole (a subject's ``user:``/``usr:``
+    namespace, or a prefix inside the forgotten one) was asked for before the request
+    completed, so it is forgotten too: ``cancelled`` with nothing written (an attempt under
+    way finds its job no longer its own and writes nothing, :func:`summaries._attempt_current`)
+    and audited as one ``memory.summarize.cancel`` event (``denied``, ``detail.reason``
+    ``forgotten``). Run after that, it found nothing and kept the prefix for good. A job for
+    a namespace a request by keys only touches is left to run (its summary has the other
+    keys). Idempotent. Cost: one scan of the tenant's summarize jobs, an UPDATE per job named."""
     if request.subject:
         names = (f"user:{request.subject}:", f"usr:{request.subject}:")
         hit = lambda prefix: prefix.startswith(names)  # noqa: E731
@@ -535,14 +547,41 @@ def _redact_jobs(request: ForgetRequest) -> int:
     else:
         namespaces = {key.rpartition(":")[0] + ":" for key in request.keys}
         hit = lambda prefix: prefix in namespaces  # noqa: E731
-    jobs = Job.objects.filter(tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=Job.FINISHED).only(
-        "pk", "params", "result"
+    statuses = Job.FINISHED if request.keys else (*Job.FINISHED, *Job.PENDING)
+    jobs = Job.objects.filter(tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=statuses).only(
+        "pk", "params", "result", "status"
     )
     named = [job for job in jobs.iterator() if isinstance(job.params.get("prefix"), str) and hit(job.params["prefix"])]
-    for job in named:
-        params = {k: v for k, v in job.params.items() if k != "prefix"} | {"redacted": True}
-        result = {k: v for k, v in (job.result or {}).items() if k != "key"}
-        Job.objects.filter(pk=job.pk).update(params=params, result=result)
+    cancelled = []
+    with transaction.atomic():  # the cancellations and their audit event together
+        for job in named:
+            params = {k: v for k, v in job.params.items() if k != "prefix"} | {"redacted": True}
+            result = {k: v for k, v in (job.result or {}).items() if k != "key"}
+            redacted = Job.objects.filter(pk=job.pk)
+            # Conditional: an attempt that finished since the scan is only redacted.
+            if job.status in Job.PENDING and redacted.filter(status__in=Job.PENDING).update(
+                params=params,
+                result=result,
+                status=Job.Status.CANCELLED,
+                error=f"cancelled: its namespace was forgotten (forget request {request.pk})",
+                finished_at=timezone.now(),
+            ):
+                cancelled.append(job.pk)
+            else:
+                redacted.update(params=params, result=result)
+        if cancelled:
+            audit_record(
+                tenant=request.tenant,
+                actor=Actor.system(job=FORGET_JOB),
+                action="memory.summarize.cancel",
+                outcome=Outcome.DENIED,
+                count=len(cancelled),
+                detail={
+                    "reason": "forgotten",
+                    "forget_request": request.pk,
+                    "job_ids": cancelled[:CANCEL_EVENT_MAX_IDS],
+                },
+            )
     return len(named)
 
 
