@@ -595,6 +595,45 @@ def test_the_queue_and_task_rows_carry_only_the_id(api, tenant_a, django_capture
     assert task.result["status"] == "completed" and set(task.result["receipt"]) == RECEIPT_FIELDS
 
 
+def test_django_q2s_task_results_hold_no_key_or_value_of_a_forgotten_subject(
+    api, tenant_a, monkeypatch, django_capture_on_commit_callbacks
+):
+    """django-q2 keeps what a task returned (and, for a failed one, its exception's text) in
+    its own Task table, which no forget touches: a summarize task returned the summary's key
+    (``summary:user:u9``), and a failed attempt's exception text — a database error quotes
+    the row it failed on — was kept there for good. Tasks now return ids, statuses and counts
+    only, and a failure is re-raised as its class name (the details go to the server log)."""
+    from django.db import DataError
+
+    from memories.services import summaries
+
+    write(tenant_a, "user:u9:lang", f"{CANARY} de")
+    with django_capture_on_commit_callbacks(execute=True):
+        services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="user:u9:")
+    assert Memory.objects.filter(tenant=tenant_a, key="summary:user:u9").exists()
+
+    def failing(**kwargs):
+        raise DataError(f'value too long for type character varying(8): "user:u9:lang" = "{CANARY}"')
+
+    monkeypatch.setattr(summaries, "_digest", failing)
+    with django_capture_on_commit_callbacks(execute=False):
+        job = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="user:u9:")
+    try:  # what django-q2's worker stores as a failed task's result (django_q/worker.py)
+        tasks.summarize_task(job.pk)
+    except Exception as e:
+        import traceback
+
+        stored = f"{e} : {traceback.format_exc()}"
+    assert "django.db.utils.DataError" in stored
+    assert CANARY not in stored and "user:u9" not in stored
+
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "u9"})
+    assert get(api, r.json()["id"])["status"] == "completed"
+    assert tables_holding(CANARY) == {}
+    assert "django_q_task" not in tables_holding("user:u9")
+    assert Task.objects.get(func="memories.tasks.summarize_task").result["sources"] == 1
+
+
 # --- refused requests ---------------------------------------------------------------------
 
 
@@ -675,6 +714,26 @@ def test_a_key_limited_to_prefixes_forgets_only_inside_them(tenant_a, make_clien
     r = post(client, django_capture_on_commit_callbacks, {"prefix": "user:u1:"})
     assert r.status_code == 202
     assert memory_rows(tenant_a) == [("user:u2:a", 1, None)]
+
+
+def test_a_request_filed_by_a_key_revoked_before_it_runs_still_runs_within_that_keys_reach(
+    tenant_a, make_client, django_capture_on_commit_callbacks
+):
+    """Unlike a summarize job (cancelled with its key: it writes on the key's behalf), an
+    erasure is owed to the people it names: revoking the key that filed it does not cancel it,
+    and it erases no more than that key could reach (the allowlist is kept with the request)."""
+    client, key = make_client(tenant_a, allow=["user:u1:"])
+    write(tenant_a, "user:u1:a", "mine")
+    write(tenant_a, "user:u2:a", "not mine")
+    summary_a = write(tenant_a, "summary:user", "u1:a = mine\nu2:a = not mine", category="summary")
+    Memory.objects.filter(pk=summary_a.pk).update(sources=["user:u1:a", "user:u2:a"])
+    r = post(client, django_capture_on_commit_callbacks, {"keys": ["user:u1:a"]}, run=False)
+    assert r.status_code == 202
+    services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    done = forget.forget_request_execute(request_id=r.json()["id"])
+    assert done["status"] == "completed" and done["receipt"]["summaries_rebuilt"] == ["summary:user"]
+    assert memory_rows(tenant_a) == [("summary:user", 2, None), ("user:u2:a", 1, None)]
+    assert Memory.objects.get(key="summary:user").value == "u2:a = not mine"
 
 
 # --- reading requests ---------------------------------------------------------------------
