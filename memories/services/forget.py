@@ -418,7 +418,9 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
        whatever such a write left.
     3b. Redact the identifying fields of the target's earlier audit events
        (``audit.services.audit_redact_subject``: keyed pseudonyms, the chain still verifies).
-    4. Mark it completed, with the final receipt: counts and times only.
+    4. Mark it completed, with the final receipt: counts and times only — unless the target
+       is stored again (a write committed after the batches, :func:`_target_left`): then
+       steps 2-3b again, for what was acknowledged before completion is forgotten too.
 
     Returns the request's status and receipt (what django-q2 stores as the task result:
     counts and times, no content). A step that raises leaves the request ``stepping``: it
