@@ -1591,3 +1591,27 @@ def test_a_write_acknowledged_after_the_erasing_but_before_completion_is_forgott
     # After completion a write is new data about them, and stays.
     write(tenant, "user:u7:diet", "vegan", subject="u7")
     assert Memory.objects.filter(tenant=tenant, subject="u7").count() == 1
+
+
+def test_forgetting_a_prefix_redacts_the_keys_of_its_summaries_in_old_audit_events(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    """The summary of ``user:u9:`` is ``summary:user:u9``: erased with the prefix (lineage),
+    its key stayed in the audit events of its write and reads, naming whom the prefix was
+    about, since it does not start with the prefix."""
+    write(tenant_a, "user:u9:lang", "de")
+    write(tenant_a, "user:u9:sessions:s1:a", "x")
+    summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)
+    summarize(tenant_a, "user:u9:sessions:s1:", django_capture_on_commit_callbacks)
+    services.memory_read(tenant=tenant_a, actor=SYSTEM, key="summary:user:u9")
+    write(tenant_a, "summary:user:u90", "another user's summary, kept")
+    assert AuditEvent.objects.filter(tenant=tenant_a, target="summary:user:u9").count() >= 2
+    r = post(api, django_capture_on_commit_callbacks, {"prefix": "user:u9:"})
+    assert get(api, r.json()["id"])["receipt"]["summaries"] == 2
+    assert tables_holding("user:u9:") == {"memories_forgetrequest": 1}
+    assert (
+        not AuditEvent.objects.filter(tenant=tenant_a, target__startswith="summary:user:u9")
+        .exclude(target="summary:user:u90")
+        .exists()
+    )
+    assert AuditEvent.objects.filter(tenant=tenant_a, target="summary:user:u90").exists()

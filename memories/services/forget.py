@@ -51,7 +51,7 @@ from memories.services.idempotency import holds_no_values as idempotency_holds_n
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
 from memories.services.jobs import CANCEL_EVENT_MAX_IDS, require_pending_room
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
-from memories.services.summaries import summary_expiry, summary_without
+from memories.services.summaries import SUMMARY_KEY_PREFIX, summary_expiry, summary_key, summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
@@ -456,11 +456,13 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
                 stopped = time.monotonic() >= deadline
                 return not stopped
 
+            summaries_of = _summary_targets(request)
             audit_redact_subject(
                 tenant=request.tenant,
                 subject=request.subject,
-                keys=request.keys,
+                keys=[*(request.keys or ()), *summaries_of["keys"]],
                 prefix=request.prefix,
+                prefixes=summaries_of["prefixes"],
                 batch_size=REDACT_PAGE,
                 after=int(request.receipt.get(REDACT_CURSOR, 0)),  # read at this pass's start
                 on_page=page,
@@ -480,6 +482,20 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
     except Exception as exc:
         _note_error(request_id, exc)
         raise
+
+
+def _summary_targets(request: ForgetRequest) -> dict[str, list[str]]:
+    """The keys of the summaries of what a subject's or a prefix's request forgets — of its
+    namespace (``summary:user:u9`` for ``user:u9:``) and of those under it — for the audit
+    redaction: they name whom the namespace was about, and do not start with its prefix. The
+    summaries themselves go by lineage; their keys stayed in their write's and reads' events."""
+    if request.prefix:
+        roots = [request.prefix]
+    elif request.subject:
+        roots = [f"user:{request.subject}:", f"usr:{request.subject}:"]
+    else:
+        roots = []
+    return {"keys": [summary_key(p) for p in roots], "prefixes": [SUMMARY_KEY_PREFIX + p for p in roots]}
 
 
 def _hand_back(request: ForgetRequest) -> dict:
