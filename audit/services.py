@@ -692,8 +692,11 @@ def audit_checkpoint_create(*, tenant: Tenant, actor: Actor) -> AuditCheckpoint:
 # --- redaction ------------------------------------------------------------------------------
 
 
-def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str) -> Q:
+def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str, prefixes: Iterable[str] = ()) -> Q:
     q = Q(pk__in=[])
+    for other in prefixes:
+        if other:
+            q |= Q(target__startswith=other)
     if subject:
         # The subject's own events, events an end user (the subject) made in the portal,
         # and events about keys that name the subject by convention (user:<id>:...).
@@ -751,6 +754,7 @@ def audit_redact_subject(
     subject: str = "",
     keys: Iterable[str] = (),
     prefix: str = "",
+    prefixes: Iterable[str] = (),
     batch_size: int = 1000,
     after: int = 0,
     on_page=None,
@@ -758,7 +762,8 @@ def audit_redact_subject(
     """Replace the identifying fields (key, subject, the actor a reading of the log filtered
     by; for the end user's own portal events also actor and client address) of a forgotten
     subject's, prefix's or keys' events with a keyed pseudonym, keeping each field's
-    commitment so the chain still verifies.
+    commitment so the chain still verifies. ``prefixes``: more targets to redact by how they
+    start (a forget's derived keys: its summaries', ``summary:`` + the forgotten prefix).
 
     Called by ``forget_request_execute`` after the last erased batch, and again on a retry:
     idempotent (a field already redacted is left alone). Returns how many events changed.
@@ -770,7 +775,7 @@ def audit_redact_subject(
     span were read (a subject whose first event was old read the whole table from there; 2.4M
     rows for the first page in a 2.9M-event database); one UPDATE per set of fields.
     """
-    q = _redaction_q(subject=subject, keys=keys, prefix=prefix)
+    q = _redaction_q(subject=subject, keys=keys, prefix=prefix, prefixes=prefixes)
     # Above the last id an older seal (before audit/0011) numbered, no event has a seal
     # number: saying ``seal IS NULL`` there lets the pages read the tenant's own events on
     # audit_unsealed (tenant, id) instead of every tenant's by id.

@@ -4,58 +4,112 @@ Payloads carry only ids, never memory values, so the queue tables hold nothing t
 forget request would have to erase. Every task is idempotent: django-q2 may deliver one
 twice (a retry after a killed worker), and each service bounds its own attempts because
 django-q2 does not count a killed worker's attempt (django-q2 issue #327).
+
+Results carry ids, statuses and counts only, and a failure reaches django-q2 as its class
+name: django-q2 keeps what a task returned, and a failed task's exception text with its
+traceback, in its own Task table (failures are never pruned), which no forget request erases —
+a summary's key named the end user it was about, and a database error quotes the row it failed
+on. The exception itself goes to the server log.
 """
+
+import functools
+import logging
 
 from memories.search import embeddings
 from memories.search import index as search_index
 from memories.services import access, dashboard_stats, forget, idempotency, jobs, retention, summaries, turns
 
+logger = logging.getLogger(__name__)
 
+
+class TaskFailed(Exception):
+    """A task's failure as django-q2 records it: the class name of what was raised."""
+
+
+def _kept(task):
+    """``task``, returning and raising only what django-q2 may keep (module docstring). A
+    ``SystemExit`` (django-q2's timeout) passes as it is: the worker acts on it."""
+
+    @functools.wraps(task)
+    def run(*args, **kwargs):
+        try:
+            return _counts_only(task(*args, **kwargs))
+        except Exception as exc:
+            logger.exception("task %s%r failed", task.__name__, args)
+            raise TaskFailed(f"{type(exc).__module__}.{type(exc).__name__} (details in the server log)") from None
+
+    return run
+
+
+def _counts_only(result):
+    """A summarize result without its summary's key; a forget receipt with the number of
+    summaries it rebuilt, not their keys."""
+    if not isinstance(result, dict):
+        return result
+    result = {k: v for k, v in result.items() if k != "key"}
+    receipt = result.get("receipt")
+    if isinstance(receipt, dict) and isinstance(receipt.get("summaries_rebuilt"), list):
+        result["receipt"] = {**receipt, "summaries_rebuilt": len(receipt["summaries_rebuilt"])}
+    return result
+
+
+@_kept
 def jobs_purge_task() -> int:
     return jobs.jobs_purge()
 
 
+@_kept
 def purge_expired_task() -> dict:
     return retention.purge_expired()
 
 
+@_kept
 def forget_request_task(request_id: int, continues: int | None = None) -> dict:
     # A turn (services.turns): a step of whichever request or job waits longest by tenant.
     # ``continues``: carried by continuations queued before turns; unused.
     return turns.delivery_run(forget_request=request_id)
 
 
+@_kept
 def forget_requests_resume_task() -> int:
     return forget.forget_requests_resume()
 
 
+@_kept
 def summarize_task(job_id: int) -> dict:
     return turns.delivery_run(summarize_job=job_id)
 
 
+@_kept
 def summarize_idle_sessions_task() -> int:
     return summaries.summarize_idle_sessions()
 
 
+@_kept
 def summarize_jobs_resume_task() -> int:
     return summaries.summarize_jobs_resume()
 
 
+@_kept
 def access_counts_fold_task() -> int:
     return access.access_counts_fold()
 
 
+@_kept
 def embed_memories_task() -> dict:
     return embeddings.embeddings_refresh()
 
 
+@_kept
 def search_stats_refresh_task() -> dict:
     return search_index.stats_refresh_stale()
 
 
+@_kept
 def dashboard_stats_refresh_task() -> dict:
     return dashboard_stats.dashboard_stats_refresh_stale()
 
 
+@_kept
 def idempotency_purge_task() -> int:
     return idempotency.idempotency_purge()

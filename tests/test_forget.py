@@ -460,6 +460,32 @@ def test_forgetting_a_subject_drops_its_prefix_and_key_from_finished_summarize_j
     assert other["prefix"] == "team:t1:" and other_result["key"] == "summary:team:t1"
 
 
+def test_a_summarize_job_still_pending_when_its_namespace_is_forgotten_is_cancelled_and_redacted(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    """A job asked for before the forget completes is part of what is forgotten: a queued
+    summarize of ``user:u9:`` ran after the forget, found nothing and kept ``user:u9:`` in its
+    params and ``summary:user:u9`` in its result for good (only finished jobs were redacted)."""
+    write(tenant_a, "user:u9:lang", "de")
+    write(tenant_a, "team:t1:plan", "ship")
+    with django_capture_on_commit_callbacks(execute=False):  # queued, not yet run
+        theirs = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="user:u9:")
+        other = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="team:t1:")
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "u9"})
+    assert get(api, r.json()["id"])["status"] == "completed"
+    services.summarize_run(job_id=theirs.pk)  # its delivery comes after all
+    theirs.refresh_from_db()
+    assert theirs.status == "cancelled" and theirs.finished_at is not None
+    assert theirs.params == {"archive": False, "redacted": True} and not theirs.result
+    assert "u9" not in str((theirs.params, theirs.result, theirs.error))
+    assert not Memory.objects.filter(tenant=tenant_a, key="summary:user:u9").exists()
+    event = AuditEvent.objects.get(tenant=tenant_a, action="memory.summarize.cancel")
+    assert (event.count, event.detail["reason"], event.detail["job_ids"]) == (1, "forgotten", [theirs.pk])
+    assert event.detail["forget_request"] == r.json()["id"] and "u9" not in str(event.detail)
+    other.refresh_from_db()
+    assert other.status == "queued" and other.params["prefix"] == "team:t1:"
+
+
 def test_forget_by_keys_erases_those_keys_and_summaries_of_summaries(api, tenant_a, django_capture_on_commit_callbacks):
     write(tenant_a, "note:n1:a", "first")
     write(tenant_a, "note:n1:a", "first, again")
@@ -569,6 +595,45 @@ def test_the_queue_and_task_rows_carry_only_the_id(api, tenant_a, django_capture
     assert task.result["status"] == "completed" and set(task.result["receipt"]) == RECEIPT_FIELDS
 
 
+def test_django_q2s_task_results_hold_no_key_or_value_of_a_forgotten_subject(
+    api, tenant_a, monkeypatch, django_capture_on_commit_callbacks
+):
+    """django-q2 keeps what a task returned (and, for a failed one, its exception's text) in
+    its own Task table, which no forget touches: a summarize task returned the summary's key
+    (``summary:user:u9``), and a failed attempt's exception text — a database error quotes
+    the row it failed on — was kept there for good. Tasks now return ids, statuses and counts
+    only, and a failure is re-raised as its class name (the details go to the server log)."""
+    from django.db import DataError
+
+    from memories.services import summaries
+
+    write(tenant_a, "user:u9:lang", f"{CANARY} de")
+    with django_capture_on_commit_callbacks(execute=True):
+        services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="user:u9:")
+    assert Memory.objects.filter(tenant=tenant_a, key="summary:user:u9").exists()
+
+    def failing(**kwargs):
+        raise DataError(f'value too long for type character varying(8): "user:u9:lang" = "{CANARY}"')
+
+    monkeypatch.setattr(summaries, "_digest", failing)
+    with django_capture_on_commit_callbacks(execute=False):
+        job = services.summarize_start(tenant=tenant_a, actor=SYSTEM, prefix="user:u9:")
+    try:  # what django-q2's worker stores as a failed task's result (django_q/worker.py)
+        tasks.summarize_task(job.pk)
+    except Exception as e:
+        import traceback
+
+        stored = f"{e} : {traceback.format_exc()}"
+    assert "django.db.utils.DataError" in stored
+    assert CANARY not in stored and "user:u9" not in stored
+
+    r = post(api, django_capture_on_commit_callbacks, {"subject": "u9"})
+    assert get(api, r.json()["id"])["status"] == "completed"
+    assert tables_holding(CANARY) == {}
+    assert "django_q_task" not in tables_holding("user:u9")
+    assert Task.objects.get(func="memories.tasks.summarize_task").result["sources"] == 1
+
+
 # --- refused requests ---------------------------------------------------------------------
 
 
@@ -649,6 +714,26 @@ def test_a_key_limited_to_prefixes_forgets_only_inside_them(tenant_a, make_clien
     r = post(client, django_capture_on_commit_callbacks, {"prefix": "user:u1:"})
     assert r.status_code == 202
     assert memory_rows(tenant_a) == [("user:u2:a", 1, None)]
+
+
+def test_a_request_filed_by_a_key_revoked_before_it_runs_still_runs_within_that_keys_reach(
+    tenant_a, make_client, django_capture_on_commit_callbacks
+):
+    """Unlike a summarize job (cancelled with its key: it writes on the key's behalf), an
+    erasure is owed to the people it names: revoking the key that filed it does not cancel it,
+    and it erases no more than that key could reach (the allowlist is kept with the request)."""
+    client, key = make_client(tenant_a, allow=["user:u1:"])
+    write(tenant_a, "user:u1:a", "mine")
+    write(tenant_a, "user:u2:a", "not mine")
+    summary_a = write(tenant_a, "summary:user", "u1:a = mine\nu2:a = not mine", category="summary")
+    Memory.objects.filter(pk=summary_a.pk).update(sources=["user:u1:a", "user:u2:a"])
+    r = post(client, django_capture_on_commit_callbacks, {"keys": ["user:u1:a"]}, run=False)
+    assert r.status_code == 202
+    services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    done = forget.forget_request_execute(request_id=r.json()["id"])
+    assert done["status"] == "completed" and done["receipt"]["summaries_rebuilt"] == ["summary:user"]
+    assert memory_rows(tenant_a) == [("summary:user", 2, None), ("user:u2:a", 1, None)]
+    assert Memory.objects.get(key="summary:user").value == "u2:a = not mine"
 
 
 # --- reading requests ---------------------------------------------------------------------
@@ -1003,6 +1088,12 @@ def test_the_audit_redaction_is_sliced_too_and_each_page_is_progress(tenant_a, s
     assert done.receipt["audit_events_redacted"] == naming
     assert forget.REDACT_CURSOR not in done.receipt  # the cursor goes with the run
     assert not AuditEvent.objects.filter(tenant=tenant_a, subject="u1").exists()
+    # One trail however many steps: each step after a slice went through the shred again and
+    # recorded another datakey.destroy (count 0) before.
+    trail = AuditEvent.objects.filter(tenant=tenant_a, detail__forget_request=request.pk)
+    assert trail.filter(action="datakey.destroy").count() == 1
+    assert trail.filter(action="forget.complete").count() == 1
+    assert trail.filter(action="forget.start").count() == runs + 1  # one per step
 
 
 def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django_capture_on_commit_callbacks):
@@ -1330,6 +1421,37 @@ def test_a_summary_job_that_read_its_sources_before_a_forget_writes_nothing_of_t
         return read
 
     monkeypatch.setattr(summaries, "_digest", digest_then_forget)
+    # The forget cancelled the job (its namespace forgotten): the attempt writes nothing.
+    assert summaries.summarize_run(job_id=job.pk) == {"status": "cancelled", "job_id": job.pk}
+    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+    assert tables_holding(CANARY) == {}
+    assert tables_holding("user:u7") == {}  # nor its prefix, in the job or an audit event
+    job.refresh_from_db()
+    assert job.status == "cancelled" and "prefix" not in job.params
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_summary_job_whose_sources_a_forget_by_keys_erased_meanwhile_writes_nothing_of_them(monkeypatch):
+    """As above, for a forget by keys, which leaves the job of their namespace to run: the
+    write finds a source gone and fails the attempt; the retry summarizes the rest."""
+    from memories.services import summaries
+
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below, in this thread
+    monkeypatch.setattr(summaries, "_enqueue", lambda job_id: None)
+    tenant = make_tenant("summary-race-keys")
+    write(tenant, "user:u7:diet", f"{CANARY} vegetarian")
+    write(tenant, "user:u7:city", "Lyon")
+    job = summaries.summarize_start(tenant=tenant, actor=SYSTEM, prefix="user:u7:")
+    digest = summaries._digest
+
+    def digest_then_forget(**kwargs):
+        read = digest(**kwargs)  # the sources are read ...
+        request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, keys=["user:u7:diet"])
+        forget.forget_request_execute(request_id=request.pk)  # ... and one forgotten before the write
+        return read
+
+    monkeypatch.setattr(summaries, "_digest", digest_then_forget)
     with pytest.raises(summaries.SummarizerError):
         summaries.summarize_run(job_id=job.pk)
     assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
@@ -1338,8 +1460,8 @@ def test_a_summary_job_that_read_its_sources_before_a_forget_writes_nothing_of_t
     assert job.status == "queued" and "erased" in job.error  # retried; nothing of the erased value said
 
     monkeypatch.setattr(summaries, "_digest", digest)
-    assert summaries.summarize_run(job_id=job.pk)["sources"] == 0  # the retry finds nothing left
-    assert not Memory.objects.filter(tenant=tenant, key="summary:user:u7").exists()
+    assert summaries.summarize_run(job_id=job.pk)["sources"] == 1  # the retry summarizes the rest
+    assert CANARY not in str(Memory.objects.get(tenant=tenant, key="summary:user:u7").value)
 
 
 @pytest.mark.postgres
@@ -1420,3 +1542,76 @@ def test_a_summary_rebuild_waits_for_a_write_to_the_summary_and_versions_after_i
     assert CANARY not in str(final.value)
     history = list(MemoryVersion.objects.filter(memory_id=summary.pk).values_list("version", flat=True))
     assert history == [final.version]
+
+
+# --- writes acknowledged while a request is open --------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("sensitive", [False, True])
+def test_a_write_acknowledged_after_the_erasing_but_before_completion_is_forgotten_too(monkeypatch, sensitive):
+    """The rule: what is written for the target before the request completes is forgotten
+    (before the job runs, or while it runs); what is written after ``completed_at`` stays.
+    A write committed by another connection after the erasing batches, while the job redacts
+    the audit log, was kept under a ``completed`` receipt (and, sealed, under a data key the
+    shred had missed)."""
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below, in this thread
+    tenant = make_tenant("forget-late-write")
+    write(tenant, "user:u7:diet", "vegetarian", subject="u7")
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+    write(tenant, "user:u7:city", "Lyon", subject="u7")  # after acceptance, before the job: forgotten
+    redact, failures, passes = forget.audit_redact_subject, [], []
+
+    def redact_after_a_late_write(**kwargs):
+        def late_write():
+            write(tenant, "user:u7:pet", "a cat named " + CANARY, subject="u7", sensitive=sensitive)
+
+        if not passes:  # once: the job's first pass over the audit log
+            start_thread(late_write, failures).join(30)
+        passes.append(kwargs["after"])
+        return redact(**kwargs)
+
+    monkeypatch.setattr(forget, "audit_redact_subject", redact_after_a_late_write)
+    forget.forget_request_execute(request_id=request.pk)
+
+    assert not failures, failures
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert len(passes) == 2 and passes[1] > passes[0]  # the second pass went on from the cursor
+    assert not Memory.objects.filter(tenant=tenant, subject="u7").exists()
+    assert not MemoryVersion.objects.filter(tenant=tenant, subject="u7").exists()
+    assert request.receipt["memories"] == 3
+    assert not AuditEvent.objects.filter(tenant=tenant, target="user:u7:pet").exists()
+    if sensitive:  # the late write's key (the shred before it found none) is destroyed too
+        from memories.models import DataKey
+
+        assert request.receipt["data_keys_destroyed"] == 1
+        assert not DataKey.objects.filter(tenant_id=tenant.pk, subject="u7").exists()
+    # After completion a write is new data about them, and stays.
+    write(tenant, "user:u7:diet", "vegan", subject="u7")
+    assert Memory.objects.filter(tenant=tenant, subject="u7").count() == 1
+
+
+def test_forgetting_a_prefix_redacts_the_keys_of_its_summaries_in_old_audit_events(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    """The summary of ``user:u9:`` is ``summary:user:u9``: erased with the prefix (lineage),
+    its key stayed in the audit events of its write and reads, naming whom the prefix was
+    about, since it does not start with the prefix."""
+    write(tenant_a, "user:u9:lang", "de")
+    write(tenant_a, "user:u9:sessions:s1:a", "x")
+    summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)
+    summarize(tenant_a, "user:u9:sessions:s1:", django_capture_on_commit_callbacks)
+    services.memory_read(tenant=tenant_a, actor=SYSTEM, key="summary:user:u9")
+    write(tenant_a, "summary:user:u90", "another user's summary, kept")
+    assert AuditEvent.objects.filter(tenant=tenant_a, target="summary:user:u9").count() >= 2
+    r = post(api, django_capture_on_commit_callbacks, {"prefix": "user:u9:"})
+    assert get(api, r.json()["id"])["receipt"]["summaries"] == 2
+    assert tables_holding("user:u9:") == {"memories_forgetrequest": 1}
+    assert (
+        not AuditEvent.objects.filter(tenant=tenant_a, target__startswith="summary:user:u9")
+        .exclude(target="summary:user:u90")
+        .exists()
+    )
+    assert AuditEvent.objects.filter(tenant=tenant_a, target="summary:user:u90").exists()

@@ -49,9 +49,9 @@ from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
 from memories.services.dashboard_stats import dashboard_stats_after_forget
 from memories.services.idempotency import holds_no_values as idempotency_holds_no_values
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
-from memories.services.jobs import require_pending_room
+from memories.services.jobs import CANCEL_EVENT_MAX_IDS, require_pending_room
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
-from memories.services.summaries import summary_expiry, summary_without
+from memories.services.summaries import SUMMARY_KEY_PREFIX, summary_expiry, summary_key, summary_without
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
@@ -418,7 +418,9 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
        whatever such a write left.
     3b. Redact the identifying fields of the target's earlier audit events
        (``audit.services.audit_redact_subject``: keyed pseudonyms, the chain still verifies).
-    4. Mark it completed, with the final receipt: counts and times only.
+    4. Mark it completed, with the final receipt: counts and times only — unless the target
+       is stored again (a write committed after the batches, :func:`_target_left`): then
+       steps 2-3b again, for what was acknowledged before completion is forgotten too.
 
     Returns the request's status and receipt (what django-q2 stores as the task result:
     counts and times, no content). A step that raises leaves the request ``stepping``: it
@@ -430,45 +432,70 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
     try:
         wal_compression = wal_compression_for_erasure()
         deadline = time.monotonic() + min(FORGET_SLICE_SECONDS, settings.Q_CLUSTER["timeout"] / 2)
-        while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
-            if time.monotonic() >= deadline:
-                # The rest in a later turn. A lost enqueue is picked up by
-                # forget_requests_resume once the request stops moving.
-                return _hand_back(request)
-        if _shred(request_id):
-            # The shred waited for writes sealing under the subject's keys (keyring.shred):
-            # what they committed after the batches above is erased too, not left sealed
-            # under a destroyed key.
+        while True:
             while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
-                pass
-        # The audit redaction is sliced like the batches (a heavy user's years of audited reads
-        # are millions of events, ~3k/s): each page commits and moves the request's cursor, so
-        # a continuation or a retry goes on from there, and a page is progress (stalled
-        # attempts reset).
-        stopped = False
+                if time.monotonic() >= deadline:
+                    # The rest in a later turn. A lost enqueue is picked up by
+                    # forget_requests_resume once the request stops moving.
+                    return _hand_back(request)
+            if _shred(request_id):
+                # The shred waited for writes sealing under the subject's keys (keyring.shred):
+                # what they committed after the batches above is erased too, not left sealed
+                # under a destroyed key.
+                while _erase_batch(request_id, batch_size=batch_size, wal_compression=wal_compression):
+                    pass
+            # The audit redaction is sliced like the batches (a heavy user's years of audited
+            # reads are millions of events, ~3k/s): each page commits and moves the request's
+            # cursor, so a continuation or a retry goes on from there, and a page is progress
+            # (stalled attempts reset).
+            stopped = False
 
-        def page(through: int, changed: int) -> bool:
-            nonlocal stopped
-            _redaction_progress(request_id, through=through, changed=changed)
-            stopped = time.monotonic() >= deadline
-            return not stopped
+            def page(through: int, changed: int) -> bool:
+                nonlocal stopped
+                _redaction_progress(request_id, through=through, changed=changed)
+                stopped = time.monotonic() >= deadline
+                return not stopped
 
-        audit_redact_subject(
-            tenant=request.tenant,
-            subject=request.subject,
-            keys=request.keys,
-            prefix=request.prefix,
-            batch_size=REDACT_PAGE,
-            after=int(request.receipt.get(REDACT_CURSOR, 0)),  # read at this run's start
-            on_page=page,
-        )
-        if stopped:
-            return _hand_back(request)
-        _redact_jobs(request)
-        return _complete(request_id)
+            summaries_of = _summary_targets(request)
+            audit_redact_subject(
+                tenant=request.tenant,
+                subject=request.subject,
+                keys=[*(request.keys or ()), *summaries_of["keys"]],
+                prefix=request.prefix,
+                prefixes=summaries_of["prefixes"],
+                batch_size=REDACT_PAGE,
+                after=int(request.receipt.get(REDACT_CURSOR, 0)),  # read at this pass's start
+                on_page=page,
+            )
+            if stopped:
+                return _hand_back(request)
+            _redact_jobs(request)
+            result = _complete(request_id)
+            if result is not None:
+                return result
+            # A write for the target committed after the batches above (while the audit log
+            # was redacted): acknowledged before completion, it is forgotten too — another
+            # pass erases it, shreds the key it sealed under and redacts its audit events.
+            request.refresh_from_db()
+            if time.monotonic() >= deadline:
+                return _hand_back(request)
     except Exception as exc:
         _note_error(request_id, exc)
         raise
+
+
+def _summary_targets(request: ForgetRequest) -> dict[str, list[str]]:
+    """The keys of the summaries of what a subject's or a prefix's request forgets — of its
+    namespace (``summary:user:u9`` for ``user:u9:``) and of those under it — for the audit
+    redaction: they name whom the namespace was about, and do not start with its prefix. The
+    summaries themselves go by lineage; their keys stayed in their write's and reads' events."""
+    if request.prefix:
+        roots = [request.prefix]
+    elif request.subject:
+        roots = [f"user:{request.subject}:", f"usr:{request.subject}:"]
+    else:
+        roots = []
+    return {"keys": [summary_key(p) for p in roots], "prefixes": [SUMMARY_KEY_PREFIX + p for p in roots]}
 
 
 def _hand_back(request: ForgetRequest) -> dict:
@@ -493,15 +520,21 @@ def _shred(request_id: int) -> int:
     """Crypto-shredding: a subject's data keys are destroyed once its memories are erased, so
     every copy of what they sealed — in backups and dumps of the main database too — stops
     opening (memories.keyring.shred). Idempotent: the count adds to the receipt only once the
-    keys are gone; a rerun finds none left. Audited as ``datakey.destroy``."""
+    keys are gone; a rerun finds none left. Audited as ``datakey.destroy``: the first time,
+    and again only when a rerun destroys keys (a write sealed since under a new one)."""
     with transaction.atomic():
         request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING or not request.subject:
             return 0
         destroyed = keyring.shred(tenant_id=request.tenant_id, subject=request.subject)
         receipt = dict(request.receipt)
+        first = "data_keys_destroyed" not in receipt
         receipt["data_keys_destroyed"] = receipt.get("data_keys_destroyed", 0) + destroyed
         ForgetRequest.objects.filter(pk=request_id).update(receipt=receipt, progress_at=timezone.now())
+        if not (first or destroyed):
+            # Every step of the request comes through here (a continuation after a slice of
+            # the audit redaction, a retry): one event says the keys went, not one per step.
+            return 0
         audit_record(
             tenant=request.tenant,
             actor=Actor.system(job=FORGET_JOB),
@@ -514,10 +547,16 @@ def _shred(request_id: int) -> int:
 
 
 def _redact_jobs(request: ForgetRequest) -> int:
-    """Finished summarize jobs about the target name it (``params.prefix``, ``result.key``):
-    their prefix and key are dropped, their counts stay. Idempotent; pending jobs are left
-    to finish (their summary is then found by lineage on a later forget). Cost: one scan of
-    the tenant's finished summarize jobs, an UPDATE per job named."""
+    """Summarize jobs about the target name it (``params.prefix``, ``result.key``): their
+    prefix and key are dropped, their counts stay. A job still pending (queued, or an attempt
+    under way) for a namespace the request forgets whole (a subject's ``user:``/``usr:``
+    namespace, or a prefix inside the forgotten one) was asked for before the request
+    completed, so it is forgotten too: ``cancelled`` with nothing written (an attempt under
+    way finds its job no longer its own and writes nothing, :func:`summaries._attempt_current`)
+    and audited as one ``memory.summarize.cancel`` event (``denied``, ``detail.reason``
+    ``forgotten``). Run after that, it found nothing and kept the prefix for good. A job for
+    a namespace a request by keys only touches is left to run (its summary has the other
+    keys). Idempotent. Cost: one scan of the tenant's summarize jobs, an UPDATE per job named."""
     if request.subject:
         names = (f"user:{request.subject}:", f"usr:{request.subject}:")
         hit = lambda prefix: prefix.startswith(names)  # noqa: E731
@@ -526,14 +565,41 @@ def _redact_jobs(request: ForgetRequest) -> int:
     else:
         namespaces = {key.rpartition(":")[0] + ":" for key in request.keys}
         hit = lambda prefix: prefix in namespaces  # noqa: E731
-    jobs = Job.objects.filter(tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=Job.FINISHED).only(
-        "pk", "params", "result"
+    statuses = Job.FINISHED if request.keys else (*Job.FINISHED, *Job.PENDING)
+    jobs = Job.objects.filter(tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=statuses).only(
+        "pk", "params", "result", "status"
     )
     named = [job for job in jobs.iterator() if isinstance(job.params.get("prefix"), str) and hit(job.params["prefix"])]
-    for job in named:
-        params = {k: v for k, v in job.params.items() if k != "prefix"} | {"redacted": True}
-        result = {k: v for k, v in (job.result or {}).items() if k != "key"}
-        Job.objects.filter(pk=job.pk).update(params=params, result=result)
+    cancelled = []
+    with transaction.atomic():  # the cancellations and their audit event together
+        for job in named:
+            params = {k: v for k, v in job.params.items() if k != "prefix"} | {"redacted": True}
+            result = {k: v for k, v in (job.result or {}).items() if k != "key"}
+            redacted = Job.objects.filter(pk=job.pk)
+            # Conditional: an attempt that finished since the scan is only redacted.
+            if job.status in Job.PENDING and redacted.filter(status__in=Job.PENDING).update(
+                params=params,
+                result=result,
+                status=Job.Status.CANCELLED,
+                error=f"cancelled: its namespace was forgotten (forget request {request.pk})",
+                finished_at=timezone.now(),
+            ):
+                cancelled.append(job.pk)
+            else:
+                redacted.update(params=params, result=result)
+        if cancelled:
+            audit_record(
+                tenant=request.tenant,
+                actor=Actor.system(job=FORGET_JOB),
+                action="memory.summarize.cancel",
+                outcome=Outcome.DENIED,
+                count=len(cancelled),
+                detail={
+                    "reason": "forgotten",
+                    "forget_request": request.pk,
+                    "job_ids": cancelled[:CANCEL_EVENT_MAX_IDS],
+                },
+            )
     return len(named)
 
 
@@ -914,12 +980,27 @@ def _redaction_progress(request_id: int, *, through: int, changed: int) -> None:
         )
 
 
-def _complete(request_id: int) -> dict:
+def _target_left(request: ForgetRequest) -> bool:
+    """Whether anything of the target is stored again: a write committed after the erasing
+    batches. Cost: one or two indexed EXISTS (the target's index, the subject's versions)."""
+    if _target_memories(request).exists():
+        return True
+    left = _versions_left(request)
+    return left is not None and left.exists()
+
+
+def _complete(request_id: int) -> dict | None:
+    """Mark the request completed with its final receipt; None (nothing changed) when a write
+    for its target committed since the erasing batches, for the caller to erase it first."""
     with transaction.atomic():
         request = ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=request_id)
         if request.status != Status.RUNNING:
             return _result(request)
+        # Taken before the look below: a write it misses commits after this moment, so what
+        # was acknowledged before ``completed_at`` is forgotten and what comes after stays.
         now = timezone.now()
+        if _target_left(request):
+            return None
         receipt = {name: request.receipt.get(name, 0) for name in RECEIPT_COUNTS}
         receipt.update(
             summaries_rebuilt=request.receipt.get("summaries_rebuilt", []),
