@@ -618,6 +618,39 @@ def test_asking_again_while_a_request_is_pending_leads_to_that_request(api, seed
     assert {e.detail["forget_request"] for e in created} == {request.pk}
 
 
+@pytest.mark.postgres  # (SQLite's in-memory test database is one connection: no real race)
+@pytest.mark.parametrize("key", [None, "user:u1:pref_lang"], ids=["all", "one"])
+def test_a_forget_submitted_twice_at_once_files_one_request(seeded, transactional_db, key):
+    """A double click (two POSTs at the same moment: threads, each with its own database
+    connection, released together by a barrier) files one request; both lead to it. The
+    check for a pending request ran before, and outside, the transaction that files one, so
+    both found none and both filed (two requests, two erasures queued)."""
+    import threading
+
+    from django.db import connection
+
+    tenant_a, _ = seeded
+    actor = Actor(
+        kind="end_user", id="u1", label="end user", scopes=frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE})
+    )
+    barrier, outcomes = threading.Barrier(2), []
+
+    def submit():
+        try:
+            barrier.wait()
+            outcomes.append(subjects.subject_forget(tenant=tenant_a, actor=actor, subject="u1", key=key).pk)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
+    assert outcomes == [request.pk, request.pk]
+
+
 def test_forgetting_while_the_tenant_is_at_its_pending_forgets_cap_is_a_429_page_and_files_nothing(
     api, seeded, settings
 ):

@@ -73,10 +73,11 @@ def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = Non
     While a request of this actor for the same thing is pending (received or running), that
     request is the answer and nothing new is filed: a replayed portal session cannot flood
     the tenant's forget queue and the workers every tenant shares (``forget.create``, detail
-    ``pending``).
+    ``pending``). Looked for by :func:`forget_request_create` under its lock, so a double
+    submit files one request.
 
-    Cost: one index lookup for ``key``, one on the tenant's pending requests, then
-    :func:`forget_request_create`."""
+    Cost: one index lookup for ``key``, then :func:`forget_request_create` (with one lookup
+    of the tenant's pending requests)."""
     # The checks run (and a refusal is audited) here; forget_request_create runs after them,
     # in its own operation and transaction, and records the request it files.
     with audited_operation(tenant=tenant, actor=actor, action="forget.create") as op:
@@ -89,28 +90,11 @@ def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = Non
             if memory is None or memory.subject != subject or not actor.may_touch(key):
                 op.record(outcome=Outcome.NOT_FOUND, subject=subject, detail={"by": "keys"})
                 raise NotFound("no such memory of this subject", field="key")
-        target = {"subject": subject} if key is None else {"keys": [key]}
-        pending = (
-            ForgetRequest.objects.filter(
-                tenant=tenant,
-                status__in=(ForgetRequest.Status.RECEIVED, ForgetRequest.Status.RUNNING),
-                requested_by_kind=actor.kind,
-                requested_by=actor.id,
-                **target,
-            )
-            .order_by("pk")
-            .first()
-        )
-        if pending is not None:
-            by = "subject" if key is None else "keys"
-            op.record(subject=subject, detail={"forget_request": pending.pk, "by": by, "pending": True})
-            return pending
     mine = subject if actor.kind == END_USER else ""
-    if key is None:
-        return forget_request_create(
-            tenant=tenant, actor=actor, subject=subject, reason=PORTAL_REASON, end_user_subject=mine
-        )
-    return forget_request_create(tenant=tenant, actor=actor, keys=[key], reason=PORTAL_REASON, end_user_subject=mine)
+    target = {"subject": subject} if key is None else {"keys": [key]}
+    return forget_request_create(
+        tenant=tenant, actor=actor, reason=PORTAL_REASON, end_user_subject=mine, reuse_pending=True, **target
+    )
 
 
 def _about_subject(*, tenant: Tenant, actor: Actor, subject: str):
