@@ -515,6 +515,79 @@ def test_an_expired_memory_is_not_listed(api, tenant_a):
     assert "gone soon" not in text and "Nothing is remembered about you right now." in text
 
 
+NEXT = re.compile(r'<a href="(/portal/\?start=\d+)">Next</a>')
+SHOWN_KEYS = re.compile(r"Reference: <code>([^<]+)</code>")
+
+
+def test_a_user_with_more_memories_than_a_page_sees_every_one_page_by_page(api, tenant_a):
+    # The page listed the first 500 and said "Showing the first 500": the rest of a heavy
+    # user's memories could not be seen at all (nor forgotten one by one).
+    keys = [f"user:u1:k{i:03d}" for i in range(120)]
+    Memory.objects.bulk_create(
+        Memory(tenant=tenant_a, key=k, namespace="user", subject="u1", value=f"v{k}") for k in keys
+    )
+    client = open_portal(issue(api)["url"])
+    seen, path, pages = [], "/portal/", []
+    while path:
+        text = page_text(client.get(path))
+        pages.append(path)
+        seen += SHOWN_KEYS.findall(text)
+        assert "of 120." in text
+        path = (m := NEXT.search(text)) and m.group(1).replace("&amp;", "&")
+    assert seen == keys and pages == ["/portal/", "/portal/?start=50", "/portal/?start=100"]
+    assert "Back to the first" in text and "Showing 101 to 120 of 120." in text
+    events = AuditEvent.objects.filter(action="subject.memories", actor_kind="end_user").order_by("pk")
+    assert [(e.count, e.detail) for e in events] == [
+        (120, {"start": 0, "shown": 50}),
+        (120, {"start": 50, "shown": 50}),
+        (120, {"start": 100, "shown": 20}),
+    ]
+
+
+def test_a_later_page_with_a_pending_request_reloads_itself_there(api, tenant_a):
+    Memory.objects.bulk_create(
+        Memory(tenant=tenant_a, key=f"user:u1:k{i:03d}", namespace="user", subject="u1", value=i) for i in range(60)
+    )
+    client = open_portal(issue(api)["url"])
+    client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": "user:u1:k000"})
+    text = page_text(client.get("/portal/?start=50"))
+    assert 'content="2; url=/portal/?start=50&amp;refresh=1"' in text
+    assert SHOWN_KEYS.findall(text)[0] == "user:u1:k050"
+
+
+def test_a_page_of_huge_values_stops_at_its_size_budget(api, tenant_a):
+    # 500 values of 250 KB were one page of 125 MB of HTML, rendered in 8.3 s, every load.
+    big = "y" * 250_000
+    Memory.objects.bulk_create(
+        Memory(tenant=tenant_a, key=f"user:u1:k{i:02d}", namespace="user", subject="u1", value=big) for i in range(10)
+    )
+    client = open_portal(issue(api)["url"])
+    first = client.get("/portal/")
+    assert len(first.content) < 1_100_000
+    assert SHOWN_KEYS.findall(page_text(first)) == ["user:u1:k00", "user:u1:k01", "user:u1:k02"]
+    assert NEXT.search(page_text(first)).group(1) == "/portal/?start=3"
+    # One value over the budget is still shown whole: a page is never empty.
+    Memory.objects.filter(key="user:u1:k03").update(value="z" * 1_200_000)
+    text = page_text(client.get("/portal/?start=3"))
+    assert SHOWN_KEYS.findall(text) == ["user:u1:k03"] and "z" * 1_200_000 in text
+
+
+@pytest.mark.parametrize("start", ["x", "-1", "\u0663", "1\u0660", "9" * 40, "2147483648"])
+def test_a_bad_page_start_is_400_naming_it_and_shows_nothing(api, seeded, start):
+    client = open_portal(issue(api)["url"])
+    r = client.get("/portal/", {"start": start})
+    assert r.status_code == 400 and "start:" in page_text(r)
+    assert CANARY_U1 not in page_text(r)
+    assert not AuditEvent.objects.filter(action="subject.memories", outcome="ok").exists()
+
+
+def test_a_page_start_past_the_end_shows_no_memories_and_a_way_back(api, seeded):
+    client = open_portal(issue(api)["url"])
+    text = page_text(client.get("/portal/?start=3"))
+    assert "No more memories after the first 3." in text and "Back to the first" in text
+    assert CANARY_U1 not in text and NEXT.search(text) is None
+
+
 # --- forgetting ----------------------------------------------------------------------------
 
 
