@@ -1073,6 +1073,24 @@ def test_a_long_subjects_actor_id_is_keyed_and_its_portal_events_are_redacted_by
     assert not AuditEvent.objects.filter(actor_kind="end_user", client_ip__isnull=False).exists()
 
 
+def test_a_subject_spelled_like_another_subjects_digest_is_another_end_user(api, tenant_a):
+    # A subject of 64 characters or fewer was its own actor id, so the subject spelled as a
+    # long subject's digest ("hmac:…", 64 characters) was the same end user to the services:
+    # its page listed the other user's forget requests, and a forget of either redacted both.
+    long_subject = "s" * 200
+    lookalike = subjects.end_user_actor_id(long_subject)
+    assert lookalike.startswith("hmac:") and len(lookalike) == 64
+    assert subjects.end_user_actor_id(lookalike) != lookalike
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n1", value="x", subject=long_subject)
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n2", value="y", subject=lookalike)
+    owner = open_portal(issue(api, long_subject)["url"])
+    owner.post("/portal/forget", {"csrfmiddlewaretoken": csrf(owner), "what": "one", "key": "note:n1"})
+    (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
+    other = open_portal(issue(api, lookalike)["url"])
+    assert "Your requests to forget" not in page_text(other.get("/portal/"))
+    assert other.get(f"/portal/requests/{request.pk}").status_code == 404
+
+
 # --- purging spent links -------------------------------------------------------------------
 
 
