@@ -566,6 +566,13 @@ class ForgetRequest(models.Model):
                 name="forget_tenant_queue",
             ),
             models.Index(fields=["tenant", "subject"], name="forget_tenant_subject", condition=~Q(subject="")),
+            # An end user's own requests, for their portal page (with forget_tenant_subject: a
+            # BitmapOr, not a scan of every request of every tenant; migration 0038).
+            models.Index(
+                fields=["tenant", "requested_by"],
+                name="forget_tenant_end_user",
+                condition=Q(requested_by_kind="end_user"),
+            ),
             # Whose turn it is (services.jobs.turn_claim_next): a tenant's latest turn at a worker.
             models.Index(fields=["tenant", "turn_at"], name="forget_tenant_turn"),
             # The fleet's "forget requests overdue" gauge (every scrape of /metrics): the open and

@@ -515,6 +515,79 @@ def test_an_expired_memory_is_not_listed(api, tenant_a):
     assert "gone soon" not in text and "Nothing is remembered about you right now." in text
 
 
+NEXT = re.compile(r'<a href="(/portal/\?start=\d+)">Next</a>')
+SHOWN_KEYS = re.compile(r"Reference: <code>([^<]+)</code>")
+
+
+def test_a_user_with_more_memories_than_a_page_sees_every_one_page_by_page(api, tenant_a):
+    # The page listed the first 500 and said "Showing the first 500": the rest of a heavy
+    # user's memories could not be seen at all (nor forgotten one by one).
+    keys = [f"user:u1:k{i:03d}" for i in range(120)]
+    Memory.objects.bulk_create(
+        Memory(tenant=tenant_a, key=k, namespace="user", subject="u1", value=f"v{k}") for k in keys
+    )
+    client = open_portal(issue(api)["url"])
+    seen, path, pages = [], "/portal/", []
+    while path:
+        text = page_text(client.get(path))
+        pages.append(path)
+        seen += SHOWN_KEYS.findall(text)
+        assert "of 120." in text
+        path = (m := NEXT.search(text)) and m.group(1).replace("&amp;", "&")
+    assert seen == keys and pages == ["/portal/", "/portal/?start=50", "/portal/?start=100"]
+    assert "Back to the first" in text and "Showing 101 to 120 of 120." in text
+    events = AuditEvent.objects.filter(action="subject.memories", actor_kind="end_user").order_by("pk")
+    assert [(e.count, e.detail) for e in events] == [
+        (120, {"start": 0, "shown": 50}),
+        (120, {"start": 50, "shown": 50}),
+        (120, {"start": 100, "shown": 20}),
+    ]
+
+
+def test_a_later_page_with_a_pending_request_reloads_itself_there(api, tenant_a):
+    Memory.objects.bulk_create(
+        Memory(tenant=tenant_a, key=f"user:u1:k{i:03d}", namespace="user", subject="u1", value=i) for i in range(60)
+    )
+    client = open_portal(issue(api)["url"])
+    client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": "user:u1:k000"})
+    text = page_text(client.get("/portal/?start=50"))
+    assert 'content="2; url=/portal/?start=50&amp;refresh=1"' in text
+    assert SHOWN_KEYS.findall(text)[0] == "user:u1:k050"
+
+
+def test_a_page_of_huge_values_stops_at_its_size_budget(api, tenant_a):
+    # 500 values of 250 KB were one page of 125 MB of HTML, rendered in 8.3 s, every load.
+    big = "y" * 250_000
+    Memory.objects.bulk_create(
+        Memory(tenant=tenant_a, key=f"user:u1:k{i:02d}", namespace="user", subject="u1", value=big) for i in range(10)
+    )
+    client = open_portal(issue(api)["url"])
+    first = client.get("/portal/")
+    assert len(first.content) < 1_100_000
+    assert SHOWN_KEYS.findall(page_text(first)) == ["user:u1:k00", "user:u1:k01", "user:u1:k02"]
+    assert NEXT.search(page_text(first)).group(1) == "/portal/?start=3"
+    # One value over the budget is still shown whole: a page is never empty.
+    Memory.objects.filter(key="user:u1:k03").update(value="z" * 1_200_000)
+    text = page_text(client.get("/portal/?start=3"))
+    assert SHOWN_KEYS.findall(text) == ["user:u1:k03"] and "z" * 1_200_000 in text
+
+
+@pytest.mark.parametrize("start", ["x", "-1", "\u0663", "1\u0660", "9" * 40, "2147483648"])
+def test_a_bad_page_start_is_400_naming_it_and_shows_nothing(api, seeded, start):
+    client = open_portal(issue(api)["url"])
+    r = client.get("/portal/", {"start": start})
+    assert r.status_code == 400 and "start:" in page_text(r)
+    assert CANARY_U1 not in page_text(r)
+    assert not AuditEvent.objects.filter(action="subject.memories", outcome="ok").exists()
+
+
+def test_a_page_start_past_the_end_shows_no_memories_and_a_way_back(api, seeded):
+    client = open_portal(issue(api)["url"])
+    text = page_text(client.get("/portal/?start=3"))
+    assert "No more memories after the first 3." in text and "Back to the first" in text
+    assert CANARY_U1 not in text and NEXT.search(text) is None
+
+
 # --- forgetting ----------------------------------------------------------------------------
 
 
@@ -616,6 +689,39 @@ def test_asking_again_while_a_request_is_pending_leads_to_that_request(api, seed
     created = AuditEvent.objects.filter(tenant=tenant_a, action="forget.create", actor_kind="end_user")
     assert created.count() == 5  # each ask is recorded; four of them name the pending request
     assert {e.detail["forget_request"] for e in created} == {request.pk}
+
+
+@pytest.mark.postgres  # (SQLite's in-memory test database is one connection: no real race)
+@pytest.mark.parametrize("key", [None, "user:u1:pref_lang"], ids=["all", "one"])
+def test_a_forget_submitted_twice_at_once_files_one_request(seeded, transactional_db, key):
+    """A double click (two POSTs at the same moment: threads, each with its own database
+    connection, released together by a barrier) files one request; both lead to it. The
+    check for a pending request ran before, and outside, the transaction that files one, so
+    both found none and both filed (two requests, two erasures queued)."""
+    import threading
+
+    from django.db import connection
+
+    tenant_a, _ = seeded
+    actor = Actor(
+        kind="end_user", id="u1", label="end user", scopes=frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE})
+    )
+    barrier, outcomes = threading.Barrier(2), []
+
+    def submit():
+        try:
+            barrier.wait()
+            outcomes.append(subjects.subject_forget(tenant=tenant_a, actor=actor, subject="u1", key=key).pk)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
+    assert outcomes == [request.pk, request.pk]
 
 
 def test_forgetting_while_the_tenant_is_at_its_pending_forgets_cap_is_a_429_page_and_files_nothing(
@@ -722,6 +828,43 @@ def test_a_bad_key_or_choice_is_400(api, seeded):
     r = client.post("/portal/forget", {"csrfmiddlewaretoken": token, "what": "some"})
     assert r.status_code == 400
     assert not ForgetRequest.objects.exists()
+
+
+@pytest.mark.postgres
+def test_the_users_requests_are_found_through_indexes_not_every_tenants_history(api, seeded, tenant_b):
+    """The page lists the requests filed for the subject or by the end user: with no index on
+    the second half, the OR read every forget request of every tenant (kept with their
+    receipts): 600k requests, 80 ms a page load. Now a BitmapOr of two indexes."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    tenant_a, _ = seeded
+    now = timezone.now()
+    ForgetRequest.objects.bulk_create(
+        ForgetRequest(
+            tenant=tenant,
+            subject=f"s{n}",
+            status="completed",
+            requested_by_kind="api_key",
+            requested_by="1",
+            due_at=now,
+        )
+        for tenant in (tenant_a, tenant_b)
+        for n in range(10_000)
+    )
+    client = open_portal(issue(api)["url"])
+    client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": "user:u1:pref_lang"})
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE memories_forgetrequest")
+    with CaptureQueriesContext(connection) as queries:
+        text = page_text(client.get("/portal/"))
+    assert "One memory: Preferred language" in text
+    (listing,) = [q["sql"] for q in queries if 'FROM "memories_forgetrequest"' in q["sql"]]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + listing)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "forget_tenant_end_user" in plan and "forget_tenant_subject" in plan, plan
+    assert "Seq Scan on memories_forgetrequest" not in plan, plan
 
 
 def test_request_pages_of_other_subjects_and_tenants_are_404(api, api_b, seeded, django_capture_on_commit_callbacks):
@@ -928,6 +1071,24 @@ def test_a_long_subjects_actor_id_is_keyed_and_its_portal_events_are_redacted_by
         services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject=subject)
     assert not AuditEvent.objects.filter(actor_kind="end_user", actor_id=actor_id).exists()
     assert not AuditEvent.objects.filter(actor_kind="end_user", client_ip__isnull=False).exists()
+
+
+def test_a_subject_spelled_like_another_subjects_digest_is_another_end_user(api, tenant_a):
+    # A subject of 64 characters or fewer was its own actor id, so the subject spelled as a
+    # long subject's digest ("hmac:…", 64 characters) was the same end user to the services:
+    # its page listed the other user's forget requests, and a forget of either redacted both.
+    long_subject = "s" * 200
+    lookalike = subjects.end_user_actor_id(long_subject)
+    assert lookalike.startswith("hmac:") and len(lookalike) == 64
+    assert subjects.end_user_actor_id(lookalike) != lookalike
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n1", value="x", subject=long_subject)
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="note:n2", value="y", subject=lookalike)
+    owner = open_portal(issue(api, long_subject)["url"])
+    owner.post("/portal/forget", {"csrfmiddlewaretoken": csrf(owner), "what": "one", "key": "note:n1"})
+    (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
+    other = open_portal(issue(api, lookalike)["url"])
+    assert "Your requests to forget" not in page_text(other.get("/portal/"))
+    assert other.get(f"/portal/requests/{request.pk}").status_code == 404
 
 
 # --- purging spent links -------------------------------------------------------------------

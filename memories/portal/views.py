@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from urllib.parse import urlencode
 
 from django.conf import settings
 from django.http import HttpResponse, HttpResponseRedirect
@@ -211,12 +212,18 @@ def home(request):
     if link is None:
         return _no_session(request)
     actor = end_user_actor(request, link)
-    memories, total = subjects.subject_memories(tenant=link.tenant, actor=actor, subject=link.subject)
+    start = request.GET.get("start")
+    try:
+        memories, total = subjects.subject_memories(tenant=link.tenant, actor=actor, subject=link.subject, start=start)
+    except InvalidInput as exc:
+        return _service_error(request, exc)
     requests = subjects.subject_forget_requests(tenant=link.tenant, actor=actor, subject=link.subject)
-    return _home(request, link, memories, total, requests)
+    return _home(request, link, memories, total, requests, start=int(start or 0))
 
 
-def _home(request, link, memories, total, requests, *, error: str = "", status: int = 200) -> HttpResponse:
+def _home(
+    request, link, memories, total, requests, *, start: int = 0, error: str = "", status: int = 200
+) -> HttpResponse:
     items = [
         {
             "key": m.key,
@@ -234,6 +241,10 @@ def _home(request, link, memories, total, requests, *, error: str = "", status: 
         "tenant": link.tenant,
         "memories": items,
         "total": total,
+        # Where this page of memories starts and ends (1-based), and where the next one starts.
+        "first": start + 1,
+        "last": start + len(items),
+        "next_start": start + len(items) if start + len(items) < total else None,
         "requests": [_request_view(r) for r in requests],
         "error": error,
         "refresh": _refresh(request, any(r.status in PENDING for r in requests)),
@@ -252,10 +263,12 @@ def _refresh(request, pending: bool) -> dict | None:
     done = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else 0
     if not 0 < done <= REFRESH_LOADS:
         done = 0
+    # The page of memories being looked at (a start the page accepted) stays in the reload's URL.
+    start = {"start": request.GET["start"]} if request.GET.get("start") else {}
     if done == REFRESH_LOADS:
-        return {"stopped": True, "url": request.path}
+        return {"stopped": True, "url": f"{request.path}?{urlencode(start)}" if start else request.path}
     seconds = min(REFRESH_FIRST_SECONDS * 2**done, REFRESH_MAX_SECONDS)
-    return {"seconds": seconds, "url": f"{request.path}?refresh={done + 1}"}
+    return {"seconds": seconds, "url": f"{request.path}?{urlencode({**start, 'refresh': done + 1})}"}
 
 
 @never_cache

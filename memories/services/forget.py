@@ -49,7 +49,7 @@ from memories.models import ForgetRequest, Job, Memory, MemoryVersion, Tenant
 from memories.services.dashboard_stats import dashboard_stats_after_forget
 from memories.services.idempotency import holds_no_values as idempotency_holds_no_values
 from memories.services.idempotency import tenant_forget as idempotency_tenant_forget
-from memories.services.jobs import CANCEL_EVENT_MAX_IDS, require_pending_room
+from memories.services.jobs import CANCEL_EVENT_MAX_IDS, lock_pending, require_pending_room
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
 from memories.services.summaries import SUMMARY_KEY_PREFIX, summary_expiry, summary_key, summary_without
 from zeromem.kernel import validation
@@ -109,6 +109,7 @@ def forget_request_create(
     due_in_days: Any = None,
     end_user_subject: str = "",
     idempotency_claim: int | None = None,
+    reuse_pending: bool = False,
 ) -> ForgetRequest:
     """Accept a request to forget exactly one target: a ``subject``, a key ``prefix`` or a
     list of ``keys`` (at most 1000). Needs the ``forget:create`` scope; a key limited to some
@@ -128,6 +129,10 @@ def forget_request_create(
     (429 ``too_many_jobs``, nothing stored; :func:`~memories.services.jobs.require_pending_room`):
     the workers are shared by every tenant. Staff and the system are not capped.
 
+    ``reuse_pending``: while a request of this actor for the same target is pending (received
+    or running), that request is the answer and nothing new is filed (audited with detail
+    ``pending``). Looked for under the cap's lock, so two submits at once file one request.
+
     Cost: the cap's lock and COUNT, one INSERT and the audit INSERT in one transaction (and the
     claim's UPDATE); after its commit, the queue INSERT (ORM broker). A failed enqueue is
     logged, not raised: the request is stored, and :func:`forget_requests_resume` enqueues it
@@ -142,6 +147,15 @@ def forget_request_create(
             due_in_days, field="due_in_days", default=DUE_IN_DAYS_DEFAULT, low=1, high=DUE_IN_DAYS_MAX
         )
         pending = ForgetRequest.objects.filter(tenant=tenant, status__in=PENDING)  # forget_tenant_status_due
+        if reuse_pending:
+            lock_pending(tenant=tenant, kind="forget")  # the one the cap takes: filers of this tenant wait
+            same = pending.filter(requested_by_kind=actor.kind, requested_by=actor.id, **target).order_by("pk").first()
+            if same is not None:
+                op.record(
+                    subject=end_user_subject or target.get("subject", ""),
+                    detail={"forget_request": same.pk, "by": _target_kind(same), "pending": True},
+                )
+                return same
         if actor.kind == ActorKind.END_USER:
             # One end user (a request per memory they own) must not fill the tenant's cap and
             # lock every other end user and the app's keys out of filing theirs.

@@ -46,6 +46,18 @@ class TooManyJobs(TenantBusy):
         super().__init__(message, code="too_many_jobs", field=field, retry_after=PENDING_RETRY_AFTER_SECONDS)
 
 
+def lock_pending(*, tenant: Tenant, kind: str) -> None:
+    """Until the transaction ends, hold the (kind, tenant) lock that the writers of pending
+    ``kind`` rows of ``tenant`` take before counting or looking for them
+    (:func:`require_pending_room`): on PostgreSQL a transaction-level advisory lock, taken
+    again at no cost by the same transaction; other tenants never wait on it."""
+    if connection.vendor == "postgresql":  # SQLite: one writing transaction at a time anyway
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(%s, %s)", [_PENDING_LOCK_NAMESPACES[kind], int4_key(tenant.pk)]
+            )
+
+
 def require_pending_room(
     *, tenant: Tenant, actor: Actor, kind: str, pending: QuerySet, limit: int, setting: str, field: str | None = None
 ) -> None:
@@ -59,11 +71,7 @@ def require_pending_room(
     Cost: the lock and one COUNT on a pending-rows index; nothing for staff or the schedules."""
     if actor.kind not in CAPPED_ACTORS:
         return
-    if connection.vendor == "postgresql":  # SQLite: one writing transaction at a time anyway
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pg_advisory_xact_lock(%s, %s)", [_PENDING_LOCK_NAMESPACES[kind], int4_key(tenant.pk)]
-            )
+    lock_pending(tenant=tenant, kind=kind)
     if pending.count() >= limit:
         what = "summarize jobs" if kind == "summarize" else "forget requests"
         raise TooManyJobs(

@@ -116,17 +116,20 @@ def require_subject_allowed(actor: Actor, *, key: str, subject: str | None) -> N
 # --- end users (the portal) -------------------------------------------------------------------
 
 _END_USER_ID_MAX = 64  # AuditEvent.actor_id
+_DIGEST = "hmac:"
 
 
 def end_user_actor_id(subject: str) -> str:
     """The ``Actor.id`` of the end user ``subject``: the subject itself, or for a subject
     longer than the audit log's actor column, a keyed digest of it (HMAC with the audit
-    key: an unkeyed hash could be recomputed by anyone who knows the subject). The audit
-    redaction of a forgotten subject finds their events by this id too."""
-    if len(subject) <= _END_USER_ID_MAX:
+    key: an unkeyed hash could be recomputed by anyone who knows the subject). A subject
+    spelled like a digest (``hmac:…``) is digested too, or it would be the same end user as
+    the subject it spells. The audit redaction of a forgotten subject finds their events by
+    this id too."""
+    if len(subject) <= _END_USER_ID_MAX and not subject.startswith(_DIGEST):
         return subject
     digest = hmac.new(settings.ZEROMEM_AUDIT_KEY.encode(), b"end-user:" + subject.encode(), hashlib.sha256)
-    return "hmac:" + digest.hexdigest()[: _END_USER_ID_MAX - 5]
+    return _DIGEST + digest.hexdigest()[: _END_USER_ID_MAX - len(_DIGEST)]
 
 
 # --- staff (the admin console) ----------------------------------------------------------------
