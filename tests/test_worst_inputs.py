@@ -2,6 +2,7 @@
 what it costs (time, memory, rows) and that it is refused the way every bad input is — a
 4xx naming the field, in the error envelope, nothing written beyond the refusal's event."""
 
+import dataclasses
 import time
 
 import pytest
@@ -336,7 +337,7 @@ def test_the_openapi_schema_costs_an_anonymous_client_no_rebuild(anonymous, acce
 # --- a page of memories with a tag few of them carry ---------------------------------------------
 
 
-def _memory_rows_read(tenant, **kwargs) -> int:
+def _memory_rows_read(tenant, actor=None, **kwargs) -> int:
     """Rows of the memory table one listing fetched (PostgreSQL's counters of the transaction)."""
     from django.db import connection, transaction
 
@@ -356,7 +357,7 @@ def _memory_rows_read(tenant, **kwargs) -> int:
 
     with transaction.atomic():
         before = fetched()
-        services.memory_list(tenant=tenant, actor=SYSTEM, **kwargs)
+        services.memory_list(tenant=tenant, actor=actor or SYSTEM, **kwargs)
         return fetched() - before
 
 
@@ -427,6 +428,54 @@ def test_a_tag_page_through_the_search_index_lists_exactly_the_memories_with_the
     assert pages(tag="周报") == ["c:1"]
     assert pages(tag="VIP-client") == []  # tags are case-sensitive, as before
     assert pages(tag="client") == ["a:vip:client"]
+
+
+# --- a page of memories under an allowlist of many prefixes --------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_list_page_under_many_allowed_prefixes_reads_about_a_page_not_every_memory_under_them():
+    # An API key allowed 50 prefixes (of a tenant's 200 namespaces) listed with one OR of 50
+    # LIKEs: PostgreSQL read every memory under them (a BitmapOr) and sorted them for one
+    # page — 12,500 rows and 20 ms for 201 keys at 50 × 250 memories. Now one ordered index
+    # range per prefix, merged (Merge Append): about a page of rows, plus one per prefix.
+    from django.db import connection
+
+    from memories import services
+    from tests.factories import SYSTEM, make_tenant
+
+    tenant = make_tenant("wide")
+    template = services.memory_write(tenant=tenant, actor=SYSTEM, key="bulk:template", value="v")
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key", "namespace")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, namespace, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'user:u' || u || ':k' || lpad(k::text, 3, '0'), 'user:u' || u, {listed}"
+            f" FROM {Memory._meta.db_table}, generate_series(0, 199) u, generate_series(1, 60) k WHERE id = %s",
+            [template.memory.pk],
+        )
+        cursor.execute(f"ANALYZE {Memory._meta.db_table}")
+    allowed = tuple(f"user:u{u}:" for u in range(150, 200))
+    actor = dataclasses.replace(SYSTEM, allowed_prefixes=allowed)
+    expected = sorted(f"user:u{u}:k{k:03d}" for u in range(150, 200) for k in range(1, 61))
+
+    for order in ("asc", "desc"):
+        keys, cursor_ = [], None
+        for _ in range(3):
+            page = services.memory_list(tenant=tenant, actor=actor, limit=25, cursor=cursor_, order=order)
+            keys += page.keys
+            cursor_ = page.next_cursor
+        assert keys == (expected if order == "asc" else expected[::-1])[:75]
+    rows = services.memory_list(tenant=tenant, actor=actor, limit=10, keys_only=False, prefix="user:u160:")
+    assert [m.key for m in rows.keys] == [f"user:u160:k{k:03d}" for k in range(1, 11)]
+    assert services.memory_list(tenant=tenant, actor=actor, prefix="user:u1:").keys == []
+    rows = services.memory_list(tenant=tenant, actor=actor, limit=3, keys_only=False, order="desc")
+    assert [m.key for m in rows.keys] == expected[::-1][:3] and rows.keys[0].value == "v"
+    assert services.memory_list(tenant=tenant, actor=actor, tag="none", category="fact").keys == []
+    assert _memory_rows_read(tenant, actor=actor, limit=25) <= 25 + 1 + 50
+    assert _memory_rows_read(tenant, actor=actor, limit=25, keys_only=False) <= 25 + 1 + 50
 
 
 # --- a page of the audit log that its filters leave empty -----------------------------------------

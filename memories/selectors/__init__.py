@@ -185,6 +185,24 @@ def memory_keys_page(
     # A tag few memories carry: those memories through the search index (a page of sizes,
     # which no caller filters by tag, walks the keys).
     indexed = _tag_words_filter(tenant.pk, tag) if tag and not sizes else None
+    ranges = _disjoint(prefixes) if prefixes else prefixes
+    if indexed is None and not sizes and ranges and len(ranges) > 1 and connection.vendor == "postgresql":
+        # Several prefixes (an API key's allowlist): one OR of LIKEs made PostgreSQL read every
+        # memory under them and sort them for one page (50 prefixes of 250 memories: 12,500
+        # rows, 20 ms for 201 keys). Each prefix's range in key order instead, at most a page
+        # of it, merged in order (a Merge Append): about a page of rows, plus one per prefix.
+        order = "-key" if descending else "key"
+        base = _narrowed(memories_live(tenant=tenant), after, category, subject, tag, descending).order_by(order)
+        if keys_only:
+            base = base.values_list("key", flat=True)
+        parts = [base.filter(_prefix_q([prefix]))[: limit + 1] for prefix in ranges]
+        qs = parts[0].union(*parts[1:], all=True).order_by(order)
+        if tag:
+            timeout = settings.ZEROMEM_MEMORY_LIST_TIMEOUT_MS
+            rows = first_rows(qs, limit + 1, timeout_ms=timeout, timed_out=MemoryListTimeout)
+        else:
+            rows = list(qs[: limit + 1])
+        return _page(rows, limit, keys_only=keys_only, sizes=False)
     if indexed is None:
         qs = memories_live(tenant=tenant, prefixes=prefixes)
     else:
@@ -196,15 +214,7 @@ def memory_keys_page(
         qs = Memory.objects.filter(indexed).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
         if prefixes is not None:
             qs = qs.filter(_prefix_q(prefixes)) if prefixes else qs.none()
-    if after:
-        qs = qs.filter(key__lt=after) if descending else qs.filter(key__gt=after)
-    if category:
-        qs = qs.filter(category=category)
-    if subject:
-        qs = qs.filter(subject=subject)
-    if tag:
-        qs = memories_with_tag(qs, tag)
-    qs = qs.order_by("-key" if descending else "key")
+    qs = _narrowed(qs, after, category, subject, tag, descending).order_by("-key" if descending else "key")
     if sizes:
         rows = keys_and_text_sizes(tenant, qs[: limit + 1])
     elif tag:
@@ -217,12 +227,40 @@ def memory_keys_page(
         )
     else:
         rows = list(qs.values_list("key", flat=True)[: limit + 1] if keys_only else qs[: limit + 1])
+    return _page(rows, limit, keys_only=keys_only, sizes=sizes)
+
+
+def _narrowed(qs, after, category, subject, tag, descending: bool) -> QuerySet[Memory]:
+    if after:
+        qs = qs.filter(key__lt=after) if descending else qs.filter(key__gt=after)
+    if category:
+        qs = qs.filter(category=category)
+    if subject:
+        qs = qs.filter(subject=subject)
+    if tag:
+        qs = memories_with_tag(qs, tag)
+    return qs
+
+
+def _page(rows: list, limit: int, *, keys_only: bool, sizes: bool) -> tuple[list, str | None]:
     more = len(rows) > limit
     rows = rows[:limit]
     if not (rows and more):
         return rows, None
     last = rows[-1]
     return rows, (last[0] if sizes else last if keys_only else last.key)
+
+
+def _disjoint(prefixes: list[str]) -> list[str]:
+    """The filters, sorted, without those another one covers (``user:u1:`` under ``user:``,
+    the key ``user:u1`` exactly under ``user:``): their key ranges do not overlap."""
+    ranges = [p for p in prefixes if not p.endswith(EXACT)]
+    kept = []
+    for p in sorted(set(prefixes)):
+        key = p[:-1] if p.endswith(EXACT) else p
+        if not any(q != p and key.startswith(q) for q in ranges):
+            kept.append(p)
+    return kept
 
 
 # The UTF-8 bytes of a value's text as the Claude memory tool shows it: a string as it is,
