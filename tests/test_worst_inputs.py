@@ -337,8 +337,9 @@ def test_the_openapi_schema_costs_an_anonymous_client_no_rebuild(anonymous, acce
 # --- a page of memories with a tag few of them carry ---------------------------------------------
 
 
-def _memory_rows_read(tenant, actor=None, **kwargs) -> int:
-    """Rows of the memory table one listing fetched (PostgreSQL's counters of the transaction)."""
+def _memory_rows_read(tenant, actor=None, call="memory_list", **kwargs) -> int:
+    """Rows of the memory table one listing (or another service ``call``) fetched
+    (PostgreSQL's counters of the transaction)."""
     from django.db import connection, transaction
 
     from memories import services
@@ -357,7 +358,7 @@ def _memory_rows_read(tenant, actor=None, **kwargs) -> int:
 
     with transaction.atomic():
         before = fetched()
-        services.memory_list(tenant=tenant, actor=actor or SYSTEM, **kwargs)
+        getattr(services, call)(tenant=tenant, actor=actor or SYSTEM, **kwargs)
         return fetched() - before
 
 
@@ -442,7 +443,7 @@ def test_a_list_page_under_many_allowed_prefixes_reads_about_a_page_not_every_me
     # range per prefix, merged (Merge Append): about a page of rows, plus one per prefix.
     from django.db import connection
 
-    from memories import services
+    from memories import selectors, services
     from tests.factories import SYSTEM, make_tenant
 
     tenant = make_tenant("wide")
@@ -476,6 +477,14 @@ def test_a_list_page_under_many_allowed_prefixes_reads_about_a_page_not_every_me
     assert services.memory_list(tenant=tenant, actor=actor, tag="none", category="fact").keys == []
     assert _memory_rows_read(tenant, actor=actor, limit=25) <= 25 + 1 + 50
     assert _memory_rows_read(tenant, actor=actor, limit=25, keys_only=False) <= 25 + 1 + 50
+    # Recall with no question: the tenant's 1,000 most salient, and 1,000 under the prefixes
+    # (all 3,000 of those were read).
+    packed = services.memory_recall(tenant=tenant, actor=actor, max_chars=2000)
+    assert packed["keys"] and all(key.startswith(allowed) for key in packed["keys"])
+    salient = selectors.memories_salient_rows(tenant=tenant, prefixes=actor.prefix_filters(""))
+    assert sorted(r[1] for r in salient)[:1000] == expected[:1000]
+    # (plus the 30 it packs, loaded by id: 4,030 before)
+    assert _memory_rows_read(tenant, actor=actor, call="memory_recall") <= 1000 + 1000 + 50 + 30
 
 
 # --- a page of the audit log that its filters leave empty -----------------------------------------
