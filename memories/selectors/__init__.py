@@ -5,6 +5,7 @@ The admin dashboard's figures are in :mod:`memories.selectors.dashboard`.
 
 import functools
 import json
+import unicodedata
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -391,12 +392,15 @@ def _tag_words_filter(tenant_id: int, tag: str) -> RawSQL | None:
     when the tenant's statistics say the rarest of them is in at most ``TAG_INDEX_MAX_DOCS``
     memories, or one is in none counted (a word new since the count: few memories). None —
     walk the keys — for a commoner tag, a tenant never counted, SQLite, a tag with no word
-    (``+++``), or a tag of letters other than ASCII and CJK: those scripts' terms changed
+    (``+++``), or a tag of letters other than ASCII and CJK (or with a combining mark): the
+    terms of those scripts and marks changed
     with the tokenizer (combining marks, folded marks) and a memory written before still
     holds the old ones until ``manage.py search_reindex``."""
     from memories.search.text import index_document, is_cjk
 
-    if connection.vendor != "postgresql" or not all(c.isascii() or is_cjk(c) for c in tag):
+    if connection.vendor != "postgresql" or not all(
+        c.isascii() or (is_cjk(c) and not unicodedata.category(c).startswith("M")) for c in tag
+    ):
         return None
     terms = sorted(set(index_document(key="", value=None, tags=[tag]).tags))
     if not terms:
