@@ -388,14 +388,13 @@ TAG_INDEX_MAX_DOCS = 5000
 
 def _tag_words_filter(tenant_id: int, tag: str) -> RawSQL | None:
     """The tenant's live memories whose ``search_tsv`` holds every word of ``tag`` (a
-    condition each memory carrying it meets),
-    when the tenant's statistics say the rarest of them is in at most ``TAG_INDEX_MAX_DOCS``
-    memories, or one is in none counted (a word new since the count: few memories). None —
-    walk the keys — for a commoner tag, a tenant never counted, SQLite, a tag with no word
-    (``+++``), or a tag of letters other than ASCII and CJK (or with a combining mark): the
-    terms of those scripts and marks changed
-    with the tokenizer (combining marks, folded marks) and a memory written before still
-    holds the old ones until ``manage.py search_reindex``."""
+    condition each memory carrying it meets), when the tenant's statistics say the rarest
+    of them is in at most ``TAG_INDEX_MAX_DOCS`` memories, or one is in none counted (a word
+    new since the count: few memories). None — walk the keys — for a commoner tag, a tenant
+    never counted, SQLite, a tag with no word (``+++``), or a tag of letters other than
+    ASCII and CJK, or with a combining mark: the terms of those changed with the tokenizer
+    (combining marks, folded marks), and a memory written before still holds the old ones
+    until ``manage.py search_reindex``."""
     from memories.search.text import index_document, is_cjk
 
     if connection.vendor != "postgresql" or not all(
