@@ -431,6 +431,45 @@ def test_a_tag_page_through_the_search_index_lists_exactly_the_memories_with_the
     assert pages(tag="client") == ["a:vip:client"]
 
 
+# --- a search of a big tenant whose term statistics were never counted ---------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_search_of_a_big_uncounted_tenant_does_not_count_each_word_on_the_spot():
+    # A tenant never counted (new, or just imported: until the search-stats job has run)
+    # had each of the question's words counted on the spot, up to 501 memories each: at 50k
+    # memories one common word took 50-60 ms, 32 common words a 503 search_timeout (83 ms).
+    # Past SPOT_COUNT_MAX_DOCS memories the words are taken as unknown (none rarer than
+    # another) until the count, as a word new since a count is.
+    from django.db import connection
+
+    from memories import services
+    from memories.models import SearchCorpus
+    from memories.search import lexical, ranking
+    from tests.factories import SYSTEM, make_tenant
+
+    tenant = make_tenant("imported")
+    words = " ".join(f"word{i}" for i in range(32))
+    template = services.memory_write(tenant=tenant, actor=SYSTEM, key="bulk:template", value=words)
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'bulk:k' || g, {listed} FROM {Memory._meta.db_table},"
+            f" generate_series(1, {lexical.SPOT_COUNT_MAX_DOCS + 500}) g WHERE id = %s",
+            [template.memory.pk],
+        )
+    assert not SearchCorpus.objects.filter(tenant=tenant).exists()
+
+    hits = services.memory_search(tenant=tenant, actor=SYSTEM, query=words, limit=5)
+    assert len(hits) == 5
+    read = _memory_rows_read(tenant, call="memory_search", query=words, limit=5)
+    # The tenant's size (counted up to the cap), the candidates, the results loaded (and spares).
+    assert read <= lexical.SPOT_COUNT_MAX_DOCS + 1 + lexical.CANDIDATES + 5 + ranking.SPARE, read
+
+
 # --- a page of memories under an allowlist of many prefixes --------------------------------------
 
 
