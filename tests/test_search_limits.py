@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from memories.models import Memory
-from memories.search import lexical, text
+from memories.search import lexical, ranking, text
 from tests.factories import write
 from zeromem.kernel import validation
 
@@ -327,6 +327,28 @@ def test_recall_drops_near_duplicates_keeping_the_most_recent(api):
     assert "user:u1:lang: " in body["text"] and "lang_old" not in body["text"]
     _, body = api.call("memory_recall", prefix="user:u1:")
     assert "lang_old" not in body["text"] and body["count"] == 2
+
+
+def test_recall_judges_near_duplicates_on_what_it_can_show_not_on_whole_values(api, monkeypatch):
+    # Recall compared its 30 candidates' whole values: 30 values of 16 KB (the default cap)
+    # took 154 ms of CPU to tokenize and intersect for a block of 500 characters (a search: 5).
+    _write(api, "log:copy", "zebra entry0 " + " ".join(f"w0x{j}" for j in range(1500)) + " older", 4)
+    Memory.objects.filter(key="log:copy").update(updated_at=timezone.now() - timedelta(days=1))
+    for i in range(3):
+        _write(api, f"log:{i}", f"zebra entry{i} " + " ".join(f"w{i}x{j}" for j in range(1500)), 5)
+    tokenized = []
+    real = text.tokenize
+    monkeypatch.setattr(text, "tokenize", lambda s: tokenized.append(len(s)) or real(s))
+    for args in ({"query": "zebra"}, {"prefix": "log:"}):
+        tokenized.clear()
+        status, body = api.call("memory_recall", max_chars=600, **args)
+        assert status == 200, body
+        assert tokenized and max(tokenized) <= 600, tokenized
+        assert len(body["text"]) == 600 and not body["text"].startswith("log:copy")
+    # Judged on those characters, distinct values are kept and the copy of log:0 (older) dropped.
+    memories = list(Memory.objects.filter(key__startswith="log:").order_by("key"))
+    kept = ranking.drop_near_duplicates(memories, chars=600)
+    assert [m.key for m in kept] == ["log:0", "log:1", "log:2"]
 
 
 def test_recall_cuts_a_line_that_does_not_fit_or_skips_it_for_a_shorter_one(api):

@@ -2,6 +2,7 @@
 what it costs (time, memory, rows) and that it is refused the way every bad input is — a
 4xx naming the field, in the error envelope, nothing written beyond the refusal's event."""
 
+import dataclasses
 import time
 
 import pytest
@@ -331,6 +332,198 @@ def test_the_openapi_schema_costs_an_anonymous_client_no_rebuild(anonymous, acce
         assert (response.status_code, response.content) == (200, first.content)
         assert response["Content-Type"] == first["Content-Type"]
     assert b"x" * 1000 not in first.content
+
+
+# --- a page of memories with a tag few of them carry ---------------------------------------------
+
+
+def _memory_rows_read(tenant, actor=None, call="memory_list", **kwargs) -> int:
+    """Rows of the memory table one listing (or another service ``call``) fetched
+    (PostgreSQL's counters of the transaction)."""
+    from django.db import connection, transaction
+
+    from memories import services
+    from tests.factories import SYSTEM
+
+    def fetched() -> int:
+        # Within one transaction these counters move as rows are read (they may also hold
+        # earlier transactions' counts, not yet flushed: hence the difference).
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables"
+                " WHERE relname = %s",
+                [Memory._meta.db_table],
+            )
+            return cursor.fetchone()[0]
+
+    with transaction.atomic():
+        before = fetched()
+        getattr(services, call)(tenant=tenant, actor=actor or SYSTEM, **kwargs)
+        return fetched() - before
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_list_page_of_a_rare_tag_reads_its_memories_through_the_search_index(api, monkeypatch):
+    # A tag's page walked the tenant's keys in order until it was full: a tag few memories
+    # carry read the whole tenant (70 ms at 50k memories, 0.45 s at 1M). Its words are in
+    # the search index: with the tenant's term statistics saying they are rare, the page
+    # reads those memories only.
+    from memories import selectors
+    from memories.search.index import stats_refresh
+    from tests.factories import write
+
+    _seed_memories(api.tenant, 3000)
+    for i in range(3):
+        write(api.tenant, f"crm:c{i}", "a client", tags=["vip-client"])
+    stats_refresh(tenant_id=api.tenant.pk)
+    write(api.tenant, "crm:new", "written after the count", tags=["fresh-tag"])
+
+    for tag, keys in (("vip-client", ["crm:c0", "crm:c1", "crm:c2"]), ("nowhere", []), ("fresh-tag", ["crm:new"])):
+        response = api.get("/api/v1/memories", {"tag": tag})
+        assert response.status_code == 200, response.content
+        assert [m["key"] for m in response.json()["results"]] == keys
+        assert _memory_rows_read(api.tenant, tag=tag) <= 5, tag
+    # A tag more memories carry than the index path reads still walks the keys, and stops
+    # once the page is full.
+    monkeypatch.setattr(selectors, "TAG_INDEX_MAX_DOCS", 1000)
+    assert _memory_rows_read(api.tenant, tag="common", limit=10) <= 20
+
+
+@pytest.mark.postgres
+def test_a_tag_page_through_the_search_index_lists_exactly_the_memories_with_the_tag(api, tenant_b):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from memories import services
+    from memories.search.index import stats_refresh
+    from tests.factories import SYSTEM, write
+
+    t = api.tenant
+    for key in ("a:1", "a:2", "b:1", "vip:vip:client:client", "a:secret", "a:gone", "a:old"):
+        write(t, key, "text", tags=["x", "vip-client"], sensitive=key == "a:secret")
+    write(t, "a:vip:client", "vip client, no tag", tags=["vip", "client"])
+    write(t, "a:other", "other", tags=["vip-client2"])
+    write(t, "c:1", "周报", tags=["周报"])
+    write(t, "c:2", "报周", tags=["报周"])
+    services.memory_delete(tenant=t, actor=SYSTEM, key="a:gone")
+    Memory.objects.filter(tenant=t, key="a:old").update(expires_at=timezone.now() - timedelta(hours=1))
+    write(tenant_b, "a:1", "another tenant's", tags=["vip-client"])
+    stats_refresh(tenant_id=t.pk)
+    write(t, "a:3", "written after the count", tags=["vip-client"])
+
+    def pages(**kwargs) -> list[str]:
+        keys, cursor = [], None
+        while True:
+            page = services.memory_list(tenant=t, actor=SYSTEM, limit=2, cursor=cursor, **kwargs)
+            keys += page.keys
+            if not page.next_cursor:
+                return keys
+            cursor = page.next_cursor
+
+    tagged = ["a:1", "a:2", "a:3", "a:secret", "b:1", "vip:vip:client:client"]
+    assert pages(tag="vip-client") == tagged
+    assert pages(tag="vip-client", order="desc") == tagged[::-1]
+    assert pages(tag="vip-client", prefix="a:") == ["a:1", "a:2", "a:3", "a:secret"]
+    assert pages(tag="周报") == ["c:1"]
+    assert pages(tag="VIP-client") == []  # tags are case-sensitive, as before
+    assert pages(tag="client") == ["a:vip:client"]
+
+
+# --- a search of a big tenant whose term statistics were never counted ---------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_search_of_a_big_uncounted_tenant_does_not_count_each_word_on_the_spot():
+    # A tenant never counted (new, or just imported: until the search-stats job has run)
+    # had each of the question's words counted on the spot, up to 501 memories each: at 50k
+    # memories one common word took 50-60 ms, 32 common words a 503 search_timeout (83 ms).
+    # Past SPOT_COUNT_MAX_DOCS memories the words are taken as unknown (none rarer than
+    # another) until the count, as a word new since a count is.
+    from django.db import connection
+
+    from memories import services
+    from memories.models import SearchCorpus
+    from memories.search import lexical, ranking
+    from tests.factories import SYSTEM, make_tenant
+
+    tenant = make_tenant("imported")
+    words = " ".join(f"word{i}" for i in range(32))
+    template = services.memory_write(tenant=tenant, actor=SYSTEM, key="bulk:template", value=words)
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'bulk:k' || g, {listed} FROM {Memory._meta.db_table},"
+            f" generate_series(1, {lexical.SPOT_COUNT_MAX_DOCS + 500}) g WHERE id = %s",
+            [template.memory.pk],
+        )
+    assert not SearchCorpus.objects.filter(tenant=tenant).exists()
+
+    hits = services.memory_search(tenant=tenant, actor=SYSTEM, query=words, limit=5)
+    assert len(hits) == 5
+    read = _memory_rows_read(tenant, call="memory_search", query=words, limit=5)
+    # The tenant's size (counted up to the cap), the candidates, the results loaded (and spares).
+    assert read <= lexical.SPOT_COUNT_MAX_DOCS + 1 + lexical.CANDIDATES + 5 + ranking.SPARE, read
+
+
+# --- a page of memories under an allowlist of many prefixes --------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_list_page_under_many_allowed_prefixes_reads_about_a_page_not_every_memory_under_them():
+    # An API key allowed 50 prefixes (of a tenant's 200 namespaces) listed with one OR of 50
+    # LIKEs: PostgreSQL read every memory under them (a BitmapOr) and sorted them for one
+    # page — 12,500 rows and 20 ms for 201 keys at 50 × 250 memories. Now one ordered index
+    # range per prefix, merged (Merge Append): about a page of rows, plus one per prefix.
+    from django.db import connection
+
+    from memories import selectors, services
+    from tests.factories import SYSTEM, make_tenant
+
+    tenant = make_tenant("wide")
+    template = services.memory_write(tenant=tenant, actor=SYSTEM, key="bulk:template", value="v")
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key", "namespace")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, namespace, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'user:u' || u || ':k' || lpad(k::text, 3, '0'), 'user:u' || u, {listed}"
+            f" FROM {Memory._meta.db_table}, generate_series(0, 199) u, generate_series(1, 60) k WHERE id = %s",
+            [template.memory.pk],
+        )
+        cursor.execute(f"ANALYZE {Memory._meta.db_table}")
+    allowed = tuple(f"user:u{u}:" for u in range(150, 200))
+    actor = dataclasses.replace(SYSTEM, allowed_prefixes=allowed)
+    expected = sorted(f"user:u{u}:k{k:03d}" for u in range(150, 200) for k in range(1, 61))
+
+    for order in ("asc", "desc"):
+        keys, cursor_ = [], None
+        for _ in range(3):
+            page = services.memory_list(tenant=tenant, actor=actor, limit=25, cursor=cursor_, order=order)
+            keys += page.keys
+            cursor_ = page.next_cursor
+        assert keys == (expected if order == "asc" else expected[::-1])[:75]
+    rows = services.memory_list(tenant=tenant, actor=actor, limit=10, keys_only=False, prefix="user:u160:")
+    assert [m.key for m in rows.keys] == [f"user:u160:k{k:03d}" for k in range(1, 11)]
+    assert services.memory_list(tenant=tenant, actor=actor, prefix="user:u1:").keys == []
+    rows = services.memory_list(tenant=tenant, actor=actor, limit=3, keys_only=False, order="desc")
+    assert [m.key for m in rows.keys] == expected[::-1][:3] and rows.keys[0].value == "v"
+    assert services.memory_list(tenant=tenant, actor=actor, tag="none", category="fact").keys == []
+    assert _memory_rows_read(tenant, actor=actor, limit=25) <= 25 + 1 + 50
+    assert _memory_rows_read(tenant, actor=actor, limit=25, keys_only=False) <= 25 + 1 + 50
+    # Recall with no question: the tenant's 1,000 most salient, and 1,000 under the prefixes
+    # (all 3,000 of those were read).
+    packed = services.memory_recall(tenant=tenant, actor=actor, max_chars=2000)
+    assert packed["keys"] and all(key.startswith(allowed) for key in packed["keys"])
+    salient = selectors.memories_salient_rows(tenant=tenant, prefixes=actor.prefix_filters(""))
+    assert sorted(r[1] for r in salient)[:1000] == expected[:1000]
+    # (plus the 30 it packs, loaded by id: 4,030 before)
+    assert _memory_rows_read(tenant, actor=actor, call="memory_recall") <= 1000 + 1000 + 50 + 30
 
 
 # --- a page of the audit log that its filters leave empty -----------------------------------------
