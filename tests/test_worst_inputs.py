@@ -165,6 +165,62 @@ def test_more_query_parameters_than_django_parses_is_a_400_naming_query_and_audi
     _envelope(api.get(f"/api/v1/tools?{many}"), status=400, code="too_many_fields", field="query")
 
 
+# A parameter named twice: Django's QueryDict.get read the last value (?limit=1&limit=1000 was
+# refused for 1000, ?prefix=user:u1:&prefix=user:u2: listed user:u2:) while a proxy, WAF or log
+# reading the first saw another request. Refused on every route, naming the parameter.
+REPEATED = [
+    ("get", "/api/v1/memories?prefix=user:u1:&prefix=user:u2:", "prefix", "memory.list"),
+    ("get", "/api/v1/memories?limit=1&limit=1000", "limit", "memory.list"),
+    ("get", "/api/v1/memories/user:u1:k?x=1&x=2", "x", "memory.read"),
+    ("get", "/api/v1/memories/user:u1:k/history?limit=1&limit=2", "limit", "memory.history"),
+    ("put", "/api/v1/memories/user:u1:k?tag=a&tag=b", "tag", "memory.write"),
+    ("patch", "/api/v1/memories/user:u1:k?x=&x=", "x", "memory.update"),
+    ("delete", "/api/v1/memories/user:u1:k?x=1&x=1", "x", "memory.delete"),
+    ("post", "/api/v1/tools/call?root=a&root=b", "root", "tool.call"),
+    ("post", "/api/v1/anthropic/memory?root=user:u1&root=user:u2", "root", "anthropic.memory"),
+    ("get", "/api/v1/forget-requests?status=failed&status=completed", "status", "forget.list"),
+    ("get", "/api/v1/audit-events?since=2026-01-01T00:00:00Z&since=2000-01-01T00:00:00Z", "since", "audit.list"),
+    ("get", "/api/v1/audit-events/export?format=csv&format=jsonl", "format", "audit.export"),
+    ("get", "/api/v1/langgraph/store/items?namespace=a&namespace=b&key=k", "namespace", "memory.read"),
+    ("get", "/api/v1/tools?strict=true&strict=false", "strict", None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "field", "action"), REPEATED)
+def test_a_query_parameter_given_twice_is_a_400_naming_it_and_nothing_runs(api, method, path, field, action):
+    api.put("/api/v1/memories/user:u1:k", {"value": "kept"})
+    rows, events = row_counts(), AuditEvent.objects.count()
+    body = {"value": "changed"} if method in ("put", "patch") else None
+    if path.startswith("/api/v1/tools/call"):
+        body = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "changed"}}
+    elif path.startswith("/api/v1/anthropic"):
+        body = {"command": "create", "path": "/memories/a.md", "file_text": "changed"}
+    headers = {"Idempotency-Key": "repeated-1"} if method != "get" else None
+    if method == "get":
+        response = api.get(path)
+    elif method == "delete":
+        response = api.delete(path, headers=headers)
+    else:
+        response = getattr(api, method)(path, body, headers=headers)
+    assert response.status_code == 400, response.content
+    error = rest_error(response)
+    assert (error["code"], error["field"]) == ("duplicate_parameter", field)
+    assert "2 times" in error["message"]
+    assert row_counts() == rows
+    assert Memory.objects.get(key="user:u1:k").value == "kept"
+    new = list(AuditEvent.objects.filter(id__gt=0).order_by("id")[events:].values_list("action", "outcome", "detail"))
+    if action is None:  # the tool schemas audit nothing
+        assert new == []
+    else:
+        assert [(a, o, d["code"]) for a, o, d in new] == [(action, "invalid", "duplicate_parameter")]
+
+
+def test_a_query_parameter_given_once_or_empty_is_read_as_before(api):
+    api.put("/api/v1/memories/user:u1:k", {"value": "kept"})
+    assert api.get("/api/v1/memories?prefix=user:u1:&limit=1").json()["results"][0]["key"] == "user:u1:k"
+    assert api.get("/api/v1/memories?prefix=&cursor=").status_code == 200
+
+
 @pytest.mark.parametrize("path", ["/api/v1/memories", "/healthz", "/api/v1/no-such-endpoint"])
 def test_a_host_outside_allowed_hosts_on_an_api_path_is_a_400_in_the_error_envelope(api, path):
     response = api.get(path, headers={"Host": "attacker.example"})

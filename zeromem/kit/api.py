@@ -73,6 +73,24 @@ def too_many_fields() -> InvalidInput:
     return InvalidInput(f"more than {limit} query parameters", field="query", code="too_many_fields")
 
 
+def repeated_parameter(request) -> InvalidInput | None:
+    """The refusal of a query string that names a parameter twice (``?limit=1&limit=1000``,
+    ``?prefix=user:u1:&prefix=user:u2:``), or None. Django's ``QueryDict.get`` read the last
+    value while a proxy, WAF or log may read the first, and no parameter of this API takes a
+    list: refused, as a JSON body naming a member twice is (``duplicate_key``), so no two
+    readers act on different requests. Cost without a query string: one dict lookup."""
+    if not request.META.get("QUERY_STRING"):
+        return None
+    for name, values in request.query_params.lists():
+        if len(values) > 1:
+            return InvalidInput(
+                f"is given {len(values)} times in the query string; give it once",
+                field=name[:200],
+                code="duplicate_parameter",
+            )
+    return None
+
+
 def exception_handler(exc, context):
     if isinstance(exc, TooManyFieldsSent):
         exc = too_many_fields()
@@ -170,6 +188,13 @@ class TenantAPIView(APIView):
     once by authentication; nothing in the payload can name another tenant."""
 
     surface = "rest"
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        # After authentication (401 first), before any work; an audited view records it.
+        repeated = repeated_parameter(request)
+        if repeated is not None:
+            raise repeated
 
     @property
     def tenant(self) -> Tenant:
