@@ -215,6 +215,77 @@ def test_a_query_parameter_given_twice_is_a_400_naming_it_and_nothing_runs(api, 
         assert [(a, o, d["code"]) for a, o, d in new] == [(action, "invalid", "duplicate_parameter")]
 
 
+# Each refusal no service saw, on a write: (method, path, body, content type) and the answer's
+# (status, code, field), which its one audit event repeats. Before, the event held the DRF
+# error's own code without the field ({"code": "parse_error"} for a 400 malformed_json naming
+# body; {"code": "invalid"} for a 400 min_value naming ttl_seconds), and a 415 or 405 to a
+# verified key was not audited at all.
+MEMORY = "/api/v1/memories/user:u1:k"
+SURFACE_REFUSALS = [
+    ("put", MEMORY, "{", "application/json", (400, "malformed_json", "body"), "memory.write"),
+    (
+        "put",
+        MEMORY,
+        '{"value": 1, "ttl_seconds": 0}',
+        "application/json",
+        (400, "min_value", "ttl_seconds"),
+        "memory.write",
+    ),
+    (
+        "put",
+        MEMORY,
+        '{"value": 1, "ttl_seconds": "5"}',
+        "application/json",
+        (400, "invalid", "ttl_seconds"),
+        "memory.write",
+    ),
+    ("put", MEMORY, "{}", "application/json", (400, "required", "value"), "memory.write"),
+    ("patch", MEMORY, '{"zz": 1}', "application/json", (400, "unknown_field", "zz"), "memory.update"),
+    (
+        "put",
+        MEMORY,
+        "value=1",
+        "application/x-www-form-urlencoded",
+        (415, "unsupported_media_type", None),
+        "memory.write",
+    ),
+    ("put", MEMORY, '{"value": 1}', "text/plain", (415, "unsupported_media_type", None), "memory.write"),
+    ("post", MEMORY, '{"value": 1}', "application/json", (405, "method_not_allowed", None), "api.request"),
+    (
+        "post",
+        CALL,
+        '{"name": "memory_write", "name": "memory_delete"}',
+        "application/json",
+        (400, "duplicate_key", "name"),
+        "tool.call",
+    ),
+    (
+        "post",
+        "/api/v1/forget-requests",
+        '{"subject": 5}',
+        "application/json",
+        (400, "invalid", "subject"),
+        "forget.create",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "content_type", "answer", "action"), SURFACE_REFUSALS)
+def test_a_refused_write_is_audited_once_with_the_code_and_field_it_answered(
+    api, method, path, body, content_type, answer, action
+):
+    api.put(MEMORY, {"value": "kept"})
+    rows, since = row_counts(), AuditEvent.objects.order_by("-id").values_list("id", flat=True).first()
+    response = api.client.generic(method.upper(), path, body, content_type=content_type, headers=api._headers({}))
+    error = rest_error(response)
+    assert (response.status_code, error["code"], error["field"]) == answer
+    assert row_counts() == rows and Memory.objects.get(key="user:u1:k").value == "kept"
+    events = AuditEvent.objects.filter(id__gt=since)
+    assert [(e.action, e.outcome, e.detail) for e in events] == [
+        (action, "invalid", {"code": answer[1], "field": answer[2]})
+    ]
+
+
 def test_a_query_parameter_given_once_or_empty_is_read_as_before(api):
     api.put("/api/v1/memories/user:u1:k", {"value": "kept"})
     assert api.get("/api/v1/memories?prefix=user:u1:&limit=1").json()["results"][0]["key"] == "user:u1:k"

@@ -91,6 +91,23 @@ def repeated_parameter(request) -> InvalidInput | None:
     return None
 
 
+def refusal_code_and_field(exc) -> tuple[str, str | None]:
+    """The ``code`` and ``field`` an error's answer names (the audit of a refusal records the
+    same two)."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.field
+    if isinstance(exc, exceptions.ValidationError):
+        field, _message, code = first_error(exc.detail)
+        return code, field
+    code = getattr(exc, "zeromem_code", None) or _DRF_CODES.get(type(exc), exc.default_code)
+    field = getattr(exc, "zeromem_field", None)
+    if isinstance(exc, (exceptions.NotAuthenticated, exceptions.AuthenticationFailed)):
+        field = field or "Authorization"
+    elif isinstance(exc, exceptions.ParseError):
+        field = field or "body"
+    return code, field
+
+
 def exception_handler(exc, context):
     if isinstance(exc, TooManyFieldsSent):
         exc = too_many_fields()
@@ -118,12 +135,7 @@ def exception_handler(exc, context):
         field, message, code = first_error(exc.detail)
         response.data = error_body(code, message, field)
         return response
-    code = getattr(exc, "zeromem_code", None) or _DRF_CODES.get(type(exc), exc.default_code)
-    field = getattr(exc, "zeromem_field", None)
-    if isinstance(exc, (exceptions.NotAuthenticated, exceptions.AuthenticationFailed)):
-        field = field or "Authorization"
-    elif isinstance(exc, exceptions.ParseError):
-        field = field or "body"
+    code, field = refusal_code_and_field(exc)
     message = str(exc.detail) if not isinstance(exc.detail, (dict, list)) else exc.default_detail
     extra = {"retry_after": int(exc.wait or 1)} if isinstance(exc, exceptions.Throttled) else {}
     response.data = error_body(code, message, field, **extra)
@@ -362,20 +374,31 @@ class AuditedAPIView(TenantAPIView):
             return exc.response
         if isinstance(exc, TooManyFieldsSent):  # refused like any bad input, and audited
             exc = too_many_fields()
-        # A key over its rate limit is a refusal too, counted per minute (audit_refusal).
-        refusals = (exceptions.ValidationError, exceptions.ParseError, ServiceError, exceptions.Throttled)
+        # A key over its rate limit is a refusal too, counted per minute (audit_refusal); so is a
+        # body in a media type no parser reads (415) and a method the route has not (405).
+        refusals = (
+            exceptions.ValidationError,
+            exceptions.ParseError,
+            ServiceError,
+            exceptions.Throttled,
+            exceptions.UnsupportedMediaType,
+            exceptions.MethodNotAllowed,
+        )
         refused = isinstance(exc, refusals)
         principal = getattr(self.request, "_user", None)
         if refused and principal is not None and hasattr(principal, "tenant"):
             if isinstance(exc, exceptions.Throttled) and not getattr(exc, "zeromem_code", None):
                 exc.zeromem_code = "rate_limited"
             key = self.kwargs.get("key")
+            code, field = refusal_code_and_field(exc)
             audit_refusal(
                 tenant=self.tenant,
                 actor=self.actor,
                 action=self.audit_actions.get(self.request.method, "api.request"),
                 target=key if isinstance(key, str) else "",
                 error=exc,
+                code=code,
+                field=field,
             )
         return super().handle_exception(exc)
 
