@@ -330,7 +330,7 @@ class AuditedAPIView(TenantAPIView):
         fingerprint, legacy = idempotency.fingerprints(
             method=request.method,
             path=request.get_full_path(),
-            if_match=request.headers.get("If-Match"),
+            if_match=_conditions(request),
             data=request.data,
         )
         outcome = idempotency.claim(
@@ -401,6 +401,16 @@ class AuditedAPIView(TenantAPIView):
                 field=field,
             )
         return super().handle_exception(exc)
+
+
+def _conditions(request) -> str | None:
+    """The preconditions a write's fingerprint covers: If-Match as it was, and If-None-Match
+    after it when sent (a request without it fingerprints as before)."""
+    if_match = request.headers.get("If-Match")
+    if_none_match = request.headers.get("If-None-Match")
+    if if_none_match is None:
+        return if_match
+    return f"{if_match or ''}\nIf-None-Match: {if_none_match}"
 
 
 def _release_quietly(claim: int) -> None:
