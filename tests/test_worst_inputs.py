@@ -246,10 +246,10 @@ SURFACE_REFUSALS = [
         MEMORY,
         "value=1",
         "application/x-www-form-urlencoded",
-        (415, "unsupported_media_type", None),
+        (415, "unsupported_media_type", "Content-Type"),
         "memory.write",
     ),
-    ("put", MEMORY, '{"value": 1}', "text/plain", (415, "unsupported_media_type", None), "memory.write"),
+    ("put", MEMORY, '{"value": 1}', "text/plain", (415, "unsupported_media_type", "Content-Type"), "memory.write"),
     ("post", MEMORY, '{"value": 1}', "application/json", (405, "method_not_allowed", None), "api.request"),
     (
         "post",
@@ -284,6 +284,21 @@ def test_a_refused_write_is_audited_once_with_the_code_and_field_it_answered(
     assert [(e.action, e.outcome, e.detail) for e in events] == [
         (action, "invalid", {"code": answer[1], "field": answer[2]})
     ]
+
+
+@pytest.mark.parametrize("content_type", ["", "text/plain", "multipart/form-data; boundary=x", "application/xml"])
+def test_a_body_in_a_media_type_no_parser_reads_is_a_415_naming_content_type(api, content_type):
+    rows = row_counts()
+    response = api.client.post(CALL, b'{"name":"memory_write"}', content_type=content_type, headers=api._headers({}))
+    _envelope(response, status=415, code="unsupported_media_type", field="Content-Type")
+    assert row_counts() == rows
+
+
+@pytest.mark.parametrize("accept", ["text/html", "application/xml", "text/csv"])
+def test_an_accept_no_renderer_meets_is_a_406_naming_accept(api, accept):
+    _envelope(
+        api.get("/api/v1/memories", headers={"Accept": accept}), status=406, code="not_acceptable", field="Accept"
+    )
 
 
 def test_a_query_parameter_given_once_or_empty_is_read_as_before(api):

@@ -105,6 +105,10 @@ def refusal_code_and_field(exc) -> tuple[str, str | None]:
         field = field or "Authorization"
     elif isinstance(exc, exceptions.ParseError):
         field = field or "body"
+    elif isinstance(exc, exceptions.UnsupportedMediaType):
+        field = field or "Content-Type"  # the header at fault (a body only JSON parsers read)
+    elif isinstance(exc, exceptions.NotAcceptable):
+        field = field or "Accept"
     return code, field
 
 
