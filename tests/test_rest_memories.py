@@ -438,6 +438,19 @@ def test_an_if_match_list_of_more_than_twenty_etags_is_a_400_naming_it(stored):
     assert _state() == before
 
 
+def test_an_empty_subject_means_none_on_rest_as_on_the_tool(api):
+    """REST refused subject "" (400 blank) where the tool and the service take it as "no
+    subject" — the very spelling the service's refusal of a blank subject advises."""
+    status, _ = api.call("memory_write", key="user:u1:by_tool", value=1, subject="")
+    assert status == 200
+    r = api.put("/api/v1/memories/user:u1:by_rest", {"value": 1, "subject": ""})
+    assert r.status_code == 201, r.content
+    subjects = dict(Memory.objects.filter(key__startswith="user:u1:by_").values_list("key", "subject"))
+    assert subjects == {"user:u1:by_tool": "", "user:u1:by_rest": ""}
+    r = api.put("/api/v1/memories/user:u1:by_rest", {"value": 1, "subject": " "})
+    assert (r.status_code, rest_error(r)["code"], rest_error(r)["field"]) == (400, "blank", "subject")
+
+
 @pytest.mark.parametrize("field", ["ttl_seconds", "importance"])
 def test_numeric_strings_are_not_integers(api, field):
     counts = row_counts()
