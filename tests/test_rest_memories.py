@@ -438,6 +438,16 @@ def test_an_if_match_list_of_more_than_twenty_etags_is_a_400_naming_it(stored):
     assert _state() == before
 
 
+@pytest.mark.parametrize("body", [{}, {"tags": None, "ttl_seconds": None}, {"expected_version": 1}])
+def test_a_patch_that_changes_nothing_is_a_400_and_moves_no_version(stored, body):
+    """It was 200 with a new version and history row: every other client's ETag went stale."""
+    before, counts, since = _state(), row_counts(), _last_event_id()
+    r = stored.patch(URL, body, headers={"If-Match": "*"})
+    assert (r.status_code, rest_error(r)["code"], rest_error(r)["field"]) == (400, "nothing_to_change", "body")
+    assert _state() == before and row_counts() == counts
+    assert _events(stored.tenant, since) == [("memory.update", "invalid", "body")]
+
+
 def test_an_empty_subject_means_none_on_rest_as_on_the_tool(api):
     """REST refused subject "" (400 blank) where the tool and the service take it as "no
     subject" — the very spelling the service's refusal of a blank subject advises."""

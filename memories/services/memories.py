@@ -433,6 +433,14 @@ def memory_update(
         ):
             if given is not None:
                 changes[name] = given
+        if value is _UNSET and ttl is None and not changes:
+            # An update of nothing moved the version (every other holder's ETag went stale)
+            # and wrote a history row of no change.
+            raise InvalidInput(
+                "changes nothing: give value, ttl_seconds, tags, category, importance or source",
+                field="body",
+                code="nothing_to_change",
+            )
 
         now = timezone.now()
         live = selectors.memories_live(tenant=tenant).filter(key=key)
