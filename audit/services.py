@@ -287,12 +287,24 @@ def audited_operation(
         span.set("outcome", str(op._row["outcome"]) if op._row is not None else "ok")
 
 
-def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = "", error: Exception) -> None:
+def audit_refusal(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    action: str,
+    target: str = "",
+    error: Exception,
+    code: str | None = None,
+    field: str | None = None,
+) -> None:
     """A request refused on a surface before any service ran (a body that is not JSON, a
     field of the wrong type): one ``invalid`` (``denied`` for a 403) event with the error's
-    code — unless an operation already recorded this very error. A refusal of a request over
-    its key's or tenant's limits (429: ``rate_limited``, and :class:`TenantBusy`:
-    ``tenant_busy``, ``search_budget``) is counted instead (:func:`_tally_refusal`)."""
+    code and field, ``{"code", "field"}`` as an operation records its refusal — ``code`` and
+    ``field`` as the answer names them when the surface gives them (a DRF error's own code is
+    not the answer's: ``parse_error`` for ``malformed_json``) — unless an operation already
+    recorded this very error. A refusal of a request over its key's or tenant's limits (429:
+    ``rate_limited``, and :class:`TenantBusy`: ``tenant_busy``, ``search_budget``) is counted
+    instead (:func:`_tally_refusal`)."""
     if not _mark_recorded(error):
         return
     if isinstance(error, TenantBusy) or getattr(error, "status_code", None) == 429:
@@ -305,7 +317,10 @@ def audit_refusal(*, tenant: Tenant, actor: Actor, action: str, target: str = ""
         action=action,
         target=target,
         outcome=AuditEvent.Outcome.DENIED if forbidden else AuditEvent.Outcome.INVALID,
-        detail={"code": getattr(error, "code", None) or getattr(error, "default_code", "invalid")},
+        detail={
+            "code": code or getattr(error, "code", None) or getattr(error, "default_code", "invalid"),
+            "field": field if code else getattr(error, "field", None),
+        },
     )
 
 

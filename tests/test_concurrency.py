@@ -123,6 +123,22 @@ def test_concurrent_rest_puts_with_the_same_etag_exactly_one_wins(api, agents):
     assert memory.value == next(r.json()["value"] for r in results if r.status_code == 200)
 
 
+def test_concurrent_create_only_puts_of_a_new_key_exactly_one_creates(api, agents):
+    """If-None-Match: * — the loser of the insert race is 412, its value never stored."""
+    for n in range(ROUNDS):
+        url = f"/api/v1/memories/user:u{n}:first"
+        results = run_together(
+            [
+                lambda c=c, v=v, url=url: c.put(url, {"value": v}, headers={"If-None-Match": "*"})
+                for c, v in zip(agents, ["a", "b"], strict=True)
+            ]
+        )
+        assert sorted(r.status_code for r in results) == [201, 412]
+        memory = Memory.objects.get(tenant=api.tenant, key=f"user:u{n}:first")
+        assert (memory.version, memory.value) == (1, next(r.json()["value"] for r in results if r.status_code == 201))
+        assert MemoryVersion.objects.filter(memory=memory).count() == 1
+
+
 def test_concurrent_delete_and_update_leave_a_consistent_history(api, agents):
     for n in range(ROUNDS):
         key = f"task:t{n}:x"

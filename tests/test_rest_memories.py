@@ -1,8 +1,12 @@
 """REST resources: /api/v1/memories (list), /{key} (GET/PUT/PATCH/DELETE with ETag and
 If-Match) and /{key}/history."""
 
-import pytest
+from datetime import timedelta
 
+import pytest
+from django.utils import timezone
+
+from audit.models import AuditEvent
 from memories.models import ApiKey, Memory
 from tests.helpers import rest_error, row_counts
 from zeromem.kernel import validation
@@ -352,6 +356,109 @@ def test_if_match_star_matches_any_current_version_but_not_a_missing_memory(stor
     assert stored.put(URL, {"value": "z"}, headers={"If-Match": "*"}).status_code == 412
     assert stored.delete(URL, headers={"If-Match": "*"}).status_code == 412
     assert row_counts() == counts
+
+
+def _events(tenant, since: int) -> list[tuple]:
+    rows = AuditEvent.objects.filter(tenant=tenant, id__gt=since).order_by("id")
+    return [(e.action, e.outcome, e.detail.get("field")) for e in rows]
+
+
+def _last_event_id() -> int:
+    return AuditEvent.objects.order_by("-id").values_list("id", flat=True).first() or 0
+
+
+def test_put_with_if_none_match_star_creates_only_when_there_is_no_memory(api):
+    """If-None-Match: * was ignored: a client asking "create only" overwrote the memory."""
+    assert api.put(URL, {"value": "first"}, headers={"If-None-Match": "*"}).status_code == 201
+    before, counts, since = _state(), row_counts(), _last_event_id()
+    r = api.put(URL, {"value": "second"}, headers={"If-None-Match": "*"})
+    assert r.status_code == 412
+    assert (rest_error(r)["code"], rest_error(r)["field"]) == ("precondition_failed", "If-None-Match")
+    assert _state() == before and row_counts() == counts
+    assert _events(api.tenant, since) == [("memory.write", "precondition_failed", "If-None-Match")]
+    # A memory in the trash, or expired, holds no key: create-only takes it.
+    api.delete(URL)
+    assert api.put(URL, {"value": "third"}, headers={"If-None-Match": " * "}).status_code == 201
+    Memory.objects.filter(key=KEY, deleted_at__isnull=True).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert api.put(URL, {"value": "fourth"}, headers={"If-None-Match": "*"}).status_code == 201
+    assert api.get(URL).json()["value"] == "fourth"
+
+
+@pytest.mark.parametrize(
+    ("method", "headers"),
+    [
+        ("put", {"If-None-Match": '"1-1"'}),
+        ("put", {"If-None-Match": "garbage"}),
+        ("put", {"If-None-Match": "*", "If-Match": "*"}),
+        ("patch", {"If-None-Match": "*"}),
+        ("delete", {"If-None-Match": '"1-1"'}),
+    ],
+)
+def test_an_if_none_match_a_write_cannot_honour_is_a_400_naming_it(stored, method, headers):
+    """Any If-None-Match but PUT's "*" was ignored: the write went through unguarded."""
+    before, counts, since = _state(), row_counts(), _last_event_id()
+    if method == "delete":
+        r = stored.delete(URL, headers=headers)
+    else:
+        r = getattr(stored, method)(URL, {"value": "x"}, headers=headers)
+    assert r.status_code == 400
+    assert rest_error(r)["field"] == "If-None-Match"
+    assert _state() == before and row_counts() == counts
+    action = {"put": "memory.write", "patch": "memory.update", "delete": "memory.delete"}[method]
+    assert _events(stored.tenant, since) == [(action, "invalid", "If-None-Match")]
+
+
+def test_if_none_match_is_part_of_an_idempotent_requests_fingerprint(api):
+    headers = {"Idempotency-Key": "create-once-1", "If-None-Match": "*"}
+    assert api.put(URL, {"value": "first"}, headers=headers).status_code == 201
+    assert api.put(URL, {"value": "first"}, headers=headers)["Idempotent-Replayed"] == "true"
+    r = api.put(URL, {"value": "first"}, headers={"Idempotency-Key": "create-once-1"})
+    assert (r.status_code, rest_error(r)["code"]) == (422, "idempotency_key_reused")
+
+
+def test_if_match_with_a_list_of_etags_matches_when_the_current_one_is_in_it(stored):
+    """A list (RFC 9110: any of them) was read as one unknown ETag: always 412."""
+    old = stored.get(URL)["ETag"]
+    current = stored.patch(URL, {"importance": 7})["ETag"]
+    assert stored.patch(URL, {"value": "x"}, headers={"If-Match": f'"garbage", {current}'}).status_code == 200
+    current = stored.get(URL)["ETag"]
+    before, counts = _state(), row_counts()
+    assert stored.put(URL, {"value": "y"}, headers={"If-Match": f"{old},W/{old}"}).status_code == 412
+    assert stored.delete(URL, headers={"If-Match": f'{old}, "9-9"'}).status_code == 412
+    assert _state() == before and row_counts() == counts
+    assert stored.put(URL, {"value": "y"}, headers={"If-Match": f"{old}, {current}"}).status_code == 200
+    assert stored.delete(URL, headers={"If-Match": f"{old},{stored.get(URL)['ETag']}"}).status_code == 204
+
+
+def test_an_if_match_list_of_more_than_twenty_etags_is_a_400_naming_it(stored):
+    before = _state()
+    many = ", ".join(f'"1-{v}"' for v in range(21))
+    r = stored.patch(URL, {"value": "x"}, headers={"If-Match": many})
+    assert (r.status_code, rest_error(r)["field"]) == (400, "If-Match")
+    assert _state() == before
+
+
+@pytest.mark.parametrize("body", [{}, {"tags": None, "ttl_seconds": None}, {"expected_version": 1}])
+def test_a_patch_that_changes_nothing_is_a_400_and_moves_no_version(stored, body):
+    """It was 200 with a new version and history row: every other client's ETag went stale."""
+    before, counts, since = _state(), row_counts(), _last_event_id()
+    r = stored.patch(URL, body, headers={"If-Match": "*"})
+    assert (r.status_code, rest_error(r)["code"], rest_error(r)["field"]) == (400, "nothing_to_change", "body")
+    assert _state() == before and row_counts() == counts
+    assert _events(stored.tenant, since) == [("memory.update", "invalid", "body")]
+
+
+def test_an_empty_subject_means_none_on_rest_as_on_the_tool(api):
+    """REST refused subject "" (400 blank) where the tool and the service take it as "no
+    subject" — the very spelling the service's refusal of a blank subject advises."""
+    status, _ = api.call("memory_write", key="user:u1:by_tool", value=1, subject="")
+    assert status == 200
+    r = api.put("/api/v1/memories/user:u1:by_rest", {"value": 1, "subject": ""})
+    assert r.status_code == 201, r.content
+    subjects = dict(Memory.objects.filter(key__startswith="user:u1:by_").values_list("key", "subject"))
+    assert subjects == {"user:u1:by_tool": "", "user:u1:by_rest": ""}
+    r = api.put("/api/v1/memories/user:u1:by_rest", {"value": 1, "subject": " "})
+    assert (r.status_code, rest_error(r)["code"], rest_error(r)["field"]) == (400, "blank", "subject")
 
 
 @pytest.mark.parametrize("field", ["ttl_seconds", "importance"])

@@ -166,6 +166,148 @@ def test_more_query_parameters_than_django_parses_is_a_400_naming_query_and_audi
     _envelope(api.get(f"/api/v1/tools?{many}"), status=400, code="too_many_fields", field="query")
 
 
+# A parameter named twice: Django's QueryDict.get read the last value (?limit=1&limit=1000 was
+# refused for 1000, ?prefix=user:u1:&prefix=user:u2: listed user:u2:) while a proxy, WAF or log
+# reading the first saw another request. Refused on every route, naming the parameter.
+REPEATED = [
+    ("get", "/api/v1/memories?prefix=user:u1:&prefix=user:u2:", "prefix", "memory.list"),
+    ("get", "/api/v1/memories?limit=1&limit=1000", "limit", "memory.list"),
+    ("get", "/api/v1/memories/user:u1:k?x=1&x=2", "x", "memory.read"),
+    ("get", "/api/v1/memories/user:u1:k/history?limit=1&limit=2", "limit", "memory.history"),
+    ("put", "/api/v1/memories/user:u1:k?tag=a&tag=b", "tag", "memory.write"),
+    ("patch", "/api/v1/memories/user:u1:k?x=&x=", "x", "memory.update"),
+    ("delete", "/api/v1/memories/user:u1:k?x=1&x=1", "x", "memory.delete"),
+    ("post", "/api/v1/tools/call?root=a&root=b", "root", "tool.call"),
+    ("post", "/api/v1/anthropic/memory?root=user:u1&root=user:u2", "root", "anthropic.memory"),
+    ("get", "/api/v1/forget-requests?status=failed&status=completed", "status", "forget.list"),
+    ("get", "/api/v1/audit-events?since=2026-01-01T00:00:00Z&since=2000-01-01T00:00:00Z", "since", "audit.list"),
+    ("get", "/api/v1/audit-events/export?format=csv&format=jsonl", "format", "audit.export"),
+    ("get", "/api/v1/langgraph/store/items?namespace=a&namespace=b&key=k", "namespace", "memory.read"),
+    ("get", "/api/v1/tools?strict=true&strict=false", "strict", None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "field", "action"), REPEATED)
+def test_a_query_parameter_given_twice_is_a_400_naming_it_and_nothing_runs(api, method, path, field, action):
+    api.put("/api/v1/memories/user:u1:k", {"value": "kept"})
+    rows, events = row_counts(), AuditEvent.objects.count()
+    body = {"value": "changed"} if method in ("put", "patch") else None
+    if path.startswith("/api/v1/tools/call"):
+        body = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "changed"}}
+    elif path.startswith("/api/v1/anthropic"):
+        body = {"command": "create", "path": "/memories/a.md", "file_text": "changed"}
+    headers = {"Idempotency-Key": "repeated-1"} if method != "get" else None
+    if method == "get":
+        response = api.get(path)
+    elif method == "delete":
+        response = api.delete(path, headers=headers)
+    else:
+        response = getattr(api, method)(path, body, headers=headers)
+    assert response.status_code == 400, response.content
+    error = rest_error(response)
+    assert (error["code"], error["field"]) == ("duplicate_parameter", field)
+    assert "2 times" in error["message"]
+    assert row_counts() == rows
+    assert Memory.objects.get(key="user:u1:k").value == "kept"
+    new = list(AuditEvent.objects.filter(id__gt=0).order_by("id")[events:].values_list("action", "outcome", "detail"))
+    if action is None:  # the tool schemas audit nothing
+        assert new == []
+    else:
+        assert [(a, o, d["code"]) for a, o, d in new] == [(action, "invalid", "duplicate_parameter")]
+
+
+# Each refusal no service saw, on a write: (method, path, body, content type) and the answer's
+# (status, code, field), which its one audit event repeats. Before, the event held the DRF
+# error's own code without the field ({"code": "parse_error"} for a 400 malformed_json naming
+# body; {"code": "invalid"} for a 400 min_value naming ttl_seconds), and a 415 or 405 to a
+# verified key was not audited at all.
+MEMORY = "/api/v1/memories/user:u1:k"
+SURFACE_REFUSALS = [
+    ("put", MEMORY, "{", "application/json", (400, "malformed_json", "body"), "memory.write"),
+    (
+        "put",
+        MEMORY,
+        '{"value": 1, "ttl_seconds": 0}',
+        "application/json",
+        (400, "min_value", "ttl_seconds"),
+        "memory.write",
+    ),
+    (
+        "put",
+        MEMORY,
+        '{"value": 1, "ttl_seconds": "5"}',
+        "application/json",
+        (400, "invalid", "ttl_seconds"),
+        "memory.write",
+    ),
+    ("put", MEMORY, "{}", "application/json", (400, "required", "value"), "memory.write"),
+    ("patch", MEMORY, '{"zz": 1}', "application/json", (400, "unknown_field", "zz"), "memory.update"),
+    (
+        "put",
+        MEMORY,
+        "value=1",
+        "application/x-www-form-urlencoded",
+        (415, "unsupported_media_type", "Content-Type"),
+        "memory.write",
+    ),
+    ("put", MEMORY, '{"value": 1}', "text/plain", (415, "unsupported_media_type", "Content-Type"), "memory.write"),
+    ("post", MEMORY, '{"value": 1}', "application/json", (405, "method_not_allowed", None), "api.request"),
+    (
+        "post",
+        CALL,
+        '{"name": "memory_write", "name": "memory_delete"}',
+        "application/json",
+        (400, "duplicate_key", "name"),
+        "tool.call",
+    ),
+    (
+        "post",
+        "/api/v1/forget-requests",
+        '{"subject": 5}',
+        "application/json",
+        (400, "invalid", "subject"),
+        "forget.create",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "content_type", "answer", "action"), SURFACE_REFUSALS)
+def test_a_refused_write_is_audited_once_with_the_code_and_field_it_answered(
+    api, method, path, body, content_type, answer, action
+):
+    api.put(MEMORY, {"value": "kept"})
+    rows, since = row_counts(), AuditEvent.objects.order_by("-id").values_list("id", flat=True).first()
+    response = api.client.generic(method.upper(), path, body, content_type=content_type, headers=api._headers({}))
+    error = rest_error(response)
+    assert (response.status_code, error["code"], error["field"]) == answer
+    assert row_counts() == rows and Memory.objects.get(key="user:u1:k").value == "kept"
+    events = AuditEvent.objects.filter(id__gt=since)
+    assert [(e.action, e.outcome, e.detail) for e in events] == [
+        (action, "invalid", {"code": answer[1], "field": answer[2]})
+    ]
+
+
+@pytest.mark.parametrize("content_type", ["", "text/plain", "multipart/form-data; boundary=x", "application/xml"])
+def test_a_body_in_a_media_type_no_parser_reads_is_a_415_naming_content_type(api, content_type):
+    rows = row_counts()
+    response = api.client.post(CALL, b'{"name":"memory_write"}', content_type=content_type, headers=api._headers({}))
+    _envelope(response, status=415, code="unsupported_media_type", field="Content-Type")
+    assert row_counts() == rows
+
+
+@pytest.mark.parametrize("accept", ["text/html", "application/xml", "text/csv"])
+def test_an_accept_no_renderer_meets_is_a_406_naming_accept(api, accept):
+    _envelope(
+        api.get("/api/v1/memories", headers={"Accept": accept}), status=406, code="not_acceptable", field="Accept"
+    )
+
+
+def test_a_query_parameter_given_once_or_empty_is_read_as_before(api):
+    api.put("/api/v1/memories/user:u1:k", {"value": "kept"})
+    assert api.get("/api/v1/memories?prefix=user:u1:&limit=1").json()["results"][0]["key"] == "user:u1:k"
+    assert api.get("/api/v1/memories?prefix=&cursor=").status_code == 200
+
+
 @pytest.mark.parametrize("path", ["/api/v1/memories", "/healthz", "/api/v1/no-such-endpoint"])
 def test_a_host_outside_allowed_hosts_on_an_api_path_is_a_400_in_the_error_envelope(api, path):
     response = api.get(path, headers={"Host": "attacker.example"})

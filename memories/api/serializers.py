@@ -148,8 +148,14 @@ class MemoryPutSerializer(_MemoryFieldsIn):
     sensitive = StrictBooleanField(
         required=False, allow_null=True, help_text="store the value encrypted (README 'Encryption at rest')"
     )
+    # "" is no subject, as the service and the tool take it (a blank one is refused there).
     subject = StrictRegexField(
-        NO_CONTROL_CHARS, required=False, allow_null=True, max_length=validation.SUBJECT_MAX_LEN, trim_whitespace=False
+        NO_CONTROL_CHARS,
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        max_length=validation.SUBJECT_MAX_LEN,
+        trim_whitespace=False,
     )
 
 

@@ -139,20 +139,45 @@ def _called_tool(call):
 # --- memories as resources ------------------------------------------------------------
 
 _ETAG_RE = re.compile(r'^(?:W/)?"([0-9]{1,19})-([0-9]{1,10})"$')
+# An If-Match list longer than this is refused (each ETag is one more OR'ed condition).
+IF_MATCH_MAX_ETAGS = 20
 
 
-def _if_match(request) -> tuple[int, int] | str | None:
-    """(memory id, version) from an ETag we issued; "*" (any current version) as is."""
+def _if_match(request) -> tuple[int, int] | frozenset | str | None:
+    """(memory id, version) from an ETag we issued; "*" (any current version) as is; a list
+    (``"1-3", "1-4"``, RFC 9110: the current ETag is any of them) as a frozenset of pairs."""
     header = request.headers.get("If-Match")
     if header is None:
         return None
     if header.strip() == "*":
         return "*"
-    match = _ETAG_RE.match(header.strip())
-    if not match:
-        # An ETag we never issued cannot match the current one.
-        return (0, 0)
-    return int(match.group(1)), int(match.group(2))
+    members = [m.strip() for m in header.split(",")] if "," in header else [header.strip()]
+    if len(members) > IF_MATCH_MAX_ETAGS:
+        raise InvalidInput(f"must name at most {IF_MATCH_MAX_ETAGS} ETags", field="If-Match", code="too_long")
+    pairs = set()
+    for member in members:
+        match = _ETAG_RE.match(member)
+        if match:  # an ETag we never issued cannot match the current one
+            pairs.add((int(match.group(1)), int(match.group(2))))
+    if len(pairs) > 1:
+        return frozenset(pairs)
+    return pairs.pop() if pairs else (0, 0)
+
+
+def _if_none_match(request, *, on_put: bool) -> bool:
+    """Whether a PUT is to create only (``If-None-Match: *``). Any other If-None-Match on a
+    write is refused rather than ignored: a client that sent it expects it to guard the write."""
+    header = request.headers.get("If-None-Match")
+    if header is None:
+        return False
+    if on_put and header.strip() == "*":
+        if request.headers.get("If-Match") is not None:
+            raise InvalidInput("If-Match and If-None-Match: * cannot both hold", field="If-None-Match")
+        return True
+    raise InvalidInput(
+        'only "*" on PUT (create only if no memory exists at the key); guard a version with If-Match',
+        field="If-None-Match",
+    )
 
 
 def _memory_response(memory, code=status.HTTP_200_OK) -> Response:
@@ -223,25 +248,30 @@ class MemoryDetailView(AuditedAPIView):
 
     @extend_schema(
         operation_id="memories_put",
-        summary="Create or replace a memory; with If-Match, only that version",
+        summary="Create or replace a memory; with If-Match, only that version; with If-None-Match: *, only if absent",
         parameters=[KEY_PARAM],
         request=s.MemoryPutSerializer,
         responses={
             200: s.MemoryOutSerializer,
             201: s.MemoryOutSerializer,
             404: OpenApiResponse(ErrorSerializer, description="no such endpoint (the key is not a key)"),
-            412: PRECONDITION_FAILED,
+            412: OpenApiResponse(
+                ErrorSerializer,
+                description="If-Match does not match the current version (or there is no memory); "
+                "If-None-Match: * and a memory exists",
+            ),
             **ERRORS,
         },
     )
     def put(self, request, key):
         data = _validated(s.MemoryPutSerializer, request.data)
+        create_only = _if_none_match(request, on_put=True)
         if_match = _if_match(request)
         if if_match is not None:
             data.pop("subject", None)
             r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=if_match, **data)
             return _memory_response(r.memory)
-        r = services.memory_write(tenant=self.tenant, actor=self.actor, key=key, **data)
+        r = services.memory_write(tenant=self.tenant, actor=self.actor, key=key, create_only=create_only, **data)
         return _memory_response(r.memory, status.HTTP_201_CREATED if r.created else status.HTTP_200_OK)
 
     @extend_schema(
@@ -259,6 +289,7 @@ class MemoryDetailView(AuditedAPIView):
     )
     def patch(self, request, key):
         data = _validated(s.MemoryPatchSerializer, request.data)
+        _if_none_match(request, on_put=False)
         if "value" not in data:
             data["value"] = services._UNSET
         r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=_if_match(request), **data)
@@ -271,6 +302,7 @@ class MemoryDetailView(AuditedAPIView):
         responses={204: None, 404: NOT_FOUND, 412: PRECONDITION_FAILED, **ERRORS},
     )
     def delete(self, request, key):
+        _if_none_match(request, on_put=False)
         services.memory_delete(tenant=self.tenant, actor=self.actor, key=key, if_match=_if_match(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from audit.services import AuditedOperation, audited_operation
@@ -132,8 +132,11 @@ def memory_write(
     source: Any = None,
     clear_ttl: bool = False,
     sensitive: Any = None,
+    create_only: bool = False,
 ) -> MemoryResult:
     """Upsert. Fields left out keep their current value (or a default on create);
+    ``create_only`` (REST ``If-None-Match: *``): only when no live memory holds ``key``, else
+    :class:`PreconditionFailed` (412), checked under the row lock the upsert takes;
     ``clear_ttl`` with no ``ttl_seconds`` replaces the expiry with the tenant's default TTL
     for ``key`` from now, or none without a rule (a LangGraph put without ttl).
     ``sensitive`` (or a tenant sensitivity rule) stores the value encrypted (README
@@ -177,7 +180,13 @@ def memory_write(
             fields["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
 
         memory, created = _upsert(
-            tenant=tenant, key=key, fields=fields, now=now, source_default=actor.label, sensitive=sensitive
+            tenant=tenant,
+            key=key,
+            fields=fields,
+            now=now,
+            source_default=actor.label,
+            sensitive=sensitive,
+            create_only=create_only,
         )
         _record_version(memory, MemoryVersion.Op.WRITE, actor, now)
         op.record(subject=memory.subject, version=memory.version, detail={"created": created})
@@ -198,12 +207,22 @@ def _lock_current_unexpired(*, tenant: Tenant, key: str, now) -> Memory | None:
 
 
 def _upsert(
-    *, tenant: Tenant, key: str, fields: dict, now, source_default: str, sensitive: bool | None = None
+    *,
+    tenant: Tenant,
+    key: str,
+    fields: dict,
+    now,
+    source_default: str,
+    sensitive: bool | None = None,
+    create_only: bool = False,
 ) -> tuple[Memory, bool]:
     # Expired-but-not-yet-purged rows still hold the (tenant, key) slot of the partial
     # unique index; a write over one trashes it first, so it behaves like a fresh key.
     for _ in range(3):
         existing = _lock_current_unexpired(tenant=tenant, key=key, now=now)
+        if existing is not None and create_only:
+            # (A concurrent create of the key lands here too, on the retry after its insert.)
+            raise PreconditionFailed("a memory exists at this key (If-None-Match: *)", field="If-None-Match")
         tags = fields["tags"] if "tags" in fields else (existing.tags if existing is not None else [])
         secret = sensitivity.decide(
             tenant, key=key, value=fields["value"], given=sensitive, current=existing is not None and existing.sensitive
@@ -246,6 +265,19 @@ def _upsert(
                 raise
             continue
     raise RuntimeError(f"could not upsert {key!r} after concurrent inserts")
+
+
+def _etag_pairs(if_match: tuple[int, int] | frozenset) -> frozenset:
+    """The (memory id, version) pairs an If-Match names: one pair, or a set of them (a list
+    of ETags matches when the current one is any of them)."""
+    return if_match if isinstance(if_match, frozenset) else frozenset([tuple(if_match)])
+
+
+def _etag_condition(if_match: tuple[int, int] | frozenset) -> Q:
+    condition = Q(pk__in=[])  # matches nothing: an If-Match naming no ETag we issued
+    for pk, version in _etag_pairs(if_match):
+        condition |= Q(pk=pk, version=version)
+    return condition
 
 
 def _no_memory() -> NotFound:
@@ -365,7 +397,7 @@ def memory_update(
     category: Any = None,
     importance: Any = None,
     source: Any = None,
-    if_match: tuple[int, int] | str | None = None,
+    if_match: tuple[int, int] | frozenset | str | None = None,
     sensitive: Any = None,
 ) -> MemoryResult:
     """Change an existing memory. The version check lives in the UPDATE's WHERE clause, so
@@ -373,9 +405,9 @@ def memory_update(
     memory at ``key`` raises :class:`NotFound`; another ``expected_version`` raises
     :class:`Conflict` with the ``current_version``.
 
-    ``if_match=(memory id, version)`` (REST If-Match) is checked the same way, and a
-    mismatch — or a missing memory — is HTTP 412 instead of a result; ``"*"`` matches any
-    current version.
+    ``if_match=(memory id, version)`` (REST If-Match; a frozenset of such pairs for a list of
+    ETags: any of them) is checked the same way, and a mismatch — or a missing memory — is
+    HTTP 412 instead of a result; ``"*"`` matches any current version.
 
     ``sensitive`` (REST PUT with If-Match) marks the new value as :func:`memory_write` does; it
     comes with a ``value``.
@@ -401,6 +433,14 @@ def memory_update(
         ):
             if given is not None:
                 changes[name] = given
+        if value is _UNSET and ttl is None and not changes:
+            # An update of nothing moved the version (every other holder's ETag went stale)
+            # and wrote a history row of no change.
+            raise InvalidInput(
+                "changes nothing: give value, ttl_seconds, tags, category, importance or source",
+                field="body",
+                code="nothing_to_change",
+            )
 
         now = timezone.now()
         live = selectors.memories_live(tenant=tenant).filter(key=key)
@@ -417,8 +457,8 @@ def memory_update(
         if ttl is not None:
             changes["expires_at"] = now + ttl
         target = live if expected is None else live.filter(version=expected)
-        if isinstance(if_match, tuple):
-            target = target.filter(pk=if_match[0], version=if_match[1])
+        if if_match is not None and if_match != "*":
+            target = target.filter(_etag_condition(if_match))
         updated = target.update(version=F("version") + 1, updated_at=now, **changes)
         if not updated:
             current = live.values_list("version", flat=True).first()
@@ -444,7 +484,7 @@ def memory_update(
 
 
 def memory_delete(
-    *, tenant: Tenant, actor: Actor, key: Any, if_match: tuple[int, int] | str | None = None
+    *, tenant: Tenant, actor: Actor, key: Any, if_match: tuple[int, int] | frozenset | str | None = None
 ) -> MemoryResult:
     """Soft delete: the memory moves to the trash (restorable until purged).
     ``if_match=(memory id, version)``: delete only that version, else HTTP 412 ("*": any).
@@ -455,7 +495,7 @@ def memory_delete(
         require_key_allowed(actor, key)
         memory = selectors.memories_live(tenant=tenant).filter(key=key).select_for_update().first()
         if if_match is not None and (
-            memory is None or (if_match != "*" and (memory.pk, memory.version) != tuple(if_match))
+            memory is None or (if_match != "*" and (memory.pk, memory.version) not in _etag_pairs(if_match))
         ):
             raise PreconditionFailed("the memory changed since you read it (ETag mismatch)", field="If-Match")
         if memory is None:

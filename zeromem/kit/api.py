@@ -73,6 +73,45 @@ def too_many_fields() -> InvalidInput:
     return InvalidInput(f"more than {limit} query parameters", field="query", code="too_many_fields")
 
 
+def repeated_parameter(request) -> InvalidInput | None:
+    """The refusal of a query string that names a parameter twice (``?limit=1&limit=1000``,
+    ``?prefix=user:u1:&prefix=user:u2:``), or None. Django's ``QueryDict.get`` read the last
+    value while a proxy, WAF or log may read the first, and no parameter of this API takes a
+    list: refused, as a JSON body naming a member twice is (``duplicate_key``), so no two
+    readers act on different requests. Cost without a query string: one dict lookup."""
+    if not request.META.get("QUERY_STRING"):
+        return None
+    for name, values in request.query_params.lists():
+        if len(values) > 1:
+            return InvalidInput(
+                f"is given {len(values)} times in the query string; give it once",
+                field=name[:200],
+                code="duplicate_parameter",
+            )
+    return None
+
+
+def refusal_code_and_field(exc) -> tuple[str, str | None]:
+    """The ``code`` and ``field`` an error's answer names (the audit of a refusal records the
+    same two)."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.field
+    if isinstance(exc, exceptions.ValidationError):
+        field, _message, code = first_error(exc.detail)
+        return code, field
+    code = getattr(exc, "zeromem_code", None) or _DRF_CODES.get(type(exc), exc.default_code)
+    field = getattr(exc, "zeromem_field", None)
+    if isinstance(exc, (exceptions.NotAuthenticated, exceptions.AuthenticationFailed)):
+        field = field or "Authorization"
+    elif isinstance(exc, exceptions.ParseError):
+        field = field or "body"
+    elif isinstance(exc, exceptions.UnsupportedMediaType):
+        field = field or "Content-Type"  # the header at fault (a body only JSON parsers read)
+    elif isinstance(exc, exceptions.NotAcceptable):
+        field = field or "Accept"
+    return code, field
+
+
 def exception_handler(exc, context):
     if isinstance(exc, TooManyFieldsSent):
         exc = too_many_fields()
@@ -100,12 +139,7 @@ def exception_handler(exc, context):
         field, message, code = first_error(exc.detail)
         response.data = error_body(code, message, field)
         return response
-    code = getattr(exc, "zeromem_code", None) or _DRF_CODES.get(type(exc), exc.default_code)
-    field = getattr(exc, "zeromem_field", None)
-    if isinstance(exc, (exceptions.NotAuthenticated, exceptions.AuthenticationFailed)):
-        field = field or "Authorization"
-    elif isinstance(exc, exceptions.ParseError):
-        field = field or "body"
+    code, field = refusal_code_and_field(exc)
     message = str(exc.detail) if not isinstance(exc.detail, (dict, list)) else exc.default_detail
     extra = {"retry_after": int(exc.wait or 1)} if isinstance(exc, exceptions.Throttled) else {}
     response.data = error_body(code, message, field, **extra)
@@ -170,6 +204,13 @@ class TenantAPIView(APIView):
     once by authentication; nothing in the payload can name another tenant."""
 
     surface = "rest"
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        # After authentication (401 first), before any work; an audited view records it.
+        repeated = repeated_parameter(request)
+        if repeated is not None:
+            raise repeated
 
     @property
     def tenant(self) -> Tenant:
@@ -293,7 +334,7 @@ class AuditedAPIView(TenantAPIView):
         fingerprint, legacy = idempotency.fingerprints(
             method=request.method,
             path=request.get_full_path(),
-            if_match=request.headers.get("If-Match"),
+            if_match=_conditions(request),
             data=request.data,
         )
         outcome = idempotency.claim(
@@ -337,22 +378,43 @@ class AuditedAPIView(TenantAPIView):
             return exc.response
         if isinstance(exc, TooManyFieldsSent):  # refused like any bad input, and audited
             exc = too_many_fields()
-        # A key over its rate limit is a refusal too, counted per minute (audit_refusal).
-        refusals = (exceptions.ValidationError, exceptions.ParseError, ServiceError, exceptions.Throttled)
+        # A key over its rate limit is a refusal too, counted per minute (audit_refusal); so is a
+        # body in a media type no parser reads (415) and a method the route has not (405).
+        refusals = (
+            exceptions.ValidationError,
+            exceptions.ParseError,
+            ServiceError,
+            exceptions.Throttled,
+            exceptions.UnsupportedMediaType,
+            exceptions.MethodNotAllowed,
+        )
         refused = isinstance(exc, refusals)
         principal = getattr(self.request, "_user", None)
         if refused and principal is not None and hasattr(principal, "tenant"):
             if isinstance(exc, exceptions.Throttled) and not getattr(exc, "zeromem_code", None):
                 exc.zeromem_code = "rate_limited"
             key = self.kwargs.get("key")
+            code, field = refusal_code_and_field(exc)
             audit_refusal(
                 tenant=self.tenant,
                 actor=self.actor,
                 action=self.audit_actions.get(self.request.method, "api.request"),
                 target=key if isinstance(key, str) else "",
                 error=exc,
+                code=code,
+                field=field,
             )
         return super().handle_exception(exc)
+
+
+def _conditions(request) -> str | None:
+    """The preconditions a write's fingerprint covers: If-Match as it was, and If-None-Match
+    after it when sent (a request without it fingerprints as before)."""
+    if_match = request.headers.get("If-Match")
+    if_none_match = request.headers.get("If-None-Match")
+    if if_none_match is None:
+        return if_match
+    return f"{if_match or ''}\nIf-None-Match: {if_none_match}"
 
 
 def _release_quietly(claim: int) -> None:
