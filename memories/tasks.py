@@ -9,36 +9,18 @@ Results carry ids, statuses and counts only, and a failure reaches django-q2 as 
 name: django-q2 keeps what a task returned, and a failed task's exception text with its
 traceback, in its own Task table (failures are never pruned), which no forget request erases —
 a summary's key named the end user it was about, and a database error quotes the row it failed
-on. The exception itself goes to the server log.
+on. The exception itself goes to the server log (zeromem/kernel/tasks.py, which wraps the
+audit's and the portal's tasks too).
 """
 
 import functools
-import logging
 
 from memories.search import embeddings
 from memories.search import index as search_index
 from memories.services import access, dashboard_stats, forget, idempotency, jobs, retention, summaries, turns
+from zeromem.kernel.tasks import TaskFailed, kept
 
-logger = logging.getLogger(__name__)
-
-
-class TaskFailed(Exception):
-    """A task's failure as django-q2 records it: the class name of what was raised."""
-
-
-def _kept(task):
-    """``task``, returning and raising only what django-q2 may keep (module docstring). A
-    ``SystemExit`` (django-q2's timeout) passes as it is: the worker acts on it."""
-
-    @functools.wraps(task)
-    def run(*args, **kwargs):
-        try:
-            return _counts_only(task(*args, **kwargs))
-        except Exception as exc:
-            logger.exception("task %s%r failed", task.__name__, args)
-            raise TaskFailed(f"{type(exc).__module__}.{type(exc).__name__} (details in the server log)") from None
-
-    return run
+__all__ = ["TaskFailed"]  # what a failed task raises (zeromem/kernel/tasks.py)
 
 
 def _counts_only(result):
@@ -51,6 +33,9 @@ def _counts_only(result):
     if isinstance(receipt, dict) and isinstance(receipt.get("summaries_rebuilt"), list):
         result["receipt"] = {**receipt, "summaries_rebuilt": len(receipt["summaries_rebuilt"])}
     return result
+
+
+_kept = functools.partial(kept, shape=_counts_only)
 
 
 @_kept

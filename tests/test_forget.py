@@ -634,6 +634,55 @@ def test_django_q2s_task_results_hold_no_key_or_value_of_a_forgotten_subject(
     assert Task.objects.get(func="memories.tasks.summarize_task").result["sources"] == 1
 
 
+def _every_task():
+    """The dotted path of every task the workers run: the schedules' and the enqueued ones."""
+    from zeromem.schedules import SCHEDULES
+
+    return sorted({path for path, _kind, _minutes in SCHEDULES.values()} | ENQUEUED_TASKS)
+
+
+ENQUEUED_TASKS = {"memories.tasks.summarize_task", "memories.tasks.forget_request_task"}
+
+
+@pytest.mark.parametrize("path", _every_task())
+def test_every_task_is_wrapped_so_django_q2_keeps_only_a_failures_class_name(path):
+    import importlib
+
+    from zeromem.kernel.tasks import kept
+
+    module_name, name = path.rsplit(".", 1)
+    task = getattr(importlib.import_module(module_name), name)
+    assert task.__code__ is kept(len).__code__, f"{path} is not wrapped by zeromem.kernel.tasks.kept"
+
+
+@pytest.mark.parametrize(
+    "module, service, task",
+    [
+        ("audit.services", "audit_seal_all", "audit.tasks.audit_seal_task"),
+        ("audit.partitions", "ensure_partitions", "audit.tasks.audit_partitions_task"),
+        ("memories.portal.tasks", "portal_links_purge", "memories.portal.tasks.portal_links_purge_task"),
+    ],
+)
+def test_an_audit_or_portal_task_failure_reaches_django_q2_as_its_class_name(module, service, task, monkeypatch):
+    """Only the memories tasks were wrapped: a failed audit or portal task's exception text —
+    a database error quotes the row it failed on — was kept in django-q2's Task table."""
+    import importlib
+
+    from django.db import DataError
+
+    from zeromem.kernel.tasks import TaskFailed
+
+    def failing(*args, **kwargs):
+        raise DataError(f'value too long: "user:u9:lang" = "{CANARY}"')
+
+    monkeypatch.setattr(importlib.import_module(module), service, failing)
+    module_name, name = task.rsplit(".", 1)
+    with pytest.raises(TaskFailed) as raised:
+        getattr(importlib.import_module(module_name), name)()
+    assert str(raised.value) == "django.db.utils.DataError (details in the server log)"
+    assert raised.value.__suppress_context__ and CANARY not in repr(raised.value)
+
+
 # --- refused requests ---------------------------------------------------------------------
 
 
