@@ -933,3 +933,71 @@ def test_a_body_refused_for_a_repeated_member_is_charged_as_the_sdks_refusals(se
     refused = [httpx2.post(server_limited, content=body, headers=headers, timeout=30) for _ in range(4)]
     assert [r.status_code for r in refused] == [400] * 4, [r.text for r in refused]
     assert _rate_limited(_rpc(server_limited, raw, "ping"))  # the four used the minute
+
+
+# --- the 2026-07-28 protocol (the SDK's single-exchange path) ---------------------------------
+
+MODERN = "2026-07-28"
+MODERN_META = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+def _modern_call(url: str, key: str, name: str, arguments: dict) -> httpx2.Response:
+    """A ``tools/call`` as a 2026-07-28 client sends it: no initialize, the envelope in
+    ``params._meta`` and the routing headers, which send it down the SDK's modern path."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+    body["params"] = {"_meta": MODERN_META, "name": name, "arguments": arguments}
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Authorization": f"Bearer {key}",
+        "MCP-Protocol-Version": MODERN,
+        "Mcp-Method": "tools/call",
+        "Mcp-Name": name,
+    }
+    return httpx2.post(url, json=body, headers=headers, timeout=30)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_2026_protocol_tools_call_is_charged_one_unit_as_the_others(server_limited):
+    # On the SDK's 2026-07-28 path a tools/call with arguments first ran the server's own
+    # tools/list (to check Mcp-Param headers against the tool's schema) through the server's
+    # middleware: each such call cost two units of the key's rate limit (10 calls: 20).
+    tenant = make_tenant("mcp-modern-charge")
+    _key, raw = make_key(tenant)
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:k", value="v")
+    _wait_for_a_minutes_start()
+    answered = [_modern_call(server_limited, raw, "memory_read", {"key": "user:u1:k"}) for _ in range(4)]
+    assert [r.status_code for r in answered] == [200] * 4, [r.text for r in answered]
+    assert [r.json()["result"]["structuredContent"]["value"] for r in answered] == ["v"] * 4
+    fifth = _modern_call(server_limited, raw, "memory_read", {"key": "user:u1:k"})
+    assert fifth.json()["result"]["structuredContent"]["error"]["code"] == "rate_limited", fifth.text
+
+
+# --- the request's id ----------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "request_id", [1.5, True, None, {"a": 1}, [1]], ids=["float", "bool", "null", "object", "list"]
+)
+@pytest.mark.parametrize("modern", [False, True], ids=["2025", "2026"])
+def test_a_request_whose_id_is_no_string_or_integer_is_refused_naming_id(server, request_id, modern):
+    # The SDK read {"id": 1.5, "method": "tools/call", ...} as a notification (its model
+    # ignores the id): 202 Accepted, nothing run, and the client waited for an answer that
+    # never came. MCP's ids are strings or integers.
+    tenant = make_tenant("mcp-bad-id")
+    _key, raw = make_key(tenant)
+    params = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "v"}}
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    if modern:
+        params["_meta"] = MODERN_META
+        headers.update({"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call", "Mcp-Name": "memory_write"})
+    body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+    r = httpx2.post(server, json=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.headers.get("x-request-id"), (r.status_code, r.text)
+    error = JSONRPCError.model_validate(r.json()).error
+    assert (error.code, error.data, r.json()["id"]) == (-32600, {"field": "id"}, None), r.text
+    assert "'id'" in error.message and len(error.message) <= 120, error.message
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
