@@ -1001,3 +1001,55 @@ def test_a_request_whose_id_is_no_string_or_integer_is_refused_naming_id(server,
     assert "'id'" in error.message and len(error.message) <= 120, error.message
     assert int(r.headers["content-length"]) == len(r.content)
     assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+
+
+# --- one caller's slow requests ----------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_requests_sending_their_body_slowly_make_no_other_tenant_wait(server):
+    # The router gave an /mcp request its turn at a request thread before the endpoint read
+    # the body: four requests whose body trickles in (two keys of one tenant, one address)
+    # held all four threads of the process, and another tenant's MCP and REST requests
+    # waited (> 8 s, for as long as the bodies took). REST's small bodies were read first.
+    import socket
+
+    slow_tenant, other = make_tenant("mcp-slow"), make_tenant("mcp-slow-other")
+    keys = [make_key(slow_tenant)[1] for _ in range(2)]
+    _key, other_raw = make_key(other)
+    host, port = server.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "ping", "params": {}}).encode()
+    slow = []
+    try:
+        for raw in keys * 2:
+            s = socket.create_connection((host, int(port)), timeout=30)
+            head = (
+                f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {raw}\r\n"
+                "Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            s.sendall(head.encode() + body[:5])
+            slow.append(s)
+        time.sleep(0.5)
+
+        async def session(client):
+            with anyio.fail_after(5):
+                return (await client.call_tool("memory_list", {})).structured_content["status"]
+
+        started = time.monotonic()
+        assert over_http(server, other_raw, session) == "ok"
+        rest = httpx2.get(
+            server.replace("/mcp", "/api/v1/memories/user:u1:k"),
+            headers={"Authorization": f"Bearer {other_raw}"},
+            timeout=5,
+        )
+        assert rest.status_code == 404 and time.monotonic() - started < 5
+        for s in slow:  # the slow requests are answered once their bodies are in
+            s.sendall(body[5:])
+        for s in slow:
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200") and b'"id":7' in answer, answer
+    finally:
+        for s in slow:
+            s.close()
