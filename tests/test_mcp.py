@@ -30,7 +30,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import JSONRPCError
 
 from audit.models import AuditEvent
-from audit.services import audit_refusals_flush
+from audit.services import audit_auth_failures_flush, audit_refusals_flush
 from memories import services, tools
 from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
 from memories.models import TokenUsageDay
@@ -1053,3 +1053,33 @@ def test_requests_sending_their_body_slowly_make_no_other_tenant_wait(server):
     finally:
         for s in slow:
             s.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_request_with_two_authorization_headers_is_refused_before_any_key_lookup(server):
+    # The SDK verified the first Authorization header while the router's fair share of request
+    # threads counted the request against the last one's key lookup: one key, sent with a
+    # second made-up header each time, was as many callers as it liked and could hold every
+    # thread of a process. REST refuses it (Django joins the two: no key) — and now so does /mcp.
+    tenant = make_tenant("mcp-two-auth")
+    _key, raw = make_key(tenant)
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+    body["params"] = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "v"}}
+    headers = [
+        ("Accept", "application/json, text/event-stream"),
+        ("Content-Type", "application/json"),
+        ("Authorization", f"Bearer {raw}"),
+        ("Authorization", "Bearer zm_madeup1_x"),
+    ]
+    r = httpx2.post(server, content=json.dumps(body), headers=headers, timeout=30)
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "malformed_credentials" and r.json()["error"]["field"] == "Authorization"
+    assert r.headers.get("x-request-id")
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+    assert not mcp_events(tenant)  # an unverified claim: no row in their log
+    assert audit_auth_failures_flush(now=time.time() + 120) == 1  # counted as failures without a key are
+    failed = AuditEvent.objects.get(tenant=None, action="auth.failed", surface="mcp")
+    assert (failed.count, failed.detail["code"]) == (1, "malformed_credentials")
+    one = httpx2.post(server, content=json.dumps(body), headers=headers[:3], timeout=30)
+    assert one.json()["result"]["structuredContent"]["status"] == "ok"

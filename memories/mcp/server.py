@@ -449,7 +449,11 @@ class McpEndpoint:
         }
         tracing.annotate(request_id=request.request_id)  # on the request's span, when tracing
         authorization = headers.get("authorization", "")
-        if not authorization.lower().startswith("bearer "):
+        # Two Authorization headers: the SDK verifies the first, the router's fair share of
+        # threads (caller_of) counts the last, so one key with a made-up second header each
+        # time was as many callers as it liked. Refused here, as REST refuses it (no key).
+        repeated = sum(1 for k, _v in scope.get("headers") or [] if k.lower() == b"authorization") > 1
+        if repeated or not authorization.lower().startswith("bearer "):
             # The SDK answers 401 without asking the verifier: audited (and throttled) here.
             code = "missing_credentials" if not authorization else "malformed_credentials"
             try:
@@ -468,6 +472,11 @@ class McpEndpoint:
                 pass  # not recorded; the SDK answers 401 all the same
         if request.throttled is not None:
             return await _throttled(send, request)
+        if repeated:
+            error = {"code": "malformed_credentials", "message": "send one Authorization header"}
+            error["field"] = "Authorization"
+            challenge = [(b"www-authenticate", b'Bearer error="invalid_request"')]
+            return await _send_json(send, 401, error, challenge, request.request_id)
         token = _current.set(request)
         request_id = request.request_id.encode()
         body: list[bytes] = []  # the request's body, kept to name the member of a refused message
