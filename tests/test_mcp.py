@@ -1083,3 +1083,41 @@ def test_a_request_with_two_authorization_headers_is_refused_before_any_key_look
     assert (failed.count, failed.detail["code"]) == (1, "malformed_credentials")
     one = httpx2.post(server, content=json.dumps(body), headers=headers[:3], timeout=30)
     assert one.json()["result"]["structuredContent"]["status"] == "ok"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("name", "arguments", "field"),
+    [
+        ("memory_write", '{"key": "user:u1:k\\ud800", "value": "v"}', "arguments.key"),
+        ("memory_write", '{"key": "user:u1:k", "value": {"a": ["ok", "\\udfff"]}}', "arguments.value.a.1"),
+        ("memory_write", '{"key": "user:u1:k", "value": "v", "tags": ["\\ud800"]}', "arguments.tags.0"),
+        ("memory_search", '{"query": "hello \\ud800"}', "arguments.query"),
+        ("memory_list", '{"prefix": "user:\\ud800"}', "arguments.prefix"),
+    ],
+    ids=["key", "nested-value", "tag", "query", "prefix"],
+)
+def test_a_lone_surrogate_on_the_2026_path_is_refused_as_on_rest(server, name, arguments, field):
+    # The 2025 path's parser (pydantic's) refuses "\ud800"; the 2026-07-28 path reads the body
+    # with Python's json, which takes it: a key with one was an "internal_error" (recording
+    # the refused key failed to encode it, a traceback in the log), a search ran with it.
+    # REST answers invalid_characters naming where: so does MCP now.
+    tenant = make_tenant("mcp-surrogate")
+    _key, raw = make_key(tenant)
+    meta = json.dumps(MODERN_META)
+    params = f'{{"_meta": {meta}, "name": "{name}", "arguments": {arguments}}}'
+    body = '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": ' + params + "}"
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {raw}",
+        "MCP-Protocol-Version": MODERN,
+        "Mcp-Method": "tools/call",
+        "Mcp-Name": name,
+    }
+    r = httpx2.post(server, content=body, headers=headers, timeout=30)
+    result = r.json()["result"]
+    assert result["isError"] and result["structuredContent"]["error"]["code"] == "invalid_characters", r.text
+    assert result["structuredContent"]["error"]["field"] == field
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys

@@ -192,6 +192,11 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
         if (where := non_finite_field(arguments)) is not None:  # refused, charged all the same
             message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
             return _error("malformed_json", message, field=where)
+        if (where := validation.lone_surrogate_path({"arguments": arguments})) is not None:
+            # The 2026-07-28 path parses with Python's json, which reads "\ud800" (the 2025
+            # path's parser refuses it): refused as REST's parser refuses it, naming where.
+            message = "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored"
+            return _error("invalid_characters", message, field=where)
         tenant = key.tenant
         if name not in tools.EXPENSIVE_TOOLS:
             return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
