@@ -966,6 +966,15 @@ def test_a_2026_protocol_tools_call_is_charged_one_unit_as_the_others(server_lim
     _key, raw = make_key(tenant)
     services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:k", value="v")
     _wait_for_a_minutes_start()
+    # The SDK's own client (mode "auto", its default) probes server/discover and then speaks
+    # 2026-07-28: its session is discover, a call, the tools/list it fetches after its first
+    # call, a call — four units (six before: the second call was over the minute's four).
+    _key, other = make_key(tenant)
+
+    async def session(client):
+        return [(await client.call_tool("memory_read", {"key": "user:u1:k"})).structured_content for _ in range(2)]
+
+    assert [r.get("value") for r in over_http(server_limited, other, session)] == ["v", "v"]
     answered = [_modern_call(server_limited, raw, "memory_read", {"key": "user:u1:k"}) for _ in range(4)]
     assert [r.status_code for r in answered] == [200] * 4, [r.text for r in answered]
     assert [r.json()["result"]["structuredContent"]["value"] for r in answered] == ["v"] * 4
