@@ -15,6 +15,7 @@ import functools
 import ipaddress
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -63,11 +64,17 @@ _SEAL_LOCK_NAMESPACE = 0x5A4D  # "ZM"
 SYSTEM_AUDIT_JOB = "audit"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _storable(value):
     """Refused input is recorded as sent (a key, an argument name), but PostgreSQL text and
-    jsonb cannot hold NUL: it is replaced, so recording the refusal cannot fail."""
+    jsonb cannot hold NUL, nor UTF-8 a lone surrogate (which a surface's JSON parser may hand
+    over: the MCP SDK's 2026-07-28 path, in-process adapters): each is replaced by U+FFFD, so
+    recording the refusal cannot fail."""
     if isinstance(value, str):
-        return value.replace("\x00", "\ufffd")
+        value = value.replace("\x00", "\ufffd")
+        return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
         return {_storable(k): _storable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -30,7 +30,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import JSONRPCError
 
 from audit.models import AuditEvent
-from audit.services import audit_refusals_flush
+from audit.services import audit_auth_failures_flush, audit_refusals_flush
 from memories import services, tools
 from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
 from memories.models import TokenUsageDay
@@ -933,3 +933,200 @@ def test_a_body_refused_for_a_repeated_member_is_charged_as_the_sdks_refusals(se
     refused = [httpx2.post(server_limited, content=body, headers=headers, timeout=30) for _ in range(4)]
     assert [r.status_code for r in refused] == [400] * 4, [r.text for r in refused]
     assert _rate_limited(_rpc(server_limited, raw, "ping"))  # the four used the minute
+
+
+# --- the 2026-07-28 protocol (the SDK's single-exchange path) ---------------------------------
+
+MODERN = "2026-07-28"
+MODERN_META = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+def _modern_call(url: str, key: str, name: str, arguments: dict) -> httpx2.Response:
+    """A ``tools/call`` as a 2026-07-28 client sends it: no initialize, the envelope in
+    ``params._meta`` and the routing headers, which send it down the SDK's modern path."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+    body["params"] = {"_meta": MODERN_META, "name": name, "arguments": arguments}
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Authorization": f"Bearer {key}",
+        "MCP-Protocol-Version": MODERN,
+        "Mcp-Method": "tools/call",
+        "Mcp-Name": name,
+    }
+    return httpx2.post(url, json=body, headers=headers, timeout=30)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_2026_protocol_tools_call_is_charged_one_unit_as_the_others(server_limited):
+    # On the SDK's 2026-07-28 path a tools/call with arguments first ran the server's own
+    # tools/list (to check Mcp-Param headers against the tool's schema) through the server's
+    # middleware: each such call cost two units of the key's rate limit (10 calls: 20).
+    tenant = make_tenant("mcp-modern-charge")
+    _key, raw = make_key(tenant)
+    services.memory_write(tenant=tenant, actor=SYSTEM, key="user:u1:k", value="v")
+    _wait_for_a_minutes_start()
+    # The SDK's own client (mode "auto", its default) probes server/discover and then speaks
+    # 2026-07-28: its session is discover, a call, the tools/list it fetches after its first
+    # call, a call — four units (six before: the second call was over the minute's four).
+    _key, other = make_key(tenant)
+
+    async def session(client):
+        return [(await client.call_tool("memory_read", {"key": "user:u1:k"})).structured_content for _ in range(2)]
+
+    assert [r.get("value") for r in over_http(server_limited, other, session)] == ["v", "v"]
+    answered = [_modern_call(server_limited, raw, "memory_read", {"key": "user:u1:k"}) for _ in range(4)]
+    assert [r.status_code for r in answered] == [200] * 4, [r.text for r in answered]
+    assert [r.json()["result"]["structuredContent"]["value"] for r in answered] == ["v"] * 4
+    fifth = _modern_call(server_limited, raw, "memory_read", {"key": "user:u1:k"})
+    assert fifth.json()["result"]["structuredContent"]["error"]["code"] == "rate_limited", fifth.text
+
+
+# --- the request's id ----------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "request_id", [1.5, True, None, {"a": 1}, [1]], ids=["float", "bool", "null", "object", "list"]
+)
+@pytest.mark.parametrize("modern", [False, True], ids=["2025", "2026"])
+def test_a_request_whose_id_is_no_string_or_integer_is_refused_naming_id(server, request_id, modern):
+    # The SDK read {"id": 1.5, "method": "tools/call", ...} as a notification (its model
+    # ignores the id): 202 Accepted, nothing run, and the client waited for an answer that
+    # never came. MCP's ids are strings or integers.
+    tenant = make_tenant("mcp-bad-id")
+    _key, raw = make_key(tenant)
+    params = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "v"}}
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    if modern:
+        params["_meta"] = MODERN_META
+        headers.update({"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call", "Mcp-Name": "memory_write"})
+    body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+    r = httpx2.post(server, json=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.headers.get("x-request-id"), (r.status_code, r.text)
+    error = JSONRPCError.model_validate(r.json()).error
+    assert (error.code, error.data, r.json()["id"]) == (-32600, {"field": "id"}, None), r.text
+    assert "'id'" in error.message and len(error.message) <= 120, error.message
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+
+
+# --- one caller's slow requests ----------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_requests_sending_their_body_slowly_make_no_other_tenant_wait(server):
+    # The router gave an /mcp request its turn at a request thread before the endpoint read
+    # the body: four requests whose body trickles in (two keys of one tenant, one address)
+    # held all four threads of the process, and another tenant's MCP and REST requests
+    # waited (> 8 s, for as long as the bodies took). REST's small bodies were read first.
+    import socket
+
+    slow_tenant, other = make_tenant("mcp-slow"), make_tenant("mcp-slow-other")
+    keys = [make_key(slow_tenant)[1] for _ in range(2)]
+    _key, other_raw = make_key(other)
+    host, port = server.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "ping", "params": {}}).encode()
+    slow = []
+    try:
+        for raw in keys * 2:
+            s = socket.create_connection((host, int(port)), timeout=30)
+            head = (
+                f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {raw}\r\n"
+                "Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            s.sendall(head.encode() + body[:5])
+            slow.append(s)
+        time.sleep(0.5)
+
+        async def session(client):
+            with anyio.fail_after(5):
+                return (await client.call_tool("memory_list", {})).structured_content["status"]
+
+        started = time.monotonic()
+        assert over_http(server, other_raw, session) == "ok"
+        rest = httpx2.get(
+            server.replace("/mcp", "/api/v1/memories/user:u1:k"),
+            headers={"Authorization": f"Bearer {other_raw}"},
+            timeout=5,
+        )
+        assert rest.status_code == 404 and time.monotonic() - started < 5
+        for s in slow:  # the slow requests are answered once their bodies are in
+            s.sendall(body[5:])
+        for s in slow:
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200") and b'"id":7' in answer, answer
+    finally:
+        for s in slow:
+            s.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_request_with_two_authorization_headers_is_refused_before_any_key_lookup(server):
+    # The SDK verified the first Authorization header while the router's fair share of request
+    # threads counted the request against the last one's key lookup: one key, sent with a
+    # second made-up header each time, was as many callers as it liked and could hold every
+    # thread of a process. REST refuses it (Django joins the two: no key) — and now so does /mcp.
+    tenant = make_tenant("mcp-two-auth")
+    _key, raw = make_key(tenant)
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+    body["params"] = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "v"}}
+    headers = [
+        ("Accept", "application/json, text/event-stream"),
+        ("Content-Type", "application/json"),
+        ("Authorization", f"Bearer {raw}"),
+        ("Authorization", "Bearer zm_madeup1_x"),
+    ]
+    r = httpx2.post(server, content=json.dumps(body), headers=headers, timeout=30)
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "malformed_credentials" and r.json()["error"]["field"] == "Authorization"
+    assert r.headers.get("x-request-id")
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+    assert not mcp_events(tenant)  # an unverified claim: no row in their log
+    assert audit_auth_failures_flush(now=time.time() + 120) == 1  # counted as failures without a key are
+    failed = AuditEvent.objects.get(tenant=None, action="auth.failed", surface="mcp")
+    assert (failed.count, failed.detail["code"]) == (1, "malformed_credentials")
+    one = httpx2.post(server, content=json.dumps(body), headers=headers[:3], timeout=30)
+    assert one.json()["result"]["structuredContent"]["status"] == "ok"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("name", "arguments", "field"),
+    [
+        ("memory_write", '{"key": "user:u1:k\\ud800", "value": "v"}', "arguments.key"),
+        ("memory_write", '{"key": "user:u1:k", "value": {"a": ["ok", "\\udfff"]}}', "arguments.value.a.1"),
+        ("memory_write", '{"key": "user:u1:k", "value": "v", "tags": ["\\ud800"]}', "arguments.tags.0"),
+        ("memory_search", '{"query": "hello \\ud800"}', "arguments.query"),
+        ("memory_list", '{"prefix": "user:\\ud800"}', "arguments.prefix"),
+    ],
+    ids=["key", "nested-value", "tag", "query", "prefix"],
+)
+def test_a_lone_surrogate_on_the_2026_path_is_refused_as_on_rest(server, name, arguments, field):
+    # The 2025 path's parser (pydantic's) refuses "\ud800"; the 2026-07-28 path reads the body
+    # with Python's json, which takes it: a key with one was an "internal_error" (recording
+    # the refused key failed to encode it, a traceback in the log), a search ran with it.
+    # REST answers invalid_characters naming where: so does MCP now.
+    tenant = make_tenant("mcp-surrogate")
+    _key, raw = make_key(tenant)
+    meta = json.dumps(MODERN_META)
+    params = f'{{"_meta": {meta}, "name": "{name}", "arguments": {arguments}}}'
+    body = '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": ' + params + "}"
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {raw}",
+        "MCP-Protocol-Version": MODERN,
+        "Mcp-Method": "tools/call",
+        "Mcp-Name": name,
+    }
+    r = httpx2.post(server, content=body, headers=headers, timeout=30)
+    result = r.json()["result"]
+    assert result["isError"] and result["structuredContent"]["error"]["code"] == "invalid_characters", r.text
+    assert result["structuredContent"]["error"]["field"] == field
+    assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys

@@ -599,3 +599,33 @@ def test_large_finite_numbers_are_kept(api):
     r = api.post(CALL, raw=raw)
     assert r.status_code == 200, r.content
     assert [float(n) for n in api.call("memory_read", key="user:u1:x")[1]["value"]] == [1e308, 0.0, 1e308]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("tool", "arguments", "field"),
+    [
+        ("memory_write", {"key": "user:u1:\ud800", "value": "v"}, "key"),
+        ("memory_read", {"key": "user:\udfff"}, "key"),
+        ("memory_delete", {"key": "user:\udfff"}, "key"),
+        ("memory_list", {"prefix": "user:\ud800"}, "prefix"),
+        ("memory_search", {"query": "hello \ud800"}, "query"),
+    ],
+    ids=["write-key", "read-key", "delete-key", "list-prefix", "search-query"],
+)
+def test_a_lone_surrogate_handed_to_a_service_is_refused_naming_the_field_and_recorded(tool, arguments, field):
+    # The services are handed Python values by surfaces whose JSON parser reads "\ud800" (the
+    # MCP SDK's 2026-07-28 path, in-process adapters): recording the refused key in the audit
+    # log failed to encode it (UnicodeEncodeError: an MCP "internal_error" with a traceback in
+    # the log; a 500 elsewhere), and a search ran with it (its semantic half skipped).
+    from audit.models import AuditEvent
+    from memories import tools
+    from tests.factories import SYSTEM, make_tenant
+
+    tenant = make_tenant("surrogate-service")
+    events = AuditEvent.objects.filter(tenant=tenant).count()
+    answer = tools.tool_call(tenant=tenant, actor=SYSTEM, call={"name": tool, "arguments": arguments})
+    assert answer.http_status == 400 and answer.result["error"]["field"] == field, answer.result
+    assert not Memory.objects.filter(tenant=tenant).exists()
+    if tool != "memory_search":  # a refused write, read, list or delete is in the log
+        assert AuditEvent.objects.filter(tenant=tenant).count() == events + 1

@@ -36,7 +36,7 @@ tracing.setup()
 from django.conf import settings  # noqa: E402
 
 from zeromem.kit.fair_threads import FairThreads, caller_of  # noqa: E402
-from zeromem.kit.wsgi_bridge import PREREAD_BYTES, WsgiBridge  # noqa: E402
+from zeromem.kit.wsgi_bridge import PREREAD_BYTES, WsgiBridge, preread, replayed  # noqa: E402
 from zeromem.serving import threads_per_caller, web_threads  # noqa: E402
 
 
@@ -128,6 +128,7 @@ class Router:
         # tool's are its children); the endpoint itself when off.
         self.mcp_app = tracing.wrap_asgi(mcp_endpoint)
         self.prefix = mcp_endpoint_path()
+        self.mcp_preread = min(PREREAD_BYTES, settings.ZEROMEM_MAX_BODY_BYTES)
 
     async def __call__(self, scope, receive, send):
         kind = scope["type"]
@@ -146,6 +147,13 @@ class Router:
             body = await app.preread(scope, receive)
             async with self.threads.thread(caller_of(scope)):
                 return await app.respond(scope, receive, send, body)
+        if app is self.mcp_app:
+            # So is an /mcp request's: the SDK reads it on this event loop, after the request
+            # took its turn, so four requests whose body trickled in held every thread of the
+            # process and other callers waited for as long as those bodies took.
+            body = await preread(scope, receive, self.mcp_preread)
+            if body is not None:
+                receive = replayed(body, receive)
         async with self.threads.thread(caller_of(scope)):
             return await app(scope, receive, send)
 

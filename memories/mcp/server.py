@@ -51,7 +51,7 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
-from mcp_types.jsonrpc import INTERNAL_ERROR, METHOD_NOT_FOUND, PARSE_ERROR
+from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
 from pydantic import ConfigDict, ValidationError
 
 from audit import limits
@@ -94,7 +94,7 @@ class _Request:
     rate_limited: int | None = None  # Retry-After, when the key was over its rate limit
     key: ApiKey | None = None  # the verified key
     charged: bool = False  # a unit of the key's rate limit was taken for this HTTP request
-    repeated: tuple[str, str] | None = None  # (path, name) of a member the body names twice
+    refused: BodyRefusal | None = None  # a body refused before the SDK parses it (_body_refusal)
 
 
 _current: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("zeromem_mcp_request", default=None)
@@ -192,6 +192,11 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
         if (where := non_finite_field(arguments)) is not None:  # refused, charged all the same
             message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
             return _error("malformed_json", message, field=where)
+        if (where := validation.lone_surrogate_path({"arguments": arguments})) is not None:
+            # The 2026-07-28 path parses with Python's json, which reads "\ud800" (the 2025
+            # path's parser refuses it): refused as REST's parser refuses it, naming where.
+            message = "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored"
+            return _error("invalid_characters", message, field=where)
         tenant = key.tenant
         if name not in tools.EXPENSIVE_TOOLS:
             return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
@@ -378,6 +383,15 @@ def transport_security(allowed_hosts: list[str]) -> tuple[TransportSecuritySetti
     return TransportSecuritySettings(allowed_hosts=hosts, allowed_origins=origins), False
 
 
+def tool_input_schema(name: str) -> dict | None:
+    """The SDK's ``get_tool_input_schema`` hook: the tool's MCP ``inputSchema`` (None for no
+    such tool). Without it the SDK's 2026-07-28 path ran ``tools/list`` through the server's
+    middleware before each ``tools/call`` with arguments (to check its ``Mcp-Param-*``
+    headers), which charged the call a second unit of the key's rate limit."""
+    tool = tools.TOOLS.get(name)
+    return tool.mcp()["inputSchema"] if tool is not None else None
+
+
 def build_server() -> Server:
     server = Server(
         SERVER_NAME,
@@ -386,6 +400,7 @@ def build_server() -> Server:
         instructions=INSTRUCTIONS,
         on_list_tools=list_tools,
         on_call_tool=call_tool,
+        get_tool_input_schema=tool_input_schema,
     )
     server.middleware.append(ShortMethodNames())  # inside the SDK's tracing middleware
     server.middleware.append(RateLimit())
@@ -439,7 +454,11 @@ class McpEndpoint:
         }
         tracing.annotate(request_id=request.request_id)  # on the request's span, when tracing
         authorization = headers.get("authorization", "")
-        if not authorization.lower().startswith("bearer "):
+        # Two Authorization headers: the SDK verifies the first, the router's fair share of
+        # threads (caller_of) counts the last, so one key with a made-up second header each
+        # time was as many callers as it liked. Refused here, as REST refuses it (no key).
+        repeated = sum(1 for k, _v in scope.get("headers") or [] if k.lower() == b"authorization") > 1
+        if repeated or not authorization.lower().startswith("bearer "):
             # The SDK answers 401 without asking the verifier: audited (and throttled) here.
             code = "missing_credentials" if not authorization else "malformed_credentials"
             try:
@@ -458,6 +477,11 @@ class McpEndpoint:
                 pass  # not recorded; the SDK answers 401 all the same
         if request.throttled is not None:
             return await _throttled(send, request)
+        if repeated:
+            error = {"code": "malformed_credentials", "message": "send one Authorization header"}
+            error["field"] = "Authorization"
+            challenge = [(b"www-authenticate", b'Bearer error="invalid_request"')]
+            return await _send_json(send, 401, error, challenge, request.request_id)
         token = _current.set(request)
         request_id = request.request_id.encode()
         body: list[bytes] = []  # the request's body, kept to name the member of a refused message
@@ -467,12 +491,12 @@ class McpEndpoint:
             if message["type"] == "http.request":
                 body.append(message.get("body", b""))
                 if not message.get("more_body"):
-                    request.repeated = await _repeated_member(b"".join(body))
-                    if request.repeated is not None:
+                    request.refused = await _body_refusal(b"".join(body))
+                    if request.refused is not None:
                         # A body that does not parse (its last byte a NUL, its length kept for
                         # the SDK's body cap): the SDK answers its own 400 -32700 Parse error,
                         # charged as its other refusals, and runs nothing; that answer is
-                        # rewritten below to name the member.
+                        # rewritten below to say why and name the member.
                         last = message.get("body", b"")
                         message = {**message, "body": last[:-1] + b"\x00" if last else b"\x00"}
             return message
@@ -512,8 +536,8 @@ class McpEndpoint:
             elif held is not None:
                 start, held = held, None
                 if message["type"] == "http.response.body" and not message.get("more_body"):
-                    if request.repeated is not None:
-                        start, message = repeated_refusal(start, message, *request.repeated)
+                    if request.refused is not None:
+                        start, message = body_refusal(start, message, request.refused)
                     else:
                         start, message = short_refusal(start, message, b"".join(body))
                 await send(start)
@@ -574,23 +598,52 @@ def short_refusal(start: dict, message: dict, request_body: bytes) -> tuple[dict
     return {**start, "headers": headers}, {**message, "body": body}
 
 
-# A body past this is checked for a repeated member in a worker thread (a megabyte of small
-# objects takes ~10 ms to parse), not on the event loop.
+# A body past this is checked (a repeated member, the id) in a worker thread (a megabyte of
+# small objects takes ~10 ms to parse), not on the event loop.
 REPEAT_CHECK_INLINE_BYTES = 64 * 1024
 
 
-async def _repeated_member(request_body: bytes) -> tuple[str, str] | None:
-    """(path, name) of a member a JSON object of the body names twice — ``("params.name",
-    "name")`` — else None (a body that does not parse is the SDK's to refuse). The SDK's parser
-    (pydantic's) keeps the last value; a proxy, WAF or audit of the raw body may read the first."""
+@dataclass(frozen=True)
+class BodyRefusal:
+    """Why the endpoint refuses a body before the SDK parses it: the JSON-RPC error's code,
+    message, and the member it names (its ``data.field``)."""
+
+    code: int
+    message: str
+    field: str
+
+
+def _bad_id(message: Any) -> bool:
+    """Whether ``message`` is a request (it has a ``method``) whose ``id`` is there but is no
+    string or integer. The SDK's models read ``{"id": 1.5, "method": …}`` (or ``null``,
+    ``true``, an object, a list) as a notification: accepted ``202``, nothing run, and the
+    client waits for an answer that never comes. MCP's ids are strings or integers."""
+    if not isinstance(message, dict) or "method" not in message or "id" not in message:
+        return False
+    value = message["id"]
+    return not isinstance(value, str) and (not isinstance(value, int) or isinstance(value, bool))
+
+
+async def _body_refusal(request_body: bytes) -> BodyRefusal | None:
+    """Why the body is refused before the SDK reads it, else None (a body that does not parse
+    is the SDK's to refuse):
+
+    - an object names a member twice (``params.name``): the SDK's parser (pydantic's) keeps
+      the last value; a proxy, WAF or audit of the raw body may read the first. A Parse error.
+    - a request whose ``id`` is no string or integer (:func:`_bad_id`): an Invalid Request
+      naming ``id``."""
 
     def check():
         try:
-            validation.loads_unique(request_body)
+            parsed = validation.loads_unique(request_body)
         except validation.DuplicateKey as exc:
-            return validation.duplicate_key_field(request_body) or exc.name[:64], exc.name
+            field = validation.duplicate_key_field(request_body) or exc.name[:64]
+            said = f"Parse error: an object names {exc.name[:64]!r} twice ({field}); each name may appear once"
+            return BodyRefusal(PARSE_ERROR, said[:160], field)
         except (ValueError, RecursionError):
             return None
+        if _bad_id(parsed):
+            return BodyRefusal(INVALID_REQUEST, "Invalid Request: 'id' must be a string or an integer", "id")
         return None
 
     if len(request_body) <= REPEAT_CHECK_INLINE_BYTES:
@@ -598,9 +651,9 @@ async def _repeated_member(request_body: bytes) -> tuple[str, str] | None:
     return await _in_thread(check)
 
 
-def repeated_refusal(start: dict, message: dict, field: str, name: str) -> tuple[dict, dict]:
-    """The SDK's 400 Parse error (``-32700``, id null) for a body whose member ``field`` is
-    named twice, with a message naming it and ``{"field": field}`` as its ``data`` (as
+def body_refusal(start: dict, message: dict, refusal: BodyRefusal) -> tuple[dict, dict]:
+    """The SDK's 400 Parse error (``-32700``, id null) for a body :func:`_body_refusal`
+    refused, with its code and message instead and ``{"field": …}`` as its ``data`` (as
     :func:`short_refusal`'s). Any other answer as it was."""
     try:
         answer = json.loads(message.get("body", b""))
@@ -609,8 +662,8 @@ def repeated_refusal(start: dict, message: dict, field: str, name: str) -> tuple
             return start, message
     except (ValueError, KeyError, TypeError, AttributeError):
         return start, message
-    said = f"Parse error: an object names {name[:64]!r} twice ({field}); each name may appear once"
-    answer["error"] = {**error, "message": said[:160], "data": {"field": field}}
+    answer["error"] = {**error, "code": refusal.code, "message": refusal.message, "data": {"field": refusal.field}}
+    answer["id"] = None
     body = json.dumps(answer, separators=(",", ":")).encode()
     headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
     headers.append((b"content-length", str(len(body)).encode()))

@@ -192,8 +192,19 @@ def lone_surrogate_field(text: str, data) -> str | None:
     its containers (:func:`dotted_path`)."""
     if not _SURROGATE_ESCAPE.search(text) and (text.isascii() or not _SURROGATE.search(text)):
         return None  # (a body in a charset such as UTF-7 can hold one unescaped)
+    return lone_surrogate_path(data)
+
+
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
+def lone_surrogate_path(data) -> str | None:
+    """:func:`lone_surrogate_field` for ``data`` already parsed, whatever text it came from
+    (the MCP SDK hands over a call's arguments parsed): walks every string, an ASCII one at no
+    cost."""
     if isinstance(data, str):
-        return "body" if _SURROGATE.search(data) else None
+        return "body" if _has_surrogate(data) else None
     stack: list[tuple[object, tuple | None]] = [(data, None)]
     while stack:
         item, trail = stack.pop()
@@ -204,10 +215,10 @@ def lone_surrogate_field(text: str, data) -> str | None:
         else:
             continue
         for name, child in children:
-            if isinstance(name, str) and _SURROGATE.search(name):
+            if isinstance(name, str) and _has_surrogate(name):
                 return dotted_path(trail) or "body"
             if isinstance(child, str):
-                if _SURROGATE.search(child):
+                if _has_surrogate(child):
                     return dotted_path((name, trail))
             elif isinstance(child, dict | list):
                 stack.append((child, (name, trail)))
@@ -526,6 +537,12 @@ def query(raw, field: str = "query", *, required: bool = True) -> str:
         raise InvalidInput(f"must be at most {QUERY_MAX_LEN} characters", field=field, code="too_long")
     if "\x00" in raw:
         raise InvalidInput("must not contain NUL characters", field=field, code="invalid_characters")
+    if _has_surrogate(raw):  # handed over as Python: no parser refused it
+        raise InvalidInput(
+            "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored",
+            field=field,
+            code="invalid_characters",
+        )
     return raw
 
 

@@ -88,29 +88,49 @@ class WsgiBridge:
         """The request body when it declares a length up to ``preread_bytes`` (or has none to
         declare); None when it is to stream to the app as it arrives. The router calls it before
         the request waits for a thread: a client sending its body slowly holds no thread."""
-        declared = None
-        for name, value in scope.get("headers") or ():
-            if name == b"content-length":
-                if declared is not None or not value.isdigit():  # bytes.isdigit(): ASCII digits only
-                    return None
-                declared = int(value)
-            elif name == b"transfer-encoding":
+        return await preread(scope, receive, self.preread_bytes)
+
+
+async def preread(scope, receive, limit: int) -> bytes | None:
+    """An HTTP request's body when it declares a length up to ``limit`` (or has none to declare:
+    a GET's empty body); None when it is to stream to the app as it arrives. What came before
+    the client went away, if it did."""
+    declared = None
+    for name, value in scope.get("headers") or ():
+        if name == b"content-length":
+            if declared is not None or not value.isdigit():  # bytes.isdigit(): ASCII digits only
                 return None
-        if declared is None:
-            return b"" if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS") else None
-        if declared > self.preread_bytes:
+            declared = int(value)
+        elif name == b"transfer-encoding":
             return None
-        chunks, received = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: what came is the body
-                break
-            chunk = message.get("body", b"")
-            chunks.append(chunk)
-            received += len(chunk)
-            if not message.get("more_body", False) or received >= declared:
-                break
-        return b"".join(chunks)
+    if declared is None:
+        return b"" if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS") else None
+    if declared > limit:
+        return None
+    chunks, received = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away: what came is the body
+            break
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        received += len(chunk)
+        if not message.get("more_body", False) or received >= declared:
+            break
+    return b"".join(chunks)
+
+
+def replayed(body: bytes, receive):
+    """``receive`` for an app whose request body :func:`preread` has read already: that body
+    as one message, then what the client sends next (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive_replayed():
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return receive_replayed
 
 
 class _Response:
