@@ -988,13 +988,17 @@ def test_a_2026_protocol_tools_call_is_charged_one_unit_as_the_others(server_lim
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
-    "request_id", [1.5, True, None, {"a": 1}, [1]], ids=["float", "bool", "null", "object", "list"]
+    "request_id",
+    [1.5, True, None, {"a": 1}, [1], "i" * 257, 2**63, -(2**63) - 1],
+    ids=["float", "bool", "null", "object", "list", "long-string", "past-64-bits", "below-64-bits"],
 )
 @pytest.mark.parametrize("modern", [False, True], ids=["2025", "2026"])
 def test_a_request_whose_id_is_no_string_or_integer_is_refused_naming_id(server, request_id, modern):
     # The SDK read {"id": 1.5, "method": "tools/call", ...} as a notification (its model
     # ignores the id): 202 Accepted, nothing run, and the client waited for an answer that
-    # never came. MCP's ids are strings or integers.
+    # never came. MCP's ids are strings or integers. And every answer echoes the id: a
+    # megabyte string id, or a 4,000-digit number, came back whole (now at most 256
+    # characters, 64 bits).
     tenant = make_tenant("mcp-bad-id")
     _key, raw = make_key(tenant)
     params = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "v"}}
@@ -1010,6 +1014,20 @@ def test_a_request_whose_id_is_no_string_or_integer_is_refused_naming_id(server,
     assert "'id'" in error.message and len(error.message) <= 120, error.message
     assert int(r.headers["content-length"]) == len(r.content)
     assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("request_id", ["i" * 256, 2**63 - 1, -(2**63)], ids=["256-chars", "max-int", "min-int"])
+def test_a_request_id_at_its_bounds_is_answered_and_echoed(server, request_id):
+    tenant = make_tenant("mcp-id-bounds")
+    _key, raw = make_key(tenant)
+    headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {raw}"}
+    params = {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": "v"}}
+    body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params}
+    r = httpx2.post(server, json=body, headers=headers, timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == request_id, r.text
+    assert services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys == ["user:u1:k"]
 
 
 # --- one caller's slow requests ----------------------------------------------------------------

@@ -613,15 +613,23 @@ class BodyRefusal:
     field: str
 
 
+# The longest string id, and integer ids as 64-bit integers: every answer echoes the id, so
+# an unbounded one (a megabyte string, a 4,000-digit number) was sent back whole with it.
+ID_MAX_CHARS = 256
+
+
 def _bad_id(message: Any) -> bool:
     """Whether ``message`` is a request (it has a ``method``) whose ``id`` is there but is no
-    string or integer. The SDK's models read ``{"id": 1.5, "method": …}`` (or ``null``,
-    ``true``, an object, a list) as a notification: accepted ``202``, nothing run, and the
-    client waits for an answer that never comes. MCP's ids are strings or integers."""
+    string of at most ``ID_MAX_CHARS`` characters or 64-bit integer. The SDK's models read
+    ``{"id": 1.5, "method": …}`` (or ``null``, ``true``, an object, a list) as a
+    notification: accepted ``202``, nothing run, and the client waits for an answer that never
+    comes. MCP's ids are strings or integers."""
     if not isinstance(message, dict) or "method" not in message or "id" not in message:
         return False
     value = message["id"]
-    return not isinstance(value, str) and (not isinstance(value, int) or isinstance(value, bool))
+    if isinstance(value, str):
+        return len(value) > ID_MAX_CHARS
+    return not isinstance(value, int) or isinstance(value, bool) or not -(2**63) <= value < 2**63
 
 
 async def _body_refusal(request_body: bytes) -> BodyRefusal | None:
@@ -643,7 +651,11 @@ async def _body_refusal(request_body: bytes) -> BodyRefusal | None:
         except (ValueError, RecursionError):
             return None
         if _bad_id(parsed):
-            return BodyRefusal(INVALID_REQUEST, "Invalid Request: 'id' must be a string or an integer", "id")
+            return BodyRefusal(
+                INVALID_REQUEST,
+                f"Invalid Request: 'id' must be a string of at most {ID_MAX_CHARS} characters or a 64-bit integer",
+                "id",
+            )
         return None
 
     if len(request_body) <= REPEAT_CHECK_INLINE_BYTES:
