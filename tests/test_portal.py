@@ -413,6 +413,38 @@ def test_the_admin_finds_an_end_users_portal_links_by_the_whole_subject_through_
     assert listing and all("UPPER(" not in sql for sql in listing), listing
 
 
+def test_reading_the_admins_portal_link_list_is_audited_in_each_tenant_it_shows(api, api_b, seeded, tenant_a, tenant_b):
+    # The list names end users (subject), when each was sent a link and opened the portal; its
+    # search finds whether one end user ever was. Both were read without an audit event (the
+    # forget queue's page and search record forget.list).
+    issue(api, subject="u1")
+    issue(api, subject="u1")
+    issue(api, subject="u2")
+    issue(api_b, subject="u1")
+    viewer = make_staff(tenant_a, "viewer")
+    client = logged_in(viewer)
+    readings = AuditEvent.objects.filter(action="portal.list").order_by("pk")
+
+    assert client.get("/admin/portal/portallink/?q=u1").status_code == 200
+    assert client.get("/admin/portal/portallink/").status_code == 200
+    assert client.get("/admin/portal/portallink/?q=nobody").status_code == 200
+    got = [(e.tenant_id, e.actor_kind, e.actor_id, e.surface, e.subject, e.count, e.outcome) for e in readings]
+    assert got == [
+        (tenant_a.pk, "staff", str(viewer.pk), "admin", "u1", 2, "ok"),
+        (tenant_a.pk, "staff", str(viewer.pk), "admin", "", 3, "ok"),
+        (tenant_a.pk, "staff", str(viewer.pk), "admin", "nobody", 0, "ok"),
+    ]
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action="portal.list").exists()
+    # A withdrawal (a POST answered by a redirect) records its own portal.revoke, no reading.
+    withdraw = {
+        "action": "withdraw",
+        "_selected_action": [str(PortalLink.objects.filter(tenant=tenant_a).first().pk)],
+        "index": "0",
+    }
+    logged_in(make_staff(tenant_a, "support")).post("/admin/portal/portallink/", withdraw)
+    assert readings.count() == 3
+
+
 def test_log_lines_of_portal_paths_carry_no_token(api, seeded, caplog):
     """Django's 4xx line and the server's access-log record (granian hands the path as an
     argument) are written without the token."""

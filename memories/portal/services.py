@@ -41,6 +41,7 @@ from audit.services import AuthThrottled, audited_operation
 from memories.models import Tenant
 from memories.portal.models import PortalLink
 from memories.services.subjects import _validated_subject
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden
 from zeromem.kernel.outcomes import Outcome
@@ -151,6 +152,15 @@ def portal_session_link(*, link_id: Any, count: bool = True) -> PortalLink | Non
         if pages.count > settings.ZEROMEM_PORTAL_PAGES_PER_MINUTE:
             raise AuthThrottled(pages.retry_after)
     return link
+
+
+def portal_links_viewed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:
+    """Record a page of the admin's portal-link list showing ``count`` of ``tenant``'s links
+    (which end users were sent a link, when, whether they opened it), as ``portal.list``; a
+    search by an end user's whole subject goes in the event's own (redactable) ``subject``,
+    as :func:`memories.services.forget.forget_queue_viewed` records the forget queue's."""
+    with audited_operation(tenant=tenant, actor=actor, action="portal.list") as op:
+        op.record(subject=search[: validation.SUBJECT_MAX_LEN] if isinstance(search, str) else "", count=count)
 
 
 def portal_sign_out(*, link: PortalLink, actor: Actor) -> None:
