@@ -919,6 +919,22 @@ def test_searches_key_tree_walks_and_dashboards_are_audited_without_the_search_w
     assert not any("Klingon" in str(e.__dict__) for e in AuditEvent.objects.all())
 
 
+def test_filtering_the_memory_list_by_an_end_user_or_a_tag_is_audited_as_a_search(tenant_a, tenant_b, staff_clients):
+    # ?subject=u1 lists every memory of one end user (keys, categories, when written), ?tag= the
+    # memories a tag marks: both read without an event while a search or key-tree walk is one.
+    write(tenant_a, "user:u1:pref_lang", "Klingon spoken at home")
+    user, client = staff_clients["viewer"]
+    response = client.get("/admin/memories/memory/", {"subject": "u1"})
+    assert [m.key for m in response.context["cl"].result_list] == ["user:u1:pref_lang"]
+    assert client.get("/admin/memories/memory/", {"tag": "vip", "tenant": tenant_a.pk}).status_code == 200
+    browse = AuditEvent.objects.filter(action="memory.browse").order_by("pk")
+    got = [(e.tenant_id, e.actor_kind, e.actor_id, e.surface, e.target, e.subject, e.detail) for e in browse]
+    assert got == [
+        (tenant_a.pk, "staff", str(user.pk), "admin", "", "u1", {}),
+        (tenant_a.pk, "staff", str(user.pk), "admin", "", "", {"tag_chars": 3}),
+    ]
+
+
 @pytest.mark.parametrize("query", [{"q": "Klingon"}, {"prefix": "user:u1:"}])
 def test_a_search_over_more_tenants_than_it_may_cover_asks_for_a_tenant_and_records_nothing(
     transactional_db, tenant_a, superuser_client, query

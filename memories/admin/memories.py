@@ -311,7 +311,10 @@ class MemoryAdmin(TenantScopedAdmin):
         # instead, and shows and records nothing.
         search = request.GET.get("q", "")
         prefix = request.GET.get(KeyTreeFilter.parameter_name, "")
-        if request.method == "GET" and (search or prefix):
+        # A filter by an end user (every memory of theirs) or a tag narrows the list as a search does.
+        subject = request.GET.get(SubjectFilter.parameter_name, "")
+        tag = request.GET.get(TagFilter.parameter_name, "")
+        if request.method == "GET" and (search or prefix or subject or tag):
             ids = tenant_ids_with(request, Capability.MEMORY_VIEW)
             chosen = validation.ascii_int(request.GET.get("tenant") or "")
             covered = [chosen] if chosen in ids else sorted(ids)
@@ -326,7 +329,12 @@ class MemoryAdmin(TenantScopedAdmin):
             else:
                 for tenant in Tenant.objects.filter(pk__in=covered).order_by("pk"):
                     services.memories_browse(
-                        tenant=tenant, actor=actor_for(request, tenant.pk), search=search, prefix=prefix
+                        tenant=tenant,
+                        actor=actor_for(request, tenant.pk),
+                        search=search,
+                        prefix=prefix,
+                        subject=subject,
+                        tag=tag,
                     )
         return super().changelist_view(request, extra_context)
 

@@ -16,16 +16,26 @@ from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.scopes import Scope
 
 
-def memories_browse(*, tenant: Tenant, actor: Actor, search: Any = "", prefix: Any = "") -> None:
-    """Audit a staff member's search over keys and value words (``search``) and/or walk of
-    the key tree (``prefix``) in ``tenant``'s memory list, as ``memory.browse`` (target: the
-    prefix; detail: the search's length). Needs ``memory:read``. Cost: the audit INSERT."""
+def memories_browse(
+    *, tenant: Tenant, actor: Actor, search: Any = "", prefix: Any = "", subject: Any = "", tag: Any = ""
+) -> None:
+    """Audit a staff member's search over keys and value words (``search``), walk of the key
+    tree (``prefix``), or filter by an end user (``subject``) or a tag (``tag``) in
+    ``tenant``'s memory list, as ``memory.browse`` (target: the prefix; subject: the end user
+    filtered on, in the event's own redactable field; detail: the search's and the tag's
+    lengths, never their words). Needs ``memory:read``. Cost: the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="memory.browse") as op:
         require_scope(actor, Scope.MEMORY_READ)
-        if not isinstance(search, str) or not isinstance(prefix, str):
-            raise InvalidInput("must be text", field="search" if not isinstance(search, str) else "prefix")
+        for name, value in (("search", search), ("prefix", prefix), ("subject", subject), ("tag", tag)):
+            if not isinstance(value, str):
+                raise InvalidInput("must be text", field=name)
+        detail = {f"{name}_chars": len(value) for name, value in (("search", search), ("tag", tag)) if value}
         # The prefix as asked (a made-up one matches nothing), cut to a key's length.
-        op.record(target=prefix[: validation.KEY_MAX_LEN], detail={"search_chars": len(search)} if search else None)
+        op.record(
+            target=prefix[: validation.KEY_MAX_LEN],
+            subject=subject[: validation.SUBJECT_MAX_LEN],
+            detail=detail or None,
+        )
 
 
 def dashboard_view(*, tenant: Tenant, actor: Actor) -> None:
