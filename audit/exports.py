@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
+from datetime import UTC
 
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
@@ -49,8 +50,10 @@ _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
 
 def _plain(row: dict) -> dict:
+    # The instant as the REST list writes it (DRF: UTC, "Z"), so an export and the list
+    # show an event alike and can be compared as text.
     out = dict(row)
-    out["occurred_at"] = row["occurred_at"].isoformat()
+    out["occurred_at"] = row["occurred_at"].astimezone(UTC).isoformat().replace("+00:00", "Z")
     return out
 
 

@@ -211,6 +211,19 @@ def test_jsonl_export_is_one_object_per_line(log, tenant_a):
     assert len(lines) == AuditEvent.objects.filter(tenant=tenant_a, subject="u2").count()
 
 
+def test_an_export_holds_the_lists_events_field_for_field(log, tenant_a):
+    # A reviewer checks an export against the API (or one export against another): the same
+    # event read "2026-12-05T17:02:46.779938Z" in the list and "…+00:00" in both exports.
+    listed = events(log, subject="u1", limit=200)["results"]
+    exported = [json.loads(line) for line in stream(log.get(EXPORT, {"format": "jsonl", "subject": "u1"})).splitlines()]
+    by_id = {e["id"]: e for e in exported}
+    shown = [e for e in listed if e["id"] in by_id]
+    assert len(shown) >= 4
+    assert all({k: v for k, v in by_id[e["id"]].items() if k != "digest"} == e for e in shown)
+    rows = list(csv.DictReader(io.StringIO(stream(log.get(EXPORT, {"subject": "u1"})))))
+    assert {e["id"]: e["occurred_at"] for e in shown}.items() <= {int(r["id"]): r["occurred_at"] for r in rows}.items()
+
+
 def test_csv_export_defuses_cells_a_spreadsheet_would_run(log, api, tenant_a):
     api.call("memory_read", key="=cmd:x:y")  # a valid key that starts like a formula
     rows = list(csv.DictReader(io.StringIO(stream(log.get(EXPORT, {"action": "memory.read"})))))
