@@ -11,6 +11,7 @@ setting (``zeromem.audit_mode``), and each leaves a record: the seal itself, the
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import ipaddress
 import json
@@ -91,6 +92,17 @@ def _ip(value: str | None) -> str | None:
         return None
 
 
+# Events this context (thread, or task) has appended: see :func:`events_written`.
+_written: contextvars.ContextVar[int] = contextvars.ContextVar("zeromem_audit_events_written", default=0)
+
+
+def events_written() -> int:
+    """How many events this thread (or task) has appended so far: a surface that runs several
+    operations for one request (Claude's memory tool) compares it before and after, to record
+    a refusal that no operation recorded. No query."""
+    return _written.get()
+
+
 def audit_record(
     *,
     tenant: Tenant | None,
@@ -127,6 +139,7 @@ def audit_record(
         "actor_filter": _storable(actor_filter)[:512],
     }
     fields["digest"] = chain.digest(fields)
+    _written.set(_written.get() + 1)
     sql, columns = _insert_sql(connection.vendor)
     # What Model.save() would send (each field prepares its value; the others get their
     # defaults), without building the instance or compiling the INSERT on every request.

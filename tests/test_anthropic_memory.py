@@ -910,3 +910,39 @@ def test_a_rename_loads_its_files_values_a_chunk_at_a_time(api, tenant_a, monkey
     assert live_keys == [f"claude:memories:e:f{i}.md" for i in range(5)]
     moved = Memory.objects.get(tenant=tenant_a, key="claude:memories:e:f3.md", deleted_at__isnull=True)
     assert moved.value == "text 3"
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"command": "view", "path": "/etc/passwd"}, "path"),
+        ({"command": "view", "path": "/memories/../../etc/passwd"}, "path"),
+        ({"command": "create", "path": "/memories/a b.md", "file_text": "x"}, "path"),
+        ({"command": "delete", "path": "/memories"}, "path"),
+        ({"command": "rename", "old_path": "/memories/a.md", "new_path": "/tmp/a.md"}, "new_path"),
+        ({"command": "rename", "old_path": "/memories/../x", "new_path": "/memories/b.md"}, "old_path"),
+        ({"command": "rename", "old_path": "/memories", "new_path": "/memories/b"}, "old_path"),
+    ],
+)
+def test_a_command_refused_before_any_memory_is_touched_writes_one_audit_event(api, tenant_a, body, field):
+    # A path outside /memories, one escaping it or naming what no key can hold, the directory
+    # itself: the error result came back with no audit event (a model probing for
+    # /etc/passwd left no trace), while every other command's steps are audited.
+    api.post(URL, {"command": "create", "path": "/memories/a.md", "file_text": "x"})
+    before = AuditEvent.objects.count()
+    r = api.post(URL, body)
+    assert r.status_code == 200 and r.json()["is_error"] is True, r.content
+    events = list(AuditEvent.objects.order_by("pk")[before:])
+    assert [(e.action, e.outcome, e.target, e.detail) for e in events] == [
+        ("anthropic.memory", "invalid", "claude:memories", {"code": "invalid_path", "field": field})
+    ]
+    assert (events[0].surface, events[0].actor_kind) == ("anthropic_memory", "api_key")
+    assert events[0].request_id == r.headers["X-Request-ID"]
+
+
+def test_an_error_result_after_audited_steps_adds_no_event_of_its_own(api, tenant_a):
+    before = AuditEvent.objects.count()
+    r = api.post(URL, {"command": "view", "path": "/memories/none.md"})
+    assert r.json()["is_error"] is True
+    events = list(AuditEvent.objects.order_by("pk")[before:].values_list("action", "outcome"))
+    assert events == [("memory.read", "not_found"), ("memory.list", "ok")]

@@ -34,6 +34,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
+from audit.services import audit_record, events_written
 from memories import selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
@@ -42,6 +43,7 @@ from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.errors import Conflict, Forbidden, InvalidInput, NotFound, PayloadTooLarge
+from zeromem.kernel.outcomes import Outcome
 
 DEFAULT_ROOT = "claude:memories"
 # Creating a file or renaming onto a path checks that no file stands where a directory is
@@ -66,7 +68,12 @@ COMMANDS = ("view", "create", "str_replace", "insert", "delete", "rename")
 
 
 class MemoryToolError(Exception):
-    """What the model gets back as an error tool result (``is_error``), in the SDK's words."""
+    """What the model gets back as an error tool result (``is_error``), in the SDK's words;
+    ``field``: the command's field it is about, when known (a path refused as such)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -92,16 +99,16 @@ class MemoryTool:
 
     # --- paths and keys ------------------------------------------------------------------
 
-    def place(self, path: str) -> Place:
+    def place(self, path: str, field: str = "path") -> Place:
         if path != ROOT_PATH and not path.startswith(ROOT_PATH + "/"):
-            raise MemoryToolError(f"Path must start with /memories, got: {path}")
+            raise MemoryToolError(f"Path must start with /memories, got: {path}", field)
         segments: list[str] = []
         for segment in path[len(ROOT_PATH) :].split("/"):
             if segment in ("", "."):
                 continue
             if segment == "..":
                 if not segments:
-                    raise MemoryToolError(f"Path {path} would escape /memories directory")
+                    raise MemoryToolError(f"Path {path} would escape /memories directory", field)
                 segments.pop()
                 continue
             # NFC: macOS spells names decomposed ("e" + U+0301); composed, "café" either way
@@ -116,7 +123,8 @@ class MemoryTool:
         except InvalidInput as exc:
             raise MemoryToolError(
                 f"Path {path} cannot be stored: each name is letters (with their combining marks), "
-                f"digits or _ - . @ + = ~ ({exc.message})"
+                f"digits or _ - . @ + = ~ ({exc.message})",
+                field,
             ) from None
         return Place(path=path, key=key, is_root=not segments, names=tuple(segments))
 
@@ -436,7 +444,7 @@ class MemoryTool:
         return f"Successfully deleted {path}"
 
     def rename(self, old_path: str, new_path: str) -> str:
-        old, new = self.place(old_path), self.place(new_path)
+        old, new = self.place(old_path, "old_path"), self.place(new_path, "new_path")
         return self._tree_locked(new, lambda: self._rename(old, new, old_path, new_path))
 
     def _rename(self, old: Place, new: Place, old_path: str, new_path: str) -> str:
@@ -554,8 +562,22 @@ def memory_tool_run(*, tenant: Tenant, actor: Actor, command: Any, root: Any = N
         if field != "command" and field not in FIELDS[name]:
             raise InvalidInput(f"{name} takes no field '{field}'", field=field, code="unknown_field")
     tool = MemoryTool(tenant=tenant, actor=actor, root=root)
+    written = events_written()
     try:
         return _run(tool, name, command)
+    except MemoryToolError as exc:
+        if events_written() == written:
+            # Refused before any memory service ran (a path outside /memories or escaping
+            # it, a name no key can hold, the directory itself): the command's one event.
+            audit_record(
+                tenant=tenant,
+                actor=actor,
+                action="anthropic.memory",
+                outcome=Outcome.INVALID,
+                target=tool.root,
+                detail={"code": "invalid_path", "field": exc.field or FIELDS[name][0]},
+            )
+        raise
     except Forbidden as exc:
         if exc.code == "key_not_allowed" and exc.field == "key":
             # The memory services name "key", which no command has: name what the model (or
