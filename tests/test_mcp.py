@@ -280,6 +280,9 @@ def test_a_number_past_a_doubles_range_is_a_malformed_json_tool_error(server, ar
     text = json.loads(result["content"][0]["text"], parse_constant=lambda c: pytest.fail(f"{c} in the text"))
     assert text == result["structuredContent"]
     assert (text["error"]["code"], text["error"]["field"]) == ("malformed_json", field)
+    # Refused as REST's parser refuses it, and audited as REST audits it (it wrote no event).
+    events = [(e.action, e.outcome, e.detail, e.actor_kind) for e in mcp_events(tenant)]
+    assert events == [("tool.call", "invalid", {"code": "malformed_json", "field": field}, "api_key")]
     assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys
 
 
@@ -1147,4 +1150,6 @@ def test_a_lone_surrogate_on_the_2026_path_is_refused_as_on_rest(server, name, a
     result = r.json()["result"]
     assert result["isError"] and result["structuredContent"]["error"]["code"] == "invalid_characters", r.text
     assert result["structuredContent"]["error"]["field"] == field
+    events = [(e.action, e.outcome, e.detail, e.actor_kind) for e in mcp_events(tenant)]
+    assert events == [("tool.call", "invalid", {"code": "invalid_characters", "field": field}, "api_key")]
     assert not services.memory_list(tenant=tenant, actor=SYSTEM, prefix="").keys

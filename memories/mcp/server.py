@@ -62,7 +62,7 @@ from memories.models import ApiKey
 from memories.services import api_keys, usage
 from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import TenantBusy, Unauthenticated
+from zeromem.kernel.errors import InvalidInput, TenantBusy, Unauthenticated
 from zeromem.kernel.tokens import cost_of
 from zeromem.kit import metrics
 from zeromem.kit.api import slot_wait
@@ -182,6 +182,13 @@ def _error(code: str, message: str, **extra) -> dict:
     return {"status": "error", "error": {"code": code, "message": message, "field": None, **extra}}
 
 
+def _refused(key: ApiKey, actor: Actor, exc: InvalidInput) -> dict:
+    """A call refused before any tool ran (its arguments no parser of REST's would take): its
+    error result, audited as REST audits the 400 (``tool.call`` ``invalid``, code and field)."""
+    audit_refusal(tenant=key.tenant, actor=actor, action="tool.call", target="", error=exc)
+    return {"status": "error", "error": exc.as_dict()}
+
+
 def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
     """One tool call as ``POST /api/v1/tools/call`` runs it: the key's rate limit (one unit),
     a tenant slot for the expensive tools, then the registry's service call."""
@@ -191,12 +198,12 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
             return _error("rate_limited", "Request was throttled.", retry_after=retry_after)
         if (where := non_finite_field(arguments)) is not None:  # refused, charged all the same
             message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
-            return _error("malformed_json", message, field=where)
+            return _refused(key, actor, InvalidInput(message, field=where, code="malformed_json"))
         if (where := validation.lone_surrogate_path({"arguments": arguments})) is not None:
             # The 2026-07-28 path parses with Python's json, which reads "\ud800" (the 2025
             # path's parser refuses it): refused as REST's parser refuses it, naming where.
             message = "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored"
-            return _error("invalid_characters", message, field=where)
+            return _refused(key, actor, InvalidInput(message, field=where, code="invalid_characters"))
         tenant = key.tenant
         if name not in tools.EXPENSIVE_TOOLS:
             return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
