@@ -5,7 +5,7 @@ answers are purged after their window, and by a forget request."""
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import httpx
 import pytest
@@ -72,6 +72,37 @@ def test_the_stored_fingerprint_is_keyed_so_a_short_value_cannot_be_guessed_from
     again = api.post(CALL, body, headers=_key("k-phone"))
     assert again.status_code == 200 and again["Idempotent-Replayed"] == "true"
     assert Memory.objects.get(tenant=tenant_a, key="user:u1:phone").version == 1
+
+
+def test_a_replayed_answer_is_recorded_in_the_audit_log(api, tenant_a):
+    # A replay hands the first answer out again — a memory_read's value, even after the
+    # memory went to the trash — and wrote no audit event: the log showed one reading where
+    # the value left twice. Now the replay is an event of its own (the work's event stays one).
+    api.call("memory_write", key="user:u1:a", value="first")
+    read = {"name": "memory_read", "arguments": {"key": "user:u1:a"}}
+    first = api.post(CALL, read, headers=_key("k-read"))
+    api.call("memory_delete", key="user:u1:a")
+    again = api.post(CALL, read, headers=_key("k-read"))
+    assert again["Idempotent-Replayed"] == "true" and again.json() == first.json()
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.read").count() == 1
+    replay = AuditEvent.objects.get(tenant=tenant_a, action="request.replay")
+    original = AuditEvent.objects.get(tenant=tenant_a, action="memory.read")
+    assert (replay.actor_kind, replay.actor_id, replay.surface) == (original.actor_kind, original.actor_id, "tool")
+    assert (replay.outcome, replay.request_id) == ("ok", again["X-Request-ID"])
+    assert replay.detail == {"action": "tool.call", "status": 200, "claimed_at": replay.detail["claimed_at"]}
+    # When the first request claimed the key: its own event follows within moments, by the same key.
+    claimed = datetime.fromisoformat(replay.detail["claimed_at"])
+    assert claimed <= original.occurred_at < claimed + timedelta(seconds=30)
+    path = "/api/v1/memories/user:u1:b"
+    api.put(path, {"value": 1}, headers=_key("k-put"))
+    assert api.put(path, {"value": 1}, headers=_key("k-put")).status_code == 201
+    put = AuditEvent.objects.filter(tenant=tenant_a, action="request.replay").latest("pk")
+    assert (put.target, put.surface, put.detail["action"], put.detail["status"]) == (
+        "user:u1:b",
+        "rest",
+        "memory.write",
+        201,
+    )
 
 
 def test_rest_writes_replay_status_and_etag(api, tenant_a):

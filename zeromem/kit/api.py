@@ -20,11 +20,12 @@ from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from audit import limits
-from audit.services import audit_refusal
+from audit.services import audit_record, audit_refusal
 from memories.models import IdempotencyRecord, Tenant
 from memories.services import idempotency, usage
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput, ServiceError, TenantBusy
+from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.tokens import cost_of
 from zeromem.kit import metrics
 
@@ -341,6 +342,21 @@ class AuditedAPIView(TenantAPIView):
             tenant=self.tenant, api_key=api_key, key=key, fingerprint=fingerprint, legacy=legacy
         )
         if isinstance(outcome, IdempotencyRecord):
+            # The first answer leaves again (a read's values too), without the work: recorded
+            # as a replay of its own, by this request (the work's event stays the first one).
+            target = self.kwargs.get("key")
+            audit_record(
+                tenant=self.tenant,
+                actor=self.actor,
+                action="request.replay",
+                outcome=Outcome.OK,
+                target=target if isinstance(target, str) else "",
+                detail={
+                    "action": self.audit_actions.get(request.method, "api.request"),
+                    "status": outcome.status,
+                    "claimed_at": outcome.created_at.isoformat(),
+                },
+            )
             raise _Replay(_replayed(outcome))
         self._idempotency_claim = outcome
 
