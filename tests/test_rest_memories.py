@@ -625,3 +625,27 @@ def test_a_history_cursor_that_is_not_ours_is_a_400_naming_cursor(stored):
     for cursor in ("%%%", "eHl6", "MA"):  # not base64, "xyz", "0"
         r = stored.get(f"{URL}/history", {"cursor": cursor})
         assert r.status_code == 400 and rest_error(r)["field"] == "cursor", cursor
+
+
+def test_a_page_under_the_budget_is_one_statement_and_a_large_value_is_read_only_when_kept(sized_values, tenant_a):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from memories import selectors
+
+    def page(prefix, limit):
+        with CaptureQueriesContext(connection) as queries:
+            rows, _ = selectors.memory_keys_page(
+                tenant=tenant_a, prefixes=[prefix], limit=limit, after=None, keys_only=False, max_bytes=PAGE_BUDGET
+            )
+        return [(m.key, len(m.value)) for m in rows], len(queries)
+
+    # Budget 1000, limit 3: values of up to 250 bytes come with the page.
+    assert page("c:k1", 3) == ([("c:k10", 5), ("c:k11", 600), ("c:k12", 390)][:2], 2)  # k11 read again
+    assert page("a:k01", 3) == ([("a:k01", 100)], 1)
+    # c:k09 (2,002 bytes) is never read: the page stops before it, at c:k08.
+    with CaptureQueriesContext(connection) as queries:
+        rows, last = selectors.memory_keys_page(
+            tenant=tenant_a, prefixes=["c:"], limit=3, after=None, keys_only=False, max_bytes=PAGE_BUDGET
+        )
+    assert [m.key for m in rows] == ["c:k08"] and last == "c:k08" and len(queries) == 1
