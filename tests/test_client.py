@@ -129,6 +129,7 @@ def test_rest_resources_with_etags(zm, zm_key):
     assert Memory.objects.get(tenant=tenant, key="task:t1:status").value == "doing"
     assert zm.patch("task:t1:status", importance=7, if_match=moved["etag"])["importance"] == 7
     assert [v["version"] for v in zm.history("task:t1:status")] == [3, 2, 1]
+    assert [v["version"] for v in zm.history("task:t1:status", limit=2)] == [3, 2]
     for i in range(5):
         zm.put(f"task:t1:step{i}", i)
     assert zm.list("task:t1:", limit=2)["next_cursor"]
@@ -178,7 +179,9 @@ def test_batch(zm):
     assert results[2]["value"] == 1
 
 
-def test_async_client(live_server, zm_key):
+def test_async_client(live_server, zm_key, settings):
+    settings.ZEROMEM_PAGE_VALUES_MAX_BYTES = 5  # "Bo" and "Ann" (4 + 5 bytes): a page each
+
     async def main():
         async with AsyncZeroMem(live_server.url, zm_key[1]) as zm:
             assert (await zm.memory_write(key="user:u2:name", value="Ann"))["created"] is True
@@ -189,6 +192,8 @@ def test_async_client(live_server, zm_key):
                 await zm.put("user:u2:name", "Cy", if_match=m["etag"])
             assert [r["status"] for r in await zm.batch([{"name": "memory_list", "arguments": {}}])] == ["ok"]
             assert [x["key"] async for x in zm.iter("user:u2:")] == ["user:u2:name"]
+            assert [v["value"] for v in await zm.history("user:u2:name")] == ["Bo", "Ann"]
+            assert [v["value"] for v in await zm.history("user:u2:name", limit=1)] == ["Bo"]
             return (await zm.get("user:u2:name"))["value"]
 
     assert asyncio.run(main()) == "Bo"
@@ -369,3 +374,16 @@ def test_without_idempotency_keys_a_write_whose_answer_was_lost_is_not_sent_agai
         with pytest.raises(httpx.ConnectError):
             zm.put("task:t1:count", 2)
     assert len(waits) == 1  # never reached a server: sent again
+
+
+def test_history_follows_pages_the_byte_budget_cut_short(zm, settings):
+    settings.ZEROMEM_PAGE_VALUES_MAX_BYTES = 1000
+    for i in range(6):
+        zm.put("task:t9:log", chr(ord("a") + i) * 600)  # each version a page of its own
+    assert [(v["version"], v["value"][0]) for v in zm.history("task:t9:log", limit=4)] == [
+        (6, "f"),
+        (5, "e"),
+        (4, "d"),
+        (3, "c"),
+    ]
+    assert [v["version"] for v in zm.history("task:t9:log")] == [6, 5, 4, 3, 2, 1]

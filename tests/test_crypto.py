@@ -61,7 +61,7 @@ def test_a_sensitive_value_is_stored_sealed_and_read_back_in_plaintext(tenant_a)
     assert key.subject == "u1" and key.tenant_id == tenant_a.pk and len(bytes(key.wrapped)) == 12 + 32 + 16
     assert read(tenant_a, "user:u1:phone") == {"phone": CANARY, "v": 2}  # sticky: still sealed
     assert Memory.objects.get(pk=m.pk).sensitive
-    versions = services.memory_history(tenant=tenant_a, actor=SYSTEM, key="user:u1:phone")
+    versions = services.memory_history(tenant=tenant_a, actor=SYSTEM, key="user:u1:phone").versions
     assert [v.value for v in versions] == [{"phone": CANARY, "v": 2}, {"phone": CANARY, "note": CANARY_WORD}]
 
 
@@ -583,7 +583,7 @@ def test_a_memory_that_becomes_sensitive_seals_the_versions_written_before(tenan
         texts = raw_values("memories_memoryversion", "memory_id", memory.pk)
         assert len(texts) == 2 and all(CANARY not in t for t in texts)
         assert all(MemoryVersion.objects.filter(memory_id=memory.pk).values_list("sensitive", flat=True))
-    versions = services.memory_history(tenant=tenant_a, actor=SYSTEM, key="user:u1:phone")
+    versions = services.memory_history(tenant=tenant_a, actor=SYSTEM, key="user:u1:phone").versions
     assert [v.value for v in versions] == [CANARY + "-2", CANARY]  # still read back opened
     # Marked plain again, then a sealed version restored: sensitive again, every version sealed.
     write(tenant_a, "user:u1:phone", CANARY + "-3", sensitive=False)
@@ -652,7 +652,7 @@ def test_a_ciphertext_copied_into_another_tenants_row_does_not_open_there(tenant
     keyring.forget_cache()
     with pytest.raises(Erased):  # it reads as a value that cannot be opened: erased
         read(tenant_b, "user:u9:phone")
-    history = services.memory_history(tenant=tenant_b, actor=SYSTEM, key="user:u9:phone")
+    history = services.memory_history(tenant=tenant_b, actor=SYSTEM, key="user:u9:phone").versions
     assert CANARY not in json.dumps([v.value for v in history])
     response = api_b.get("/api/v1/memories/user:u9:phone")
     assert response.status_code == 410 and CANARY not in response.content.decode()

@@ -824,3 +824,49 @@ def test_an_item_outside_the_keys_allowlist_is_a_403_naming_namespace_or_key(ten
         assert r.status_code == 403, r.content
         assert (rest_error(r)["code"], rest_error(r)["field"]) == ("key_not_allowed", field)
     assert not Memory.objects.filter(tenant=tenant_a).exists()
+
+
+LG_BUDGET = 1000
+LG_SIZES = [100, 700, 300, 1500, 10, 400, 400, 198, 2000, 5, 600, 390]
+
+
+def _lg_walk(api, body):
+    pages, offset = [], 0
+    while True:
+        r = api.post("/api/v1/langgraph/store/items/search", {**body, "offset": offset})
+        assert r.status_code == 200, r.content
+        items = r.json()["items"]
+        if not items:
+            return pages
+        pages.append(items)
+        offset += len(items)
+        assert len(pages) < 50
+
+
+@pytest.mark.parametrize("limit", [1, 3, 50])
+@pytest.mark.parametrize("how", ["all", "filter", "query"])
+def test_a_store_search_page_stops_at_the_byte_budget_and_offset_goes_on_after_it(api, settings, limit, how):
+    for i, n in enumerate(LG_SIZES):
+        value = {"text": "pasta " + "x" * n, "kind": "odd" if i % 2 else "even"}
+        r = api.put("/api/v1/langgraph/store/items", {"namespace": ["docs"], "key": f"k{i:02d}", "value": value})
+        assert r.status_code == 204, r.content
+    body = {"namespace_prefix": ["docs"], "limit": limit}
+    if how == "filter":
+        body["filter"] = {"kind": "even"}
+    if how == "query":
+        body["query"] = "pasta"
+    whole = api.post("/api/v1/langgraph/store/items/search", {**body, "limit": 200}).json()["items"]
+    settings.ZEROMEM_PAGE_VALUES_MAX_BYTES = LG_BUDGET
+    pages = _lg_walk(api, body)
+    assert [i["key"] for page in pages for i in page] == [i["key"] for i in whole]  # none skipped or repeated
+    expected, page, total = [], [], 0
+    for item in whole:
+        size = len(json.dumps(item["value"], separators=(",", ":")))
+        if page and (len(page) == limit or total + size > LG_BUDGET):
+            expected.append(page)
+            page, total = [], 0
+        page.append(item["key"])
+        total += size
+    expected.append(page)
+    assert [[i["key"] for i in p] for p in pages] == expected
+    assert len(whole) == (6 if how == "filter" else 12)

@@ -499,3 +499,153 @@ def test_a_list_in_descending_order_pages_back_from_the_last_key(api):
 def test_a_list_order_other_than_asc_or_desc_is_a_400_naming_order(api):
     r = api.get("/api/v1/memories", {"order": "newest"})
     assert r.status_code == 400 and r.json()["error"]["field"] == "order"
+
+
+# --- pages of whole values: a byte budget -------------------------------------------------
+
+PAGE_BUDGET = 1000
+# (key, length of the string value, tagged): the JSON text of a string of n ASCII letters is
+# n + 2 bytes. Mixed sizes: some pages stop on the budget, one value is past it alone.
+SIZED = [
+    ("a:k01", 100, True),
+    ("a:k02", 700, False),
+    ("a:k03", 300, True),
+    ("a:k04", 1500, True),
+    ("a:k05", 10, False),
+    ("b:k06", 400, True),
+    ("b:k07", 400, True),
+    ("c:k08", 198, True),
+    ("c:k09", 2000, False),
+    ("c:k10", 5, True),
+    ("c:k11", 600, True),
+    ("c:k12", 390, True),
+]
+
+
+@pytest.fixture
+def sized_values(tenant_a, make_client, settings):
+    settings.ZEROMEM_PAGE_VALUES_MAX_BYTES = PAGE_BUDGET
+    client, _ = make_client(tenant_a)
+    for i, (key, n, tagged) in enumerate(SIZED):
+        body = {"value": chr(ord("a") + i) * n, "tags": ["t"] if tagged else []}
+        assert client.put(f"/api/v1/memories/{key}", body).status_code == 201
+    return client
+
+
+def _expected_pages(rows, limit):
+    """The pages by the rule: at most ``limit``, stopped before the values pass the budget
+    (at least one a page)."""
+    pages, page, total = [], [], 0
+    for key, n in rows:
+        if page and (len(page) == limit or total + n + 2 > PAGE_BUDGET):
+            pages.append(page)
+            page, total = [], 0
+        page.append(key)
+        total += n + 2
+    return [*pages, page] if page else pages
+
+
+def _walk(client, url, params, seen=None):
+    pages, cursor = [], None
+    while True:
+        r = client.get(url, {**params, **({"cursor": cursor} if cursor else {})})
+        assert r.status_code == 200, r.content
+        body = r.json()
+        pages.append([m.get("key", m.get("version")) for m in body["results"]])
+        if seen is not None:
+            seen.update((m["key"], m["value"]) for m in body["results"])
+        cursor = body["next_cursor"]
+        if cursor is None:
+            return pages, body
+        assert len(pages) < 50
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+@pytest.mark.parametrize("limit", [1, 2, 3, 50])
+@pytest.mark.parametrize("view", ["all", "tag", "allowlist"])
+def test_a_page_of_values_stops_at_the_byte_budget_and_the_next_goes_on_after_it(
+    sized_values, tenant_a, make_client, order, limit, view
+):
+    client, params = sized_values, {"order": order, "limit": limit}
+    rows = [(key, n) for key, n, tagged in SIZED]
+    if view == "tag":
+        params["tag"] = "t"
+        rows = [(key, n) for key, n, tagged in SIZED if tagged]
+    elif view == "allowlist":  # two prefixes: one merged walk of their ranges (PostgreSQL)
+        client, _ = make_client(tenant_a, allow=["a:", "c:"])
+        rows = [(key, n) for key, n in rows if not key.startswith("b:")]
+    rows.sort(reverse=order == "desc")
+    pages, _ = _walk(client, "/api/v1/memories", params, seen := {})
+    assert pages == _expected_pages(rows, limit)
+    # Each value whole (small ones came with the page, larger ones were read after it).
+    written = {key: chr(ord("a") + i) * n for i, (key, n, _) in enumerate(SIZED)}
+    assert seen == {key: written[key] for key, _ in rows}
+
+
+def test_a_value_past_the_budget_alone_is_a_page_of_its_own(sized_values):
+    r = sized_values.get("/api/v1/memories", {"prefix": "c:k09"})
+    assert [m["value"] for m in r.json()["results"]] == ["i" * 2000]
+    assert r.json()["next_cursor"] is None
+    first = sized_values.get("/api/v1/memories", {"prefix": "c:", "limit": 10}).json()
+    assert [m["key"] for m in first["results"]] == ["c:k08"]  # 200 + 2002 would pass 1000
+    second = sized_values.get("/api/v1/memories", {"prefix": "c:", "cursor": first["next_cursor"]}).json()
+    assert [(m["key"], m["version"], len(m["value"])) for m in second["results"]] == [("c:k09", 1, 2000)]
+
+
+def test_a_sealed_value_in_a_budgeted_page_is_opened_small_or_large(api, settings):
+    settings.ZEROMEM_PAGE_VALUES_MAX_BYTES = 50_000  # inline up to 980 bytes (a page of 50 + 1)
+    big, small = "s" * 10_000, "secret"
+    for key, value in (("p:big", big), ("p:small", small), ("p:plain", "x" * 12_000)):
+        assert api.put(f"/api/v1/memories/{key}", {"value": value, "sensitive": True}).status_code == 201
+    r = api.get("/api/v1/memories", {"prefix": "p:"})
+    assert {m["key"]: m["value"] for m in r.json()["results"]} == {
+        "p:big": big,
+        "p:plain": "x" * 12_000,
+        "p:small": small,
+    }
+
+
+def test_a_history_page_stops_at_the_byte_budget_and_its_cursor_goes_on(stored, settings):
+    settings.ZEROMEM_PAGE_VALUES_MAX_BYTES = PAGE_BUDGET
+    lengths = [100, 700, 300, 1500, 10, 400, 400]  # versions 2-8; version 1 is "zh-CN" (7 bytes)
+    for i, n in enumerate(lengths):
+        assert stored.put(URL, {"value": chr(ord("a") + i) * n}).status_code == 200
+    rows = [(8 - i, n) for i, n in enumerate(reversed(lengths))] + [(1, 5)]
+    for limit in (1, 2, 3, 50):
+        pages, last = _walk(stored, f"{URL}/history", {"limit": limit})
+        assert pages == _expected_pages(rows, limit), limit
+        assert last["key"] == KEY
+    r = stored.get(f"{URL}/history", {"limit": 50}).json()
+    assert [(v["version"], v["value"]) for v in r["results"]] == [(8, "g" * 400), (7, "f" * 400), (6, "e" * 10)]
+    r = stored.get(f"{URL}/history", {"cursor": r["next_cursor"]}).json()
+    assert [(v["version"], v["value"]) for v in r["results"]] == [(5, "d" * 1500)]
+
+
+def test_a_history_cursor_that_is_not_ours_is_a_400_naming_cursor(stored):
+    for cursor in ("%%%", "eHl6", "MA"):  # not base64, "xyz", "0"
+        r = stored.get(f"{URL}/history", {"cursor": cursor})
+        assert r.status_code == 400 and rest_error(r)["field"] == "cursor", cursor
+
+
+def test_a_page_under_the_budget_is_one_statement_and_a_large_value_is_read_only_when_kept(sized_values, tenant_a):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from memories import selectors
+
+    def page(prefix, limit):
+        with CaptureQueriesContext(connection) as queries:
+            rows, _ = selectors.memory_keys_page(
+                tenant=tenant_a, prefixes=[prefix], limit=limit, after=None, keys_only=False, max_bytes=PAGE_BUDGET
+            )
+        return [(m.key, len(m.value)) for m in rows], len(queries)
+
+    # Budget 1000, limit 3: values of up to 250 bytes come with the page.
+    assert page("c:k1", 3) == ([("c:k10", 5), ("c:k11", 600), ("c:k12", 390)][:2], 2)  # k11 read again
+    assert page("a:k01", 3) == ([("a:k01", 100)], 1)
+    # c:k09 (2,002 bytes) is never read: the page stops before it, at c:k08.
+    with CaptureQueriesContext(connection) as queries:
+        rows, last = selectors.memory_keys_page(
+            tenant=tenant_a, prefixes=["c:"], limit=3, after=None, keys_only=False, max_bytes=PAGE_BUDGET
+        )
+    assert [m.key for m in rows] == ["c:k08"] and last == "c:k08" and len(queries) == 1

@@ -346,6 +346,10 @@ ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=2
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
 # A page of GET /api/v1/memories filtered by tag stops after this long (503 list_timeout).
 ZEROMEM_MEMORY_LIST_TIMEOUT_MS = env.int("ZEROMEM_MEMORY_LIST_TIMEOUT_MS", default=2000)
+# A REST page of whole values (GET /api/v1/memories, a memory's history, the LangGraph
+# store's search) stops before its values pass this many bytes of JSON (at least one item a
+# page); next_cursor (LangGraph: offset + items) continues after its last item. README "Pages".
+ZEROMEM_PAGE_VALUES_MAX_BYTES = env.int("ZEROMEM_PAGE_VALUES_MAX_BYTES", default=4 * 1024 * 1024)
 # The search tier (memories/search/tier.py, README "Search tier"): the Unix sockets of the
 # processes that rank searches for the web processes (set by `python3 -m zeromem serve`;
 # empty: each web process ranks its own), how long a web process waits for a ranking before
@@ -567,6 +571,7 @@ _LEAST = {
     "ZEROMEM_VALUE_HARD_CAP_BYTES": 1,
     "ZEROMEM_SEARCH_TIMEOUT_MS": 1,
     "ZEROMEM_MEMORY_LIST_TIMEOUT_MS": 1,
+    "ZEROMEM_PAGE_VALUES_MAX_BYTES": 1,
     "ZEROMEM_SEARCH_TIER_WAIT_MS": 1,
     "ZEROMEM_SEARCH_TIER_CONCURRENCY": 1,
     "ZEROMEM_SEARCH_TIER_TENANT_CONCURRENCY": 1,

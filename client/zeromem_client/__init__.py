@@ -365,8 +365,17 @@ class ZeroMem(_Core):
                 return
 
     def history(self, key: str, *, limit: int | None = None) -> list[dict]:
-        params = {"limit": limit} if limit else None
-        return self._ok(self.request("GET", self._memory_path(key) + "/history", params=params)).json()["results"]
+        """The ``limit`` (default 50) newest versions, following ``next_cursor``: a page stops
+        early at the server's byte budget (ZEROMEM_PAGE_VALUES_MAX_BYTES)."""
+        wanted, found, cursor = limit or 50, [], None
+        while len(found) < wanted:
+            params = {"limit": wanted - len(found), **({"cursor": cursor} if cursor else {})}
+            page = self._ok(self.request("GET", self._memory_path(key) + "/history", params=params)).json()
+            found.extend(page["results"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                break
+        return found
 
     # --- Claude's memory tool -----------------------------------------------------------
 
@@ -498,9 +507,17 @@ class AsyncZeroMem(_Core):
                 return
 
     async def history(self, key: str, *, limit: int | None = None) -> list[dict]:
-        params = {"limit": limit} if limit else None
-        r = await self.request("GET", self._memory_path(key) + "/history", params=params)
-        return self._ok(r).json()["results"]
+        """As :meth:`ZeroMem.history`: the ``limit`` newest versions, across pages."""
+        wanted, found, cursor = limit or 50, [], None
+        while len(found) < wanted:
+            params = {"limit": wanted - len(found), **({"cursor": cursor} if cursor else {})}
+            r = await self.request("GET", self._memory_path(key) + "/history", params=params)
+            page = self._ok(r).json()
+            found.extend(page["results"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                break
+        return found
 
     async def anthropic_memory(self, command: dict, *, root: str | None = None) -> httpx.Response:
         params = {"root": root} if root else None

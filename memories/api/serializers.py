@@ -175,6 +175,7 @@ class MemoryVersionSerializer(serializers.ModelSerializer):
 class HistorySerializer(serializers.Serializer):
     key = serializers.CharField()
     results = MemoryVersionSerializer(many=True)
+    next_cursor = serializers.CharField(allow_null=True)
 
 
 @extend_schema_field(

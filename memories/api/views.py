@@ -313,14 +313,29 @@ class MemoryHistoryView(AuditedAPIView):
     @extend_schema(
         operation_id="memories_history",
         summary="Versions of a memory, newest first, with who and which operation",
-        parameters=[KEY_PARAM, LIMIT_PARAM],
+        parameters=[
+            KEY_PARAM,
+            LIMIT_PARAM,
+            OpenApiParameter(
+                "cursor",
+                {"type": "string", "maxLength": validation.CURSOR_MAX_LEN},
+                description="next_cursor of the previous page: the versions older than its last",
+            ),
+        ],
         responses={200: s.HistorySerializer, 404: NOT_FOUND, **ERRORS},
     )
     def get(self, request, key):
-        versions = services.memory_history(
-            tenant=self.tenant, actor=self.actor, key=key, limit=request.query_params.get("limit")
+        q = request.query_params
+        page = services.memory_history(
+            tenant=self.tenant, actor=self.actor, key=key, limit=q.get("limit"), cursor=q.get("cursor")
         )
-        return Response({"key": key, "results": s.MemoryVersionSerializer(versions, many=True).data})
+        return Response(
+            {
+                "key": key,
+                "results": s.MemoryVersionSerializer(page.versions, many=True).data,
+                "next_cursor": page.next_cursor,
+            }
+        )
 
 
 def _validated(serializer_class, data) -> dict:

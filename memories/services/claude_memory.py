@@ -157,7 +157,9 @@ class MemoryTool:
     def _under(self, place: Place, *, limit: int | None = None, rows: str = "memories") -> list:
         """The live memories under the directory ``place``, in key order (at most ``limit``,
         by default ``LIST_MAX_MEMORIES``): ``rows`` "memories" (values loaded), "keys", or
-        "sizes" ((key, bytes of its text) pairs: the database measures the values)."""
+        "sizes" ((key, bytes of its text) pairs: the database measures the values). A page
+        of "memories" stops at ``ZEROMEM_PAGE_VALUES_MAX_BYTES`` (``memory_list``), maybe
+        short of ``limit``: what acts on all of a directory takes "keys" or "sizes"."""
         limit = LIST_MAX_MEMORIES if limit is None else limit
         # One page, so one memory.list event: pages of LIMIT_MAX wrote 25 for 5,000 files.
         return mem.memory_list(

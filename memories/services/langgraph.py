@@ -383,7 +383,9 @@ def lg_search(
 ) -> list[dict]:
     """Items under a namespace prefix that match ``filter``. With ``query``: ranked by
     ZeroMem's search (``memory.search``, scope memory:search), each with its ``score``;
-    without: ordered by key (``memory.list``, scope memory:read)."""
+    without: ordered by key (``memory.list``, scope memory:read). A page stops before its
+    values pass ``ZEROMEM_PAGE_VALUES_MAX_BYTES`` (at least one item): fewer items than
+    ``limit`` is not the end, the next page is at ``offset`` + the items returned."""
     labels = namespace_labels(namespace_prefix_, field="namespace_prefix", allow_empty=True)
     flt = check_filter(filter_)
     limit = _bounded(limit, field="limit", default=10, low=1, high=validation.LIMIT_MAX)
@@ -399,7 +401,7 @@ def lg_search(
             for h in ranked
             if parse_key(h.memory.key) is not None and item_matches(h.memory.value, flt)
         ]
-        page = found[offset : offset + limit]
+        page = _within_budget(found[offset : offset + limit])
     else:
         page = [
             (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
@@ -422,6 +424,22 @@ def lg_search(
                 continue
         out.append(item_of(memory, score))
     return out
+
+
+def _value_bytes(value: Any) -> int:
+    # An item's weight on a page: its value's JSON text (an erased one's {"erased": true}).
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode())
+
+
+def _within_budget(page: list[tuple[Memory, float | None]]) -> list[tuple[Memory, float | None]]:
+    """The first items of ``page`` whose values hold at most ``ZEROMEM_PAGE_VALUES_MAX_BYTES``
+    (always the first): a page of 200 values of 256 KB was a 51 MB answer."""
+    total, budget = 0, settings.ZEROMEM_PAGE_VALUES_MAX_BYTES
+    for i, (memory, _score) in enumerate(page):
+        total += _value_bytes(memory.value)
+        if i and total > budget:
+            return page[:i]
+    return page
 
 
 def _charge_refreshes(actor: Actor, items: int) -> None:
@@ -465,13 +483,17 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
                 bounded = live if last is None else live.filter(key__lte=last)
                 qs = bounded.filter(pushed | Q(sensitive=True))
         out: list[Memory] = []
-        skipped = 0
+        skipped = total = 0
+        budget = settings.ZEROMEM_PAGE_VALUES_MAX_BYTES
         for memory in qs.iterator(chunk_size=200):
             if parse_key(memory.key) is None or not item_matches(memory.value, flt):
                 continue
             if skipped < offset:
                 skipped += 1
                 continue
+            total += _value_bytes(memory.value)
+            if out and total > budget:
+                break
             out.append(memory)
             if len(out) >= limit:
                 break

@@ -16,6 +16,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
@@ -618,6 +619,7 @@ def memory_list(
             keys_only=keys_only,
             sizes=sizes,
             descending=order == "desc",
+            max_bytes=None if keys_only or sizes else settings.ZEROMEM_PAGE_VALUES_MAX_BYTES,
         )
         op.record(target=prefix, count=len(rows))
         return ListResult(keys=rows, next_cursor=validation.encode_cursor(last) if last else None)
@@ -686,20 +688,39 @@ def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: An
         return packed
 
 
-def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None) -> list[MemoryVersion]:
-    """Versions of the live memory at ``key``, newest first (values included: a read).
-    No live memory at ``key`` raises :class:`NotFound`."""
+@dataclass(frozen=True)
+class HistoryPage:
+    versions: list[MemoryVersion]
+    next_cursor: str | None  # the versions older than the page's last, when there are any
+
+
+def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None, cursor: Any = None) -> HistoryPage:
+    """Versions of the live memory at ``key``, newest first (values included: a read), at
+    most ``limit``, older than the version ``cursor`` names (the ``next_cursor`` of the
+    page before). A page stops before its values pass ``ZEROMEM_PAGE_VALUES_MAX_BYTES``
+    (at least one version; ``selectors.budgeted``). No live memory at ``key`` raises
+    :class:`NotFound`. Cost: the memory's lookup, one range read of the (memory, version)
+    index (values of at most the budget / (limit + 1) bytes with it; larger ones kept are
+    read again by primary key), and the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="memory.history", target=key, atomic=False) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
         limit = validation.limit(limit, default=50)
+        before = validation.decode_id_cursor(cursor)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()
-        versions = list(selectors.memory_history(memory=memory)[:limit])
+        qs = selectors.memory_history(memory=memory)
+        if before is not None:
+            qs = qs.filter(version__lt=before)
+        budget = settings.ZEROMEM_PAGE_VALUES_MAX_BYTES
+        rows = list(selectors.sized(qs, limit=limit, max_bytes=budget)[: limit + 1])
+        more = len(rows) > limit
+        versions, cut = selectors.budgeted(rows[:limit], tenant_id=tenant.pk, max_bytes=budget)
         op.record(subject=memory.subject, count=len(versions), version=memory.version)
-        return versions
+        last = versions[-1].version if versions and (more or cut) else None
+        return HistoryPage(versions=versions, next_cursor=validation.encode_cursor(str(last)) if last else None)
 
 
 def memory_view(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
