@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypedDict
 
 import pytest
+from django.test import override_settings
 from langgraph.graph import END, START, StateGraph
 from langgraph.store.base import BaseStore, GetOp, InvalidNamespaceError, PutOp
 from langgraph.store.memory import InMemoryStore
@@ -197,6 +198,12 @@ def limits_past_a_pages_size_are_read_in_pages(store, tenant):
     assert 0 < len(ranked) <= 200 and store.search(("many",), query="bean", offset=200, limit=50) == []
     everything = store.list_namespaces(limit=5000, max_depth=1000)
     assert everything == store.list_namespaces() and ("many",) in everything
+    # A page the server cut at its byte budget (ZEROMEM_PAGE_VALUES_MAX_BYTES) is not the end:
+    # the client reads on after it (it took a short page for the last one: 50 asked, 4 given).
+    with override_settings(ZEROMEM_PAGE_VALUES_MAX_BYTES=100):
+        for limit, offset in ((50, 0), (10, 237), (300, 0)):
+            got = store.search(("many",), limit=limit, offset=offset, refresh_ttl=False)
+            assert [i.key for i in got] == [i.key for i in mem.search(("many",), limit=limit, offset=offset)]
 
 
 class State(TypedDict):

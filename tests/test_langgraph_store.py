@@ -830,12 +830,14 @@ LG_BUDGET = 1000
 LG_SIZES = [100, 700, 300, 1500, 10, 400, 400, 198, 2000, 5, 600, 390]
 
 
-def _lg_walk(api, body):
+def _lg_walk(api, body, total):
     pages, offset = [], 0
     while True:
         r = api.post("/api/v1/langgraph/store/items/search", {**body, "offset": offset})
         assert r.status_code == 200, r.content
-        items = r.json()["items"]
+        items, cut = r.json()["items"], r.json()["cut"]
+        # cut: the page stopped at the byte budget (shorter than asked and not the last one).
+        assert cut == (0 < len(items) < body["limit"] and offset + len(items) < total), r.json()
         if not items:
             return pages
         pages.append(items)
@@ -857,7 +859,7 @@ def test_a_store_search_page_stops_at_the_byte_budget_and_offset_goes_on_after_i
         body["query"] = "pasta"
     whole = api.post("/api/v1/langgraph/store/items/search", {**body, "limit": 200}).json()["items"]
     settings.ZEROMEM_PAGE_VALUES_MAX_BYTES = LG_BUDGET
-    pages = _lg_walk(api, body)
+    pages = _lg_walk(api, body, len(whole))
     assert [i["key"] for page in pages for i in page] == [i["key"] for i in whole]  # none skipped or repeated
     expected, page, total = [], [], 0
     for item in whole:

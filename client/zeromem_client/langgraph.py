@@ -148,6 +148,12 @@ def _result(op: Op, response: httpx.Response) -> Result:
     return None
 
 
+def _cut(response: httpx.Response) -> bool:
+    """Whether a search page stopped at the server's byte budget (its ``cut``)."""
+    body = response.json()
+    return isinstance(body, dict) and body.get("cut") is True
+
+
 def _refusal(field: str, message: str) -> Exception:
     """What the server answers to such a request (a 400 naming ``field``), raised before any is sent."""
     if field == "namespace":
@@ -189,11 +195,13 @@ def _window(op: Op) -> tuple[Op, int, int] | None:
     return None
 
 
-def _next_page(op: Op, left: int, page: int, got: list | None) -> Op | None:
-    """The next request of a paged read (``left`` still wanted after ``got``), or None when done."""
-    if left <= 0 or (got is not None and len(got) < op.limit):
+def _next_page(op: Op, left: int, page: int, got: list | None, cut: bool = False) -> Op | None:
+    """The next request of a paged read (``left`` still wanted after ``got``), or None when done:
+    a page shorter than asked is the end, unless the server ``cut`` it at its byte budget
+    (ZEROMEM_PAGE_VALUES_MAX_BYTES) — then the rest follows it."""
+    if left <= 0 or (got is not None and (not got or (len(got) < op.limit and not cut))):
         return None
-    offset = op.offset if got is None else op.offset + op.limit
+    offset = op.offset if got is None else op.offset + len(got)
     return op._replace(offset=offset, limit=min(left, page))
 
 
@@ -261,10 +269,11 @@ class ZeroMemStore(BaseStore):
         got, request = None, _next_page(first, left, page, None)
         while request is not None:
             method, path, kwargs = _request(request)
-            got = _result(request, self.client.request(method, path, **kwargs))
+            response = self.client.request(method, path, **kwargs)
+            got = _result(request, response)
             out.extend(got)
-            left -= request.limit
-            request = _next_page(request, left, page, got)
+            left -= len(got)
+            request = _next_page(request, left, page, got, _cut(response))
         return out
 
     async def _aread(self, op: Op) -> Result:
@@ -277,10 +286,11 @@ class ZeroMemStore(BaseStore):
         got, request = None, _next_page(first, left, page, None)
         while request is not None:
             method, path, kwargs = _request(request)
-            got = _result(request, await self.aclient.request(method, path, **kwargs))
+            response = await self.aclient.request(method, path, **kwargs)
+            got = _result(request, response)
             out.extend(got)
-            left -= request.limit
-            request = _next_page(request, left, page, got)
+            left -= len(got)
+            request = _next_page(request, left, page, got, _cut(response))
         return out
 
     def batch(self, ops: Iterable[Op]) -> list[Result]:

@@ -85,6 +85,9 @@ class SearchRequestSerializer(serializers.Serializer):
 
 class SearchResponseSerializer(serializers.Serializer):
     items = SearchItemSerializer(many=True)
+    cut = serializers.BooleanField(
+        help_text="the page stopped at ZEROMEM_PAGE_VALUES_MAX_BYTES: more items follow at offset + len(items)"
+    )
 
 
 class NamespacesRequestSerializer(serializers.Serializer):
@@ -197,7 +200,7 @@ class StoreSearchView(TenantSlotMixin, LangGraphView):
             query=data.get("query"),
             refresh_ttl=data.get("refresh_ttl"),
         )
-        return Response({"items": items})
+        return Response({"items": items, "cut": items.cut})
 
 
 class StoreNamespacesView(TenantSlotMixin, LangGraphView):

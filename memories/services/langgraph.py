@@ -380,12 +380,12 @@ def lg_search(
     offset: Any = None,
     query: Any = None,
     refresh_ttl: Any = None,
-) -> list[dict]:
+) -> SearchPage:
     """Items under a namespace prefix that match ``filter``. With ``query``: ranked by
     ZeroMem's search (``memory.search``, scope memory:search), each with its ``score``;
     without: ordered by key (``memory.list``, scope memory:read). A page stops before its
-    values pass ``ZEROMEM_PAGE_VALUES_MAX_BYTES`` (at least one item): fewer items than
-    ``limit`` is not the end, the next page is at ``offset`` + the items returned."""
+    values pass ``ZEROMEM_PAGE_VALUES_MAX_BYTES`` (at least one item): the page's ``cut`` says
+    so, and the next page is at ``offset`` + the items returned."""
     labels = namespace_labels(namespace_prefix_, field="namespace_prefix", allow_empty=True)
     flt = check_filter(filter_)
     limit = _bounded(limit, field="limit", default=10, low=1, high=validation.LIMIT_MAX)
@@ -401,11 +401,12 @@ def lg_search(
             for h in ranked
             if parse_key(h.memory.key) is not None and item_matches(h.memory.value, flt)
         ]
-        page = _within_budget(found[offset : offset + limit])
+        window = found[offset : offset + limit]
+        page = _within_budget(window)
+        cut = len(page) < len(window)
     else:
-        page = [
-            (m, None) for m in _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
-        ]
+        scanned, cut = _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
+        page = [(m, None) for m in scanned]
     if refresh:
         due = [memory for memory, _ in page if _refreshes(memory)]
         if due and not actor.has_scope(Scope.MEMORY_WRITE):
@@ -413,7 +414,7 @@ def lg_search(
             with audited_operation(tenant=tenant, actor=actor, action="memory.update", target=due[0].key):
                 require_scope(actor, Scope.MEMORY_WRITE)
         _charge_refreshes(actor, len(due))
-    out = []
+    out = SearchPage(cut=cut)
     for memory, score in page:
         if refresh:
             try:
@@ -424,6 +425,15 @@ def lg_search(
                 continue
         out.append(item_of(memory, score))
     return out
+
+
+class SearchPage(list):
+    """A page of :func:`lg_search`'s items; ``cut``: it stopped at the byte budget, and more
+    items follow at ``offset`` + its length (fewer items than ``limit`` is otherwise the end)."""
+
+    def __init__(self, items=(), *, cut: bool = False):
+        super().__init__(items)
+        self.cut = cut
 
 
 def _value_bytes(value: Any) -> int:
@@ -455,7 +465,9 @@ def _charge_refreshes(actor: Actor, items: int) -> None:
     )
 
 
-def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int) -> list[Memory]:
+def _scan(
+    *, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int
+) -> tuple[list[Memory], bool]:
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
         live = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
@@ -473,7 +485,7 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
                 # A range operand that is no number ("abc", null, true, NaN): the matcher
                 # answers False for every value, so no row is read.
                 op.record(target=prefix, count=0)
-                return []
+                return [], False
             if pushed is not None:
                 # The window as a key range: up to its last key (one short index scan), not
                 # "id IN (the window)", whose semi-join the planner turned into a nested loop
@@ -484,6 +496,7 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
                 qs = bounded.filter(pushed | Q(sensitive=True))
         out: list[Memory] = []
         skipped = total = 0
+        cut = False
         budget = settings.ZEROMEM_PAGE_VALUES_MAX_BYTES
         for memory in qs.iterator(chunk_size=200):
             if parse_key(memory.key) is None or not item_matches(memory.value, flt):
@@ -493,12 +506,13 @@ def _scan(*, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, 
                 continue
             total += _value_bytes(memory.value)
             if out and total > budget:
+                cut = True
                 break
             out.append(memory)
             if len(out) >= limit:
                 break
         op.record(target=prefix, count=len(out))
-        return out
+        return out, cut
 
 
 class _NoMatch(Exception):
