@@ -106,6 +106,47 @@ def test_admin_revokes_a_key_and_sees_last_used(tenant_a, staff_clients, client)
     assert AuditEvent.objects.filter(tenant=tenant_a, action="api_key.revoke", actor_kind="staff").count() == 1
 
 
+@pytest.mark.parametrize("role", ["viewer", "support", "compliance"])
+def test_the_key_services_refuse_staff_below_the_admin_role_and_audit_it(tenant_a, role):
+    # The admin pages check keys.manage; the services did not: any staff actor (any surface
+    # that calls them) created and revoked keys, with any scope.
+    from zeromem.kernel.actors import staff_actor
+    from zeromem.kernel.errors import Forbidden
+
+    key, raw = make_key(tenant_a, name="bot")
+    actor = staff_actor(user=make_staff(tenant_a, role, f"{role}-x"), role=role)
+    with pytest.raises(Forbidden):
+        services.api_key_create(tenant=tenant_a, actor=actor, name="mine", scopes=["memory:read", "audit:read"])
+    with pytest.raises(Forbidden):
+        services.api_key_revoke(tenant=tenant_a, actor=actor, key_id=key.pk)
+    assert list(ApiKey.objects.filter(tenant=tenant_a)) == [key]
+    key.refresh_from_db()
+    assert key.revoked_at is None
+    denied = AuditEvent.objects.filter(tenant=tenant_a, outcome="denied", actor_kind="staff").order_by("pk")
+    assert [(e.action, e.detail.get("code")) for e in denied] == [
+        ("api_key.create", "admin_role_required"),
+        ("api_key.revoke", "admin_role_required"),
+    ]
+
+
+def test_a_tenant_admin_grants_a_key_no_scope_the_role_does_not_hold(tenant_a, monkeypatch):
+    from zeromem.kernel import actors
+    from zeromem.kernel.errors import InvalidInput
+
+    admin_user = make_staff(tenant_a, "admin", "ada")
+    actor = actors.staff_actor(user=admin_user, role="admin")
+    key, _raw = services.api_key_create(tenant=tenant_a, actor=actor, name="ok", scopes=["audit:read"])
+    assert key.scopes == ["audit:read"]
+    # A role that holds every admin scope but not one a key asks for (a scope added later).
+    monkeypatch.setitem(actors.ROLE_SCOPES, "admin", actor.scopes - {"audit:read"} | {"x"})
+    narrower = actors.staff_actor(user=admin_user, role="admin")
+    monkeypatch.setattr("memories.services.tenants.TENANT_ADMIN_SCOPES", narrower.scopes)
+    with pytest.raises(InvalidInput) as refused:
+        services.api_key_create(tenant=tenant_a, actor=narrower, name="more", scopes=["audit:read"])
+    assert (refused.value.field, refused.value.code) == ("scopes", "scope_not_held")
+    assert ApiKey.objects.filter(tenant=tenant_a).count() == 1
+
+
 # --- memberships -----------------------------------------------------------------------------
 
 

@@ -161,6 +161,21 @@ def test_create_api_key_with_a_bare_allow_entry_never_reaches_its_neighbours(umb
     assert client.call("memory_read", key="user:u1:lang")[0] == 200
 
 
+@pytest.mark.parametrize("name", ["", "   ", "x" * 101, "a\x00b", "bot\nsecond line"])
+def test_create_api_key_with_a_name_that_cannot_be_stored_is_a_command_error_naming_it(umbrella, name):
+    # Were: "" and "   " stored as a nameless key, 101 characters a DataError traceback,
+    # a NUL a psycopg ValueError traceback.
+    with pytest.raises(CommandError, match="^name: "):
+        run("create_api_key", "--tenant", "umbrella", "--name", name, "--json")
+    assert not ApiKey.objects.exists()
+
+
+def test_create_api_key_keeps_each_scope_once(umbrella):
+    data = _create_key_json("--scopes", "memory:read,memory:search,memory:read")
+    assert data["scopes"] == ["memory:read", "memory:search"]
+    assert ApiKey.objects.get().scopes == ["memory:read", "memory:search"]
+
+
 @pytest.mark.parametrize("days", ["0", "-3"])
 def test_create_api_key_with_non_positive_expiry_is_a_command_error(umbrella, days):
     with pytest.raises(CommandError, match="expires_in_days"):

@@ -18,11 +18,22 @@ from memories.services import key_cache, sensitivity
 from memories.services.jobs import jobs_cancel_for_key
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput
 from zeromem.kernel.outcomes import ActorKind, Outcome
-from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES
+from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES, TENANT_ADMIN_SCOPES
 
 API_KEY_MAX_DAYS = 3650  # an API key's longest lifetime (the admin form offers the same)
+API_KEY_NAME_MAX = 100  # ApiKey.name's column
+
+
+def _require_key_manager(*, tenant: Tenant, actor: Actor, action: str) -> None:
+    """Only the system (the commands) and a tenant admin (the role whose scopes include every
+    other's: the admin's keys.manage capability) create or revoke a tenant's keys; anyone else
+    is refused here, whatever surface called, audited as ``denied``."""
+    if actor.kind == ActorKind.SYSTEM or (actor.kind == ActorKind.STAFF and TENANT_ADMIN_SCOPES <= actor.scopes):
+        return
+    with audited_operation(tenant=tenant, actor=actor, action=action):
+        raise Forbidden(code="admin_role_required", message="only a tenant admin manages API keys", field=None)
 
 
 def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant:
@@ -50,9 +61,16 @@ def api_key_create(
     expires_in_days: int | None = None,
     created_by=None,
 ) -> tuple[ApiKey, str]:
-    """Create a key and return it with its secret, the only time the secret exists. A
-    refused call raises before anything is written, and is not audited."""
-    scopes = [str(s) for s in (scopes if scopes is not None else DEFAULT_AGENT_SCOPES)]
+    """Create a key and return it with its secret, the only time the secret exists. Only the
+    system or a tenant admin may (refused: ``Forbidden``, audited as denied); a key gets no
+    scope its creator lacks. Bad input raises before anything is written, and is not
+    audited."""
+    _require_key_manager(tenant=tenant, actor=actor, action="api_key.create")
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput("must be a non-empty name", field="name")
+    validation.short_text(name, field="name", max_len=API_KEY_NAME_MAX)
+    # Each scope once, in the order given (a duplicate was stored and shown twice).
+    scopes = list(dict.fromkeys(str(s) for s in (scopes if scopes is not None else DEFAULT_AGENT_SCOPES)))
     unknown = sorted(set(scopes) - set(ALL_SCOPES))
     if unknown:
         raise InvalidInput(f"unknown scope {unknown[0]!r}; known: {', '.join(ALL_SCOPES)}", field="scopes")
@@ -62,6 +80,9 @@ def api_key_create(
         raise InvalidInput(
             f"{operator[0]!r} is an operator scope: create the key with manage.py create_api_key", field="scopes"
         )
+    beyond = sorted(set(scopes) - actor.scopes) if actor.kind != ActorKind.SYSTEM else []
+    if beyond:
+        raise InvalidInput(f"{beyond[0]!r} is a scope your role does not hold", field="scopes", code="scope_not_held")
     prefixes = validation.allowlist(allowed_prefixes)
     if expires_in_days is not None:
         # The admin form's bound: a date past year 9999 was an OverflowError (a traceback).
@@ -91,7 +112,9 @@ def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
     links (no index on the issuer: links are short-lived and purged, the table stays small).
     The key's jobs still queued are cancelled in the same transaction, with their own audit
     event (:func:`~memories.services.jobs.jobs_cancel_for_key`; a running one stops at its
-    own check of the key)."""
+    own check of the key). Only the system or a tenant admin may (refused: ``Forbidden``,
+    audited as denied)."""
+    _require_key_manager(tenant=tenant, actor=actor, action="api_key.revoke")
     with audited_operation(tenant=tenant, actor=actor, action="api_key.revoke") as op:
         now = timezone.now()
         updated = ApiKey.objects.filter(tenant=tenant, pk=key_id, revoked_at__isnull=True).update(revoked_at=now)
