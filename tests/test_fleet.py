@@ -22,8 +22,10 @@ from django.db import connection, connections
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
+from audit.models import AuditEvent
+from audit.seals import unsealed_q
 from memories import keyring, services
-from memories.models import ApiKey, DataKey
+from memories.models import ApiKey, DataKey, Tenant
 from tests.factories import SYSTEM, make_key, make_keyed_client, make_tenant, write
 from tests.helpers import PgBouncer, free_port
 from tests.test_serve import ROOT, Served, _database_url, _request
@@ -523,3 +525,30 @@ def test_the_overdue_forget_gauge_reads_the_open_requests_not_every_request_kept
 
     assert gauge.count() == 5
     assert rows_read(plan) <= 5, plan
+
+
+@pytest.mark.django_db
+def test_a_scrape_costs_the_same_queries_whatever_the_number_of_tenants():
+    # The unsealed-events gauge was two queries per tenant (its head seal, its tail's count):
+    # 2,001 round trips a scrape at 1,000 tenants, every 15 s per instance.
+    from audit import services as audit_services
+    from zeromem.kit.metrics import DatabaseCollector
+
+    def scrape() -> tuple[int, float]:
+        with CaptureQueriesContext(connection) as queries:
+            families = {family.name: family for family in DatabaseCollector().collect()}
+        return len(queries), families["zeromem_audit_unsealed_events"].samples[0].value
+
+    first = make_tenant("fleet-scrape-0")
+    write(first, "user:u1:a", 1)
+    audit_services.audit_seal_all()
+    write(first, "user:u1:b", 2)  # one unsealed event after a range seal
+    few, _ = scrape()
+    for n in range(1, 21):
+        write(make_tenant(f"fleet-scrape-{n}"), "user:u1:a", n)
+    many, unsealed = scrape()
+    assert many == few
+    assert unsealed == sum(
+        AuditEvent.objects.filter(unsealed_q(tenant_id)).count()
+        for tenant_id in [None, *Tenant.objects.values_list("pk", flat=True)]
+    )
