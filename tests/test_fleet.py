@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import subprocess
 import sys
@@ -552,3 +553,34 @@ def test_a_scrape_costs_the_same_queries_whatever_the_number_of_tenants():
         AuditEvent.objects.filter(unsealed_q(tenant_id)).count()
         for tenant_id in [None, *Tenant.objects.values_list("pk", flat=True)]
     )
+
+
+@pytest.mark.django_db
+def test_a_dead_processs_pool_gauges_leave_the_sum_its_counters_stay(tmp_path, monkeypatch):
+    # granian respawns a worker that died; its pool gauges ("livesum") stayed in the files and
+    # in every later scrape's sum (a crashed worker's 8 connections counted forever).
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from zeromem.kit import metrics
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def write_file(kind: str, pid: int, name: str, value: float, labels: dict | None = None) -> None:
+        store = MmapedDict(str(tmp_path / f"{kind}_{pid}.db"))
+        labels = labels or {}
+        key = mmap_key(
+            name, name if kind.startswith("gauge") else f"{name}_total", list(labels), list(labels.values()), "h"
+        )
+        store.write_value(key, value, 0.0)
+        store.close()
+
+    for pid, connections_open in ((os.getpid(), 3), (dead.pid, 8)):
+        write_file("gauge_livesum", pid, "zeromem_db_pool_connections", connections_open)
+        write_file("counter", pid, "zeromem_http_requests", 5, {"route": "r", "method": "GET", "status": "200"})
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(metrics, "MULTIPROCESS", True)
+    text = metrics.exposition()[0].decode()
+    assert _samples(text, "zeromem_db_pool_connections") == 3
+    assert _samples(text, "zeromem_http_requests_total") == 10  # what the dead one answered still counts
+    assert not (tmp_path / f"gauge_livesum_{dead.pid}.db").exists()
