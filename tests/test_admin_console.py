@@ -16,7 +16,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.admin.memories import MemoryAdmin
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
-from memories.models import ApiKey, ForgetRequest, Membership, Memory, TokenUsageDay, hash_api_key
+from memories.models import ApiKey, ForgetRequest, Membership, Memory, Tenant, TokenUsageDay, hash_api_key
 from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, make_tenant, write
 from zeromem.kernel.errors import NotFound
 
@@ -145,6 +145,34 @@ def test_a_tenant_admin_grants_a_key_no_scope_the_role_does_not_hold(tenant_a, m
         services.api_key_create(tenant=tenant_a, actor=narrower, name="more", scopes=["audit:read"])
     assert (refused.value.field, refused.value.code) == ("scopes", "scope_not_held")
     assert ApiKey.objects.filter(tenant=tenant_a).count() == 1
+
+
+def test_only_a_superuser_or_the_system_creates_tenants_and_changes_their_settings(tenant_a):
+    # The Tenant page is the superuser's (the admin checks it); the services checked nothing:
+    # a tenant admin's actor changed its tenant's limits and sensitivity rules, and created tenants.
+    from zeromem.kernel.actors import staff_actor
+    from zeromem.kernel.errors import Forbidden
+
+    tenant_admin = staff_actor(user=make_staff(tenant_a, "admin", "tina"), role="admin")
+    with pytest.raises(Forbidden):
+        services.tenant_settings_update(
+            tenant=tenant_a, actor=tenant_admin, name="Renamed", value_max_bytes=1, trash_retention_days=None
+        )
+    with pytest.raises(Forbidden):
+        services.tenant_create(actor=tenant_admin, slug="mine")
+    tenant_a.refresh_from_db()
+    assert tenant_a.value_max_bytes is None and tenant_a.name != "Renamed"
+    assert not Tenant.objects.filter(slug="mine").exists()
+    denied = AuditEvent.objects.filter(tenant=tenant_a, action="tenant.update", outcome="denied")
+    assert denied.count() == 1
+    boss = get_user_model().objects.create_superuser("boss", password=None)
+    as_superuser = staff_actor(user=boss, role="admin")
+    services.tenant_settings_update(
+        tenant=tenant_a, actor=as_superuser, name="Renamed", value_max_bytes=None, trash_retention_days=None
+    )
+    assert services.tenant_create(actor=as_superuser, slug="theirs").slug == "theirs"
+    tenant_a.refresh_from_db()
+    assert tenant_a.name == "Renamed"
 
 
 # --- memberships -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import validate_slug
 from django.db import transaction
@@ -36,9 +37,23 @@ def _require_key_manager(*, tenant: Tenant, actor: Actor, action: str) -> None:
         raise Forbidden(code="admin_role_required", message="only a tenant admin manages API keys", field=None)
 
 
+def _is_operator(actor: Actor) -> bool:
+    """The system (a command, a job) or an active superuser: who creates tenants and changes
+    their settings (the admin's Tenant page is theirs alone). Cost: one primary-key SELECT
+    for a staff actor."""
+    if actor.kind == ActorKind.SYSTEM:
+        return True
+    if actor.kind != ActorKind.STAFF or not actor.id.isdigit():
+        return False
+    return get_user_model().objects.filter(pk=int(actor.id), is_superuser=True, is_active=True).exists()
+
+
 def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant:
-    """A new tenant, audited in its own log as ``tenant.create``. The checks come first, and a
-    refusal is not audited (there is no tenant whose log could hold it)."""
+    """A new tenant, audited in its own log as ``tenant.create``; only the system or a
+    superuser (``Forbidden``). The checks come first, and a refusal is not audited (there is
+    no tenant whose log could hold it)."""
+    if not _is_operator(actor):
+        raise Forbidden(code="superuser_required", message="only a superuser creates tenants", field=None)
     try:
         validate_slug(slug)
     except DjangoValidationError:
@@ -154,10 +169,13 @@ def tenant_settings_update(
     sensitive_fields: Any = None,
 ):
     """Change a tenant's name, limits and sensitivity rules (the admin's Tenant page;
-    superusers only, which the admin checks). Audited as ``tenant.update`` with the fields
+    superusers only, checked here). Audited as ``tenant.update`` with the fields
     that changed. New rules apply to writes from now on; ``manage.py crypto_reencrypt``
-    seals the memories they match that were written before."""
+    seals the memories they match that were written before. Anyone but the system or a
+    superuser (a tenant admin included): ``Forbidden``, audited as denied."""
     with audited_operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug) as op:
+        if not _is_operator(actor):
+            raise Forbidden(code="superuser_required", message="only a superuser changes tenant settings", field=None)
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise InvalidInput("must be 1-200 characters", field="name")
         for field, raw in (("value_max_bytes", value_max_bytes), ("trash_retention_days", trash_retention_days)):
