@@ -584,3 +584,15 @@ def test_a_dead_processs_pool_gauges_leave_the_sum_its_counters_stay(tmp_path, m
     assert _samples(text, "zeromem_db_pool_connections") == 3
     assert _samples(text, "zeromem_http_requests_total") == 10  # what the dead one answered still counts
     assert not (tmp_path / f"gauge_livesum_{dead.pid}.db").exists()
+
+
+@pytest.mark.django_db
+def test_the_search_tier_rankings_are_on_the_page_of_a_single_process_too():
+    # Without PROMETHEUS_MULTIPROC_DIR (runserver, a server not started by serve) the page
+    # listed its own collectors by hand and left this one out (README lists it).
+    from memories.search.tier import RANKINGS
+    from zeromem.kit import metrics
+
+    assert not metrics.MULTIPROCESS
+    RANKINGS.labels("fallback").inc()
+    assert _samples(metrics.exposition()[0].decode(), "zeromem_search_tier_rankings_total", outcome="fallback") >= 1

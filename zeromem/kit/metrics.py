@@ -269,7 +269,10 @@ def exposition() -> tuple[bytes, str]:
         forget_dead_processes(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         multiprocess.MultiProcessCollector(registry)
     else:
+        from memories.search.tier import RANKINGS  # counted where searches are handed over
+
         for collector in (
+            RANKINGS,
             REQUESTS,
             LATENCY,
             TOOL_CALLS,
