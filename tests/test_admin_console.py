@@ -74,6 +74,16 @@ def test_key_form_rejects_a_bad_prefix_with_a_clear_error(tenant_a, staff_client
     assert not ApiKey.objects.filter(tenant=tenant_a).exists()
 
 
+def test_key_form_refuses_a_name_the_service_refuses_as_a_form_error(tenant_a, staff_clients):
+    _user, client = staff_clients["admin"]
+    response = client.post(
+        "/admin/memories/apikey/add/", {"tenant": tenant_a.pk, "name": "bot\x01", "scopes": ["memory:read"]}
+    )
+    assert response.status_code == 200
+    assert "control characters" in str(response.context["adminform"].form.errors["name"])
+    assert not ApiKey.objects.filter(tenant=tenant_a).exists()
+
+
 def test_key_form_normalises_entries_and_says_what_each_covers(tenant_a, staff_clients):
     _user, client = staff_clients["admin"]
     response = client.post(

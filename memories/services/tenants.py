@@ -66,6 +66,15 @@ def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant
     return op.tenant
 
 
+def api_key_name(name: Any) -> str:
+    """A key's name as stored: 1-100 characters, not only blanks, no control characters
+    (:class:`InvalidInput` naming ``name``). The admin's form asks it too."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput("must be a non-empty name", field="name")
+    validation.short_text(name, field="name", max_len=API_KEY_NAME_MAX)
+    return name
+
+
 def api_key_create(
     *,
     tenant: Tenant,
@@ -81,9 +90,7 @@ def api_key_create(
     scope its creator lacks. Bad input raises before anything is written, and is not
     audited."""
     _require_key_manager(tenant=tenant, actor=actor, action="api_key.create")
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidInput("must be a non-empty name", field="name")
-    validation.short_text(name, field="name", max_len=API_KEY_NAME_MAX)
+    name = api_key_name(name)
     # Each scope once, in the order given (a duplicate was stored and shown twice).
     scopes = list(dict.fromkeys(str(s) for s in (scopes if scopes is not None else DEFAULT_AGENT_SCOPES)))
     unknown = sorted(set(scopes) - set(ALL_SCOPES))
