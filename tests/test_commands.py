@@ -43,6 +43,23 @@ def test_create_tenant_with_bad_slug_is_a_command_error(db):
     assert not Tenant.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["x" * 64], "slug"),
+        (["umbrella", "--name", "n" * 201], "name"),
+        (["umbrella", "--name", "Umbrella\x00Corp"], "name"),
+        (["umbrella", "--name", "   "], "name"),
+    ],
+)
+def test_create_tenant_with_a_slug_or_name_that_cannot_be_stored_is_a_command_error_naming_it(db, args, field):
+    # Were: a 64-character slug and a 201-character name DataError tracebacks, a NUL a
+    # psycopg ValueError, a blank name a nameless tenant.
+    with pytest.raises(CommandError, match=f"^{field}: "):
+        run("create_tenant", *args)
+    assert not Tenant.objects.exists()
+
+
 @pytest.fixture
 def umbrella(db):
     run("create_tenant", "umbrella", "--name", "Umbrella")

@@ -25,6 +25,17 @@ from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCO
 
 API_KEY_MAX_DAYS = 3650  # an API key's longest lifetime (the admin form offers the same)
 API_KEY_NAME_MAX = 100  # ApiKey.name's column
+TENANT_SLUG_MAX = 63  # Tenant.slug's column
+TENANT_NAME_MAX = 200  # Tenant.name's column
+
+
+def tenant_name(name: Any) -> str:
+    """A tenant's name as stored: 1-200 characters, not only blanks, no control characters
+    (:class:`InvalidInput` naming ``name``)."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput(f"must be 1-{TENANT_NAME_MAX} characters", field="name")
+    validation.short_text(name, field="name", max_len=TENANT_NAME_MAX)
+    return name
 
 
 def _require_key_manager(*, tenant: Tenant, actor: Actor, action: str) -> None:
@@ -55,13 +66,18 @@ def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant
     if not _is_operator(actor):
         raise Forbidden(code="superuser_required", message="only a superuser creates tenants", field=None)
     try:
+        if not isinstance(slug, str):
+            raise DjangoValidationError("not a string")
         validate_slug(slug)
     except DjangoValidationError:
         raise InvalidInput("must be letters, digits, hyphens or underscores", field="slug") from None
+    if len(slug) > TENANT_SLUG_MAX:  # a DataError (a traceback) past the column
+        raise InvalidInput(f"must be at most {TENANT_SLUG_MAX} characters", field="slug", code="too_long")
+    name = slug if name is None else tenant_name(name)
     if Tenant.objects.filter(slug=slug).exists():
         raise InvalidInput(f"tenant '{slug}' already exists", field="slug", code="exists")
     with audited_operation(tenant=None, actor=actor, action="tenant.create", target=slug) as op:
-        op.tenant = Tenant.objects.create(slug=slug, name=name or slug)
+        op.tenant = Tenant.objects.create(slug=slug, name=name)
         op.record()
     return op.tenant
 
@@ -183,8 +199,7 @@ def tenant_settings_update(
     with audited_operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug) as op:
         if not _is_operator(actor):
             raise Forbidden(code="superuser_required", message="only a superuser changes tenant settings", field=None)
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise InvalidInput("must be 1-200 characters", field="name")
+        tenant_name(name)
         for field, raw in (("value_max_bytes", value_max_bytes), ("trash_retention_days", trash_retention_days)):
             if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
                 raise InvalidInput("must be a positive whole number or empty", field=field)

@@ -255,7 +255,11 @@ def forget_dead_processes(path: str) -> None:
     worker that died, and its last pool figures stayed in every later sum. Their counters
     and histograms stay (what they answered still happened). Cost: one listing of the
     directory and a signal-0 probe per process file."""
-    for name in os.listdir(path):
+    try:
+        names = os.listdir(path)
+    except OSError:  # the directory is gone: nothing to forget (the collector finds no file)
+        return
+    for name in names:
         if name.startswith("gauge_live") and name.endswith(".db"):
             pid = name[: -len(".db")].rpartition("_")[2]
             if pid.isdigit() and not _pid_alive(int(pid)):
