@@ -26,6 +26,7 @@ from audit.models import REVIEW_FIELDS
 from audit.seals import seal_numbers
 from audit.selectors import AuditFilters, few_by_index, list_page_bounds
 from audit.services import audit_export_start
+from zeromem.kernel.actors import Actor, require_still_held
 from zeromem.kernel.replica import REPLICA, replica_configured, replica_reads
 
 CHUNK_ROWS = 2000
@@ -100,7 +101,7 @@ def encode_rows(rows: Iterator[dict], fmt: str) -> Iterator[bytes]:
         yield buffer.getvalue().encode()
 
 
-def _pages(queryset, tenant, filters: AuditFilters) -> Iterator[dict]:
+def _pages(queryset, tenant, filters: AuditFilters, actor: Actor) -> Iterator[dict]:
     """The rows, newest first, in windows of the tenant's log as the review list reads it
     (:func:`audit.selectors.list_page_bounds`): each query reads at most
     ``selectors.EXPORT_SCAN_MAX`` of the tenant's events (a subject or key prefix naming few
@@ -110,11 +111,18 @@ def _pages(queryset, tenant, filters: AuditFilters) -> Iterator[dict]:
     thread, never a pooled connection, and a filter few events match (an actor, an action,
     an outcome) no longer reads the tenant's whole log in one query. The windows are
     contiguous id ranges, so every matching event comes once, in order. A row's ``seal`` is
-    its seal's number (a range seal's: one query over the page's seals)."""
+    its seal's number (a range seal's: one query over the page's seals). Before each page
+    after the first, the reader's credential is asked again
+    (:func:`~zeromem.kernel.actors.require_still_held`): an API key revoked or expired since
+    the export began ends the stream there, cut short (the server aborts the body)."""
     with replica_reads():  # an export may lag the log by the replica's delay
         few = few_by_index(tenant=tenant, filters=filters)
     before = bounds = None
+    first = True
     while True:
+        if not first:
+            require_still_held(actor)
+        first = False
         with replica_reads():
             if bounds is None:
                 bounds = list_page_bounds(
@@ -138,12 +146,12 @@ def _pages(queryset, tenant, filters: AuditFilters) -> Iterator[dict]:
             return
 
 
-def _chunks(queryset, tenant, filters: AuditFilters, fmt: str) -> Iterator[bytes]:
-    yield from encode_rows(_pages(queryset, tenant, filters), fmt)
+def _chunks(queryset, tenant, filters: AuditFilters, fmt: str, actor: Actor) -> Iterator[bytes]:
+    yield from encode_rows(_pages(queryset, tenant, filters, actor), fmt)
 
 
-async def _async_chunks(queryset, tenant, filters: AuditFilters, fmt: str) -> AsyncIterator[bytes]:
-    chunks = _chunks(queryset, tenant, filters, fmt)
+async def _async_chunks(queryset, tenant, filters: AuditFilters, fmt: str, actor: Actor) -> AsyncIterator[bytes]:
+    chunks = _chunks(queryset, tenant, filters, fmt, actor)
     fetch = sync_to_async(lambda: next(chunks, None), thread_sensitive=True)
     while (chunk := await fetch()) is not None:
         yield chunk
@@ -156,7 +164,7 @@ def audit_export_response(
     newest first. ``asynchronous``: the request is served under ASGI."""
     queryset = audit_export_start(tenant=tenant, actor=actor, filters=filters, fmt=fmt)
     chunks = _async_chunks if asynchronous else _chunks
-    body = chunks(queryset, tenant, filters, fmt)
+    body = chunks(queryset, tenant, filters, fmt, actor)
     response = StreamingHttpResponse(body, content_type=CONTENT_TYPES[fmt])
     stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
     response["Content-Disposition"] = f'attachment; filename="audit-{tenant.slug}-{stamp}.{fmt}"'

@@ -17,6 +17,13 @@ class MemoriesConfig(AppConfig):
             signal.connect(key_cache.forget_key, sender=ApiKey, dispatch_uid=f"key_cache.key.{name}")
             signal.connect(key_cache.forget_all, sender=Tenant, dispatch_uid=f"key_cache.tenant.{name}")
 
+        # A long answer (an export stream) stops at its next part once its key is withdrawn.
+        from memories.services.api_keys import key_withdrawn
+        from zeromem.kernel.actors import register_withdrawn_check
+        from zeromem.kernel.outcomes import ActorKind
+
+        register_withdrawn_check(ActorKind.API_KEY, key_withdrawn)
+
         from django.core.checks import Tags, register
 
         from zeromem.kernel import checks  # noqa: F401  registers the deploy checks

@@ -16,7 +16,7 @@ from audit.models import AuditEvent
 from memories import services
 from memories.admin.memories import MemoryAdmin
 from memories.api.auth import LAST_USED_RESOLUTION  # noqa: F401 (documents where last_used_at comes from)
-from memories.models import ApiKey, ForgetRequest, Membership, Memory, TokenUsageDay, hash_api_key
+from memories.models import ApiKey, ForgetRequest, Membership, Memory, Tenant, TokenUsageDay, hash_api_key
 from tests.factories import ROLES, SYSTEM, logged_in, make_key, make_staff, make_tenant, write
 from zeromem.kernel.errors import NotFound
 
@@ -74,6 +74,16 @@ def test_key_form_rejects_a_bad_prefix_with_a_clear_error(tenant_a, staff_client
     assert not ApiKey.objects.filter(tenant=tenant_a).exists()
 
 
+def test_key_form_refuses_a_name_the_service_refuses_as_a_form_error(tenant_a, staff_clients):
+    _user, client = staff_clients["admin"]
+    response = client.post(
+        "/admin/memories/apikey/add/", {"tenant": tenant_a.pk, "name": "bot\x01", "scopes": ["memory:read"]}
+    )
+    assert response.status_code == 200
+    assert "control characters" in str(response.context["adminform"].form.errors["name"])
+    assert not ApiKey.objects.filter(tenant=tenant_a).exists()
+
+
 def test_key_form_normalises_entries_and_says_what_each_covers(tenant_a, staff_clients):
     _user, client = staff_clients["admin"]
     response = client.post(
@@ -104,6 +114,75 @@ def test_admin_revokes_a_key_and_sees_last_used(tenant_a, staff_clients, client)
     assert key.revoked_at is not None
     assert client.get("/api/v1/memories", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
     assert AuditEvent.objects.filter(tenant=tenant_a, action="api_key.revoke", actor_kind="staff").count() == 1
+
+
+@pytest.mark.parametrize("role", ["viewer", "support", "compliance"])
+def test_the_key_services_refuse_staff_below_the_admin_role_and_audit_it(tenant_a, role):
+    # The admin pages check keys.manage; the services did not: any staff actor (any surface
+    # that calls them) created and revoked keys, with any scope.
+    from zeromem.kernel.actors import staff_actor
+    from zeromem.kernel.errors import Forbidden
+
+    key, raw = make_key(tenant_a, name="bot")
+    actor = staff_actor(user=make_staff(tenant_a, role, f"{role}-x"), role=role)
+    with pytest.raises(Forbidden):
+        services.api_key_create(tenant=tenant_a, actor=actor, name="mine", scopes=["memory:read", "audit:read"])
+    with pytest.raises(Forbidden):
+        services.api_key_revoke(tenant=tenant_a, actor=actor, key_id=key.pk)
+    assert list(ApiKey.objects.filter(tenant=tenant_a)) == [key]
+    key.refresh_from_db()
+    assert key.revoked_at is None
+    denied = AuditEvent.objects.filter(tenant=tenant_a, outcome="denied", actor_kind="staff").order_by("pk")
+    assert [(e.action, e.detail.get("code")) for e in denied] == [
+        ("api_key.create", "admin_role_required"),
+        ("api_key.revoke", "admin_role_required"),
+    ]
+
+
+def test_a_tenant_admin_grants_a_key_no_scope_the_role_does_not_hold(tenant_a, monkeypatch):
+    from zeromem.kernel import actors
+    from zeromem.kernel.errors import InvalidInput
+
+    admin_user = make_staff(tenant_a, "admin", "ada")
+    actor = actors.staff_actor(user=admin_user, role="admin")
+    key, _raw = services.api_key_create(tenant=tenant_a, actor=actor, name="ok", scopes=["audit:read"])
+    assert key.scopes == ["audit:read"]
+    # A role that holds every admin scope but not one a key asks for (a scope added later).
+    monkeypatch.setitem(actors.ROLE_SCOPES, "admin", actor.scopes - {"audit:read"} | {"x"})
+    narrower = actors.staff_actor(user=admin_user, role="admin")
+    monkeypatch.setattr("memories.services.tenants.TENANT_ADMIN_SCOPES", narrower.scopes)
+    with pytest.raises(InvalidInput) as refused:
+        services.api_key_create(tenant=tenant_a, actor=narrower, name="more", scopes=["audit:read"])
+    assert (refused.value.field, refused.value.code) == ("scopes", "scope_not_held")
+    assert ApiKey.objects.filter(tenant=tenant_a).count() == 1
+
+
+def test_only_a_superuser_or_the_system_creates_tenants_and_changes_their_settings(tenant_a):
+    # The Tenant page is the superuser's (the admin checks it); the services checked nothing:
+    # a tenant admin's actor changed its tenant's limits and sensitivity rules, and created tenants.
+    from zeromem.kernel.actors import staff_actor
+    from zeromem.kernel.errors import Forbidden
+
+    tenant_admin = staff_actor(user=make_staff(tenant_a, "admin", "tina"), role="admin")
+    with pytest.raises(Forbidden):
+        services.tenant_settings_update(
+            tenant=tenant_a, actor=tenant_admin, name="Renamed", value_max_bytes=1, trash_retention_days=None
+        )
+    with pytest.raises(Forbidden):
+        services.tenant_create(actor=tenant_admin, slug="mine")
+    tenant_a.refresh_from_db()
+    assert tenant_a.value_max_bytes is None and tenant_a.name != "Renamed"
+    assert not Tenant.objects.filter(slug="mine").exists()
+    denied = AuditEvent.objects.filter(tenant=tenant_a, action="tenant.update", outcome="denied")
+    assert denied.count() == 1
+    boss = get_user_model().objects.create_superuser("boss", password=None)
+    as_superuser = staff_actor(user=boss, role="admin")
+    services.tenant_settings_update(
+        tenant=tenant_a, actor=as_superuser, name="Renamed", value_max_bytes=None, trash_retention_days=None
+    )
+    assert services.tenant_create(actor=as_superuser, slug="theirs").slug == "theirs"
+    tenant_a.refresh_from_db()
+    assert tenant_a.name == "Renamed"
 
 
 # --- memberships -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from audit.models import AuditEvent, AuditSeal
 from audit.seals import unsealed_q
 from audit.selectors import AuditFilters
 from audit.services import audit_record, audit_seal
+from tests.factories import SYSTEM
 from tests.helpers import rest_error
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
@@ -301,6 +302,36 @@ def test_export_under_asgi_streams_an_async_iterator(log, tenant_a):
     assert len(lines) == AuditEvent.objects.filter(tenant=tenant_a, target__startswith="user:").count()
 
 
+@pytest.mark.parametrize("withdrawn", ["revoked", "expired"])
+def test_an_export_stream_stops_at_its_next_page_once_its_key_is_revoked_or_expired(
+    tenant_a, make_client, monkeypatch, withdrawn
+):
+    # A streamed export read its whole log for a key revoked after it began: at 2,000 rows a
+    # page, a client reading slowly kept receiving the tenant's audit log for as long as it
+    # liked. Now the stream ends at its next page, cut short (no clean end of the body).
+    from memories import services as key_services
+    from memories.models import ApiKey
+    from zeromem.kernel.errors import Unauthenticated
+
+    monkeypatch.setattr("audit.exports.CHUNK_ROWS", 2)
+    auditor, key = make_client(tenant_a, scopes=["audit:read", "memory:write"])
+    for n in range(8):
+        auditor.call("memory_write", key=f"user:u1:k{n}", value=n)
+    response = auditor.get(EXPORT, {"format": "jsonl"})
+    assert response.status_code == 200
+    chunks = iter(response.streaming_content)
+    first = next(chunks)
+    if withdrawn == "revoked":
+        key_services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    else:
+        ApiKey.objects.filter(pk=key.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    with pytest.raises(Unauthenticated) as stopped:
+        for _chunk in chunks:
+            pass
+    assert stopped.value.code == f"key_{withdrawn}"
+    assert len(first.decode().splitlines()) == 2
+
+
 def test_export_of_an_empty_range_is_just_the_header(log):
     future = (timezone.now() + timedelta(days=1)).isoformat()
     assert stream(log.get(EXPORT, {"since": future})).splitlines() == [
@@ -512,11 +543,21 @@ def test_every_page_of_a_walk_reads_a_bounded_window_the_last_one_too(dated, mon
 # --- bounded exports ----------------------------------------------------------------------------
 
 
+def _reader(tenant) -> Actor:
+    """An API key's actor with audit:read, its key a row of ``tenant`` (an export asks again
+    before each page whether it still holds) — stored directly: no event in the log."""
+    from memories.models import ApiKey
+    from memories.services.api_keys import key_actor
+
+    _raw, lookup, key_hash = ApiKey.generate()
+    key = ApiKey.objects.create(tenant=tenant, name="reader", lookup=lookup, key_hash=key_hash, scopes=["audit:read"])
+    return key_actor(key, surface="rest")
+
+
 def _export_ids(tenant, **filters) -> list[int]:
     from audit.selectors import audit_filters
 
-    actor = Actor(kind="api_key", id="1", label="zm_t", scopes=frozenset(["audit:read"]), surface="rest")
-    response = audit_export_response(tenant=tenant, actor=actor, filters=audit_filters(filters), fmt="jsonl")
+    response = audit_export_response(tenant=tenant, actor=_reader(tenant), filters=audit_filters(filters), fmt="jsonl")
     return [e["id"] for e in map(json.loads, stream(response).splitlines()) if e["action"] != "audit.export"]
 
 

@@ -43,6 +43,23 @@ def test_create_tenant_with_bad_slug_is_a_command_error(db):
     assert not Tenant.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["x" * 64], "slug"),
+        (["umbrella", "--name", "n" * 201], "name"),
+        (["umbrella", "--name", "Umbrella\x00Corp"], "name"),
+        (["umbrella", "--name", "   "], "name"),
+    ],
+)
+def test_create_tenant_with_a_slug_or_name_that_cannot_be_stored_is_a_command_error_naming_it(db, args, field):
+    # Were: a 64-character slug and a 201-character name DataError tracebacks, a NUL a
+    # psycopg ValueError, a blank name a nameless tenant.
+    with pytest.raises(CommandError, match=f"^{field}: "):
+        run("create_tenant", *args)
+    assert not Tenant.objects.exists()
+
+
 @pytest.fixture
 def umbrella(db):
     run("create_tenant", "umbrella", "--name", "Umbrella")
@@ -159,6 +176,21 @@ def test_create_api_key_with_a_bare_allow_entry_never_reaches_its_neighbours(umb
     client = KeyedClient(raw, umbrella, Client())
     assert client.call("memory_read", key="user:u10:secret")[0] == 403
     assert client.call("memory_read", key="user:u1:lang")[0] == 200
+
+
+@pytest.mark.parametrize("name", ["", "   ", "x" * 101, "a\x00b", "bot\nsecond line"])
+def test_create_api_key_with_a_name_that_cannot_be_stored_is_a_command_error_naming_it(umbrella, name):
+    # Were: "" and "   " stored as a nameless key, 101 characters a DataError traceback,
+    # a NUL a psycopg ValueError traceback.
+    with pytest.raises(CommandError, match="^name: "):
+        run("create_api_key", "--tenant", "umbrella", "--name", name, "--json")
+    assert not ApiKey.objects.exists()
+
+
+def test_create_api_key_keeps_each_scope_once(umbrella):
+    data = _create_key_json("--scopes", "memory:read,memory:search,memory:read")
+    assert data["scopes"] == ["memory:read", "memory:search"]
+    assert ApiKey.objects.get().scopes == ["memory:read", "memory:search"]
 
 
 @pytest.mark.parametrize("days", ["0", "-3"])

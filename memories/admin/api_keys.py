@@ -34,6 +34,13 @@ class ApiKeyForm(forms.ModelForm):
         model = ApiKey
         fields = ("tenant", "name")
 
+    def clean_name(self):
+        name = self.cleaned_data.get("name")
+        try:
+            return services.api_key_name(name)  # the rule api_key_create applies again
+        except ServiceError as exc:
+            raise forms.ValidationError(exc.message) from None
+
     def clean_allowed_prefixes(self):
         lines = [p for p in (self.cleaned_data.get("allowed_prefixes") or "").splitlines() if p.strip()]
         try:

@@ -50,7 +50,13 @@ from memories.services.summaries import (
     summarize_run,
     summarize_start,
 )
-from memories.services.tenants import api_key_create, api_key_revoke, tenant_create, tenant_settings_update
+from memories.services.tenants import (
+    api_key_create,
+    api_key_name,
+    api_key_revoke,
+    tenant_create,
+    tenant_settings_update,
+)
 
 __all__ = [
     "forget_queue_viewed",
@@ -65,6 +71,7 @@ __all__ = [
     "MemoryResult",
     "SearchHit",
     "api_key_create",
+    "api_key_name",
     "api_key_revoke",
     "memory_delete",
     "memory_history",

@@ -15,6 +15,7 @@ import math
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 
 from audit import limits
@@ -130,3 +131,18 @@ def rate_limit_charge_items(actor: Actor, items: int, *, field: str, message: st
     wait = rate_limit_take_id(int(actor.id), cost=items - 1)
     if wait is not None:
         raise TenantBusy(message, code="rate_limited", field=field, retry_after=max(1, math.ceil(wait)))
+
+
+def key_withdrawn(actor: Actor) -> str | None:
+    """Why the API key of ``actor`` no longer holds (``key_revoked``, ``key_expired``; a key
+    that is gone: ``invalid_key``), else None — read from the primary, not the cache: what a
+    long answer (an export stream) asks before each further page
+    (:func:`zeromem.kernel.actors.require_still_held`). Cost: one primary-key SELECT."""
+    key = ApiKey.objects.using(DEFAULT_DB_ALIAS).filter(pk=actor.id).values("revoked_at", "expires_at").first()
+    if key is None:
+        return "invalid_key"
+    if key["revoked_at"] is not None:
+        return "key_revoked"
+    if key["expires_at"] is not None and key["expires_at"] <= timezone.now():
+        return "key_expired"
+    return None

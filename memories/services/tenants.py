@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import validate_slug
 from django.db import transaction
@@ -18,26 +19,76 @@ from memories.services import key_cache, sensitivity
 from memories.services.jobs import jobs_cancel_for_key
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput
 from zeromem.kernel.outcomes import ActorKind, Outcome
-from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES
+from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES, TENANT_ADMIN_SCOPES
 
 API_KEY_MAX_DAYS = 3650  # an API key's longest lifetime (the admin form offers the same)
+API_KEY_NAME_MAX = 100  # ApiKey.name's column
+TENANT_SLUG_MAX = 63  # Tenant.slug's column
+TENANT_NAME_MAX = 200  # Tenant.name's column
+
+
+def tenant_name(name: Any) -> str:
+    """A tenant's name as stored: 1-200 characters, not only blanks, no control characters
+    (:class:`InvalidInput` naming ``name``)."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput(f"must be 1-{TENANT_NAME_MAX} characters", field="name")
+    validation.short_text(name, field="name", max_len=TENANT_NAME_MAX)
+    return name
+
+
+def _require_key_manager(*, tenant: Tenant, actor: Actor, action: str) -> None:
+    """Only the system (the commands) and a tenant admin (the role whose scopes include every
+    other's: the admin's keys.manage capability) create or revoke a tenant's keys; anyone else
+    is refused here, whatever surface called, audited as ``denied``."""
+    if actor.kind == ActorKind.SYSTEM or (actor.kind == ActorKind.STAFF and TENANT_ADMIN_SCOPES <= actor.scopes):
+        return
+    with audited_operation(tenant=tenant, actor=actor, action=action):
+        raise Forbidden(code="admin_role_required", message="only a tenant admin manages API keys", field=None)
+
+
+def _is_operator(actor: Actor) -> bool:
+    """The system (a command, a job) or an active superuser: who creates tenants and changes
+    their settings (the admin's Tenant page is theirs alone). Cost: one primary-key SELECT
+    for a staff actor."""
+    if actor.kind == ActorKind.SYSTEM:
+        return True
+    if actor.kind != ActorKind.STAFF or not actor.id.isdigit():
+        return False
+    return get_user_model().objects.filter(pk=int(actor.id), is_superuser=True, is_active=True).exists()
 
 
 def tenant_create(*, actor: Actor, slug: Any, name: str | None = None) -> Tenant:
-    """A new tenant, audited in its own log as ``tenant.create``. The checks come first, and a
-    refusal is not audited (there is no tenant whose log could hold it)."""
+    """A new tenant, audited in its own log as ``tenant.create``; only the system or a
+    superuser (``Forbidden``). The checks come first, and a refusal is not audited (there is
+    no tenant whose log could hold it)."""
+    if not _is_operator(actor):
+        raise Forbidden(code="superuser_required", message="only a superuser creates tenants", field=None)
     try:
+        if not isinstance(slug, str):
+            raise DjangoValidationError("not a string")
         validate_slug(slug)
     except DjangoValidationError:
         raise InvalidInput("must be letters, digits, hyphens or underscores", field="slug") from None
+    if len(slug) > TENANT_SLUG_MAX:  # a DataError (a traceback) past the column
+        raise InvalidInput(f"must be at most {TENANT_SLUG_MAX} characters", field="slug", code="too_long")
+    name = slug if name is None else tenant_name(name)
     if Tenant.objects.filter(slug=slug).exists():
         raise InvalidInput(f"tenant '{slug}' already exists", field="slug", code="exists")
     with audited_operation(tenant=None, actor=actor, action="tenant.create", target=slug) as op:
-        op.tenant = Tenant.objects.create(slug=slug, name=name or slug)
+        op.tenant = Tenant.objects.create(slug=slug, name=name)
         op.record()
     return op.tenant
+
+
+def api_key_name(name: Any) -> str:
+    """A key's name as stored: 1-100 characters, not only blanks, no control characters
+    (:class:`InvalidInput` naming ``name``). The admin's form asks it too."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput("must be a non-empty name", field="name")
+    validation.short_text(name, field="name", max_len=API_KEY_NAME_MAX)
+    return name
 
 
 def api_key_create(
@@ -50,9 +101,14 @@ def api_key_create(
     expires_in_days: int | None = None,
     created_by=None,
 ) -> tuple[ApiKey, str]:
-    """Create a key and return it with its secret, the only time the secret exists. A
-    refused call raises before anything is written, and is not audited."""
-    scopes = [str(s) for s in (scopes if scopes is not None else DEFAULT_AGENT_SCOPES)]
+    """Create a key and return it with its secret, the only time the secret exists. Only the
+    system or a tenant admin may (refused: ``Forbidden``, audited as denied); a key gets no
+    scope its creator lacks. Bad input raises before anything is written, and is not
+    audited."""
+    _require_key_manager(tenant=tenant, actor=actor, action="api_key.create")
+    name = api_key_name(name)
+    # Each scope once, in the order given (a duplicate was stored and shown twice).
+    scopes = list(dict.fromkeys(str(s) for s in (scopes if scopes is not None else DEFAULT_AGENT_SCOPES)))
     unknown = sorted(set(scopes) - set(ALL_SCOPES))
     if unknown:
         raise InvalidInput(f"unknown scope {unknown[0]!r}; known: {', '.join(ALL_SCOPES)}", field="scopes")
@@ -62,6 +118,9 @@ def api_key_create(
         raise InvalidInput(
             f"{operator[0]!r} is an operator scope: create the key with manage.py create_api_key", field="scopes"
         )
+    beyond = sorted(set(scopes) - actor.scopes) if actor.kind != ActorKind.SYSTEM else []
+    if beyond:
+        raise InvalidInput(f"{beyond[0]!r} is a scope your role does not hold", field="scopes", code="scope_not_held")
     prefixes = validation.allowlist(allowed_prefixes)
     if expires_in_days is not None:
         # The admin form's bound: a date past year 9999 was an OverflowError (a traceback).
@@ -91,7 +150,9 @@ def api_key_revoke(*, tenant: Tenant, actor: Actor, key_id: int) -> bool:
     links (no index on the issuer: links are short-lived and purged, the table stays small).
     The key's jobs still queued are cancelled in the same transaction, with their own audit
     event (:func:`~memories.services.jobs.jobs_cancel_for_key`; a running one stops at its
-    own check of the key)."""
+    own check of the key). Only the system or a tenant admin may (refused: ``Forbidden``,
+    audited as denied)."""
+    _require_key_manager(tenant=tenant, actor=actor, action="api_key.revoke")
     with audited_operation(tenant=tenant, actor=actor, action="api_key.revoke") as op:
         now = timezone.now()
         updated = ApiKey.objects.filter(tenant=tenant, pk=key_id, revoked_at__isnull=True).update(revoked_at=now)
@@ -131,12 +192,14 @@ def tenant_settings_update(
     sensitive_fields: Any = None,
 ):
     """Change a tenant's name, limits and sensitivity rules (the admin's Tenant page;
-    superusers only, which the admin checks). Audited as ``tenant.update`` with the fields
+    superusers only, checked here). Audited as ``tenant.update`` with the fields
     that changed. New rules apply to writes from now on; ``manage.py crypto_reencrypt``
-    seals the memories they match that were written before."""
+    seals the memories they match that were written before. Anyone but the system or a
+    superuser (a tenant admin included): ``Forbidden``, audited as denied."""
     with audited_operation(tenant=tenant, actor=actor, action="tenant.update", target=tenant.slug) as op:
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise InvalidInput("must be 1-200 characters", field="name")
+        if not _is_operator(actor):
+            raise Forbidden(code="superuser_required", message="only a superuser changes tenant settings", field=None)
+        tenant_name(name)
         for field, raw in (("value_max_bytes", value_max_bytes), ("trash_retention_days", trash_retention_days)):
             if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
                 raise InvalidInput("must be a positive whole number or empty", field=field)

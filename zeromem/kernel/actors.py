@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from zeromem.kernel.errors import Forbidden
+from zeromem.kernel.errors import Forbidden, Unauthenticated
 from zeromem.kernel.keyprefix import exact
 from zeromem.kernel.outcomes import ActorKind
 from zeromem.kernel.scopes import ALL_SCOPES, ROLE_SCOPES
@@ -147,3 +147,23 @@ def staff_actor(*, user, role: str, request_id: str = "", client_ip: str | None 
         request_id=request_id,
         client_ip=client_ip,
     )
+
+
+# Why an actor's credential no longer holds (an API key revoked or expired since its request
+# began: "key_revoked", "key_expired"), else None — registered by the app that owns the
+# credential (memories: API keys), asked by a long answer before each further part of it (an
+# export stream's next page). A kind nobody registered always holds.
+_withdrawn_checks: dict[str, Callable[[Actor], str | None]] = {}
+
+
+def register_withdrawn_check(kind: str, check: Callable[[Actor], str | None]) -> None:
+    _withdrawn_checks[kind] = check
+
+
+def require_still_held(actor: Actor) -> None:
+    """:class:`Unauthenticated` (its code the reason) when ``actor``'s credential was withdrawn
+    since it authenticated. Cost: one primary-key SELECT for an API key, nothing otherwise."""
+    check = _withdrawn_checks.get(actor.kind)
+    code = check(actor) if check is not None else None
+    if code is not None:
+        raise Unauthenticated("this API key was revoked or has expired since the request began", code=code)

@@ -18,7 +18,8 @@ What is recorded where:
   ``error``) — ``zeromem_search_tier_rankings``, counted where they are handed over
   (memories/search/tier.py);
 * the database pool of each process (connections open, idle, requests waiting), sampled at
-  the end of a request at most once a second;
+  the end of a request at most once a second; a process that is gone leaves the sum at the
+  next scrape (:func:`forget_dead_processes`);
 * at scrape time, from the database (one short query each, :class:`DatabaseCollector`): the
   job queue's depth and its oldest queued job's age, the open forget requests past their due
   date, the audit events not yet sealed, the data keys by state (``current``, ``retired``,
@@ -239,13 +240,43 @@ class DatabaseCollector:
         yield keys
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
+
+
+def forget_dead_processes(path: str) -> None:
+    """Drop the "live" gauges (the pool's) of the processes that are gone: granian respawns a
+    worker that died, and its last pool figures stayed in every later sum. Their counters
+    and histograms stay (what they answered still happened). Cost: one listing of the
+    directory and a signal-0 probe per process file."""
+    try:
+        names = os.listdir(path)
+    except OSError:  # the directory is gone: nothing to forget (the collector finds no file)
+        return
+    for name in names:
+        if name.startswith("gauge_live") and name.endswith(".db"):
+            pid = name[: -len(".db")].rpartition("_")[2]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                multiprocess.mark_process_dead(int(pid), path)
+
+
 def exposition() -> tuple[bytes, str]:
     """The metrics page: every web process's metrics (multiprocess mode) plus the database's."""
     registry = CollectorRegistry()
     if MULTIPROCESS:
+        forget_dead_processes(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         multiprocess.MultiProcessCollector(registry)
     else:
+        from memories.search.tier import RANKINGS  # counted where searches are handed over
+
         for collector in (
+            RANKINGS,
             REQUESTS,
             LATENCY,
             TOOL_CALLS,
