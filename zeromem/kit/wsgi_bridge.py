@@ -120,10 +120,11 @@ async def preread(scope, receive, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def replayed(body: bytes, receive):
-    """``receive`` for an app whose request body :func:`preread` has read already: that body
-    as one message, then what the client sends next (its disconnect)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
+def replayed(body: bytes, receive, *, more: bool = False):
+    """``receive`` for an app whose request body :func:`preread` (or the router's read-ahead)
+    has read already: that body as one message, then what the client sends next (its
+    disconnect; with ``more``, the rest of a body read only in part)."""
+    pending = [{"type": "http.request", "body": body, "more_body": more}]
 
     async def receive_replayed():
         if pending:
