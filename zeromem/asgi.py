@@ -8,8 +8,9 @@ small router in front of two apps.
 
   * ``wsgi`` (default): Django's WSGI app through zeromem/kit/wsgi_bridge.py, in a pool of
     ``ZEROMEM_WEB_THREADS`` threads. A request runs start to end in one thread, as under a
-    WSGI server; a small body is read before the request takes a thread, a larger or chunked
-    one streams to ``wsgi.input`` (a2wsgi's), and the cap is the middleware's.
+    WSGI server; the router reads its body (up to the cap; over 64 KiB or chunked within the
+    process's budget, zeromem/kit/read_ahead.py) before it takes a thread, and the cap's 413
+    is the middleware's.
   * ``a2wsgi``: the same through a2wsgi's own responder (a thread hop per message), for
     comparison (``bench_serve --django-modes bridge,a2wsgi``).
   * ``asgi``: Django's own ASGIHandler. It reads the whole request body (into a spooled
