@@ -130,6 +130,9 @@ def test_autovacuum_off_is_a_deploy_warning_naming_the_database():
         ("ZEROMEM_SEARCH_TIMEOUT_MS", "0", "ZEROMEM_SEARCH_TIMEOUT_MS must be a number of at least 1"),
         ("ZEROMEM_MAX_BODY_BYTES", "-1", "ZEROMEM_MAX_BODY_BYTES must be a number of at least 1"),
         ("DB_POOL_TIMEOUT", "0", "DB_POOL_TIMEOUT must be a number of at least"),
+        # A body at the cap would never fit the read-ahead budget: every one refused 503.
+        ("ZEROMEM_BODY_READ_AHEAD_BYTES", "1000", "ZEROMEM_BODY_READ_AHEAD_BYTES (1000) must be at least"),
+        ("ZEROMEM_BODY_READ_TIMEOUT_SECONDS", "0", "ZEROMEM_BODY_READ_TIMEOUT_SECONDS must be a number of at least"),
         # Once unbounded: a day's cache kept a shredded data key (a forget) or a revoked API key
         # working in every other process for a day.
         ("ZEROMEM_DATA_KEY_CACHE_SECONDS", "86400", "ZEROMEM_DATA_KEY_CACHE_SECONDS must be at most 300"),

@@ -1087,6 +1087,75 @@ def test_requests_sending_their_body_slowly_make_no_other_tenant_wait(server):
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_four_slow_500_kb_bodies_from_four_keys_make_no_other_tenant_wait(server, framing):
+    # A body over 64 KiB (up to the 1 MiB cap) or a chunked one streamed to the app from a
+    # request thread: four keys (one address) sending 500 KB slowly, two to REST and two to
+    # /mcp, held all four threads of the process and another tenant's MCP call and REST read
+    # waited for as long as those bodies took. Now the router reads them first.
+    import socket
+
+    slow_tenant, other = make_tenant("body-slow"), make_tenant("body-slow-other")
+    keys = [make_key(slow_tenant)[1] for _ in range(4)]
+    _key, other_raw = make_key(other)
+    host, port = server.split("//")[1].split("/")[0].split(":")
+    size = 500_000
+
+    def padded(message: dict) -> bytes:  # JSON, then spaces up to 500 KB
+        text = json.dumps(message).encode()
+        return text + b" " * (size - len(text))
+
+    requests = []
+    for n, raw in enumerate(keys):
+        if n % 2:
+            path, body = "/mcp", padded({"jsonrpc": "2.0", "id": 7, "method": "ping", "params": {}})
+        else:
+            value = {"name": "memory_write", "arguments": {"key": f"user:u1:big{n}", "value": f"v{n}"}}
+            path, body = "/api/v1/tools/call", padded(value)
+        framed = f"Content-Length: {size}\r\n" if framing == "content-length" else "Transfer-Encoding: chunked\r\n"
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {raw}\r\n"
+            f"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n{framed}\r\n"
+        ).encode()
+        pieces = [body[i : i + 100_000] for i in range(0, size, 100_000)]
+        if framing == "chunked":
+            pieces = [b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces] + [b"0\r\n\r\n"]
+        requests.append((head, pieces))
+    slow = []
+    try:
+        for head, pieces in requests:
+            s = socket.create_connection((host, int(port)), timeout=30)
+            s.sendall(head + pieces[0])  # 100 KB of 500, the rest later
+            slow.append(s)
+        time.sleep(0.5)
+
+        async def session(client):
+            with anyio.fail_after(5):
+                return (await client.call_tool("memory_list", {})).structured_content["status"]
+
+        started = time.monotonic()
+        assert over_http(server, other_raw, session) == "ok"
+        rest = httpx2.get(
+            server.replace("/mcp", "/api/v1/memories/user:u1:k"),
+            headers={"Authorization": f"Bearer {other_raw}"},
+            timeout=5,
+        )
+        assert rest.status_code == 404 and time.monotonic() - started < 5
+        for s, (_head, pieces) in zip(slow, requests, strict=True):
+            s.sendall(b"".join(pieces[1:]))
+        for n, s in enumerate(slow):
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert (b'"id":7' if n % 2 else b'"status":"ok"') in answer, answer
+    finally:
+        for s in slow:
+            s.close()
+    stored = services.memory_list(tenant=slow_tenant, actor=SYSTEM, prefix="").keys
+    assert sorted(stored) == ["user:u1:big0", "user:u1:big2"]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
 def test_a_request_with_two_authorization_headers_is_refused_before_any_key_lookup(server):
     # The SDK verified the first Authorization header while the router's fair share of request
     # threads counted the request against the last one's key lookup: one key, sent with a

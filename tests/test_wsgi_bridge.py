@@ -265,3 +265,188 @@ def _async(function):
         function(message)
 
     return call
+
+
+# --- bodies over 64 KiB and chunked ones, read before the request takes a thread, within the
+# process's budget (zeromem/kit/read_ahead.py): they streamed to the app from a request thread,
+# so a few keys sending big bodies slowly held every thread of a process.
+
+KB500 = 500_000
+
+
+def _trickled(body: bytes, gate: asyncio.Event, pieces: int = 10, stall: bool = False):
+    """receive() handing out ``body`` in ``pieces`` messages, the last one once ``gate`` is set
+    (``stall``: never; the client stopped sending)."""
+    step = -(-len(body) // pieces)
+    parts = [body[i : i + step] for i in range(0, len(body), step)]
+    calls = {"n": 0}
+
+    async def receive():
+        calls["n"] += 1
+        index = calls["n"] - 1
+        if index == len(parts) - 1:
+            await (asyncio.Event().wait() if stall else gate.wait())
+        if index >= len(parts):
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": parts[index], "more_body": index < len(parts) - 1}
+
+    return receive, calls
+
+
+class _Echo:
+    """The WSGI app and the MCP endpoint of the router under test: each keeps the body it was
+    given (by path and key) and answers its length."""
+
+    session_manager = None
+
+    def __init__(self):
+        self.seen = {}
+
+    def wsgi(self, environ, start_response):
+        self.seen[(environ["PATH_INFO"], environ.get("HTTP_AUTHORIZATION", ""))] = environ["wsgi.input"].read()
+        start_response("200 OK", [])
+        return [b"wsgi %d" % len(self.seen[(environ["PATH_INFO"], environ.get("HTTP_AUTHORIZATION", ""))])]
+
+    async def __call__(self, scope, receive, send):  # /mcp
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        headers = dict(scope["headers"])
+        self.seen[(scope["path"], headers.get(b"authorization", b"").decode())] = b"".join(chunks)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"mcp %d" % len(b"".join(chunks))})
+
+
+def _router(threads: int = 4, per_caller: int = 2):
+    from zeromem.asgi import Router
+
+    echo = _Echo()
+    return Router(WsgiBridge(echo.wsgi, threads), echo, FairThreads(threads, per_caller)), echo
+
+
+def _body_scope(path: str, key: str, length: int | None, client: str = "127.0.0.1"):
+    framing = (b"content-length", str(length).encode()) if length is not None else (b"transfer-encoding", b"chunked")
+    headers = [framing, (b"authorization", f"Bearer {key}".encode())]
+    return _scope(path=path, headers=headers) | {"client": (client, 1)}
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_four_slow_500_kb_bodies_from_four_keys_leave_another_tenant_answered(framing):
+    """4 threads, 2 a caller: four keys (one address) sending 500 KB bodies slowly, two to
+    Django and two to /mcp. They held all four threads while their bodies arrived and another
+    tenant's read waited for them; now it is answered at once, and each app sees every byte."""
+    import os
+
+    router, echo = _router()
+    bodies = [os.urandom(KB500) for _ in range(4)]
+
+    async def scenario():
+        gate = asyncio.Event()
+        slow, sent = [], [[] for _ in range(4)]
+        for n, body in enumerate(bodies):
+            receive, _calls = _trickled(body, gate)
+            path = "/mcp" if n % 2 else "/api/v1/tools/call"
+            scope = _body_scope(path, f"zm_slow{n}_secret", len(body) if framing == "content-length" else None)
+            slow.append(asyncio.create_task(router(scope, receive, _async(sent[n].append))))
+        await asyncio.sleep(0.1)
+        quick = []
+        quick_scope = _scope(method="GET", path="/api/v1/memories/k") | {"client": ("127.0.0.2", 1)}
+        started = time.monotonic()
+        await asyncio.wait_for(router(quick_scope, _receiver()[0], _async(quick.append)), timeout=3)
+        waited = time.monotonic() - started
+        charged = router.read_ahead.used
+        assert not any(task.done() for task in slow)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*slow), timeout=10)
+        return charged, waited, sent, quick
+
+    charged, waited, sent, quick = asyncio.run(scenario())
+    assert quick[-1]["body"] == b"wsgi 0" and waited < 1
+    cap = 1024 * 1024  # ZEROMEM_MAX_BODY_BYTES: a chunked body holds the cap while it arrives
+    assert charged == (4 * KB500 if framing == "content-length" else 4 * cap)
+    assert router.read_ahead.used == 0  # all given back
+    for n, body in enumerate(bodies):
+        path = "/mcp" if n % 2 else "/api/v1/tools/call"
+        assert echo.seen[(path, f"Bearer zm_slow{n}_secret")] == body  # bytes in = bytes seen
+        assert sent[n][-1]["body"] == (b"mcp %d" if n % 2 else b"wsgi %d") % KB500
+
+
+def test_past_the_budget_a_big_body_is_refused_503_before_a_byte_is_read_and_small_ones_go_on(settings):
+    settings.ZEROMEM_BODY_READ_AHEAD_BYTES = 1_100_000  # two 500 KB bodies; the cap is 1 MiB
+    router, echo = _router()
+
+    async def scenario():
+        gate = asyncio.Event()
+        held, sent = [], []
+        for n in range(2):
+            receive, _calls = _trickled(b"h" * KB500, gate)
+            scope = _body_scope("/api/v1/tools/call", f"zm_held{n}_s", KB500)
+            held.append(asyncio.create_task(router(scope, receive, _async(sent.append))))
+        await asyncio.sleep(0.05)
+        refused = {}
+        for name, length in (("declared", KB500), ("chunked", None)):
+            receive, calls = _trickled(b"r" * KB500, gate)
+            answer = []
+            await router(_body_scope("/mcp", f"zm_{name}_s", length), receive, _async(answer.append))
+            refused[name] = (answer, calls["n"])
+        small = []
+        small_receive, _calls = _receiver(b"x" * 1000)
+        await router(_body_scope("/mcp", "zm_small_s", 1000), small_receive, _async(small.append))
+        gate.set()
+        await asyncio.gather(*held)
+        used_after = router.read_ahead.used
+        again = []
+        receive, _calls = _trickled(b"a" * KB500, gate)
+        await router(_body_scope("/api/v1/tools/call", "zm_again_s", KB500), receive, _async(again.append))
+        return refused, small, used_after, again
+
+    refused, small, used_after, again = asyncio.run(scenario())
+    for name, (answer, receive_calls) in refused.items():
+        start, body = answer
+        assert start["status"] == 503, name
+        assert (b"retry-after", b"1") in start["headers"]
+        assert json.loads(body["body"])["error"] == {
+            "code": "body_budget",
+            "message": "the server is reading too many request bodies at once: retry",
+            "field": "body",
+        }
+        assert receive_calls == 0  # not a byte read
+    assert small[-1]["body"] == b"mcp 1000"  # a small body is read outside the budget
+    assert used_after == 0 and again[-1]["body"] == b"wsgi %d" % KB500  # the budget came back
+
+
+def test_a_sender_that_stops_mid_body_is_answered_408_and_one_gone_runs_nothing(settings):
+    # granian times out the headers only: a client that stopped mid-body was waited for until
+    # it closed its connection (2 min in a test, the body's thread held all along).
+    settings.ZEROMEM_BODY_READ_TIMEOUT_SECONDS = 0.2
+    router, echo = _router()
+
+    async def scenario():
+        answers = {}
+        for name, length in (("big", KB500), ("chunked", None), ("small", 2000)):
+            receive, _calls = _trickled(b"s" * (length or KB500), asyncio.Event(), pieces=4, stall=True)
+            answers[name] = []
+            scope = _body_scope("/api/v1/tools/call", f"zm_{name}_s", length)
+            await asyncio.wait_for(router(scope, receive, _async(answers[name].append)), timeout=5)
+        pieces = [b"g" * 100_000, None]  # a client gone after 100 KB of 500
+
+        async def gone():
+            piece = pieces.pop(0)
+            if piece is None:
+                return {"type": "http.disconnect"}
+            return {"type": "http.request", "body": piece, "more_body": True}
+
+        answers["gone"] = []
+        await router(_body_scope("/mcp", "zm_gone_s", KB500), gone, _async(answers["gone"].append))
+        return answers
+
+    answers = asyncio.run(scenario())
+    for name in ("big", "chunked", "small"):
+        start, body = answers[name]
+        assert start["status"] == 408 and json.loads(body["body"])["error"]["code"] == "body_timeout", name
+    assert answers["gone"] == []
+    assert echo.seen == {}  # no app ran
+    assert router.read_ahead.used == 0

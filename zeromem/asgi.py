@@ -8,8 +8,9 @@ small router in front of two apps.
 
   * ``wsgi`` (default): Django's WSGI app through zeromem/kit/wsgi_bridge.py, in a pool of
     ``ZEROMEM_WEB_THREADS`` threads. A request runs start to end in one thread, as under a
-    WSGI server; a small body is read before the request takes a thread, a larger or chunked
-    one streams to ``wsgi.input`` (a2wsgi's), and the cap is the middleware's.
+    WSGI server; the router reads its body (up to the cap; over 64 KiB or chunked within the
+    process's budget, zeromem/kit/read_ahead.py) before it takes a thread, and the cap's 413
+    is the middleware's.
   * ``a2wsgi``: the same through a2wsgi's own responder (a thread hop per message), for
     comparison (``bench_serve --django-modes bridge,a2wsgi``).
   * ``asgi``: Django's own ASGIHandler. It reads the whole request body (into a spooled
@@ -36,7 +37,8 @@ tracing.setup()
 from django.conf import settings  # noqa: E402
 
 from zeromem.kit.fair_threads import FairThreads, caller_of  # noqa: E402
-from zeromem.kit.wsgi_bridge import PREREAD_BYTES, WsgiBridge, preread, replayed  # noqa: E402
+from zeromem.kit.read_ahead import Held, ReadAhead, refuse  # noqa: E402
+from zeromem.kit.wsgi_bridge import PREREAD_BYTES, WsgiBridge, replayed  # noqa: E402
 from zeromem.serving import threads_per_caller, web_threads  # noqa: E402
 
 
@@ -128,7 +130,13 @@ class Router:
         # tool's are its children); the endpoint itself when off.
         self.mcp_app = tracing.wrap_asgi(mcp_endpoint)
         self.prefix = mcp_endpoint_path()
-        self.mcp_preread = min(PREREAD_BYTES, settings.ZEROMEM_MAX_BODY_BYTES)
+        # Every body up to the cap is read before the request waits for its turn at a thread,
+        # those over 64 KiB within the process's budget (zeromem/kit/read_ahead.py).
+        self.read_ahead = ReadAhead(
+            settings.ZEROMEM_MAX_BODY_BYTES,
+            settings.ZEROMEM_BODY_READ_AHEAD_BYTES,
+            settings.ZEROMEM_BODY_READ_TIMEOUT_SECONDS,
+        )
 
     async def __call__(self, scope, receive, send):
         kind = scope["type"]
@@ -143,19 +151,42 @@ class Router:
         if kind != "http" or self.threads is None:
             return await app(scope, receive, send)
         if isinstance(app, WsgiBridge):
-            # A small body is read before the request waits for its turn at a thread.
-            body = await app.preread(scope, receive)
+            # The body is read before the request waits for its turn at a thread: a client
+            # sending it slowly holds no thread.
+            body = await self.read_ahead.read(scope, receive)
+            if body.__class__ is Held:
+                return await self.held(app, body, scope, receive, send)
             async with self.threads.thread(caller_of(scope)):
                 return await app.respond(scope, receive, send, body)
         if app is self.mcp_app:
             # So is an /mcp request's: the SDK reads it on this event loop, after the request
             # took its turn, so four requests whose body trickled in held every thread of the
             # process and other callers waited for as long as those bodies took.
-            body = await preread(scope, receive, self.mcp_preread)
+            body = await self.read_ahead.read(scope, receive)
+            if body.__class__ is Held:
+                return await self.held(app, body, scope, receive, send)
             if body is not None:
                 receive = replayed(body, receive)
         async with self.threads.thread(caller_of(scope)):
             return await app(scope, receive, send)
+
+    async def held(self, app, held: Held, scope, receive, send):
+        """A request whose body was read (or refused) outside the small path; its budget is
+        given back when it ends."""
+        try:
+            if held.status > 0:
+                return await refuse(send, held.status)
+            if held.status < 0:  # the client went away mid-body: nobody to answer
+                return None
+            body = held.body
+            if held.more:  # a chunked body past the cap: the app refuses it as it arrives
+                receive, body = replayed(body, receive, more=True), None
+            async with self.threads.thread(caller_of(scope)):
+                if isinstance(app, WsgiBridge):
+                    return await app.respond(scope, receive, send, body)
+                return await app(scope, receive if body is None else replayed(body, receive), send)
+        finally:
+            self.read_ahead.give_back(held.charged)
 
     async def lifespan(self, receive, send):
         message = await receive()

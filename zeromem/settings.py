@@ -336,6 +336,11 @@ X_FRAME_OPTIONS = "DENY"
 # (a 50-call batch of maximal values still fits). Larger bodies get 413.
 ZEROMEM_MAX_BODY_BYTES = env.int("ZEROMEM_MAX_BODY_BYTES", default=1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = ZEROMEM_MAX_BODY_BYTES
+# A web process reads each body up to the cap before the request takes a thread (README
+# "Serving", zeromem/kit/read_ahead.py): those over 64 KiB and chunked ones within this many bytes
+# at once (past it 503 body_budget, Retry-After), each message within this many seconds (408).
+ZEROMEM_BODY_READ_AHEAD_BYTES = env.int("ZEROMEM_BODY_READ_AHEAD_BYTES", default=64 * 1024 * 1024)
+ZEROMEM_BODY_READ_TIMEOUT_SECONDS = env.float("ZEROMEM_BODY_READ_TIMEOUT_SECONDS", default=30.0)
 
 # --- ZeroMem ---------------------------------------------------------------------------
 # Default and hard cap of a memory value's serialized size; tenants may lower or raise the
@@ -567,6 +572,8 @@ if env.str("REDIS_URL", default=""):
 # the README gives 0 a meaning, 1 where 0 refuses or erases everything).
 _LEAST = {
     "ZEROMEM_MAX_BODY_BYTES": 1,
+    "ZEROMEM_BODY_READ_AHEAD_BYTES": 1,
+    "ZEROMEM_BODY_READ_TIMEOUT_SECONDS": 0.001,
     "ZEROMEM_VALUE_MAX_BYTES": 1,
     "ZEROMEM_VALUE_HARD_CAP_BYTES": 1,
     "ZEROMEM_SEARCH_TIMEOUT_MS": 1,
@@ -637,6 +644,11 @@ if "pool" in DATABASES["default"].get("OPTIONS", {}):
 for _name, _value in _numbers.items():
     if not math.isfinite(_value) or _value < _LEAST[_name]:
         raise ImproperlyConfigured(f"{_name} must be a number of at least {_LEAST[_name]}, not {_value!r}")
+if ZEROMEM_BODY_READ_AHEAD_BYTES < ZEROMEM_MAX_BODY_BYTES:  # a body at the cap would never be read
+    raise ImproperlyConfigured(
+        f"ZEROMEM_BODY_READ_AHEAD_BYTES ({ZEROMEM_BODY_READ_AHEAD_BYTES}) must be at least"
+        f" ZEROMEM_MAX_BODY_BYTES ({ZEROMEM_MAX_BODY_BYTES})"
+    )
 # Upper bounds where a large value breaks a promise the README makes: a revoked API key and a
 # shredded data key (a forget) keep working in other processes for up to the cache time.
 _MOST = {"ZEROMEM_API_KEY_CACHE_SECONDS": 300, "ZEROMEM_DATA_KEY_CACHE_SECONDS": 300}

@@ -8,10 +8,11 @@ hops for a small JSON call beside the executor's own. Each is a wake-up of the l
 thread, under the GIL the process's other request threads hold (README "Serving": a2wsgi cost
 +0.3–0.5 ms of server CPU a request over granian's own WSGI interface). Here:
 
-- a body of a declared ``Content-Length`` up to :data:`PREREAD_BYTES` is read in the loop before
-  the request takes its thread (``wsgi.input`` is then an in-memory file); a larger or chunked
-  body streams through a2wsgi's ``Body`` as before, one hop per message, so the body cap of
-  zeromem/middleware.py still refuses it from the header or while it streams;
+- a body read before the request takes its thread (:meth:`WsgiBridge.respond`'s ``body``: the
+  router reads every body up to the cap, zeromem/kit/read_ahead.py; called alone, the bridge
+  reads one of a declared ``Content-Length`` up to :data:`PREREAD_BYTES`) is an in-memory
+  ``wsgi.input``; any other streams through a2wsgi's ``Body``, one hop per message, so the body
+  cap of zeromem/middleware.py still refuses it from the header or while it streams;
 - a response that is not streaming (Django's ``HttpResponse``) is handed to the loop whole,
   without the thread waiting for it, and the thread goes on with the response's ``close()`` (the
   request's deferred work, the connection's return to the pool) while the loop sends it;
@@ -120,10 +121,11 @@ async def preread(scope, receive, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def replayed(body: bytes, receive):
-    """``receive`` for an app whose request body :func:`preread` has read already: that body
-    as one message, then what the client sends next (its disconnect)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
+def replayed(body: bytes, receive, *, more: bool = False):
+    """``receive`` for an app whose request body :func:`preread` (or the router's read-ahead)
+    has read already: that body as one message, then what the client sends next (its
+    disconnect; with ``more``, the rest of a body read only in part)."""
+    pending = [{"type": "http.request", "body": body, "more_body": more}]
 
     async def receive_replayed():
         if pending:

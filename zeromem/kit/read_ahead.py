@@ -1,0 +1,168 @@
+"""Request bodies read by the event loop before the request waits for a request thread, within
+a per-process memory budget (the ASGI router, zeromem/asgi.py; README "Serving").
+
+A request thread is what a web process has least of (``ZEROMEM_WEB_THREADS``, 8): a request
+that took one before its body was in held it for as long as the client took to send it. The
+router read a body of a declared ``Content-Length`` up to 64 KiB first; a larger one (up to the
+cap, ``ZEROMEM_MAX_BODY_BYTES``) or a chunked one streamed to the app from the thread, so a few
+keys sending big bodies slowly held every thread of a process and every other tenant waited.
+Now every body up to the cap is read here first:
+
+* up to :data:`SMALL_BYTES` declared: read as before, outside the budget — the hot path (a tool
+  call, a REST write) costs what it did, and big bodies cannot make small ones wait;
+* larger, up to the cap: its declared length is taken from the process's budget
+  (``ZEROMEM_BODY_READ_AHEAD_BYTES``) before a byte is read, and given back when the request
+  ends (the body lives until then: the budget bounds every body the process holds beyond the
+  small ones);
+* chunked (no length to declare): the cap is taken, read up to the cap and one byte more, and
+  what was not used given back once it is in;
+* over the budget: ``503 body_budget`` with ``Retry-After: 1`` at once, before a byte is read
+  (not a wait: the budget is held by bodies still arriving, whose senders decide how long that
+  takes, so a waiting request could wait as long; a retry may reach a process, or an instance,
+  that has room, and the client knows at once);
+* a sender silent for ``ZEROMEM_BODY_READ_TIMEOUT_SECONDS`` mid-body is answered ``408
+  body_timeout`` and dropped, and a client gone mid-body is dropped, nothing run: its budget is
+  back either way (granian has a timeout for headers only, none for a body);
+* a declared length over the cap is not read: the app refuses it from the header (413), as
+  before; a chunked body past the cap is handed to the app as what was read and "more to come",
+  and the app refuses it (413) as it did while it streamed.
+
+Everything runs on the process's event loop, one coroutine at a time: no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+# A body declared up to this size is read outside the budget (tool calls and REST writes are a
+# few hundred bytes to a few KB; a larger body is an import, a batch, a 1 MB value).
+SMALL_BYTES = 64 * 1024
+
+NO_BODY_METHODS = ("GET", "HEAD", "DELETE", "OPTIONS")
+
+
+class Held:
+    """A body read (or refused) outside the small path: ``body`` (what came), ``charged`` (bytes
+    of the budget it holds until the request ends), ``more`` (the cap was passed: more was to
+    come, the app refuses it), ``status`` (0: run the app; 503 or 408: answered here; -1: the
+    client is gone, nothing to answer)."""
+
+    __slots__ = ("body", "charged", "more", "status")
+
+    def __init__(self, body: bytes = b"", charged: int = 0, more: bool = False, status: int = 0):
+        self.body = body
+        self.charged = charged
+        self.more = more
+        self.status = status
+
+
+GONE = Held(status=-1)
+
+
+class ReadAhead:
+    """Reads request bodies up to ``cap`` bytes, those over ``small`` within ``budget`` bytes at
+    once; a sender silent for ``timeout`` seconds mid-body is dropped (see the module)."""
+
+    def __init__(self, cap: int, budget: int, timeout: float, small: int = SMALL_BYTES) -> None:
+        self.cap = cap
+        self.small = min(small, cap)
+        self.budget = budget
+        self.timeout = timeout
+        self.used = 0  # bytes of the budget held now
+
+    async def read(self, scope, receive) -> bytes | Held | None:
+        """The request's body: ``bytes`` (all of it, nothing charged), a :class:`Held`, or None
+        when the app is to receive it itself (a declared length over the cap, which it refuses
+        from the header; a POST with no body framing at all)."""
+        declared = None
+        chunked = False
+        for name, value in scope.get("headers") or ():
+            if name == b"content-length":
+                if declared is not None or not value.isdigit():  # bytes.isdigit(): ASCII digits only
+                    return None
+                declared = int(value)
+            elif name == b"transfer-encoding":
+                chunked = True
+        if chunked:
+            return None if declared is not None else await self._read_held(receive, None)
+        if declared is None:
+            return b"" if scope.get("method") in NO_BODY_METHODS else None
+        if declared <= self.small:
+            # The hot path: almost always one message, taken without a timer.
+            message = await receive()
+            if message["type"] != "http.request":
+                return GONE if declared else b""
+            body = message.get("body", b"")
+            if not message.get("more_body", False) or len(body) >= declared:
+                return body
+            held = await self._rest(receive, [body], len(body), declared)
+            return held.body if held.status == 0 else held
+        if declared > self.cap:
+            return None
+        return await self._read_held(receive, declared)
+
+    async def _read_held(self, receive, declared: int | None) -> Held:
+        charge = self.cap if declared is None else declared
+        if self.used + charge > self.budget:
+            return Held(status=503)
+        self.used += charge
+        try:
+            held = await self._rest(receive, [], 0, declared)
+        except BaseException:
+            self.used -= charge
+            raise
+        if held.status != 0:
+            self.used -= charge
+            return held
+        if declared is None and not held.more:
+            self.used -= charge - len(held.body)  # chunked: keep what it used
+            charge = len(held.body)
+        held.charged = charge
+        return held
+
+    async def _rest(self, receive, chunks: list[bytes], received: int, declared: int | None) -> Held:
+        """The rest of a body, each message awaited at most ``timeout`` seconds."""
+        limit = self.cap if declared is None else declared
+        try:
+            async with asyncio.timeout(self.timeout) as deadline:
+                loop = asyncio.get_running_loop()
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return GONE
+                    chunk = message.get("body", b"")
+                    chunks.append(chunk)
+                    received += len(chunk)
+                    if declared is None and received > limit:  # chunked, past the cap
+                        return Held(b"".join(chunks), more=True)
+                    if not message.get("more_body", False) or (declared is not None and received >= limit):
+                        return Held(b"".join(chunks))
+                    deadline.reschedule(loop.time() + self.timeout)
+        except TimeoutError:
+            return Held(status=408)
+
+    def give_back(self, charged: int) -> None:
+        self.used -= charged
+
+
+_REFUSALS = {
+    503: ("body_budget", "the server is reading too many request bodies at once: retry", b"1"),
+    408: ("body_timeout", "the request body stopped arriving", None),
+}
+
+
+async def refuse(send, status: int) -> None:
+    """Answer a :class:`Held` refused here (503 with Retry-After, 408), naming the body; the
+    connection is closed (its body was not read)."""
+    code, message, retry_after = _REFUSALS[status]
+    body = json.dumps({"error": {"code": code, "message": message, "field": "body"}}, separators=(",", ":")).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", retry_after))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
