@@ -16,11 +16,10 @@ from django.utils.html import format_html
 
 from memories import services
 from memories.admin.display import actor_label
-from memories.models import ForgetRequest, Tenant
-from zeromem.kernel import validation
+from memories.models import ForgetRequest
 from zeromem.kernel.errors import NotFound
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import AuditedOpeningAdmin, TenantScopedAdmin, actor_for, may, tenant_ids_with
+from zeromem.kit.admin import AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin, actor_for, may
 
 
 class OverdueFilter(admin.SimpleListFilter):
@@ -54,7 +53,7 @@ class ForgetRequestForm(forms.ModelForm):
         pass  # the service validates and stores the request
 
 
-class ForgetRequestAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
+class ForgetRequestAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     view_capability = Capability.FORGET_VIEW
     add_capability = Capability.FORGET_CREATE
     list_display = ("id", "tenant", "status", "target", "due_at", "overdue", "created_at", "completed_at")
@@ -120,32 +119,10 @@ class ForgetRequestAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
     def receipt_display(self, obj):
         return format_html("<pre>{}</pre>", json.dumps(obj.receipt, indent=2, ensure_ascii=False))
 
-    # --- reading the queue is audited, as the REST API's forget.list / forget.read ---------
+    # --- reading the queue is audited (AuditedListAdmin), as the REST API's forget.list / forget.read
 
-    def changelist_view(self, request, extra_context=None):
-        response = super().changelist_view(request, extra_context)
-        changelist = (getattr(response, "context_data", None) or {}).get("cl")
-        if request.method == "GET" and changelist is not None:
-            self._audit_queue(request, changelist.result_list)
-        return response
-
-    def _audit_queue(self, request, rows) -> None:
-        """``forget.list`` in each tenant whose requests the page showed (with a search, in the
-        one tenant it covers even when it found nothing): the searched subject in the event's
-        own subject field, how many of that tenant's requests the page showed."""
-        shown: dict[int, int] = {}
-        for row in rows:
-            shown[row.tenant_id] = shown.get(row.tenant_id, 0) + 1
-        search = request.GET.get("q", "")
-        ids = tenant_ids_with(request, self.view_capability)
-        chosen = validation.ascii_int(request.GET.get("tenant") or "")
-        covered = [chosen] if chosen in ids else sorted(ids)
-        if not shown and search and len(covered) == 1:
-            shown[covered[0]] = 0
-        for tenant in Tenant.objects.filter(pk__in=shown).order_by("pk"):
-            services.forget_queue_viewed(
-                tenant=tenant, actor=actor_for(request, tenant.pk), search=search, count=shown[tenant.pk]
-            )
+    def _list_viewed(self, **event) -> None:
+        services.forget_queue_viewed(**event)
 
     def _audit_opening(self, request, object_id) -> None:
         if request.method not in ("GET", "HEAD"):

@@ -17,17 +17,16 @@ from django.utils import timezone
 from memories.models import Tenant
 from memories.portal.models import PortalLink
 from memories.portal.services import portal_links_revoke, portal_links_viewed
-from zeromem.kernel import validation
 from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
+from zeromem.kit.admin import AuditedListAdmin, TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
 
 # End users whose links one run of the action withdraws: each is an audited service call, and
 # "select all" may hand it every link in scope (they live ZEROMEM_PORTAL_LINK_SECONDS).
 WITHDRAW_MAX = 1000
 
 
-class PortalLinkAdmin(TenantScopedAdmin):
+class PortalLinkAdmin(AuditedListAdmin, TenantScopedAdmin):
     view_capability = Capability.FORGET_VIEW  # whoever sees the forget requests (and their subjects)
     list_display = ("id", "tenant", "subject", "status", "created_at", "expires_at", "opened_at", "created_by_kind")
     list_display_links = None  # no page per link
@@ -54,32 +53,10 @@ class PortalLinkAdmin(TenantScopedAdmin):
             return "opened"
         return "expired" if obj.expires_at <= timezone.now() else "not opened"
 
-    # --- reading the list is audited, as the forget queue's pages are (forget.list) --------
+    # --- reading the list is audited (AuditedListAdmin), as the forget queue's pages are ----
 
-    def changelist_view(self, request, extra_context=None):
-        response = super().changelist_view(request, extra_context)
-        changelist = (getattr(response, "context_data", None) or {}).get("cl")
-        if request.method == "GET" and changelist is not None:
-            self._audit_list(request, changelist.result_list)
-        return response
-
-    def _audit_list(self, request, rows) -> None:
-        """``portal.list`` in each tenant whose links the page showed (with a search, in the
-        one tenant it covers even when it found nothing): the searched subject in the event's
-        own subject field, how many of that tenant's links the page showed."""
-        shown: dict[int, int] = {}
-        for row in rows:
-            shown[row.tenant_id] = shown.get(row.tenant_id, 0) + 1
-        search = request.GET.get("q", "")
-        ids = tenant_ids_with(request, self.view_capability)
-        chosen = validation.ascii_int(request.GET.get("tenant") or "")
-        covered = [chosen] if chosen in ids else sorted(ids)
-        if not shown and search and len(covered) == 1:
-            shown[covered[0]] = 0
-        for tenant in Tenant.objects.filter(pk__in=shown).order_by("pk"):
-            portal_links_viewed(
-                tenant=tenant, actor=actor_for(request, tenant.pk), search=search, count=shown[tenant.pk]
-            )
+    def _list_viewed(self, **event) -> None:
+        portal_links_viewed(**event)
 
     def has_withdraw_permission(self, request):
         return may(request, Capability.FORGET_CREATE)

@@ -261,36 +261,23 @@ def memory_keys_page(
 
     Returns (keys or Memory rows — with ``sizes``, (key, bytes of the value's text) pairs
     (:func:`keys_and_text_sizes`) — the last key of the page when another page follows)."""
-    if max_bytes is not None and not keys_only and not sizes:
-        rows, last = _memory_keys_page(
-            tenant=tenant,
-            prefixes=prefixes,
-            limit=limit,
-            after=after,
-            category=category,
-            subject=subject,
-            tag=tag,
-            keys_only=False,
-            sizes=False,
-            descending=descending,
-            sized_to=max_bytes,
-        )
-        rows, cut = budgeted(rows, tenant_id=tenant.pk, max_bytes=max_bytes)
-        if cut and rows:
-            last = rows[-1].key  # where this page stopped, not where the rows read for it did
-        return rows, last
-    return _memory_keys_page(
-        tenant=tenant,
-        prefixes=prefixes,
-        limit=limit,
-        after=after,
-        category=category,
-        subject=subject,
-        tag=tag,
-        keys_only=keys_only,
-        sizes=sizes,
-        descending=descending,
-    )
+    page = {
+        "tenant": tenant,
+        "prefixes": prefixes,
+        "limit": limit,
+        "after": after,
+        "category": category,
+        "subject": subject,
+        "tag": tag,
+        "descending": descending,
+    }
+    if max_bytes is None or keys_only or sizes:
+        return _memory_keys_page(**page, keys_only=keys_only, sizes=sizes)
+    rows, last = _memory_keys_page(**page, keys_only=False, sizes=False, sized_to=max_bytes)
+    rows, cut = budgeted(rows, tenant_id=tenant.pk, max_bytes=max_bytes)
+    if cut and rows:
+        last = rows[-1].key  # where this page stopped, not where the rows read for it did
+    return rows, last
 
 
 def _memory_keys_page(

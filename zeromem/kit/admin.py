@@ -252,6 +252,36 @@ class AuditedOpeningAdmin:
         raise NotImplementedError
 
 
+class AuditedListAdmin:
+    """Mixin: reading the change list is audited in each tenant whose rows the page showed
+    (with a search, in the one tenant it covers even when it found nothing) — the subclass's
+    ``_list_viewed(tenant=, actor=, search=, count=)`` writes the event through its service,
+    with the searched subject and how many of that tenant's rows the page showed."""
+
+    def changelist_view(self, request, extra_context=None):
+        response = super().changelist_view(request, extra_context)
+        changelist = (getattr(response, "context_data", None) or {}).get("cl")
+        if request.method == "GET" and changelist is not None:
+            self._audit_list(request, changelist.result_list)
+        return response
+
+    def _audit_list(self, request, rows) -> None:
+        shown: dict[int, int] = {}
+        for row in rows:
+            shown[row.tenant_id] = shown.get(row.tenant_id, 0) + 1
+        search = request.GET.get("q", "")
+        ids = tenant_ids_with(request, self.view_capability)
+        chosen = validation.ascii_int(request.GET.get("tenant") or "")
+        covered = [chosen] if chosen in ids else sorted(ids)
+        if not shown and search and len(covered) == 1:
+            shown[covered[0]] = 0
+        for tenant in Tenant.objects.filter(pk__in=shown).order_by("pk"):
+            self._list_viewed(tenant=tenant, actor=actor_for(request, tenant.pk), search=search, count=shown[tenant.pk])
+
+    def _list_viewed(self, *, tenant: Tenant, actor: Actor, search: str, count: int) -> None:
+        raise NotImplementedError
+
+
 class TenantScopedAdmin(admin.ModelAdmin):
     """Base of every ZeroMem ModelAdmin. Subclasses name their capabilities; the tenant is
     reached through ``tenant_field`` (``"pk"`` for the Tenant admin itself)."""

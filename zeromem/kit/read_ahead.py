@@ -42,6 +42,21 @@ SMALL_BYTES = 64 * 1024
 NO_BODY_METHODS = ("GET", "HEAD", "DELETE", "OPTIONS")
 
 
+def framing(scope) -> tuple[int | None, bool] | None:
+    """(the declared ``Content-Length`` or None, whether the body is chunked) of an HTTP
+    request; None when its length cannot be read (not ASCII digits, or declared twice): the app
+    refuses such a request itself."""
+    declared, chunked = None, False
+    for name, value in scope.get("headers") or ():
+        if name == b"content-length":
+            if declared is not None or not value.isdigit():  # bytes.isdigit(): ASCII digits only
+                return None
+            declared = int(value)
+        elif name == b"transfer-encoding":
+            chunked = True
+    return declared, chunked
+
+
 class Held:
     """A body read (or refused) outside the small path: ``body`` (what came), ``charged`` (bytes
     of the budget it holds until the request ends), ``more`` (the cap was passed: more was to
@@ -75,15 +90,10 @@ class ReadAhead:
         """The request's body: ``bytes`` (all of it, nothing charged), a :class:`Held`, or None
         when the app is to receive it itself (a declared length over the cap, which it refuses
         from the header; a POST with no body framing at all)."""
-        declared = None
-        chunked = False
-        for name, value in scope.get("headers") or ():
-            if name == b"content-length":
-                if declared is not None or not value.isdigit():  # bytes.isdigit(): ASCII digits only
-                    return None
-                declared = int(value)
-            elif name == b"transfer-encoding":
-                chunked = True
+        framed = framing(scope)
+        if framed is None:
+            return None
+        declared, chunked = framed
         if chunked:
             return None if declared is not None else await self._read_held(receive, None)
         if declared is None:

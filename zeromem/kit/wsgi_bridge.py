@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from a2wsgi.wsgi import Body, build_environ
 
+from zeromem.kit.read_ahead import NO_BODY_METHODS, framing
+
 logger = logging.getLogger(__name__)
 
 # A body up to this size (declared in Content-Length) is read before the request takes a thread.
@@ -96,16 +98,12 @@ async def preread(scope, receive, limit: int) -> bytes | None:
     """An HTTP request's body when it declares a length up to ``limit`` (or has none to declare:
     a GET's empty body); None when it is to stream to the app as it arrives. What came before
     the client went away, if it did."""
-    declared = None
-    for name, value in scope.get("headers") or ():
-        if name == b"content-length":
-            if declared is not None or not value.isdigit():  # bytes.isdigit(): ASCII digits only
-                return None
-            declared = int(value)
-        elif name == b"transfer-encoding":
-            return None
+    framed = framing(scope)
+    if framed is None or framed[1]:  # unreadable, or chunked: streamed
+        return None
+    declared = framed[0]
     if declared is None:
-        return b"" if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS") else None
+        return b"" if scope.get("method") in NO_BODY_METHODS else None
     if declared > limit:
         return None
     chunks, received = [], 0
