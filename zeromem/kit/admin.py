@@ -16,8 +16,9 @@ import functools
 from django.contrib import admin, messages
 from django.contrib.admin import helpers, widgets
 from django.contrib.admin.views.main import ERROR_FLAG, IGNORED_PARAMS, ORDER_VAR, PAGE_VAR, SEARCH_VAR, ChangeList
-from django.core.exceptions import ValidationError
+from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.core.paginator import Paginator
+from django.db.models import F
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
 from django.utils.functional import cached_property
 
@@ -210,7 +211,23 @@ class SortableByChangeList(ChangeList):
         descending = first.startswith("-") if isinstance(first, str) else bool(getattr(first, "descending", False))
         sign = "-" if descending else ""
         columns = [o for o in ordering if not (isinstance(o, str) and o.lstrip("-") in ("pk", "id", tenant))]
-        return [sign + tenant, *columns, sign + "pk"]
+        return [sign + tenant, *map(self._nulls_as_postgresql, columns), sign + "pk"]
+
+    def _nulls_as_postgresql(self, column):
+        """A nullable column sorts its NULLs as PostgreSQL does by default (and as its indexes
+        hold them: last going up, first going down), said outright so that SQLite, which puts
+        them first going up, shows the same order (memories that never expire last)."""
+        if not isinstance(column, str):
+            return column
+        try:
+            nullable = self.model._meta.get_field(column.lstrip("-")).null
+        except FieldDoesNotExist:
+            return column
+        if not nullable:
+            return column
+        if column.startswith("-"):
+            return F(column[1:]).desc(nulls_first=True)
+        return F(column).asc(nulls_last=True)
 
     def get_ordering_field(self, field_name):
         if self.sortable_by is not None and field_name not in self.sortable_by:
