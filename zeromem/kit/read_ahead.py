@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from zeromem.kit.fair_threads import caller_of
+
 # A body declared up to this size is read outside the budget (tool calls and REST writes are a
 # few hundred bytes to a few KB; a larger body is an import, a batch, a 1 MB value).
 SMALL_BYTES = 64 * 1024
@@ -59,17 +61,18 @@ def framing(scope) -> tuple[int | None, bool] | None:
 
 class Held:
     """A body read (or refused) outside the small path: ``body`` (what came), ``charged`` (bytes
-    of the budget it holds until the request ends), ``more`` (the cap was passed: more was to
-    come, the app refuses it), ``status`` (0: run the app; 503 or 408: answered here; -1: the
-    client is gone, nothing to answer)."""
+    of the budget it holds until the request ends), ``caller`` (whose share they count in),
+    ``more`` (the cap was passed: more was to come, the app refuses it), ``status`` (0: run the
+    app; 503 or 408: answered here; -1: the client is gone, nothing to answer)."""
 
-    __slots__ = ("body", "charged", "more", "status")
+    __slots__ = ("body", "caller", "charged", "more", "status")
 
-    def __init__(self, body: bytes = b"", charged: int = 0, more: bool = False, status: int = 0):
+    def __init__(self, body: bytes = b"", charged: int = 0, more: bool = False, status: int = 0, caller: str = ""):
         self.body = body
         self.charged = charged
         self.more = more
         self.status = status
+        self.caller = caller
 
 
 GONE = Held(status=-1)
@@ -77,14 +80,27 @@ GONE = Held(status=-1)
 
 class ReadAhead:
     """Reads request bodies up to ``cap`` bytes, those over ``small`` within ``budget`` bytes at
-    once; a sender silent for ``timeout`` seconds mid-body is dropped (see the module)."""
+    once and ``per_caller`` bytes of one caller; a sender silent for ``timeout`` seconds
+    mid-body, or slower than ``min_rate`` bytes a second past the first ``timeout`` seconds, is
+    dropped (see the module)."""
 
-    def __init__(self, cap: int, budget: int, timeout: float, small: int = SMALL_BYTES) -> None:
+    def __init__(
+        self,
+        cap: int,
+        budget: int,
+        timeout: float,
+        small: int = SMALL_BYTES,
+        per_caller: int | None = None,
+        min_rate: float = 8 * 1024,
+    ) -> None:
         self.cap = cap
         self.small = min(small, cap)
         self.budget = budget
+        self.per_caller = budget if per_caller is None else min(per_caller, budget)
         self.timeout = timeout
+        self.min_rate = min_rate
         self.used = 0  # bytes of the budget held now
+        self.holding: dict[str, int] = {}  # of them, by caller (callers holding none: absent)
 
     async def read(self, scope, receive) -> bytes | Held | None:
         """The request's body: ``bytes`` (all of it, nothing charged), a :class:`Held`, or None
@@ -95,7 +111,7 @@ class ReadAhead:
             return None
         declared, chunked = framed
         if chunked:
-            return None if declared is not None else await self._read_held(receive, None)
+            return None if declared is not None else await self._read_held(scope, receive, None)
         if declared is None:
             return b"" if scope.get("method") in NO_BODY_METHODS else None
         if declared <= self.small:
@@ -106,54 +122,87 @@ class ReadAhead:
             body = message.get("body", b"")
             if not message.get("more_body", False) or len(body) >= declared:
                 return body
-            held = await self._rest(receive, [body], len(body), declared)
+            held = await self._rest(receive, [body], len(body), declared, None)
             return held.body if held.status == 0 else held
         if declared > self.cap:
             return None
-        return await self._read_held(receive, declared)
+        return await self._read_held(scope, receive, declared)
 
-    async def _read_held(self, receive, declared: int | None) -> Held:
-        charge = self.cap if declared is None else declared
-        if self.used + charge > self.budget:
-            return Held(status=503)
-        self.used += charge
+    def _fits(self, caller: str, size: int) -> bool:
+        return self.used + size <= self.budget and self.holding.get(caller, 0) + size <= self.per_caller
+
+    def _take(self, held: Held, size: int) -> None:
+        self.used += size
+        self.holding[held.caller] = self.holding.get(held.caller, 0) + size
+        held.charged += size
+
+    async def _read_held(self, scope, receive, declared: int | None) -> Held:
+        # A declared body takes its length before a byte is read; a chunked one needs room for
+        # a byte, and takes what arrives as it arrives (_rest).
+        held = Held(caller=caller_of(scope))
+        if not self._fits(held.caller, 1 if declared is None else declared):
+            held.status = 503
+            return held
+        if declared is not None:
+            self._take(held, declared)
         try:
-            held = await self._rest(receive, [], 0, declared)
+            await self._rest(receive, [], 0, declared, held)
         except BaseException:
-            self.used -= charge
+            self.give_back(held)
             raise
         if held.status != 0:
-            self.used -= charge
-            return held
-        if declared is None and not held.more:
-            self.used -= charge - len(held.body)  # chunked: keep what it used
-            charge = len(held.body)
-        held.charged = charge
+            self.give_back(held)
         return held
 
-    async def _rest(self, receive, chunks: list[bytes], received: int, declared: int | None) -> Held:
-        """The rest of a body, each message awaited at most ``timeout`` seconds."""
-        limit = self.cap if declared is None else declared
+    async def _rest(self, receive, chunks: list[bytes], received: int, declared: int | None, held: Held | None) -> Held:
+        """The rest of a body into ``held`` (a new :class:`Held` when None: a small body, outside
+        the budget; a chunked ``held`` is charged each message as it arrives). Each message is
+        awaited at most ``timeout`` seconds, and the whole body at most ``timeout`` seconds plus
+        one per ``min_rate`` bytes received."""
+        if held is None:
+            held = Held()
+        grows = declared is None
+        limit = self.cap if grows else declared
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            async with asyncio.timeout(self.timeout) as deadline:
-                loop = asyncio.get_running_loop()
+            async with asyncio.timeout_at(started + self.timeout) as deadline:
                 while True:
                     message = await receive()
                     if message["type"] != "http.request":
-                        return GONE
+                        held.status = -1
+                        return held
                     chunk = message.get("body", b"")
+                    if grows and chunk:
+                        if not self._fits(held.caller, len(chunk)):
+                            held.status = 503  # the budget, or the caller's share, ran out
+                            return held
+                        self._take(held, len(chunk))
                     chunks.append(chunk)
                     received += len(chunk)
-                    if declared is None and received > limit:  # chunked, past the cap
-                        return Held(b"".join(chunks), more=True)
-                    if not message.get("more_body", False) or (declared is not None and received >= limit):
-                        return Held(b"".join(chunks))
-                    deadline.reschedule(loop.time() + self.timeout)
+                    if grows and received > limit:  # chunked, past the cap
+                        held.body, held.more = b"".join(chunks), True
+                        return held
+                    if not message.get("more_body", False) or (not grows and received >= limit):
+                        held.body = b"".join(chunks)
+                        return held
+                    now = loop.time()
+                    deadline.reschedule(min(now, started + received / self.min_rate) + self.timeout)
         except TimeoutError:
-            return Held(status=408)
+            held.status = 408
+            return held
 
-    def give_back(self, charged: int) -> None:
-        self.used -= charged
+    def give_back(self, held: Held) -> None:
+        """What ``held`` was charged, back to the budget and its caller's share."""
+        if not held.charged:
+            return
+        self.used -= held.charged
+        left = self.holding[held.caller] - held.charged
+        if left:
+            self.holding[held.caller] = left
+        else:
+            del self.holding[held.caller]
+        held.charged = 0
 
 
 _REFUSALS = {
