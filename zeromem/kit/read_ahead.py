@@ -14,15 +14,24 @@ Now every body up to the cap is read here first:
   (``ZEROMEM_BODY_READ_AHEAD_BYTES``) before a byte is read, and given back when the request
   ends (the body lives until then: the budget bounds every body the process holds beyond the
   small ones);
-* chunked (no length to declare): the cap is taken, read up to the cap and one byte more, and
-  what was not used given back once it is in;
-* over the budget: ``503 body_budget`` with ``Retry-After: 1`` at once, before a byte is read
-  (not a wait: the budget is held by bodies still arriving, whose senders decide how long that
-  takes, so a waiting request could wait as long; a retry may reach a process, or an instance,
-  that has room, and the client knows at once);
-* a sender silent for ``ZEROMEM_BODY_READ_TIMEOUT_SECONDS`` mid-body is answered ``408
-  body_timeout`` and dropped, and a client gone mid-body is dropped, nothing run: its budget is
-  back either way (granian has a timeout for headers only, none for a body);
+* chunked (no length to declare): charged what has arrived, each message as it comes (it took
+  the whole cap while it arrived, so a few small chunked bodies filled the budget);
+* one caller (``caller_of``: the client's address and the key's public lookup, as the request
+  threads are shared) holds at most ``ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES`` of the budget
+  (a quarter): a few callers trickling big bodies took all of it, and every other caller's big
+  body was refused while theirs went on;
+* over the budget or the caller's share: ``503 body_budget`` with ``Retry-After: 1`` at once,
+  before a byte is read (a chunked body: once the message that would pass it arrives) — not a
+  wait: the budget is held by bodies still arriving, whose senders decide how long that takes,
+  so a waiting request could wait as long; a retry may reach a process, or an instance, that
+  has room, and the client knows at once;
+* a sender silent for ``ZEROMEM_BODY_READ_TIMEOUT_SECONDS`` (30) mid-body, or whose body is not
+  in after that long plus a second per ``ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND`` (8 KiB) bytes
+  received, is answered ``408 body_timeout`` and dropped (a timeout per message alone let a
+  sender of a byte every 29 s hold its budget for ever; a 1 MiB body still goes in on any link
+  of 8 KiB/s, 66 kbit/s, or more: it has up to 158 s), and a client gone mid-body is dropped,
+  nothing run: its budget is back either way (granian has a timeout for headers only, none for
+  a body);
 * a declared length over the cap is not read: the app refuses it from the header (413), as
   before; a chunked body past the cap is handed to the app as what was read and "more to come",
   and the app refuses it (413) as it did while it streamed.
