@@ -133,6 +133,10 @@ def test_autovacuum_off_is_a_deploy_warning_naming_the_database():
         # A body at the cap would never fit the read-ahead budget: every one refused 503.
         ("ZEROMEM_BODY_READ_AHEAD_BYTES", "1000", "ZEROMEM_BODY_READ_AHEAD_BYTES (1000) must be at least"),
         ("ZEROMEM_BODY_READ_TIMEOUT_SECONDS", "0", "ZEROMEM_BODY_READ_TIMEOUT_SECONDS must be a number of at least"),
+        # A caller's share under the cap: its every body at the cap refused 503; over the budget: no share.
+        ("ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES", "1000", "ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES (1000) must be"),
+        ("ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES", "99999999999", "(99999999999) must be from"),
+        ("ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND", "0", "READ_MIN_BYTES_PER_SECOND must be a number of at least 1"),
         # Once unbounded: a day's cache kept a shredded data key (a forget) or a revoked API key
         # working in every other process for a day.
         ("ZEROMEM_DATA_KEY_CACHE_SECONDS", "86400", "ZEROMEM_DATA_KEY_CACHE_SECONDS must be at most 300"),

@@ -601,6 +601,36 @@ def test_a_client_that_stops_sending_mid_body_is_answered_408_and_dropped(served
     assert b'"code":"body_timeout"' in answer and 0.9 < waited < 5, waited
 
 
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_client_trickling_its_body_under_the_silence_timeout_is_answered_408(served, framing):
+    # The timeout was per message: a client sending 100 bytes every 0.5 s (timeout 1 s) was
+    # read for as long as it kept that up (500 KB: 40 min), holding its budget. Now a body has
+    # the timeout plus a second per ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND bytes received.
+    server = served(
+        "--processes", "1", "--threads", "2", DATABASE_URL="",
+        ZEROMEM_BODY_READ_TIMEOUT_SECONDS="1", ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND="1000",
+    )  # fmt: skip
+    import select
+
+    request = b"POST /api/v1/tools/call HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    piece = b" " * 100
+    if framing == "chunked":
+        head, piece = request + b"Transfer-Encoding: chunked\r\n\r\n", b"%x\r\n%s\r\n" % (len(piece), piece)
+    else:
+        head = request + b"Content-Length: 500000\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        started = time.monotonic()
+        sock.sendall(head + piece)
+        while time.monotonic() - started < 10 and not select.select([sock], [], [], 0.5)[0]:
+            sock.sendall(piece)
+        waited = time.monotonic() - started
+        answer = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b'"code":"body_timeout"' in answer and 1 < waited < 4, waited
+
+
 class SlowReader(threading.Thread):
     """GET ``path`` and read the answer a few bytes at a time until told to stop."""
 

@@ -365,8 +365,9 @@ def test_four_slow_500_kb_bodies_from_four_keys_leave_another_tenant_answered(fr
 
     charged, waited, sent, quick = asyncio.run(scenario())
     assert quick[-1]["body"] == b"wsgi 0" and waited < 1
-    cap = 1024 * 1024  # ZEROMEM_MAX_BODY_BYTES: a chunked body holds the cap while it arrives
-    assert charged == (4 * KB500 if framing == "content-length" else 4 * cap)
+    # A declared body holds its length while it arrives, a chunked one what has arrived (9 of
+    # its 10 pieces here; it held the whole 1 MiB cap).
+    assert charged == (4 * KB500 if framing == "content-length" else 4 * (KB500 - KB500 // 10))
     assert router.read_ahead.used == 0  # all given back
     for n, body in enumerate(bodies):
         path = "/mcp" if n % 2 else "/api/v1/tools/call"
@@ -374,7 +375,7 @@ def test_four_slow_500_kb_bodies_from_four_keys_leave_another_tenant_answered(fr
         assert sent[n][-1]["body"] == (b"mcp %d" if n % 2 else b"wsgi %d") % KB500
 
 
-def test_past_the_budget_a_big_body_is_refused_503_before_a_byte_is_read_and_small_ones_go_on(settings):
+def test_past_the_budget_a_big_body_is_refused_503_and_small_ones_go_on(settings):
     settings.ZEROMEM_BODY_READ_AHEAD_BYTES = 1_100_000  # two 500 KB bodies; the cap is 1 MiB
     router, echo = _router()
 
@@ -413,7 +414,9 @@ def test_past_the_budget_a_big_body_is_refused_503_before_a_byte_is_read_and_sma
             "message": "the server is reading too many request bodies at once: retry",
             "field": "body",
         }
-        assert receive_calls == 0  # not a byte read
+        # A declared body: not a byte read; a chunked one is charged as it arrives, and is
+        # refused once past the 100 KB left (two 50 KB pieces fit, the third does not).
+        assert receive_calls == (0 if name == "declared" else 3), name
     assert small[-1]["body"] == b"mcp 1000"  # a small body is read outside the budget
     assert used_after == 0 and again[-1]["body"] == b"wsgi %d" % KB500  # the budget came back
 
@@ -449,4 +452,139 @@ def test_a_sender_that_stops_mid_body_is_answered_408_and_one_gone_runs_nothing(
         assert start["status"] == 408 and json.loads(body["body"])["error"]["code"] == "body_timeout", name
     assert answers["gone"] == []
     assert echo.seen == {}  # no app ran
+    assert router.read_ahead.used == 0
+
+
+# --- fairness of the budget: one caller's share, a bound on the whole body's read, a chunked
+# body charged what has arrived.
+
+
+def test_one_caller_holds_at_most_its_share_of_the_budget_and_another_callers_big_body_goes_in(settings):
+    """One caller (one address, one key) trickling 500 KB bodies took the whole budget and
+    every other caller's big body got 503 body_budget while its own went on. Now it holds at
+    most ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES: its third body is refused (503,
+    Retry-After, nothing read) and another caller's body is read."""
+    settings.ZEROMEM_BODY_READ_AHEAD_BYTES = 2_000_000  # four 500 KB bodies
+    settings.ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES = 1_100_000  # two of them
+    router, echo = _router()
+
+    async def scenario():
+        gate = asyncio.Event()
+        held, sent = [], [[] for _ in range(4)]
+        for n in range(4):  # the same caller four times
+            receive, calls = _trickled(b"h" * KB500, gate)
+            scope = _body_scope("/api/v1/tools/call", "zm_hog_s", KB500)
+            held.append((asyncio.create_task(router(scope, receive, _async(sent[n].append))), calls))
+        await asyncio.sleep(0.05)
+        hog_used = router.read_ahead.used
+        other = []
+        receive, _calls = _trickled(b"o" * KB500, gate)
+        other_task = asyncio.create_task(
+            router(_body_scope("/mcp", "zm_other_s", KB500, client="127.0.0.9"), receive, _async(other.append))
+        )
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(other_task, *(task for task, _ in held)), timeout=10)
+        return hog_used, sent, [calls["n"] for _, calls in held], other
+
+    hog_used, sent, calls, other = asyncio.run(scenario())
+    assert hog_used == 2 * KB500  # its share: two bodies of four
+    answered = [s[-1]["body"] for s in sent if s[0]["status"] == 200]
+    refused = [s for s in sent if s[0]["status"] == 503]
+    assert answered == [b"wsgi %d" % KB500] * 2 and len(refused) == 2
+    for start, body in refused:
+        assert (b"retry-after", b"1") in start["headers"]
+        assert json.loads(body["body"])["error"]["code"] == "body_budget"
+    assert sorted(calls) == [0, 0, 10, 10]  # the refused ones: not a byte read
+    assert other[0]["status"] == 200 and other[-1]["body"] == b"mcp %d" % KB500
+    assert echo.seen[("/mcp", "Bearer zm_other_s")] == b"o" * KB500
+    assert router.read_ahead.used == 0 and router.read_ahead.holding == {}
+
+
+def test_a_sender_trickling_a_body_under_the_silence_timeout_is_answered_408_and_a_slow_one_goes_in(settings):
+    """The timeout was per message: a sender sending 1 KB every 0.1 s with a 0.2 s timeout was
+    never dropped (its budget held until it was done or gone). Now a body has the timeout plus
+    one second per ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND bytes that arrived: the trickler is
+    answered 408 and its budget given back, while a slow body at the rate, taking ten times the
+    timeout, is read whole."""
+    settings.ZEROMEM_BODY_READ_TIMEOUT_SECONDS = 0.2
+    settings.ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND = 200_000
+    router, echo = _router()
+
+    def paced(piece: bytes, pieces: int, every: float):
+        calls = {"n": 0}
+
+        async def receive():
+            calls["n"] += 1
+            await asyncio.sleep(every)
+            return {"type": "http.request", "body": piece, "more_body": calls["n"] < pieces}
+
+        return receive
+
+    async def scenario():
+        answers = {}
+        # name: (piece, pieces, seconds apart, declared length or chunked)
+        cases = {
+            "trickle": (b"t" * 1000, 500, 0.1, 500_000),
+            "trickle-chunked": (b"t" * 1000, 500, 0.1, None),
+            "trickle-small": (b"t" * 100, 500, 0.1, 50_000),
+            "slow": (b"s" * 25_000, 20, 0.1, 500_000),  # 250 KB/s: 2 s in all
+        }
+        for name, (piece, pieces, every, length) in cases.items():
+            answers[name] = []
+            scope = _body_scope("/api/v1/tools/call", f"zm_{name}_s", length)
+            started = time.monotonic()
+            await asyncio.wait_for(router(scope, paced(piece, pieces, every), _async(answers[name].append)), timeout=5)
+            answers[name].append(time.monotonic() - started)
+        return answers
+
+    answers = asyncio.run(scenario())
+    for name in ("trickle", "trickle-chunked", "trickle-small"):
+        start, body, waited = answers[name]
+        assert start["status"] == 408 and json.loads(body["body"])["error"]["code"] == "body_timeout", name
+        assert waited < 0.5, (name, waited)
+    start, body, waited = answers["slow"]
+    assert start["status"] == 200 and body["body"] == b"wsgi 500000" and waited > 1.9
+    assert echo.seen == {("/api/v1/tools/call", "Bearer zm_slow_s"): b"s" * 500_000}
+    assert router.read_ahead.used == 0
+
+
+def test_a_chunked_body_is_charged_what_has_arrived_and_refused_when_the_budget_runs_out(settings):
+    """A chunked body took the whole cap (1 MiB) while it arrived: with a 1.2 MB budget a
+    second 100 KB chunked body got 503. Now each holds what has arrived: three go in together;
+    one that grows past the budget is answered 503 body_budget once it does, and gives back
+    what it held."""
+    settings.ZEROMEM_BODY_READ_AHEAD_BYTES = 1_200_000
+    settings.ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES = 1_200_000
+    router, echo = _router()
+
+    async def scenario():
+        gate = asyncio.Event()
+        tasks, sent = [], [[] for _ in range(3)]
+        for n in range(3):
+            receive, _calls = _trickled(b"c" * 100_000, gate)
+            scope = _body_scope("/api/v1/tools/call", f"zm_chunked{n}_s", None, client=f"127.0.0.{n + 1}")
+            tasks.append(asyncio.create_task(router(scope, receive, _async(sent[n].append))))
+        await asyncio.sleep(0.05)
+        arrived = router.read_ahead.used
+        # A chunked body that grows to 1 MiB while 270 KB are held: refused at the budget.
+        big = []
+        receive, calls = _trickled(b"b" * (1024 * 1024), asyncio.Event(), pieces=16, stall=True)
+        scope = _body_scope("/mcp", "zm_big_s", None, client="127.0.0.8")
+        await asyncio.wait_for(router(scope, receive, _async(big.append)), timeout=3)
+        after_big = router.read_ahead.used
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+        return arrived, sent, big, calls["n"], after_big
+
+    arrived, sent, big, big_calls, after_big = asyncio.run(scenario())
+    assert arrived == 3 * 90_000  # 9 of 10 pieces each, not 3 caps
+    for n in range(3):
+        assert sent[n][-1]["body"] == b"wsgi 100000"
+        assert echo.seen[("/api/v1/tools/call", f"Bearer zm_chunked{n}_s")] == b"c" * 100_000
+    start, body = big
+    assert start["status"] == 503 and (b"retry-after", b"1") in start["headers"]
+    assert json.loads(body["body"])["error"]["code"] == "body_budget"
+    assert big_calls == 15  # refused mid-body: 14 pieces of 64 KiB fit in the 930 KB left, not 15
+    assert after_big == arrived and ("/mcp", "Bearer zm_big_s") not in echo.seen
     assert router.read_ahead.used == 0

@@ -132,10 +132,13 @@ class Router:
         self.prefix = mcp_endpoint_path()
         # Every body up to the cap is read before the request waits for its turn at a thread,
         # those over 64 KiB within the process's budget (zeromem/kit/read_ahead.py).
+        # One caller's within its share of the budget; a body that trickles is dropped (408).
         self.read_ahead = ReadAhead(
             settings.ZEROMEM_MAX_BODY_BYTES,
             settings.ZEROMEM_BODY_READ_AHEAD_BYTES,
             settings.ZEROMEM_BODY_READ_TIMEOUT_SECONDS,
+            per_caller=settings.ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES,
+            min_rate=settings.ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND,
         )
 
     async def __call__(self, scope, receive, send):
@@ -181,12 +184,12 @@ class Router:
             body = held.body
             if held.more:  # a chunked body past the cap: the app refuses it as it arrives
                 receive, body = replayed(body, receive, more=True), None
-            async with self.threads.thread(caller_of(scope)):
+            async with self.threads.thread(held.caller):
                 if isinstance(app, WsgiBridge):
                     return await app.respond(scope, receive, send, body)
                 return await app(scope, receive if body is None else replayed(body, receive), send)
         finally:
-            self.read_ahead.give_back(held.charged)
+            self.read_ahead.give_back(held)
 
     async def lifespan(self, receive, send):
         message = await receive()

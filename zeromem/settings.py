@@ -338,9 +338,16 @@ ZEROMEM_MAX_BODY_BYTES = env.int("ZEROMEM_MAX_BODY_BYTES", default=1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = ZEROMEM_MAX_BODY_BYTES
 # A web process reads each body up to the cap before the request takes a thread (README
 # "Serving", zeromem/kit/read_ahead.py): those over 64 KiB and chunked ones within this many bytes
-# at once (past it 503 body_budget, Retry-After), each message within this many seconds (408).
+# at once, one caller's within its share (past either 503 body_budget, Retry-After); each
+# message within the timeout, and the whole body within the timeout plus a second per
+# ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND bytes received (408).
 ZEROMEM_BODY_READ_AHEAD_BYTES = env.int("ZEROMEM_BODY_READ_AHEAD_BYTES", default=64 * 1024 * 1024)
+ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES = env.int(
+    "ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES",
+    default=min(ZEROMEM_BODY_READ_AHEAD_BYTES, max(ZEROMEM_BODY_READ_AHEAD_BYTES // 4, ZEROMEM_MAX_BODY_BYTES)),
+)
 ZEROMEM_BODY_READ_TIMEOUT_SECONDS = env.float("ZEROMEM_BODY_READ_TIMEOUT_SECONDS", default=30.0)
+ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND = env.int("ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND", default=8 * 1024)
 
 # --- ZeroMem ---------------------------------------------------------------------------
 # Default and hard cap of a memory value's serialized size; tenants may lower or raise the
@@ -573,7 +580,9 @@ if env.str("REDIS_URL", default=""):
 _LEAST = {
     "ZEROMEM_MAX_BODY_BYTES": 1,
     "ZEROMEM_BODY_READ_AHEAD_BYTES": 1,
+    "ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES": 1,
     "ZEROMEM_BODY_READ_TIMEOUT_SECONDS": 0.001,
+    "ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND": 1,
     "ZEROMEM_VALUE_MAX_BYTES": 1,
     "ZEROMEM_VALUE_HARD_CAP_BYTES": 1,
     "ZEROMEM_SEARCH_TIMEOUT_MS": 1,
@@ -648,6 +657,12 @@ if ZEROMEM_BODY_READ_AHEAD_BYTES < ZEROMEM_MAX_BODY_BYTES:  # a body at the cap 
     raise ImproperlyConfigured(
         f"ZEROMEM_BODY_READ_AHEAD_BYTES ({ZEROMEM_BODY_READ_AHEAD_BYTES}) must be at least"
         f" ZEROMEM_MAX_BODY_BYTES ({ZEROMEM_MAX_BODY_BYTES})"
+    )
+if not ZEROMEM_MAX_BODY_BYTES <= ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES <= ZEROMEM_BODY_READ_AHEAD_BYTES:
+    raise ImproperlyConfigured(  # a caller's body at the cap would never be read; over the budget: no share
+        f"ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES ({ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES}) must be from"
+        f" ZEROMEM_MAX_BODY_BYTES ({ZEROMEM_MAX_BODY_BYTES}) to ZEROMEM_BODY_READ_AHEAD_BYTES"
+        f" ({ZEROMEM_BODY_READ_AHEAD_BYTES})"
     )
 # Upper bounds where a large value breaks a promise the README makes: a revoked API key and a
 # shredded data key (a forget) keep working in other processes for up to the cache time.

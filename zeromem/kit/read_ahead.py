@@ -14,15 +14,24 @@ Now every body up to the cap is read here first:
   (``ZEROMEM_BODY_READ_AHEAD_BYTES``) before a byte is read, and given back when the request
   ends (the body lives until then: the budget bounds every body the process holds beyond the
   small ones);
-* chunked (no length to declare): the cap is taken, read up to the cap and one byte more, and
-  what was not used given back once it is in;
-* over the budget: ``503 body_budget`` with ``Retry-After: 1`` at once, before a byte is read
-  (not a wait: the budget is held by bodies still arriving, whose senders decide how long that
-  takes, so a waiting request could wait as long; a retry may reach a process, or an instance,
-  that has room, and the client knows at once);
-* a sender silent for ``ZEROMEM_BODY_READ_TIMEOUT_SECONDS`` mid-body is answered ``408
-  body_timeout`` and dropped, and a client gone mid-body is dropped, nothing run: its budget is
-  back either way (granian has a timeout for headers only, none for a body);
+* chunked (no length to declare): charged what has arrived, each message as it comes (it took
+  the whole cap while it arrived, so a few small chunked bodies filled the budget);
+* one caller (``caller_of``: the client's address and the key's public lookup, as the request
+  threads are shared) holds at most ``ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES`` of the budget
+  (a quarter): a few callers trickling big bodies took all of it, and every other caller's big
+  body was refused while theirs went on;
+* over the budget or the caller's share: ``503 body_budget`` with ``Retry-After: 1`` at once,
+  before a byte is read (a chunked body: once the message that would pass it arrives) — not a
+  wait: the budget is held by bodies still arriving, whose senders decide how long that takes,
+  so a waiting request could wait as long; a retry may reach a process, or an instance, that
+  has room, and the client knows at once;
+* a sender silent for ``ZEROMEM_BODY_READ_TIMEOUT_SECONDS`` (30) mid-body, or whose body is not
+  in after that long plus a second per ``ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND`` (8 KiB) bytes
+  received, is answered ``408 body_timeout`` and dropped (a timeout per message alone let a
+  sender of a byte every 29 s hold its budget for ever; a 1 MiB body still goes in on any link
+  of 8 KiB/s, 66 kbit/s, or more: it has up to 158 s), and a client gone mid-body is dropped,
+  nothing run: its budget is back either way (granian has a timeout for headers only, none for
+  a body);
 * a declared length over the cap is not read: the app refuses it from the header (413), as
   before; a chunked body past the cap is handed to the app as what was read and "more to come",
   and the app refuses it (413) as it did while it streamed.
@@ -34,6 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+
+from zeromem.kit.fair_threads import caller_of
 
 # A body declared up to this size is read outside the budget (tool calls and REST writes are a
 # few hundred bytes to a few KB; a larger body is an import, a batch, a 1 MB value).
@@ -59,17 +70,18 @@ def framing(scope) -> tuple[int | None, bool] | None:
 
 class Held:
     """A body read (or refused) outside the small path: ``body`` (what came), ``charged`` (bytes
-    of the budget it holds until the request ends), ``more`` (the cap was passed: more was to
-    come, the app refuses it), ``status`` (0: run the app; 503 or 408: answered here; -1: the
-    client is gone, nothing to answer)."""
+    of the budget it holds until the request ends), ``caller`` (whose share they count in),
+    ``more`` (the cap was passed: more was to come, the app refuses it), ``status`` (0: run the
+    app; 503 or 408: answered here; -1: the client is gone, nothing to answer)."""
 
-    __slots__ = ("body", "charged", "more", "status")
+    __slots__ = ("body", "caller", "charged", "more", "status")
 
-    def __init__(self, body: bytes = b"", charged: int = 0, more: bool = False, status: int = 0):
+    def __init__(self, body: bytes = b"", charged: int = 0, more: bool = False, status: int = 0, caller: str = ""):
         self.body = body
         self.charged = charged
         self.more = more
         self.status = status
+        self.caller = caller
 
 
 GONE = Held(status=-1)
@@ -77,14 +89,27 @@ GONE = Held(status=-1)
 
 class ReadAhead:
     """Reads request bodies up to ``cap`` bytes, those over ``small`` within ``budget`` bytes at
-    once; a sender silent for ``timeout`` seconds mid-body is dropped (see the module)."""
+    once and ``per_caller`` bytes of one caller; a sender silent for ``timeout`` seconds
+    mid-body, or slower than ``min_rate`` bytes a second past the first ``timeout`` seconds, is
+    dropped (see the module)."""
 
-    def __init__(self, cap: int, budget: int, timeout: float, small: int = SMALL_BYTES) -> None:
+    def __init__(
+        self,
+        cap: int,
+        budget: int,
+        timeout: float,
+        small: int = SMALL_BYTES,
+        per_caller: int | None = None,
+        min_rate: float = 8 * 1024,
+    ) -> None:
         self.cap = cap
         self.small = min(small, cap)
         self.budget = budget
+        self.per_caller = budget if per_caller is None else min(per_caller, budget)
         self.timeout = timeout
+        self.min_rate = min_rate
         self.used = 0  # bytes of the budget held now
+        self.holding: dict[str, int] = {}  # of them, by caller (callers holding none: absent)
 
     async def read(self, scope, receive) -> bytes | Held | None:
         """The request's body: ``bytes`` (all of it, nothing charged), a :class:`Held`, or None
@@ -95,7 +120,7 @@ class ReadAhead:
             return None
         declared, chunked = framed
         if chunked:
-            return None if declared is not None else await self._read_held(receive, None)
+            return None if declared is not None else await self._read_held(scope, receive, None)
         if declared is None:
             return b"" if scope.get("method") in NO_BODY_METHODS else None
         if declared <= self.small:
@@ -106,54 +131,87 @@ class ReadAhead:
             body = message.get("body", b"")
             if not message.get("more_body", False) or len(body) >= declared:
                 return body
-            held = await self._rest(receive, [body], len(body), declared)
+            held = await self._rest(receive, [body], len(body), declared, None)
             return held.body if held.status == 0 else held
         if declared > self.cap:
             return None
-        return await self._read_held(receive, declared)
+        return await self._read_held(scope, receive, declared)
 
-    async def _read_held(self, receive, declared: int | None) -> Held:
-        charge = self.cap if declared is None else declared
-        if self.used + charge > self.budget:
-            return Held(status=503)
-        self.used += charge
+    def _fits(self, caller: str, size: int) -> bool:
+        return self.used + size <= self.budget and self.holding.get(caller, 0) + size <= self.per_caller
+
+    def _take(self, held: Held, size: int) -> None:
+        self.used += size
+        self.holding[held.caller] = self.holding.get(held.caller, 0) + size
+        held.charged += size
+
+    async def _read_held(self, scope, receive, declared: int | None) -> Held:
+        # A declared body takes its length before a byte is read; a chunked one needs room for
+        # a byte, and takes what arrives as it arrives (_rest).
+        held = Held(caller=caller_of(scope))
+        if not self._fits(held.caller, 1 if declared is None else declared):
+            held.status = 503
+            return held
+        if declared is not None:
+            self._take(held, declared)
         try:
-            held = await self._rest(receive, [], 0, declared)
+            await self._rest(receive, [], 0, declared, held)
         except BaseException:
-            self.used -= charge
+            self.give_back(held)
             raise
         if held.status != 0:
-            self.used -= charge
-            return held
-        if declared is None and not held.more:
-            self.used -= charge - len(held.body)  # chunked: keep what it used
-            charge = len(held.body)
-        held.charged = charge
+            self.give_back(held)
         return held
 
-    async def _rest(self, receive, chunks: list[bytes], received: int, declared: int | None) -> Held:
-        """The rest of a body, each message awaited at most ``timeout`` seconds."""
-        limit = self.cap if declared is None else declared
+    async def _rest(self, receive, chunks: list[bytes], received: int, declared: int | None, held: Held | None) -> Held:
+        """The rest of a body into ``held`` (a new :class:`Held` when None: a small body, outside
+        the budget; a chunked ``held`` is charged each message as it arrives). Each message is
+        awaited at most ``timeout`` seconds, and the whole body at most ``timeout`` seconds plus
+        one per ``min_rate`` bytes received."""
+        if held is None:
+            held = Held()
+        grows = declared is None
+        limit = self.cap if grows else declared
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            async with asyncio.timeout(self.timeout) as deadline:
-                loop = asyncio.get_running_loop()
+            async with asyncio.timeout_at(started + self.timeout) as deadline:
                 while True:
                     message = await receive()
                     if message["type"] != "http.request":
-                        return GONE
+                        held.status = -1
+                        return held
                     chunk = message.get("body", b"")
+                    if grows and chunk:
+                        if not self._fits(held.caller, len(chunk)):
+                            held.status = 503  # the budget, or the caller's share, ran out
+                            return held
+                        self._take(held, len(chunk))
                     chunks.append(chunk)
                     received += len(chunk)
-                    if declared is None and received > limit:  # chunked, past the cap
-                        return Held(b"".join(chunks), more=True)
-                    if not message.get("more_body", False) or (declared is not None and received >= limit):
-                        return Held(b"".join(chunks))
-                    deadline.reschedule(loop.time() + self.timeout)
+                    if grows and received > limit:  # chunked, past the cap
+                        held.body, held.more = b"".join(chunks), True
+                        return held
+                    if not message.get("more_body", False) or (not grows and received >= limit):
+                        held.body = b"".join(chunks)
+                        return held
+                    now = loop.time()
+                    deadline.reschedule(min(now, started + received / self.min_rate) + self.timeout)
         except TimeoutError:
-            return Held(status=408)
+            held.status = 408
+            return held
 
-    def give_back(self, charged: int) -> None:
-        self.used -= charged
+    def give_back(self, held: Held) -> None:
+        """What ``held`` was charged, back to the budget and its caller's share."""
+        if not held.charged:
+            return
+        self.used -= held.charged
+        left = self.holding[held.caller] - held.charged
+        if left:
+            self.holding[held.caller] = left
+        else:
+            del self.holding[held.caller]
+        held.charged = 0
 
 
 _REFUSALS = {
