@@ -5,6 +5,7 @@ list's filters and actions do what they say."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -329,3 +330,137 @@ def test_list_filters_drill_down_the_key_tree_and_find_by_subject_tag_expiry_and
     assert keys("expiry=expired") == ["task:t2:status"]
     assert keys("q=weekly") == ["task:t1:status"]
     assert keys("q=u2") == ["user:u2:pref_lang"]
+
+
+class _FetchedBytes:
+    """The bytes of the rows the database sends this process (every fetch of a cursor) while
+    it is open: what a page loads, whatever it renders."""
+
+    def __init__(self):
+        self.total = 0
+
+    def __enter__(self):
+        from django.db import connection
+
+        connection.ensure_connection()
+        with connection.cursor() as probe:
+            self._cls = type(probe.cursor)  # the backend's cursor class (psycopg's, subclassed)
+        self._patched = []
+        for name in ("fetchone", "fetchmany", "fetchall"):
+            original = getattr(self._cls, name)
+
+            def counting(cursor, *args, _original=original, **kwargs):
+                rows = _original(cursor, *args, **kwargs)
+                many = rows if isinstance(rows, list) else [rows] if rows is not None else []
+                self.total += sum(len(str(row).encode()) for row in many)
+                return rows
+
+            self._patched.append((name, self._cls.__dict__.get(name)))
+            setattr(self._cls, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, own in self._patched:
+            if own is None:
+                delattr(self._cls, name)
+            else:
+                setattr(self._cls, name, own)
+
+
+def _long_history(tenant, n: int, size: int):
+    """A memory of ``n`` versions, each a ``size``-byte string ending in its own marker."""
+    tenant.value_max_bytes = 256 * 1024
+    tenant.save(update_fields=["value_max_bytes"])
+    memory = write(tenant, KEY, "x" * size + "END-OF-V1")
+    for version in range(2, n + 1):
+        services.memory_update(tenant=tenant, actor=SYSTEM, key=KEY, value="x" * size + f"END-OF-V{version}")
+    return memory
+
+
+def test_history_pages_versions_and_loads_only_previews(tenant_a, staff_clients):
+    # The page loaded up to 200 whole versions (up to the value cap each: tens of MB a page).
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    memory = _long_history(tenant_a, 30, 100_000)
+    _user, client = staff_clients["viewer"]
+    url = f"/admin/memories/memory/{memory.pk}/history/"
+    with _FetchedBytes() as fetched, CaptureQueriesContext(connection) as queries:
+        response = client.get(url)
+    body = response.content.decode()
+    assert response.status_code == 200
+    shown = [int(v) for v in re.findall(r'class="version-row" data-version="(\d+)"', body)]
+    assert shown == list(range(30, 10, -1))  # the newest 20
+    assert "END-OF-V" not in body  # previews, not whole values
+    assert "97.7 KB" in body  # each value's size (100,011 bytes of JSON text)
+    assert len(response.content) < 60_000 and fetched.total < 60_000, (len(response.content), fetched.total)
+    first_queries = len(queries)
+    older = re.search(r'href="\?before=(\d+)" id="older-versions"', body)
+    assert older and older.group(1) == "11"
+    with CaptureQueriesContext(connection) as queries:
+        body = client.get(f"{url}?before=11").content.decode()
+    assert [int(v) for v in re.findall(r'class="version-row" data-version="(\d+)"', body)] == list(range(10, 0, -1))
+    assert 'id="older-versions"' not in body and 'id="newest-versions"' in body
+    assert len(queries) == first_queries  # a page costs the same whatever the history holds
+    events = _events(tenant_a, "memory.history")
+    assert [(e.target, e.count, e.outcome) for e in events] == [(KEY, 20, "ok"), (KEY, 10, "ok")]
+
+
+def test_opening_one_version_loads_its_whole_value_audited(tenant_a, staff_clients):
+    memory = _long_history(tenant_a, 3, 50_000)
+    _user, client = staff_clients["viewer"]
+    history = client.get(f"/admin/memories/memory/{memory.pk}/history/").content.decode()
+    link = f"/admin/memories/memory/{memory.pk}/history/2/"
+    assert f'href="{link}"' in history
+    with _FetchedBytes() as fetched:
+        response = client.get(link)
+    body = response.content.decode()
+    assert response.status_code == 200 and "END-OF-V2" in body and "END-OF-V3" not in body
+    assert fetched.total < 2 * 50_000 + 20_000  # that one value, not the others
+    event = _events(tenant_a, "memory.history")[-1]
+    assert (event.target, event.count, event.version, event.outcome) == (KEY, 1, 2, "ok")
+    assert event.detail.get("opened_version") == 2
+    missing = client.get(f"/admin/memories/memory/{memory.pk}/history/9/")
+    assert missing.status_code == 404
+    assert _events(tenant_a, "memory.history")[-1].outcome == "not_found"
+
+
+def test_history_paging_refuses_a_bad_cursor_naming_the_field(tenant_a, staff_clients):
+    memory = write(tenant_a, KEY, "en")
+    _user, client = staff_clients["viewer"]
+    before = AuditEvent.objects.count()
+    response = client.get(f"/admin/memories/memory/{memory.pk}/history/?before=abc")
+    assert response.status_code == 400 and b"before" in response.content
+    assert AuditEvent.objects.filter(action="memory.history", outcome="ok").count() == 0
+    assert AuditEvent.objects.count() <= before + 1  # at most the refusal itself
+
+
+def test_another_tenants_staff_cannot_open_a_version(tenant_a, tenant_b, staff_clients, fast_password_hashing):
+    from tests.factories import logged_in, make_staff
+
+    memory = write(tenant_a, KEY, "secret of a")
+    other = logged_in(make_staff(tenant_b, "admin", "other-admin"))
+    for url in (f"/admin/memories/memory/{memory.pk}/history/1/", f"/admin/memories/memory/{memory.pk}/history/"):
+        response = other.get(url)
+        assert response.status_code in (403, 404) and b"secret of a" not in response.content
+
+
+def test_a_sensitive_version_stays_masked_on_its_page_until_a_reveal(tenant_a, staff_clients):
+    tenant_a.value_max_bytes = 64 * 1024
+    tenant_a.save(update_fields=["value_max_bytes"])
+    small = "CANARY-small-4e1d"
+    memory = write(tenant_a, KEY, small, sensitive=True)
+    services.memory_update(tenant=tenant_a, actor=SYSTEM, key=KEY, value="y" * 30_000 + "CANARY-large-77ab")
+    _user, client = staff_clients["support"]
+    history_url = f"/admin/memories/memory/{memory.pk}/history/"
+    one = f"{history_url}1/"
+    masked = client.get(one).content.decode()
+    assert small not in masked and "Reveal values" in masked
+    client.post(f"/admin/memories/memory/{memory.pk}/reveal/", {"next": "history"})
+    assert small in client.get(one).content.decode()
+    with _FetchedBytes() as fetched:
+        history = client.get(history_url).content.decode()
+    # The small sealed version comes opened with the page; the large one only on its own page.
+    assert small in history and "CANARY-large" not in history and "open this version" in history
+    assert fetched.total < 20_000, fetched.total
+    assert "CANARY-large-77ab" in client.get(f"{history_url}2/").content.decode()

@@ -133,3 +133,37 @@ def test_support_edits_and_forgets_a_memory_and_compliance_sees_the_trail_withou
         assert "CANARY-" not in html and "vegetarian" not in html
     # what compliance saw was audited as what it is: no memory.view by compliance
     assert not AuditEvent.objects.filter(actor_label="carla-compliance", action__startswith="memory.").exists()
+
+
+def test_support_pages_through_a_long_history_and_opens_one_whole_version(
+    browser_page, live_server, screenshot, fast_password_hashing
+):
+    page, base = browser_page, live_server.url
+    tenant = make_tenant("acme-history")
+    tenant.value_max_bytes = 64 * 1024
+    tenant.save(update_fields=["value_max_bytes"])
+    memory = write(tenant, KEY, "v1 " + "x" * 20_000 + " END-1")
+    for n in range(2, 26):
+        services.memory_update(tenant=tenant, actor=SYSTEM, key=KEY, value=f"v{n} " + "x" * 20_000 + f" END-{n}")
+    _member(tenant, "support", "sam-support")
+    _log_in(page, base, "sam-support")
+
+    page.goto(f"{base}/admin/memories/memory/{memory.pk}/history/")
+    rows = page.locator("#version-history tbody tr.version-row")
+    assert rows.count() == 20 and rows.first.get_attribute("data-version") == "25"
+    first = rows.first.inner_text()
+    assert "19.5 KB" in first and "v25" in first and "END-25" not in first  # a preview and its size
+    screenshot("history-first-page")
+    page.click("#older-versions")
+    page.wait_for_url(re.compile(r"before=6"))
+    assert [r.get_attribute("data-version") for r in rows.all()] == ["5", "4", "3", "2", "1"]
+    assert page.locator("#older-versions").count() == 0
+    screenshot("history-older-page")
+    page.locator('tr[data-version="3"] a.open-whole').click()
+    page.wait_for_selector("#version-value")
+    assert page.locator("#version-value").inner_text().endswith('END-3"')
+    screenshot("history-one-version")
+    page.click("text=History")
+    page.wait_for_selector("#version-history")
+    opened = AuditEvent.objects.filter(tenant=tenant, action="memory.history", detail__opened_version=3)
+    assert opened.count() == 1

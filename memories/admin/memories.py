@@ -10,8 +10,8 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
-from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpResponseRedirect
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import Http404, HttpResponseBadRequest, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
@@ -29,8 +29,10 @@ from memories.admin.memory_filters import (
     TagFilter,
 )
 from memories.models import Memory, Tenant
+from memories.services.memories import PREVIEW_CHARS
 from zeromem.kernel import validation
-from zeromem.kernel.errors import Conflict, NotFound, ServiceError
+from zeromem.kernel.crypto import ErasedValue
+from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import (
     TenantScopedAdmin,
@@ -409,23 +411,39 @@ class MemoryAdmin(TenantScopedAdmin):
 
     # --- history and restoring a version ---------------------------------------------------
 
-    def history_view(self, request, object_id, extra_context=None):
-        obj = self.get_object(request, unquote(object_id))
-        if not self.has_view_permission(request, obj):
-            raise PermissionDenied
+    def _facts(self, request, object_id) -> Memory | None:
+        """The memory as :meth:`get_object` finds it, without its value (up to the value cap:
+        the history pages show versions, not the current value)."""
         try:
-            versions = services.memory_versions_view(
-                tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk
+            return self.get_queryset(request).defer("value").get(pk=unquote(object_id))
+        except (Memory.DoesNotExist, ValidationError, ValueError, TypeError):
+            return None
+
+    def history_view(self, request, object_id, extra_context=None):
+        """A page of the versions (``HISTORY_PAGE_SIZE``, newest first; ``?before=`` the older
+        ones): each with its size and a preview; a whole value only on its own page."""
+        obj = self._facts(request, object_id)
+        if obj is None or not self.has_view_permission(request, obj):
+            raise Http404("no such memory")  # another tenant's, or not viewable: like a missing one
+        # Version by version: a memory written plain again keeps the versions it wrote while
+        # sensitive (sealed), and they stay hidden until a reveal as the memory itself would.
+        revealed = self._revealed(request, obj)
+        try:
+            page = services.memory_versions_view(
+                tenant=obj.tenant,
+                actor=actor_for(request, obj.tenant_id),
+                memory_id=obj.pk,
+                before=request.GET.get("before"),
+                open_sealed=revealed,
             )
+        except InvalidInput as exc:
+            return HttpResponseBadRequest(f"{exc.field}: {exc.message}", content_type="text/plain")
         except NotFound:
             raise Http404("no such memory") from None
         except ServiceError:
             raise PermissionDenied from None
         live = obj.deleted_at is None and (obj.expires_at is None or obj.expires_at > timezone.now())
-        # Version by version: a memory written plain again keeps the versions it wrote while
-        # sensitive (sealed), and they stay hidden until a reveal as the memory itself would.
-        revealed = self._revealed(request, obj)
-        masked = [not revealed and (obj.sensitive or v.sensitive) for v in versions]
+        masked = [not revealed and (obj.sensitive or v.sensitive) for v in page.versions]
         context = {
             **self.admin_site.each_context(request),
             "title": f"History of {obj.key}",
@@ -439,13 +457,14 @@ class MemoryAdmin(TenantScopedAdmin):
                     "op": v.op,
                     "actor": actor_label(v.actor_kind, v.actor_id),
                     "created_at": v.created_at,
-                    "value": "•••••• sensitive value, hidden"
-                    if hidden
-                    else json.dumps(v.value, ensure_ascii=False, indent=2),
+                    "size": _size(v.value_bytes),
+                    **_preview(v, hidden),
                     "current": v.version == obj.version,
                 }
-                for v, hidden in zip(versions, masked, strict=True)
+                for v, hidden in zip(page.versions, masked, strict=True)
             ],
+            "older": page.older,
+            "paged": request.GET.get("before") is not None,
             "can_reveal": any(masked),
             "can_restore": live and self.has_change_permission(request, obj),
             "preserved_filters": self.get_preserved_filters(request),
@@ -454,12 +473,57 @@ class MemoryAdmin(TenantScopedAdmin):
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.object_history_template, context)
 
+    def version_view(self, request, object_id, version: int):
+        """One version's whole value (an audited read; masked like the history until a reveal)."""
+        obj = self._facts(request, object_id)
+        if obj is None or not self.has_view_permission(request, obj):
+            raise Http404("no such memory")
+        try:
+            row = services.memory_version_view(
+                tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk, version=version
+            )
+        except NotFound:
+            raise Http404("no such version") from None
+        except ServiceError:
+            raise PermissionDenied from None
+        hidden = not self._revealed(request, obj) and (obj.sensitive or row.sensitive)
+        if hidden:
+            value = "•••••• sensitive value, hidden"
+        elif isinstance(row.value, ErasedValue):
+            value = "erased (its data key is destroyed)"
+        else:
+            value = json.dumps(row.value, ensure_ascii=False, indent=2)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Version {row.version} of {obj.key}",
+            "subtitle": None,
+            "object": obj,
+            "opts": self.opts,
+            "module_name": "Memories",
+            "v": {
+                "version": row.version,
+                "op": row.op,
+                "actor": actor_label(row.actor_kind, row.actor_id),
+                "created_at": row.created_at,
+                "value": value,
+                "current": row.version == obj.version,
+            },
+            "can_reveal": hidden,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "zeromem_admin/memory_version.html", context)
+
     def get_urls(self):
         return [
             path(
                 "<path:object_id>/reveal/",
                 self.admin_site.admin_view(self.reveal_view),
                 name="memories_memory_reveal",
+            ),
+            path(
+                "<path:object_id>/history/<int:version>/",
+                self.admin_site.admin_view(self.version_view),
+                name="memories_memory_version",
             ),
             path(
                 "<path:object_id>/history/<int:version>/restore/",
@@ -587,3 +651,34 @@ class MemoryAdmin(TenantScopedAdmin):
 
 
 admin.site.register(Memory, MemoryAdmin)
+
+
+def _size(n: int | None) -> str:
+    """A value's size as the history shows it: bytes of its JSON text (an envelope's if sealed)."""
+    n = n or 0
+    if n < 1024:
+        return f"{n} bytes"
+    if n < 1024 * 1024:
+        return f"{n / 1024:.1f} KB"
+    return f"{n / (1024 * 1024):.1f} MB"
+
+
+def _preview(v, hidden: bool) -> dict:
+    """What the history shows of one version's value (from ``memory_versions_view``): the
+    whole value when it is short, else its first characters; ``truncated`` when there is more."""
+    limit = PREVIEW_CHARS
+    if hidden:
+        return {"value": "•••••• sensitive value, hidden", "truncated": False}
+    if v.sensitive:
+        if v.sealed_value is None:
+            return {"value": "(sealed value too large to show here: open this version)", "truncated": True}
+        if isinstance(v.sealed_value, ErasedValue):
+            return {"value": "erased (its data key is destroyed)", "truncated": False}
+        text = json.dumps(v.sealed_value, ensure_ascii=False, indent=2)
+    elif len(v.preview or "") > limit:
+        return {"value": v.preview[:limit] + " …", "truncated": True}
+    else:
+        text = json.dumps(json.loads(v.preview), ensure_ascii=False, indent=2)
+    return (
+        {"value": text[:limit] + " …", "truncated": True} if len(text) > limit else {"value": text, "truncated": False}
+    )

@@ -188,6 +188,12 @@ _SMALL_VALUE_SQL = {
 }
 
 
+def value_bytes_sql(model) -> str:
+    """SQL of the bytes of ``model``'s value as JSON text (see ``_VALUE_BYTES_SQL``)."""
+    vendor = "postgresql" if connection.vendor == "postgresql" else "sqlite"
+    return _VALUE_BYTES_SQL[vendor].format(table=connection.ops.quote_name(model._meta.db_table))
+
+
 def sized(qs: QuerySet, *, limit: int, max_bytes: int) -> QuerySet:
     """``qs`` (of Memory or MemoryVersion) with its value deferred, ``value_bytes`` (the
     bytes of the value's JSON text; an envelope's for a sealed one) and ``small_value``

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from audit.services import AuditedOperation, audited_operation
@@ -750,10 +751,14 @@ def memory_reveal(*, tenant: Tenant, actor: Actor, memory_id: Any) -> Memory:
         return memory
 
 
-def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, op: AuditedOperation) -> Memory:
-    """The tenant's memory (any state) the actor may read; it becomes the operation's target."""
+def _readable_memory(
+    *, tenant: Tenant, actor: Actor, memory_id: Any, op: AuditedOperation, with_value: bool = True
+) -> Memory:
+    """The tenant's memory (any state) the actor may read; it becomes the operation's target.
+    ``with_value=False``: its value is not loaded (a history page needs the facts only)."""
     require_scope(actor, Scope.MEMORY_READ)
-    memory = Memory.objects.for_tenant(tenant).filter(pk=_pk(memory_id)).first()
+    qs = Memory.objects.for_tenant(tenant)
+    memory = (qs if with_value else qs.defer("value")).filter(pk=_pk(memory_id)).first()
     if memory is None:
         raise NotFound("no such memory", field="memory_id")
     require_key_allowed(actor, memory.key)
@@ -761,16 +766,107 @@ def _readable_memory(*, tenant: Tenant, actor: Actor, memory_id: Any, op: Audite
     return memory
 
 
-def memory_versions_view(*, tenant: Tenant, actor: Actor, memory_id: Any, limit: int = 200) -> list[MemoryVersion]:
-    """The versions of one memory (any state), newest first, values included: audited as
-    ``memory.history``. :class:`NotFound` when the memory is not the tenant's."""
+HISTORY_PAGE_SIZE = 20  # versions a page of the admin's history shows
+PREVIEW_CHARS = 400  # characters of a version's JSON text the page shows
+SEALED_INLINE_BYTES = 8192  # a sealed version (envelope) up to this size comes with the page
+
+
+@dataclass(frozen=True)
+class VersionsPage:
+    """A page of a memory's versions, newest first, without their whole values: each row has
+    ``value_bytes`` (its JSON text's size; an envelope's for a sealed one), ``preview`` (the
+    first :data:`PREVIEW_CHARS` characters of a plain value's JSON text, one more when it is
+    longer; None for a sealed one) and ``sealed_value`` (a sealed version's value, opened,
+    when asked for and its envelope is at most :data:`SEALED_INLINE_BYTES`; else None)."""
+
+    memory: Memory
+    versions: list[MemoryVersion]
+    older: int | None  # the ``before`` of the next page, when older versions remain
+
+
+_PREVIEW_SQL = {
+    "postgresql": (
+        "CASE WHEN {table}.sensitive THEN NULL"
+        " WHEN jsonb_typeof({table}.value) = 'string' THEN to_jsonb(left({table}.value #>> '{{}}', %s))::text"
+        " ELSE left({table}.value::text, %s) END"
+    ),
+    "sqlite": "CASE WHEN {table}.sensitive THEN NULL ELSE substr(CAST({table}.value AS TEXT), 1, %s) END",
+}
+_SEALED_INLINE_SQL = {
+    "postgresql": "CASE WHEN {table}.sensitive AND pg_column_size({table}.value) <= %s THEN {table}.value END",
+    "sqlite": "CASE WHEN {table}.sensitive AND length(CAST({table}.value AS BLOB)) <= %s THEN {table}.value END",
+}
+
+
+def memory_versions_view(
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    memory_id: Any,
+    before: Any = None,
+    limit: int = HISTORY_PAGE_SIZE,
+    open_sealed: bool = False,
+) -> VersionsPage:
+    """A page of the versions of one memory (any state), newest first, older than version
+    ``before`` when given: previews and sizes, never whole values (:class:`VersionsPage`;
+    :func:`memory_version_view` opens one). ``open_sealed``: small sealed versions come
+    opened (the admin asks once the staff member revealed the memory). Audited as
+    ``memory.history``. :class:`NotFound` when the memory is not the tenant's; a bad
+    ``before`` is :class:`InvalidInput` naming it.
+
+    Cost: the memory's lookup, one range read of the (memory, version) index of at most
+    ``limit + 1`` rows whose values the database cuts to previews (each value is read there,
+    not sent: a page is tens of KB whatever the values), the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="memory.history", atomic=False) as op:
-        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op)
-        versions = list(
-            MemoryVersion.objects.filter(tenant=tenant, memory=memory).order_by("-version")[: max(1, limit)]
+        before = validation.version(before, field="before")
+        limit = max(1, min(int(limit), 200))
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op, with_value=False)
+        qs = selectors.memory_history(memory=memory).defer("value")
+        if before is not None:
+            qs = qs.filter(version__lt=before)
+        table = connection.ops.quote_name(MemoryVersion._meta.db_table)
+        vendor = "postgresql" if connection.vendor == "postgresql" else "sqlite"
+        preview = _PREVIEW_SQL[vendor].format(table=table)
+        sealed = _SEALED_INLINE_SQL[vendor].format(table=table)
+        field = MemoryVersion._meta.get_field("value")
+        # bandit B611 (marked): the SQL is constants of this module; the sizes are parameters.
+        qs = qs.annotate(
+            value_bytes=RawSQL(selectors.value_bytes_sql(MemoryVersion), []),  # nosec B611
+            preview=RawSQL(preview, [PREVIEW_CHARS + 1] * preview.count("%s")),  # nosec B611
+            sealed_value=RawSQL(sealed, [SEALED_INLINE_BYTES if open_sealed else -1], output_field=field),  # nosec B611
         )
-        op.record(subject=memory.subject, count=len(versions), version=memory.version)
-        return versions
+        rows = list(qs[: limit + 1])
+        versions = rows[:limit]
+        for row in versions:
+            if row.sealed_value is not None:
+                row.sealed_value = keyring.open_loaded(row.sealed_value, tenant_id=tenant.pk)
+        op.record(
+            subject=memory.subject,
+            count=len(versions),
+            version=memory.version,
+            detail={"before": before} if before is not None else {},
+        )
+        older = versions[-1].version if len(rows) > limit else None
+        return VersionsPage(memory=memory, versions=versions, older=older)
+
+
+def memory_version_view(*, tenant: Tenant, actor: Actor, memory_id: Any, version: Any) -> MemoryVersion:
+    """One version of one memory (any state) with its whole value (opened when sealed: the
+    admin masks it until a reveal). Audited as ``memory.history`` with ``count`` 1 and
+    ``detail.opened_version``. :class:`NotFound` when the memory is not the tenant's or has
+    no such version. Cost: the memory's lookup, one row by the (memory, version) index, the
+    audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.history", atomic=False) as op:
+        number = validation.version(version, field="version")
+        if number is None:
+            raise InvalidInput("must be a version number", field="version")
+        memory = _readable_memory(tenant=tenant, actor=actor, memory_id=memory_id, op=op, with_value=False)
+        row = selectors.memory_history(memory=memory).filter(version=number).first()
+        if row is None:
+            op.record(outcome=Outcome.NOT_FOUND, subject=memory.subject, detail={"opened_version": number})
+            raise NotFound("no such version of this memory", field="version")
+        op.record(subject=memory.subject, count=1, version=number, detail={"opened_version": number})
+        return row
 
 
 def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, version: Any) -> MemoryResult:

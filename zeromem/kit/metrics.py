@@ -23,7 +23,8 @@ What is recorded where:
 * at scrape time, from the database (one short query each, :class:`DatabaseCollector`): the
   job queue's depth and its oldest queued job's age, the open forget requests past their due
   date, the audit events not yet sealed, the data keys by state (``current``, ``retired``,
-  ``destroyed``: the crypto erasures) from the key store.
+  ``destroyed``: the crypto erasures) from the counts the key store's triggers keep
+  (:func:`data_key_counts`).
 
 No label holds tenant data: no tenant, key, memory key or path. ``GET /metrics`` answers only
 to an API key with the operator scope ``metrics:read`` (memories/api/auth.py).
@@ -222,22 +223,36 @@ class DatabaseCollector:
         yield from self._data_keys()
 
     def _data_keys(self):
-        from django.db.models import Count, Q
-
-        from memories.models import DataKey
-
         keys = GaugeMetricFamily("zeromem_data_keys", "Data keys in the key store, by state", labels=["state"])
-        try:  # one aggregate query on the key store (memories/routers.py)
-            counts = DataKey.objects.aggregate(
-                current=Count("pk", filter=Q(retired_at__isnull=True, destroyed_at__isnull=True)),
-                retired=Count("pk", filter=Q(retired_at__isnull=False, destroyed_at__isnull=True)),
-                destroyed=Count("pk", filter=Q(destroyed_at__isnull=False)),
-            )
+        try:
+            counts = data_key_counts()
         except DatabaseError:
             return
         for state in ("current", "retired", "destroyed"):
-            keys.add_metric([state], counts[state])
+            keys.add_metric([state], counts.get(state, 0))
         yield keys
+
+
+def data_key_counts() -> dict[str, int]:
+    """The data keys by state. On PostgreSQL the counts the key store's triggers keep in the
+    transaction of each change (memories migration 0040): one query adding up at most 48
+    rows, whatever the number of keys (counting them took 56 ms a scrape at 500k keys).
+    Elsewhere (SQLite, development) one aggregate over the keys."""
+    from django.db.models import Count, Q
+
+    from memories.models import DataKey
+
+    db = DataKey.objects.db  # the key store (memories/routers.py)
+    connection = connections[db]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT state, sum(n) FROM memories_datakey_count GROUP BY state")
+            return {state: int(n) for state, n in cursor.fetchall()}
+    return DataKey.objects.using(db).aggregate(
+        current=Count("pk", filter=Q(retired_at__isnull=True, destroyed_at__isnull=True)),
+        retired=Count("pk", filter=Q(retired_at__isnull=False, destroyed_at__isnull=True)),
+        destroyed=Count("pk", filter=Q(destroyed_at__isnull=False)),
+    )
 
 
 def _pid_alive(pid: int) -> bool:
