@@ -223,6 +223,7 @@ class AuditedOperation:
         # As sent (refusals are recorded with it); a service sets the validated one if it differs.
         self.target = target if isinstance(target, str) else ""
         self._row: dict | None = None
+        self._written = False
 
     def record(
         self,
@@ -249,6 +250,16 @@ class AuditedOperation:
             "detail": detail,
             "actor_filter": actor_filter,
         }
+
+    def write_now(self) -> None:
+        """Write the recorded event now, not when the operation ends: for an operation run
+        outside a transaction (``atomic=False``: a search, whose ranking a transaction would
+        keep from the search tier) that makes one write at its end, in a transaction it opens
+        for that write and its event. The last thing the operation does."""
+        if self._row is None or self._written:
+            raise RuntimeError(f"{self.action}: write_now needs one recorded event, not yet written")
+        self._write(self._row)
+        self._written = True
 
     def _write(self, row: dict) -> None:
         audit_record(tenant=self.tenant, actor=self.actor, action=self.action, **row)
@@ -295,7 +306,7 @@ def audited_operation(
         try:
             with transaction.atomic() if atomic else nullcontext():
                 yield op
-                if op._row is not None:
+                if op._row is not None and not op._written:
                     op._write(op._row)
         except ServiceError as exc:
             if _mark_recorded(exc):

@@ -264,27 +264,34 @@ def test_langgraph_routes_count_against_the_keys_rate_limit(tenant_a, settings, 
 def test_a_search_that_refreshes_ttls_costs_a_rate_limit_unit_per_item_refreshed(
     tenant_a, settings, limiter_minute, query
 ):
-    """refresh_ttl=true on a search writes each item it returns again (a version and an audit
-    row each, up to 200) for one unit of the key's rate limit, where a batch pays per call.
-    Now each refreshed item costs a unit (the request paid the first), taken before any."""
+    """refresh_ttl=true on a search refreshes each item it returns (up to 200 rows updated;
+    it was a version and an audit row each) for one unit of the key's rate limit, where a
+    batch pays per call. Now each refreshed item costs a unit (the request paid the first),
+    taken before any."""
+    from django.db.models import F
+
     client, _ = make_keyed_client(tenant_a)
     for i in range(6):
         write(tenant_a, f"lg:n:k{i}", {"drink": "coffee"}, ttl_seconds=600, tags=["ttl_minutes=10"])
     write(tenant_a, "lg:n:plain", {"drink": "coffee"})  # no TTL: nothing to refresh
+    Memory.objects.filter(tenant=tenant_a).update(expires_at=F("expires_at") - timedelta(minutes=5))
     versions = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 8
     body = {"namespace_prefix": ["n"], "refresh_ttl": True, "limit": 10, **({"query": query} if query else {})}
     r = client.post("/api/v1/langgraph/store/items/search", body)  # 1 unit, and 5 more items: 6
     assert r.status_code == 200, r.content
     assert len(r.json()["items"]) == 7
-    refreshed = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
-    assert refreshed == [(k, v + (k != "lg:n:plain")) for k, v in versions]
+    assert sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version")) == versions
+    soon = timezone.now() + timedelta(minutes=9)
+    expiries = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "expires_at"))
+    assert [k for k, at in expiries if at is not None and at > soon] == [f"lg:n:k{i}" for i in range(6)]
+    refreshed = expiries
     r = client.post("/api/v1/langgraph/store/items/search", body)  # the 7th unit; 5 more: 12
     assert r.status_code == 429, r.content
     error = rest_error(r)
     assert (error["code"], error["field"]) == ("rate_limited", "refresh_ttl")
     assert "6 items" in error["message"] and int(r["Retry-After"]) >= 1
-    assert sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "version")) == refreshed
+    assert sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", "expires_at")) == refreshed
 
 
 @pytest.mark.django_db
@@ -304,7 +311,9 @@ def test_a_refresh_by_a_key_without_write_scope_is_refused_before_it_is_charged(
     r = client.post("/api/v1/langgraph/store/items/search", {**body, "refresh_ttl": True})  # 1 unit
     assert r.status_code == 403, r.content
     assert rest_error(r)["code"] == "missing_scope"
-    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.update", outcome="denied").exists()
+    # Refused in the search's own event (a refresh writes none of its own).
+    action = "memory.search" if query else "memory.list"
+    assert AuditEvent.objects.filter(tenant=tenant_a, action=action, outcome="denied").exists()
     for _ in range(2):  # units 2 and 3: the refused refresh took no more
         r = client.post("/api/v1/langgraph/store/items/search", body)
         assert r.status_code == 200, r.content
@@ -334,9 +343,10 @@ def test_an_item_deleted_between_a_search_and_its_refresh_is_left_out_not_a_404(
     r = client.post("/api/v1/langgraph/store/items/search", body)
     assert r.status_code == 200, r.content
     assert sorted(i["key"] for i in r.json()["items"]) == ["k0", "k2"]
+    # Refreshed: their expiry moved, no version written.
     assert sorted(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", "version")) == [
-        ("lg:n:k0", 2),
-        ("lg:n:k2", 2),
+        ("lg:n:k0", 1),
+        ("lg:n:k2", 1),
     ]
 
 
@@ -863,7 +873,7 @@ def test_a_store_search_page_stops_at_the_byte_budget_and_offset_goes_on_after_i
     assert [i["key"] for page in pages for i in page] == [i["key"] for i in whole]  # none skipped or repeated
     expected, page, total = [], [], 0
     for item in whole:
-        size = len(json.dumps(item["value"], separators=(",", ":")))
+        size = len(json.dumps(item["value"]))  # the database's spelling: ", " and ": "
         if page and (len(page) == limit or total + size > LG_BUDGET):
             expected.append(page)
             page, total = [], 0

@@ -12,7 +12,7 @@
 
 from memories.search.index import index_fields
 from memories.search.lexical import CANDIDATES, SearchTimeout, lexical_candidates
-from memories.search.ranking import recall_pack, search_ranked
+from memories.search.ranking import recall_pack, search_ranked, search_ranked_ids
 from memories.search.text import compact, index_document, query_words, tokenize, value_text
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "query_words",
     "recall_pack",
     "search_ranked",
+    "search_ranked_ids",
     "tokenize",
     "value_text",
 ]

@@ -90,12 +90,19 @@ def search_ranked(*, tenant: Tenant, prefixes: list[str] | None, query: str, lim
     """The tenant's live memories under ``prefixes`` that answer ``query``, best first.
     Ranked by the search tier when there is one (memories/search/tier.py), else here.
     Cost: each ranker's (bounded: memories/search/lexical.py) plus one primary-key fetch."""
+    return _load(tenant, search_ranked_ids(tenant=tenant, prefixes=prefixes, query=query, limit=limit))[:limit]
+
+
+def search_ranked_ids(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[int, float]]:
+    """:func:`search_ranked`'s order as ``(memory id, score)``, no row loaded: ``limit`` and
+    ``SPARE`` more, some of which may be trashed or expired since (the caller keeps the live
+    ones, the first ``limit``)."""
     # A few spare: a vector cached for semantic search may belong to a memory trashed since.
     want = limit + SPARE
     ranked = tier.ranked(tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=want)
     if ranked is None:
         ranked = ranked_ids(tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=want)
-    return _load(tenant, ranked)[:limit]
+    return ranked
 
 
 def _salience(importance: int, updated_at: datetime, now: datetime) -> float:

@@ -22,6 +22,7 @@ listing ones read at most ``ZEROMEM_LANGGRAPH_SCAN_MAX`` memories under the pref
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import operator
@@ -29,14 +30,15 @@ import re
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
-from django.db.models import BooleanField, F, Func, Q
+from django.db import connection, transaction
+from django.db.models import BooleanField, ExpressionWrapper, F, Func, Q
 
-from audit.services import audited_operation
-from memories import selectors
+from audit.services import AuditedOperation, audited_operation
+from memories import search, selectors
 from memories.models import Memory, Tenant
 from memories.services import memories as mem
 from memories.services.api_keys import rate_limit_charge_items
+from memories.services.search_budget import search_budget
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
@@ -333,23 +335,24 @@ def _refreshes(memory: Memory) -> bool:
     return bool(_ttl_minutes(memory)) and memory.expires_at is not None
 
 
-def _refresh(tenant: Tenant, actor: Actor, memory: Memory) -> Memory:
-    if not _refreshes(memory):
-        return memory
-    minutes = _ttl_minutes(memory)
-    return mem.memory_update(tenant=tenant, actor=actor, key=memory.key, ttl_seconds=minutes * 60).memory
+def _refresh_seconds(memory: Memory) -> int | None:
+    return _ttl_minutes(memory) * 60 if _refreshes(memory) else None
 
 
 def lg_get(*, tenant: Tenant, actor: Actor, namespace: Any, key: Any, refresh_ttl: Any = None) -> dict:
     """One item (``memory.read``); :class:`NotFound` when there is none. ``refresh_ttl``:
-    the item's TTL starts again (a ``memory.update``)."""
+    the item's TTL starts again — its expiry moves, only that, told by the read's own event
+    (``detail.ttl_refreshed``), scope ``memory:write``: ``memories.memory_read``."""
     namespace = namespace_labels(namespace)
     key = item_key(key)
     refresh = _flag(refresh_ttl, "refresh_ttl")
     try:
-        memory = mem.memory_read(tenant=tenant, actor=actor, key=item_memory_key(namespace, key)).memory
-        if refresh:
-            memory = _refresh(tenant, actor, memory)
+        memory = mem.memory_read(
+            tenant=tenant,
+            actor=actor,
+            key=item_memory_key(namespace, key),
+            refresh_ttl=_refresh_seconds if refresh else None,
+        ).memory
     except Forbidden as exc:
         _blame(exc, actor, namespace)
         raise
@@ -385,7 +388,10 @@ def lg_search(
     ZeroMem's search (``memory.search``, scope memory:search), each with its ``score``;
     without: ordered by key (``memory.list``, scope memory:read). A page stops before its
     values pass ``ZEROMEM_PAGE_VALUES_MAX_BYTES`` (at least one item): the page's ``cut`` says
-    so, and the next page is at ``offset`` + the items returned."""
+    so, and the next page is at ``offset`` + the items returned. Only the page's values are
+    read (and, with a filter, those it judges: :func:`_fill`). The audit event counts the
+    items returned; ``refresh_ttl`` moves their expiry in its transaction
+    (:func:`_answer`)."""
     labels = namespace_labels(namespace_prefix_, field="namespace_prefix", allow_empty=True)
     flt = check_filter(filter_)
     limit = _bounded(limit, field="limit", default=10, low=1, high=validation.LIMIT_MAX)
@@ -395,36 +401,10 @@ def lg_search(
     if query is not None and query != "":
         if offset + limit > validation.LIMIT_MAX:
             raise InvalidInput(f"offset + limit must be at most {validation.LIMIT_MAX} with a query", field="offset")
-        ranked = mem.memory_search(tenant=tenant, actor=actor, query=query, prefix=prefix, limit=validation.LIMIT_MAX)
-        found = [
-            (h.memory, h.score)
-            for h in ranked
-            if parse_key(h.memory.key) is not None and item_matches(h.memory.value, flt)
-        ]
-        window = found[offset : offset + limit]
-        page = _within_budget(window)
-        cut = len(page) < len(window)
-    else:
-        scanned, cut = _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit)
-        page = [(m, None) for m in scanned]
-    if refresh:
-        due = [memory for memory, _ in page if _refreshes(memory)]
-        if due and not actor.has_scope(Scope.MEMORY_WRITE):
-            # Refused (and audited) as the first refresh would be, before it is charged.
-            with audited_operation(tenant=tenant, actor=actor, action="memory.update", target=due[0].key):
-                require_scope(actor, Scope.MEMORY_WRITE)
-        _charge_refreshes(actor, len(due))
-    out = SearchPage(cut=cut)
-    for memory, score in page:
-        if refresh:
-            try:
-                memory = _refresh(tenant, actor, memory)
-            except NotFound:
-                # Deleted (or expired) since the search read it: gone, so not listed; the
-                # items refreshed before it stay refreshed, and the answer says so.
-                continue
-        out.append(item_of(memory, score))
-    return out
+        return _ranked(
+            tenant=tenant, actor=actor, prefix=prefix, query=query, flt=flt, offset=offset, limit=limit, refresh=refresh
+        )
+    return _scan(tenant=tenant, actor=actor, prefix=prefix, flt=flt, offset=offset, limit=limit, refresh=refresh)
 
 
 class SearchPage(list):
@@ -436,43 +416,46 @@ class SearchPage(list):
         self.cut = cut
 
 
-def _value_bytes(value: Any) -> int:
-    # An item's weight on a page: its value's JSON text (an erased one's {"erased": true}).
-    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode())
-
-
-def _within_budget(page: list[tuple[Memory, float | None]]) -> list[tuple[Memory, float | None]]:
-    """The first items of ``page`` whose values hold at most ``ZEROMEM_PAGE_VALUES_MAX_BYTES``
-    (always the first): a page of 200 values of 256 KB was a 51 MB answer."""
-    total, budget = 0, settings.ZEROMEM_PAGE_VALUES_MAX_BYTES
-    for i, (memory, _score) in enumerate(page):
-        total += _value_bytes(memory.value)
-        if i and total > budget:
-            return page[:i]
-    return page
-
-
-def _charge_refreshes(actor: Actor, items: int) -> None:
-    """A search with ``refresh_ttl`` writes each item it refreshes again (a version and an
-    audit row each, up to ``LIMIT_MAX``): one unit of an API key's rate limit per item, before
-    any is written (past the limit the search is refused, 429 ``rate_limited``)."""
-    rate_limit_charge_items(
-        actor,
-        items,
-        field="refresh_ttl",
-        message=f"refresh_ttl writes the {items} items found again, one unit of the API key's rate limit each, "
-        "past what is left of it this minute; try again later, with a smaller limit, or without refresh_ttl",
-    )
+def _ranked(
+    *, tenant: Tenant, actor: Actor, prefix: str, query: Any, flt: dict, offset: int, limit: int, refresh: bool
+) -> SearchPage:
+    """The ranked search: ids and scores from ZeroMem's search (no value), the live ones
+    under it in one query of ids and keys (with a filter, whether the database's part of it
+    may hold), then :func:`_fill`. Before, the 200 values ranked were loaded whatever the page
+    kept: 51 MB for a page of 16 at a 256 KB value cap."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.search", target=prefix, atomic=False) as op:
+        query = validation.query(query)
+        require_scope(actor, Scope.MEMORY_SEARCH)
+        try:
+            pushed = _pushdown(flt) if flt and connection.vendor == "postgresql" else None
+        except _NoMatch:
+            op.record(target=prefix, count=0)
+            return SearchPage()
+        with search_budget(tenant.pk):
+            ranked = search.search_ranked_ids(
+                tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=validation.LIMIT_MAX
+            )
+        rows = Memory.objects.for_tenant(tenant).live().filter(pk__in=[pk for pk, _ in ranked])
+        if pushed is not None:
+            # A sealed value is an envelope to the database: the matcher judges it.
+            may = ExpressionWrapper(pushed | Q(sensitive=True), output_field=BooleanField())
+            found = {pk: (key, m) for pk, key, m in rows.annotate(may=may).values_list("pk", "key", "may")}
+        else:
+            found = {pk: (key, True) for pk, key in rows.values_list("pk", "key")}
+        live = [(pk, score) for pk, score in ranked if pk in found][: validation.LIMIT_MAX]
+        candidates = [(pk, score) for pk, score in live if found[pk][1] and parse_key(found[pk][0]) is not None]
+        page, cut = _fill(tenant, candidates, flt, offset=offset, limit=limit)
+        return _answer(op, tenant, actor, prefix, page, cut=cut, refresh=refresh)
 
 
 def _scan(
-    *, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int
-) -> tuple[list[Memory], bool]:
+    *, tenant: Tenant, actor: Actor, prefix: str, flt: dict, offset: int, limit: int, refresh: bool
+) -> SearchPage:
     with audited_operation(tenant=tenant, actor=actor, action="memory.list", target=prefix, atomic=False) as op:
         require_scope(actor, Scope.MEMORY_READ)
         live = selectors.memories_live(tenant=tenant, prefixes=actor.prefix_filters(prefix)).order_by("key")
         cap = settings.ZEROMEM_LANGGRAPH_SCAN_MAX
-        qs = live[:cap]  # the window: the items read, whatever the filter
+        qs = live  # the window: the first `cap` items, whatever the filter (_in_key_order)
         if connection.vendor == "postgresql":
             # Equalities (jsonb @>) and ranges (jsonpath) narrow the window in the database, so
             # fewer values travel; the matcher checks again. Inside the window: the cap applied to the rows
@@ -485,7 +468,7 @@ def _scan(
                 # A range operand that is no number ("abc", null, true, NaN): the matcher
                 # answers False for every value, so no row is read.
                 op.record(target=prefix, count=0)
-                return [], False
+                return SearchPage()
             if pushed is not None:
                 # The window as a key range: up to its last key (one short index scan), not
                 # "id IN (the window)", whose semi-join the planner turned into a nested loop
@@ -494,25 +477,144 @@ def _scan(
                 last = live.values_list("key", flat=True)[cap - 1 : cap].first()
                 bounded = live if last is None else live.filter(key__lte=last)
                 qs = bounded.filter(pushed | Q(sensitive=True))
-        out: list[Memory] = []
-        skipped = total = 0
-        cut = False
-        budget = settings.ZEROMEM_PAGE_VALUES_MAX_BYTES
-        for memory in qs.iterator(chunk_size=200):
-            if parse_key(memory.key) is None or not item_matches(memory.value, flt):
-                continue
-            if skipped < offset:
-                skipped += 1
-                continue
-            total += _value_bytes(memory.value)
-            if out and total > budget:
-                cut = True
-                break
-            out.append(memory)
-            if len(out) >= limit:
-                break
-        op.record(target=prefix, count=len(out))
-        return out, cut
+        keys = _in_key_order(qs, cap=cap, first=offset + limit + 1)
+        candidates = ((pk, None) for pk, key in keys if parse_key(key) is not None)
+        page, cut = _fill(tenant, candidates, flt, offset=offset, limit=limit)
+        return _answer(op, tenant, actor, prefix, page, cut=cut, refresh=refresh)
+
+
+def _in_key_order(qs, *, cap: int, first: int):
+    """(id, key) of the first ``cap`` rows of ``qs`` (ordered by key), no value: read in
+    keyset chunks of ``first`` rows (at least 100), then twice as many each time (at most
+    2,000), only as far as the caller goes."""
+    read, after, size = 0, None, max(first, 100)
+    while read < cap:
+        part = qs if after is None else qs.filter(key__gt=after)
+        want = min(size, cap - read)
+        rows = list(part.values_list("pk", "key")[:want])
+        yield from rows
+        if len(rows) < want:
+            return
+        read, after, size = read + len(rows), rows[-1][1], min(size * 2, 2000)
+
+
+# How many candidates a filtered page measures at once (their sizes: no value is sent).
+_JUDGED_CHUNK = 200
+
+
+def _fill(tenant: Tenant, candidates, flt: dict, *, offset: int, limit: int) -> tuple[list[tuple[Memory, Any]], bool]:
+    """The page of ``candidates`` — ``(memory id, score or None)`` in the search's order,
+    items under the prefix, live when read — at ``offset``, at most ``limit`` items whose
+    values hold at most ``ZEROMEM_PAGE_VALUES_MAX_BYTES`` (at least one: ``selectors.sized``'s
+    measure, by the database); and whether the budget cut it. Without a filter only the
+    page's values are read: the window's sizes (no value sent; 16, 64, 256 rows at a time, as
+    far as the budget goes), then its values by id. With
+    one, the values must be judged: those of the next candidates, in batches of as many rows
+    as the page (and the offset) can still take and as many bytes as its budget has left (at
+    least one row; twice as many each batch that leaves the page short, for a filter that
+    matches few). An item gone since it was found is left out, as if read a moment later."""
+    budget = settings.ZEROMEM_PAGE_VALUES_MAX_BYTES
+    pending = iter(candidates)
+    if not flt:
+        window = list(itertools.islice(pending, offset, offset + limit))
+        kept, total, cut = [], 0, False
+        start, step = 0, 16
+        # Measured 16, then 64, 256 rows at a time: the database renders each value's text to
+        # measure it (200 values of 250 KB: 0.16 s), so a page the budget cuts early measures few.
+        while start < len(window) and not cut:
+            part = window[start : start + step]
+            sizes = selectors.value_sizes(tenant=tenant, ids=[pk for pk, _ in part])
+            for pk, extra in part:
+                if pk not in sizes:
+                    continue
+                if kept and total + sizes[pk] > budget:
+                    cut = True
+                    break
+                kept.append((pk, extra))
+                total += sizes[pk]
+            start, step = start + step, step * 4
+        rows = selectors.memories_by_ids(tenant=tenant, ids=[pk for pk, _ in kept])
+        return [(rows[pk], extra) for pk, extra in kept if pk in rows], cut
+    out: list[tuple[Memory, Any]] = []
+    total = skipped = 0
+    grow = 1
+    while chunk := list(itertools.islice(pending, _JUDGED_CHUNK)):
+        sizes = selectors.value_sizes(tenant=tenant, ids=[pk for pk, _ in chunk])
+        chunk = [(pk, extra) for pk, extra in chunk if pk in sizes]
+        i = 0
+        while i < len(chunk):
+            rows_max = ((offset - skipped) + (limit - len(out))) * grow
+            bytes_max = max(budget - total, budget * grow // 64)
+            batch, weight = [], 0
+            while i < len(chunk) and len(batch) < rows_max:
+                size = sizes[chunk[i][0]]
+                if batch and weight + size > bytes_max:
+                    break
+                batch.append(chunk[i])
+                weight += size
+                i += 1
+            rows = selectors.memories_by_ids(tenant=tenant, ids=[pk for pk, _ in batch])
+            for pk, extra in batch:
+                memory = rows.get(pk)
+                if memory is None or not item_matches(memory.value, flt):
+                    continue
+                if skipped < offset:
+                    skipped += 1
+                    continue
+                if out and total + sizes[pk] > budget:
+                    return out, True
+                out.append((memory, extra))
+                total += sizes[pk]
+                if len(out) >= limit:
+                    return out, False
+            grow = min(grow * 2, 64)
+    return out, False
+
+
+def _answer(
+    op: AuditedOperation,
+    tenant: Tenant,
+    actor: Actor,
+    prefix: str,
+    page: list[tuple[Memory, Any]],
+    *,
+    cut: bool,
+    refresh: bool,
+) -> SearchPage:
+    """The search's answer and its event, which counts the items returned. ``refresh``:
+    their expiry moves (``memories.expiry_refresh``: no version, no value written again) in
+    one transaction with the event, whose ``detail.ttl_refreshed`` counts them; refused
+    (``memory:write``) in the event before the key is charged (:func:`_charge_refreshes`). An
+    item deleted or expired since the page was read is left out, never brought back."""
+    due = [(memory, _ttl_minutes(memory) * 60) for memory, _ in page if _refreshes(memory)] if refresh else []
+    if not due:
+        op.record(target=prefix, count=len(page))
+        return SearchPage((item_of(memory, score) for memory, score in page), cut=cut)
+    require_scope(actor, Scope.MEMORY_WRITE)
+    _charge_refreshes(actor, len(due))
+    with transaction.atomic():
+        refreshed = mem.expiry_refresh(tenant=tenant, actor=actor, due=due)
+        missed = [memory.pk for memory, _ in due if memory.pk not in refreshed]
+        if missed:
+            # Not refreshed: gone (left out) or written since (listed as read; its writer's expiry).
+            alive = set(selectors.memories_live(tenant=tenant).filter(pk__in=missed).values_list("pk", flat=True))
+            page = [(memory, score) for memory, score in page if memory.pk not in set(missed) - alive]
+        op.record(target=prefix, count=len(page), detail={"ttl_refreshed": len(refreshed)})
+        op.write_now()
+    return SearchPage((item_of(memory, score) for memory, score in page), cut=cut)
+
+
+def _charge_refreshes(actor: Actor, items: int) -> None:
+    """A search with ``refresh_ttl`` moves the expiry of each item it refreshes (one UPDATE of
+    up to ``LIMIT_MAX`` rows): one unit of an API key's rate limit per item, before any is
+    refreshed (past the limit the search is refused, 429 ``rate_limited``)."""
+    rate_limit_charge_items(
+        actor,
+        items,
+        field="refresh_ttl",
+        message=f"refresh_ttl refreshes the TTL of the {items} items found, one unit of the API key's rate limit "
+        "each, past what is left of it this minute; try again later, with a smaller limit, or without refresh_ttl",
+    )
 
 
 class _NoMatch(Exception):

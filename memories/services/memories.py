@@ -13,7 +13,9 @@ as ``not_found``/``conflict``, answered by the tools as results the model reads.
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -287,7 +289,14 @@ def _no_memory() -> NotFound:
 
 
 def memory_read(
-    *, tenant: Tenant, actor: Actor, key: Any, max_chars: Any = None, offset: Any = None, default: Any = None
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    key: Any,
+    max_chars: Any = None,
+    offset: Any = None,
+    default: Any = None,
+    refresh_ttl: Callable[[Memory], int | None] | None = None,
 ) -> MemoryResult:
     """The live memory at ``key``; :class:`NotFound` when there is none for this caller.
 
@@ -299,11 +308,15 @@ def memory_read(
     deep), whether or not there is one; the service does not use it.
 
     Cost: two statements, no transaction around them — one indexed SELECT and the audit
-    INSERT (its own transaction). The read is counted through its audit event:
+    INSERT (its own transaction). ``refresh_ttl`` (LangGraph's get): the seconds the TTL of
+    the memory read starts again for, or None for none; the expiry moves then, and only it
+    (:func:`expiry_refresh`: an UPDATE, in one transaction with the event, whose
+    ``detail.ttl_refreshed`` says so). The read is counted through its audit event:
     ``access_count``/``last_accessed_at`` are folded in off the request path by
     :func:`memories.services.access.access_counts_fold` (every minute), so they lag the
     reads by up to a minute or so and lose none."""
-    with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key, atomic=False) as op:
+    refreshing = refresh_ttl is not None
+    with audited_operation(tenant=tenant, actor=actor, action="memory.read", target=key, atomic=refreshing) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
@@ -316,11 +329,42 @@ def memory_read(
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()
-        op.record(subject=memory.subject, version=memory.version)
+        seconds = refresh_ttl(memory) if refreshing and not isinstance(memory.value, ErasedValue) else None
+        refreshed = bool(seconds) and bool(expiry_refresh(tenant=tenant, actor=actor, due=[(memory, seconds)]))
+        op.record(subject=memory.subject, version=memory.version, detail={"ttl_refreshed": 1} if refreshed else None)
         if isinstance(memory.value, ErasedValue):
             raise Erased()
         sliced = _value_slice(memory.value, max_chars=max_chars, offset=offset) if cut else None
         return MemoryResult(status="ok", key=key, memory=memory, cut=sliced)
+
+
+def expiry_refresh(*, tenant: Tenant, actor: Actor, due: list[tuple[Memory, int]]) -> set[int]:
+    """Start the TTL of each memory of ``due`` — ``(memory as read, seconds)`` — again: its
+    expiry moves to now + seconds, and nothing else (no version, no value written again, not
+    ``updated_at``, no event of its own: the read that refreshes says so in its event), as
+    LangGraph's own PostgresStore refreshes. Needs ``memory:write`` and each key allowed. Only
+    a memory still as it was read is refreshed: live (one deleted or expired since is never
+    brought back) and at the version read (one written since keeps its writer's expiry).
+    Returns the ids refreshed. Inside the caller's transaction (its rows are locked); cost:
+    a locking SELECT and one UPDATE per distinct TTL among them (a LangGraph page: one)."""
+    require_scope(actor, Scope.MEMORY_WRITE)
+    for memory, _seconds in due:
+        require_key_allowed(actor, memory.key)
+    now = timezone.now()
+    by_ttl: dict[int, list[Memory]] = {}
+    for memory, seconds in due:
+        by_ttl.setdefault(seconds, []).append(memory)
+    refreshed: set[int] = set()
+    for seconds, memories in by_ttl.items():
+        as_read = Q(pk__in=[])
+        for memory in memories:
+            as_read |= Q(pk=memory.pk, version=memory.version)
+        rows = Memory.objects.for_tenant(tenant).live(now=now).filter(as_read).exclude(expires_at=None)
+        ids = list(rows.select_for_update().values_list("pk", flat=True))
+        if ids:
+            Memory.objects.filter(pk__in=ids).update(expires_at=now + timedelta(seconds=seconds))
+        refreshed.update(ids)
+    return refreshed
 
 
 def _value_slice(value: Any, *, max_chars: int, offset: int) -> ValueSlice | None:
