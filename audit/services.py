@@ -141,7 +141,7 @@ def audit_record(
     }
     fields["digest"] = chain.digest(fields)
     _written.set(_written.get() + 1)
-    sql, columns = _insert_sql(connection.vendor)
+    sql, columns = _insert_sql(connection.vendor, _flush_waived())
     # What Model.save() would send (each field prepares its value; the others get their
     # defaults), without building the instance or compiling the INSERT on every request.
     params = [
@@ -155,11 +155,29 @@ def audit_record(
     return hotsql.fetchone(sql, params)[0]
 
 
+def _flush_waived() -> bool:
+    """Whether this event's commit may skip waiting for the WAL flush: only when
+    ``ZEROMEM_AUDIT_READ_EVENTS_ASYNC`` is on, on PostgreSQL, and the event is a transaction of
+    its own — the event of an operation that changed nothing (a read, a search, a refusal).
+    An event written with anything else (a write's, a batch's) commits with it, flushed."""
+    return (
+        settings.ZEROMEM_AUDIT_READ_EVENTS_ASYNC
+        and connection.vendor == "postgresql"
+        and not connection.in_atomic_block
+        and connection.get_autocommit()
+    )
+
+
 @functools.cache
-def _insert_sql(vendor: str) -> tuple[str, tuple]:
+def _insert_sql(vendor: str, flush_waived: bool = False) -> tuple[str, tuple]:
     """The INSERT of one event as the ORM compiles it for this database (the columns
     Model.save() writes, RETURNING the id), once per process: compiling it was a few percent
-    of every audited request's CPU."""
+    of every audited request's CPU.
+
+    ``flush_waived`` (:func:`_flush_waived`): the statement also sets ``synchronous_commit``
+    off for its own transaction (evaluated in RETURNING, before the commit that reads it), so
+    the commit returns without waiting for the WAL flush — about 0.4 ms of a 1.5 ms read on a
+    disk whose flush takes that long, and no wait behind a purge's WAL (README "Audit log")."""
     meta = AuditEvent._meta
     columns = tuple(f for f in meta.local_concrete_fields if f is not meta.auto_field and not f.generated)
     query = InsertQuery(AuditEvent)
@@ -169,6 +187,8 @@ def _insert_sql(vendor: str) -> tuple[str, tuple]:
     ((sql, _params),) = compiler.as_sql()
     if not connection.features.can_return_columns_from_insert:
         raise RuntimeError("audit_record needs INSERT ... RETURNING (PostgreSQL, SQLite >= 3.35)")
+    if flush_waived:
+        sql += ", set_config('synchronous_commit', 'off', true)"
     given = {*chain.DIGEST_FIELDS, "digest"}
     # Per column: the field, the attribute audit_record sets (None: the field's default,
     # prepared here once), and whether it is a plain CharField, whose preparation of a str

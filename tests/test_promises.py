@@ -67,7 +67,7 @@ def test_the_audit_row_rolls_back_with_its_operation(tenant_a):
 
 
 def test_the_operation_rolls_back_when_its_audit_insert_fails(tenant_a, monkeypatch):
-    def failing_insert(vendor):
+    def failing_insert(vendor, flush_waived=False):
         raise DatabaseError("the audit INSERT failed")
 
     monkeypatch.setattr(audit_services, "_insert_sql", failing_insert)

@@ -491,6 +491,12 @@ ZEROMEM_AUDIT_SEAL_BATCH = env.int("ZEROMEM_AUDIT_SEAL_BATCH", default=5000)
 # PostgreSQL: how long a sealing run waits for the transactions that may still commit an event
 # below its horizon (audit.services._settled_horizon); past it, that run seals nothing new.
 ZEROMEM_AUDIT_SEAL_WAIT = env.float("ZEROMEM_AUDIT_SEAL_WAIT", default=5.0)
+# PostgreSQL: the audit event of an operation that changed nothing (a read, a search, a
+# refusal: a transaction of its own) commits without waiting for the WAL flush. Off: every event
+# is flushed before its answer leaves. On: a crash of PostgreSQL itself (not of ZeroMem) can lose
+# the last ~0.6 s (3 × wal_writer_delay) of such events; writes and their events stay flushed
+# (README "Audit log": what it saves, measured).
+ZEROMEM_AUDIT_READ_EVENTS_ASYNC = env.bool("ZEROMEM_AUDIT_READ_EVENTS_ASYNC", default=False)
 # End-user portal (memories/portal/): how long a portal link stays valid before its first open, and
 # how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
 # is the origin links are built with; empty: the origin the API request came to.
