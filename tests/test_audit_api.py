@@ -86,6 +86,36 @@ def test_actor_filter_matches_a_keys_public_prefix(log, api):
     assert got and {e["actor_label"] for e in got} == {label}
 
 
+def test_a_bare_numeric_actor_is_ambiguous_and_a_qualified_one_matches_one_kind(log, tenant_a, api):
+    """API keys and staff users are both numbered from 1: ``actor=7`` matched API key 7's
+    events and staff user 7's together, and a reviewer took one's for the other's. A bare
+    number is now 400 naming ``actor`` unless ``actor_kind`` says whose; ``api_key:7`` and
+    ``staff:7`` name one."""
+    key_id = AuditEvent.objects.filter(tenant=tenant_a, actor_kind="api_key", action="memory.write").first().actor_id
+    staff = Actor(kind="staff", id=key_id, label="sam-support", surface="admin")  # staff user with the same id
+    audit_record(tenant=tenant_a, actor=staff, action="memory.view", outcome="ok", target="user:u1:lang")
+    r = log.get(EVENTS, {"actor": key_id})
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "actor" and f"api_key:{key_id}" in rest_error(r)["message"]
+    r = log.get(EXPORT, {"actor": key_id})
+    assert r.status_code == 400 and rest_error(r)["field"] == "actor"
+
+    def kinds(**params):
+        got = [e for e in events(log, limit=200, **params)["results"] if e["action"] != "audit.list"]
+        assert got and all(e["actor_id"] == key_id for e in got)
+        return {e["actor_kind"] for e in got}
+
+    assert kinds(actor=f"api_key:{key_id}") == {"api_key"}
+    assert kinds(actor=f"staff:{key_id}") == {"staff"}
+    assert kinds(actor=key_id, actor_kind="staff") == {"staff"}
+    assert kinds(actor="staff:sam-support") == {"staff"}  # a username, qualified
+    assert kinds(actor="sam-support") == {"staff"}  # a label needs no kind
+    r = log.get(EVENTS, {"actor": f"api_key:{key_id}", "actor_kind": "staff"})
+    assert r.status_code == 400 and rest_error(r)["field"] == "actor_kind"
+    r = log.get(EVENTS, {"actor": "api_key:"})
+    assert r.status_code == 400 and rest_error(r)["field"] == "actor"
+
+
 def test_time_range_filter(log, tenant_a):
     middle = AuditEvent.objects.filter(tenant=tenant_a).order_by("id")[4].occurred_at
     before = events(log, until=middle.isoformat(), limit=200)["results"]
