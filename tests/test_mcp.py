@@ -280,10 +280,16 @@ def test_a_tools_call_with_bad_params_is_refused_naming_the_field(server, mode):
             with pytest.raises(MCPError) as refused:
                 await client.session.send_request(Params(method="tools/call", params=params), types.CallToolResult)
             errors.append(refused.value.error)
+        with pytest.raises(MCPError) as listing:  # any method's params alike
+            await client.session.send_request(Params(method="tools/list", params={"cursor": 5}), types.ListToolsResult)
+        errors.append(listing.value.error)
         ok = await client.call_tool("memory_list", {})
         return errors, ok
 
     errors, ok = over_http(server, raw, run, mode=mode)
+    listing = errors.pop()
+    assert (listing.code, listing.data) == (-32602, {"field": "params.cursor"}), listing
+    assert "'params.cursor' must be a string" in listing.message
     for error, (_params, field, said) in zip(errors, bad, strict=True):
         assert error.code == -32602
         assert said in error.message and len(error.message) <= 160, error.message
