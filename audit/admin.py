@@ -116,7 +116,7 @@ class UntilFilter(_MomentFilter):
 
 
 class ActorFilter(_FieldFilter):
-    title = "actor (username, key prefix or id)"
+    title = "actor (username, key prefix, or an id with its kind: api_key:7, staff:7)"
     parameter_name = "actor"
 
 

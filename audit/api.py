@@ -18,7 +18,14 @@ TEXT = {"type": "string", "maxLength": TEXT_MAX_LEN, "pattern": NO_CONTROL_CHARS
 FILTER_PARAMS = [
     OpenApiParameter("since", {"type": "string", "format": "date-time"}, description="occurred at or after (ISO 8601)"),
     OpenApiParameter("until", {"type": "string", "format": "date-time"}, description="occurred before (ISO 8601)"),
-    OpenApiParameter("actor", TEXT, description="an actor's id or label: a key's zm_ prefix, a username"),
+    OpenApiParameter(
+        "actor",
+        TEXT,
+        description=(
+            "an actor's label (a key's zm_ prefix, a username) or id; an id qualified by its kind, "
+            "api_key:7 or staff:7 (a bare number needs actor_kind: keys and staff users are both numbered)"
+        ),
+    ),
     OpenApiParameter("actor_kind", str, enum=AuditEvent.ActorKind.values),
     OpenApiParameter("action", TEXT, description="exact (memory.read), or a family ending in '.' (memory.)"),
     OpenApiParameter("key_prefix", TEXT, description="the target key starts with this, e.g. user:u10086:"),

@@ -4,6 +4,9 @@ and leave as they are encoded, so memory stays flat however many rows match
 
 Under ASGI the response body is an async iterator that fetches each chunk in the request's
 thread (a sync iterator would be read whole into a list by Django before sending).
+
+Its end — the last chunk taken, or the stream closed early — is recorded as
+``audit.export_end`` with the rows delivered (:func:`_chunks`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -25,9 +29,11 @@ from audit import selectors
 from audit.models import REVIEW_FIELDS
 from audit.seals import seal_numbers
 from audit.selectors import AuditFilters, few_by_index, list_page_bounds
-from audit.services import audit_export_start
+from audit.services import audit_export_end, audit_export_start
 from zeromem.kernel.actors import Actor, require_still_held
 from zeromem.kernel.replica import REPLICA, replica_configured, replica_reads
+
+logger = logging.getLogger(__name__)
 
 CHUNK_ROWS = 2000
 COLUMNS = (*REVIEW_FIELDS, "seal", "digest")
@@ -79,6 +85,12 @@ def _one_line(text: str) -> str:
 
 def encode_rows(rows: Iterator[dict], fmt: str) -> Iterator[bytes]:
     """Encode rows, yielding one bytes chunk per CHUNK_ROWS rows (CSV starts with a header)."""
+    for chunk, _rows in _encoded(rows, fmt):
+        yield chunk
+
+
+def _encoded(rows: Iterator[dict], fmt: str) -> Iterator[tuple[bytes, int]]:
+    """:func:`encode_rows`'s chunks, each with how many rows it holds."""
     buffer = io.StringIO()
     writer = csv.writer(buffer) if fmt == "csv" else None
     if writer is not None:
@@ -94,11 +106,11 @@ def encode_rows(rows: Iterator[dict], fmt: str) -> Iterator[bytes]:
             buffer.write("\n")
         n += 1
         if n % CHUNK_ROWS == 0:
-            yield buffer.getvalue().encode()
+            yield buffer.getvalue().encode(), CHUNK_ROWS
             buffer.seek(0)
             buffer.truncate()
     if buffer.tell():
-        yield buffer.getvalue().encode()
+        yield buffer.getvalue().encode(), n % CHUNK_ROWS
 
 
 def _pages(queryset, tenant, filters: AuditFilters, actor: Actor) -> Iterator[dict]:
@@ -146,25 +158,57 @@ def _pages(queryset, tenant, filters: AuditFilters, actor: Actor) -> Iterator[di
             return
 
 
-def _chunks(queryset, tenant, filters: AuditFilters, fmt: str, actor: Actor) -> Iterator[bytes]:
-    yield from encode_rows(_pages(queryset, tenant, filters, actor), fmt)
+def _chunks(queryset, tenant, filters: AuditFilters, fmt: str, actor: Actor, export: int | None) -> Iterator[bytes]:
+    """The export's body; when it ends, its ``audit.export_end`` event (:func:`_ended`): the
+    rows delivered — a chunk's once the server comes back for the next one (it has sent it),
+    every row when the body runs to its end — and whether it did. Cut short (the server
+    closes the body when the client goes away; the reader's key withdrawn) it counts what went
+    out before."""
+    delivered, complete = 0, False
+    try:
+        for chunk, rows in _encoded(_pages(queryset, tenant, filters, actor), fmt):
+            yield chunk
+            delivered += rows
+        complete = True
+    finally:
+        _ended(tenant=tenant, actor=actor, export=export, rows=delivered, complete=complete)
 
 
-async def _async_chunks(queryset, tenant, filters: AuditFilters, fmt: str, actor: Actor) -> AsyncIterator[bytes]:
-    chunks = _chunks(queryset, tenant, filters, fmt, actor)
+def _ended(**event) -> None:
+    """Write the ``audit.export_end`` event in a short transaction of its own, then hand the
+    connection back (as between pages): nothing is held while the server finishes the body.
+    A failure to write it (the database gone) is logged, not raised over the stream's end."""
+    try:
+        audit_export_end(**event)
+    except Exception:
+        logger.exception("audit export %s: its end could not be recorded", event.get("export"))
+    if not connection.in_atomic_block:
+        connection.close()
+
+
+async def _async_chunks(
+    queryset, tenant, filters: AuditFilters, fmt: str, actor: Actor, export: int | None
+) -> AsyncIterator[bytes]:
+    chunks = _chunks(queryset, tenant, filters, fmt, actor, export)
     fetch = sync_to_async(lambda: next(chunks, None), thread_sensitive=True)
-    while (chunk := await fetch()) is not None:
-        yield chunk
+    try:
+        while (chunk := await fetch()) is not None:
+            yield chunk
+    finally:
+        # Cut short (the client went away): the sync body's end is recorded in the request's
+        # thread, where its connection lives, not when the garbage collector gets to it.
+        await sync_to_async(chunks.close, thread_sensitive=True)()
 
 
 def audit_export_response(
     *, tenant, actor, filters: AuditFilters, fmt: str, asynchronous: bool = False
 ) -> StreamingHttpResponse:
     """Check, audit (``audit.export``) and stream the tenant's events matching ``filters``,
-    newest first. ``asynchronous``: the request is served under ASGI."""
-    queryset = audit_export_start(tenant=tenant, actor=actor, filters=filters, fmt=fmt)
+    newest first, and audit its end with the rows delivered (``audit.export_end``).
+    ``asynchronous``: the request is served under ASGI."""
+    queryset, export = audit_export_start(tenant=tenant, actor=actor, filters=filters, fmt=fmt)
     chunks = _async_chunks if asynchronous else _chunks
-    body = chunks(queryset, tenant, filters, fmt, actor)
+    body = chunks(queryset, tenant, filters, fmt, actor, export)
     response = StreamingHttpResponse(body, content_type=CONTENT_TYPES[fmt])
     stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
     response["Content-Disposition"] = f'attachment; filename="audit-{tenant.slug}-{stamp}.{fmt}"'

@@ -32,7 +32,9 @@ COLUMN_FILTERS = ("key_prefix", "subject", "actor")
 class AuditFilters:
     since: datetime | None = None  # occurred_at >= since
     until: datetime | None = None  # occurred_at < until
-    actor: str | None = None  # an actor's id or label: key id or zm_ prefix, username, subject
+    # An actor's id or label: a key's zm_ prefix, a username, a subject; an id qualified by its
+    # kind (``api_key:7``, ``staff:7``: ids of different kinds overlap, see actor_parts).
+    actor: str | None = None
     action: str | None = None  # exact ("memory.read"), or a family when it ends with "." ("memory.")
     key_prefix: str | None = None  # the target key starts with this
     subject: str | None = None
@@ -81,6 +83,39 @@ def _key_prefix(raw) -> str | None:
     return prefix
 
 
+def actor_parts(actor: str) -> tuple[str | None, str]:
+    """(kind, id or label) of an ``actor`` filter: ``api_key:7`` is (``api_key``, ``7``) — the
+    kind is one of ``AuditEvent.ActorKind``'s values —, anything else (kind None, itself)."""
+    kind, sep, rest = actor.partition(":")
+    if sep and kind in AuditEvent.ActorKind.values:
+        return kind, rest
+    return None, actor
+
+
+def _actor(raw, actor_kind: str | None) -> str | None:
+    """The ``actor`` filter. A bare number is refused unless ``actor_kind`` says whose: API
+    keys and staff users are both numbered from 1, so ``actor=7`` matched key 7 and user 7
+    alike (and an end user whose subject is ``7``). Qualified (``api_key:7``), its kind must
+    agree with ``actor_kind`` when both are given."""
+    actor = _text(raw, "actor")
+    if actor is None:
+        return None
+    kind, ident = actor_parts(actor)
+    if kind is not None:
+        if not ident:
+            raise InvalidInput(f"must name an actor after '{kind}:' (e.g. {kind}:7)", field="actor")
+        if actor_kind is not None and actor_kind != kind:
+            raise InvalidInput(f"must agree with the actor's kind ({kind})", field="actor_kind", code="conflict")
+    elif actor_kind is None and actor.isascii() and actor.isdigit():
+        raise InvalidInput(
+            f"is ambiguous: an API key and a staff user may both have id {actor[:20]}; "
+            f"write api_key:{actor[:20]} or staff:{actor[:20]}, or give actor_kind",
+            field="actor",
+            code="ambiguous",
+        )
+    return actor
+
+
 def _choice(raw, field: str, choices) -> str | None:
     if raw is None:
         return None
@@ -91,15 +126,16 @@ def _choice(raw, field: str, choices) -> str | None:
 
 def audit_filters(raw: Mapping) -> AuditFilters:
     """Parse filters from query parameters (or a form); bad input names its field."""
+    actor_kind = _choice(raw.get("actor_kind"), "actor_kind", AuditEvent.ActorKind.values)
     filters = AuditFilters(
         since=_datetime(raw.get("since"), "since"),
         until=_datetime(raw.get("until"), "until"),
-        actor=_text(raw.get("actor"), "actor"),
+        actor=_actor(raw.get("actor"), actor_kind),
         action=_text(raw.get("action"), "action"),
         key_prefix=_key_prefix(raw.get("key_prefix")),
         subject=_text(raw.get("subject"), "subject"),
         outcome=_choice(raw.get("outcome"), "outcome", AuditEvent.Outcome.values),
-        actor_kind=_choice(raw.get("actor_kind"), "actor_kind", AuditEvent.ActorKind.values),
+        actor_kind=actor_kind,
     )
     if filters.since and filters.until and filters.since >= filters.until:
         raise InvalidInput("must be later than since", field="until")
@@ -132,7 +168,11 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
     if f.until:
         qs = qs.filter(occurred_at__lt=f.until)
     if f.actor:
-        qs = qs.filter(Q(actor_id=f.actor) | Q(actor_label=f.actor))
+        kind, ident = actor_parts(f.actor)
+        if kind is not None:  # api_key:7 — that kind's 7 (or its label)
+            qs = qs.filter(Q(actor_id=ident) | Q(actor_label=ident), actor_kind=kind)
+        else:
+            qs = qs.filter(Q(actor_id=f.actor) | Q(actor_label=f.actor))
     if f.actor_kind:
         qs = qs.filter(actor_kind=f.actor_kind)
     if f.action:

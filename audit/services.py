@@ -244,6 +244,7 @@ class AuditedOperation:
         self.target = target if isinstance(target, str) else ""
         self._row: dict | None = None
         self._written = False
+        self.event_id: int | None = None  # once written
 
     def record(
         self,
@@ -282,7 +283,7 @@ class AuditedOperation:
         self._written = True
 
     def _write(self, row: dict) -> None:
-        audit_record(tenant=self.tenant, actor=self.actor, action=self.action, **row)
+        self.event_id = audit_record(tenant=self.tenant, actor=self.actor, action=self.action, **row)
 
     def _row_for(self, exc: ServiceError) -> dict:
         outcome = _outcome_of(exc)
@@ -1277,7 +1278,8 @@ def audit_event_view(*, tenant: Tenant, actor: Actor, event_id: Any) -> AuditEve
 def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, fmt: str):
     """Check the reader may export, record the ``audit.export`` event (committed before the
     first row is sent: an export the client abandons halfway was still an export) and
-    return the queryset to stream. Scope ``audit:read``."""
+    return (the queryset to stream, that event's id for :func:`audit_export_end`). Scope
+    ``audit:read``."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.export", target=filters.key_prefix or "") as op:
         require_scope(actor, Scope.AUDIT_READ)
         if fmt not in EXPORT_FORMATS:
@@ -1287,7 +1289,24 @@ def audit_export_start(*, tenant: Tenant, actor: Actor, filters: AuditFilters, f
             actor_filter=filters.actor or "",
             detail={**filters.as_detail(), "format": fmt},
         )
-    return audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
+    queryset = audit_events(tenant=tenant, filters=filters, prefixes=_reader_prefixes(actor, filters.key_prefix))
+    return queryset, op.event_id
+
+
+def audit_export_end(*, tenant: Tenant, actor: Actor, export: int | None, rows: int, complete: bool) -> int:
+    """Record the end of the export whose ``audit.export`` event is ``export``: one
+    ``audit.export_end`` event, ``count`` the rows it delivered, ``detail`` ``{"export",
+    "complete"}`` (False: cut short — the client went away, or the reader's key was withdrawn).
+    Events are append-only, so the start cannot be given its count; this one names no filter
+    (the start holds them, where a forget redacts them). One INSERT."""
+    return audit_record(
+        tenant=tenant,
+        actor=actor,
+        action="audit.export_end",
+        outcome=AuditEvent.Outcome.OK,
+        count=rows,
+        detail={"export": export, "complete": complete},
+    )
 
 
 EXPORT_FORMATS = ("csv", "jsonl")

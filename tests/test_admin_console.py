@@ -493,7 +493,12 @@ def test_audit_log_filters(tenant_a, staff_clients):
         return [e.action for e in response.context["cl"].result_list]
 
     assert actions(f"actor={user.username}") == ["memory.view"]
-    assert actions(f"actor={user.pk}") == ["memory.view"]
+    assert actions(f"actor=staff:{user.pk}") == ["memory.view"]
+    assert actions(f"actor=api_key:{user.pk}") == []
+    # A bare id is ambiguous (API keys and staff users are both numbered): refused, saying how.
+    response = client.get(f"/admin/audit/auditevent/?actor={user.pk}", follow=True)
+    assert not response.context["cl"].result_list
+    assert f"staff:{user.pk}" in " ".join(str(m) for m in response.context["messages"])
     assert actions("action=memory.write") == ["memory.write"]
     assert actions("key_prefix=user:u10086:") == ["memory.view", "memory.write"]
     assert actions("subject=u10086") == ["memory.view", "memory.write"]

@@ -8,6 +8,8 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.core.signals import request_finished
+from django.db import close_old_connections
 from django.utils import timezone
 
 from audit import selectors
@@ -84,6 +86,36 @@ def test_actor_filter_matches_a_keys_public_prefix(log, api):
     label = AuditEvent.objects.filter(action="memory.write", tenant=api.tenant).first().actor_label
     got = events(log, actor=label, limit=200)["results"]
     assert got and {e["actor_label"] for e in got} == {label}
+
+
+def test_a_bare_numeric_actor_is_ambiguous_and_a_qualified_one_matches_one_kind(log, tenant_a, api):
+    """API keys and staff users are both numbered from 1: ``actor=7`` matched API key 7's
+    events and staff user 7's together, and a reviewer took one's for the other's. A bare
+    number is now 400 naming ``actor`` unless ``actor_kind`` says whose; ``api_key:7`` and
+    ``staff:7`` name one."""
+    key_id = AuditEvent.objects.filter(tenant=tenant_a, actor_kind="api_key", action="memory.write").first().actor_id
+    staff = Actor(kind="staff", id=key_id, label="sam-support", surface="admin")  # staff user with the same id
+    audit_record(tenant=tenant_a, actor=staff, action="memory.view", outcome="ok", target="user:u1:lang")
+    r = log.get(EVENTS, {"actor": key_id})
+    assert r.status_code == 400, r.content
+    assert rest_error(r)["field"] == "actor" and f"api_key:{key_id}" in rest_error(r)["message"]
+    r = log.get(EXPORT, {"actor": key_id})
+    assert r.status_code == 400 and rest_error(r)["field"] == "actor"
+
+    def kinds(**params):
+        got = [e for e in events(log, limit=200, **params)["results"] if e["action"] != "audit.list"]
+        assert got and all(e["actor_id"] == key_id for e in got)
+        return {e["actor_kind"] for e in got}
+
+    assert kinds(actor=f"api_key:{key_id}") == {"api_key"}
+    assert kinds(actor=f"staff:{key_id}") == {"staff"}
+    assert kinds(actor=key_id, actor_kind="staff") == {"staff"}
+    assert kinds(actor="staff:sam-support") == {"staff"}  # a username, qualified
+    assert kinds(actor="sam-support") == {"staff"}  # a label needs no kind
+    r = log.get(EVENTS, {"actor": f"api_key:{key_id}", "actor_kind": "staff"})
+    assert r.status_code == 400 and rest_error(r)["field"] == "actor_kind"
+    r = log.get(EVENTS, {"actor": "api_key:"})
+    assert r.status_code == 400 and rest_error(r)["field"] == "actor"
 
 
 def test_time_range_filter(log, tenant_a):
@@ -300,6 +332,61 @@ def test_export_under_asgi_streams_an_async_iterator(log, tenant_a):
     chunks = async_to_sync(collect)()
     lines = b"".join(chunks).decode().splitlines()
     assert len(lines) == AuditEvent.objects.filter(tenant=tenant_a, target__startswith="user:").count()
+
+
+def _export_end(tenant):
+    return AuditEvent.objects.filter(tenant=tenant, action="audit.export_end").order_by("-id").first()
+
+
+def test_an_export_records_how_many_rows_it_delivered_once_it_ends(log, tenant_a, monkeypatch):
+    """``audit.export`` is written before the first row (an export abandoned halfway was still
+    an export), so it could not say how many rows went out: a reviewer of the reviewers saw
+    that an export happened, not whether it was 3 rows or the whole log. Its end now adds an
+    ``audit.export_end`` event: the rows delivered, whether it ran to its end, and which
+    export it ends; written after the last page, on a connection taken back at once."""
+    from audit import exports
+
+    monkeypatch.setattr(exports, "CHUNK_ROWS", 2)
+    response = log.get(EXPORT, {"format": "jsonl", "key_prefix": "user:"})
+    lines = stream(response).splitlines()
+    assert len(lines) > 4  # several chunks
+    end = _export_end(tenant_a)
+    start = AuditEvent.objects.filter(tenant=tenant_a, action="audit.export").order_by("-id").first()
+    assert end is not None and end.count == len(lines)
+    assert end.detail == {"export": start.pk, "complete": True}
+    assert (end.actor_kind, end.actor_id, end.outcome) == (start.actor_kind, start.actor_id, "ok")
+    assert (end.subject, end.target, end.actor_filter) == ("", "", "")  # nothing a forget must redact
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="audit.export_end").count() == 1  # once
+
+    # Abandoned after its second chunk: the rows the server took before coming back for more.
+    actor = _reader(tenant_a)
+    response = audit_export_response(
+        tenant=tenant_a, actor=actor, filters=AuditFilters(key_prefix="user:"), fmt="jsonl"
+    )
+    body = response.streaming_content
+    next(body), next(body)
+    # The server closes the body of a client gone away (here without Django's request_finished
+    # closing the test's connection: the test runs in a transaction).
+    request_finished.disconnect(close_old_connections)
+    try:
+        response.close()
+    finally:
+        request_finished.connect(close_old_connections)
+    end = _export_end(tenant_a)
+    assert end.count == 2 and end.detail["complete"] is False
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="audit.export_end").count() == 2
+
+    # Under ASGI (an async iterator) alike.
+    response = audit_export_response(
+        tenant=tenant_a, actor=actor, filters=AuditFilters(key_prefix="user:"), fmt="csv", asynchronous=True
+    )
+
+    async def collect():
+        return [chunk async for chunk in response.streaming_content]
+
+    rows = list(csv.DictReader(io.StringIO(b"".join(async_to_sync(collect)()).decode(), newline="")))
+    end = _export_end(tenant_a)
+    assert end.count == len(rows) > 4 and end.detail["complete"] is True
 
 
 @pytest.mark.parametrize("withdrawn", ["revoked", "expired"])
@@ -554,15 +641,18 @@ def _reader(tenant) -> Actor:
     return key_actor(key, surface="rest")
 
 
+EXPORT_EVENTS = ("audit.export", "audit.export_end")  # the exports' own, not what they export
+
+
 def _export_ids(tenant, **filters) -> list[int]:
     from audit.selectors import audit_filters
 
     response = audit_export_response(tenant=tenant, actor=_reader(tenant), filters=audit_filters(filters), fmt="jsonl")
-    return [e["id"] for e in map(json.loads, stream(response).splitlines()) if e["action"] != "audit.export"]
+    return [e["id"] for e in map(json.loads, stream(response).splitlines()) if e["action"] not in EXPORT_EVENTS]
 
 
 def _oracle(tenant, **conditions) -> list[int]:
-    rows = AuditEvent.objects.filter(tenant=tenant, **conditions).exclude(action="audit.export").order_by("-id")
+    rows = AuditEvent.objects.filter(tenant=tenant, **conditions).exclude(action__in=EXPORT_EVENTS).order_by("-id")
     return list(rows.values_list("id", flat=True))
 
 

@@ -57,7 +57,8 @@ def test_on_a_read_over_the_api_commits_its_event_unflushed_and_a_write_flushed(
     )
     assert len(written) == 1 and WAIVER not in written[0]
     # A refusal changes nothing either: its event is a transaction of its own.
-    refused = _events(lambda: client.post("/api/v1/tools/call", {"name": "memory_read", "arguments": {"key": "bad key"}}))
+    bad = {"name": "memory_read", "arguments": {"key": "bad key"}}
+    refused = _events(lambda: client.post("/api/v1/tools/call", bad))
     assert len(refused) == 1 and WAIVER in refused[0]
     assert list(AuditEvent.objects.filter(tenant=tenant, action="memory.read").values_list("outcome", flat=True)) == [
         "ok",

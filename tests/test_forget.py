@@ -1165,6 +1165,41 @@ def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django
         assert services.forget_requests_resume() == 0  # nothing pending is old
 
 
+def test_resume_audits_a_request_waiting_in_a_long_queue_once_not_every_run(
+    tenant_a, settings, monkeypatch, django_capture_on_commit_callbacks
+):
+    """A request merely waiting its turn behind a long queue does not move, so the schedule
+    (every 10 minutes) enqueued it again and wrote a ``forget.resume`` event every run: an
+    hour's wait was six events of noise per request. It still enqueues it each time, but
+    audits a request's resume once per state of it: again only after a step of it began."""
+    from django_q.conf import Conf
+
+    monkeypatch.setattr(Conf, "SYNC", False)  # enqueued, not run: the queue is long
+    write(tenant_a, "user:u1:k", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    long_ago = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"] + 1)
+    resumes = AuditEvent.objects.filter(action="forget.resume", detail__forget_request=request.pk)
+
+    def schedule_runs():
+        ForgetRequest.objects.filter(pk=request.pk).update(progress_at=long_ago)
+        with django_capture_on_commit_callbacks(execute=True) as enqueued:
+            assert services.forget_requests_resume() == 1
+        assert len(enqueued) == 1  # enqueued again every run
+
+    for _ in range(6):
+        schedule_runs()
+    assert resumes.count() == 1
+    assert ForgetRequest.objects.get(pk=request.pk).status == "received"
+
+    # A step of it begins (its turn came) and dies: the next resume is a new one, audited.
+    forget.forget_step_begin(request.pk)
+    ForgetRequest.objects.filter(pk=request.pk).update(stepping=False)
+    for _ in range(3):
+        schedule_runs()
+    assert resumes.count() == 2
+    assert list(resumes.order_by("pk").values_list("detail__attempts", flat=True)) == [0, 1]
+
+
 def test_the_resume_schedule_is_declared():
     from zeromem.schedules import SCHEDULES
 

@@ -17,10 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import anyio
 import httpx2
+import mcp_types as types
 import pytest
 from django.conf import settings
 from django.db import connection
@@ -79,15 +81,16 @@ def server(django_db_setup):
         stop_server(started)
 
 
-async def _session(url: str, key: str, fn):
+async def _session(url: str, key: str, fn, mode: str = "auto"):
     async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
-        async with Client(streamable_http_client(url, http_client=http)) as client:
+        async with Client(streamable_http_client(url, http_client=http), mode=mode) as client:
             return await fn(client)
 
 
-def over_http(url: str, key: str, fn):
-    """``fn(client)`` with an SDK client connected to ``url`` with ``key``."""
-    return anyio.run(_session, url, key, fn)
+def over_http(url: str, key: str, fn, *, mode: str = "auto"):
+    """``fn(client)`` with an SDK client connected to ``url`` with ``key`` (``mode``: the SDK
+    client's, "auto" its default: the 2026-07-28 protocol; "legacy": the initialize handshake)."""
+    return anyio.run(_session, url, key, fn, mode)
 
 
 def calls(url: str, key: str, *pairs: tuple[str, dict]) -> list[dict]:
@@ -250,6 +253,52 @@ def test_a_wrong_call_is_a_tool_error_with_zeromems_code(server):
     assert unknown["is_error"] and unknown["result"]["error"]["code"] == "unknown_tool"
     assert extra["is_error"] and extra["result"]["error"]["code"] == "unknown_argument"
     assert json.loads(bad_key["text"]) == bad_key["result"]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["legacy", "auto"], ids=["2025", "2026"])
+def test_a_tools_call_with_bad_params_is_refused_naming_the_field(server, mode):
+    # The SDK refused a tools/call whose params it could not read (no name, a name that is no
+    # string, arguments that are no object) with -32602 "Invalid request parameters" and
+    # ``data: ""``: nothing said what was wrong. It now names the member, as REST's tool call
+    # does, in the message and in ``data.field``, and the refusal is audited as REST's is.
+    tenant = make_tenant(f"mcp-badparams-{mode}")
+    _key, raw = make_key(tenant)
+    Params = types.Request[dict[str, Any], str]
+    bad = [
+        ({"arguments": {}}, "params.name", "'params.name' is required"),
+        ({"name": "memory_list", "arguments": "x"}, "params.arguments", "'params.arguments' must be a JSON object"),
+        ({"name": "memory_list", "arguments": [1]}, "params.arguments", "'params.arguments' must be a JSON object"),
+    ]
+    if mode == "legacy":  # (on the 2026 path the SDK first finds no Mcp-Name header matching it: -32020)
+        bad.append(({"name": 5, "arguments": {}}, "params.name", "'params.name' must be a string"))
+
+    async def run(client):
+        errors = []
+        for params, _field, _said in bad:
+            with pytest.raises(MCPError) as refused:
+                await client.session.send_request(Params(method="tools/call", params=params), types.CallToolResult)
+            errors.append(refused.value.error)
+        with pytest.raises(MCPError) as listing:  # any method's params alike
+            await client.session.send_request(Params(method="tools/list", params={"cursor": 5}), types.ListToolsResult)
+        errors.append(listing.value.error)
+        ok = await client.call_tool("memory_list", {})
+        return errors, ok
+
+    errors, ok = over_http(server, raw, run, mode=mode)
+    listing = errors.pop()
+    assert (listing.code, listing.data) == (-32602, {"field": "params.cursor"}), listing
+    assert "'params.cursor' must be a string" in listing.message
+    for error, (_params, field, said) in zip(errors, bad, strict=True):
+        assert error.code == -32602
+        assert said in error.message and len(error.message) <= 160, error.message
+        assert error.data == {"field": field}
+    assert not ok.is_error  # the session goes on
+    refused = [e for e in mcp_events(tenant) if e.action == "tool.call" and e.outcome == "invalid"]
+    assert [(e.detail["code"], e.detail["field"]) for e in refused] == [
+        ("required" if "required" in said else "invalid", field) for _p, field, said in bad
+    ]
 
 
 @pytest.mark.postgres

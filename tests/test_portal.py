@@ -339,6 +339,37 @@ def test_revoking_the_issuing_key_withdraws_its_links_and_sessions(tenant_a, mak
     assert event.detail == {"portal_links_revoked": 2}
 
 
+def test_the_issuing_keys_expiry_withdraws_its_links_and_sessions(tenant_a, make_client, seeded, settings, monkeypatch):
+    """A revoked key withdrew its links; an expired one did not: they opened until their own
+    expiry (an hour), and the sessions they opened lasted on. A link now expires at the
+    earlier of its own expiry and its key's (the answer says so), and a session it opened
+    ends when the key expires. Only the clock is faked."""
+    settings.ZEROMEM_PORTAL_LINK_SECONDS = 3600
+    start = timezone.now().replace(microsecond=0)
+    monkeypatch.setattr(timezone, "now", lambda: start)
+    issuer, key = make_client(tenant_a)
+    key.expires_at = start + timedelta(minutes=10)  # a key issued to expire in ten minutes
+    key.save(update_fields=["expires_at"])
+    other, _ = make_client(tenant_a)  # no expiry
+    body = issue(issuer)
+    unopened = body["url"]
+    assert body["expires_at"].startswith(key.expires_at.strftime("%Y-%m-%dT%H:%M:%S"))
+    session = open_portal(issue(issuer)["url"])
+    kept = open_portal(issue(other)["url"])
+    late = issue(other)["url"]  # not opened yet, by the key with no expiry
+    assert session.get("/portal/").status_code == 200
+
+    monkeypatch.setattr(timezone, "now", lambda: start + timedelta(minutes=10, seconds=1))
+    for method in ("get", "post"):
+        r = getattr(Client(), method)(path_of(unopened))
+        assert r.status_code == 410 and "This link has expired" in page_text(r)
+    assert session.get("/portal/").status_code == 403
+    assert kept.get("/portal/").status_code == 200
+    assert open_portal(late).get("/portal/").status_code == 200
+    refused = AuditEvent.objects.filter(action="portal.open", detail__code="link_expired")
+    assert refused.count() == 2
+
+
 def test_staff_withdraw_a_subjects_links_and_sessions_from_the_admin(api, api_b, seeded, tenant_a):
     """The admin's portal-link list and its "withdraw" action (memories/admin/portal_links.py),
     through portal_links_revoke: for the roles with forget:create, never for a viewer."""

@@ -51,7 +51,7 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
-from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
+from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
 from pydantic import ConfigDict, ValidationError
 
 from audit import limits
@@ -312,6 +312,42 @@ class ShortMethodNames:
             raise MCPError(code=METHOD_NOT_FOUND, message=exc.error.message, data=shown_method(data)) from None
 
 
+# What a request's params that the SDK's models refuse are said to be, by pydantic's error
+# type, in the words REST's refusals use; any other type: pydantic's own short message.
+PARAMS_SAID = {
+    "missing": "is required",
+    "string_type": "must be a string",
+    "dict_type": "must be a JSON object",
+    "model_type": "must be a JSON object",
+    "model_attributes_type": "must be a JSON object",
+    "list_type": "must be a list",
+    "int_type": "must be an integer",
+    "bool_type": "must be true or false",
+}
+
+
+def params_refusal(exc: ValidationError) -> InvalidInput:
+    """The refusal of a request whose params the SDK's models refuse (a ``tools/call`` with
+    no ``name``, a ``name`` that is no string, ``arguments`` that are no object): its first
+    error, naming the member from the message's root (``params.name``, as
+    :func:`short_refusal` names ``params``), without pydantic's text or the input."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    first = errors[0] if errors else {"loc": ("params",), "type": "", "msg": "is invalid"}
+    field = ".".join(str(part) for part in first["loc"])[:METHOD_SHOWN_MAX] or "params"
+    said = PARAMS_SAID.get(first["type"]) or first["msg"][:1].lower() + first["msg"][1:]
+    code = "required" if first["type"] == "missing" else "invalid"
+    return InvalidInput(f"'{field}' {said}"[:120], field=field, code=code)
+
+
+def params_error(refusal: InvalidInput) -> MCPError:
+    """The JSON-RPC error of :func:`params_refusal`: the SDK's -32602, its message naming the
+    member, and the member in ``data`` (``{"field": "params.name"}``, as :func:`short_refusal`'s)
+    instead of the SDK's ``data: ""``."""
+    return MCPError(
+        code=INVALID_PARAMS, message=f"Invalid request parameters: {refusal.message}", data={"field": refusal.field}
+    )
+
+
 class RateLimit:
     """Server middleware (the SDK's hook around every inbound message, ``initialize``
     included): a request other than ``tools/call`` (which :func:`run_call` charges) costs a
@@ -321,20 +357,36 @@ class RateLimit:
     the endpoint answers it ``429 rate_limited`` with Retry-After, as REST does. A
     notification is charged by the endpoint (:meth:`McpEndpoint.charge_notification`): the
     stateless transport answers it ``202`` before the server sees it, and then ends, mostly
-    before this runs."""
+    before this runs.
+
+    A request whose params the SDK refuses is answered -32602 naming the member
+    (:func:`params_error`), not the SDK's bare "Invalid request parameters"; a refused
+    ``tools/call`` is audited as REST audits its 400 (``tool.call`` ``invalid``, code and field)."""
 
     async def __call__(self, ctx, call_next):
         if ctx.request_id is None:
             return await call_next(ctx)
         if ctx.method != "tools/call":
             await self._charge(ctx)
-            return await call_next(ctx)
+            try:
+                return await call_next(ctx)
+            except ValidationError as exc:
+                raise params_error(params_refusal(exc)) from None
         try:
             return await call_next(ctx)
-        except ValidationError:
+        except ValidationError as exc:
             # No name, arguments not an object: refused before call_tool (and its charge).
             await self._charge(ctx)
-            raise
+            refusal = params_refusal(exc)
+            key, actor = _caller(ctx)
+            if key is not None:
+                try:
+                    await _in_thread(
+                        lambda: audit_refusal(tenant=key.tenant, actor=actor, action="tool.call", error=refusal)
+                    )
+                except DatabaseError:
+                    raise MCPError(code=INTERNAL_ERROR, message="the database is unavailable; retry shortly") from None
+            raise params_error(refusal) from None
 
     @staticmethod
     async def _charge(ctx) -> None:

@@ -12,6 +12,9 @@ and the access logs write its path as ``/portal/open/…`` (zeromem.kit.logs). O
 * past its expiry, as ``expired``;
 * withdrawn by the tenant (``portal_links_revoke``) or with the key that issued it
   (``api_key_revoke``), as ``revoked``;
+* past the expiry of the API key that issued it, as ``expired``: a link expires at the
+  earlier of its own expiry and its key's (set so when issued, and checked against the key
+  when opened);
 * opened once already, as ``replayed``: the first open exchanges it for a short portal
   session (a signed cookie naming the link, ``ZEROMEM_PORTAL_SESSION_SECONDS``), marked by a
   conditional UPDATE of ``PortalLink.opened_at``, so two concurrent opens cannot both win.
@@ -19,7 +22,8 @@ and the access logs write its path as ``/portal/open/…`` (zeromem.kit.logs). O
 Refusals are throttled per client address (``ZEROMEM_AUTH_FAILURES_PER_MINUTE``, as failed
 authentications): past it, :class:`audit.services.AuthThrottled` and nothing is written.
 
-A revoked link's open session ends too: the session is only as good as its link's row.
+A revoked link's open session ends too: the session is only as good as its link's row; so
+does the session of a link whose issuing key has expired since.
 
 Looking at the link (GET) checks it without using it up, so a mail client or chat app that
 fetches links for a preview cannot burn the user's link; the page's button (POST) opens it.
@@ -38,13 +42,13 @@ from django.utils import timezone
 
 from audit import limits
 from audit.services import AuthThrottled, audited_operation
-from memories.models import Tenant
+from memories.models import ApiKey, Tenant
 from memories.portal.models import PortalLink
 from memories.services.subjects import _validated_subject
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden
-from zeromem.kernel.outcomes import Outcome
+from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
 
 TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters
@@ -73,7 +77,9 @@ def portal_link_create(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[P
     """Issue a one-time link for the end user ``subject`` of ``tenant``, valid for
     ``ZEROMEM_PORTAL_LINK_SECONDS``. Needs ``forget:create`` (the portal lets the user file
     forget requests); a key limited to some prefixes may not (the portal shows the whole
-    subject). Returns (the link's row, its token). Cost: one INSERT and the audit INSERT."""
+    subject). An API key with an expiry issues links that expire no later than it does.
+    Returns (the link's row, its token). Cost: one INSERT and the audit INSERT (and, for an
+    API key, a primary-key SELECT of its expiry)."""
     with audited_operation(tenant=tenant, actor=actor, action="portal.link_create") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         subject = _validated_subject(subject)
@@ -86,6 +92,10 @@ def portal_link_create(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[P
         now = timezone.now()
         lifetime = settings.ZEROMEM_PORTAL_LINK_SECONDS
         expires_at = (now + timedelta(seconds=lifetime)).replace(microsecond=0)
+        if actor.kind == ActorKind.API_KEY:
+            key_expires_at = _key_expiry(tenant_id=tenant.pk, key_id=actor.id)
+            if key_expires_at is not None and key_expires_at < expires_at:
+                expires_at = key_expires_at
         token = secrets.token_urlsafe(TOKEN_BYTES)
         link = PortalLink.objects.create(
             tenant=tenant,
@@ -96,7 +106,8 @@ def portal_link_create(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[P
             created_by_kind=actor.kind,
             created_by=actor.id,
         )
-        op.record(subject=subject, detail={"portal_link": link.pk, "expires_in_seconds": lifetime})
+        in_seconds = max(0, int((expires_at - now).total_seconds()))
+        op.record(subject=subject, detail={"portal_link": link.pk, "expires_in_seconds": in_seconds})
     return link, token
 
 
@@ -106,7 +117,8 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
 
     ``actor_for(link)`` builds the actor: the end user once the link is known to be good,
     an anonymous one for a refused link (whoever holds it). Cost: a unique-index SELECT of
-    the link (with its tenant); with ``use`` a conditional UPDATE and the audit INSERT."""
+    the link (with its tenant), a primary-key SELECT of its issuing API key's expiry; with
+    ``use`` a conditional UPDATE and the audit INSERT."""
     link = None
     if isinstance(token, str) and 0 < len(token) <= TOKEN_MAX_LEN:
         link = PortalLink.objects.select_related("tenant").filter(token_hash=token_hash(token)).first()
@@ -115,7 +127,7 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
     tenant, now = link.tenant, timezone.now()
     if link.revoked_at is not None:
         _refuse(tenant, actor_for(None), "revoked", subject=link.subject, link=link)
-    if link.expires_at <= now:
+    if link.expires_at <= now or _issuer_expired(link, now):
         _refuse(tenant, actor_for(None), "expired", subject=link.subject, link=link)
     if link.opened_at is not None:
         _refuse(tenant, actor_for(None), "replayed", subject=link.subject, link=link)
@@ -135,7 +147,8 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
 
 def portal_session_link(*, link_id: Any, count: bool = True) -> PortalLink | None:
     """The opened, not signed-out link a portal session cookie names (it was signed by us,
-    so ``link_id`` is ours), with its tenant; None when it no longer holds.
+    so ``link_id`` is ours), with its tenant; None when it no longer holds: signed out,
+    withdrawn, or its issuing API key expired since (a primary-key SELECT of the key's expiry).
 
     ``count``: the page counts against the session's ``ZEROMEM_PORTAL_PAGES_PER_MINUTE``
     (exact across processes, audit/limits.py); past it :class:`AuthThrottled` and nothing is
@@ -147,11 +160,29 @@ def portal_session_link(*, link_id: Any, count: bool = True) -> PortalLink | Non
         .filter(pk=link_id, opened_at__isnull=False, closed_at__isnull=True, revoked_at__isnull=True)
         .first()
     )
+    if link is not None and _issuer_expired(link, timezone.now()):
+        return None
     if link is not None and count:
         pages = limits.hit(f"portal:link:{link.pk}")
         if pages.count > settings.ZEROMEM_PORTAL_PAGES_PER_MINUTE:
             raise AuthThrottled(pages.retry_after)
     return link
+
+
+def _key_expiry(*, tenant_id: int, key_id: Any):
+    """The expiry of the tenant's API key ``key_id`` (None: none, or no such key)."""
+    if not (isinstance(key_id, str) and key_id.isascii() and key_id.isdigit()):
+        return None
+    return ApiKey.objects.filter(tenant_id=tenant_id, pk=int(key_id)).values_list("expires_at", flat=True).first()
+
+
+def _issuer_expired(link: PortalLink, now) -> bool:
+    """Whether the API key that issued ``link`` has expired: its links and their sessions go
+    with it, as with a revoked key (whose revocation marks them, api_key_revoke)."""
+    if link.created_by_kind != ActorKind.API_KEY:
+        return False
+    key_expires_at = _key_expiry(tenant_id=link.tenant_id, key_id=link.created_by)
+    return key_expires_at is not None and key_expires_at <= now
 
 
 def portal_links_viewed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:

@@ -80,6 +80,9 @@ FORGET_SLICE_SECONDS = 60
 # while the request runs).
 REDACT_PAGE = 1000
 REDACT_CURSOR = "audit_redacted_through"
+# The attempts a pending request had when its last forget.resume was audited (receipt key,
+# dropped at completion): forget_requests_resume audits a request again only once it moved on.
+RESUMED_AFTER = "resumed_after_attempts"
 PK_MAX = 2**63 - 1
 FORGET_JOB = "forget"
 TASK = "memories.tasks.forget_request_task"
@@ -1085,8 +1088,13 @@ def forget_requests_resume() -> int:
     does not count the attempt) or its queue entry was lost. Returns how many.
 
     Each request's own attempt counter still bounds how often it runs. Requests locked by a
-    running batch are skipped (they are moving). Cost: one scan of the pending-requests
-    index, an UPDATE and an audit INSERT per request, one enqueue each after commit.
+    running batch are skipped (they are moving). A request merely waiting its turn behind a
+    long queue does not move either, and is enqueued again at every run of the schedule; its
+    ``forget.resume`` event is written once per state of it — the first time, then again only
+    after a step of it began (``attempts`` moved; ``RESUMED_AFTER``, in the receipt while it is
+    pending, holds the count last audited) — not every 10 minutes of its wait.
+    Cost: one scan of the pending-requests index, an UPDATE of them all, and per request
+    whose state changed an UPDATE and an audit INSERT; one enqueue each after commit.
     """
     cutoff = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"])
     with transaction.atomic():
@@ -1094,22 +1102,25 @@ def forget_requests_resume() -> int:
             ForgetRequest.objects.filter(status__in=PENDING, progress_at__lt=cutoff)
             .select_for_update(skip_locked=True)
             .order_by("progress_at")
-            .values_list("pk", "tenant_id")[:RESUME_MAX]
+            .values_list("pk", "tenant_id", "attempts", "receipt")[:RESUME_MAX]
         )
         if not stale:
             return 0
         now = timezone.now()
         # Moving progress_at on means the next run of this schedule waits a full retry
         # interval before enqueueing the same request again.
-        ForgetRequest.objects.filter(pk__in=[pk for pk, _ in stale]).update(progress_at=now)
+        ForgetRequest.objects.filter(pk__in=[pk for pk, *_ in stale]).update(progress_at=now)
         actor = Actor.system(job=FORGET_JOB)
-        for pk, tenant_id in stale:
+        for pk, tenant_id, attempts, receipt in stale:
+            transaction.on_commit(partial(_enqueue, pk), robust=True)
+            if (receipt or {}).get(RESUMED_AFTER) == attempts:
+                continue  # still waiting where the last resume found it: audited then
+            ForgetRequest.objects.filter(pk=pk).update(receipt={**(receipt or {}), RESUMED_AFTER: attempts})
             audit_record(
                 tenant=Tenant(pk=tenant_id),
                 actor=actor,
                 action="forget.resume",
                 outcome=Outcome.OK,
-                detail={"forget_request": pk},
+                detail={"forget_request": pk, "attempts": attempts},
             )
-            transaction.on_commit(partial(_enqueue, pk), robust=True)
     return len(stale)
