@@ -126,14 +126,15 @@ def _pages(queryset, tenant, filters: AuditFilters, actor: Actor) -> Iterator[di
     its seal's number (a range seal's: one query over the page's seals). Before each page
     after the first, the reader's credential is asked again
     (:func:`~zeromem.kernel.actors.require_still_held`): an API key revoked or expired since
-    the export began ends the stream there, cut short (the server aborts the body)."""
+    the export began, or a staff user disabled or no longer holding their role in the tenant
+    (the admin's export), ends the stream there, cut short (the server aborts the body)."""
     with replica_reads():  # an export may lag the log by the replica's delay
         few = few_by_index(tenant=tenant, filters=filters)
     before = bounds = None
     first = True
     while True:
         if not first:
-            require_still_held(actor)
+            require_still_held(actor, tenant.pk)
         first = False
         with replica_reads():
             if bounds is None:

@@ -781,25 +781,46 @@ def audit_checkpoint_create(*, tenant: Tenant, actor: Actor) -> AuditCheckpoint:
 # --- redaction ------------------------------------------------------------------------------
 
 
+# Actions whose target names no memory key, prefix or end user: an API key's public prefix
+# (api_key.*), a staff username (membership.*), a tenant's slug (tenant.*), a route
+# (auth.failed), a job's id (job.read). A forget matches events by their target's text, and
+# a prefix such as "zm_" or a subject spelled like a staff username matched these too: the
+# forget pseudonymized who was given which key or role — the access-control trail a review
+# reads, which names no one the forget is about. Their subject, if any, is still redacted.
+TARGET_NOT_A_KEY = (
+    "api_key.create",
+    "api_key.revoke",
+    "membership.set",
+    "membership.remove",
+    "tenant.create",
+    "tenant.update",
+    "tenant.dashboard",
+    "auth.failed",
+    "job.read",
+)
+
+
 def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str, prefixes: Iterable[str] = ()) -> Q:
+    by_target = Q(pk__in=[])  # events whose target names the forgotten keys or end user
     q = Q(pk__in=[])
     for other in prefixes:
         if other:
-            q |= Q(target__startswith=other)
+            by_target |= Q(target__startswith=other)
     if subject:
         # The subject's own events, events an end user (the subject) made in the portal,
         # and events about keys that name the subject by convention (user:<id>:...).
-        q |= Q(subject=subject) | Q(target=subject)
+        q |= Q(subject=subject)
+        by_target |= Q(target=subject)
         q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id__in={subject, end_user_actor_id(subject)})
         # Readings of the log that filtered by the subject as an actor (audit.list, audit.export).
         q |= ~Q(actor_filter="") & Q(actor_filter__in={subject, end_user_actor_id(subject)})
-        q |= Q(target__startswith=f"user:{subject}:") | Q(target__startswith=f"usr:{subject}:")
+        by_target |= Q(target__startswith=f"user:{subject}:") | Q(target__startswith=f"usr:{subject}:")
     if prefix:
-        q |= Q(target__startswith=prefix) | Q(target=prefix)
+        by_target |= Q(target__startswith=prefix) | Q(target=prefix)
     keys = [k for k in keys if k]
     if keys:
-        q |= Q(target__in=keys)
-    return q
+        by_target |= Q(target__in=keys)
+    return q | (by_target & ~Q(action__in=TARGET_NOT_A_KEY))
 
 
 def _redacted_values(row: dict, pseudonyms: dict | None = None) -> tuple[dict, dict]:

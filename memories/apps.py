@@ -19,10 +19,12 @@ class MemoriesConfig(AppConfig):
 
         # A long answer (an export stream) stops at its next part once its key is withdrawn.
         from memories.services.api_keys import key_withdrawn
+        from memories.services.memberships import staff_withdrawn
         from zeromem.kernel.actors import register_withdrawn_check
         from zeromem.kernel.outcomes import ActorKind
 
         register_withdrawn_check(ActorKind.API_KEY, key_withdrawn)
+        register_withdrawn_check(ActorKind.STAFF, staff_withdrawn)
 
         from django.core.checks import Tags, register
 

@@ -727,3 +727,36 @@ def test_a_windowed_export_keeps_events_sealed_before_range_seals(log, tenant_a,
     _seal_the_old_way(tenant_a, [e for i, e in enumerate(oldest[:10]) if i not in (1, 2, 3)])  # 1-3: late
     audit_seal(tenant_id=tenant_a.pk)
     assert _export_ids(tenant_a) == _oracle(tenant_a)
+
+
+@pytest.mark.parametrize("withdrawn", ["membership_removed", "account_disabled"])
+def test_an_admin_export_stream_stops_once_its_staff_user_loses_the_role_or_account(
+    tenant_a, make_client, monkeypatch, withdrawn
+):
+    # The API key's export stops at its next page once the key is revoked; a staff user's
+    # admin export kept streaming the tenant's whole log after their compliance membership
+    # was removed or their account disabled (nothing was asked again for staff).
+    from memories import services as staff_services
+    from memories.models import Membership
+    from tests.factories import logged_in, make_staff
+    from zeromem.kernel.errors import Unauthenticated
+
+    monkeypatch.setattr("audit.exports.CHUNK_ROWS", 2)
+    writer, _key = make_client(tenant_a, scopes=["memory:write"])
+    for n in range(8):
+        writer.call("memory_write", key=f"user:u1:k{n}", value=n)
+    user = make_staff(tenant_a, "compliance")
+    response = logged_in(user).get(f"/admin/audit/auditevent/export/?fmt=jsonl&tenant={tenant_a.pk}")
+    assert response.status_code == 200
+    chunks = iter(response.streaming_content)
+    first = next(chunks)
+    if withdrawn == "membership_removed":
+        membership = Membership.objects.get(tenant=tenant_a, user=user)
+        staff_services.membership_remove(tenant=tenant_a, actor=SYSTEM, membership_id=membership.pk)
+    else:
+        type(user).objects.filter(pk=user.pk).update(is_active=False)
+    with pytest.raises(Unauthenticated) as stopped:
+        for _chunk in chunks:
+            pass
+    assert stopped.value.code == withdrawn
+    assert len(first.decode().splitlines()) == 2

@@ -14,11 +14,13 @@ from django.utils import timezone
 from django_q.models import OrmQ, Task
 from django_q.signing import SignedPackage
 
+from audit import services as audit_services
 from audit.models import AuditEvent
+from audit.verify import audit_verify
 from memories import services, tasks
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget, jobs, subjects
-from tests.factories import SYSTEM, make_tenant, seed_user, summarize, write
+from tests.factories import SYSTEM, make_staff, make_tenant, seed_user, summarize, write
 from tests.helpers import memory_rows, rest_error, start_thread, wait_for_a_lock_waiter
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import NotFound
@@ -1699,3 +1701,33 @@ def test_forgetting_a_prefix_redacts_the_keys_of_its_summaries_in_old_audit_even
         .exists()
     )
     assert AuditEvent.objects.filter(tenant=tenant_a, target="summary:user:u90").exists()
+
+
+def test_a_forget_redacts_memory_keys_never_the_targets_of_key_and_membership_events(
+    api, tenant_a, django_capture_on_commit_callbacks
+):
+    """A forget pseudonymizes what names the forgotten end user or keys: a memory key, a
+    prefix. An API key's public prefix (api_key.create/revoke), a staff username
+    (membership.set/remove) or a tenant's slug is no memory key: a forget of the prefix
+    "zm_" (or of a subject spelled like a staff username) pseudonymized who was given
+    which key and role — the access-control trail a compliance review reads — leaving
+    only that *someone* got a key."""
+    key, _raw = services.api_key_create(tenant=tenant_a, actor=SYSTEM, name="ci", scopes=["memory:read"])
+    services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    staff = make_staff(tenant_a, "support", username="u7")
+    write(tenant_a, "zm_notes:k", "value")  # a memory key that does start with zm_
+    write(tenant_a, "user:u7:k", "value")
+    access = ("api_key.create", "api_key.revoke", "membership.set")
+    before = dict(AuditEvent.objects.filter(tenant=tenant_a, action__in=access).values_list("action", "target"))
+    assert before["api_key.create"] == key.display_prefix and before["membership.set"] == staff.username
+
+    for body in ({"prefix": "zm_"}, {"subject": "u7"}, {"keys": [key.display_prefix, staff.username]}):
+        r = post(api, django_capture_on_commit_callbacks, body)
+        assert get(api, r.json()["id"])["status"] == "completed"
+
+    after = dict(AuditEvent.objects.filter(tenant=tenant_a, action__in=access).values_list("action", "target"))
+    assert after == before
+    # The memory keys those requests named are redacted as before.
+    assert not AuditEvent.objects.filter(tenant=tenant_a, target__in=["zm_notes:k", "user:u7:k"]).exists()
+    audit_services.audit_seal(tenant_id=tenant_a.pk)
+    assert audit_verify(tenant_id=tenant_a.pk).ok

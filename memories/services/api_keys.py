@@ -133,7 +133,7 @@ def rate_limit_charge_items(actor: Actor, items: int, *, field: str, message: st
         raise TenantBusy(message, code="rate_limited", field=field, retry_after=max(1, math.ceil(wait)))
 
 
-def key_withdrawn(actor: Actor) -> str | None:
+def key_withdrawn(actor: Actor, tenant_id: int | None = None) -> str | None:
     """Why the API key of ``actor`` no longer holds (``key_revoked``, ``key_expired``; a key
     that is gone: ``invalid_key``), else None — read from the primary, not the cache: what a
     long answer (an export stream) asks before each further page

@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.db import DEFAULT_DB_ALIAS
 
 from audit.services import audited_operation
 from memories.models import Membership, Tenant
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden, InvalidInput
 from zeromem.kernel.outcomes import ActorKind, Outcome
-from zeromem.kernel.scopes import TENANT_ADMIN_SCOPES
+from zeromem.kernel.scopes import ROLE_SCOPES, TENANT_ADMIN_SCOPES
 
 
 def membership_set(*, tenant: Tenant, actor: Actor, username: Any, role: Any) -> Membership:
@@ -73,3 +74,26 @@ def _require_admin(actor: Actor) -> None:
     # The admin role is the only one whose actor holds all of the admin role's scopes.
     if actor.kind != ActorKind.SYSTEM and not TENANT_ADMIN_SCOPES <= actor.scopes:
         raise Forbidden(code="admin_role_required", message="only a tenant admin manages members", field=None)
+
+
+def staff_withdrawn(actor: Actor, tenant_id: int | None) -> str | None:
+    """Why a staff actor no longer holds in ``tenant_id`` (``account_disabled``: the user is
+    gone or inactive; ``membership_removed``: no role there, or one without every scope the
+    actor was given), else None — read from the primary: what a long answer (the admin's
+    audit export) asks before each further page (:func:`zeromem.kernel.actors.require_still_held`).
+    A superuser acts in every tenant. Cost: two primary-key/unique SELECTs."""
+    user = get_user_model().objects.using(DEFAULT_DB_ALIAS).filter(pk=actor.id).values("is_active", "is_superuser")
+    user = user.first()
+    if user is None or not user["is_active"]:
+        return "account_disabled"
+    if user["is_superuser"] or tenant_id is None:
+        return None
+    role = (
+        Membership.objects.using(DEFAULT_DB_ALIAS)
+        .filter(tenant_id=tenant_id, user_id=actor.id)
+        .values_list("role", flat=True)
+        .first()
+    )
+    if role is None or not actor.scopes <= ROLE_SCOPES.get(role, frozenset()):
+        return "membership_removed"
+    return None

@@ -149,21 +149,24 @@ def staff_actor(*, user, role: str, request_id: str = "", client_ip: str | None 
     )
 
 
-# Why an actor's credential no longer holds (an API key revoked or expired since its request
-# began: "key_revoked", "key_expired"), else None — registered by the app that owns the
-# credential (memories: API keys), asked by a long answer before each further part of it (an
-# export stream's next page). A kind nobody registered always holds.
-_withdrawn_checks: dict[str, Callable[[Actor], str | None]] = {}
+# Why an actor's credential no longer holds in a tenant (an API key revoked or expired since
+# its request began: "key_revoked", "key_expired"; a staff user's account disabled or their
+# role there taken away: "account_disabled", "membership_removed"), else None — registered by
+# the app that owns the credential (memories: API keys, memberships), asked by a long answer
+# before each further part of it (an export stream's next page). A kind nobody registered
+# always holds.
+_withdrawn_checks: dict[str, Callable[[Actor, int | None], str | None]] = {}
 
 
-def register_withdrawn_check(kind: str, check: Callable[[Actor], str | None]) -> None:
+def register_withdrawn_check(kind: str, check: Callable[[Actor, int | None], str | None]) -> None:
     _withdrawn_checks[kind] = check
 
 
-def require_still_held(actor: Actor) -> None:
+def require_still_held(actor: Actor, tenant_id: int | None = None) -> None:
     """:class:`Unauthenticated` (its code the reason) when ``actor``'s credential was withdrawn
-    since it authenticated. Cost: one primary-key SELECT for an API key, nothing otherwise."""
+    since it authenticated (a staff user's: in ``tenant_id``). Cost: one primary-key SELECT
+    for an API key, two small ones for a staff user, nothing otherwise."""
     check = _withdrawn_checks.get(actor.kind)
-    code = check(actor) if check is not None else None
+    code = check(actor, tenant_id) if check is not None else None
     if code is not None:
-        raise Unauthenticated("this API key was revoked or has expired since the request began", code=code)
+        raise Unauthenticated("this credential was withdrawn since the request began", code=code)
