@@ -841,7 +841,8 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
         text = answer["choices"][0]["message"]["content"]
         usage = answer.get("usage") or {}
         tokens = usage.get("total_tokens", 0)
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
+        # RecursionError: JSON nested deeper than Python's parser goes ("[" × 100,000 fits the MiB).
         raise SummarizerError("the LLM endpoint's answer is not a chat completion") from None
     if not isinstance(text, str) or not (text := _llm_text(text)):
         raise SummarizerError("the LLM endpoint answered an empty summary")
