@@ -11,6 +11,9 @@ traceback, in its own Task table (failures are never pruned), which no forget re
 a summary's key named the end user it was about, and a database error quotes the row it failed
 on. The exception itself goes to the server log (zeromem/kernel/tasks.py, which wraps the
 audit's and the portal's tasks too).
+
+The schedules' tasks run one at a time (``one_at_a_time``): a copy that finds another running
+returns at once.
 """
 
 import functools
@@ -18,7 +21,7 @@ import functools
 from memories.search import embeddings
 from memories.search import index as search_index
 from memories.services import access, dashboard_stats, forget, idempotency, jobs, retention, summaries, turns
-from zeromem.kernel.tasks import TaskFailed, kept
+from zeromem.kernel.tasks import TaskFailed, kept, one_at_a_time
 
 __all__ = ["TaskFailed"]  # what a failed task raises (zeromem/kernel/tasks.py)
 
@@ -39,11 +42,13 @@ _kept = functools.partial(kept, shape=_counts_only)
 
 
 @_kept
+@one_at_a_time
 def jobs_purge_task() -> int:
     return jobs.jobs_purge()
 
 
 @_kept
+@one_at_a_time
 def purge_expired_task() -> dict:
     return retention.purge_expired()
 
@@ -56,6 +61,7 @@ def forget_request_task(request_id: int, continues: int | None = None) -> dict:
 
 
 @_kept
+@one_at_a_time
 def forget_requests_resume_task() -> int:
     return forget.forget_requests_resume()
 
@@ -66,35 +72,42 @@ def summarize_task(job_id: int) -> dict:
 
 
 @_kept
+@one_at_a_time
 def summarize_idle_sessions_task() -> int:
     return summaries.summarize_idle_sessions()
 
 
 @_kept
+@one_at_a_time
 def summarize_jobs_resume_task() -> int:
     return summaries.summarize_jobs_resume()
 
 
 @_kept
+@one_at_a_time
 def access_counts_fold_task() -> int:
     return access.access_counts_fold()
 
 
 @_kept
+@one_at_a_time
 def embed_memories_task() -> dict:
     return embeddings.embeddings_refresh()
 
 
 @_kept
+@one_at_a_time
 def search_stats_refresh_task() -> dict:
     return search_index.stats_refresh_stale()
 
 
 @_kept
+@one_at_a_time
 def dashboard_stats_refresh_task() -> dict:
     return dashboard_stats.dashboard_stats_refresh_stale()
 
 
 @_kept
+@one_at_a_time
 def idempotency_purge_task() -> int:
     return idempotency.idempotency_purge()

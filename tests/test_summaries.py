@@ -854,6 +854,13 @@ class FakeLLM:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
+                if mode == "nested":
+                    # Valid JSON within the size limit, nested deeper than Python's json reads.
+                    self._send(200, b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+                    return
+                if mode == "invalid_utf8":
+                    self._send(200, b'{"choices": [{"message": {"content": "\xff\xfe ok"}}]}')
+                    return
                 if mode == "html":
                     self.send_response(200)
                     self.send_header("Content-Type", "text/html")
@@ -1026,6 +1033,10 @@ def test_an_llm_summary_of_nothing_but_control_characters_is_an_empty_summary(
     [
         ("huge", "the LLM endpoint's answer is larger than 1048576 bytes"),
         ("html", "the LLM endpoint's answer is not a chat completion"),
+        # Nested 100,000 deep: a RecursionError, which failed the attempt as
+        # "RecursionError (details in the server log)" with a traceback in the log.
+        ("nested", "the LLM endpoint's answer is not a chat completion"),
+        ("invalid_utf8", "the LLM endpoint's answer is not a chat completion"),
     ],
 )
 def test_an_outsize_refused_or_foreign_llm_answer_fails_the_attempt_and_writes_nothing(

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import zlib
 from collections.abc import Callable
 from typing import Any
+
+from django.db import connection
 
 logger = logging.getLogger("zeromem.tasks")
 
@@ -37,5 +40,46 @@ def kept(task: Callable, shape: Callable[[Any], Any] = _as_is) -> Callable:
         except Exception as exc:
             logger.exception("task %s%r failed", task.__name__, args)
             raise TaskFailed(f"{type(exc).__module__}.{type(exc).__name__} (details in the server log)") from None
+
+    return run
+
+
+# pg_try_advisory_lock namespace of the schedules' tasks (with a key derived from the task's name).
+_RUN_LOCK_NAMESPACE = 0x5A52  # "ZR"
+SKIPPED = {"skipped": "another run of this task is in progress"}
+
+
+def one_at_a_time(task: Callable) -> Callable:
+    """``task``, run by one worker at a time across the cluster (and a fleet's clusters): a
+    copy that finds another one running returns :data:`SKIPPED` at once. For the schedules'
+    tasks: django-q2's scheduler enqueues a schedule whenever it is due, whether its last copy
+    has run or not, so a queue backlogged past a schedule's period holds several copies, and
+    free workers take them together — two runs of the idle-sessions schedule started two jobs
+    for each idle session (two LLM calls, two versions of its summary), two embedding runs
+    encoded the same memories on two workers for 50 s.
+
+    On PostgreSQL a session-level ``pg_try_advisory_lock`` on the worker's connection, released
+    when the task ends (or with the connection, when its worker is killed); the next copy then
+    runs. SQLite (one embedded process): as it is. Cost: two statements a run."""
+    key = zlib.crc32(f"{task.__module__}.{task.__qualname__}".encode()) & 0x7FFFFFFF
+
+    @functools.wraps(task)
+    def run(*args, **kwargs):
+        if connection.vendor != "postgresql":
+            return task(*args, **kwargs)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", [_RUN_LOCK_NAMESPACE, key])
+            if not cursor.fetchone()[0]:
+                logger.info("task %s skipped: another run of it is in progress", task.__name__)
+                return dict(SKIPPED)
+        try:
+            return task(*args, **kwargs)
+        finally:
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [_RUN_LOCK_NAMESPACE, key])
+            except Exception:  # the connection broke: the lock went with it
+                logger.warning("task %s: could not release its run lock", task.__name__, exc_info=True)
+                connection.close()
 
     return run
