@@ -129,3 +129,51 @@ def test_two_overlapping_runs_of_the_idle_sessions_schedule_start_one_job_per_se
     jobs = list(Job.objects.filter(tenant=tenant).values_list("params__prefix", flat=True))
     assert jobs == ["session:s1:"], results
     assert sorted(results, key=str) == [1, {"skipped": "another run of this task is in progress"}]
+
+
+def _probe(result):
+    """A schedule-like task that returns its connection to the pool halfway (as a task that
+    waits on something else would), then queries again."""
+    from django.db import connection
+
+    from zeromem.kernel.tasks import one_at_a_time
+
+    @one_at_a_time
+    def probe():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        connection.close()  # with the pool: back to it, still open
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT %s", [result])
+            return cursor.fetchone()[0]
+
+    return probe
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_run_that_hands_its_connection_back_midway_leaves_no_hold_on_the_next_runs():
+    """A session-level advisory lock went back to the pool with the connection the task gave
+    up halfway; its unlock, on the next connection the pool handed out, released nothing, and
+    a later run on that other connection found the lock held: the schedule was skipped until
+    the pooled connection closed. The lease is the cache's, not a connection's."""
+    probe = _probe(7)
+    assert [probe() for _ in range(4)] == [7, 7, 7, 7]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_lease_of_a_killed_run_lapses_and_the_next_run_goes_ahead():
+    """A worker killed mid-run gives nothing back: its lease lapses after Q_TIMEOUT plus a
+    minute (here set to lapse in a second), and until then the copies are skipped."""
+    import time
+
+    from django.core.cache import cache
+
+    probe = _probe(8)
+    name = f"zeromem:run:{probe.__wrapped__.__module__}.{probe.__wrapped__.__qualname__}"
+    assert cache.add(name, "a killed worker's", timeout=1)
+    assert probe() == {"skipped": "another run of this task is in progress"}
+    time.sleep(1.2)
+    assert probe() == 8
+    assert cache.get(name) is None  # given back

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import zlib
+import secrets
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
+from django.core.cache import cache
 from django.db import connection
 
 logger = logging.getLogger("zeromem.tasks")
@@ -44,9 +46,9 @@ def kept(task: Callable, shape: Callable[[Any], Any] = _as_is) -> Callable:
     return run
 
 
-# pg_try_advisory_lock namespace of the schedules' tasks (with a key derived from the task's name).
-_RUN_LOCK_NAMESPACE = 0x5A52  # "ZR"
 SKIPPED = {"skipped": "another run of this task is in progress"}
+# A run's lease outlives the longest a worker may run a task (django-q2 stops it at Q_TIMEOUT).
+LEASE_MARGIN_SECONDS = 60
 
 
 def one_at_a_time(task: Callable) -> Callable:
@@ -58,28 +60,31 @@ def one_at_a_time(task: Callable) -> Callable:
     for each idle session (two LLM calls, two versions of its summary), two embedding runs
     encoded the same memories on two workers for 50 s.
 
-    On PostgreSQL a session-level ``pg_try_advisory_lock`` on the worker's connection, released
-    when the task ends (or with the connection, when its worker is killed); the next copy then
-    runs. SQLite (one embedded process): as it is. Cost: two statements a run."""
-    key = zlib.crc32(f"{task.__module__}.{task.__qualname__}".encode()) & 0x7FFFFFFF
+    On PostgreSQL a lease in the shared cache (Redis when configured, else the database's cache
+    table): ``add`` — set only if absent, atomic in both — with a random token, for longer than
+    django-q2 lets a task run (``Q_TIMEOUT`` + a minute); given back when the task ends. A
+    lease of a killed worker lapses on its own, so that schedule waits at most that long. Not a
+    session-level advisory lock: behind PgBouncer in transaction mode it stays on whichever
+    server connection took it and its unlock may reach another (the task then skipped until
+    that connection closed), and a task that returns its connection to the pool mid-run hands
+    the lock to the next borrower. SQLite (one embedded process): as it is."""
+    name = f"zeromem:run:{task.__module__}.{task.__qualname__}"
 
     @functools.wraps(task)
     def run(*args, **kwargs):
         if connection.vendor != "postgresql":
             return task(*args, **kwargs)
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", [_RUN_LOCK_NAMESPACE, key])
-            if not cursor.fetchone()[0]:
-                logger.info("task %s skipped: another run of it is in progress", task.__name__)
-                return dict(SKIPPED)
+        token = secrets.token_hex(8)
+        if not cache.add(name, token, timeout=settings.Q_CLUSTER["timeout"] + LEASE_MARGIN_SECONDS):
+            logger.info("task %s skipped: another run of it is in progress", task.__name__)
+            return dict(SKIPPED)
         try:
             return task(*args, **kwargs)
         finally:
             try:
-                with connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [_RUN_LOCK_NAMESPACE, key])
-            except Exception:  # the connection broke: the lock went with it
-                logger.warning("task %s: could not release its run lock", task.__name__, exc_info=True)
-                connection.close()
+                if cache.get(name) == token:  # not a lease that lapsed and another run took
+                    cache.delete(name)
+            except Exception:  # the cache is unreachable: the lease lapses on its own
+                logger.warning("task %s: could not give back its run lease", task.__name__, exc_info=True)
 
     return run
