@@ -74,8 +74,8 @@ def fuse(lists: dict[str, list[tuple[int, float]]], limit: int) -> list[tuple[in
     return sorted(fused.items(), key=lambda item: (-item[1], -item[0]))[:limit]
 
 
-def _load(tenant: Tenant, ranked: list[tuple[int, float]]) -> list[tuple[Memory, float]]:
-    rows = selectors.memories_by_ids(tenant=tenant, ids=[memory_id for memory_id, _ in ranked])
+def _load(tenant: Tenant, ranked: list[tuple[int, float]], head_chars: int | None = None) -> list[tuple[Memory, float]]:
+    rows = selectors.memories_by_ids(tenant=tenant, ids=[memory_id for memory_id, _ in ranked], head_chars=head_chars)
     return [(rows[memory_id], score) for memory_id, score in ranked if memory_id in rows]
 
 
@@ -86,16 +86,20 @@ def ranked_ids(*, tenant_id: int, prefixes: list[str] | None, query: str, limit:
     return fuse(_candidate_lists(tenant_id=tenant_id, prefixes=prefixes, query=query, limit=limit), limit)
 
 
-def search_ranked(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[Memory, float]]:
+def search_ranked(
+    *, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int, head_chars: int | None = None
+) -> list[tuple[Memory, float]]:
     """The tenant's live memories under ``prefixes`` that answer ``query``, best first.
     Ranked by the search tier when there is one (memories/search/tier.py), else here.
-    Cost: each ranker's (bounded: memories/search/lexical.py) plus one primary-key fetch."""
+    ``head_chars``: a long string value is loaded as its first characters only
+    (``selectors.memories_by_ids``). Cost: each ranker's (bounded: memories/search/lexical.py)
+    plus one primary-key fetch."""
     # A few spare: a vector cached for semantic search may belong to a memory trashed since.
     want = limit + SPARE
     ranked = tier.ranked(tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=want)
     if ranked is None:
         ranked = ranked_ids(tenant_id=tenant.pk, prefixes=prefixes, query=query, limit=want)
-    return _load(tenant, ranked)[:limit]
+    return _load(tenant, ranked, head_chars)[:limit]
 
 
 def _salience(importance: int, updated_at: datetime, now: datetime) -> float:
