@@ -109,13 +109,13 @@ def _salience(importance: int, updated_at: datetime, now: datetime) -> float:
     return importance / 10 + 0.5 / (1 + age_days / 7)
 
 
-def salient(*, tenant: Tenant, prefixes: list[str] | None, limit: int) -> list[Memory]:
+def salient(*, tenant: Tenant, prefixes: list[str] | None, limit: int, head_chars: int | None = None) -> list[Memory]:
     """The most important and most recent live memories under ``prefixes`` (bounded scans:
-    ``selectors.memories_salient_rows``), best first."""
+    ``selectors.memories_salient_rows``), best first. ``head_chars``: as :func:`search_ranked`'s."""
     now = timezone.now()
     rows = selectors.memories_salient_rows(tenant=tenant, prefixes=prefixes)
     rows.sort(key=lambda r: (-_salience(r[2], r[3], now), -r[0]))
-    return [m for m, _ in _load(tenant, [(r[0], 0.0) for r in rows[:limit]])]
+    return [m for m, _ in _load(tenant, [(r[0], 0.0) for r in rows[:limit]], head_chars)]
 
 
 def _terms(memory: Memory, chars: int | None) -> frozenset[str]:
@@ -149,11 +149,20 @@ def recall_pack(*, tenant: Tenant, prefixes: list[str] | None, query: str | None
     memory: the best matches of ``query``, or with no query the most important and most
     recent memories under the prefix. Near-duplicates are dropped (the newest kept); a line
     that does not fit is cut when at least ``CUT_MIN_CHARS`` remain, else skipped so that a
-    shorter one after it can still fill the budget."""
+    shorter one after it can still fill the budget.
+
+    Nothing past a value's first ``max_chars`` characters can show, nor is compared: a long
+    string value is loaded as its first ``max_chars`` + 1 only (``selectors.memories_by_ids``;
+    40 values of 243 KB were 18 MB of Python memory for a block of 500 characters)."""
     if query:
-        memories = [m for m, _ in search_ranked(tenant=tenant, prefixes=prefixes, query=query, limit=RECALL_POOL)]
+        memories = [
+            m
+            for m, _ in search_ranked(
+                tenant=tenant, prefixes=prefixes, query=query, limit=RECALL_POOL, head_chars=max_chars
+            )
+        ]
     else:
-        memories = salient(tenant=tenant, prefixes=prefixes, limit=RECALL_POOL)
+        memories = salient(tenant=tenant, prefixes=prefixes, limit=RECALL_POOL, head_chars=max_chars)
     lines: list[str] = []
     keys: list[str] = []
     used = 0
