@@ -275,8 +275,20 @@ class Memory(OpensSealedValues, models.Model):
             # list/clear by prefix: key LIKE 'p%' needs text_pattern_ops on PostgreSQL
             # (see migration 0002); this one serves equality and ordering.
             models.Index(fields=["tenant", "namespace", "key"], name="memory_tenant_namespace"),
-            models.Index(fields=["tenant", "subject"], name="memory_tenant_subject", condition=~Q(subject="")),
+            # A page of one subject or category in key order is one range of these (a subject
+            # or category sits in one stretch of the key order: walking the key index filtered
+            # read every memory before it). The subject's serves the forget requests too
+            # (trashed memories included); the plain category one, the dashboard's counts.
+            # Built CONCURRENTLY on PostgreSQL, migration 0041.
+            models.Index(
+                fields=["tenant", "subject", "key"], name="memory_tenant_subject_key", condition=~Q(subject="")
+            ),
             models.Index(fields=["tenant", "category"], name="memory_tenant_category"),
+            models.Index(
+                fields=["tenant", "category", "key"],
+                name="memory_live_category_key",
+                condition=Q(deleted_at__isnull=True),
+            ),
             # The TTL purge's tenant-less range (expires_at <= now, every tenant at once).
             models.Index(fields=["expires_at"], name="memory_expiring", condition=Q(expires_at__isnull=False)),
             # One tenant's expiring memories (the dashboard's "expiring within 24 h"): a range of

@@ -202,3 +202,67 @@ def test_a_cut_inside_a_long_run_of_flags_ends_where_the_copying_rule_ended_it(l
     assert ends == [_cluster_start_by_copy(text, end) for end in range(1, len(text))]
     run_start = 1 if lead == "a" else 0
     assert all((end - run_start) % 2 == 0 for end in ends if end > run_start + 1 and end < len(text) - 1)
+
+
+# --- what a cut search loads ------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_cut_search_of_long_values_loads_their_first_characters_not_the_whole_values(api):
+    # A tool search cut each result to max_chars, but loaded every ranked memory whole (the
+    # limit and 10 spares): with a tenant's cap of 256 KB, a search of limit 200 and
+    # max_chars 50 answered 30 KB and moved 54 MB out of PostgreSQL into the web process —
+    # 104 MB at its peak, 400 ms. A plain string value longer than max_chars now leaves the
+    # database as its first max_chars + 1 characters and its length; the answer is the same.
+    import time
+    import tracemalloc
+
+    from django.db import connection
+
+    from memories.models import Memory
+    from tests.factories import SYSTEM
+
+    api.tenant.value_max_bytes = 256 * 1024
+    api.tenant.save()
+    big = "needle " + "lorem ipsum dolor sit amet " * 9_000  # 243,007 characters
+    template = api.call("memory_write", key="doc:template", value=big)[1]
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'doc:d' || lpad(g::text, 3, '0'), {listed} FROM {Memory._meta.db_table},"
+            " generate_series(1, 80) g WHERE tenant_id = %s AND key = 'doc:template'",
+            [api.tenant.pk],
+        )
+    assert template["status"] == "ok"
+    # Beside them: a combining mark at the cut, a structured value, a sealed one, a short one.
+    api.call("memory_write", key="doc:accent", value="needle " + "e\u0301" * 40)
+    api.call("memory_write", key="doc:json", value={"needle": "x" * 300})
+    api.call("memory_write", key="doc:needle:secret", value="needle " + "s" * 300, sensitive=True)
+    api.call("memory_write", key="doc:short", value="needle")
+
+    call = {"name": "memory_search", "arguments": {"query": "needle", "limit": 200, "max_chars": 50}}
+    tracemalloc.start()
+    started = time.perf_counter()
+    answer = tools.tool_call(tenant=api.tenant, actor=SYSTEM, call=call).result
+    took = time.perf_counter() - started
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+
+    assert answer["status"] == "ok" and len(answer["results"]) == 85, len(answer["results"])
+    assert peak < 8 * 1024 * 1024, f"{peak / 2**20:.1f} MB at the peak ({took * 1000:.0f} ms)"
+    by_key = _by_key(answer)
+    for key, result in by_key.items():
+        read = api.call("memory_read", key=key, max_chars=50)[1]
+        expected = {k: read[k] for k in ("value", "truncated", "chars", "next_offset") if k in read}
+        if not read.get("truncated"):
+            expected = {"value": read["value"]}
+        assert {k: result[k] for k in expected} == expected, key
+        assert result.get("truncated", False) is read.get("truncated", False), key
+    assert by_key["doc:d001"]["chars"] == len(big) and by_key["doc:d001"]["value"] == big[:50]
+    assert by_key["doc:accent"]["value"].endswith("e\u0301") and by_key["doc:accent"]["next_offset"] == 49
+    assert by_key["doc:json"]["value"] == json.dumps({"needle": "x" * 300}, separators=(",", ":"))[:50]
+    assert by_key["doc:needle:secret"]["value"] == ("needle " + "s" * 300)[:50]
+    assert by_key["doc:short"] == {"key": "doc:short", "value": "needle", "score": by_key["doc:short"]["score"]}

@@ -366,6 +366,48 @@ def test_recall_cuts_a_line_that_does_not_fit_or_skips_it_for_a_shorter_one(api)
     assert lines[1].startswith("note:long: budget xx") and lines[1].endswith("…") and len(lines) == 2
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_recall_of_long_values_loads_what_its_block_can_show_not_the_whole_values(api):
+    # Recall packs at most max_chars (≤ 8,000) characters, but loaded its 30 candidates (and 10
+    # spares) whole: at a tenant cap of 256 KB, 40 values of 243 KB were 19 MB of Python
+    # memory at the peak for a block of 500 characters. A long string value now leaves the
+    # database as its first max_chars + 1 characters, as a cut search's do; the block is the same.
+    import tracemalloc
+
+    from memories import services
+    from tests.factories import SYSTEM
+
+    api.tenant.value_max_bytes = 256 * 1024
+    api.tenant.save()
+    big = "needle " + "lorem ipsum dolor sit amet " * 9_000
+    template = write(api.tenant, "doc:template", big, importance=1)
+    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key")]
+    listed = ", ".join(columns)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT 'doc:d' || lpad(g::text, 2, '0'), {listed} FROM {Memory._meta.db_table},"
+            " generate_series(1, 40) g WHERE id = %s",
+            [template.pk],
+        )
+    _write(api, "doc:top", "needle first, " + "e\u0301" * 30 + " and a long tail " + "z" * 200, 10)
+    _write(api, "doc:json", {"needle": "y" * 100}, 9)
+
+    for arguments in ({"query": "needle"}, {"prefix": "doc:"}):
+        tracemalloc.start()
+        packed = services.memory_recall(tenant=api.tenant, actor=SYSTEM, max_chars=500, **arguments)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 4 * 1024 * 1024, f"{peak / 2**20:.1f} MB at the peak"
+        lines = packed["text"].split("\n")
+        assert len(packed["text"]) == 500 and len(lines) >= 2
+        # Each line as it reads whole, cut to what is left (the last one with "…").
+        whole = {m.key: f"{m.key}: {text.compact(m.value)}" for m in Memory.objects.filter(key__in=packed["keys"])}
+        for key, line in zip(packed["keys"], lines, strict=True):
+            assert line == whole[key] or (line.endswith("…") and whole[key].startswith(line[:-1])), key
+
+
 def test_recall_schema_makes_query_optional():
     from memories.tools import TOOLS
 

@@ -717,6 +717,71 @@ def test_a_list_page_a_tag_leaves_empty_stops_at_the_deadline(api, settings):
     assert [m["key"] for m in response.json()["results"]] == ["bulk:k1", "bulk:k10", "bulk:k100"]
 
 
+# --- a page of one category or subject, whose memories sit at the end of the key order -------------
+
+
+def _seed_rows(tenant, n: int, key_sql: str, namespace_sql: str, category: str, subject: str) -> None:
+    """``n`` more live memories of ``tenant`` (one INSERT; ``g`` numbers them in the SQL)."""
+    from django.db import connection
+
+    from memories import services
+    from tests.factories import SYSTEM
+
+    template = services.memory_write(tenant=tenant, actor=SYSTEM, key="seed:template", value="v")
+    skip = ("id", "key", "namespace", "category", "subject")
+    listed = ", ".join(f.column for f in Memory._meta.local_concrete_fields if f.column not in skip)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Memory._meta.db_table} (key, namespace, category, subject, {listed}) "  # noqa: S608 (names from the model)
+            f"SELECT {key_sql}, {namespace_sql}, %s, %s, {listed}"
+            f" FROM {Memory._meta.db_table}, generate_series(1, %s) g WHERE id = %s",
+            [category, subject, n, template.memory.pk],
+        )
+
+
+@pytest.mark.postgres
+# Committed, then emptied by TRUNCATE (see the tag test above: dead tuples move estimates).
+@pytest.mark.django_db(transaction=True)
+def test_a_page_of_one_category_or_subject_reads_about_a_page_wherever_its_keys_sit(api):
+    # A category follows the key's first segment (user:… is "user"), a subject the end user
+    # of user:<id>:…: one that is 1% of a tenant sits in one stretch of the key order. The
+    # planner walked the (tenant, key) index filtering by category (or subject), expecting a
+    # page every 100 rows, and read every memory before that stretch: 99,052 rows and 56 ms
+    # for 50 keys at 100k memories, ~0.5 s at 1M, with no deadline and no tenant slot. Now
+    # an index on (tenant, category, key) and one on (tenant, subject, key): a page is one
+    # range of it in key order.
+    from django.db import connection
+
+    from memories import services
+    from tests.factories import SYSTEM
+
+    _seed_rows(api.tenant, 99_000, "'session:s' || lpad(g::text, 6, '0')", "'session'", "note", "")
+    _seed_rows(api.tenant, 1_000, "'user:zz:k' || lpad(g::text, 4, '0')", "'user:zz'", "user", "zz")
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {Memory._meta.db_table}")
+    expected = [f"user:zz:k{g:04d}" for g in range(1, 1001)]
+
+    for filters in ({"category": "user"}, {"subject": "zz"}, {"category": "user", "subject": "zz"}):
+        first = services.memory_list(tenant=api.tenant, actor=SYSTEM, limit=50, **filters)
+        second = services.memory_list(tenant=api.tenant, actor=SYSTEM, limit=50, cursor=first.next_cursor, **filters)
+        assert first.keys + second.keys == expected[:100], filters
+        last = services.memory_list(tenant=api.tenant, actor=SYSTEM, limit=3, order="desc", **filters)
+        assert last.keys == expected[::-1][:3]
+        under = services.memory_list(tenant=api.tenant, actor=SYSTEM, limit=2, prefix="user:zz:k05", **filters)
+        assert under.keys == ["user:zz:k0500", "user:zz:k0501"]
+        # Both: the planner may read the memories matching both and sort them (1,000 here, the
+        # subject's), never the tenant's 100k.
+        page = 50 + 1 if len(filters) == 1 else 1_000 + 50 + 1
+        assert _memory_rows_read(api.tenant, limit=50, **filters) <= page, filters
+        assert _memory_rows_read(api.tenant, limit=50, keys_only=False, **filters) <= 2 * page, filters
+        assert _memory_rows_read(api.tenant, limit=50, order="desc", **filters) <= page, filters
+    # Whole rows over REST: the same page.
+    response = api.get("/api/v1/memories", {"category": "user", "limit": "2"})
+    assert [m["key"] for m in response.json()["results"]] == expected[:2]
+    assert services.memory_list(tenant=api.tenant, actor=SYSTEM, category="fact").keys == []
+    assert services.memory_list(tenant=api.tenant, actor=SYSTEM, subject="zz", category="note").keys == []
+
+
 # --- booleans where integers go (True == 1 in Python) -------------------------------------------
 
 BOOLEAN_AS_INTEGER = [

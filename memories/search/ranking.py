@@ -74,8 +74,8 @@ def fuse(lists: dict[str, list[tuple[int, float]]], limit: int) -> list[tuple[in
     return sorted(fused.items(), key=lambda item: (-item[1], -item[0]))[:limit]
 
 
-def _load(tenant: Tenant, ranked: list[tuple[int, float]]) -> list[tuple[Memory, float]]:
-    rows = selectors.memories_by_ids(tenant=tenant, ids=[memory_id for memory_id, _ in ranked])
+def _load(tenant: Tenant, ranked: list[tuple[int, float]], head_chars: int | None = None) -> list[tuple[Memory, float]]:
+    rows = selectors.memories_by_ids(tenant=tenant, ids=[memory_id for memory_id, _ in ranked], head_chars=head_chars)
     return [(rows[memory_id], score) for memory_id, score in ranked if memory_id in rows]
 
 
@@ -86,11 +86,16 @@ def ranked_ids(*, tenant_id: int, prefixes: list[str] | None, query: str, limit:
     return fuse(_candidate_lists(tenant_id=tenant_id, prefixes=prefixes, query=query, limit=limit), limit)
 
 
-def search_ranked(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[Memory, float]]:
+def search_ranked(
+    *, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int, head_chars: int | None = None
+) -> list[tuple[Memory, float]]:
     """The tenant's live memories under ``prefixes`` that answer ``query``, best first.
     Ranked by the search tier when there is one (memories/search/tier.py), else here.
-    Cost: each ranker's (bounded: memories/search/lexical.py) plus one primary-key fetch."""
-    return _load(tenant, search_ranked_ids(tenant=tenant, prefixes=prefixes, query=query, limit=limit))[:limit]
+    ``head_chars``: a long string value is loaded as its first characters only
+    (``selectors.memories_by_ids``). Cost: each ranker's (bounded: memories/search/lexical.py)
+    plus one primary-key fetch."""
+    ranked = search_ranked_ids(tenant=tenant, prefixes=prefixes, query=query, limit=limit)
+    return _load(tenant, ranked, head_chars)[:limit]
 
 
 def search_ranked_ids(*, tenant: Tenant, prefixes: list[str] | None, query: str, limit: int) -> list[tuple[int, float]]:
@@ -112,13 +117,13 @@ def _salience(importance: int, updated_at: datetime, now: datetime) -> float:
     return importance / 10 + 0.5 / (1 + age_days / 7)
 
 
-def salient(*, tenant: Tenant, prefixes: list[str] | None, limit: int) -> list[Memory]:
+def salient(*, tenant: Tenant, prefixes: list[str] | None, limit: int, head_chars: int | None = None) -> list[Memory]:
     """The most important and most recent live memories under ``prefixes`` (bounded scans:
-    ``selectors.memories_salient_rows``), best first."""
+    ``selectors.memories_salient_rows``), best first. ``head_chars``: as :func:`search_ranked`'s."""
     now = timezone.now()
     rows = selectors.memories_salient_rows(tenant=tenant, prefixes=prefixes)
     rows.sort(key=lambda r: (-_salience(r[2], r[3], now), -r[0]))
-    return [m for m, _ in _load(tenant, [(r[0], 0.0) for r in rows[:limit]])]
+    return [m for m, _ in _load(tenant, [(r[0], 0.0) for r in rows[:limit]], head_chars)]
 
 
 def _terms(memory: Memory, chars: int | None) -> frozenset[str]:
@@ -152,11 +157,20 @@ def recall_pack(*, tenant: Tenant, prefixes: list[str] | None, query: str | None
     memory: the best matches of ``query``, or with no query the most important and most
     recent memories under the prefix. Near-duplicates are dropped (the newest kept); a line
     that does not fit is cut when at least ``CUT_MIN_CHARS`` remain, else skipped so that a
-    shorter one after it can still fill the budget."""
+    shorter one after it can still fill the budget.
+
+    Nothing past a value's first ``max_chars`` characters can show, nor is compared: a long
+    string value is loaded as its first ``max_chars`` + 1 only (``selectors.memories_by_ids``;
+    40 values of 243 KB were 18 MB of Python memory for a block of 500 characters)."""
     if query:
-        memories = [m for m, _ in search_ranked(tenant=tenant, prefixes=prefixes, query=query, limit=RECALL_POOL)]
+        memories = [
+            m
+            for m, _ in search_ranked(
+                tenant=tenant, prefixes=prefixes, query=query, limit=RECALL_POOL, head_chars=max_chars
+            )
+        ]
     else:
-        memories = salient(tenant=tenant, prefixes=prefixes, limit=RECALL_POOL)
+        memories = salient(tenant=tenant, prefixes=prefixes, limit=RECALL_POOL, head_chars=max_chars)
     lines: list[str] = []
     keys: list[str] = []
     used = 0

@@ -572,14 +572,62 @@ def memory_history(*, memory: Memory) -> QuerySet[MemoryVersion]:
     return MemoryVersion.objects.filter(tenant_id=memory.tenant_id, memory=memory).order_by("-version")
 
 
-def memories_by_ids(*, tenant: Tenant, ids: list[int]) -> dict[int, Memory]:
+# A search that answers at most ``head_chars`` characters of each value (the tools' max_chars):
+# the live_by_ids statement with a plain string value longer than that cut by the database to
+# its first head_chars + 1 characters (the cut looks at the character after it: see
+# memories.services.memories._value_slice), and its whole length as one more column (NULL for
+# a value that comes whole: a shorter string, other JSON, a sealed one). The value's text is
+# extracted once (the lateral subquery), not once per use.
+_HEAD_SQL = """SELECT {columns}, CASE WHEN h.n > %s THEN h.n END
+FROM ({planned}) r CROSS JOIN LATERAL (
+    SELECT t, length(t) AS n FROM (
+        SELECT CASE WHEN NOT r.sensitive AND jsonb_typeof(r.value) = 'string' THEN r.value #>> '{{}}' END AS t
+        OFFSET 0
+    ) s OFFSET 0
+) h"""
+
+
+@functools.cache
+def _head_sql(vendor: str) -> str:
+    plan = _plan("live_by_ids", vendor)
+    quote = connection.ops.quote_name
+    columns = ", ".join(
+        "CASE WHEN h.n > %s THEN to_jsonb(left(h.t, %s)) ELSE r.value END"
+        if attname == "value"
+        else f"r.{quote(column.target.column)}"
+        for column, attname in zip(plan.columns, plan.attnames, strict=True)
+    )
+    return _HEAD_SQL.format(columns=columns, planned=plan.sql)
+
+
+def memories_by_ids(*, tenant: Tenant, ids: list[int], head_chars: int | None = None) -> dict[int, Memory]:
     """Live memories by primary key (one IN lookup), as {id: memory}.
 
     Every search loads its ranked memories here: on PostgreSQL the statement is compiled
     once per process (:func:`_plan`, the ids one array parameter) and the rows built as the
-    ORM builds them — compiling the queryset was about a third of this call's CPU."""
+    ORM builds them — compiling the queryset was about a third of this call's CPU.
+
+    ``head_chars`` (PostgreSQL; a search cut to that many characters a value): a plain string
+    value longer than that comes as its first ``head_chars + 1`` characters only, and the
+    memory's ``value_text_chars`` is its whole length (None on every other memory: its value
+    is whole). A search of 200 values of 256 KB moved 54 MB into the process for 30 KB of
+    answer."""
     if not ids:
         return {}
+    if connection.vendor == "postgresql" and head_chars is not None:
+        plan = _plan("live_by_ids", connection.vendor)
+        values = {"tenant": tenant.pk, "now": timezone.now(), "ids": list(ids)}
+        params = [head_chars, head_chars + 1, head_chars, *(values[name] for name in plan.order)]
+        loaded = hotsql.fetchall(_head_sql(connection.vendor), params)
+        rows = [_converted(plan, row[:-1]) for row in loaded]
+        at = plan.attnames.index("value")
+        keyring.preload(int(row[at]["k"]) for row in rows if isinstance(row[at], Unopened))
+        found = {}
+        for row, extra in zip(rows, loaded, strict=True):
+            memory = Memory.from_db(connection.alias, plan.attnames, row)
+            memory.value_text_chars = extra[-1]
+            found[memory.pk] = memory
+        return found
     if connection.vendor != "postgresql":
         live = memories_live(tenant=tenant).filter(pk__in=ids)
         # The same one query for the data keys as below: their ids first (the envelope's "k",

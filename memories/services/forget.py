@@ -694,7 +694,7 @@ def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
     # No live() filter: trashed and expired rows hold the same data until purged.
     qs = Memory.objects.filter(tenant_id=request.tenant_id)
     if request.subject:
-        return qs.filter(subject=request.subject)  # memory_tenant_subject index
+        return qs.filter(subject=request.subject)  # memory_tenant_subject_key index
     if "subject" in request.reach:
         # An end user's request (the portal's "forget this one") reaches their own memories
         # only: a key the app wrote for someone else after the request was filed is theirs.

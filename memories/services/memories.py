@@ -672,6 +672,10 @@ def memory_list(
 
 @dataclass(frozen=True)
 class SearchHit:
+    """A ranked memory. With ``cut`` (a search with max_chars, of a value longer than that),
+    ``memory.value`` may hold only the value's first characters (PostgreSQL loads a long
+    string no further than the cut looks): answer ``cut``, never that value."""
+
     memory: Memory
     score: float
     cut: ValueSlice | None = None  # a search with max_chars, of a value longer than that
@@ -696,18 +700,25 @@ def memory_search(
         if max_chars is not None:
             max_chars = validation.read_max_chars(max_chars)
         with search_budget(tenant.pk):
+            # A long string value leaves the database as the characters the cut can show.
             results = search.search_ranked(
-                tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit
+                tenant=tenant, prefixes=actor.prefix_filters(prefix), query=query, limit=limit, head_chars=max_chars
             )
         op.record(target=prefix, count=len(results))
-        return [SearchHit(memory, score, _search_cut(memory.value, max_chars)) for memory, score in results]
+        return [SearchHit(memory, score, _search_cut(memory, max_chars)) for memory, score in results]
 
 
-def _search_cut(value: Any, max_chars: int | None) -> ValueSlice | None:
+def _search_cut(memory: Memory, max_chars: int | None) -> ValueSlice | None:
     # An erased value ({"erased": true}) says what happened to it: never cut into a fragment.
-    if max_chars is None or isinstance(value, ErasedValue):
+    if max_chars is None or isinstance(memory.value, ErasedValue):
         return None
-    return _value_slice(value, max_chars=max_chars, offset=0)
+    chars = getattr(memory, "value_text_chars", None)
+    if chars is not None:
+        # Only its first max_chars + 1 characters were loaded (chars > max_chars): cut as
+        # _value_slice cuts the whole text, which looks no further than that.
+        end = _cluster_start(memory.value, max_chars, low=0)
+        return ValueSlice(text=memory.value[:end], chars=chars, next_offset=end)
+    return _value_slice(memory.value, max_chars=max_chars, offset=0)
 
 
 def memory_recall(*, tenant: Tenant, actor: Actor, query: Any = None, prefix: Any = "", max_chars: Any = None) -> dict:
