@@ -28,6 +28,9 @@ FILTER_PARAMS = [
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
+    # The event's uid: its row id comes from a sequence every tenant shares (README "Audit").
+    id = serializers.UUIDField(source="uid", read_only=True)
+
     class Meta:
         model = AuditEvent
         fields = [*REVIEW_FIELDS, "seal"]

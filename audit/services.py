@@ -1202,10 +1202,10 @@ def audit_event_list(
             if row.seal is None:
                 row.seal = numbers.get(row.pk)  # shown, never saved (events are append-only)
         if len(rows) > limit:
-            next_cursor = validation.encode_cursor(str(rows[limit - 1].pk))
+            next_cursor = validation.encode_id_cursor(rows[limit - 1].pk)
         else:  # the window read, older events remain: the next page reads below it
             floor = bounds.floor
-            next_cursor = validation.encode_cursor(str(floor)) if floor is not None else None
+            next_cursor = validation.encode_id_cursor(floor) if floor is not None else None
         rows = rows[:limit]
         op.record(
             subject=filters.subject or "", actor_filter=filters.actor or "", count=len(rows), detail=filters.as_detail()

@@ -12,7 +12,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from zeromem.kernel import crypto
+from zeromem.kernel import crypto, opaque
 from zeromem.kernel.keyprefix import startswith_q
 from zeromem.kernel.scopes import Role
 
@@ -215,6 +215,9 @@ class MemoryManager(models.Manager.from_queryset(MemoryQuerySet)):
         return super().get_queryset().defer("search_tsv")
 
 
+ETAG_PURPOSE = "memory-etag"
+
+
 class Memory(OpensSealedValues, models.Model):
     class Category(models.TextChoices):
         USER = "user"
@@ -335,8 +338,9 @@ class Memory(OpensSealedValues, models.Model):
 
     @property
     def etag(self) -> str:
-        # Row id as well as version: a key deleted and written again restarts at version 1.
-        return f'"{self.pk}-{self.version}"'
+        # The row as well as the version (a key deleted and written again restarts at version
+        # 1), the row as an opaque token: its id comes from a sequence every tenant shares.
+        return f'"{opaque.seal_id(self.pk, purpose=ETAG_PURPOSE)}-{self.version}"'
 
 
 class AccessCountFold(models.Model):

@@ -10,9 +10,10 @@ from rest_framework.response import Response
 
 from memories import services, tools
 from memories.api import serializers as s
+from memories.models import ETAG_PURPOSE
 from memories.portal.services import portal_link_create, portal_links_revoke
 from memories.services.claude_memory import MemoryToolError, memory_tool_run
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kit import metrics
 from zeromem.kit.api import (
@@ -138,14 +139,15 @@ def _called_tool(call):
 
 # --- memories as resources ------------------------------------------------------------
 
-_ETAG_RE = re.compile(r'^(?:W/)?"([0-9]{1,19})-([0-9]{1,10})"$')
+_ETAG_RE = re.compile(rf'^(?:W/)?"({opaque.TOKEN_PATTERN})-([0-9]{{1,10}})"$')
 # An If-Match list longer than this is refused (each ETag is one more OR'ed condition).
 IF_MATCH_MAX_ETAGS = 20
 
 
 def _if_match(request) -> tuple[int, int] | frozenset | str | None:
-    """(memory id, version) from an ETag we issued; "*" (any current version) as is; a list
-    (``"1-3", "1-4"``, RFC 9110: the current ETag is any of them) as a frozenset of pairs."""
+    """(memory id, version) from an ETag we issued (``"<row token>-<version>"``, the row's id
+    opened from its token); "*" (any current version) as is; a list (``"t-3", "t-4"``, RFC
+    9110: the current ETag is any of them) as a frozenset of pairs."""
     header = request.headers.get("If-Match")
     if header is None:
         return None
@@ -157,8 +159,9 @@ def _if_match(request) -> tuple[int, int] | frozenset | str | None:
     pairs = set()
     for member in members:
         match = _ETAG_RE.match(member)
-        if match:  # an ETag we never issued cannot match the current one
-            pairs.add((int(match.group(1)), int(match.group(2))))
+        pk = opaque.open_id(match.group(1), purpose=ETAG_PURPOSE) if match else None
+        if pk is not None:  # an ETag we never issued cannot match the current one
+            pairs.add((pk, int(match.group(2))))
     if len(pairs) > 1:
         return frozenset(pairs)
     return pairs.pop() if pairs else (0, 0)

@@ -381,7 +381,7 @@ def forget_request_list(
             late = ~Q(status=Status.COMPLETED) & Q(due_at__lte=timezone.now())
             qs = qs.filter(late if overdue else ~late)
         rows = list(qs[: limit + 1])
-        next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
+        next_cursor = validation.encode_id_cursor(rows[limit - 1].pk) if len(rows) > limit else None
         rows = rows[:limit]
         op.record(count=len(rows))
         return rows, next_cursor
