@@ -106,3 +106,129 @@ def test_opaque_tokens_open_only_for_their_purpose_and_refuse_forgeries():
     assert opaque.seal_id(12346, purpose="p")[:8] != token[:8]
     with pytest.raises(InvalidInput):
         validation.decode_id_cursor(validation.encode_cursor("12345"))
+
+
+# --- jobs and forget requests ------------------------------------------------------------------
+
+
+def _forget(client, key):
+    r = client.post("/api/v1/forget-requests", {"keys": [key]})
+    assert r.status_code == 202, r.content
+    return r
+
+
+def test_a_summary_job_is_shown_by_its_uid_everywhere_a_tenant_sees_it(api, api_b, tenant_a, make_client):
+    from memories.models import Job
+
+    api.call("memory_write", key="session:s1:a", value="one")
+    _status, first = api.call("memory_summarize", prefix="session:s1:")
+    api_b.call("memory_write", key="session:b:a", value="b")
+    for _ in range(3):
+        api_b.call("memory_summarize", prefix="session:b:")
+    r = api.post("/api/v1/summaries", {"prefix": "session:s1:"})
+    assert r.status_code == 202, r.content
+    job = Job.objects.get(uid=r.json()["job_id"])  # the id shown is the job's uid
+    assert job.tenant_id == tenant_a.pk and job.pk - Job.objects.get(uid=first["job_id"]).pk == 4
+    assert r["Location"] == f"/api/v1/jobs/{job.uid}" and not _carries(r["Location"], job.pk)
+    shown = api.get(r["Location"])
+    assert shown.status_code == 200 and shown.json()["id"] == str(job.uid)
+    # The job's id in the tenant's own audit log is the uid too.
+    auditor, _ = make_client(tenant_a, scopes=["audit:read"])
+    started = auditor.get(EVENTS, {"action": "memory.summarize", "limit": 1}).json()["results"][0]
+    assert started["detail"]["job_id"] == str(job.uid)
+    # The old numeric URL answers 404, for the owner too; so does another tenant's uid.
+    assert api.get(f"/api/v1/jobs/{job.pk}").status_code == 404
+    assert api_b.get(f"/api/v1/jobs/{job.uid}").status_code == 404
+
+
+def test_a_forget_request_is_shown_by_its_uid_and_its_old_numeric_url_is_404(api, api_b, tenant_a):
+    from memories.models import ForgetRequest
+
+    api.call("memory_write", key="a:one", value="1")
+    api.call("memory_write", key="a:two", value="2")
+    first = _forget(api, "a:one").json()
+    for i in range(3):
+        api_b.call("memory_write", key=f"b:{i}", value="x")
+        _forget(api_b, f"b:{i}")
+    r = _forget(api, "a:two")
+    request = ForgetRequest.objects.get(uid=r.json()["id"])
+    assert request.tenant_id == tenant_a.pk
+    assert request.pk - ForgetRequest.objects.get(uid=first["id"]).pk == 4  # B's three moved the sequence
+    assert r["Location"] == f"/api/v1/forget-requests/{request.uid}"
+    assert api.get(r["Location"]).json()["id"] == str(request.uid)
+    assert api.get(f"/api/v1/forget-requests/{request.pk}").status_code == 404
+    assert api_b.get(r["Location"]).status_code == 404
+    listed = api.get("/api/v1/forget-requests", {"limit": 1}).json()
+    assert [e["id"] for e in listed["results"]] == [str(request.uid)]
+    assert listed["next_cursor"] and not _carries(listed["next_cursor"], request.pk)
+    older = api.get("/api/v1/forget-requests", {"limit": 1, "cursor": listed["next_cursor"]}).json()
+    assert [e["id"] for e in older["results"]] == [first["id"]]
+
+
+def test_the_portal_shows_an_end_user_no_row_id(api, api_b, tenant_a, django_capture_on_commit_callbacks):
+    from django.test import Client
+
+    from memories.models import ForgetRequest
+    from memories.portal.models import PortalLink
+    from tests.test_portal import csrf, issue, open_portal
+
+    api.call("memory_write", key="user:u1:lang", value="fr")
+    client = open_portal(issue(api)["url"], Client(enforce_csrf_checks=True))
+    link = PortalLink.objects.filter(tenant=tenant_a).latest("pk")
+    assert not _carries(client.cookies["zm_portal"].value.split(":")[0], link.pk)
+    with django_capture_on_commit_callbacks(execute=True):
+        r = client.post("/portal/forget", {"csrfmiddlewaretoken": csrf(client), "what": "one", "key": "user:u1:lang"})
+    request = ForgetRequest.objects.filter(tenant=tenant_a).latest("pk")
+    assert r.status_code == 302 and r["Location"] == f"/portal/requests/{request.uid}"
+    page = client.get(r["Location"]).content.decode()
+    assert f"Request reference {request.uid}" in page and f"Request reference {request.pk}" not in page
+    home = client.get("/portal/").content.decode()
+    assert f"/portal/requests/{request.uid}" in home and f"/portal/requests/{request.pk}" not in home
+    assert client.get(f"/portal/requests/{request.pk}").status_code == 404
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_gives_every_existing_job_and_forget_request_its_own_uid(monkeypatch):
+    """Migration 0040 on rows written before it (in batches smaller than the rows here): each
+    gets a uid of its own, the unique indexes are built, and the app finds them by it."""
+    import importlib
+
+    from django.core.management import call_command
+    from django.db import connection
+
+    from memories.models import ForgetRequest, Job
+    from tests.factories import SYSTEM, make_tenant
+
+    migration = importlib.import_module("memories.migrations.0040_job_forgetrequest_uid")
+    monkeypatch.setattr(migration, "BATCH", 3)
+    tenant = make_tenant("before-uids")
+    from memories import services
+
+    jobs = [services.summarize_start(tenant=tenant, actor=SYSTEM, prefix=f"session:s{i}:").pk for i in range(7)]
+    requests = [services.forget_request_create(tenant=tenant, actor=SYSTEM, subject=f"u{i}").pk for i in range(4)]
+    try:
+        call_command("migrate", "memories", "0039", verbosity=0)
+        with connection.cursor() as cursor:
+            columns = {c.name for c in connection.introspection.get_table_description(cursor, "memories_job")}
+        assert "uid" not in columns
+        call_command("migrate", "memories", "0040", verbosity=0)
+    finally:
+        call_command("migrate", verbosity=0)
+    job_uids = list(Job.objects.filter(pk__in=jobs).values_list("uid", flat=True))
+    request_uids = list(ForgetRequest.objects.filter(pk__in=requests).values_list("uid", flat=True))
+    assert None not in job_uids and len(set(job_uids)) == 7
+    assert None not in request_uids and len(set(request_uids)) == 4
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(cursor, "memories_job")
+    assert constraints["job_uid"]["unique"] and constraints["job_uid"]["columns"] == ["uid"]
+    # A row the code before the migration would write (no uid given) gets one from the column
+    # default on PostgreSQL, meanwhile.
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO memories_job (tenant_id, kind, status, params, result, error, attempts, requested_by,"
+                " created_at) VALUES (%s, 'summarize', 'succeeded', '{}', '{}', '', 0, '', now()) RETURNING id, uid",
+                [tenant.pk],
+            )
+            _pk, uid = cursor.fetchone()
+        assert uid is not None

@@ -242,7 +242,7 @@ class ToolResultSerializer(serializers.Serializer):
     results = ToolSearchHitSerializer(many=True, required=False)
     text = serializers.CharField(required=False)
     count = serializers.IntegerField(required=False)
-    job_id = serializers.IntegerField(required=False)
+    job_id = serializers.UUIDField(required=False)
     error = ErrorDetailSerializer(required=False)
 
 
@@ -280,7 +280,7 @@ class SummaryStartSerializer(serializers.Serializer):
 
 
 class JobStartedSerializer(serializers.Serializer):
-    job_id = serializers.IntegerField()
+    job_id = serializers.UUIDField(help_text="follow it at /api/v1/jobs/{job_id}")
     status = serializers.ChoiceField(choices=Job.Status.choices)
 
 
@@ -289,6 +289,8 @@ class JobSerializer(serializers.ModelSerializer):
     and what it did (result). Keys, prefixes and counts only, never memory values.
     ``started_at`` is when the latest attempt began."""
 
+    # The job's uid: its row id comes from a sequence every tenant shares.
+    id = serializers.UUIDField(source="uid", read_only=True)
     params = serializers.DictField()
     result = serializers.DictField()
 
@@ -384,7 +386,8 @@ class ForgetReceiptSerializer(serializers.Serializer):
 
 
 class ForgetRequestOutSerializer(serializers.Serializer):
-    id = serializers.IntegerField()
+    # The request's uid: its row id comes from a sequence every tenant shares.
+    id = serializers.UUIDField(source="uid")
     status = serializers.ChoiceField(choices=ForgetRequest.Status.choices)
     target = serializers.SerializerMethodField()
     reason = serializers.CharField()

@@ -357,7 +357,7 @@ def _validated(serializer_class, data) -> dict:
 
 JOB_ID_PARAM = OpenApiParameter(
     "job_id",
-    {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+    {"type": "string", "format": "uuid"},
     OpenApiParameter.PATH,
     required=True,
     description="the job_id a start endpoint returned",
@@ -384,9 +384,9 @@ class SummaryStartView(AuditedAPIView):
             tenant=self.tenant, actor=self.actor, prefix=data["prefix"], archive=data.get("archive", False)
         )
         return Response(
-            {"job_id": job.pk, "status": job.status},
+            {"job_id": str(job.uid), "status": job.status},
             status=status.HTTP_202_ACCEPTED,
-            headers={"Location": reverse("jobs-detail", kwargs={"job_id": job.pk})},
+            headers={"Location": reverse("jobs-detail", kwargs={"job_id": job.uid})},
         )
 
 
@@ -417,7 +417,7 @@ class JobDetailView(AuditedAPIView):
 
 FORGET_REQUEST_ID_PARAM = OpenApiParameter(
     "request_id",
-    {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+    {"type": "string", "format": "uuid"},
     OpenApiParameter.PATH,
     required=True,
     description="the id POST /api/v1/forget-requests returned",
@@ -457,7 +457,7 @@ class ForgetRequestListView(AuditedAPIView):
         return Response(
             s.ForgetRequestOutSerializer(forget_request, context={"actor": self.actor}).data,
             status=status.HTTP_202_ACCEPTED,
-            headers={"Location": reverse("forget-requests-detail", kwargs={"request_id": forget_request.pk})},
+            headers={"Location": reverse("forget-requests-detail", kwargs={"request_id": forget_request.uid})},
         )
 
     @extend_schema(

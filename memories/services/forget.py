@@ -153,7 +153,7 @@ def forget_request_create(
             if same is not None:
                 op.record(
                     subject=end_user_subject or target.get("subject", ""),
-                    detail={"forget_request": same.pk, "by": _target_kind(same), "pending": True},
+                    detail={"forget_request": str(same.uid), "by": _target_kind(same), "pending": True},
                 )
                 return same
         if actor.kind == ActorKind.END_USER:
@@ -190,7 +190,7 @@ def forget_request_create(
         )
         op.record(
             count=len(target.get("keys", ())) or None,
-            detail={"forget_request": request.pk, "by": _target_kind(request), "due_in_days": days},
+            detail={"forget_request": str(request.uid), "by": _target_kind(request), "due_in_days": days},
         )
         idempotency_holds_no_values(idempotency_claim, tenant=tenant)
         # robust: the request is already committed; if the broker is down, the resume
@@ -297,12 +297,15 @@ def _visible(*, tenant: Tenant, actor: Actor) -> QuerySet[ForgetRequest]:
 
 
 def forget_request_get(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest:
-    """One request by id; :class:`NotFound` otherwise — also for another tenant's id
-    (indistinguishable from a missing one). Cost: one primary-key SELECT and the audit INSERT."""
+    """One request by its uid (the id the API shows; the row id comes from a sequence every
+    tenant shares); :class:`NotFound` otherwise — also for another tenant's uid and for an old
+    numeric id (indistinguishable from a missing one). Cost: one SELECT by the unique
+    ``forget_uid`` index and the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         require_scope(actor, Scope.FORGET_CREATE)
-        pk = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
-        return _one_request(op, _visible(tenant=tenant, actor=actor), pk)
+        uid = validation.public_uid(request_id)
+        request = _visible(tenant=tenant, actor=actor).filter(uid=uid).first() if uid is not None else None
+        return _recorded(op, request, str(uid) if uid is not None else None)
 
 
 def forget_request_view(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest:
@@ -311,14 +314,15 @@ def forget_request_view(*, tenant: Tenant, actor: Actor, request_id: Any) -> For
     :func:`forget_request_get` records it; :class:`NotFound` for another tenant's or none."""
     with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         pk = validation.ascii_int(request_id) if isinstance(request_id, str) else request_id
-        return _one_request(op, ForgetRequest.objects.filter(tenant=tenant), pk)
+        valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= PK_MAX
+        request = ForgetRequest.objects.filter(tenant=tenant, pk=pk).first() if valid else None
+        return _recorded(op, request, str(request.uid) if request is not None else (pk if valid else None))
 
 
-def _one_request(op, requests, pk) -> ForgetRequest:
-    """The request ``pk`` among ``requests``, recorded on ``op``; NotFound (recorded) if none."""
-    valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= PK_MAX
-    request = requests.filter(pk=pk).first() if valid else None
-    detail = {"forget_request": pk if valid else None}
+def _recorded(op, request: ForgetRequest | None, shown: str | None) -> ForgetRequest:
+    """``request`` recorded on ``op`` (its uid in ``detail``: the audit log is shown to the
+    tenant); NotFound (recorded) if none."""
+    detail = {"forget_request": shown}
     if request is None:
         op.record(outcome=Outcome.NOT_FOUND, detail=detail)
         raise NotFound("no such forget request", field="request_id")
@@ -555,7 +559,7 @@ def _shred(request_id: int) -> int:
             action="datakey.destroy",
             outcome=Outcome.OK,
             count=destroyed,
-            detail={"forget_request": request_id, "data_keys_destroyed": destroyed},
+            detail={"forget_request": str(request.uid), "data_keys_destroyed": destroyed},
         )
         return destroyed
 
@@ -581,7 +585,7 @@ def _redact_jobs(request: ForgetRequest) -> int:
         hit = lambda prefix: prefix in namespaces  # noqa: E731
     statuses = Job.FINISHED if request.keys else (*Job.FINISHED, *Job.PENDING)
     jobs = Job.objects.filter(tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=statuses).only(
-        "pk", "params", "result", "status"
+        "pk", "uid", "params", "result", "status"
     )
     named = [job for job in jobs.iterator() if isinstance(job.params.get("prefix"), str) and hit(job.params["prefix"])]
     cancelled = []
@@ -595,10 +599,10 @@ def _redact_jobs(request: ForgetRequest) -> int:
                 params=params,
                 result=result,
                 status=Job.Status.CANCELLED,
-                error=f"cancelled: its namespace was forgotten (forget request {request.pk})",
+                error=f"cancelled: its namespace was forgotten (forget request {request.uid})",
                 finished_at=timezone.now(),
             ):
-                cancelled.append(job.pk)
+                cancelled.append(str(job.uid))
             else:
                 redacted.update(params=params, result=result)
         if cancelled:
@@ -610,7 +614,7 @@ def _redact_jobs(request: ForgetRequest) -> int:
                 count=len(cancelled),
                 detail={
                     "reason": "forgotten",
-                    "forget_request": request.pk,
+                    "forget_request": str(request.uid),
                     "job_ids": cancelled[:CANCEL_EVENT_MAX_IDS],
                 },
             )
@@ -661,7 +665,7 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
                 actor=actor,
                 action="forget.fail",
                 outcome=Outcome.OK,
-                detail={"forget_request": request_id, "attempts": attempts - 1},
+                detail={"forget_request": str(request.uid), "attempts": attempts - 1},
             )
         else:
             receipt = {**request.receipt, "started_at": request.receipt.get("started_at") or _iso(now)}
@@ -681,7 +685,7 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
                 actor=actor,
                 action="forget.start",
                 outcome=Outcome.OK,
-                detail={"forget_request": request_id, "attempt": attempts},
+                detail={"forget_request": str(request.uid), "attempt": attempts},
             )
         request.refresh_from_db()
         return request
@@ -809,7 +813,7 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
             action="forget.erase",
             outcome=Outcome.OK,
             count=len(ids) + versions_left,
-            detail={"forget_request": request_id, **counts, "summaries_rebuilt": len(rebuilt)},
+            detail={"forget_request": str(request.uid), **counts, "summaries_rebuilt": len(rebuilt)},
         )
         return True
 
@@ -1048,7 +1052,7 @@ def _complete(request_id: int) -> dict | None:
             action="forget.complete",
             outcome=Outcome.OK,
             count=receipt["memories"] + receipt["summaries"],
-            detail={"forget_request": request_id, **{name: receipt[name] for name in RECEIPT_COUNTS}},
+            detail={"forget_request": str(request.uid), **{name: receipt[name] for name in RECEIPT_COUNTS}},
         )
         request.refresh_from_db()
         return _result(request)
@@ -1094,22 +1098,22 @@ def forget_requests_resume() -> int:
             ForgetRequest.objects.filter(status__in=PENDING, progress_at__lt=cutoff)
             .select_for_update(skip_locked=True)
             .order_by("progress_at")
-            .values_list("pk", "tenant_id")[:RESUME_MAX]
+            .values_list("pk", "tenant_id", "uid")[:RESUME_MAX]
         )
         if not stale:
             return 0
         now = timezone.now()
         # Moving progress_at on means the next run of this schedule waits a full retry
         # interval before enqueueing the same request again.
-        ForgetRequest.objects.filter(pk__in=[pk for pk, _ in stale]).update(progress_at=now)
+        ForgetRequest.objects.filter(pk__in=[pk for pk, _, _ in stale]).update(progress_at=now)
         actor = Actor.system(job=FORGET_JOB)
-        for pk, tenant_id in stale:
+        for pk, tenant_id, uid in stale:
             audit_record(
                 tenant=Tenant(pk=tenant_id),
                 actor=actor,
                 action="forget.resume",
                 outcome=Outcome.OK,
-                detail={"forget_request": pk},
+                detail={"forget_request": str(uid)},
             )
             transaction.on_commit(partial(_enqueue, pk), robust=True)
     return len(stale)

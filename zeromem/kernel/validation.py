@@ -13,6 +13,7 @@ import base64
 import json
 import re
 import unicodedata
+import uuid
 from datetime import timedelta
 
 from zeromem.kernel import opaque
@@ -577,6 +578,19 @@ def decode_version_cursor(raw, *, field: str = "cursor") -> int | None:
     if number is None or not 1 <= number <= 2**63 - 1 or text != str(number):
         raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor")
     return number
+
+
+def public_uid(raw) -> uuid.UUID | None:
+    """The uid a job or forget request is shown by (``job_id``, ``/forget-requests/{id}``), or
+    None for anything else — an old numeric id among them: the caller answers not found."""
+    if isinstance(raw, uuid.UUID):
+        return raw
+    if not isinstance(raw, str) or len(raw) != 36:
+        return None
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        return None
 
 
 def encode_id_cursor(pk: int) -> str:
