@@ -26,6 +26,7 @@ from audit.models import REVIEW_FIELDS
 from audit.seals import seal_numbers
 from audit.selectors import AuditFilters, few_by_index, list_page_bounds
 from audit.services import audit_export_start
+from zeromem.kernel import opaque
 from zeromem.kernel.actors import Actor, require_still_held
 from zeromem.kernel.replica import REPLICA, replica_configured, replica_reads
 
@@ -56,6 +57,7 @@ def _plain(row: dict) -> dict:
     # "id" is the event's uid: its row id comes from a sequence every tenant shares.
     out = dict(row)
     out["id"] = str(out.pop("uid"))
+    out["actor_id"] = opaque.shown_actor_id(row["actor_kind"], row["actor_id"])
     out["occurred_at"] = row["occurred_at"].astimezone(UTC).isoformat().replace("+00:00", "Z")
     return out
 

@@ -11,7 +11,7 @@ from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from audit.models import AuditEvent, AuditSeal
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.keyprefix import EXACT, startswith_q
 
@@ -132,7 +132,8 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
     if f.until:
         qs = qs.filter(occurred_at__lt=f.until)
     if f.actor:
-        qs = qs.filter(Q(actor_id=f.actor) | Q(actor_label=f.actor))
+        # An API key's id is shown as a token (zeromem/kernel/opaque.py): the filter takes it.
+        qs = qs.filter(Q(actor_id=opaque.stored_actor_id(f.actor) or f.actor) | Q(actor_label=f.actor))
     if f.actor_kind:
         qs = qs.filter(actor_kind=f.actor_kind)
     if f.action:

@@ -9,7 +9,7 @@ from rest_framework import serializers
 
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget as forget_rules
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kit.api import NO_CONTROL_CHARS, ErrorDetailSerializer
 
 # The rules of zeromem/kernel/validation.py as OpenAPI patterns (ECMA-262, with \p{L}, \p{N}, \p{M}).
@@ -167,9 +167,15 @@ class MemoryPatchSerializer(_MemoryFieldsIn):
 
 
 class MemoryVersionSerializer(serializers.ModelSerializer):
+    # An API key's id as a token, not its row id (zeromem/kernel/opaque.py).
+    actor_id = serializers.SerializerMethodField()
+
     class Meta:
         model = MemoryVersion
         fields = ["version", "op", "value", "actor_kind", "actor_id", "created_at"]
+
+    def get_actor_id(self, obj) -> str:
+        return opaque.shown_actor_id(obj.actor_kind, obj.actor_id)
 
 
 class HistorySerializer(serializers.Serializer):

@@ -3,7 +3,8 @@
 Row ids come from sequences shared by every tenant: a tenant that saw them (in an ETag, a
 cursor) could watch the sequence grow and gauge the others' activity. What a tenant sees
 instead is the id enciphered under a key derived from ``SECRET_KEY`` — one AES block, the
-id and eight zero bytes, as 22 URL-safe base64 characters: the same row always gives the
+id and eight zero bytes, as 32 lowercase hex digits (no character a spreadsheet reads as a
+formula's start, none a URL escapes): the same row always gives the
 same token, tokens of consecutive ids share nothing, and a token we did not issue opens to
 None (the zero bytes do not come back), not to some other row.
 
@@ -14,8 +15,6 @@ Rotating ``SECRET_KEY`` makes earlier tokens unknown (an ETag then fails its If-
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import hashlib
 import hmac
@@ -24,8 +23,8 @@ import re
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from django.conf import settings
 
-TOKEN_LEN = 22
-TOKEN_PATTERN = r"[A-Za-z0-9_-]{22}"
+TOKEN_LEN = 32
+TOKEN_PATTERN = r"[0-9a-f]{32}"
 _TOKEN_RE = re.compile(rf"^{TOKEN_PATTERN}$")
 _ZERO = bytes(8)
 
@@ -40,19 +39,35 @@ def seal_id(pk: int, *, purpose: str) -> str:
     """The token shown for the row id ``pk`` (0 ≤ pk < 2**64)."""
     encryptor = _cipher(settings.SECRET_KEY, purpose).encryptor()
     block = encryptor.update(int(pk).to_bytes(8, "big") + _ZERO) + encryptor.finalize()
-    return base64.urlsafe_b64encode(block).decode().rstrip("=")
+    return block.hex()
 
 
 def open_id(token, *, purpose: str) -> int | None:
     """The row id a token from :func:`seal_id` stands for; None for anything else."""
     if not isinstance(token, str) or not _TOKEN_RE.match(token):
         return None
-    try:
-        block = base64.urlsafe_b64decode(token + "==")
-    except (binascii.Error, ValueError):
-        return None
+    block = bytes.fromhex(token)
     decryptor = _cipher(settings.SECRET_KEY, purpose).decryptor()
     plain = decryptor.update(block) + decryptor.finalize()
     if plain[8:] != _ZERO:
         return None
     return int.from_bytes(plain[:8], "big")
+
+
+API_KEY_PURPOSE = "api-key"
+
+
+def shown_actor_id(kind: str, actor_id: str) -> str:
+    """An actor's id as a tenant is shown it (audit review and exports, a memory's history):
+    an API key's is its row id, from a sequence every tenant's keys share, so it is shown as
+    a token; any other actor's id (a username, an end user's subject, a job) as it is."""
+    if kind == "api_key" and actor_id.isascii() and actor_id.isdigit():
+        return seal_id(int(actor_id), purpose=API_KEY_PURPOSE)
+    return actor_id
+
+
+def stored_actor_id(shown: str) -> str | None:
+    """The stored actor id a shown API key token stands for (the audit ``actor`` filter takes
+    what the review showed), or None when ``shown`` is no such token."""
+    pk = open_id(shown, purpose=API_KEY_PURPOSE)
+    return str(pk) if pk is not None else None
