@@ -256,3 +256,18 @@ def test_an_api_keys_actor_id_is_shown_as_a_token_and_filters_as_one(api, api_b,
     text = b"".join(auditor.get("/api/v1/audit-events/export", {"action": "memory.write"}).streaming_content)
     row = next(csv.DictReader(io.StringIO(text.decode())))
     assert row["actor_id"] == shown["actor_id"]
+
+
+def test_a_staff_users_actor_id_is_shown_as_a_token(api, tenant_a, make_client):
+    from django.contrib.auth import get_user_model
+
+    from audit.services import audit_record
+    from zeromem.kernel.actors import Actor
+
+    auditor, _ = make_client(tenant_a, scopes=["audit:read"])
+    user = get_user_model().objects.create_user("staff-ids", password="x")
+    staff = Actor(kind="staff", id=str(user.pk), label=user.username, scopes=frozenset(), surface="admin")
+    audit_record(tenant=tenant_a, actor=staff, action="memory.read", outcome="ok", target="a:k")
+    (shown,) = auditor.get(EVENTS, {"actor_kind": "staff"}).json()["results"]
+    assert shown["actor_label"] == "staff-ids" and not _carries(shown["actor_id"], user.pk)
+    assert [e["id"] for e in auditor.get(EVENTS, {"actor": shown["actor_id"]}).json()["results"]] == [shown["id"]]

@@ -54,20 +54,26 @@ def open_id(token, *, purpose: str) -> int | None:
     return int.from_bytes(plain[:8], "big")
 
 
-API_KEY_PURPOSE = "api-key"
+# Actors whose id is a row id (an API key's, a staff user's: sequences every tenant shares).
+ACTOR_PURPOSES = {"api_key": "api-key", "staff": "staff-user"}
 
 
 def shown_actor_id(kind: str, actor_id: str) -> str:
     """An actor's id as a tenant is shown it (audit review and exports, a memory's history):
-    an API key's is its row id, from a sequence every tenant's keys share, so it is shown as
-    a token; any other actor's id (a username, an end user's subject, a job) as it is."""
-    if kind == "api_key" and actor_id.isascii() and actor_id.isdigit():
-        return seal_id(int(actor_id), purpose=API_KEY_PURPOSE)
+    an API key's and a staff user's is a row id, from a sequence every tenant's keys (users)
+    share, so it is shown as a token; any other actor's id (an end user's subject, a job) as
+    it is."""
+    purpose = ACTOR_PURPOSES.get(kind)
+    if purpose is not None and actor_id.isascii() and actor_id.isdigit():
+        return seal_id(int(actor_id), purpose=purpose)
     return actor_id
 
 
 def stored_actor_id(shown: str) -> str | None:
-    """The stored actor id a shown API key token stands for (the audit ``actor`` filter takes
-    what the review showed), or None when ``shown`` is no such token."""
-    pk = open_id(shown, purpose=API_KEY_PURPOSE)
-    return str(pk) if pk is not None else None
+    """The stored actor id a shown token stands for (the audit ``actor`` filter takes what
+    the review showed), or None when ``shown`` is no such token."""
+    for purpose in ACTOR_PURPOSES.values():
+        pk = open_id(shown, purpose=purpose)
+        if pk is not None:
+            return str(pk)
+    return None
