@@ -11,7 +11,7 @@ from audit import services
 from audit.exports import CONTENT_TYPES, audit_export_response
 from audit.models import REVIEW_FIELDS, AuditCheckpoint, AuditEvent
 from audit.selectors import TEXT_MAX_LEN, audit_filters
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kit.api import ERRORS, NO_CONTROL_CHARS, AuditedAPIView, TenantSlotMixin
 
 TEXT = {"type": "string", "maxLength": TEXT_MAX_LEN, "pattern": NO_CONTROL_CHARS}
@@ -35,9 +35,16 @@ FILTER_PARAMS = [
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
+    # The event's uid: its row id comes from a sequence every tenant shares (README "Audit").
+    id = serializers.UUIDField(source="uid", read_only=True)
+    actor_id = serializers.SerializerMethodField()
+
     class Meta:
         model = AuditEvent
         fields = [*REVIEW_FIELDS, "seal"]
+
+    def get_actor_id(self, obj) -> str:
+        return opaque.shown_actor_id(obj.actor_kind, obj.actor_id)
 
 
 class AuditEventListSerializer(serializers.Serializer):

@@ -30,6 +30,7 @@ from audit.models import REVIEW_FIELDS
 from audit.seals import seal_numbers
 from audit.selectors import AuditFilters, few_by_index, list_page_bounds
 from audit.services import audit_export_end, audit_export_start
+from zeromem.kernel import opaque
 from zeromem.kernel.actors import Actor, require_still_held
 from zeromem.kernel.replica import REPLICA, replica_configured, replica_reads
 
@@ -59,7 +60,10 @@ _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 def _plain(row: dict) -> dict:
     # The instant as the REST list writes it (DRF: UTC, "Z"), so an export and the list
     # show an event alike and can be compared as text.
+    # "id" is the event's uid: its row id comes from a sequence every tenant shares.
     out = dict(row)
+    out["id"] = str(out.pop("uid"))
+    out["actor_id"] = opaque.shown_actor_id(row["actor_kind"], row["actor_id"])
     out["occurred_at"] = row["occurred_at"].astimezone(UTC).isoformat().replace("+00:00", "Z")
     return out
 
@@ -141,7 +145,7 @@ def _pages(queryset, tenant, filters: AuditFilters, actor: Actor) -> Iterator[di
                 bounds = list_page_bounds(
                     tenant=tenant, filters=filters, before=before, few=few, window=selectors.EXPORT_SCAN_MAX
                 )
-            rows = list(bounds.narrow(queryset).order_by("-id").values(*COLUMNS)[:CHUNK_ROWS])
+            rows = list(bounds.narrow(queryset).order_by("-id").values(*COLUMNS, "uid")[:CHUNK_ROWS])
             numbers = seal_numbers(tenant.pk, [r["id"] for r in rows if r["seal"] is None])
         for row in rows:
             if row["seal"] is None:

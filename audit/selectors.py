@@ -11,7 +11,7 @@ from django.db.models import Max, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 
 from audit.models import AuditEvent, AuditSeal
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kernel.keyprefix import EXACT, startswith_q
 
@@ -168,11 +168,14 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
     if f.until:
         qs = qs.filter(occurred_at__lt=f.until)
     if f.actor:
+        # API keys' and staff users' ids are shown as tokens (zeromem/kernel/opaque.py): the
+        # filter takes them, qualified (api_key:<token>) or not, as it takes the stored ids.
         kind, ident = actor_parts(f.actor)
         if kind is not None:  # api_key:7 — that kind's 7 (or its label)
-            qs = qs.filter(Q(actor_id=ident) | Q(actor_label=ident), actor_kind=kind)
+            stored = opaque.stored_actor_id(ident) or ident
+            qs = qs.filter(Q(actor_id=stored) | Q(actor_label=ident), actor_kind=kind)
         else:
-            qs = qs.filter(Q(actor_id=f.actor) | Q(actor_label=f.actor))
+            qs = qs.filter(Q(actor_id=opaque.stored_actor_id(f.actor) or f.actor) | Q(actor_label=f.actor))
     if f.actor_kind:
         qs = qs.filter(actor_kind=f.actor_kind)
     if f.action:

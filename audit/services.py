@@ -1255,10 +1255,10 @@ def audit_event_list(
             if row.seal is None:
                 row.seal = numbers.get(row.pk)  # shown, never saved (events are append-only)
         if len(rows) > limit:
-            next_cursor = validation.encode_cursor(str(rows[limit - 1].pk))
+            next_cursor = validation.encode_id_cursor(rows[limit - 1].pk)
         else:  # the window read, older events remain: the next page reads below it
             floor = bounds.floor
-            next_cursor = validation.encode_cursor(str(floor)) if floor is not None else None
+            next_cursor = validation.encode_id_cursor(floor) if floor is not None else None
         rows = rows[:limit]
         op.record(
             subject=filters.subject or "", actor_filter=filters.actor or "", count=len(rows), detail=filters.as_detail()
@@ -1319,14 +1319,19 @@ def audit_export_end(*, tenant: Tenant, actor: Actor, export: int | None, rows: 
     ``audit.export_end`` event, ``count`` the rows it delivered, ``detail`` ``{"export",
     "complete"}`` (False: cut short — the client went away, or the reader's key was withdrawn).
     Events are append-only, so the start cannot be given its count; this one names no filter
-    (the start holds them, where a forget redacts them). One INSERT."""
+    (the start holds them, where a forget redacts them). The start is named by its ``uid``, as
+    the review shows events (an event's row id is a sequence every tenant moves). A SELECT of
+    that uid and one INSERT."""
+    started = None
+    if export is not None:
+        started = AuditEvent.objects.filter(tenant_id=tenant.pk, pk=export).values_list("uid", flat=True).first()
     return audit_record(
         tenant=tenant,
         actor=actor,
         action="audit.export_end",
         outcome=AuditEvent.Outcome.OK,
         count=rows,
-        detail={"export": export, "complete": complete},
+        detail={"export": None if started is None else str(started), "complete": complete},
     )
 
 

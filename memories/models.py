@@ -6,13 +6,14 @@ together and the data can later be distributed by tenant (e.g. Citus).
 
 import hashlib
 import secrets
+import uuid
 
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from zeromem.kernel import crypto
+from zeromem.kernel import crypto, opaque
 from zeromem.kernel.keyprefix import startswith_q
 from zeromem.kernel.scopes import Role
 
@@ -215,6 +216,9 @@ class MemoryManager(models.Manager.from_queryset(MemoryQuerySet)):
         return super().get_queryset().defer("search_tsv")
 
 
+ETAG_PURPOSE = "memory-etag"
+
+
 class Memory(OpensSealedValues, models.Model):
     class Category(models.TextChoices):
         USER = "user"
@@ -347,8 +351,9 @@ class Memory(OpensSealedValues, models.Model):
 
     @property
     def etag(self) -> str:
-        # Row id as well as version: a key deleted and written again restarts at version 1.
-        return f'"{self.pk}-{self.version}"'
+        # The row as well as the version (a key deleted and written again restarts at version
+        # 1), the row as an opaque token: its id comes from a sequence every tenant shares.
+        return f'"{opaque.seal_id(self.pk, purpose=ETAG_PURPOSE)}-{self.version}"'
 
 
 class AccessCountFold(models.Model):
@@ -470,6 +475,10 @@ class Job(models.Model):
     PENDING = (Status.QUEUED, Status.RUNNING)
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs", db_index=False)
+    # What the API shows as the job's id (job_id, /api/v1/jobs/{uid}): the row id comes from a
+    # sequence every tenant shares. Null only on PostgreSQL rows the backfill of migration
+    # 0040 has not reached (its column default fills any written meanwhile).
+    uid = models.UUIDField(default=uuid.uuid4, editable=False, null=True)
     kind = models.CharField(max_length=16, choices=Kind.choices)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
     params = models.JSONField(default=dict, blank=True)
@@ -507,6 +516,10 @@ class Job(models.Model):
             # Whose turn it is (services.jobs.turn_claim_next): a tenant's latest attempt start.
             models.Index(fields=["tenant", "kind", "started_at"], name="job_tenant_started"),
         ]
+        constraints = [
+            # A unique index built CONCURRENTLY (migration 0040); null only before the backfill.
+            models.UniqueConstraint(fields=["uid"], name="job_uid", condition=Q(uid__isnull=False)),
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.pk} ({self.status})"
@@ -526,6 +539,8 @@ class ForgetRequest(models.Model):
         FAILED = "failed"
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="forget_requests", db_index=False)
+    # What the API and the portal show as the request's id (as Job.uid; migration 0040).
+    uid = models.UUIDField(default=uuid.uuid4, editable=False, null=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.RECEIVED)
     # Exactly one target: a subject, a key prefix, or a list of keys.
     subject = models.CharField(max_length=255, blank=True, default="")
@@ -608,7 +623,8 @@ class ForgetRequest(models.Model):
                     | (Q(subject="") & Q(prefix="") & ~Q(keys=[]))
                 ),
                 name="forget_exactly_one_target",
-            )
+            ),
+            models.UniqueConstraint(fields=["uid"], name="forget_uid", condition=Q(uid__isnull=False)),
         ]
 
     def __str__(self) -> str:

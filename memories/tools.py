@@ -228,7 +228,7 @@ def _recall(tenant: Tenant, actor: Actor, a: dict) -> dict:
 def _summarize(tenant: Tenant, actor: Actor, a: dict) -> dict:
     # Returns at once; the summary lands at summary:<prefix> (memories/services/summaries.py).
     job = services.summarize_start(tenant=tenant, actor=actor, prefix=a["prefix"])
-    return {"status": "ok", "job_id": job.pk}
+    return {"status": "ok", "job_id": str(job.uid)}
 
 
 # Each bound of a schema is the service's own (zeromem/kernel/validation.py): a value a schema

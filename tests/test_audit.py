@@ -93,6 +93,9 @@ NEW, NONE, U = "user:u1:new", "user:u1:none", f"/api/v1/memories/{KEY}"
 BIG = CANARY * 3000
 
 
+NO_JOB = "00000000-0000-4000-8000-000000000000"  # a job uid no job has
+
+
 def case(id_, http, action_outcome, target, send):
     """One request, the status it gets and the single audit event it must leave."""
     action, outcome = action_outcome.split()
@@ -169,7 +172,8 @@ SCENARIOS = [
     case("summarize-tool", 200, "memory.summarize ok", "user:u1:", tool("api", "memory_summarize", prefix="user:u1:")),
     case("summarize-rest", 202, "memory.summarize ok", "user:u1:", post("/api/v1/summaries", {"prefix": "user:u1:"})),
     case("summarize-denied", 403, "memory.summarize denied", "user:u1:", tool("ro", "memory_summarize", prefix="user:u1:")),
-    case("job-miss", 404, "job.read not_found", "999999", rest("api", "get", "/api/v1/jobs/999999")),
+    case("job-miss", 404, "job.read not_found", NO_JOB, rest("api", "get", f"/api/v1/jobs/{NO_JOB}")),
+    case("job-miss-numeric", 404, "job.read not_found", "", rest("api", "get", "/api/v1/jobs/999999")),
     case("forget-create", 202, "forget.create ok", "", post("/api/v1/forget-requests", {"subject": "u9"})),
     case("forget-create-bad", 400, "forget.create invalid", "", post("/api/v1/forget-requests", {"subject": "u9", "prefix": "user:"})),
     case("forget-create-denied", 403, "forget.create denied", "", rest("ro", "post", "/api/v1/forget-requests", {"subject": "u9"})),

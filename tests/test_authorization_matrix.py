@@ -56,6 +56,7 @@ import io
 import json
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -377,12 +378,12 @@ ROUTES: dict[str, Route] = {
         public=False, ops={"GET": "rest_read", "HEAD": "rest_read", "OPTIONS": "options"}
     ),
     "api/v1/summaries": Route(public=False, ops={"POST": "rest_summarize", "OPTIONS": "options"}),
-    "api/v1/jobs/<int:job_id>": Route(public=False, ops={"GET": "job_read", "HEAD": "job_read", "OPTIONS": "options"}),
+    "api/v1/jobs/<str:job_id>": Route(public=False, ops={"GET": "job_read", "HEAD": "job_read", "OPTIONS": "options"}),
     "api/v1/forget-requests": Route(
         public=False,
         ops={"GET": "forget_list", "HEAD": "forget_list", "POST": "forget_create", "OPTIONS": "options"},
     ),
-    "api/v1/forget-requests/<int:request_id>": Route(
+    "api/v1/forget-requests/<str:request_id>": Route(
         public=False, ops={"GET": "forget_read", "HEAD": "forget_read", "OPTIONS": "options"}
     ),
     "api/v1/audit-events": Route(public=False, ops={"GET": "audit_list", "HEAD": "audit_list", "OPTIONS": "options"}),
@@ -411,7 +412,7 @@ PORTAL_ROUTES: dict[str, dict[str, str]] = {
     "portal/": {"GET": "portal_home", "HEAD": "portal_home"},
     "portal/open/<str:token>": {"GET": "portal_look", "HEAD": "portal_look", "POST": "portal_open"},
     "portal/forget": {"POST": "portal_forget"},
-    "portal/requests/<int:request_id>": {"GET": "portal_request", "HEAD": "portal_request"},
+    "portal/requests/<str:request_id>": {"GET": "portal_request", "HEAD": "portal_request"},
     "portal/sign-out": {"POST": "portal_sign_out"},
 }
 
@@ -517,16 +518,18 @@ class Identities:
             for key, value in seed.items():
                 services.memory_write(tenant=tenant, actor=SYSTEM, key=key, value=value)
         # The job every jobs/<job_id> cell asks for: tenant A's, about the target's namespace.
-        URL_PARAMETERS["job_id"] = services.summarize_start(tenant=self.a, actor=SYSTEM, prefix="user:u10086:").pk
+        # Jobs and forget requests are named by their uid (tests/test_opaque_ids.py).
+        job = services.summarize_start(tenant=self.a, actor=SYSTEM, prefix="user:u10086:")
+        URL_PARAMETERS["job_id"] = str(job.uid)
         # The forget request every forget-requests/<request_id> cell asks for: tenant A's.
-        self.request_a = services.forget_request_create(
-            tenant=self.a, actor=SYSTEM, keys=[TARGET], reason=CANARY_FR_A
-        ).pk
+        self.request_a = str(
+            services.forget_request_create(tenant=self.a, actor=SYSTEM, keys=[TARGET], reason=CANARY_FR_A).uid
+        )
         URL_PARAMETERS["request_id"] = self.request_a
         # Tenant B's: a leak marker for every forget-request cell of tenant A's identities.
-        self.request_b = services.forget_request_create(
-            tenant=self.b, actor=SYSTEM, keys=[B_KEY], reason=CANARY_FR_B
-        ).pk
+        self.request_b = str(
+            services.forget_request_create(tenant=self.b, actor=SYSTEM, keys=[B_KEY], reason=CANARY_FR_B).uid
+        )
         self.job_a = URL_PARAMETERS["job_id"]
         self._clients = {
             "owner": self._keyed(self.a),
@@ -940,7 +943,8 @@ class PortalIdentities:
 
         from memories.portal.models import PortalLink
         from memories.portal.services import portal_link_create, portal_link_open, token_hash
-        from memories.portal.views import COOKIE, COOKIE_SALT
+        from memories.portal.views import COOKIE, COOKIE_SALT, SESSION_PURPOSE
+        from zeromem.kernel import opaque
 
         self.a = make_tenant("portal-owner")
         self.b = make_tenant("portal-other")
@@ -951,9 +955,9 @@ class PortalIdentities:
         # Tenant B's u10086 (same subject name) has memories, but not at tenant A's key.
         services.memory_write(tenant=self.b, actor=SYSTEM, key="user:u10086:nickname", value=PORTAL_CANARY_B)
         # The request every portal/requests/<id> cell asks for: tenant A's, about u10086.
-        PORTAL_PARAMETERS["request_id"] = services.forget_request_create(
-            tenant=self.a, actor=SYSTEM, subject=PORTAL_SUBJECT
-        ).pk
+        PORTAL_PARAMETERS["request_id"] = str(
+            services.forget_request_create(tenant=self.a, actor=SYSTEM, subject=PORTAL_SUBJECT).uid
+        )
 
         def token(tenant) -> str:
             return portal_link_create(tenant=tenant, actor=SYSTEM, subject=PORTAL_SUBJECT)[1]
@@ -962,7 +966,7 @@ class PortalIdentities:
             link = portal_link_open(token=token(tenant), actor_for=lambda _link: SYSTEM, use=True)
             response = HttpResponse()
             with mock.patch("time.time", return_value=time.time() - age):
-                response.set_signed_cookie(COOKIE, str(link.pk), salt=COOKIE_SALT)
+                response.set_signed_cookie(COOKIE, opaque.seal_id(link.pk, purpose=SESSION_PURPOSE), salt=COOKIE_SALT)
             return response.cookies[COOKIE].value
 
         valid = token(self.a)
@@ -978,7 +982,8 @@ class PortalIdentities:
         PortalLink.objects.filter(tenant=self.a, opened_at__isnull=True, token_hash=token_hash(revoked)).update(
             revoked_at=timezone.now()
         )
-        PortalLink.objects.filter(pk=int(revoked_session.split(":", 1)[0])).update(revoked_at=timezone.now())
+        revoked_pk = opaque.open_id(revoked_session.split(":", 1)[0], purpose=SESSION_PURPOSE)
+        PortalLink.objects.filter(pk=revoked_pk).update(revoked_at=timezone.now())
         b_link_id = b_session.split(":", 1)[0]
         self.cookie = COOKIE
         self.tokens = {
@@ -1022,7 +1027,7 @@ def _portal_request(r: ResolvedRoute, method: str, identity: str, ids: PortalIde
     if "token" in r.converters:
         kwargs["token"] = ids.tokens[identity]
     if "request_id" in r.converters:
-        kwargs["request_id"] = 2**62 if ghost else PORTAL_PARAMETERS["request_id"]
+        kwargs["request_id"] = str(uuid.uuid4()) if ghost else PORTAL_PARAMETERS["request_id"]
     path = reverse(r.name, kwargs=kwargs or None)
     PORTAL_CLIENT.cookies.clear()
     if ids.sessions[identity] and "token" not in r.converters:

@@ -59,7 +59,7 @@ def test_end_user_opens_portal_link_forgets_everything_and_sees_the_receipt(brow
     page.get_by_label("I understand that this cannot be undone").check()
     page.get_by_role("button", name="Forget everything about me").click()
 
-    page.wait_for_url(re.compile(r"/portal/requests/\d+$"))
+    page.wait_for_url(re.compile(r"/portal/requests/[0-9a-f-]{36}$"))
     page.get_by_role("heading", name="Receipt").wait_for()  # the page refreshes itself until done
     receipt = page.locator("table.receipt").inner_text()
     assert re.search(r"Memories erased\s+2", receipt), receipt
@@ -183,7 +183,7 @@ def test_a_link_followed_from_a_webmail_then_forget_one_and_sign_out_work(browse
     assert CANARY in page.locator("main").inner_text()
 
     page.locator(".card.memory").filter(has_text=CANARY).get_by_role("button", name="Forget this").click()
-    page.wait_for_url(re.compile(r"/portal/requests/\d+$"))
+    page.wait_for_url(re.compile(r"/portal/requests/[0-9a-f-]{36}$"))
     page.get_by_role("heading", name="Receipt").wait_for()
     request = ForgetRequest.objects.get()
     assert (request.status, request.keys, request.receipt["memories"]) == ("completed", ["user:u1:pref_lang"], 1)
@@ -199,8 +199,8 @@ def test_a_link_followed_from_a_webmail_then_forget_one_and_sign_out_work(browse
     assert [(m, p) for m, p, _s in seen] == [
         ("GET", "/portal/"),
         ("POST", "/portal/forget"),
-        ("GET", f"/portal/requests/{request.pk}"),
-        *[("GET", f"/portal/requests/{request.pk}")] * (len(seen) - 6),
+        ("GET", f"/portal/requests/{request.uid}"),
+        *[("GET", f"/portal/requests/{request.uid}")] * (len(seen) - 6),
         ("GET", "/portal/"),
         ("GET", "/portal/"),
     ], seen

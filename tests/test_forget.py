@@ -3,6 +3,7 @@
 
 import json
 import threading
+import uuid
 from datetime import datetime, timedelta
 
 import pytest
@@ -52,8 +53,15 @@ def post(client, capture, body, run=True):
         return client.post(URL, body)
 
 
+def pk_of(uid) -> int:
+    """The row id of the request shown as ``uid`` (the API shows the uid, never the row id)."""
+    return ForgetRequest.objects.values_list("pk", flat=True).get(uid=uid)
+
+
 def get(client, pk):
-    r = client.get(f"{URL}/{pk}")
+    """GET a request by its uid (a row id given here is looked up: the URL takes the uid)."""
+    uid = ForgetRequest.objects.get(pk=pk).uid if isinstance(pk, int) else pk
+    r = client.get(f"{URL}/{uid}")
     assert r.status_code == 200, r.content
     return r.json()
 
@@ -76,7 +84,7 @@ def test_request_is_stored_and_answered_202_before_the_job_runs(api, tenant_a, d
 
     # Stored (and committed: the enqueue waits for the commit) before the answer; the job
     # has not run yet, and its queue payload is the id alone.
-    stored = ForgetRequest.objects.get(pk=body["id"])
+    stored = ForgetRequest.objects.get(uid=body["id"])
     assert stored.status == "received" and stored.tenant == tenant_a and stored.subject == "u1"
     assert memory_rows(tenant_a) == before
     assert len(callbacks) == 1
@@ -103,7 +111,7 @@ def test_request_is_committed_before_it_is_enqueued(monkeypatch, make_client):
     monkeypatch.setattr(forget, "async_task", record_enqueue)
     r = client.post(URL, {"keys": ["user:u1:a"]})
     assert r.status_code == 202
-    assert seen == [("memories.tasks.forget_request_task", r.json()["id"], False, True)]
+    assert seen == [("memories.tasks.forget_request_task", pk_of(r.json()["id"]), False, True)]
 
 
 def test_forget_by_subject_erases_memories_versions_trash_and_summaries(
@@ -411,7 +419,7 @@ def test_a_limited_prefix_forget_rebuilds_summaries_of_summaries_outside_its_all
     done = get(client, r.json()["id"])
     assert done["receipt"]["summaries"] == 0
     assert (done["receipt"]["summaries_rebuilt"], done["receipt"]["summaries_rebuilt_outside_allowlist"]) == ([], 2)
-    stored = ForgetRequest.objects.get(pk=r.json()["id"]).receipt
+    stored = ForgetRequest.objects.get(uid=r.json()["id"]).receipt
     assert stored["summaries_rebuilt"] == ["summary:user", "summary:weekly"]
     _assert_rebuilt_without_the_canary(summary)
     weekly = Memory.objects.get(pk=weekly.pk)
@@ -482,7 +490,7 @@ def test_a_summarize_job_still_pending_when_its_namespace_is_forgotten_is_cancel
     assert "u9" not in str((theirs.params, theirs.result, theirs.error))
     assert not Memory.objects.filter(tenant=tenant_a, key="summary:user:u9").exists()
     event = AuditEvent.objects.get(tenant=tenant_a, action="memory.summarize.cancel")
-    assert (event.count, event.detail["reason"], event.detail["job_ids"]) == (1, "forgotten", [theirs.pk])
+    assert (event.count, event.detail["reason"], event.detail["job_ids"]) == (1, "forgotten", [str(theirs.uid)])
     assert event.detail["forget_request"] == r.json()["id"] and "u9" not in str(event.detail)
     other.refresh_from_db()
     assert other.status == "queued" and other.params["prefix"] == "team:t1:"
@@ -515,7 +523,7 @@ def test_the_job_is_audited_per_batch_with_counts_and_never_values(api, tenant_a
         write(tenant_a, f"user:u1:k{i}", f"secret value {i}")
     with django_capture_on_commit_callbacks() as callbacks:
         r = api.post(URL, {"subject": "u1"})
-    pk = r.json()["id"]
+    pk = pk_of(r.json()["id"])
     forget.forget_request_execute(request_id=pk, batch_size=3)
     assert len(callbacks) == 1
 
@@ -529,10 +537,11 @@ def test_the_job_is_audited_per_batch_with_counts_and_never_values(api, tenant_a
         "forget.complete",
     ]
     create, erases = events[0], events[2:5]
-    assert create.actor_kind == "api_key" and create.detail["forget_request"] == pk
+    uid = str(ForgetRequest.objects.get(pk=pk).uid)  # audit events name it as the API shows it
+    assert create.actor_kind == "api_key" and create.detail["forget_request"] == uid
     assert [e.count for e in erases] == [3, 3, 1]
     assert all(e.actor_kind == "system" and e.actor_id == "forget" and e.surface == "job" for e in erases)
-    assert all(e.detail["forget_request"] == pk for e in events)
+    assert all(e.detail["forget_request"] == uid for e in events)
     for e in events:
         assert "secret" not in repr((e.target, e.subject, e.detail)) and e.subject == ""
 
@@ -564,7 +573,7 @@ def test_the_erasing_batches_compress_their_wal_when_the_role_may_and_erase_the_
 
     monkeypatch.setattr(forget, "_erase_batch", watching)
     with django_capture_on_commit_callbacks() as callbacks:
-        pk = api.post(URL, {"subject": "u1"}).json()["id"]
+        pk = pk_of(api.post(URL, {"subject": "u1"}).json()["id"])
     receipt = forget.forget_request_execute(request_id=pk, batch_size=2)["receipt"]
 
     assert len(callbacks) == 1
@@ -590,7 +599,7 @@ def test_forgetting_a_prefix_redacts_its_keys_in_old_audit_events(
 def test_the_queue_and_task_rows_carry_only_the_id(api, tenant_a, django_capture_on_commit_callbacks):
     write(tenant_a, "user:u1:k", "value")
     r = post(api, django_capture_on_commit_callbacks, {"subject": "u1"})
-    pk = r.json()["id"]
+    pk = pk_of(r.json()["id"])
     task = Task.objects.get(name=f"forget-request-{pk}")
     assert task.success and task.func == "memories.tasks.forget_request_task"
     assert task.args == (pk,) and task.kwargs == {}
@@ -781,7 +790,7 @@ def test_a_request_filed_by_a_key_revoked_before_it_runs_still_runs_within_that_
     r = post(client, django_capture_on_commit_callbacks, {"keys": ["user:u1:a"]}, run=False)
     assert r.status_code == 202
     services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
-    done = forget.forget_request_execute(request_id=r.json()["id"])
+    done = forget.forget_request_execute(request_id=pk_of(r.json()["id"]))
     assert done["status"] == "completed" and done["receipt"]["summaries_rebuilt"] == ["summary:user"]
     assert memory_rows(tenant_a) == [("summary:user", 2, None), ("user:u2:a", 1, None)]
     assert Memory.objects.get(key="summary:user").value == "u2:a = not mine"
@@ -792,8 +801,8 @@ def test_a_request_filed_by_a_key_revoked_before_it_runs_still_runs_within_that_
 
 def test_another_tenants_request_is_not_found_like_a_missing_one(api, api_b, tenant_a, tenant_b):
     theirs = services.forget_request_create(tenant=tenant_b, actor=SYSTEM, subject="u1")
-    r = api.get(f"{URL}/{theirs.pk}")
-    missing = api.get(f"{URL}/{theirs.pk + 1000}")
+    r = api.get(f"{URL}/{theirs.uid}")
+    missing = api.get(f"{URL}/{uuid.uuid4()}")
     assert r.status_code == missing.status_code == 404
     assert (
         r.json()
@@ -802,7 +811,7 @@ def test_another_tenants_request_is_not_found_like_a_missing_one(api, api_b, ten
     )
     assert api.get(f"{URL}/{2**63}").status_code == 404  # beyond bigint: not found, no 500
     assert api.get(URL).json()["results"] == []
-    assert [x["id"] for x in api_b.get(URL).json()["results"]] == [theirs.pk]
+    assert [x["id"] for x in api_b.get(URL).json()["results"]] == [str(theirs.uid)]
     assert (
         not AuditEvent.objects.filter(tenant=tenant_b, action__in=["forget.read", "forget.list"])
         .filter(actor_kind="api_key", actor_id__in=[str(k.pk) for k in tenant_a.api_keys.all()])
@@ -816,10 +825,10 @@ def test_a_key_limited_to_prefixes_sees_only_its_own_requests(api, tenant_a, mak
     r = limited.post(URL, {"prefix": "user:u1:"})
     own = r.json()["id"]
     assert [x["id"] for x in limited.get(URL).json()["results"]] == [own]
-    assert limited.get(f"{URL}/{tenant_wide.pk}").status_code == 404
+    assert limited.get(f"{URL}/{tenant_wide.uid}").status_code == 404
     assert get(limited, own)["target"] == {"prefix": "user:u1:"}
     # An unrestricted key of the tenant sees both.
-    assert [x["id"] for x in api.get(URL).json()["results"]] == [own, tenant_wide.pk]
+    assert [x["id"] for x in api.get(URL).json()["results"]] == [own, str(tenant_wide.uid)]
 
 
 def _age(request, *, due_days_ago):
@@ -845,7 +854,7 @@ def test_overdue_and_status_filters(api, tenant_a, django_capture_on_commit_call
     def ids(**params):
         r = api.get(URL, params)
         assert r.status_code == 200, r.content
-        return [x["id"] for x in r.json()["results"]]
+        return [pk_of(x["id"]) for x in r.json()["results"]]
 
     assert ids(overdue="true") == [failed.pk, late.pk]
     assert ids(overdue="false") == [done_late.pk, on_time.pk]
@@ -874,7 +883,7 @@ def test_list_is_cursor_paginated_newest_first(api, tenant_a):
     seen, cursor = [], None
     while True:
         body = api.get(URL, {"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
-        seen += [x["id"] for x in body["results"]]
+        seen += [pk_of(x["id"]) for x in body["results"]]
         cursor = body["next_cursor"]
         if cursor is None:
             break
@@ -986,7 +995,7 @@ def test_attempts_are_bounded_and_then_the_request_fails(
     assert result["status"] == failed.status == "failed"
     assert failed.attempts == 3 and failed.completed_at is None
     assert failed.error == "gave up after 2 attempts; last error: builtins.ConnectionError"
-    assert AuditEvent.objects.filter(action="forget.fail", detail__forget_request=request.pk).count() == 1
+    assert AuditEvent.objects.filter(action="forget.fail", detail__forget_request=str(request.uid)).count() == 1
     assert Memory.objects.filter(key="user:u1:k").exists()  # nothing half-claimed as done
     # Final: later deliveries neither retry nor count.
     assert forget.forget_request_execute(request_id=request.pk)["status"] == "failed"
@@ -1141,7 +1150,7 @@ def test_the_audit_redaction_is_sliced_too_and_each_page_is_progress(tenant_a, s
     assert not AuditEvent.objects.filter(tenant=tenant_a, subject="u1").exists()
     # One trail however many steps: each step after a slice went through the shred again and
     # recorded another datakey.destroy (count 0) before.
-    trail = AuditEvent.objects.filter(tenant=tenant_a, detail__forget_request=request.pk)
+    trail = AuditEvent.objects.filter(tenant=tenant_a, detail__forget_request=str(request.uid))
     assert trail.filter(action="datakey.destroy").count() == 1
     assert trail.filter(action="forget.complete").count() == 1
     assert trail.filter(action="forget.start").count() == runs + 1  # one per step
@@ -1162,7 +1171,7 @@ def test_resume_enqueues_requests_that_stopped_moving(tenant_a, settings, django
     assert ForgetRequest.objects.get(pk=stuck.pk).status == "completed"
     assert ForgetRequest.objects.get(pk=fresh.pk).status == "received"
     assert not Memory.objects.filter(key="user:u1:k").exists()
-    assert AuditEvent.objects.filter(action="forget.resume", detail__forget_request=stuck.pk).count() == 1
+    assert AuditEvent.objects.filter(action="forget.resume", detail__forget_request=str(stuck.uid)).count() == 1
     with django_capture_on_commit_callbacks(execute=True):
         assert services.forget_requests_resume() == 0  # nothing pending is old
 
@@ -1305,8 +1314,8 @@ def test_forgetting_a_subject_leaves_its_canary_nowhere_in_the_database(
         r = api.post(URL, {"subject": "u9", "reason": "GDPR art. 17"})
     assert r.status_code == 202
     assert OrmQ.objects.count() == 1
-    assert SignedPackage.loads(OrmQ.objects.get().payload)["args"] == (r.json()["id"],)
-    forget.forget_request_execute(request_id=r.json()["id"])
+    assert SignedPackage.loads(OrmQ.objects.get().payload)["args"] == (pk_of(r.json()["id"]),)
+    forget.forget_request_execute(request_id=pk_of(r.json()["id"]))
 
     done = get(api, r.json()["id"])
     assert done["status"] == "completed"
@@ -1618,7 +1627,7 @@ def test_a_summary_rebuild_waits_for_a_write_to_the_summary_and_versions_after_i
 
     racer = start_thread(write_the_summary_and_wait_for_the_forget, failures, done=written)
     assert written.wait(20)
-    forget.forget_request_execute(request_id=r.json()["id"])
+    forget.forget_request_execute(request_id=pk_of(r.json()["id"]))
     racer.join(30)
 
     assert not failures, failures

@@ -61,7 +61,9 @@ def test_summarize_past_the_tenants_pending_jobs_is_429_naming_the_limit(api, ap
 
 def test_a_finished_job_makes_room_again(api, settings):
     settings.ZEROMEM_TENANT_MAX_PENDING_JOBS = 2
-    ids = [_summarize(api, f"session:s{n}:").json()["job_id"] for n in range(2)]
+    # The API shows a job's uid; the worker takes its row id.
+    uids = [_summarize(api, f"session:s{n}:").json()["job_id"] for n in range(2)]
+    ids = [Job.objects.get(uid=uid).pk for uid in uids]
     assert _summarize(api, "session:s2:").status_code == 429
     summaries.summarize_run(job_id=ids[0])  # the worker runs one (an empty namespace: succeeded)
     assert Job.objects.get(pk=ids[0]).status == "succeeded"
@@ -110,7 +112,7 @@ def test_forget_requests_past_the_tenants_pending_requests_are_429_naming_the_li
 
 def test_a_completed_forget_request_makes_room_again(api, settings):
     settings.ZEROMEM_TENANT_MAX_PENDING_FORGETS = 1
-    first = _forget(api, "u0").json()["id"]
+    first = ForgetRequest.objects.get(uid=_forget(api, "u0").json()["id"]).pk
     assert _forget(api, "u1").status_code == 429
     services.forget_request_execute(request_id=first)
     assert ForgetRequest.objects.get(pk=first).status == "completed"

@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -156,7 +157,7 @@ def test_each_memory_tool_runs_and_is_audited_with_surface_mcp(server):
     assert results[4]["keys"] == ["user:u1:lang"]
     assert [r["key"] for r in results[5]["results"]] == ["user:u1:lang"]
     assert "prefers German, formal" in results[6]["text"] and results[6]["count"] == 1
-    assert results[7]["status"] == "ok" and isinstance(results[7]["job_id"], int)
+    assert results[7]["status"] == "ok" and uuid.UUID(results[7]["job_id"])  # the job's uid, not a row id
     assert results[8] == {"status": "ok"}
     assert results[9] == {"status": "not_found", "key": "user:u1:lang", "value": "en"}
     # The text content is the same answer, as the REST tool endpoint's body.

@@ -660,7 +660,7 @@ def test_forgetting_one_memory_erases_it_and_shows_the_receipt(api, seeded, djan
     r = forget_post(client, {"what": "one", "key": "user:u1:pref_lang"}, django_capture_on_commit_callbacks)
     assert r.status_code == 302
     request = ForgetRequest.objects.get()
-    assert r["Location"] == f"/portal/requests/{request.pk}"
+    assert r["Location"] == f"/portal/requests/{request.uid}"
     assert (request.keys, request.requested_by_kind, request.requested_by) == (["user:u1:pref_lang"], "end_user", "u1")
     assert request.status == "completed"
     assert not Memory.objects.filter(tenant=tenant_a, key="user:u1:pref_lang").exists()
@@ -679,7 +679,7 @@ def test_forgetting_everything_erases_only_this_subject_in_this_tenant(api, seed
     client = open_portal(issue(api)["url"])
     r = forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
     request = ForgetRequest.objects.get()
-    assert r["Location"] == f"/portal/requests/{request.pk}"
+    assert r["Location"] == f"/portal/requests/{request.uid}"
     assert (request.subject, request.status, request.receipt["memories"]) == ("u1", "completed", 3)
     assert not Memory.objects.filter(tenant=tenant_a, subject="u1").exists()
     assert Memory.objects.filter(tenant=tenant_a, subject="u2").count() == 1
@@ -748,10 +748,10 @@ def test_asking_again_while_a_request_is_pending_leads_to_that_request(api, seed
     token = csrf(client)
     answers = [client.post("/portal/forget", {"csrfmiddlewaretoken": token, **data}) for _ in range(5)]
     (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
-    assert {(r.status_code, r["Location"]) for r in answers} == {(302, f"/portal/requests/{request.pk}")}
+    assert {(r.status_code, r["Location"]) for r in answers} == {(302, f"/portal/requests/{request.uid}")}
     created = AuditEvent.objects.filter(tenant=tenant_a, action="forget.create", actor_kind="end_user")
     assert created.count() == 5  # each ask is recorded; four of them name the pending request
-    assert {e.detail["forget_request"] for e in created} == {request.pk}
+    assert {e.detail["forget_request"] for e in created} == {str(request.uid)}
 
 
 @pytest.mark.postgres  # (SQLite's in-memory test database is one connection: no real race)
@@ -938,11 +938,13 @@ def test_request_pages_of_other_subjects_and_tenants_are_404(api, api_b, seeded,
     about_u1 = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
     client = open_portal(issue(api)["url"])
     for request in (other_subject, other_tenant, by_staff_about_keys):
-        r = client.get(f"/portal/requests/{request.pk}")
+        r = client.get(f"/portal/requests/{request.uid}")
         assert r.status_code == 404 and "No such request" in page_text(r)
     # A request the tenant filed for the whole subject is the user's to follow.
-    assert client.get(f"/portal/requests/{about_u1.pk}").status_code == 200
+    assert client.get(f"/portal/requests/{about_u1.uid}").status_code == 200
     assert client.get("/portal/requests/999999999").status_code == 404
+    # The old numeric URL of the end user's own request is not found either.
+    assert client.get(f"/portal/requests/{about_u1.pk}").status_code == 404
 
 
 # --- sessions, CSRF, methods ---------------------------------------------------------------
@@ -983,7 +985,7 @@ def test_a_page_another_site_makes_the_browser_load_reads_counts_and_writes_noth
     with django_capture_on_commit_callbacks(execute=True):
         forget_request = subjects.subject_forget(tenant=seeded[0], actor=SYSTEM, subject="u1", key="user:u1:pref_lang")
     before = AuditEvent.objects.count()
-    for path in ("/portal/", f"/portal/requests/{forget_request.pk}"):
+    for path in ("/portal/", f"/portal/requests/{forget_request.uid}"):
         r = client.get(path, headers=FROM_ANOTHER_SITE[how])
         assert r.status_code == 403 and "Please open a new link" in page_text(r), path
         assert CANARY_U1 not in page_text(r) and "Shipping address" not in page_text(r)
@@ -1070,7 +1072,7 @@ def test_every_portal_action_is_audited_with_the_end_user_as_actor(api, seeded, 
     client.get("/portal/", headers={"X-Request-ID": "portal-req-0001"})
     forget_post(client, {"what": "all", "confirm": "yes"}, django_capture_on_commit_callbacks)
     request = ForgetRequest.objects.get()
-    client.get(f"/portal/requests/{request.pk}")
+    client.get(f"/portal/requests/{request.uid}")
     client.post("/portal/sign-out", {"csrfmiddlewaretoken": csrf(client)})
 
     by_user = AuditEvent.objects.filter(actor_kind="end_user").order_by("pk")
@@ -1087,7 +1089,7 @@ def test_every_portal_action_is_audited_with_the_end_user_as_actor(api, seeded, 
         assert event.request_id
     assert by_user.filter(action="subject.memories", request_id__endswith=".portal-req-0001").exists()
     created = by_user.get(action="forget.create")
-    assert created.detail["forget_request"] == request.pk
+    assert created.detail["forget_request"] == str(request.uid)
     # Never a value in the audit log.
     for event in AuditEvent.objects.all():
         assert CANARY_U1 not in str(event.__dict__) and "Lyon" not in str(event.__dict__)
@@ -1151,7 +1153,7 @@ def test_a_subject_spelled_like_another_subjects_digest_is_another_end_user(api,
     (request,) = ForgetRequest.objects.filter(tenant=tenant_a)
     other = open_portal(issue(api, lookalike)["url"])
     assert "Your requests to forget" not in page_text(other.get("/portal/"))
-    assert other.get(f"/portal/requests/{request.pk}").status_code == 404
+    assert other.get(f"/portal/requests/{request.uid}").status_code == 404
 
 
 # --- purging spent links -------------------------------------------------------------------

@@ -9,7 +9,7 @@ from django.utils import timezone
 from audit.models import AuditEvent
 from memories.models import ApiKey, Memory
 from tests.helpers import rest_error, row_counts
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 
 KEY = "user:u1:pref_lang"
 URL = f"/api/v1/memories/{KEY}"
@@ -139,7 +139,8 @@ def test_get_returns_the_memory_with_an_etag(stored):
     assert (body["key"], body["value"], body["version"], body["tags"]) == (KEY, "zh-CN", 1, ["lang"])
     assert body["namespace"] == "user:u1" and body["subject"] == "u1" and body["category"] == "user"
     memory = Memory.objects.get(key=KEY)
-    assert r["ETag"] == f'"{memory.pk}-1"'
+    # The row's opaque token and the version; never the row id (tests/test_opaque_ids.py).
+    assert r["ETag"] == memory.etag and r["ETag"].endswith('-1"') and str(memory.pk) not in r["ETag"]
 
 
 def test_get_of_missing_key_is_404(api):
@@ -323,7 +324,9 @@ def test_history_lists_versions_newest_first_with_op_and_actor(stored):
         (2, "update", "en"),
         (1, "write", "zh-CN"),
     ]
-    assert {(v["actor_kind"], v["actor_id"]) for v in body["results"]} == {("api_key", str(key.pk))}
+    # The key's id as a token, not its row id (tests/test_opaque_ids.py).
+    shown = opaque.shown_actor_id("api_key", str(key.pk))
+    assert {(v["actor_kind"], v["actor_id"]) for v in body["results"]} == {("api_key", shown)}
     assert all(v["created_at"] for v in body["results"])
 
 

@@ -12,6 +12,7 @@ import json
 import re
 import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -90,7 +91,7 @@ def start(api, django_capture_on_commit_callbacks, **body):
 
 
 def job_of(response) -> Job:
-    return Job.objects.get(pk=response.json()["job_id"])
+    return Job.objects.get(uid=response.json()["job_id"])
 
 
 # --- starting a job and following it ---------------------------------------------------
@@ -103,7 +104,7 @@ def test_tool_returns_the_job_id_at_once_and_the_job_runs_after_commit(
         status, body = api.call("memory_summarize", prefix=session)
         assert status == 200, body
         assert set(body) == {"status", "job_id"} and body["status"] == "ok"
-        job = Job.objects.get(pk=body["job_id"])
+        job = Job.objects.get(uid=body["job_id"])
         # Answered before any work: the job is queued and nothing is written yet.
         assert (job.kind, job.status, job.attempts) == ("summarize", "queued", 0)
         assert job.params == {"prefix": "session:s1:", "archive": False}
@@ -351,7 +352,7 @@ def _queue_with_a_key(tenant, make_client, capture, *, archive=True):
         r = client.post("/api/v1/summaries", {"prefix": "session:s1:", "archive": archive})
     assert r.status_code == 202, r.content
     assert len(callbacks) == 1
-    return key, Job.objects.get(pk=r.json()["job_id"]), callbacks[0]
+    return key, Job.objects.get(uid=r.json()["job_id"]), callbacks[0]
 
 
 @pytest.mark.parametrize("how", ["expired", "deleted"])
@@ -378,7 +379,7 @@ def test_a_job_whose_key_expired_or_is_gone_is_cancelled_by_the_worker_and_write
     kept = Memory.objects.for_tenant(tenant_a).live().under_prefix("session:s1:")
     assert sorted(kept.values_list("key", flat=True)) == sorted(DIGEST_ORDER)  # not archived
     event = AuditEvent.objects.get(tenant=tenant_a, action="memory.summarize.run")
-    assert (event.outcome, event.detail) == ("denied", {"job_id": job.pk, "reason": f"api_key_{how}"})
+    assert (event.outcome, event.detail) == ("denied", {"job_id": str(job.uid), "reason": f"api_key_{how}"})
     # Over: a second delivery does nothing, and the job is purged like any finished one.
     assert summaries.summarize_run(job_id=job.pk) == {"status": "cancelled", "job_id": job.pk}
     assert AuditEvent.objects.filter(action="memory.summarize.run").count() == 1
@@ -436,11 +437,14 @@ def test_revoking_a_key_cancels_its_queued_jobs_at_once(
     # One event for the cancellation, counting the jobs, in the revoke's transaction.
     event = AuditEvent.objects.get(tenant=tenant_a, action="memory.summarize.cancel")
     assert (event.outcome, event.count, event.target) == ("denied", 2, key.display_prefix)
-    assert event.detail == {"reason": "api_key_revoked", "job_ids": sorted([queued.pk, second.pk])}
+    assert event.detail == {
+        "reason": "api_key_revoked",
+        "job_ids": [str(j.uid) for j in sorted([queued, second], key=lambda j: j.pk)],
+    }
     assert AuditEvent.objects.filter(tenant=tenant_a, action="api_key.revoke", outcome="ok").count() == 1
     # The status shows it at once, to another key of the tenant.
     viewer, _ = make_client(tenant_a)
-    r = viewer.get(f"/api/v1/jobs/{queued.pk}")
+    r = viewer.get(f"/api/v1/jobs/{queued.uid}")
     assert (r.status_code, r.json()["status"]) == (200, "cancelled"), r.content
 
     # Its queued delivery finds it over: it is not run (no attempt, no event of its own); the
@@ -449,7 +453,7 @@ def test_revoking_a_key_cancels_its_queued_jobs_at_once(
     queued.refresh_from_db()
     assert (queued.status, queued.attempts) == ("cancelled", 0)
     runs = AuditEvent.objects.filter(action="memory.summarize.run")
-    assert [event.detail["job_id"] for event in runs] == [others.pk]
+    assert [event.detail["job_id"] for event in runs] == [str(others.uid)]
     assert Job.objects.get(pk=others.pk).status == "succeeded"
     # A second revoke of the same key cancels nothing more and writes no cancellation event.
     assert services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk) is False
@@ -643,8 +647,8 @@ def test_allowlist_must_cover_the_prefix_and_the_summary_key(
 
 def test_another_tenants_job_is_not_found(api, api_b, session, django_capture_on_commit_callbacks):
     job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
-    theirs = api_b.get(f"/api/v1/jobs/{job.pk}")
-    nowhere = api_b.get(f"/api/v1/jobs/{job.pk + 1000}")
+    theirs = api_b.get(f"/api/v1/jobs/{job.uid}")
+    nowhere = api_b.get(f"/api/v1/jobs/{uuid.uuid4()}")
     assert theirs.status_code == nowhere.status_code == 404
     assert theirs.json() == nowhere.json()
     assert rest_error(theirs)["field"] == "job_id"
@@ -658,16 +662,19 @@ def test_job_outside_the_allowlist_is_not_found_and_reading_needs_memory_read(
     inside, _ = make_client(tenant_a, allow=["session:"])
     outside, _ = make_client(tenant_a, allow=["agent:"])
     no_read, _ = make_client(tenant_a, scopes=["memory:write"])
-    assert inside.get(f"/api/v1/jobs/{job.pk}").status_code == 200
-    assert outside.get(f"/api/v1/jobs/{job.pk}").status_code == 404
-    r = no_read.get(f"/api/v1/jobs/{job.pk}")
+    assert inside.get(f"/api/v1/jobs/{job.uid}").status_code == 200
+    assert outside.get(f"/api/v1/jobs/{job.uid}").status_code == 404
+    r = no_read.get(f"/api/v1/jobs/{job.uid}")
     assert r.status_code == 403 and rest_error(r)["code"] == "missing_scope"
 
 
-@pytest.mark.parametrize("job_id", ["0", "99999999999999999999"])
-def test_job_id_out_of_range_is_400(api, job_id):
-    r = api.get(f"/api/v1/jobs/{job_id}")
-    assert r.status_code == 400 and rest_error(r)["field"] == "job_id"
+@pytest.mark.parametrize("job_id", ["0", "99999999999999999999", "1", "not-a-uid"])
+def test_a_job_id_that_is_not_a_uid_is_not_found(api, job_id, session, django_capture_on_commit_callbacks):
+    # Jobs are shown by their uid; an old numeric id (the owner's own job's too) is not found.
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    for path in (f"/api/v1/jobs/{job_id}", f"/api/v1/jobs/{job.pk}"):
+        r = api.get(path)
+        assert r.status_code == 404 and rest_error(r)["field"] == "job_id"
 
 
 # --- attempts, retries, idempotence ----------------------------------------------------
@@ -963,7 +970,7 @@ def test_llm_failure_fails_the_job_visibly_after_its_attempts_and_writes_nothing
     job = job_of(r)
     assert (job.status, job.attempts) == ("queued", 1)  # waiting for django-q2's retry
     assert job.error == f"attempt 1 of 3 failed: SummarizerError: {error}"
-    assert api.get(f"/api/v1/jobs/{job.pk}").json()["error"] == job.error
+    assert api.get(f"/api/v1/jobs/{job.uid}").json()["error"] == job.error
 
     # django-q2 retries a task that raised; each attempt raises again.
     for attempt in (2, 3):
@@ -1065,7 +1072,7 @@ def test_an_llm_429_with_retry_after_puts_the_next_attempt_off_until_then(
         "attempt 1 of 3 failed: SummarizerBusy: the LLM endpoint answered HTTP 429 (Retry-After: 3600 s); "
         "next attempt not before "
     )
-    assert api.get(f"/api/v1/jobs/{job.pk}").json()["error"] == job.error
+    assert api.get(f"/api/v1/jobs/{job.uid}").json()["error"] == job.error
 
     # django-q2's own retry of the task comes after Q_RETRY: it counts no attempt, asks nothing.
     clock.advance(seconds=settings.Q_CLUSTER["retry"] + 1)
@@ -1223,7 +1230,7 @@ def test_a_failed_jobs_error_shows_memory_read_keys_no_text_of_the_exception(
     monkeypatch.setattr(summaries, "_write_summary", fail)
     job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
     reader, _ = make_client(tenant_a, scopes=["memory:read"])
-    shown = reader.get(f"/api/v1/jobs/{job.pk}").json()["error"]
+    shown = reader.get(f"/api/v1/jobs/{job.uid}").json()["error"]
     assert shown == job.error and shown.endswith("failed: RuntimeError (details in the server log)")
     assert "user:u2" not in job.error and "CANARY" not in job.error
 

@@ -9,7 +9,7 @@ from rest_framework import serializers
 
 from memories.models import ForgetRequest, Job, Memory, MemoryVersion
 from memories.services import forget as forget_rules
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kit.api import NO_CONTROL_CHARS, ErrorDetailSerializer
 
 # The rules of zeromem/kernel/validation.py as OpenAPI patterns (ECMA-262, with \p{L}, \p{N}, \p{M}).
@@ -167,9 +167,15 @@ class MemoryPatchSerializer(_MemoryFieldsIn):
 
 
 class MemoryVersionSerializer(serializers.ModelSerializer):
+    # An API key's id as a token, not its row id (zeromem/kernel/opaque.py).
+    actor_id = serializers.SerializerMethodField()
+
     class Meta:
         model = MemoryVersion
         fields = ["version", "op", "value", "actor_kind", "actor_id", "created_at"]
+
+    def get_actor_id(self, obj) -> str:
+        return opaque.shown_actor_id(obj.actor_kind, obj.actor_id)
 
 
 class HistorySerializer(serializers.Serializer):
@@ -242,7 +248,7 @@ class ToolResultSerializer(serializers.Serializer):
     results = ToolSearchHitSerializer(many=True, required=False)
     text = serializers.CharField(required=False)
     count = serializers.IntegerField(required=False)
-    job_id = serializers.IntegerField(required=False)
+    job_id = serializers.UUIDField(required=False)
     error = ErrorDetailSerializer(required=False)
 
 
@@ -280,7 +286,7 @@ class SummaryStartSerializer(serializers.Serializer):
 
 
 class JobStartedSerializer(serializers.Serializer):
-    job_id = serializers.IntegerField()
+    job_id = serializers.UUIDField(help_text="follow it at /api/v1/jobs/{job_id}")
     status = serializers.ChoiceField(choices=Job.Status.choices)
 
 
@@ -289,6 +295,8 @@ class JobSerializer(serializers.ModelSerializer):
     and what it did (result). Keys, prefixes and counts only, never memory values.
     ``started_at`` is when the latest attempt began."""
 
+    # The job's uid: its row id comes from a sequence every tenant shares.
+    id = serializers.UUIDField(source="uid", read_only=True)
     params = serializers.DictField()
     result = serializers.DictField()
 
@@ -384,7 +392,8 @@ class ForgetReceiptSerializer(serializers.Serializer):
 
 
 class ForgetRequestOutSerializer(serializers.Serializer):
-    id = serializers.IntegerField()
+    # The request's uid: its row id comes from a sequence every tenant shares.
+    id = serializers.UUIDField(source="uid")
     status = serializers.ChoiceField(choices=ForgetRequest.Status.choices)
     target = serializers.SerializerMethodField()
     reason = serializers.CharField()

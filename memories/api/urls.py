@@ -11,9 +11,10 @@ urlpatterns = [
     path("memories/<str:key>", views.MemoryDetailView.as_view(), name="memories-detail"),
     path("memories/<str:key>/history", views.MemoryHistoryView.as_view(), name="memories-history"),
     path("summaries", views.SummaryStartView.as_view(), name="summaries-create"),
-    path("jobs/<int:job_id>", views.JobDetailView.as_view(), name="jobs-detail"),
+    # Jobs and forget requests by their uid; any other segment (an old numeric id) is 404.
+    path("jobs/<str:job_id>", views.JobDetailView.as_view(), name="jobs-detail"),
     path("forget-requests", views.ForgetRequestListView.as_view(), name="forget-requests-list"),
-    path("forget-requests/<int:request_id>", views.ForgetRequestDetailView.as_view(), name="forget-requests-detail"),
+    path("forget-requests/<str:request_id>", views.ForgetRequestDetailView.as_view(), name="forget-requests-detail"),
     path("langgraph/store/items", langgraph.StoreItemsView.as_view(), name="langgraph-store-items"),
     path("langgraph/store/items/search", langgraph.StoreSearchView.as_view(), name="langgraph-store-search"),
     path("langgraph/store/namespaces", langgraph.StoreNamespacesView.as_view(), name="langgraph-store-namespaces"),

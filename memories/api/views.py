@@ -10,9 +10,10 @@ from rest_framework.response import Response
 
 from memories import services, tools
 from memories.api import serializers as s
+from memories.models import ETAG_PURPOSE
 from memories.portal.services import portal_link_create, portal_links_revoke
 from memories.services.claude_memory import MemoryToolError, memory_tool_run
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kernel.errors import InvalidInput
 from zeromem.kit import metrics
 from zeromem.kit.api import (
@@ -138,14 +139,15 @@ def _called_tool(call):
 
 # --- memories as resources ------------------------------------------------------------
 
-_ETAG_RE = re.compile(r'^(?:W/)?"([0-9]{1,19})-([0-9]{1,10})"$')
+_ETAG_RE = re.compile(rf'^(?:W/)?"({opaque.TOKEN_PATTERN})-([0-9]{{1,10}})"$')
 # An If-Match list longer than this is refused (each ETag is one more OR'ed condition).
 IF_MATCH_MAX_ETAGS = 20
 
 
 def _if_match(request) -> tuple[int, int] | frozenset | str | None:
-    """(memory id, version) from an ETag we issued; "*" (any current version) as is; a list
-    (``"1-3", "1-4"``, RFC 9110: the current ETag is any of them) as a frozenset of pairs."""
+    """(memory id, version) from an ETag we issued (``"<row token>-<version>"``, the row's id
+    opened from its token); "*" (any current version) as is; a list (``"t-3", "t-4"``, RFC
+    9110: the current ETag is any of them) as a frozenset of pairs."""
     header = request.headers.get("If-Match")
     if header is None:
         return None
@@ -157,8 +159,9 @@ def _if_match(request) -> tuple[int, int] | frozenset | str | None:
     pairs = set()
     for member in members:
         match = _ETAG_RE.match(member)
-        if match:  # an ETag we never issued cannot match the current one
-            pairs.add((int(match.group(1)), int(match.group(2))))
+        pk = opaque.open_id(match.group(1), purpose=ETAG_PURPOSE) if match else None
+        if pk is not None:  # an ETag we never issued cannot match the current one
+            pairs.add((pk, int(match.group(2))))
     if len(pairs) > 1:
         return frozenset(pairs)
     return pairs.pop() if pairs else (0, 0)
@@ -354,7 +357,7 @@ def _validated(serializer_class, data) -> dict:
 
 JOB_ID_PARAM = OpenApiParameter(
     "job_id",
-    {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+    {"type": "string", "format": "uuid"},
     OpenApiParameter.PATH,
     required=True,
     description="the job_id a start endpoint returned",
@@ -381,9 +384,9 @@ class SummaryStartView(AuditedAPIView):
             tenant=self.tenant, actor=self.actor, prefix=data["prefix"], archive=data.get("archive", False)
         )
         return Response(
-            {"job_id": job.pk, "status": job.status},
+            {"job_id": str(job.uid), "status": job.status},
             status=status.HTTP_202_ACCEPTED,
-            headers={"Location": reverse("jobs-detail", kwargs={"job_id": job.pk})},
+            headers={"Location": reverse("jobs-detail", kwargs={"job_id": job.uid})},
         )
 
 
@@ -414,7 +417,7 @@ class JobDetailView(AuditedAPIView):
 
 FORGET_REQUEST_ID_PARAM = OpenApiParameter(
     "request_id",
-    {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+    {"type": "string", "format": "uuid"},
     OpenApiParameter.PATH,
     required=True,
     description="the id POST /api/v1/forget-requests returned",
@@ -454,7 +457,7 @@ class ForgetRequestListView(AuditedAPIView):
         return Response(
             s.ForgetRequestOutSerializer(forget_request, context={"actor": self.actor}).data,
             status=status.HTTP_202_ACCEPTED,
-            headers={"Location": reverse("forget-requests-detail", kwargs={"request_id": forget_request.pk})},
+            headers={"Location": reverse("forget-requests-detail", kwargs={"request_id": forget_request.uid})},
         )
 
     @extend_schema(

@@ -45,7 +45,7 @@ from audit.services import AuthThrottled, audited_operation
 from memories.models import ApiKey, Tenant
 from memories.portal.models import PortalLink
 from memories.services.subjects import _validated_subject
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden
 from zeromem.kernel.outcomes import ActorKind, Outcome
@@ -53,6 +53,12 @@ from zeromem.kernel.scopes import Scope
 
 TOKEN_BYTES = 32  # secrets.token_urlsafe: 43 characters
 TOKEN_MAX_LEN = 100  # anything longer is not ours (no hashing of megabyte paths)
+
+
+def link_ref(link: PortalLink) -> str:
+    """How an audit event names a link (the tenant reads its log): an opaque token, not the
+    row id, which comes from a sequence every tenant's links share."""
+    return opaque.seal_id(link.pk, purpose="portal-link")
 
 
 def token_hash(token: str) -> str:
@@ -107,7 +113,7 @@ def portal_link_create(*, tenant: Tenant, actor: Actor, subject: Any) -> tuple[P
             created_by=actor.id,
         )
         in_seconds = max(0, int((expires_at - now).total_seconds()))
-        op.record(subject=subject, detail={"portal_link": link.pk, "expires_in_seconds": in_seconds})
+        op.record(subject=subject, detail={"portal_link": link_ref(link), "expires_in_seconds": in_seconds})
     return link, token
 
 
@@ -139,7 +145,7 @@ def portal_link_open(*, token: str, actor_for: Callable[[PortalLink | None], Act
         ).update(opened_at=now)
         if won:
             link.opened_at = now
-            op.record(subject=link.subject, detail={"portal_link": link.pk})
+            op.record(subject=link.subject, detail={"portal_link": link_ref(link)})
     if not won:  # another request opened it between our SELECT and the UPDATE
         _refuse(tenant, actor_for(None), "replayed", subject=link.subject, link=link)
     return link
@@ -198,7 +204,7 @@ def portal_sign_out(*, link: PortalLink, actor: Actor) -> None:
     """End the portal session of ``link`` server-side (its cookie stops working)."""
     with audited_operation(tenant=link.tenant, actor=actor, action="portal.sign_out") as op:
         PortalLink.objects.filter(pk=link.pk, closed_at__isnull=True).update(closed_at=timezone.now())
-        op.record(subject=link.subject, detail={"portal_link": link.pk})
+        op.record(subject=link.subject, detail={"portal_link": link_ref(link)})
 
 
 def _refuse(tenant: Tenant | None, actor: Actor, reason: str, *, subject: str = "", link=None) -> None:
@@ -213,7 +219,7 @@ def _refuse(tenant: Tenant | None, actor: Actor, reason: str, *, subject: str = 
         op.record(
             outcome=Outcome.INVALID if reason == "altered" else Outcome.DENIED,
             subject=subject,
-            detail={"code": f"link_{reason}", "portal_link": link.pk if link else None},
+            detail={"code": f"link_{reason}", "portal_link": link_ref(link) if link else None},
         )
     raise LinkRefused(reason, link)
 

@@ -26,7 +26,7 @@ from memories.portal import presentation
 from memories.portal.models import PortalLink
 from memories.portal.services import LinkRefused, portal_link_open, portal_session_link, portal_sign_out
 from memories.services import subjects
-from zeromem.kernel import validation
+from zeromem.kernel import opaque
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound, TenantBusy
 from zeromem.kernel.outcomes import ActorKind
@@ -37,6 +37,7 @@ COOKIE = "zm_portal"
 COOKIE_SALT = "zeromem.portal.session"
 COOKIE_PATH = "/portal/"
 COOKIE_SAMESITE = "Strict"
+SESSION_PURPOSE = "portal-session"
 END_USER_SCOPES = frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE})
 PENDING = (ForgetRequest.Status.RECEIVED, ForgetRequest.Status.RUNNING)
 # A page showing a pending request reloads itself (a meta refresh: no script), after 2 s, then
@@ -104,7 +105,9 @@ def _session_link(request, *, count: bool = True) -> PortalLink | None:
     raw = request.get_signed_cookie(
         COOKIE, default=None, salt=COOKIE_SALT, max_age=settings.ZEROMEM_PORTAL_SESSION_SECONDS
     )
-    link_id = validation.ascii_int(raw)
+    # The cookie is signed, not enciphered: it holds the link's opaque token, not its row id
+    # (a sequence every tenant's links share).
+    link_id = opaque.open_id(raw, purpose=SESSION_PURPOSE)
     return portal_session_link(link_id=link_id, count=count) if link_id else None
 
 
@@ -191,7 +194,7 @@ def link_open(request, token):
     response = HttpResponseRedirect(reverse("portal-home"))
     response.set_signed_cookie(
         COOKIE,
-        str(link.pk),
+        opaque.seal_id(link.pk, purpose=SESSION_PURPOSE),
         salt=COOKIE_SALT,
         max_age=settings.ZEROMEM_PORTAL_SESSION_SECONDS,
         path=COOKIE_PATH,
@@ -307,7 +310,7 @@ def forget(request):
     except TenantBusy as exc:  # the tenant's pending forget requests are at their cap
         message = "Too many requests to forget are waiting to be carried out here right now. Try again in a minute."
         return _too_many(request, exc.extra.get("retry_after", 10), message)
-    return HttpResponseRedirect(reverse("portal-request", kwargs={"request_id": forget_request.pk}))
+    return HttpResponseRedirect(reverse("portal-request", kwargs={"request_id": forget_request.uid}))
 
 
 @never_cache
@@ -323,7 +326,7 @@ def request_detail(request, request_id):
             tenant=link.tenant, actor=actor, subject=link.subject, request_id=request_id
         )
     except NotFound:
-        return _error(request, 404, "No such request", "There is no request of yours with this number.")
+        return _error(request, 404, "No such request", "There is no request of yours with this reference.")
     view = _request_view(forget_request)
     context = {"tenant": link.tenant, "r": view, "refresh": _refresh(request, view["pending"])}
     return render(request, "portal/request.html", context)
@@ -360,7 +363,7 @@ def _request_view(r: ForgetRequest) -> dict:
     reached = order.index(r.status) if r.status in order else -1
     receipt = r.receipt or {}
     return {
-        "id": r.pk,
+        "id": str(r.uid),  # never the row id: a sequence every tenant's requests share
         "what": what,
         "status": r.status,
         "status_label": dict(STEPS).get(r.status, "Could not be completed"),

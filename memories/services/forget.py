@@ -156,7 +156,7 @@ def forget_request_create(
             if same is not None:
                 op.record(
                     subject=end_user_subject or target.get("subject", ""),
-                    detail={"forget_request": same.pk, "by": _target_kind(same), "pending": True},
+                    detail={"forget_request": str(same.uid), "by": _target_kind(same), "pending": True},
                 )
                 return same
         if actor.kind == ActorKind.END_USER:
@@ -193,7 +193,7 @@ def forget_request_create(
         )
         op.record(
             count=len(target.get("keys", ())) or None,
-            detail={"forget_request": request.pk, "by": _target_kind(request), "due_in_days": days},
+            detail={"forget_request": str(request.uid), "by": _target_kind(request), "due_in_days": days},
         )
         idempotency_holds_no_values(idempotency_claim, tenant=tenant)
         # robust: the request is already committed; if the broker is down, the resume
@@ -300,12 +300,15 @@ def _visible(*, tenant: Tenant, actor: Actor) -> QuerySet[ForgetRequest]:
 
 
 def forget_request_get(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest:
-    """One request by id; :class:`NotFound` otherwise — also for another tenant's id
-    (indistinguishable from a missing one). Cost: one primary-key SELECT and the audit INSERT."""
+    """One request by its uid (the id the API shows; the row id comes from a sequence every
+    tenant shares); :class:`NotFound` otherwise — also for another tenant's uid and for an old
+    numeric id (indistinguishable from a missing one). Cost: one SELECT by the unique
+    ``forget_uid`` index and the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         require_scope(actor, Scope.FORGET_CREATE)
-        pk = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
-        return _one_request(op, _visible(tenant=tenant, actor=actor), pk)
+        uid = validation.public_uid(request_id)
+        request = _visible(tenant=tenant, actor=actor).filter(uid=uid).first() if uid is not None else None
+        return _recorded(op, request, str(uid) if uid is not None else None)
 
 
 def forget_request_view(*, tenant: Tenant, actor: Actor, request_id: Any) -> ForgetRequest:
@@ -314,14 +317,15 @@ def forget_request_view(*, tenant: Tenant, actor: Actor, request_id: Any) -> For
     :func:`forget_request_get` records it; :class:`NotFound` for another tenant's or none."""
     with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         pk = validation.ascii_int(request_id) if isinstance(request_id, str) else request_id
-        return _one_request(op, ForgetRequest.objects.filter(tenant=tenant), pk)
+        valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= PK_MAX
+        request = ForgetRequest.objects.filter(tenant=tenant, pk=pk).first() if valid else None
+        return _recorded(op, request, str(request.uid) if request is not None else (pk if valid else None))
 
 
-def _one_request(op, requests, pk) -> ForgetRequest:
-    """The request ``pk`` among ``requests``, recorded on ``op``; NotFound (recorded) if none."""
-    valid = isinstance(pk, int) and not isinstance(pk, bool) and 1 <= pk <= PK_MAX
-    request = requests.filter(pk=pk).first() if valid else None
-    detail = {"forget_request": pk if valid else None}
+def _recorded(op, request: ForgetRequest | None, shown: str | None) -> ForgetRequest:
+    """``request`` recorded on ``op`` (its uid in ``detail``: the audit log is shown to the
+    tenant); NotFound (recorded) if none."""
+    detail = {"forget_request": shown}
     if request is None:
         op.record(outcome=Outcome.NOT_FOUND, detail=detail)
         raise NotFound("no such forget request", field="request_id")
@@ -384,7 +388,7 @@ def forget_request_list(
             late = ~Q(status=Status.COMPLETED) & Q(due_at__lte=timezone.now())
             qs = qs.filter(late if overdue else ~late)
         rows = list(qs[: limit + 1])
-        next_cursor = validation.encode_cursor(str(rows[limit - 1].pk)) if len(rows) > limit else None
+        next_cursor = validation.encode_id_cursor(rows[limit - 1].pk) if len(rows) > limit else None
         rows = rows[:limit]
         op.record(count=len(rows))
         return rows, next_cursor
@@ -558,7 +562,7 @@ def _shred(request_id: int) -> int:
             action="datakey.destroy",
             outcome=Outcome.OK,
             count=destroyed,
-            detail={"forget_request": request_id, "data_keys_destroyed": destroyed},
+            detail={"forget_request": str(request.uid), "data_keys_destroyed": destroyed},
         )
         return destroyed
 
@@ -584,7 +588,7 @@ def _redact_jobs(request: ForgetRequest) -> int:
         hit = lambda prefix: prefix in namespaces  # noqa: E731
     statuses = Job.FINISHED if request.keys else (*Job.FINISHED, *Job.PENDING)
     jobs = Job.objects.filter(tenant_id=request.tenant_id, kind=Job.Kind.SUMMARIZE, status__in=statuses).only(
-        "pk", "params", "result", "status"
+        "pk", "uid", "params", "result", "status"
     )
     named = [job for job in jobs.iterator() if isinstance(job.params.get("prefix"), str) and hit(job.params["prefix"])]
     cancelled = []
@@ -598,10 +602,10 @@ def _redact_jobs(request: ForgetRequest) -> int:
                 params=params,
                 result=result,
                 status=Job.Status.CANCELLED,
-                error=f"cancelled: its namespace was forgotten (forget request {request.pk})",
+                error=f"cancelled: its namespace was forgotten (forget request {request.uid})",
                 finished_at=timezone.now(),
             ):
-                cancelled.append(job.pk)
+                cancelled.append(str(job.uid))
             else:
                 redacted.update(params=params, result=result)
         if cancelled:
@@ -613,7 +617,7 @@ def _redact_jobs(request: ForgetRequest) -> int:
                 count=len(cancelled),
                 detail={
                     "reason": "forgotten",
-                    "forget_request": request.pk,
+                    "forget_request": str(request.uid),
                     "job_ids": cancelled[:CANCEL_EVENT_MAX_IDS],
                 },
             )
@@ -664,7 +668,7 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
                 actor=actor,
                 action="forget.fail",
                 outcome=Outcome.OK,
-                detail={"forget_request": request_id, "attempts": attempts - 1},
+                detail={"forget_request": str(request.uid), "attempts": attempts - 1},
             )
         else:
             receipt = {**request.receipt, "started_at": request.receipt.get("started_at") or _iso(now)}
@@ -684,7 +688,7 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
                 actor=actor,
                 action="forget.start",
                 outcome=Outcome.OK,
-                detail={"forget_request": request_id, "attempt": attempts},
+                detail={"forget_request": str(request.uid), "attempt": attempts},
             )
         request.refresh_from_db()
         return request
@@ -812,7 +816,7 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
             action="forget.erase",
             outcome=Outcome.OK,
             count=len(ids) + versions_left,
-            detail={"forget_request": request_id, **counts, "summaries_rebuilt": len(rebuilt)},
+            detail={"forget_request": str(request.uid), **counts, "summaries_rebuilt": len(rebuilt)},
         )
         return True
 
@@ -1051,7 +1055,7 @@ def _complete(request_id: int) -> dict | None:
             action="forget.complete",
             outcome=Outcome.OK,
             count=receipt["memories"] + receipt["summaries"],
-            detail={"forget_request": request_id, **{name: receipt[name] for name in RECEIPT_COUNTS}},
+            detail={"forget_request": str(request.uid), **{name: receipt[name] for name in RECEIPT_COUNTS}},
         )
         request.refresh_from_db()
         return _result(request)
@@ -1102,7 +1106,7 @@ def forget_requests_resume() -> int:
             ForgetRequest.objects.filter(status__in=PENDING, progress_at__lt=cutoff)
             .select_for_update(skip_locked=True)
             .order_by("progress_at")
-            .values_list("pk", "tenant_id", "attempts", "receipt")[:RESUME_MAX]
+            .values_list("pk", "tenant_id", "uid", "attempts", "receipt")[:RESUME_MAX]
         )
         if not stale:
             return 0
@@ -1111,7 +1115,7 @@ def forget_requests_resume() -> int:
         # interval before enqueueing the same request again.
         ForgetRequest.objects.filter(pk__in=[pk for pk, *_ in stale]).update(progress_at=now)
         actor = Actor.system(job=FORGET_JOB)
-        for pk, tenant_id, attempts, receipt in stale:
+        for pk, tenant_id, uid, attempts, receipt in stale:
             transaction.on_commit(partial(_enqueue, pk), robust=True)
             if (receipt or {}).get(RESUMED_AFTER) == attempts:
                 continue  # still waiting where the last resume found it: audited then
@@ -1121,6 +1125,6 @@ def forget_requests_resume() -> int:
                 actor=actor,
                 action="forget.resume",
                 outcome=Outcome.OK,
-                detail={"forget_request": pk, "attempts": attempts},
+                detail={"forget_request": str(uid), "attempts": attempts},
             )
     return len(stale)

@@ -93,13 +93,15 @@ def job_get(*, tenant: Tenant, actor: Actor, job_id: Any) -> Job:
     whole tenant, for a key with an allowlist), look exactly like a job that does not exist.
 
     Needs ``memory:read`` (a job's params and result name keys and prefixes). Cost: one
-    primary-key SELECT and the audit INSERT.
+    SELECT by the unique ``job_uid`` index and the audit INSERT.
     """
     with audited_operation(tenant=tenant, actor=actor, action="job.read") as op:
         require_scope(actor, Scope.MEMORY_READ)
-        job_id = validation.bounded_int(job_id, field="job_id", default=0, low=1, high=2**63 - 1)
-        op.target = str(job_id)
-        job = Job.objects.filter(tenant=tenant, pk=job_id).first()
+        # The job's uid (the row id is never shown: it comes from a sequence every tenant
+        # shares); an old numeric id, or anything else, is not found.
+        uid = validation.public_uid(job_id)
+        op.target = str(uid) if uid is not None else ""
+        job = Job.objects.filter(tenant=tenant, uid=uid).first() if uid is not None else None
         if job is None or not _visible(actor, job):
             raise NotFound("no such job", field="job_id")
         op.record()
@@ -131,11 +133,12 @@ def jobs_cancel_for_key(*, tenant: Tenant, actor: Actor, key: ApiKey, reason: st
     with audited_operation(
         tenant=tenant, actor=actor, action="memory.summarize.cancel", target=key.display_prefix
     ) as op:
-        ids = sorted(
+        rows = sorted(
             Job.objects.filter(tenant=tenant, api_key_id=key.pk, status=Job.Status.QUEUED)
             .select_for_update()
-            .values_list("pk", flat=True)
+            .values_list("pk", "uid")
         )
+        ids = [pk for pk, _ in rows]
         if not ids:
             return 0
         # Locked above; the status is checked again in case an attempt began in between.
@@ -146,7 +149,7 @@ def jobs_cancel_for_key(*, tenant: Tenant, actor: Actor, key: ApiKey, reason: st
             op.record(
                 outcome=Outcome.DENIED,
                 count=count,
-                detail={"reason": f"api_key_{reason}", "job_ids": ids[:CANCEL_EVENT_MAX_IDS]},
+                detail={"reason": f"api_key_{reason}", "job_ids": [str(uid) for _, uid in rows[:CANCEL_EVENT_MAX_IDS]]},
             )
         return count
 

@@ -763,7 +763,7 @@ def memory_history(*, tenant: Tenant, actor: Actor, key: Any, limit: Any = None,
         require_scope(actor, Scope.MEMORY_READ)
         require_key_allowed(actor, key)
         limit = validation.limit(limit, default=50)
-        before = validation.decode_id_cursor(cursor)
+        before = validation.decode_version_cursor(cursor)
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()

@@ -21,7 +21,7 @@ from django.db.models import Q
 from audit.services import audited_operation
 from memories import selectors
 from memories.models import ForgetRequest, Memory, Tenant
-from memories.services.forget import PK_MAX, forget_request_create
+from memories.services.forget import forget_request_create
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
@@ -138,17 +138,20 @@ def subject_forget_requests(*, tenant: Tenant, actor: Actor, subject: Any) -> li
 
 def subject_forget_request_get(*, tenant: Tenant, actor: Actor, subject: Any, request_id: Any) -> ForgetRequest:
     """One request about the subject (as :func:`subject_forget_requests` sees them);
-    :class:`NotFound` otherwise — also for another subject's or tenant's request. Cost: one
-    primary-key SELECT and the audit INSERT."""
+    :class:`NotFound` otherwise — also for another subject's or tenant's request, and for an
+    old numeric id (``request_id`` is the request's uid). Cost: one SELECT by the unique
+    ``forget_uid`` index and the audit INSERT."""
     with audited_operation(tenant=tenant, actor=actor, action="forget.read") as op:
         require_scope(actor, Scope.FORGET_CREATE)
         subject = _validated_subject(subject)
         _require_own_subject(actor, subject)
-        valid = isinstance(request_id, int) and not isinstance(request_id, bool) and 1 <= request_id <= PK_MAX
+        uid = validation.public_uid(request_id)
         request = (
-            _about_subject(tenant=tenant, actor=actor, subject=subject).filter(pk=request_id).first() if valid else None
+            _about_subject(tenant=tenant, actor=actor, subject=subject).filter(uid=uid).first()
+            if uid is not None
+            else None
         )
-        detail = {"forget_request": request_id if valid else None}
+        detail = {"forget_request": str(uid) if uid is not None else None}
         if request is None:
             op.record(outcome=Outcome.NOT_FOUND, subject=subject, detail=detail)
             raise NotFound("no such forget request", field="request_id")

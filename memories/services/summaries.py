@@ -172,7 +172,7 @@ def summarize_start(*, tenant: Tenant, actor: Actor, prefix: Any, archive: Any =
             requested_by=actor.label[:150],
             api_key_id=int(actor.id) if actor.kind == ActorKind.API_KEY else None,
         )
-        op.record(target=prefix, detail={"job_id": job.pk, "archive": archive})
+        op.record(target=prefix, detail={"job_id": str(job.uid), "archive": archive})
         # robust: a broker that refuses the task must not turn the accepted job into a 500.
         transaction.on_commit(lambda: _enqueue(job.pk), robust=True)
         return job
@@ -265,7 +265,12 @@ def _attempt_run(job: Job | None, job_id: int) -> dict:
             )
             op.record(
                 count=result["sources"],
-                detail={"job_id": job.pk, "summarizer": summarizer, "tokens": tokens, "archived": result["archived"]},
+                detail={
+                    "job_id": str(job.uid),
+                    "summarizer": summarizer,
+                    "tokens": tokens,
+                    "archived": result["archived"],
+                },
             )
         return result
     except Exception as exc:
@@ -345,7 +350,7 @@ def _attempt_cancelled(job: Job, op: AuditedOperation, refusal: str) -> dict:
         error=cancelled_error(refusal),
         finished_at=timezone.now(),
     )
-    op.record(outcome=Outcome.DENIED, detail={"job_id": job.pk, "reason": f"api_key_{refusal}"})
+    op.record(outcome=Outcome.DENIED, detail={"job_id": str(job.uid), "reason": f"api_key_{refusal}"})
     return {"status": Job.Status.CANCELLED.value, "job_id": job.pk}
 
 
@@ -408,8 +413,9 @@ def summarize_jobs_resume(*, now: datetime | None = None) -> int:
 
 def _job_actor(job: Job) -> Actor:
     # The caller's permissions were checked when the job was accepted; the work is done
-    # (and audited) as this job.
-    return Actor.system(job=f"summarize#{job.pk}")
+    # (and audited) as this job — named by its uid (the tenant reads its audit log; the row id
+    # comes from a sequence every tenant shares).
+    return Actor.system(job=f"summarize#{job.uid}")
 
 
 @dataclass
@@ -597,7 +603,7 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
         value=text,
         subject=subject,
         category=Memory.Category.SUMMARY,
-        source=f"job:summarize#{job.pk}",
+        source=f"job:summarize#{job.uid}",
         # Made from a sensitive memory, it is as sensitive (sealed, not indexed by its text) —
         # one the tenant's rules match too, though written before the rule and not re-sealed yet.
         sensitive=True if _any_sensitive(tenant, digest.sources) else None,

@@ -13,8 +13,10 @@ import base64
 import json
 import re
 import unicodedata
+import uuid
 from datetime import timedelta
 
+from zeromem.kernel import opaque
 from zeromem.kernel.errors import InvalidInput, PayloadTooLarge
 
 KEY_MAX_LEN = 512
@@ -567,12 +569,41 @@ def decode_cursor(raw, field: str = "cursor") -> str | None:
         raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor") from None
 
 
-def decode_id_cursor(raw, *, field: str = "cursor", high: int = 2**63 - 1) -> int | None:
-    """A cursor over row ids (audit events, forget requests): the id, or None for none."""
+def decode_version_cursor(raw, *, field: str = "cursor") -> int | None:
+    """A cursor over one memory's versions (its own count, shown anyway): the version, or None."""
     text = decode_cursor(raw, field=field)
     if text is None:
         return None
-    pk = ascii_int(text)
-    if pk is None or not 1 <= pk <= high or text != str(pk):
+    number = ascii_int(text)
+    if number is None or not 1 <= number <= 2**63 - 1 or text != str(number):
+        raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor")
+    return number
+
+
+def public_uid(raw) -> uuid.UUID | None:
+    """The uid a job or forget request is shown by (``job_id``, ``/forget-requests/{id}``), or
+    None for anything else — an old numeric id among them: the caller answers not found."""
+    if isinstance(raw, uuid.UUID):
+        return raw
+    if not isinstance(raw, str) or len(raw) != 36:
+        return None
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        return None
+
+
+def encode_id_cursor(pk: int) -> str:
+    """A cursor over row ids, opaque (:mod:`zeromem.kernel.opaque`): the ids come from
+    sequences shared by every tenant, so the id itself is never shown."""
+    return opaque.seal_id(pk, purpose="cursor")
+
+
+def decode_id_cursor(raw, *, field: str = "cursor", high: int = 2**63 - 1) -> int | None:
+    """A cursor over row ids (audit events, forget requests, history): the id, or None for none."""
+    if raw is None or raw == "":
+        return None
+    pk = opaque.open_id(raw, purpose="cursor")
+    if pk is None or not 1 <= pk <= high:
         raise InvalidInput("is not a cursor this API returned", field=field, code="invalid_cursor")
     return pk

@@ -87,7 +87,8 @@ class Command(BenchCommand):
             accepted = time.perf_counter()
             if response.status_code != 202:
                 raise CommandError(f"POST answered {response.status_code}: {response.content[:300]!r}")
-            request_id = response.json()["id"]
+            # The API shows the request's uid; the queue and the service take its row id.
+            request_id = ForgetRequest.objects.values_list("pk", flat=True).get(uid=response.json()["id"])
             result = self._work_the_queue(request_id, batch_size)
             finished = time.perf_counter()
         finally:
