@@ -171,11 +171,13 @@ def audit_events_matching(qs: QuerySet[AuditEvent], filters: AuditFilters) -> Qu
         # API keys' and staff users' ids are shown as tokens (zeromem/kernel/opaque.py): the
         # filter takes them, qualified (api_key:<token>) or not, as it takes the stored ids.
         kind, ident = actor_parts(f.actor)
-        if kind is not None:  # api_key:7 — that kind's 7 (or its label)
-            stored = opaque.stored_actor_id(ident) or ident
-            qs = qs.filter(Q(actor_id=stored) | Q(actor_label=ident), actor_kind=kind)
+        token = opaque.stored_actor(ident)
+        if token is not None:  # the token the review showed: it says whose
+            qs = qs.filter(actor_kind=token[0], actor_id=token[1]) if kind in (None, token[0]) else qs.none()
+        elif kind is not None:  # api_key:7 — that kind's 7 (or its label)
+            qs = qs.filter(Q(actor_id=ident) | Q(actor_label=ident), actor_kind=kind)
         else:
-            qs = qs.filter(Q(actor_id=opaque.stored_actor_id(f.actor) or f.actor) | Q(actor_label=f.actor))
+            qs = qs.filter(Q(actor_id=f.actor) | Q(actor_label=f.actor))
     if f.actor_kind:
         qs = qs.filter(actor_kind=f.actor_kind)
     if f.action:

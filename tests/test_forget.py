@@ -1189,7 +1189,7 @@ def test_resume_audits_a_request_waiting_in_a_long_queue_once_not_every_run(
     write(tenant_a, "user:u1:k", "value")
     request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
     long_ago = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"] + 1)
-    resumes = AuditEvent.objects.filter(action="forget.resume", detail__forget_request=request.pk)
+    resumes = AuditEvent.objects.filter(action="forget.resume", detail__forget_request=str(request.uid))
 
     def schedule_runs():
         ForgetRequest.objects.filter(pk=request.pk).update(progress_at=long_ago)

@@ -69,11 +69,11 @@ def shown_actor_id(kind: str, actor_id: str) -> str:
     return actor_id
 
 
-def stored_actor_id(shown: str) -> str | None:
-    """The stored actor id a shown token stands for (the audit ``actor`` filter takes what
-    the review showed), or None when ``shown`` is no such token."""
-    for purpose in ACTOR_PURPOSES.values():
+def stored_actor(shown: str) -> tuple[str, str] | None:
+    """(actor kind, stored actor id) a shown token stands for (the audit ``actor`` filter takes
+    what the review showed; a token says its kind), or None when ``shown`` is no such token."""
+    for kind, purpose in ACTOR_PURPOSES.items():
         pk = open_id(shown, purpose=purpose)
         if pk is not None:
-            return str(pk)
+            return kind, str(pk)
     return None
