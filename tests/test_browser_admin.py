@@ -119,7 +119,7 @@ def test_support_edits_and_forgets_a_memory_and_compliance_sees_the_trail_withou
     assert page.locator("#result_list tbody tr").count() == 1
     page.click("#result_list tbody tr th a")
     page.wait_for_selector(".field-detail_display")
-    assert f'"forget_request": {request.pk}' in page.locator(".field-detail_display").inner_text()
+    assert f'"forget_request": "{request.uid}"' in page.locator(".field-detail_display").inner_text()
     screenshot("compliance-forget-event")
     page.goto(f"{base}/admin/memories/forgetrequest/{request.pk}/change/")
     assert "Completed" in page.locator(".field-status").inner_text()

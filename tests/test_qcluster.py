@@ -196,7 +196,8 @@ def _request(pk: int) -> ForgetRequest:
 
 
 def _starts(pk: int) -> list[AuditEvent]:
-    return list(AuditEvent.objects.filter(action="forget.start", detail__forget_request=pk).order_by("occurred_at"))
+    uid = str(ForgetRequest.objects.get(pk=pk).uid)  # events name a request by its uid (opaque ids)
+    return list(AuditEvent.objects.filter(action="forget.start", detail__forget_request=uid).order_by("occurred_at"))
 
 
 def _queued_request_ids() -> list[int]:
