@@ -479,13 +479,28 @@ class MemoryTool:
         key = old.key
         try:
             with transaction.atomic():
+                # Each file is loaded again locked (FOR UPDATE) and moved as it is now: an edit
+                # answered between the read and the delete (unlocked, the rename wrote the text
+                # it had read at the new path and deleted the edited file) waits for this
+                # transaction, then finds its file gone, an error result.
                 if found is not None:
+                    live = selectors.memories_live(tenant=self.tenant)
+                    found = live.filter(pk=found.pk).select_for_update().first()
+                    if found is None:
+                        raise NotFound("no memory at this key", field="key")
                     self._move(found, new.key)
                     mem.memory_delete(tenant=self.tenant, actor=self.actor, key=found.key)
                 for start in range(0, len(under), MOVE_CHUNK):
                     chunk = under[start : start + MOVE_CHUNK]
-                    # The listed keys (the actor's allowlist applied by the listing), live now.
-                    loaded = {m.key: m for m in selectors.memories_live(tenant=self.tenant).filter(key__in=chunk)}
+                    # The listed keys (the actor's allowlist applied by the listing), live now,
+                    # locked in key order (two renames of one directory lock in the same order).
+                    loaded = {
+                        m.key: m
+                        for m in selectors.memories_live(tenant=self.tenant)
+                        .filter(key__in=chunk)
+                        .order_by("key")
+                        .select_for_update()
+                    }
                     for key in chunk:
                         if key not in loaded:
                             raise NotFound("no memory at this key", field="key")
