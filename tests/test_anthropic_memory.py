@@ -791,6 +791,7 @@ def test_a_listing_of_many_directories_does_work_in_proportion_to_its_entries(ap
             sys.setprofile(None)
 
     monkeypatch.setattr(claude_memory.MemoryTool, "_listing", counted)
+    monkeypatch.setattr(claude_memory, "LIST_MAX_CHARS", 10**6)  # every entry (the work, not the cut)
     content = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"]
     lines = content.splitlines()
     assert len(lines) == 2 + 2 * dirs  # header, the total, then each directory and its file
@@ -1022,3 +1023,52 @@ def test_an_edit_acknowledged_while_its_file_is_renamed_is_never_lost(transactio
         assert text[0] == "v2\n", (outcomes, text)
     else:  # refused: the file moved as it was
         assert "no longer exists" in str(outcomes["edit"]) and text[0] == "v1\n", (outcomes, text)
+
+
+@pytest.mark.postgres
+def test_a_view_of_a_huge_directory_answers_at_most_the_listing_budget(api, tenant_a):
+    # 10,000 files of 480-character names: the view answered the first 5,000, 2,494,708
+    # characters (~624,000 estimated tokens, three times a model's context window, where the
+    # tool result then stays). Now at most LIST_MAX_CHARS, ending with how to list the rest.
+    from tests.helpers import copy_memory
+    from zeromem.kernel.tokens import estimate_tokens
+
+    name = "n" * 480
+    api.post(URL, {"command": "create", "path": f"/memories/{name}", "file_text": "x"})
+    copy_memory(Memory.objects.get(tenant=tenant_a, key=f"claude:memories:{name}"), 9999)
+    r = api.post(URL, {"command": "view", "path": "/memories"})
+    assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
+    content = r.json()["content"]
+    assert len(content) <= claude_memory.LIST_MAX_CHARS, len(content)
+    assert estimate_tokens(content) <= claude_memory.LIST_MAX_CHARS // 4 + 100
+    entries = [line for line in content.splitlines()[2:] if line.startswith(("1B\t", "2B\t"))]
+    assert len(entries) >= 25, len(entries)
+    assert content.splitlines()[-2] == (
+        f"(Listing cut at {claude_memory.LIST_MAX_CHARS} characters: entries 1-{len(entries)} of 5000 shown. "
+        f"View /memories with view_range [{len(entries) + 1}, -1] for the next ones.)"
+    )
+    assert content.splitlines()[-1].startswith("(Listing cut: /memories holds more than 5000 files;")
+
+
+def test_a_cut_listing_pages_on_with_view_range_to_every_entry_once(api, tenant_a, monkeypatch):
+    for i in range(40):
+        api.post(URL, {"command": "create", "path": f"/memories/d{i % 3}/{'f' * 200}{i:03d}.md", "file_text": "x" * i})
+    api.post(URL, {"command": "create", "path": "/memories/top.md", "file_text": "top"})
+    whole = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"].splitlines()
+    monkeypatch.setattr(claude_memory, "LIST_MAX_CHARS", 3000)
+    seen, start, pages = [], 1, 0
+    while True:
+        body = {"command": "view", "path": "/memories"}
+        if start > 1:
+            body["view_range"] = [start, -1]
+        content = api.post(URL, body).json()["content"]
+        assert len(content) <= 3000, len(content)
+        lines = content.splitlines()
+        assert lines[:2] == whole[:2]  # the header and the directory's own line, every page
+        pages += 1
+        if not lines[-1].startswith("(Listing cut at"):
+            seen.extend(lines[2:])
+            break
+        seen.extend(lines[2:-1])
+        start = int(lines[-1].split("view_range [")[1].split(",")[0])
+    assert pages > 2 and seen == whole[2:], (pages, len(seen), len(whole))
