@@ -791,6 +791,7 @@ def test_a_listing_of_many_directories_does_work_in_proportion_to_its_entries(ap
             sys.setprofile(None)
 
     monkeypatch.setattr(claude_memory.MemoryTool, "_listing", counted)
+    monkeypatch.setattr(claude_memory, "LIST_MAX_CHARS", 10**6)  # every entry (the work, not the cut)
     content = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"]
     lines = content.splitlines()
     assert len(lines) == 2 + 2 * dirs  # header, the total, then each directory and its file
@@ -884,18 +885,24 @@ def test_a_rename_loads_its_files_values_a_chunk_at_a_time(api, tenant_a, monkey
         return memory_list(**kwargs)
 
     class Recorded:
-        def __init__(self, qs):
-            self.qs = qs
+        # The queryset, counting the rows a load of a chunk of keys (filter(key__in=…)) yields.
+        def __init__(self, qs, chunk=False):
+            self.qs, self.chunk = qs, chunk
 
         def __getattr__(self, name):
-            return getattr(self.qs, name)
+            attr = getattr(self.qs, name)
+            if name in ("order_by", "select_for_update"):
+                return lambda *a, **k: Recorded(attr(*a, **k), self.chunk)
+            return attr
 
         def filter(self, *args, **kwargs):
-            if "key__in" not in kwargs:
-                return self.qs.filter(*args, **kwargs)
-            rows = list(self.qs.filter(*args, **kwargs))
-            loaded.append(len(rows))
-            return rows
+            return Recorded(self.qs.filter(*args, **kwargs), self.chunk or "key__in" in kwargs)
+
+        def __iter__(self):
+            rows = list(self.qs)
+            if self.chunk:
+                loaded.append(len(rows))
+            return iter(rows)
 
     def live(**kwargs):
         return Recorded(memories_live(**kwargs))
@@ -946,3 +953,122 @@ def test_an_error_result_after_audited_steps_adds_no_event_of_its_own(api, tenan
     assert r.json()["is_error"] is True
     events = list(AuditEvent.objects.order_by("pk")[before:].values_list("action", "outcome"))
     assert events == [("memory.read", "not_found"), ("memory.list", "ok")]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("old_path", "new_path", "edited"),
+    [
+        ("/memories/a.md", "/memories/b.md", "/memories/a.md"),
+        ("/memories/d", "/memories/e", "/memories/d/a.md"),
+    ],
+    ids=["file", "directory"],
+)
+def test_an_edit_acknowledged_while_its_file_is_renamed_is_never_lost(transactional_db, old_path, new_path, edited):
+    """Two agents of one tenant: one renames, the other edits the file being renamed. The
+    rename read the file (a file: before its transaction; a directory: each chunk, unlocked),
+    the edit committed and answered success, then the rename wrote the text it had read at the
+    new path and deleted the old one — the acknowledged edit was gone. The rename's
+    ``_move`` waits here (up to 3 s) for the edit to be answered; with the rows locked as they
+    are loaded, the edit waits for the rename instead and answers an error result."""
+    import threading
+
+    from tests.factories import SYSTEM
+    from tests.helpers import start_thread
+
+    tenant = make_tenant("race-rename")
+    claude_memory.memory_tool_run(
+        tenant=tenant, actor=SYSTEM, command={"command": "create", "path": edited, "file_text": "v1\n"}
+    )
+    loaded, answered = threading.Event(), threading.Event()
+    move = claude_memory.MemoryTool._move
+
+    def move_after_the_edit(self, memory, key):
+        loaded.set()
+        answered.wait(3)
+        return move(self, memory, key)
+
+    outcomes, failures = {}, []
+
+    def rename():
+        outcomes["rename"] = claude_memory.MemoryTool(tenant=tenant, actor=SYSTEM).rename(old_path, new_path)
+
+    def edit():
+        assert loaded.wait(10)
+        try:
+            outcomes["edit"] = claude_memory.memory_tool_run(
+                tenant=tenant,
+                actor=SYSTEM,
+                command={"command": "str_replace", "path": edited, "old_str": "v1", "new_str": "v2"},
+            )
+        except claude_memory.MemoryToolError as exc:
+            outcomes["edit"] = exc
+        finally:
+            answered.set()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(claude_memory.MemoryTool, "_move", move_after_the_edit)
+        threads = [start_thread(rename, failures), start_thread(edit, failures)]
+        for t in threads:
+            t.join(30)
+    assert not failures, failures
+    assert outcomes["rename"] == f"Successfully renamed {old_path} to {new_path}", outcomes
+    moved = edited.replace(old_path, new_path, 1)
+    text = claude_memory.MemoryTool(tenant=tenant, actor=SYSTEM)._text(
+        claude_memory.MemoryTool(tenant=tenant, actor=SYSTEM).place(moved)
+    )
+    live = sorted(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", flat=True))
+    assert len(live) == 1, live
+    if isinstance(outcomes["edit"], str):  # acknowledged: the edit must be in the file
+        assert text[0] == "v2\n", (outcomes, text)
+    else:  # refused: the file moved as it was
+        assert "no longer exists" in str(outcomes["edit"]) and text[0] == "v1\n", (outcomes, text)
+
+
+@pytest.mark.postgres
+def test_a_view_of_a_huge_directory_answers_at_most_the_listing_budget(api, tenant_a):
+    # 10,000 files of 480-character names: the view answered the first 5,000, 2,494,708
+    # characters (~624,000 estimated tokens, three times a model's context window, where the
+    # tool result then stays). Now at most LIST_MAX_CHARS, ending with how to list the rest.
+    from tests.helpers import copy_memory
+    from zeromem.kernel.tokens import estimate_tokens
+
+    name = "n" * 480
+    api.post(URL, {"command": "create", "path": f"/memories/{name}", "file_text": "x"})
+    copy_memory(Memory.objects.get(tenant=tenant_a, key=f"claude:memories:{name}"), 9999)
+    r = api.post(URL, {"command": "view", "path": "/memories"})
+    assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
+    content = r.json()["content"]
+    assert len(content) <= claude_memory.LIST_MAX_CHARS, len(content)
+    assert estimate_tokens(content) <= claude_memory.LIST_MAX_CHARS // 4 + 100
+    entries = [line for line in content.splitlines()[2:] if line.startswith(("1B\t", "2B\t"))]
+    assert len(entries) >= 25, len(entries)
+    assert content.splitlines()[-2] == (
+        f"(Listing cut at {claude_memory.LIST_MAX_CHARS} characters: entries 1-{len(entries)} of 5000 shown. "
+        f"View /memories with view_range [{len(entries) + 1}, -1] for the next ones.)"
+    )
+    assert content.splitlines()[-1].startswith("(Listing cut: /memories holds more than 5000 files;")
+
+
+def test_a_cut_listing_pages_on_with_view_range_to_every_entry_once(api, tenant_a, monkeypatch):
+    for i in range(40):
+        api.post(URL, {"command": "create", "path": f"/memories/d{i % 3}/{'f' * 200}{i:03d}.md", "file_text": "x" * i})
+    api.post(URL, {"command": "create", "path": "/memories/top.md", "file_text": "top"})
+    whole = api.post(URL, {"command": "view", "path": "/memories"}).json()["content"].splitlines()
+    monkeypatch.setattr(claude_memory, "LIST_MAX_CHARS", 3000)
+    seen, start, pages = [], 1, 0
+    while True:
+        body = {"command": "view", "path": "/memories"}
+        if start > 1:
+            body["view_range"] = [start, -1]
+        content = api.post(URL, body).json()["content"]
+        assert len(content) <= 3000, len(content)
+        lines = content.splitlines()
+        assert lines[:2] == whole[:2]  # the header and the directory's own line, every page
+        pages += 1
+        if not lines[-1].startswith("(Listing cut at"):
+            seen.extend(lines[2:])
+            break
+        seen.extend(lines[2:-1])
+        start = int(lines[-1].split("view_range [")[1].split(",")[0])
+    assert pages > 2 and seen == whole[2:], (pages, len(seen), len(whole))

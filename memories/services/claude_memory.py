@@ -62,6 +62,10 @@ MAX_LINES = 999999
 LINE_NUMBER_WIDTH = len(str(MAX_LINES))
 # A listing reads at most this many memories under the directory (200 per page).
 LIST_MAX_MEMORIES = 5000
+# A listing answers at most this many characters (the largest slice a read of a value
+# answers, README "Token cost"); past it, it ends with a line saying which entries it showed
+# and the view_range that lists the next ones. 10,000 files of long names were 2.5 MB.
+LIST_MAX_CHARS = 16384
 # A directory's rename loads the values of this many files at a time.
 MOVE_CHUNK = 100
 COMMANDS = ("view", "create", "str_replace", "insert", "delete", "rename")
@@ -268,7 +272,7 @@ class MemoryTool:
         if not sizes and not place.is_root:
             raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
         cut = len(sizes) > LIST_MAX_MEMORIES
-        return self._listing(path, place, sizes[:LIST_MAX_MEMORIES], cut=cut)
+        return self._listing(path, place, sizes[:LIST_MAX_MEMORIES], cut=cut, view_range=view_range)
 
     def _view_file(self, path: str, content: str, view_range: list[int] | None) -> str:
         lines = content.split("\n")
@@ -282,7 +286,15 @@ class MemoryTool:
         numbered = [f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}" for i, line in enumerate(display)]
         return f"Here's the content of {path} with line numbers:\n" + "\n".join(numbered)
 
-    def _listing(self, path: str, place: Place, sizes: list[tuple[str, int]], *, cut: bool = False) -> str:
+    def _listing(
+        self,
+        path: str,
+        place: Place,
+        sizes: list[tuple[str, int]],
+        *,
+        cut: bool = False,
+        view_range: list[int] | None = None,
+    ) -> str:
         # Relative names → size; a directory's size is the bytes of the files under it.
         files: dict[tuple[str, ...], int] = {}
         for key, size in sizes:
@@ -322,7 +334,28 @@ class MemoryTool:
         collect((), 1)
         header = f"Here're the files and directories up to 2 levels deep in {path}, excluding hidden items:"
         lines = [f"{_format_size(sum(files.values()))}\t{path}"]
-        lines.extend(f"{size}\t{path}/{name}" for size, name in items)
+        # view_range on a directory: its entries first to end (1-based, end -1: the last), as
+        # the line after a cut listing says; the reference backend ignores it there.
+        first, end = 1, len(items)
+        if view_range:
+            first = max(1, view_range[0])
+            end = len(items) if view_range[1] == -1 else min(len(items), view_range[1])
+        # What is left for entries once the header, the directory's line and the notes below
+        # (each ~200 characters and the path) are counted.
+        left = LIST_MAX_CHARS - len(header) - len(lines[0]) - 2 * (len(path) + 220)
+        shown = first - 1
+        for size, name in items[first - 1 : end]:
+            line = f"{size}\t{path}/{name}"
+            if len(line) + 1 > left:
+                break
+            lines.append(line)
+            left -= len(line) + 1
+            shown += 1
+        if shown < end:
+            lines.append(
+                f"(Listing cut at {LIST_MAX_CHARS} characters: entries {first}-{shown} of {len(items)} shown. "
+                f"View {path} with view_range [{shown + 1}, -1] for the next ones.)"
+            )
         if cut:
             lines.append(
                 f"(Listing cut: {path} holds more than {LIST_MAX_MEMORIES} files; only the first "
@@ -479,13 +512,28 @@ class MemoryTool:
         key = old.key
         try:
             with transaction.atomic():
+                # Each file is loaded again locked (FOR UPDATE) and moved as it is now: an edit
+                # answered between the read and the delete (unlocked, the rename wrote the text
+                # it had read at the new path and deleted the edited file) waits for this
+                # transaction, then finds its file gone, an error result.
                 if found is not None:
+                    live = selectors.memories_live(tenant=self.tenant)
+                    found = live.filter(pk=found.pk).select_for_update().first()
+                    if found is None:
+                        raise NotFound("no memory at this key", field="key")
                     self._move(found, new.key)
                     mem.memory_delete(tenant=self.tenant, actor=self.actor, key=found.key)
                 for start in range(0, len(under), MOVE_CHUNK):
                     chunk = under[start : start + MOVE_CHUNK]
-                    # The listed keys (the actor's allowlist applied by the listing), live now.
-                    loaded = {m.key: m for m in selectors.memories_live(tenant=self.tenant).filter(key__in=chunk)}
+                    # The listed keys (the actor's allowlist applied by the listing), live now,
+                    # locked in key order (two renames of one directory lock in the same order).
+                    loaded = {
+                        m.key: m
+                        for m in selectors.memories_live(tenant=self.tenant)
+                        .filter(key__in=chunk)
+                        .order_by("key")
+                        .select_for_update()
+                    }
                     for key in chunk:
                         if key not in loaded:
                             raise NotFound("no memory at this key", field="key")
