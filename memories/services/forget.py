@@ -506,7 +506,7 @@ def _summary_targets(request: ForgetRequest) -> dict[str, list[str]]:
     if request.prefix:
         roots = [request.prefix]
     elif request.subject:
-        roots = [f"user:{request.subject}:", f"usr:{request.subject}:"]
+        roots = list(subject_namespaces(request.subject))
     else:
         roots = []
     return {"keys": [summary_key(p) for p in roots], "prefixes": [SUMMARY_KEY_PREFIX + p for p in roots]}
@@ -572,7 +572,7 @@ def _redact_jobs(request: ForgetRequest) -> int:
     a namespace a request by keys only touches is left to run (its summary has the other
     keys). Idempotent. Cost: one scan of the tenant's summarize jobs, an UPDATE per job named."""
     if request.subject:
-        names = (f"user:{request.subject}:", f"usr:{request.subject}:")
+        names = subject_namespaces(request.subject)
         hit = lambda prefix: prefix.startswith(names)  # noqa: E731
     elif request.prefix:
         hit = lambda prefix: prefix.startswith(request.prefix)  # noqa: E731
@@ -687,11 +687,31 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
         return request
 
 
+def subject_namespaces(subject: str) -> tuple[str, str]:
+    """The key prefixes that name ``subject`` by convention (``user:<id>:``, ``usr:<id>:``:
+    what a write infers a memory's subject from, memories.services.memories._infer_subject)."""
+    return f"user:{subject}:", f"usr:{subject}:"
+
+
+def _subject_q(subject: str) -> Q:
+    """A subject's memories: those about them (``subject``), and those of their own namespace
+    that name no other end user (``subject`` "": written with ``subject: ""``, "no subject", or
+    cleared to it by a later write). Before, the forget went by the column alone and left
+    those — while redacting their keys' audit events and cancelling their namespace's
+    summarize jobs as the subject's. A key of their namespace written for another end user
+    (``subject`` set to them) is theirs, and stays."""
+    own = Q()
+    for prefix in subject_namespaces(subject):
+        own |= startswith_q("key", prefix)
+    # memory_tenant_subject, OR the (tenant, key) pattern index twice: a BitmapOr.
+    return Q(subject=subject) | (Q(subject="") & own)
+
+
 def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
     # No live() filter: trashed and expired rows hold the same data until purged.
     qs = Memory.objects.filter(tenant_id=request.tenant_id)
     if request.subject:
-        return qs.filter(subject=request.subject)  # memory_tenant_subject index
+        return qs.filter(_subject_q(request.subject))
     if "subject" in request.reach:
         # An end user's request (the portal's "forget this one") reaches their own memories
         # only: a key the app wrote for someone else after the request was filed is theirs.

@@ -1,0 +1,75 @@
+"""A subject's forget reaches the memories of its own namespace (``user:<subject>:`` and
+``usr:<subject>:``) that name no other end user: written with ``subject: ""`` ("no subject",
+as an LLM filling an optional field sends it), or cleared to "" by a later write. Before,
+the forget went by the ``subject`` column alone: it completed, redacted the audit events of
+those keys and cancelled the namespace's summarize jobs, and left the memories themselves —
+values, versions, summaries made from them — for any reader of the tenant."""
+
+from memories import services
+from memories.models import ForgetRequest, Memory, MemoryVersion
+from memories.services import forget
+from tests.factories import SYSTEM, write
+
+CANARY = "CANARY-ns-5c1f"
+
+
+def forget_subject(tenant, subject):
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject=subject)
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+    assert request.status == ForgetRequest.Status.COMPLETED
+    return request
+
+
+def test_a_subject_forget_erases_its_namespace_written_without_a_subject(tenant_a, tenant_b):
+    write(tenant_a, "user:u9:diary", f"{CANARY} diary", subject="")
+    write(tenant_a, "usr:u9:phone", f"{CANARY} phone", subject="")
+    # Written with its inferred subject, then cleared by a later write ("" is no subject).
+    write(tenant_a, "user:u9:note", f"{CANARY} note v1")
+    write(tenant_a, "user:u9:note", f"{CANARY} note v2", subject="")
+    assert Memory.objects.get(tenant=tenant_a, key="user:u9:note").subject == ""
+    write(tenant_a, "user:u9:gone", f"{CANARY} trashed", subject="")
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="user:u9:gone")
+    # Kept: another end user's namespace, the key handed to u10 explicitly, another tenant's.
+    write(tenant_a, "user:u90:diary", "u90 keeps this", subject="")
+    write(tenant_a, "user:u9:handed", "now about u10", subject="u10")
+    write(tenant_b, "user:u9:diary", "tenant b keeps this", subject="")
+
+    request = forget_subject(tenant_a, "u9")
+
+    left = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", flat=True))
+    assert left == sorted(["user:u9:handed", "user:u90:diary"])
+    assert not MemoryVersion.objects.filter(tenant=tenant_a, value__icontains=CANARY).exists()
+    assert not [v for v in MemoryVersion.objects.filter(tenant=tenant_a) if CANARY in str(v.value)]
+    assert Memory.objects.filter(tenant=tenant_b, key="user:u9:diary").exists()
+    assert request.receipt["memories"] == 4
+
+
+def test_a_summary_of_a_subjectless_namespace_goes_with_it(tenant_a, django_capture_on_commit_callbacks):
+    from tests.factories import summarize
+
+    write(tenant_a, "user:u9:a", f"{CANARY} a", subject="")
+    write(tenant_a, "user:u9:b", f"{CANARY} b", subject="")
+    summary = summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)
+    assert CANARY in str(summary.value) and summary.subject == ""
+
+    request = forget_subject(tenant_a, "u9")
+
+    assert not Memory.objects.filter(tenant=tenant_a).exists()
+    assert (request.receipt["memories"], request.receipt["summaries"]) == (2, 1)
+
+
+def test_a_write_without_subject_committed_during_the_forget_is_erased_before_it_completes(tenant_a, monkeypatch):
+    """The completion's look for the target again (forget._target_left) covers the namespace too."""
+    write(tenant_a, "user:u9:a", "first", subject="")
+    real = forget._shred
+    wrote = []
+
+    def shred_then_write(request_id):
+        if not wrote:
+            wrote.append(write(tenant_a, "user:u9:late", f"{CANARY} late", subject=""))
+        return real(request_id)
+
+    monkeypatch.setattr(forget, "_shred", shred_then_write)
+    forget_subject(tenant_a, "u9")
+    assert wrote and not Memory.objects.filter(tenant=tenant_a).exists()
