@@ -5,10 +5,16 @@ the forget went by the ``subject`` column alone: it completed, redacted the audi
 those keys and cancelled the namespace's summarize jobs, and left the memories themselves —
 values, versions, summaries made from them — for any reader of the tenant."""
 
+import pytest
+
 from memories import services
 from memories.models import ForgetRequest, Memory, MemoryVersion
-from memories.services import forget
-from tests.factories import SYSTEM, write
+from memories.services import forget, subjects
+from tests.factories import SYSTEM, summarize, write
+from zeromem.kernel.actors import Actor
+from zeromem.kernel.errors import NotFound
+from zeromem.kernel.outcomes import ActorKind
+from zeromem.kernel.scopes import Scope
 
 CANARY = "CANARY-ns-5c1f"
 
@@ -39,15 +45,12 @@ def test_a_subject_forget_erases_its_namespace_written_without_a_subject(tenant_
 
     left = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", flat=True))
     assert left == sorted(["user:u9:handed", "user:u90:diary"])
-    assert not MemoryVersion.objects.filter(tenant=tenant_a, value__icontains=CANARY).exists()
     assert not [v for v in MemoryVersion.objects.filter(tenant=tenant_a) if CANARY in str(v.value)]
     assert Memory.objects.filter(tenant=tenant_b, key="user:u9:diary").exists()
     assert request.receipt["memories"] == 4
 
 
 def test_a_summary_of_a_subjectless_namespace_goes_with_it(tenant_a, django_capture_on_commit_callbacks):
-    from tests.factories import summarize
-
     write(tenant_a, "user:u9:a", f"{CANARY} a", subject="")
     write(tenant_a, "user:u9:b", f"{CANARY} b", subject="")
     summary = summarize(tenant_a, "user:u9:", django_capture_on_commit_callbacks)
@@ -73,3 +76,38 @@ def test_a_write_without_subject_committed_during_the_forget_is_erased_before_it
     monkeypatch.setattr(forget, "_shred", shred_then_write)
     forget_subject(tenant_a, "u9")
     assert wrote and not Memory.objects.filter(tenant=tenant_a).exists()
+
+
+def _end_user(subject):
+    return Actor(kind=ActorKind.END_USER, id=subject, scopes=frozenset({Scope.MEMORY_READ, Scope.FORGET_CREATE}))
+
+
+def test_the_end_users_portal_lists_and_forgets_their_namespace_written_without_a_subject(
+    tenant_a, django_capture_on_commit_callbacks
+):
+    """What their forget erases, the end user sees on their page and may forget one by one:
+    the page went by the ``subject`` column alone, so u9 never saw ``user:u9:diary`` written
+    with ``subject: ""``, and "forget this one" on it was a 404."""
+    write(tenant_a, "user:u9:diary", f"{CANARY} diary", subject="")
+    write(tenant_a, "user:u9:city", "Oslo")  # subject u9, inferred
+    write(tenant_a, "user:u9:handed", "about u10", subject="u10")
+    write(tenant_a, "user:u90:diary", "u90's", subject="")
+    u9 = _end_user("u9")
+
+    rows, total = subjects.subject_memories(tenant=tenant_a, actor=u9, subject="u9")
+    assert (sorted(m.key for m in rows), total) == (["user:u9:city", "user:u9:diary"], 2)
+
+    with django_capture_on_commit_callbacks(execute=False):
+        request = subjects.subject_forget(tenant=tenant_a, actor=u9, subject="u9", key="user:u9:diary")
+    forget.forget_request_execute(request_id=request.pk)
+    request.refresh_from_db()
+    assert (request.status, request.receipt["memories"]) == ("completed", 1)
+    left = sorted(Memory.objects.filter(tenant=tenant_a).values_list("key", flat=True))
+    assert left == sorted(["user:u9:city", "user:u9:handed", "user:u90:diary"])
+
+
+def test_an_end_user_cannot_forget_a_key_of_their_namespace_written_for_someone_else(tenant_a):
+
+    write(tenant_a, "user:u9:handed", "about u10", subject="u10")
+    with pytest.raises(NotFound):
+        subjects.subject_forget(tenant=tenant_a, actor=_end_user("u9"), subject="u9", key="user:u9:handed")

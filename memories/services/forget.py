@@ -693,7 +693,7 @@ def subject_namespaces(subject: str) -> tuple[str, str]:
     return f"user:{subject}:", f"usr:{subject}:"
 
 
-def _subject_q(subject: str) -> Q:
+def subject_q(subject: str) -> Q:
     """A subject's memories: those about them (``subject``), and those of their own namespace
     that name no other end user (``subject`` "": written with ``subject: ""``, "no subject", or
     cleared to it by a later write). Before, the forget went by the column alone and left
@@ -707,16 +707,21 @@ def _subject_q(subject: str) -> Q:
     return Q(subject=subject) | (Q(subject="") & own)
 
 
+def is_about(*, key: str, memory_subject: str, subject: str) -> bool:
+    """:func:`subject_q` for one memory, in Python."""
+    return memory_subject == subject or (memory_subject == "" and key.startswith(subject_namespaces(subject)))
+
+
 def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
     # No live() filter: trashed and expired rows hold the same data until purged.
     qs = Memory.objects.filter(tenant_id=request.tenant_id)
     if request.subject:
-        return qs.filter(_subject_q(request.subject))
+        return qs.filter(subject_q(request.subject))
     if "subject" in request.reach:
         # An end user's request (the portal's "forget this one") reaches their own memories
         # only: a key the app wrote for someone else after the request was filed is theirs.
         mine = request.reach["subject"]
-        qs = qs.filter(subject=mine) if mine else qs.none()
+        qs = qs.filter(subject_q(mine)) if mine else qs.none()
     if request.prefix:
         return qs.filter(startswith_q("key", request.prefix))  # (tenant, key) pattern index
     return qs.filter(key__in=request.keys)
