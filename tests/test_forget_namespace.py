@@ -111,3 +111,31 @@ def test_an_end_user_cannot_forget_a_key_of_their_namespace_written_for_someone_
     write(tenant_a, "user:u9:handed", "about u10", subject="u10")
     with pytest.raises(NotFound):
         subjects.subject_forget(tenant=tenant_a, actor=_end_user("u9"), subject="u9", key="user:u9:handed")
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "target", [{"subject": "u77"}, {"prefix": "user:u77:"}, {"keys": ["user:u77:k1", "user:u78:k4"]}]
+)
+def test_a_forget_batch_reads_its_targets_on_indexes_not_every_tenants_memories(tenant_a, target):
+    """No index holds every memory by key (the two partial ones hold the live and the trashed):
+    a forget by prefix or keys looked for its batch with a sequential scan of the whole table,
+    every tenant's memories, once a batch."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """INSERT INTO memories_memory (tenant_id, key, namespace, value, sensitive, search_text, category,
+                   subject, tags, importance, source, version, created_at, updated_at, access_count, sources,
+                   deleted_at)
+               SELECT %s, 'user:u' || i || ':k' || j, 'user:u' || i, '"v"', false, '', 'user',
+                      CASE WHEN j = 0 THEN '' ELSE 'u' || i END, '[]', 5, '', 1, now(), now(), 0, '[]',
+                      CASE WHEN j = 4 THEN now() END
+               FROM generate_series(1, 20000) i, generate_series(0, 4) j""",
+            [tenant_a.pk],
+        )
+        cursor.execute("ANALYZE memories_memory")
+    request = ForgetRequest(tenant=tenant_a, reach={}, **target)
+    batch = forget._target_memories(request).order_by("pk").select_for_update().values_list("pk")[:500]
+    assert "Seq Scan" not in batch.explain()
+    assert len(batch) == {"subject": 5, "prefix": 5, "keys": 2}[next(iter(target))]

@@ -702,9 +702,18 @@ def subject_q(subject: str) -> Q:
     (``subject`` set to them) is theirs, and stays."""
     own = Q()
     for prefix in subject_namespaces(subject):
-        own |= startswith_q("key", prefix)
-    # memory_tenant_subject, OR the (tenant, key) pattern index twice: a BitmapOr.
+        own |= _any_state(startswith_q("key", prefix))
+    # memory_tenant_subject, OR the key ranges: one BitmapOr.
     return Q(subject=subject) | (Q(subject="") & own)
+
+
+def _any_state(by_key: Q) -> Q:
+    """``by_key`` over live and trashed memories alike, spelled so that PostgreSQL reads it on
+    the two partial (tenant, key) indexes — memory_one_live_key_per_tenant (live) and
+    memory_trash_key (trashed): no index holds every row by key, and without the split each
+    batch of a forget by prefix or keys was a sequential scan of every tenant's memories
+    (100k rows: 3,796 → 64 in the planner's cost, 20k tenants)."""
+    return (by_key & Q(deleted_at__isnull=True)) | (by_key & Q(deleted_at__isnull=False))
 
 
 def is_about(*, key: str, memory_subject: str, subject: str) -> bool:
@@ -723,8 +732,8 @@ def _target_memories(request: ForgetRequest) -> QuerySet[Memory]:
         mine = request.reach["subject"]
         qs = qs.filter(subject_q(mine)) if mine else qs.none()
     if request.prefix:
-        return qs.filter(startswith_q("key", request.prefix))  # (tenant, key) pattern index
-    return qs.filter(key__in=request.keys)
+        return qs.filter(_any_state(startswith_q("key", request.prefix)))
+    return qs.filter(_any_state(Q(key__in=request.keys)))
 
 
 def _summaries_derived_from(tenant_id: int, keys: list[str]) -> QuerySet[Memory]:
@@ -899,7 +908,8 @@ def _versions_left(request: ForgetRequest) -> QuerySet[MemoryVersion] | None:
     if not request.subject:
         # An end user's request for a prefix or keys: their versions under those keys only.
         keys = Memory.objects.filter(tenant_id=request.tenant_id)
-        keys = keys.filter(startswith_q("key", request.prefix)) if request.prefix else keys.filter(key__in=request.keys)
+        by_key = startswith_q("key", request.prefix) if request.prefix else Q(key__in=request.keys)
+        keys = keys.filter(_any_state(by_key))
         qs = qs.filter(memory_id__in=keys.values("pk"))
     return qs
 
