@@ -139,3 +139,37 @@ def test_a_forget_batch_reads_its_targets_on_indexes_not_every_tenants_memories(
     batch = forget._target_memories(request).order_by("pk").select_for_update().values_list("pk")[:500]
     assert "Seq Scan" not in batch.explain()
     assert len(batch) == {"subject": 5, "prefix": 5, "keys": 2}[next(iter(target))]
+
+
+@pytest.mark.postgres
+def test_a_completed_forget_leaves_no_word_only_the_subject_had_in_the_term_statistics(api):
+    """The term statistics (``SearchTerm``: each word of the tenant's memories and how many
+    hold it) kept a forgotten subject's words — a name, a diagnosis — after the request
+    completed, until the search-stats schedule's next recount (10 minutes, longer when it
+    lags): a backup or dump taken meanwhile held them. A word someone else held at the count stays."""
+    from memories.models import SearchTerm
+    from memories.tasks import search_stats_refresh_task
+
+    api.call("memory_write", key="user:u7:note", value="pelican zanzibar")
+    api.call("memory_write", key="user:u7:odd", value="o'brien's back\\slash 钱包")  # odd words for the probe
+    api.call("memory_write", key="user:u7:trashed", value="pelican quixotry")  # counted while live
+    api.call("memory_write", key="user:u8:note", value="pelican")
+    api.call("memory_write", key="user:u9:note", value="zzyzx")
+    search_stats_refresh_task()
+    api.call("memory_delete", key="user:u7:trashed")
+    api.call("memory_write", key="user:u7:late", value="oxbow zzyzx")  # after the count
+    terms = lambda: dict(SearchTerm.objects.filter(tenant=api.tenant).values_list("term", "ndoc"))  # noqa: E731
+    before = terms()
+    assert {"zanzibar", "quixotry", "pelican", "zzyzx"} <= set(before)
+
+    forget_subject(api.tenant, "u7")
+
+    left = terms()
+    assert "zanzibar" not in left and "quixotry" not in left
+    # Nothing but the words of u8's and u9's memories (their keys' too); "u7" itself went.
+    # "zzyzx" went too: by the count only u9's memory held it, and u7's late one (written
+    # since) is erased — until the recount it counts as rare, as any word new since a count.
+    assert set(left) == {"user", "u8", "u9", "note", "pelican"}, left
+    search_stats_refresh_task()
+    assert terms()["zzyzx"] == 1
+    assert left["pelican"] >= 1  # held by u8's memory

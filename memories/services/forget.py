@@ -812,6 +812,7 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
         # every version and embedding committed before it.
         locked = Memory.objects.filter(tenant_id=request.tenant_id, pk__in=ids).order_by("pk").select_for_update()
         list(locked.values_list("pk", flat=True))
+        _drop_their_terms(request.tenant_id, sorted(ids))
         # Versions and embeddings go with their memory (on_delete=CASCADE, a DELETE each).
         _total, per_model = Memory.objects.filter(tenant_id=request.tenant_id, pk__in=ids).only("pk").delete()
         versions_left, _ = (
@@ -846,6 +847,38 @@ def _erase_batch(request_id: int, *, batch_size: int, wal_compression: str | Non
             detail={"forget_request": request_id, **counts, "summaries_rebuilt": len(rebuilt)},
         )
         return True
+
+
+# The words of the memories a batch erases that, by the last count, no other memory held (no
+# more counted holders than the batch has of them), out of the term statistics. ts_stat reads
+# the batch's own index terms (its ids are integers, inlined).
+_DROP_TERMS_SQL = """
+WITH erased AS MATERIALIZED (
+    SELECT substr(word, %(from)s) AS term, ndoc FROM ts_stat(%(inner)s)
+    WHERE left(word, %(plen)s) = %(prefix)s)
+DELETE FROM memories_searchterm s USING erased e
+WHERE s.tenant_id = %(tenant)s AND s.term = e.term AND s.ndoc <= e.ndoc
+"""
+
+
+def _drop_their_terms(tenant_id: int, ids: list[int]) -> None:
+    """Take the words of the memories ``ids`` (about to be erased) that no other memory held
+    at the last count out of the tenant's term statistics (``SearchTerm``), in the batch's
+    transaction: a completed forget leaves none of the subject's words there (a name, a
+    diagnosis) for a backup to keep until the search-stats schedule's next recount. A word
+    someone else wrote since that count loses its row too until the recount (which the
+    completed forget makes due): it counts as rare meanwhile, as any word new since a count
+    does. (Looking each such word up in the search index to keep it cost 0.1-0.3 s per batch
+    of 500.) PostgreSQL only (SQLite's FTS5 index counts from the rows themselves). Cost:
+    ts_stat over the batch's rows joined to the tenant's counted words, one DELETE."""
+    if not ids or connection.vendor != "postgresql":
+        return
+    prefix = f"{int(tenant_id)}:"
+    listed = ", ".join(str(int(i)) for i in ids)
+    inner = f"SELECT search_tsv FROM memories_memory WHERE id IN ({listed})"  # nosec B608
+    params = {"from": len(prefix) + 1, "inner": inner, "plen": len(prefix), "prefix": prefix, "tenant": tenant_id}
+    with connection.cursor() as cursor:
+        cursor.execute(_DROP_TERMS_SQL, params)
 
 
 def _follow_lineage(
