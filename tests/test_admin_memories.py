@@ -262,7 +262,9 @@ def test_restore_action_gives_a_memory_whose_ttl_ran_out_in_the_trash_its_ttl_ag
     services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
     # Two hours in the trash: it expired an hour ago and the purge has not run yet.
     Memory.objects.filter(pk=memory.pk).update(
-        created_at=memory.created_at - timedelta(hours=2), expires_at=memory.expires_at - timedelta(hours=2)
+        created_at=memory.created_at - timedelta(hours=2),
+        expires_at=memory.expires_at - timedelta(hours=2),
+        deleted_at=F("deleted_at") - timedelta(hours=2),
     )
     MemoryVersion.objects.filter(memory_id=memory.pk).update(created_at=F("created_at") - timedelta(hours=2))
     _user, client = staff_clients["support"]

@@ -5,7 +5,6 @@ so these run only against PostgreSQL.
 """
 
 import threading
-from datetime import timedelta
 
 import pytest
 from django.db import connection
@@ -233,11 +232,14 @@ def test_two_restores_of_one_memory_at_once_restore_it_once(monkeypatch):
 
 
 def test_a_restore_racing_the_purge_of_its_memory_restores_it_or_is_not_found(monkeypatch):
+    """A memory that expired in the trash (restorable, with its TTL again) raced by the purge,
+    which erases it. (One past its trash retention is not restorable at all, purged or not:
+    tests/test_ttl.py.)"""
     from memories.services import retention
 
     tenant = make_tenant("restore-purged")
     memory = _trashed(tenant, "task:t1:plan")
-    Memory.objects.filter(pk=memory.pk).update(deleted_at=timezone.now() - timedelta(days=3650))
+    Memory.objects.filter(pk=memory.pk).update(expires_at=timezone.now())  # after its deletion
     join = _restore_racing(monkeypatch, lambda: retention.purge_expired(memories_per_second=0))
     mine = _outcome(lambda: services.memory_restore(tenant=tenant, actor=SYSTEM, memory_id=memory.pk))
     assert join() == []

@@ -219,3 +219,49 @@ def test_a_restored_memory_edited_after_its_ttl_was_set_never_outlives_that_ttl(
     with frozen_at(start, timedelta(seconds=900)) as restored_at:
         result = services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=written.memory.pk)
     assert result.memory.expires_at == restored_at + timedelta(seconds=100)
+
+
+def test_a_memory_that_expired_before_a_write_took_its_key_is_not_restorable(tenant_a):
+    """An expired memory still holding its key's slot goes to the trash when a write takes
+    the key (_lock_current_unexpired). It expired while live, nobody deleted it: a restore
+    brought it back with its TTL again — an expired value returned to every reader."""
+    old = services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="zebra code 4711", ttl_seconds=60).memory
+    with clock_at(timedelta(seconds=120)):
+        services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="fresh")
+        services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+        with pytest.raises(NotFound) as refused:
+            services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=old.pk)
+        assert refused.value.field == "memory_id" and "expired" in str(refused.value)
+        with pytest.raises(NotFound):
+            services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    stored = Memory.objects.get(pk=old.pk)
+    assert stored.deleted_at is not None and stored.version == 1  # unchanged
+    event = AuditEvent.objects.filter(tenant=tenant_a, action="memory.restore").get()
+    assert event.outcome == "not_found"
+
+
+def test_a_memory_past_its_trash_retention_is_not_restorable_before_the_purge_runs(tenant_a, settings):
+    """Deleted memories stay restorable ``trash_retention_days``; past that they are the
+    purge's, every 5 minutes. A restore in between brought one back — with a retention of
+    0 days (deletes are final), any restore before the next purge run did."""
+    from memories.services.retention import retention_rule_set
+
+    settings.ZEROMEM_TRASH_RETENTION_DAYS = 30
+    retention_rule_set(tenant=tenant_a, actor=SYSTEM, prefix="session:", trash_retention_days=0)
+    final = services.memory_write(tenant=tenant_a, actor=SYSTEM, key="session:s1:x", value="gone for good").memory
+    kept = services.memory_write(tenant=tenant_a, actor=SYSTEM, key=KEY, value="kept").memory
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key="session:s1:x")
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    with clock_at(timedelta(seconds=1)):
+        with pytest.raises(NotFound) as refused:
+            services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=final.pk)
+        assert refused.value.field == "memory_id" and "retention" in str(refused.value)
+        # Within the tenant's 30 days: restorable, up to the last moment.
+        assert services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=kept.pk).status == "ok"
+    assert Memory.objects.get(pk=final.pk).deleted_at is not None
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    with clock_at(timedelta(days=30, seconds=1)):
+        with pytest.raises(NotFound):
+            services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=kept.pk)
+    with clock_at(timedelta(days=29, hours=23)):
+        assert services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=kept.pk).status == "ok"

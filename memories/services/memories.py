@@ -565,7 +565,12 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
     A memory whose TTL ran out in the trash gets again the time it had left at its last change
     before the trash (``expires_at`` minus that change's time: never more than the TTL its
     writer last asked for), from the restore, audited as ``detail.ttl_restarted_seconds``;
-    one whose TTL has not run out keeps its expiry. Cost: one more indexed SELECT then."""
+    one whose TTL has not run out keeps its expiry. Cost: one more indexed SELECT then.
+
+    What the purge erases is :class:`NotFound` (``memory_id``) even before the purge runs: a
+    memory past its trash retention (:func:`retention.trash_cutoff_for`, one query: the
+    rule), and one that expired before it went to the trash (a write or restore that took
+    its expired key trashed it; nobody deleted it)."""
     memory = Memory.objects.for_tenant(tenant).trashed().filter(pk=memory_id).first()
     key = memory.key if memory else ""
     with audited_operation(tenant=tenant, actor=actor, action="memory.restore", target=key) as op:
@@ -578,6 +583,13 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         if memory is None:
             raise NotFound("no such memory in the trash", field="memory_id")
         now = timezone.now()
+        # What the purge erases is not brought back by a restore that runs before it does.
+        if memory.expires_at is not None and memory.expires_at <= memory.deleted_at:
+            # Trashed by a write or restore that took its key after it had expired (see
+            # _lock_current_unexpired): nobody deleted it, it expired while live.
+            raise NotFound("this memory expired before it went to the trash", field="memory_id")
+        if memory.deleted_at < retention.trash_cutoff_for(tenant=tenant, key=key, now=now):
+            raise NotFound("this memory is past its trash retention", field="memory_id")
         if _lock_current_unexpired(tenant=tenant, key=key, now=now) is not None:
             raise Conflict("a live memory holds this key", field="key")
         memory.deleted_at = None

@@ -76,6 +76,28 @@ def default_expiry_for(*, tenant: Tenant, key: str, now: datetime) -> datetime |
     return now + timedelta(seconds=ttl) if ttl is not None else None
 
 
+def trash_cutoff_for(*, tenant: Tenant, key: str, now: datetime) -> datetime:
+    """The moment before which a memory trashed under ``key`` is past its trash retention (the
+    purge's, no longer restorable): the longest prefix among the tenant's rules that set
+    ``trash_retention_days``, else the tenant's, else ``ZEROMEM_TRASH_RETENTION_DAYS`` —
+    the cutoff :func:`_old_trash_by_tenant` gives the purge. Cost: one query (the rule)."""
+    days = (
+        RetentionRule.objects.filter(tenant=tenant, trash_retention_days__isnull=False)
+        .alias(head=Substr(Value(key, output_field=CharField()), 1, Length("prefix")))
+        .filter(head=F("prefix"))
+        .order_by(Length("prefix").desc())
+        .values_list("trash_retention_days", flat=True)
+        .first()
+    )
+    if days is None:
+        days = (
+            settings.ZEROMEM_TRASH_RETENTION_DAYS
+            if tenant.trash_retention_days is None
+            else tenant.trash_retention_days
+        )
+    return _trash_cutoff(now, days)
+
+
 def retention_rule_set(
     *,
     tenant: Tenant,

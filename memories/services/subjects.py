@@ -21,7 +21,7 @@ from django.db.models import Q
 from audit.services import audited_operation
 from memories import selectors
 from memories.models import ForgetRequest, Memory, Tenant
-from memories.services.forget import forget_request_create
+from memories.services.forget import forget_request_create, is_about, subject_q
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, end_user_actor_id, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
@@ -67,7 +67,7 @@ def subject_memories(*, tenant: Tenant, actor: Actor, subject: Any, start: Any =
         _require_own_subject(actor, subject)
         qs = selectors.memories_live(
             tenant=tenant, prefixes=actor.prefix_filters("") if actor.allowed_prefixes else None
-        ).filter(subject=subject)
+        ).filter(subject_q(subject))  # theirs, and their namespace's that name no one (forget.subject_q)
         total = qs.count()
         rows = list(qs.order_by("key")[start : start + SUBJECT_MEMORIES_PAGE]) if start < total else []
         chars = 0
@@ -108,7 +108,8 @@ def subject_forget(*, tenant: Tenant, actor: Actor, subject: Any, key: Any = Non
         if key is not None:
             key = validation.key(key)
             memory = selectors.memory_get_live(tenant=tenant, key=key)
-            if memory is None or memory.subject != subject or not actor.may_touch(key):
+            mine = memory is not None and is_about(key=key, memory_subject=memory.subject, subject=subject)
+            if not mine or not actor.may_touch(key):
                 op.record(outcome=Outcome.NOT_FOUND, subject=subject, detail={"by": "keys"})
                 raise NotFound("no such memory of this subject", field="key")
     mine = subject if actor.kind == END_USER else ""
