@@ -152,7 +152,9 @@ def memory_write(
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_WRITE)
         require_key_allowed(actor, key)
-        validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+        validation.value(
+            value, max_bytes=tenant.effective_value_max_bytes, max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS
+        )
         sensitivity.refuse_envelope(value)
         sensitive = sensitivity.flag(sensitive)
         ttl = validation.ttl_seconds(ttl_seconds)
@@ -325,7 +327,12 @@ def memory_read(
             max_chars = validation.read_max_chars(max_chars)
             offset = validation.bounded_int(offset, field="offset", default=0, low=0, high=validation.READ_OFFSET_MAX)
         if default is not None:
-            validation.value(default, max_bytes=tenant.effective_value_max_bytes, field="default")
+            validation.value(
+                default,
+                max_bytes=tenant.effective_value_max_bytes,
+                max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS,
+                field="default",
+            )
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()
@@ -467,7 +474,9 @@ def memory_update(
         if sensitive is not None and value is _UNSET:
             raise InvalidInput("is set with a value", field="sensitive")
         if value is not _UNSET:
-            validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+            validation.value(
+                value, max_bytes=tenant.effective_value_max_bytes, max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS
+            )
             sensitivity.refuse_envelope(value)
         ttl = validation.ttl_seconds(ttl_seconds)
         changes: dict[str, Any] = {}
@@ -950,7 +959,9 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
         require_key_allowed(actor, memory.key)
         if isinstance(old.value, ErasedValue):
             raise Erased(field="version")
-        validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
+        validation.value(
+            old.value, max_bytes=tenant.effective_value_max_bytes, max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS
+        )
         now = timezone.now()
         secret = memory.sensitive or old.sensitive
         if secret and not memory.sensitive:  # turning sensitive again

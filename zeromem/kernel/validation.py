@@ -383,14 +383,16 @@ def namespace_of(key_: str) -> str:
     return key_.rpartition(":")[0]
 
 
-def value(raw, *, max_bytes: int, field: str = "value") -> None:
-    """Any JSON value but null, up to ``max_bytes`` serialized (compact, UTF-8).
+def value(raw, *, max_bytes: int, max_containers: int | None = None, field: str = "value") -> None:
+    """Any JSON value but null, up to ``max_bytes`` serialized (compact, UTF-8), nested at
+    most ``VALUE_MAX_DEPTH`` deep, holding at most ``max_containers`` arrays and objects
+    (``ZEROMEM_VALUE_MAX_CONTAINERS``; None: no such cap).
 
     Null is refused: the value column cannot hold SQL NULL, and "nothing to remember" is a
     delete."""
     if raw is None:
         raise InvalidInput("must not be null (delete the memory instead)", field=field)
-    depth_within(raw, field=field)
+    depth_within(raw, field=field, max_containers=max_containers)
     try:
         text = json.dumps(raw, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -411,10 +413,17 @@ def value(raw, *, max_bytes: int, field: str = "value") -> None:
         raise PayloadTooLarge(f"serialized value is {size} bytes; the limit is {max_bytes}", field=field)
 
 
-def depth_within(raw, *, field: str, max_depth: int | None = None) -> None:
-    """Refuse JSON nested deeper than ``VALUE_MAX_DEPTH`` arrays/objects (checked without
-    recursion, so a hostile value cannot exhaust the stack)."""
+def depth_within(raw, *, field: str, max_depth: int | None = None, max_containers: int | None = None) -> None:
+    """Refuse JSON nested deeper than ``VALUE_MAX_DEPTH`` arrays/objects, or holding more
+    than ``max_containers`` of them (when given), in one walk without recursion (a hostile
+    value cannot exhaust the stack).
+
+    The container count bounds what PostgreSQL spends parsing the value into jsonb: measured
+    through memory_write on a fresh backend, 256 KiB of ``[{},{},…]`` (87,380 objects) grew it
+    by 57 MB, 256 KiB of scalars ``[0,0,…]`` by 15 MB, 10,000 ``{}`` among scalars by 19 MB,
+    one string by 1.4 MB (README "Keys, values and results")."""
     limit = VALUE_MAX_DEPTH if max_depth is None else max_depth
+    containers = 0
     stack = [(raw, 1)]
     while stack:
         item, depth = stack.pop()
@@ -426,6 +435,13 @@ def depth_within(raw, *, field: str, max_depth: int | None = None) -> None:
             continue
         if depth > limit:
             raise InvalidInput(f"must not nest arrays or objects more than {limit} deep", field=field, code="too_deep")
+        containers += 1
+        if max_containers is not None and containers > max_containers:
+            raise InvalidInput(
+                f"must hold at most {max_containers:,} arrays and objects (at any depth, this one included)",
+                field=field,
+                code="too_many_containers",
+            )
         stack.extend((child, depth + 1) for child in children)
 
 

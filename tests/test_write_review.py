@@ -1,0 +1,89 @@
+"""An outside review of the write path (memory_write, PUT/PATCH with If-Match, batches): each
+test here failed on the code before its fix."""
+
+import json
+
+import pytest
+
+from audit.models import AuditEvent
+from memories import services
+from memories.models import Memory
+from tests.factories import SYSTEM
+from tests.helpers import audit_count, rest_error, row_counts, tool_error
+from zeromem.kernel import validation
+from zeromem.kernel.errors import InvalidInput
+
+BATCH = "/api/v1/tools/batch"
+
+
+def _empty_objects(total_bytes: int) -> list:
+    """``[{},{},…]`` as long as fits in ``total_bytes`` serialized: the most JSON containers a
+    value of that size holds (87,380 in 256 KiB: ~57 MB of one PostgreSQL backend to parse)."""
+    return [{}] * ((total_bytes - 1) // 3)
+
+
+# --- JSON containers per value ---------------------------------------------------------------
+
+
+def test_a_hard_cap_value_of_empty_objects_is_refused_naming_value_and_changes_nothing(api, tenant_a, settings):
+    tenant_a.value_max_bytes = 256 * 1024
+    tenant_a.save()
+    value = _empty_objects(256 * 1024)
+    assert len(json.dumps(value, separators=(",", ":"))) <= 256 * 1024
+    rows, events = row_counts(), audit_count()
+    status, body = api.call("memory_write", key="user:u1:many", value=value)
+    assert status == 400
+    error = tool_error(body)
+    assert (error["code"], error["field"]) == ("too_many_containers", "value")
+    assert f"{settings.ZEROMEM_VALUE_MAX_CONTAINERS:,}" in error["message"]
+    assert row_counts() == rows
+    assert audit_count() == events + 1
+    event = AuditEvent.objects.latest("pk")
+    assert (event.action, event.outcome) == ("memory.write", "invalid")
+
+
+def test_rest_put_and_patch_refuse_too_many_containers_naming_value(api, tenant_a, settings):
+    settings.ZEROMEM_VALUE_MAX_CONTAINERS = 10
+    api.put("/api/v1/memories/user:u1:k", {"value": {"a": [1]}})
+    rows = row_counts()
+    for method in (api.put, api.patch):
+        response = method("/api/v1/memories/user:u1:k", {"value": [[]] * 10})  # 11 containers
+        assert response.status_code == 400, response.content
+        error = rest_error(response)
+        assert (error["code"], error["field"]) == ("too_many_containers", "value")
+    assert row_counts() == rows
+    assert Memory.objects.get(key="user:u1:k").value == {"a": [1]}
+
+
+def test_the_container_cap_counts_every_array_and_object_at_any_depth(settings):
+    settings.ZEROMEM_VALUE_MAX_CONTAINERS = 5
+    validation.value({"a": [{"b": []}], "c": {}}, max_bytes=1000, max_containers=5)  # 5 exactly
+    for too_many in ([[], [], [], [], []], {"a": {"b": {"c": {"d": {"e": {}}}}}}, [{"x": [1, 2, [3]]}] * 2):
+        with pytest.raises(InvalidInput) as refused:
+            validation.value(too_many, max_bytes=1000, max_containers=5)
+        assert (refused.value.code, refused.value.field) == ("too_many_containers", "value")
+    validation.value("a string is no container", max_bytes=1000, max_containers=0)
+
+
+def test_no_value_under_the_default_value_cap_can_reach_the_default_container_cap(tenant_a, settings):
+    # The most containers 16 KiB holds ([{},{},…]: 5,461) is about half the default cap: a
+    # tenant on the default value cap never meets it.
+    assert settings.ZEROMEM_VALUE_MAX_CONTAINERS == 10_000
+    value = _empty_objects(16 * 1024)
+    assert len(value) == 5461 and tenant_a.effective_value_max_bytes == 16 * 1024
+    result = services.memory_write(tenant=tenant_a, actor=SYSTEM, key="user:u1:dense", value=value)
+    assert result.memory.value == value
+    # At the hard cap, 26 bytes a container: 9,999 objects of 25 bytes in a list, 10,000 in all.
+    tenant_a.value_max_bytes = 256 * 1024
+    tenant_a.save()
+    records = [{"n": f"{i:017d}"} for i in range(9999)]
+    assert len(json.dumps(records, separators=(",", ":"))) <= 256 * 1024
+    services.memory_write(tenant=tenant_a, actor=SYSTEM, key="user:u1:records", value=records)
+
+
+def test_a_tool_reads_default_is_held_to_the_container_cap_too(api, settings):
+    settings.ZEROMEM_VALUE_MAX_CONTAINERS = 3
+    status, body = api.call("memory_read", key="user:u1:none", default=[[], [], []])
+    assert status == 400
+    error = tool_error(body)
+    assert (error["code"], error["field"]) == ("too_many_containers", "default")
