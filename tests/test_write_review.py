@@ -87,3 +87,60 @@ def test_a_tool_reads_default_is_held_to_the_container_cap_too(api, settings):
     assert status == 400
     error = tool_error(body)
     assert (error["code"], error["field"]) == ("too_many_containers", "default")
+
+
+# --- PUT with If-Match and a subject --------------------------------------------------------
+# A PUT with If-Match went to memory_update with its subject dropped unread: 200, the memory
+# still under its old subject (a forget of the subject named missed it, its portal page did
+# not show it), and a subject every other PUT refuses (blank, out of a limited key's reach)
+# was acknowledged.
+
+
+def _put_if_match(api, key, body):
+    current = api.get(f"/api/v1/memories/{key}")
+    return api.put(f"/api/v1/memories/{key}", body, headers={"If-Match": current["ETag"]})
+
+
+def test_a_put_with_if_match_stores_the_subject_it_names(api, tenant_a):
+    api.put("/api/v1/memories/note:n1", {"value": "about someone", "subject": "u1"})
+    response = _put_if_match(api, "note:n1", {"value": "about someone else", "subject": "u2"})
+    assert response.status_code == 200, response.content
+    assert response.json()["subject"] == "u2"
+    memory = Memory.objects.get(tenant=tenant_a, key="note:n1")
+    assert (memory.subject, memory.value) == ("u2", "about someone else")
+    assert memory.versions.order_by("-version").first().subject == "u2"
+    # Left out, the subject stays as it was (as every other field a PUT leaves out).
+    assert _put_if_match(api, "note:n1", {"value": "again"}).json()["subject"] == "u2"
+
+
+def test_a_put_with_if_match_seals_a_sensitive_value_under_the_subject_it_names(api, tenant_a):
+    from memories.models import DataKey
+    from tests.test_crypto import raw_memory
+
+    api.put("/api/v1/memories/note:n1", {"value": "plain", "subject": "u1"})
+    response = _put_if_match(api, "note:n1", {"value": "phone 555", "subject": "u2", "sensitive": True})
+    assert response.status_code == 200, response.content
+    memory = Memory.objects.get(tenant=tenant_a, key="note:n1")
+    assert DataKey.objects.get(pk=raw_memory(memory)["k"]).subject == "u2"
+
+
+@pytest.mark.parametrize(("subject", "code"), [("   ", "blank"), ("\u3000", "blank")])
+def test_a_put_with_if_match_refuses_a_blank_subject_as_a_put_without(api, tenant_a, subject, code):
+    api.put("/api/v1/memories/note:n1", {"value": "v", "subject": "u1"})
+    rows, events = row_counts(), audit_count()
+    response = _put_if_match(api, "note:n1", {"value": "changed", "subject": subject})
+    assert response.status_code == 400, response.content
+    error = rest_error(response)
+    assert (error["code"], error["field"]) == (code, "subject")
+    assert row_counts() == rows and audit_count() == events + 2  # the GET's event and the refusal's
+    assert Memory.objects.get(tenant=tenant_a, key="note:n1").value == "v"
+
+
+def test_a_limited_key_may_not_name_a_subject_out_of_reach_with_if_match_either(api, tenant_a, make_client):
+    limited, _key = make_client(tenant_a, allow=["agent:bot1:"])
+    limited.put("/api/v1/memories/agent:bot1:k", {"value": "v"})
+    assert limited.put("/api/v1/memories/agent:bot1:k", {"value": "x", "subject": "victim"}).status_code == 403
+    response = _put_if_match(limited, "agent:bot1:k", {"value": "x", "subject": "victim"})
+    assert response.status_code == 403, response.content
+    assert rest_error(response)["field"] == "subject"
+    assert Memory.objects.get(tenant=tenant_a, key="agent:bot1:k").subject == ""
