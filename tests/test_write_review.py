@@ -11,7 +11,7 @@ from memories.models import Memory
 from tests.factories import SYSTEM
 from tests.helpers import audit_count, rest_error, row_counts, tool_error
 from zeromem.kernel import validation
-from zeromem.kernel.errors import InvalidInput
+from zeromem.kernel.errors import InvalidInput, PayloadTooLarge
 
 BATCH = "/api/v1/tools/batch"
 
@@ -144,3 +144,51 @@ def test_a_limited_key_may_not_name_a_subject_out_of_reach_with_if_match_either(
     assert response.status_code == 403, response.content
     assert rest_error(response)["field"] == "subject"
     assert Memory.objects.get(tenant=tenant_a, key="agent:bot1:k").subject == ""
+
+
+# --- numbers written with an exponent ----------------------------------------------------------
+# jsonb keeps a number as numeric, which PostgreSQL writes out in full: 1e308 (6 bytes as
+# sent) comes back as 309 digits. The value cap measured the text as sent, so 14 KB of
+# [1e308,1e308,…] passed a 16 KiB cap and every read answered 725 KB (51 times the cap; at the
+# hard cap 11.6 MB a GET), and its own version could not be restored (413 on what it stored).
+
+
+def _exponents(unit: str, total_bytes: int) -> list:
+    sent = json.dumps(json.loads(unit))
+    return json.loads("[" + ",".join([unit] * ((total_bytes - 2) // (len(sent) + 1))) + "]")
+
+
+@pytest.mark.parametrize("unit", ["1e308", "1.5e300", "-1e200", "5e-324"])
+def test_a_value_whose_numbers_postgresql_writes_out_past_the_cap_is_413_naming_value(api, unit):
+    value = _exponents(unit, 16 * 1024)
+    assert len(json.dumps(value, separators=(",", ":"))) <= 16 * 1024
+    rows = row_counts()
+    status, body = api.call("memory_write", key="user:u1:big", value=value)
+    assert status == 413, body
+    error = tool_error(body)
+    assert (error["code"], error["field"]) == ("too_large", "value")
+    assert "written out" in error["message"]
+    response = api.put("/api/v1/memories/user:u1:big", {"value": value})
+    assert response.status_code == 413
+    assert rest_error(response)["field"] == "value"
+    assert row_counts() == rows
+
+
+def test_what_a_value_reads_back_as_is_within_the_cap_it_was_written_under(api, tenant_a):
+    # The most exponent numbers the cap allows: stored, read back, restored from its version.
+    value = [1e300] * ((16 * 1024 - 2) // 302)
+    status, body = api.call("memory_write", key="user:u1:ok", value=value)
+    assert status == 200, body
+    response = api.get("/api/v1/memories/user:u1:ok")
+    assert len(json.dumps(response.json()["value"], separators=(",", ":"))) <= 16 * 1024
+    first = Memory.objects.get(tenant=tenant_a, key="user:u1:ok")
+    api.call("memory_write", key="user:u1:ok", value="replaced")
+    services.memory_restore_version(tenant=tenant_a, actor=SYSTEM, memory_id=first.pk, version=first.version)
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:ok").value == [10**300] * len(value)
+
+
+def test_everyday_numbers_and_strings_that_look_like_exponents_cost_what_they_did():
+    validation.value([1.5e-7, 6.02e23, 0.1, 10**30, "1e308", {"x1e9": 2.5}], max_bytes=200)
+    with pytest.raises(PayloadTooLarge) as refused:
+        validation.value([1e100, 1e100], max_bytes=200)  # 2 x 101 digits
+    assert refused.value.field == "value"

@@ -14,6 +14,7 @@ import json
 import re
 import unicodedata
 from datetime import timedelta
+from decimal import Decimal
 
 from zeromem.kernel.errors import InvalidInput, PayloadTooLarge
 
@@ -409,8 +410,37 @@ def value(raw, *, max_bytes: int, max_containers: int | None = None, field: str 
             field=field,
             code="invalid_characters",
         ) from None
-    if size > max_bytes:
-        raise PayloadTooLarge(f"serialized value is {size} bytes; the limit is {max_bytes}", field=field)
+    written_out = _written_out_extra(raw) if _EXPONENT.search(text) else 0
+    if size + written_out > max_bytes:
+        how = " (numbers in exponent notation counted written out, as PostgreSQL stores them)" if written_out else ""
+        raise PayloadTooLarge(
+            f"serialized value is {size + written_out} bytes{how}; the limit is {max_bytes}", field=field
+        )
+
+
+# A number with an exponent, as Python's json writes a float (1e+308, 5e-324, 1.5e-07); a
+# string holding one only costs the walk below.
+_EXPONENT = re.compile(r"[0-9][eE]")
+
+
+def _written_out_extra(raw) -> int:
+    """The bytes ``raw``'s compact JSON text grows by as PostgreSQL hands it back: jsonb keeps
+    a number as numeric and writes it out in full — 1e308 (6 bytes) as 309 digits, 5e-324 as
+    326 characters — so 14 KB of ``[1e308,…]`` read back as 725 KB. One walk over the
+    containers (no recursion); floats with an exponent only."""
+    extra = 0
+    stack = [raw]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, float):
+            text = repr(item)
+            if "e" in text:
+                extra += len(format(Decimal(text), "f")) - len(text)
+    return extra
 
 
 def depth_within(raw, *, field: str, max_depth: int | None = None, max_containers: int | None = None) -> None:
