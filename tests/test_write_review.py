@@ -192,3 +192,31 @@ def test_everyday_numbers_and_strings_that_look_like_exponents_cost_what_they_di
     with pytest.raises(PayloadTooLarge) as refused:
         validation.value([1e100, 1e100], max_bytes=200)  # 2 x 101 digits
     assert refused.value.field == "value"
+
+
+# --- a subject that displays as another ------------------------------------------------------
+# Keys and tags refuse bidi controls and zero-width characters (they make one display as
+# another); a subject took them: "u1" + U+200B shows as "u1" in the admin and the portal, but a
+# forget of "u1" — the request staff file for what they see — never matches it.
+
+SPOOFING_SUBJECTS = ["u1\u200b", "u1\u202e", "\u2066u1\u2069", "u1\u0085", "u1\u2028", "u1\ufeff", "u\u200c1"]
+
+
+@pytest.mark.parametrize("subject", SPOOFING_SUBJECTS)
+def test_a_subject_with_invisible_or_direction_characters_is_refused_naming_subject(api, subject):
+    rows, events = row_counts(), audit_count()
+    status, body = api.call("memory_write", key="note:n1", value="v", subject=subject)
+    assert status == 400, body
+    error = tool_error(body)
+    assert (error["code"], error["field"]) == ("invalid_characters", "subject")
+    response = api.put("/api/v1/memories/note:n1", {"value": "v", "subject": subject})
+    assert response.status_code == 400, response.content
+    assert rest_error(response)["field"] == "subject"
+    assert row_counts() == rows and audit_count() == events + 2
+
+
+@pytest.mark.parametrize("subject", ["u1", "张三", "می\u200cخواهم", "José García", "user@example.com", ""])
+def test_everyday_subjects_are_still_taken(api, subject):
+    status, body = api.call("memory_write", key="note:n1", value="v", subject=subject)
+    assert status == 200, body
+    assert Memory.objects.get(key="note:n1").subject == subject

@@ -517,13 +517,39 @@ def short_text(raw, *, field: str, max_len: int) -> str | None:
 def subject(raw, field: str = "subject") -> str | None:
     """A subject as a write stores it: :func:`short_text`, and not only whitespace (Unicode's
     too: an ideographic space), which names no end user — a forget by the subject meant would
-    miss it. "" (no subject) is allowed. Reads and forget requests take any
-    :func:`short_text`, so a whitespace-only subject written before this rule is still found
-    and forgotten."""
+    miss it; nor with characters that make it display as another subject (:func:`_visible`:
+    "u1" + U+200B shows as "u1", and a forget of "u1" misses it). "" (no subject) is allowed.
+    Reads and forget requests take any :func:`short_text`, so a subject written before these
+    rules is still found and forgotten."""
     raw = short_text(raw, field=field, max_len=SUBJECT_MAX_LEN)
     if raw and raw.isspace():
         raise InvalidInput('must not be only whitespace (leave it out, or "" for none)', field=field, code="blank")
+    if raw and not raw.isascii() and not _visible(raw):
+        raise InvalidInput(
+            "must not contain invisible or direction-changing characters (bidi controls, zero-width "
+            "spaces, line separators, C1 controls; a zero-width non-joiner or joiner only between letters)",
+            field=field,
+            code="invalid_characters",
+        )
     return raw
+
+
+# Characters that show as nothing, or change how the text around them shows: controls (C1
+# too), format characters (bidi controls, zero-width space, BOM), line and paragraph
+# separators, private-use, surrogates and unassigned code points.
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cs", "Cn"})
+
+
+def _visible(text: str) -> bool:
+    """Whether ``text`` displays as itself: none of :data:`_INVISIBLE_CATEGORIES`, but for a
+    zero-width non-joiner or joiner between letters or marks (as in keys: Persian, Indic
+    names). Each distinct character looked up once."""
+    odd = {ch for ch in set(text) if unicodedata.category(ch) in _INVISIBLE_CATEGORIES}
+    if not odd:
+        return True
+    if odd - JOINERS or text[0] in JOINERS:
+        return False
+    return _joiners_placed(text, open_end=False)
 
 
 def category(raw, field: str = "category") -> str | None:
