@@ -354,6 +354,9 @@ ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND = env.int("ZEROMEM_BODY_READ_MIN_BYTES_PE
 # default up to the hard cap.
 ZEROMEM_VALUE_MAX_BYTES = env.int("ZEROMEM_VALUE_MAX_BYTES", default=16 * 1024)
 ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=256 * 1024)
+# Arrays and objects one value may hold, at any depth: what PostgreSQL's jsonb parse of a
+# write costs grows with them (~0.65 KB each for {}); a 16 KiB value holds at most 5,461.
+ZEROMEM_VALUE_MAX_CONTAINERS = env.int("ZEROMEM_VALUE_MAX_CONTAINERS", default=10_000)
 # One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
 # A page of GET /api/v1/memories filtered by tag stops after this long (503 list_timeout).
@@ -591,6 +594,7 @@ _LEAST = {
     "ZEROMEM_BODY_READ_MIN_BYTES_PER_SECOND": 1,
     "ZEROMEM_VALUE_MAX_BYTES": 1,
     "ZEROMEM_VALUE_HARD_CAP_BYTES": 1,
+    "ZEROMEM_VALUE_MAX_CONTAINERS": 1,
     "ZEROMEM_SEARCH_TIMEOUT_MS": 1,
     "ZEROMEM_MEMORY_LIST_TIMEOUT_MS": 1,
     "ZEROMEM_PAGE_VALUES_MAX_BYTES": 1,

@@ -271,7 +271,6 @@ class MemoryDetailView(AuditedAPIView):
         create_only = _if_none_match(request, on_put=True)
         if_match = _if_match(request)
         if if_match is not None:
-            data.pop("subject", None)
             r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=if_match, **data)
             return _memory_response(r.memory)
         r = services.memory_write(tenant=self.tenant, actor=self.actor, key=key, create_only=create_only, **data)

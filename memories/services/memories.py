@@ -152,7 +152,9 @@ def memory_write(
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_WRITE)
         require_key_allowed(actor, key)
-        validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+        validation.value(
+            value, max_bytes=tenant.effective_value_max_bytes, max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS
+        )
         sensitivity.refuse_envelope(value)
         sensitive = sensitivity.flag(sensitive)
         ttl = validation.ttl_seconds(ttl_seconds)
@@ -325,7 +327,12 @@ def memory_read(
             max_chars = validation.read_max_chars(max_chars)
             offset = validation.bounded_int(offset, field="offset", default=0, low=0, high=validation.READ_OFFSET_MAX)
         if default is not None:
-            validation.value(default, max_bytes=tenant.effective_value_max_bytes, field="default")
+            validation.value(
+                default,
+                max_bytes=tenant.effective_value_max_bytes,
+                max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS,
+                field="default",
+            )
         memory = selectors.memory_get_live(tenant=tenant, key=key)
         if memory is None:
             raise _no_memory()
@@ -445,6 +452,7 @@ def memory_update(
     source: Any = None,
     if_match: tuple[int, int] | frozenset | str | None = None,
     sensitive: Any = None,
+    subject: Any = None,
 ) -> MemoryResult:
     """Change an existing memory. The version check lives in the UPDATE's WHERE clause, so
     two concurrent updates with the same ``expected_version`` cannot both win. No live
@@ -455,8 +463,9 @@ def memory_update(
     ETags: any of them) is checked the same way, and a mismatch — or a missing memory — is
     HTTP 412 instead of a result; ``"*"`` matches any current version.
 
-    ``sensitive`` (REST PUT with If-Match) marks the new value as :func:`memory_write` does; it
-    comes with a ``value``.
+    ``sensitive`` and ``subject`` (REST PUT with If-Match) mark the new value and move the
+    memory to that end user as :func:`memory_write` does (a sensitive value sealed under the
+    subject's key); they come with a ``value``.
     """
     with audited_operation(tenant=tenant, actor=actor, action="memory.update", target=key) as op:
         key = validation.key(key)
@@ -466,8 +475,14 @@ def memory_update(
         sensitive = sensitivity.flag(sensitive)
         if sensitive is not None and value is _UNSET:
             raise InvalidInput("is set with a value", field="sensitive")
+        subject = validation.subject(subject)
+        if subject is not None and value is _UNSET:
+            raise InvalidInput("is set with a value", field="subject")
+        require_subject_allowed(actor, key=key, subject=subject)
         if value is not _UNSET:
-            validation.value(value, max_bytes=tenant.effective_value_max_bytes)
+            validation.value(
+                value, max_bytes=tenant.effective_value_max_bytes, max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS
+            )
             sensitivity.refuse_envelope(value)
         ttl = validation.ttl_seconds(ttl_seconds)
         changes: dict[str, Any] = {}
@@ -498,8 +513,11 @@ def memory_update(
             secret = row is not None and sensitivity.decide(
                 tenant, key=key, value=value, given=sensitive, current=row[1]
             )
-            changes["value"] = keyring.seal_value(value, tenant_id=tenant.pk, subject=row[0]) if secret else value
+            owner = subject if subject is not None else row[0] if row is not None else ""
+            changes["value"] = keyring.seal_value(value, tenant_id=tenant.pk, subject=owner) if secret else value
             changes["sensitive"] = secret
+            if subject is not None:
+                changes["subject"] = subject
         if ttl is not None:
             changes["expires_at"] = now + ttl
         target = live if expected is None else live.filter(version=expected)
@@ -962,7 +980,9 @@ def memory_restore_version(*, tenant: Tenant, actor: Actor, memory_id: Any, vers
         require_key_allowed(actor, memory.key)
         if isinstance(old.value, ErasedValue):
             raise Erased(field="version")
-        validation.value(old.value, max_bytes=tenant.effective_value_max_bytes)
+        validation.value(
+            old.value, max_bytes=tenant.effective_value_max_bytes, max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS
+        )
         now = timezone.now()
         secret = memory.sensitive or old.sensitive
         if secret and not memory.sensitive:  # turning sensitive again

@@ -15,6 +15,7 @@ import re
 import unicodedata
 import uuid
 from datetime import timedelta
+from decimal import Decimal
 
 from zeromem.kernel import opaque
 from zeromem.kernel.errors import InvalidInput, PayloadTooLarge
@@ -385,14 +386,16 @@ def namespace_of(key_: str) -> str:
     return key_.rpartition(":")[0]
 
 
-def value(raw, *, max_bytes: int, field: str = "value") -> None:
-    """Any JSON value but null, up to ``max_bytes`` serialized (compact, UTF-8).
+def value(raw, *, max_bytes: int, max_containers: int | None = None, field: str = "value") -> None:
+    """Any JSON value but null, up to ``max_bytes`` serialized (compact, UTF-8), nested at
+    most ``VALUE_MAX_DEPTH`` deep, holding at most ``max_containers`` arrays and objects
+    (``ZEROMEM_VALUE_MAX_CONTAINERS``; None: no such cap).
 
     Null is refused: the value column cannot hold SQL NULL, and "nothing to remember" is a
     delete."""
     if raw is None:
         raise InvalidInput("must not be null (delete the memory instead)", field=field)
-    depth_within(raw, field=field)
+    depth_within(raw, field=field, max_containers=max_containers)
     try:
         text = json.dumps(raw, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -409,14 +412,50 @@ def value(raw, *, max_bytes: int, field: str = "value") -> None:
             field=field,
             code="invalid_characters",
         ) from None
-    if size > max_bytes:
-        raise PayloadTooLarge(f"serialized value is {size} bytes; the limit is {max_bytes}", field=field)
+    written_out = _written_out_extra(raw) if _EXPONENT.search(text) else 0
+    if size + written_out > max_bytes:
+        how = " (numbers in exponent notation counted written out, as PostgreSQL stores them)" if written_out else ""
+        raise PayloadTooLarge(
+            f"serialized value is {size + written_out} bytes{how}; the limit is {max_bytes}", field=field
+        )
 
 
-def depth_within(raw, *, field: str, max_depth: int | None = None) -> None:
-    """Refuse JSON nested deeper than ``VALUE_MAX_DEPTH`` arrays/objects (checked without
-    recursion, so a hostile value cannot exhaust the stack)."""
+# A number with an exponent, as Python's json writes a float (1e+308, 5e-324, 1.5e-07); a
+# string holding one only costs the walk below.
+_EXPONENT = re.compile(r"[0-9][eE]")
+
+
+def _written_out_extra(raw) -> int:
+    """The bytes ``raw``'s compact JSON text grows by as PostgreSQL hands it back: jsonb keeps
+    a number as numeric and writes it out in full — 1e308 (6 bytes) as 309 digits, 5e-324 as
+    326 characters — so 14 KB of ``[1e308,…]`` read back as 725 KB. One walk over the
+    containers (no recursion); floats with an exponent only."""
+    extra = 0
+    stack = [raw]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, float):
+            text = repr(item)
+            if "e" in text:
+                extra += len(format(Decimal(text), "f")) - len(text)
+    return extra
+
+
+def depth_within(raw, *, field: str, max_depth: int | None = None, max_containers: int | None = None) -> None:
+    """Refuse JSON nested deeper than ``VALUE_MAX_DEPTH`` arrays/objects, or holding more
+    than ``max_containers`` of them (when given), in one walk without recursion (a hostile
+    value cannot exhaust the stack).
+
+    The container count bounds what PostgreSQL spends parsing the value into jsonb: measured
+    through memory_write on a fresh backend, 256 KiB of ``[{},{},…]`` (87,380 objects) grew it
+    by 57 MB, 256 KiB of scalars ``[0,0,…]`` by 15 MB, 10,000 ``{}`` among scalars by 19 MB,
+    one string by 1.4 MB (README "Keys, values and results")."""
     limit = VALUE_MAX_DEPTH if max_depth is None else max_depth
+    containers = 0
     stack = [(raw, 1)]
     while stack:
         item, depth = stack.pop()
@@ -428,6 +467,13 @@ def depth_within(raw, *, field: str, max_depth: int | None = None) -> None:
             continue
         if depth > limit:
             raise InvalidInput(f"must not nest arrays or objects more than {limit} deep", field=field, code="too_deep")
+        containers += 1
+        if max_containers is not None and containers > max_containers:
+            raise InvalidInput(
+                f"must hold at most {max_containers:,} arrays and objects (at any depth, this one included)",
+                field=field,
+                code="too_many_containers",
+            )
         stack.extend((child, depth + 1) for child in children)
 
 
@@ -473,13 +519,39 @@ def short_text(raw, *, field: str, max_len: int) -> str | None:
 def subject(raw, field: str = "subject") -> str | None:
     """A subject as a write stores it: :func:`short_text`, and not only whitespace (Unicode's
     too: an ideographic space), which names no end user — a forget by the subject meant would
-    miss it. "" (no subject) is allowed. Reads and forget requests take any
-    :func:`short_text`, so a whitespace-only subject written before this rule is still found
-    and forgotten."""
+    miss it; nor with characters that make it display as another subject (:func:`_visible`:
+    "u1" + U+200B shows as "u1", and a forget of "u1" misses it). "" (no subject) is allowed.
+    Reads and forget requests take any :func:`short_text`, so a subject written before these
+    rules is still found and forgotten."""
     raw = short_text(raw, field=field, max_len=SUBJECT_MAX_LEN)
     if raw and raw.isspace():
         raise InvalidInput('must not be only whitespace (leave it out, or "" for none)', field=field, code="blank")
+    if raw and not raw.isascii() and not _visible(raw):
+        raise InvalidInput(
+            "must not contain invisible or direction-changing characters (bidi controls, zero-width "
+            "spaces, line separators, C1 controls; a zero-width non-joiner or joiner only between letters)",
+            field=field,
+            code="invalid_characters",
+        )
     return raw
+
+
+# Characters that show as nothing, or change how the text around them shows: controls (C1
+# too), format characters (bidi controls, zero-width space, BOM), line and paragraph
+# separators, private-use, surrogates and unassigned code points.
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cs", "Cn"})
+
+
+def _visible(text: str) -> bool:
+    """Whether ``text`` displays as itself: none of :data:`_INVISIBLE_CATEGORIES`, but for a
+    zero-width non-joiner or joiner between letters or marks (as in keys: Persian, Indic
+    names). Each distinct character looked up once."""
+    odd = {ch for ch in set(text) if unicodedata.category(ch) in _INVISIBLE_CATEGORIES}
+    if not odd:
+        return True
+    if odd - JOINERS or text[0] in JOINERS:
+        return False
+    return _joiners_placed(text, open_end=False)
 
 
 def category(raw, field: str = "category") -> str | None:
