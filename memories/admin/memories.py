@@ -35,6 +35,7 @@ from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.errors import Conflict, InvalidInput, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import (
+    READ_METHODS,
     TenantScopedAdmin,
     actor_for,
     list_parameters_refused,
@@ -316,7 +317,7 @@ class MemoryAdmin(TenantScopedAdmin):
         # A filter by an end user (every memory of theirs) or a tag narrows the list as a search does.
         subject = request.GET.get(SubjectFilter.parameter_name, "")
         tag = request.GET.get(TagFilter.parameter_name, "")
-        if request.method == "GET" and (search or prefix or subject or tag):
+        if request.method in READ_METHODS and (search or prefix or subject or tag):
             ids = tenant_ids_with(request, Capability.MEMORY_VIEW)
             chosen = validation.ascii_int(request.GET.get("tenant") or "")
             covered = [chosen] if chosen in ids else sorted(ids)
@@ -353,7 +354,7 @@ class MemoryAdmin(TenantScopedAdmin):
             if not self.has_view_permission(request, obj):
                 raise PermissionDenied
             return super().change_view(request, object_id, form_url, extra_context)
-        if request.method == "GET":
+        if request.method in READ_METHODS:  # (a POST saves, and shows no stored value)
             try:
                 services.memory_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), memory_id=obj.pk)
             except NotFound:
