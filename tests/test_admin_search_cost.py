@@ -94,3 +94,18 @@ def test_a_search_counts_at_most_a_thousand_matches(tenant_a, staff_clients, set
     with CaptureQueriesContext(connection) as queries:
         client.get("/admin/memories/memory/")
     assert any("LIMIT 10000" in q["sql"] for q in queries.captured_queries)
+
+
+def test_a_tag_filter_over_a_large_tenant_stops_at_the_deadline_too(tenant_a, staff_clients, settings):
+    """A tag no memory carries walked every memory's tags in key order, with no deadline (the
+    REST list's tag pages have one)."""
+    _seed(tenant_a, rows=BATCH)
+    _user, client = staff_clients["viewer"]
+    settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS = 1
+    with CaptureQueriesContext(connection) as queries:
+        body = client.get("/admin/memories/memory/?tag=nobody-has-it").content.decode()
+    assert "tag: the search read past its 1 ms" in body.lower(), "no deadline on the tag filter"
+    assert _slowest_ms(queries.captured_queries) < 60
+    settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS = 10_000
+    body = client.get("/admin/memories/memory/?tag=nobody-has-it").content.decode()
+    assert "the search read past" not in body and "0 memories" in body

@@ -177,16 +177,18 @@ class SearchPaginator(CheapPaginator):
 
 
 class MemoryChangeList(SortableByChangeList):
-    """With a search (``q``), the list's statements — its capped count and its page — each stop
-    after ``ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS``: every word is an ILIKE over every key and value
-    in scope, which no index serves, so a word no memory holds read the whole tenant twice (a
-    viewer's one-word search over 100k memories of 1.7 KB took 3.3 s, ten words 5.8 s, linear
-    in the tenant's size and values and without any bound). Past the deadline the page lists
-    nothing and says so, naming ``q`` and what narrows the search by an index (a tenant, the
-    key tree, a subject, a tag)."""
+    """With a search (``q``) or a tag filter, the list's statements — its capped count and its
+    page — each stop after ``ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS``: every word of a search is an
+    ILIKE over every key and value in scope, which no index serves, so a word no memory holds
+    read the whole tenant twice (a viewer's one-word search over 100k memories of 1.7 KB took
+    3.3 s, ten words 5.8 s, linear in the tenant's size and values and without any bound); a tag
+    no memory carries walks every memory's tags in key order (the REST list's tag pages stop at
+    their own deadline). Past the deadline the page lists nothing and says so, naming the
+    parameter and what narrows it by an index (a tenant, the key tree, a subject)."""
 
     def get_results(self, request):
-        if not self.query:
+        field = "q" if self.query else TagFilter.parameter_name if request.GET.get(TagFilter.parameter_name) else None
+        if field is None:
             return super().get_results(request)
         timeout = settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS
         try:
@@ -194,11 +196,12 @@ class MemoryChangeList(SortableByChangeList):
                 super().get_results(request)
                 self.result_list = list(self.result_list)  # the page's query, under the deadline
         except SearchTooSlow:
+            what = "each word is looked for in every key and value" if field == "q" else "the tag is looked for"
             messages.error(
                 request,
-                f"q: the search read past its {timeout} ms without finishing (each word is looked for in every "
-                "key and value the list covers). Narrow it first: a tenant, a key prefix (the key tree), a "
-                "subject or a tag.",
+                f"{field}: the search read past its {timeout} ms without finishing ({what} the list covers). "
+                "Narrow it first: a tenant, a key prefix (the key tree), a subject"
+                + (" or a tag." if field == "q" else "."),
             )
             self.queryset = self.queryset.none()
             super().get_results(request)
