@@ -93,3 +93,25 @@ def test_get_and_head_of_a_memory_stay_audited(tenant_a, staff_clients):
     assert _count(tenant_a, "memory.view") == 1
     assert client.head(f"/admin/memories/memory/{memory.pk}/change/").status_code == 200
     assert _count(tenant_a, "memory.view") == 2  # a HEAD renders the page too: audited as a read
+
+
+def test_a_plain_page_of_the_memory_list_is_recorded_as_the_rest_list_is(tenant_a, tenant_b, staff_clients):
+    """The list shows every memory's key, subject, category, version and dates, page after page;
+    a search, key-tree walk or subject filter of it was audited (memory.browse), the REST list
+    of the same rows is (memory.list), a plain page was not."""
+    for n in range(3):
+        write(tenant_a, f"user:u{n}:pref_lang", "en")
+    write(tenant_b, "user:u9:pref_lang", "en")
+    user, client = staff_clients["viewer"]
+    assert client.get("/admin/memories/memory/").status_code == 200
+    assert client.get("/admin/memories/memory/", {"state": "trash", "category": "user"}).status_code == 200
+    events = AuditEvent.objects.filter(action="memory.list").order_by("pk")
+    got = [(e.tenant_id, e.actor_kind, e.actor_id, e.surface, e.count, e.detail) for e in events]
+    assert got == [
+        (tenant_a.pk, "staff", str(user.pk), "admin", 3, {}),
+        (tenant_a.pk, "staff", str(user.pk), "admin", 0, {"state": "trash", "category": "user"}),
+    ], got
+    assert not AuditEvent.objects.filter(tenant=tenant_b, action="memory.list").exists()
+    # A search is recorded once, as memory.browse (not as a listing as well).
+    client.get("/admin/memories/memory/", {"q": "pref"})
+    assert AuditEvent.objects.filter(action="memory.list").count() == 2

@@ -30,6 +30,7 @@ from memories.admin.memory_filters import (
     TagFilter,
 )
 from memories.models import Memory, Tenant
+from memories.services.browsing import LISTED_FILTERS
 from memories.services.memories import PREVIEW_CHARS
 from zeromem.kernel import validation
 from zeromem.kernel.crypto import ErasedValue
@@ -393,7 +394,30 @@ class MemoryAdmin(TenantScopedAdmin):
                         subject=subject,
                         tag=tag,
                     )
-        return super().changelist_view(request, extra_context)
+        response = super().changelist_view(request, extra_context)
+        changelist = (getattr(response, "context_data", None) or {}).get("cl")
+        if request.method in READ_METHODS and not (search or prefix or subject or tag) and changelist is not None:
+            self._audit_plain_list(request, changelist.result_list)
+        return response
+
+    def _audit_plain_list(self, request, rows) -> None:
+        """A page of the list with no search: ``memory.list`` (as the REST list of the same rows)
+        in each tenant whose memories it showed, with how many; in the one tenant it covers
+        (chosen, or the only one in scope) even when it showed none. It showed keys, subjects
+        and dates of a tenant's memories, page after page, and only a search left a record."""
+        shown: dict[int, int] = {}
+        for row in rows:
+            shown[row.tenant_id] = shown.get(row.tenant_id, 0) + 1
+        ids = tenant_ids_with(request, Capability.MEMORY_VIEW)
+        chosen = validation.ascii_int(request.GET.get("tenant") or "")
+        covered = [chosen] if chosen in ids else sorted(ids)
+        if not shown and len(covered) == 1:
+            shown[covered[0]] = 0
+        filters = {name: request.GET.get(name, "") for name in LISTED_FILTERS}
+        for tenant in Tenant.objects.filter(pk__in=shown).order_by("pk"):
+            services.memories_listed(
+                tenant=tenant, actor=actor_for(request, tenant.pk), count=shown[tenant.pk], filters=filters
+            )
 
     def get_queryset(self, request):
         qs = super().get_queryset(request)
