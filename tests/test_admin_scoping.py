@@ -170,7 +170,8 @@ def test_roles_that_may_not_edit_cannot_change_memories_by_any_url(role, tenant_
         response = client.post(
             "/admin/memories/memory/", {"action": action, "_selected_action": [memory.pk], "ttl_days": 3}
         )
-        assert response.status_code in (200, 302, 403), (action, response.status_code)
+        # 400: the viewer's list has no action at all (a POST running none is refused)
+        assert response.status_code in (200, 302, 400, 403), (action, response.status_code)
     add = client.post(
         "/admin/memories/memory/add/", {"tenant": tenant_a.pk, "key": "user:u1:new", "value": '"x"', "importance": 5}
     )

@@ -133,6 +133,8 @@ def _table() -> dict[str, AdminRoute]:
         "admin/memories/memory/<path:object_id>/history/<int:version>/": AdminRoute("history", "memory"),
         "admin/memories/memory/<path:object_id>/history/<int:version>/restore/": AdminRoute("restore", "memory"),
         "admin/memories/memory/<path:object_id>/reveal/": AdminRoute("reveal", "memory"),
+        # One version's whole value: a page of the memory's history (an audited read).
+        "admin/memories/memory/<path:object_id>/history/<int:version>/": AdminRoute("history", "memory"),
         "admin/audit/auditevent/export/": AdminRoute("export", "auditevent"),
         "admin/auth/user/<id>/password/": AdminRoute("their_model", "user"),
     }
@@ -264,9 +266,13 @@ def expected(row: Row, identity: str) -> int | str:
             return 403
         # A list action (with tenant A's row selected) redirects back to the list when the
         # identity has the action at all (another tenant's admin: its own rows only, none picked).
+        # Without the action (a list with no action for the identity), a 400 naming `action`:
+        # Django showed the list to such a POST, searched and unaudited.
         if method == "POST" and model in LIST_ACTIONS:
             need = LIST_ACTIONS[model][1]
-            return 302 if need in perms or identity == "other_tenant" else 200
+            return 302 if need in perms or identity == "other_tenant" else 400
+        if method == "POST":  # delete_selected, the members list's only action: its confirmation page
+            return 200 if model == "membership" and ("d" in perms or identity == "other_tenant") else 400
         return 200
     if kind == "add":
         allowed = "a" in perms or (

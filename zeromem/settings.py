@@ -359,6 +359,9 @@ ZEROMEM_VALUE_HARD_CAP_BYTES = env.int("ZEROMEM_VALUE_HARD_CAP_BYTES", default=2
 ZEROMEM_VALUE_MAX_CONTAINERS = env.int("ZEROMEM_VALUE_MAX_CONTAINERS", default=10_000)
 # One search's statements stop after this long (503 search_timeout, Retry-After); README "Search".
 ZEROMEM_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_SEARCH_TIMEOUT_MS", default=80)
+# Each statement of the admin memory list's search (q: its capped count, its page) stops after
+# this long; the page then lists nothing and asks to narrow the search (README "Admin console").
+ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS = env.int("ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS", default=1000)
 # A page of GET /api/v1/memories filtered by tag stops after this long (503 list_timeout).
 ZEROMEM_MEMORY_LIST_TIMEOUT_MS = env.int("ZEROMEM_MEMORY_LIST_TIMEOUT_MS", default=2000)
 # A REST page of whole values (GET /api/v1/memories, a memory's history, the LangGraph
@@ -597,6 +600,7 @@ _LEAST = {
     "ZEROMEM_VALUE_MAX_CONTAINERS": 1,
     "ZEROMEM_SEARCH_TIMEOUT_MS": 1,
     "ZEROMEM_MEMORY_LIST_TIMEOUT_MS": 1,
+    "ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS": 1,
     "ZEROMEM_PAGE_VALUES_MAX_BYTES": 1,
     "ZEROMEM_SEARCH_TIER_WAIT_MS": 1,
     "ZEROMEM_SEARCH_TIER_CONCURRENCY": 1,

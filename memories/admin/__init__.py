@@ -7,7 +7,7 @@ which writes the version and the audit event. Importing a module registers its a
 from django.contrib import admin
 
 from memories.admin import api_keys, forget_requests, memberships, memories, portal_links, tenants
-from zeromem.kit.admin import refusing_nul_parameters
+from zeromem.kit.admin import methods_limited, refusing_nul_parameters
 from zeromem.kit.login_throttle import throttled
 
 __all__ = ["api_keys", "forget_requests", "memberships", "memories", "portal_links", "tenants"]
@@ -18,5 +18,8 @@ admin.site.index_title = "Tenants, memories and the audit log"
 admin.site.index_template = "zeromem_admin/index.html"
 # Failed sign-ins are throttled per client address and username (zeromem/kit/login_throttle.py).
 admin.site.login = throttled(admin.site.login)
+# Every admin page answers GET, HEAD and POST only (a 405 otherwise): Django's admin renders a
+# change form for any other method, which the pages' read audits (on GET and HEAD) missed.
+admin.site.admin_view = methods_limited(admin.site.admin_view)
 # The autocomplete's search term goes to PostgreSQL, whose text cannot hold a NUL: a 400.
 admin.site.autocomplete_view = refusing_nul_parameters(admin.site.autocomplete_view)

@@ -12,7 +12,7 @@ schedule), ``jobs`` (background jobs as callers see them; whose turn it is at th
 of expired memories and old trash), ``forget`` (forget requests: accept, carry out, resume).
 """
 
-from memories.services.browsing import dashboard_view, memories_browse
+from memories.services.browsing import dashboard_view, memories_browse, memories_listed
 from memories.services.forget import (
     forget_queue_viewed,
     forget_request_create,
@@ -91,6 +91,7 @@ __all__ = [
     "membership_remove",
     "membership_set",
     "memories_browse",
+    "memories_listed",
     "dashboard_view",
     "addable_user",
     "purge_expired",

@@ -38,6 +38,25 @@ def memories_browse(
         )
 
 
+# The filters of a plain page of the memory list the event keeps (their choices are fixed words).
+LISTED_FILTERS = ("state", "category", "expiry")
+
+
+def memories_listed(*, tenant: Tenant, actor: Actor, count: int, filters: Any = None) -> None:
+    """Audit a page of the admin memory list with no search, key-tree walk, end user or tag
+    (those are ``memory.browse``) that showed ``count`` of ``tenant``'s memories (their keys,
+    subjects, categories, versions and dates), as ``memory.list`` — what the REST list of the
+    same rows records; ``filters``: the page's state, category and expiry filters, kept in
+    ``detail`` (each cut to 32 characters). Needs ``memory:read``. Cost: the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="memory.list") as op:
+        require_scope(actor, Scope.MEMORY_READ)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise InvalidInput("must be a whole number of at least 0", field="count")
+        given = filters if isinstance(filters, dict) else {}
+        detail = {name: given[name][:32] for name in LISTED_FILTERS if isinstance(given.get(name), str) and given[name]}
+        op.record(count=count, detail=detail or None)
+
+
 def dashboard_view(*, tenant: Tenant, actor: Actor) -> None:
     """Audit a staff member opening ``tenant``'s dashboard (counts, top namespaces and
     keys), as ``tenant.dashboard``. Cost: the audit INSERT."""

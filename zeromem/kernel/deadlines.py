@@ -1,7 +1,8 @@
 """A page query under a deadline: for pages whose filters no index serves, which read rows
 until the page is full — all of them when few match."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from django.db import OperationalError, connections, transaction
 from django.db.models import QuerySet
@@ -42,6 +43,37 @@ def first_rows(
                     list(previous),
                 )
             return rows
+    except OperationalError as exc:
+        from psycopg import errors
+
+        if isinstance(exc.__cause__, errors.QueryCanceled):
+            raise timed_out() from None
+        raise
+
+
+@contextmanager
+def statement_deadline(
+    *, timeout_ms: int, timed_out: Callable[[], Exception], using: str = "default"
+) -> Iterator[None]:
+    """Each statement run inside stops after ``timeout_ms`` (PostgreSQL's statement_timeout),
+    and the block raises ``timed_out()`` instead of the database's error. As :func:`first_rows`:
+    its own transaction (or savepoint), the session's value set back on the way out, so the
+    request's later statements run as before. Elsewhere (SQLite) the block as it is."""
+    db = connections[using]
+    if db.vendor != "postgresql":
+        yield
+        return
+    try:
+        with transaction.atomic(using=using):
+            with db.cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('statement_timeout'), set_config('statement_timeout', %s, true)",
+                    [str(timeout_ms)],
+                )
+                previous = cursor.fetchone()[0]
+            yield
+            with db.cursor() as cursor:
+                cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
     except OperationalError as exc:
         from psycopg import errors
 

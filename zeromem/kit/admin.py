@@ -21,6 +21,7 @@ from django.core.paginator import Paginator
 from django.db.models import F
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
 from django.utils.functional import cached_property
+from django.views.decorators.http import require_http_methods
 
 from memories.models import Membership, Tenant
 from zeromem.kernel import validation
@@ -95,6 +96,35 @@ def refusing_nul_parameters(view):
     return wrapper
 
 
+# The methods an admin page answers: Django's admin renders a change form for any method but
+# POST (OPTIONS, PUT, PATCH, DELETE, TRACE…), and its pages audit their reads on GET and HEAD:
+# another method showed a memory's value, the forget queue or the audit log with no record.
+ADMIN_METHODS = ("GET", "HEAD", "POST")
+READ_METHODS = ("GET", "HEAD")
+
+
+def methods_limited(admin_view):
+    """``AdminSite.admin_view``, whose views answer a method outside ``ADMIN_METHODS`` with a
+    405 before anything is read (installed on the site in memories/admin/__init__.py)."""
+
+    @functools.wraps(admin_view)
+    def wrapper(view, cacheable=False):
+        return require_http_methods(ADMIN_METHODS)(admin_view(view, cacheable))
+
+    return wrapper
+
+
+def posted_without_action(request, model_admin: admin.ModelAdmin) -> bool:
+    """Whether ``request`` is a POST to ``model_admin``'s change list that runs none of its
+    actions. Django then shows the list (searched and filtered as the URL says), as a GET
+    would, but the lists audit their reads on GET and HEAD only; no list here is editable."""
+    if request.method != "POST":
+        return False
+    if "_save" in request.POST or not model_admin.get_actions(request):
+        return True
+    return "index" not in request.POST and helpers.ACTION_CHECKBOX_NAME not in request.POST
+
+
 # Each word of a list's search is an ILIKE over every searched column of the rows in scope
 # (the memory list: every key and value of the tenant): 300 matching words took 15 s on 200k
 # memories. A person's search needs a few words.
@@ -111,8 +141,16 @@ def list_parameters_refused(request, model_admin: TenantScopedAdmin) -> HttpResp
     """A 400 naming a change list's query parameter no filter can take (one that is none of
     ``model_admin``'s filters, a NUL, a tenant that is no number, a search over
     ``SEARCH_WORDS_MAX`` words or ``SEARCH_CHARS_MAX`` characters), else None. Called before
-    anything is listed or audited."""
+    anything is listed or audited. A POST that runs no action is refused as well (a 400 naming
+    ``action``): the list is read with a GET, which is audited."""
     refused = nul_parameter_refused(request)
+    # (after the permission check: one who may not see the list gets Django's 403)
+    if (
+        refused is None
+        and model_admin.has_view_or_change_permission(request)
+        and posted_without_action(request, model_admin)
+    ):
+        refused = _bad_parameter("action", "a list takes a POST only to run one of its actions")
     taken = LIST_PARAMETERS | model_admin.filter_parameters(request)
     unknown = next((name for name in request.GET if name not in taken), None)
     if refused is None and unknown is not None:
@@ -278,7 +316,7 @@ class AuditedListAdmin:
     def changelist_view(self, request, extra_context=None):
         response = super().changelist_view(request, extra_context)
         changelist = (getattr(response, "context_data", None) or {}).get("cl")
-        if request.method == "GET" and changelist is not None:
+        if request.method in READ_METHODS and changelist is not None:
             self._audit_list(request, changelist.result_list)
         return response
 
