@@ -130,7 +130,6 @@ def _table() -> dict[str, AdminRoute]:
         "admin/^(?P<app_label>auth|django_q|memories|portal|audit)/$": AdminRoute("app_list"),
         "admin/(?P<url>.*)$": AdminRoute("catch_all"),
         "admin/memories/tenant/<int:tenant_id>/dashboard/": AdminRoute("dashboard", "tenant"),
-        "admin/memories/memory/<path:object_id>/history/<int:version>/": AdminRoute("history", "memory"),
         "admin/memories/memory/<path:object_id>/history/<int:version>/restore/": AdminRoute("restore", "memory"),
         "admin/memories/memory/<path:object_id>/reveal/": AdminRoute("reveal", "memory"),
         # One version's whole value: a page of the memory's history (an audited read).
