@@ -481,11 +481,15 @@ def test_the_list_and_exports_show_each_events_seal_number(log, tenant_a):
 
 
 def test_jsonl_export_keeps_one_event_per_line_with_unicode_line_separators_in_a_field(log, api, tenant_a):
+    # A write refuses such a subject now (tests/test_write_review.py); one read or forgotten
+    # by it still names it in its event, as do events written before that.
     subject = "u4\u2028next\u2029para\x85nel"
-    api.call("memory_write", key="user:u4:lang", value="x", subject=subject)
+    audit_record(
+        tenant=tenant_a, actor=SYSTEM, action="memory.read", outcome="ok", target="user:u4:lang", subject=subject
+    )
     body = stream(log.get(EXPORT, {"format": "jsonl", "key_prefix": "user:u4:"}))
     lines = [json.loads(line) for line in body.splitlines()]  # str.splitlines breaks at U+2028 too
-    assert [line["subject"] for line in lines if line["action"] == "memory.write"] == [subject]
+    assert [line["subject"] for line in lines if line["action"] == "memory.read"] == [subject]
 
 
 # --- bounded pages ------------------------------------------------------------------------------

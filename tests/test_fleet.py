@@ -646,6 +646,7 @@ def test_the_data_keys_gauge_follows_create_rotate_and_forget():
     assert gauge() == truth()
 
 
+@pytest.mark.postgres  # the key store's row reads, from pg_stat_xact_user_tables
 @pytest.mark.django_db
 def test_a_scrape_reads_no_more_of_the_key_store_with_more_data_keys():
     # The gauge counted every data key on each scrape: 56 ms at 500k keys, growing with them.
@@ -668,6 +669,7 @@ def test_a_scrape_reads_no_more_of_the_key_store_with_more_data_keys():
     assert many_rows == few_rows and many_rows < 100, (few_rows, many_rows)
 
 
+@pytest.mark.postgres  # the counts kept by triggers (SQLite counts the keys; one writer at a time)
 @pytest.mark.django_db(transaction=True)
 def test_the_data_keys_gauge_stays_exact_under_concurrent_writes_rotations_and_forgets():
     from memories.services.encryption import retire_data_keys
