@@ -389,7 +389,7 @@ def test_a_worker_killed_mid_job_is_redelivered_after_q_retry_and_completes_the_
     task = Task.objects.get(name=f"forget-request-{killed.pk}")
     assert task.success and task.attempt_count == 1  # django-q2 never saw the killed run
     assert task.result["status"] == "completed"
-    audit_erases = AuditEvent.objects.filter(action="forget.erase", detail__forget_request=killed.pk).count()
+    audit_erases = AuditEvent.objects.filter(action="forget.erase", detail__forget_request=str(killed.uid)).count()
     assert audit_erases == 3  # 1 batch before the kill + 2 after: nothing erased twice
 
 
@@ -425,7 +425,7 @@ def test_a_task_that_kills_its_worker_every_time_is_not_retried_for_ever(cluster
 
     starts = _starts(request.pk)
     assert [e.detail["attempt"] for e in starts] == list(range(1, JOB_MAX_ATTEMPTS + 1))
-    fail_event = AuditEvent.objects.get(action="forget.fail", detail__forget_request=request.pk)
+    fail_event = AuditEvent.objects.get(action="forget.fail", detail__forget_request=str(request.uid))
     times = [e.occurred_at for e in starts] + [fail_event.occurred_at]
     gaps = [(later - earlier).total_seconds() for earlier, later in zip(times, times[1:], strict=False)]
     assert all(gap >= Q_RETRY - 1 for gap in gaps), gaps  # each redelivery waited for the broker lock
