@@ -60,12 +60,18 @@ def default_ttl_seconds_for(*, tenant: Tenant, key: str) -> int | None:
     index; the prefix match (``substr(key, 1, length(prefix)) = prefix``) is exact, with no
     LIKE wildcards to escape. Called only when a write creates a memory.
     """
+    return _longest_rule(tenant, key, "default_ttl_seconds")
+
+
+def _longest_rule(tenant: Tenant, key: str, field: str):
+    """``field`` of the tenant's rule with the longest prefix of ``key`` among those that set
+    it (or None). One query."""
     return (
-        RetentionRule.objects.filter(tenant=tenant, default_ttl_seconds__isnull=False)
+        RetentionRule.objects.filter(tenant=tenant, **{f"{field}__isnull": False})
         .alias(head=Substr(Value(key, output_field=CharField()), 1, Length("prefix")))
         .filter(head=F("prefix"))
         .order_by(Length("prefix").desc())
-        .values_list("default_ttl_seconds", flat=True)
+        .values_list(field, flat=True)
         .first()
     )
 
@@ -81,14 +87,7 @@ def trash_cutoff_for(*, tenant: Tenant, key: str, now: datetime) -> datetime:
     purge's, no longer restorable): the longest prefix among the tenant's rules that set
     ``trash_retention_days``, else the tenant's, else ``ZEROMEM_TRASH_RETENTION_DAYS`` —
     the cutoff :func:`_old_trash_by_tenant` gives the purge. Cost: one query (the rule)."""
-    days = (
-        RetentionRule.objects.filter(tenant=tenant, trash_retention_days__isnull=False)
-        .alias(head=Substr(Value(key, output_field=CharField()), 1, Length("prefix")))
-        .filter(head=F("prefix"))
-        .order_by(Length("prefix").desc())
-        .values_list("trash_retention_days", flat=True)
-        .first()
-    )
+    days = _longest_rule(tenant, key, "trash_retention_days")
     if days is None:
         days = (
             settings.ZEROMEM_TRASH_RETENTION_DAYS
