@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
@@ -13,6 +14,8 @@ from audit.models import AuditEvent
 from tests.factories import write
 
 pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
+# A statement_timeout and a generate_series seed: PostgreSQL (SQLite has no statement deadline).
+pytestmark = pytest.mark.postgres
 
 ROWS = 40_000
 BATCH = 10_000  # modest INSERTs (each ~20 MB of values)
