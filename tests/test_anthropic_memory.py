@@ -1050,6 +1050,49 @@ def test_a_view_of_a_huge_directory_answers_at_most_the_listing_budget(api, tena
     assert content.splitlines()[-1].startswith("(Listing cut: /memories holds more than 5000 files;")
 
 
+def test_a_view_of_a_big_file_of_short_lines_answers_at_most_the_budget_and_pages_on(api, tenant_a, settings):
+    """A file of 60,000 one-character lines (120 KB, under a raised value cap) answered ~540,000
+    characters — its line numbers, not its text. Now at most LIST_MAX_CHARS, cut at a line's
+    end, with the view_range that reads on; reading on that way gives every line once."""
+    tenant_a.value_max_bytes = 256 * 1024
+    tenant_a.save(update_fields=["value_max_bytes"])
+    text = "\n".join("abcdefghij"[i % 10] for i in range(60_000))
+    r = api.post(URL, {"command": "create", "path": "/memories/big.txt", "file_text": text})
+    assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
+    seen, start, pages = [], 1, 0
+    while True:
+        body = {"command": "view", "path": "/memories/big.txt"}
+        if start > 1:
+            body["view_range"] = [start, -1]
+        content = api.post(URL, body).json()["content"]
+        assert len(content) <= claude_memory.LIST_MAX_CHARS, len(content)
+        lines = content.splitlines()
+        assert lines[0] == "Here's the content of /memories/big.txt with line numbers:"
+        numbered = [line for line in lines[1:] if not line.startswith("(File cut")]
+        seen += [line.split("\t", 1)[1] for line in numbered]
+        assert int(numbered[0].split("\t")[0]) == start
+        pages += 1
+        if not lines[-1].startswith("(File cut"):
+            break
+        last = start + len(numbered) - 1
+        assert lines[-1] == (
+            f"(File cut at {claude_memory.LIST_MAX_CHARS} characters: lines {start}-{last} of 60000 shown. "
+            f"View /memories/big.txt with view_range [{last + 1}, -1] for the next ones.)"
+        )
+        start = last + 1
+    assert seen == text.split("\n") and pages > 30
+
+
+def test_a_short_file_and_a_range_are_answered_whole_as_before(api):
+    api.post(URL, {"command": "create", "path": "/memories/notes.md", "file_text": "one\ntwo\nthree"})
+    whole = api.post(URL, {"command": "view", "path": "/memories/notes.md"}).json()["content"]
+    assert whole == (
+        "Here's the content of /memories/notes.md with line numbers:\n     1\tone\n     2\ttwo\n     3\tthree"
+    )
+    part = api.post(URL, {"command": "view", "path": "/memories/notes.md", "view_range": [2, 3]}).json()["content"]
+    assert part.splitlines()[1:] == ["     2\ttwo", "     3\tthree"]
+
+
 def test_a_cut_listing_pages_on_with_view_range_to_every_entry_once(api, tenant_a, monkeypatch):
     for i in range(40):
         api.post(URL, {"command": "create", "path": f"/memories/d{i % 3}/{'f' * 200}{i:03d}.md", "file_text": "x" * i})

@@ -283,8 +283,24 @@ class MemoryTool:
             first = max(1, view_range[0]) - 1
             end = len(lines) if view_range[1] == -1 else view_range[1]
             display, start = lines[first:end], first + 1
-        numbered = [f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}" for i, line in enumerate(display)]
-        return f"Here's the content of {path} with line numbers:\n" + "\n".join(numbered)
+        header = f"Here's the content of {path} with line numbers:"
+        # At most LIST_MAX_CHARS, cut at a line's end (at least one line, whole: a line longer
+        # than that is the value itself, bounded by its cap): the line numbers alone made a
+        # 256 KB file of short lines a ~1 MB answer. The last line says what view_range reads on.
+        left = LIST_MAX_CHARS - len(header) - len(path) - 200
+        numbered = []
+        for i, line in enumerate(display):
+            text = f"{str(i + start).rjust(LINE_NUMBER_WIDTH)}\t{line}"
+            if numbered and len(text) + 1 > left:
+                last = start + len(numbered) - 1
+                numbered.append(
+                    f"(File cut at {LIST_MAX_CHARS} characters: lines {start}-{last} of {len(lines)} shown. "
+                    f"View {path} with view_range [{last + 1}, -1] for the next ones.)"
+                )
+                break
+            numbered.append(text)
+            left -= len(text) + 1
+        return header + "\n" + "\n".join(numbered)
 
     def _listing(
         self,
