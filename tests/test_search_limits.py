@@ -377,20 +377,12 @@ def test_recall_of_long_values_loads_what_its_block_can_show_not_the_whole_value
 
     from memories import services
     from tests.factories import SYSTEM
+    from tests.helpers import copy_memory
 
     api.tenant.value_max_bytes = 256 * 1024
     api.tenant.save()
     big = "needle " + "lorem ipsum dolor sit amet " * 9_000
-    template = write(api.tenant, "doc:template", big, importance=1)
-    columns = [f.column for f in Memory._meta.local_concrete_fields if f.column not in ("id", "key")]
-    listed = ", ".join(columns)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {Memory._meta.db_table} (key, {listed}) "  # noqa: S608 (names from the model)
-            f"SELECT 'doc:d' || lpad(g::text, 2, '0'), {listed} FROM {Memory._meta.db_table},"
-            " generate_series(1, 40) g WHERE id = %s",
-            [template.pk],
-        )
+    copy_memory(write(api.tenant, "doc:template", big, importance=1), 40)
     _write(api, "doc:top", "needle first, " + "e\u0301" * 30 + " and a long tail " + "z" * 200, 10)
     _write(api, "doc:json", {"needle": "y" * 100}, 9)
 
