@@ -120,6 +120,8 @@ def _scope(client="10.0.0.7", **headers):
 
 
 def test_a_caller_is_the_clients_address_and_the_keys_public_lookup(settings):
+    # With the API key cache off the lookup is taken as claimed (verified callers: below).
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 0
     settings.ZEROMEM_NUM_PROXIES = 0
     assert caller_of(_scope(authorization="Bearer zm_ab12cd_secretpart")) == "10.0.0.7 ab12cd"
     assert caller_of(_scope(authorization="bearer zm_ab12cd_other")) == "10.0.0.7 ab12cd"  # same caller
@@ -141,3 +143,32 @@ def test_a_bad_share_is_refused_naming_the_setting(value):
     with pytest.raises(ValueError, match="ZEROMEM_WEB_THREADS_PER_CALLER"):
         serving.threads_per_caller({"ZEROMEM_WEB_THREADS_PER_CALLER": value})
     assert serving.threads_per_caller({}) is None
+
+
+@pytest.mark.django_db
+def test_only_a_key_this_process_verified_is_a_caller_of_its_own(tenant_a, settings, monkeypatch):
+    """Made-up lookups from one address are one caller, not one each: a client sending a new
+    ``zm_<lookup>_x`` with every request had a thread share (and a read-ahead share) per request."""
+    from memories.services import key_cache
+    from tests.factories import make_keyed_client, write
+
+    settings.ZEROMEM_NUM_PROXIES = 0
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10
+    now = [1000.0]
+    monkeypatch.setattr(key_cache, "clock", lambda: now[0])
+    made_up = {caller_of(_scope(authorization=f"Bearer zm_{i:012x}_secret")) for i in range(50)}
+    assert made_up == {"10.0.0.7 ?"}  # one unverified caller, apart from the keyless one
+    assert caller_of(_scope()) == "10.0.0.7 "
+
+    write(tenant_a, "user:u1:pref_lang", "zh")
+    client, key = make_keyed_client(tenant_a)
+    real = f"Bearer {client.raw_key}"
+    assert caller_of(_scope(authorization=real)) == "10.0.0.7 ?"  # not verified by this process yet
+    r = client.post("/api/v1/tools/call", {"name": "memory_read", "arguments": {"key": "user:u1:pref_lang"}})
+    assert r.status_code == 200
+    assert caller_of(_scope(authorization=real)) == f"10.0.0.7 {key.lookup}"
+    assert caller_of(_scope(client="10.0.0.8", authorization=real)) == f"10.0.0.8 {key.lookup}"
+    # Its public lookup with another secret is not it.
+    assert caller_of(_scope(authorization=f"Bearer zm_{key.lookup}_guessed")) == "10.0.0.7 ?"
+    now[0] += 10  # the cache's TTL passed: verified again by its next request
+    assert caller_of(_scope(authorization=real)) == "10.0.0.7 ?"

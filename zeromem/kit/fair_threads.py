@@ -13,9 +13,15 @@ memories): the reader's slowest reads waited **50–250 ms for a thread** of its
 So the router admits each request to the threads here (:class:`FairThreads`):
 
 * a **caller** is the client's address and the API key's public lookup (``zm_<lookup>``, the
-  part before the secret; none for a request without a key). It is an unverified claim, so
-  it only decides whose turn it is: a request that names another's key from another address
-  is a caller of its own, and one from the same address waits its turn with that caller;
+  part before the secret) — when this process has verified that very key lately (its API key
+  cache, memories/services/key_cache.py: the hash of the whole key sent matches). A request
+  with a key the process does not know (made up, wrong secret, not yet verified here) is the
+  address's one **unverified** caller (``"<address> ?"``), and one without a key the address's
+  keyless caller (``"<address> "``): a client sending a new made-up lookup with each request
+  used to be a new caller each time, with a share of its own each time — now all of them wait
+  their turn as one. A key's first request in a process (or the first after the cache's TTL)
+  takes its turn as unverified; with the cache off (``ZEROMEM_API_KEY_CACHE_SECONDS=0``) the
+  lookup is taken as claimed, as before;
 * a caller holds at most ``per_caller`` threads at once (``ZEROMEM_WEB_THREADS_PER_CALLER``,
   default the threads less two, with 4 or more threads): the others are always left to
   other callers;
@@ -34,10 +40,14 @@ import itertools
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 
+from memories.models import hash_api_key
+from memories.services import key_cache
 from zeromem.kit.http import client_ip_of
 
 BEARER = b"bearer "
 KEY_PREFIX = b"zm_"
+# The caller's second part for a request whose key this process has not verified lately.
+UNVERIFIED = "?"
 
 
 def default_per_caller(threads: int) -> int:
@@ -47,8 +57,9 @@ def default_per_caller(threads: int) -> int:
 
 
 def caller_of(scope: dict) -> str:
-    """``"<client address> <zm_lookup>"`` of an HTTP request's scope (the lookup empty when
-    no API key is sent). Cheap: one pass over the headers, nothing decoded but the two."""
+    """``"<client address> <zm_lookup>"`` of an HTTP request's scope: the lookup empty when no
+    API key is sent, ``?`` for a key this process has not verified lately. Cheap: one pass over
+    the headers, nothing decoded but the two, a SHA-256 of a key sent."""
     authorization = forwarded = b""
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
@@ -60,9 +71,19 @@ def caller_of(scope: dict) -> str:
         token = authorization[len(BEARER) :].strip()
         if token.startswith(KEY_PREFIX):
             lookup = token.split(b"_", 2)[1][:32].decode("ascii", "replace")
+            if not _verified(lookup, token):
+                lookup = UNVERIFIED
     client = scope.get("client")
     address = client_ip_of(client[0] if client else None, forwarded.decode("latin-1") if forwarded else None)
     return f"{address or '-'} {lookup}"
+
+
+def _verified(lookup: str, token: bytes) -> bool:
+    """Whether this process verified the key ``token`` lately (a cache hit costs a SHA-256 of
+    the key, ~1 µs); always True with the key cache off (the lookup taken as claimed)."""
+    if key_cache.ttl_seconds() <= 0:
+        return True
+    return key_cache.get(lookup, hash_api_key(token.decode("latin-1"))) is not None
 
 
 class FairThreads:

@@ -16,7 +16,7 @@ Now every body up to the cap is read here first:
   small ones);
 * chunked (no length to declare): charged what has arrived, each message as it comes (it took
   the whole cap while it arrived, so a few small chunked bodies filled the budget);
-* one caller (``caller_of``: the client's address and the key's public lookup, as the request
+* one caller (``caller_of``: the client's address and the key's public lookup once verified, as the request
   threads are shared) holds at most ``ZEROMEM_BODY_READ_AHEAD_PER_CALLER_BYTES`` of the budget
   (a quarter): a few callers trickling big bodies took all of it, and every other caller's big
   body was refused while theirs went on;
