@@ -570,8 +570,8 @@ def _shred(request_id: int) -> int:
 def _redact_jobs(request: ForgetRequest) -> int:
     """Summarize jobs about the target name it (``params.prefix``, ``result.key``): their
     prefix and key are dropped, their counts stay. A job still pending (queued, or an attempt
-    under way) for a namespace the request forgets whole (a subject's ``user:``/``usr:``
-    namespace, or a prefix inside the forgotten one) was asked for before the request
+    under way) for a namespace the request forgets whole (a subject's ``user:``/``usr:``/
+    ``lg:users:`` namespace, or a prefix inside the forgotten one) was asked for before the request
     completed, so it is forgotten too: ``cancelled`` with nothing written (an attempt under
     way finds its job no longer its own and writes nothing, :func:`summaries._attempt_current`)
     and audited as one ``memory.summarize.cancel`` event (``denied``, ``detail.reason``
