@@ -58,6 +58,7 @@ from zeromem.kernel.errors import (
 from zeromem.kernel.pglocks import int4_key
 from zeromem.kernel.replica import replica_reads
 from zeromem.kernel.scopes import Scope
+from zeromem.kernel.subjectkeys import subject_namespaces
 from zeromem.kernel.tenancy import Tenant, get_tenant_model
 from zeromem.kernel.tracing import NO_SPAN
 
@@ -814,7 +815,8 @@ def _redaction_q(*, subject: str, keys: Iterable[str], prefix: str, prefixes: It
         q |= Q(actor_kind=AuditEvent.ActorKind.END_USER, actor_id__in={subject, end_user_actor_id(subject)})
         # Readings of the log that filtered by the subject as an actor (audit.list, audit.export).
         q |= ~Q(actor_filter="") & Q(actor_filter__in={subject, end_user_actor_id(subject)})
-        by_target |= Q(target__startswith=f"user:{subject}:") | Q(target__startswith=f"usr:{subject}:")
+        for namespace in subject_namespaces(subject):  # user:<id>:, usr:<id>:, lg:users:<id>:, ...
+            by_target |= Q(target__startswith=namespace)
     if prefix:
         by_target |= Q(target__startswith=prefix) | Q(target=prefix)
     keys = [k for k in keys if k]

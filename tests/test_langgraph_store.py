@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+import httpx
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -15,7 +16,7 @@ from langgraph_sdk import get_sync_client
 from langgraph_sdk.errors import NotFoundError, PermissionDeniedError
 
 from audit.models import AuditEvent
-from memories.models import Memory
+from memories.models import Memory, MemoryVersion
 from memories.services import langgraph as lg
 from tests.factories import make_key, make_keyed_client, make_tenant, write
 from tests.helpers import fresh_memory_table, rest_error
@@ -43,6 +44,7 @@ def test_langgraph_sdk_against_a_live_zeromem(live_server):
     sdk_put_get_search_namespaces_delete(live_server)
     sdk_ttl_in_minutes_and_refresh(live_server)
     sdk_other_tenant_and_scope_and_allowlist_refusals(live_server)
+    sdk_items_of_a_user_namespace_go_with_their_forget(live_server)
 
 
 def sdk_put_get_search_namespaces_delete(live_server):
@@ -143,6 +145,33 @@ def sdk_other_tenant_and_scope_and_allowlist_refusals(live_server):
     assert Memory.objects.get(tenant=tenant_a, key="lg:users:u1:secret").value == {"pin": "1234"}
     denied = AuditEvent.objects.filter(tenant=tenant_a, surface="langgraph", outcome="denied")
     assert denied.filter(action="memory.write").exists() and denied.filter(action="memory.read").exists()
+
+
+def sdk_items_of_a_user_namespace_go_with_their_forget(live_server):
+    """Items of the namespace ("users", "u1") are about u1 (subject inferred from the key, as
+    for user:u1:…): the forget of the subject u1, filed over HTTP, erases them and their
+    versions. Before, they carried no subject and outlived a completed request."""
+    tenant = make_tenant("lgf")
+    _, raw = make_key(tenant)
+    store = sdk(live_server, raw).store
+    store.put_item(["users", "u1"], "prefs", {"lang": "fr"})
+    store.put_item(["users", "u1"], "prefs", {"lang": "en"})
+    store.put_item(["users", "u1", "threads"], "t1", {"summary": "asked about pasta"})
+    store.put_item(["users", "u2"], "prefs", {"lang": "de"})
+    assert Memory.objects.get(tenant=tenant, key="lg:users:u1:prefs").subject == "u1"
+
+    with httpx.Client(base_url=live_server.url, headers={"Authorization": f"Bearer {raw}"}) as http:
+        filed = http.post("/api/v1/forget-requests", json={"subject": "u1"})
+        assert filed.status_code == 202, filed.text
+        done = http.get(f"/api/v1/forget-requests/{filed.json()['id']}").json()  # run inline (sync)
+    assert done["status"] == "completed" and done["receipt"]["memories"] == 2
+
+    with pytest.raises(NotFoundError):
+        store.get_item(["users", "u1"], "prefs")
+    assert [i["namespace"] for i in store.search_items(["users"])["items"]] == [["users", "u2"]]
+    assert not Memory.objects.filter(tenant=tenant, key__startswith="lg:users:u1:").exists()
+    assert not MemoryVersion.objects.filter(tenant=tenant, subject="u1").exists()
+    assert MemoryVersion.objects.filter(tenant=tenant).count() == 1  # u2's
 
 
 @pytest.mark.django_db

@@ -52,7 +52,7 @@ from memories.services.idempotency import tenant_forget as idempotency_tenant_fo
 from memories.services.jobs import CANCEL_EVENT_MAX_IDS, lock_pending, require_pending_room
 from memories.services.retention import set_local_wal_compression, wal_compression_for_erasure
 from memories.services.summaries import SUMMARY_KEY_PREFIX, summary_expiry, summary_key, summary_without
-from zeromem.kernel import validation
+from zeromem.kernel import subjectkeys, validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
 from zeromem.kernel.keyprefix import startswith_q
@@ -570,8 +570,8 @@ def _shred(request_id: int) -> int:
 def _redact_jobs(request: ForgetRequest) -> int:
     """Summarize jobs about the target name it (``params.prefix``, ``result.key``): their
     prefix and key are dropped, their counts stay. A job still pending (queued, or an attempt
-    under way) for a namespace the request forgets whole (a subject's ``user:``/``usr:``
-    namespace, or a prefix inside the forgotten one) was asked for before the request
+    under way) for a namespace the request forgets whole (a subject's ``user:``/``usr:``/
+    ``lg:users:`` namespace, or a prefix inside the forgotten one) was asked for before the request
     completed, so it is forgotten too: ``cancelled`` with nothing written (an attempt under
     way finds its job no longer its own and writes nothing, :func:`summaries._attempt_current`)
     and audited as one ``memory.summarize.cancel`` event (``denied``, ``detail.reason``
@@ -694,10 +694,11 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
         return request
 
 
-def subject_namespaces(subject: str) -> tuple[str, str]:
-    """The key prefixes that name ``subject`` by convention (``user:<id>:``, ``usr:<id>:``:
-    what a write infers a memory's subject from, memories.services.memories._infer_subject)."""
-    return f"user:{subject}:", f"usr:{subject}:"
+def subject_namespaces(subject: str) -> tuple[str, ...]:
+    """The key prefixes that name ``subject`` by convention (``user:<id>:``, ``usr:<id>:``,
+    the LangGraph namespace ``lg:users:<id>:``: what a write infers a memory's subject from,
+    zeromem.kernel.subjectkeys)."""
+    return subjectkeys.subject_namespaces(subject)
 
 
 def subject_q(subject: str) -> Q:
@@ -938,13 +939,29 @@ def _follow_lineage(
 
 def _versions_left(request: ForgetRequest) -> QuerySet[MemoryVersion] | None:
     """The requester's own earlier values under keys their request leaves: versions written
-    while the memory was about the request's subject (``MemoryVersion.subject``) of memories
-    since rewritten for another end user. Their memories stay (the current value is someone
-    else's); these versions go. None when the request names no subject."""
+    while the memory was about the request's subject (``MemoryVersion.subject``), or named no
+    one under the subject's own namespace (``subject`` "" under ``user:<subject>:``,
+    ``lg:users:<subject>:``, ...: theirs by :func:`subject_q`'s rule), of memories since
+    rewritten for another end user. Their memories stay (the current value is someone
+    else's); these versions go. None when the request names no subject. Before, a version
+    written with no subject under the namespace outlived the forget in the history of a key
+    later handed to someone else.
+
+    Cost: one read of the namespace's key ranges (what is left there once the request's
+    memories are erased: keys handed to other end users), then the versions by the
+    (tenant, subject) index OR'ed with those memories' (tenant, memory) one — that partial
+    subject index holds no "" rows, so the namespace's memories are looked up first."""
     subject = _own_subject(request)
     if not subject:
         return None
-    qs = MemoryVersion.objects.filter(tenant_id=request.tenant_id, subject=subject)  # memoryversion_tenant_subject
+    in_namespace = Q()
+    for prefix in subject_namespaces(subject):
+        in_namespace |= _any_state(startswith_q("key", prefix))
+    handed = list(Memory.objects.filter(tenant_id=request.tenant_id).filter(in_namespace).values_list("pk", flat=True))
+    theirs = Q(subject=subject)  # memoryversion_tenant_subject
+    if handed:
+        theirs |= Q(subject="", memory_id__in=handed)
+    qs = MemoryVersion.objects.filter(tenant_id=request.tenant_id).filter(theirs)
     if not request.subject:
         # An end user's request for a prefix or keys: their versions under those keys only.
         keys = Memory.objects.filter(tenant_id=request.tenant_id)
@@ -974,8 +991,10 @@ def _made_from_their_values(summary: Memory, *, subject: str, held: dict[str, in
         if memory_id is None:
             continue
         versions = MemoryVersion.objects.filter(memory_id=memory_id).order_by("-version")
+        # A version of their namespace that named no one was theirs too (subject_q).
+        their_subjects = [subject, ""] if key.startswith(subject_namespaces(subject)) else [subject]
         then = versions.filter(created_at__lte=summary.updated_at).values_list("subject", flat=True).first()
-        if then is None or then == subject:
+        if then is None or then in their_subjects:
             return True
         at_each = Subquery(versions.filter(created_at__lte=OuterRef("created_at")).values("subject")[:1])
         # A version of the summary older than the source memory was made of something else.
@@ -983,7 +1002,7 @@ def _made_from_their_values(summary: Memory, *, subject: str, held: dict[str, in
         if (
             MemoryVersion.objects.filter(memory_id=summary.pk, created_at__gte=Subquery(born))
             .annotate(then=Coalesce(at_each, Value(subject)))
-            .filter(then=subject)
+            .filter(then__in=their_subjects)
             .exists()
         ):
             return True

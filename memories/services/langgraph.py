@@ -12,7 +12,10 @@ e.g. namespace ``("users", "u1")`` and key ``"prefs"`` → ``lg:users:u1:prefs``
 Labels and keys keep letters, digits and ``_ . @ + = -``; every other character (``:``,
 ``~``, ``/``, a space, ...) is written ``~HH`` per UTF-8 byte (``a:b`` → ``a~3Ab``), so the
 mapping is one-to-one and a ``:`` always separates labels. Labels may not contain ``.``
-(LangGraph's rule: the SDK joins them with dots in a GET) nor be empty.
+(LangGraph's rule: the SDK joins them with dots in a GET) nor be empty. An item of a
+namespace ``("users", <id>, ...)`` is about the end user ``<id>`` (the memory's ``subject``,
+inferred from its key as ``user:<id>:...`` is: zeromem.kernel.subjectkeys), so their forget
+request and portal reach it.
 
 Every operation goes through the memory services' rules — scopes, the key's allowlist
 (``lg:users:u1:`` limits a key to namespace ``("users", "u1", ...)``), audit — and the
@@ -26,7 +29,6 @@ import itertools
 import json
 import math
 import operator
-import re
 from typing import Any
 
 from django.conf import settings
@@ -43,11 +45,10 @@ from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
 from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
 from zeromem.kernel.scopes import Scope
+from zeromem.kernel.subjectkeys import decode_segment, encode_segment
 
 TTL_TAG = "ttl_minutes="
 TTL_MAX_MINUTES = validation.TTL_MAX_SECONDS // 60
-_KEEP = re.compile(r"[\w.@+=-]")
-_ESCAPED = re.compile(r"(?:~[0-9A-F]{2})+")
 _OPERATORS = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte"})
 _RANGES = frozenset({"$gt", "$gte", "$lt", "$lte"})
 # The matcher walks the filter for every item a search reads (up to ZEROMEM_LANGGRAPH_SCAN_MAX):
@@ -60,14 +61,6 @@ def root() -> str:
 
 
 # --- the mapping -----------------------------------------------------------------------------
-
-
-def encode_segment(text: str) -> str:
-    return "".join(ch if _KEEP.fullmatch(ch) else "".join(f"~{b:02X}" for b in ch.encode()) for ch in text)
-
-
-def decode_segment(segment: str) -> str:
-    return _ESCAPED.sub(lambda m: bytes.fromhex(m.group(0).replace("~", "")).decode("utf-8", "replace"), segment)
 
 
 def namespace_labels(raw: Any, *, field: str = "namespace", allow_empty: bool = False) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, PreconditionFailed
 from zeromem.kernel.outcomes import Outcome
 from zeromem.kernel.scopes import Scope
+from zeromem.kernel.subjectkeys import subject_of_key
 
 _UNSET: Any = object()
 
@@ -69,9 +70,9 @@ class ListResult:
 
 
 def _infer_subject(key: str) -> str:
-    # "user:u10086:pref_lang" is about end user u10086: forget requests find it by subject.
-    parts = key.split(":")
-    return parts[1] if len(parts) >= 3 and parts[0] in ("user", "usr") else ""
+    # "user:u10086:pref_lang" (or the LangGraph item "lg:users:u10086:prefs") is about end
+    # user u10086: forget requests find it by subject.
+    return subject_of_key(key)
 
 
 def _infer_category(key: str) -> str:

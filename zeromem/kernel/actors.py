@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
+from zeromem.kernel import subjectkeys
 from zeromem.kernel.errors import Forbidden, Unauthenticated
 from zeromem.kernel.keyprefix import exact
 from zeromem.kernel.outcomes import ActorKind
@@ -97,14 +98,14 @@ def require_key_allowed(actor: Actor, key: str) -> None:
 def require_subject_allowed(actor: Actor, *, key: str, subject: str | None) -> None:
     """A key limited to some prefixes may name as a memory's ``subject`` (whose portal page
     and forget requests then show it) only an end user inside its reach: the one its key
-    names (``user:<id>:…``) or one whose namespace ``user:<subject>:`` its allowlist covers.
-    Otherwise ``agent:bot1:`` could put text on anyone's portal page."""
+    names (``user:<id>:…``, ``lg:users:<id>:…``) or one whose namespace (``user:<subject>:``,
+    ``lg:users:<subject>:``, …) its allowlist covers (zeromem.kernel.subjectkeys). Otherwise
+    ``agent:bot1:`` could put text on anyone's portal page."""
     if not actor.allowed_prefixes or not subject:
         return
-    segments = key.split(":")
-    if len(segments) >= 3 and segments[0] in ("user", "usr") and segments[1] == subject:
+    if subjectkeys.subject_of_key(key) == subject:
         return
-    if actor.may_touch_prefix(f"user:{subject}:"):
+    if any(actor.may_touch_prefix(prefix) for prefix in subjectkeys.subject_namespaces(subject)):
         return
     raise Forbidden(
         code="subject_not_allowed",
