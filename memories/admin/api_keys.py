@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.http import Http404
@@ -24,6 +24,10 @@ from zeromem.kit.admin import (
     may,
     tenant_ids_with,
 )
+
+# Revoke works on at most this many keys per run ("select all" hands it every key the list
+# matches: each is one service call, its portal links and queued jobs, in one request).
+ACTION_MAX = 1000
 
 
 class ApiKeyForm(forms.ModelForm):
@@ -127,10 +131,19 @@ class ApiKeyAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
 
     @admin.action(permissions=["revoke"], description="Revoke selected keys")
     def revoke(self, request, queryset):
+        keys = list(
+            queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True)
+            .select_related("tenant")
+            .order_by("pk")[: ACTION_MAX + 1]
+        )
+        if len(keys) > ACTION_MAX:
+            self.message_user(
+                request,
+                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
+                messages.WARNING,
+            )
         done = 0
-        for key in queryset.filter(
-            tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True
-        ):
+        for key in keys[:ACTION_MAX]:
             done += services.api_key_revoke(tenant=key.tenant, actor=actor_for(request, key.tenant_id), key_id=key.pk)
         self.message_user(request, f"{done} keys revoked.")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.http import Http404
@@ -21,6 +21,9 @@ from zeromem.kit.admin import (
     may,
     tenant_ids_with,
 )
+
+# Removing selected memberships works on at most this many per run (one service call each).
+ACTION_MAX = 1000
 
 
 class MembershipForm(forms.ModelForm):
@@ -102,7 +105,15 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
         services.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
 
     def delete_queryset(self, request, queryset):
-        for membership in queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE)):
+        allowed = queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE))
+        memberships = list(allowed.select_related("tenant", "user").order_by("pk")[: ACTION_MAX + 1])
+        if len(memberships) > ACTION_MAX:
+            self.message_user(
+                request,
+                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
+                messages.WARNING,
+            )
+        for membership in memberships[:ACTION_MAX]:
             self.delete_model(request, membership)
 
 

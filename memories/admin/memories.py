@@ -11,6 +11,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
+from django.contrib.admin.views.main import SEARCH_VAR
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpResponseBadRequest, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -188,24 +189,36 @@ class MemoryChangeList(SortableByChangeList):
     parameter and what narrows it by an index (a tenant, the key tree, a subject)."""
 
     def get_results(self, request):
-        field = "q" if self.query else TagFilter.parameter_name if request.GET.get(TagFilter.parameter_name) else None
+        field = searched_by(request)
         if field is None:
             return super().get_results(request)
-        timeout = settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS
         try:
-            with statement_deadline(timeout_ms=timeout, timed_out=SearchTooSlow):
+            with statement_deadline(timeout_ms=settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS, timed_out=SearchTooSlow):
                 super().get_results(request)
                 self.result_list = list(self.result_list)  # the page's query, under the deadline
         except SearchTooSlow:
-            what = "each word is looked for in every key and value" if field == "q" else "the tag is looked for"
-            messages.error(
-                request,
-                f"{field}: the search read past its {timeout} ms without finishing ({what} the list covers). "
-                "Narrow it first: a tenant, a key prefix (the key tree), a subject"
-                + (" or a tag." if field == "q" else "."),
-            )
+            messages.error(request, search_too_slow_text(field, "the search"))
             self.queryset = self.queryset.none()
             super().get_results(request)
+
+
+def searched_by(request) -> str | None:
+    """The parameter that makes the memory list a scan no index serves (``q``, else ``tag``),
+    or None: its statements, the list's page and an action's pick alike, stop at
+    ``ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS``."""
+    if request.GET.get(SEARCH_VAR):
+        return SEARCH_VAR
+    return TagFilter.parameter_name if request.GET.get(TagFilter.parameter_name) else None
+
+
+def search_too_slow_text(field: str, what: str, outcome: str = "") -> str:
+    timeout = settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS
+    how = "each word is looked for in every key and value" if field == SEARCH_VAR else "the tag is looked for"
+    return (
+        f"{field}: {what} read past its {timeout} ms without finishing ({how} the list covers){outcome}. "
+        "Narrow it first: a tenant, a key prefix (the key tree), a subject"
+        + (" or a tag." if field == SEARCH_VAR else ".")
+    )
 
 
 class MemoryAdmin(TenantScopedAdmin):
@@ -639,9 +652,31 @@ class MemoryAdmin(TenantScopedAdmin):
     def _editable(self, request, queryset):
         return queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMORY_EDIT)).select_related("tenant")
 
+    def response_action(self, request, queryset):
+        try:
+            return super().response_action(request, queryset)
+        except SearchTooSlow:  # raised by _batch, before the action changed anything
+            self.message_user(
+                request,
+                search_too_slow_text(searched_by(request), "the action's search", "; nothing was changed"),
+                messages.ERROR,
+            )
+            return HttpResponseRedirect(request.get_full_path())
+
     def _batch(self, request, queryset) -> list[Memory]:
-        """The first ``ACTION_MAX`` memories of ``queryset`` by key; says so when more remain."""
-        batch = list(queryset.order_by("key")[: ACTION_MAX + 1])
+        """The first ``ACTION_MAX`` memories of ``queryset`` by key; says so when more remain.
+
+        On a searched or tag-filtered list its query stops at ``ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS``
+        as the list's own page does (:class:`SearchTooSlow`, the action then changes nothing):
+        "select all N" ran the search again here with no deadline — a word only the last
+        memory by key holds, in a tenant of 10k memories of 1.8 KB, read 324 ms under a 1 ms
+        deadline, linear in the tenant."""
+        query = queryset.order_by("key")[: ACTION_MAX + 1]
+        if searched_by(request) is None:
+            batch = list(query)
+        else:
+            with statement_deadline(timeout_ms=settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS, timed_out=SearchTooSlow):
+                batch = list(query)
         if len(batch) > ACTION_MAX:
             self.message_user(
                 request,
