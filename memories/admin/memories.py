@@ -33,6 +33,7 @@ from memories.admin.memory_filters import (
 from memories.models import Memory, Tenant
 from memories.services.browsing import LISTED_FILTERS
 from memories.services.memories import PREVIEW_CHARS
+from memories.services.retention import trash_refusals
 from zeromem.kernel import validation
 from zeromem.kernel.crypto import ErasedValue
 from zeromem.kernel.deadlines import statement_deadline
@@ -189,6 +190,14 @@ class MemoryChangeList(SortableByChangeList):
     parameter and what narrows it by an index (a tenant, the key tree, a subject)."""
 
     def get_results(self, request):
+        self._get_results(request)
+        # Each trashed row of the page says whether a restore brings it back (two queries).
+        self.result_list = list(self.result_list)
+        refusals = trash_refusals(self.result_list, now=timezone.now())
+        for row in self.result_list:
+            row.restore_refusal = refusals.get(row.pk)
+
+    def _get_results(self, request):
         field = searched_by(request)
         if field is None:
             return super().get_results(request)
@@ -365,7 +374,8 @@ class MemoryAdmin(TenantScopedAdmin):
     @admin.display(description="state")
     def state(self, obj):
         if obj.deleted_at is not None:
-            return "trash"
+            refusal = getattr(obj, "restore_refusal", None)  # (set on the list's rows)
+            return f"trash (not restorable: {refusal})" if refusal else "trash"
         if obj.expires_at is not None and obj.expires_at <= timezone.now():
             return "expired"
         return "live"
@@ -646,6 +656,12 @@ class MemoryAdmin(TenantScopedAdmin):
 
     # --- actions --------------------------------------------------------------------------
 
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        if request.GET.get(StateFilter.parameter_name) == StateFilter.UNRESTORABLE:
+            actions.pop("restore_from_trash", None)  # nothing listed there can be restored
+        return actions
+
     def has_edit_permission(self, request):
         return may(request, Capability.MEMORY_EDIT)
 
@@ -745,8 +761,13 @@ class MemoryAdmin(TenantScopedAdmin):
 
     @admin.action(permissions=["edit"], description="Restore selected memories from the trash")
     def restore_from_trash(self, request, queryset):
-        done, conflicts = 0, []
-        for memory in self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=False)):
+        done, conflicts, refused = 0, [], []
+        batch = self._batch(request, self._editable(request, queryset).filter(deleted_at__isnull=False))
+        refusals = trash_refusals(batch, now=timezone.now())
+        for memory in batch:
+            if memory.pk in refusals:
+                refused.append(f"{memory.key} ({refusals[memory.pk]})")
+                continue
             try:
                 services.memory_restore(
                     tenant=memory.tenant, actor=actor_for(request, memory.tenant_id), memory_id=memory.pk
@@ -761,6 +782,13 @@ class MemoryAdmin(TenantScopedAdmin):
         if conflicts:
             self.message_user(
                 request, f"Not restored, a live memory holds the key: {', '.join(conflicts[:20])}", messages.WARNING
+            )
+        if refused:
+            more = f" and {len(refused) - 20} more" if len(refused) > 20 else ""
+            self.message_user(
+                request,
+                f"Not restorable (the purge erases them): {', '.join(refused[:20])}{more}.",
+                messages.WARNING,
             )
 
 
