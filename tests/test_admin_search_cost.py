@@ -118,7 +118,7 @@ def test_a_tag_filter_over_a_large_tenant_stops_at_the_deadline_too(tenant_a, st
 def test_a_select_all_action_on_a_searched_list_stops_at_the_search_deadline(
     tenant_a, staff_clients, settings, monkeypatch
 ):
-    """"Select all N" and an action on a searched (or tag-filtered) list ran the search again
+    """Select all N and an action on a searched (or tag-filtered) list ran the search again
     to pick the action's memories, with no deadline: the list's own page stopped at
     ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS, the action's query read every key and value in scope.
     Now the action's query stops at the same deadline, and then the action changes nothing."""

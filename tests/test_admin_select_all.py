@@ -17,9 +17,7 @@ def _select_all(client, url, action, **extra):
     return response.content.decode()
 
 
-def test_revoking_every_api_key_of_a_searched_list_works_through_a_bounded_batch(
-    tenant_a, staff_clients, monkeypatch
-):
+def test_revoking_every_api_key_of_a_searched_list_works_through_a_bounded_batch(tenant_a, staff_clients, monkeypatch):
     from memories.admin import api_keys
 
     monkeypatch.setattr(api_keys, "ACTION_MAX", 2)
