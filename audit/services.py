@@ -791,11 +791,14 @@ def audit_checkpoint_create(*, tenant: Tenant, actor: Actor) -> AuditCheckpoint:
 TARGET_NOT_A_KEY = (
     "api_key.create",
     "api_key.revoke",
+    "api_key.view",
     "membership.set",
     "membership.remove",
+    "membership.view",
     "tenant.create",
     "tenant.update",
     "tenant.dashboard",
+    "tenant.view",
     "auth.failed",
     "job.read",
 )

@@ -4,6 +4,7 @@ statements now stop after ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS and the page says what
 
 from __future__ import annotations
 
+import html
 import time
 
 import pytest
@@ -112,3 +113,45 @@ def test_a_tag_filter_over_a_large_tenant_stops_at_the_deadline_too(tenant_a, st
     settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS = 10_000
     body = client.get("/admin/memories/memory/?tag=nobody-has-it").content.decode()
     assert "the search read past" not in body and "0 memories" in body
+
+
+def test_a_select_all_action_on_a_searched_list_stops_at_the_search_deadline(
+    tenant_a, staff_clients, settings, monkeypatch
+):
+    """Select all N and an action on a searched (or tag-filtered) list ran the search again
+    to pick the action's memories, with no deadline: the list's own page stopped at
+    ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS, the action's query read every key and value in scope.
+    Now the action's query stops at the same deadline, and then the action changes nothing."""
+    from memories.admin import memories as memory_admin
+    from memories.models import Memory
+
+    monkeypatch.setattr(memory_admin, "ACTION_MAX", 3)  # (each memory is one service call)
+    _seed(tenant_a, rows=BATCH)
+    # The one match, last in key order: the action's query reads every memory before it.
+    last = write(tenant_a, "user:zzzz:last", "zebra crossing", tags=["rare"])
+    _user, client = staff_clients["support"]
+
+    def run(query: str) -> str:
+        data = {"action": "move_to_trash", "select_across": "1", "index": "0", "_selected_action": ["1"]}
+        response = client.post(f"/admin/memories/memory/?{query}", data, follow=True)
+        assert response.status_code == 200
+        return html.unescape(response.content.decode())
+
+    settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS = 1
+    for query, field in (("q=zebra", "q"), ("tag=rare", "tag")):
+        with CaptureQueriesContext(connection) as queries:
+            body = run(query)
+        assert f"{field}: the action's search read past its 1 ms" in body.lower(), (query, body[-3000:])
+        assert "nothing was changed" in body.lower()
+        assert _slowest_ms(queries.captured_queries) < 60, query
+        assert not Memory.objects.filter(pk=last.pk, deleted_at__isnull=False).exists(), query
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW statement_timeout")
+            assert cursor.fetchone()[0] == "0"
+    # Under the deadline the action runs as before: at most ACTION_MAX per run.
+    settings.ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS = 10_000
+    body = run("q=zebra")
+    assert "1 memories moved to the trash" in body and "read past" not in body
+    assert Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=False).get().pk == last.pk
+    body = run("q=tea")
+    assert "at most 3 per run" in body and "3 memories moved to the trash" in body

@@ -19,7 +19,7 @@ from audit import services as audit_services
 from audit.models import AuditEvent
 from audit.verify import audit_verify
 from memories import services, tasks
-from memories.models import ForgetRequest, Job, Memory, MemoryVersion
+from memories.models import ForgetRequest, Job, Membership, Memory, MemoryVersion
 from memories.services import forget, jobs, subjects
 from tests.factories import SYSTEM, make_staff, make_tenant, seed_user, summarize, write
 from tests.helpers import memory_rows, rest_error, start_thread, wait_for_a_lock_waiter
@@ -1726,9 +1726,14 @@ def test_a_forget_redacts_memory_keys_never_the_targets_of_key_and_membership_ev
     staff = make_staff(tenant_a, "support", username="u7")
     write(tenant_a, "zm_notes:k", "value")  # a memory key that does start with zm_
     write(tenant_a, "user:u7:k", "value")
-    access = ("api_key.create", "api_key.revoke", "membership.set")
+    # Their readings in the admin name them the same way (api_key.view, membership.view).
+    services.api_key_view(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    membership = Membership.objects.get(tenant=tenant_a, user=staff)
+    services.membership_view(tenant=tenant_a, actor=SYSTEM, membership_id=membership.pk)
+    access = ("api_key.create", "api_key.revoke", "api_key.view", "membership.set", "membership.view")
     before = dict(AuditEvent.objects.filter(tenant=tenant_a, action__in=access).values_list("action", "target"))
     assert before["api_key.create"] == key.display_prefix and before["membership.set"] == staff.username
+    assert before["api_key.view"] == key.display_prefix and before["membership.view"] == staff.username
 
     for body in ({"prefix": "zm_"}, {"subject": "u7"}, {"keys": [key.display_prefix, staff.username]}):
         r = post(api, django_capture_on_commit_callbacks, body)

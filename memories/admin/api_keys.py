@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.http import Http404
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from memories import services
 from memories.models import ApiKey
 from zeromem.kernel import validation
-from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.errors import NotFound, ServiceError
 from zeromem.kernel.scopes import DEFAULT_AGENT_SCOPES, TENANT_SCOPES, Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
+from zeromem.kit.admin import (
+    READ_METHODS,
+    AuditedListAdmin,
+    AuditedOpeningAdmin,
+    TenantScopedAdmin,
+    actor_for,
+    may,
+    tenant_ids_with,
+)
+
+# Revoke works on at most this many keys per run ("select all" hands it every key the list
+# matches: each is one service call, its portal links and queued jobs, in one request).
+ACTION_MAX = 1000
 
 
 class ApiKeyForm(forms.ModelForm):
@@ -52,7 +66,7 @@ class ApiKeyForm(forms.ModelForm):
         pass  # api_key_create validates and stores the key
 
 
-class ApiKeyAdmin(TenantScopedAdmin):
+class ApiKeyAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     view_capability = Capability.KEYS_MANAGE
     add_capability = Capability.KEYS_MANAGE
     list_display = ("display_prefix", "name", "tenant", "scopes", "allowed_prefixes", "status", "last_used_at")
@@ -94,15 +108,42 @@ class ApiKeyAdmin(TenantScopedAdmin):
             return "expired"
         return "active"
 
+    # --- reading them is audited: api_key.list per tenant a page shows, api_key.view per key
+
+    def _list_viewed(self, **event) -> None:
+        services.api_keys_listed(**event)
+
+    def _audit_opening(self, request, object_id) -> None:
+        if request.method not in READ_METHODS:
+            return  # a key's page is read-only: a POST changes and shows nothing
+        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        try:
+            services.api_key_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), key_id=obj.pk)
+        except NotFound:
+            raise Http404("no such object") from None
+        except ServiceError:
+            raise PermissionDenied from None
+
     def has_revoke_permission(self, request):
         return may(request, Capability.KEYS_MANAGE)
 
     @admin.action(permissions=["revoke"], description="Revoke selected keys")
     def revoke(self, request, queryset):
+        keys = list(
+            queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True)
+            .select_related("tenant")
+            .order_by("pk")[: ACTION_MAX + 1]
+        )
+        if len(keys) > ACTION_MAX:
+            self.message_user(
+                request,
+                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
+                messages.WARNING,
+            )
         done = 0
-        for key in queryset.filter(
-            tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True
-        ):
+        for key in keys[:ACTION_MAX]:
             done += services.api_key_revoke(tenant=key.tenant, actor=actor_for(request, key.tenant_id), key_id=key.pk)
         self.message_user(request, f"{done} keys revoked.")
 

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.http import Http404
 
 from memories import services
 from memories.models import Membership
-from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.errors import NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, tenant_ids_with
+from zeromem.kit.admin import (
+    READ_METHODS,
+    AuditedListAdmin,
+    AuditedOpeningAdmin,
+    TenantScopedAdmin,
+    actor_for,
+    may,
+    tenant_ids_with,
+)
+
+# Removing selected memberships works on at most this many per run (one service call each).
+ACTION_MAX = 1000
 
 
 class MembershipForm(forms.ModelForm):
@@ -39,7 +52,7 @@ class MembershipForm(forms.ModelForm):
         pass  # membership_set validates and stores it
 
 
-class MembershipAdmin(TenantScopedAdmin):
+class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     view_capability = Capability.MEMBERS_MANAGE
     add_capability = Capability.MEMBERS_MANAGE
     change_capability = Capability.MEMBERS_MANAGE
@@ -60,6 +73,24 @@ class MembershipAdmin(TenantScopedAdmin):
     def get_readonly_fields(self, request, obj=None):
         return () if obj is None else ("tenant", "user", "created_at")
 
+    # --- reading them is audited: membership.list per tenant a page shows, membership.view per page
+
+    def _list_viewed(self, **event) -> None:
+        services.memberships_listed(**event)
+
+    def _audit_opening(self, request, object_id) -> None:
+        if request.method not in READ_METHODS:
+            return  # a POST saves the role (membership.set), and shows nothing more
+        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        try:
+            services.membership_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
+        except NotFound:
+            raise Http404("no such object") from None
+        except ServiceError:
+            raise PermissionDenied from None
+
     def save_model(self, request, obj, form, change):
         tenant = obj.tenant if change else form.cleaned_data["tenant"]
         if not may(request, Capability.MEMBERS_MANAGE, tenant.pk):
@@ -74,7 +105,15 @@ class MembershipAdmin(TenantScopedAdmin):
         services.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
 
     def delete_queryset(self, request, queryset):
-        for membership in queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE)):
+        allowed = queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE))
+        memberships = list(allowed.select_related("tenant", "user").order_by("pk")[: ACTION_MAX + 1])
+        if len(memberships) > ACTION_MAX:
+            self.message_user(
+                request,
+                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
+                messages.WARNING,
+            )
+        for membership in memberships[:ACTION_MAX]:
             self.delete_model(request, membership)
 
 

@@ -9,18 +9,30 @@ from django.utils import timezone
 
 from memories.models import Memory
 from memories.selectors import memories_with_tag
+from memories.services.retention import restorable_trash, unrestorable_trash
 from zeromem.kernel import validation
+from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import InputFilter, TenantFilter, tenant_ids_with
 
 EXPIRING_SOON = timedelta(hours=24)
 
 
 class StateFilter(admin.SimpleListFilter):
+    """Not in the trash (the default), the trash — what a restore brings back — or the trashed
+    memories a restore refuses (past their trash retention, or expired before they were
+    trashed: the purge erases them), or everything. The trash listed both, and offered the
+    restore action for all of them (memories.services.retention.restorable_trash)."""
+
     title = "state"
     parameter_name = "state"
+    UNRESTORABLE = "unrestorable"
 
     def lookups(self, request, model_admin):
-        return (("trash", "In the trash"), ("everything", "Everything"))
+        return (
+            ("trash", "In the trash"),
+            (self.UNRESTORABLE, "In the trash, not restorable (the purge erases them)"),
+            ("everything", "Everything"),
+        )
 
     def choices(self, changelist):
         for choice in super().choices(changelist):
@@ -29,11 +41,19 @@ class StateFilter(admin.SimpleListFilter):
             yield choice
 
     def queryset(self, request, queryset):
-        if self.value() == "trash":
-            return queryset.filter(deleted_at__isnull=False)
+        if self.value() in ("trash", self.UNRESTORABLE):
+            pick = restorable_trash if self.value() == "trash" else unrestorable_trash
+            return pick(queryset, tenant_ids=_covered_tenants(request), now=timezone.now())
         if self.value() == "everything":
             return queryset
         return queryset.filter(deleted_at__isnull=True)
+
+
+def _covered_tenants(request) -> set[int]:
+    """The tenants the memory list covers: the chosen one, else every one in scope."""
+    in_scope = tenant_ids_with(request, Capability.MEMORY_VIEW)
+    chosen = validation.ascii_int(request.GET.get(TenantFilter.parameter_name) or "")
+    return {chosen} if chosen in in_scope else in_scope
 
 
 class ExpiryFilter(admin.SimpleListFilter):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from django import forms
 from django.apps import apps
 from django.contrib import admin
-from django.core.exceptions import ValidationError
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import OuterRef, Subquery
 from django.http import Http404
 from django.shortcuts import get_object_or_404
@@ -19,7 +20,15 @@ from memories.models import Membership, Tenant
 from memories.selectors.dashboard import tenant_dashboard
 from zeromem.kernel.replica import replica_reads
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import TenantScopedAdmin, actor_for, may, staff_roles, tenant_ids_with
+from zeromem.kit.admin import (
+    READ_METHODS,
+    AuditedOpeningAdmin,
+    TenantScopedAdmin,
+    actor_for,
+    may,
+    staff_roles,
+    tenant_ids_with,
+)
 
 
 class RulesJSONField(forms.JSONField):
@@ -50,7 +59,7 @@ class TenantForm(forms.ModelForm):
 
 
 @admin.register(Tenant)
-class TenantAdmin(TenantScopedAdmin):
+class TenantAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
     tenant_field = "pk"
     form = TenantForm
     view_capability = Capability.TENANT_VIEW
@@ -98,6 +107,15 @@ class TenantAdmin(TenantScopedAdmin):
             capability = source and (source.add_capability or source.change_capability or source.view_capability)
             queryset = queryset.filter(pk__in=tenant_ids_with(request, capability)) if capability else queryset.none()
         return super().get_search_results(request, queryset, search_term)
+
+    def _audit_opening(self, request, object_id) -> None:
+        """The settings page (limits, sensitivity rules) is a read: ``tenant.view``."""
+        if request.method not in READ_METHODS:
+            return  # a POST saves (tenant.update, audited by the service)
+        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        services.tenant_settings_view(tenant=obj, actor=actor_for(request, obj.pk))
 
     def save_model(self, request, obj, form, change):
         if change:

@@ -23,7 +23,13 @@ from memories.services.forget import (
     forget_requests_resume,
 )
 from memories.services.jobs import job_get
-from memories.services.memberships import addable_user, membership_remove, membership_set
+from memories.services.memberships import (
+    addable_user,
+    membership_remove,
+    membership_set,
+    membership_view,
+    memberships_listed,
+)
 from memories.services.memories import (
     _UNSET,
     ListResult,
@@ -55,8 +61,11 @@ from memories.services.tenants import (
     api_key_create,
     api_key_name,
     api_key_revoke,
+    api_key_view,
+    api_keys_listed,
     tenant_create,
     tenant_settings_update,
+    tenant_settings_view,
 )
 
 __all__ = [
@@ -74,6 +83,8 @@ __all__ = [
     "api_key_create",
     "api_key_name",
     "api_key_revoke",
+    "api_key_view",
+    "api_keys_listed",
     "memory_delete",
     "memory_history",
     "memory_list",
@@ -90,6 +101,8 @@ __all__ = [
     "memory_write",
     "membership_remove",
     "membership_set",
+    "membership_view",
+    "memberships_listed",
     "memories_browse",
     "memories_listed",
     "dashboard_view",
@@ -104,4 +117,5 @@ __all__ = [
     "summarize_start",
     "tenant_create",
     "tenant_settings_update",
+    "tenant_settings_view",
 ]

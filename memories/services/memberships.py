@@ -10,8 +10,9 @@ from django.db import DEFAULT_DB_ALIAS
 
 from audit.services import audited_operation
 from memories.models import Membership, Tenant
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
 from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import ROLE_SCOPES, TENANT_ADMIN_SCOPES
 
@@ -48,6 +49,30 @@ def membership_remove(*, tenant: Tenant, actor: Actor, membership_id: int) -> bo
         membership.delete()
         op.record(target=username, detail={"role": role})
         return True
+
+
+def memberships_listed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:
+    """Record a page of the admin's membership list showing ``count`` of ``tenant``'s members
+    (who holds which role), as ``membership.list``; a search (a username) in ``detail.search``.
+    Only a tenant admin reads them. Cost: the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="membership.list", atomic=False) as op:
+        _require_admin(actor)
+        op.record(count=count, detail={"search": search[:150]} if isinstance(search, str) and search else None)
+
+
+def membership_view(*, tenant: Tenant, actor: Actor, membership_id: Any) -> Membership:
+    """The tenant's membership ``membership_id`` opened in the admin, recorded as
+    ``membership.view`` (target: the username; ``detail.role``); :class:`NotFound` (recorded)
+    for another tenant's or none. Only a tenant admin. Cost: one SELECT and the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="membership.view", atomic=False) as op:
+        _require_admin(actor)
+        pk = validation.ascii_int(membership_id) if isinstance(membership_id, str) else membership_id
+        valid = isinstance(pk, int) and not isinstance(pk, bool) and pk > 0
+        membership = Membership.objects.filter(tenant=tenant, pk=pk).select_related("user").first() if valid else None
+        if membership is None:
+            raise NotFound("no such membership", field="membership_id")
+        op.record(target=membership.user.get_username(), detail={"role": membership.role})
+        return membership
 
 
 NOT_ADDABLE = "no account by that name can be added here: a superuser creates admin accounts first"

@@ -602,12 +602,12 @@ def memory_restore(*, tenant: Tenant, actor: Actor, memory_id: int) -> MemoryRes
         if memory is None:
             raise NotFound("no such memory in the trash", field="memory_id")
         now = timezone.now()
-        # What the purge erases is not brought back by a restore that runs before it does.
-        if memory.expires_at is not None and memory.expires_at <= memory.deleted_at:
-            # Trashed by a write or restore that took its key after it had expired (see
-            # _lock_current_unexpired): nobody deleted it, it expired while live.
+        # What the purge erases is not brought back by a restore that runs before it does (the
+        # admin's trash lists by the same rule: retention.restorable_trash).
+        refusal = retention.restore_refusal(memory, cutoff=retention.trash_cutoff_for(tenant=tenant, key=key, now=now))
+        if refusal == retention.EXPIRED_BEFORE_TRASH:
             raise NotFound("this memory expired before it went to the trash", field="memory_id")
-        if memory.deleted_at < retention.trash_cutoff_for(tenant=tenant, key=key, now=now):
+        if refusal is not None:
             raise NotFound("this memory is past its trash retention", field="memory_id")
         if _lock_current_unexpired(tenant=tenant, key=key, now=now) is not None:
             raise Conflict("a live memory holds this key", field="key")

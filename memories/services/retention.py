@@ -169,6 +169,85 @@ def _trash_cutoff(now: datetime, days: int) -> datetime:
         return datetime.min.replace(tzinfo=UTC)
 
 
+# --- what a restore still brings back ---------------------------------------------------
+
+EXPIRED_BEFORE_TRASH = "expired before it went to the trash"
+PAST_TRASH_RETENTION = "past its trash retention"
+
+
+def restore_refusal(memory: Memory, *, cutoff: datetime) -> str | None:
+    """Why :func:`~memories.services.memories.memory_restore` refuses trashed ``memory``
+    (``cutoff``: :func:`trash_cutoff_for` its key), else None: what the purge erases is not
+    brought back by a restore that runs before it does. No query."""
+    if _expired_before_trash(memory):
+        return EXPIRED_BEFORE_TRASH
+    if memory.deleted_at < cutoff:
+        return PAST_TRASH_RETENTION
+    return None
+
+
+def restorable_trash(queryset: QuerySet[Memory], *, tenant_ids: Iterable[int], now: datetime) -> QuerySet[Memory]:
+    """The trashed memories of ``queryset`` (of the tenants ``tenant_ids``) a restore brings
+    back: :func:`restore_refusal`'s rule as a filter, each row's retention cutoff picked as
+    :func:`_old_trash_by_tenant` picks the purge's (a CASE over the rules of those tenants
+    and their own settings; the server's default for the rest). Cost: one query for the
+    rules and tenants; the filter is evaluated on the trashed rows it reads."""
+    return queryset.filter(_restorable_q(tenant_ids, now))
+
+
+def unrestorable_trash(queryset: QuerySet[Memory], *, tenant_ids: Iterable[int], now: datetime) -> QuerySet[Memory]:
+    """The trashed memories of ``queryset`` a restore refuses (the purge erases them)."""
+    return queryset.filter(deleted_at__isnull=False).exclude(_restorable_q(tenant_ids, now))
+
+
+def trash_refusals(memories: Iterable[Memory], *, now: datetime) -> dict[int, str]:
+    """{id: why a restore refuses it} for the trashed ``memories`` (e.g. a page of a list) a
+    restore would not bring back. Cost: two queries (rules, the restorable ids among them),
+    none when no memory is trashed."""
+    trashed = [m for m in memories if m.deleted_at is not None]
+    if not trashed:
+        return {}
+    refusals = {m.pk: EXPIRED_BEFORE_TRASH for m in trashed if _expired_before_trash(m)}
+    tenant_ids = {m.tenant_id for m in trashed}
+    restorable = set(
+        restorable_trash(
+            Memory.objects.filter(pk__in=[m.pk for m in trashed]), tenant_ids=tenant_ids, now=now
+        ).values_list("pk", flat=True)
+    )
+    for memory in trashed:
+        if memory.pk not in restorable and memory.pk not in refusals:
+            refusals[memory.pk] = PAST_TRASH_RETENTION
+    return refusals
+
+
+def _expired_before_trash(memory: Memory) -> bool:
+    # Trashed by a write or restore that took its key after it had expired (see
+    # memories._lock_current_unexpired): nobody deleted it, it expired while live.
+    return memory.expires_at is not None and memory.expires_at <= memory.deleted_at
+
+
+def _restorable_q(tenant_ids: Iterable[int], now: datetime) -> Q:
+    tenant_ids = set(tenant_ids)
+    whens = []
+    for prefix_tenant, prefix, days in (
+        RetentionRule.objects.filter(tenant_id__in=tenant_ids, trash_retention_days__isnull=False)
+        .order_by("tenant_id", Length("prefix").desc(), "prefix")
+        .values_list("tenant_id", "prefix", "trash_retention_days")
+    ):
+        whens.append(When(Q(tenant_id=prefix_tenant) & _starts_with(prefix), then=Value(_trash_cutoff(now, days))))
+    for tenant_id, days in Tenant.objects.filter(pk__in=tenant_ids, trash_retention_days__isnull=False).values_list(
+        "pk", "trash_retention_days"
+    ):
+        whens.append(When(tenant_id=tenant_id, then=Value(_trash_cutoff(now, days))))
+    fallback = Value(_trash_cutoff(now, settings.ZEROMEM_TRASH_RETENTION_DAYS), output_field=DateTimeField())
+    cutoff = Case(*whens, default=fallback, output_field=DateTimeField()) if whens else fallback
+    return (
+        Q(deleted_at__isnull=False)
+        & (Q(expires_at__isnull=True) | Q(expires_at__gt=F("deleted_at")))
+        & Q(deleted_at__gte=cutoff)
+    )
+
+
 def _old_trash_by_tenant(now: datetime) -> Iterable[tuple[int, QuerySet[Memory]]]:
     """Per tenant, the trashed memories whose retention has passed.
 

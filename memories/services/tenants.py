@@ -19,7 +19,7 @@ from memories.services import key_cache, sensitivity
 from memories.services.jobs import jobs_cancel_for_key
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
-from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
 from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import ALL_SCOPES, DEFAULT_AGENT_SCOPES, OPERATOR_SCOPES, TENANT_ADMIN_SCOPES
 
@@ -179,6 +179,51 @@ def _forget_cached(lookup: str | None) -> None:
     # their cache's TTL (memories/services/key_cache.py).
     key_cache.forget(lookup)
     transaction.on_commit(lambda: key_cache.forget(lookup))
+
+
+# --- reading them in the admin (audited, as the memory pages' memory.list / memory.view) ----
+
+# A list's search as an event keeps it: a key's name or public prefix, a staff username (no
+# end user's data), cut to this many characters.
+LIST_SEARCH_KEPT = 100
+
+
+def tenant_settings_view(*, tenant: Tenant, actor: Actor) -> None:
+    """Record a staff member opening ``tenant``'s settings page (its limits and sensitivity
+    rules), as ``tenant.view`` (target: the slug). Any member may (the admin shows it to every
+    role, read-only but to a superuser). Cost: the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="tenant.view", target=tenant.slug, atomic=False) as op:
+        op.record()
+
+
+def api_keys_listed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:
+    """Record a page of the admin's API key list showing ``count`` of ``tenant``'s keys (names,
+    public prefixes, scopes, allowlists, last use), as ``api_key.list``; a search in
+    ``detail.search``. Only a tenant admin reads them (``Forbidden``, audited as denied).
+    Never a secret or a hash: the list holds neither. Cost: the audit INSERT."""
+    _require_key_manager(tenant=tenant, actor=actor, action="api_key.list")
+    with audited_operation(tenant=tenant, actor=actor, action="api_key.list", atomic=False) as op:
+        op.record(count=count, detail=_search_detail(search))
+
+
+def api_key_view(*, tenant: Tenant, actor: Actor, key_id: Any) -> ApiKey:
+    """The tenant's key ``key_id`` opened in the admin, recorded as ``api_key.view`` with its
+    public prefix as the target (never its secret, which is not stored, nor its hash);
+    :class:`NotFound` (recorded) for another tenant's or none. Only a tenant admin
+    (``Forbidden``, audited as denied). Cost: one primary-key SELECT and the audit INSERT."""
+    _require_key_manager(tenant=tenant, actor=actor, action="api_key.view")
+    with audited_operation(tenant=tenant, actor=actor, action="api_key.view", atomic=False) as op:
+        pk = validation.ascii_int(key_id) if isinstance(key_id, str) else key_id
+        valid = isinstance(pk, int) and not isinstance(pk, bool) and pk > 0
+        key = ApiKey.objects.filter(tenant=tenant, pk=pk).first() if valid else None
+        if key is None:
+            raise NotFound("no such API key", field="key_id")
+        op.record(target=key.display_prefix)
+        return key
+
+
+def _search_detail(search: Any) -> dict | None:
+    return {"search": search[:LIST_SEARCH_KEPT]} if isinstance(search, str) and search else None
 
 
 def tenant_settings_update(

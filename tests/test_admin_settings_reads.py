@@ -1,0 +1,98 @@
+"""Reading a tenant's settings, its API keys and its memberships in the admin is audited.
+
+Compliance reviewers must see who looked at what: the memory pages were audited (memory.list,
+memory.view), the forget queue and portal links too, but a tenant's settings page (its
+sensitivity rules), the API key pages (names, scopes, allowlists, last use) and the membership
+pages (who holds which role) were read with no record."""
+
+from __future__ import annotations
+
+from audit.models import AuditEvent
+from memories.models import Membership
+from tests.factories import make_key, make_staff
+
+pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
+
+
+def _events(tenant, action: str):
+    return list(AuditEvent.objects.filter(tenant=tenant, action=action).order_by("pk"))
+
+
+def test_a_tenants_settings_page_is_an_audited_read(tenant_a, tenant_b, staff_clients, superuser_client):
+    root, client = superuser_client
+    assert client.get(f"/admin/memories/tenant/{tenant_a.pk}/change/").status_code == 200
+    (event,) = _events(tenant_a, "tenant.view")
+    assert (event.actor_kind, event.actor_id, event.surface, event.target, event.outcome) == (
+        "staff",
+        str(root.pk),
+        "admin",
+        tenant_a.slug,
+        "ok",
+    )
+    # A member's read-only view of it too, in that tenant's log only.
+    viewer, client = staff_clients["viewer"]
+    assert client.get(f"/admin/memories/tenant/{tenant_a.pk}/change/").status_code == 200
+    assert [e.actor_id for e in _events(tenant_a, "tenant.view")] == [str(root.pk), str(viewer.pk)]
+    assert client.get(f"/admin/memories/tenant/{tenant_b.pk}/change/").status_code == 404  # not theirs
+    assert not _events(tenant_b, "tenant.view")
+    # A save is a tenant.update (audited by the service), not a read as well.
+    _root, client = superuser_client
+    response = client.post(
+        f"/admin/memories/tenant/{tenant_a.pk}/change/",
+        {
+            "name": "Acme Two",
+            "value_max_bytes": "",
+            "trash_retention_days": "",
+            "sensitive_keys": "",
+            "sensitive_fields": "",
+        },
+    )
+    assert response.status_code == 302, response.content[:2000]
+    assert len(_events(tenant_a, "tenant.view")) == 2
+    assert len(_events(tenant_a, "tenant.update")) == 1
+
+
+def test_api_key_pages_are_audited_reads_that_never_hold_the_secret(tenant_a, tenant_b, staff_clients):
+    key, raw = make_key(tenant_a, name="billing bot")
+    make_key(tenant_b, name="other tenant's key")
+    admin, client = staff_clients["admin"]
+    body = client.get("/admin/memories/apikey/").content.decode()
+    assert "billing bot" in body and "other tenant" not in body
+    (listed,) = _events(tenant_a, "api_key.list")
+    assert (listed.actor_id, listed.surface, listed.count, listed.outcome) == (str(admin.pk), "admin", 1, "ok")
+    assert client.get(f"/admin/memories/apikey/{key.pk}/change/").status_code == 200
+    (opened,) = _events(tenant_a, "api_key.view")
+    assert (opened.actor_id, opened.target, opened.outcome) == (str(admin.pk), key.display_prefix, "ok")
+    secret = raw.rsplit("_", 1)[1]
+    for event in (listed, opened):
+        text = repr((event.target, event.subject, event.detail))
+        assert secret not in text and key.key_hash not in text
+    assert not _events(tenant_b, "api_key.list") and not _events(tenant_b, "api_key.view")
+    # A search names what was looked for (a key's name or public prefix).
+    client.get("/admin/memories/apikey/", {"q": "billing"})
+    assert _events(tenant_a, "api_key.list")[-1].detail == {"search": "billing"}
+
+
+def test_membership_pages_are_audited_reads(tenant_a, tenant_b, staff_clients):
+    make_staff(tenant_b, "viewer", username="someone-else")
+    admin, client = staff_clients["admin"]
+    body = client.get("/admin/memories/membership/").content.decode()
+    assert "viewer-acme" in body and "someone-else" not in body
+    (listed,) = _events(tenant_a, "membership.list")
+    assert (listed.actor_id, listed.surface, listed.count) == (str(admin.pk), "admin", len(staff_clients))
+    viewer, _client = staff_clients["viewer"]
+    membership = Membership.objects.get(tenant=tenant_a, user=viewer)
+    assert client.get(f"/admin/memories/membership/{membership.pk}/change/").status_code == 200
+    (opened,) = _events(tenant_a, "membership.view")
+    assert (opened.actor_id, opened.target, opened.detail) == (str(admin.pk), "viewer-acme", {"role": "viewer"})
+    assert not _events(tenant_b, "membership.list") and not _events(tenant_b, "membership.view")
+
+
+def test_a_role_without_the_pages_reads_nothing_and_records_no_read(tenant_a, staff_clients):
+    key, _raw = make_key(tenant_a)
+    _user, client = staff_clients["support"]
+    assert client.get("/admin/memories/apikey/").status_code == 403
+    assert client.get(f"/admin/memories/apikey/{key.pk}/change/").status_code in (403, 404)
+    assert client.get("/admin/memories/membership/").status_code == 403
+    assert not _events(tenant_a, "api_key.list") and not _events(tenant_a, "api_key.view")
+    assert not _events(tenant_a, "membership.list")

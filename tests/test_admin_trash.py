@@ -1,0 +1,98 @@
+"""The admin's trash lists what a restore brings back. It listed every trashed memory, and the
+restore action was offered for all of them, while ``memory_restore`` refuses (NotFound) the
+ones the purge will erase: past their trash retention (the tenant's, or a prefix rule's) and
+expired before they went to the trash. The action then said "0 memories restored" and
+nothing else."""
+
+from __future__ import annotations
+
+import html
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from memories import services
+from memories.models import Memory, Tenant
+from tests.factories import SYSTEM, write
+from zeromem.kernel.errors import NotFound
+
+pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
+
+
+def _trashed(tenant, key, *, days_ago: float = 0, expired_before: bool = False) -> Memory:
+    memory = write(tenant, key, "v", ttl_seconds=3600 if expired_before else None)
+    services.memory_delete(tenant=tenant, actor=SYSTEM, key=key)
+    deleted_at = timezone.now() - timedelta(days=days_ago)
+    update = {"deleted_at": deleted_at}
+    if expired_before:
+        update["expires_at"] = deleted_at - timedelta(seconds=1)
+    Memory.objects.filter(pk=memory.pk).update(**update)
+    memory.refresh_from_db()
+    return memory
+
+
+@pytest.fixture
+def trash(tenant_a):
+    Tenant.objects.filter(pk=tenant_a.pk).update(trash_retention_days=7)
+    tenant_a.refresh_from_db()
+    services.retention_rule_set(tenant=tenant_a, actor=SYSTEM, prefix="session:", trash_retention_days=1)
+    return {
+        "fresh": _trashed(tenant_a, "user:u1:fresh"),
+        "two_days": _trashed(tenant_a, "user:u1:two_days", days_ago=2),  # within the tenant's 7 days
+        "old": _trashed(tenant_a, "user:u1:old", days_ago=8),  # past the tenant's 7 days
+        "session": _trashed(tenant_a, "session:s1:turn", days_ago=2),  # past its rule's 1 day
+        "expired": _trashed(tenant_a, "user:u1:expired", expired_before=True),
+    }
+
+
+RESTORABLE = ("fresh", "two_days")
+NOT_RESTORABLE = ("old", "session", "expired")
+
+
+def _page(client, query: str) -> str:
+    response = client.get(f"/admin/memories/memory/?{query}")
+    assert response.status_code == 200
+    return html.unescape(response.content.decode())
+
+
+def test_the_restore_service_refuses_what_the_trash_no_longer_lists(tenant_a, trash):
+    for name in NOT_RESTORABLE:
+        with pytest.raises(NotFound):
+            services.memory_restore(tenant=tenant_a, actor=SYSTEM, memory_id=trash[name].pk)
+
+
+def test_the_trash_lists_only_restorable_memories(tenant_a, trash, staff_clients):
+    _user, client = staff_clients["support"]
+    body = _page(client, "state=trash")
+    for name in RESTORABLE:
+        assert trash[name].key in body, name
+    for name in NOT_RESTORABLE:
+        assert trash[name].key not in body, name
+    assert 'value="restore_from_trash"' in body
+
+
+def test_the_others_are_listed_apart_marked_and_offered_no_restore(tenant_a, trash, staff_clients):
+    _user, client = staff_clients["support"]
+    body = _page(client, "state=unrestorable")
+    for name in NOT_RESTORABLE:
+        assert trash[name].key in body, name
+    for name in RESTORABLE:
+        assert trash[name].key not in body, name
+    assert "not restorable: past its trash retention" in body
+    assert "not restorable: expired before it went to the trash" in body
+    assert 'value="restore_from_trash"' not in body
+    # Every state at once: each trashed row says whether it can come back.
+    body = _page(client, "state=everything")
+    assert body.count("not restorable:") == len(NOT_RESTORABLE)
+
+
+def test_restoring_every_trashed_memory_restores_the_restorable_and_names_the_others(tenant_a, trash, staff_clients):
+    _user, client = staff_clients["support"]
+    data = {"action": "restore_from_trash", "select_across": "1", "index": "0", "_selected_action": ["1"]}
+    response = client.post("/admin/memories/memory/?state=everything", data, follow=True)
+    body = html.unescape(response.content.decode())
+    assert "2 memories restored from the trash" in body
+    assert "Not restorable (the purge erases them)" in body and trash["old"].key in body
+    live = set(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True))
+    assert live == {trash[name].key for name in RESTORABLE}
