@@ -135,6 +135,32 @@ def test_a_resumed_batch_keeps_a_sealed_first_attempt_sealed(api, tenant_a, fail
     assert api.post(BATCH, body, headers=_key("b-4")).json() == again.json()
 
 
+def test_a_resumption_whose_answer_cannot_be_stored_gives_the_partial_answer_back(
+    api, tenant_a, fail_once, monkeypatch
+):
+    """Storing the resumed answer fails on the database: the request still answers what it
+    did, and the key holds the partial answer again (not nothing, which would run call 1 twice)."""
+    api.call("memory_write", key="user:u1:phone", value="CANARY-555", subject="u1", sensitive=True)
+    seen = fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [{"name": "memory_read", "arguments": {"key": "user:u1:phone"}}, _write("fact:b", 2)]}
+    api.post(BATCH, body, headers=_key("b-7"))
+    fail_once("fact:b", OperationalError("gone again"))
+    real_seal = idempotency._seal
+
+    def seal_fails(*args):
+        raise OperationalError("the database went away while storing the answer")
+
+    monkeypatch.setattr(idempotency, "_seal", seal_fails)
+    second = api.post(BATCH, body, headers=_key("b-7"))
+    assert second.status_code == 200
+    record = IdempotencyRecord.objects.get(key="b-7")
+    assert (record.status, record.pending) == (200, [1])
+    monkeypatch.setattr(idempotency, "_seal", real_seal)
+    third = api.post(BATCH, body, headers=_key("b-7"))
+    assert [r["status"] for r in third.json()["results"]] == ["ok", "ok"]
+    assert seen["fact:b"] == 3
+
+
 def test_a_resumption_refused_as_a_whole_leaves_the_partial_answer_to_resume(api, tenant_a, fail_once, settings):
     """The retry that would resume is itself answered 429 tenant_busy (before any call ran):
     the partial answer stands again, and the next retry resumes it — call 1 still not twice."""

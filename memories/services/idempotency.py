@@ -296,9 +296,10 @@ def _give_back(claim_id: int, run: _Run) -> None:
 # must not take its claim over while it runs. A row lock or a session advisory lock held for
 # the request would need one connection (and, behind PgBouncer in transaction mode, one
 # transaction) for the whole request, which a batch's per-call transactions cannot give: so
-# each process renews the claims it runs, one UPDATE every third of the lease for all of them
-# (none when it runs none), from a daemon thread of its own. A killed process renews nothing,
-# and its claims lapse one lease after their last renewal.
+# each process renews the claims it runs, every third of the lease, from a daemon thread of
+# its own: one primary-key UPDATE per running claim (none when it runs none; between rounds
+# the thread wakes once a second, without a query). A killed process renews nothing, and its
+# claims lapse one lease after their last renewal.
 
 
 @dataclass
@@ -323,10 +324,11 @@ def renew_every() -> float:
 def _hold(claim_id: int, run: _Run) -> None:
     global _heartbeat_pid
     with _running_lock:
-        _running[claim_id] = run
         if _heartbeat_pid != os.getpid():  # none yet in this process (or a fork's parent's)
+            _running.clear()  # a forked child runs none of its parent's claims
             _heartbeat_pid = os.getpid()
             threading.Thread(target=_heartbeat, name="zeromem-idempotency-heartbeat", daemon=True).start()
+        _running[claim_id] = run
 
 
 def _drop(claim_id: int) -> _Run:
@@ -349,6 +351,8 @@ def _heartbeat() -> None:
             renew(ids)
         except DatabaseError:
             logger.warning("idempotency: running claims not renewed", exc_info=True)
+        except Exception:  # the thread must live on: a claim it stops renewing lapses
+            logger.exception("idempotency: running claims not renewed")
         finally:
             connections.close_all()  # this thread's: back to the pool between rounds
 
