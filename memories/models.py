@@ -806,6 +806,13 @@ class IdempotencyRecord(models.Model):
     # forget request: its answer is the request, ids and the target): a forget request neither
     # marks it nor drops its stored answer, so a retry gets the first answer, not a second request.
     holds_no_values = models.BooleanField(default=False, db_default=False)
+    # When the running request's process last said it still runs (memories/services/idempotency.py
+    # heartbeat); null until its first renewal. A claim is given up once neither this nor
+    # ``created_at`` is within ``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS``.
+    renewed_at = models.DateTimeField(null=True, blank=True)
+    # A batch answer some of whose calls met a transient failure (429, 5xx): their indexes. Not
+    # replayed but resumed: a retry runs those calls alone and keeps the others' results.
+    pending = models.JSONField(null=True, blank=True)
 
     class Meta:
         constraints = [

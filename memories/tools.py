@@ -22,7 +22,7 @@ from django.db import DatabaseError
 from audit.services import audited_operation
 from memories import services
 from memories.models import Memory, Tenant
-from memories.services import summaries
+from memories.services import idempotency, summaries
 from zeromem.kernel import tracing, validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, ServiceError
@@ -596,7 +596,12 @@ ANSWER_TOO_LARGE = "answer_too_large"
 logger = logging.getLogger(__name__)
 
 
-def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
+class BatchAnswer(NamedTuple):
+    results: list[dict]  # one per call, in order
+    pending: list[int]  # the calls that met a transient failure (idempotency.not_done): a retry runs them again
+
+
+def tool_batch(*, tenant: Tenant, actor: Actor, body: Any, resume: BatchAnswer | None = None) -> BatchAnswer:
     """Run ``body["calls"]`` (1-50 calls; no other field) in order, each in its own transaction: one failing
     call does not undo the others, and each result stands alone. A batch with a call that is
     not shaped like a tool call is malformed: refused whole (InvalidInput), nothing runs;
@@ -605,6 +610,10 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
     Once the results so far hold ``BATCH_ANSWER_MAX_BYTES``, the calls left are not run: each
     answers an ``answer_too_large`` error naming it (send it again), and the batch records one
     ``tool.batch`` event (``invalid``, ``count``: the calls not run).
+
+    ``resume``: an earlier answer to this very batch (its Idempotency-Key's) whose ``pending``
+    calls met a transient failure: those alone run again, the others keep their results — the
+    calls that committed are not done twice, and the retry gets what the first attempt did not.
 
     Cost: the calls', plus one serialization of each result to count its bytes."""
     calls = body.get("calls") if isinstance(body, dict) else None
@@ -617,19 +626,29 @@ def tool_batch(*, tenant: Tenant, actor: Actor, body: Any) -> list[dict]:
         raise InvalidInput(f"at most {BATCH_MAX_CALLS} calls per batch", field="calls", code="too_many")
     for i, call in enumerate(calls):
         _check_shape(call, f"calls.{i}.")
+    if resume is not None and len(resume.results) != len(calls):
+        resume = None  # not this batch's answer (the fingerprint says it is): run it whole
     results: list[dict] = []
-    size = 0
+    pending: list[int] = []
+    size, cut, not_run = 0, None, 0
     for i, call in enumerate(calls):
-        if size >= BATCH_ANSWER_MAX_BYTES:
-            results.extend(_not_run(rest, j) for j, rest in enumerate(calls[i:], start=i))
-            with audited_operation(tenant=tenant, actor=actor, action="tool.batch", atomic=False) as op:
-                detail = {"code": ANSWER_TOO_LARGE, "field": f"calls.{i}", "answer_bytes": size}
-                op.record(outcome=Outcome.INVALID, count=len(calls) - i, detail=detail)
-            break
-        result = _batch_call(tenant, actor, call)
+        if resume is not None and i not in resume.pending:
+            result = resume.results[i]
+        elif cut is not None or size >= BATCH_ANSWER_MAX_BYTES:
+            cut = (i, size) if cut is None else cut
+            result = _not_run(call, i)
+            not_run += 1
+        else:
+            result, transient = _batch_call(tenant, actor, call)
+            if transient:
+                pending.append(i)
         size += _answer_bytes(result)
         results.append(result)
-    return results
+    if cut is not None:
+        with audited_operation(tenant=tenant, actor=actor, action="tool.batch", atomic=False) as op:
+            detail = {"code": ANSWER_TOO_LARGE, "field": f"calls.{cut[0]}", "answer_bytes": cut[1]}
+            op.record(outcome=Outcome.INVALID, count=not_run, detail=detail)
+    return BatchAnswer(results, pending)
 
 
 def _answer_bytes(result: dict) -> int:
@@ -648,12 +667,14 @@ def _not_run(call: Any, index: int) -> dict:
     return result
 
 
-def _batch_call(tenant: Tenant, actor: Actor, call: Any) -> dict:
+def _batch_call(tenant: Tenant, actor: Actor, call: Any) -> tuple[dict, bool]:
+    """(the call's result, whether it met a transient failure: 429, 5xx)."""
     # Earlier calls have committed by the time a later one runs, so an unexpected failure
     # (a bug, the database going away) must be that call's result, not a 500 for the batch
     # that would hide what was already written.
     try:
-        return tool_call(tenant=tenant, actor=actor, call=call).result
+        answer = tool_call(tenant=tenant, actor=actor, call=call)
+        return answer.result, idempotency.not_done(answer.http_status)
     except DatabaseError:
         logger.warning("tool batch: call failed on the database", exc_info=True)
         error = {"code": "database_unavailable", "message": "the database is unavailable; retry", "field": None}
@@ -664,4 +685,4 @@ def _batch_call(tenant: Tenant, actor: Actor, call: Any) -> dict:
     call_id = call_id_of(call)
     if call_id is not None:
         result["tool_call_id"] = call_id
-    return result
+    return result, True

@@ -423,7 +423,8 @@ ZEROMEM_TENANT_SEARCH_CPU_MS_PER_SECOND = env.int("ZEROMEM_TENANT_SEARCH_CPU_MS_
 ZEROMEM_TENANT_SEARCH_CPU_BURST_MS = env.int("ZEROMEM_TENANT_SEARCH_CPU_BURST_MS", default=300)
 # Idempotency-Key: how long a first answer is replayed to retries (then purged), how long a
 # concurrent duplicate waits for the first request to finish (then 409, Retry-After), and
-# after how long an unfinished first request (its process died) no longer holds the key.
+# after how long an unfinished first request no longer holds the key: one lease after its
+# process last renewed the claim (it does every third of the lease while the request runs).
 ZEROMEM_IDEMPOTENCY_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_SECONDS", default=24 * 3600)
 ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = env.float("ZEROMEM_IDEMPOTENCY_WAIT_SECONDS", default=10.0)
 ZEROMEM_IDEMPOTENCY_LEASE_SECONDS = env.int("ZEROMEM_IDEMPOTENCY_LEASE_SECONDS", default=300)

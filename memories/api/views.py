@@ -1,5 +1,6 @@
 """REST and tool-call endpoints. One view per operation; each calls one service."""
 
+import json
 import re
 
 from django.conf import settings
@@ -12,6 +13,7 @@ from memories import services, tools
 from memories.api import serializers as s
 from memories.models import ETAG_PURPOSE
 from memories.portal.services import portal_link_create, portal_links_revoke
+from memories.services import idempotency
 from memories.services.claude_memory import MemoryToolError, memory_tool_run
 from zeromem.kernel import opaque, validation
 from zeromem.kernel.errors import InvalidInput
@@ -122,12 +124,28 @@ class ToolBatchView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
         responses={200: s.ToolBatchResultSerializer, **ERRORS},
     )
     def post(self, request):
-        results = tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data)
+        resume = _batch_resumption(self._idempotency_claim)
+        answer = tools.tool_batch(tenant=self.tenant, actor=self.actor, body=request.data, resume=resume)
         calls = request.data["calls"]  # tool_batch has checked its shape
+        ran = set(resume.pending) if resume is not None else set(range(len(calls)))
         metrics.tool_calls(
-            (_called_tool(call), result.get("status")) for call, result in zip(calls, results, strict=False)
+            (_called_tool(call), result.get("status"))
+            for i, (call, result) in enumerate(zip(calls, answer.results, strict=False))
+            if i in ran
         )
-        return Response({"results": results})
+        if answer.pending:
+            # Calls that met a transient failure: the answer is kept to be resumed, not replayed.
+            self.idempotency_partial = idempotency.Partial(answer.pending, len(answer.results))
+        return Response({"results": answer.results})
+
+
+def _batch_resumption(claim: int | None) -> tools.BatchAnswer | None:
+    """The earlier answer this batch's Idempotency-Key resumes, if any."""
+    resumed = idempotency.resumption(claim)
+    if resumed is None:
+        return None
+    body, pending = resumed
+    return tools.BatchAnswer(json.loads(body)["results"], pending)
 
 
 def _called_tool(call):

@@ -7,9 +7,15 @@ headers that matter (``Content-Type``, ``ETag``, ``Location``) — when done. A 
 duplicate arriving while the first still runs waits for it (up to
 ``ZEROMEM_IDEMPOTENCY_WAIT_SECONDS``, then 409 ``idempotency_in_progress`` with Retry-After);
 the same key with a different request (method, path and query, If-Match, body) is 422
-``idempotency_key_reused``. Answers that say "not done, retry" (429, 5xx) are not kept, so
-the retry does the work. A claim left unfinished by a process that died is given up after
-``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS``. A forget request drops the tenant's stored answers and
+``idempotency_key_reused``. Answers that say "not done, retry" (:func:`not_done`: 429, 5xx)
+are not kept, so the retry does the work. A batch answers 200 whatever its calls met: one
+some of whose calls met such a failure is kept as a :class:`Partial` answer, which a retry
+resumes (those calls run again, alone; the others' results stand: a call that committed is
+never run twice, and the retry never replays "try again"); one none of whose calls got
+through is not kept at all. A running claim is renewed by its process (a heartbeat thread,
+every third of ``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS``), so a request slower than the lease is
+not run a second time alongside itself; a claim left unfinished by a process that died is
+given up one lease after its last renewal. A forget request drops the tenant's stored answers and
 lets the claims still running finish without storing theirs (:func:`tenant_forget`), but for
 those of requests whose answer holds no memory value (:func:`holds_no_values`: the POST that
 filed a forget request, which the forget may finish before that POST stores its answer).
@@ -25,13 +31,17 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
+import os
 import re
+import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection, connections
 from django.utils import timezone
 
 from memories import keyring
@@ -43,6 +53,22 @@ HEADER = "Idempotency-Key"
 KEY_RE = re.compile(r"[\x21-\x7e]{1,255}")  # printable ASCII, no blanks (as Stripe's and the IETF draft's)
 REPLAYED_HEADERS = ("Content-Type", "ETag", "Location")
 PURGE_BATCH = 5000
+logger = logging.getLogger(__name__)
+
+
+def not_done(status: int) -> bool:
+    """An answer that says "not done, retry" (429: rate limited, tenant busy, search budget,
+    too many jobs; 5xx: database unavailable, a search or list past its time limit, a bug): it is
+    never kept as a key's answer, and a batch call that got one is run again by the retry."""
+    return status == 429 or status >= 500
+
+
+class Partial(NamedTuple):
+    """An answer made of ``parts`` parts (a batch's calls), of which those at ``pending`` met
+    a transient failure (:func:`not_done`)."""
+
+    pending: list[int]
+    parts: int
 
 
 def key(raw: Any) -> str:
@@ -87,23 +113,34 @@ def _fingerprint_key() -> bytes:
 def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str, legacy: str = "") -> int | IdempotencyRecord:
     """The new claim's id (do the work, then :func:`complete`), or the finished record whose
     answer to replay. Raises 422 for another request under this key, 409 if the first
-    request is still running after the wait."""
+    request is still running after the wait.
+
+    A claim is running while its process renews it (:func:`renew_every`); one neither made
+    nor renewed within ``ZEROMEM_IDEMPOTENCY_LEASE_SECONDS`` was left by a process that died,
+    and is given up. A kept partial answer (:class:`Partial`: a batch some of whose calls met
+    a transient failure) is not replayed but resumed: the claim is taken over and its
+    :func:`resumption` says which calls to run again."""
     deadline = time.monotonic() + settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS
     while True:
         now = timezone.now()
         claimed = _insert(tenant_id=tenant.pk, api_key_id=api_key.pk, key=key, fingerprint=fingerprint, now=now)
         if claimed is not None:
+            _hold(claimed, _Run())
             keyring.opened_watch()  # the answer is kept sealed under the data keys the work opens
             return claimed
         record = IdempotencyRecord.objects.filter(tenant=tenant, api_key=api_key, key=key).first()
         if record is None:
             continue  # purged or released meanwhile: claim it
         expired = record.created_at < now - timedelta(seconds=settings.ZEROMEM_IDEMPOTENCY_SECONDS)
-        abandoned = record.status is None and record.created_at < now - timedelta(
+        if expired:
+            IdempotencyRecord.objects.filter(pk=record.pk, created_at=record.created_at).delete()
+            continue
+        lapsed = record.status is None and (record.renewed_at or record.created_at) < now - timedelta(
             seconds=settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS
         )
-        if expired or abandoned:
-            IdempotencyRecord.objects.filter(pk=record.pk, created_at=record.created_at).delete()
+        if lapsed and record.pending is None:
+            # Only as it was read: a renewal meanwhile (its process lives) keeps it.
+            _as_read(record).delete()
             continue
         if record.fingerprint != fingerprint and not (legacy and record.fingerprint == legacy):
             raise Unprocessable(
@@ -112,13 +149,22 @@ def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str, legacy
                 code="idempotency_key_reused",
                 field=HEADER,
             )
-        if record.status is not None:
-            body = _open(bytes(record.body))
+        if record.status is not None or lapsed:
+            body, sealed = _open(bytes(record.body))
             if body is None:  # sealed under a destroyed key (its subject forgotten): run again
                 IdempotencyRecord.objects.filter(pk=record.pk).delete()
                 continue
-            record.body = body
-            return record
+            if record.pending is None:
+                record.body = body
+                return record
+            # A partial answer (or the claim of its resumption, whose process died): resume it.
+            if not _as_read(record).update(status=None, renewed_at=now, completed_at=None):
+                continue  # another retry took it first
+            _hold(
+                record.pk, _Run(previous=body, pending=list(record.pending), status=record.status or 200, sealed=sealed)
+            )
+            keyring.opened_watch()
+            return record.pk
         if time.monotonic() >= deadline:
             raise Conflict(
                 f"a request with this {HEADER} is still running; retry to get its answer",
@@ -127,6 +173,23 @@ def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str, legacy
                 retry_after=1,
             )
         time.sleep(0.05)
+
+
+def _as_read(record: IdempotencyRecord):
+    """The record, only if it is still as ``record`` read it (not finished, renewed or taken
+    over since)."""
+    return IdempotencyRecord.objects.filter(
+        pk=record.pk, status=record.status, renewed_at=record.renewed_at, completed_at=record.completed_at
+    )
+
+
+def resumption(claim_id: int | None) -> tuple[bytes, list[int]] | None:
+    """For a claim that resumes a partial answer: (that answer, the indexes of its parts to
+    run again); None for a fresh claim."""
+    run = _running.get(claim_id) if claim_id is not None else None
+    if run is None or run.previous is None:
+        return None
+    return run.previous, run.pending
 
 
 _TABLE = IdempotencyRecord._meta.db_table
@@ -146,27 +209,38 @@ def _insert(*, tenant_id: int, api_key_id: int, key: str, fingerprint: str, now)
     return row[0] if row else None
 
 
-def complete(claim_id: int, *, status: int, body: bytes, headers: dict) -> None:
-    """Keep the answer — unless it says the work was not done (429, 5xx): then the claim
-    goes, and a retry does the work. An answer whose work opened sensitive values may hold
-    them: it is kept sealed under each data key opened (README "Encryption at rest": no
+def complete(claim_id: int, *, status: int, body: bytes, headers: dict, partial: Partial | None = None) -> None:
+    """Keep the answer — unless it says the work was not done (:func:`not_done`; a partial
+    answer none of whose parts got through): then the claim goes (or, resuming a partial
+    answer, that answer is back), and a retry does the work. A partial answer with some parts
+    done is kept to be resumed, not replayed. An answer whose work opened sensitive values may
+    hold them: it is kept sealed under each data key opened (README "Encryption at rest": no
     sensitive value in plaintext at rest, and a forget's shredding reaches this copy too)."""
     opened = keyring.opened_take()
-    if status == 429 or status >= 500:
-        release(claim_id)
+    # Dropped once done, not before: if this fails (the database gone), the release that
+    # follows gives back what this claim resumed.
+    run = _running.get(claim_id) or _Run()
+    if run.sealed:
+        opened |= run.sealed  # a resumed answer carries the parts the earlier attempt opened
+    if not_done(status) or (partial is not None and len(partial.pending) >= partial.parts):
+        _give_back(claim_id, run)
+        _drop(claim_id)
         return
     if opened:
         body = _seal(body, opened)
         if body is None:  # a key destroyed meanwhile: nothing could open the answer
-            release(claim_id)
+            IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).delete()
+            _drop(claim_id)
             return
+    pending = partial.pending if partial is not None and partial.pending else None
     kept = IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True, keep_answer=True).update(
-        status=status, body=body, headers=headers, completed_at=timezone.now()
+        status=status, body=body, headers=headers, completed_at=timezone.now(), pending=pending
     )
     if not kept:
         # A forget request completed while the work ran (tenant_forget): the answer may hold
         # what it erased. The claim goes; a retry runs afresh.
-        release(claim_id)
+        IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).delete()
+    _drop(claim_id)
 
 
 # A sealed answer: this mark, then the envelope (JSON) of the base64 of the answer it seals
@@ -184,20 +258,114 @@ def _seal(body: bytes, key_ids: set[int]) -> bytes | None:
     return body
 
 
-def _open(body: bytes) -> bytes | None:
-    """The stored answer opened; None when a key it is sealed under is destroyed."""
+def _open(body: bytes) -> tuple[bytes | None, set[int]]:
+    """(the stored answer opened, the data keys it was sealed under); None when a key it is
+    sealed under is destroyed."""
+    sealed: set[int] = set()
     while body.startswith(_SEALED):
         envelope = json.loads(body[len(_SEALED) :])
-        key = keyring.data_key(int(envelope["k"]))
+        key_id = int(envelope["k"])
+        key = keyring.data_key(key_id)
         if key is None:
-            return None
+            return None, sealed
+        sealed.add(key_id)
         body = base64.b64decode(crypto.open_envelope(key, envelope))
-    return body
+    return body, sealed
 
 
 def release(claim_id: int) -> None:
+    """The work did not finish: the key is as it was before this claim — free, or holding
+    the partial answer this claim was resuming."""
     keyring.opened_take()
-    IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).delete()
+    _give_back(claim_id, _drop(claim_id))
+
+
+def _give_back(claim_id: int, run: _Run) -> None:
+    claimed = IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True)
+    if run.previous is not None:
+        # The partial answer is still in the row (sealed as it was): it stands again — unless
+        # a forget completed meanwhile (it may hold what the forget erased).
+        claimed.filter(keep_answer=False).delete()
+        claimed.update(status=run.status, completed_at=timezone.now())
+        return
+    claimed.delete()
+
+
+# --- the heartbeat: a running claim is renewed by its process ------------------------------
+# A request may run longer than the lease (a batch of slow calls, a wait for a lock): a retry
+# must not take its claim over while it runs. A row lock or a session advisory lock held for
+# the request would need one connection (and, behind PgBouncer in transaction mode, one
+# transaction) for the whole request, which a batch's per-call transactions cannot give: so
+# each process renews the claims it runs, every third of the lease, from a daemon thread of
+# its own: one primary-key UPDATE per running claim (none when it runs none; between rounds
+# the thread wakes once a second, without a query). A killed process renews nothing, and its
+# claims lapse one lease after their last renewal.
+
+
+@dataclass
+class _Run:
+    previous: bytes | None = None  # the partial answer a resumed claim carries on
+    pending: list[int] = field(default_factory=list)
+    status: int = 200  # the partial answer's status, back on a release
+    sealed: set[int] = field(default_factory=set)  # the data keys the partial answer was sealed under
+
+
+_running: dict[int, _Run] = {}
+_running_lock = threading.Lock()
+_heartbeat_pid: int | None = None
+
+
+def renew_every() -> float:
+    """Seconds between a process's renewals of its running claims: a third of the lease, so
+    that two renewals may fail (a database blip) before a claim lapses."""
+    return settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS / 3
+
+
+def _hold(claim_id: int, run: _Run) -> None:
+    global _heartbeat_pid
+    with _running_lock:
+        if _heartbeat_pid != os.getpid():  # none yet in this process (or a fork's parent's)
+            _running.clear()  # a forked child runs none of its parent's claims
+            _heartbeat_pid = os.getpid()
+            threading.Thread(target=_heartbeat, name="zeromem-idempotency-heartbeat", daemon=True).start()
+        _running[claim_id] = run
+
+
+def _drop(claim_id: int) -> _Run:
+    with _running_lock:
+        return _running.pop(claim_id, None) or _Run()
+
+
+def _heartbeat() -> None:
+    last = time.monotonic()
+    while True:
+        time.sleep(min(renew_every(), 1.0))
+        if time.monotonic() - last < renew_every():
+            continue
+        last = time.monotonic()
+        with _running_lock:
+            ids = list(_running)
+        if not ids:
+            continue
+        try:
+            renew(ids)
+        except DatabaseError:
+            logger.warning("idempotency: running claims not renewed", exc_info=True)
+        except Exception:  # the thread must live on: a claim it stops renewing lapses
+            logger.exception("idempotency: running claims not renewed")
+        finally:
+            connections.close_all()  # this thread's: back to the pool between rounds
+
+
+def renew(claim_ids: list[int]) -> int:
+    """Say that the claims ``claim_ids`` still run: one primary-key UPDATE each, so that the
+    heartbeat never holds one claim's row lock while it waits for another's (a forget's
+    transaction marks its tenant's running claims): no deadlock with anyone."""
+    now = timezone.now()
+    return sum(
+        IdempotencyRecord.objects.filter(pk=claim_id, status__isnull=True).update(renewed_at=now)
+        for claim_id in claim_ids
+    )
 
 
 def idempotency_purge(*, now=None) -> int:

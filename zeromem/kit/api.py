@@ -324,6 +324,9 @@ class AuditedAPIView(TenantAPIView):
 
     audit_actions: dict[str, str] = {}
     _idempotency_claim: int | None = None
+    # Set by a view whose answer is made of parts, some of which met a transient failure (a
+    # batch's calls): kept to be resumed by a retry, or not kept at all if none got through.
+    idempotency_partial: idempotency.Partial | None = None
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)
@@ -371,7 +374,13 @@ class AuditedAPIView(TenantAPIView):
                     response.render()
                 headers = {h: response[h] for h in idempotency.REPLAYED_HEADERS if response.has_header(h)}
                 try:
-                    idempotency.complete(claim, status=response.status_code, body=response.content, headers=headers)
+                    idempotency.complete(
+                        claim,
+                        status=response.status_code,
+                        body=response.content,
+                        headers=headers,
+                        partial=self.idempotency_partial,
+                    )
                 except DatabaseError:
                     # The work has committed (a batch's calls, a write): its answer is the answer,
                     # not a 500. Not kept for retries — as when the process dies here (README

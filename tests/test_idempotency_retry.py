@@ -1,0 +1,311 @@
+"""Idempotency-Key and answers that say "try again": a transient failure (429, 5xx; inside a
+batch, a call's error of that kind) is never kept as the key's final answer, a batch whose
+other calls committed resumes only the calls that did not get through, and a request slower
+than the claim's lease is never run a second time while it still runs (its process renews
+the claim), while the claim of a process that died is still given up after the lease."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import OperationalError
+from django.utils import timezone
+
+from audit import limits
+from audit.models import AuditEvent
+from memories import services
+from memories.models import IdempotencyRecord, Memory
+from memories.services import idempotency
+from tests.factories import make_keyed_client, make_tenant
+from tests.helpers import rest_error, start_thread
+from zeromem.kernel.errors import TenantBusy, Unavailable
+
+CALL = "/api/v1/tools/call"
+BATCH = "/api/v1/tools/batch"
+
+# What an inner call (or a whole request) meets that says "not done, try again", and the code
+# its error carries: the database gone, a service's 503 and 429s, and a bug's 500.
+TRANSIENT = {
+    "database_unavailable": lambda: OperationalError("the database went away"),
+    "search_timeout": lambda: Unavailable("ran out of time", code="search_timeout", retry_after=1),
+    "tenant_busy": lambda: TenantBusy("busy", retry_after=1),
+    "rate_limited": lambda: TenantBusy("throttled", code="rate_limited", retry_after=1),
+    "internal_error": lambda: RuntimeError("a bug"),
+}
+
+
+def _key(value):
+    return {"Idempotency-Key": value}
+
+
+def _write(key, value):
+    return {"name": "memory_write", "arguments": {"key": key, "value": value}}
+
+
+@pytest.fixture
+def fail_once(monkeypatch):
+    """``fail_once(key, exc)``: the next memory_write of ``key`` raises ``exc`` (the outside
+    world failing once), the following ones run for real. Returns the calls seen per key."""
+    real = services.memory_write
+    seen: dict[str, int] = {}
+    failing: dict[str, BaseException] = {}
+
+    def write(**kwargs):
+        seen[kwargs["key"]] = seen.get(kwargs["key"], 0) + 1
+        exc = failing.pop(kwargs["key"], None)
+        if exc is not None:
+            raise exc
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "memory_write", write)
+
+    def arm(key, exc):
+        failing[key] = exc
+        return seen
+
+    return arm
+
+
+@pytest.mark.parametrize("code", TRANSIENT)
+def test_a_batch_resumes_only_the_call_that_failed_transiently(api, tenant_a, fail_once, code):
+    """Calls 1 and 3 committed, call 2 met a transient failure: the 200 is not the key's final
+    answer. The retry with the same key runs call 2 alone (1 and 3 are not written twice) and
+    answers all three; that answer is the final one, replayed after."""
+    seen = fail_once("fact:b", TRANSIENT[code]())
+    body = {"calls": [_write("fact:a", 1), _write("fact:b", 2), _write("fact:c", 3)]}
+    first = api.post(BATCH, body, headers=_key("b-1"))
+    assert first.status_code == 200
+    results = first.json()["results"]
+    assert [r["status"] for r in results] == ["ok", "error", "ok"] and results[1]["error"]["code"] == code
+
+    again = api.post(BATCH, body, headers=_key("b-1"))
+    assert again.status_code == 200 and not again.has_header("Idempotent-Replayed")
+    assert [r["status"] for r in again.json()["results"]] == ["ok", "ok", "ok"]
+    assert again.json()["results"][0] == results[0] and again.json()["results"][2] == results[2]
+    assert seen == {"fact:a": 1, "fact:b": 2, "fact:c": 1}
+    versions = dict(Memory.objects.filter(tenant=tenant_a).values_list("key", "version"))
+    assert versions == {"fact:a": 1, "fact:b": 1, "fact:c": 1}
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.write", outcome="ok").count() == 3
+
+    last = api.post(BATCH, body, headers=_key("b-1"))
+    assert last.get("Idempotent-Replayed") == "true" and last.json() == again.json()
+    assert seen == {"fact:a": 1, "fact:b": 2, "fact:c": 1}
+
+
+def test_a_batch_whose_every_call_failed_transiently_keeps_nothing(api, tenant_a, fail_once):
+    seen = fail_once("fact:a", OperationalError("gone"))
+    body = {"calls": [_write("fact:a", 1)]}
+    first = api.post(BATCH, body, headers=_key("b-2"))
+    assert first.json()["results"][0]["error"]["code"] == "database_unavailable"
+    assert not IdempotencyRecord.objects.filter(key="b-2").exists()
+    again = api.post(BATCH, body, headers=_key("b-2"))
+    assert again.json()["results"][0]["status"] == "ok" and seen == {"fact:a": 2}
+
+
+def test_a_batch_resumed_twice_keeps_what_each_attempt_got_through(api, tenant_a, fail_once):
+    """The resumed call fails transiently again: still not final, and the next retry runs it
+    alone again — the first attempt's results are kept across both."""
+    seen = fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [_write("fact:a", 1), _write("fact:b", 2)]}
+    api.post(BATCH, body, headers=_key("b-3"))
+    fail_once("fact:b", Unavailable("later", retry_after=1))
+    second = api.post(BATCH, body, headers=_key("b-3"))
+    assert [r["status"] for r in second.json()["results"]] == ["ok", "error"]
+    third = api.post(BATCH, body, headers=_key("b-3"))
+    assert [r["status"] for r in third.json()["results"]] == ["ok", "ok"]
+    assert seen == {"fact:a": 1, "fact:b": 3}
+    assert Memory.objects.get(tenant=tenant_a, key="fact:a").version == 1
+
+
+def test_a_resumed_batch_keeps_a_sealed_first_attempt_sealed(api, tenant_a, fail_once):
+    """The first attempt read a sensitive value: its partial answer is kept sealed (no
+    plaintext at rest), opened for the resumed run, and the final answer sealed again."""
+    api.call("memory_write", key="user:u1:phone", value="CANARY-555", subject="u1", sensitive=True)
+    fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [{"name": "memory_read", "arguments": {"key": "user:u1:phone"}}, _write("fact:b", 2)]}
+    api.post(BATCH, body, headers=_key("b-4"))
+    assert b"CANARY-555" not in bytes(IdempotencyRecord.objects.get(key="b-4").body)
+    again = api.post(BATCH, body, headers=_key("b-4"))
+    assert [r["status"] for r in again.json()["results"]] == ["ok", "ok"]
+    assert again.json()["results"][0]["value"] == "CANARY-555"
+    assert b"CANARY-555" not in bytes(IdempotencyRecord.objects.get(key="b-4").body)
+    assert api.post(BATCH, body, headers=_key("b-4")).json() == again.json()
+
+
+def test_a_resumption_whose_answer_cannot_be_stored_gives_the_partial_answer_back(
+    api, tenant_a, fail_once, monkeypatch
+):
+    """Storing the resumed answer fails on the database: the request still answers what it
+    did, and the key holds the partial answer again (not nothing, which would run call 1 twice)."""
+    api.call("memory_write", key="user:u1:phone", value="CANARY-555", subject="u1", sensitive=True)
+    seen = fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [{"name": "memory_read", "arguments": {"key": "user:u1:phone"}}, _write("fact:b", 2)]}
+    api.post(BATCH, body, headers=_key("b-7"))
+    fail_once("fact:b", OperationalError("gone again"))
+    real_seal = idempotency._seal
+
+    def seal_fails(*args):
+        raise OperationalError("the database went away while storing the answer")
+
+    monkeypatch.setattr(idempotency, "_seal", seal_fails)
+    second = api.post(BATCH, body, headers=_key("b-7"))
+    assert second.status_code == 200
+    record = IdempotencyRecord.objects.get(key="b-7")
+    assert (record.status, record.pending) == (200, [1])
+    monkeypatch.setattr(idempotency, "_seal", real_seal)
+    third = api.post(BATCH, body, headers=_key("b-7"))
+    assert [r["status"] for r in third.json()["results"]] == ["ok", "ok"]
+    assert seen["fact:b"] == 3
+
+
+def test_a_resumption_refused_as_a_whole_leaves_the_partial_answer_to_resume(api, tenant_a, fail_once, settings):
+    """The retry that would resume is itself answered 429 tenant_busy (before any call ran):
+    the partial answer stands again, and the next retry resumes it — call 1 still not twice."""
+    seen = fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [_write("fact:a", 1), _write("fact:b", 2)]}
+    api.post(BATCH, body, headers=_key("b-5"))
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0
+    holder = f"tenant:{tenant_a.pk}"
+    tokens = [limits.slot_acquire(holder, limit=settings.ZEROMEM_TENANT_MAX_CONCURRENT, lease=60) for _ in range(4)]
+    busy = api.post(BATCH, body, headers=_key("b-5"))
+    for token in tokens:
+        limits.slot_release(holder, token)
+    assert busy.status_code == 429
+    record = IdempotencyRecord.objects.get(key="b-5")
+    assert (record.status, record.pending) == (200, [1])
+    again = api.post(BATCH, body, headers=_key("b-5"))
+    assert [r["status"] for r in again.json()["results"]] == ["ok", "ok"] and seen == {"fact:a": 1, "fact:b": 2}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_resumption_whose_process_died_is_resumed_again_after_the_lease(settings, fail_once, clock):
+    """The process resuming a partial answer dies mid-way: its claim lapses after the lease,
+    and the next retry resumes the same partial answer (it is still in the row) instead of
+    running the whole batch again."""
+    tenant = make_tenant("idem-resume-died")
+    client, key_row = make_keyed_client(tenant)
+    seen = fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [_write("fact:a", 1), _write("fact:b", 2)]}
+    client.post(BATCH, body, headers=_key("b-6"))
+    fingerprint = idempotency.fingerprint(method="POST", path=BATCH, if_match=None, data=body)
+    dying = idempotency.claim(tenant=tenant, api_key=key_row, key="b-6", fingerprint=fingerprint)
+    assert idempotency.resumption(dying)[1] == [1]
+    idempotency._drop(dying)  # the process is gone: nothing renews or finishes its claim
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    assert client.post(BATCH, body, headers=_key("b-6")).status_code == 409
+    clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+    again = client.post(BATCH, body, headers=_key("b-6"))
+    assert [r["status"] for r in again.json()["results"]] == ["ok", "ok"] and seen == {"fact:a": 1, "fact:b": 2}
+    assert Memory.objects.get(tenant=tenant, key="fact:a").version == 1
+
+
+@pytest.mark.parametrize("code", ["database_unavailable", "search_timeout", "tenant_busy", "rate_limited"])
+def test_a_single_tool_call_that_failed_transiently_is_not_kept(api, tenant_a, fail_once, code):
+    seen = fail_once("fact:a", TRANSIENT[code]())
+    first = api.post(CALL, _write("fact:a", 1), headers=_key("c-1"))
+    assert first.status_code in (429, 503) and first.json()["error"]["code"] == code
+    assert not IdempotencyRecord.objects.filter(key="c-1").exists()
+    again = api.post(CALL, _write("fact:a", 1), headers=_key("c-1"))
+    assert again.status_code == 200 and not again.has_header("Idempotent-Replayed") and seen == {"fact:a": 2}
+
+
+@pytest.mark.parametrize("code", ["database_unavailable", "search_timeout", "tenant_busy"])
+def test_a_rest_write_that_failed_transiently_is_not_kept(api, tenant_a, fail_once, code):
+    seen = fail_once("fact:a", TRANSIENT[code]())
+    first = api.put("/api/v1/memories/fact:a", {"value": 1}, headers=_key("r-1"))
+    assert first.status_code in (429, 503) and rest_error(first)["code"] == code
+    assert not IdempotencyRecord.objects.filter(key="r-1").exists()
+    again = api.put("/api/v1/memories/fact:a", {"value": 1}, headers=_key("r-1"))
+    assert again.status_code in (200, 201) and not again.has_header("Idempotent-Replayed") and seen == {"fact:a": 2}
+
+
+# --- a request slower than the lease ------------------------------------------------------
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A faked wall clock: ``clock.skip(seconds)`` moves it on; threads see it too."""
+    real = timezone.now
+
+    class Clock:
+        offset = timedelta(0)
+
+        def skip(self, seconds):
+            self.offset += timedelta(seconds=seconds)
+
+    fake = Clock()
+    monkeypatch.setattr(timezone, "now", lambda: real() + fake.offset)
+    return fake
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_request_slower_than_the_lease_is_not_run_twice(settings, monkeypatch, clock):
+    """The first request runs past the lease (the clock skips 301 s while it writes): its
+    process keeps renewing the claim, so a retry then waits / gets 409 instead of taking the
+    claim over and writing a second time; once the first ends the retry gets its answer."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    monkeypatch.setattr(idempotency, "renew_every", lambda: 0.05)  # the heartbeat, sped up
+    tenant = make_tenant("idem-slow")
+    client, _ = make_keyed_client(tenant)
+    real = services.memory_write
+    started, finish = threading.Event(), threading.Event()
+    runs = []
+
+    def slow_write(**kwargs):
+        runs.append(kwargs["key"])
+        if len(runs) == 1:
+            started.set()
+            finish.wait(30)
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "memory_write", slow_write)
+    failures, answers = [], []
+    first = start_thread(
+        lambda: answers.append(client.post(CALL, _write("fact:slow", 1), headers=_key("s-1"))), failures
+    )
+    try:
+        assert started.wait(20)
+        claimed_at = IdempotencyRecord.objects.get(key="s-1").created_at
+        clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+        # Until the running request's process has renewed its claim on the skipped clock (a
+        # heartbeat); before the fix nothing renewed it and this gave up after 5 s.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            renewed = IdempotencyRecord.objects.filter(key="s-1").values_list("renewed_at", flat=True).first()
+            if renewed is not None and renewed > claimed_at + timedelta(seconds=60):
+                break
+            time.sleep(0.05)
+        retry = client.post(CALL, _write("fact:slow", 1), headers=_key("s-1"))
+        assert retry.status_code == 409 and rest_error(retry)["code"] == "idempotency_in_progress"
+        assert runs == ["fact:slow"]
+    finally:
+        finish.set()
+        first.join(30)
+    assert not failures, failures
+    assert answers[0].status_code == 200
+    replay = client.post(CALL, _write("fact:slow", 1), headers=_key("s-1"))
+    assert replay.get("Idempotent-Replayed") == "true" and runs == ["fact:slow"]
+    assert Memory.objects.get(tenant=tenant, key="fact:slow").version == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_claim_of_a_process_that_died_is_given_up_after_the_lease(settings, clock):
+    """A claim nobody renews (its process was killed mid-work): before the lease a retry gets
+    409, after it the retry runs the work."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    tenant = make_tenant("idem-killed")
+    client, key_row = make_keyed_client(tenant)
+    call = _write("fact:x", 1)
+    fingerprint = idempotency.fingerprint(method="POST", path=CALL, if_match=None, data=call)
+    # The claim a killed process left: taken by its INSERT, never renewed nor completed.
+    IdempotencyRecord.objects.create(tenant=tenant, api_key=key_row, key="k-1", fingerprint=fingerprint)
+    busy = client.post(CALL, call, headers=_key("k-1"))
+    assert busy.status_code == 409
+    clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+    done = client.post(CALL, call, headers=_key("k-1"))
+    assert done.status_code == 200 and not done.has_header("Idempotent-Replayed")
+    assert Memory.objects.get(tenant=tenant, key="fact:x").version == 1
