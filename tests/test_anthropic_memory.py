@@ -1199,8 +1199,9 @@ def test_a_view_range_reads_a_line_on_from_a_character_and_refuses_a_bad_one(api
         ("/memories/d", "/memories/e", "/memories/d/sub/deep/new.md", "/memories/e/sub/deep/new.md"),
         ("/memories/d/sub", "/memories/d/other", "/memories/d/sub/new.md", "/memories/d/other/new.md"),
         ("/memories/d/sub", "/memories/e", "/memories/d/sub/x/new.md", "/memories/e/x/new.md"),
+        ("/memories/1/2/3/4/5/6/7", "/memories/e", "/memories/1/2/3/4/5/6/7/8/new.md", "/memories/e/8/new.md"),
     ],
-    ids=["top-level", "nested-create", "nested-rename", "out-of-its-parent"],
+    ids=["top-level", "nested-create", "nested-rename", "out-of-its-parent", "past-the-lock-depth"],
 )
 def test_a_file_created_in_a_directory_being_renamed_moves_with_it(
     transactional_db, old_path, new_path, created, moved
@@ -1320,3 +1321,22 @@ def test_two_renames_each_onto_the_others_source_take_their_locks_in_one_order(t
     assert len(outcomes) == 2, outcomes
     live = list(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", flat=True))
     assert len(live) == 1 and live[0] in ("claude:memories:a", "claude:memories:b"), (live, outcomes)
+
+
+@pytest.mark.postgres
+def test_a_deep_path_takes_at_most_the_lock_depth_of_tree_locks(api):
+    # A 512-character key of one-character names: a rename of two such paths took 512 locks,
+    # and a few dozen of them at once would fill PostgreSQL's shared lock table.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    deep = "/memories/" + "/".join("abcdefghijklmnopqrstuvwxyz"[i % 26] for i in range(200))
+    for body in (
+        {"command": "create", "path": f"{deep}/f", "file_text": "x"},
+        {"command": "rename", "old_path": deep, "new_path": f"{deep[:-2]}/moved"},
+    ):
+        with CaptureQueriesContext(connection) as queries:
+            r = api.post(URL, body)
+        assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
+        locks = [q["sql"] for q in queries if "pg_advisory_xact_lock" in q["sql"]]
+        assert 0 < len(locks) <= 16, len(locks)  # TREE_LOCK_DEPTH (8) each for a rename's two paths

@@ -59,11 +59,18 @@ DEFAULT_ROOT = "claude:memories"
 # the first's commit and sees its work. Creates in one directory only share the locks above
 # them, and run at once. Taken in key order (a key sorts before those under it): two renames
 # a -> b and b -> a take them in one order, so neither holds one the other waits for.
+# Only the first TREE_LOCK_DEPTH key segments are locked: a deeper path locks that deep a key
+# exclusive in its place (still meeting every path that can clash with it, at the cost of
+# creates deeper than that in one directory waiting on each other). A 512-character key has
+# up to 256 segments: a rename of two such paths held 512 locks, and a few dozen such commands
+# at once would fill PostgreSQL's lock table (64 × max_connections, shared with every
+# table's locks): "out of shared memory" for every tenant.
 # One bigint each: hashtextextended() of "ZT:<tenant>:<key>", 64 bits. It was two ints, a
 # namespace and hashtext(), 32 bits: 100,000 names (all tenants') held ~1 pair whose commands
 # waited on each other; 64 bits, ~3e-10 pairs. PostgreSQL keeps one-bigint locks apart from
 # the other services' two-int ones.
 _TREE_LOCK_TAG = "ZT"
+TREE_LOCK_DEPTH = 8
 
 ROOT_PATH = "/memories"
 MAX_LINES = 999999
@@ -419,10 +426,10 @@ class MemoryTool:
         for place in places:
             if place.is_root:
                 continue  # refused by the command: /memories is neither created nor moved
-            segments = place.key.split(":")
+            segments = place.key.split(":")[:TREE_LOCK_DEPTH]
             for depth in range(1, len(segments)):
                 exclusive.setdefault(":".join(segments[:depth]), False)
-            exclusive[place.key] = True
+            exclusive[":".join(segments)] = True
         refused = None
         with transaction.atomic():
             if connection.vendor == "postgresql":  # SQLite: one writing transaction at a time
