@@ -1152,8 +1152,9 @@ def _read_on(api, path: str) -> tuple[str, int]:
 
 
 def test_a_line_longer_than_the_budget_is_cut_and_read_on_from_its_next_character(api, tenant_a):
-    """A file of one 200,000-character line (under a tenant's raised value cap) was answered
-    whole past the 16,384-character budget (200,031 characters, ~50,000 tokens). Now the line
+    """A file with a 200,000-character line (under a tenant's raised value cap): a view of that
+    line answered it whole past the 16,384-character budget (200,188 characters, ~50,000
+    tokens). Now the line
     is cut too, ending with the view_range whose third number is the character it reads on
     from; reading on that way gives the file back, every page within the budget."""
     tenant_a.value_max_bytes = 256 * 1024

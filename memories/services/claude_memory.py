@@ -313,7 +313,7 @@ class MemoryTool:
         # At most LIST_MAX_CHARS, cut at a line's end: the line numbers alone made a 256 KB file
         # of short lines a ~1 MB answer. The last line says what view_range reads on. A first
         # line longer than that is cut within it, its last line saying from which character
-        # to read on: a file of one 200,000-character line (a tenant's raised value cap)
+        # to read on: a view of a 200,000-character line (a tenant's raised value cap)
         # answered 200,188 characters, ~50,000 tokens.
         left = LIST_MAX_CHARS - len(header) - len(path) - 200
         numbered = []
