@@ -7,7 +7,9 @@ ZeroMem. Each result is compared with what the SDK's own file-system backend
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import time
 
 import anthropic
 import pytest
@@ -1115,3 +1117,227 @@ def test_a_cut_listing_pages_on_with_view_range_to_every_entry_once(api, tenant_
         seen.extend(lines[2:-1])
         start = int(lines[-1].split("view_range [")[1].split(",")[0])
     assert pages > 2 and seen == whole[2:], (pages, len(seen), len(whole))
+
+
+def _read_on(api, path: str) -> tuple[str, int]:
+    """The file at ``path`` read as a model reads it: view, then each cut line's view_range,
+    until a page ends uncut; (the text put back together, the pages read). Each page is held
+    to LIST_MAX_CHARS and starts where the previous one's last line said."""
+    parts: list[str] = []  # the text, line by line, a cut line in pieces
+    view_range, pages = None, 0
+    while True:
+        body = {"command": "view", "path": path}
+        if view_range:
+            body["view_range"] = view_range
+        r = api.post(URL, body)
+        assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
+        content = r.json()["content"]
+        assert len(content) <= claude_memory.LIST_MAX_CHARS, (len(content), view_range)
+        pages += 1
+        assert pages < 100, view_range
+        lines = content.split("\n")
+        cut = lines[-1].startswith("(File cut")
+        numbered = lines[1:-1] if cut else lines[1:]
+        first = view_range[0] if view_range else 1
+        for n, line in enumerate(numbered):
+            number, text = line.split("\t", 1)
+            assert int(number) == first + n, (line[:20], view_range)
+            if n == 0 and view_range and len(view_range) == 3:
+                parts[-1] += text  # the rest of the line the previous page cut
+            else:
+                parts.append(text)
+        if not cut:
+            return "\n".join(parts), pages
+        view_range = json.loads(lines[-1].split("view_range ")[1].split("]")[0] + "]")
+
+
+def test_a_line_longer_than_the_budget_is_cut_and_read_on_from_its_next_character(api, tenant_a):
+    """A file with a 200,000-character line (under a tenant's raised value cap): a view of that
+    line answered it whole past the 16,384-character budget (200,188 characters, ~50,000
+    tokens). Now the line
+    is cut too, ending with the view_range whose third number is the character it reads on
+    from; reading on that way gives the file back, every page within the budget."""
+    tenant_a.value_max_bytes = 256 * 1024
+    tenant_a.save(update_fields=["value_max_bytes"])
+    long = "".join(f"{i:07d}," for i in range(25_000))  # 200,000 characters, each place distinct
+    text = f"head\n{long}\nmiddle\n{long[:20_000]}é\ntail\n"
+    api.post(URL, {"command": "create", "path": "/memories/long.txt", "file_text": text})
+
+    first = api.post(URL, {"command": "view", "path": "/memories/long.txt"}).json()["content"]
+    assert first.split("\n")[1:] == [
+        "     1\thead",
+        "(File cut at 16384 characters: lines 1-1 of 6 shown. "
+        "View /memories/long.txt with view_range [2, -1] for the next ones.)",
+    ]
+    page = api.post(URL, {"command": "view", "path": "/memories/long.txt", "view_range": [2, -1]}).json()["content"]
+    assert len(page) <= claude_memory.LIST_MAX_CHARS, len(page)
+    shown = page.split("\n")[1].split("\t", 1)[1]
+    assert long.startswith(shown) and len(shown) > 16_000, len(shown)
+    assert page.split("\n")[-1] == (
+        f"(File cut at 16384 characters: line 2 of 6, characters 1-{len(shown)} of 200000 shown. "
+        f"View /memories/long.txt with view_range [2, -1, {len(shown) + 1}] for the rest of it.)"
+    )
+    read, pages = _read_on(api, "/memories/long.txt")
+    assert read == text and pages > 14, pages
+
+
+def test_a_view_range_reads_a_line_on_from_a_character_and_refuses_a_bad_one(api):
+    api.post(URL, {"command": "create", "path": "/memories/n.md", "file_text": "one\ntwo\nthree"})
+    body = {"command": "view", "path": "/memories/n.md", "view_range": [2, 3, 2]}
+    assert api.post(URL, body).json()["content"].split("\n")[1:] == ["     2\two", "     3\tthree"]
+    for bad in ([2, 3, 0], [2, 3, -1], [1, 2, 3, 4], [2, 3, True]):
+        r = api.post(URL, {"command": "view", "path": "/memories/n.md", "view_range": bad})
+        assert r.status_code == 400 and rest_error(r)["field"] == "view_range", (bad, r.content)
+    r = api.post(URL, {"command": "view", "path": "/memories", "view_range": [1, -1, 2]})
+    assert r.status_code == 400 and rest_error(r)["field"] == "view_range", r.content
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("old_path", "new_path", "created", "moved"),
+    [
+        ("/memories/d", "/memories/e", "/memories/d/new.md", "/memories/e/new.md"),
+        ("/memories/d", "/memories/e", "/memories/d/sub/deep/new.md", "/memories/e/sub/deep/new.md"),
+        ("/memories/d/sub", "/memories/d/other", "/memories/d/sub/new.md", "/memories/d/other/new.md"),
+        ("/memories/d/sub", "/memories/e", "/memories/d/sub/x/new.md", "/memories/e/x/new.md"),
+        ("/memories/1/2/3/4/5/6/7", "/memories/e", "/memories/1/2/3/4/5/6/7/8/new.md", "/memories/e/8/new.md"),
+    ],
+    ids=["top-level", "nested-create", "nested-rename", "out-of-its-parent", "past-the-lock-depth"],
+)
+def test_a_file_created_in_a_directory_being_renamed_moves_with_it(
+    transactional_db, old_path, new_path, created, moved
+):
+    """Two agents of one tenant: one renames a directory, the other creates a file in it. The
+    create (locking only its top-level name, the rename only its destination's) went on while
+    the rename was moving the files it had listed: it answered success first, then the
+    rename's commit left it at the old path, outside the directory the model moved. The
+    rename's ``_move`` here waits until the create either answers or waits on a lock (no
+    sleep decides it): locked, the create waits for the rename and creates its file after
+    it; were it answered first, its file would have to have moved."""
+    import threading
+
+    from tests.factories import SYSTEM
+    from tests.helpers import lock_waiters, start_thread
+
+    tenant = make_tenant("race-create-rename")
+    for path in (f"{old_path}/a.md", f"{old_path}/sub2/b.md"):
+        claude_memory.memory_tool_run(
+            tenant=tenant, actor=SYSTEM, command={"command": "create", "path": path, "file_text": "x"}
+        )
+    moving, created_done = threading.Event(), threading.Event()
+    answered: list[str] = []
+    move = claude_memory.MemoryTool._move
+
+    def move_once_the_create_ran_or_waits(self, memory, key):
+        if not moving.is_set():
+            moving.set()
+            deadline = time.monotonic() + 20
+            while not created_done.is_set() and lock_waiters() == 0:
+                assert time.monotonic() < deadline, "the create neither ran nor waited"
+                time.sleep(0.01)
+        return move(self, memory, key)
+
+    def rename():
+        claude_memory.MemoryTool(tenant=tenant, actor=SYSTEM).rename(old_path, new_path)
+        answered.append("rename")
+
+    def create():
+        assert moving.wait(20)
+        claude_memory.memory_tool_run(
+            tenant=tenant, actor=SYSTEM, command={"command": "create", "path": created, "file_text": "new"}
+        )
+        answered.append("create")
+
+    failures: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(claude_memory.MemoryTool, "_move", move_once_the_create_ran_or_waits)
+        threads = [start_thread(rename, failures), start_thread(create, failures, done=created_done)]
+        for t in threads:
+            t.join(30)
+    assert not failures, failures
+    keys = set(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", flat=True))
+    key = "claude:memories" + (moved if answered[0] == "create" else created)[len("/memories") :].replace("/", ":")
+    assert key in keys and len(keys) == 3, (answered, sorted(keys))
+    assert answered == ["rename", "create"], answered  # the create waited for the rename's lock
+
+
+@pytest.mark.postgres
+def test_two_renames_each_onto_the_others_source_take_their_locks_in_one_order(transactional_db):
+    """rename a -> b and b -> a at once lock both paths each. A third session holds b's lock
+    until both renames wait on a lock: a -> b holds a and waits for b; taken in key order,
+    b -> a waits for a too, holding nothing it needs. Taken source first, b -> a could get b
+    on its release and then wait for a: a deadlock, one of them a 500."""
+    import threading
+
+    from django.db import connection, transaction
+
+    from tests.factories import SYSTEM
+    from tests.helpers import lock_waiters, start_thread
+
+    tenant = make_tenant("race-swap")
+    claude_memory.memory_tool_run(
+        tenant=tenant, actor=SYSTEM, command={"command": "create", "path": "/memories/a", "file_text": "x"}
+    )
+    held, release = threading.Event(), threading.Event()
+
+    def hold_b():
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                [f"{claude_memory._TREE_LOCK_TAG}:{tenant.pk}:claude:memories:b"],
+            )
+            held.set()
+            release.wait(20)
+
+    outcomes, failures = {}, []
+
+    def rename(old, new):
+        def run():
+            try:
+                outcomes[old] = claude_memory.memory_tool_run(
+                    tenant=tenant, actor=SYSTEM, command={"command": "rename", "old_path": old, "new_path": new}
+                )
+            except claude_memory.MemoryToolError as exc:
+                outcomes[old] = exc
+
+        return run
+
+    holder, renames = start_thread(hold_b, failures), []
+    try:
+        assert held.wait(10), failures
+        # b -> a first: taking its source first, it would wait for b; then a -> b holds a
+        # and waits for b behind it, and b -> a, granted b, waits for a.
+        for waiting, paths in enumerate((("/memories/b", "/memories/a"), ("/memories/a", "/memories/b")), 1):
+            renames.append(start_thread(rename(*paths), failures))
+            deadline = time.monotonic() + 20
+            while lock_waiters() < waiting:
+                assert time.monotonic() < deadline and not failures, (f"{paths} never waited", failures)
+                time.sleep(0.01)
+    finally:
+        release.set()
+        holder.join()
+    for t in renames:
+        t.join(30)
+    assert not failures, failures
+    assert len(outcomes) == 2, outcomes
+    live = list(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", flat=True))
+    assert len(live) == 1 and live[0] in ("claude:memories:a", "claude:memories:b"), (live, outcomes)
+
+
+@pytest.mark.postgres
+def test_a_deep_path_takes_at_most_the_lock_depth_of_tree_locks(api):
+    # A 512-character key of one-character names: a rename of two such paths took 512 locks,
+    # and a few dozen of them at once would fill PostgreSQL's shared lock table.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    deep = "/memories/" + "/".join("abcdefghijklmnopqrstuvwxyz"[i % 26] for i in range(200))
+    for body in (
+        {"command": "create", "path": f"{deep}/f", "file_text": "x"},
+        {"command": "rename", "old_path": deep, "new_path": f"{deep[:-2]}/moved"},
+    ):
+        with CaptureQueriesContext(connection) as queries:
+            r = api.post(URL, body)
+        assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
+        locks = [q["sql"] for q in queries if "pg_advisory_xact_lock" in q["sql"]]
+        assert 0 < len(locks) <= 16, len(locks)  # TREE_LOCK_DEPTH (8) each for a rename's two paths

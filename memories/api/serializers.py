@@ -450,7 +450,12 @@ class AnthropicMemoryCommandSerializer(serializers.Serializer):
     command = serializers.ChoiceField(choices=["view", "create", "str_replace", "insert", "delete", "rename"])
     path = StrictCharField(required=False, help_text="/memories/...")
     view_range = serializers.ListField(
-        child=serializers.IntegerField(), min_length=2, max_length=2, required=False, help_text="[start, end]; end -1"
+        child=serializers.IntegerField(),
+        min_length=2,
+        max_length=3,
+        required=False,
+        help_text="[start, end]; end -1: to the end; a file's [start, end, character]: line start read on "
+        "from that character (1 or more), as a cut line's last line says",
     )
     file_text = StrictCharField(required=False, allow_blank=True, trim_whitespace=False)
     old_str = StrictCharField(required=False, allow_blank=True, trim_whitespace=False)
