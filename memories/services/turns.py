@@ -19,19 +19,32 @@ from memories.services import forget, summaries
 from memories.services.jobs import turn_claim_next
 
 
+# At most this many summarize jobs a delivery puts off (their LLM endpoint backing off) before
+# it gives up its turn: each costs the claim's two statements and an UPDATE, in one transaction.
+DEFERRED_MAX = 20
+
+
 def delivery_run(*, summarize_job: int | None = None, forget_request: int | None = None) -> dict:
     """One delivery, enqueued for ``summarize_job`` or ``forget_request``: claims the turn's
     job or request and begins its attempt or step in one transaction (its audit event
     included), then runs it. A failed summarize attempt or forget step re-raises, so django-q2
     delivers again after ``Q_RETRY``, and that delivery takes a turn again. With nothing
-    waiting: the state of the job or request it was enqueued for. Cost:
-    :func:`turn_claim_next`'s two statements, then the attempt's or the step's own."""
+    waiting: the state of the job or request it was enqueued for. A job put off because its LLM
+    endpoint backs off (summaries.llm_backoff_until) passes the turn to the next in line, up to
+    ``DEFERRED_MAX`` of them. Cost: :func:`turn_claim_next`'s two statements (again per job put
+    off), then the attempt's or the step's own."""
     with transaction.atomic():
-        claimed = turn_claim_next()
-        if isinstance(claimed, ForgetRequest):
-            claimed = forget.forget_step_begin(claimed.pk)
-        elif isinstance(claimed, Job):
-            claimed = summaries.summarize_attempt_begin(claimed.pk)
+        for _ in range(DEFERRED_MAX + 1):
+            claimed = turn_claim_next()
+            if isinstance(claimed, ForgetRequest):
+                claimed = forget.forget_step_begin(claimed.pk)
+            elif isinstance(claimed, Job):
+                claimed = summaries.summarize_attempt_begin(claimed.pk)
+                if claimed is not None and claimed.status == Job.Status.QUEUED:
+                    # Put off (its LLM endpoint backs off, Job.retry_at): the turn goes on to
+                    # the next in line, as this one no longer waits.
+                    continue
+            break
     if isinstance(claimed, ForgetRequest):
         return forget.forget_step_run(claimed)
     if isinstance(claimed, Job):
