@@ -1093,9 +1093,7 @@ def test_an_llm_429_with_retry_after_puts_the_next_attempt_off_until_then(
 
 
 def fail_events(job):
-    return list(
-        AuditEvent.objects.filter(action="memory.summarize.fail", detail__job_id=str(job.uid)).order_by("pk")
-    )
+    return list(AuditEvent.objects.filter(action="memory.summarize.fail", detail__job_id=str(job.uid)).order_by("pk"))
 
 
 @pytest.mark.parametrize(

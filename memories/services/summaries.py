@@ -301,8 +301,7 @@ def summarize_attempt_begin(job_id: int) -> Job | None:
         # A latest attempt still "running" is over when it began more than Q_TIMEOUT ago
         # (django-q2 kills a task then) or never said when: its worker stopped.
         stopped = job.status == Job.Status.RUNNING and (
-            job.started_at is None
-            or job.started_at < now - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
+            job.started_at is None or job.started_at < now - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
         )
         if stopped and job.attempts:
             # The stopped attempt could not say so itself: its event is written now.

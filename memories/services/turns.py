@@ -18,7 +18,6 @@ from memories.models import ForgetRequest, Job
 from memories.services import forget, summaries
 from memories.services.jobs import turn_claim_next
 
-
 # At most this many summarize jobs a delivery puts off (their LLM endpoint backing off) before
 # it gives up its turn: each costs the claim's two statements and an UPDATE, in one transaction.
 DEFERRED_MAX = 20
