@@ -196,6 +196,12 @@ def _enqueue(job_id: int) -> None:
     async_task("memories.tasks.summarize_task", job_id)
 
 
+def summarize_enqueue(job_id: int) -> None:
+    """Enqueue a delivery (a turn) for the job again: services.turns.delivery_run, whose turn
+    another's failed attempt took."""
+    _enqueue(job_id)
+
+
 # --- run ---------------------------------------------------------------------------------
 
 
