@@ -440,3 +440,35 @@ def test_another_jobs_failures_never_drop_an_innocent_jobs_only_queue_entry(tena
         assert Job.objects.get(pk=x).attempts == 7
     finally:
         llm.close()
+
+
+def test_a_forget_delivery_whose_turn_ran_a_failing_job_is_enqueued_again_not_failed(
+    tenant_a, tenant_b, settings, monkeypatch
+):
+    from tests.test_summaries import FakeLLM
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    llm = FakeLLM()
+    llm.mode = "error"
+    try:
+        settings.ZEROMEM_LLM_BASE_URL = llm.url
+        request = _forget(tenant_b)
+        tasks.forget_request_task(request)  # its own turn: completed
+        assert ForgetRequest.objects.get(pk=request).status == "completed"
+        write(tenant_a, "session:x0:k", "a fact")
+        (x,) = _jobs(tenant_a, 1, "x")
+        again = []
+        monkeypatch.setattr(forget, "forget_enqueue", again.append)
+        # The request's redelivery (a lost acknowledgement) takes A's turn, whose attempt fails.
+        assert tasks.forget_request_task(request) == {"status": "enqueued_again", "forget_request": request}
+        assert again == [request]
+        job = Job.objects.get(pk=x)
+        assert (job.status, job.attempts) == ("queued", 1)
+        # Its own delivery still raises for its own failure: django-q2 retries that one.
+        Job.objects.filter(pk=x).update(started_at=timezone.now() - timedelta(hours=1))
+        with pytest.raises(tasks.TaskFailed):
+            tasks.summarize_task(x)
+        assert Job.objects.get(pk=x).attempts == 2
+    finally:
+        llm.close()

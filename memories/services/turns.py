@@ -56,7 +56,7 @@ def delivery_run(*, summarize_job: int | None = None, forget_request: int | None
             return summaries.summarize_attempt_run(claimed)
     except Exception:
         own = forget_request if isinstance(claimed, ForgetRequest) else summarize_job
-        if claimed.pk == own and isinstance(claimed, ForgetRequest) == (forget_request is not None):
+        if claimed.pk == own:
             raise  # its own attempt or step: django-q2 delivers it again after Q_RETRY
         # Another's attempt failed on this delivery's turn (recorded on it, with its event). Not
         # raised: django-q2 counts an entry's failed deliveries and drops it at Q_MAX_ATTEMPTS,
@@ -64,12 +64,16 @@ def delivery_run(*, summarize_job: int | None = None, forget_request: int | None
         # Q_MAX_ATTEMPTS, or several failing jobs) dropped an innocent job's only entry, never
         # run. Its turn is enqueued again instead (a new entry, counted from zero); the failed
         # one is taken again by its own entry's redelivery, else by summarize-jobs-resume.
-        logger.warning("a delivery for %s ran another's turn, which failed; enqueued again", own)
+        logger.warning(
+            "a delivery for job %s / forget request %s ran another's turn, which failed; enqueued again",
+            summarize_job,
+            forget_request,
+        )
         if forget_request is not None:
             forget.forget_enqueue(forget_request)
-        else:
-            summaries.summarize_enqueue(summarize_job)
-        return {"status": "enqueued_again", "job_id" if forget_request is None else "forget_request": own}
+            return {"status": "enqueued_again", "forget_request": forget_request}
+        summaries.summarize_enqueue(summarize_job)
+        return {"status": "enqueued_again", "job_id": summarize_job}
     if forget_request is not None:
         return forget.forget_request_state(forget_request)
     return summaries.summarize_job_state(summarize_job)
