@@ -12,6 +12,7 @@ tests/test_qcluster.py runs the same with a real cluster.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from datetime import timedelta
 
@@ -372,3 +373,102 @@ def test_a_forget_steps_turn_counts_from_when_it_handed_its_worker_back(tenant_a
     assert forget.forget_step_run(step)["continued"] is True  # worker 1 hands back
     with transaction.atomic():
         assert turn_claim_next().pk == b[1]
+
+
+def test_another_jobs_failures_never_drop_an_innocent_jobs_only_queue_entry(tenant_a, settings, monkeypatch):
+    # django-q2 counts a queue entry's failed deliveries (Task.attempt_count) and drops the
+    # entry at Q_MAX_ATTEMPTS. A delivery is a turn: it failed when the attempt it ran failed,
+    # whichever job's that was. With ZEROMEM_JOB_MAX_ATTEMPTS above Q_MAX_ATTEMPTS, a failing
+    # job X outlived its own entry and went on failing on an innocent job Y's entry (X older
+    # and waiting on each of Y's turns) until django-q2 dropped that one too: Y never ran, no
+    # entry left, until the summarize-jobs-resume schedule took it (2 x Q_RETRY + up to 10 min).
+    from tests.test_summaries import FakeLLM
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    llm = FakeLLM()
+    llm.mode = "error"
+    try:
+        settings.ZEROMEM_LLM_BASE_URL = llm.url
+        settings.ZEROMEM_JOB_MAX_ATTEMPTS = 10
+        q_max = settings.Q_CLUSTER["max_attempts"]
+        assert q_max == 5
+        write(tenant_a, "session:x0:k", "a fact")
+        (x,) = _jobs(tenant_a, 1, "x")
+        # django-q2's entries: [due, order, job id, failed deliveries]; a worker takes the
+        # first due, a failed delivery comes back after Q_RETRY (> Q_TIMEOUT).
+        queue, order = [], itertools.count()
+        retry = timedelta(seconds=settings.Q_CLUSTER["retry"])
+        now = [timezone.now()]
+        monkeypatch.setattr(timezone, "now", lambda: now[0])
+
+        def enqueue(job_id):
+            queue.append([now[0], next(order), job_id, 0])
+
+        monkeypatch.setattr(summaries, "summarize_enqueue", enqueue)
+
+        def run_queue():
+            while queue:
+                entry = min(queue)
+                now[0] = max(now[0], entry[0])
+                try:
+                    tasks.summarize_task(entry[2])
+                except tasks.TaskFailed:
+                    entry[3] += 1
+                    entry[0] = now[0] + retry
+                    if entry[3] >= q_max:
+                        queue.remove(entry)  # django-q2 acknowledges it: gone
+                else:
+                    queue.remove(entry)
+                now[0] += timedelta(seconds=1)
+
+        enqueue(x)
+        run_queue()
+        assert Job.objects.get(pk=x).attempts == 5  # X's entry dropped; X has attempts left
+        now[0] += retry
+        (y,) = _jobs(tenant_a, 1, "y")  # an empty namespace: no LLM call, it cannot fail
+        enqueue(y)
+        run_queue()
+        # Y ran on its own turn, enqueued again when X's failure took it.
+        job_y = Job.objects.get(pk=y)
+        assert (job_y.status, job_y.attempts) == ("succeeded", 1)
+        assert Job.objects.get(pk=x).attempts == 6  # X waits for the resume schedule, bounded
+        now[0] += 2 * retry + timedelta(seconds=1)
+        monkeypatch.setattr(summaries, "summarize_enqueue", summaries._enqueue)
+        with pytest.raises(tasks.TaskFailed):  # inline (django-q2 sync in tests): X's own entry
+            summaries.summarize_jobs_resume()
+        assert Job.objects.get(pk=x).attempts == 7
+    finally:
+        llm.close()
+
+
+def test_a_forget_delivery_whose_turn_ran_a_failing_job_is_enqueued_again_not_failed(
+    tenant_a, tenant_b, settings, monkeypatch
+):
+    from tests.test_summaries import FakeLLM
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    llm = FakeLLM()
+    llm.mode = "error"
+    try:
+        settings.ZEROMEM_LLM_BASE_URL = llm.url
+        request = _forget(tenant_b)
+        tasks.forget_request_task(request)  # its own turn: completed
+        assert ForgetRequest.objects.get(pk=request).status == "completed"
+        write(tenant_a, "session:x0:k", "a fact")
+        (x,) = _jobs(tenant_a, 1, "x")
+        again = []
+        monkeypatch.setattr(forget, "forget_enqueue", again.append)
+        # The request's redelivery (a lost acknowledgement) takes A's turn, whose attempt fails.
+        assert tasks.forget_request_task(request) == {"status": "enqueued_again", "forget_request": request}
+        assert again == [request]
+        job = Job.objects.get(pk=x)
+        assert (job.status, job.attempts) == ("queued", 1)
+        # Its own delivery still raises for its own failure: django-q2 retries that one.
+        Job.objects.filter(pk=x).update(started_at=timezone.now() - timedelta(hours=1))
+        with pytest.raises(tasks.TaskFailed):
+            tasks.summarize_task(x)
+        assert Job.objects.get(pk=x).attempts == 2
+    finally:
+        llm.close()

@@ -786,6 +786,7 @@ class FakeLLM:
         self.requests: list[dict] = []
         self.redirect = (302, "")  # mode "redirect": (status, Location)
         self.content = ""  # mode "content": the summary the model answers
+        self.retry_after = "3600"  # mode "429": its Retry-After header
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -856,7 +857,7 @@ class FakeLLM:
                     return
                 if mode == "429":
                     self.send_response(429)
-                    self.send_header("Retry-After", "3600")
+                    self.send_header("Retry-After", fake.retry_after)
                     self.send_header("Content-Type", "text/html")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
@@ -1089,6 +1090,166 @@ def test_an_llm_429_with_retry_after_puts_the_next_attempt_off_until_then(
     job.refresh_from_db()
     assert (job.status, job.attempts, job.retry_at, len(llm.requests)) == ("succeeded", 2, None, 2)
     assert live(api.tenant, "summary:session:s1").value == OK_ANSWER["choices"][0]["message"]["content"]
+
+
+def fail_events(job):
+    return list(AuditEvent.objects.filter(action="memory.summarize.fail", detail__job_id=str(job.uid)).order_by("pk"))
+
+
+@pytest.mark.parametrize(
+    ("mode", "code"),
+    [
+        ("error", "llm_http_error"),  # the endpoint echoes the prompt: none of it is kept
+        ("slow", "llm_timeout"),
+        ("bad_json", "llm_invalid_answer"),
+        ("content", "llm_empty_answer"),  # an answer of nothing (a refusal to summarize)
+    ],
+)
+def test_each_failed_attempt_is_audited_once_with_its_job_attempt_and_error_code(
+    api, tenant_a, session, llm, mode, code, django_capture_on_commit_callbacks
+):
+    # Once none was: a compliance review of the audit log saw the job started and nothing
+    # after it, however many times the tenant's memories had been sent to the LLM endpoint.
+    llm.mode = mode
+    llm.content = "\x00"  # mode "content": nothing left once cleaned
+    write(tenant_a, "session:s1:secret", CANARY)
+    job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
+    for _ in (2, 3):
+        with pytest.raises(summaries.SummarizerError):
+            services.summarize_run(job_id=job.pk)  # django-q2's retries
+    assert services.summarize_run(job_id=job.pk)["status"] == "failed"  # a further delivery: nothing
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == ("failed", 3)
+    events = fail_events(job)
+    assert [(e.outcome, e.actor_kind, e.actor_id, e.target) for e in events] == [
+        ("unavailable", "system", f"summarize#{job.uid}", "session:s1:")
+    ] * 3
+    assert [e.detail for e in events] == [
+        {"job_id": str(job.uid), "attempt": n, "max_attempts": 3, "error": code, "gave_up": n == 3} for n in (1, 2, 3)
+    ]
+    # The give-up is the last attempt's event, not one more.
+    assert AuditEvent.objects.filter(action__startswith="memory.summarize", detail__job_id=str(job.uid)).count() == 4
+    for e in AuditEvent.objects.all():
+        text = json.dumps([e.target, e.detail, e.subject])
+        assert CANARY not in text and "ship v2" not in text
+
+
+def test_a_failed_attempts_event_is_in_the_transaction_that_records_the_failure(
+    api, session, llm, monkeypatch, django_capture_on_commit_callbacks
+):
+    llm.mode = "error"
+    job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
+
+    def broken_record(*args, **kwargs):
+        raise RuntimeError("audit INSERT failed")
+
+    monkeypatch.setattr(summaries, "_record_failed_attempt", broken_record)
+    with pytest.raises(RuntimeError):
+        services.summarize_run(job_id=job.pk)
+    job.refresh_from_db()
+    # The job's failure is not recorded without its event (the attempt still counts).
+    assert (job.status, job.attempts, job.error) == ("running", 1, "")
+    assert fail_events(job) == []
+
+
+def test_an_attempt_whose_worker_stopped_is_audited_when_the_next_one_begins(api, session, settings, clock):
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 3
+    job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
+    summaries.summarize_attempt_begin(job.pk)  # attempt 1 begins; its worker is killed (-9)
+    # A second delivery while attempt 1 may still run (a backlogged duplicate): nothing to say.
+    services.summarize_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == ("succeeded", 2)
+    assert fail_events(job) == []
+
+    dead = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix="session:s9:")
+    summaries.summarize_attempt_begin(dead.pk)  # attempt 1, killed
+    clock.advance(seconds=settings.Q_CLUSTER["timeout"] + 1)
+    summaries.summarize_attempt_begin(dead.pk)  # attempt 2, killed
+    clock.advance(seconds=settings.Q_CLUSTER["timeout"] + 1)
+    summaries.summarize_attempt_begin(dead.pk)  # attempt 3, killed
+    clock.advance(seconds=settings.Q_CLUSTER["timeout"] + 1)
+    assert services.summarize_run(job_id=dead.pk)["status"] == "failed"
+    assert [(e.detail["attempt"], e.detail["error"], e.detail["gave_up"]) for e in fail_events(dead)] == [
+        (1, "worker_stopped", False),
+        (2, "worker_stopped", False),
+        (3, "worker_stopped", True),
+    ]
+
+
+@pytest.fixture
+def two_sessions(tenant_a, tenant_b, session, clock):
+    write(tenant_b, "session:b1:lang", "fr")
+    return tenant_b
+
+
+def test_an_llm_429_backs_off_every_job_of_that_endpoint_not_only_the_one_that_got_it(
+    api, api_b, two_sessions, llm, clock, settings, django_capture_on_commit_callbacks
+):
+    # Once per job: another tenant's job started a minute after the 429 called the endpoint
+    # at once, and every other job went on hammering it, each spending its attempts.
+    llm.mode = ["429", "ok", "ok"]  # Retry-After: 3600
+    first = job_of(start(api, django_capture_on_commit_callbacks, prefix="session:s1:"))
+    asked_at = clock.now
+    assert (first.status, first.attempts, len(llm.requests)) == ("queued", 1, 1)
+    [event] = fail_events(first)
+    assert event.detail["error"] == "llm_busy" and event.detail["next_attempt_at"]
+
+    clock.advance(seconds=60)
+    other = job_of(start(api_b, django_capture_on_commit_callbacks, prefix="session:b1:"))
+    # Its turn came (the task ran, inline here): no call, no attempt counted, nothing audited.
+    assert (other.status, other.attempts, len(llm.requests)) == ("queued", 0, 1)
+    assert abs((other.retry_at - asked_at).total_seconds() - 3600) < 1
+    assert fail_events(other) == []
+    # django-q2's retry of either delivery, and the resume schedule, do nothing before then.
+    clock.advance(seconds=settings.Q_CLUSTER["retry"] + 1)
+    assert turns.delivery_run(summarize_job=other.pk) == {"status": "queued", "job_id": other.pk}
+    assert services.summarize_run(job_id=other.pk) == {"status": "queued", "job_id": other.pk}
+    assert services.summarize_jobs_resume() == 0
+    assert len(llm.requests) == 1
+
+    clock.advance(seconds=3600)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.summarize_jobs_resume() == 2
+    first.refresh_from_db()
+    other.refresh_from_db()
+    assert (first.status, first.attempts, other.status, other.attempts) == ("succeeded", 2, "succeeded", 1)
+    assert len(llm.requests) == 3
+
+
+def test_the_endpoints_back_off_is_in_the_shared_cache_per_endpoint(api, session, llm, clock, settings):
+    from django.core.cache import cache
+
+    llm.mode = "429"
+    job = services.summarize_start(tenant=api.tenant, actor=SYSTEM, prefix=session)
+    with pytest.raises(summaries.SummarizerBusy):
+        services.summarize_run(job_id=job.pk)
+    until = summaries.llm_backoff_until()
+    assert abs((until - clock.now).total_seconds() - 3600) < 1
+    # What every worker reads: the cache (Redis, or the database's cache table), not this process.
+    assert cache.get(summaries._backoff_key()) == until.isoformat()
+    settings.ZEROMEM_LLM_BASE_URL = "http://127.0.0.1:9/other/v1"  # another endpoint: no back-off
+    assert summaries.llm_backoff_until() is None
+    settings.ZEROMEM_LLM_BASE_URL = ""  # the digest: no endpoint to wait for
+    assert summaries.llm_backoff_until() is None
+
+
+@pytest.mark.parametrize("header", ["1000000000", "Fri, 31 Dec 9999 23:59:59 GMT"])
+def test_an_outsize_retry_after_holds_the_endpoint_at_most_six_hours(
+    api, api_b, two_sessions, llm, clock, header, django_capture_on_commit_callbacks
+):
+    llm.mode = ["429", "ok", "ok"]
+    llm.retry_after = header  # 31 years, or the end of the calendar
+    first = job_of(start(api, django_capture_on_commit_callbacks, prefix="session:s1:"))
+    bound = clock.now + timedelta(seconds=summaries.LLM_RETRY_AFTER_MAX)
+    assert summaries.LLM_RETRY_AFTER_MAX == 6 * 3600
+    assert first.retry_at <= bound and summaries.llm_backoff_until() <= bound
+    other = job_of(start(api_b, django_capture_on_commit_callbacks, prefix="session:b1:"))
+    assert other.retry_at <= bound and len(llm.requests) == 1
+    clock.advance(seconds=summaries.LLM_RETRY_AFTER_MAX + 1)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.summarize_jobs_resume() == 2
+    assert set(Job.objects.values_list("status", flat=True)) == {"succeeded"}
 
 
 @pytest.mark.parametrize(

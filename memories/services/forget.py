@@ -287,6 +287,12 @@ def _enqueue(request_id: int) -> None:
     async_task(TASK, request_id, task_name=f"forget-request-{request_id}")
 
 
+def forget_enqueue(request_id: int) -> None:
+    """Enqueue a delivery (a turn) for the request again: services.turns.delivery_run, whose
+    turn another's failed step took."""
+    _enqueue(request_id)
+
+
 # --- reading requests ------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ stay live, so archiving never loses anything the summary does not hold.
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import http.client
 import json
 import logging
@@ -46,6 +47,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.cache import cache
 from django.db import connection, transaction
 from django.db.models import Count, Max, Q
 from django.utils import timezone
@@ -57,7 +59,7 @@ from memories.services.jobs import cancelled_error, require_pending_room
 from memories.services.memories import memory_delete, memory_write
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput
+from zeromem.kernel.errors import Forbidden, InvalidInput, ServiceError
 from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
 
@@ -88,17 +90,22 @@ LLM_INSTRUCTIONS = (
 
 class SummarizerError(RuntimeError):
     """The summarizer could not produce a summary (the LLM endpoint failed). The job's
-    attempt fails and django-q2 retries it; nothing has been written."""
+    attempt fails and django-q2 retries it; nothing has been written. ``code`` names the
+    kind of failure in the attempt's audit event (``memory.summarize.fail``)."""
+
+    def __init__(self, message: str, *, code: str = "llm_error"):
+        super().__init__(message)
+        self.code = code
 
 
 class SummarizerBusy(SummarizerError):
     """The LLM endpoint said "not now" (HTTP 429 or 503) and when to come back (its
-    ``Retry-After``): the job's next attempt waits that long (``Job.retry_at``), up to
-    :data:`LLM_RETRY_AFTER_MAX`, instead of coming back after ``Q_RETRY`` and spending its
+    ``Retry-After``): no job calls that endpoint again before then (:func:`llm_backoff_until`),
+    up to :data:`LLM_RETRY_AFTER_MAX`, instead of coming back after ``Q_RETRY`` and spending
     attempts on answers the endpoint already said it would refuse."""
 
     def __init__(self, message: str, *, retry_after: float):
-        super().__init__(message)
+        super().__init__(message, code="llm_busy")
         self.retry_after = retry_after
 
 
@@ -187,6 +194,12 @@ def _enqueue(job_id: int) -> None:
     from django_q.tasks import async_task
 
     async_task("memories.tasks.summarize_task", job_id)
+
+
+def summarize_enqueue(job_id: int) -> None:
+    """Enqueue a delivery (a turn) for the job again: services.turns.delivery_run, whose turn
+    another's failed attempt took."""
+    _enqueue(job_id)
 
 
 # --- run ---------------------------------------------------------------------------------
@@ -291,6 +304,27 @@ def summarize_attempt_begin(job_id: int) -> Job | None:
             # The LLM endpoint asked for time (Retry-After): this delivery counts no attempt and
             # runs nothing; summarize_jobs_resume enqueues the job once the time has come.
             return job
+        # A latest attempt still "running" is over when it began more than Q_TIMEOUT ago
+        # (django-q2 kills a task then) or never said when: its worker stopped.
+        stopped = job.status == Job.Status.RUNNING and (
+            job.started_at is None or job.started_at < now - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
+        )
+        if stopped and job.attempts:
+            # The stopped attempt could not say so itself: its event is written now.
+            with audited_operation(
+                tenant=job.tenant, actor=_job_actor(job), action="memory.summarize.fail", target=job.params["prefix"]
+            ) as op:
+                _record_failed_attempt(op, job, code="worker_stopped", gave_up=job.attempts >= _max_attempts())
+        if job.status == Job.Status.QUEUED or stopped:
+            paused = llm_backoff_until(now)
+            if paused is not None:
+                # The LLM endpoint asked another job for time (Retry-After): this one waits
+                # too, with no attempt counted and no call made, as if it had asked itself.
+                # (A job that would not call it — a digest — waits as well: which one needs
+                # the endpoint is known only once its sources are read.)
+                job.status, job.retry_at = Job.Status.QUEUED, paused
+                job.save(update_fields=["status", "retry_at"])
+                return job
         job.attempts += 1
         if job.attempts > _max_attempts():
             job.status = Job.Status.FAILED
@@ -366,20 +400,58 @@ def _attempt_failed(job: Job, exc: Exception) -> None:
         logger.warning("summarize job %s attempt %s failed", job.pk, job.attempts, exc_info=exc)
     last = job.attempts >= _max_attempts()
     now = timezone.now()
-    # The endpoint's Retry-After: no attempt before then (turn_claim_next, summarize_attempt_begin
-    # and summarize_jobs_resume read it).
-    retry_at = now + timedelta(seconds=exc.retry_after) if isinstance(exc, SummarizerBusy) and not last else None
+    retry_at = None
+    if isinstance(exc, SummarizerBusy):
+        # The endpoint's Retry-After holds for every job that would call it (llm_backoff_until);
+        # this one's own next attempt is not before then either (turn_claim_next,
+        # summarize_attempt_begin and summarize_jobs_resume read Job.retry_at).
+        endpoint_at = llm_backoff(now + timedelta(seconds=exc.retry_after))
+        retry_at = None if last else endpoint_at
     if retry_at is not None:
-        error += f"; next attempt not before {retry_at.isoformat(timespec='seconds').replace('+00:00', 'Z')}"
-    with transaction.atomic():
+        error += f"; next attempt not before {_iso(retry_at)}"
+    with audited_operation(
+        tenant=job.tenant, actor=_job_actor(job), action="memory.summarize.fail", target=job.params["prefix"]
+    ) as op:
         # Only the latest attempt speaks for the job: an older one overlapped by it (see
         # _attempt_current) must not set a job that is running again back to queued.
-        Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING, attempts=job.attempts).update(
+        if Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING, attempts=job.attempts).update(
             status=Job.Status.FAILED if last else Job.Status.QUEUED,
             error=f"attempt {job.attempts} of {_max_attempts()} failed: {error}",
             finished_at=now if last else None,
             retry_at=retry_at,
-        )
+        ):
+            _record_failed_attempt(op, job, code=_error_code(exc), gave_up=last, retry_at=retry_at)
+
+
+def _error_code(exc: Exception) -> str:
+    """What kind of failure ``exc`` is, as the attempt's audit event names it: never its text
+    (an exception's message can quote a key or a value)."""
+    if isinstance(exc, SummarizerError | ServiceError):
+        return exc.code
+    return "internal_error"
+
+
+def _record_failed_attempt(
+    op: AuditedOperation, job: Job, *, code: str, gave_up: bool, retry_at: datetime | None = None
+) -> None:
+    """The ``memory.summarize.fail`` event of one failed attempt of ``job`` (``unavailable``):
+    which job (its uid), which attempt of how many, the kind of error, whether the job gave up
+    with it, and when the next attempt may come if the LLM endpoint said so. One per failed
+    attempt, the last one's included; no memory value, no LLM text."""
+    detail = {
+        "job_id": str(job.uid),
+        "attempt": job.attempts,
+        "max_attempts": _max_attempts(),
+        "error": code,
+        "gave_up": gave_up,
+    }
+    if retry_at is not None:
+        detail["next_attempt_at"] = _iso(retry_at)
+    op.record(outcome=Outcome.UNAVAILABLE, target=job.params.get("prefix", ""), detail=detail)
+
+
+def _iso(when: datetime) -> str:
+    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def summarize_jobs_resume(*, now: datetime | None = None) -> int:
@@ -591,7 +663,10 @@ def _write_summary(*, job: Job, digest: Digest, text: str, archive: bool) -> dic
     # Their expiry as it is now (a TTL refreshed while the LLM thought counts), locked too.
     expiries = list(locked.values_list("expires_at", flat=True))
     if len(expiries) < len(ids):
-        raise SourcesErased("a source was erased while the summary was being made; the retry summarizes the rest")
+        raise SourcesErased(
+            "a source was erased while the summary was being made; the retry summarizes the rest",
+            code="sources_erased",
+        )
     actor = _job_actor(job)
     subjects = {m.subject for m in digest.sources}
     subject = subjects.pop() if len(subjects) == 1 else ""
@@ -797,13 +872,63 @@ def _retry_after(value: str | None) -> float | None:
     return min(max((when - timezone.now()).total_seconds(), 0.0), float(LLM_RETRY_AFTER_MAX))
 
 
+# The LLM endpoint's "not before" (its Retry-After), in the shared cache: Redis when
+# configured, else the database's cache table (PostgreSQL) or the file cache (SQLite), so every
+# worker of every machine honours it.
+_BACKOFF_KEY = "zeromem:llm-backoff:"
+
+
+def _backoff_key() -> str:
+    # By endpoint: a changed ZEROMEM_LLM_BASE_URL is another endpoint, with no back-off.
+    url = settings.ZEROMEM_LLM_BASE_URL.rstrip("/").encode()
+    return _BACKOFF_KEY + hashlib.sha256(url).hexdigest()[:32]
+
+
+def llm_backoff_until(now: datetime | None = None) -> datetime | None:
+    """Until when the configured LLM endpoint asked not to be called (HTTP 429/503 with
+    ``Retry-After``, to any job of any worker), or None: no endpoint, no back-off, or past it.
+    A job whose turn comes before then waits until then, with no attempt counted
+    (:func:`summarize_attempt_begin`). An unreachable cache is no back-off (logged).
+    Cost: one cache GET (a primary-key SELECT of the cache table without Redis)."""
+    if not settings.ZEROMEM_LLM_BASE_URL:
+        return None
+    try:
+        value = cache.get(_backoff_key())
+    except Exception:
+        logger.warning("could not read the LLM endpoint's back-off from the cache", exc_info=True)
+        return None
+    try:
+        until = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return until if until is not None and until > (now or timezone.now()) else None
+
+
+def llm_backoff(until: datetime) -> datetime:
+    """Record that the LLM endpoint may not be called before ``until`` (at most
+    :data:`LLM_RETRY_AFTER_MAX` from now); a later back-off already recorded stays. Returns
+    the back-off in force. Two workers told at once may keep the earlier of their two times
+    (last write wins): each is one the endpoint asked for."""
+    now = timezone.now()
+    until = min(until, now + timedelta(seconds=LLM_RETRY_AFTER_MAX))
+    current = llm_backoff_until(now)
+    if current is not None and current >= until:
+        return current
+    try:
+        # Kept a minute past its time; read against the clock (llm_backoff_until), not expiry.
+        cache.set(_backoff_key(), until.isoformat(), timeout=int((until - now).total_seconds()) + 60)
+    except Exception:
+        logger.warning("could not record the LLM endpoint's back-off in the cache", exc_info=True)
+    return until
+
+
 def _llm_summarize(digest_text: str) -> tuple[str, int]:
     """POST the digest to ``{ZEROMEM_LLM_BASE_URL}/chat/completions`` (OpenAI-compatible).
     Returns (summary text, total tokens). Any failure raises :class:`SummarizerError`."""
     url = settings.ZEROMEM_LLM_BASE_URL.rstrip("/") + "/chat/completions"
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         # urlopen would also read file:// and ftp:// URLs (bandit B310, marked below).
-        raise SummarizerError("ZEROMEM_LLM_BASE_URL must be an http:// or https:// URL")
+        raise SummarizerError("ZEROMEM_LLM_BASE_URL must be an http:// or https:// URL", code="llm_misconfigured")
     body = {
         "model": settings.ZEROMEM_LLM_MODEL,
         "messages": [
@@ -824,24 +949,31 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
         if 300 <= exc.code < 400:
             raise SummarizerError(
                 f"the LLM endpoint answered HTTP {exc.code}, a redirect, which is not followed "
-                "(it would carry the API key elsewhere): set ZEROMEM_LLM_BASE_URL to the final URL"
+                "(it would carry the API key elsewhere): set ZEROMEM_LLM_BASE_URL to the final URL",
+                code="llm_redirect",
             ) from None
         wait = _retry_after(exc.headers.get("Retry-After")) if exc.code in (429, 503) and exc.headers else None
         if wait is not None:
             raise SummarizerBusy(
                 f"the LLM endpoint answered HTTP {exc.code} (Retry-After: {wait:.0f} s)", retry_after=wait
             ) from None
-        raise SummarizerError(f"the LLM endpoint answered HTTP {exc.code}") from None
+        raise SummarizerError(f"the LLM endpoint answered HTTP {exc.code}", code="llm_http_error") from None
     except TimeoutError:
-        raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s") from None
+        raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s", code="llm_timeout") from None
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, TimeoutError):
-            raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s") from None
-        raise SummarizerError(f"the LLM endpoint is unreachable ({type(exc.reason).__name__})") from None
+            raise SummarizerError(f"the LLM endpoint did not answer within {timeout} s", code="llm_timeout") from None
+        raise SummarizerError(
+            f"the LLM endpoint is unreachable ({type(exc.reason).__name__})", code="llm_unreachable"
+        ) from None
     except (OSError, http.client.HTTPException) as exc:
-        raise SummarizerError(f"the LLM endpoint connection failed ({type(exc).__name__})") from None
+        raise SummarizerError(
+            f"the LLM endpoint connection failed ({type(exc).__name__})", code="llm_unreachable"
+        ) from None
     if len(raw) > LLM_MAX_ANSWER_BYTES:
-        raise SummarizerError(f"the LLM endpoint's answer is larger than {LLM_MAX_ANSWER_BYTES} bytes")
+        raise SummarizerError(
+            f"the LLM endpoint's answer is larger than {LLM_MAX_ANSWER_BYTES} bytes", code="llm_invalid_answer"
+        )
     try:
         answer = json.loads(raw)
         text = answer["choices"][0]["message"]["content"]
@@ -849,11 +981,11 @@ def _llm_summarize(digest_text: str) -> tuple[str, int]:
         tokens = usage.get("total_tokens", 0)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
         # RecursionError: JSON nested deeper than Python's parser goes ("[" × 100,000 fits the MiB).
-        raise SummarizerError("the LLM endpoint's answer is not a chat completion") from None
+        raise SummarizerError("the LLM endpoint's answer is not a chat completion", code="llm_invalid_answer") from None
     if not isinstance(text, str) or not (text := _llm_text(text)):
-        raise SummarizerError("the LLM endpoint answered an empty summary")
+        raise SummarizerError("the LLM endpoint answered an empty summary", code="llm_empty_answer")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise SummarizerError("the LLM endpoint's usage.total_tokens is not a count")
+        raise SummarizerError("the LLM endpoint's usage.total_tokens is not a count", code="llm_invalid_answer")
     return text, tokens
 
 
