@@ -20,6 +20,7 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from audit.models import AuditEvent
 from memories import services
@@ -1201,6 +1202,10 @@ def test_an_llm_429_backs_off_every_job_of_that_endpoint_not_only_the_one_that_g
     assert (other.status, other.attempts, len(llm.requests)) == ("queued", 0, 1)
     assert abs((other.retry_at - asked_at).total_seconds() - 3600) < 1
     assert fail_events(other) == []
+    # Its owner sees why it waits, and until when.
+    shown = api_b.get(f"/api/v1/jobs/{other.uid}").json()
+    assert (shown["status"], shown["attempts"]) == ("queued", 0)
+    assert abs((parse_datetime(shown["retry_at"]) - asked_at).total_seconds() - 3600) < 1
     # django-q2's retry of either delivery, and the resume schedule, do nothing before then.
     clock.advance(seconds=settings.Q_CLUSTER["retry"] + 1)
     assert turns.delivery_run(summarize_job=other.pk) == {"status": "queued", "job_id": other.pk}

@@ -293,7 +293,9 @@ class JobStartedSerializer(serializers.Serializer):
 class JobSerializer(serializers.ModelSerializer):
     """A background job: what it was asked (params), how it went (status, attempts, error)
     and what it did (result). Keys, prefixes and counts only, never memory values.
-    ``started_at`` is when the latest attempt began."""
+    ``started_at`` is when the latest attempt began; ``retry_at``, of a queued job, the
+    earliest its next attempt starts (the LLM endpoint asked for time: ``Retry-After``,
+    this job's or another job's of the same endpoint), null when it may start at once."""
 
     # The job's uid: its row id comes from a sequence every tenant shares.
     id = serializers.UUIDField(source="uid", read_only=True)
@@ -313,6 +315,7 @@ class JobSerializer(serializers.ModelSerializer):
             "created_at",
             "started_at",
             "finished_at",
+            "retry_at",
         ]
         extra_kwargs = {name: {"required": True} for name in fields}
 
