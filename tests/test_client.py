@@ -387,3 +387,182 @@ def test_history_follows_pages_the_byte_budget_cut_short(zm, settings):
         (3, "c"),
     ]
     assert [v["version"] for v in zm.history("task:t9:log")] == [6, 5, 4, 3, 2, 1]
+
+
+# --- batches resumed: a call that met a transient failure, retried with the batch's key ---
+
+
+@pytest.fixture
+def failing_writes(monkeypatch):
+    """``failing_writes(key, exc, times=1)``: the next ``times`` memory_writes of ``key`` raise
+    ``exc`` (the outside world failing), the following ones run for real — in the live
+    server's thread too, which shares this process. Returns the writes seen per key."""
+    from memories import services
+
+    real = services.memory_write
+    seen: dict[str, int] = {}
+    failing: dict[str, list] = {}
+
+    def write(**kwargs):
+        seen[kwargs["key"]] = seen.get(kwargs["key"], 0) + 1
+        left = failing.get(kwargs["key"])
+        if left:
+            raise left.pop()
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "memory_write", write)
+
+    def arm(key, exc, times=1):
+        failing[key] = [exc] * times
+        return seen
+
+    return arm
+
+
+def _batch_of_three():
+    return [{"name": "memory_write", "arguments": {"key": f"fact:{k}", "value": i}} for i, k in enumerate("abc")]
+
+
+def _requests_seen():
+    seen = []
+    return seen, httpx.Client(event_hooks={"request": [lambda r: seen.append(r.headers.get("Idempotency-Key"))]})
+
+
+def test_a_batch_call_that_failed_transiently_is_resumed_with_the_batch_key(live_server, zm_key, failing_writes):
+    """Call 2 of 3 meets a real tenant_busy inside the batch (the 200 holds it, with its
+    retry_after): the client waits that long and sends the batch again with the same
+    Idempotency-Key; the server runs call 2 alone, and the client returns three ok results —
+    calls 1 and 3 written once. The same with a key the caller chose."""
+    from zeromem.kernel.errors import TenantBusy
+
+    tenant, raw = zm_key
+    for chosen in (None, "batch-7"):
+        prefix = f"{chosen}:" if chosen else ""
+        calls = [
+            {**c, "arguments": {**c["arguments"], "key": prefix + c["arguments"]["key"]}} for c in _batch_of_three()
+        ]
+        writes = failing_writes(prefix + "fact:b", TenantBusy("busy", retry_after=1))
+        keys, http = _requests_seen()
+        waits = []
+        with ZeroMem(live_server.url, raw, http=http, sleep=waits.append) as zm:
+            results = zm.batch(calls, idempotency_key=chosen)
+        assert [r["status"] for r in results] == ["ok", "ok", "ok"]
+        assert [r["version"] for r in results] == [1, 1, 1]
+        assert {k: writes[prefix + k] for k in ("fact:a", "fact:b", "fact:c")} == {
+            "fact:a": 1,
+            "fact:b": 2,
+            "fact:c": 1,
+        }
+        assert len(keys) == 2 and len(set(keys)) == 1 and keys[0] == (chosen or keys[0]) and keys[0]
+        assert len(waits) == 1 and 1 <= waits[0] <= 1.1  # the call's retry_after
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write", outcome="ok").count() == 6
+
+
+def test_a_batch_resumed_until_its_attempts_run_out_returns_the_last_results(live_server, zm_key, failing_writes):
+    """Call 2 fails on every attempt (database unavailable): the client sends the batch
+    ``max_attempts`` times, backing off, and then returns the last results as they stand —
+    call 2's error, call 1 and 3 done once — rather than raising."""
+    from django.db import OperationalError
+
+    tenant, raw = zm_key
+    writes = failing_writes("fact:b", OperationalError("gone"), times=10)
+    keys, http = _requests_seen()
+    waits = []
+    with ZeroMem(live_server.url, raw, http=http, sleep=waits.append, max_attempts=3, backoff=0.2) as zm:
+        results = zm.batch(_batch_of_three())
+    assert [r["status"] for r in results] == ["ok", "error", "ok"]
+    assert results[1]["error"]["code"] == "database_unavailable"
+    assert writes == {"fact:a": 1, "fact:b": 3, "fact:c": 1}
+    assert len(keys) == 3 and len(set(keys)) == 1
+    assert len(waits) == 2 and 0 <= waits[0] <= 0.2 and 0 <= waits[1] <= 0.4  # backoff: no retry_after
+    assert AuditEvent.objects.filter(tenant=tenant, action="memory.write", outcome="ok").count() == 2
+
+
+def test_a_batch_without_an_idempotency_key_is_not_resumed(live_server, zm_key, failing_writes):
+    """``idempotency=False``: sending the batch again would write calls 1 and 3 a second
+    time, so its transient error is returned as it is, after one request."""
+    from django.db import OperationalError
+
+    writes = failing_writes("fact:b", OperationalError("gone"))
+    keys, http = _requests_seen()
+    waits = []
+    with ZeroMem(live_server.url, zm_key[1], http=http, sleep=waits.append, idempotency=False) as zm:
+        results = zm.batch(_batch_of_three())
+    assert [r["status"] for r in results] == ["ok", "error", "ok"]
+    assert writes == {"fact:a": 1, "fact:b": 1, "fact:c": 1} and keys == [None] and waits == []
+    # A key the caller chose is still sent, and with it the batch is resumed.
+    failing_writes("fact:b", OperationalError("gone"))
+    keys, http = _requests_seen()
+    with ZeroMem(live_server.url, zm_key[1], http=http, sleep=waits.append, idempotency=False) as zm:
+        calls = [{**c, "arguments": {**c["arguments"], "value": 9}} for c in _batch_of_three()]
+        results = zm.batch(calls, idempotency_key="chosen-1")
+    assert [r["version"] for r in results] == [2, 1, 2]  # fact:b's first write
+    assert writes == {"fact:a": 2, "fact:b": 3, "fact:c": 2} and keys == ["chosen-1", "chosen-1"]
+
+
+def test_a_resumption_refused_as_a_whole_returns_the_partial_results(live_server, zm_key, settings, failing_writes):
+    """The batch's partial 200 is sent again, but the tenant is now busy: a real 429
+    tenant_busy until the attempts run out. The client returns the partial results (calls 1
+    and 3 committed, call 2's error) rather than raising RateLimited as though none ran."""
+    from django.db import OperationalError
+
+    tenant, raw = zm_key
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0
+    writes = failing_writes("fact:b", OperationalError("gone"))
+    holder = f"tenant:{tenant.pk}"
+    tokens = []
+
+    def sleep(seconds):  # meanwhile, other work takes all of the tenant's slots
+        deadline = time.monotonic() + 10
+        # The first attempt's slot may be released just after its answer was read: wait for it.
+        while len(tokens) < settings.ZEROMEM_TENANT_MAX_CONCURRENT and time.monotonic() < deadline:
+            token = limits.slot_acquire(holder, limit=settings.ZEROMEM_TENANT_MAX_CONCURRENT, lease=60)
+            if token:
+                tokens.append(token)
+            else:
+                time.sleep(0.01)
+
+    statuses, http = [], httpx.Client(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
+    try:
+        with ZeroMem(live_server.url, raw, http=http, sleep=sleep, max_attempts=3) as zm:
+            results = zm.batch(_batch_of_three())
+    finally:
+        for token in tokens:
+            limits.slot_release(holder, token)
+    assert statuses == [200, 429, 429]
+    assert [r["status"] for r in results] == ["ok", "error", "ok"]
+    assert results[1]["error"]["code"] == "database_unavailable" and writes == {"fact:a": 1, "fact:b": 1, "fact:c": 1}
+
+
+def test_an_error_that_is_final_is_not_resumed(live_server, zm_key):
+    """A call's own error (a bad key) is its answer: one request, no wait."""
+    keys, http = _requests_seen()
+    waits = []
+    with ZeroMem(live_server.url, zm_key[1], http=http, sleep=waits.append) as zm:
+        results = zm.batch([{"name": "memory_write", "arguments": {"key": "bad key", "value": 1}}])
+    assert results[0]["error"]["code"] == "invalid_key" and len(keys) == 1 and waits == []
+
+
+def test_the_async_client_resumes_a_batch_too(live_server, zm_key, failing_writes):
+    from zeromem.kernel.errors import Unavailable
+
+    writes = failing_writes("fact:b", Unavailable("ran out of time", code="search_timeout", retry_after=2))
+    keys = []
+    waits = []
+
+    async def record(request):
+        keys.append(request.headers.get("Idempotency-Key"))
+
+    async def sleep(seconds):
+        waits.append(seconds)
+
+    async def main():
+        http = httpx.AsyncClient(event_hooks={"request": [record]})
+        async with AsyncZeroMem(live_server.url, zm_key[1], http=http, sleep=sleep) as zm:
+            return await zm.batch(_batch_of_three(), idempotency_key="async-batch-1")
+
+    results = asyncio.run(main())
+    assert [r["status"] for r in results] == ["ok", "ok", "ok"]
+    assert writes == {"fact:a": 1, "fact:b": 2, "fact:c": 1}
+    assert keys == ["async-batch-1", "async-batch-1"]
+    assert len(waits) == 1 and 2 <= waits[0] <= 2.1

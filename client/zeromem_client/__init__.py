@@ -19,6 +19,14 @@ connection error is retried up to ``max_attempts`` times in all, waiting ``Retry
 the server gives one, else exponential backoff with full jitter. Every write (POST, PUT,
 PATCH, DELETE) carries an ``Idempotency-Key`` that stays the same across its retries, so a
 retried write is answered with the first answer instead of being done twice.
+
+A batch answers 200 whatever its calls met. When some of its calls met a transient failure
+(:data:`TRANSIENT_CALL_CODES`: rate limited, busy, the database or a search unavailable, a
+server bug), the server keeps the answer as a partial one that a retry with the same
+``Idempotency-Key`` resumes: only those calls run again, the others' results stand. ``batch``
+sends it again so, within the same ``max_attempts`` and waits (a call's ``retry_after``, else
+backoff), and returns the last results. A batch sent without a key (``idempotency=False`` and
+no ``idempotency_key=``) is not sent again: the server would run every call a second time.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ __all__ = [
     "RateLimited",
     "Unavailable",
     "TOOL_NAMES",
+    "TRANSIENT_CALL_CODES",
 ]
 
 __version__ = "0.1.0"
@@ -61,6 +70,23 @@ TOOL_NAMES = (
 
 RETRY_STATUSES = frozenset({429, 503})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# A batch call's error codes that say "not done, try again" (the server's 429s and 5xx, and a
+# call's internal_error): the server keeps such a batch's answer as a partial one that a retry
+# with the same Idempotency-Key resumes, running those calls alone. A code missing here is not
+# resumed (safe); one the server kept as final would be replayed as it was (harmless).
+TRANSIENT_CALL_CODES = frozenset(
+    {
+        "rate_limited",
+        "tenant_busy",
+        "search_budget",
+        "too_many_jobs",
+        "database_unavailable",
+        "search_timeout",
+        "list_timeout",
+        "unavailable",
+        "internal_error",
+    }
+)
 
 
 class ZeroMemError(Exception):
@@ -117,6 +143,21 @@ def _error_code(response: httpx.Response) -> str | None:
     return error.get("code") if isinstance(error, dict) else None
 
 
+def transient_errors(response: httpx.Response) -> list[dict]:
+    """The errors of a batch answer's calls that met a transient failure
+    (:data:`TRANSIENT_CALL_CODES`), in call order; none for any other answer."""
+    # An answer with no error result is not decoded (it may be megabytes); one with "error"
+    # anywhere in it (a value saying so) costs a decoding more.
+    if response.status_code != 200 or b'"error"' not in response.content:
+        return []
+    try:
+        results = response.json().get("results")
+    except (ValueError, AttributeError):
+        return []
+    errors = [r.get("error") for r in results if isinstance(r, dict)] if isinstance(results, list) else []
+    return [e for e in errors if isinstance(e, dict) and e.get("code") in TRANSIENT_CALL_CODES]
+
+
 def retry_after_seconds(value: str | None) -> float | None:
     """Seconds from a ``Retry-After`` header: a number of seconds or an HTTP date."""
     if not value:
@@ -164,7 +205,8 @@ class _Core:
 
     def _headers(self, method: str, headers: dict | None, idempotency_key: str | None) -> dict:
         out = dict(headers or {})
-        if method in WRITE_METHODS and self.idempotency:
+        # idempotency=False turns off the keys made up here; a key the caller chose is sent.
+        if method in WRITE_METHODS and (self.idempotency or idempotency_key):
             out.setdefault("Idempotency-Key", idempotency_key or uuid.uuid4().hex)
         return out
 
@@ -172,6 +214,9 @@ class _Core:
         """How long to wait before attempt ``attempt + 1`` (attempts count from 1)."""
         if response is not None:
             seconds = retry_after_seconds(response.headers.get("Retry-After"))
+            if seconds is None:  # a batch's 200: the longest its transient calls were told
+                afters = [e["retry_after"] for e in transient_errors(response) if _seconds(e.get("retry_after"))]
+                seconds = max(afters, default=None)
             if seconds is not None:
                 # The server said when; a little jitter spreads clients told the same second.
                 return min(seconds, self.max_retry_after) + random.uniform(0, 0.1)  # nosec B311: jitter
@@ -186,6 +231,20 @@ class _Core:
         # A retry that found its first attempt still running (it timed out here, not there):
         # waiting gets that attempt's answer; raising Conflict would report a write not done.
         return response.status_code == 409 and _error_code(response) == "idempotency_in_progress"
+
+    def _resumable(self, attempt: int, headers: dict, response: httpx.Response) -> bool:
+        """Whether a batch's answer is sent again to resume it: some of its calls met a
+        transient failure, attempts are left, and it carries an ``Idempotency-Key`` — without
+        one the server could not tell the resend from a new batch, and every call that
+        committed would run a second time."""
+        return attempt < self.max_attempts and "Idempotency-Key" in headers and bool(transient_errors(response))
+
+    @staticmethod
+    def _settled(response: httpx.Response, partial: httpx.Response | None) -> httpx.Response:
+        """The answer a request ends with: after a batch's partial 200, a resumption refused
+        (still busy once the attempts ran out, the connection lost) leaves that 200 — its
+        results are true, and raising would hide the calls that committed."""
+        return partial if partial is not None and response.status_code != 200 else response
 
     @staticmethod
     def _may_resend(method: str, headers: dict, exc: httpx.TransportError) -> bool:
@@ -235,6 +294,10 @@ class _Core:
 _MISSING = object()
 
 
+def _seconds(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
 def _tool_method(name: str):
     def sync_method(self, **arguments):
         return self.call(name, **arguments)
@@ -282,22 +345,30 @@ class ZeroMem(_Core):
         params: dict | None = None,
         headers: dict | None = None,
         idempotency_key: str | None = None,
+        resume_batch: bool = False,
     ) -> httpx.Response:
-        """One logical request, with its retries: the last response (any status)."""
+        """One logical request, with its retries: the last response (any status).
+
+        ``resume_batch``: a 200 some of whose calls met a transient failure is sent again
+        with its ``Idempotency-Key`` (see :meth:`_resumable`), within the same attempts."""
         headers = {**self.headers, **self._headers(method, headers, idempotency_key)}
         kwargs = {} if json is _MISSING else {"json": json}
-        attempt = 0
+        attempt, partial = 0, None
         while True:
             attempt += 1
             try:
                 response = self._http.request(method, self.base + path, params=params, headers=headers, **kwargs)
             except httpx.TransportError as exc:
                 if not self._retryable(attempt, None) or not self._may_resend(method, headers, exc):
+                    if partial is not None:
+                        return partial
                     raise
                 self._sleep(self._delay(attempt, None))
                 continue
-            if not self._retryable(attempt, response):
-                return response
+            if resume_batch and self._resumable(attempt, headers, response):
+                partial = response
+            elif not self._retryable(attempt, response):
+                return self._settled(response, partial)
             self._sleep(self._delay(attempt, response))
 
     def _ok(self, response: httpx.Response) -> httpx.Response:
@@ -317,9 +388,16 @@ class ZeroMem(_Core):
         return self._tool_result(self.request("POST", "/tools/call", json=body, idempotency_key=idempotency_key))
 
     def batch(self, calls: list[dict], *, idempotency_key: str | None = None) -> list[dict]:
-        """Up to 50 calls (``{"name", "arguments"}``) in one round trip; each result stands alone."""
-        r = self._ok(self.request("POST", "/tools/batch", json={"calls": calls}, idempotency_key=idempotency_key))
-        return r.json()["results"]
+        """Up to 50 calls (``{"name", "arguments"}``) in one round trip; each result stands alone.
+
+        Calls that met a transient failure are run again — the batch sent again with its
+        ``Idempotency-Key``, which the server resumes (the other calls are not run twice) —
+        until none is left or ``max_attempts`` ran out; the last results are returned. Not
+        without a key (``idempotency=False`` and no ``idempotency_key``): their errors are
+        returned as they are."""
+        body = {"calls": calls}
+        r = self.request("POST", "/tools/batch", json=body, idempotency_key=idempotency_key, resume_batch=True)
+        return self._ok(r).json()["results"]
 
     for _name in TOOL_NAMES:
         locals()[_name] = _tool_method(_name)
@@ -436,21 +514,26 @@ class AsyncZeroMem(_Core):
         params: dict | None = None,
         headers: dict | None = None,
         idempotency_key: str | None = None,
+        resume_batch: bool = False,
     ) -> httpx.Response:
         headers = {**self.headers, **self._headers(method, headers, idempotency_key)}
         kwargs = {} if json is _MISSING else {"json": json}
-        attempt = 0
+        attempt, partial = 0, None
         while True:
             attempt += 1
             try:
                 response = await self._http.request(method, self.base + path, params=params, headers=headers, **kwargs)
             except httpx.TransportError as exc:
                 if not self._retryable(attempt, None) or not self._may_resend(method, headers, exc):
+                    if partial is not None:
+                        return partial
                     raise
                 await self._sleep(self._delay(attempt, None))
                 continue
-            if not self._retryable(attempt, response):
-                return response
+            if resume_batch and self._resumable(attempt, headers, response):
+                partial = response
+            elif not self._retryable(attempt, response):
+                return self._settled(response, partial)
             await self._sleep(self._delay(attempt, response))
 
     def _ok(self, response: httpx.Response) -> httpx.Response:
@@ -467,7 +550,9 @@ class AsyncZeroMem(_Core):
         return self._tool_result(await self.request("POST", "/tools/call", json=body, idempotency_key=idempotency_key))
 
     async def batch(self, calls: list[dict], *, idempotency_key: str | None = None) -> list[dict]:
-        r = await self.request("POST", "/tools/batch", json={"calls": calls}, idempotency_key=idempotency_key)
+        """As :meth:`ZeroMem.batch`: calls that met a transient failure resumed with its key."""
+        body = {"calls": calls}
+        r = await self.request("POST", "/tools/batch", json=body, idempotency_key=idempotency_key, resume_batch=True)
         return self._ok(r).json()["results"]
 
     for _name in TOOL_NAMES:
