@@ -727,9 +727,9 @@ class MemoryAdmin(TenantScopedAdmin):
             self.message_user(
                 request,
                 format_html(
-                    'Forget request <a href="{}">#{}</a> filed for {} key{}.',
+                    'Forget request <a href="{}">{}</a> filed for {} key{}.',
                     link,
-                    fr.pk,
+                    fr.uid,
                     len(keys),
                     "" if len(keys) == 1 else "s",
                 ),
