@@ -118,13 +118,13 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
         """Django's delete action on one run's batch: the first ``ACTION_MAX`` of the selection
         by id. Its confirmation page lists, counts and posts that batch, and names how many of
         the selection it leaves; the message counts the memberships removed and says how many
-        remain. (Django's own listed and counted "select all"'s whole selection — 1,000 hidden
-        ids per thousand members — and said "Successfully deleted N" of it, while the removal
-        stopped at ``ACTION_MAX``.)"""
+        remain. (Django's own listed, counted and posted "select all"'s whole selection — 3 of
+        them, with a bound of 2, said "Successfully deleted 3 memberships." and removed 2.)"""
         allowed = queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE))
         ids = list(allowed.order_by("pk").values_list("pk", flat=True)[: ACTION_MAX + 1])
         batch = allowed.filter(pk__in=ids[:ACTION_MAX])
-        # The confirmation posts the batch's ids only; what the selection held beyond it comes along.
+        # The confirmation posts the batch's ids only; how many the selection held beyond them
+        # comes along in more_remain (a count for the message, nothing is selected by it).
         beyond = allowed.count() - ACTION_MAX if len(ids) > ACTION_MAX else 0
         beyond = beyond or validation.ascii_int(request.POST.get("more_remain") or "") or 0
         if not request.POST.get("post"):
