@@ -29,7 +29,7 @@ from audit.exports import audit_export_response
 from audit.models import REVIEW_FIELDS, AuditEvent
 from audit.selectors import AuditFilters, audit_events_matching, audit_filters, few_by_index, list_page_bounds
 from audit.services import audit_event_view, audit_list_record
-from zeromem.kernel import validation
+from zeromem.kernel import opaque, validation
 from zeromem.kernel.errors import InvalidInput, NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kernel.tenancy import get_tenant_model
@@ -244,13 +244,22 @@ class AuditEventAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
     show_facets = admin.ShowFacets.NEVER  # facet counts are a COUNT per filter choice
     list_per_page = 100
     actions = None
-    fields = ("occurred_at", "tenant", *REVIEW_FIELDS[2:-1], "detail_display")
+    # An API key's or staff user's id as the review API and exports show it (a token): its row
+    # id comes from a sequence every tenant's keys (users) share.
+    fields = tuple(
+        "actor_id_shown" if f == "actor_id" else f
+        for f in ("occurred_at", "tenant", *REVIEW_FIELDS[2:-1], "detail_display")
+    )
     readonly_fields = fields
     change_list_template = "zeromem_admin/auditevent_change_list.html"
 
     @admin.display(description="actor")
     def actor(self, obj):
-        return f"{obj.actor_kind} {obj.actor_label or obj.actor_id}".strip()
+        return f"{obj.actor_kind} {obj.actor_label or self.actor_id_shown(obj)}".strip()
+
+    @admin.display(description="actor id")
+    def actor_id_shown(self, obj):
+        return opaque.shown_actor_id(obj.actor_kind, obj.actor_id)
 
     @admin.display(description="detail")
     def detail_display(self, obj):

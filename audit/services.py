@@ -1287,8 +1287,10 @@ def audit_list_record(*, tenant: Tenant, actor: Actor, filters: dict[str, str], 
 def audit_event_view(*, tenant: Tenant, actor: Actor, event_id: Any) -> AuditEvent:
     """One event of the tenant's log, opened by a reviewer (the admin's page of an event and
     its history): scope ``audit:read``, recorded as ``audit.view`` with the event's id in
-    ``detail`` and its target and subject in the reading's own (redactable) fields, as the
-    list records its filters. :class:`NotFound` for another tenant's event or none."""
+    ``detail`` — its uid, the id the review API and exports show (its row id comes from a
+    sequence every tenant's events share) — and its target and subject in the reading's own
+    (redactable) fields, as the list records its filters. :class:`NotFound` for another
+    tenant's event or none."""
     with audited_operation(tenant=tenant, actor=actor, action="audit.view") as op:
         require_scope(actor, Scope.AUDIT_READ)
         pk = validation.ascii_int(event_id) if isinstance(event_id, str) else event_id
@@ -1297,7 +1299,7 @@ def audit_event_view(*, tenant: Tenant, actor: Actor, event_id: Any) -> AuditEve
         if event is None:
             op.record(outcome=AuditEvent.Outcome.NOT_FOUND, detail={"event": pk if valid else None})
             raise NotFound("no such audit event", field="event_id")
-        op.record(target=event.target, subject=event.subject, count=1, detail={"event": event.pk})
+        op.record(target=event.target, subject=event.subject, count=1, detail={"event": str(event.uid)})
         return event
 
 

@@ -628,7 +628,8 @@ class ForgetRequest(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"forget #{self.pk} ({self.status})"
+        # The uid, as the API shows it: the row id comes from a sequence every tenant shares.
+        return f"forget {self.uid or '(no id)'} ({self.status})"
 
     @classmethod
     def done(cls) -> models.ExpressionWrapper:

@@ -954,7 +954,7 @@ def test_opening_one_audit_event_in_the_admin_is_itself_audited(tenant_a, tenant
         assert client.get(f"/admin/audit/auditevent/{seen.pk}/{page}/").status_code == 200
     views = AuditEvent.objects.filter(tenant=tenant_a, action="audit.view").order_by("pk")
     assert [(e.actor_id, e.target, e.subject, e.count, e.detail) for e in views] == [
-        (str(user.pk), "user:u1:k", "u1", 1, {"event": seen.pk})
+        (str(user.pk), "user:u1:k", "u1", 1, {"event": str(seen.uid)})
     ] * 2
     theirs = AuditEvent.objects.get(tenant=tenant_b, action="memory.write")
     assert client.get(f"/admin/audit/auditevent/{theirs.pk}/change/").status_code == 404

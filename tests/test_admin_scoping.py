@@ -225,4 +225,4 @@ def test_audit_events_cannot_be_added_changed_or_deleted(role, tenant_a, staff_c
     assert AuditEvent.objects.filter(pk=event.pk, action="memory.write").exists()
     # Nothing written but the record of the one reading (audit.view of the page shown).
     assert AuditEvent.objects.count() == count + 1
-    assert AuditEvent.objects.filter(action="audit.view", detail={"event": event.pk}).count() == 1
+    assert AuditEvent.objects.filter(action="audit.view", detail={"event": str(event.uid)}).count() == 1

@@ -96,3 +96,30 @@ def test_a_role_without_the_pages_reads_nothing_and_records_no_read(tenant_a, st
     assert client.get("/admin/memories/membership/").status_code == 403
     assert not _events(tenant_a, "api_key.list") and not _events(tenant_a, "api_key.view")
     assert not _events(tenant_a, "membership.list")
+
+
+def test_the_tenant_list_is_an_audited_read(tenant_a, tenant_b, staff_clients, superuser_client):
+    # Its settings page was audited (tenant.view), its list — which tenants exist, their names,
+    # the reader's role in each — was not: tenant.list in each tenant a page shows.
+    viewer, client = staff_clients["viewer"]
+    body = client.get("/admin/memories/tenant/").content.decode()
+    assert tenant_a.slug in body and tenant_b.slug not in body
+    (listed,) = _events(tenant_a, "tenant.list")
+    assert (listed.actor_kind, listed.actor_id, listed.surface, listed.target, listed.count, listed.outcome) == (
+        "staff",
+        str(viewer.pk),
+        "admin",
+        tenant_a.slug,
+        1,
+        "ok",
+    )
+    assert not _events(tenant_b, "tenant.list")  # not shown to them: not in that tenant's log
+    # A superuser's page shows both: one event in each tenant's own log; a search names its words.
+    root, client = superuser_client
+    client.get("/admin/memories/tenant/", {"q": tenant_b.slug})
+    assert not [e for e in _events(tenant_a, "tenant.list") if e.actor_id == str(root.pk)]
+    (searched,) = _events(tenant_b, "tenant.list")
+    assert (searched.actor_id, searched.detail) == (str(root.pk), {"search": tenant_b.slug})
+    client.get("/admin/memories/tenant/")
+    assert [e.actor_id for e in _events(tenant_a, "tenant.list")] == [str(viewer.pk), str(root.pk)]
+    assert [e.actor_id for e in _events(tenant_b, "tenant.list")] == [str(root.pk), str(root.pk)]

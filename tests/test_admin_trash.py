@@ -96,3 +96,22 @@ def test_restoring_every_trashed_memory_restores_the_restorable_and_names_the_ot
     assert "Not restorable (the purge erases them)" in body and trash["old"].key in body
     live = set(Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=True).values_list("key", flat=True))
     assert live == {trash[name].key for name in RESTORABLE}
+
+
+def test_a_memorys_own_page_says_whether_a_restore_brings_it_back(tenant_a, trash, staff_clients):
+    # The list said "trash (not restorable: …)", the memory's own page only "trash" — and
+    # offered to save it (which the service refuses: it is in the trash).
+    _user, client = staff_clients["support"]
+    for name, note in (
+        ("old", "past its trash retention"),
+        ("session", "past its trash retention"),
+        ("expired", "expired before it went to the trash"),
+    ):
+        response = client.get(f"/admin/memories/memory/{trash[name].pk}/change/")
+        assert response.status_code == 200
+        body = html.unescape(response.content.decode())
+        assert f"state trash (not restorable: {note})" in body, name
+        assert 'name="_save"' not in body and "restore" not in body.lower().split('id="content"')[1], name
+    for name in RESTORABLE:
+        body = html.unescape(client.get(f"/admin/memories/memory/{trash[name].pk}/change/").content.decode())
+        assert "state trash ·" in body and "not restorable" not in body, name

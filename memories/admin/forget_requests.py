@@ -56,7 +56,9 @@ class ForgetRequestForm(forms.ModelForm):
 class ForgetRequestAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     view_capability = Capability.FORGET_VIEW
     add_capability = Capability.FORGET_CREATE
-    list_display = ("id", "tenant", "status", "target", "due_at", "overdue", "created_at", "completed_at")
+    # The request's uid (what the API calls its id), never its row id: that comes from a
+    # sequence every tenant's requests share, and its growth gauges the others' activity.
+    list_display = ("request_id", "tenant", "status", "target", "due_at", "overdue", "created_at", "completed_at")
     list_select_related = ("tenant",)
     list_filter = ("tenant", OverdueFilter, "status")
     # The whole subject: an index lookup (forget_tenant_subject), not a scan of every request kept.
@@ -98,6 +100,10 @@ class ForgetRequestAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmi
 
     def get_readonly_fields(self, request, obj=None):
         return () if obj is None else self.get_fields(request, obj)
+
+    @admin.display(description="request")
+    def request_id(self, obj):
+        return str(obj.uid or "-")
 
     @admin.display(description="target")
     def target(self, obj):
@@ -147,14 +153,14 @@ class ForgetRequestAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmi
             reason=data["reason"],
             due_in_days=data["due_in_days"],
         )
-        obj.pk = created.pk
+        obj.pk, obj.uid = created.pk, created.uid
 
     def log_addition(self, request, obj, message):
         return None  # audited by forget_request_create
 
     def response_add(self, request, obj, post_url_continue=None):
         # Straight to the request's page: its status, due date and (once done) receipt.
-        self.message_user(request, f"Forget request #{obj.pk} filed. Its receipt appears here once it is carried out.")
+        self.message_user(request, f"Forget request {obj.uid} filed. Its receipt appears here once it is carried out.")
         return HttpResponseRedirect(reverse("admin:memories_forgetrequest_change", args=[obj.pk]))
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import actions as admin_actions
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.http import Http404
 
 from memories import services
 from memories.models import Membership
+from zeromem.kernel import validation
 from zeromem.kernel.errors import NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import (
@@ -61,6 +63,8 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     list_filter = ("tenant", "role")
     search_fields = ("user__username",)
     list_select_related = ("user", "tenant")
+    actions = ("delete_selected",)  # the method below, in place of Django's
+    delete_selected_confirmation_template = "zeromem_admin/membership_delete_selected_confirmation.html"
 
     def get_form(self, request, obj=None, **kwargs):
         if obj is None:
@@ -105,16 +109,50 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
         services.membership_remove(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
 
     def delete_queryset(self, request, queryset):
+        # Only through delete_selected below, which hands it one run's batch.
+        for membership in queryset.select_related("tenant", "user").order_by("pk")[:ACTION_MAX]:
+            self.delete_model(request, membership)
+
+    @admin.action(permissions=["delete"], description="Remove selected memberships")
+    def delete_selected(self, request, queryset):
+        """Django's delete action on one run's batch: the first ``ACTION_MAX`` of the selection
+        by id. Its confirmation page lists, counts and posts that batch, and names how many of
+        the selection it leaves; the message counts the memberships removed and says how many
+        remain. (Django's own listed, counted and posted "select all"'s whole selection — 3 of
+        them, with a bound of 2, said "Successfully deleted 3 memberships." and removed 2.)"""
         allowed = queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE))
-        memberships = list(allowed.select_related("tenant", "user").order_by("pk")[: ACTION_MAX + 1])
-        if len(memberships) > ACTION_MAX:
+        ids = list(allowed.order_by("pk").values_list("pk", flat=True)[: ACTION_MAX + 1])
+        batch = allowed.filter(pk__in=ids[:ACTION_MAX])
+        # The confirmation posts the batch's ids only; how many the selection held beyond them
+        # comes along in more_remain (a count for the message, nothing is selected by it).
+        beyond = allowed.count() - ACTION_MAX if len(ids) > ACTION_MAX else 0
+        beyond = beyond or validation.ascii_int(request.POST.get("more_remain") or "") or 0
+        if not request.POST.get("post"):
+            response = admin_actions.delete_selected(self, request, batch)
+            if response is not None and response.context_data is not None:
+                size = len(ids[:ACTION_MAX])
+                response.context_data.update(
+                    batch_size=size, selected=size + beyond, more_remain=beyond, action_max=ACTION_MAX
+                )
+            return response
+        memberships = list(batch.select_related("tenant", "user").order_by("pk"))
+        if not memberships:
+            return None
+        self.log_deletions(request, memberships)
+        removed = 0
+        for membership in memberships:
+            removed += services.membership_remove(
+                tenant=membership.tenant, actor=actor_for(request, membership.tenant_id), membership_id=membership.pk
+            )
+        self.message_user(request, f"{removed} membership{'' if removed == 1 else 's'} removed.", messages.SUCCESS)
+        if beyond:
             self.message_user(
                 request,
-                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
+                f"Of the selection, still to remove: {beyond} (this action removes at most {ACTION_MAX} per run): "
+                "run it again for the rest.",
                 messages.WARNING,
             )
-        for membership in memberships[:ACTION_MAX]:
-            self.delete_model(request, membership)
+        return None
 
 
 admin.site.register(Membership, MembershipAdmin)

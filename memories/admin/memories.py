@@ -285,8 +285,11 @@ class MemoryAdmin(TenantScopedAdmin):
         return bool(shown and shown > timezone.now().timestamp())
 
     def has_change_permission(self, request, obj=None):
-        # A masked value cannot be edited: the form would show it. Reveal first.
-        return super().has_change_permission(request, obj) and not self._masked(request, obj)
+        # A masked value cannot be edited: the form would show it. Reveal first. A trashed
+        # memory's page is read-only: memory_update refuses it (only a restore, from the
+        # list's trash, brings it back, and the page says when none would).
+        trashed = obj is not None and obj.deleted_at is not None
+        return super().has_change_permission(request, obj) and not trashed and not self._masked(request, obj)
 
     @admin.display(description="value")
     def value_masked(self, obj):
@@ -373,8 +376,13 @@ class MemoryAdmin(TenantScopedAdmin):
 
     @admin.display(description="state")
     def state(self, obj):
+        """The list's column and the memory's own page alike: a trashed memory says whether a
+        restore brings it back, by the rule ``memory_restore`` applies (``trash_refusals``: set
+        on the list's rows for a whole page at once; two queries here for one memory)."""
         if obj.deleted_at is not None:
-            refusal = getattr(obj, "restore_refusal", None)  # (set on the list's rows)
+            if not hasattr(obj, "restore_refusal"):
+                obj.restore_refusal = trash_refusals([obj], now=timezone.now()).get(obj.pk)
+            refusal = obj.restore_refusal
             return f"trash (not restorable: {refusal})" if refusal else "trash"
         if obj.expires_at is not None and obj.expires_at <= timezone.now():
             return "expired"
@@ -719,9 +727,9 @@ class MemoryAdmin(TenantScopedAdmin):
             self.message_user(
                 request,
                 format_html(
-                    'Forget request <a href="{}">#{}</a> filed for {} key{}.',
+                    'Forget request <a href="{}">{}</a> filed for {} key{}.',
                     link,
-                    fr.pk,
+                    fr.uid,
                     len(keys),
                     "" if len(keys) == 1 else "s",
                 ),

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from memories.models import Tenant
 from memories.portal.models import PortalLink
-from memories.portal.services import portal_links_revoke, portal_links_viewed
+from memories.portal.services import link_ref, portal_links_revoke, portal_links_viewed
 from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import AuditedListAdmin, TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
@@ -28,7 +28,9 @@ WITHDRAW_MAX = 1000
 
 class PortalLinkAdmin(AuditedListAdmin, TenantScopedAdmin):
     view_capability = Capability.FORGET_VIEW  # whoever sees the forget requests (and their subjects)
-    list_display = ("id", "tenant", "subject", "status", "created_at", "expires_at", "opened_at", "created_by_kind")
+    # "link": the reference its audit events name (link_ref), not the row id, which comes from
+    # a sequence every tenant's links share.
+    list_display = ("link", "tenant", "subject", "status", "created_at", "expires_at", "opened_at", "created_by_kind")
     list_display_links = None  # no page per link
     list_select_related = ("tenant",)
     list_filter = ("tenant",)
@@ -42,6 +44,10 @@ class PortalLinkAdmin(AuditedListAdmin, TenantScopedAdmin):
     def get_urls(self):
         info = self.opts.app_label, self.opts.model_name
         return [path("", self.admin_site.admin_view(self.changelist_view), name=f"{info[0]}_{info[1]}_changelist")]
+
+    @admin.display(description="link")
+    def link(self, obj):
+        return link_ref(obj)
 
     @admin.display(description="status")
     def status(self, obj):

@@ -22,6 +22,7 @@ from zeromem.kernel.replica import replica_reads
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import (
     READ_METHODS,
+    AuditedListAdmin,
     AuditedOpeningAdmin,
     TenantScopedAdmin,
     actor_for,
@@ -59,7 +60,7 @@ class TenantForm(forms.ModelForm):
 
 
 @admin.register(Tenant)
-class TenantAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
+class TenantAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     tenant_field = "pk"
     form = TenantForm
     view_capability = Capability.TENANT_VIEW
@@ -107,6 +108,10 @@ class TenantAdmin(AuditedOpeningAdmin, TenantScopedAdmin):
             capability = source and (source.add_capability or source.change_capability or source.view_capability)
             queryset = queryset.filter(pk__in=tenant_ids_with(request, capability)) if capability else queryset.none()
         return super().get_search_results(request, queryset, search_term)
+
+    def _list_viewed(self, **event) -> None:
+        """A page of the list is ``tenant.list`` in each tenant it shows (AuditedListAdmin)."""
+        services.tenants_listed(**event)
 
     def _audit_opening(self, request, object_id) -> None:
         """The settings page (limits, sensitivity rules) is a read: ``tenant.view``."""

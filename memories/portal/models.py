@@ -10,6 +10,8 @@ subject, expiry) under the token's SHA-256, never the token. The first open sets
 from django.db import models
 from django.utils import timezone
 
+from zeromem.kernel import opaque
+
 
 class PortalLink(models.Model):
     tenant = models.ForeignKey("memories.Tenant", on_delete=models.CASCADE, related_name="+", db_index=False)
@@ -31,4 +33,6 @@ class PortalLink(models.Model):
         indexes = [models.Index(fields=["tenant", "subject"], name="portallink_tenant_subject")]
 
     def __str__(self) -> str:
-        return f"portal link #{self.pk}"
+        # As its audit events name it (services.link_ref): the row id comes from a sequence
+        # every tenant's links share.
+        return f"portal link {opaque.seal_id(self.pk, purpose='portal-link')}" if self.pk else "portal link"

@@ -66,6 +66,7 @@ from memories.services.tenants import (
     tenant_create,
     tenant_settings_update,
     tenant_settings_view,
+    tenants_listed,
 )
 
 __all__ = [
@@ -118,4 +119,5 @@ __all__ = [
     "tenant_create",
     "tenant_settings_update",
     "tenant_settings_view",
+    "tenants_listed",
 ]

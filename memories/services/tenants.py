@@ -196,6 +196,15 @@ def tenant_settings_view(*, tenant: Tenant, actor: Actor) -> None:
         op.record()
 
 
+def tenants_listed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:
+    """Record a page of the admin's tenant list showing ``tenant`` (its slug, name and the
+    reader's role in it), as ``tenant.list`` (target: the slug); a search in ``detail.search``.
+    One event in each tenant a page shows, as the other lists are recorded: which staff looked
+    at the tenants, in each tenant's own log. Any member may. Cost: the audit INSERT."""
+    with audited_operation(tenant=tenant, actor=actor, action="tenant.list", target=tenant.slug, atomic=False) as op:
+        op.record(count=count, detail=_search_detail(search))
+
+
 def api_keys_listed(*, tenant: Tenant, actor: Actor, search: str = "", count: int) -> None:
     """Record a page of the admin's API key list showing ``count`` of ``tenant``'s keys (names,
     public prefixes, scopes, allowlists, last use), as ``api_key.list``; a search in

@@ -323,7 +323,8 @@ class AuditedListAdmin:
     def _audit_list(self, request, rows) -> None:
         shown: dict[int, int] = {}
         for row in rows:
-            shown[row.tenant_id] = shown.get(row.tenant_id, 0) + 1
+            tenant_id = self.tenant_id_of(row)
+            shown[tenant_id] = shown.get(tenant_id, 0) + 1
         search = request.GET.get("q", "")
         ids = tenant_ids_with(request, self.view_capability)
         chosen = validation.ascii_int(request.GET.get("tenant") or "")
