@@ -309,3 +309,28 @@ def test_the_claim_of_a_process_that_died_is_given_up_after_the_lease(settings, 
     done = client.post(CALL, call, headers=_key("k-1"))
     assert done.status_code == 200 and not done.has_header("Idempotent-Replayed")
     assert Memory.objects.get(tenant=tenant, key="fact:x").version == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_resumption_whose_process_died_after_a_forget_runs_afresh(settings, fail_once, clock):
+    """A forget completes while a partial answer is being resumed, and the resuming process
+    dies: the row still holds the partial answer (a read's value the forget erased). After the
+    lease the retry must not resume it — that answered the erased value again — but run afresh."""
+    tenant = make_tenant("idem-resume-forgotten")
+    client, key_row = make_keyed_client(tenant)
+    client.call("memory_write", key="user:u1:note", value="CANARY-777", subject="u1")
+    fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [{"name": "memory_read", "arguments": {"key": "user:u1:note"}}, _write("fact:b", 2)]}
+    first = client.post(BATCH, body, headers=_key("b-8"))
+    assert first.json()["results"][0]["value"] == "CANARY-777"
+    fingerprint = idempotency.fingerprint(method="POST", path=BATCH, if_match=None, data=body)
+    dying = idempotency.claim(tenant=tenant, api_key=key_row, key="b-8", fingerprint=fingerprint)
+    assert idempotency.resumption(dying)[1] == [1]
+    # The subject's forget completes meanwhile (its value erased, the tenant's answers dropped).
+    Memory.objects.filter(tenant=tenant, key="user:u1:note").delete()
+    idempotency.tenant_forget(tenant=tenant)
+    idempotency._drop(dying)  # the process is gone: nothing renews or finishes its claim
+    clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+    again = client.post(BATCH, body, headers=_key("b-8"))
+    assert b"CANARY-777" not in again.content
+    assert [r["status"] for r in again.json()["results"]] == ["not_found", "ok"]
