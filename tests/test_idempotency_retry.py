@@ -334,3 +334,30 @@ def test_a_resumption_whose_process_died_after_a_forget_runs_afresh(settings, fa
     again = client.post(BATCH, body, headers=_key("b-8"))
     assert b"CANARY-777" not in again.content
     assert [r["status"] for r in again.json()["results"]] == ["not_found", "ok"]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_an_answer_that_fails_to_be_kept_on_a_bug_does_not_hold_the_key_forever(settings, monkeypatch, clock):
+    """Keeping the answer fails on something other than the database (a bug; a master key
+    missing from the settings: keyring.MasterKeyError while sealing): the claim was left in
+    the process's running claims, which the heartbeat renews for as long as the process lives
+    — every retry got 409 idempotency_in_progress, past the lease, forever. Now it is given up
+    as on a database failure: the answer is the request's, and a retry runs."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    monkeypatch.setattr(idempotency, "renew_every", lambda: 0.05)  # the heartbeat, sped up
+    tenant = make_tenant("idem-seal-bug")
+    client, _ = make_keyed_client(tenant)
+    client.call("memory_write", key="user:u1:phone", value="CANARY-555", subject="u1", sensitive=True)
+
+    def seal_fails(*args):
+        raise RuntimeError("a bug while sealing the answer")
+
+    monkeypatch.setattr(idempotency, "_seal", seal_fails)
+    read = {"name": "memory_read", "arguments": {"key": "user:u1:phone"}}
+    first = client.post(CALL, read, headers=_key("seal-1"))
+    assert first.status_code == 200 and first.json()["value"] == "CANARY-555"
+    clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+    time.sleep(0.5)  # a few heartbeat rounds
+    retry = client.post(CALL, read, headers=_key("seal-1"))
+    assert retry.status_code == 200, retry.content
