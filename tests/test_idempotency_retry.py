@@ -18,8 +18,8 @@ from audit import limits
 from audit.models import AuditEvent
 from memories import services
 from memories.models import IdempotencyRecord, Memory
-from memories.services import idempotency
-from tests.factories import make_keyed_client, make_tenant
+from memories.services import forget, idempotency
+from tests.factories import SYSTEM, make_keyed_client, make_tenant
 from tests.helpers import rest_error, start_thread
 from zeromem.kernel.errors import TenantBusy, Unavailable
 
@@ -327,8 +327,9 @@ def test_a_resumption_whose_process_died_after_a_forget_runs_afresh(settings, fa
     dying = idempotency.claim(tenant=tenant, api_key=key_row, key="b-8", fingerprint=fingerprint)
     assert idempotency.resumption(dying)[1] == [1]
     # The subject's forget completes meanwhile (its value erased, the tenant's answers dropped).
-    Memory.objects.filter(tenant=tenant, key="user:u1:note").delete()
-    idempotency.tenant_forget(tenant=tenant)
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u1")
+    forget.forget_request_execute(request_id=request.pk)
+    assert not Memory.objects.filter(tenant=tenant, key="user:u1:note").exists()
     idempotency._drop(dying)  # the process is gone: nothing renews or finishes its claim
     clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
     again = client.post(BATCH, body, headers=_key("b-8"))
