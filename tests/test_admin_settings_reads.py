@@ -123,3 +123,17 @@ def test_the_tenant_list_is_an_audited_read(tenant_a, tenant_b, staff_clients, s
     client.get("/admin/memories/tenant/")
     assert [e.actor_id for e in _events(tenant_a, "tenant.list")] == [str(viewer.pk), str(root.pk)]
     assert [e.actor_id for e in _events(tenant_b, "tenant.list")] == [str(root.pk), str(root.pk)]
+
+
+def test_a_key_pasted_into_the_key_search_leaves_no_secret_in_the_log(tenant_a, staff_clients):
+    """An admin who finds a key (a secret scanner's alert, a log line) pastes it whole into the
+    API key list's search: ``api_key.list`` kept the search as typed — the live key's secret
+    written into the tenant's audit log, which the list's own audit promised never to hold.
+    The search is kept with a key's secret withheld (its public prefix stays: what was sought)."""
+    key, raw = make_key(tenant_a, name="leaked bot")
+    admin, client = staff_clients["admin"]
+    assert client.get("/admin/memories/apikey/", {"q": f"leaked {raw}"}).status_code == 200
+    event = _events(tenant_a, "api_key.list")[-1]
+    secret = raw.rsplit("_", 1)[1]
+    assert secret not in repr(event.detail), event.detail
+    assert event.detail["search"].startswith(f"leaked zm_{key.lookup}_")

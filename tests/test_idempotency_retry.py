@@ -18,8 +18,8 @@ from audit import limits
 from audit.models import AuditEvent
 from memories import services
 from memories.models import IdempotencyRecord, Memory
-from memories.services import idempotency
-from tests.factories import make_keyed_client, make_tenant
+from memories.services import forget, idempotency
+from tests.factories import SYSTEM, make_keyed_client, make_tenant
 from tests.helpers import rest_error, start_thread
 from zeromem.kernel.errors import TenantBusy, Unavailable
 
@@ -309,3 +309,56 @@ def test_the_claim_of_a_process_that_died_is_given_up_after_the_lease(settings, 
     done = client.post(CALL, call, headers=_key("k-1"))
     assert done.status_code == 200 and not done.has_header("Idempotent-Replayed")
     assert Memory.objects.get(tenant=tenant, key="fact:x").version == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_resumption_whose_process_died_after_a_forget_runs_afresh(settings, fail_once, clock):
+    """A forget completes while a partial answer is being resumed, and the resuming process
+    dies: the row still holds the partial answer (a read's value the forget erased). After the
+    lease the retry must not resume it — that answered the erased value again — but run afresh."""
+    tenant = make_tenant("idem-resume-forgotten")
+    client, key_row = make_keyed_client(tenant)
+    client.call("memory_write", key="user:u1:note", value="CANARY-777", subject="u1")
+    fail_once("fact:b", OperationalError("gone"))
+    body = {"calls": [{"name": "memory_read", "arguments": {"key": "user:u1:note"}}, _write("fact:b", 2)]}
+    first = client.post(BATCH, body, headers=_key("b-8"))
+    assert first.json()["results"][0]["value"] == "CANARY-777"
+    fingerprint = idempotency.fingerprint(method="POST", path=BATCH, if_match=None, data=body)
+    dying = idempotency.claim(tenant=tenant, api_key=key_row, key="b-8", fingerprint=fingerprint)
+    assert idempotency.resumption(dying)[1] == [1]
+    # The subject's forget completes meanwhile (its value erased, the tenant's answers dropped).
+    request = forget.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u1")
+    forget.forget_request_execute(request_id=request.pk)
+    assert not Memory.objects.filter(tenant=tenant, key="user:u1:note").exists()
+    idempotency._drop(dying)  # the process is gone: nothing renews or finishes its claim
+    clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+    again = client.post(BATCH, body, headers=_key("b-8"))
+    assert b"CANARY-777" not in again.content
+    assert [r["status"] for r in again.json()["results"]] == ["not_found", "ok"]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_an_answer_that_fails_to_be_kept_on_a_bug_does_not_hold_the_key_forever(settings, monkeypatch, clock):
+    """Keeping the answer fails on something other than the database (a bug; a master key
+    missing from the settings: keyring.MasterKeyError while sealing): the claim was left in
+    the process's running claims, which the heartbeat renews for as long as the process lives
+    — every retry got 409 idempotency_in_progress, past the lease, forever. Now it is given up
+    as on a database failure: the answer is the request's, and a retry runs."""
+    settings.ZEROMEM_IDEMPOTENCY_WAIT_SECONDS = 0
+    monkeypatch.setattr(idempotency, "renew_every", lambda: 0.05)  # the heartbeat, sped up
+    tenant = make_tenant("idem-seal-bug")
+    client, _ = make_keyed_client(tenant)
+    client.call("memory_write", key="user:u1:phone", value="CANARY-555", subject="u1", sensitive=True)
+
+    def seal_fails(*args):
+        raise RuntimeError("a bug while sealing the answer")
+
+    monkeypatch.setattr(idempotency, "_seal", seal_fails)
+    read = {"name": "memory_read", "arguments": {"key": "user:u1:phone"}}
+    first = client.post(CALL, read, headers=_key("seal-1"))
+    assert first.status_code == 200 and first.json()["value"] == "CANARY-555"
+    clock.skip(settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS + 1)
+    time.sleep(0.5)  # a few heartbeat rounds
+    retry = client.post(CALL, read, headers=_key("seal-1"))
+    assert retry.status_code == 200, retry.content

@@ -138,8 +138,10 @@ def claim(*, tenant: Tenant, api_key: ApiKey, key: str, fingerprint: str, legacy
         lapsed = record.status is None and (record.renewed_at or record.created_at) < now - timedelta(
             seconds=settings.ZEROMEM_IDEMPOTENCY_LEASE_SECONDS
         )
-        if lapsed and record.pending is None:
-            # Only as it was read: a renewal meanwhile (its process lives) keeps it.
+        if lapsed and (record.pending is None or not record.keep_answer):
+            # Only as it was read: a renewal meanwhile (its process lives) keeps it. A lapsed
+            # resumption a forget marked (tenant_forget) goes too: the partial answer still in
+            # its row may hold what the forget erased (it was resumed, answering it again).
             _as_read(record).delete()
             continue
         if record.fingerprint != fingerprint and not (legacy and record.fingerprint == legacy):

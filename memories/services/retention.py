@@ -227,18 +227,33 @@ def _expired_before_trash(memory: Memory) -> bool:
 
 
 def _restorable_q(tenant_ids: Iterable[int], now: datetime) -> Q:
+    # One WHEN per distinct (prefix, days) of the rules, then per distinct days of the
+    # tenants' own settings, each naming its tenants (``tenant_id IN``: a hashed array on
+    # PostgreSQL), not one per rule and per tenant: a superuser's trash covers every tenant,
+    # and 2,000 tenants each with a setting and a rule made a CASE of 4,000 WHENs walked for
+    # every trashed row (the page 4.1 s against 0.6 s for "everything", quadratic in the
+    # tenants). Same rule: a tenant's rules longest prefix first (two prefixes of one length
+    # never both start a key), then its own setting, then the server's.
     tenant_ids = set(tenant_ids)
-    whens = []
+    by_rule: dict[tuple[str, int], list[int]] = defaultdict(list)
     for prefix_tenant, prefix, days in (
         RetentionRule.objects.filter(tenant_id__in=tenant_ids, trash_retention_days__isnull=False)
-        .order_by("tenant_id", Length("prefix").desc(), "prefix")
+        .order_by(Length("prefix").desc(), "prefix", "tenant_id")
         .values_list("tenant_id", "prefix", "trash_retention_days")
     ):
-        whens.append(When(Q(tenant_id=prefix_tenant) & _starts_with(prefix), then=Value(_trash_cutoff(now, days))))
-    for tenant_id, days in Tenant.objects.filter(pk__in=tenant_ids, trash_retention_days__isnull=False).values_list(
-        "pk", "trash_retention_days"
+        by_rule[(prefix, days)].append(prefix_tenant)
+    by_days: dict[int, list[int]] = defaultdict(list)
+    for tenant_id, days in (
+        Tenant.objects.filter(pk__in=tenant_ids, trash_retention_days__isnull=False)
+        .order_by("pk")
+        .values_list("pk", "trash_retention_days")
     ):
-        whens.append(When(tenant_id=tenant_id, then=Value(_trash_cutoff(now, days))))
+        by_days[days].append(tenant_id)
+    whens = [
+        When(Q(tenant_id__in=ids) & _starts_with(prefix), then=Value(_trash_cutoff(now, days)))
+        for (prefix, days), ids in by_rule.items()
+    ]
+    whens += [When(tenant_id__in=ids, then=Value(_trash_cutoff(now, days))) for days, ids in by_days.items()]
     fallback = Value(_trash_cutoff(now, settings.ZEROMEM_TRASH_RETENTION_DAYS), output_field=DateTimeField())
     cutoff = Case(*whens, default=fallback, output_field=DateTimeField()) if whens else fallback
     return (

@@ -3,6 +3,7 @@ the same transaction."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -231,8 +232,15 @@ def api_key_view(*, tenant: Tenant, actor: Actor, key_id: Any) -> ApiKey:
         return key
 
 
+# A whole key pasted into the search (``zm_<lookup>_<secret>``: an admin looking up a key a
+# secret scanner found): its secret is withheld from the event, its public prefix kept.
+_PASTED_KEY = re.compile(r"(zm_[0-9A-Za-z]+_)\S+")
+
+
 def _search_detail(search: Any) -> dict | None:
-    return {"search": search[:LIST_SEARCH_KEPT]} if isinstance(search, str) and search else None
+    if not isinstance(search, str) or not search:
+        return None
+    return {"search": _PASTED_KEY.sub(r"\1…", search)[:LIST_SEARCH_KEPT]}
 
 
 def tenant_settings_update(

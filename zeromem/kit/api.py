@@ -370,10 +370,10 @@ class AuditedAPIView(TenantAPIView):
             if response.streaming:
                 idempotency.release(claim)
             else:
-                if not getattr(response, "is_rendered", True):
-                    response.render()
-                headers = {h: response[h] for h in idempotency.REPLAYED_HEADERS if response.has_header(h)}
                 try:
+                    if not getattr(response, "is_rendered", True):
+                        response.render()
+                    headers = {h: response[h] for h in idempotency.REPLAYED_HEADERS if response.has_header(h)}
                     idempotency.complete(
                         claim,
                         status=response.status_code,
@@ -381,11 +381,15 @@ class AuditedAPIView(TenantAPIView):
                         headers=headers,
                         partial=self.idempotency_partial,
                     )
-                except DatabaseError:
+                except Exception as exc:
                     # The work has committed (a batch's calls, a write): its answer is the answer,
                     # not a 500. Not kept for retries — as when the process dies here (README
                     # "Safe retries"): the claim lapses after its lease, or goes now if it can.
-                    logger.warning("idempotency: answer not kept", exc_info=True)
+                    # Any failure, not only the database's (a bug; a master key missing from the
+                    # settings while sealing): the claim must leave this process's running
+                    # claims, which its heartbeat renews — every retry got 409, forever.
+                    log = logger.warning if isinstance(exc, DatabaseError) else logger.error
+                    log("idempotency: answer not kept", exc_info=True)
                     _release_quietly(claim)
         return response
 
