@@ -362,3 +362,38 @@ def test_an_answer_that_fails_to_be_kept_on_a_bug_does_not_hold_the_key_forever(
     time.sleep(0.5)  # a few heartbeat rounds
     retry = client.post(CALL, read, headers=_key("seal-1"))
     assert retry.status_code == 200, retry.content
+
+
+@pytest.mark.django_db
+def test_a_claim_held_past_the_max_hold_is_no_longer_renewed():
+    """The heartbeat renewed a claim for as long as its process lived: a request that never
+    finished nor gave it up (a bug, a hang) held its key — every retry 409 — for good. Past
+    ``MAX_HOLD_SECONDS`` it lets the claim go, which then lapses one lease later."""
+    tenant = make_tenant("idem-held")
+    _client, key_row = make_keyed_client(tenant)
+    claim = idempotency.claim(tenant=tenant, api_key=key_row, key="held-1", fingerprint="f")
+    assert isinstance(claim, int)
+    try:
+        now = time.monotonic()
+        assert idempotency.renew_round(now=now) == 1
+        assert IdempotencyRecord.objects.get(pk=claim).renewed_at is not None
+        IdempotencyRecord.objects.filter(pk=claim).update(renewed_at=None)
+        assert idempotency.renew_round(now=now + idempotency.MAX_HOLD_SECONDS + 1) == 0
+        assert IdempotencyRecord.objects.get(pk=claim).renewed_at is None
+        assert claim not in idempotency._running  # let go: later rounds do not renew it either
+    finally:
+        idempotency.release(claim)
+
+
+def test_a_process_forked_while_the_heartbeat_holds_its_lock_can_take_claims():
+    """A fork copies the running claims' lock as it was: held by another thread of the parent
+    at that moment, the child's first claim waited on it forever."""
+    import os
+
+    with idempotency._running_lock:
+        pid = os.fork()
+        if pid == 0:  # the child: its lock must be free, its claims none
+            ok = idempotency._running_lock.acquire(timeout=2) and not idempotency._running
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0

@@ -304,12 +304,20 @@ def _give_back(claim_id: int, run: _Run) -> None:
 # claims lapse one lease after their last renewal.
 
 
+# How long a process renews one claim at most. A request that never finishes nor gives its
+# claim up (a bug; a request hung for good) would otherwise hold its key — every retry 409 —
+# for as long as the process lives; past this its claim lapses one lease later, as a killed
+# process's does. No request runs this long (a batch is 50 calls, each with its deadlines).
+MAX_HOLD_SECONDS = 3600
+
+
 @dataclass
 class _Run:
     previous: bytes | None = None  # the partial answer a resumed claim carries on
     pending: list[int] = field(default_factory=list)
     status: int = 200  # the partial answer's status, back on a release
     sealed: set[int] = field(default_factory=set)  # the data keys the partial answer was sealed under
+    since: float = field(default_factory=time.monotonic)  # when this process took the claim
 
 
 _running: dict[int, _Run] = {}
@@ -345,18 +353,44 @@ def _heartbeat() -> None:
         if time.monotonic() - last < renew_every():
             continue
         last = time.monotonic()
-        with _running_lock:
-            ids = list(_running)
-        if not ids:
-            continue
         try:
-            renew(ids)
-        except DatabaseError:
-            logger.warning("idempotency: running claims not renewed", exc_info=True)
-        except Exception:  # the thread must live on: a claim it stops renewing lapses
-            logger.exception("idempotency: running claims not renewed")
+            renew_round(now=last)
         finally:
             connections.close_all()  # this thread's: back to the pool between rounds
+
+
+def renew_round(*, now: float) -> int:
+    """One round of the heartbeat: renew this process's running claims, but for those it has
+    held longer than :data:`MAX_HOLD_SECONDS`, which it lets go (they lapse one lease later).
+    Never raises: the thread must live on. The claims renewed."""
+    with _running_lock:
+        over = [claim_id for claim_id, run in _running.items() if now - run.since > MAX_HOLD_SECONDS]
+        for claim_id in over:
+            del _running[claim_id]
+        ids = list(_running)
+    if over:
+        logger.warning("idempotency: %d claims held over %d s are no longer renewed", len(over), MAX_HOLD_SECONDS)
+    if not ids:
+        return 0
+    try:
+        return renew(ids)
+    except DatabaseError:
+        logger.warning("idempotency: running claims not renewed", exc_info=True)
+    except Exception:  # a claim it stops renewing lapses
+        logger.exception("idempotency: running claims not renewed")
+    return 0
+
+
+def _after_fork_in_child() -> None:
+    # A fork copies the lock as it was: held by a thread of the parent (which the child does
+    # not have) it would never be released, and the child's first claim would wait forever.
+    global _running_lock, _heartbeat_pid
+    _running_lock = threading.Lock()
+    _running.clear()  # a forked child runs none of its parent's claims
+    _heartbeat_pid = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def renew(claim_ids: list[int]) -> int:
