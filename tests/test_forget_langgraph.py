@@ -203,3 +203,26 @@ def test_every_version_of_a_memory_now_about_them_goes_those_naming_no_one_too(t
     assert not Memory.objects.filter(tenant=tenant_a).exists()
     assert not MemoryVersion.objects.filter(tenant=tenant_a).exists()
     assert (request.receipt["memories"], request.receipt["versions"]) == (2, 5)
+
+
+@pytest.mark.django_db
+def test_a_subject_with_a_colon_names_no_user_namespace_so_its_forget_leaves_another_users_keys(tenant_a):
+    """``user:a:b:note`` is user ``a``'s key (the id is the segment after ``user:``). A forget of
+    the subject ``a:b`` took ``user:a:b:`` as that subject's namespace: it erased ``a``'s memories
+    there that named no one and pseudonymised ``a``'s audit events. A subject with ``:`` names
+    no ``user:``/``usr:`` namespace (only its escaped LangGraph ones)."""
+    from zeromem.kernel.subjectkeys import subject_namespaces
+
+    assert not [p for p in subject_namespaces("a:b") if p.startswith(("user:", "usr:"))]
+    assert "lg:users:a~3Ab:" in subject_namespaces("a:b")
+    assert "user:a:" in subject_namespaces("a")
+    write(tenant_a, "user:a:b:note", "a's note, no subject", subject="")
+    write(tenant_a, "user:a:b:pref", "a's pref")
+    before = set(AuditEvent.objects.filter(tenant=tenant_a, target__startswith="user:a:b:").values_list("pk", "target"))
+
+    forget_subject(tenant_a, "a:b")
+
+    kept = set(Memory.objects.filter(tenant=tenant_a).values_list("key", flat=True))
+    assert kept == {"user:a:b:note", "user:a:b:pref"}
+    after = set(AuditEvent.objects.filter(tenant=tenant_a, target__startswith="user:a:b:").values_list("pk", "target"))
+    assert before and before <= after

@@ -66,10 +66,11 @@ def subject_of_key(key: str) -> str:
 def subject_namespaces(subject: str) -> tuple[str, ...]:
     """The key prefixes that name ``subject`` (:func:`subject_of_key`): ``user:<id>:``,
     ``usr:<id>:`` and the LangGraph namespaces ``lg:users:<id>:``, ``lg:user:<id>:``,
-    ``lg:usr:<id>:`` (the prefix ``ZEROMEM_LANGGRAPH_PREFIX``, the id escaped)."""
+    ``lg:usr:<id>:`` (the prefix ``ZEROMEM_LANGGRAPH_PREFIX``, the id escaped). A subject
+    with ``:`` has no ``user:``/``usr:`` namespace: ``user:a:b:note`` is user ``a``'s key, and
+    taking ``user:a:b:`` as ``a:b``'s let a forget of ``a:b`` erase ``a``'s memories there that
+    named no one and pseudonymise ``a``'s audit events."""
     label = encode_segment(subject)
     root = _langgraph_root()
-    return (
-        *(f"{word}:{subject}:" for word in KEY_WORDS),
-        *(f"{root}{word}:{label}:" for word in LANGGRAPH_WORDS),
-    )
+    plain = () if ":" in subject else tuple(f"{word}:{subject}:" for word in KEY_WORDS)
+    return (*plain, *(f"{root}{word}:{label}:" for word in LANGGRAPH_WORDS))
