@@ -543,6 +543,65 @@ def test_an_error_that_is_final_is_not_resumed(live_server, zm_key):
     assert results[0]["error"]["code"] == "invalid_key" and len(keys) == 1 and waits == []
 
 
+def test_the_client_resumes_the_calls_the_server_says_are_pending(live_server, zm_key, failing_writes):
+    """Call 2 meets a transient failure whose code no client list holds (a 503
+    ``embedding_unavailable``): the answer's ``pending`` names it, so the client resumes it
+    with the batch's key — it once returned that error, having guessed from the codes."""
+    from zeromem.kernel.errors import Unavailable
+
+    assert "embedding_unavailable" not in zeromem_client.TRANSIENT_CALL_CODES
+    writes = failing_writes("fact:b", Unavailable("later", code="embedding_unavailable", retry_after=1))
+    keys, http = _requests_seen()
+    waits = []
+    with ZeroMem(live_server.url, zm_key[1], http=http, sleep=waits.append) as zm:
+        results = zm.batch(_batch_of_three())
+    assert [r["status"] for r in results] == ["ok", "ok", "ok"]
+    assert writes == {"fact:a": 1, "fact:b": 2, "fact:c": 1}
+    assert len(keys) == 2 and len(set(keys)) == 1
+    assert len(waits) == 1 and 1 <= waits[0] <= 1.1  # the pending call's retry_after
+
+
+def _fake_server(answers):
+    """An httpx transport answering the batches sent to it with ``answers`` in turn (a server
+    of another version than this one); the bodies it got go in its ``sent``."""
+    sent = []
+
+    def handle(request):
+        sent.append(request)
+        return httpx.Response(200, json=answers[len(sent) - 1])
+
+    transport = httpx.MockTransport(handle)
+    transport.sent = sent
+    return transport
+
+
+def test_the_client_falls_back_to_the_codes_for_a_server_that_lists_no_pending_calls():
+    """An older server answers ``{"results": [...]}`` alone: a call whose code is transient
+    (``database_unavailable``) is resumed, as before."""
+    busy = {"status": "error", "error": {"code": "database_unavailable", "message": "retry", "field": None}}
+    ok = {"status": "ok", "key": "fact:a", "version": 1, "created": True}
+    transport = _fake_server([{"results": [ok, busy]}, {"results": [ok, ok]}])
+    with ZeroMem("http://old", "zm_x", http=httpx.Client(transport=transport), sleep=lambda s: None) as zm:
+        results = zm.batch(_batch_of_three()[:2])
+    assert [r["status"] for r in results] == ["ok", "ok"] and len(transport.sent) == 2
+    assert len({r.headers["Idempotency-Key"] for r in transport.sent}) == 1
+
+
+def test_the_servers_pending_list_wins_over_the_codes():
+    """The server says no call is pending: an error whose code the client's list holds is the
+    call's final answer (one request); and a pending list naming a call is followed even when
+    its code is unknown."""
+    stale = {"status": "error", "error": {"code": "unavailable", "message": "final here", "field": None}}
+    transport = _fake_server([{"results": [stale], "pending": []}])
+    with ZeroMem("http://new", "zm_x", http=httpx.Client(transport=transport), sleep=lambda s: None) as zm:
+        assert zm.batch(_batch_of_three()[:1]) == [stale] and len(transport.sent) == 1
+    odd = {"status": "error", "error": {"code": "something_new", "message": "retry", "field": None}}
+    ok = {"status": "ok", "key": "fact:a", "version": 1, "created": True}
+    transport = _fake_server([{"results": [odd], "pending": [0]}, {"results": [ok], "pending": []}])
+    with ZeroMem("http://new", "zm_x", http=httpx.Client(transport=transport), sleep=lambda s: None) as zm:
+        assert zm.batch(_batch_of_three()[:1]) == [ok] and len(transport.sent) == 2
+
+
 def test_the_async_client_resumes_a_batch_too(live_server, zm_key, failing_writes):
     from zeromem.kernel.errors import Unavailable
 

@@ -202,6 +202,61 @@ def test_a_resumption_whose_process_died_is_resumed_again_after_the_lease(settin
     assert Memory.objects.get(tenant=tenant, key="fact:a").version == 1
 
 
+# --- the answer says which calls are pending ------------------------------------------------
+
+
+def test_a_batch_answer_says_which_calls_a_retry_runs_again(api, tenant_a, fail_once):
+    """Calls 1 and 3 (from 0) meet transient failures, call 4 a final one (a bad key): the
+    answer's ``pending`` is [1, 3] — no client has to guess it from the codes. The resumption
+    runs call 1 alone, which fails again: [1]. The next gets it through: [], and that answer
+    (with its []) is the one replayed."""
+    seen = fail_once("fact:b", OperationalError("gone"))
+    fail_once("fact:d", Unavailable("later", code="embedding_unavailable", retry_after=1))
+    calls = [_write("fact:a", 1), _write("fact:b", 2), _write("fact:c", 3), _write("fact:d", 4), _write("bad key", 5)]
+    body = {"calls": calls}
+    first = api.post(BATCH, body, headers=_key("p-1"))
+    assert first.status_code == 200 and first.json()["pending"] == [1, 3]
+    assert [r["status"] for r in first.json()["results"]] == ["ok", "error", "ok", "error", "error"]
+    assert first.json()["results"][3]["error"]["code"] == "embedding_unavailable"  # a code no list knew
+    fail_once("fact:b", Unavailable("later", retry_after=1))
+    second = api.post(BATCH, body, headers=_key("p-1"))
+    assert second.json()["pending"] == [1] and [r["status"] for r in second.json()["results"]][:4] == [
+        "ok",
+        "error",
+        "ok",
+        "ok",
+    ]
+    third = api.post(BATCH, body, headers=_key("p-1"))
+    assert third.json()["pending"] == [] and not third.has_header("Idempotent-Replayed")
+    replayed = api.post(BATCH, body, headers=_key("p-1"))
+    assert replayed.get("Idempotent-Replayed") == "true" and replayed.json() == third.json()
+    assert replayed.json()["pending"] == []
+    assert {k: seen[k] for k in ("fact:a", "fact:b", "fact:c", "fact:d")} == {
+        "fact:a": 1,
+        "fact:b": 3,
+        "fact:c": 1,
+        "fact:d": 2,
+    }
+
+
+def test_a_batch_answer_without_a_key_says_which_calls_failed_transiently(api, tenant_a, fail_once):
+    """No Idempotency-Key: nothing is kept, but ``pending`` still names the calls that met a
+    transient failure (to retry them needs a key; the batch sent again runs every call)."""
+    fail_once("fact:a", TenantBusy("busy", retry_after=1))
+    r = api.post(BATCH, {"calls": [_write("fact:a", 1), _write("fact:b", 2)]})
+    assert r.status_code == 200 and r.json()["pending"] == [0]
+    assert not IdempotencyRecord.objects.exists()
+    clean = api.post(BATCH, {"calls": [_write("fact:c", 1), _write("bad key", 2)]})
+    assert clean.json()["pending"] == [] and clean.json()["results"][1]["error"]["code"] == "invalid_key"
+
+
+def test_a_batch_none_of_whose_calls_got_through_says_all_are_pending(api, tenant_a, fail_once):
+    fail_once("fact:a", OperationalError("gone"))
+    fail_once("fact:b", RuntimeError("a bug"))
+    r = api.post(BATCH, {"calls": [_write("fact:a", 1), _write("fact:b", 2)]}, headers=_key("p-3"))
+    assert r.json()["pending"] == [0, 1] and not IdempotencyRecord.objects.filter(key="p-3").exists()
+
+
 @pytest.mark.parametrize("code", ["database_unavailable", "search_timeout", "tenant_busy", "rate_limited"])
 def test_a_single_tool_call_that_failed_transiently_is_not_kept(api, tenant_a, fail_once, code):
     seen = fail_once("fact:a", TRANSIENT[code]())

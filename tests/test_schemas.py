@@ -163,6 +163,17 @@ def test_openapi_schema_lists_the_tool_and_memory_paths(anonymous):
     assert doc["components"]["securitySchemes"]["ApiKey"]["scheme"] == "bearer"
 
 
+def test_openapi_schema_gives_a_batch_answer_its_pending_calls(anonymous):
+    """The batch's 200 holds ``results`` and ``pending`` (the indexes of the calls a retry with
+    the same Idempotency-Key runs again), both always there."""
+    doc = yaml.safe_load(anonymous.get("/api/v1/schema").content)
+    ok = doc["paths"]["/api/v1/tools/batch"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    schema = doc["components"]["schemas"][ok["$ref"].rsplit("/", 1)[1]]
+    assert set(schema["required"]) >= {"results", "pending"}
+    assert schema["properties"]["pending"]["type"] == "array"
+    assert schema["properties"]["pending"]["items"] == {"type": "integer", "minimum": 0}
+
+
 def test_api_docs_page_uses_only_local_assets(anonymous):
     r = anonymous.get("/api/v1/docs")
     assert r.status_code == 200

@@ -21,9 +21,10 @@ PATCH, DELETE) carries an ``Idempotency-Key`` that stays the same across its ret
 retried write is answered with the first answer instead of being done twice.
 
 A batch answers 200 whatever its calls met. When some of its calls met a transient failure
-(:data:`TRANSIENT_CALL_CODES`: rate limited, busy, the database or a search unavailable, a
-server bug), the server keeps the answer as a partial one that a retry with the same
-``Idempotency-Key`` resumes: only those calls run again, the others' results stand. ``batch``
+(rate limited, busy, the database or a search unavailable, a server bug: the answer's
+``pending`` lists them; from an older server without it, :data:`TRANSIENT_CALL_CODES`), the
+server keeps the answer as a partial one that a retry with the same ``Idempotency-Key``
+resumes: only those calls run again, the others' results stand. ``batch``
 sends it again so, within the same ``max_attempts`` and waits (a call's ``retry_after``, else
 backoff), and returns the last results. A batch sent without a key (``idempotency=False`` and
 no ``idempotency_key=``) is not sent again: the server would run every call a second time.
@@ -72,8 +73,10 @@ RETRY_STATUSES = frozenset({429, 503})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # A batch call's error codes that say "not done, try again" (the server's 429s and 5xx, and a
 # call's internal_error): the server keeps such a batch's answer as a partial one that a retry
-# with the same Idempotency-Key resumes, running those calls alone. A code missing here is not
-# resumed (safe); one the server kept as final would be replayed as it was (harmless).
+# with the same Idempotency-Key resumes, running those calls alone. Used only for a server too
+# old to say which calls are pending (the answer's "pending", which wins when present). A code
+# missing here is not resumed (safe); one the server kept as final would be replayed as it was
+# (harmless).
 TRANSIENT_CALL_CODES = frozenset(
     {
         "rate_limited",
@@ -144,17 +147,29 @@ def _error_code(response: httpx.Response) -> str | None:
 
 
 def transient_errors(response: httpx.Response) -> list[dict]:
-    """The errors of a batch answer's calls that met a transient failure
-    (:data:`TRANSIENT_CALL_CODES`), in call order; none for any other answer."""
-    # An answer with no error result is not decoded (it may be megabytes); one with "error"
-    # anywhere in it (a value saying so) costs a decoding more.
+    """The errors of a batch answer's calls that met a transient failure, in call order; none
+    for any other answer. Those the answer's ``pending`` names (the calls a retry with the same
+    ``Idempotency-Key`` runs again, as the server decided); from a server too old to say, those
+    whose code is in :data:`TRANSIENT_CALL_CODES`."""
+    # An answer with no error result is not decoded (it may be megabytes): a pending call's
+    # result is always an error. One with "error" anywhere in it (a value saying so) costs a
+    # decoding more.
     if response.status_code != 200 or b'"error"' not in response.content:
         return []
     try:
-        results = response.json().get("results")
-    except (ValueError, AttributeError):
+        body = response.json()
+    except ValueError:
         return []
-    errors = [r.get("error") for r in results if isinstance(r, dict)] if isinstance(results, list) else []
+    results = body.get("results") if isinstance(body, dict) else None
+    if not isinstance(results, list):
+        return []
+    pending = body.get("pending")
+    if isinstance(pending, list):
+        indexes = [i for i in pending if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(results)]
+        errors = [results[i].get("error") if isinstance(results[i], dict) else None for i in indexes]
+        # A pending call's error is there whatever its code; an entry without one still counts.
+        return [e if isinstance(e, dict) else {} for e in errors]
+    errors = [r.get("error") for r in results if isinstance(r, dict)]
     return [e for e in errors if isinstance(e, dict) and e.get("code") in TRANSIENT_CALL_CODES]
 
 

@@ -253,7 +253,13 @@ class ToolResultSerializer(serializers.Serializer):
 
 
 class ToolBatchResultSerializer(serializers.Serializer):
+    """One result per call, in order; ``pending``: the indexes (from 0, ascending) of the calls
+    that met a transient failure (429, 5xx, ``internal_error``) — those a retry with the same
+    ``Idempotency-Key`` runs again, the others' results standing. Sent without a key, the same
+    list: retrying those calls then needs a key (or the whole batch runs again)."""
+
     results = ToolResultSerializer(many=True)
+    pending = serializers.ListField(child=serializers.IntegerField(min_value=0))
 
 
 class ToolListSerializer(serializers.Serializer):

@@ -136,7 +136,10 @@ class ToolBatchView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
         if answer.pending:
             # Calls that met a transient failure: the answer is kept to be resumed, not replayed.
             self.idempotency_partial = idempotency.Partial(answer.pending, len(answer.results))
-        return Response({"results": answer.results})
+        # "pending" says which calls a retry with the same Idempotency-Key would run again, so
+        # that no client keeps its own list of transient codes in step with the server's (the
+        # stored answer carries it too: a replay says [], a resumption its own list).
+        return Response({"results": answer.results, "pending": answer.pending})
 
 
 def _batch_resumption(claim: int | None) -> tools.BatchAnswer | None:
