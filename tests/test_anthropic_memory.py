@@ -23,6 +23,7 @@ from memories.models import Memory
 from memories.services import claude_memory
 from tests.factories import make_key, make_tenant
 from tests.helpers import FakeJSONEndpoint, rest_error
+from zeromem.kernel.errors import Conflict, NotFound
 
 URL = "/api/v1/anthropic/memory"
 
@@ -958,6 +959,7 @@ def test_an_error_result_after_audited_steps_adds_no_event_of_its_own(api, tenan
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("editor", ["tool", "rest"])
 @pytest.mark.parametrize(
     ("old_path", "new_path", "edited"),
     [
@@ -966,28 +968,37 @@ def test_an_error_result_after_audited_steps_adds_no_event_of_its_own(api, tenan
     ],
     ids=["file", "directory"],
 )
-def test_an_edit_acknowledged_while_its_file_is_renamed_is_never_lost(transactional_db, old_path, new_path, edited):
+def test_an_edit_acknowledged_while_its_file_is_renamed_is_never_lost(
+    transactional_db, old_path, new_path, edited, editor
+):
     """Two agents of one tenant: one renames, the other edits the file being renamed. The
     rename read the file (a file: before its transaction; a directory: each chunk, unlocked),
     the edit committed and answered success, then the rename wrote the text it had read at the
     new path and deleted the old one — the acknowledged edit was gone. The rename's
-    ``_move`` waits here (up to 3 s) for the edit to be answered; with the rows locked as they
-    are loaded, the edit waits for the rename instead and answers an error result."""
+    ``_move`` waits here for the edit to be answered or to wait on a lock; with the rows locked
+    as they are loaded, an edit through REST (the memory services: no tree lock) waits for the
+    rename on the row and answers a conflict; one through the tool waits on the tree lock, then
+    finds no file at the path."""
     import threading
 
+    from memories import services
     from tests.factories import SYSTEM
-    from tests.helpers import start_thread
+    from tests.helpers import lock_waiters, start_thread
 
     tenant = make_tenant("race-rename")
     claude_memory.memory_tool_run(
         tenant=tenant, actor=SYSTEM, command={"command": "create", "path": edited, "file_text": "v1\n"}
     )
+    key = claude_memory.MemoryTool(tenant=tenant, actor=SYSTEM).place(edited).key
     loaded, answered = threading.Event(), threading.Event()
     move = claude_memory.MemoryTool._move
 
     def move_after_the_edit(self, memory, key):
         loaded.set()
-        answered.wait(3)
+        deadline = time.monotonic() + 20
+        while not answered.is_set() and lock_waiters() == 0:
+            assert time.monotonic() < deadline, "the edit neither ran nor waited"
+            time.sleep(0.01)
         return move(self, memory, key)
 
     outcomes, failures = {}, []
@@ -998,12 +1009,17 @@ def test_an_edit_acknowledged_while_its_file_is_renamed_is_never_lost(transactio
     def edit():
         assert loaded.wait(10)
         try:
-            outcomes["edit"] = claude_memory.memory_tool_run(
-                tenant=tenant,
-                actor=SYSTEM,
-                command={"command": "str_replace", "path": edited, "old_str": "v1", "new_str": "v2"},
-            )
-        except claude_memory.MemoryToolError as exc:
+            if editor == "rest":
+                outcomes["edit"] = services.memory_update(
+                    tenant=tenant, actor=SYSTEM, key=key, value="v2\n", expected_version=1
+                ).status
+            else:
+                outcomes["edit"] = claude_memory.memory_tool_run(
+                    tenant=tenant,
+                    actor=SYSTEM,
+                    command={"command": "str_replace", "path": edited, "old_str": "v1", "new_str": "v2"},
+                )
+        except (claude_memory.MemoryToolError, NotFound, Conflict) as exc:
             outcomes["edit"] = exc
         finally:
             answered.set()
@@ -1024,7 +1040,8 @@ def test_an_edit_acknowledged_while_its_file_is_renamed_is_never_lost(transactio
     if isinstance(outcomes["edit"], str):  # acknowledged: the edit must be in the file
         assert text[0] == "v2\n", (outcomes, text)
     else:  # refused: the file moved as it was
-        assert "no longer exists" in str(outcomes["edit"]) and text[0] == "v1\n", (outcomes, text)
+        refusal = "does not exist" if editor == "tool" else "no memory at this key"
+        assert refusal in str(outcomes["edit"]) and text[0] == "v1\n", (outcomes, text)
 
 
 @pytest.mark.postgres
@@ -1335,9 +1352,203 @@ def test_a_deep_path_takes_at_most_the_lock_depth_of_tree_locks(api):
     for body in (
         {"command": "create", "path": f"{deep}/f", "file_text": "x"},
         {"command": "rename", "old_path": deep, "new_path": f"{deep[:-2]}/moved"},
+        {"command": "str_replace", "path": f"{deep[:-2]}/moved/f", "old_str": "x", "new_str": "y"},
+        {"command": "insert", "path": f"{deep[:-2]}/moved/f", "insert_line": 0, "insert_text": "z"},
+        {"command": "delete", "path": f"{deep[:-2]}/moved"},
     ):
         with CaptureQueriesContext(connection) as queries:
             r = api.post(URL, body)
         assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
         locks = [q["sql"] for q in queries if "pg_advisory_xact_lock" in q["sql"]]
-        assert 0 < len(locks) <= 16, len(locks)  # TREE_LOCK_DEPTH (8) each for a rename's two paths
+        # TREE_LOCK_DEPTH (8) for each path: a rename's two, the others' one.
+        assert 0 < len(locks) <= 8 * (1 + (body["command"] == "rename")), (body["command"], len(locks))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"command": "create", "path": "/memories/notes/b.md", "file_text": "x"},
+        {"command": "str_replace", "path": "/memories/notes/a.md", "old_str": "x", "new_str": "y"},
+        {"command": "insert", "path": "/memories/notes/a.md", "insert_line": 0, "insert_text": "z"},
+        {"command": "delete", "path": "/memories/notes/a.md"},
+        {"command": "view", "path": "/memories/notes/a.md"},
+    ],
+    ids=lambda body: body["command"],
+)
+def test_each_write_takes_one_lock_a_key_segment_and_a_view_none(api, body):
+    # claude, claude:memories, claude:memories:notes shared; claude:memories:notes:a.md exclusive.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    assert not api.post(URL, {"command": "create", "path": "/memories/notes/a.md", "file_text": "x"}).json()["is_error"]
+    with CaptureQueriesContext(connection) as queries:
+        r = api.post(URL, body)
+    assert r.status_code == 200 and not r.json()["is_error"], r.content[:300]
+    locks = [q["sql"].split("(")[0] for q in queries if "pg_advisory_xact_lock" in q["sql"]]
+    expected = [] if body["command"] == "view" else ["SELECT pg_advisory_xact_lock_shared"] * 3
+    assert locks == expected + ([] if body["command"] == "view" else ["SELECT pg_advisory_xact_lock"]), locks
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("deleted", "write", "written"),
+    [
+        ("/memories/d", ("create", "/memories/d/new.md"), "/memories/d/new.md"),
+        ("/memories/d", ("create", "/memories/d/sub/deep/new.md"), "/memories/d/sub/deep/new.md"),
+        ("/memories/d/sub", ("create", "/memories/d/sub/x/new.md"), "/memories/d/sub/x/new.md"),
+        ("/memories/d", ("rename", "/memories/x.md"), "/memories/d/new.md"),
+        ("/memories/1/2/3/4/5/6/7", ("create", "/memories/1/2/3/4/5/6/7/8/new.md"), "/memories/1/2/3/4/5/6/7/8/new.md"),
+    ],
+    ids=["top-level", "nested-create", "nested-delete", "rename-into", "past-the-lock-depth"],
+)
+def test_a_file_written_into_a_directory_being_deleted_goes_with_it_or_comes_after(
+    transactional_db, deleted, write, written
+):
+    """Two agents of one tenant: one deletes a directory, the other creates a file in it (or
+    renames one into it). The delete took no lock: it listed the directory's files, the create
+    answered success, then the delete removed what it had listed and answered success too —
+    leaving the new file, and the directory the model deleted, behind. The delete's
+    ``_charge`` (after its listing) here waits until the write either answers or waits on a
+    lock (no sleep decides it): locked, the write waits for the delete and lands after it;
+    were it answered first, its file would have to be gone."""
+    import threading
+
+    from tests.factories import SYSTEM
+    from tests.helpers import lock_waiters, start_thread
+
+    tenant = make_tenant("race-delete-create")
+    for path in (f"{deleted}/a.md", f"{deleted}/sub2/b.md", "/memories/x.md"):
+        claude_memory.memory_tool_run(
+            tenant=tenant, actor=SYSTEM, command={"command": "create", "path": path, "file_text": "x"}
+        )
+    listed, written_done = threading.Event(), threading.Event()
+    answered: list[str] = []
+    charge = claude_memory.MemoryTool._charge
+
+    def charge_once_the_write_ran_or_waits(self, files, *, field):
+        if not listed.is_set():  # the delete's (a rename into the directory charges too)
+            listed.set()
+            deadline = time.monotonic() + 20
+            while not written_done.is_set() and lock_waiters() == 0:
+                assert time.monotonic() < deadline, "the write neither ran nor waited"
+                time.sleep(0.01)
+        return charge(self, files, field=field)
+
+    def delete():
+        claude_memory.memory_tool_run(tenant=tenant, actor=SYSTEM, command={"command": "delete", "path": deleted})
+        answered.append("delete")
+
+    def write_into_it():
+        assert listed.wait(20)
+        name, path = write
+        command = (
+            {"command": "create", "path": path, "file_text": "new"}
+            if name == "create"
+            else {"command": "rename", "old_path": path, "new_path": written}
+        )
+        claude_memory.memory_tool_run(tenant=tenant, actor=SYSTEM, command=command)
+        answered.append(name)
+
+    failures: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(claude_memory.MemoryTool, "_charge", charge_once_the_write_ran_or_waits)
+        threads = [start_thread(delete, failures), start_thread(write_into_it, failures, done=written_done)]
+        for t in threads:
+            t.join(30)
+    assert not failures, failures
+    keys = set(Memory.objects.filter(tenant=tenant, deleted_at__isnull=True).values_list("key", flat=True))
+    key = "claude:memories" + written[len("/memories") :].replace("/", ":")
+    if answered[0] == "delete":  # the write came after: its file is all there is in the directory
+        assert keys == {key} | ({"claude:memories:x.md"} if write[0] == "create" else set()), (answered, sorted(keys))
+    else:  # the write answered first: the delete must have taken its file too
+        assert key not in keys, (answered, sorted(keys))
+    assert answered[0] == "delete", answered  # the write waited for the delete's lock
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("edit", "other", "edited", "after"),
+    [
+        (
+            {"command": "str_replace", "old_str": "v1", "new_str": "v2"},
+            {"command": "rename", "old_path": "/memories/d", "new_path": "/memories/e"},
+            "/memories/d/a.md",
+            "/memories/e/a.md",
+        ),
+        (
+            {"command": "insert", "insert_line": 0, "insert_text": "v0"},
+            {"command": "rename", "old_path": "/memories/a.md", "new_path": "/memories/b.md"},
+            "/memories/a.md",
+            "/memories/b.md",
+        ),
+        (
+            {"command": "str_replace", "old_str": "v1", "new_str": "v2"},
+            {"command": "delete", "path": "/memories/d"},
+            "/memories/d/a.md",
+            None,
+        ),
+    ],
+    ids=["str_replace-directory-rename", "insert-file-rename", "str_replace-directory-delete"],
+)
+def test_an_edit_read_before_a_rename_or_delete_of_its_file_answers_in_the_order_it_ran(
+    transactional_db, edit, other, edited, after
+):
+    """Two agents of one tenant: one edits a file, the other renames or deletes it (or its
+    directory) after the edit has read it. The edit took no lock: the rename (delete) ran and
+    answered, and the edit, answering after it, was refused as if the file had gone under it
+    — "may have been deleted or renamed concurrently" — an error result the model cannot act
+    on but by reading again. The edit's ``_update`` (after its read) here waits until the
+    other command answers or waits on a lock: locked, that command waits for the edit, which
+    is applied first and then moved (or deleted) with its file."""
+    import threading
+
+    from tests.factories import SYSTEM
+    from tests.helpers import lock_waiters, start_thread
+
+    tenant = make_tenant("race-edit-rename")
+    claude_memory.memory_tool_run(
+        tenant=tenant, actor=SYSTEM, command={"command": "create", "path": edited, "file_text": "v1\n"}
+    )
+    read, other_done = threading.Event(), threading.Event()
+    answered: list[str] = []
+    outcomes: dict = {}
+    update = claude_memory.MemoryTool._update
+
+    def update_once_the_other_ran_or_waits(self, place, text, version):
+        read.set()
+        deadline = time.monotonic() + 20
+        while not other_done.is_set() and lock_waiters() == 0:
+            assert time.monotonic() < deadline, "the other command neither ran nor waited"
+            time.sleep(0.01)
+        return update(self, place, text, version)
+
+    def run_edit():
+        try:
+            outcomes["edit"] = claude_memory.memory_tool_run(
+                tenant=tenant, actor=SYSTEM, command={**edit, "path": edited}
+            )
+        except claude_memory.MemoryToolError as exc:
+            outcomes["edit"] = exc
+        answered.append("edit")
+
+    def run_other():
+        assert read.wait(20)
+        outcomes["other"] = claude_memory.memory_tool_run(tenant=tenant, actor=SYSTEM, command=other)
+        answered.append("other")
+
+    failures: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(claude_memory.MemoryTool, "_update", update_once_the_other_ran_or_waits)
+        threads = [start_thread(run_edit, failures), start_thread(run_other, failures, done=other_done)]
+        for t in threads:
+            t.join(30)
+    assert not failures, failures
+    assert answered == ["edit", "other"] and isinstance(outcomes["edit"], str), (answered, outcomes)
+    live = Memory.objects.filter(tenant=tenant, deleted_at__isnull=True)
+    if after is None:
+        assert not live.exists(), list(live.values_list("key", flat=True))
+    else:
+        tool = claude_memory.MemoryTool(tenant=tenant, actor=SYSTEM)
+        assert list(live.values_list("key", flat=True)) == [tool.place(after).key]
+        assert tool._text(tool.place(after))[0] == ("v2\n" if edit["command"] == "str_replace" else "v0\nv1\n")

@@ -50,9 +50,13 @@ DEFAULT_ROOT = "claude:memories"
 # needed and no directory where the file goes; two such commands at once (/memories/a.md and
 # /memories/a.md/b.md) could both pass, leaving a path both a file and a directory. And a
 # directory's rename moves the files it listed: a file created in it meanwhile (the create
-# answered first) stayed at the old path, outside the directory the model moved. So each
-# create and rename first takes transaction-level advisory locks on its paths' keys and
-# every key above them, in the tree of keys: exclusive on the path it creates (a rename: on
+# answered first) stayed at the old path, outside the directory the model moved. A
+# directory's delete likewise: a file created in it (or renamed into it) meanwhile was left
+# behind, the directory the model deleted still there. And an edit that had read its file
+# before a rename or delete of it went on after them, answering an error result ("deleted or
+# renamed concurrently"; its row lock and version check kept the text, not the order). So
+# every command but view first takes transaction-level advisory locks on its paths' keys and
+# every key above them, in the tree of keys: exclusive on the path it writes (a rename: on
 # its source and its destination), shared on each key above it (so the root's, and those
 # above the root's: a root under another root is one tree). Commands whose paths can clash
 # (one path is the other or above it) meet on a key one holds exclusive: the second waits for
@@ -420,8 +424,9 @@ class MemoryTool:
 
     def _tree_locked(self, places: tuple[Place, ...], run):
         """``run()`` in one transaction holding the tree locks of ``places`` (see
-        ``_TREE_LOCK_TAG``). A refusal (:class:`MemoryToolError`) is raised after the
-        commit, so the reads that led to it keep their audit events."""
+        ``_TREE_LOCK_TAG``): every command but ``view`` runs in it. A refusal
+        (:class:`MemoryToolError`) is raised after the commit, so the reads that led to it keep
+        their audit events."""
         exclusive: dict[str, bool] = {}
         for place in places:
             if place.is_root:
@@ -465,8 +470,7 @@ class MemoryTool:
         self._write(place.key, file_text)
         return f"File created successfully at: {path}"
 
-    def _file(self, path: str) -> tuple[Place, str, int]:
-        place = self.place(path)
+    def _file(self, place: Place, path: str) -> tuple[str, int]:
         if self._under_a_file(place) is not None:
             raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
         found = self._text(place)
@@ -474,10 +478,14 @@ class MemoryTool:
             if self._is_dir(place):
                 raise MemoryToolError(f"The path {path} is not a file.")
             raise MemoryToolError(f"The path {path} does not exist. Please provide a valid path.")
-        return place, *found
+        return found
 
     def str_replace(self, path: str, old_str: str, new_str: str) -> str:
-        place, content, version = self._file(path)
+        place = self.place(path)
+        return self._tree_locked((place,), lambda: self._str_replace(place, path, old_str, new_str))
+
+    def _str_replace(self, place: Place, path: str, old_str: str, new_str: str) -> str:
+        content, version = self._file(place, path)
         count = content.count(old_str) if old_str else 0
         if count == 0:
             raise MemoryToolError(
@@ -508,7 +516,11 @@ class MemoryTool:
         )
 
     def insert(self, path: str, insert_line: int, insert_text: str) -> str:
-        place, content, version = self._file(path)
+        place = self.place(path)
+        return self._tree_locked((place,), lambda: self._insert(place, path, insert_line, insert_text))
+
+    def _insert(self, place: Place, path: str, insert_line: int, insert_text: str) -> str:
+        content, version = self._file(place, path)
         lines = content.split("\n")
         if lines[-1] == "":
             lines.pop()
@@ -525,6 +537,9 @@ class MemoryTool:
 
     def delete(self, path: str) -> str:
         place = self.place(path)
+        return self._tree_locked((place,), lambda: self._delete(place, path))
+
+    def _delete(self, place: Place, path: str) -> str:
         if place.is_root:
             raise MemoryToolError("Cannot delete the /memories directory itself")
         if self._under_a_file(place) is not None:
