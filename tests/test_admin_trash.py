@@ -7,10 +7,12 @@ nothing else."""
 from __future__ import annotations
 
 import html
+import re
 from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -164,13 +166,18 @@ def test_a_restorable_trashed_memorys_own_page_restores_it(tenant_a, trash, staf
     from audit.models import AuditEvent
 
     memory = trash["fresh"]
-    _user, client = staff_clients["support"]
+    user, _client = staff_clients["support"]
+    client = Client(enforce_csrf_checks=True)  # as a browser: the CSRF check runs
+    client.force_login(user)
     page = html.unescape(client.get(f"/admin/memories/memory/{memory.pk}/change/").content.decode())
     restore_url = f"/admin/memories/memory/{memory.pk}/restore/"
     assert 'id="restore-memory"' in page and f'formaction="{restore_url}"' in page
-    assert 'name="csrfmiddlewaretoken"' in page  # the button posts the change form, its token with it
+    # The button posts the change form, its CSRF token with it.
+    token = re.findall(r'name="csrfmiddlewaretoken" value="([^"]+)"', page)[0]
     assert client.get(restore_url).status_code == 405  # a POST only
-    response = client.post(restore_url, follow=True)
+    assert client.post(restore_url).status_code == 403  # no token: refused, nothing restored
+    assert Memory.objects.get(pk=memory.pk).deleted_at is not None
+    response = client.post(restore_url, {"csrfmiddlewaretoken": token}, follow=True)
     body = html.unescape(response.content.decode())
     assert response.redirect_chain[-1][0] == f"/admin/memories/memory/{memory.pk}/change/"
     assert f"Restored {memory.key} from the trash as version" in body
@@ -180,7 +187,7 @@ def test_a_restorable_trashed_memorys_own_page_restores_it(tenant_a, trash, staf
     assert (event.actor_kind, event.surface, event.target, event.outcome) == ("staff", "admin", memory.key, "ok")
     assert 'id="restore-memory"' not in body  # live again: nothing to restore
     # Again (restored meanwhile, e.g. from another tab): refused, named, nothing changes.
-    body = html.unescape(client.post(restore_url, follow=True).content.decode())
+    body = html.unescape(client.post(restore_url, {"csrfmiddlewaretoken": token}, follow=True).content.decode())
     assert f"Not restored: {memory.key}: no such memory in the trash" in body
 
 
