@@ -284,9 +284,9 @@ def test_an_action_on_every_memory_of_a_huge_list_works_through_a_bounded_batch_
 ):
     # "Select all N" hands the action the whole filtered list: a million memories would be
     # loaded with their values and updated one service call at a time in one request.
-    from memories.admin import memories as memory_admin
+    from zeromem.kit import admin as kit_admin
 
-    monkeypatch.setattr(memory_admin, "ACTION_MAX", 3, raising=False)
+    monkeypatch.setattr(kit_admin, "ACTION_MAX", 3)
     for i in range(5):
         write(tenant_a, f"user:u1:k{i}", f"value {i}", ttl_seconds=60)
     _user, client = staff_clients["support"]

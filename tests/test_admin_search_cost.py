@@ -122,10 +122,10 @@ def test_a_select_all_action_on_a_searched_list_stops_at_the_search_deadline(
     to pick the action's memories, with no deadline: the list's own page stopped at
     ZEROMEM_ADMIN_SEARCH_TIMEOUT_MS, the action's query read every key and value in scope.
     Now the action's query stops at the same deadline, and then the action changes nothing."""
-    from memories.admin import memories as memory_admin
     from memories.models import Memory
+    from zeromem.kit import admin as kit_admin
 
-    monkeypatch.setattr(memory_admin, "ACTION_MAX", 3)  # (each memory is one service call)
+    monkeypatch.setattr(kit_admin, "ACTION_MAX", 3)  # (each memory is one service call)
     _seed(tenant_a, rows=BATCH)
     # The one match, last in key order: the action's query reads every memory before it.
     last = write(tenant_a, "user:zzzz:last", "zebra crossing", tags=["rare"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from audit.models import AuditEvent
 from memories.models import Membership
-from tests.factories import make_key, make_staff
+from tests.factories import logged_in, make_key, make_staff
 
 pytest_plugins = ["tests.admin_fixtures"]  # staff users of each role
 
@@ -137,3 +137,38 @@ def test_a_key_pasted_into_the_key_search_leaves_no_secret_in_the_log(tenant_a, 
     secret = raw.rsplit("_", 1)[1]
     assert secret not in repr(event.detail), event.detail
     assert event.detail["search"].startswith(f"leaked zm_{key.lookup}_")
+
+
+def test_the_admin_index_listing_the_users_tenants_is_an_audited_read(
+    tenant_a, tenant_b, staff_clients, superuser_client
+):
+    # The index's Dashboards box shows the tenant list's columns (each tenant's name and the
+    # reader's role in it) to every staff member who signs in: it was read with no record,
+    # while a page of the tenant list writes tenant.list in each tenant it shows.
+    viewer, client = staff_clients["viewer"]
+    body = client.get("/admin/").content.decode()
+    assert tenant_a.name in body and tenant_b.name not in body
+    (listed,) = _events(tenant_a, "tenant.list")
+    assert (listed.actor_kind, listed.actor_id, listed.surface, listed.target, listed.count, listed.outcome) == (
+        "staff",
+        str(viewer.pk),
+        "admin",
+        tenant_a.slug,
+        1,
+        "ok",
+    )
+    assert not _events(tenant_b, "tenant.list")
+    assert client.head("/admin/").status_code == 200  # a HEAD is audited as the GET it mirrors
+    assert len(_events(tenant_a, "tenant.list")) == 2
+    # A superuser's index shows both tenants: one event in each one's own log.
+    root, client = superuser_client
+    assert client.get("/admin/").status_code == 200
+    assert [e.actor_id for e in _events(tenant_b, "tenant.list")] == [str(root.pk)]
+    assert _events(tenant_a, "tenant.list")[-1].actor_id == str(root.pk)
+    # A member of no tenant sees none, and nothing is recorded.
+    loner = make_staff(tenant_a, "viewer", username="loner")
+    Membership.objects.filter(user=loner).delete()
+    before = AuditEvent.objects.filter(action="tenant.list").count()
+    body = logged_in(loner).get("/admin/").content.decode()
+    assert "not a member of any tenant yet" in body
+    assert AuditEvent.objects.filter(action="tenant.list").count() == before

@@ -7,10 +7,12 @@ nothing else."""
 from __future__ import annotations
 
 import html
+import re
 from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -156,3 +158,59 @@ def test_a_superusers_trash_over_many_tenants_is_one_short_case(tenant_a, superu
         ).values_list("key", "tenant__slug")
     }
     assert listed == {name for name, restorable in expected.items() if restorable}
+
+
+def test_a_restorable_trashed_memorys_own_page_restores_it(tenant_a, trash, staff_clients):
+    # Its page said "trash" and offered nothing: support staff went back to the trash list,
+    # found it again and ran the list's action on it.
+    from audit.models import AuditEvent
+
+    memory = trash["fresh"]
+    user, _client = staff_clients["support"]
+    client = Client(enforce_csrf_checks=True)  # as a browser: the CSRF check runs
+    client.force_login(user)
+    page = html.unescape(client.get(f"/admin/memories/memory/{memory.pk}/change/").content.decode())
+    restore_url = f"/admin/memories/memory/{memory.pk}/restore/"
+    assert 'id="restore-memory"' in page and f'formaction="{restore_url}"' in page
+    # The button posts the change form, its CSRF token with it.
+    token = re.findall(r'name="csrfmiddlewaretoken" value="([^"]+)"', page)[0]
+    assert client.get(restore_url).status_code == 405  # a POST only
+    assert client.post(restore_url).status_code == 403  # no token: refused, nothing restored
+    assert Memory.objects.get(pk=memory.pk).deleted_at is not None
+    response = client.post(restore_url, {"csrfmiddlewaretoken": token}, follow=True)
+    body = html.unescape(response.content.decode())
+    assert response.redirect_chain[-1][0] == f"/admin/memories/memory/{memory.pk}/change/"
+    assert f"Restored {memory.key} from the trash as version" in body
+    memory.refresh_from_db()
+    assert memory.deleted_at is None
+    (event,) = AuditEvent.objects.filter(tenant=tenant_a, action="memory.restore")
+    assert (event.actor_kind, event.surface, event.target, event.outcome) == ("staff", "admin", memory.key, "ok")
+    assert 'id="restore-memory"' not in body  # live again: nothing to restore
+    # Again (restored meanwhile, e.g. from another tab): refused, named, nothing changes.
+    body = html.unescape(client.post(restore_url, {"csrfmiddlewaretoken": token}, follow=True).content.decode())
+    assert f"Not restored: {memory.key}: no such memory in the trash" in body
+
+
+def test_the_restore_button_only_for_roles_that_restore_and_memories_a_restore_brings_back(
+    tenant_a, tenant_b, trash, staff_clients
+):
+    memory = trash["two_days"]
+    restore_url = f"/admin/memories/memory/{memory.pk}/restore/"
+    _user, viewer = staff_clients["viewer"]
+    page = viewer.get(f"/admin/memories/memory/{memory.pk}/change/").content.decode()
+    assert page and 'id="restore-memory"' not in page
+    assert viewer.post(restore_url).status_code == 403
+    _user, compliance = staff_clients["compliance"]
+    assert compliance.post(restore_url).status_code == 404  # no memory page at all
+    _user, support = staff_clients["support"]
+    for name in NOT_RESTORABLE:  # the page says why; the button is not there, a POST is refused
+        page = support.get(f"/admin/memories/memory/{trash[name].pk}/change/").content.decode()
+        assert 'id="restore-memory"' not in page, name
+        response = support.post(f"/admin/memories/memory/{trash[name].pk}/restore/", follow=True)
+        assert f"Not restored: {trash[name].key}: this memory" in html.unescape(response.content.decode()), name
+    assert Memory.objects.filter(tenant=tenant_a, deleted_at__isnull=False).count() == len(trash)
+    # Another tenant's trashed memory: a 404, like a missing one.
+    other = _trashed(tenant_b, "user:u9:theirs")
+    assert support.post(f"/admin/memories/memory/{other.pk}/restore/").status_code == 404
+    assert Memory.objects.get(pk=other.pk).deleted_at is not None
+    assert viewer.post(restore_url).status_code == 403 and Memory.objects.get(pk=memory.pk).deleted_at is not None

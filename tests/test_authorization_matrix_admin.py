@@ -132,6 +132,9 @@ def _table() -> dict[str, AdminRoute]:
         "admin/memories/tenant/<int:tenant_id>/dashboard/": AdminRoute("dashboard", "tenant"),
         "admin/memories/memory/<path:object_id>/history/<int:version>/restore/": AdminRoute("restore", "memory"),
         "admin/memories/memory/<path:object_id>/reveal/": AdminRoute("reveal", "memory"),
+        # Restoring a trashed memory from its own page (the matrix's memory is live: the service
+        # refuses it, named in a message, and nothing changes).
+        "admin/memories/memory/<path:object_id>/restore/": AdminRoute("trash_restore", "memory"),
         # One version's whole value: a page of the memory's history (an audited read).
         "admin/memories/memory/<path:object_id>/history/<int:version>/": AdminRoute("history", "memory"),
         "admin/audit/auditevent/export/": AdminRoute("export", "auditevent"),
@@ -253,7 +256,7 @@ def expected(row: Row, identity: str) -> int | str:
         if method == "GET":
             return 405
         return 302 if "v" in perms else 404
-    if kind == "restore":
+    if kind in ("restore", "trash_restore"):
         if method == "GET":
             return 405
         if "v" not in perms:

@@ -409,9 +409,9 @@ def test_withdrawing_every_link_of_a_long_list_works_through_a_bounded_batch_per
 ):
     # "Select all" handed the action every link in scope: one audited service call per end
     # user, all in one request (links live an hour: tens of thousands for a busy app).
-    from memories.admin import portal_links
+    from zeromem.kit import admin as kit_admin
 
-    monkeypatch.setattr(portal_links, "WITHDRAW_MAX", 2)
+    monkeypatch.setattr(kit_admin, "ACTION_MAX", 2)
     for subject in ("u1", "u2", "u3"):
         issue(api, subject=subject)
     staff = logged_in(make_staff(tenant_a, "support"))

@@ -7,6 +7,7 @@ which writes the version and the audit event. Importing a module registers its a
 from django.contrib import admin
 
 from memories.admin import api_keys, forget_requests, memberships, memories, portal_links, tenants
+from memories.admin.tenants import audited_index
 from zeromem.kit.admin import methods_limited, refusing_nul_parameters
 from zeromem.kit.login_throttle import throttled
 
@@ -16,6 +17,8 @@ admin.site.site_header = "ZeroMem admin"
 admin.site.site_title = "ZeroMem admin"
 admin.site.index_title = "Tenants, memories and the audit log"
 admin.site.index_template = "zeromem_admin/index.html"
+# The index lists the user's tenants (their dashboards): audited as the tenant list's pages are.
+admin.site.index = audited_index(admin.site.index)
 # Failed sign-ins are throttled per client address and username (zeromem/kit/login_throttle.py).
 admin.site.login = throttled(admin.site.login)
 # Every admin page answers GET, HEAD and POST only (a 405 otherwise): Django's admin renders a

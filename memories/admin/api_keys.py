@@ -15,19 +15,17 @@ from memories.models import ApiKey
 from zeromem.kernel import validation
 from zeromem.kernel.errors import NotFound, ServiceError
 from zeromem.kernel.scopes import DEFAULT_AGENT_SCOPES, TENANT_SCOPES, Capability
+from zeromem.kit import admin as kit_admin
 from zeromem.kit.admin import (
     READ_METHODS,
     AuditedListAdmin,
     AuditedOpeningAdmin,
     TenantScopedAdmin,
+    action_remaining_text,
     actor_for,
     may,
     tenant_ids_with,
 )
-
-# Revoke works on at most this many keys per run ("select all" hands it every key the list
-# matches: each is one service call, its portal links and queued jobs, in one request).
-ACTION_MAX = 1000
 
 
 class ApiKeyForm(forms.ModelForm):
@@ -131,21 +129,20 @@ class ApiKeyAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
 
     @admin.action(permissions=["revoke"], description="Revoke selected keys")
     def revoke(self, request, queryset):
-        keys = list(
-            queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True)
-            .select_related("tenant")
-            .order_by("pk")[: ACTION_MAX + 1]
-        )
-        if len(keys) > ACTION_MAX:
-            self.message_user(
-                request,
-                f"This action works on at most {ACTION_MAX} per run: run it again for the rest.",
-                messages.WARNING,
-            )
+        """Revokes the first ``ACTION_MAX`` keys of the selection by id (each one service call,
+        its portal links and queued jobs); says how many it revoked and how many of the
+        selection remain (a capped count, only when the batch is full)."""
+        unrevoked = queryset.filter(
+            tenant_id__in=tenant_ids_with(request, Capability.KEYS_MANAGE), revoked_at__isnull=True
+        ).order_by("pk")
+        keys = list(unrevoked.select_related("tenant")[: kit_admin.ACTION_MAX + 1])
+        remaining = kit_admin.action_remaining(unrevoked) if len(keys) > kit_admin.ACTION_MAX else 0
         done = 0
-        for key in keys[:ACTION_MAX]:
+        for key in keys[: kit_admin.ACTION_MAX]:
             done += services.api_key_revoke(tenant=key.tenant, actor=actor_for(request, key.tenant_id), key_id=key.pk)
-        self.message_user(request, f"{done} keys revoked.")
+        self.message_user(request, f"{done} key{'' if done == 1 else 's'} revoked.", messages.SUCCESS)
+        if remaining:
+            self.message_user(request, action_remaining_text(remaining, "revoke", "revokes"), messages.WARNING)
 
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data

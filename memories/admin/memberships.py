@@ -14,18 +14,17 @@ from memories.models import Membership
 from zeromem.kernel import validation
 from zeromem.kernel.errors import NotFound, ServiceError
 from zeromem.kernel.scopes import Capability
+from zeromem.kit import admin as kit_admin
 from zeromem.kit.admin import (
     READ_METHODS,
     AuditedListAdmin,
     AuditedOpeningAdmin,
     TenantScopedAdmin,
+    action_remaining_text,
     actor_for,
     may,
     tenant_ids_with,
 )
-
-# Removing selected memberships works on at most this many per run (one service call each).
-ACTION_MAX = 1000
 
 
 class MembershipForm(forms.ModelForm):
@@ -110,7 +109,7 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
 
     def delete_queryset(self, request, queryset):
         # Only through delete_selected below, which hands it one run's batch.
-        for membership in queryset.select_related("tenant", "user").order_by("pk")[:ACTION_MAX]:
+        for membership in queryset.select_related("tenant", "user").order_by("pk")[: kit_admin.ACTION_MAX]:
             self.delete_model(request, membership)
 
     @admin.action(permissions=["delete"], description="Remove selected memberships")
@@ -120,19 +119,24 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
         the selection it leaves; the message counts the memberships removed and says how many
         remain. (Django's own listed, counted and posted "select all"'s whole selection — 3 of
         them, with a bound of 2, said "Successfully deleted 3 memberships." and removed 2.)"""
-        allowed = queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE))
-        ids = list(allowed.order_by("pk").values_list("pk", flat=True)[: ACTION_MAX + 1])
-        batch = allowed.filter(pk__in=ids[:ACTION_MAX])
+        allowed = queryset.filter(tenant_id__in=tenant_ids_with(request, Capability.MEMBERS_MANAGE)).order_by("pk")
+        action_max = kit_admin.ACTION_MAX
+        ids = list(allowed.values_list("pk", flat=True)[: action_max + 1])
+        batch = allowed.filter(pk__in=ids[:action_max])
         # The confirmation posts the batch's ids only; how many the selection held beyond them
+        # (a count capped at ACTION_REMAINING_COUNT_CAP + 1, not the selection's whole COUNT(*))
         # comes along in more_remain (a count for the message, nothing is selected by it).
-        beyond = allowed.count() - ACTION_MAX if len(ids) > ACTION_MAX else 0
-        beyond = beyond or validation.ascii_int(request.POST.get("more_remain") or "") or 0
+        beyond = kit_admin.action_remaining(allowed) if len(ids) > action_max else 0
+        posted = validation.ascii_int(request.POST.get("more_remain") or "") or 0
+        beyond = beyond or min(posted, kit_admin.ACTION_REMAINING_COUNT_CAP + 1)
         if not request.POST.get("post"):
             response = admin_actions.delete_selected(self, request, batch)
             if response is not None and response.context_data is not None:
-                size = len(ids[:ACTION_MAX])
+                size = len(ids[:action_max])
+                capped = beyond > kit_admin.ACTION_REMAINING_COUNT_CAP
+                selected = f"more than {size + kit_admin.ACTION_REMAINING_COUNT_CAP:,}" if capped else size + beyond
                 response.context_data.update(
-                    batch_size=size, selected=size + beyond, more_remain=beyond, action_max=ACTION_MAX
+                    batch_size=size, selected=selected, more_remain=beyond, action_max=action_max
                 )
             return response
         memberships = list(batch.select_related("tenant", "user").order_by("pk"))
@@ -146,12 +150,7 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
             )
         self.message_user(request, f"{removed} membership{'' if removed == 1 else 's'} removed.", messages.SUCCESS)
         if beyond:
-            self.message_user(
-                request,
-                f"Of the selection, still to remove: {beyond} (this action removes at most {ACTION_MAX} per run): "
-                "run it again for the rest.",
-                messages.WARNING,
-            )
+            self.message_user(request, action_remaining_text(beyond, "remove", "removes"), messages.WARNING)
         return None
 
 

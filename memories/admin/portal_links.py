@@ -19,11 +19,16 @@ from memories.portal.models import PortalLink
 from memories.portal.services import link_ref, portal_links_revoke, portal_links_viewed
 from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import Capability
-from zeromem.kit.admin import AuditedListAdmin, TenantScopedAdmin, actor_for, may, service_error_text, tenant_ids_with
-
-# End users whose links one run of the action withdraws: each is an audited service call, and
-# "select all" may hand it every link in scope (they live ZEROMEM_PORTAL_LINK_SECONDS).
-WITHDRAW_MAX = 1000
+from zeromem.kit import admin as kit_admin
+from zeromem.kit.admin import (
+    AuditedListAdmin,
+    TenantScopedAdmin,
+    action_remaining_text,
+    actor_for,
+    may,
+    service_error_text,
+    tenant_ids_with,
+)
 
 
 class PortalLinkAdmin(AuditedListAdmin, TenantScopedAdmin):
@@ -74,21 +79,17 @@ class PortalLinkAdmin(AuditedListAdmin, TenantScopedAdmin):
     def withdraw(self, request, queryset):
         allowed = tenant_ids_with(request, Capability.FORGET_CREATE)
         # End users with a link still standing (the others have nothing left to withdraw),
-        # at most WITHDRAW_MAX per run.
-        targets = list(
+        # at most ACTION_MAX per run: each is an audited service call, and "select all" may
+        # hand it every link in scope (they live ZEROMEM_PORTAL_LINK_SECONDS).
+        standing = (
             queryset.filter(tenant_id__in=allowed, revoked_at__isnull=True)
             .order_by("tenant_id", "subject")
             .values_list("tenant_id", "subject")
-            .distinct()[: WITHDRAW_MAX + 1]
+            .distinct()
         )
-        if len(targets) > WITHDRAW_MAX:
-            targets = targets[:WITHDRAW_MAX]
-            self.message_user(
-                request,
-                f"This action withdraws the links of at most {WITHDRAW_MAX} end users per run: "
-                "run it again for the rest.",
-                messages.WARNING,
-            )
+        targets = list(standing[: kit_admin.ACTION_MAX + 1])
+        remaining = kit_admin.action_remaining(standing) if len(targets) > kit_admin.ACTION_MAX else 0
+        targets = targets[: kit_admin.ACTION_MAX]
         tenants = Tenant.objects.in_bulk({tenant_id for tenant_id, _ in targets})
         done = 0
         for tenant_id, subject in targets:
@@ -99,6 +100,9 @@ class PortalLinkAdmin(AuditedListAdmin, TenantScopedAdmin):
             except ServiceError as exc:
                 self.message_user(request, service_error_text(exc), messages.ERROR)
         self.message_user(request, f"{done} portal links withdrawn for {len(targets)} end users.")
+        if remaining:
+            text = action_remaining_text(remaining, "withdraw", "withdraws the links of", unit=" end users")
+            self.message_user(request, text, messages.WARNING)
 
 
 admin.site.register(PortalLink, PortalLinkAdmin)

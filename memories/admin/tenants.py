@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from django import forms
 from django.apps import apps
 from django.contrib import admin
@@ -174,3 +176,27 @@ def _autocomplete_source_admin(site, request):
         return site.get_model_admin(model)
     except Exception:  # unknown model or not registered: AutocompleteJsonView refuses it anyway
         return None
+
+
+# The admin index links the dashboards of at most this many of the user's tenants (by slug).
+INDEX_TENANTS_MAX = 100
+
+
+def audited_index(index):
+    """``AdminSite.index`` (installed in memories/admin/__init__.py), whose *Dashboards* box
+    lists the user's tenants (name and role, at most ``INDEX_TENANTS_MAX``): the tenant list's
+    columns, read with no record while a page of the list writes ``tenant.list``. Recorded the
+    same way: ``tenant.list`` in each tenant it shows (count 1), on GET and HEAD."""
+
+    @functools.wraps(index)
+    def view(request, extra_context=None):
+        roles = staff_roles(request)
+        tenants = list(Tenant.objects.filter(pk__in=roles).order_by("slug")[:INDEX_TENANTS_MAX])
+        context = {**(extra_context or {}), "zeromem_tenants": [(tenant, roles[tenant.pk]) for tenant in tenants]}
+        response = index(request, extra_context=context)
+        if request.method in READ_METHODS and response.status_code == 200:
+            for tenant in tenants:
+                services.tenants_listed(tenant=tenant, actor=actor_for(request, tenant.pk), count=1)
+        return response
+
+    return view

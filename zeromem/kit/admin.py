@@ -132,6 +132,35 @@ SEARCH_WORDS_MAX = 10
 SEARCH_CHARS_MAX = 200
 
 
+# An action works on at most this many rows per run, the first of the selection in its order
+# ("select all" may hand it millions: each row is one service call, inside one request). The
+# one bound of every action of the console (memories, API keys, memberships, portal links).
+ACTION_MAX = 1000
+# How many of a larger selection a run leaves is counted up to this many rows past its batch
+# (a LIMITed count, run only when the batch is full): "select all" over millions of rows was an
+# unbounded COUNT(*) per run for a number in a message; past the cap it says "more than".
+ACTION_REMAINING_COUNT_CAP = 10_000
+
+
+def action_remaining(queryset) -> int:
+    """How many rows of ``queryset`` (ordered as the action picks its batch) lie past the first
+    ``ACTION_MAX``: counted up to ``ACTION_REMAINING_COUNT_CAP`` + 1 (one LIMITed count)."""
+    return queryset[ACTION_MAX : ACTION_MAX + ACTION_REMAINING_COUNT_CAP + 1].count()
+
+
+def action_remaining_text(remaining: int | None, still: str, does: str = "works on", unit: str = "") -> str:
+    """The warning after a run that left part of the selection: how many (``remaining`` from
+    :func:`action_remaining`; None: not counted), the bound, and to run it again."""
+    if remaining is None:
+        counted = "more (not counted)"
+    elif remaining > ACTION_REMAINING_COUNT_CAP:
+        counted = f"more than {ACTION_REMAINING_COUNT_CAP:,}{unit}"
+    else:
+        counted = f"{remaining:,}{unit}"
+    bound = f"this action {does} at most {ACTION_MAX:,}{unit} per run"
+    return f"Of the selection, still to {still}: {counted} ({bound}): run it again for the rest."
+
+
 # What a change list takes besides its filters' parameters: search, sort, page, show all,
 # popup, the error flag Django's own redirect adds.
 LIST_PARAMETERS = frozenset({*IGNORED_PARAMS, PAGE_VAR, ERROR_FLAG})
