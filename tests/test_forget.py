@@ -1745,3 +1745,135 @@ def test_a_forget_redacts_memory_keys_never_the_targets_of_key_and_membership_ev
     assert not AuditEvent.objects.filter(tenant=tenant_a, target__in=["zm_notes:k", "user:u7:k"]).exists()
     audit_services.audit_seal(tenant_id=tenant_a.pk)
     assert audit_verify(tenant_id=tenant_a.pk).ok
+
+
+def _attempt_fail_events(request) -> list[AuditEvent]:
+    return list(
+        AuditEvent.objects.filter(action="forget.attempt_fail", detail__forget_request=str(request.uid)).order_by("pk")
+    )
+
+
+def test_each_failed_forget_attempt_is_audited_once_with_its_attempt_and_error_code(tenant_a, monkeypatch, settings):
+    # Once only the give-up was (forget.fail): a compliance reviewer could not see that an end
+    # user's erasure failed three times before it succeeded.
+    from django.db import OperationalError
+
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 5
+    write(tenant_a, "user:u1:diagnosis", "the secret diagnosis")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    real = forget._erase_batch
+
+    def database_down(request_id, *, batch_size, **kwargs):
+        # A database error's message can quote the row it failed on.
+        raise OperationalError('duplicate key (key)=(user:u1:diagnosis) "the secret diagnosis"')
+
+    monkeypatch.setattr(forget, "_erase_batch", database_down)
+    for _ in range(3):
+        with pytest.raises(OperationalError):
+            forget.forget_request_execute(request_id=request.pk)
+    monkeypatch.setattr(forget, "_erase_batch", real)
+    assert forget.forget_request_execute(request_id=request.pk)["status"] == "completed"
+
+    events = _attempt_fail_events(request)
+    assert [(e.outcome, e.actor_kind, e.actor_id, e.target, e.subject) for e in events] == [
+        ("unavailable", "system", "forget", "", "")
+    ] * 3
+    assert [e.detail for e in events] == [
+        {"forget_request": str(request.uid), "attempt": n, "max_attempts": 5, "error": "database_error"}
+        | {"gave_up": False}
+        for n in (1, 2, 3)
+    ]
+    done = ForgetRequest.objects.get(pk=request.pk)
+    assert (done.attempts, done.error) == (4, "")
+    assert forget.FAILURE_AUDITED not in done.receipt  # the final receipt: counts and times only
+    for e in AuditEvent.objects.all():
+        text = json.dumps([e.target, e.detail, e.subject])
+        assert "secret diagnosis" not in text and "user:u1:diagnosis" not in text
+
+
+def test_the_forget_attempt_that_uses_the_last_one_says_it_gave_up(tenant_a, monkeypatch, settings):
+    settings.ZEROMEM_JOB_MAX_ATTEMPTS = 2
+    write(tenant_a, "user:u1:k", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+
+    def broken(request_id, *, batch_size, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(forget, "_erase_batch", broken)
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            forget.forget_request_execute(request_id=request.pk)
+    assert forget.forget_request_execute(request_id=request.pk)["status"] == "failed"
+    assert [(e.detail["attempt"], e.detail["error"], e.detail["gave_up"]) for e in _attempt_fail_events(request)] == [
+        (1, "internal_error", False),
+        (2, "internal_error", True),
+    ]
+    assert AuditEvent.objects.filter(action="forget.fail", detail__forget_request=str(request.uid)).count() == 1
+
+
+def test_a_failed_forget_attempts_event_is_in_the_transaction_that_records_the_failure(tenant_a, monkeypatch):
+    write(tenant_a, "user:u1:k", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+
+    def broken(request_id, *, batch_size, **kwargs):
+        raise ConnectionError("worker lost the database")
+
+    def broken_record(*args, **kwargs):
+        raise RuntimeError("audit INSERT failed")
+
+    monkeypatch.setattr(forget, "_erase_batch", broken)
+    monkeypatch.setattr(forget, "_record_failed_attempt", broken_record)
+    with pytest.raises(ConnectionError):  # the step's own error, not the audit's
+        forget.forget_request_execute(request_id=request.pk)
+    halfway = ForgetRequest.objects.get(pk=request.pk)
+    # The failure is not recorded without its event (the attempt still counts).
+    assert (halfway.status, halfway.attempts, halfway.error) == ("running", 1, "")
+    assert forget.FAILURE_AUDITED not in halfway.receipt
+
+
+def test_a_forget_step_whose_worker_stopped_is_audited_when_the_next_one_begins(tenant_a, monkeypatch, settings):
+    write(tenant_a, "user:u1:k", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    real = forget._erase_batch
+
+    def killed(request_id, *, batch_size, **kwargs):
+        raise SystemExit("SIGKILL")  # no except clause of the step runs, as for a kill -9
+
+    monkeypatch.setattr(forget, "_erase_batch", killed)
+    with pytest.raises(SystemExit):
+        forget.forget_request_execute(request_id=request.pk)
+    monkeypatch.setattr(forget, "_erase_batch", real)
+    assert ForgetRequest.objects.get(pk=request.pk).stepping
+    assert _attempt_fail_events(request) == []
+
+    # django-q2 kills a task at Q_TIMEOUT: the step is over then (the clock moved on).
+    timeout = settings.Q_CLUSTER.get("timeout", 300)
+    ForgetRequest.objects.filter(pk=request.pk).update(turn_at=timezone.now() - timedelta(seconds=timeout + 1))
+    assert forget.forget_request_execute(request_id=request.pk)["status"] == "completed"
+    assert [e.detail for e in _attempt_fail_events(request)] == [
+        {
+            "forget_request": str(request.uid),
+            "attempt": 1,
+            "max_attempts": settings.ZEROMEM_JOB_MAX_ATTEMPTS,
+            "error": "worker_stopped",
+            "gave_up": False,
+        }
+    ]
+
+
+def test_a_step_that_failed_is_not_audited_again_as_stopped(tenant_a, monkeypatch, settings):
+    write(tenant_a, "user:u1:k", "value")
+    request = services.forget_request_create(tenant=tenant_a, actor=SYSTEM, subject="u1")
+    real = forget._erase_batch
+
+    def broken(request_id, *, batch_size, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(forget, "_erase_batch", broken)
+    with pytest.raises(RuntimeError):
+        forget.forget_request_execute(request_id=request.pk)
+    monkeypatch.setattr(forget, "_erase_batch", real)
+    timeout = settings.Q_CLUSTER.get("timeout", 300)
+    ForgetRequest.objects.filter(pk=request.pk).update(turn_at=timezone.now() - timedelta(seconds=timeout + 1))
+    assert forget.forget_request_execute(request_id=request.pk)["status"] == "completed"
+    assert [e.detail["error"] for e in _attempt_fail_events(request)] == ["internal_error"]

@@ -391,6 +391,11 @@ def test_a_worker_killed_mid_job_is_redelivered_after_q_retry_and_completes_the_
     assert task.result["status"] == "completed"
     audit_erases = AuditEvent.objects.filter(action="forget.erase", detail__forget_request=str(killed.uid)).count()
     assert audit_erases == 3  # 1 batch before the kill + 2 after: nothing erased twice
+    # The killed attempt could not say so; the next one's begin did. Its batch was progress.
+    stopped = AuditEvent.objects.filter(action="forget.attempt_fail", detail__forget_request=str(killed.uid))
+    assert [(e.detail["attempt"], e.detail["error"], e.detail["gave_up"]) for e in stopped] == [
+        (1, "worker_stopped", False)
+    ]
 
 
 def test_a_task_that_kills_its_worker_every_time_is_not_retried_for_ever(cluster, monkeypatch):
@@ -426,6 +431,11 @@ def test_a_task_that_kills_its_worker_every_time_is_not_retried_for_ever(cluster
     starts = _starts(request.pk)
     assert [e.detail["attempt"] for e in starts] == list(range(1, JOB_MAX_ATTEMPTS + 1))
     fail_event = AuditEvent.objects.get(action="forget.fail", detail__forget_request=str(request.uid))
+    # Each killed attempt is audited when the next delivery begins; the last one gave up.
+    stopped = AuditEvent.objects.filter(action="forget.attempt_fail", detail__forget_request=str(request.uid))
+    assert [(e.detail["attempt"], e.detail["error"], e.detail["gave_up"]) for e in stopped.order_by("pk")] == [
+        (n, "worker_stopped", n == JOB_MAX_ATTEMPTS) for n in range(1, JOB_MAX_ATTEMPTS + 1)
+    ]
     times = [e.occurred_at for e in starts] + [fail_event.occurred_at]
     gaps = [(later - earlier).total_seconds() for earlier, later in zip(times, times[1:], strict=False)]
     assert all(gap >= Q_RETRY - 1 for gap in gaps), gaps  # each redelivery waited for the broker lock

@@ -36,7 +36,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.admin.models import LogEntry
 from django.contrib.contenttypes.models import ContentType
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import BooleanField, OuterRef, Q, QuerySet, Subquery, Value
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
@@ -54,7 +54,7 @@ from memories.services.retention import set_local_wal_compression, wal_compressi
 from memories.services.summaries import SUMMARY_KEY_PREFIX, summary_expiry, summary_key, summary_without
 from zeromem.kernel import subjectkeys, validation
 from zeromem.kernel.actors import Actor, allowlist_entry_covers, require_scope
-from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound
+from zeromem.kernel.errors import Forbidden, InvalidInput, NotFound, ServiceError
 from zeromem.kernel.keyprefix import startswith_q
 from zeromem.kernel.outcomes import ActorKind, Outcome
 from zeromem.kernel.scopes import Scope
@@ -83,6 +83,10 @@ REDACT_CURSOR = "audit_redacted_through"
 # The attempts a pending request had when its last forget.resume was audited (receipt key,
 # dropped at completion): forget_requests_resume audits a request again only once it moved on.
 RESUMED_AFTER = "resumed_after_attempts"
+# The latest attempt whose failure is audited (receipt key): a step that raised wrote its
+# ``forget.attempt_fail`` event itself; one still ``stepping`` past Q_TIMEOUT without this mark
+# had its worker killed, and the next step's begin writes the event for it.
+FAILURE_AUDITED = "failure_audited_attempt"
 PK_MAX = 2**63 - 1
 FORGET_JOB = "forget"
 TASK = "memories.tasks.forget_request_task"
@@ -451,7 +455,8 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
 
     Returns the request's status and receipt (what django-q2 stores as the task result:
     counts and times, no content). A step that raises leaves the request ``stepping``: it
-    waits again ``Q_TIMEOUT`` after the step began, as a job's failed attempt does.
+    waits again ``Q_TIMEOUT`` after the step began, as a job's failed attempt does; its error
+    and its ``forget.attempt_fail`` event are recorded in one transaction (:func:`_step_failed`).
     """
     request_id = request.pk
     if request.status != Status.RUNNING:
@@ -507,7 +512,7 @@ def forget_step_run(request: ForgetRequest, *, batch_size: int = ERASE_BATCH_SIZ
             if time.monotonic() >= deadline:
                 return _hand_back(request)
     except Exception as exc:
-        _note_error(request_id, exc)
+        _step_failed(request, exc)
         raise
 
 
@@ -639,7 +644,10 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
     """Begin a step: count an attempt (or give up), mark the request ``stepping`` and take
     its turn (``turn_at``). Returns the request (None if there is none); its status is
     ``running`` only if the step is to erase. In its own transaction, or the caller's: a
-    delivery claims the request and begins its step in one (services.turns.delivery_run)."""
+    delivery claims the request and begins its step in one (services.turns.delivery_run).
+    A previous step still ``stepping`` ``Q_TIMEOUT`` after it began, its failure unaudited,
+    had its worker killed: its ``forget.attempt_fail`` event (``worker_stopped``) is written
+    here."""
     with transaction.atomic():
         request = (
             ForgetRequest.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=request_id).first()
@@ -651,6 +659,19 @@ def forget_step_begin(request_id: int) -> ForgetRequest | None:
         stalled = request.stalled_attempts + 1  # reset by every batch erased (_erase_batch)
         actor = Actor.system(job=FORGET_JOB)
         limit = settings.ZEROMEM_JOB_MAX_ATTEMPTS
+        # A step still "stepping" Q_TIMEOUT after it began (django-q2 kills a task then) whose
+        # failure nobody audited: its worker stopped, and could not say so itself.
+        over = now - timedelta(seconds=settings.Q_CLUSTER.get("timeout", 300))
+        if (
+            request.stepping
+            and request.attempts
+            and request.turn_at is not None
+            and request.turn_at < over
+            and request.receipt.get(FAILURE_AUDITED) != request.attempts
+        ):
+            _record_failed_attempt(
+                request, attempt=request.attempts, code="worker_stopped", gave_up=request.stalled_attempts >= limit
+            )
         if stalled > limit:
             error = (
                 f"gave up after {limit} attempts"
@@ -1154,14 +1175,68 @@ def _complete(request_id: int) -> dict | None:
         return _result(request)
 
 
-def _note_error(request_id: int, exc: Exception) -> None:
-    # The class name only: a database error's message can quote the row it failed on.
+def _step_failed(request: ForgetRequest, exc: Exception) -> None:
+    """Record a step's failure on its request — the error's class name only (a database
+    error's message can quote the row it failed on) — and its ``forget.attempt_fail`` event,
+    in one transaction. Only the request's latest attempt speaks for it: an older step
+    overlapped by a newer one (``forget_request_execute`` runs whoever's turn it is) records
+    nothing. Cost: a locking SELECT of the request, an UPDATE, the audit INSERT."""
     try:
-        ForgetRequest.objects.filter(pk=request_id, status__in=PENDING).update(
-            error=f"{type(exc).__module__}.{type(exc).__name__}"[:200]
-        )
+        with transaction.atomic():
+            row = (
+                ForgetRequest.objects.select_for_update()
+                .filter(pk=request.pk, status__in=PENDING, attempts=request.attempts)
+                .values_list("stalled_attempts", "receipt")
+                .first()
+            )
+            if row is None:
+                return
+            stalled, receipt = row
+            ForgetRequest.objects.filter(pk=request.pk).update(
+                error=f"{type(exc).__module__}.{type(exc).__name__}"[:200],
+                receipt={**(receipt or {}), FAILURE_AUDITED: request.attempts},
+            )
+            # No attempt is left when this one was the last of ZEROMEM_JOB_MAX_ATTEMPTS in a
+            # row that erased nothing (a batch it erased reset stalled_attempts to 0).
+            _record_failed_attempt(
+                request, attempt=request.attempts, code=_error_code(exc), gave_up=stalled >= _max_attempts()
+            )
     except Exception:  # the database itself may be what failed; the re-raise reports it
-        logger.exception("could not record the error of forget request %s", request_id)
+        logger.exception("could not record the error of forget request %s", request.pk)
+
+
+def _error_code(exc: Exception) -> str:
+    """What kind of failure ``exc`` is, as the attempt's audit event names it: never its text
+    (a database error's message can quote a key or a value)."""
+    if isinstance(exc, ServiceError):
+        return exc.code
+    if isinstance(exc, DatabaseError):
+        return "database_error"
+    return "internal_error"
+
+
+def _max_attempts() -> int:
+    return settings.ZEROMEM_JOB_MAX_ATTEMPTS
+
+
+def _record_failed_attempt(request: ForgetRequest, *, attempt: int, code: str, gave_up: bool) -> None:
+    """The ``forget.attempt_fail`` event (``unavailable``) of one failed attempt (step) of
+    ``request``: which request (its uid), which attempt of how many, the kind of error, and
+    whether no attempt is left (the request's ``forget.fail`` follows when the next delivery
+    begins). The request, never its subject or keys: forget events name the request only."""
+    audit_record(
+        tenant=request.tenant,
+        actor=Actor.system(job=FORGET_JOB),
+        action="forget.attempt_fail",
+        outcome=Outcome.UNAVAILABLE,
+        detail={
+            "forget_request": str(request.uid),
+            "attempt": attempt,
+            "max_attempts": _max_attempts(),
+            "error": code,
+            "gave_up": gave_up,
+        },
+    )
 
 
 def _result(request: ForgetRequest) -> dict:
