@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.http import Http404
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from memories import services
 from memories.models import ApiKey
 from zeromem.kernel import validation
-from zeromem.kernel.errors import NotFound, ServiceError
+from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import DEFAULT_AGENT_SCOPES, TENANT_SCOPES, Capability
 from zeromem.kit import admin as kit_admin
 from zeromem.kit.admin import (
-    READ_METHODS,
     AuditedListAdmin,
     AuditedOpeningAdmin,
     TenantScopedAdmin,
@@ -111,18 +108,8 @@ class ApiKeyAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     def _list_viewed(self, **event) -> None:
         services.api_keys_listed(**event)
 
-    def _audit_opening(self, request, object_id) -> None:
-        if request.method not in READ_METHODS:
-            return  # a key's page is read-only: a POST changes and shows nothing
-        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
-        if not self.has_view_permission(request, obj):
-            raise PermissionDenied
-        try:
-            services.api_key_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), key_id=obj.pk)
-        except NotFound:
-            raise Http404("no such object") from None
-        except ServiceError:
-            raise PermissionDenied from None
+    def _opened(self, request, obj) -> None:
+        services.api_key_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), key_id=obj.pk)
 
     def has_revoke_permission(self, request):
         return may(request, Capability.KEYS_MANAGE)

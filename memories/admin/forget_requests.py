@@ -7,9 +7,8 @@ import json
 
 from django import forms
 from django.contrib import admin
-from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpResponseRedirect
+from django.http import HttpResponseRedirect
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -17,7 +16,6 @@ from django.utils.html import format_html
 from memories import services
 from memories.admin.display import actor_label
 from memories.models import ForgetRequest
-from zeromem.kernel.errors import NotFound
 from zeromem.kernel.scopes import Capability
 from zeromem.kit.admin import AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin, actor_for, may
 
@@ -130,16 +128,8 @@ class ForgetRequestAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmi
     def _list_viewed(self, **event) -> None:
         services.forget_queue_viewed(**event)
 
-    def _audit_opening(self, request, object_id) -> None:
-        if request.method not in ("GET", "HEAD"):
-            return  # a change is refused (read-only once filed) before anything is shown
-        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
-        if not self.has_view_permission(request, obj):
-            raise PermissionDenied
-        try:
-            services.forget_request_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), request_id=obj.pk)
-        except NotFound:
-            raise Http404("no such object") from None
+    def _opened(self, request, obj) -> None:
+        services.forget_request_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), request_id=obj.pk)
 
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data

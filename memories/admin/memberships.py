@@ -5,18 +5,15 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import actions as admin_actions
-from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.http import Http404
 
 from memories import services
 from memories.models import Membership
 from zeromem.kernel import validation
-from zeromem.kernel.errors import NotFound, ServiceError
+from zeromem.kernel.errors import ServiceError
 from zeromem.kernel.scopes import Capability
 from zeromem.kit import admin as kit_admin
 from zeromem.kit.admin import (
-    READ_METHODS,
     AuditedListAdmin,
     AuditedOpeningAdmin,
     TenantScopedAdmin,
@@ -81,18 +78,8 @@ class MembershipAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
     def _list_viewed(self, **event) -> None:
         services.memberships_listed(**event)
 
-    def _audit_opening(self, request, object_id) -> None:
-        if request.method not in READ_METHODS:
-            return  # a POST saves the role (membership.set), and shows nothing more
-        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
-        if not self.has_view_permission(request, obj):
-            raise PermissionDenied
-        try:
-            services.membership_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
-        except NotFound:
-            raise Http404("no such object") from None
-        except ServiceError:
-            raise PermissionDenied from None
+    def _opened(self, request, obj) -> None:
+        services.membership_view(tenant=obj.tenant, actor=actor_for(request, obj.tenant_id), membership_id=obj.pk)
 
     def save_model(self, request, obj, form, change):
         tenant = obj.tenant if change else form.cleaned_data["tenant"]

@@ -7,8 +7,7 @@ import functools
 from django import forms
 from django.apps import apps
 from django.contrib import admin
-from django.contrib.admin.utils import unquote
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ValidationError
 from django.db.models import OuterRef, Subquery
 from django.http import Http404
 from django.shortcuts import get_object_or_404
@@ -115,13 +114,8 @@ class TenantAdmin(AuditedListAdmin, AuditedOpeningAdmin, TenantScopedAdmin):
         """A page of the list is ``tenant.list`` in each tenant it shows (AuditedListAdmin)."""
         services.tenants_listed(**event)
 
-    def _audit_opening(self, request, object_id) -> None:
+    def _opened(self, request, obj) -> None:
         """The settings page (limits, sensitivity rules) is a read: ``tenant.view``."""
-        if request.method not in READ_METHODS:
-            return  # a POST saves (tenant.update, audited by the service)
-        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
-        if not self.has_view_permission(request, obj):
-            raise PermissionDenied
         services.tenant_settings_view(tenant=obj, actor=actor_for(request, obj.pk))
 
     def save_model(self, request, obj, form, change):

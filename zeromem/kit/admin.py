@@ -15,8 +15,9 @@ import functools
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers, widgets
+from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import ERROR_FLAG, IGNORED_PARAMS, ORDER_VAR, PAGE_VAR, SEARCH_VAR, ChangeList
-from django.core.exceptions import FieldDoesNotExist, ValidationError
+from django.core.exceptions import FieldDoesNotExist, PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db.models import F
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
@@ -26,7 +27,7 @@ from django.views.decorators.http import require_http_methods
 from memories.models import Membership, Tenant
 from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor, staff_actor
-from zeromem.kernel.errors import ServiceError
+from zeromem.kernel.errors import NotFound, ServiceError
 from zeromem.kernel.scopes import CAPABILITIES, Capability, Role
 from zeromem.kit.http import client_ip
 
@@ -321,8 +322,11 @@ def _is_value_of(field, raw) -> bool:
 
 
 class AuditedOpeningAdmin:
-    """Mixin: opening one object's page or its history is a reading the subclass audits in
-    ``_audit_opening(request, object_id)`` (through its service) before the page is shown."""
+    """Mixin: opening one object's page or its history (GET, HEAD) is a reading the subclass
+    audits in ``_opened(request, obj)`` (through its service) before the page is shown: the
+    object is this staff user's to view (another tenant's: a 404), and a refusal of the
+    service is a 404 (``NotFound``) or a 403. A POST changes (audited by the service that
+    changes) and shows nothing more."""
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         self._audit_opening(request, object_id)
@@ -333,6 +337,19 @@ class AuditedOpeningAdmin:
         return super().history_view(request, object_id, extra_context)
 
     def _audit_opening(self, request, object_id) -> None:
+        if request.method not in READ_METHODS:
+            return
+        obj = self.get_object(request, unquote(object_id))  # another tenant's: a 404
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        try:
+            self._opened(request, obj)
+        except NotFound:
+            raise Http404("no such object") from None
+        except ServiceError:
+            raise PermissionDenied from None
+
+    def _opened(self, request, obj) -> None:
         raise NotImplementedError
 
 
