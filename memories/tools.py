@@ -545,6 +545,13 @@ def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
 # --- running calls ------------------------------------------------------------------------
 
 
+def called_tool(call):
+    """The tool a call names (OpenAI's ``function.name`` or a plain ``name``), unchecked."""
+    data = call if isinstance(call, dict) else {}
+    function = data.get("function") if isinstance(data.get("function"), dict) else {}
+    return data.get("name") or function.get("name")
+
+
 class ToolAnswer(NamedTuple):
     result: dict  # what goes back to the model
     http_status: int  # 200, or the error's status for an ``error`` result

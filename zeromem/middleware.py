@@ -92,16 +92,16 @@ class RequestIdMiddleware:
         with deferred.collecting() as tasks:
             response = self._before(request) or self.get_response(request)
         response["X-Request-ID"] = request.request_id
-        return _after(response, tasks)
+        return with_deferred(response, tasks)
 
     async def __acall__(self, request):
         with deferred.collecting() as tasks:
             response = self._before(request) or await self.get_response(request)
         response["X-Request-ID"] = request.request_id
-        return _after(response, tasks)
+        return with_deferred(response, tasks)
 
 
-def _after(response, tasks: list):
+def with_deferred(response, tasks: list):
     """What the request deferred (zeromem/kernel/deferred.py) runs when the server closes
     the response, after its last byte."""
     if tasks:

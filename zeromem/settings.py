@@ -406,6 +406,9 @@ ZEROMEM_PURGE_WAL_COMPRESSION = env.str("ZEROMEM_PURGE_WAL_COMPRESSION", default
 # costs no key lookup; a revocation reaches every other process within this bound (the
 # process that revokes drops it at once). 0 turns the cache off. memories/services/key_cache.py
 ZEROMEM_API_KEY_CACHE_SECONDS = env.float("ZEROMEM_API_KEY_CACHE_SECONDS", default=10.0)
+# POST /api/v1/tools/call answered without Django's handler and DRF's dispatch when nothing
+# about the request needs them (memories/api/lane.py, README "The hot path"); false: never.
+ZEROMEM_TOOL_LANE = env.bool("ZEROMEM_TOOL_LANE", default=True)
 # Rate limits (audit/limits.py): exact across processes, counted in Redis when REDIS_URL is
 # set, else in the database. Each call of a batch counts.
 ZEROMEM_REDIS_URL = env.str("REDIS_URL", default="")

@@ -10,6 +10,11 @@ from zeromem.kernel import tracing  # noqa: E402
 tracing.setup()
 application = get_wsgi_application()
 
+# Tool calls that need nothing of Django's request handling skip it (memories/api/lane.py).
+from memories.api.lane import ToolLane  # noqa: E402
+
+application = ToolLane(application)
+
 # The server's access log writes a portal link's path without its token.
 from zeromem.kit.logs import install_on_access_logs  # noqa: E402
 

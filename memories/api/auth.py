@@ -23,6 +23,9 @@ from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Unauthenticated
 from zeromem.kit.http import client_ip
 
+# The WWW-Authenticate challenge of a 401.
+AUTHENTICATE = 'Bearer realm="zeromem"'
+
 
 @dataclass
 class KeyPrincipal:
@@ -60,7 +63,7 @@ def _context(request) -> dict:
     }
 
 
-def _throttled(exc: AuthThrottled) -> exceptions.Throttled:
+def throttled(exc: AuthThrottled) -> exceptions.Throttled:
     return exceptions.Throttled(wait=exc.retry_after, detail="too many failed authentications")
 
 
@@ -79,11 +82,11 @@ class ApiKeyAuthentication(BaseAuthentication):
         except Unauthenticated as exc:
             raise AuthFailed(exc.code, exc.message) from None
         except AuthThrottled as exc:
-            raise _throttled(exc) from None
+            raise throttled(exc) from None
         return KeyPrincipal(api_key=key), key
 
     def authenticate_header(self, request):
-        return 'Bearer realm="zeromem"'
+        return AUTHENTICATE
 
 
 class HasApiKey(BasePermission):
@@ -94,7 +97,7 @@ class HasApiKey(BasePermission):
         try:
             api_keys.auth_failure(code="missing_credentials", **_context(request))
         except AuthThrottled as exc:
-            raise _throttled(exc) from None
+            raise throttled(exc) from None
         raise exceptions.NotAuthenticated("send 'Authorization: Bearer zm_...'")
 
 

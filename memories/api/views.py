@@ -90,7 +90,7 @@ class ToolCallView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
     audit_actions = {"POST": "tool.call"}
 
     def needs_tenant_slot(self, request) -> bool:
-        name = _called_tool(request.data)
+        name = tools.called_tool(request.data)
         return isinstance(name, str) and name in tools.EXPENSIVE_TOOLS
 
     @extend_schema(
@@ -102,7 +102,7 @@ class ToolCallView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
     )
     def post(self, request):
         answer = tools.tool_call(tenant=self.tenant, actor=self.actor, call=request.data)
-        metrics.tool_calls([(_called_tool(request.data), answer.result.get("status"))])
+        metrics.tool_calls([(tools.called_tool(request.data), answer.result.get("status"))])
         return Response(answer.result, status=answer.http_status, headers=retry_after(answer.result.get("error")))
 
 
@@ -129,7 +129,7 @@ class ToolBatchView(ResultCostMixin, TenantSlotMixin, AuditedAPIView):
         calls = request.data["calls"]  # tool_batch has checked its shape
         ran = set(resume.pending) if resume is not None else set(range(len(calls)))
         metrics.tool_calls(
-            (_called_tool(call), result.get("status"))
+            (tools.called_tool(call), result.get("status"))
             for i, (call, result) in enumerate(zip(calls, answer.results, strict=False))
             if i in ran
         )
@@ -149,13 +149,6 @@ def _batch_resumption(claim: int | None) -> tools.BatchAnswer | None:
         return None
     body, pending = resumed
     return tools.BatchAnswer(json.loads(body)["results"], pending)
-
-
-def _called_tool(call):
-    """The tool a call names (OpenAI's ``function.name`` or a plain ``name``), unchecked."""
-    data = call if isinstance(call, dict) else {}
-    function = data.get("function") if isinstance(data.get("function"), dict) else {}
-    return data.get("name") or function.get("name")
 
 
 # --- memories as resources ------------------------------------------------------------

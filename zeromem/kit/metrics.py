@@ -156,14 +156,14 @@ class MetricsMiddleware:
         # answer after the middleware has returned it.
         logs.request_id.set(getattr(request, "request_id", ""))
         response = self.get_response(request)
-        _record(request, response, started)
+        record_request(request, response, started)
         return response
 
     async def _acall(self, request):
         started = time.perf_counter()
         logs.request_id.set(getattr(request, "request_id", ""))
         response = await self.get_response(request)
-        _record(request, response, started)
+        record_request(request, response, started)
         return response
 
 
@@ -173,7 +173,9 @@ class MetricsMiddleware:
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
 
 
-def _record(request, response, started: float) -> None:
+def record_request(request, response, started: float) -> None:
+    """Count and time one answered request (MetricsMiddleware; the tool-call lane,
+    memories/api/lane.py, which answers without the middleware)."""
     route = route_of(request)
     method = request.method if request.method in METHODS else "other"
     LATENCY.labels(route=route, method=method).observe(time.perf_counter() - started)

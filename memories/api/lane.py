@@ -1,0 +1,246 @@
+"""The tool-call lane: ``POST /api/v1/tools/call`` answered without Django's request
+handling and DRF's view machinery, when nothing about the request needs them.
+
+A tool call of an agent — a cheap tool (not a search or recall), a JSON body, a key this
+process verified lately (its API key cache), no ``Idempotency-Key``, no query string — spent
+~1.5 ms of a ~4.5 ms read (in process, this machine) in Django's handler, its middleware chain,
+URL resolution and DRF's dispatch, none of which decides anything for it. The lane runs the
+same steps itself, through the same code: the request signals (the pooled connection is
+checked out and returned as for any request), the request id, the key's verification
+(:func:`memories.services.api_keys.verify_api_key`), the rate limit
+(:func:`~memories.services.api_keys.rate_limit_take`, refused with the same audited 429), the
+tool call (:func:`memories.tools.tool_call`: the service layer, which checks permissions and
+writes the audit row), the metrics and the tokens-returned usage, and the answer's headers
+from the same middleware (security, framing, length) and the same renderer. What it answers
+— status, body, headers, audit rows, counters — is what the Django view answers
+(``tests/test_tool_lane.py`` compares both over many calls).
+
+Anything else goes to Django untouched, decided before the lane has done anything a fallback
+would do again: a body that does not parse, a key the process has not verified (or revoked,
+or expired: Django audits those 401s), an expensive tool (it takes a tenant slot), a request
+with a query string, an ``Idempotency-Key``, a chunked body, an ``Accept`` other than JSON,
+tracing on. ``ZEROMEM_TOOL_LANE=false`` sends every request to Django.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+
+from django.conf import settings
+from django.core import signals
+from django.core.handlers.exception import response_for_exception
+from django.core.handlers.wsgi import WSGIHandler, WSGIRequest, get_script_name
+from django.http import HttpResponse
+from django.middleware.clickjacking import XFrameOptionsMiddleware
+from django.middleware.common import CommonMiddleware
+from django.middleware.security import SecurityMiddleware
+from django.urls import resolve, reverse, set_script_prefix
+from django.utils.log import log_response
+from rest_framework import exceptions
+
+from audit.services import AuthThrottled, audit_refusal
+from memories import tools
+from memories.api.auth import AUTHENTICATE, AuthFailed, throttled
+from memories.models import API_KEY_PREFIX, hash_api_key
+from memories.services import api_keys, key_cache, usage
+from zeromem.kernel import deferred
+from zeromem.kernel.errors import Unauthenticated
+from zeromem.kernel.tokens import compact_json, cost_of
+from zeromem.kit import logs, metrics
+from zeromem.kit.api import RESULT_BYTES_HEADER, RESULT_TOKENS_HEADER, exception_handler, retry_after
+from zeromem.kit.http import client_ip, request_id_for
+from zeromem.kit.parsers import JSONParser
+from zeromem.middleware import with_deferred
+
+# The route's answers carry this (DRF's default response headers for a view allowing POST).
+ALLOW = "POST, OPTIONS"
+ACTION = "tool.call"
+_JSON = "application/json"
+_ACCEPTED = (None, "*/*", _JSON)
+
+
+# The middleware (settings.MIDDLEWARE) whose effect on this route the lane reproduces; with any
+# other list (a deployment that adds its own) the lane stands aside.
+MIRRORED = (
+    "zeromem.middleware.RequestIdMiddleware",
+    "zeromem.kit.metrics.MetricsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "zeromem.middleware.StaticFilesMiddleware",
+    "zeromem.middleware.BrowserSessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "zeromem.middleware.BrowserAuthenticationMiddleware",
+    "zeromem.middleware.BrowserMessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "zeromem.middleware.BrowserCSPMiddleware",
+)
+
+
+def mirrors_settings() -> bool:
+    """Whether the lane answers as Django's chain would with these settings: the middleware
+    above, and no report-only Content-Security-Policy (which runs on API paths too)."""
+    return tuple(settings.MIDDLEWARE) == MIRRORED and not getattr(settings, "CONTENT_SECURITY_POLICY_REPORT_ONLY", None)
+
+
+def _nothing(request):  # the middleware below is used for its response half only
+    raise AssertionError("not called")
+
+
+class ToolLane:
+    """A WSGI application in front of Django's: the lane's requests are answered here, the
+    others by ``django``."""
+
+    def __init__(self, django):
+        self.django = django
+        self.path = reverse("tools-call")
+        self.match = resolve(self.path)
+        # The response half of the middleware Django would run (settings.MIDDLEWARE): the
+        # security headers (and the HTTPS redirect, whose request half is checked first), the
+        # framing header, Content-Length. The others do nothing on an API path.
+        self.security = SecurityMiddleware(_nothing)
+        self.framing = XFrameOptionsMiddleware(_nothing)
+        self.common = CommonMiddleware(_nothing)
+        self.parser = JSONParser()
+
+    def __call__(self, environ, start_response):
+        if not self._may_take(environ):
+            return self.django(environ, start_response)
+        body = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
+        taken = self._taken(environ, body)
+        if taken is None:
+            environ["wsgi.input"] = io.BytesIO(body)  # Django reads it again, from the start
+            return self.django(environ, start_response)
+        data, raw = taken
+        # As WSGIHandler.__call__, from here: the request has begun.
+        set_script_prefix(get_script_name(environ))
+        signals.request_started.send(sender=WSGIHandler, environ=environ)
+        request = WSGIRequest(environ)
+        response = self._respond(request, data, raw)
+        response._handler_class = WSGIHandler
+        start_response(f"{response.status_code} {response.reason_phrase}", list(response.items()))
+        return response
+
+    def _may_take(self, environ) -> bool:
+        """What the request line and headers say (no body read, nothing done)."""
+        length = environ.get("CONTENT_LENGTH") or ""
+        return (
+            environ.get("REQUEST_METHOD") == "POST"
+            and environ.get("PATH_INFO") == self.path
+            and not environ.get("SCRIPT_NAME")
+            and not environ.get("QUERY_STRING")
+            and settings.ZEROMEM_TOOL_LANE
+            and mirrors_settings()
+            and not settings.ZEROMEM_TRACING
+            and environ.get("CONTENT_TYPE") == _JSON
+            and environ.get("HTTP_ACCEPT") in _ACCEPTED
+            and "HTTP_IDEMPOTENCY_KEY" not in environ
+            and "HTTP_TRANSFER_ENCODING" not in environ
+            and length.isascii()
+            and length.isdigit()
+            and 0 < int(length) <= settings.ZEROMEM_MAX_BODY_BYTES
+            and environ.get("HTTP_AUTHORIZATION", "")[:7].lower() == "bearer "
+        )
+
+    def _taken(self, environ, body: bytes) -> tuple[dict, str] | None:
+        """The call and the raw key when the lane answers it: a body the project's parser
+        reads as an object naming a cheap tool, sent with a key this process verified lately
+        that has not since expired or been revoked. Else None (Django answers), with nothing
+        done."""
+        raw = environ["HTTP_AUTHORIZATION"][7:].strip()
+        if not raw.startswith(API_KEY_PREFIX) or raw.count("_") < 2 or not raw.isprintable():
+            return None
+        key = key_cache.get(raw[len(API_KEY_PREFIX) :].split("_", 1)[0], hash_api_key(raw))
+        if key is None or key.revoked_at is not None:
+            return None
+        if key.expires_at is not None and key.expires_at.timestamp() <= time.time() + 1:
+            return None
+        try:
+            data = self.parser.parse(io.BytesIO(body), _JSON, {"encoding": settings.DEFAULT_CHARSET})
+        except exceptions.ParseError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        name = tools.called_tool(data)
+        if isinstance(name, str) and name in tools.EXPENSIVE_TOOLS:  # it takes a tenant slot
+            return None
+        return data, raw
+
+    def _respond(self, request, data: dict, raw: str) -> HttpResponse:
+        # zeromem.middleware.RequestIdMiddleware and zeromem.kit.metrics.MetricsMiddleware.
+        started = time.perf_counter()
+        request.request_id = request_id_for(request.META.get("HTTP_X_REQUEST_ID", ""))
+        request.resolver_match = self.match
+        logs.request_id.set(request.request_id)
+        with deferred.collecting() as tasks:
+            # SecurityMiddleware's request half (the HTTPS redirect, when configured): its answer
+            # goes back through it alone, as in Django's chain.
+            response = self.security.process_request(request)
+            if response is None:
+                try:
+                    response = self._answer(request, data, raw)
+                except Exception as exc:  # noqa: BLE001 - answered as Django answers it
+                    response = response_for_exception(request, exc)
+                response = self.common.process_response(request, response)
+                response = self.framing.process_response(request, response)
+            response = self.security.process_response(request, response)
+        response["X-Request-ID"] = request.request_id
+        response = with_deferred(response, tasks)
+        metrics.record_request(request, response, started)
+        if response.status_code >= 400:
+            log_response("%s: %s", response.reason_phrase, request.path, response=response, request=request)
+        return response
+
+    def _answer(self, request, data: dict, raw: str) -> HttpResponse:
+        """memories.api.views.ToolCallView, as DRF runs it: authentication, the rate limit,
+        the call; an error no service turned into a result (the database gone) answered by
+        the project's exception handler, as DRF's dispatch does."""
+        tenant_id = None
+        try:
+            ip = client_ip(request)
+            try:
+                key = api_keys.verify_api_key(
+                    raw, route=f"/{self.match.route}", surface="api", client_ip=ip, request_id=request.request_id
+                )
+            except Unauthenticated as exc:  # revoked or expired since _taken looked: audited
+                refused = AuthFailed(exc.code, exc.message)
+                refused.auth_header = AUTHENTICATE
+                raise refused from None
+            except AuthThrottled as exc:
+                raise throttled(exc) from None
+            tenant_id = key.tenant.pk
+            actor = api_keys.key_actor(key, surface="tool", request_id=request.request_id, client_ip=ip)
+            wait = api_keys.rate_limit_take(key)
+            if wait is not None:
+                # As ApiKeyRateThrottle and AuditedAPIView.handle_exception refuse it: counted
+                # in the tenant's log, answered 429 with Retry-After.
+                refusal = exceptions.Throttled(wait=max(1.0, wait))
+                refusal.zeromem_code = "rate_limited"
+                audit_refusal(tenant=key.tenant, actor=actor, action=ACTION, error=refusal, code="rate_limited")
+                raise refusal
+            answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
+        except Exception as exc:
+            handled = exception_handler(exc, {})
+            if handled is None:
+                raise
+            headers = {name: value for name, value in handled.items() if name != "Content-Type"}
+            return self._finished(handled.data, handled.status_code, headers, tenant_id=tenant_id)
+        metrics.tool_calls([(tools.called_tool(data), answer.result.get("status"))])
+        return self._finished(
+            answer.result, answer.http_status, retry_after(answer.result.get("error")), tenant_id=tenant_id
+        )
+
+    def _finished(self, data: dict, status: int, headers: dict, *, tenant_id: int | None) -> HttpResponse:
+        """DRF's finalize_response and renderer, TenantAPIView's Cache-Control and
+        ResultCostMixin's cost headers and counters, in their order."""
+        content = compact_json(data)
+        response = HttpResponse(content, status=status, content_type=_JSON, headers=headers)
+        response["Allow"] = ALLOW
+        response["Cache-Control"] = "no-store"
+        size, tokens = cost_of(content)
+        response[RESULT_BYTES_HEADER] = str(size)
+        response[RESULT_TOKENS_HEADER] = str(tokens)
+        metrics.results_returned("rest", size=size, tokens=tokens)
+        if tenant_id is not None:
+            usage.result_returned(tenant_id=tenant_id, size=size, tokens=tokens)
+        return response

@@ -1,0 +1,295 @@
+"""The tool-call lane (memories/api/lane.py) answers exactly as the Django view does.
+
+Two tenants set up alike run the same calls, one through Django's WSGI application alone (the
+lane off), the other through the lane; everything a client, a compliance reviewer or an
+operator sees must be the same: status, body, headers (the request id apart), audit events,
+metrics and tokens-returned usage. Each case also says which of the two answered it under the
+lane, counted at the DRF view: the lane really answers what it should and stands aside for the
+rest."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from datetime import date
+
+import pytest
+from django.core.signals import request_finished, request_started
+from django.db import OperationalError, close_old_connections
+
+import zeromem.wsgi
+from audit.models import AuditEvent
+from audit.services import audit_refusals_flush
+from memories import services, tools
+from memories.api.views import ToolCallView
+from memories.models import TokenUsageDay
+from memories.services import usage
+from tests.factories import SYSTEM, make_key, write
+from zeromem.kit import metrics
+
+CALL = "/api/v1/tools/call"
+LANE = zeromem.wsgi.application
+DJANGO = LANE.django
+TIMESTAMP = re.compile(r'"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z)"')
+
+
+@pytest.fixture(autouse=True)
+def _lane_settings(settings):
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10  # the lane takes only keys this process verified
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10_000
+    settings.ZEROMEM_TOOL_LANE = True
+
+
+@pytest.fixture
+def views(monkeypatch):
+    """How many requests the DRF view answered."""
+    seen = []
+    dispatch = ToolCallView.dispatch
+
+    def counted(self, request, *args, **kwargs):
+        seen.append(request.path)
+        return dispatch(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(ToolCallView, "dispatch", counted)
+    return seen
+
+
+def call(app, raw_key, body, *, headers=None, query="", method="POST", content_type="application/json"):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    environ = {
+        "REQUEST_METHOD": method,
+        "PATH_INFO": CALL,
+        "QUERY_STRING": query,
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "REMOTE_ADDR": "127.0.0.1",
+        "CONTENT_TYPE": content_type,
+        "CONTENT_LENGTH": str(len(data)),
+        "HTTP_AUTHORIZATION": f"Bearer {raw_key}",
+        "wsgi.input": io.BytesIO(data),
+        "wsgi.url_scheme": "http",
+        "wsgi.errors": io.StringIO(),
+    }
+    environ.update(headers or {})
+    answer = {}
+    # As Django's test client does: the request signals must not close the test's connection.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        response = app(environ, lambda status, h, *_: answer.update(status=status, headers=h))
+        try:
+            content = b"".join(response)
+        finally:
+            response.close()  # request_finished, and the request's deferred work
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
+    return answer["status"], answer["headers"], content
+
+
+def seen_by_client(status, headers, content):
+    """What a client can compare between two tenants: timestamps and the request id apart."""
+    named = dict(headers)
+    assert len(named) == len(headers), "a header sent twice"
+    request_id = named.pop("X-Request-ID")
+    assert re.fullmatch(r"[0-9a-f]{32}|[0-9a-f]{16}\.[A-Za-z0-9._-]+", request_id)
+    body = TIMESTAMP.sub('"<time>"', content.decode())
+    return status, named, body, request_id
+
+
+def events(tenant):
+    return [
+        (e.action, e.outcome, e.target, e.subject, e.version, e.count, e.detail, e.surface, e.actor_kind, e.request_id)
+        for e in AuditEvent.objects.filter(tenant=tenant, actor_kind="api_key").order_by("id")
+    ]
+
+
+def counters():
+    found = {}
+    for family in (metrics.REQUESTS, metrics.TOOL_CALLS, metrics.RESULTS, metrics.RESULT_BYTES, metrics.RESULT_TOKENS):
+        for metric in family.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    for metric in metrics.LATENCY.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count"):
+                found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def delta(before, after):
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def usage_of(tenant):
+    usage.flush()
+    row = TokenUsageDay.objects.filter(tenant=tenant, day=date.today()).first()
+    return (row.results, row.bytes, row.tokens) if row else None
+
+
+# (body or raw bytes, extra environ, query, who answers under the lane: "lane" or "django")
+READ = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
+CASES = [
+    ({"name": "memory_write", "arguments": {"key": "user:u1:lang", "value": "zh-CN"}}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:none"}}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:lang", "max_chars": 2}}, {}, "", "lane"),
+    (
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "memory_read", "arguments": json.dumps({"key": "user:u1:lang"})},
+        },
+        {},
+        "",
+        "lane",
+    ),
+    (
+        {"name": "memory_write", "arguments": {"key": "user:u1:lang", "value": "x", "expected_version": 7}},
+        {},
+        "",
+        "lane",
+    ),
+    ({"name": "memory_write", "arguments": {"key": "user:u1:lang", "value": "en", "ttl_seconds": 60}}, {}, "", "lane"),
+    ({"name": "memory_update", "arguments": {"key": "user:u1:lang", "tags": ["pref"]}}, {}, "", "lane"),
+    ({"name": "memory_list", "arguments": {"prefix": "user:u1:"}}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": {"key": ""}}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:lang", "limit": "²"}}, {}, "", "lane"),
+    ({"name": "memory_fly", "arguments": {}}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": "not an object"}, {}, "", "lane"),
+    ({"arguments": {"key": "user:u1:lang"}}, {}, "", "lane"),
+    (READ, {"HTTP_X_REQUEST_ID": "client-trace-0001"}, "", "lane"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {"HTTP_ACCEPT": "*/*"}, "", "lane"),
+    # Django's: not an object, not JSON, a name twice, an expensive tool, a query string, other Accept
+    ([{"name": "memory_read"}], {}, "", "django"),
+    (b'{"name": "memory_read", "arguments": {"key": ', {}, "", "django"),
+    (b'{"name": "memory_read", "name": "memory_write", "arguments": {"key": "user:u1:lang"}}', {}, "", "django"),
+    ({"name": "memory_search", "arguments": {"query": "language"}}, {}, "", "django"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {}, "x=1", "django"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {}, "x=1&x=2", "django"),
+    ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {"HTTP_ACCEPT": "text/html"}, "", "django"),
+    (
+        {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": 1}},
+        {"HTTP_IDEMPOTENCY_KEY": "k"},
+        "",
+        "django",
+    ),
+]
+
+
+def run_cases(app, raw_key, views):
+    answers, served = [], []
+    for body, extra, query, _who in CASES:
+        before = len(views)
+        answers.append(seen_by_client(*call(app, raw_key, body, headers=extra, query=query)))
+        served.append("django" if len(views) > before else "lane")
+    return answers, served
+
+
+def test_the_lane_answers_as_the_django_view_does(tenant_a, tenant_b, views, settings):
+    _key_a, raw_a = make_key(tenant_a)
+    _key_b, raw_b = make_key(tenant_b)
+    for tenant in (tenant_a, tenant_b):
+        write(tenant, "user:u1:other", "seeded")
+    # Each key's first request is Django's (the process has not verified the key yet).
+    warm_a = seen_by_client(*call(DJANGO, raw_a, {"name": "memory_read", "arguments": {"key": "user:u1:other"}}))
+    warm_b = seen_by_client(*call(LANE, raw_b, {"name": "memory_read", "arguments": {"key": "user:u1:other"}}))
+    assert warm_a[:3] == warm_b[:3] and len(views) == 2
+    usage.flush()
+    usage_before = (usage_of(tenant_a), usage_of(tenant_b))
+
+    before = counters()
+    settings.ZEROMEM_TOOL_LANE = False
+    django_answers, django_served = run_cases(LANE, raw_a, views)
+    django_counters = delta(before, counters())
+    settings.ZEROMEM_TOOL_LANE = True
+    before = counters()
+    lane_answers, lane_served = run_cases(LANE, raw_b, views)
+    lane_counters = delta(before, counters())
+
+    assert django_served == ["django"] * len(CASES)
+    assert lane_served == [who for *_rest, who in CASES]
+    for case, django_answer, lane_answer in zip(CASES, django_answers, lane_answers, strict=True):
+        assert lane_answer[:3] == django_answer[:3], case
+        # the client's X-Request-ID is kept as the id's tail, on both
+        assert lane_answer[3].endswith(".client-trace-0001") == django_answer[3].endswith(".client-trace-0001")
+    assert lane_counters == django_counters
+    assert any(k[0] == "zeromem_tool_calls_total" for k in lane_counters)
+
+    # The audit log: the same events, each carrying the request id its answer gave.
+    events_a, events_b = events(tenant_a), events(tenant_b)
+    assert [e[:-1] for e in events_b] == [e[:-1] for e in events_a]
+    lane_ids = {answer[3] for answer in lane_answers}
+    assert {e[-1] for e in events_b if e[-1] in lane_ids}, "lane events carry the answer's request id"
+    # Tokens returned: the same results, bytes and tokens for each tenant.
+    grew_a = [n - m for n, m in zip(usage_of(tenant_a), usage_before[0], strict=True)]
+    grew_b = [n - m for n, m in zip(usage_of(tenant_b), usage_before[1], strict=True)]
+    assert grew_a == grew_b and grew_a[0] >= sum(who == "lane" for *_rest, who in CASES)
+
+
+def test_a_key_over_its_rate_limit_is_refused_alike(tenant_a, tenant_b, views, settings, limiter_minute):
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 3
+    _key_a, raw_a = make_key(tenant_a)
+    _key_b, raw_b = make_key(tenant_b)
+    read = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
+    answers = {}
+    for name, app, raw in (("django", DJANGO, raw_a), ("lane", LANE, raw_b)):
+        answers[name] = [seen_by_client(*call(app, raw, read))[:3] for _ in range(5)]
+    assert answers["lane"] == answers["django"]
+    assert [a[0] for a in answers["lane"]] == ["200 OK"] * 3 + ["429 Too Many Requests"] * 2
+    assert answers["lane"][-1][1]["Retry-After"] == answers["django"][-1][1]["Retry-After"]
+    assert len(views) == 1 + 5  # the lane answered its key's calls after the first
+    # The refusals are counted per source and minute, one event for each tenant when flushed.
+    audit_refusals_flush(now=limiter_minute + 120)
+    for tenant in (tenant_a, tenant_b):
+        refusals = AuditEvent.objects.filter(tenant=tenant, action="tool.call", outcome="invalid")
+        assert [(e.count, e.detail["code"]) for e in refusals] == [(2, "rate_limited")]
+
+
+def test_a_revoked_key_is_refused_by_django_at_once(tenant_a, views):
+    key, raw = make_key(tenant_a)
+    read = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
+    assert call(LANE, raw, read)[0] == "200 OK"
+    assert call(LANE, raw, read)[0] == "200 OK"
+    assert len(views) == 1
+    services.api_key_revoke(tenant=tenant_a, actor=SYSTEM, key_id=key.pk)
+    status, headers, content = call(LANE, raw, read)
+    assert status == "401 Unauthorized" and json.loads(content)["error"]["code"] == "key_revoked"
+    assert dict(headers)["WWW-Authenticate"] == 'Bearer realm="zeromem"'
+    assert len(views) == 2
+
+
+def test_the_database_gone_is_a_503_alike(tenant_a, tenant_b, views, monkeypatch):
+    _key_a, raw_a = make_key(tenant_a)
+    _key_b, raw_b = make_key(tenant_b)
+    read = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
+    call(DJANGO, raw_a, read)
+    call(LANE, raw_b, read)
+
+    def gone(**kwargs):
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(tools, "tool_call", gone)
+    django_answer = seen_by_client(*call(DJANGO, raw_a, read))
+    lane_answer = seen_by_client(*call(LANE, raw_b, read))
+    assert lane_answer[:3] == django_answer[:3]
+    assert lane_answer[0] == "503 Service Unavailable" and lane_answer[1]["Retry-After"] == "2"
+    assert len(views) == 3
+
+
+def test_the_lane_stands_aside_when_off_or_when_the_middleware_differs(tenant_a, views, settings):
+    _key, raw = make_key(tenant_a)
+    read = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
+    call(LANE, raw, read)
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE, "django.middleware.gzip.GZipMiddleware"]
+    call(LANE, raw, read)
+    settings.MIDDLEWARE = settings.MIDDLEWARE[:-1]
+    settings.ZEROMEM_TOOL_LANE = False
+    call(LANE, raw, read)
+    assert len(views) == 3
+    settings.ZEROMEM_TOOL_LANE = True
+    call(LANE, raw, read)
+    assert len(views) == 3
