@@ -76,10 +76,19 @@ SYSTEM = Actor.system(job="bench_serve")
 # ZEROMEM_ASGI_DJANGO. `serve` runs the first; the others are there to compare against it.
 DJANGO_MODES = {
     "bridge": ("asgi", "wsgi"),  # the ASGI router; Django's WSGI app through zeromem/kit/wsgi_bridge.py (production)
+    # the same with every tool call through Django (ZEROMEM_TOOL_LANE=false: memories/api/lane.py)
+    "bridge-nolane": ("asgi", "wsgi"),
     "a2wsgi": ("asgi", "a2wsgi"),  # the ASGI router; Django's WSGI app through a2wsgi's responder
     "asgi": ("asgi", "asgi"),  # the ASGI router; Django's ASGIHandler
     "granian-wsgi": ("wsgi", None),  # Django alone, granian WSGI (no /mcp): the floor
 }
+
+
+def server_env(mode: str, django_mode: str | None) -> dict | None:
+    env = {"ZEROMEM_ASGI_DJANGO": django_mode} if django_mode else {}
+    if mode == "bridge-nolane":
+        env["ZEROMEM_TOOL_LANE"] = "false"
+    return env or None
 
 
 class SlowRequests:
@@ -264,7 +273,7 @@ class Command(BenchCommand):
                 threads=opts["threads"],
                 log=self.log,
                 interface=interface,
-                extra_env={"ZEROMEM_ASGI_DJANGO": django_mode} if django_mode else None,
+                extra_env=server_env(mode, django_mode),
             ) as server,
             contextlib.closing(ConnWatch(self.conninfo, set())) as watch,
         ):
