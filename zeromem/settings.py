@@ -507,6 +507,10 @@ ZEROMEM_AUDIT_SEAL_WAIT = env.float("ZEROMEM_AUDIT_SEAL_WAIT", default=5.0)
 # the last ~0.6 s (3 × wal_writer_delay) of such events; writes and their events stay flushed
 # (README "Audit log": what it saves, measured).
 ZEROMEM_AUDIT_READ_EVENTS_ASYNC = env.bool("ZEROMEM_AUDIT_READ_EVENTS_ASYNC", default=False)
+# PostgreSQL: a write sends its UPDATE, its version INSERT and its audit INSERT as one statement
+# (data-modifying WITH), one round trip instead of three (zeromem/kernel/hotsql.py holding()).
+# Off: one statement each, as before (an escape hatch; README "The hot path").
+ZEROMEM_WRITE_ONE_STATEMENT = env.bool("ZEROMEM_WRITE_ONE_STATEMENT", default=True)
 # End-user portal (memories/portal/): how long a portal link stays valid before its first open, and
 # how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
 # is the origin links are built with; empty: the origin the API request came to.

@@ -147,7 +147,8 @@ def memory_write(
     ``sensitive`` (or a tenant sensitivity rule) stores the value encrypted (README
     "Encryption at rest").
 
-    Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT.
+    Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT;
+    on PostgreSQL the last three (two for a new memory) are sent as one statement.
     """
     with audited_operation(tenant=tenant, actor=actor, action="memory.write", target=key) as op:
         key = validation.key(key)
@@ -186,17 +187,21 @@ def memory_write(
             # put (create or replace) would leave the item outliving the rule. One query.
             fields["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
 
-        memory, created = _upsert(
-            tenant=tenant,
-            key=key,
-            fields=fields,
-            now=now,
-            source_default=actor.label,
-            sensitive=sensitive,
-            create_only=create_only,
-        )
-        _record_version(memory, MemoryVersion.Op.WRITE, actor, now)
-        op.record(subject=memory.subject, version=memory.version, detail={"created": created})
+        # On PostgreSQL the UPDATE (or, for a new memory, the version INSERT) is held and sent
+        # with the audit INSERT as one statement (hotsql.holding): one round trip, not three.
+        with hotsql.holding():
+            memory, created = _upsert(
+                tenant=tenant,
+                key=key,
+                fields=fields,
+                now=now,
+                source_default=actor.label,
+                sensitive=sensitive,
+                create_only=create_only,
+            )
+            _record_version(memory, MemoryVersion.Op.WRITE, actor, now)
+            op.record(subject=memory.subject, version=memory.version, detail={"created": created})
+            op.write_now()  # the audit INSERT, carrying the held statements
         return MemoryResult(status="ok", key=key, memory=memory, created=created)
 
 

@@ -17,9 +17,11 @@ through Django's cursor as any other, so it is logged and counted the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.models import signals
 from django.db.models.sql import InsertQuery
@@ -28,8 +30,17 @@ from zeromem.kernel import tracing
 
 
 def fetchone(sql: str, params: Sequence) -> tuple | None:
-    """Run one statement on the default connection and return its first row (or None)."""
-    return _run(sql, params, lambda cursor: cursor.fetchone())
+    """Run one statement on the default connection and return its first row (or None).
+    Statements held by :func:`holding` go with it, in the same statement, when it is a plain
+    ``INSERT … VALUES … RETURNING`` (the audit event), else in one of their own just before it."""
+    held = getattr(connections[DEFAULT_DB_ALIAS], _HELD, None)
+    if held:
+        return _send_held(held, (sql, params) if _carries(sql) else None)
+    return _send(sql, params, _fetchone)
+
+
+def _fetchone(cursor):
+    return cursor.fetchone()
 
 
 def fetchall(sql: str, params: Sequence) -> list[tuple]:
@@ -38,6 +49,13 @@ def fetchall(sql: str, params: Sequence) -> list[tuple]:
 
 
 def _run(sql: str, params: Sequence, fetch):
+    held = getattr(connections[DEFAULT_DB_ALIAS], _HELD, None)
+    if held:
+        _send_held(held, None)  # the statements held before this one, first
+    return _send(sql, params, fetch)
+
+
+def _send(sql: str, params: Sequence, fetch):
     # What connection.cursor() checks, on the driver's own cursor (Django's whenever
     # statements are being watched); ``fetch(cursor)`` is the answer.
     db = connections[DEFAULT_DB_ALIAS]
@@ -101,19 +119,28 @@ def insert(obj) -> None:
     model = type(obj)
     db = connections[DEFAULT_DB_ALIAS]
     if not (_plain(model) and db.features.can_return_columns_from_insert):
-        obj.save(force_insert=True)
+        _save(obj, force_insert=True)
         return
     sql, fields = _insert_plan(model, db.vendor)
     values = [f.pre_save(obj, True) for f in fields]
     if any(_expression(v) for v in values):
-        obj.save(force_insert=True)
+        _save(obj, force_insert=True)
         return
-    row = fetchone(sql, [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)])
-    # What save() reads back: the primary key and the fields with a database default.
-    for field, value in zip(model._meta.db_returning_fields, row, strict=True):
-        setattr(obj, field.attname, value)
-    obj._state.adding = False
-    obj._state.db = DEFAULT_DB_ALIAS
+    params = [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)]
+    returning = model._meta.db_returning_fields
+
+    def inserted(row):
+        # What save() reads back: the primary key and the fields with a database default.
+        for field, value in zip(returning, row, strict=True):
+            setattr(obj, field.attname, value)
+        obj._state.adding = False
+        obj._state.db = DEFAULT_DB_ALIAS
+
+    held = getattr(db, _HELD, None)
+    if held is not None:
+        held.append((sql, params, [db.ops.quote_name(f.column) for f in returning], inserted))
+        return
+    inserted(fetchone(sql, params))
 
 
 def update(obj, names: Sequence[str]) -> None:
@@ -124,12 +151,28 @@ def update(obj, names: Sequence[str]) -> None:
     plan = _update_plan(model, tuple(names), db.vendor) if _plain(model) else None
     values = [f.pre_save(obj, False) for f in plan[1]] if plan is not None else []
     if plan is None or any(_expression(v) for v in values):
-        obj.save(update_fields=names)
+        _save(obj, update_fields=names)
         return
     sql, fields = plan
     params = [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)]
     params.append(model._meta.pk.get_db_prep_value(obj.pk, db))
-    if execute(sql, params) == 0:
+    held = getattr(db, _HELD, None)
+    if held is not None:
+        held.append((sql + " RETURNING 1", params, ["count(*)"], lambda row: _updated(obj, row[0])))
+        return
+    _updated(obj, execute(sql, params))
+
+
+def _save(obj, **kwargs) -> None:
+    # Model.save() through Django's cursor: the statements held before it go first.
+    held = getattr(connections[DEFAULT_DB_ALIAS], _HELD, None)
+    if held:
+        _send_held(held, None)
+    obj.save(**kwargs)
+
+
+def _updated(obj, rows: int) -> None:
+    if rows == 0:
         raise DatabaseError("Save with update_fields did not affect any rows.")
     obj._state.db = DEFAULT_DB_ALIAS
 
@@ -165,3 +208,80 @@ def _update_plan(model, names: tuple[str, ...], vendor: str) -> tuple[str, tuple
     table = q(meta.db_table)
     sets = ", ".join(f"{q(f.column)} = %s" for f in fields)
     return f"UPDATE {table} SET {sets} WHERE {table}.{q(meta.pk.column)} = %s", fields  # nosec B608
+
+
+# --- A write's statements in one ---------------------------------------------------------
+#
+# A write over an existing memory sent its UPDATE, its version INSERT and its audit INSERT one
+# after the other, a round trip each. None of their results is needed before the next is
+# sent: inside :func:`holding` (PostgreSQL, statements unwatched) :func:`update` and
+# :func:`insert` hold theirs, and the next :func:`fetchone` of a plain ``INSERT … VALUES …
+# RETURNING`` (the audit event) sends them with it as one statement, each a data-modifying
+# ``WITH`` of it: ``WITH h0 AS (UPDATE … RETURNING 1), h1 AS (INSERT … RETURNING "id")
+# INSERT … RETURNING "id", (SELECT count(*) FROM h0), (SELECT "id" FROM h1)``. One statement:
+# all or nothing, its error the one the failing part raised (a constraint, a serialization
+# failure), raised where the audit INSERT is sent, inside the same transaction, which then
+# rolls back as before. psycopg's pipeline mode would also send them in one round trip, but
+# its machinery cost more CPU than the round trips it saves here (``manage.py bench_write``).
+
+_HELD = "_zeromem_held_statements"
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[None]:
+    """Hold :func:`update`'s and :func:`insert`'s statements until the next :func:`fetchone`
+    (see above); any other statement of this module sends them first, and at the end of the
+    block anything still held is sent (an exception drops it: the transaction rolls back).
+    Only this module's statements may run after the first held one (Django's cursor would
+    overtake them). A no-op on SQLite, with ``ZEROMEM_WRITE_ONE_STATEMENT`` off, or whenever
+    statements are watched (``DEBUG``, ``CaptureQueriesContext``, execute wrappers, tracing):
+    then each is sent at once, as before."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if (
+        db.vendor != "postgresql"
+        or not settings.ZEROMEM_WRITE_ONE_STATEMENT
+        or getattr(db, _HELD, None) is not None
+        or db.queries_logged
+        or db.execute_wrappers
+        or tracing.on()
+    ):
+        yield
+        return
+    held: list = []
+    setattr(db, _HELD, held)
+    try:
+        yield
+        if held:
+            _send_held(held, None)
+    finally:
+        setattr(db, _HELD, None)
+        held.clear()
+
+
+def _carries(sql: str) -> bool:
+    # The statement the held ones may ride with: an INSERT of given values that reads nothing
+    # (the held statements' changes are invisible to the other parts of one statement).
+    return sql.startswith("INSERT INTO ") and " VALUES " in sql and " RETURNING " in sql and "SELECT" not in sql
+
+
+def _send_held(held: list, last: tuple[str, Sequence] | None):
+    items = list(held)
+    held.clear()
+    parts, params, extra = [], [], []
+    for i, (sql, item_params, columns, _done) in enumerate(items):
+        parts.append(f"h{i} AS ({sql})")
+        params.extend(item_params)
+        extra.extend(f"(SELECT {c} FROM h{i})" for c in columns)
+    if last is None:
+        main, n = "SELECT " + ", ".join(extra), 0
+    else:
+        main, n = f"{last[0]}, {', '.join(extra)}", None
+        params.extend(last[1])
+    row = _send(f"WITH {', '.join(parts)} {main}", params, _fetchone)
+    if n is None:
+        n = len(row) - len(extra)
+    rest = row[n:]
+    for _sql, _params, columns, done in items:
+        done(rest[: len(columns)])
+        rest = rest[len(columns) :]
+    return row[:n] if last is not None else None
