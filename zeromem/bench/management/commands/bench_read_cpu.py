@@ -11,8 +11,8 @@ driver, not PostgreSQL's backend) of:
 * ``service``: ``memories.services.memory_read`` alone (the SELECT, the audit INSERT);
 * ``audit``: ``audit.services.audit_record`` alone (the digest, the INSERT);
 * ``digest``: ``audit.chain.digest`` of one event's fields (no database);
-* ``raw_select``: the same live-memory SELECT on the driver's own cursor, prepared, nothing
-  built from its row — the floor.
+* ``raw_select``: the same live-memory SELECT on one driver cursor kept for it, prepared,
+  nothing built from its row — the floor.
 
 ``--rounds`` rounds (3); in each, every operation runs once per iteration in a fresh random
 order (harness.interleaved_samples), so machine noise hits them alike. Each round's wall p50
@@ -112,20 +112,21 @@ class Command(BenchCommand):
             "actor_filter": "",
         }
 
+        kept: dict = {}
+
         def raw_select():
-            # The statement memory_get_live runs, on the driver's cursor as hotsql runs it
-            # (prepared on PostgreSQL); the row is fetched and nothing is built from it.
+            # The statement memory_get_live runs, on one driver cursor kept for it (prepared on
+            # PostgreSQL), the row fetched and nothing built from it: the least Python can do.
             values = {"tenant": tenant.pk, "key": key, "now": timezone.now()}
             connection.ensure_connection()
             conn = connection.connection
             prepared = getattr(conn, "prepare_threshold", None) is not None
-            cur = hotsql._server_bound(conn) if prepared else conn.cursor()
-            try:
-                cur.execute(plan.sql, [values[n] for n in plan.order], **({"prepare": True} if prepared else {}))
-                if cur.fetchone() is None:
-                    raise CommandError("raw SELECT found no row")
-            finally:
-                cur.close()
+            cur = kept.get("cursor")
+            if cur is None or cur.connection is not conn:
+                cur = kept["cursor"] = hotsql._server_bound(conn) if prepared else conn.cursor()
+            cur.execute(plan.sql, [values[n] for n in plan.order], **({"prepare": True} if prepared else {}))
+            if cur.fetchone() is None:
+                raise CommandError("raw SELECT found no row")
 
         def tool_read():
             if tools.tool_call(tenant=tenant, actor=actor, call=call).result["status"] != "ok":
