@@ -112,7 +112,7 @@ class Command(BenchCommand):
             "actor_filter": "",
         }
 
-        kept: dict = {}
+        floor_cursor: dict = {}
 
         def raw_select():
             # The statement memory_get_live runs, on one driver cursor kept for it (prepared on
@@ -121,9 +121,9 @@ class Command(BenchCommand):
             connection.ensure_connection()
             conn = connection.connection
             prepared = getattr(conn, "prepare_threshold", None) is not None
-            cur = kept.get("cursor")
+            cur = floor_cursor.get("cursor")
             if cur is None or cur.connection is not conn:
-                cur = kept["cursor"] = hotsql._server_bound(conn) if prepared else conn.cursor()
+                cur = floor_cursor["cursor"] = hotsql._server_bound(conn) if prepared else conn.cursor()
             cur.execute(plan.sql, [values[n] for n in plan.order], **({"prepare": True} if prepared else {}))
             if cur.fetchone() is None:
                 raise CommandError("raw SELECT found no row")
