@@ -26,7 +26,7 @@ import ipaddress
 import json
 import re
 from datetime import UTC, datetime
-from functools import cache
+from functools import cache, lru_cache
 
 from django.conf import settings
 
@@ -59,10 +59,54 @@ def _keyed(material: str):
     return hmac.new(material.encode(), digestmod=hashlib.sha256)
 
 
+@cache
+def _keyed_core(material: str):
+    # The keyed HMAC's own OpenSSL object where the interpreter has one (CPython with
+    # OpenSSL): copying it skips the Python wrapper of hmac.HMAC (its copy builds a new
+    # instance attribute by attribute). Same key, same algorithm: the same MACs.
+    keyed = _keyed(material)
+    core = getattr(keyed, "_hmac", None)
+    return core if core is not None and hasattr(core, "copy") else keyed
+
+
 def _mac(*parts: object, base=None) -> str:
     h = (base or _keyed(settings.ZEROMEM_AUDIT_KEY)).copy()
     h.update("\x1f".join("" if p is None else str(p) for p in parts).encode())
     return h.hexdigest()
+
+
+def _mac_text(base, text: str) -> str:
+    # ``_mac`` of parts already joined (every part a str): the message, byte for byte.
+    h = base.copy()
+    h.update(text.encode())
+    return h.hexdigest()
+
+
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+
+
+@lru_cache(maxsize=1024)
+def _ipv6_text(value: str) -> str:
+    # A client address repeats from request to request: parsed once.
+    return ipaddress.ip_address(value).compressed
+
+
+def _occurred_text(value: datetime) -> str:
+    assert isinstance(value, datetime) and value.tzinfo is not None, "occurred_at must be aware"
+    v = value if value.tzinfo is UTC else value.astimezone(UTC)
+    if v.year < 1000:  # strftime's %Y does not pad it: its own spelling
+        return v.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # strftime("%Y-%m-%dT%H:%M:%S.%fZ") without parsing that format on every event; a %-format
+    # (half an f-string's cost here).
+    return "%04d-%02d-%02dT%02d:%02d:%02d.%06dZ" % (  # noqa: UP031
+        v.year,
+        v.month,
+        v.day,
+        v.hour,
+        v.minute,
+        v.second,
+        v.microsecond,
+    )
 
 
 def canonical(name: str, value) -> str:
@@ -70,14 +114,16 @@ def canonical(name: str, value) -> str:
     if value is None:
         return "\x00"
     if name == "occurred_at":
-        assert isinstance(value, datetime) and value.tzinfo is not None, "occurred_at must be aware"
-        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return _occurred_text(value)
     if name == "client_ip":
         # IPv4 text is canonical already; IPv6 has several spellings of one address.
-        return ipaddress.ip_address(value).compressed if ":" in str(value) else str(value)
+        text = str(value)
+        return _ipv6_text(text) if ":" in text else text
     if name == "detail":
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return str(value)
+        # json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False): the
+        # encoder those arguments build, built once.
+        return "{}" if type(value) is dict and not value else _CANONICAL_JSON(value)
+    return value if type(value) is str else str(value)
 
 
 def commitment(uid, name: str, value, base=None) -> str:
@@ -86,8 +132,12 @@ def commitment(uid, name: str, value, base=None) -> str:
 
 def digest(fields: dict, commitments: dict | None = None) -> str:
     """Digest of an event given as {field: value}. ``commitments`` supplies the stored
-    commitment of fields that were redacted (their text is a pseudonym now)."""
-    base = _keyed(settings.ZEROMEM_AUDIT_KEY)
+    commitment of fields that were redacted (their text is a pseudonym now).
+
+    The MACs are those of :func:`_mac` over the same parts (every part here is text), with
+    each message joined once rather than part by part: an event is recorded on every
+    request, and this was about a tenth of an audited read's CPU."""
+    base = _keyed_core(settings.ZEROMEM_AUDIT_KEY)
     uid = str(fields["uid"])
     parts = ["d"]
     for name in PLAIN_FIELDS:
@@ -96,8 +146,11 @@ def digest(fields: dict, commitments: dict | None = None) -> str:
         kept = commitments.get(name) if commitments else None
         if not kept and name in LATER_FIELDS and not fields.get(name):
             continue
-        parts.append(kept or commitment(uid, name, fields[name], base=base))
-    return _mac(*parts, base=base)
+        if kept:
+            parts.append(kept if type(kept) is str else str(kept))
+            continue
+        parts.append(_mac_text(base, f"c\x1f{uid}\x1f{name}\x1f{canonical(name, fields[name])}"))
+    return _mac_text(base, "\x1f".join(parts))
 
 
 def link(previous: str, event_id: int, event_digest: str) -> str:

@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import OperationalError, connection, models, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connection, connections, models, transaction
 from django.db.models import F, Min, Q
 from django.db.models.functions import Coalesce
 from django.db.models.sql import InsertQuery
@@ -88,6 +88,16 @@ def _storable(value):
 def _ip(value: str | None) -> str | None:
     if not value:
         return None
+    return _ip_text(value) if isinstance(value, str) else _ip_parsed(value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ip_text(value: str) -> str | None:
+    # A client's address repeats from request to request: parsed once, not per event.
+    return _ip_parsed(value)
+
+
+def _ip_parsed(value) -> str | None:
     try:
         return ipaddress.ip_address(value).compressed
     except ValueError:
@@ -121,6 +131,7 @@ def audit_record(
     """Append one event: one INSERT, no lock shared with other requests (the chain is
     built later by :func:`audit_seal`). Never pass a memory value or a key secret here.
     Returns the event's id."""
+    db = connections[DEFAULT_DB_ALIAS]  # the wrapper, once: each proxied attribute was a lookup
     fields = {
         "uid": uuid.uuid4(),
         "tenant_id": tenant.pk if tenant is not None else None,
@@ -142,7 +153,7 @@ def audit_record(
     }
     fields["digest"] = chain.digest(fields)
     _written.set(_written.get() + 1)
-    sql, columns = _insert_sql(connection.vendor, _flush_waived())
+    sql, columns = _insert_sql(db.vendor, _flush_waived(db))
     # What Model.save() would send (each field prepares its value; the others get their
     # defaults), without building the instance or compiling the INSERT on every request.
     params = [
@@ -150,22 +161,22 @@ def audit_record(
         if name is None
         else fields[name]
         if text and isinstance(fields[name], str)
-        else f.get_db_prep_save(fields[name], connection)
+        else f.get_db_prep_save(fields[name], db)
         for f, name, text, default in columns
     ]
-    return hotsql.fetchone(sql, params)[0]
+    return hotsql.fetchone(sql, params, db)[0]
 
 
-def _flush_waived() -> bool:
+def _flush_waived(db=connection) -> bool:
     """Whether this event's commit may skip waiting for the WAL flush: only when
     ``ZEROMEM_AUDIT_READ_EVENTS_ASYNC`` is on, on PostgreSQL, and the event is a transaction of
     its own — the event of an operation that changed nothing (a read, a search, a refusal).
     An event written with anything else (a write's, a batch's) commits with it, flushed."""
     return (
         settings.ZEROMEM_AUDIT_READ_EVENTS_ASYNC
-        and connection.vendor == "postgresql"
-        and not connection.in_atomic_block
-        and connection.get_autocommit()
+        and db.vendor == "postgresql"
+        and not db.in_atomic_block
+        and db.get_autocommit()
     )
 
 

@@ -11,13 +11,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
-from django.db.models import BooleanField, Q, QuerySet
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db.models import BooleanField, Model, Q, QuerySet, signals
+from django.db.models.base import ModelState
 from django.db.models.expressions import RawSQL
+from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute
 from django.utils import timezone
 
 from memories import keyring
-from memories.models import Memory, MemoryVersion, Tenant
+from memories.models import Memory, MemoryVersion, OpensSealedValues, Tenant
 from zeromem.kernel import hotsql
 from zeromem.kernel.crypto import Unopened
 from zeromem.kernel.deadlines import first_rows
@@ -55,15 +57,17 @@ def memory_get_live(*, tenant: Tenant, key: str) -> Memory | None:
     instance as the ORM's iterator does (``Model.from_db``). Compiling it was about a tenth
     of a read's CPU, and going through ``raw()`` (column names from the cursor, converters
     looked up per call) another quarter."""
-    now = _EXPIRES_AT.get_db_prep_value(timezone.now(), connection)
-    return _fetch_one(_plan("live_by_key", connection.vendor), {"tenant": tenant.pk, "key": key, "now": now})
+    db = connections[DEFAULT_DB_ALIAS]  # the wrapper, once: each proxied attribute is a lookup
+    now = _EXPIRES_AT.get_db_prep_value(timezone.now(), db)
+    return _fetch_one(_plan("live_by_key", db.vendor), {"tenant": tenant.pk, "key": key, "now": now}, db)
 
 
 def memory_lock_current(*, tenant: Tenant, key: str) -> Memory | None:
     """The memory at ``key`` that is not in the trash (expired or not), locked ``FOR
     UPDATE`` until the transaction ends: what a write replaces. Compiled once, as
     :func:`memory_get_live`."""
-    return _fetch_one(_plan("current_for_update", connection.vendor), {"tenant": tenant.pk, "key": key})
+    db = connections[DEFAULT_DB_ALIAS]
+    return _fetch_one(_plan("current_for_update", db.vendor), {"tenant": tenant.pk, "key": key}, db)
 
 
 _EXPIRES_AT = Memory._meta.get_field("expires_at")
@@ -138,29 +142,85 @@ def _plan(name: str, vendor: str) -> _Plan:
     return _Plan(name=name, sql=sql, order=order, query=qs.query, columns=columns, attnames=attnames)
 
 
-def _fetch_one(plan: _Plan, values: dict) -> Memory | None:
-    row = hotsql.fetchone(plan.sql, [values[name] for name in plan.order])
-    return None if row is None else _instance(plan, row)
+def _fetch_one(plan: _Plan, values: dict, db=None) -> Memory | None:
+    if db is None:
+        db = connections[DEFAULT_DB_ALIAS]
+    row = hotsql.fetchone(plan.sql, [values[name] for name in plan.order], db)
+    return None if row is None else _instance(plan, row, db)
 
 
-def _instance(plan: _Plan, row: tuple) -> Memory:
-    """The row as the ORM's iterator would build it: each column through its converters."""
-    return Memory.from_db(connection.alias, plan.attnames, _converted(plan, row))
+def _instance(plan: _Plan, row: tuple, db=None) -> Memory:
+    """The row as the ORM's iterator would build it: each column through its converters,
+    then ``Memory.from_db`` — or, while that is ``Model.from_db`` plus the opening of a sealed
+    value (:class:`memories.models.OpensSealedValues`) and nothing watches instances being
+    made (:func:`_built_directly`), the same instance without ``Model.__init__``'s loop over
+    the fields (a third of building it): the selected columns as its attributes, its state
+    loaded from ``db``, a sealed value opened under the row's tenant."""
+    if db is None:
+        db = connections[DEFAULT_DB_ALIAS]
+    values = _converted(plan, row, db)
+    if not _built_directly():
+        return Memory.from_db(db.alias, plan.attnames, values)
+    new = _new_memory(Memory)
+    state = new._state = ModelState()
+    state.adding = False
+    state.db = db.alias
+    new.__dict__.update(zip(plan.attnames, values, strict=True))
+    value = new.__dict__.get("value")
+    if isinstance(value, Unopened):
+        new.value = keyring.open_loaded(value, tenant_id=new.tenant_id)
+    return new
 
 
-def _converted(plan: _Plan, row: tuple) -> tuple | list:
-    cached = connection.__dict__.setdefault("_zeromem_plan_converters", {})
+_new_memory = object.__new__
+
+
+def _built_directly() -> bool:
+    """Whether building a Memory from its row needs nothing but its attributes: its
+    ``from_db`` is ``OpensSealedValues.from_db`` over ``Model.from_db``, its ``__init__``
+    Model's, no ``pre_init``/``post_init`` receiver, and no field's attribute with a setter of
+    its own (a foreign key's id, whose setter only drops a cached object a new instance does
+    not have, aside)."""
+    return (
+        _plain_memory_class()
+        and not signals.pre_init.has_listeners(Memory)
+        and not signals.post_init.has_listeners(Memory)
+    )
+
+
+@functools.cache
+def _plain_memory_class() -> bool:
+    if Memory.__init__ is not Model.__init__ or "__new__" in vars(Memory):
+        return False
+    if Memory.from_db.__func__ is not OpensSealedValues.from_db.__func__:
+        return False
+    after = Memory.__mro__[Memory.__mro__.index(OpensSealedValues) + 1 :]
+    if next(c for c in after if "from_db" in vars(c)) is not Model:
+        return False
+    for field in Memory._meta.concrete_fields:
+        descriptor = getattr(Memory, field.attname, None)
+        if hasattr(type(descriptor), "__set__") and not isinstance(descriptor, ForeignKeyDeferredAttribute):
+            return False
+    return True
+
+
+def _converted(plan: _Plan, row: tuple, db=None) -> tuple | list:
+    if db is None:
+        db = connections[DEFAULT_DB_ALIAS]
+    cached = db.__dict__.get("_zeromem_plan_converters")
+    if cached is None:
+        cached = db.__dict__["_zeromem_plan_converters"] = {}
     converters = cached.get(plan.name)
     if converters is None:
         # Per connection wrapper (one per thread): a converter may be bound to its ops.
-        compiler = plan.query.get_compiler(connection=connection)
+        compiler = plan.query.get_compiler(connection=db)
         converters = cached[plan.name] = list(compiler.get_converters(plan.columns).items())
     if converters:
         row = list(row)
         for pos, (funcs, expression) in converters:
             value = row[pos]
             for func in funcs:
-                value = func(value, expression, connection)
+                value = func(value, expression, db)
             row[pos] = value
     return row
 
