@@ -163,6 +163,8 @@ CASES = [
     ({"arguments": {"key": "user:u1:lang"}}, {}, "", "lane"),
     (READ, {"HTTP_X_REQUEST_ID": "client-trace-0001"}, "", "lane"),
     ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {"HTTP_ACCEPT": "*/*"}, "", "lane"),
+    (READ, {"HTTP_ACCEPT": "application/json, text/event-stream"}, "", "lane"),  # an MCP client's
+    (READ, {"HTTP_ACCEPT": "text/html, application/*"}, "", "lane"),
     # Django's: not an object, not JSON, a name twice, an expensive tool, a query string, other Accept
     ([{"name": "memory_read"}], {}, "", "django"),
     (b'{"name": "memory_read", "arguments": {"key": ', {}, "", "django"),
@@ -171,6 +173,8 @@ CASES = [
     ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {}, "x=1", "django"),
     ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {}, "x=1&x=2", "django"),
     ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {"HTTP_ACCEPT": "text/html"}, "", "django"),
+    (READ, {"HTTP_ACCEPT": "application/json; indent=4"}, "", "django"),
+    (READ, {"HTTP_ACCEPT": "text/html;q=0.9, application/*;q=0.8"}, "", "django"),  # DRF keeps the q
     (
         {"name": "memory_write", "arguments": {"key": "user:u1:k", "value": 1}},
         {"HTTP_IDEMPOTENCY_KEY": "k"},

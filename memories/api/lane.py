@@ -32,6 +32,7 @@ from django.core import signals
 from django.core.handlers.exception import response_for_exception
 from django.core.handlers.wsgi import WSGIHandler, WSGIRequest, get_script_name
 from django.http import HttpResponse
+from django.http.request import HttpHeaders
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.common import CommonMiddleware
 from django.middleware.security import SecurityMiddleware
@@ -50,14 +51,49 @@ from zeromem.kernel.tokens import compact_json, cost_of
 from zeromem.kit import logs, metrics
 from zeromem.kit.api import RESULT_BYTES_HEADER, RESULT_TOKENS_HEADER, exception_handler, retry_after
 from zeromem.kit.http import client_ip, request_id_for
+from zeromem.kit.negotiation import ContentNegotiation
 from zeromem.kit.parsers import JSONParser
 from zeromem.middleware import with_deferred
+from zeromem.renderers import CompactJSONRenderer
 
 # The route's answers carry this (DRF's default response headers for a view allowing POST).
 ALLOW = "POST, OPTIONS"
 ACTION = "tool.call"
 _JSON = "application/json"
 _ACCEPTED = (None, "*/*", _JSON)
+# Other Accept headers, as DRF's content negotiation answered them (bounded: clients send few).
+_negotiated: dict[str, bool] = {}
+_NEGOTIATED_MAX = 256
+
+
+class _Negotiating:
+    """What DRF's content negotiation reads of a request (no query string: the lane has none)."""
+
+    query_params: dict = {}
+
+    def __init__(self, accept: str):
+        self.META = {"HTTP_ACCEPT": accept}
+        self.headers = HttpHeaders(self.META)
+
+
+def json_negotiated(accept: str | None) -> bool:
+    """Whether the API's content negotiation (settings ``DEFAULT_CONTENT_NEGOTIATION_CLASS``,
+    one renderer) answers a request with this ``Accept`` in plain ``application/json`` — as
+    it does ``*/*``, ``application/json`` and an MCP client's ``application/json,
+    text/event-stream``. Anything else (406, a media type with parameters) is Django's."""
+    if accept in _ACCEPTED:
+        return True
+    known = _negotiated.get(accept)
+    if known is None:
+        try:
+            _renderer, media_type = ContentNegotiation().select_renderer(_Negotiating(accept), [CompactJSONRenderer()])
+            known = media_type == _JSON
+        except exceptions.NotAcceptable:
+            known = False
+        if len(_negotiated) >= _NEGOTIATED_MAX:
+            _negotiated.clear()
+        _negotiated[accept] = known
+    return known
 
 
 # The middleware (settings.MIDDLEWARE) whose effect on this route the lane reproduces; with any
@@ -133,7 +169,7 @@ class ToolLane:
             and mirrors_settings()
             and not settings.ZEROMEM_TRACING
             and environ.get("CONTENT_TYPE") == _JSON
-            and environ.get("HTTP_ACCEPT") in _ACCEPTED
+            and json_negotiated(environ.get("HTTP_ACCEPT"))
             and "HTTP_IDEMPOTENCY_KEY" not in environ
             and "HTTP_TRANSFER_ENCODING" not in environ
             and length.isascii()
