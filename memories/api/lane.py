@@ -77,10 +77,17 @@ MIRRORED = (
 )
 
 
-def mirrors_settings() -> bool:
-    """Whether the lane answers as Django's chain would with these settings: the middleware
-    above, and no report-only Content-Security-Policy (which runs on API paths too)."""
-    return tuple(settings.MIDDLEWARE) == MIRRORED and not getattr(settings, "CONTENT_SECURITY_POLICY_REPORT_ONLY", None)
+def mirrors_settings(path: str) -> bool:
+    """Whether the lane answers ``path`` as Django's chain would with these settings: the
+    middleware above, no report-only Content-Security-Policy (which runs on API paths too),
+    a policy that excludes the path (else django-csp adds its header), CSRF tokens in a cookie."""
+    policy = getattr(settings, "CONTENT_SECURITY_POLICY", None) or {}
+    return (
+        tuple(settings.MIDDLEWARE) == MIRRORED
+        and not getattr(settings, "CONTENT_SECURITY_POLICY_REPORT_ONLY", None)
+        and not settings.CSRF_USE_SESSIONS  # CsrfViewMiddleware then reads a session API paths lack
+        and path.startswith(tuple(policy.get("EXCLUDE_URL_PREFIXES") or ()))
+    )
 
 
 def _nothing(request):  # the middleware below is used for its response half only
@@ -106,6 +113,9 @@ class ToolLane:
     def __call__(self, environ, start_response):
         if not self._may_take(environ):
             return self.django(environ, start_response)
+        request = WSGIRequest(environ)  # no side effect: Django's own is built from environ again
+        if self._answered_before_the_route(request):
+            return self.django(environ, start_response)
         body = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
         taken = self._taken(environ, body)
         if taken is None:
@@ -115,7 +125,6 @@ class ToolLane:
         # As WSGIHandler.__call__, from here: the request has begun.
         set_script_prefix(get_script_name(environ))
         signals.request_started.send(sender=WSGIHandler, environ=environ)
-        request = WSGIRequest(environ)
         response = self._respond(request, data, raw)
         response._handler_class = WSGIHandler
         start_response(f"{response.status_code} {response.reason_phrase}", list(response.items()))
@@ -130,17 +139,32 @@ class ToolLane:
             and not environ.get("SCRIPT_NAME")
             and not environ.get("QUERY_STRING")
             and settings.ZEROMEM_TOOL_LANE
-            and mirrors_settings()
+            and mirrors_settings(self.path)
             and not settings.ZEROMEM_TRACING
             and environ.get("CONTENT_TYPE") == _JSON
             and environ.get("HTTP_ACCEPT") in _ACCEPTED
             and "HTTP_IDEMPOTENCY_KEY" not in environ
             and "HTTP_TRANSFER_ENCODING" not in environ
+            # CsrfViewMiddleware replaces a malformed CSRF cookie (Set-Cookie, Vary: Cookie)
+            and settings.CSRF_COOKIE_NAME not in environ.get("HTTP_COOKIE", "")
             and length.isascii()
             and length.isdigit()
             and 0 < int(length) <= settings.ZEROMEM_MAX_BODY_BYTES
             and environ.get("HTTP_AUTHORIZATION", "")[:7].lower() == "bearer "
         )
+
+    def _answered_before_the_route(self, request) -> bool:
+        """Whether Django's chain answers before it routes the request — the HTTPS redirect
+        (SecurityMiddleware), a Host not in ALLOWED_HOSTS (400), a refused User-Agent (403),
+        PREPEND_WWW's redirect (CommonMiddleware) — with their answers' own headers and the
+        metrics' ``unmatched`` route: those are Django's to give. The same request halves
+        Django runs first, which only read the request."""
+        try:
+            return (
+                self.security.process_request(request) is not None or self.common.process_request(request) is not None
+            )
+        except Exception:  # noqa: BLE001 - DisallowedHost, PermissionDenied: Django answers them
+            return True
 
     def _taken(self, environ, body: bytes) -> tuple[dict, str] | None:
         """The call and the raw key when the lane answers it: a body the project's parser
@@ -173,16 +197,12 @@ class ToolLane:
         request.resolver_match = self.match
         logs.request_id.set(request.request_id)
         with deferred.collecting() as tasks:
-            # SecurityMiddleware's request half (the HTTPS redirect, when configured): its answer
-            # goes back through it alone, as in Django's chain.
-            response = self.security.process_request(request)
-            if response is None:
-                try:
-                    response = self._answer(request, data, raw)
-                except Exception as exc:  # noqa: BLE001 - answered as Django answers it
-                    response = response_for_exception(request, exc)
-                response = self.common.process_response(request, response)
-                response = self.framing.process_response(request, response)
+            try:
+                response = self._answer(request, data, raw)
+            except Exception as exc:  # noqa: BLE001 - answered as Django answers it
+                response = response_for_exception(request, exc)
+            response = self.common.process_response(request, response)
+            response = self.framing.process_response(request, response)
             response = self.security.process_response(request, response)
         response["X-Request-ID"] = request.request_id
         response = with_deferred(response, tasks)
