@@ -20,6 +20,7 @@ import pytest
 from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished, request_started
 from django.db import OperationalError, close_old_connections
+from django.urls import get_script_prefix, set_script_prefix
 from django.utils import timezone
 
 import zeromem.wsgi
@@ -500,3 +501,20 @@ def test_csrf_tokens_kept_in_sessions_are_answered_alike(settings, warm_keys):
     (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(settings, warm_keys, READ)
     assert django_answer[0] == "500 Internal Server Error"
     assert lane_answer == django_answer and lane_moved == django_moved and not by_lane
+
+
+def test_a_forced_script_name_is_answered_alike(settings, warm_keys):
+    """FORCE_SCRIPT_NAME: django.setup() makes it the script prefix, so reverse() names the
+    route with it; the lane is still built (the server starts) and answers as Django does."""
+    settings.FORCE_SCRIPT_NAME = "/zm"
+    prefix = get_script_prefix()
+    set_script_prefix("/zm/")
+    try:
+        app = fresh_lane()
+        (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(
+            settings, warm_keys, READ, app=app
+        )
+    finally:
+        set_script_prefix(prefix)
+    assert django_answer[0] == "200 OK"
+    assert lane_answer == django_answer and lane_moved == django_moved and by_lane

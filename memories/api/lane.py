@@ -35,7 +35,7 @@ from django.http import HttpResponse
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.common import CommonMiddleware
 from django.middleware.security import SecurityMiddleware
-from django.urls import resolve, reverse, set_script_prefix
+from django.urls import get_script_prefix, resolve, reverse, set_script_prefix
 from django.utils.log import log_response
 from rest_framework import exceptions
 
@@ -100,7 +100,8 @@ class ToolLane:
 
     def __init__(self, django):
         self.django = django
-        self.path = reverse("tools-call")
+        # The route's PATH_INFO: without the script prefix (FORCE_SCRIPT_NAME), which reverse() adds.
+        self.path = "/" + reverse("tools-call").removeprefix(get_script_prefix())
         self.match = resolve(self.path)
         # The response half of the middleware Django would run (settings.MIDDLEWARE): the
         # security headers (and the HTTPS redirect, whose request half is checked first), the
