@@ -18,19 +18,25 @@ from the same middleware (security, framing, length) and the same renderer. What
 Anything else goes to Django untouched, decided before the lane has done anything a fallback
 would do again: a body that does not parse, a key the process has not verified (or revoked,
 or expired: Django audits those 401s), an expensive tool (it takes a tenant slot), a request
-with a query string, an ``Idempotency-Key``, a chunked body, an ``Accept`` other than JSON,
-tracing on. ``ZEROMEM_TOOL_LANE=false`` sends every request to Django.
+with a query string, an ``Idempotency-Key``, a chunked body, an ``Accept`` other than JSON, a
+CSRF cookie (Django's CSRF middleware may replace it), tracing on; and whatever Django's chain
+answers before it routes a request — a ``Host`` not in ``ALLOWED_HOSTS`` (400), a refused
+``User-Agent`` (403), the HTTPS redirect, ``PREPEND_WWW`` — asked of the same middleware's
+request halves, which only read the request. ``ZEROMEM_TOOL_LANE=false`` sends every request
+to Django.
 """
 
 from __future__ import annotations
 
 import io
 import time
+from typing import NamedTuple
 
 from django.conf import settings
 from django.core import signals
 from django.core.handlers.exception import response_for_exception
 from django.core.handlers.wsgi import WSGIHandler, WSGIRequest, get_script_name
+from django.core.signals import setting_changed
 from django.http import HttpResponse
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.common import CommonMiddleware
@@ -90,6 +96,35 @@ def mirrors_settings(path: str) -> bool:
     )
 
 
+class _Read(NamedTuple):
+    """The settings the lane's decision reads, read once (each read of ``settings`` costs ~1 µs)."""
+
+    on: bool  # ZEROMEM_TOOL_LANE, tracing off, and Django's chain as mirrored
+    body_cap: int
+    csrf_cookie: str
+
+
+# path → its _Read, until a setting changes (setting_changed: override_settings, the tests).
+_read: dict[str, _Read] = {}
+
+
+def _read_settings(path: str) -> _Read:
+    read = _Read(
+        on=bool(settings.ZEROMEM_TOOL_LANE and not settings.ZEROMEM_TRACING and mirrors_settings(path)),
+        body_cap=settings.ZEROMEM_MAX_BODY_BYTES,
+        csrf_cookie=settings.CSRF_COOKIE_NAME,
+    )
+    _read[path] = read
+    return read
+
+
+def _settings_changed(**kwargs) -> None:
+    _read.clear()
+
+
+setting_changed.connect(_settings_changed, dispatch_uid="memories.api.lane.settings_changed")
+
+
 def _nothing(request):  # the middleware below is used for its response half only
     raise AssertionError("not called")
 
@@ -103,9 +138,10 @@ class ToolLane:
         # The route's PATH_INFO: without the script prefix (FORCE_SCRIPT_NAME), which reverse() adds.
         self.path = "/" + reverse("tools-call").removeprefix(get_script_prefix())
         self.match = resolve(self.path)
-        # The response half of the middleware Django would run (settings.MIDDLEWARE): the
-        # security headers (and the HTTPS redirect, whose request half is checked first), the
-        # framing header, Content-Length. The others do nothing on an API path.
+        # The middleware Django would run (settings.MIDDLEWARE) whose halves matter here: the
+        # request halves of the security and common middleware decide whether Django answers
+        # before the route (the lane then stands aside); the response halves add the security
+        # headers, the framing header, Content-Length. The others do nothing on an API path.
         self.security = SecurityMiddleware(_nothing)
         self.framing = XFrameOptionsMiddleware(_nothing)
         self.common = CommonMiddleware(_nothing)
@@ -133,24 +169,23 @@ class ToolLane:
 
     def _may_take(self, environ) -> bool:
         """What the request line and headers say (no body read, nothing done)."""
+        read = _read.get(self.path) or _read_settings(self.path)
         length = environ.get("CONTENT_LENGTH") or ""
         return (
-            environ.get("REQUEST_METHOD") == "POST"
+            read.on
+            and environ.get("REQUEST_METHOD") == "POST"
             and environ.get("PATH_INFO") == self.path
             and not environ.get("SCRIPT_NAME")
             and not environ.get("QUERY_STRING")
-            and settings.ZEROMEM_TOOL_LANE
-            and mirrors_settings(self.path)
-            and not settings.ZEROMEM_TRACING
             and environ.get("CONTENT_TYPE") == _JSON
             and environ.get("HTTP_ACCEPT") in _ACCEPTED
             and "HTTP_IDEMPOTENCY_KEY" not in environ
             and "HTTP_TRANSFER_ENCODING" not in environ
             # CsrfViewMiddleware replaces a malformed CSRF cookie (Set-Cookie, Vary: Cookie)
-            and settings.CSRF_COOKIE_NAME not in environ.get("HTTP_COOKIE", "")
+            and read.csrf_cookie not in environ.get("HTTP_COOKIE", "")
             and length.isascii()
             and length.isdigit()
-            and 0 < int(length) <= settings.ZEROMEM_MAX_BODY_BYTES
+            and 0 < int(length) <= read.body_cap
             and environ.get("HTTP_AUTHORIZATION", "")[:7].lower() == "bearer "
         )
 
