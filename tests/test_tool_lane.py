@@ -518,3 +518,18 @@ def test_a_forced_script_name_is_answered_alike(settings, warm_keys):
         set_script_prefix(prefix)
     assert django_answer[0] == "200 OK"
     assert lane_answer == django_answer and lane_moved == django_moved and by_lane
+
+
+def test_other_routes_and_methods_are_djangos(warm_keys, monkeypatch):
+    """The batch endpoint, a trailing slash, HEAD and OPTIONS on the call's route: Django's."""
+    answered = []
+    respond = ToolLane._respond
+    monkeypatch.setattr(ToolLane, "_respond", lambda lane_app, *args: answered.append(1) or respond(lane_app, *args))
+    raw = warm_keys[1]
+    batch = call(LANE, raw, {"calls": [READ]}, headers={"PATH_INFO": "/api/v1/tools/batch"})
+    assert batch[0] == "200 OK" and json.loads(batch[2])["results"][0]["status"] in ("ok", "not_found")
+    assert call(LANE, raw, READ, headers={"PATH_INFO": CALL + "/"})[0] == "404 Not Found"
+    assert call(LANE, raw, READ, method="OPTIONS")[0] == "200 OK"
+    assert call(LANE, raw, READ, method="HEAD")[0] == "405 Method Not Allowed"
+    assert answered == []
+    assert call(LANE, raw, READ)[0] == "200 OK" and answered == [1]
