@@ -12,19 +12,26 @@ from __future__ import annotations
 import io
 import json
 import re
-from datetime import date
+import time as _time
+from datetime import date, timedelta
+from types import SimpleNamespace
 
 import pytest
+from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished, request_started
 from django.db import OperationalError, close_old_connections
+from django.urls import get_script_prefix, set_script_prefix
+from django.utils import timezone
 
 import zeromem.wsgi
 from audit.models import AuditEvent
 from audit.services import audit_refusals_flush
 from memories import services, tools
+from memories.api import lane
+from memories.api.lane import ToolLane
 from memories.api.views import ToolCallView
-from memories.models import TokenUsageDay
-from memories.services import usage
+from memories.models import TokenUsageDay, hash_api_key
+from memories.services import key_cache, usage
 from tests.factories import SYSTEM, make_key, write
 from zeromem.kit import metrics
 
@@ -101,7 +108,19 @@ def seen_by_client(status, headers, content):
 
 def events(tenant):
     return [
-        (e.action, e.outcome, e.target, e.subject, e.version, e.count, e.detail, e.surface, e.actor_kind, e.request_id)
+        (
+            e.action,
+            e.outcome,
+            e.target,
+            e.subject,
+            e.version,
+            e.count,
+            e.detail,
+            e.surface,
+            e.actor_kind,
+            e.client_ip,
+            e.request_id,
+        )
         for e in AuditEvent.objects.filter(tenant=tenant, actor_kind="api_key").order_by("id")
     ]
 
@@ -162,6 +181,29 @@ CASES = [
     ({"name": "memory_read", "arguments": "not an object"}, {}, "", "lane"),
     ({"arguments": {"key": "user:u1:lang"}}, {}, "", "lane"),
     (READ, {"HTTP_X_REQUEST_ID": "client-trace-0001"}, "", "lane"),
+    # the audit's client address: X-Forwarded-For under ZEROMEM_NUM_PROXIES (1 in the test)
+    (
+        {"name": "memory_write", "arguments": {"key": "user:u1:ip", "value": "v"}},
+        {"HTTP_X_FORWARDED_FOR": "203.0.113.9, 10.0.0.1"},
+        "",
+        "lane",
+    ),
+    # numbers at the edges, and arguments as a JSON string naming a member twice or holding a
+    # lone surrogate (the tool's own parsing: the lane's to answer)
+    (
+        {"name": "memory_write", "arguments": {"key": "user:u1:n", "value": [10**30, 1e308, -0.0, 5e-324]}},
+        {},
+        "",
+        "lane",
+    ),
+    ({"name": "memory_read", "arguments": '{"key": "user:u1:lang", "key": "user:u1:n"}'}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": '{"key": "user:u1:\\ud800"}'}, {}, "", "lane"),
+    ({"name": "memory_read", "arguments": '{"key": "user:u1:\ud800"}'}, {}, "", "django"),
+    (b'{"name": "memory_read", "arguments": {"key": "user:u1:lang", "max_chars": 1e400}}', {}, "", "django"),
+    (b"\xef\xbb\xbf" + json.dumps(READ).encode(), {}, "", "django"),
+    ("é".encode("latin-1") + json.dumps(READ).encode(), {}, "", "django"),
+    (READ, {"CONTENT_TYPE": "application/json; charset=utf-8"}, "", "django"),
+    (json.dumps(READ).encode("utf-16"), {"CONTENT_TYPE": "application/json; charset=utf-16"}, "", "django"),
     ({"name": "memory_read", "arguments": {"key": "user:u1:lang"}}, {"HTTP_ACCEPT": "*/*"}, "", "lane"),
     (READ, {"HTTP_ACCEPT": "application/json, text/event-stream"}, "", "lane"),  # an MCP client's
     (READ, {"HTTP_ACCEPT": "text/html, application/*"}, "", "lane"),
@@ -194,6 +236,7 @@ def run_cases(app, raw_key, views):
 
 
 def test_the_lane_answers_as_the_django_view_does(tenant_a, tenant_b, views, settings):
+    settings.ZEROMEM_NUM_PROXIES = 1
     _key_a, raw_a = make_key(tenant_a)
     _key_b, raw_b = make_key(tenant_b)
     for tenant in (tenant_a, tenant_b):
@@ -297,3 +340,200 @@ def test_the_lane_stands_aside_when_off_or_when_the_middleware_differs(tenant_a,
     settings.ZEROMEM_TOOL_LANE = True
     call(LANE, raw, read)
     assert len(views) == 3
+
+
+# --- What Django's chain decides before the view: the lane must answer the same or stand aside.
+
+
+@pytest.fixture
+def warm_keys(tenant_a, tenant_b):
+    """A key of each tenant, verified once by Django with the default settings (the lane
+    takes only keys the process knows)."""
+    raws = [make_key(tenant)[1] for tenant in (tenant_a, tenant_b)]
+    for raw in raws:
+        assert call(DJANGO, raw, READ)[0] == "200 OK"
+    return raws
+
+
+def side_by_side(settings, warm_keys, body, *, headers=None, app=LANE):
+    """One request answered with the lane off (tenant a's key) and on (tenant b's): the two
+    answers as the client sees them (a cookie by its name), the metrics each moved, and
+    whether the lane answered the second."""
+    answers, moved, answered = [], [], []
+    respond = ToolLane._respond
+
+    def counted(lane_app, *args):
+        answered.append(True)
+        return respond(lane_app, *args)
+
+    for lane_on, raw in zip((False, True), warm_keys, strict=True):
+        settings.ZEROMEM_TOOL_LANE = lane_on
+        before = counters()
+        ToolLane._respond = counted
+        try:
+            status, headers_sent, content = call(app, raw, body, headers=headers)
+        finally:
+            ToolLane._respond = respond
+        moved.append(delta(before, counters()))
+        named = [(name, value.split("=", 1)[0] if name == "Set-Cookie" else value) for name, value in headers_sent]
+        answers.append(seen_by_client(status, named, content)[:3])
+    return answers, moved, bool(answered)
+
+
+def fresh_lane():
+    """The WSGI application as a server process builds it with the settings of the moment
+    (the middleware instances read some settings once, when built)."""
+    return ToolLane(WSGIHandler())
+
+
+@pytest.mark.parametrize(
+    ("headers", "by"),
+    [
+        ({"HTTP_HOST": "evil.example"}, "django"),  # not in ALLOWED_HOSTS: DisallowedHost, 400
+        ({"HTTP_HOST": "testserver", "HTTP_X_FORWARDED_HOST": "evil.example"}, "django"),  # USE_X_FORWARDED_HOST
+        ({"HTTP_HOST": "testserver", "HTTP_X_FORWARDED_HOST": "localhost"}, "lane"),
+        ({"HTTP_USER_AGENT": "evilbot/1.0"}, "django"),  # DISALLOWED_USER_AGENTS: 403
+        ({"HTTP_USER_AGENT": "agent/1.0"}, "lane"),
+        ({"HTTP_COOKIE": "csrftoken=bad"}, "django"),  # CsrfViewMiddleware replaces it: Set-Cookie, Vary
+        ({"HTTP_COOKIE": "theme=dark"}, "lane"),
+    ],
+)
+def test_what_the_middleware_refuses_or_adds_is_answered_alike(settings, warm_keys, headers, by):
+    settings.USE_X_FORWARDED_HOST = True
+    settings.DISALLOWED_USER_AGENTS = [re.compile("evilbot")]
+    (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(
+        settings, warm_keys, READ, headers=headers
+    )
+    assert lane_answer == django_answer
+    assert lane_moved == django_moved
+    assert by_lane == (by == "lane")
+
+
+def test_prepend_www_is_answered_alike(settings, warm_keys):
+    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "api.example"]
+    settings.PREPEND_WWW = True
+    (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(
+        settings, warm_keys, READ, headers={"HTTP_HOST": "api.example"}
+    )
+    assert django_answer[0] == "301 Moved Permanently"
+    assert lane_answer == django_answer and lane_moved == django_moved and not by_lane
+
+
+@pytest.mark.parametrize("host", ["testserver", "evil.example"])
+def test_the_https_redirect_is_answered_alike(settings, warm_keys, host):
+    settings.SECURE_SSL_REDIRECT = True
+    settings.SECURE_HSTS_SECONDS = 3600
+    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    app = fresh_lane()
+    (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(
+        settings, warm_keys, READ, headers={"HTTP_HOST": host}, app=app
+    )
+    assert django_answer[0] == ("301 Moved Permanently" if host == "testserver" else "400 Bad Request")
+    assert lane_answer == django_answer
+    assert lane_moved == django_moved  # the redirect is Django's before any route: "unmatched"
+    assert not by_lane
+    # Over HTTPS (the proxy says so) the call is answered, with HSTS, alike.
+    (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(
+        settings,
+        warm_keys,
+        READ,
+        headers={"HTTP_HOST": "testserver", "HTTP_X_FORWARDED_PROTO": "https"},
+        app=app,
+    )
+    assert django_answer[0] == "200 OK" and "Strict-Transport-Security" in django_answer[1]
+    assert lane_answer == django_answer and lane_moved == django_moved and by_lane
+
+
+def test_a_policy_that_covers_the_api_is_answered_alike(settings, warm_keys):
+    settings.CONTENT_SECURITY_POLICY = {"DIRECTIVES": {"default-src": ["'self'"]}}
+    (django_answer, lane_answer), _moved, by_lane = side_by_side(settings, warm_keys, READ, app=fresh_lane())
+    assert "Content-Security-Policy" in django_answer[1]
+    assert lane_answer == django_answer and not by_lane
+
+
+def test_a_key_expiring_between_the_lanes_checks_is_refused_alike(tenant_a, tenant_b, views, settings, monkeypatch):
+    """The lane looks at the cached key's expiry, then verify_api_key looks again: a key that
+    expires in between is refused as Django refuses an expired key (401, audited once)."""
+    keys = {}
+    for tenant in (tenant_a, tenant_b):
+        key, raw = make_key(tenant, expires_in_days=1)
+        assert call(DJANGO, raw, READ)[0] == "200 OK"
+        cached = key_cache.get(key.lookup, hash_api_key(raw))
+        cached.expires_at = timezone.now() - timedelta(seconds=1)
+        keys[tenant] = raw
+    # The lane's own look, a moment earlier: the key still held then.
+    real_time = _time.time
+    monkeypatch.setattr(lane, "time", SimpleNamespace(time=lambda: real_time() - 60, perf_counter=_time.perf_counter))
+    settings.ZEROMEM_TOOL_LANE = False
+    django_answer = seen_by_client(*call(LANE, keys[tenant_a], READ))
+    settings.ZEROMEM_TOOL_LANE = True
+    lane_answer = seen_by_client(*call(LANE, keys[tenant_b], READ))
+    assert django_answer[0] == "401 Unauthorized" and json.loads(django_answer[2])["error"]["code"] == "key_expired"
+    assert lane_answer[:3] == django_answer[:3]
+    assert len(views) == 3  # the two keys' first calls and Django's refusal: the lane answered its own
+    failures = [
+        [(e.action, e.outcome, e.detail) for e in AuditEvent.objects.filter(tenant=t, action__startswith="auth")]
+        for t in (tenant_a, tenant_b)
+    ]
+    assert failures[0] == failures[1] and len(failures[0]) == 1
+
+
+def test_an_error_no_handler_answers_is_a_500_alike(tenant_a, tenant_b, views, monkeypatch):
+    _key_a, raw_a = make_key(tenant_a)
+    _key_b, raw_b = make_key(tenant_b)
+    call(DJANGO, raw_a, READ)
+    call(LANE, raw_b, READ)
+
+    def broken(**kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(tools, "tool_call", broken)
+    before = counters()
+    django_answer = seen_by_client(*call(DJANGO, raw_a, READ))
+    django_moved = delta(before, counters())
+    before = counters()
+    lane_answer = seen_by_client(*call(LANE, raw_b, READ))
+    assert lane_answer[:3] == django_answer[:3] and lane_answer[0] == "500 Internal Server Error"
+    assert delta(before, counters()) == django_moved
+    assert len(views) == 3
+
+
+def test_csrf_tokens_kept_in_sessions_are_answered_alike(settings, warm_keys):
+    """With CSRF_USE_SESSIONS CsrfViewMiddleware looks for a session, which API paths do not
+    load: Django's answer (an error) is the answer."""
+    settings.CSRF_USE_SESSIONS = True
+    (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(settings, warm_keys, READ)
+    assert django_answer[0] == "500 Internal Server Error"
+    assert lane_answer == django_answer and lane_moved == django_moved and not by_lane
+
+
+def test_a_forced_script_name_is_answered_alike(settings, warm_keys):
+    """FORCE_SCRIPT_NAME: django.setup() makes it the script prefix, so reverse() names the
+    route with it; the lane is still built (the server starts) and answers as Django does."""
+    settings.FORCE_SCRIPT_NAME = "/zm"
+    prefix = get_script_prefix()
+    set_script_prefix("/zm/")
+    try:
+        app = fresh_lane()
+        (django_answer, lane_answer), (django_moved, lane_moved), by_lane = side_by_side(
+            settings, warm_keys, READ, app=app
+        )
+    finally:
+        set_script_prefix(prefix)
+    assert django_answer[0] == "200 OK"
+    assert lane_answer == django_answer and lane_moved == django_moved and by_lane
+
+
+def test_other_routes_and_methods_are_djangos(warm_keys, monkeypatch):
+    """The batch endpoint, a trailing slash, HEAD and OPTIONS on the call's route: Django's."""
+    answered = []
+    respond = ToolLane._respond
+    monkeypatch.setattr(ToolLane, "_respond", lambda lane_app, *args: answered.append(1) or respond(lane_app, *args))
+    raw = warm_keys[1]
+    batch = call(LANE, raw, {"calls": [READ]}, headers={"PATH_INFO": "/api/v1/tools/batch"})
+    assert batch[0] == "200 OK" and json.loads(batch[2])["results"][0]["status"] in ("ok", "not_found")
+    assert call(LANE, raw, READ, headers={"PATH_INFO": CALL + "/"})[0] == "404 Not Found"
+    assert call(LANE, raw, READ, method="OPTIONS")[0] == "200 OK"
+    assert call(LANE, raw, READ, method="HEAD")[0] == "405 Method Not Allowed"
+    assert answered == []
+    assert call(LANE, raw, READ)[0] == "200 OK" and answered == [1]

@@ -18,25 +18,31 @@ from the same middleware (security, framing, length) and the same renderer. What
 Anything else goes to Django untouched, decided before the lane has done anything a fallback
 would do again: a body that does not parse, a key the process has not verified (or revoked,
 or expired: Django audits those 401s), an expensive tool (it takes a tenant slot), a request
-with a query string, an ``Idempotency-Key``, a chunked body, an ``Accept`` other than JSON,
-tracing on. ``ZEROMEM_TOOL_LANE=false`` sends every request to Django.
+with a query string, an ``Idempotency-Key``, a chunked body, an ``Accept`` other than JSON, a
+CSRF cookie (Django's CSRF middleware may replace it), tracing on; and whatever Django's chain
+answers before it routes a request — a ``Host`` not in ``ALLOWED_HOSTS`` (400), a refused
+``User-Agent`` (403), the HTTPS redirect, ``PREPEND_WWW`` — asked of the same middleware's
+request halves, which only read the request. ``ZEROMEM_TOOL_LANE=false`` sends every request
+to Django.
 """
 
 from __future__ import annotations
 
 import io
 import time
+from typing import NamedTuple
 
 from django.conf import settings
 from django.core import signals
 from django.core.handlers.exception import response_for_exception
 from django.core.handlers.wsgi import WSGIHandler, WSGIRequest, get_script_name
+from django.core.signals import setting_changed
 from django.http import HttpResponse
 from django.http.request import HttpHeaders
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.common import CommonMiddleware
 from django.middleware.security import SecurityMiddleware
-from django.urls import resolve, reverse, set_script_prefix
+from django.urls import get_script_prefix, resolve, reverse, set_script_prefix
 from django.utils.log import log_response
 from rest_framework import exceptions
 
@@ -113,10 +119,46 @@ MIRRORED = (
 )
 
 
-def mirrors_settings() -> bool:
-    """Whether the lane answers as Django's chain would with these settings: the middleware
-    above, and no report-only Content-Security-Policy (which runs on API paths too)."""
-    return tuple(settings.MIDDLEWARE) == MIRRORED and not getattr(settings, "CONTENT_SECURITY_POLICY_REPORT_ONLY", None)
+def mirrors_settings(path: str) -> bool:
+    """Whether the lane answers ``path`` as Django's chain would with these settings: the
+    middleware above, no report-only Content-Security-Policy (which runs on API paths too),
+    a policy that excludes the path (else django-csp adds its header), CSRF tokens in a cookie."""
+    policy = getattr(settings, "CONTENT_SECURITY_POLICY", None) or {}
+    return (
+        tuple(settings.MIDDLEWARE) == MIRRORED
+        and not getattr(settings, "CONTENT_SECURITY_POLICY_REPORT_ONLY", None)
+        and not settings.CSRF_USE_SESSIONS  # CsrfViewMiddleware then reads a session API paths lack
+        and path.startswith(tuple(policy.get("EXCLUDE_URL_PREFIXES") or ()))
+    )
+
+
+class _Read(NamedTuple):
+    """The settings the lane's decision reads, read once (each read of ``settings`` costs ~1 µs)."""
+
+    on: bool  # ZEROMEM_TOOL_LANE, tracing off, and Django's chain as mirrored
+    body_cap: int
+    csrf_cookie: str
+
+
+# path → its _Read, until a setting changes (setting_changed: override_settings, the tests).
+_read: dict[str, _Read] = {}
+
+
+def _read_settings(path: str) -> _Read:
+    read = _Read(
+        on=bool(settings.ZEROMEM_TOOL_LANE and not settings.ZEROMEM_TRACING and mirrors_settings(path)),
+        body_cap=settings.ZEROMEM_MAX_BODY_BYTES,
+        csrf_cookie=settings.CSRF_COOKIE_NAME,
+    )
+    _read[path] = read
+    return read
+
+
+def _settings_changed(**kwargs) -> None:
+    _read.clear()
+
+
+setting_changed.connect(_settings_changed, dispatch_uid="memories.api.lane.settings_changed")
 
 
 def _nothing(request):  # the middleware below is used for its response half only
@@ -129,11 +171,13 @@ class ToolLane:
 
     def __init__(self, django):
         self.django = django
-        self.path = reverse("tools-call")
+        # The route's PATH_INFO: without the script prefix (FORCE_SCRIPT_NAME), which reverse() adds.
+        self.path = "/" + reverse("tools-call").removeprefix(get_script_prefix())
         self.match = resolve(self.path)
-        # The response half of the middleware Django would run (settings.MIDDLEWARE): the
-        # security headers (and the HTTPS redirect, whose request half is checked first), the
-        # framing header, Content-Length. The others do nothing on an API path.
+        # The middleware Django would run (settings.MIDDLEWARE) whose halves matter here: the
+        # request halves of the security and common middleware decide whether Django answers
+        # before the route (the lane then stands aside); the response halves add the security
+        # headers, the framing header, Content-Length. The others do nothing on an API path.
         self.security = SecurityMiddleware(_nothing)
         self.framing = XFrameOptionsMiddleware(_nothing)
         self.common = CommonMiddleware(_nothing)
@@ -141,6 +185,9 @@ class ToolLane:
 
     def __call__(self, environ, start_response):
         if not self._may_take(environ):
+            return self.django(environ, start_response)
+        request = WSGIRequest(environ)  # no side effect: Django's own is built from environ again
+        if self._answered_before_the_route(request):
             return self.django(environ, start_response)
         body = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
         taken = self._taken(environ, body)
@@ -151,7 +198,6 @@ class ToolLane:
         # As WSGIHandler.__call__, from here: the request has begun.
         set_script_prefix(get_script_name(environ))
         signals.request_started.send(sender=WSGIHandler, environ=environ)
-        request = WSGIRequest(environ)
         response = self._respond(request, data, raw)
         response._handler_class = WSGIHandler
         start_response(f"{response.status_code} {response.reason_phrase}", list(response.items()))
@@ -159,24 +205,38 @@ class ToolLane:
 
     def _may_take(self, environ) -> bool:
         """What the request line and headers say (no body read, nothing done)."""
+        read = _read.get(self.path) or _read_settings(self.path)
         length = environ.get("CONTENT_LENGTH") or ""
         return (
-            environ.get("REQUEST_METHOD") == "POST"
+            read.on
+            and environ.get("REQUEST_METHOD") == "POST"
             and environ.get("PATH_INFO") == self.path
             and not environ.get("SCRIPT_NAME")
             and not environ.get("QUERY_STRING")
-            and settings.ZEROMEM_TOOL_LANE
-            and mirrors_settings()
-            and not settings.ZEROMEM_TRACING
             and environ.get("CONTENT_TYPE") == _JSON
             and json_negotiated(environ.get("HTTP_ACCEPT"))
             and "HTTP_IDEMPOTENCY_KEY" not in environ
             and "HTTP_TRANSFER_ENCODING" not in environ
+            # CsrfViewMiddleware replaces a malformed CSRF cookie (Set-Cookie, Vary: Cookie)
+            and read.csrf_cookie not in environ.get("HTTP_COOKIE", "")
             and length.isascii()
             and length.isdigit()
-            and 0 < int(length) <= settings.ZEROMEM_MAX_BODY_BYTES
+            and 0 < int(length) <= read.body_cap
             and environ.get("HTTP_AUTHORIZATION", "")[:7].lower() == "bearer "
         )
+
+    def _answered_before_the_route(self, request) -> bool:
+        """Whether Django's chain answers before it routes the request — the HTTPS redirect
+        (SecurityMiddleware), a Host not in ALLOWED_HOSTS (400), a refused User-Agent (403),
+        PREPEND_WWW's redirect (CommonMiddleware) — with their answers' own headers and the
+        metrics' ``unmatched`` route: those are Django's to give. The same request halves
+        Django runs first, which only read the request."""
+        try:
+            return (
+                self.security.process_request(request) is not None or self.common.process_request(request) is not None
+            )
+        except Exception:  # noqa: BLE001 - DisallowedHost, PermissionDenied: Django answers them
+            return True
 
     def _taken(self, environ, body: bytes) -> tuple[dict, str] | None:
         """The call and the raw key when the lane answers it: a body the project's parser
@@ -209,16 +269,12 @@ class ToolLane:
         request.resolver_match = self.match
         logs.request_id.set(request.request_id)
         with deferred.collecting() as tasks:
-            # SecurityMiddleware's request half (the HTTPS redirect, when configured): its answer
-            # goes back through it alone, as in Django's chain.
-            response = self.security.process_request(request)
-            if response is None:
-                try:
-                    response = self._answer(request, data, raw)
-                except Exception as exc:  # noqa: BLE001 - answered as Django answers it
-                    response = response_for_exception(request, exc)
-                response = self.common.process_response(request, response)
-                response = self.framing.process_response(request, response)
+            try:
+                response = self._answer(request, data, raw)
+            except Exception as exc:  # noqa: BLE001 - answered as Django answers it
+                response = response_for_exception(request, exc)
+            response = self.common.process_response(request, response)
+            response = self.framing.process_response(request, response)
             response = self.security.process_response(request, response)
         response["X-Request-ID"] = request.request_id
         response = with_deferred(response, tasks)
