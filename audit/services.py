@@ -104,6 +104,27 @@ def _ip_parsed(value) -> str | None:
         return None
 
 
+# The client address column's marker in _insert_sql's columns, and its prepared values.
+_IP = "ip"
+_IP_PREPARED: dict[tuple[str, str], Any] = {}
+_IP_PREPARED_MAX = 1024
+_MISSING: Any = object()
+
+
+def _ip_prepared(field, value: str, db) -> Any:
+    """``field.get_db_prep_save(value, db)`` of a client address (as :func:`_ip` wrote it): a
+    client's address repeats from request to request, and on PostgreSQL its preparation parses
+    it again (``ipaddress.ip_address``, an immutable object): once per address and database
+    vendor, the last ``_IP_PREPARED_MAX`` of them kept."""
+    key = (db.vendor, value)
+    prepared = _IP_PREPARED.get(key, _MISSING)
+    if prepared is _MISSING:
+        if len(_IP_PREPARED) >= _IP_PREPARED_MAX:
+            _IP_PREPARED.clear()
+        prepared = _IP_PREPARED[key] = field.get_db_prep_save(value, db)
+    return prepared
+
+
 # Events this context (thread, or task) has appended: see :func:`events_written`.
 _written: contextvars.ContextVar[int] = contextvars.ContextVar("zeromem_audit_events_written", default=0)
 
@@ -160,7 +181,9 @@ def audit_record(
         default
         if name is None
         else fields[name]
-        if text and isinstance(fields[name], str)
+        if text is True and isinstance(fields[name], str)
+        else _ip_prepared(f, fields[name], db)
+        if text is _IP and isinstance(fields[name], str)
         else f.get_db_prep_save(fields[name], db)
         for f, name, text, default in columns
     ]
@@ -204,12 +227,13 @@ def _insert_sql(vendor: str, flush_waived: bool = False) -> tuple[str, tuple]:
     given = {*chain.DIGEST_FIELDS, "digest"}
     # Per column: the field, the attribute audit_record sets (None: the field's default,
     # prepared here once), and whether it is a plain CharField, whose preparation of a str
-    # is the str itself (the same value Model.save() sends, without the calls).
+    # is the str itself (the same value Model.save() sends, without the calls), or the
+    # client's address (_IP: prepared once per address, _ip_prepared).
     return sql, tuple(
         (
             f,
             f.attname if f.attname in given else None,
-            type(f) is models.CharField,
+            True if type(f) is models.CharField else _IP if type(f) is models.GenericIPAddressField else False,
             None if f.attname in given else f.get_db_prep_save(f.get_default(), connection),
         )
         for f in columns

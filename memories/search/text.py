@@ -279,18 +279,32 @@ class IndexDocument:
 
     def search_text(self, tenant_id: int) -> str:
         """``Memory.search_text``: the tenant-prefixed terms, fields split by ``FIELD_SEPARATOR``."""
-        return FIELD_SEPARATOR.join(" ".join(f"{tenant_id}:{t}" for t in terms) for terms in self.fields)
+        prefix = f"{tenant_id}:"
+        glue = " " + prefix
+        return FIELD_SEPARATOR.join(prefix + glue.join(terms) if terms else "" for terms in self.fields)
 
     def tsvector(self, tenant_id: int) -> str:
         """A PostgreSQL ``tsvector`` literal: ``'17:task':1A '17:deadlin':2A '17:一万':9``
         (weight A for key terms, B for tags, D — the default, unwritten — for the value)."""
-        positions: dict[str, list[str]] = {}
+        # Built with the fewest calls (a write builds one): no min() per position, each lexeme
+        # quoted only when it holds a quote or a backslash (never, for the tokenizer's terms).
+        positions: dict[str, str] = {}
         pos = 0
-        for terms, weight in zip(self.fields, ("A", "B", ""), strict=True):
+        for terms, weight in ((self.key, "A"), (self.tags, "B"), (self.body, "")):
             for term in terms:
-                pos = min(pos + 1, _MAX_POSITION)
-                positions.setdefault(term, []).append(f"{pos}{weight}")
-        return " ".join(f"'{_tsquote(f'{tenant_id}:{term}')}':{','.join(p)}" for term, p in positions.items())
+                if pos < _MAX_POSITION:
+                    pos += 1
+                at = positions.get(term)
+                positions[term] = f"{pos}{weight}" if at is None else f"{at},{pos}{weight}"
+        prefix = f"{tenant_id}:"
+        if "'" in prefix or "\\" in prefix:
+            return " ".join(f"'{_tsquote(prefix + term)}':{p}" for term, p in positions.items())
+        return " ".join(
+            [
+                f"'{prefix}{term}':{p}" if "'" not in term and "\\" not in term else f"'{_tsquote(prefix + term)}':{p}"
+                for term, p in positions.items()
+            ]
+        )
 
     @property
     def fields(self) -> tuple[list[str], list[str], list[str]]:
@@ -306,24 +320,33 @@ def _tsquote(lexeme: str) -> str:
 def index_document(*, key: str, value, tags: list[str] | None = None) -> IndexDocument:
     """The terms a memory is found by: each distinct term at most ``TERM_CAP`` times over all
     fields, the key's occurrences counted first (so a word in the key keeps its weight)."""
+    key_terms, tag_terms, counted = _head_terms(key, tuple(tags or ()))
+    body_terms = _capped(tokenize(value_text(value)), dict(counted))
+    return IndexDocument(key=list(key_terms), tags=list(tag_terms), body=body_terms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_terms(key: str, tags: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, int]]:
+    # A key's and its tags' terms, and their counts so far, are the same on every write of the
+    # key: computed once (per process, for the last 4096 keys). The counts are copied by the
+    # caller before the value's terms are added.
     seen: dict[str, int] = {}
+    key_terms = _capped(tokenize(key.replace(":", " ")), seen)
+    tag_terms = _capped(tokenize(" ".join(tags)), seen)
+    return tuple(key_terms), tuple(tag_terms), seen
 
-    def capped(words: list[str]) -> list[str]:
-        kept = []
-        for word in words:
-            term = stem(word)
-            n = seen.get(term, 0)
-            if n == 0 and len(seen) >= DOC_MAX_TERMS:
-                continue
-            if n < TERM_CAP:
-                seen[term] = n + 1
-                kept.append(term)
-        return kept
 
-    key_terms = capped(tokenize(key.replace(":", " ")))
-    tag_terms = capped(tokenize(" ".join(tags or ())))
-    body_terms = capped(tokenize(value_text(value)))
-    return IndexDocument(key=key_terms, tags=tag_terms, body=body_terms)
+def _capped(words: list[str], seen: dict[str, int]) -> list[str]:
+    kept = []
+    for word in words:
+        term = stem(word)
+        n = seen.get(term, 0)
+        if n == 0 and len(seen) >= DOC_MAX_TERMS:
+            continue
+        if n < TERM_CAP:
+            seen[term] = n + 1
+            kept.append(term)
+    return kept
 
 
 # --- queries ----------------------------------------------------------------------------

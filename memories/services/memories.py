@@ -12,6 +12,7 @@ as ``not_found``/``conflict``, answered by the tools as results the model reads.
 
 from __future__ import annotations
 
+import functools
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +20,11 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Q
+from django.db import IntegrityError, connection, router, transaction
+from django.db.models import F, Model, Q, signals
+from django.db.models.base import ModelState
 from django.db.models.expressions import RawSQL
+from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute, ForwardManyToOneDescriptor
 from django.utils import timezone
 
 from audit.services import AuditedOperation, audited_operation
@@ -83,9 +86,9 @@ def _infer_category(key: str) -> str:
 def _record_version(memory: Memory, op: str, actor: Actor, now) -> None:
     # MemoryVersion(...).save(), its INSERT built once per process (zeromem/kernel/hotsql.py).
     hotsql.insert(
-        MemoryVersion(
+        _new_version(
+            memory,
             tenant_id=memory.tenant_id,
-            memory=memory,
             version=memory.version,
             value=memory.value,  # sealed by the field when sensitive, under the memory's subject's key
             sensitive=memory.sensitive,
@@ -96,6 +99,55 @@ def _record_version(memory: Memory, op: str, actor: Actor, now) -> None:
             subject=memory.subject,
         )
     )
+
+
+def _new_version(memory: Memory, **attrs) -> MemoryVersion:
+    """``MemoryVersion(memory=memory, **attrs)`` given every field but its id — or, while
+    that is only attributes set (:func:`_version_built_directly`), the same instance without
+    ``Model.__init__``'s loop over the fields and the relation's router checks (nine tenths of
+    building it): its id None, ``memory_id`` the memory's, the memory cached as its
+    ``memory``, its state adding to the database the routers give (what ``__init__`` leaves:
+    ``tests/test_write_cpu.py``)."""
+    if memory._state.db is None or type(memory) is not Memory or not _version_built_directly():
+        return MemoryVersion(memory=memory, **attrs)
+    new = _new_object(MemoryVersion)
+    state = new._state = ModelState()
+    new.__dict__.update(id=None, tenant_id=attrs["tenant_id"])
+    # What the relation's descriptor does when __init__ sets ``memory`` (the routers asked
+    # as it asks them: the replica router notes a write).
+    state.db = router.db_for_write(MemoryVersion, instance=memory)
+    if not router.allow_relation(memory, new):
+        return MemoryVersion(memory=memory, **attrs)  # raises as __init__ does
+    new.__dict__.update(memory_id=memory.pk, **attrs)
+    state.fields_cache["memory"] = memory
+    return new
+
+
+_new_object = object.__new__
+
+
+def _version_built_directly() -> bool:
+    return (
+        _plain_version_class()
+        and not signals.pre_init.has_listeners(MemoryVersion)
+        and not signals.post_init.has_listeners(MemoryVersion)
+    )
+
+
+@functools.cache
+def _plain_version_class() -> bool:
+    # Model's __init__, a stock foreign key descriptor for ``memory``, and no field's
+    # attribute with a setter of its own (a foreign key's id, whose setter only drops a
+    # cached object a new instance does not have, aside).
+    if MemoryVersion.__init__ is not Model.__init__ or "__new__" in vars(MemoryVersion):
+        return False
+    if type(vars(MemoryVersion)["memory"]) is not ForwardManyToOneDescriptor:
+        return False
+    for f in MemoryVersion._meta.concrete_fields:
+        descriptor = getattr(MemoryVersion, f.attname, None)
+        if hasattr(type(descriptor), "__set__") and type(descriptor) is not ForeignKeyDeferredAttribute:
+            return False
+    return True
 
 
 def _seal_history(memory: Memory) -> None:
