@@ -12,10 +12,9 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
-from django.db.models import BooleanField, Model, Q, QuerySet, signals
+from django.db.models import BooleanField, Model, Q, QuerySet
 from django.db.models.base import ModelState
 from django.db.models.expressions import RawSQL
-from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute
 from django.utils import timezone
 
 from memories import keyring
@@ -177,31 +176,17 @@ _new_memory = object.__new__
 
 def _built_directly() -> bool:
     """Whether building a Memory from its row needs nothing but its attributes: its
-    ``from_db`` is ``OpensSealedValues.from_db`` over ``Model.from_db``, its ``__init__``
-    Model's, no ``pre_init``/``post_init`` receiver, and no field's attribute with a setter of
-    its own (a foreign key's id, whose setter only drops a cached object a new instance does
-    not have, aside)."""
-    return (
-        _plain_memory_class()
-        and not signals.pre_init.has_listeners(Memory)
-        and not signals.post_init.has_listeners(Memory)
-    )
+    ``from_db`` is ``OpensSealedValues.from_db`` over ``Model.from_db``, and its ``__init__``
+    only sets them (:func:`zeromem.kernel.hotsql.built_without_init`)."""
+    return _plain_from_db() and hotsql.built_without_init(Memory)
 
 
 @functools.cache
-def _plain_memory_class() -> bool:
-    if Memory.__init__ is not Model.__init__ or "__new__" in vars(Memory):
-        return False
+def _plain_from_db() -> bool:
     if Memory.from_db.__func__ is not OpensSealedValues.from_db.__func__:
         return False
     after = Memory.__mro__[Memory.__mro__.index(OpensSealedValues) + 1 :]
-    if next(c for c in after if "from_db" in vars(c)) is not Model:
-        return False
-    for field in Memory._meta.concrete_fields:
-        descriptor = getattr(Memory, field.attname, None)
-        if hasattr(type(descriptor), "__set__") and not isinstance(descriptor, ForeignKeyDeferredAttribute):
-            return False
-    return True
+    return next(c for c in after if "from_db" in vars(c)) is Model
 
 
 def _converted(plan: _Plan, row: tuple, db=None) -> tuple | list:

@@ -21,10 +21,10 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, connection, router, transaction
-from django.db.models import F, Model, Q, signals
+from django.db.models import F, Q
 from django.db.models.base import ModelState
 from django.db.models.expressions import RawSQL
-from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute, ForwardManyToOneDescriptor
+from django.db.models.fields.related_descriptors import ForwardManyToOneDescriptor
 from django.utils import timezone
 
 from audit.services import AuditedOperation, audited_operation
@@ -127,27 +127,13 @@ _new_object = object.__new__
 
 
 def _version_built_directly() -> bool:
-    return (
-        _plain_version_class()
-        and not signals.pre_init.has_listeners(MemoryVersion)
-        and not signals.post_init.has_listeners(MemoryVersion)
-    )
+    # Its ``__init__`` only sets attributes, and ``memory`` is the stock foreign key descriptor.
+    return _stock_memory_descriptor() and hotsql.built_without_init(MemoryVersion)
 
 
 @functools.cache
-def _plain_version_class() -> bool:
-    # Model's __init__, a stock foreign key descriptor for ``memory``, and no field's
-    # attribute with a setter of its own (a foreign key's id, whose setter only drops a
-    # cached object a new instance does not have, aside).
-    if MemoryVersion.__init__ is not Model.__init__ or "__new__" in vars(MemoryVersion):
-        return False
-    if type(vars(MemoryVersion)["memory"]) is not ForwardManyToOneDescriptor:
-        return False
-    for f in MemoryVersion._meta.concrete_fields:
-        descriptor = getattr(MemoryVersion, f.attname, None)
-        if hasattr(type(descriptor), "__set__") and type(descriptor) is not ForeignKeyDeferredAttribute:
-            return False
-    return True
+def _stock_memory_descriptor() -> bool:
+    return type(vars(MemoryVersion)["memory"]) is ForwardManyToOneDescriptor
 
 
 def _seal_history(memory: Memory) -> None:

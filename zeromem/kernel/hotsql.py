@@ -352,3 +352,35 @@ def _send_held(held: list, last: tuple[str, Sequence] | None):
         done(rest[: len(columns)])
         rest = rest[len(columns) :]
     return row[:n] if last is not None else None
+
+
+# --- Instances without Model.__init__ ---------------------------------------------------------
+#
+# Building a hot row's instance through ``Model.__init__`` loops over every field (most of the
+# cost of a memory read from its row, or of a write's version row). Where ``__init__`` would only
+# set attributes, a caller may set them itself (``object.__new__`` and the ``__dict__``): the
+# memory read (memories/selectors), the version row (memories/services/memories.py).
+
+
+def built_without_init(model) -> bool:
+    """Whether an instance of ``model`` may be built by setting its attributes: Model's own
+    ``__init__``, no ``__new__``, no field attribute with a setter of its own (a foreign key's
+    id aside: its setter only drops a cached object a new instance does not have), and no
+    ``pre_init``/``post_init`` receiver now."""
+    return (
+        _plain_init(model) and not signals.pre_init.has_listeners(model) and not signals.post_init.has_listeners(model)
+    )
+
+
+@functools.cache
+def _plain_init(model) -> bool:
+    from django.db.models import Model
+    from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute
+
+    if model.__init__ is not Model.__init__ or "__new__" in vars(model):
+        return False
+    for field in model._meta.concrete_fields:
+        descriptor = getattr(model, field.attname, None)
+        if hasattr(type(descriptor), "__set__") and not isinstance(descriptor, ForeignKeyDeferredAttribute):
+            return False
+    return True
