@@ -15,6 +15,7 @@ from audit.models import AuditEvent
 from memories.models import Memory, MemoryVersion
 from memories.services import langgraph as lg
 from tests.factories import SYSTEM, make_keyed_client, write
+from zeromem.kernel import hotsql
 
 SEARCH = "/api/v1/langgraph/store/items/search"
 ITEMS = "/api/v1/langgraph/store/items"
@@ -40,8 +41,10 @@ def loaded():
         pytest.skip("counts what psycopg loads: needs PostgreSQL (run with DATABASE_URL set, as CI does)")
     connection.ensure_connection()
     connection.connection.adapters.register_loader("jsonb", Counting)
+    hotsql.drop_kept_cursors()  # each copied the adapters it was made with
     yield keys
     connection.connection.adapters.register_loader("jsonb", TextLoader)
+    hotsql.drop_kept_cursors()
 
 
 def _fill(tenant, n=30, size=3000, **kwargs):

@@ -126,6 +126,15 @@ def _kept_cursor(db, conn, sql: str):
     return cursor
 
 
+def drop_kept_cursors() -> None:
+    """Close the cursors kept for this thread's default connection. A cursor copies its
+    connection's adapters when it is made: a loader or dumper registered on the connection
+    later (nothing in ZeroMem does; a test counting what psycopg loads does) reaches the hot
+    statements once their kept cursors are gone."""
+    for cursor in connections[DEFAULT_DB_ALIAS].__dict__.pop(_KEPT, {}).values():
+        _close_quietly(cursor)
+
+
 def _drop_kept_cursor(db, sql: str) -> None:
     cursor = db.__dict__.get(_KEPT, {}).pop(sql, None)
     if cursor is not None:
