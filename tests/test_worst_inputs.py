@@ -24,7 +24,7 @@ CALL = "/api/v1/tools/call"
 # 26 letters (~3.5 s before) keep a failing run short; after, the refusal takes microseconds.
 BACKTRACKING_PREFIX = "a" * 26 + "!"
 WORST_PREFIXES = ["a" * 511 + "!", "a:" * 255 + "!", ("a" * 100 + ":") * 5 + "!", "a" * 511 + " "]
-FAST = 0.5  # seconds: a request's whole round trip, with room for a loaded machine
+FAST = 0.5  # seconds of this process's CPU for a whole request (wall time swings with the machine's load)
 
 
 def test_a_prefix_rule_check_takes_no_time_whatever_the_prefix():
@@ -45,7 +45,7 @@ def test_the_prefix_rule_still_takes_what_it_took():
 
 
 def _refused_fast(started: float, response_status: int) -> None:
-    assert time.perf_counter() - started < FAST
+    assert time.process_time() - started < FAST
     assert response_status == 400
 
 
@@ -56,7 +56,7 @@ def test_a_tool_calls_backtracking_prefix_is_refused_at_once_naming_prefix(api, 
     arguments = {"prefix": BACKTRACKING_PREFIX}
     if tool == "memory_search":
         arguments["query"] = "anything"
-    started = time.perf_counter()
+    started = time.process_time()
     status, body = api.call(tool, **arguments)
     _refused_fast(started, status)
     assert tool_error(body)["field"] == "prefix"
@@ -65,7 +65,7 @@ def test_a_tool_calls_backtracking_prefix_is_refused_at_once_naming_prefix(api, 
 
 
 def test_a_rest_list_with_a_backtracking_prefix_is_refused_at_once(api):
-    started = time.perf_counter()
+    started = time.process_time()
     response = api.get("/api/v1/memories", {"prefix": BACKTRACKING_PREFIX})
     _refused_fast(started, response.status_code)
     assert rest_error(response)["field"] == "prefix"
@@ -73,7 +73,7 @@ def test_a_rest_list_with_a_backtracking_prefix_is_refused_at_once(api):
 
 def test_a_forget_request_or_summary_with_a_backtracking_prefix_is_refused_and_stores_nothing(api):
     for path in ("/api/v1/forget-requests", "/api/v1/summaries"):
-        started = time.perf_counter()
+        started = time.process_time()
         response = api.post(path, {"prefix": BACKTRACKING_PREFIX})
         _refused_fast(started, response.status_code)
         assert rest_error(response)["field"] == "prefix"
@@ -133,9 +133,9 @@ def test_the_largest_batch_of_searches_builds_an_answer_of_the_cap_plus_one_call
     _seed_large(api.tenant, 200, chars=8_000)
     search = {"name": "memory_search", "arguments": {"query": "zebra", "limit": 200, "max_chars": 16_384}}
 
-    started = time.perf_counter()
+    started = time.process_time()
     response = api.post("/api/v1/tools/batch", {"calls": [search] * 50})
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
 
     assert response.status_code == 200
     results = response.json()["results"]
