@@ -161,7 +161,7 @@ def _settings_changed(**kwargs) -> None:
 setting_changed.connect(_settings_changed, dispatch_uid="memories.api.lane.settings_changed")
 
 
-def _nothing(request):  # the middleware below is used for its response half only
+def _nothing(request):  # the middleware below is called by its halves, never as a chain
     raise AssertionError("not called")
 
 
