@@ -14,10 +14,13 @@ each closed window's count out exactly once (the failed-authentication aggregati
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from time import monotonic as _monotonic  # its own name: tests fake this module's time.time()
@@ -62,6 +65,43 @@ def hit(bucket: str, *, window: int = 60, cost: int = 1, tally: str = "", now: f
     return Hit(count=count, retry_after=start + window - now)
 
 
+class OverLimit(Exception):  # noqa: N818 - what it says: the counter went past its limit
+    """A counter taken with :func:`hit_riding` went past its limit."""
+
+    def __init__(self, hit: Hit):
+        super().__init__(f"over the limit: {hit.count}")
+        self.hit = hit
+
+
+@contextmanager
+def hit_riding(bucket: str, *, limit: int, window: int = 60, cost: int = 1) -> Iterator[None]:
+    """:func:`hit` for the block's operation, whose first statement is a read (a tool read):
+    without Redis the counter's UPSERT goes to the database with that read, as one statement
+    (zeromem/kernel/hotsql.py ``riding``: a tool read is two round trips, not three), or alone
+    before any other statement the block sends, or at its end. Past ``limit`` it raises
+    :class:`OverLimit` as the count comes back — before the operation has written anything,
+    its audit event included (the read's rows are dropped). With Redis, taken at once."""
+    now = time.time()
+    start = int(now // window) * window
+    if settings.ZEROMEM_REDIS_URL:
+        taken = hit(bucket, window=window, cost=cost, now=now)
+        if taken.count > limit:
+            raise OverLimit(taken)
+        yield
+        return
+
+    def counted(row: tuple) -> None:
+        (count,) = row
+        if count == cost:
+            _drop_closed_windows(start)
+        if count > limit:
+            raise OverLimit(Hit(count=count, retry_after=start + window - now))
+
+    sql = functools.partial(_upsert_sql, connection.vendor)
+    with hotsql.riding(hotsql.Rider(sql, [bucket[:200], start, cost], counted)):
+        yield
+
+
 def drain_tallies(tally: str, *, before: float) -> list[tuple[str, int, int]]:
     """(bucket, window start, count) of every tallied window of ``tally`` that started
     before ``before``, each handed out once across all callers and processes."""
@@ -81,11 +121,15 @@ def _db_hit(bucket: str, start: int, cost: int) -> int:
     own_transaction = connection.get_autocommit() and not connection.in_atomic_block
     (count,) = hotsql.fetchone(_upsert_sql(connection.vendor, own_transaction), [bucket[:200], start, cost])
     if count == cost:
-        # A bucket's first hit in a window: old windows go (index ratecounter_window).
-        table = connection.ops.quote_name(RateCounter._meta.db_table)
-        with connection.cursor() as cursor:
-            cursor.execute(f"DELETE FROM {table} WHERE window_start < %s", [start - KEEP_SECONDS])  # nosec B608
+        _drop_closed_windows(start)
     return count
+
+
+def _drop_closed_windows(start: int) -> None:
+    # A bucket's first hit in a window: old windows go (index ratecounter_window).
+    table = connection.ops.quote_name(RateCounter._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {table} WHERE window_start < %s", [start - KEEP_SECONDS])  # nosec B608
 
 
 @cache

@@ -4,6 +4,7 @@ built by tests/factories.py; fixtures live in conftest.py)."""
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -420,3 +421,27 @@ def fresh_memory_table() -> None:
     measures that history. TRUNCATE is transactional: the test's end brings the old table back."""
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE memories_memory CASCADE")
+
+
+class RoundTrips:
+    """The messages a block sends to PostgreSQL, from libpq's protocol trace: every simple
+    ``Query`` (BEGIN, COMMIT, SAVEPOINT) and every ``Sync`` (an extended-protocol statement)
+    is one wait for the server's answer."""
+
+    def __enter__(self):
+        connection.ensure_connection()
+        self._file = tempfile.TemporaryFile(mode="w+")
+        pgconn = connection.connection.pgconn
+        pgconn.trace(self._file.fileno())
+        from psycopg import pq  # PostgreSQL's tests only
+
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        return self
+
+    def __exit__(self, *exc):
+        connection.connection.pgconn.untrace()
+        self._file.seek(0)
+        self.sent = [line.split("\t") for line in self._file.read().splitlines() if line.startswith("F\t")]
+        self._file.close()
+        self.count = sum(1 for parts in self.sent if parts[2].startswith(("Query", "Sync")))
+        self.statements = [p[3] for p in self.sent if p[2].startswith("Query") or p[2].startswith("Parse")]

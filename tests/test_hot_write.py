@@ -3,7 +3,6 @@ its UPDATE, version INSERT and audit INSERT go as one statement (zeromem/kernel/
 ``holding``) — same rows, same errors, same row lock; ``ZEROMEM_WRITE_ONE_STATEMENT=false``
 sends them one by one as before."""
 
-import tempfile
 import threading
 
 import pytest
@@ -13,36 +12,12 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import Memory, MemoryVersion
 from tests.factories import SYSTEM, make_tenant, write
-from tests.helpers import start_thread, wait_for_a_lock_waiter
+from tests.helpers import RoundTrips, start_thread, wait_for_a_lock_waiter
 from zeromem.kernel import hotsql
 from zeromem.kernel.errors import PreconditionFailed
 
 KEY = "user:u1:pref_lang"
 on_postgres = pytest.mark.skipif(connection.vendor != "postgresql", reason="one statement on PostgreSQL only")
-
-
-class RoundTrips:
-    """The messages a block sends to PostgreSQL, from libpq's protocol trace: every simple
-    ``Query`` (BEGIN, COMMIT, SAVEPOINT) and every ``Sync`` (an extended-protocol statement)
-    is one wait for the server's answer."""
-
-    def __enter__(self):
-        connection.ensure_connection()
-        self._file = tempfile.TemporaryFile(mode="w+")
-        pgconn = connection.connection.pgconn
-        pgconn.trace(self._file.fileno())
-        from psycopg import pq
-
-        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
-        return self
-
-    def __exit__(self, *exc):
-        connection.connection.pgconn.untrace()
-        self._file.seek(0)
-        self.sent = [line.split("\t") for line in self._file.read().splitlines() if line.startswith("F\t")]
-        self._file.close()
-        self.count = sum(1 for parts in self.sent if parts[2].startswith(("Query", "Sync")))
-        self.statements = [p[3] for p in self.sent if p[2].startswith("Query") or p[2].startswith("Parse")]
 
 
 def _write(tenant, value, **kwargs):

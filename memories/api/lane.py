@@ -46,6 +46,7 @@ from django.urls import get_script_prefix, resolve, reverse, set_script_prefix
 from django.utils.log import log_response
 from rest_framework import exceptions
 
+from audit import limits
 from audit.services import AuthThrottled, audit_refusal
 from memories import tools
 from memories.api.auth import AUTHENTICATE, AuthFailed, throttled
@@ -65,6 +66,9 @@ from zeromem.renderers import CompactJSONRenderer
 # The route's answers carry this (DRF's default response headers for a view allowing POST).
 ALLOW = "POST, OPTIONS"
 ACTION = "tool.call"
+# The tools whose first statement is a read the rate counter can ride with (memories.services
+# memory_read: its SELECT, then its audit event).
+RIDING_TOOLS = frozenset({"memory_read"})
 _JSON = "application/json"
 _ACCEPTED = (None, "*/*", _JSON)
 # Other Accept headers, as DRF's content negotiation answered them (bounded: clients send few).
@@ -302,15 +306,24 @@ class ToolLane:
                 raise throttled(exc) from None
             tenant_id = key.tenant.pk
             actor = api_keys.key_actor(key, surface="tool", request_id=request.request_id, client_ip=ip)
-            wait = api_keys.rate_limit_take(key)
-            if wait is not None:
+            try:
+                if tools.called_tool(data) in RIDING_TOOLS:
+                    # The rate counter goes to the database with the read's SELECT (one round
+                    # trip); past the limit, refused before the read is answered or audited.
+                    with api_keys.rate_limit_riding(key):
+                        answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
+                else:
+                    wait = api_keys.rate_limit_take(key)
+                    if wait is not None:
+                        raise limits.OverLimit(limits.Hit(count=0, retry_after=wait))
+                    answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
+            except limits.OverLimit as over:
                 # As ApiKeyRateThrottle and AuditedAPIView.handle_exception refuse it: counted
                 # in the tenant's log, answered 429 with Retry-After.
-                refusal = exceptions.Throttled(wait=max(1.0, wait))
+                refusal = exceptions.Throttled(wait=max(1.0, over.hit.retry_after))
                 refusal.zeromem_code = "rate_limited"
                 audit_refusal(tenant=key.tenant, actor=actor, action=ACTION, error=refusal, code="rate_limited")
-                raise refusal
-            answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
+                raise refusal from None
         except Exception as exc:
             handled = exception_handler(exc, {})
             if handled is None:

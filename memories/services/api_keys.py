@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hmac
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 from django.conf import settings
@@ -110,6 +112,16 @@ def rate_limit_take(key: ApiKey, *, cost: int = 1) -> float | None:
     charges through here: REST (``ApiKeyRateThrottle``, a batch one unit per call) and MCP
     (``memories.mcp.server.charge``)."""
     return rate_limit_take_id(key.pk, cost=cost)
+
+
+@contextmanager
+def rate_limit_riding(key: ApiKey) -> Iterator[None]:
+    """:func:`rate_limit_take` of one unit for a call whose first statement reads (a tool
+    read): the counter goes to the database with that read (``audit.limits.hit_riding``).
+    Past the limit, :class:`audit.limits.OverLimit` (its ``hit.retry_after``: the seconds
+    until the minute ends) before the call has written anything."""
+    with limits.hit_riding(f"key:{key.pk}", limit=settings.ZEROMEM_RATE_LIMIT_PER_MINUTE):
+        yield
 
 
 def rate_limit_take_id(key_id: int, *, cost: int = 1) -> float | None:

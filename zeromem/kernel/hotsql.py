@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
@@ -36,6 +37,12 @@ def fetchone(sql: str, params: Sequence, db=None) -> tuple | None:
     event), else in one of their own just before it."""
     if db is None:
         db = connections[DEFAULT_DB_ALIAS]
+    rider = getattr(db, _RIDER, None)
+    if rider is not None:
+        setattr(db, _RIDER, None)
+        if _rideable(sql) and not getattr(db, _HELD, None):
+            return _send_riding(rider, sql, params, db)
+        _send_rider(rider, db)
     held = getattr(db, _HELD, None)
     if held:
         return _send_held(held, (sql, params) if _carries(sql) else None)
@@ -58,6 +65,8 @@ def _all(cursor):
 def _run(sql: str, params: Sequence, fetch, db=None):
     if db is None:
         db = connections[DEFAULT_DB_ALIAS]
+    if getattr(db, _RIDER, None) is not None:
+        _release_rider(db)
     held = getattr(db, _HELD, None)
     if held:
         _send_held(held, None)  # the statements held before this one, first
@@ -313,14 +322,9 @@ def holding() -> Iterator[None]:
     statements are watched (``DEBUG``, ``CaptureQueriesContext``, execute wrappers, tracing):
     then each is sent at once, as before."""
     db = connections[DEFAULT_DB_ALIAS]
-    if (
-        db.vendor != "postgresql"
-        or not settings.ZEROMEM_WRITE_ONE_STATEMENT
-        or getattr(db, _HELD, None) is not None
-        or db.queries_logged
-        or db.execute_wrappers
-        or tracing.on()
-    ):
+    if getattr(db, _RIDER, None) is not None:
+        _release_rider(db)
+    if not settings.ZEROMEM_WRITE_ONE_STATEMENT or getattr(db, _HELD, None) is not None or not _unwatched_postgres(db):
         yield
         return
     held: list = []
@@ -332,6 +336,10 @@ def holding() -> Iterator[None]:
     finally:
         setattr(db, _HELD, None)
         held.clear()
+
+
+def _unwatched_postgres(db) -> bool:
+    return db.vendor == "postgresql" and not db.queries_logged and not db.execute_wrappers and not tracing.on()
 
 
 def _carries(sql: str) -> bool:
@@ -362,6 +370,88 @@ def _send_held(held: list, last: tuple[str, Sequence] | None):
         done(rest[: len(columns)])
         rest = rest[len(columns) :]
     return row[:n] if last is not None else None
+
+
+# --- A statement that rides with the next read -----------------------------------------------
+#
+# A tool read sent the rate limit's counter (audit/limits.py, an UPSERT) and then its SELECT,
+# a round trip each, though neither needs the other's answer to be sent. Inside
+# :func:`riding` (PostgreSQL, statements unwatched) the counter is held, and the next
+# :func:`fetchone` of a plain ``SELECT`` carries it as one statement: ``WITH zm_rider AS
+# (INSERT … RETURNING count) SELECT zm_rider.*, zm_read.* FROM zm_rider LEFT JOIN LATERAL
+# (SELECT 1, s.* FROM (SELECT …) s) zm_read ON true`` — the counter's row always, the read's
+# when there is one. The rider's answer is handed to its ``done`` before the read's is
+# returned; ``done`` may raise (the counter past its limit), and nothing else has been sent
+# by then: no write, no audit event. Any other statement of this module (an audit event of a
+# refused call, a write) sends the rider alone first, as before; so does the end of the block
+# if nothing was sent. As for :func:`holding`, only this module's statements may run while a
+# rider is held (Django's cursor would overtake it).
+
+_RIDER = "_zeromem_rider"
+_riding_sql: dict[tuple[str, str], str] = {}
+_RIDING_SQL_MAX = 64
+
+
+class Rider(NamedTuple):
+    sql: Callable[[bool], str]  # the statement, as a transaction of its own (True) or inside one
+    params: Sequence
+    done: Callable[[tuple], None]  # given its row (RETURNING); may raise
+    width: int = 1  # the columns it returns
+
+
+@contextlib.contextmanager
+def riding(rider: Rider) -> Iterator[None]:
+    """Hold ``rider`` until the next :func:`fetchone` of a plain ``SELECT`` (see above), sent
+    with it as one statement; any other statement of this module, or the end of the block
+    (an exception too), sends it alone first. Sent at once (before the block) on SQLite,
+    whenever statements are watched (``DEBUG``, ``CaptureQueriesContext``, execute wrappers,
+    tracing), or inside :func:`holding`."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if getattr(db, _RIDER, None) is not None or getattr(db, _HELD, None) is not None or not _unwatched_postgres(db):
+        _send_rider(rider, db)
+        yield
+        return
+    setattr(db, _RIDER, rider)
+    try:
+        yield
+    finally:
+        if getattr(db, _RIDER, None) is rider:
+            _release_rider(db)
+
+
+def _release_rider(db) -> None:
+    rider = getattr(db, _RIDER)
+    setattr(db, _RIDER, None)
+    _send_rider(rider, db)
+
+
+def _own_transaction(db) -> bool:
+    return db.get_autocommit() and not db.in_atomic_block
+
+
+def _send_rider(rider: Rider, db) -> None:
+    rider.done(_send(rider.sql(_own_transaction(db)), rider.params, _first, db))
+
+
+def _rideable(sql: str) -> bool:
+    # A plain read: its rows are the statement's (no lock taken, nothing written).
+    return sql.startswith("SELECT ") and " FOR " not in sql
+
+
+def _send_riding(rider: Rider, sql: str, params: Sequence, db):
+    own = rider.sql(_own_transaction(db))
+    combined = _riding_sql.get((own, sql))
+    if combined is None:
+        if len(_riding_sql) >= _RIDING_SQL_MAX:
+            _riding_sql.clear()
+        # Both parts are this module's callers' compiled statements: no input reaches them.
+        combined = _riding_sql[(own, sql)] = (
+            f"WITH zm_rider AS ({own}) SELECT zm_rider.*, zm_read.* FROM zm_rider LEFT JOIN LATERAL "  # nosec B608
+            f"(SELECT 1 AS zm_found, zm_select.* FROM ({sql}) AS zm_select) AS zm_read ON true"
+        )
+    row = _send(combined, [*rider.params, *params], _first, db)
+    rider.done(row[: rider.width])
+    return None if row[rider.width] is None else row[rider.width + 1 :]
 
 
 # --- Instances without Model.__init__ ---------------------------------------------------------

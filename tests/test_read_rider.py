@@ -1,0 +1,196 @@
+"""A tool read's rate counter rides with its SELECT (issue 11: at most two database round trips
+for an authenticated, audited read). Without Redis the counter is an UPSERT in PostgreSQL
+(audit/limits.py); on the lane (memories/api/lane.py) a ``memory_read`` holds it and sends it
+with the read's SELECT as one statement (zeromem/kernel/hotsql.py ``riding``), so the read is
+the SELECT and its audit INSERT. What the caller, the tenant's log and the limiter see is what
+they saw with the counter sent first: the same count, the same 429 before anything is written
+or audited, the same refusal of bad input."""
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from audit import limits
+from audit.models import AuditEvent, RateCounter
+from audit.services import audit_refusals_flush
+from memories.api import lane
+from memories.services import usage
+from tests.factories import make_key, write
+from tests.helpers import RoundTrips
+from tests.test_tool_lane import LANE, call
+from zeromem.kernel import hotsql
+
+on_postgres = pytest.mark.skipif(connection.vendor != "postgresql", reason="the rider is PostgreSQL's")
+READ = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
+
+
+@pytest.fixture(autouse=True)
+def _lane_settings(settings):
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10  # the lane takes only keys this process verified
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10_000
+    settings.ZEROMEM_TOOL_LANE = True
+    settings.ZEROMEM_REDIS_URL = ""
+
+
+def _count(key) -> int:
+    return sum(RateCounter.objects.filter(bucket=f"key:{key.pk}").values_list("count", flat=True))
+
+
+def _reads(tenant, outcome="ok") -> int:
+    return AuditEvent.objects.filter(tenant=tenant, action="memory.read", outcome=outcome).count()
+
+
+@on_postgres
+@pytest.mark.parametrize("riding, trips", [(True, 2), (False, 3)])
+def test_a_laned_read_is_two_round_trips(transactional_db, tenant_a, riding, trips, monkeypatch, settings):
+    """Outside any transaction, as a server runs it: the counter with the SELECT, then the
+    audit INSERT (three with the counter sent first, as every other tool call sends it)."""
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600  # as served: tokens-returned totals written now and then
+    if not riding:
+        monkeypatch.setattr(lane, "RIDING_TOOLS", frozenset())
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    assert call(LANE, raw, READ)[0] == "200 OK"  # Django's: the key is verified, then cached
+    for key_read in ("user:u1:lang", "user:u1:none"):  # the lane's: its statements prepared
+        call(LANE, raw, {"name": "memory_read", "arguments": {"key": key_read}})
+    counted = _count(key)
+    with RoundTrips() as sent:
+        status, _headers, content = call(LANE, raw, READ)
+    assert status == "200 OK" and b'"value":"zh-CN"' in content
+    assert sent.count == trips, [" ".join(p[2:])[:100] for p in sent.sent]
+    assert _count(key) == counted + 1
+    assert _reads(tenant_a) == 3
+    # Nothing there: the counter still rides, the read answers not_found and is audited so.
+    with RoundTrips() as sent:
+        status, _headers, content = call(LANE, raw, {"name": "memory_read", "arguments": {"key": "user:u1:none"}})
+    assert status == "200 OK" and b'"status":"not_found"' in content
+    assert sent.count == trips
+    assert _count(key) == counted + 2 and _reads(tenant_a, "not_found") == 2
+    usage.flush()  # the totals held back, while the tenant is there
+
+
+@on_postgres
+def test_over_the_limit_a_read_is_refused_before_it_is_answered_or_audited(
+    transactional_db, tenant_a, settings, limiter_minute
+):
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 3
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    statuses = [call(LANE, raw, READ)[0] for _ in range(5)]
+    assert statuses == ["200 OK"] * 3 + ["429 Too Many Requests"] * 2
+    status, headers, content = call(LANE, raw, READ)
+    assert status == "429 Too Many Requests" and b"zh-CN" not in content
+    assert int(dict(headers)["Retry-After"]) >= 1
+    assert _reads(tenant_a) == 3  # the refused reads left no read event
+    assert _count(key) == 6  # each refused call counted, as with the counter sent first
+    audit_refusals_flush(now=limiter_minute + 120)
+    refusals = AuditEvent.objects.filter(tenant=tenant_a, action="tool.call", outcome="invalid")
+    assert [(e.count, e.detail["code"]) for e in refusals] == [(3, "rate_limited")]
+
+
+@on_postgres
+def test_bad_input_is_counted_and_refused_as_before(transactional_db, tenant_a, settings, limiter_minute):
+    """A read refused before it selects anything (a bad key) sends the counter alone, first:
+    counted, and past the limit a 429 with no event of the bad input."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    key, raw = make_key(tenant_a)
+    bad = {"name": "memory_read", "arguments": {"key": ""}}
+    assert call(LANE, raw, READ)[0] == "200 OK"
+    status, _headers, content = call(LANE, raw, bad)
+    assert status == "400 Bad Request" and b'"field":"key"' in content
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.read", outcome="invalid").count() == 1
+    assert call(LANE, raw, bad)[0] == "429 Too Many Requests"
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.read", outcome="invalid").count() == 1
+    assert _count(key) == 3
+
+
+# --- hotsql.riding itself -----------------------------------------------------------------
+
+
+class _Taken:
+    def __init__(self, fail_over: int | None = None):
+        self.rows, self.fail_over = [], fail_over
+
+    def __call__(self, row):
+        self.rows.append(row)
+        if self.fail_over is not None and row[0] > self.fail_over:
+            raise limits.OverLimit(limits.Hit(count=row[0], retry_after=1.0))
+
+
+def _rider(taken, bucket="test:rider"):
+    sql = RateCounter._meta.db_table
+    return hotsql.Rider(
+        lambda own: (
+            f'INSERT INTO "{sql}" (bucket, window_start, count) VALUES (%s, %s, %s) '  # noqa: S608 - a test's own statement
+            f'ON CONFLICT (bucket, window_start) DO UPDATE SET count = "{sql}".count + 1 RETURNING count'
+        ),
+        [bucket, 0, 1],
+        taken,
+    )
+
+
+SELECT = "SELECT %s::int AS a, %s::text AS b WHERE %s"
+
+
+def _prepared(taken):
+    # Each statement's first run on a connection prepares it (a round trip of its own).
+    with hotsql.riding(_rider(taken)):
+        hotsql.fetchone(SELECT, [0, "", True])
+    with hotsql.riding(_rider(taken)):
+        hotsql.fetchall(SELECT, [0, "", True])
+    taken.rows.clear()
+    RateCounter.objects.filter(bucket="test:rider").delete()
+
+
+@on_postgres
+def test_the_rider_goes_with_the_next_select(db):
+    taken = _Taken()
+    _prepared(taken)
+    with RoundTrips() as sent, hotsql.riding(_rider(taken)):
+        assert taken.rows == []  # held
+        assert hotsql.fetchone(SELECT, [7, "x", True]) == (7, "x")
+        assert taken.rows == [(1,)]
+        assert hotsql.fetchone(SELECT, [8, "y", True]) == (8, "y")  # alone: the rider went
+    assert sent.count == 2 and taken.rows == [(1,)]
+    with RoundTrips() as sent, hotsql.riding(_rider(taken)):
+        assert hotsql.fetchone(SELECT, [7, "x", False]) is None  # no row: the rider's still counted
+    assert sent.count == 1 and taken.rows == [(1,), (2,)]
+
+
+@on_postgres
+def test_the_rider_goes_alone_before_anything_else(db):
+    taken = _Taken()
+    _prepared(taken)
+    with RoundTrips() as sent, hotsql.riding(_rider(taken)):
+        assert hotsql.fetchall(SELECT, [1, "a", True]) == [(1, "a")]
+    assert sent.count == 2 and taken.rows == [(1,)]
+    with hotsql.riding(_rider(taken)):
+        assert hotsql.fetchone(SELECT + " FOR UPDATE", [1, "a", True]) == (1, "a")
+        assert taken.rows == [(1,), (2,)]
+    with RoundTrips() as sent, hotsql.riding(_rider(taken)):
+        pass  # nothing sent in the block: the rider goes at its end
+    assert sent.count == 1 and taken.rows[-1] == (3,)
+    with pytest.raises(ZeroDivisionError), hotsql.riding(_rider(taken)):
+        1 / 0  # noqa: B018 - an error before any statement: the rider is still sent
+    assert taken.rows[-1] == (4,)
+
+
+@on_postgres
+def test_a_rider_refusing_stops_the_read(db):
+    taken = _Taken(fail_over=1)
+    with hotsql.riding(_rider(taken)):
+        assert hotsql.fetchone(SELECT, [1, "a", True]) == (1, "a")
+    seen = []
+    with pytest.raises(limits.OverLimit), hotsql.riding(_rider(taken)):
+        seen.append(hotsql.fetchone(SELECT, [2, "b", True]))
+    assert seen == [] and taken.rows == [(1,), (2,)]
+
+
+def test_watched_or_on_sqlite_the_rider_goes_at_once(db):
+    """With statements watched (DEBUG, CaptureQueriesContext) or on SQLite, as before: the
+    counter first, on its own."""
+    taken = _Taken()
+    with CaptureQueriesContext(connection) as queries, hotsql.riding(_rider(taken)):
+        assert taken.rows == [(1,)]
+        assert hotsql.fetchone(SELECT.replace("::int", "").replace("::text", ""), [7, "x", True]) == (7, "x")
+    assert len(queries) == 2 and queries[0]["sql"].startswith("INSERT")
