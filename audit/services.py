@@ -173,7 +173,6 @@ def audit_record(
         "actor_filter": _storable(actor_filter)[:512],
     }
     fields["digest"] = chain.digest(fields)
-    _written.set(_written.get() + 1)
     sql, columns = _insert_sql(db.vendor, _flush_waived(db))
     # What Model.save() would send (each field prepares its value; the others get their
     # defaults), without building the instance or compiling the INSERT on every request.
@@ -187,7 +186,9 @@ def audit_record(
         else f.get_db_prep_save(fields[name], db)
         for f, name, text, default in columns
     ]
-    return hotsql.fetchone(sql, params, db)[0]
+    event_id = hotsql.fetchone(sql, params, db)[0]
+    _written.set(_written.get() + 1)
+    return event_id
 
 
 def _flush_waived(db=connection) -> bool:
@@ -317,6 +318,14 @@ class AuditedOperation:
             raise RuntimeError(f"{self.action}: write_now needs one recorded event, not yet written")
         self._write(self._row)
         self._written = True
+
+    def unrecord(self) -> None:
+        """Take back the event recorded and not written: an attempt given up before anything
+        of it was written (a write over a row that changed since it was read, done again
+        under the row's lock), which records its own."""
+        if self._written:
+            raise RuntimeError(f"{self.action}: its event is written")
+        self._row = None
 
     def _write(self, row: dict) -> None:
         self.event_id = audit_record(tenant=self.tenant, actor=self.actor, action=self.action, **row)

@@ -129,3 +129,120 @@ def test_a_concurrent_writer_waits_for_the_row_lock():
     assert done.wait(20) and not failures, failures
     assert _history(tenant) == (3, [(1, "v1"), (2, "v2"), (3, "v3")])
     assert AuditEvent.objects.filter(tenant=tenant, action="memory.write", outcome="ok").count() == 3
+
+
+# --- A write over a live memory, outside any transaction: two statements, no row lock -------
+#
+# As a server runs a tool or REST write (autocommit): the memory read, then its UPDATE — while
+# the row is still as read — with its version row and audit event as one statement
+# (memories.services.memories._write_over_as_read). Anything else is done under the row lock.
+
+
+def _events(tenant, outcome="ok"):
+    return list(
+        AuditEvent.objects.filter(tenant=tenant, action="memory.write", outcome=outcome)
+        .order_by("id")
+        .values_list("version", "detail")
+    )
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("one_statement, trips", [(True, 2), (False, 6)])
+def test_outside_a_transaction_a_write_over_a_live_memory_is_two_round_trips(settings, one_statement, trips):
+    settings.ZEROMEM_WRITE_ONE_STATEMENT = one_statement
+    tenant = make_tenant("plain")
+    write(tenant, KEY, "zh-CN", ttl_seconds=600)  # the parameters' types as in the writes after
+    _write(tenant, "en", tags=["t"], ttl_seconds=600)  # warm-up: its statements prepared on this connection
+    with RoundTrips() as sent:
+        result = _write(tenant, "de", tags=["t"], ttl_seconds=600)
+    assert sent.count == trips, [" ".join(p[2:])[:80] for p in sent.sent]
+    assert (result.memory.version, result.created, result.memory.value) == (3, False, "de")
+    assert _history(tenant) == (3, [(1, "zh-CN"), (2, "en"), (3, "de")])
+    stored = Memory.objects.get(tenant=tenant, key=KEY, deleted_at__isnull=True)
+    assert (stored.tags, stored.value, stored.version) == (["t"], "de", 3)
+    assert stored.expires_at is not None and stored.updated_at == result.memory.updated_at
+    assert _events(tenant) == [(1, {"created": True}), (2, {"created": False}), (3, {"created": False})]
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["written", "expired", "trashed"])
+def test_a_row_changed_between_the_read_and_the_update_is_written_under_the_lock(monkeypatch, change):
+    """Another writer got in between the read and the UPDATE: the one statement writes nothing
+    (no version row, no event), and the write is done again under the row lock — over what is
+    there now — with one event, as if it had waited for the lock."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from memories import selectors
+    from memories.services import memories as memory_service
+
+    tenant = make_tenant("raced")
+    write(tenant, KEY, "v1", ttl_seconds=600)
+    read = selectors.memory_get_live
+    cut_in = []
+
+    def read_then_cut_in(**kwargs):
+        current = read(**kwargs)
+        if not cut_in:
+            cut_in.append(current.version)
+            if change == "written":
+                failures: list = []
+                start_thread(lambda: _write(tenant, "theirs"), failures).join(20)
+                assert not failures, failures
+            elif change == "expired":
+                Memory.objects.filter(pk=current.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+            else:
+                Memory.objects.filter(pk=current.pk).update(deleted_at=timezone.now())
+        return current
+
+    monkeypatch.setattr(memory_service.selectors, "memory_get_live", read_then_cut_in)
+    locked, upsert = [], memory_service._upsert
+    monkeypatch.setattr(memory_service, "_upsert", lambda **kw: locked.append(1) or upsert(**kw))
+    gone_before = Memory.objects.filter(tenant=tenant, deleted_at__isnull=False).count()
+    result = _write(tenant, "mine")
+    assert cut_in == [1] and locked == [1]  # done again, under the lock
+    if change == "written":
+        assert _history(tenant) == (3, [(1, "v1"), (2, "theirs"), (3, "mine")])
+        assert [v for v, _d in _events(tenant)] == [1, 2, 3]
+    else:  # expired or trashed meanwhile: the write makes a new memory at the key
+        assert result.created and result.memory.version == 1
+        assert Memory.objects.filter(tenant=tenant, deleted_at__isnull=False).count() == gone_before + 1
+        assert _events(tenant) == [(1, {"created": True}), (1, {"created": True})]
+    assert AuditEvent.objects.filter(tenant=tenant, outcome__in=["invalid", "conflict"]).count() == 0
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_value_turning_sensitive_is_written_under_the_lock_with_its_history_sealed():
+    tenant = make_tenant("turning")
+    write(tenant, KEY, "plain one")
+    _write(tenant, "plain two")
+    _write(tenant, "now secret", sensitive=True)
+    memory = Memory.objects.get(tenant=tenant, key=KEY, deleted_at__isnull=True)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT value::text FROM memories_memoryversion WHERE memory_id = %s", [memory.pk])
+        stored = [row[0] for row in cursor.fetchall()]
+    assert len(stored) == 3 and not any("plain" in v or "secret" in v for v in stored)
+    assert memory.value == "now secret" and memory.version == 3
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_writers_of_one_key_lose_nothing():
+    """Four threads write one key 25 times each, outside any transaction: every write lands
+    as its own version (1-101, none twice, none lost), each with one event."""
+    tenant = make_tenant("crowd")
+    write(tenant, KEY, "start")
+    failures: list = []
+    threads = [start_thread(lambda n=n: [_write(tenant, f"w{n}-{i}") for i in range(25)], failures) for n in range(4)]
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    version, history = _history(tenant)
+    assert version == 101 and [v for v, _value in history] == list(range(1, 102))
+    assert sorted(value for _v, value in history[1:]) == sorted(f"w{n}-{i}" for n in range(4) for i in range(25))
+    assert sorted(v for v, _d in _events(tenant)) == list(range(1, 102))
+    assert Memory.objects.get(tenant=tenant, key=KEY, deleted_at__isnull=True).value == history[-1][1]

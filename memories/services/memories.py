@@ -185,10 +185,13 @@ def memory_write(
     ``sensitive`` (or a tenant sensitivity rule) stores the value encrypted (README
     "Encryption at rest").
 
-    Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT;
-    on PostgreSQL the last three (two for a new memory) are sent as one statement.
+    Cost: SELECT ... FOR UPDATE, one INSERT or UPDATE, a version INSERT, the audit INSERT, in
+    one transaction; on PostgreSQL the last three (two for a new memory) are sent as one
+    statement. Over a live memory, outside any transaction, on PostgreSQL: two statements,
+    no transaction around them (:func:`_write_over_as_read`).
     """
-    with audited_operation(tenant=tenant, actor=actor, action="memory.write", target=key) as op:
+    # Its own transaction, below: a write over a live memory needs none (one statement).
+    with audited_operation(tenant=tenant, actor=actor, action="memory.write", target=key, atomic=False) as op:
         key = validation.key(key)
         require_scope(actor, Scope.MEMORY_WRITE)
         require_key_allowed(actor, key)
@@ -225,9 +228,16 @@ def memory_write(
             # put (create or replace) would leave the item outliving the rule. One query.
             fields["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
 
+        if not create_only and hotsql.alone_in_one_statement():
+            written = _write_over_as_read(
+                tenant=tenant, actor=actor, op=op, key=key, fields=fields, now=now, sensitive=sensitive
+            )
+            if written is not None:
+                return written
+        hotsql.send_rider()  # the rate counter (a tool write), before the transaction
         # On PostgreSQL the UPDATE (or, for a new memory, the version INSERT) is held and sent
         # with the audit INSERT as one statement (hotsql.holding): one round trip, not three.
-        with hotsql.holding():
+        with transaction.atomic(), hotsql.holding():
             memory, created = _upsert(
                 tenant=tenant,
                 key=key,
@@ -241,6 +251,57 @@ def memory_write(
             op.record(subject=memory.subject, version=memory.version, detail={"created": created})
             op.write_now()  # the audit INSERT, carrying the held statements
         return MemoryResult(status="ok", key=key, memory=memory, created=created)
+
+
+def _write_over_as_read(
+    *, tenant: Tenant, actor: Actor, op: AuditedOperation, key: str, fields: dict, now, sensitive: bool | None
+) -> MemoryResult | None:
+    """A write over a live memory without a transaction or a row lock: the memory read (the
+    SELECT a tool read makes; the rate counter rides with it), then its UPDATE — only while
+    the row is still as read: same version, same expiry, not trashed — its version INSERT and
+    its audit INSERT as one statement, all or nothing (zeromem/kernel/hotsql.py). Two round
+    trips, not six (BEGIN, the locking SELECT, the statement, COMMIT). None, with nothing
+    written, when the write needs :func:`_upsert` under the row lock: no live memory at the
+    key (a new one, or an expired one to trash), a value turning sensitive (its history is
+    sealed with it), or a row that changed between the read and the UPDATE."""
+    current = selectors.memory_get_live(tenant=tenant, key=key)
+    if current is None:
+        return None
+    as_read = (("version", current.version), ("expires_at", current.expires_at), ("deleted_at", None))
+    written, turned = _replacing(current, tenant=tenant, key=key, fields=fields, sensitive=sensitive)
+    if turned:
+        return None
+    try:
+        with hotsql.holding():
+            hotsql.update(current, [*written, "version"], as_read=as_read)
+            _record_version(current, MemoryVersion.Op.WRITE, actor, now)
+            op.record(subject=current.subject, version=current.version, detail={"created": False})
+            op.write_now()  # the audit INSERT, carrying the UPDATE and the version row
+    except hotsql.RowChanged:
+        op.unrecord()
+        return None
+    return MemoryResult(status="ok", key=key, memory=current, created=False)
+
+
+def _replacing(
+    existing: Memory, *, tenant: Tenant, key: str, fields: dict, sensitive: bool | None
+) -> tuple[dict, bool]:
+    """``existing`` given ``fields`` as a write replaces them (its sensitivity decided, its
+    search fields made, its version the next): the fields it writes, and whether its value
+    turns sensitive."""
+    tags = fields["tags"] if "tags" in fields else existing.tags
+    secret = sensitivity.decide(tenant, key=key, value=fields["value"], given=sensitive, current=existing.sensitive)
+    fields = {
+        **fields,
+        "sensitive": secret,
+        # A sensitive value is not indexed: its key and tags are (README "Encryption at rest").
+        **search.index_fields(tenant_id=tenant.pk, key=key, value=None if secret else fields["value"], tags=tags),
+    }
+    turned = secret and not existing.sensitive
+    for name, val in fields.items():
+        setattr(existing, name, val)
+    existing.version += 1
+    return fields, turned
 
 
 def _lock_current_unexpired(*, tenant: Tenant, key: str, now) -> Memory | None:
@@ -273,26 +334,21 @@ def _upsert(
         if existing is not None and create_only:
             # (A concurrent create of the key lands here too, on the retry after its insert.)
             raise PreconditionFailed("a memory exists at this key (If-None-Match: *)", field="If-None-Match")
-        tags = fields["tags"] if "tags" in fields else (existing.tags if existing is not None else [])
-        secret = sensitivity.decide(
-            tenant, key=key, value=fields["value"], given=sensitive, current=existing is not None and existing.sensitive
-        )
+        if existing is not None:
+            written, turned = _replacing(existing, tenant=tenant, key=key, fields=fields, sensitive=sensitive)
+            if turned:
+                _turned_sensitive(existing)  # under the subject its value goes under
+            # existing.save(update_fields=...), its UPDATE built once per set of fields.
+            hotsql.update(existing, [*written, "version"])
+            return existing, False
+        tags = fields.get("tags", [])
+        secret = sensitivity.decide(tenant, key=key, value=fields["value"], given=sensitive, current=False)
         fields = {
             **fields,
             "sensitive": secret,
             # A sensitive value is not indexed: its key and tags are (README "Encryption at rest").
             **search.index_fields(tenant_id=tenant.pk, key=key, value=None if secret else fields["value"], tags=tags),
         }
-        if existing is not None:
-            turned = secret and not existing.sensitive
-            for name, val in fields.items():
-                setattr(existing, name, val)
-            if turned:
-                _turned_sensitive(existing)  # under the subject its value goes under
-            existing.version += 1
-            # existing.save(update_fields=...), its UPDATE built once per set of fields.
-            hotsql.update(existing, [*fields, "version"])
-            return existing, False
         create = {
             "subject": _infer_subject(key),
             "category": _infer_category(key),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, DataError, connections
 from django.db.models import signals
 from django.db.models.sql import InsertQuery
 
@@ -228,24 +228,66 @@ def insert(obj) -> None:
     inserted(fetchone(sql, params))
 
 
-def update(obj, names: Sequence[str]) -> None:
+def update(obj, names: Sequence[str], *, as_read: Sequence[tuple[str, object]] = ()) -> None:
     """``obj.save(update_fields=names)``: one ``UPDATE … WHERE pk``. As ``save()``, a row
-    that is gone raises ``DatabaseError``."""
+    that is gone raises ``DatabaseError``.
+
+    ``as_read`` — (attribute, value as read) pairs — updates the row only while it still holds
+    those values (a write over a row read without a lock): held, inside :func:`holding` in a
+    transaction of its own only (:func:`alone_in_one_statement`); a row that no longer
+    matches makes the whole statement fail, nothing written, and raises :class:`RowChanged`
+    where it is sent."""
     model = type(obj)
     db = connections[DEFAULT_DB_ALIAS]
+    held = getattr(db, _HELD, None)
     plan = _update_plan(model, tuple(names), db.vendor) if _plain(model) else None
     values = [f.pre_save(obj, False) for f in plan[1]] if plan is not None else []
+    if as_read and (plan is None or held is None or any(_expression(v) for v in values)):
+        raise RuntimeError("an UPDATE of a row as read is sent held, in one statement")
     if plan is None or any(_expression(v) for v in values):
         _save(obj, update_fields=names)
         return
     sql, fields = plan
     params = [f.get_db_prep_save(v, db) for f, v in zip(fields, values, strict=True)]
     params.append(model._meta.pk.get_db_prep_value(obj.pk, db))
-    held = getattr(db, _HELD, None)
+    if as_read:
+        q = db.ops.quote_name
+        table = q(model._meta.db_table)
+        for name, value in as_read:
+            field = model._meta.get_field(name)
+            # Column names from the model; the values are parameters.
+            sql += f" AND {table}.{q(field.column)} IS NOT DISTINCT FROM %s"  # nosec B608
+            params.append(field.get_db_prep_value(value, db))
+        held.append((sql + " RETURNING 1", params, [_ONE_MATCHED], lambda row: _updated(obj, row[0])))
+        return
     if held is not None:
         held.append((sql + " RETURNING 1", params, ["count(*)"], lambda row: _updated(obj, row[0])))
         return
     _updated(obj, execute(sql, params))
+
+
+# A held UPDATE of a row as read answers this: 1 when it matched its row; when it matched none,
+# a division by zero, which fails the one statement (nothing of it is written).
+_ONE_MATCHED = "1 / count(*)"
+_DIVISION_BY_ZERO = "22012"
+
+
+class RowChanged(Exception):  # noqa: N818 - what happened: the row changed since it was read
+    """A held UPDATE of a row as read (:func:`update` ``as_read``) found it changed: nothing
+    of its statement was written."""
+
+
+def alone_in_one_statement() -> bool:
+    """Whether statements held now (:func:`holding`) go as one statement that is a
+    transaction of its own: PostgreSQL, unwatched, ``ZEROMEM_WRITE_ONE_STATEMENT`` on, outside
+    any transaction and any other holding block — what :func:`update` ``as_read`` needs."""
+    db = connections[DEFAULT_DB_ALIAS]
+    return (
+        settings.ZEROMEM_WRITE_ONE_STATEMENT
+        and getattr(db, _HELD, None) is None
+        and _unwatched_postgres(db)
+        and _own_transaction(db)
+    )
 
 
 def _save(obj, **kwargs) -> None:
@@ -362,7 +404,14 @@ def _send_held(held: list, last: tuple[str, Sequence] | None):
     else:
         main, n = f"{last[0]}, {', '.join(extra)}", None
         params.extend(last[1])
-    row = _send(f"WITH {', '.join(parts)} {main}", params, _first)
+    try:
+        row = _send(f"WITH {', '.join(parts)} {main}", params, _first)
+    except DataError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == _DIVISION_BY_ZERO and any(
+            _ONE_MATCHED in columns for _sql, _params, columns, _done in items
+        ):
+            raise RowChanged() from exc
+        raise
     if n is None:
         n = len(row) - len(extra)
     rest = row[n:]
@@ -417,6 +466,14 @@ def riding(rider: Rider) -> Iterator[None]:
     finally:
         if getattr(db, _RIDER, None) is rider:
             _release_rider(db)
+
+
+def send_rider() -> None:
+    """Send the statement held by :func:`riding`, if any, now (alone): before a transaction
+    begins, which would otherwise take it in (and hold its row's lock to the end)."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if getattr(db, _RIDER, None) is not None:
+        _release_rider(db)
 
 
 def _release_rider(db) -> None:
