@@ -1,10 +1,16 @@
-"""``python manage.py bench_write``: what a write over an existing memory costs, with its
-UPDATE, version INSERT and audit INSERT sent as one statement (``ZEROMEM_WRITE_ONE_STATEMENT``,
-the default) and one by one (the setting off: as before), on PostgreSQL (``DATABASE_URL``).
+"""``python manage.py bench_write``: what a write over an existing memory costs, on PostgreSQL
+(``DATABASE_URL``), three ways:
+
+- ``as_read`` (the default, as served: outside a transaction): the memory read without a lock,
+  then its UPDATE (while the row is as read), version INSERT and audit INSERT as one statement;
+- ``locked`` (the same write inside a transaction, as a batch call makes it): BEGIN, the row
+  lock, the three as one statement, COMMIT;
+- ``one_by_one`` (``ZEROMEM_WRITE_ONE_STATEMENT`` off): under the row lock, each statement sent
+  on its own.
 
 In this process, ``DEBUG`` off (statements unwatched, as in production), on a throw-away
-tenant: the two ways alternate in turns (``--rounds`` × ``--calls`` writes each, the order
-swapped every round), so a machine whose load drifts weighs on both alike. Per way:
+tenant: the ways alternate in turns (``--rounds`` × ``--calls`` writes each, the order rotated
+every round), so a machine whose load drifts weighs on all alike. Per way:
 
 - the ``memory_write`` service over an existing key: wall p50/p95 and CPU per call;
 - the ``memory_write`` tool call through Django's test client (middleware, view, service: no
@@ -25,16 +31,18 @@ import secrets
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 
 from zeromem.bench.harness import loadavg
 
 KEY = "user:u1:pref_lang"
-WAYS = {"one_statement": True, "one_by_one": False}
+# Per way: ZEROMEM_WRITE_ONE_STATEMENT, and whether the write runs inside a transaction.
+WAYS = {"as_read": (True, False), "locked": (True, True), "one_by_one": (False, False)}
 
 
 def _p(values: list[float], q: float) -> float:
@@ -84,14 +92,18 @@ class Command(BaseCommand):
         body = {"name": "memory_write", "arguments": {"key": KEY, "value": ""}}
         n = [0]
 
+        inside = [False]
+
         def service():
             n[0] += 1
-            services.memory_write(tenant=tenant, actor=system, key=KEY, value=f"value {n[0]} in a few words")
+            with transaction.atomic() if inside[0] else nullcontext():
+                services.memory_write(tenant=tenant, actor=system, key=KEY, value=f"value {n[0]} in a few words")
 
         def tool():
             n[0] += 1
             body["arguments"]["value"] = f"value {n[0]} in a few words"
-            r = client.post("/api/v1/tools/call", body, content_type="application/json")
+            with transaction.atomic() if inside[0] else nullcontext():
+                r = client.post("/api/v1/tools/call", body, content_type="application/json")
             assert r.status_code == 200, r.content
 
         def healthz():
@@ -102,14 +114,14 @@ class Command(BaseCommand):
         original = settings.ZEROMEM_WRITE_ONE_STATEMENT
         try:
             service()
-            for on in WAYS.values():  # warm-up: statements prepared, key cached
+            for on, inside[0] in WAYS.values():  # warm-up: statements prepared, key cached
                 settings.ZEROMEM_WRITE_ONE_STATEMENT = on
                 for _ in range(50):
                     service(), tool(), healthz()
             ways = list(WAYS)
             for r in range(rounds):
-                for way in ways[r % 2 :] + ways[: r % 2]:
-                    settings.ZEROMEM_WRITE_ONE_STATEMENT = WAYS[way]
+                for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
+                    settings.ZEROMEM_WRITE_ONE_STATEMENT, inside[0] = WAYS[way]
                     s = samples[way]
                     s["trips"].append(_round_trips(service))
                     cpu = time.process_time()
@@ -126,7 +138,7 @@ class Command(BaseCommand):
                         healthz()
                         s["healthz"].append((time.perf_counter_ns() - t) / 1e6)
         finally:
-            settings.ZEROMEM_WRITE_ONE_STATEMENT = original
+            settings.ZEROMEM_WRITE_ONE_STATEMENT, inside[0] = original, False
             services.api_key_revoke(tenant=tenant, actor=system, key_id=key.pk)
         report = {"rounds": rounds, "calls_per_round": calls, "loadavg_before": load_before}
         for way, s in samples.items():
