@@ -380,6 +380,12 @@ def holding() -> Iterator[None]:
         held.clear()
 
 
+def holds_statements(db) -> bool:
+    """Whether statements are held on ``db`` to go with the next one (:func:`holding`): a
+    write's, which that statement then commits with. No query."""
+    return bool(getattr(db, _HELD, None))
+
+
 def _unwatched_postgres(db) -> bool:
     return db.vendor == "postgresql" and not db.queries_logged and not db.execute_wrappers and not tracing.on()
 
