@@ -278,3 +278,27 @@ def test_a_memory_sealed_between_the_read_and_the_update_stays_sealed(monkeypatc
         (stored,) = cursor.fetchone()
     assert memory.sensitive and memory.value == {"note": "mine"}
     assert "mine" not in stored
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_write_over_a_live_memory_with_a_save_receiver_goes_through_save():
+    """A model with a ``post_save`` receiver is saved through ``save()`` (hotsql sends no
+    signals): a write over a live memory outside a transaction is then done under the row
+    lock, as before — not refused."""
+    from django.db.models.signals import post_save
+
+    tenant = make_tenant("signalled")
+    write(tenant, KEY, "v1")
+    saved = []
+
+    def receiver(sender, instance, **kwargs):
+        saved.append(instance.version)
+
+    post_save.connect(receiver, sender=Memory, weak=False)
+    try:
+        result = _write(tenant, "v2")
+    finally:
+        post_save.disconnect(receiver, sender=Memory)
+    assert (result.memory.version, result.memory.value, saved) == (2, "v2", [2])
+    assert _history(tenant) == (2, [(1, "v1"), (2, "v2")])
