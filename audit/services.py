@@ -195,12 +195,14 @@ def _flush_waived(db=connection) -> bool:
     """Whether this event's commit may skip waiting for the WAL flush: only when
     ``ZEROMEM_AUDIT_READ_EVENTS_ASYNC`` is on, on PostgreSQL, and the event is a transaction of
     its own — the event of an operation that changed nothing (a read, a search, a refusal).
-    An event written with anything else (a write's, a batch's) commits with it, flushed."""
+    An event written with anything else (a write's, a batch's) commits with it, flushed: a
+    write outside any transaction holds its statements to go with its event (hotsql.holding)."""
     return (
         settings.ZEROMEM_AUDIT_READ_EVENTS_ASYNC
         and db.vendor == "postgresql"
         and not db.in_atomic_block
         and db.get_autocommit()
+        and not hotsql.holds_statements(db)
     )
 
 

@@ -96,3 +96,19 @@ def test_the_waiver_holds_for_the_events_own_transaction_only(tenant, settings):
         cursor.execute("SHOW synchronous_commit")
         assert cursor.fetchone()[0] == "on"
         cursor.execute("DROP TABLE flush_probe")
+
+
+def test_on_a_write_over_a_live_memory_outside_a_transaction_is_flushed(tenant, settings, monkeypatch):
+    """Unwatched, outside any transaction, the write's UPDATE and version row go with its event
+    as one statement, a transaction of its own (memories.services.memories._write_over_as_read):
+    that event carries a change, so its commit waits for the flush."""
+    from zeromem.kernel import hotsql
+
+    settings.ZEROMEM_AUDIT_READ_EVENTS_ASYNC = True
+    sent: list[str] = []
+    send = hotsql._send
+    monkeypatch.setattr(hotsql, "_send", lambda sql, *args, **kwargs: sent.append(sql) or send(sql, *args, **kwargs))
+    services.memory_write(tenant=tenant, actor=SYSTEM, key=KEY, value="en")
+    (carried,) = [sql for sql in sent if 'INSERT INTO "audit_auditevent"' in sql]
+    assert 'UPDATE "memories_memory"' in carried  # the one statement (not the locked path)
+    assert WAIVER not in carried

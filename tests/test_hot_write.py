@@ -246,3 +246,59 @@ def test_concurrent_writers_of_one_key_lose_nothing():
     assert sorted(value for _v, value in history[1:]) == sorted(f"w{n}-{i}" for n in range(4) for i in range(25))
     assert sorted(v for v, _d in _events(tenant)) == list(range(1, 102))
     assert Memory.objects.get(tenant=tenant, key=KEY, deleted_at__isnull=True).value == history[-1][1]
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_memory_sealed_between_the_read_and_the_update_stays_sealed(monkeypatch):
+    """The re-encryption job seals a memory a tenant rule matches (its sensitive flag, not its
+    version): a write read before it and sent after it must not store its value in plaintext —
+    under the row lock it would have seen the memory sensitive and kept it so."""
+    from memories import selectors
+    from memories.services import memories as memory_service
+    from memories.services.encryption import reencrypt
+
+    tenant = make_tenant("sealed")
+    write(tenant, KEY, {"ssn": "078-05-1120"})  # before the rule: plain
+    tenant.sensitive_fields = ["ssn"]
+    tenant.save()
+    read = selectors.memory_get_live
+
+    def read_then_sealed(**kwargs):
+        current = read(**kwargs)
+        if current is not None and not current.sensitive:
+            reencrypt(tenant_id=tenant.pk)  # commits: the row is sealed, its version as it was
+        return current
+
+    monkeypatch.setattr(memory_service.selectors, "memory_get_live", read_then_sealed)
+    _write(tenant, {"note": "mine"})
+    memory = Memory.objects.get(tenant=tenant, key=KEY, deleted_at__isnull=True)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT value::text FROM memories_memory WHERE id = %s", [memory.pk])
+        (stored,) = cursor.fetchone()
+    assert memory.sensitive and memory.value == {"note": "mine"}
+    assert "mine" not in stored
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_write_over_a_live_memory_with_a_save_receiver_goes_through_save():
+    """A model with a ``post_save`` receiver is saved through ``save()`` (hotsql sends no
+    signals): a write over a live memory outside a transaction is then done under the row
+    lock, as before — not refused."""
+    from django.db.models.signals import post_save
+
+    tenant = make_tenant("signalled")
+    write(tenant, KEY, "v1")
+    saved = []
+
+    def receiver(sender, instance, **kwargs):
+        saved.append(instance.version)
+
+    post_save.connect(receiver, sender=Memory, weak=False)
+    try:
+        result = _write(tenant, "v2")
+    finally:
+        post_save.disconnect(receiver, sender=Memory)
+    assert (result.memory.version, result.memory.value, saved) == (2, "v2", [2])
+    assert _history(tenant) == (2, [(1, "v1"), (2, "v2")])

@@ -537,3 +537,18 @@ def test_other_routes_and_methods_are_djangos(warm_keys, monkeypatch):
     assert call(LANE, raw, READ, method="HEAD")[0] == "405 Method Not Allowed"
     assert answered == []
     assert call(LANE, raw, READ)[0] == "200 OK" and answered == [1]
+
+
+@pytest.mark.parametrize("name", [["memory_read"], {"memory_write": 1}])
+def test_a_tool_name_that_is_not_a_string_is_refused_alike(tenant_a, tenant_b, views, name):
+    """The lane picks the tools whose rate counter rides with their read by name: a name
+    that is a list or an object (unhashable) is a malformed call, refused 400 as Django does."""
+    _key_a, raw_a = make_key(tenant_a)
+    _key_b, raw_b = make_key(tenant_b)
+    body = {"name": name, "arguments": {"key": "user:u1:lang"}}
+    call(DJANGO, raw_a, body)
+    call(LANE, raw_b, body)  # each key's first request is Django's
+    django_answer = seen_by_client(*call(DJANGO, raw_a, body))
+    lane_answer = seen_by_client(*call(LANE, raw_b, body))
+    assert lane_answer[:3] == django_answer[:3]
+    assert lane_answer[0].startswith("400")

@@ -307,7 +307,8 @@ class ToolLane:
             tenant_id = key.tenant.pk
             actor = api_keys.key_actor(key, surface="tool", request_id=request.request_id, client_ip=ip)
             try:
-                if tools.called_tool(data) in RIDING_TOOLS:
+                # A name that is not a string (a list: unhashable) is the call's to refuse (400).
+                if isinstance(name := tools.called_tool(data), str) and name in RIDING_TOOLS:
                     # The rate counter goes to the database with the read's SELECT (one round
                     # trip); past the limit, refused before the read is answered or audited.
                     with api_keys.rate_limit_riding(key):

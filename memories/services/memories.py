@@ -228,7 +228,7 @@ def memory_write(
             # put (create or replace) would leave the item outliving the rule. One query.
             fields["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
 
-        if not create_only and hotsql.alone_in_one_statement():
+        if not create_only and hotsql.alone_in_one_statement(Memory):
             written = _write_over_as_read(
                 tenant=tenant, actor=actor, op=op, key=key, fields=fields, now=now, sensitive=sensitive
             )
@@ -258,8 +258,8 @@ def _write_over_as_read(
 ) -> MemoryResult | None:
     """A write over a live memory without a transaction or a row lock: the memory read (the
     SELECT a tool read makes; the rate counter rides with it), then its UPDATE — only while
-    the row is still as read: same version, same expiry, not trashed — its version INSERT and
-    its audit INSERT as one statement, all or nothing (zeromem/kernel/hotsql.py). Two round
+    the row is still as read: same version, same expiry, not trashed, as sealed — its version
+    INSERT and its audit INSERT as one statement, all or nothing (zeromem/kernel/hotsql.py). Two round
     trips, not six (BEGIN, the locking SELECT, the statement, COMMIT). None, with nothing
     written, when the write needs :func:`_upsert` under the row lock: no live memory at the
     key (a new one, or an expired one to trash), a value turning sensitive (its history is
@@ -267,7 +267,14 @@ def _write_over_as_read(
     current = selectors.memory_get_live(tenant=tenant, key=key)
     if current is None:
         return None
-    as_read = (("version", current.version), ("expires_at", current.expires_at), ("deleted_at", None))
+    # The re-encryption job seals a row (its sensitive flag) without a new version: a write
+    # over it must see that, or it stores its value in plaintext (sensitivity.decide).
+    as_read = (
+        ("version", current.version),
+        ("expires_at", current.expires_at),
+        ("deleted_at", None),
+        ("sensitive", current.sensitive),
+    )
     written, turned = _replacing(current, tenant=tenant, key=key, fields=fields, sensitive=sensitive)
     if turned:
         return None

@@ -277,13 +277,15 @@ class RowChanged(Exception):  # noqa: N818 - what happened: the row changed sinc
     of its statement was written."""
 
 
-def alone_in_one_statement() -> bool:
+def alone_in_one_statement(model=None) -> bool:
     """Whether statements held now (:func:`holding`) go as one statement that is a
     transaction of its own: PostgreSQL, unwatched, ``ZEROMEM_WRITE_ONE_STATEMENT`` on, outside
-    any transaction and any other holding block — what :func:`update` ``as_read`` needs."""
+    any transaction and any other holding block — what :func:`update` ``as_read`` needs; with
+    ``model``, also that its rows are not saved through ``save()`` (receivers: see above)."""
     db = connections[DEFAULT_DB_ALIAS]
     return (
-        settings.ZEROMEM_WRITE_ONE_STATEMENT
+        (model is None or _plain(model))
+        and settings.ZEROMEM_WRITE_ONE_STATEMENT
         and getattr(db, _HELD, None) is None
         and _unwatched_postgres(db)
         and _own_transaction(db)
@@ -378,6 +380,12 @@ def holding() -> Iterator[None]:
     finally:
         setattr(db, _HELD, None)
         held.clear()
+
+
+def holds_statements(db) -> bool:
+    """Whether statements are held on ``db`` to go with the next one (:func:`holding`): a
+    write's, which that statement then commits with. No query."""
+    return bool(getattr(db, _HELD, None))
 
 
 def _unwatched_postgres(db) -> bool:
