@@ -282,23 +282,28 @@ def test_a_memory_sealed_between_the_read_and_the_update_stays_sealed(monkeypatc
 
 @on_postgres
 @pytest.mark.django_db(transaction=True)
-def test_a_write_over_a_live_memory_with_a_save_receiver_goes_through_save():
+@pytest.mark.parametrize("model", [Memory, MemoryVersion])
+def test_a_write_over_a_live_memory_with_a_save_receiver_goes_through_save(model, monkeypatch):
     """A model with a ``post_save`` receiver is saved through ``save()`` (hotsql sends no
-    signals): a write over a live memory outside a transaction is then done under the row
-    lock, as before — not refused."""
+    signals), which would send the held statements first, each on its own (the memory's
+    UPDATE committed without its version row and event): a write over a live memory outside a
+    transaction is then done under the row lock, in one transaction, as before — not refused."""
     from django.db.models.signals import post_save
+
+    from memories.services import memories as memory_service
 
     tenant = make_tenant("signalled")
     write(tenant, KEY, "v1")
-    saved = []
+    saved, locked, upsert = [], [], memory_service._upsert
+    monkeypatch.setattr(memory_service, "_upsert", lambda **kw: locked.append(1) or upsert(**kw))
 
     def receiver(sender, instance, **kwargs):
         saved.append(instance.version)
 
-    post_save.connect(receiver, sender=Memory, weak=False)
+    post_save.connect(receiver, sender=model, weak=False)
     try:
         result = _write(tenant, "v2")
     finally:
-        post_save.disconnect(receiver, sender=Memory)
-    assert (result.memory.version, result.memory.value, saved) == (2, "v2", [2])
+        post_save.disconnect(receiver, sender=model)
+    assert (result.memory.version, result.memory.value, saved, locked) == (2, "v2", [2], [1])
     assert _history(tenant) == (2, [(1, "v1"), (2, "v2")])

@@ -277,14 +277,15 @@ class RowChanged(Exception):  # noqa: N818 - what happened: the row changed sinc
     of its statement was written."""
 
 
-def alone_in_one_statement(model=None) -> bool:
+def alone_in_one_statement(*models) -> bool:
     """Whether statements held now (:func:`holding`) go as one statement that is a
     transaction of its own: PostgreSQL, unwatched, ``ZEROMEM_WRITE_ONE_STATEMENT`` on, outside
-    any transaction and any other holding block — what :func:`update` ``as_read`` needs; with
-    ``model``, also that its rows are not saved through ``save()`` (receivers: see above)."""
+    any transaction and any other holding block — what :func:`update` ``as_read`` needs; and
+    that the rows of ``models`` (those the caller will hold) are not saved through ``save()``
+    (receivers: see above), which would send the held statements first, each on its own."""
     db = connections[DEFAULT_DB_ALIAS]
     return (
-        (model is None or _plain(model))
+        all(_plain(model) for model in models)
         and settings.ZEROMEM_WRITE_ONE_STATEMENT
         and getattr(db, _HELD, None) is None
         and _unwatched_postgres(db)
