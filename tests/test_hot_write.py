@@ -148,9 +148,14 @@ def _events(tenant, outcome="ok"):
 
 @on_postgres
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("one_statement, trips", [(True, 2), (False, 6)])
-def test_outside_a_transaction_a_write_over_a_live_memory_is_two_round_trips(settings, one_statement, trips):
+@pytest.mark.parametrize("one_statement, without_lock, trips", [(True, True, 2), (True, False, 4), (False, True, 6)])
+def test_outside_a_transaction_a_write_over_a_live_memory_is_two_round_trips(
+    settings, one_statement, without_lock, trips
+):
+    """Two round trips; with ZEROMEM_WRITE_WITHOUT_LOCK off, BEGIN, the row lock, one statement,
+    COMMIT; with ZEROMEM_WRITE_ONE_STATEMENT off, each statement on its own under the lock."""
     settings.ZEROMEM_WRITE_ONE_STATEMENT = one_statement
+    settings.ZEROMEM_WRITE_WITHOUT_LOCK = without_lock
     tenant = make_tenant("plain")
     write(tenant, KEY, "zh-CN", ttl_seconds=600)  # the parameters' types as in the writes after
     _write(tenant, "en", tags=["t"], ttl_seconds=600)  # warm-up: its statements prepared on this connection

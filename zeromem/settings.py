@@ -511,6 +511,10 @@ ZEROMEM_AUDIT_READ_EVENTS_ASYNC = env.bool("ZEROMEM_AUDIT_READ_EVENTS_ASYNC", de
 # (data-modifying WITH), one round trip instead of three (zeromem/kernel/hotsql.py holding()).
 # Off: one statement each, as before (an escape hatch; README "The hot path").
 ZEROMEM_WRITE_ONE_STATEMENT = env.bool("ZEROMEM_WRITE_ONE_STATEMENT", default=True)
+# A write over a live memory outside any transaction: read without a lock, then its UPDATE
+# (while the row is as read), version row and event as one statement (README "The hot path").
+# Off: every write takes the row lock first, in a transaction of its own.
+ZEROMEM_WRITE_WITHOUT_LOCK = env.bool("ZEROMEM_WRITE_WITHOUT_LOCK", default=True)
 # End-user portal (memories/portal/): how long a portal link stays valid before its first open, and
 # how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
 # is the origin links are built with; empty: the origin the API request came to.

@@ -228,7 +228,11 @@ def memory_write(
             # put (create or replace) would leave the item outliving the rule. One query.
             fields["expires_at"] = retention.default_expiry_for(tenant=tenant, key=key, now=now)
 
-        if not create_only and hotsql.alone_in_one_statement(Memory, MemoryVersion):
+        if (
+            not create_only
+            and settings.ZEROMEM_WRITE_WITHOUT_LOCK
+            and hotsql.alone_in_one_statement(Memory, MemoryVersion)
+        ):
             written = _write_over_as_read(
                 tenant=tenant, actor=actor, op=op, key=key, fields=fields, now=now, sensitive=sensitive
             )

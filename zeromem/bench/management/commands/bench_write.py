@@ -3,8 +3,8 @@
 
 - ``as_read`` (the default, as served: outside a transaction): the memory read without a lock,
   then its UPDATE (while the row is as read), version INSERT and audit INSERT as one statement;
-- ``locked`` (the same write inside a transaction, as a batch call makes it): BEGIN, the row
-  lock, the three as one statement, COMMIT;
+- ``locked`` (``ZEROMEM_WRITE_WITHOUT_LOCK`` off, session 22's write): BEGIN, the row lock, the
+  three as one statement, COMMIT;
 - ``one_by_one`` (``ZEROMEM_WRITE_ONE_STATEMENT`` off): under the row lock, each statement sent
   on its own.
 
@@ -31,18 +31,17 @@ import secrets
 import statistics
 import tempfile
 import time
-from contextlib import nullcontext
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connection, transaction
+from django.db import connection
 from django.test import Client
 
 from zeromem.bench.harness import loadavg
 
 KEY = "user:u1:pref_lang"
-# Per way: ZEROMEM_WRITE_ONE_STATEMENT, and whether the write runs inside a transaction.
-WAYS = {"as_read": (True, False), "locked": (True, True), "one_by_one": (False, False)}
+# Per way: ZEROMEM_WRITE_ONE_STATEMENT and ZEROMEM_WRITE_WITHOUT_LOCK.
+WAYS = {"as_read": (True, True), "locked": (True, False), "one_by_one": (False, False)}
 
 
 def _p(values: list[float], q: float) -> float:
@@ -92,18 +91,14 @@ class Command(BaseCommand):
         body = {"name": "memory_write", "arguments": {"key": KEY, "value": ""}}
         n = [0]
 
-        inside = [False]
-
         def service():
             n[0] += 1
-            with transaction.atomic() if inside[0] else nullcontext():
-                services.memory_write(tenant=tenant, actor=system, key=KEY, value=f"value {n[0]} in a few words")
+            services.memory_write(tenant=tenant, actor=system, key=KEY, value=f"value {n[0]} in a few words")
 
         def tool():
             n[0] += 1
             body["arguments"]["value"] = f"value {n[0]} in a few words"
-            with transaction.atomic() if inside[0] else nullcontext():
-                r = client.post("/api/v1/tools/call", body, content_type="application/json")
+            r = client.post("/api/v1/tools/call", body, content_type="application/json")
             assert r.status_code == 200, r.content
 
         def healthz():
@@ -111,17 +106,17 @@ class Command(BaseCommand):
 
         samples = {way: {"service": [], "cpu": [], "tool": [], "healthz": [], "trips": []} for way in WAYS}
         load_before = loadavg()
-        original = settings.ZEROMEM_WRITE_ONE_STATEMENT
+        original = settings.ZEROMEM_WRITE_ONE_STATEMENT, settings.ZEROMEM_WRITE_WITHOUT_LOCK
         try:
             service()
-            for on, inside[0] in WAYS.values():  # warm-up: statements prepared, key cached
-                settings.ZEROMEM_WRITE_ONE_STATEMENT = on
+            for ways in WAYS.values():  # warm-up: statements prepared, key cached
+                settings.ZEROMEM_WRITE_ONE_STATEMENT, settings.ZEROMEM_WRITE_WITHOUT_LOCK = ways
                 for _ in range(50):
                     service(), tool(), healthz()
             ways = list(WAYS)
             for r in range(rounds):
                 for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
-                    settings.ZEROMEM_WRITE_ONE_STATEMENT, inside[0] = WAYS[way]
+                    settings.ZEROMEM_WRITE_ONE_STATEMENT, settings.ZEROMEM_WRITE_WITHOUT_LOCK = WAYS[way]
                     s = samples[way]
                     s["trips"].append(_round_trips(service))
                     cpu = time.process_time()
@@ -138,7 +133,7 @@ class Command(BaseCommand):
                         healthz()
                         s["healthz"].append((time.perf_counter_ns() - t) / 1e6)
         finally:
-            settings.ZEROMEM_WRITE_ONE_STATEMENT, inside[0] = original, False
+            settings.ZEROMEM_WRITE_ONE_STATEMENT, settings.ZEROMEM_WRITE_WITHOUT_LOCK = original
             services.api_key_revoke(tenant=tenant, actor=system, key_id=key.pk)
         report = {"rounds": rounds, "calls_per_round": calls, "loadavg_before": load_before}
         for way, s in samples.items():
