@@ -78,6 +78,8 @@ DJANGO_MODES = {
     "bridge": ("asgi", "wsgi"),  # the ASGI router; Django's WSGI app through zeromem/kit/wsgi_bridge.py (production)
     # the same with every tool call through Django (ZEROMEM_TOOL_LANE=false: memories/api/lane.py)
     "bridge-nolane": ("asgi", "wsgi"),
+    # the same with every write under the row lock (ZEROMEM_WRITE_WITHOUT_LOCK=false: session 22's write)
+    "bridge-locked": ("asgi", "wsgi"),
     "a2wsgi": ("asgi", "a2wsgi"),  # the ASGI router; Django's WSGI app through a2wsgi's responder
     "asgi": ("asgi", "asgi"),  # the ASGI router; Django's ASGIHandler
     "granian-wsgi": ("wsgi", None),  # Django alone, granian WSGI (no /mcp): the floor
@@ -88,6 +90,8 @@ def server_env(mode: str, django_mode: str | None) -> dict | None:
     env = {"ZEROMEM_ASGI_DJANGO": django_mode} if django_mode else {}
     if mode == "bridge-nolane":
         env["ZEROMEM_TOOL_LANE"] = "false"
+    if mode == "bridge-locked":
+        env["ZEROMEM_WRITE_WITHOUT_LOCK"] = "false"
     return env or None
 
 
@@ -562,13 +566,14 @@ class Command(BenchCommand):
         server CPU per request and requests/s at ``--clients`` connections (idle phase)."""
         w = self.stdout.write
         conc = self.opts["clients"]
-        ops = ("healthz", "read", "mcp_read")
+        ops = ("healthz", "read", "write", "mcp_read")
         w("")
         w("  Django served as … (same run, same tenant, one after the other; idle phase)")
         w(
             f"  {'mode':<14}"
             + "".join(f"{f'{op} p50@1':>15}" for op in ops)
             + f"{'read/healthz':>13}"
+            + f"{'write/healthz':>14}"
             + "".join(f"{f'{op} cpu@{conc}':>16}" for op in ops)
             + "".join(f"{f'{op} r/s@{conc}':>16}" for op in ops)
         )
@@ -583,6 +588,7 @@ class Command(BenchCommand):
                 f"  {mode:<14}"
                 + "".join(f"{cell(idle, op, 1, 'p50_ms'):>15}" for op in ops)
                 + f"{str(r['ratios']['read_p50_vs_healthz_p50']):>13}"
+                + f"{str(r['ratios']['write_p50_vs_healthz_p50']):>14}"
                 + "".join(f"{cell(idle, op, conc, 'server_cpu_ms_per_request'):>16}" for op in ops)
                 + "".join(f"{cell(idle, op, conc, 'requests_per_s'):>16}" for op in ops)
             )
