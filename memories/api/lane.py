@@ -165,6 +165,16 @@ def _settings_changed(**kwargs) -> None:
 setting_changed.connect(_settings_changed, dispatch_uid="memories.api.lane.settings_changed")
 
 
+def _rate_limited(key, actor, wait: float) -> exceptions.Throttled:
+    """The refusal of a key over its rate limit, as ApiKeyRateThrottle and
+    AuditedAPIView.handle_exception make it: counted in the tenant's log (tallied), answered
+    429 with Retry-After."""
+    refusal = exceptions.Throttled(wait=max(1.0, wait))
+    refusal.zeromem_code = "rate_limited"
+    audit_refusal(tenant=key.tenant, actor=actor, action=ACTION, error=refusal, code="rate_limited")
+    return refusal
+
+
 def _nothing(request):  # the middleware below is called by its halves, never as a chain
     raise AssertionError("not called")
 
@@ -316,15 +326,10 @@ class ToolLane:
                 else:
                     wait = api_keys.rate_limit_take(key)
                     if wait is not None:
-                        raise limits.OverLimit(limits.Hit(count=0, retry_after=wait))
+                        raise _rate_limited(key, actor, wait)
                     answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
             except limits.OverLimit as over:
-                # As ApiKeyRateThrottle and AuditedAPIView.handle_exception refuse it: counted
-                # in the tenant's log, answered 429 with Retry-After.
-                refusal = exceptions.Throttled(wait=max(1.0, over.hit.retry_after))
-                refusal.zeromem_code = "rate_limited"
-                audit_refusal(tenant=key.tenant, actor=actor, action=ACTION, error=refusal, code="rate_limited")
-                raise refusal from None
+                raise _rate_limited(key, actor, over.hit.retry_after) from None
         except Exception as exc:
             handled = exception_handler(exc, {})
             if handled is None:

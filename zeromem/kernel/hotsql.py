@@ -39,10 +39,10 @@ def fetchone(sql: str, params: Sequence, db=None) -> tuple | None:
         db = connections[DEFAULT_DB_ALIAS]
     rider = getattr(db, _RIDER, None)
     if rider is not None:
-        setattr(db, _RIDER, None)
         if _rideable(sql) and not getattr(db, _HELD, None):
+            setattr(db, _RIDER, None)
             return _send_riding(rider, sql, params, db)
-        _send_rider(rider, db)
+        _release_rider(db)
     held = getattr(db, _HELD, None)
     if held:
         return _send_held(held, (sql, params) if _carries(sql) else None)
@@ -258,10 +258,9 @@ def update(obj, names: Sequence[str], *, as_read: Sequence[tuple[str, object]] =
             # Column names from the model; the values are parameters.
             sql += f" AND {table}.{q(field.column)} IS NOT DISTINCT FROM %s"  # nosec B608
             params.append(field.get_db_prep_value(value, db))
-        held.append((sql + " RETURNING 1", params, [_ONE_MATCHED], lambda row: _updated(obj, row[0])))
-        return
     if held is not None:
-        held.append((sql + " RETURNING 1", params, ["count(*)"], lambda row: _updated(obj, row[0])))
+        matched = _ONE_MATCHED if as_read else "count(*)"
+        held.append((sql + " RETURNING 1", params, [matched], lambda row: _updated(obj, row[0])))
         return
     _updated(obj, execute(sql, params))
 
