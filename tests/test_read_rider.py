@@ -17,8 +17,9 @@ from memories.api import lane
 from memories.services import usage
 from tests.factories import make_key, write
 from tests.helpers import RoundTrips
-from tests.test_tool_lane import LANE, call
+from tests.test_tool_lane import DJANGO, LANE, call
 from zeromem.kernel import hotsql
+from zeromem.kit.api import RidingRateLimit
 
 on_postgres = pytest.mark.skipif(connection.vendor != "postgresql", reason="the rider is PostgreSQL's")
 READ = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
@@ -85,7 +86,8 @@ def test_over_the_limit_a_read_is_refused_before_it_is_answered_or_audited(
     assert _count(key) == 6  # each refused call counted, as with the counter sent first
     audit_refusals_flush(now=limiter_minute + 120)
     refusals = AuditEvent.objects.filter(tenant=tenant_a, action="tool.call", outcome="invalid")
-    assert [(e.count, e.detail["code"]) for e in refusals] == [(3, "rate_limited")]
+    # (a refused HEAD is tallied as "api.request", as before: the route audits GET as memory.read)
+    assert sum(e.count for e in refusals if e.detail["code"] == "rate_limited") == 3
 
 
 @on_postgres
@@ -102,6 +104,87 @@ def test_bad_input_is_counted_and_refused_as_before(transactional_db, tenant_a, 
     assert call(LANE, raw, bad)[0] == "429 Too Many Requests"
     assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.read", outcome="invalid").count() == 1
     assert _count(key) == 3
+
+
+# --- REST: GET /api/v1/memories/<key> (memories.api.auth.RidingRateLimit) ----------------
+
+MEMORY = "/api/v1/memories/user:u1:lang"
+
+
+def rest(raw, *, method="GET", query="", path=MEMORY):
+    return call(DJANGO, raw, b"", method=method, query=query, path=path)
+
+
+@on_postgres
+@pytest.mark.parametrize("riding, trips", [(True, 2), (False, 3)])
+def test_a_rest_read_is_two_round_trips(transactional_db, tenant_a, riding, trips, monkeypatch, settings):
+    """Django's whole request, as served (no statement watched): the counter with the
+    memory's SELECT, then the audit INSERT — three with the throttle taking the counter first."""
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
+    if not riding:
+        monkeypatch.setattr(RidingRateLimit, "rate_limit_rides", lambda self, request, api_key: False)
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    for path in (MEMORY, MEMORY, "/api/v1/memories/user:u1:none"):  # the key verified, statements prepared
+        rest(raw, path=path)
+    counted = _count(key)
+    with RoundTrips() as sent:
+        status, headers, content = rest(raw)
+    assert status == "200 OK" and b'"value":"zh-CN"' in content and dict(headers)["ETag"]
+    assert sent.count == trips, [" ".join(p[2:])[:100] for p in sent.sent]
+    assert _count(key) == counted + 1 and _reads(tenant_a) == 3
+    with RoundTrips() as sent:
+        status, _headers, content = rest(raw, path="/api/v1/memories/user:u1:none")
+    assert status == "404 Not Found" and b'"code":"not_found"' in content
+    assert sent.count == trips
+    assert _count(key) == counted + 2 and _reads(tenant_a, "not_found") == 2
+    usage.flush()
+
+
+@on_postgres
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+@pytest.mark.parametrize("riding", [True, False])
+def test_over_the_limit_a_rest_read_is_refused_as_the_throttle_refuses_it(
+    transactional_db, tenant_a, settings, limiter_minute, method, riding, monkeypatch
+):
+    """The same answers, counts and tallied refusal whether the counter rides or the
+    throttle takes it first."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 3
+    if not riding:
+        monkeypatch.setattr(RidingRateLimit, "rate_limit_rides", lambda self, request, api_key: False)
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    statuses = [rest(raw, method=method)[0] for _ in range(5)]
+    assert statuses == ["200 OK"] * 3 + ["429 Too Many Requests"] * 2
+    status, headers, content = rest(raw)
+    assert status == "429 Too Many Requests" and b"zh-CN" not in content
+    assert b'"code":"rate_limited"' in content and int(dict(headers)["Retry-After"]) >= 1
+    assert _reads(tenant_a) == 3  # the refused reads left no read event
+    assert _count(key) == 6
+    audit_refusals_flush(now=limiter_minute + 120)
+    refusals = AuditEvent.objects.filter(tenant=tenant_a, outcome="invalid")
+    # (a refused HEAD is tallied as "api.request" — the route audits GET as memory.read — as before)
+    assert sum(e.count for e in refusals if e.detail["code"] == "rate_limited") == 3
+
+
+@on_postgres
+def test_a_rest_read_refused_before_its_select_is_counted_as_before(
+    transactional_db, tenant_a, settings, limiter_minute
+):
+    """A bad key (refused before any SELECT) sends the counter alone; a repeated query
+    parameter is refused after the throttle, which takes it at once. Past the limit both are
+    429s, and neither leaves an event of its bad input."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 3
+    key, raw = make_key(tenant_a)
+    bad = "/api/v1/memories/user::lang"
+    assert rest(raw, path=bad)[0] == "400 Bad Request"
+    assert rest(raw, query="a=1&a=2")[0] == "400 Bad Request"
+    assert _count(key) == 2
+    invalid = AuditEvent.objects.filter(tenant=tenant_a, action="memory.read", outcome="invalid")
+    assert invalid.count() == 2
+    assert rest(raw)[0] == "404 Not Found"
+    assert [rest(raw, path=bad)[0], rest(raw, query="a=1&a=2")[0]] == ["429 Too Many Requests"] * 2
+    assert invalid.count() == 2 and _count(key) == 5
 
 
 # --- hotsql.riding itself -----------------------------------------------------------------

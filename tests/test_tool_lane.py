@@ -62,11 +62,11 @@ def views(monkeypatch):
     return seen
 
 
-def call(app, raw_key, body, *, headers=None, query="", method="POST", content_type="application/json"):
+def call(app, raw_key, body, *, headers=None, query="", method="POST", content_type="application/json", path=CALL):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     environ = {
         "REQUEST_METHOD": method,
-        "PATH_INFO": CALL,
+        "PATH_INFO": path,
         "QUERY_STRING": query,
         "SERVER_NAME": "testserver",
         "SERVER_PORT": "80",

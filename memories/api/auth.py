@@ -110,6 +110,9 @@ class ApiKeyRateThrottle(BaseThrottle):
         principal = request.user
         if not isinstance(principal, KeyPrincipal):
             return True
+        rides = getattr(view, "rate_limit_rides", None)
+        if rides is not None and rides(request, principal.api_key):
+            return True  # charged by the view's read, with its SELECT (zeromem.kit.api.RidingRateLimit)
         cost = view.rate_cost(request) if hasattr(view, "rate_cost") else 1
         wait = api_keys.rate_limit_take(principal.api_key, cost=cost)
         self._wait = wait or 0.0

@@ -23,6 +23,7 @@ from zeromem.kit.api import (
     AuditedAPIView,
     ErrorSerializer,
     ResultCostMixin,
+    RidingRateLimit,
     TenantAPIView,
     TenantSlotMixin,
     retry_after,
@@ -250,7 +251,7 @@ class MemoryListView(AuditedAPIView):
         return Response({"results": [s.memory_out(m) for m in r.keys], "next_cursor": r.next_cursor})
 
 
-class MemoryDetailView(AuditedAPIView):
+class MemoryDetailView(RidingRateLimit, AuditedAPIView):
     audit_actions = {"GET": "memory.read", "PUT": "memory.write", "PATCH": "memory.update", "DELETE": "memory.delete"}
 
     @extend_schema(
@@ -260,7 +261,8 @@ class MemoryDetailView(AuditedAPIView):
         responses={200: s.MemoryOutSerializer, 404: NOT_FOUND, **ERRORS},
     )
     def get(self, request, key):
-        r = services.memory_read(tenant=self.tenant, actor=self.actor, key=key)
+        with self.rate_limit_riding():  # the rate counter goes with the memory's SELECT
+            r = services.memory_read(tenant=self.tenant, actor=self.actor, key=key)
         return _memory_response(r.memory)
 
     @extend_schema(

@@ -7,6 +7,8 @@ Error shape, on every surface and status: ``{"error": {"code", "message", "field
 import functools
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
@@ -21,8 +23,8 @@ from rest_framework.views import exception_handler as drf_exception_handler
 
 from audit import limits
 from audit.services import audit_record, audit_refusal
-from memories.models import IdempotencyRecord, Tenant
-from memories.services import idempotency, usage
+from memories.models import ApiKey, IdempotencyRecord, Tenant
+from memories.services import api_keys, idempotency, usage
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput, ServiceError, TenantBusy
 from zeromem.kernel.outcomes import Outcome
@@ -228,6 +230,39 @@ class TenantAPIView(APIView):
         if not response.has_header("Cache-Control"):
             response["Cache-Control"] = "no-store"
         return response
+
+
+class RidingRateLimit:
+    """A view whose GET (and HEAD) is one read that begins with a ``SELECT`` (a memory's
+    ``GET /api/v1/memories/<key>``): its unit of the key's rate limit is not taken by
+    :class:`memories.api.auth.ApiKeyRateThrottle` before the view, but goes to the database with that SELECT as
+    one statement (:func:`memories.services.api_keys.rate_limit_riding`, as the tool-call
+    lane's ``memory_read`` does): a REST read is two round trips, not three. Nothing else runs
+    between the throttle and the handler (DRF's ``initial`` ends with the throttles; a repeated
+    query parameter, refused after them, is charged at once as before). Past the limit the
+    read is refused as the throttle refuses it — 429 ``rate_limited`` with Retry-After, counted
+    in the tenant's log by ``handle_exception`` — before it is answered or audited. The handler
+    wraps its service call in :meth:`rate_limit_riding`."""
+
+    _riding_key: ApiKey | None = None
+
+    def rate_limit_rides(self, request, api_key: ApiKey) -> bool:
+        if request.method not in ("GET", "HEAD") or repeated_parameter(request) is not None:
+            return False
+        self._riding_key = api_key
+        return True
+
+    @contextmanager
+    def rate_limit_riding(self) -> Iterator[None]:
+        api_key, self._riding_key = self._riding_key, None
+        if api_key is None:  # charged by the throttle (another method, no key)
+            yield
+            return
+        try:
+            with api_keys.rate_limit_riding(api_key):
+                yield
+        except limits.OverLimit as over:
+            raise exceptions.Throttled(wait=max(1.0, over.hit.retry_after)) from None
 
 
 NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
