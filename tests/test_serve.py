@@ -284,6 +284,18 @@ def test_each_web_process_keeps_a_pooled_connection_per_thread_and_the_operators
     assert wsgi[wsgi.index("--blocking-threads") + 1] == "6" and wsgi[-1] == "zeromem.wsgi:application"
 
 
+def test_the_router_runs_on_uvloop_where_installed_and_granian_loop_chooses_another(monkeypatch):
+    """requirements.txt installs uvloop (not on Windows); the served command names it, so the
+    loop measured (bench_serve) is the loop deployed, whatever granian's "auto" would pick."""
+    monkeypatch.delenv("GRANIAN_LOOP", raising=False)
+    cmd = serving.ServingModel(host="127.0.0.1", port=8000, processes=1, threads=2).command("python")
+    expected = "asyncio" if sys.platform == "win32" else "uvloop"
+    assert cmd[cmd.index("--loop") + 1] == expected
+    monkeypatch.setenv("GRANIAN_LOOP", "asyncio")
+    cmd = serving.ServingModel(host="127.0.0.1", port=8000, processes=1, threads=2).command("python")
+    assert cmd[cmd.index("--loop") + 1] == "asyncio"
+
+
 def test_the_entry_points_import_with_the_standard_library_alone():
     # `python3 -m zeromem` runs before any dependency is installed: -S leaves site-packages out.
     done = subprocess.run(
@@ -332,6 +344,9 @@ def test_serve_answers_healthz_and_tool_calls_from_postgresql(served):
     read = {"name": "memory_read", "arguments": {"key": "fact:serve:1"}}
     status, body = _request(server.port, "POST", "/api/v1/tools/call", key=raw, body=read)
     assert (status, json.loads(body)["value"]) == (200, {"t": "hi"})
+    # On uvloop's event loop (zeromem/serving.py event_loop): its extension is loaded in the worker.
+    (worker,) = server.worker_pids()
+    assert "uvloop/loop." in Path(f"/proc/{worker}/maps").read_text()
 
 
 @pytest.mark.postgres

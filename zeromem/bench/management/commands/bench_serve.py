@@ -80,6 +80,8 @@ DJANGO_MODES = {
     "bridge-nolane": ("asgi", "wsgi"),
     # the same with every write under the row lock (ZEROMEM_WRITE_WITHOUT_LOCK=false: session 22's write)
     "bridge-locked": ("asgi", "wsgi"),
+    # the same on asyncio's event loop instead of uvloop's (GRANIAN_LOOP=asyncio: zeromem/serving.py event_loop)
+    "bridge-asyncio": ("asgi", "wsgi"),
     "a2wsgi": ("asgi", "a2wsgi"),  # the ASGI router; Django's WSGI app through a2wsgi's responder
     "asgi": ("asgi", "asgi"),  # the ASGI router; Django's ASGIHandler
     "granian-wsgi": ("wsgi", None),  # Django alone, granian WSGI (no /mcp): the floor
@@ -92,6 +94,8 @@ def server_env(mode: str, django_mode: str | None) -> dict | None:
         env["ZEROMEM_TOOL_LANE"] = "false"
     if mode == "bridge-locked":
         env["ZEROMEM_WRITE_WITHOUT_LOCK"] = "false"
+    if mode == "bridge-asyncio":
+        env["GRANIAN_LOOP"] = "asyncio"
     return env or None
 
 
