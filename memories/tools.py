@@ -381,6 +381,10 @@ TOOLS: dict[str, Tool] = {
 # Tools whose cost grows with the tenant's data: each call takes a tenant slot (every surface
 # that runs tool calls: the tool endpoint, MCP).
 EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
+# Tools whose first statement is a read the key's rate counter can ride with, sent as one
+# statement (audit.limits.hit_riding; memories.services: memory_read's SELECT, memory_write's
+# read of the memory it writes over): the tool endpoint's lane and MCP charge them so.
+RIDING_TOOLS = frozenset({"memory_read", "memory_write"})
 
 
 def tool_schemas(fmt: str, *, strict: bool = True) -> list[dict]:

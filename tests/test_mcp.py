@@ -36,7 +36,7 @@ from audit.models import AuditEvent
 from audit.services import audit_auth_failures_flush, audit_refusals_flush
 from memories import services, tools
 from memories.mcp.server import META_BYTES, META_TOKENS, transport_security
-from memories.models import TokenUsageDay
+from memories.models import Memory, TokenUsageDay
 from tests.factories import SYSTEM, make_key, make_tenant
 from zeromem.bench.server import free_port, start_server, stop_server
 from zeromem.kernel import validation
@@ -448,6 +448,33 @@ def test_initialize_tools_list_and_ping_are_charged_to_the_keys_rate_limit(serve
         ("tool.call", "mcp", 1, "rate_limited"),
         ("tool.call", "mcp", 1, "rate_limited"),
     ]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_reads_and_writes_whose_counter_rides_are_refused_over_the_limit_through_the_sdk(server_limited):
+    """memory_read/memory_write send the key's counter with their first read (run_call): an SDK
+    client's session (initialize + notifications/initialized: 2 of the 4 units) gets two
+    answers, then the rate_limited tool error with nothing written, and the refusal counted."""
+    tenant = make_tenant("mcp-riding")
+    _key, raw = make_key(tenant)
+    _wait_for_a_minutes_start()
+
+    async def session(client):
+        calls = [("memory_write", {"key": "fact:r:1", "value": "a"}), ("memory_read", {"key": "fact:r:1"})]
+        calls += [("memory_write", {"key": "fact:r:1", "value": "b"}), ("memory_read", {"key": "fact:r:1"})]
+        return [(await client.call_tool(name, arguments)).structured_content for name, arguments in calls]
+
+    results = over_http(server_limited, raw, session)
+    assert [r["status"] for r in results] == ["ok", "ok", "error", "error"]
+    assert results[1]["value"] == "a"
+    assert {r["error"]["code"] for r in results[2:]} == {"rate_limited"}
+    assert Memory.objects.get(tenant=tenant, key="fact:r:1").version == 1  # the refused write wrote nothing
+    reads = AuditEvent.objects.filter(tenant=tenant, surface="mcp", action__in=["memory.read", "memory.write"])
+    assert sorted(reads.values_list("action", "outcome")) == [("memory.read", "ok"), ("memory.write", "ok")]
+    assert audit_refusals_flush(now=time.time() + 120) >= 1
+    refusals = AuditEvent.objects.filter(tenant=tenant, outcome=AuditEvent.Outcome.INVALID, action="tool.call")
+    assert [(e.count, e.detail["code"]) for e in refusals] == [(2, "rate_limited")]
 
 
 @pytest.mark.postgres

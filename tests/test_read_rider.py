@@ -13,8 +13,11 @@ from django.test.utils import CaptureQueriesContext
 from audit import limits
 from audit.models import AuditEvent, RateCounter
 from audit.services import audit_refusals_flush
+from memories import tools
 from memories.api import lane
-from memories.services import usage
+from memories.mcp import server as mcp_server
+from memories.models import Memory
+from memories.services import api_keys, usage
 from tests.factories import make_key, write
 from tests.helpers import RoundTrips
 from tests.test_tool_lane import DJANGO, LANE, call
@@ -185,6 +188,66 @@ def test_a_rest_read_refused_before_its_select_is_counted_as_before(
     assert rest(raw)[0] == "404 Not Found"
     assert [rest(raw, path=bad)[0], rest(raw, query="a=1&a=2")[0]] == ["429 Too Many Requests"] * 2
     assert invalid.count() == 2 and _count(key) == 5
+
+
+# --- MCP: tools/call memory_read / memory_write (memories.mcp.server.run_call) ------------
+
+
+def _mcp_actor(key):
+    return api_keys.key_actor(key, surface="mcp", request_id="rider", client_ip="127.0.0.1")
+
+
+@on_postgres
+@pytest.mark.parametrize("riding, trips", [(True, 2), (False, 3)])
+def test_an_mcp_read_is_two_round_trips(transactional_db, tenant_a, riding, trips, monkeypatch):
+    """What MCP's tools/call runs in its thread (``run_call``): the counter with the SELECT,
+    then the audit INSERT — three with the counter taken first, as MCP took it before."""
+    if not riding:
+        monkeypatch.setattr(tools, "RIDING_TOOLS", frozenset())
+    key, _raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    actor = _mcp_actor(key)
+    for name in ("user:u1:lang", "user:u1:none"):  # statements prepared
+        mcp_server.run_call(key, actor, "memory_read", {"key": name})
+    mcp_server.run_call(key, actor, "memory_write", {"key": "user:u1:lang", "value": "de"})
+    counted = _count(key)
+    with RoundTrips() as sent:
+        result = mcp_server.run_call(key, actor, "memory_read", {"key": "user:u1:lang"})
+    assert result["status"] == "ok" and result["value"] == "de"
+    assert sent.count == trips, [" ".join(p[2:])[:100] for p in sent.sent]
+    with RoundTrips() as sent:
+        result = mcp_server.run_call(key, actor, "memory_write", {"key": "user:u1:lang", "value": "fr"})
+    assert result["status"] == "ok" and result["version"] == 3
+    assert sent.count == trips
+    assert _count(key) == counted + 2
+    events = AuditEvent.objects.filter(tenant=tenant_a, surface="mcp").values_list("action", "outcome")
+    expected = [("memory.read", "ok")] * 2 + [("memory.read", "not_found")] + [("memory.write", "ok")] * 2
+    assert sorted(events) == sorted(expected)
+
+
+@on_postgres
+def test_over_the_limit_an_mcp_read_or_write_is_refused_before_anything_is_written(
+    transactional_db, tenant_a, settings, limiter_minute
+):
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    key, _raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    actor = _mcp_actor(key)
+    results = [mcp_server.run_call(key, actor, "memory_read", {"key": "user:u1:lang"}) for _ in range(3)]
+    assert [r["status"] for r in results] == ["ok", "ok", "error"]
+    assert results[2]["error"]["code"] == "rate_limited" and results[2]["error"]["retry_after"] >= 1
+    refused = mcp_server.run_call(key, actor, "memory_write", {"key": "user:u1:lang", "value": "fr"})
+    assert refused["error"]["code"] == "rate_limited"
+    # A refused argument (NaN) is counted too, and past the limit refused with no event of its own.
+    nan = mcp_server.run_call(key, actor, "memory_write", {"key": "user:u1:lang", "value": float("nan")})
+    assert nan["error"]["code"] == "rate_limited"
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:lang").version == 1  # nothing written
+    assert _reads(tenant_a) == 2 and _count(key) == 5
+    assert not AuditEvent.objects.filter(tenant=tenant_a, surface="mcp", action="memory.write").exists()
+    assert not AuditEvent.objects.filter(tenant=tenant_a, detail__code="malformed_json").exists()
+    audit_refusals_flush(now=limiter_minute + 120)
+    refusals = AuditEvent.objects.filter(tenant=tenant_a, action="tool.call", outcome="invalid")
+    assert [(e.count, e.detail["code"], e.surface) for e in refusals] == [(3, "rate_limited", "mcp")]
 
 
 # --- hotsql.riding itself -----------------------------------------------------------------

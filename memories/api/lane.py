@@ -66,9 +66,8 @@ from zeromem.renderers import CompactJSONRenderer
 # The route's answers carry this (DRF's default response headers for a view allowing POST).
 ALLOW = "POST, OPTIONS"
 ACTION = "tool.call"
-# The tools whose first statement is a read the rate counter can ride with (memories.services:
-# memory_read's SELECT; memory_write's read of the memory it writes over).
-RIDING_TOOLS = frozenset({"memory_read", "memory_write"})
+# The tools whose first statement is a read the rate counter can ride with.
+RIDING_TOOLS = tools.RIDING_TOOLS
 _JSON = "application/json"
 _ACCEPTED = (None, "*/*", _JSON)
 # Other Accept headers, as DRF's content negotiation answered them (bounded: clients send few).

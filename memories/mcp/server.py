@@ -191,32 +191,21 @@ def _refused(key: ApiKey, actor: Actor, exc: InvalidInput) -> dict:
 
 def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
     """One tool call as ``POST /api/v1/tools/call`` runs it: the key's rate limit (one unit),
-    a tenant slot for the expensive tools, then the registry's service call."""
+    a tenant slot for the expensive tools, then the registry's service call. For a
+    ``memory_read`` or ``memory_write`` (``tools.RIDING_TOOLS``) the unit goes to the database
+    with the call's first read, as on the tool endpoint's lane: over the limit, refused the
+    same way before anything is answered, written or audited."""
     try:
+        if name in tools.RIDING_TOOLS:
+            try:
+                with api_keys.rate_limit_riding(key):
+                    return _charged_call(key, actor, name, arguments)
+            except limits.OverLimit as over:
+                return _rate_limited_result(_refused_over(key, actor, over.hit.retry_after, action="tool.call"))
         retry_after = charge(key, actor, action="tool.call")
         if retry_after is not None:
-            return _error("rate_limited", "Request was throttled.", retry_after=retry_after)
-        if (where := non_finite_field(arguments)) is not None:  # refused, charged all the same
-            message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
-            return _refused(key, actor, InvalidInput(message, field=where, code="malformed_json"))
-        if (where := validation.lone_surrogate_path({"arguments": arguments})) is not None:
-            # The 2026-07-28 path parses with Python's json, which reads "\ud800" (the 2025
-            # path's parser refuses it): refused as REST's parser refuses it, naming where.
-            message = "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored"
-            return _refused(key, actor, InvalidInput(message, field=where, code="invalid_characters"))
-        tenant = key.tenant
-        if name not in tools.EXPENSIVE_TOOLS:
-            return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
-        holder = f"tenant:{tenant.pk}"
-        token = slot_wait(holder)
-        if token is None:
-            exc = TenantBusy("this tenant already runs its limit of expensive requests; retry", retry_after=1)
-            audit_refusal(tenant=tenant, actor=actor, action="tool.call", target="", error=exc)
-            return {"status": "error", "error": exc.as_dict()}
-        try:
-            return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
-        finally:
-            limits.slot_release(holder, token)
+            return _rate_limited_result(retry_after)
+        return _charged_call(key, actor, name, arguments)
     except DatabaseError:
         return _error("database_unavailable", "the database is unavailable; retry shortly", retry_after=2)
     except Exception:
@@ -224,6 +213,36 @@ def run_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
         # REST keeps behind a generic 500). Logged here, and a generic tool error there.
         logger.exception("mcp: tool call %s failed", name)
         return _error("internal_error", "this call failed on the server")
+
+
+def _rate_limited_result(retry_after: int) -> dict:
+    return _error("rate_limited", "Request was throttled.", retry_after=retry_after)
+
+
+def _charged_call(key: ApiKey, actor: Actor, name: str, arguments: dict) -> dict:
+    """:func:`run_call` once its unit is taken (or riding): the arguments MCP's parser lets
+    through and REST's does not, refused; the tenant slot of an expensive tool; the call."""
+    if (where := non_finite_field(arguments)) is not None:  # refused, charged all the same
+        message = "is not valid JSON (NaN, Infinity and numbers past a double's range such as 1e400)"
+        return _refused(key, actor, InvalidInput(message, field=where, code="malformed_json"))
+    if (where := validation.lone_surrogate_path({"arguments": arguments})) is not None:
+        # The 2026-07-28 path parses with Python's json, which reads "\ud800" (the 2025
+        # path's parser refuses it): refused as REST's parser refuses it, naming where.
+        message = "must be valid Unicode: a lone surrogate (half of a UTF-16 pair) cannot be stored"
+        return _refused(key, actor, InvalidInput(message, field=where, code="invalid_characters"))
+    tenant = key.tenant
+    if name not in tools.EXPENSIVE_TOOLS:
+        return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
+    holder = f"tenant:{tenant.pk}"
+    token = slot_wait(holder)
+    if token is None:
+        exc = TenantBusy("this tenant already runs its limit of expensive requests; retry", retry_after=1)
+        audit_refusal(tenant=tenant, actor=actor, action="tool.call", target="", error=exc)
+        return {"status": "error", "error": exc.as_dict()}
+    try:
+        return tools.tool_call(tenant=tenant, actor=actor, call={"name": name, "arguments": arguments}).result
+    finally:
+        limits.slot_release(holder, token)
 
 
 def non_finite_field(arguments: dict) -> str | None:
@@ -280,6 +299,12 @@ def charge(key: ApiKey, actor: Actor, *, action: str, target: str = "") -> int |
     wait = api_keys.rate_limit_take(key)
     if wait is None:
         return None
+    return _refused_over(key, actor, wait, action=action, target=target)
+
+
+def _refused_over(key: ApiKey, actor: Actor, wait: float, *, action: str, target: str = "") -> int:
+    """A refusal over the key's rate limit, counted (one event per source and minute): the
+    Retry-After in whole seconds."""
     retry_after = max(1, int(wait + 0.999))
     limited = TenantBusy("Request was throttled.", code="rate_limited", retry_after=retry_after)
     audit_refusal(tenant=key.tenant, actor=actor, action=action, target=target, error=limited)
