@@ -89,8 +89,7 @@ def test_over_the_limit_a_read_is_refused_before_it_is_answered_or_audited(
     assert _count(key) == 6  # each refused call counted, as with the counter sent first
     audit_refusals_flush(now=limiter_minute + 120)
     refusals = AuditEvent.objects.filter(tenant=tenant_a, action="tool.call", outcome="invalid")
-    # (a refused HEAD is tallied as "api.request", as before: the route audits GET as memory.read)
-    assert sum(e.count for e in refusals if e.detail["code"] == "rate_limited") == 3
+    assert [(e.count, e.detail["code"]) for e in refusals] == [(3, "rate_limited")]
 
 
 @on_postgres
@@ -188,6 +187,25 @@ def test_a_rest_read_refused_before_its_select_is_counted_as_before(
     assert rest(raw)[0] == "404 Not Found"
     assert [rest(raw, path=bad)[0], rest(raw, query="a=1&a=2")[0]] == ["429 Too Many Requests"] * 2
     assert invalid.count() == 2 and _count(key) == 5
+
+
+@on_postgres
+@pytest.mark.parametrize("riding", [True, False])
+def test_too_many_query_parameters_on_a_rest_read_is_charged_as_before(
+    transactional_db, tenant_a, settings, limiter_minute, riding, monkeypatch
+):
+    """A GET with more query parameters than Django parses (400 too_many_fields, raised as the
+    throttle asks whether the counter may ride) is charged by the throttle at once, as before:
+    past the limit a 429, not a 400 and an audit event each (found by review)."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    if not riding:
+        monkeypatch.setattr(RidingRateLimit, "rate_limit_rides", lambda self, request, api_key: False)
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    many = "&".join(f"p{i}=1" for i in range(settings.DATA_UPLOAD_MAX_NUMBER_FIELDS + 1))
+    statuses = [rest(raw, query=many)[0] for _ in range(5)]
+    invalid = AuditEvent.objects.filter(tenant=tenant_a, outcome="invalid", detail__code="too_many_fields").count()
+    assert (statuses, _count(key), invalid) == (["400 Bad Request"] * 2 + ["429 Too Many Requests"] * 3, 5, 2)
 
 
 # --- MCP: tools/call memory_read / memory_write (memories.mcp.server.run_call) ------------

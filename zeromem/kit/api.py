@@ -247,7 +247,12 @@ class RidingRateLimit:
     _riding_key: ApiKey | None = None
 
     def rate_limit_rides(self, request, api_key: ApiKey) -> bool:
-        if request.method not in ("GET", "HEAD") or repeated_parameter(request) is not None:
+        if request.method not in ("GET", "HEAD"):
+            return False
+        try:
+            if repeated_parameter(request) is not None:
+                return False
+        except TooManyFieldsSent:  # refused after the throttle (TenantAPIView.initial): charged at once
             return False
         self._riding_key = api_key
         return True
