@@ -382,9 +382,10 @@ TOOLS: dict[str, Tool] = {
 # that runs tool calls: the tool endpoint, MCP).
 EXPENSIVE_TOOLS = frozenset({"memory_search", "memory_recall"})
 # Tools whose first statement is a read the key's rate counter can ride with, sent as one
-# statement (audit.limits.hit_riding; memories.services: memory_read's SELECT, memory_write's
-# read of the memory it writes over): the tool endpoint's lane and MCP charge them so.
-RIDING_TOOLS = frozenset({"memory_read", "memory_write"})
+# statement (audit.limits.hit_riding; memories.services: memory_read's SELECT, the read of the
+# memory memory_write writes over and memory_update updates): the tool endpoint's lane and MCP
+# charge them so.
+RIDING_TOOLS = frozenset({"memory_read", "memory_write", "memory_update"})
 
 
 def tool_schemas(fmt: str, *, strict: bool = True) -> list[dict]:

@@ -312,3 +312,220 @@ def test_a_write_over_a_live_memory_with_a_save_receiver_goes_through_save(model
         post_save.disconnect(receiver, sender=model)
     assert (result.memory.version, result.memory.value, saved, locked) == (2, "v2", [2], [1])
     assert _history(tenant) == (2, [(1, "v1"), (2, "v2")])
+
+
+# --- memory_update (If-Match, expected_version, tool memory_update) ---------------------------
+
+
+def _update(tenant, **kwargs):
+    return services.memory_update(tenant=tenant, actor=SYSTEM, key=KEY, **kwargs)
+
+
+def _updates(tenant, outcome="ok"):
+    return list(
+        AuditEvent.objects.filter(tenant=tenant, action="memory.update", outcome=outcome)
+        .order_by("id")
+        .values_list("version", flat=True)
+    )
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("without_lock", [True, False])
+def test_outside_a_transaction_an_update_of_a_live_memory_is_two_round_trips(settings, without_lock):
+    """The memory read, then its UPDATE with its version row and event as one statement; with
+    ZEROMEM_WRITE_WITHOUT_LOCK off, the transaction of before (BEGIN, the locking read, the
+    UPDATE, the read back, the search fields, the version row, the event, COMMIT)."""
+    settings.ZEROMEM_WRITE_WITHOUT_LOCK = without_lock
+    tenant = make_tenant("updated")
+    write(tenant, KEY, "zh-CN", ttl_seconds=600)
+    _update(tenant, value="en", expected_version=1, tags=["t"], ttl_seconds=600)  # statements prepared
+    with RoundTrips() as sent:
+        result = _update(tenant, value="de", expected_version=2, tags=["t", "u"], ttl_seconds=600)
+    if without_lock:
+        assert sent.count == 2, [" ".join(p[2:])[:80] for p in sent.sent]
+    else:
+        assert sent.count == 8, [" ".join(p[2:])[:80] for p in sent.sent]
+    assert (result.memory.version, result.memory.value, result.memory.tags) == (3, "de", ["t", "u"])
+    assert _history(tenant) == (3, [(1, "zh-CN"), (2, "en"), (3, "de")])
+    stored = Memory.objects.get(tenant=tenant, key=KEY, deleted_at__isnull=True)
+    assert (stored.value, stored.tags, stored.version, stored.updated_at) == (
+        "de",
+        ["t", "u"],
+        3,
+        result.memory.updated_at,
+    )
+    assert stored.expires_at == result.memory.expires_at and stored.expires_at is not None
+    assert _updates(tenant) == [2, 3]
+    assert list(stored.versions.order_by("version").values_list("op", flat=True)) == ["write", "update", "update"]
+    # Searchable by its new value and tag, no longer by the old value.
+    hits = services.memory_search(tenant=tenant, actor=SYSTEM, query="de u")
+    assert [h.memory.key for h in hits] == [KEY]
+    assert services.memory_search(tenant=tenant, actor=SYSTEM, query="en") == []
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_an_update_refused_on_what_was_read_is_answered_under_the_lock_as_before():
+    """A stale expected_version is a conflict naming the current version; an ETag that does not
+    match is 412; no memory is not_found — each audited as before, nothing written."""
+    from zeromem.kernel.errors import Conflict, NotFound
+
+    tenant = make_tenant("refused")
+    memory = write(tenant, KEY, "v1")
+    _update(tenant, value="v2")
+    with pytest.raises(Conflict) as conflict:
+        _update(tenant, value="mine", expected_version=1)
+    assert conflict.value.extra["current_version"] == 2
+    with pytest.raises(PreconditionFailed):
+        _update(tenant, value="mine", if_match=(memory.pk, 1))
+    assert _update(tenant, value="v3", if_match=frozenset({(memory.pk, 1), (memory.pk, 2)})).memory.version == 3
+    with pytest.raises(NotFound):
+        services.memory_update(tenant=tenant, actor=SYSTEM, key="user:u1:none", value="x")
+    assert _history(tenant) == (3, [(1, "v1"), (2, "v2"), (3, "v3")])
+    assert _updates(tenant) == [2, 3] and _updates(tenant, "conflict") == [2]
+    assert _updates(tenant, "precondition_failed") == [None] and _updates(tenant, "not_found") == [None]
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("expected", [None, 1])
+def test_a_row_changed_between_the_read_and_the_update_is_updated_under_the_lock(monkeypatch, expected):
+    """Another writer got in after the read: the one statement writes nothing, and the update
+    is done again under the row lock over what is there now — on top of it without a version
+    to match; a conflict with the version it read when it had one."""
+    from memories import selectors
+    from memories.services import memories as memory_service
+    from zeromem.kernel.errors import Conflict
+
+    tenant = make_tenant("raced-update")
+    write(tenant, KEY, "v1")
+    read, cut_in = selectors.memory_get_live, []
+
+    def read_then_cut_in(**kwargs):
+        current = read(**kwargs)
+        if not cut_in:
+            cut_in.append(current.version)
+            failures: list = []
+            start_thread(lambda: _write(tenant, "theirs"), failures).join(20)
+            assert not failures, failures
+        return current
+
+    monkeypatch.setattr(memory_service.selectors, "memory_get_live", read_then_cut_in)
+    if expected is None:
+        assert _update(tenant, value="mine").memory.version == 3
+        assert _history(tenant) == (3, [(1, "v1"), (2, "theirs"), (3, "mine")])
+        assert _updates(tenant) == [3]
+    else:
+        with pytest.raises(Conflict) as conflict:
+            _update(tenant, value="mine", expected_version=expected)
+        assert conflict.value.extra["current_version"] == 2
+        assert _history(tenant) == (2, [(1, "v1"), (2, "theirs")])
+        assert _updates(tenant) == [] and _updates(tenant, "conflict") == [2]
+    assert cut_in == [1]
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_updates_lose_nothing_and_one_expected_version_wins_once():
+    """Four threads update one key 25 times each: versions 2-101, each with its event. Then
+    four threads each try versions 101-120 by expected_version: each version is won once."""
+    tenant = make_tenant("crowd-update")
+    write(tenant, KEY, "start")
+    failures: list = []
+    threads = [
+        start_thread(lambda n=n: [_update(tenant, value=f"u{n}-{i}") for i in range(25)], failures) for n in range(4)
+    ]
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    version, history = _history(tenant)
+    assert version == 101 and [v for v, _value in history] == list(range(1, 102))
+    assert sorted(_updates(tenant)) == list(range(2, 102))
+    won: list = []
+
+    def race(n):
+        from zeromem.kernel.errors import Conflict
+
+        for expected in range(101, 121):
+            try:
+                _update(tenant, value=f"r{n}-{expected}", expected_version=expected)
+                won.append(expected)
+            except Conflict:
+                pass
+
+    threads = [start_thread(lambda n=n: race(n), failures) for n in range(4)]
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    version, history = _history(tenant)
+    assert sorted(won) == list(range(101, version)) and len(set(won)) == len(won)
+    assert [v for v, _value in history] == list(range(1, version + 1))
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_an_update_of_a_sensitive_memory_stays_sealed_and_one_turning_sensitive_seals_its_history():
+    tenant = make_tenant("sealed-update")
+    write(tenant, KEY, "secret one", sensitive=True)
+    assert _update(tenant, value="secret two", subject="u7").memory.value == "secret two"
+    _update(tenant, tags=["kept"])
+    write(tenant, "user:u1:other", "plain one")
+    turned = services.memory_update(
+        tenant=tenant, actor=SYSTEM, key="user:u1:other", value="now secret", sensitive=True
+    )
+    assert turned.memory.sensitive
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT value::text FROM memories_memory WHERE tenant_id = %s", [tenant.pk])
+        rows = [r[0] for r in cursor.fetchall()]
+        cursor.execute("SELECT value::text FROM memories_memoryversion WHERE tenant_id = %s", [tenant.pk])
+        rows += [r[0] for r in cursor.fetchall()]
+    assert len(rows) == 7 and not any("secret" in v or "plain" in v for v in rows)
+    memory = Memory.objects.get(tenant=tenant, key=KEY, deleted_at__isnull=True)
+    assert (memory.value, memory.subject, memory.tags, memory.version) == ("secret two", "u7", ["kept"], 3)
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("op", ["update", "write"])
+@pytest.mark.parametrize("without_lock", [False, True])
+def test_a_sensitive_memory_moved_to_a_subject_racing_its_forget_is_erased_by_it(
+    monkeypatch, settings, op, without_lock
+):
+    """An update (PUT with If-Match) or a write giving a sensitive memory to another subject
+    seals its value under that subject's key. Only in a transaction does that seal hold the
+    subject's lock (keyring._subject_lock), for which a forget's shred waits: a forget of u7 run
+    between the seal and the statement would otherwise complete, then the memory land about u7
+    (its version row readable, sealed under a key made after the shred). Such a move takes the
+    locked path (found by review): the forget waits, then erases it."""
+    from memories import keyring
+    from memories.services import forget
+
+    settings.ZEROMEM_WRITE_WITHOUT_LOCK = without_lock
+    monkeypatch.setattr(forget, "async_task", lambda *args, **kwargs: None)  # run below
+    tenant = make_tenant(f"shred-race-{op}")
+    memory = write(tenant, "note:contact", "old number", sensitive=True, subject="u1")
+    request = services.forget_request_create(tenant=tenant, actor=SYSTEM, subject="u7")
+    sealed, forgotten, failures = threading.Event(), threading.Event(), []
+    seal = keyring.seal_value
+
+    def seal_then_let_the_forget_run(value, **kwargs):
+        envelope = seal(value, **kwargs)
+        if kwargs.get("subject") == "u7" and not sealed.is_set():
+            sealed.set()
+            start_thread(lambda: forget.forget_request_execute(request_id=request.pk), failures, done=forgotten)
+            wait_for_a_lock_waiter("the forget", alive=lambda: not forgotten.is_set())
+        return envelope
+
+    monkeypatch.setattr(keyring, "seal_value", seal_then_let_the_forget_run)
+    if op == "update":
+        _update_kwargs = {"value": "new number", "subject": "u7", "if_match": (memory.pk, 1)}
+        services.memory_update(tenant=tenant, actor=SYSTEM, key="note:contact", **_update_kwargs)
+    else:
+        services.memory_write(tenant=tenant, actor=SYSTEM, key="note:contact", value="new number", subject="u7")
+    assert sealed.is_set() and forgotten.wait(30)
+    assert not failures, failures
+    request.refresh_from_db()
+    assert request.status == "completed"
+    assert not Memory.objects.filter(tenant=tenant, subject="u7").exists()
+    assert not MemoryVersion.objects.filter(tenant=tenant, subject="u7").exists()

@@ -93,6 +93,42 @@ def test_over_the_limit_a_read_is_refused_before_it_is_answered_or_audited(
 
 
 @on_postgres
+def test_a_laned_update_is_two_round_trips_and_refused_over_the_limit_before_it_writes(
+    transactional_db, tenant_a, settings, limiter_minute
+):
+    """memory_update (expected_version): the counter rides with the memory's read, then the
+    UPDATE, its version row and its event as one statement; past the limit, nothing written."""
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+
+    def update(version, value):
+        return call(
+            LANE,
+            raw,
+            {
+                "name": "memory_update",
+                "arguments": {"key": "user:u1:lang", "value": value, "expected_version": version},
+            },
+        )
+
+    assert update(1, "en")[0] == "200 OK"  # Django's: the key verified, then cached
+    assert update(2, "de")[0] == "200 OK"  # the lane's: its statements prepared
+    with RoundTrips() as sent:
+        status, _headers, content = update(3, "fr")
+    assert status == "200 OK" and b'"version":4' in content
+    assert sent.count == 2, [" ".join(p[2:])[:100] for p in sent.sent]
+    status, _headers, content = update(3, "it")
+    assert status == "200 OK" and b'"status":"conflict"' in content and b'"current_version":4' in content
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = _count(key)
+    assert update(4, "es")[0] == "429 Too Many Requests"
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:lang").version == 4
+    updates = AuditEvent.objects.filter(tenant=tenant_a, action="memory.update").values_list("outcome", flat=True)
+    assert sorted(updates) == ["conflict", "ok", "ok", "ok"]
+    usage.flush()
+
+
+@on_postgres
 def test_bad_input_is_counted_and_refused_as_before(transactional_db, tenant_a, settings, limiter_minute):
     """A read refused before it selects anything (a bad key) sends the counter alone, first:
     counted, and past the limit a 429 with no event of the bad input."""
