@@ -8,6 +8,10 @@
 - ``one_by_one`` (``ZEROMEM_WRITE_ONE_STATEMENT`` off): under the row lock, each statement sent
   on its own.
 
+Each way also times ``memory_update`` with ``expected_version`` (the tool ``memory_update``,
+REST ``PATCH``): ``as_read`` updates the memory as read (two statements), the others in the
+transaction of before (the locked path).
+
 In this process, ``DEBUG`` off (statements unwatched, as in production), on a throw-away
 tenant: the ways alternate in turns (``--rounds`` × ``--calls`` writes each, the order rotated
 every round), so a machine whose load drifts weighs on all alike. Per way:
@@ -67,7 +71,7 @@ def _round_trips(call) -> int:
 
 
 class Command(BaseCommand):
-    help = "A write over an existing memory: one statement vs one by one (wall, CPU, round trips)."
+    help = "A write and an update of an existing memory: as read, locked, one by one (wall, CPU, round trips)."
 
     def add_arguments(self, parser):
         parser.add_argument("--rounds", type=int, default=3, help="turns of each way (%(default)s)")
@@ -104,7 +108,31 @@ class Command(BaseCommand):
         def healthz():
             assert client.get("/healthz").status_code == 200
 
-        samples = {way: {"service": [], "cpu": [], "tool": [], "healthz": [], "trips": []} for way in WAYS}
+        version = [0]
+
+        def update():
+            n[0] += 1
+            r = services.memory_update(
+                tenant=tenant, actor=system, key=KEY, value=f"update {n[0]} in a few words", expected_version=version[0]
+            )
+            version[0] = r.memory.version
+
+        def current_version():
+            version[0] = services.memory_read(tenant=tenant, actor=system, key=KEY).memory.version
+
+        samples = {
+            way: {
+                "service": [],
+                "cpu": [],
+                "tool": [],
+                "healthz": [],
+                "trips": [],
+                "update": [],
+                "update_cpu": [],
+                "update_trips": [],
+            }
+            for way in WAYS
+        }
         load_before = loadavg()
         original = settings.ZEROMEM_WRITE_ONE_STATEMENT, settings.ZEROMEM_WRITE_WITHOUT_LOCK
         try:
@@ -113,6 +141,9 @@ class Command(BaseCommand):
                 settings.ZEROMEM_WRITE_ONE_STATEMENT, settings.ZEROMEM_WRITE_WITHOUT_LOCK = ways
                 for _ in range(50):
                     service(), tool(), healthz()
+                current_version()
+                for _ in range(50):
+                    update()
             ways = list(WAYS)
             for r in range(rounds):
                 for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
@@ -132,6 +163,14 @@ class Command(BaseCommand):
                         t = time.perf_counter_ns()
                         healthz()
                         s["healthz"].append((time.perf_counter_ns() - t) / 1e6)
+                    current_version()
+                    s["update_trips"].append(_round_trips(update))
+                    cpu = time.process_time()
+                    for _ in range(calls):
+                        t = time.perf_counter_ns()
+                        update()
+                        s["update"].append((time.perf_counter_ns() - t) / 1e6)
+                    s["update_cpu"].append((time.process_time() - cpu) / calls * 1e3)
         finally:
             settings.ZEROMEM_WRITE_ONE_STATEMENT, settings.ZEROMEM_WRITE_WITHOUT_LOCK = original
             services.api_key_revoke(tenant=tenant, actor=system, key_id=key.pk)
@@ -146,6 +185,10 @@ class Command(BaseCommand):
                 "tool_write_p50_ms": round(_p(s["tool"], 0.5), 3),
                 "healthz_p50_ms": round(_p(s["healthz"], 0.5), 3),
                 "tool_write_over_healthz": round(_p(s["tool"], 0.5) / _p(s["healthz"], 0.5), 2),
+                "round_trips_per_update": sorted(set(s["update_trips"])),
+                "update_wall_p50_ms": round(_p(s["update"], 0.5), 3),
+                "update_wall_p95_ms": round(_p(s["update"], 0.95), 3),
+                "update_cpu_ms_per_call": round(statistics.median(s["update_cpu"]), 3),
             }
         if driver:
             report["driver_ms_p50_and_cpu"] = _driver(rounds, calls)
