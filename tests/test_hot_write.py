@@ -529,3 +529,25 @@ def test_a_sensitive_memory_moved_to_a_subject_racing_its_forget_is_erased_by_it
     assert request.status == "completed"
     assert not Memory.objects.filter(tenant=tenant, subject="u7").exists()
     assert not MemoryVersion.objects.filter(tenant=tenant, subject="u7").exists()
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_bench_write_reports_each_way_with_its_round_trips(settings):
+    """``manage.py bench_write`` (tiny): the write and the update as read are two round trips,
+    locked four and eight."""
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 1_000_000
+    out = StringIO()
+    call_command("bench_write", "--rounds", "1", "--calls", "2", stdout=out)
+    report = json.loads(out.getvalue())
+    trips = {
+        way: (report[way]["round_trips_per_write"], report[way]["round_trips_per_update"])
+        for way in ("as_read", "locked")
+    }
+    assert trips == {"as_read": ([2], [2]), "locked": ([4], [8])}
+    assert report["as_read"]["update_wall_p50_ms"] > 0
