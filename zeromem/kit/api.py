@@ -363,6 +363,13 @@ class AuditedAPIView(TenantAPIView):
     # true``); the answer is stored as it leaves.
 
     audit_actions: dict[str, str] = {}
+
+    def audit_action(self, method: str) -> str:
+        """The action a refusal of this view's ``method`` is recorded as: a ``HEAD`` as its
+        ``GET`` (Django answers HEAD with the GET handler, whose service records that action)."""
+        if method == "HEAD" and "HEAD" not in self.audit_actions:
+            method = "GET"
+        return self.audit_actions.get(method, "api.request")
     _idempotency_claim: int | None = None
     # Set by a view whose answer is made of parts, some of which met a transient failure (a
     # batch's calls): kept to be resumed by a retry, or not kept at all if none got through.
@@ -395,7 +402,7 @@ class AuditedAPIView(TenantAPIView):
                 outcome=Outcome.OK,
                 target=target if isinstance(target, str) else "",
                 detail={
-                    "action": self.audit_actions.get(request.method, "api.request"),
+                    "action": self.audit_action(request.method),
                     "status": outcome.status,
                     "claimed_at": outcome.created_at.isoformat(),
                 },
@@ -467,7 +474,7 @@ class AuditedAPIView(TenantAPIView):
             audit_refusal(
                 tenant=self.tenant,
                 actor=self.actor,
-                action=self.audit_actions.get(self.request.method, "api.request"),
+                action=self.audit_action(self.request.method),
                 target=key if isinstance(key, str) else "",
                 error=exc,
                 code=code,
