@@ -370,6 +370,7 @@ class AuditedAPIView(TenantAPIView):
         if method == "HEAD" and "HEAD" not in self.audit_actions:
             method = "GET"
         return self.audit_actions.get(method, "api.request")
+
     _idempotency_claim: int | None = None
     # Set by a view whose answer is made of parts, some of which met a transient failure (a
     # batch's calls): kept to be resumed by a retry, or not kept at all if none got through.
