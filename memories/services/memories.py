@@ -624,39 +624,27 @@ def memory_update(
             )
 
         now = timezone.now()
+        asked = {
+            "tenant": tenant,
+            "actor": actor,
+            "op": op,
+            "key": key,
+            "changes": changes,
+            "value": value,
+            "sensitive": sensitive,
+            "subject": subject,
+            "ttl": ttl,
+            "expected": expected,
+            "if_match": if_match,
+            "now": now,
+        }
         if settings.ZEROMEM_WRITE_WITHOUT_LOCK and hotsql.alone_in_one_statement(Memory, MemoryVersion):
-            updated = _update_as_read(
-                tenant=tenant,
-                actor=actor,
-                op=op,
-                key=key,
-                changes=changes,
-                value=value,
-                sensitive=sensitive,
-                subject=subject,
-                expires_at=now + ttl if ttl is not None else None,
-                expected=expected,
-                if_match=if_match,
-                now=now,
-            )
+            updated = _update_as_read(**asked)
             if updated is not None:
                 return updated
         hotsql.send_rider()  # the rate counter (a tool call), before the transaction
         with transaction.atomic():
-            return _update_locked(
-                tenant=tenant,
-                actor=actor,
-                op=op,
-                key=key,
-                changes=changes,
-                value=value,
-                sensitive=sensitive,
-                subject=subject,
-                ttl=ttl,
-                expected=expected,
-                if_match=if_match,
-                now=now,
-            )
+            return _update_locked(**asked)
 
 
 def _update_locked(
@@ -707,7 +695,7 @@ def _update_locked(
 
 
 def _update_as_read(
-    *, tenant, actor, op, key, changes: dict, value, sensitive, subject, expires_at, expected, if_match, now
+    *, tenant, actor, op, key, changes: dict, value, sensitive, subject, ttl, expected, if_match, now
 ) -> MemoryResult | None:
     """:func:`memory_update` of a live memory without a transaction or a row lock, as
     :func:`_write_over_as_read` writes over one: the memory read (the rate counter rides with
@@ -742,8 +730,8 @@ def _update_as_read(
         fields.update(value=value, sensitive=secret)
         if subject is not None:
             fields["subject"] = subject
-    if expires_at is not None:
-        fields["expires_at"] = expires_at
+    if ttl is not None:
+        fields["expires_at"] = now + ttl
     if "value" in fields or "tags" in fields:
         secret = fields.get("sensitive", current.sensitive)
         plain = fields.get("value", current.value)
