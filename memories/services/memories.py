@@ -273,30 +273,50 @@ def _write_over_as_read(
     current = selectors.memory_get_live(tenant=tenant, key=key)
     if current is None:
         return None
-    # The re-encryption job seals a row (its sensitive flag) without a new version: a write
-    # over it must see that, or it stores its value in plaintext (sensitivity.decide).
-    as_read = (
-        ("version", current.version),
-        ("expires_at", current.expires_at),
-        ("deleted_at", None),
-        ("sensitive", current.sensitive),
-    )
+    as_read = _as_read(current)
     read_subject = current.subject
     written, turned = _replacing(current, tenant=tenant, key=key, fields=fields, sensitive=sensitive)
     if turned or (current.sensitive and current.subject != read_subject):
         # Sealed under another subject's key: only a transaction holds that subject's lock
         # (keyring._subject_lock) against a forget shredding the key before this lands.
         return None
+    sent = _sent_as_read(
+        current, written, as_read, op=op, actor=actor, now=now, kind=MemoryVersion.Op.WRITE, detail={"created": False}
+    )
+    if not sent:
+        return None
+    return MemoryResult(status="ok", key=key, memory=current, created=False)
+
+
+def _as_read(memory: Memory) -> tuple:
+    """What a row read without a lock must still hold for an UPDATE over it (hotsql.update
+    ``as_read``): its version, its expiry, not trashed, and its sensitive flag — the
+    re-encryption job seals a row without a new version, and a write over it must see that, or
+    it stores its value in plaintext (sensitivity.decide)."""
+    return (
+        ("version", memory.version),
+        ("expires_at", memory.expires_at),
+        ("deleted_at", None),
+        ("sensitive", memory.sensitive),
+    )
+
+
+def _sent_as_read(
+    memory: Memory, names, as_read: tuple, *, op, actor: Actor, now, kind: str, detail: dict | None = None
+) -> bool:
+    """``memory``'s UPDATE of ``names`` (and its version) while the row is still ``as_read``,
+    its version row and the operation's event, as one statement: True once written; False,
+    nothing written and the event taken back, when the row changed since it was read."""
     try:
         with hotsql.holding():
-            hotsql.update(current, [*written, "version"], as_read=as_read)
-            _record_version(current, MemoryVersion.Op.WRITE, actor, now)
-            op.record(subject=current.subject, version=current.version, detail={"created": False})
+            hotsql.update(memory, [*names, "version"], as_read=as_read)
+            _record_version(memory, kind, actor, now)
+            op.record(subject=memory.subject, version=memory.version, detail=detail)
             op.write_now()  # the audit INSERT, carrying the UPDATE and the version row
     except hotsql.RowChanged:
         op.unrecord()
-        return None
-    return MemoryResult(status="ok", key=key, memory=current, created=False)
+        return False
+    return True
 
 
 def _replacing(
@@ -712,12 +732,7 @@ def _update_as_read(
         return None
     if if_match is not None and if_match != "*" and (current.pk, current.version) not in _etag_pairs(if_match):
         return None
-    as_read = (
-        ("version", current.version),
-        ("expires_at", current.expires_at),
-        ("deleted_at", None),
-        ("sensitive", current.sensitive),
-    )
+    as_read = _as_read(current)
     fields = {**changes, "updated_at": now}
     if value is not _UNSET:
         secret = sensitivity.decide(tenant, key=key, value=value, given=sensitive, current=current.sensitive)
@@ -740,14 +755,7 @@ def _update_as_read(
     for name, given in fields.items():
         setattr(current, name, given)
     current.version += 1
-    try:
-        with hotsql.holding():
-            hotsql.update(current, [*fields, "version"], as_read=as_read)
-            _record_version(current, MemoryVersion.Op.UPDATE, actor, now)
-            op.record(subject=current.subject, version=current.version)
-            op.write_now()  # the audit INSERT, carrying the UPDATE and the version row
-    except hotsql.RowChanged:
-        op.unrecord()
+    if not _sent_as_read(current, fields, as_read, op=op, actor=actor, now=now, kind=MemoryVersion.Op.UPDATE):
         return None
     return MemoryResult(status="ok", key=key, memory=current)
 
