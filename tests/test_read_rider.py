@@ -16,7 +16,7 @@ from audit.services import audit_refusals_flush
 from memories import tools
 from memories.api import lane
 from memories.mcp import server as mcp_server
-from memories.models import Memory
+from memories.models import IdempotencyRecord, Memory
 from memories.services import api_keys, usage
 from tests.factories import make_key, write
 from tests.helpers import RoundTrips
@@ -243,6 +243,138 @@ def test_too_many_query_parameters_on_a_rest_read_is_charged_as_before(
     statuses = [rest(raw, query=many)[0] for _ in range(5)]
     invalid = AuditEvent.objects.filter(tenant=tenant_a, outcome="invalid", detail__code="too_many_fields").count()
     assert (statuses, _count(key), invalid) == (["400 Bad Request"] * 2 + ["429 Too Many Requests"] * 3, 5, 2)
+
+
+# --- REST: PUT / PATCH /api/v1/memories/<key> (the write reads the memory first) -----------
+
+
+def rest_write(raw, body, *, method="PUT", path=MEMORY, headers=None):
+    return call(DJANGO, raw, body, method=method, path=path, headers=headers)
+
+
+def _not_riding(monkeypatch):
+    monkeypatch.setattr(RidingRateLimit, "rate_limit_rides", lambda self, request, api_key: False)
+
+
+def _etag(raw) -> str:
+    return dict(rest(raw)[1])["ETag"]
+
+
+@on_postgres
+@pytest.mark.parametrize("riding, trips", [(True, 2), (False, 3)])
+def test_a_rest_write_or_update_is_two_round_trips(transactional_db, tenant_a, riding, trips, monkeypatch, settings):
+    """A PUT over a live memory, a PATCH and a PUT with If-Match: the counter with the
+    memory's SELECT, then the UPDATE, its version row and its event as one statement —
+    three with the throttle taking the counter first."""
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
+    if not riding:
+        _not_riding(monkeypatch)
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    for value in ("en", "de"):  # the key verified, the statements prepared
+        assert rest_write(raw, {"value": value})[0] == "200 OK"
+        assert rest_write(raw, {"tags": [value]}, method="PATCH")[0] == "200 OK"
+    asked = [
+        ({"value": "fr"}, "PUT", None, 6),
+        ({"value": "it", "expected_version": 6}, "PATCH", None, 7),
+        ({"tags": ["x"]}, "PATCH", None, 8),
+        ({"value": "es"}, "PUT", "etag", 9),
+    ]
+    for body, method, if_match, version in asked:
+        headers = {"HTTP_IF_MATCH": _etag(raw)} if if_match else None
+        counted = _count(key)
+        with RoundTrips() as sent:
+            status, headers, content = rest_write(raw, body, method=method, headers=headers)
+        assert status == "200 OK" and f'"version":{version}'.encode() in content, content
+        assert sent.count == trips, (method, [" ".join(p[2:])[:100] for p in sent.sent])
+        assert _count(key) == counted + 1
+    # A new memory is written in a transaction, after the SELECT that found none took the counter.
+    counted = _count(key)
+    assert rest_write(raw, {"value": "nl"}, path="/api/v1/memories/user:u1:new")[0] == "201 Created"
+    assert _count(key) == counted + 1
+    memory = Memory.objects.get(tenant=tenant_a, key="user:u1:lang")
+    assert (memory.version, memory.value, memory.tags) == (9, "es", ["x"])
+    assert AuditEvent.objects.filter(tenant=tenant_a, action__in=["memory.write", "memory.update"]).count() == 10
+    usage.flush()
+
+
+@on_postgres
+@pytest.mark.parametrize("method, action", [("PUT", "memory.write"), ("PATCH", "memory.update")])
+@pytest.mark.parametrize("riding", [True, False])
+def test_over_the_limit_a_rest_write_is_refused_before_it_writes_as_the_throttle_refuses_it(
+    transactional_db, tenant_a, settings, limiter_minute, method, action, riding, monkeypatch
+):
+    """The same answers, counts and tallied refusal whether the counter rides or the
+    throttle takes it first, and nothing written past the limit: over a live memory, on a new
+    key (the locked path) and with a bad body (refused inside the handler's block)."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 3
+    if not riding:
+        _not_riding(monkeypatch)
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    statuses = [rest_write(raw, {"value": f"v{i}"}, method=method)[0] for i in range(5)]
+    assert statuses == ["200 OK"] * 3 + ["429 Too Many Requests"] * 2
+    status, headers, content = rest_write(raw, {"value": "late"}, method=method)
+    assert status == "429 Too Many Requests" and b'"code":"rate_limited"' in content
+    assert int(dict(headers)["Retry-After"]) >= 1
+    assert rest_write(raw, {"value": "new"}, method=method, path="/api/v1/memories/user:u1:new")[0] == (
+        "429 Too Many Requests"
+    )
+    assert rest_write(raw, b"{not json", method=method)[0] == "429 Too Many Requests"
+    assert rest_write(raw, {"value": "x", "nope": 1}, method=method)[0] == "429 Too Many Requests"
+    memory = Memory.objects.get(tenant=tenant_a, key="user:u1:lang")
+    assert (memory.version, memory.value) == (4, "v2")
+    assert not Memory.objects.filter(tenant=tenant_a, key="user:u1:new").exists()
+    assert AuditEvent.objects.filter(tenant=tenant_a, action=action, outcome="ok", actor_kind="api_key").count() == 3
+    assert _count(key) == 9
+    audit_refusals_flush(now=limiter_minute + 120)
+    refusals = AuditEvent.objects.filter(tenant=tenant_a, outcome="invalid")
+    assert [(e.action, e.count, e.detail["code"]) for e in refusals] == [(action, 6, "rate_limited")]
+
+
+@on_postgres
+@pytest.mark.parametrize("method", ["PUT", "PATCH"])
+def test_a_rest_write_with_a_bad_body_is_charged_and_refused_as_before(
+    transactional_db, tenant_a, settings, limiter_minute, method
+):
+    """A body refused before the write reads anything (malformed JSON, an unknown field, a
+    bad precondition) sends the counter alone as the handler's block ends: counted, refused
+    with its 400 or 412 and audited, and past the limit a 429 with no event of it."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 4
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    status, _headers, content = rest_write(raw, b"{not json", method=method)
+    assert status == "400 Bad Request"
+    status, _headers, content = rest_write(raw, {"value": "x", "nope": 1}, method=method)
+    assert status == "400 Bad Request" and b'"field":"nope"' in content
+    status, _headers, content = rest_write(raw, {"value": "x"}, method=method, headers={"HTTP_IF_MATCH": '"bad"'})
+    assert status == "412 Precondition Failed"
+    assert _count(key) == 3
+    refused = AuditEvent.objects.filter(tenant=tenant_a).exclude(outcome="ok")
+    assert refused.count() == 3
+    assert rest_write(raw, {"value": "en"}, method=method)[0] == "200 OK"
+    assert rest_write(raw, {"value": "x", "nope": 1}, method=method)[0] == "429 Too Many Requests"
+    assert refused.count() == 3 and _count(key) == 5
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:lang").value == "en"
+
+
+@on_postgres
+def test_a_rest_write_with_an_idempotency_key_is_charged_before_its_claim(
+    transactional_db, tenant_a, settings, limiter_minute
+):
+    """An Idempotency-Key's claim is a write made before the handler: such a request is charged
+    by the throttle first, as before, and past the limit claims nothing."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    once = {"HTTP_IDEMPOTENCY_KEY": "k-1"}
+    assert rest_write(raw, {"value": "en"}, headers=once)[0] == "200 OK"
+    replay = rest_write(raw, {"value": "en"}, headers=once)
+    assert replay[0] == "200 OK" and dict(replay[1])["Idempotent-Replayed"] == "true"
+    assert rest_write(raw, {"value": "de"}, headers={"HTTP_IDEMPOTENCY_KEY": "k-2"})[0] == "429 Too Many Requests"
+    assert not IdempotencyRecord.objects.filter(tenant=tenant_a, key="k-2").exists()
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:lang").value == "en"
+    assert _count(key) == 3
 
 
 # --- MCP: tools/call memory_read / memory_write (memories.mcp.server.run_call) ------------

@@ -253,6 +253,8 @@ class MemoryListView(AuditedAPIView):
 
 class MemoryDetailView(RidingRateLimit, AuditedAPIView):
     audit_actions = {"GET": "memory.read", "PUT": "memory.write", "PATCH": "memory.update", "DELETE": "memory.delete"}
+    # DELETE locks the row first (a transaction): its counter is taken before, by the throttle.
+    riding_methods = frozenset({"GET", "HEAD", "PUT", "PATCH"})
 
     @extend_schema(
         operation_id="memories_read",
@@ -283,13 +285,14 @@ class MemoryDetailView(RidingRateLimit, AuditedAPIView):
         },
     )
     def put(self, request, key):
-        data = _validated(s.MemoryPutSerializer, request.data)
-        create_only = _if_none_match(request, on_put=True)
-        if_match = _if_match(request)
-        if if_match is not None:
-            r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=if_match, **data)
-            return _memory_response(r.memory)
-        r = services.memory_write(tenant=self.tenant, actor=self.actor, key=key, create_only=create_only, **data)
+        with self.rate_limit_riding():  # the rate counter goes with the write's first SELECT
+            data = _validated(s.MemoryPutSerializer, request.data)
+            create_only = _if_none_match(request, on_put=True)
+            if_match = _if_match(request)
+            if if_match is not None:
+                r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=if_match, **data)
+                return _memory_response(r.memory)
+            r = services.memory_write(tenant=self.tenant, actor=self.actor, key=key, create_only=create_only, **data)
         return _memory_response(r.memory, status.HTTP_201_CREATED if r.created else status.HTTP_200_OK)
 
     @extend_schema(
@@ -306,11 +309,13 @@ class MemoryDetailView(RidingRateLimit, AuditedAPIView):
         },
     )
     def patch(self, request, key):
-        data = _validated(s.MemoryPatchSerializer, request.data)
-        _if_none_match(request, on_put=False)
-        if "value" not in data:
-            data["value"] = services._UNSET
-        r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=_if_match(request), **data)
+        with self.rate_limit_riding():  # the rate counter goes with the update's first SELECT
+            data = _validated(s.MemoryPatchSerializer, request.data)
+            _if_none_match(request, on_put=False)
+            if "value" not in data:
+                data["value"] = services._UNSET
+            if_match = _if_match(request)
+            r = services.memory_update(tenant=self.tenant, actor=self.actor, key=key, if_match=if_match, **data)
         return _memory_response(r.memory)
 
     @extend_schema(

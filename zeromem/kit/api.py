@@ -233,22 +233,30 @@ class TenantAPIView(APIView):
 
 
 class RidingRateLimit:
-    """A view whose GET (and HEAD) is one read that begins with a ``SELECT`` (a memory's
-    ``GET /api/v1/memories/<key>``): its unit of the key's rate limit is not taken by
-    :class:`memories.api.auth.ApiKeyRateThrottle` before the view, but goes to the database with that SELECT as
-    one statement (:func:`memories.services.api_keys.rate_limit_riding`, as the tool-call
-    lane's ``memory_read`` does): a REST read is two round trips, not three. Nothing else runs
-    between the throttle and the handler (DRF's ``initial`` ends with the throttles; a repeated
-    query parameter, refused after them, is charged at once as before). Past the limit the
-    read is refused as the throttle refuses it — 429 ``rate_limited`` with Retry-After, counted
-    in the tenant's log by ``handle_exception`` — before it is answered or audited. The handler
-    wraps its service call in :meth:`rate_limit_riding`."""
+    """A view whose methods in ``riding_methods`` each begin their database work with a
+    ``SELECT`` (a memory's ``GET``/``HEAD``, and its ``PUT``/``PATCH``, whose write reads the
+    memory first: ``memories.services.memory_write``/``memory_update`` without a lock): the unit
+    of the key's rate limit is not taken by :class:`memories.api.auth.ApiKeyRateThrottle` before
+    the view, but goes to the database with that SELECT as one statement
+    (:func:`memories.services.api_keys.rate_limit_riding`, as the tool-call lane's
+    ``memory_read``/``memory_write``/``memory_update`` do): a REST read, write or update is two
+    round trips, not three. Nothing else runs between the throttle and the handler (DRF's
+    ``initial`` ends with the throttles; a repeated query parameter, refused after them, and a
+    write's ``Idempotency-Key`` claim, made after them, are charged at once as before). A
+    write's body is parsed and checked inside the handler's block: a bad one is charged (the
+    counter sent alone as the block ends) and refused as before. Past the limit the request is
+    refused as the throttle refuses it — 429 ``rate_limited`` with Retry-After, counted in the
+    tenant's log by ``handle_exception`` — before it is answered, written or audited. The
+    handler runs all its work inside :meth:`rate_limit_riding`."""
 
+    riding_methods = frozenset({"GET", "HEAD"})
     _riding_key: ApiKey | None = None
 
     def rate_limit_rides(self, request, api_key: ApiKey) -> bool:
-        if request.method not in ("GET", "HEAD"):
+        if request.method not in self.riding_methods:
             return False
+        if request.META.get(_IDEMPOTENCY_META) is not None and request.method in IDEMPOTENT_METHODS:
+            return False  # its claim (a write) is made before the handler: charged first
         try:
             if repeated_parameter(request) is not None:
                 return False
