@@ -23,7 +23,7 @@ from audit.services import audited_operation
 from memories import services
 from memories.models import Memory, Tenant
 from memories.services import idempotency, summaries
-from zeromem.kernel import tracing, validation
+from zeromem.kernel import hotsql, tracing, validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import Conflict, Erased, InvalidInput, NotFound, ServiceError
 from zeromem.kernel.outcomes import Outcome
@@ -551,10 +551,15 @@ def _resolve(name: str, arguments: dict) -> tuple[Tool, dict]:
 
 
 def called_tool(call):
-    """The tool a call names (OpenAI's ``function.name`` or a plain ``name``), unchecked."""
+    """The tool a call names, unchecked: the one :func:`tool_call` runs — OpenAI's
+    ``function.name`` when the call has a ``function``, else its plain ``name``. (A call with
+    both, naming a cheap tool in ``name`` and a search in ``function``, took no tenant slot
+    and let any tool run with the rate counter held for a read: found by review.)"""
     data = call if isinstance(call, dict) else {}
-    function = data.get("function") if isinstance(data.get("function"), dict) else {}
-    return data.get("name") or function.get("name")
+    if "function" in data:
+        function = data["function"]
+        return function.get("name") if isinstance(function, dict) else None
+    return data.get("name")
 
 
 class ToolAnswer(NamedTuple):
@@ -579,6 +584,10 @@ def tool_call(*, tenant: Tenant, actor: Actor, call: Any) -> ToolAnswer:
             # Parsing reads and writes nothing (a refusal's event is written after): no transaction.
             with audited_operation(tenant=tenant, actor=actor, action="tool.call", atomic=False, traced=False):
                 tool, arguments = _resolve(*_parse(call))
+            if tool.name not in RIDING_TOOLS:
+                # The caller held the rate counter for a read this tool may not begin with: it
+                # goes now, alone, before the tool's statements (past the limit: OverLimit).
+                hotsql.send_rider()
             traced.rename(f"tool {tool.name}", tool=tool.name)
             answer = ToolAnswer(_run(tool, tenant, actor, arguments), 200)
         except ServiceError as exc:

@@ -7,7 +7,7 @@ they saw with the counter sent first: the same count, the same 429 before anythi
 or audited, the same refusal of bad input."""
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
 from audit import limits
@@ -142,6 +142,48 @@ def test_bad_input_is_counted_and_refused_as_before(transactional_db, tenant_a, 
     assert call(LANE, raw, bad)[0] == "429 Too Many Requests"
     assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.read", outcome="invalid").count() == 1
     assert _count(key) == 3
+
+
+@on_postgres
+@pytest.mark.parametrize("app", ["lane", "django"])
+def test_a_call_naming_a_cheap_tool_but_running_an_expensive_one_takes_a_tenant_slot(
+    transactional_db, tenant_a, settings, app
+):
+    """The tool a call runs is the one its slot and its rider are decided by: with both a
+    ``name`` and a ``function``, the ``function``'s (found by review: a search ran slot-free)."""
+    settings.ZEROMEM_TENANT_MAX_CONCURRENT = 0  # every slot taken
+    settings.ZEROMEM_TENANT_BUSY_WAIT_SECONDS = 0
+    _key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    target = LANE if app == "lane" else DJANGO
+    call(DJANGO, raw, READ)  # the key verified, then cached
+    assert call(target, raw, {"name": "memory_search", "arguments": {"query": "lang"}})[0] == "429 Too Many Requests"
+    disguised = {"name": "memory_read", "function": {"name": "memory_search", "arguments": {"query": "lang"}}}
+    status, _headers, content = call(target, raw, disguised)
+    assert status == "429 Too Many Requests" and b'"code":"tenant_busy"' in content, (status, content)
+
+
+@on_postgres
+def test_a_call_naming_a_read_but_running_a_delete_is_charged_before_it_and_writes_nothing_past_the_limit(
+    transactional_db, tenant_a, settings, limiter_minute
+):
+    """Found by review: the delete ran with the counter held for a read, inside its
+    transaction — past the limit its refusal rolled the counter back with it (not counted)."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    assert [call(LANE, raw, READ)[0] for _ in range(2)] == ["200 OK"] * 2
+    disguised = {"name": "memory_read", "function": {"name": "memory_delete", "arguments": {"key": "user:u1:lang"}}}
+    status, _headers, content = call(LANE, raw, disguised)
+    assert status == "429 Too Many Requests", content
+    assert Memory.objects.filter(tenant=tenant_a, key="user:u1:lang", deleted_at__isnull=True).exists()
+    assert _count(key) == 3
+    # Under the limit it runs as the delete it is, charged once.
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10
+    status, _headers, content = call(LANE, raw, disguised)
+    assert status == "200 OK" and b'"status":"ok"' in content
+    assert not Memory.objects.filter(tenant=tenant_a, key="user:u1:lang", deleted_at__isnull=True).exists()
+    assert _count(key) == 4
 
 
 # --- REST: GET /api/v1/memories/<key> (memories.api.auth.RidingRateLimit) ----------------
@@ -375,6 +417,60 @@ def test_a_rest_write_with_an_idempotency_key_is_charged_before_its_claim(
     assert not IdempotencyRecord.objects.filter(tenant=tenant_a, key="k-2").exists()
     assert Memory.objects.get(tenant=tenant_a, key="user:u1:lang").value == "en"
     assert _count(key) == 3
+
+
+@on_postgres
+@pytest.mark.parametrize("method", ["PUT", "PATCH"])
+@pytest.mark.parametrize("riding", [True, False])
+def test_a_rest_write_whose_select_fails_is_charged_as_before(
+    transactional_db, tenant_a, settings, limiter_minute, monkeypatch, method, riding
+):
+    """The memory's SELECT fails (cancelled by statement_timeout, say): the counter's UPSERT
+    went down with it, and is taken alone then — the 503 charged as with the throttle first
+    (found by review: riding, it was not charged)."""
+    if not riding:
+        _not_riding(monkeypatch)
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    assert rest_write(raw, {"value": "en"}, method=method)[0] == "200 OK"
+    counted = _count(key)
+    send = hotsql._send
+
+    def failing(sql, params, fetch, db=None):
+        if '"memories_memory"' in sql and sql.startswith(("SELECT ", "WITH zm_rider ")):
+            raise OperationalError("canceling statement due to statement timeout")
+        return send(sql, params, fetch, db)
+
+    monkeypatch.setattr(hotsql, "_send", failing)
+    status = rest_write(raw, {"value": "de"}, method=method)[0]
+    monkeypatch.setattr(hotsql, "_send", send)
+    assert status == "503 Service Unavailable"
+    assert _count(key) == counted + 1
+    assert Memory.objects.get(tenant=tenant_a, key="user:u1:lang").value == "en"
+
+
+@on_postgres
+def test_a_large_rest_write_is_charged_before_its_body_is_parsed(transactional_db, tenant_a, settings, limiter_minute):
+    """Past the limit a body is not parsed for nothing: one over ``riding_body_max`` is charged
+    by the throttle first (refused before parsing), a small one rides."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 1
+    key, raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    large = {"value": "x" * (RidingRateLimit.riding_body_max + 1)}
+    parsed = []
+    real = RidingRateLimit.rate_limit_riding
+
+    def watched(self):
+        parsed.append(self._riding_key is not None)
+        return real(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RidingRateLimit, "rate_limit_riding", watched)
+        assert rest_write(raw, {"value": "en"})[0] == "200 OK"
+        assert rest_write(raw, large)[0] == "429 Too Many Requests"
+        assert rest_write(raw, {"value": "de"})[0] == "429 Too Many Requests"
+    assert parsed == [True, True]  # the large one never reached its handler
+    assert _count(key) == 3 and Memory.objects.get(tenant=tenant_a, key="user:u1:lang").value == "en"
 
 
 # --- MCP: tools/call memory_read / memory_write (memories.mcp.server.run_call) ------------

@@ -514,7 +514,19 @@ def _send_riding(rider: Rider, sql: str, params: Sequence, db):
             f"WITH zm_rider AS ({own}) SELECT zm_rider.*, zm_read.* FROM zm_rider LEFT JOIN LATERAL "  # nosec B608
             f"(SELECT 1 AS zm_found, zm_select.* FROM ({sql}) AS zm_select) AS zm_read ON true"
         )
-    row = _send(combined, [*rider.params, *params], _first, db)
+    try:
+        row = _send(combined, [*rider.params, *params], _first, db)
+    except DatabaseError:
+        # The counter went down with the read's statement (cancelled, timed out): taken alone
+        # now, as it would have been had it been sent first, if the connection still takes
+        # statements (past the limit ``done`` raises: the caller's 429); else the read's error.
+        try:
+            counted = _send(rider.sql(_own_transaction(db)), rider.params, _first, db)
+        except DatabaseError:
+            counted = None
+        if counted is not None:
+            rider.done(counted)
+        raise
     rider.done(row[: rider.width])
     return None if row[rider.width] is None else row[rider.width + 1 :]
 

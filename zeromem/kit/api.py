@@ -25,6 +25,7 @@ from audit import limits
 from audit.services import audit_record, audit_refusal
 from memories.models import ApiKey, IdempotencyRecord, Tenant
 from memories.services import api_keys, idempotency, usage
+from zeromem.kernel import validation
 from zeromem.kernel.actors import Actor
 from zeromem.kernel.errors import InvalidInput, ServiceError, TenantBusy
 from zeromem.kernel.outcomes import Outcome
@@ -250,6 +251,9 @@ class RidingRateLimit:
     handler runs all its work inside :meth:`rate_limit_riding`."""
 
     riding_methods = frozenset({"GET", "HEAD"})
+    # A body is parsed before its write's SELECT: past the limit, a large one would be parsed
+    # for nothing (the throttle refuses before any parsing). Larger or undeclared: charged first.
+    riding_body_max = 64 * 1024
     _riding_key: ApiKey | None = None
 
     def rate_limit_rides(self, request, api_key: ApiKey) -> bool:
@@ -257,6 +261,8 @@ class RidingRateLimit:
             return False
         if request.META.get(_IDEMPOTENCY_META) is not None and request.method in IDEMPOTENT_METHODS:
             return False  # its claim (a write) is made before the handler: charged first
+        if request.method not in ("GET", "HEAD") and not _declared_within(request, self.riding_body_max):
+            return False
         try:
             if repeated_parameter(request) is not None:
                 return False
@@ -276,6 +282,13 @@ class RidingRateLimit:
                 yield
         except limits.OverLimit as over:
             raise exceptions.Throttled(wait=max(1.0, over.hit.retry_after)) from None
+
+
+def _declared_within(request, limit: int) -> bool:
+    """The request's body is at most ``limit`` bytes by its Content-Length (a chunked one's
+    is set once zeromem.middleware has read it)."""
+    length = validation.ascii_int(request.META.get("CONTENT_LENGTH") or "")
+    return length is not None and length <= limit
 
 
 NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
