@@ -164,6 +164,26 @@ def test_a_call_naming_a_cheap_tool_but_running_an_expensive_one_takes_a_tenant_
 
 
 @on_postgres
+def test_a_tool_that_does_not_ride_sends_a_held_counter_before_it_runs(
+    transactional_db, tenant_a, settings, limiter_minute
+):
+    """Whoever holds the counter for a call, a tool outside RIDING_TOOLS (a delete, which
+    locks its row in a transaction) takes it alone before its first statement: past the
+    limit it stops there, deleting nothing, and the refusal is counted."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 1
+    key, _raw = make_key(tenant_a)
+    write(tenant_a, "user:u1:lang", "zh-CN")
+    actor = api_keys.key_actor(key, surface="tool", request_id="rider", client_ip="127.0.0.1")
+    delete = {"name": "memory_delete", "arguments": {"key": "user:u1:lang"}}
+    assert api_keys.rate_limit_take(key) is None  # the one unit of the minute, spent
+    with api_keys.rate_limit_riding(key):
+        with pytest.raises(limits.OverLimit):
+            tools.tool_call(tenant=tenant_a, actor=actor, call=delete)
+    assert Memory.objects.filter(tenant=tenant_a, key="user:u1:lang", deleted_at__isnull=True).exists()
+    assert _count(key) == 2
+
+
+@on_postgres
 def test_a_call_naming_a_read_but_running_a_delete_is_charged_before_it_and_writes_nothing_past_the_limit(
     transactional_db, tenant_a, settings, limiter_minute
 ):
