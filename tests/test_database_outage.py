@@ -82,9 +82,7 @@ def _terminate_other_backends() -> int:
     params.pop("context", None)
     with psycopg.connect(**params, autocommit=True) as admin:
         rows = admin.execute(
-            # With a timeout it returns once each backend has ended, as a restart's have before
-            # the database accepts connections again (the pool's check: zeromem/dbpool.py).
-            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
         ).fetchall()
     return len(rows)
@@ -92,8 +90,7 @@ def _terminate_other_backends() -> int:
 
 def test_pooled_connections_killed_by_a_database_restart_cost_no_request_an_error(api: KeyedClient):
     """After a restart every idle pooled connection is dead; the pool checks a connection
-    before handing it out (zeromem/dbpool.py: the empty query, or for one checked out a moment
-    ago its socket, where a dead one's end is), so no request gets a dead one (503)."""
+    before handing it out (CONN_HEALTH_CHECKS), so no request gets a dead one (503)."""
     api.call("memory_write", key="fact:restart", value="kept")
     connection.close()  # our connection goes back to the pool, idle
     assert _terminate_other_backends() >= 1

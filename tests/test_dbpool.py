@@ -1,6 +1,7 @@
-"""The pool's check of a connection before it hands it out (zeromem/dbpool.py): no round trip
-for a connection checked out a moment ago whose socket has nothing to read, the empty query
-for any other — and a connection whose backend has ended never handed out."""
+"""The opt-in check of a pooled connection (zeromem/dbpool.py, DB_POOL_CHECK_FRESH_SECONDS):
+no round trip for a connection checked out a moment ago whose socket has nothing to read,
+the empty query for any other, a connection whose backend has exited refused — and by
+default Django's own check (the empty query at every checkout) left in place."""
 
 import tempfile
 
@@ -98,15 +99,20 @@ def test_with_no_fresh_time_every_checkout_sends_the_empty_query(db, clock):
             assert len(sent.messages) == 1
 
 
-def test_the_pool_checks_with_it_unless_checks_are_off(db, settings):
+def test_by_default_the_pool_keeps_djangos_check_and_with_a_fresh_time_takes_this_one(db, settings):
+    """Off by default (a silent failover or a backend just terminated would cost requests
+    503s: zeromem/dbpool.py); DB_CONN_HEALTH_CHECKS=false (no check) is left alone."""
     connection.ensure_connection()
-    assert isinstance(connection.pool._check, FreshCheck)
-    assert connection.pool._check.fresh_seconds == settings.ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS
-    # DB_CONN_HEALTH_CHECKS=false (no check) and DB_POOL_CHECK_FRESH_SECONDS=0 (Django's own) stay.
-    unchecked = ConnectionPool("", open=False, check=None)
-    fresh_check_installed(sender=None, connection=type("W", (), {"pool": unchecked})())
-    assert unchecked._check is None
-    settings.ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS = 0
-    django_own = ConnectionPool("", open=False, check=ConnectionPool.check_connection)
-    fresh_check_installed(sender=None, connection=type("W", (), {"pool": django_own})())
-    assert django_own._check is ConnectionPool.check_connection
+    assert settings.ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS == 0
+    assert connection.pool._check is ConnectionPool.check_connection
+
+    def installed(check):
+        pool = ConnectionPool("", open=False, check=check)
+        fresh_check_installed(sender=None, connection=type("Wrapper", (), {"pool": pool})())
+        return pool._check
+
+    assert installed(ConnectionPool.check_connection) is ConnectionPool.check_connection
+    settings.ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS = 1.5
+    check = installed(ConnectionPool.check_connection)
+    assert isinstance(check, FreshCheck) and check.fresh_seconds == 1.5
+    assert installed(None) is None

@@ -169,12 +169,12 @@ if env.str("DATABASE_URL", default=""):
         # thread, so CONN_MAX_AGE would open a connection per request; the pool hands out
         # warm ones there too (set DB_POOL_MAX_SIZE to the concurrency you allow).
         DATABASES["default"]["CONN_MAX_AGE"] = 0
-        # The pool checks a connection before handing it out: after a database restart its
-        # idle connections are dead, and without the check each would cost one request a 503
-        # (tests/test_database_outage.py). Not with an empty query at every checkout (a round
-        # trip per request): one checked out within DB_POOL_CHECK_FRESH_SECONDS whose socket
-        # has nothing to read (a dead one's has: its backend's last words, its end) goes
-        # without one (zeromem/dbpool.py; 0: the empty query every time).
+        # The pool checks a connection before handing it out (an empty query): after a
+        # database restart its idle connections are dead, and without the check each would
+        # cost one request a 503 (tests/test_database_outage.py). It is a round trip per
+        # request; DB_POOL_CHECK_FRESH_SECONDS > 0 skips it for a connection just used whose
+        # socket has nothing to read, at the price of 503s after a silent failover or a
+        # backend just terminated (zeromem/dbpool.py: off by default).
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env.int("DB_POOL_MIN_SIZE", default=2),
@@ -668,7 +668,7 @@ _numbers = {name: globals()[name] for name in _LEAST}
 _numbers |= {"Q_WORKERS": Q_CLUSTER["workers"], "Q_TIMEOUT": Q_CLUSTER["timeout"], "Q_RETRY": Q_CLUSTER["retry"]}
 _numbers["Q_MAX_ATTEMPTS"] = Q_CLUSTER["max_attempts"]
 _LEAST |= {"Q_WORKERS": 1, "Q_TIMEOUT": 1, "Q_RETRY": 1, "Q_MAX_ATTEMPTS": 0}
-ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS = env.float("DB_POOL_CHECK_FRESH_SECONDS", default=1.0)
+ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS = env.float("DB_POOL_CHECK_FRESH_SECONDS", default=0.0)
 if "pool" in DATABASES["default"].get("OPTIONS", {}):
     _pool = DATABASES["default"]["OPTIONS"]["pool"]
     _numbers["DB_POOL_CHECK_FRESH_SECONDS"] = ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS
