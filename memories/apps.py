@@ -32,12 +32,16 @@ class MemoriesConfig(AppConfig):
 
         register(_master_keys_open_data_keys, Tags.database)
 
-        # The connection pool's check without a round trip for a connection just used.
-        from django.db.backends.signals import connection_created
+        # The connection pool's check without a round trip for a connection just used, when
+        # asked for (DB_POOL_CHECK_FRESH_SECONDS): otherwise no receiver runs at each checkout.
+        from django.conf import settings
 
-        from zeromem.dbpool import fresh_check_installed
+        if settings.ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS > 0:
+            from django.db.backends.signals import connection_created
 
-        connection_created.connect(fresh_check_installed, dispatch_uid="zeromem.dbpool")
+            from zeromem.dbpool import fresh_check_installed
+
+            connection_created.connect(fresh_check_installed, dispatch_uid="zeromem.dbpool")
 
         # Traces (ZEROMEM_TRACING): django-q2 workers set up tracing when they start and run
         # each task in a span. Off: nothing is connected.
