@@ -1,18 +1,28 @@
-"""The opt-in check of a pooled connection (zeromem/dbpool.py, DB_POOL_CHECK_FRESH_SECONDS):
-no round trip for a connection checked out a moment ago whose socket has nothing to read,
-the empty query for any other, a connection whose backend has exited refused — and by
-default Django's own check (the empty query at every checkout) left in place."""
+"""The checks of a pooled connection (zeromem/dbpool.py). A read first in a request is its
+connection's check (DB_POOL_READ_CHECKS): no empty query before it, and on a dead connection it
+runs again on a checked one. The opt-in DB_POOL_CHECK_FRESH_SECONDS: no round trip for a
+connection checked out a moment ago whose socket has nothing to read, the empty query for any
+other, a connection whose backend has exited refused — and by default Django's own check (the
+empty query at every checkout) left in place for everything but such a read."""
 
+import json
 import tempfile
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import DataError, connection
+from django.db.backends.signals import connection_created
+from django.test import Client
 from psycopg import pq
 from psycopg_pool import ConnectionPool
 
+from audit.models import AuditEvent
+from tests.conftest import _audit_tables_may_be_flushed
+from tests.factories import make_key
+from tests.test_tool_lane import LANE, call
 from zeromem import dbpool
-from zeromem.dbpool import FreshCheck, fresh_check_installed
+from zeromem.dbpool import FreshCheck, SkippableCheck, fresh_check_installed
+from zeromem.kernel import hotsql
 
 pytestmark = [pytest.mark.postgres, pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's pool")]
 
@@ -104,7 +114,8 @@ def test_by_default_the_pool_keeps_djangos_check_and_with_a_fresh_time_takes_thi
     503s: zeromem/dbpool.py); DB_CONN_HEALTH_CHECKS=false (no check) is left alone."""
     connection.ensure_connection()
     assert settings.ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS == 0
-    assert connection.pool._check is ConnectionPool.check_connection
+    check = connection.pool._check  # a read may have put SkippableCheck around it
+    assert (check.check if isinstance(check, SkippableCheck) else check) is ConnectionPool.check_connection
 
     def installed(check):
         pool = ConnectionPool("", open=False, check=check)
@@ -116,3 +127,146 @@ def test_by_default_the_pool_keeps_djangos_check_and_with_a_fresh_time_takes_thi
     check = installed(ConnectionPool.check_connection)
     assert isinstance(check, FreshCheck) and check.fresh_seconds == 1.5
     assert installed(None) is None
+    skippable = installed(SkippableCheck(ConnectionPool.check_connection))  # a read went first
+    assert isinstance(skippable, SkippableCheck) and isinstance(skippable.check, FreshCheck)
+
+
+# --- A read as its connection's check (DB_POOL_READ_CHECKS, on by default) -------------------
+
+
+class _Checks:
+    """Counts the pool's own checks (the empty query) that run, under SkippableCheck."""
+
+    def __init__(self):
+        assert dbpool.read_checks(connection)  # puts SkippableCheck around the pool's check
+        self.wrapper = connection.pool._check
+        self.inner = self.wrapper.check
+        self.count = 0
+
+        def counted(conn):
+            self.count += 1
+            return self.inner(conn)
+
+        self.wrapper.check = counted
+
+    def restore(self):
+        self.wrapper.check = self.inner
+
+
+@pytest.fixture
+def checks(settings):
+    from memories.services import usage
+
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600  # as in production: no UPSERT after each answer
+    usage.flush()
+    connection.ensure_connection()
+    counted = _Checks()
+    yield counted
+    counted.restore()
+
+
+@pytest.fixture
+def lane_key(tenant_a, settings):
+    """A raw key of tenant A that this process has verified (the lane takes only those)."""
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10_000
+    settings.ZEROMEM_TOOL_LANE = True
+    _key, raw = make_key(tenant_a)
+    written = call(LANE, raw, {"name": "memory_write", "arguments": {"key": "fact:a", "value": "kept"}})
+    assert written[0] == "200 OK"
+    return raw
+
+
+def _read(raw: str, key: str = "fact:a"):
+    """A tool read as served (the lane, memories/api/lane.py), on a connection it checks out."""
+    connection.close()  # the test's requests keep it between them; a served request checks one out
+    status, _headers, content = call(LANE, raw, {"name": "memory_read", "arguments": {"key": key}})
+    return status, json.loads(content)
+
+
+def _terminate_pooled_backends() -> int:
+    """End every other session of the test database, without waiting for them to exit (the
+    signal sent, as ``pg_terminate_backend`` returns): a pooled connection may be handed out
+    before its backend has written a word."""
+    with _own_connection() as admin:
+        return len(
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            ).fetchall()
+        )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_first_in_a_request_is_its_connections_check_and_anything_else_is_checked(lane_key, checks, settings):
+    """As served, a tool read checks its connection out without the empty query (two round
+    trips in all: its SELECT, with the rate counter riding it, and its audit INSERT); /healthz
+    (Django's cursor) and a read with DB_POOL_READ_CHECKS off get the pool's check."""
+    for _ in range(3):
+        status, body = _read(lane_key)
+        assert (status, body["status"], body["value"]) == ("200 OK", "ok", "kept")
+    assert checks.count == 0
+
+    connection.close()
+    assert Client().get("/healthz").status_code == 200
+    assert checks.count == 1
+
+    settings.ZEROMEM_DB_POOL_READ_CHECKS = False
+    assert _read(lane_key)[0] == "200 OK"
+    assert checks.count == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_on_a_connection_that_died_in_the_pool_runs_again_on_a_checked_one(lane_key, checks, tenant_a):
+    """Every pooled connection ended a moment before the read (a restart): each read finds
+    its connection dead with its own statement, goes again on a checked connection, and
+    answers as ever — one audit event each, nothing refused."""
+    for round_ in range(6):
+        before = AuditEvent.objects.filter(tenant=tenant_a, action="memory.read").count()
+        connection.close()  # back to the pool, idle, with the others
+        assert _terminate_pooled_backends() >= 1
+        checked = checks.count
+        # Half the rounds as in production, where nothing runs at checkout: the read is the
+        # first statement the dead connection gets. (The tests' connection_created receiver
+        # sends one of its own, which then finds it dead.)
+        quiet = round_ % 2 == 0
+        if quiet:
+            connection_created.disconnect(_audit_tables_may_be_flushed)
+        try:
+            status, body = _read(lane_key)
+        finally:
+            if quiet:
+                connection_created.connect(_audit_tables_may_be_flushed)
+        assert (status, body["status"], body["value"]) == ("200 OK", "ok", "kept"), (round_, body)
+        assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.read").count() == before + 1
+        assert checks.count > checked  # the read went again on a connection the pool checked
+    # The connections opened without the receiver go: the test's flush needs its setting.
+    connection.close()
+    _terminate_pooled_backends()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_that_fails_on_a_live_connection_is_not_sent_again(checks):
+    """Only a dead connection sends a read again: one that fails on a live connection (here a
+    division by zero; a timeout, a cancel) raises as before, having run once."""
+    with _own_connection() as admin:
+        admin.execute("CREATE SEQUENCE zm_test_read_once")
+        try:
+            connection.close()
+            with pytest.raises(DataError):
+                hotsql.fetchone("SELECT nextval('zm_test_read_once') / 0", [])
+            assert checks.count == 0  # it was the connection's check
+            assert admin.execute("SELECT last_value, is_called FROM zm_test_read_once").fetchone() == (1, True)
+        finally:
+            connection.close()
+            admin.execute("DROP SEQUENCE zm_test_read_once")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_statement_that_locks_or_writes_first_gets_the_pools_check(checks):
+    connection.close()
+    assert hotsql.fetchone("SELECT 1 FOR UPDATE", []) == (1,)
+    assert checks.count == 1
+    connection.close()
+    assert hotsql.execute("UPDATE memories_tenant SET name = name WHERE false", []) == 0
+    assert checks.count == 2

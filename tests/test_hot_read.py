@@ -53,7 +53,7 @@ def test_a_memory_read_while_an_init_receiver_listens_comes_through_from_db(tena
 
 
 def _kept() -> dict:
-    return connections[DEFAULT_DB_ALIAS].__dict__["_zeromem_hotsql_cursors"]
+    return hotsql.kept_cursors(connections[DEFAULT_DB_ALIAS].connection)
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="cursors are kept only for prepared statements")
@@ -92,3 +92,27 @@ def test_a_client_address_is_stored_as_parsed_each_time():
     assert _ip("203.0.113.7") == "203.0.113.7"
     assert _ip("not an address") is None and _ip("not an address") is None
     assert _ip("") is None and _ip(None) is None
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="cursors are kept only for prepared statements")
+@pytest.mark.django_db(transaction=True)  # each read checks a connection out of the pool
+def test_each_pooled_connection_keeps_its_cursors_from_one_checkout_to_the_next(tenant_a, monkeypatch):
+    """The pool hands its idle connections out in turn, so a request rarely gets the one it
+    had last: the cursors are kept on the connection, not the thread's wrapper, and a read
+    makes none once every pooled connection has run its statements (until session 26 each
+    read made two)."""
+    write(tenant_a, KEY, "zh-CN")
+    rounds = 2 * connection.pool.max_size
+    for _ in range(rounds):  # every pooled connection runs the read's statements once
+        connection.close()
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    made = []
+    server_bound = hotsql._server_bound
+    monkeypatch.setattr(hotsql, "_server_bound", lambda conn: made.append(conn) or server_bound(conn))
+    seen = set()
+    for _ in range(rounds):
+        connection.close()
+        assert services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory.value == "zh-CN"
+        seen.add(id(connection.connection))
+    assert len(seen) > 1  # the reads went to several connections
+    assert made == []

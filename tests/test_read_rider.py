@@ -456,10 +456,10 @@ def test_a_rest_write_whose_select_fails_is_charged_as_before(
     counted = _count(key)
     send = hotsql._send
 
-    def failing(sql, params, fetch, db=None):
+    def failing(sql, params, fetch, db=None, **kwargs):
         if '"memories_memory"' in sql and sql.startswith(("SELECT ", "WITH zm_rider ")):
             raise OperationalError("canceling statement due to statement timeout")
-        return send(sql, params, fetch, db)
+        return send(sql, params, fetch, db, **kwargs)
 
     monkeypatch.setattr(hotsql, "_send", failing)
     status = rest_write(raw, {"value": "de"}, method=method)[0]

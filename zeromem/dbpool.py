@@ -1,15 +1,28 @@
-"""An opt-in cheaper check of a pooled connection before it is handed out
-(``DB_POOL_CHECK_FRESH_SECONDS``, off by default).
+"""The check of a pooled connection before it is handed out: a read's first statement as the
+check (``DB_POOL_READ_CHECKS``, on by default), and an opt-in cheaper check for everything
+else (``DB_POOL_CHECK_FRESH_SECONDS``, off by default).
 
-Django's ``CONN_HEALTH_CHECKS`` gives the pool psycopg_pool's own check, an empty query at
-every checkout. A request checks a connection out and returns it, so every request pays a
-round trip for it before its own: through the server an audited read is three round trips
-(the check, the read with the rate counter, the audit INSERT) and ``/healthz`` two; the check
-costs 0.07–0.11 ms of wall time and 0.06–0.08 ms of CPU a request here, more where the
-database is across a network. It is what catches a connection that died while idle in the
-pool, so that no request gets it.
+**A read is its connection's check.** Django's ``CONN_HEALTH_CHECKS`` has the pool send an
+empty query at every checkout, so a read served was three round trips: the check, the read
+(with the rate counter riding it) and the audit INSERT. When a request's first statement is
+a plain read of the hot path (``zeromem.kernel.hotsql``: a ``SELECT`` that locks nothing,
+with or without the rate counter's UPSERT riding it), the connection is checked out without
+the check (:func:`check_skipped`) and the read is sent at once: it is a round trip to the
+server as the empty query is, and it finds out what the check would have. If it fails
+because the connection is dead (:func:`broken`: a backend ended by a restart or
+``pg_terminate_backend``, a server gone, a network reset), the connection goes back to the
+pool, which drops it, and the read is sent again on a connection the pool checks as before.
+Nothing is lost or done twice: a dead connection ran nothing — save the one case where the
+backend committed the statement and died before its answer arrived (the same microseconds
+any request can lose its answer in), where the retry counts the rate counter once more. A
+statement that fails on a live connection (a timeout, a cancel, a constraint) is not sent
+again. Everything else — Django's own cursor (``/healthz``, the ORM, a transaction), a
+write's statements — is checked out with the check, as before.
 
-With ``DB_POOL_CHECK_FRESH_SECONDS`` > 0, :class:`FreshCheck` hands out without that round
+**The opt-in check for the rest.** The empty query costs 0.07–0.11 ms of wall time and
+0.06–0.08 ms of CPU a request here, more where the database is across a network; it is what
+catches a connection that died while idle in the pool, so that no request gets it. With
+``DB_POOL_CHECK_FRESH_SECONDS`` > 0, :class:`FreshCheck` hands out without that round
 trip a connection checked out within that many seconds whose socket has nothing to read
 (a backend that exited has sent its last words and closed the socket); any other gets the
 empty query. That is no check at all for two kinds of dead connection, found by review, each
@@ -29,8 +42,11 @@ of Django's on each pool when a connection of it is made (``connection_created``
 
 from __future__ import annotations
 
+import contextlib
 import select
+import threading
 import time
+from collections.abc import Iterator
 
 from django.conf import settings
 from psycopg import Connection
@@ -78,6 +94,68 @@ def fresh_check_installed(sender, connection, **kwargs) -> None:
     :class:`FreshCheck` instead of Django's empty query at every checkout."""
     pool = getattr(connection, "pool", None)
     seconds = settings.ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS
-    if pool is None or seconds <= 0 or pool._check is not ConnectionPool.check_connection:
+    current = getattr(pool, "_check", None)
+    skippable = isinstance(current, SkippableCheck)
+    check = current.check if skippable else current
+    if pool is None or seconds <= 0 or check is not ConnectionPool.check_connection:
         return  # no pool, the empty query kept, no check at all (DB_CONN_HEALTH_CHECKS=false), or done
-    pool._check = FreshCheck(seconds)  # psycopg_pool's constructor argument, kept as it is
+    if skippable:
+        current.check = FreshCheck(seconds)
+    else:
+        pool._check = FreshCheck(seconds)  # psycopg_pool's constructor argument, kept as it is
+
+
+# --- A read as its connection's check ----------------------------------------------------------
+
+_skipping = threading.local()
+
+
+class SkippableCheck:
+    """A pool's ``check`` (``check``: Django's empty query, or :class:`FreshCheck`) that the
+    thread checking a connection out may skip (:func:`check_skipped`). The pool calls its
+    check in the thread that calls ``getconn()``."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __call__(self, conn: Connection) -> None:
+        if not getattr(_skipping, "on", False):
+            self.check(conn)
+
+    def __repr__(self) -> str:
+        return f"SkippableCheck({self.check!r})"
+
+
+def read_checks(db) -> bool:
+    """Whether a read may be the check of the connection ``db`` checks out for it: pooled,
+    with a check to skip, and ``DB_POOL_READ_CHECKS`` on. Puts :class:`SkippableCheck` around
+    the pool's check the first time (Django 5.2 passes the pool its check itself; psycopg_pool
+    keeps it as ``_check``, 3.3 pinned: tests/test_dbpool.py fails if it moves)."""
+    if not settings.ZEROMEM_DB_POOL_READ_CHECKS:
+        return False
+    pool = getattr(db, "pool", None)  # PostgreSQL's wrapper only
+    if pool is None:
+        return False
+    check = pool._check
+    if check is None:
+        return False  # DB_CONN_HEALTH_CHECKS=false: no check to spare
+    if type(check) is not SkippableCheck:
+        pool._check = SkippableCheck(check)
+    return True
+
+
+@contextlib.contextmanager
+def check_skipped() -> Iterator[None]:
+    """Connections this thread checks out in the block are handed out without the check."""
+    _skipping.on = True
+    try:
+        yield
+    finally:
+        _skipping.on = False
+
+
+def broken(db) -> bool:
+    """Whether the connection of ``db`` is dead (its server gone, its backend ended), as
+    opposed to alive with a statement that failed."""
+    conn = db.connection
+    return conn is None or conn.closed or conn.broken

@@ -669,6 +669,10 @@ _numbers |= {"Q_WORKERS": Q_CLUSTER["workers"], "Q_TIMEOUT": Q_CLUSTER["timeout"
 _numbers["Q_MAX_ATTEMPTS"] = Q_CLUSTER["max_attempts"]
 _LEAST |= {"Q_WORKERS": 1, "Q_TIMEOUT": 1, "Q_RETRY": 1, "Q_MAX_ATTEMPTS": 0}
 ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS = env.float("DB_POOL_CHECK_FRESH_SECONDS", default=0.0)
+# A request whose first statement is a hot-path read checks its connection out without the
+# pool's empty query: the read is the check, sent again on a checked connection if it finds
+# the connection dead (zeromem/dbpool.py).
+ZEROMEM_DB_POOL_READ_CHECKS = env.bool("DB_POOL_READ_CHECKS", default=True)
 if "pool" in DATABASES["default"].get("OPTIONS", {}):
     _pool = DATABASES["default"]["OPTIONS"]["pool"]
     _numbers["DB_POOL_CHECK_FRESH_SECONDS"] = ZEROMEM_DB_POOL_CHECK_FRESH_SECONDS

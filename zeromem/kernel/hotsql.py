@@ -27,6 +27,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, DataError, connections
 from django.db.models import signals
 from django.db.models.sql import InsertQuery
 
+from zeromem import dbpool
 from zeromem.kernel import tracing
 
 
@@ -46,7 +47,7 @@ def fetchone(sql: str, params: Sequence, db=None) -> tuple | None:
     held = getattr(db, _HELD, None)
     if held:
         return _send_held(held, (sql, params) if _carries(sql) else None)
-    return _send(sql, params, _first, db)
+    return _send(sql, params, _first, db, reads=_rideable(sql))
 
 
 def fetchall(sql: str, params: Sequence, db=None) -> list[tuple]:
@@ -70,12 +71,14 @@ def _run(sql: str, params: Sequence, fetch, db=None):
     held = getattr(db, _HELD, None)
     if held:
         _send_held(held, None)  # the statements held before this one, first
-    return _send(sql, params, fetch, db)
+    return _send(sql, params, fetch, db, reads=_rideable(sql))
 
 
-def _send(sql: str, params: Sequence, fetch, db=None):
+def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False):
     # What connection.cursor() checks, on the driver's own cursor (Django's whenever
-    # statements are being watched); ``fetch(cursor)`` is the answer.
+    # statements are being watched); ``fetch(cursor)`` is the answer. ``reads``: the statement
+    # only reads (the rate counter riding it aside), so it may be the check of the connection
+    # it is the first statement on (zeromem/dbpool.py).
     if db is None:
         db = connections[DEFAULT_DB_ALIAS]
     if db.queries_logged or db.execute_wrappers:
@@ -83,7 +86,22 @@ def _send(sql: str, params: Sequence, fetch, db=None):
             cursor.execute(sql, params)
             return fetch(cursor)
     db.close_if_health_check_failed()
+    if reads and db.connection is None and dbpool.read_checks(db):
+        try:
+            with dbpool.check_skipped():
+                db.ensure_connection()  # (a connection_created receiver may send a statement)
+            return _execute(sql, params, fetch, db)
+        except DatabaseError:
+            if not dbpool.broken(db):
+                raise
+        # Dead before it ran: back to the pool (which drops it), and the read again on a
+        # connection the pool checks.
+        db.close()
     db.ensure_connection()
+    return _execute(sql, params, fetch, db)
+
+
+def _execute(sql: str, params: Sequence, fetch, db):
     db.validate_thread_sharing()
     db.validate_no_broken_transaction()
     with db.wrap_database_errors:
@@ -99,7 +117,7 @@ def _send(sql: str, params: Sequence, fetch, db=None):
                 cursor.execute(sql, params, prepare=True)
                 return fetch(cursor)
             except BaseException:
-                _drop_kept_cursor(db, sql)
+                _drop_kept_cursor(conn, sql)
                 raise
         # Threads that share this connection get a cursor each (a kept one's result would be
         # theirs to overwrite).
@@ -111,22 +129,25 @@ def _send(sql: str, params: Sequence, fetch, db=None):
             cursor.close()
 
 
-# A server-bound cursor is kept per connection wrapper (one per thread or task) and statement:
-# psycopg builds a new adaptation context for each cursor, and for each statement a cursor runs
-# that is not the one it ran before (the dumpers of every parameter looked up again); a
-# statement run again on its own cursor skips both — about 40 µs of CPU per statement, a tenth
-# of a read. The cursor holds its last result until the statement runs again. A cursor of
-# another connection (reconnected), or one whose statement failed, is dropped.
+# A server-bound cursor is kept per database connection (psycopg's, which the pool hands from
+# thread to thread; a connection is used by one thread at a time) and statement: psycopg builds
+# a new adaptation context for each cursor, and for each statement a cursor runs that is not the
+# one it ran before (the dumpers of every parameter looked up again); a statement run again on
+# its own cursor skips both — about 40 µs of CPU per statement, a tenth of a read. (Kept per
+# connection wrapper, as until session 26, they were made again at nearly every statement: the
+# pool hands its idle connections out in turn, so a thread's wrapper rarely had the same
+# connection twice running.) The cursor holds its last result until the statement runs again.
+# A cursor whose statement failed is dropped; a connection closed takes its cursors with it.
 _KEPT = "_zeromem_hotsql_cursors"
 _KEPT_MAX = 64
 
 
 def _kept_cursor(db, conn, sql: str):
-    kept = db.__dict__.get(_KEPT)
+    kept = conn.__dict__.get(_KEPT)
     if kept is None:
-        kept = db.__dict__[_KEPT] = {}
+        kept = conn.__dict__[_KEPT] = {}
     cursor = kept.get(sql)
-    if cursor is not None and cursor.connection is conn and not cursor.closed:
+    if cursor is not None and not cursor.closed:
         return cursor
     if cursor is not None or len(kept) >= _KEPT_MAX:
         for old in [sql] if cursor is not None else list(kept):
@@ -135,17 +156,24 @@ def _kept_cursor(db, conn, sql: str):
     return cursor
 
 
+def kept_cursors(conn) -> dict:
+    """{statement: cursor} kept on the psycopg connection ``conn`` (read-only use: tests)."""
+    return conn.__dict__.get(_KEPT, {})
+
+
 def drop_kept_cursors() -> None:
-    """Close the cursors kept for this thread's default connection. A cursor copies its
-    connection's adapters when it is made: a loader or dumper registered on the connection
-    later (nothing in ZeroMem does; a test counting what psycopg loads does) reaches the hot
-    statements once their kept cursors are gone."""
-    for cursor in connections[DEFAULT_DB_ALIAS].__dict__.pop(_KEPT, {}).values():
-        _close_quietly(cursor)
+    """Close the cursors kept on this thread's default connection (if it has one checked
+    out). A cursor copies its connection's adapters when it is made: a loader or dumper
+    registered on the connection later (nothing in ZeroMem does; a test counting what psycopg
+    loads does) reaches the hot statements once their kept cursors are gone."""
+    conn = connections[DEFAULT_DB_ALIAS].connection
+    if conn is not None:
+        for cursor in conn.__dict__.pop(_KEPT, {}).values():
+            _close_quietly(cursor)
 
 
-def _drop_kept_cursor(db, sql: str) -> None:
-    cursor = db.__dict__.get(_KEPT, {}).pop(sql, None)
+def _drop_kept_cursor(conn, sql: str) -> None:
+    cursor = conn.__dict__.get(_KEPT, {}).pop(sql, None)
     if cursor is not None:
         _close_quietly(cursor)
 
@@ -491,6 +519,10 @@ def _release_rider(db) -> None:
 
 
 def _own_transaction(db) -> bool:
+    if db.connection is None:
+        # Not checked out yet (get_autocommit() would check it out now, and the pool check it):
+        # it will be in autocommit as configured, outside any atomic block (which connects).
+        return bool(db.settings_dict["AUTOCOMMIT"]) and not db.in_atomic_block
     return db.get_autocommit() and not db.in_atomic_block
 
 
@@ -515,7 +547,7 @@ def _send_riding(rider: Rider, sql: str, params: Sequence, db):
             f"(SELECT 1 AS zm_found, zm_select.* FROM ({sql}) AS zm_select) AS zm_read ON true"
         )
     try:
-        row = _send(combined, [*rider.params, *params], _first, db)
+        row = _send(combined, [*rider.params, *params], _first, db, reads=True)
     except DatabaseError:
         # The counter went down with the read's statement (cancelled, timed out): taken alone
         # now, as it would have been had it been sent first, if the connection still takes

@@ -15,6 +15,13 @@ connections (p50/p99, requests/s, server CPU per request), once idle and once wh
 requests of ``--slow-seconds`` each are in flight. Then it prints the ratios DESIGN.md's
 quality bars and issue 11 ask for, and the new PostgreSQL connections per request.
 
+The p50 ratios at one connection (read, write, REST GET, MCP read against ``/healthz``) are
+taken **side by side**: first, for as long as the one-connection cells take together, one
+connection sends every op in turn, in a fresh random order each round, so the machine's
+noise hits each alike. The cells run one op after another, seconds apart, and on this shared
+2-core host their p50s drift with its load (``/healthz`` 1.25–1.54 ms, a read 2.5–3.1 ms in
+three runs of one hour); their ratios are printed too (``…_cells``).
+
 A slow request is a real one, with no endpoint of its own: a ``memory_write`` of a key whose
 row this command holds locked (``SELECT … FOR UPDATE`` on its own connection) and releases
 ``--slow-seconds`` later. While it waits, the request holds what any slow request holds — a
@@ -31,6 +38,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import secrets
 import threading
 import time
@@ -45,6 +53,7 @@ from zeromem.bench.harness import (
     HttpClient,
     Samples,
     client_loop,
+    interleaved_samples,
     loadavg,
     proc_cpu_seconds,
     ratio,
@@ -392,6 +401,31 @@ class Command(BenchCommand):
             "server_cpu_ms_per_request": round(cpu * 1000 / summary["n"], 2) if summary["n"] else None,
         }
 
+    def side_by_side(self, client: HttpClient, seconds: float) -> dict:
+        """Every op on one connection, each in turn in a fresh random order per round, for
+        ``seconds``: their p50s are taken over the same stretch of time."""
+
+        def measured(step):
+            def op(_i):
+                try:
+                    elapsed, status, _ = step()
+                except (OSError, http.client.HTTPException):
+                    return False, 0
+                return status == 200, elapsed
+
+            return op
+
+        ops = {op: (OPS[op], measured(self.step_for(op, client, 0, 1))) for op in self.ops}
+        samples = interleaved_samples(
+            ops,
+            iterations=max(1, self.opts["max_requests"] // len(ops)),
+            warmup=20,
+            max_seconds=seconds,
+            rng=random.Random(self.opts["seed"]),
+            log=self.log,
+        )
+        return {op: s.summary() for op, s in samples.items()}
+
     # ------------------------------------------------------------------ phases
 
     def run_all(self, server: dict, watch: ConnWatch) -> dict:
@@ -417,7 +451,9 @@ class Command(BenchCommand):
             self.log(f"server idle: {idle}")
             watch.start()
             cells: dict = {"idle": {}, "slow": {}}
-            requests = 0
+            self.log(f"  every op at 1 connection side by side, {opts['seconds'] * len(self.ops):.0f} s")
+            cells["side_by_side"] = self.side_by_side(clients[0], opts["seconds"] * len(self.ops))
+            requests = sum(x["n"] + x["errors"] for x in cells["side_by_side"].values())
             slow_stats = {"in_flight_seen": [], "durations_s": [], "failures": []}
             for n in (1, conc):
                 for op in self.ops:
@@ -447,12 +483,20 @@ class Command(BenchCommand):
 
     def result(self, server, cells, conns, requests, warm, slow_stats) -> dict:
         conc = self.opts["clients"]
-        idle, slow = cells["idle"], cells["slow"]
+        idle, slow, sbs = cells["idle"], cells["slow"], cells["side_by_side"]
         new = max(conns["new_sessions_pg_stat_database"], conns["new_backends_seen_pg_stat_activity"])
+
+        def p50s(op: str, over: str = "healthz") -> dict:
+            # Side by side (the ratio the bars read), and from the cells, one after the other.
+            return {
+                f"{op}_p50_vs_{over}_p50": ratio(sbs[op]["p50_ms"], sbs[over]["p50_ms"]),
+                f"{op}_p50_vs_{over}_p50_cells": ratio(idle[f"{op}@1"]["p50_ms"], idle[f"{over}@1"]["p50_ms"]),
+            }
+
         ratios = {
-            "read_p50_vs_healthz_p50": ratio(idle["read@1"]["p50_ms"], idle["healthz@1"]["p50_ms"]),
-            "write_p50_vs_healthz_p50": ratio(idle["write@1"]["p50_ms"], idle["healthz@1"]["p50_ms"]),
-            "rest_get_p50_vs_healthz_p50": ratio(idle["rest_get@1"]["p50_ms"], idle["healthz@1"]["p50_ms"]),
+            **p50s("read"),
+            **p50s("write"),
+            **p50s("rest_get"),
             "read_throughput_vs_healthz_throughput": ratio(
                 idle[f"read@{conc}"]["requests_per_s"], idle[f"healthz@{conc}"]["requests_per_s"]
             ),
@@ -460,8 +504,7 @@ class Command(BenchCommand):
             "read_p99_with_slow_vs_idle_1_connection": ratio(slow["read@1"]["p99_ms"], idle["read@1"]["p99_ms"]),
         }
         if "mcp_read@1" in idle:
-            ratios["mcp_read_p50_vs_healthz_p50"] = ratio(idle["mcp_read@1"]["p50_ms"], idle["healthz@1"]["p50_ms"])
-            ratios["mcp_read_p50_vs_read_p50"] = ratio(idle["mcp_read@1"]["p50_ms"], idle["read@1"]["p50_ms"])
+            ratios |= p50s("mcp_read") | p50s("mcp_read", over="read")
         targets = {}
         for name, (sense, bound) in TARGETS.items():
             value = ratios[name]
@@ -548,6 +591,14 @@ class Command(BenchCommand):
             f"{cn['new_backends_seen_pg_stat_activity']} backends seen, for {cn['requests']} requests "
             f"(warm-up rounds opened {cn['warmup_new_sessions_per_round']})"
         )
+        sbs = r["cells"]["side_by_side"]
+        w("")
+        w(
+            f"  side by side at 1 connection (every op in turn, random order, {max(x['n'] for x in sbs.values())} "
+            "rounds; the p50 ratios below are these)"
+        )
+        for name, x in sbs.items():
+            w(f"  {name:<18}{x['p50_ms']:>9.2f}{x['p99_ms']:>9.2f}{'':>9}{'':>8}{x['errors']:>5}")
         w("")
         w("  ratios (issue 11 'Done when', DESIGN.md 'Quality bars')")
         for name, x in r["targets"].items():
@@ -555,7 +606,7 @@ class Command(BenchCommand):
         extra = {k: v for k, v in r["ratios"].items() if k not in r["targets"]}
         w(f"    also: {extra}")
         f = r["commit_floor"]
-        h50 = r["cells"]["idle"]["healthz@1"]["p50_ms"]
+        h50 = r["cells"]["side_by_side"]["healthz"]["p50_ms"]
         w(
             f"  the floor of an audited call: one synchronous commit (a one-row INSERT in autocommit, psycopg, "
             f"no server) p50 {f['insert_commit_p50_ms']} ms vs SELECT 1 p50 {f['select_1_p50_ms']} ms on this "
