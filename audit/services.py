@@ -148,10 +148,11 @@ def audit_record(
     version: int | None = None,
     detail: dict | None = None,
     actor_filter: str = "",
-) -> int:
+) -> int | None:
     """Append one event: one INSERT, no lock shared with other requests (the chain is
     built later by :func:`audit_seal`). Never pass a memory value or a key secret here.
-    Returns the event's id."""
+    Returns the event's id — None inside ``hotsql.answered_later()`` when the INSERT is a
+    transaction of its own (its answer read when that block ends)."""
     db = connections[DEFAULT_DB_ALIAS]  # the wrapper, once: each proxied attribute was a lookup
     fields = {
         "uid": uuid.uuid4(),
@@ -186,7 +187,12 @@ def audit_record(
         else f.get_db_prep_save(fields[name], db)
         for f, name, text, default in columns
     ]
-    event_id = hotsql.fetchone(sql, params, db)[0]
+    if hotsql.fetchone_later(sql, params, db):
+        # Its commit's answer is read where the caller's hotsql.answered_later() block ends
+        # (the tool-call lane, before it answers): no id meanwhile.
+        event_id = None
+    else:
+        event_id = hotsql.fetchone(sql, params, db)[0]
     _written.set(_written.get() + 1)
     return event_id
 

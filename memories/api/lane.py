@@ -52,7 +52,7 @@ from memories import tools
 from memories.api.auth import AUTHENTICATE, AuthFailed, throttled
 from memories.models import API_KEY_PREFIX, hash_api_key
 from memories.services import api_keys, key_cache, usage
-from zeromem.kernel import deferred
+from zeromem.kernel import deferred, hotsql
 from zeromem.kernel.errors import Unauthenticated
 from zeromem.kernel.tokens import compact_json, cost_of
 from zeromem.kit import logs, metrics
@@ -316,17 +316,26 @@ class ToolLane:
             tenant_id = key.tenant.pk
             actor = api_keys.key_actor(key, surface="tool", request_id=request.request_id, client_ip=ip)
             try:
-                # A name that is not a string (a list: unhashable) is the call's to refuse (400).
-                if isinstance(name := tools.called_tool(data), str) and name in RIDING_TOOLS:
-                    # The rate counter goes to the database with the read's SELECT (one round
-                    # trip); past the limit, refused before the read is answered or audited.
-                    with api_keys.rate_limit_riding(key):
+                # A read's audit event commits while its answer is built: its INSERT is sent,
+                # and its answer read as the block ends, before anything is counted or sent
+                # (zeromem/kernel/hotsql.py "A statement answered later"; failed: answered
+                # below as if the call had raised it).
+                with hotsql.answered_later():
+                    # A name that is not a string (a list: unhashable) is the call's to refuse (400).
+                    if isinstance(name := tools.called_tool(data), str) and name in RIDING_TOOLS:
+                        # The rate counter goes to the database with the read's SELECT (one
+                        # round trip); past the limit, refused before the read is answered or
+                        # audited.
+                        with api_keys.rate_limit_riding(key):
+                            answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
+                    else:
+                        wait = api_keys.rate_limit_take(key)
+                        if wait is not None:
+                            raise _rate_limited(key, actor, wait)
                         answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
-                else:
-                    wait = api_keys.rate_limit_take(key)
-                    if wait is not None:
-                        raise _rate_limited(key, actor, wait)
-                    answer = tools.tool_call(tenant=key.tenant, actor=actor, call=data)
+                    rendered = self._rendered(
+                        answer.result, answer.http_status, retry_after(answer.result.get("error"))
+                    )
             except limits.OverLimit as over:
                 raise _rate_limited(key, actor, over.hit.retry_after) from None
         except Exception as exc:
@@ -334,15 +343,13 @@ class ToolLane:
             if handled is None:
                 raise
             headers = {name: value for name, value in handled.items() if name != "Content-Type"}
-            return self._finished(handled.data, handled.status_code, headers, tenant_id=tenant_id)
+            return self._counted(*self._rendered(handled.data, handled.status_code, headers), tenant_id=tenant_id)
         metrics.tool_calls([(tools.called_tool(data), answer.result.get("status"))])
-        return self._finished(
-            answer.result, answer.http_status, retry_after(answer.result.get("error")), tenant_id=tenant_id
-        )
+        return self._counted(*rendered, tenant_id=tenant_id)
 
-    def _finished(self, data: dict, status: int, headers: dict, *, tenant_id: int | None) -> HttpResponse:
+    def _rendered(self, data: dict, status: int, headers: dict) -> tuple[HttpResponse, int, int]:
         """DRF's finalize_response and renderer, TenantAPIView's Cache-Control and
-        ResultCostMixin's cost headers and counters, in their order."""
+        ResultCostMixin's cost headers, in their order: (response, its size, its tokens)."""
         content = compact_json(data)
         response = HttpResponse(content, status=status, content_type=_JSON, headers=headers)
         response["Allow"] = ALLOW
@@ -350,6 +357,10 @@ class ToolLane:
         size, tokens = cost_of(content)
         response[RESULT_BYTES_HEADER] = str(size)
         response[RESULT_TOKENS_HEADER] = str(tokens)
+        return response, size, tokens
+
+    def _counted(self, response: HttpResponse, size: int, tokens: int, *, tenant_id: int | None) -> HttpResponse:
+        """ResultCostMixin's counters of the answer sent."""
         metrics.results_returned("rest", size=size, tokens=tokens)
         if tenant_id is not None:
             usage.result_returned(tenant_id=tenant_id, size=size, tokens=tokens)

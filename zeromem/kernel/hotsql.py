@@ -81,6 +81,8 @@ def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False):
     # it is the first statement on (zeromem/dbpool.py).
     if db is None:
         db = connections[DEFAULT_DB_ALIAS]
+    if getattr(db, _LATER, None):
+        _read_later(db)  # the statement answered later, first
     if db.queries_logged or db.execute_wrappers:
         with db.cursor() as cursor:
             cursor.execute(sql, params)
@@ -455,6 +457,114 @@ def _send_held(held: list, last: tuple[str, Sequence] | None):
         done(rest[: len(columns)])
         rest = rest[len(columns) :]
     return row[:n] if last is not None else None
+
+
+# --- A statement answered later -----------------------------------------------------------
+#
+# A read's audit INSERT is a transaction of its own, and its commit waits for the WAL flush
+# (0.15–0.4 ms here), the longest wait of a read. Nothing the caller does next needs its
+# answer (the event's id): building the tool's result, its JSON and the response. Inside
+# :func:`answered_later` (the tool-call lane, memories/api/lane.py) :func:`fetchone_later`
+# sends such a statement and returns; its answer is read when the block ends — so that work
+# runs while PostgreSQL commits — or before any other statement of this module. The response
+# is not sent before then: a statement that failed raises where the block ends, and the
+# caller answers its error instead, as it would have had it raised at once. As for
+# :func:`holding`, only this module's statements may run while one is pending (Django's cursor
+# would find the connection busy).
+
+_LATER = "_zeromem_answered_later"
+
+
+@contextlib.contextmanager
+def answered_later() -> Iterator[None]:
+    """Let :func:`fetchone_later` send a statement whose answer is read when the block ends
+    (see above; raised there if it failed). A no-op on SQLite, whenever statements are watched
+    (``DEBUG``, ``CaptureQueriesContext``, execute wrappers, tracing), or nested."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if getattr(db, _LATER, None) is not None or not _unwatched_postgres(db):
+        yield
+        return
+    pending: list = []
+    setattr(db, _LATER, pending)
+    try:
+        yield
+    except BaseException:
+        # The block's own error goes on; the statement's answer is read all the same (the
+        # connection must be free again), and its error, if any, is the lesser news.
+        try:
+            _read_later(db)
+        except Exception:  # noqa: BLE001, S110 - the block's error is the one raised
+            pass
+        raise
+    else:
+        _read_later(db)
+    finally:
+        setattr(db, _LATER, None)
+
+
+def fetchone_later(sql: str, params: Sequence, db=None) -> bool:
+    """Inside :func:`answered_later`, send ``sql`` — a statement that is a transaction of its
+    own (autocommit, no transaction, nothing held or riding), whose answer the caller does not
+    need — and return True: its answer is read later. Otherwise send nothing and return False
+    (the caller sends it as usual)."""
+    if db is None:
+        db = connections[DEFAULT_DB_ALIAS]
+    pending = getattr(db, _LATER, None)
+    conn = db.connection
+    if (
+        pending is None
+        or pending
+        or conn is None
+        or getattr(db, _HELD, None)
+        or getattr(db, _RIDER, None) is not None
+        or db.queries_logged
+        or db.execute_wrappers
+        or db.allow_thread_sharing
+        or getattr(conn, "prepare_threshold", None) is None
+        or tracing.on()
+        or not _own_transaction(db)
+    ):
+        return False
+    db.validate_thread_sharing()
+    db.validate_no_broken_transaction()
+    cursor = _kept_cursor(db, conn, sql)
+    # What cursor.execute() runs, driven only until it first waits: the statement is sent
+    # (prepared, as _execute sends it), its answer not yet read (psycopg's generator, resumed
+    # by _read_later where it stopped).
+    gen = cursor._execute_gen(sql, params, prepare=True)
+    try:
+        with db.wrap_database_errors, conn.lock:
+            state = next(gen)
+    except StopIteration:
+        return True  # answered already
+    except BaseException:
+        _drop_kept_cursor(conn, sql)
+        raise
+    pending.append((conn, cursor, gen, state, sql))
+    return True
+
+
+def _read_later(db) -> None:
+    pending = getattr(db, _LATER, None)
+    if not pending:
+        return
+    conn, cursor, gen, state, sql = pending.pop()
+    try:
+        with db.wrap_database_errors, conn.lock:
+            conn.wait(_resumed(gen, state))
+    except BaseException:
+        _drop_kept_cursor(conn, sql)
+        raise
+
+
+def _resumed(gen, state):
+    # The generator as psycopg's wait() drives it, from the wait it stopped at.
+    while True:
+        ready = yield state
+        try:
+            state = gen.send(ready)
+        except StopIteration as stop:
+            return stop.value
 
 
 # --- A statement that rides with the next read -----------------------------------------------
