@@ -6,16 +6,20 @@ other, a connection whose backend has exited refused — and by default Django's
 empty query at every checkout) left in place for everything but such a read."""
 
 import json
+import socket
 import tempfile
+import threading
+import time
 
 import psycopg
 import pytest
-from django.db import DataError, connection
+from django.db import DataError, OperationalError, connection
 from django.db.backends.signals import connection_created
 from django.test import Client
 from psycopg import pq
 from psycopg_pool import ConnectionPool
 
+from audit import limits
 from audit.models import AuditEvent
 from tests.conftest import _audit_tables_may_be_flushed
 from tests.factories import make_key
@@ -270,3 +274,131 @@ def test_a_statement_that_locks_or_writes_first_gets_the_pools_check(checks):
     connection.close()
     assert hotsql.execute("UPDATE memories_tenant SET name = name WHERE false", []) == 0
     assert checks.count == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_whose_backend_has_ended_gets_nothing_sent(checks, monkeypatch):
+    """A backend that ended while its connection sat in the pool has said so on the socket:
+    the read sees it (poll, no round trip), sends nothing on it and goes on a checked one."""
+    sent = []
+    execute = hotsql._execute
+    monkeypatch.setattr(hotsql, "_execute", lambda sql, *args: sent.append(sql) or execute(sql, *args))
+    connection.close()
+    with _own_connection() as admin:  # every other backend ended, and waited for
+        admin.execute(
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+    connection_created.disconnect(_audit_tables_may_be_flushed)  # as in production: nothing at checkout
+    try:
+        assert hotsql.fetchone("SELECT 1", []) == (1,)
+    finally:
+        connection_created.connect(_audit_tables_may_be_flushed)
+    assert sent == ["SELECT 1"]  # once, on the checked connection
+    assert checks.count >= 1
+    connection.close()
+    _terminate_pooled_backends()  # the connection opened without the receiver goes
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_list_or_search_read_ended_while_it_runs_is_not_run_again(checks):
+    """hotsql.fetchall (a page of a list, a search's rows: they may run long) is checked out
+    with the pool's check and never sent again: an operator's pg_terminate_backend of a
+    running one ends it (found by review: it ran a second time)."""
+    with _own_connection() as admin:
+        admin.execute("CREATE SEQUENCE zm_test_ended_once")
+        try:
+            connection.close()
+
+            def end_it_when_running():
+                for _ in range(250):
+                    pids = admin.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE state = 'active' "
+                        "AND query LIKE '%zm_test_ended_once%' AND pid <> pg_backend_pid()"
+                    ).fetchall()
+                    if pids:
+                        admin.execute("SELECT pg_terminate_backend(%s)", [pids[0][0]])
+                        return
+                    time.sleep(0.02)
+
+            killer = threading.Thread(target=end_it_when_running)
+            killer.start()
+            with pytest.raises(OperationalError):
+                hotsql.fetchall("SELECT nextval('zm_test_ended_once'), pg_sleep(2)", [])
+            killer.join()
+            assert admin.execute("SELECT last_value FROM zm_test_ended_once").fetchone() == (1,)
+            assert checks.count == 1  # checked out with the pool's check
+        finally:
+            connection.close()
+            admin.execute("DROP SEQUENCE zm_test_ended_once")
+
+
+# When no connection can be had, a read waits the pool's timeout once (found by review: the
+# retry, and the rate counter's fallback, asked the pool again — 3 waits before the 503).
+POOL_WAIT = 0.5
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on return: nothing listens there
+
+
+@pytest.fixture
+def database_unreachable(monkeypatch):
+    connection.close()
+    connection.close_pool()
+    monkeypatch.setitem(connection.settings_dict, "HOST", "127.0.0.1")
+    monkeypatch.setitem(connection.settings_dict, "PORT", str(_closed_port()))
+    options = dict(connection.settings_dict["OPTIONS"])
+    options["pool"] = {**options["pool"], "timeout": POOL_WAIT}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    yield
+    connection.close()
+    connection.close_pool()
+
+
+def _pool_asked(monkeypatch, read) -> int:
+    """How many times ``read`` asks the pool for a connection (each a wait of its timeout when
+    none can be had) before it raises."""
+    pool = connection.pool
+    asked = []
+    getconn = pool.getconn
+    monkeypatch.setattr(pool, "getconn", lambda *args, **kwargs: asked.append(1) or getconn(*args, **kwargs))
+    with pytest.raises(OperationalError):
+        read()
+    monkeypatch.setattr(pool, "getconn", getconn)
+    return len(asked)
+
+
+def _read_riding():
+    with limits.hit_riding("key:no-connection", limit=1000):  # a tool read's rate counter
+        hotsql.fetchone("SELECT 1", [])
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("read_checks", [True, False])
+@pytest.mark.parametrize("read", [lambda: hotsql.fetchone("SELECT 1", []), _read_riding], ids=["plain", "riding"])
+def test_a_read_with_the_database_unreachable_asks_the_pool_once(
+    database_unreachable, settings, monkeypatch, read, read_checks
+):
+    settings.ZEROMEM_DB_POOL_READ_CHECKS = read_checks
+    with pytest.raises(OperationalError):
+        read()  # the pool opens; its first connection attempts fail
+    connection.close()
+    assert _pool_asked(monkeypatch, read) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_with_every_connection_held_by_others_asks_the_pool_once(monkeypatch):
+    """One tenant's slow requests holding every pooled connection: another's read gets its
+    503 after one DB_POOL_TIMEOUT, not several."""
+    connection.close()
+    pool = connection.pool
+    monkeypatch.setattr(pool, "timeout", POOL_WAIT)
+    held = [pool.getconn() for _ in range(pool.max_size)]
+    try:
+        assert _pool_asked(monkeypatch, _read_riding) == 1
+    finally:
+        for conn in held:
+            pool.putconn(conn)

@@ -5,19 +5,29 @@ else (``DB_POOL_CHECK_FRESH_SECONDS``, off by default).
 **A read is its connection's check.** Django's ``CONN_HEALTH_CHECKS`` has the pool send an
 empty query at every checkout, so a read served was three round trips: the check, the read
 (with the rate counter riding it) and the audit INSERT. When a request's first statement is
-a plain read of the hot path (``zeromem.kernel.hotsql``: a ``SELECT`` that locks nothing,
-with or without the rate counter's UPSERT riding it), the connection is checked out without
-the check (:func:`check_skipped`) and the read is sent at once: it is a round trip to the
-server as the empty query is, and it finds out what the check would have. If it fails
-because the connection is dead (:func:`broken`: a backend ended by a restart or
-``pg_terminate_backend``, a server gone, a network reset), the connection goes back to the
-pool, which drops it, and the read is sent again on a connection the pool checks as before.
-Nothing is lost or done twice: a dead connection ran nothing — save the one case where the
-backend committed the statement and died before its answer arrived (the same microseconds
-any request can lose its answer in), where the retry counts the rate counter once more. A
-statement that fails on a live connection (a timeout, a cancel, a constraint) is not sent
-again. Everything else — Django's own cursor (``/healthz``, the ORM, a transaction), a
-write's statements — is checked out with the check, as before.
+a point read of the hot path (``zeromem.kernel.hotsql.fetchone`` of a ``SELECT`` that locks
+nothing, with or without the rate counter's UPSERT riding it: a tool, REST or MCP read, a
+write's read of its row), the connection is checked out without the check
+(:func:`check_skipped`):
+
+- a connection whose socket has something to read (:func:`unread_input`, a ``poll()``: a
+  backend that ended while idle — a restart, ``pg_terminate_backend``, ``idle_session_timeout``
+  — has sent its last words) is closed, nothing sent, and the read goes on a checked one;
+- else the read is sent at once: a round trip to the server as the empty query is, it finds
+  out what the check would have. If it fails because the connection is dead (:func:`broken`:
+  a backend ended a moment ago, a server gone, a network reset), the connection goes back to
+  the pool, which drops it, and the read is sent again on a connection the pool checks.
+
+What the retry can repeat: a backend ended *while running* the read (an operator's
+``pg_terminate_backend`` of a read waiting on a lock; a point read takes a tenth of a
+millisecond otherwise) rolled it back, counter and all, and it runs once more; a backend that
+committed the statement and died before its answer arrived (the same microseconds any request
+can lose its answer in) has its rate counter counted once more. Nothing else it does outlives
+a rollback. A statement that fails on a live connection (a timeout, a cancel) is not sent
+again, and when no connection can be had the pool's wait is not repeated. Anything else first
+— Django's own cursor (``/healthz``, the ORM, a transaction), a list or search page's reads
+(``hotsql.fetchall``: those may run long, and an operator who ends one means it), a lock, a
+write — is checked out with the check, as before.
 
 **The opt-in check for the rest.** The empty query costs 0.07–0.11 ms of wall time and
 0.06–0.08 ms of CPU a request here, more where the database is across a network; it is what
@@ -156,6 +166,12 @@ def check_skipped() -> Iterator[None]:
 
 def broken(db) -> bool:
     """Whether the connection of ``db`` is dead (its server gone, its backend ended), as
-    opposed to alive with a statement that failed."""
+    opposed to alive with a statement that failed (or not checked out at all)."""
     conn = db.connection
-    return conn is None or conn.closed or conn.broken
+    return conn is not None and (conn.closed or conn.broken)
+
+
+def unread_input(db) -> bool:
+    """Whether the idle connection of ``db`` has something to read — a backend that ended has
+    sent its last words (and closed the socket): a non-blocking ``poll()``, no round trip."""
+    return _readable(db.connection)

@@ -71,7 +71,7 @@ def _run(sql: str, params: Sequence, fetch, db=None):
     held = getattr(db, _HELD, None)
     if held:
         _send_held(held, None)  # the statements held before this one, first
-    return _send(sql, params, fetch, db, reads=_rideable(sql))
+    return _send(sql, params, fetch, db)
 
 
 def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False):
@@ -92,12 +92,17 @@ def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False):
         try:
             with dbpool.check_skipped():
                 db.ensure_connection()  # (a connection_created receiver may send a statement)
-            return _execute(sql, params, fetch, db)
+            if not dbpool.unread_input(db):
+                return _execute(sql, params, fetch, db)
+            # Its backend has said goodbye (nothing sent): closed, the pool drops it.
+            db.connection.close()
         except DatabaseError:
-            if not dbpool.broken(db):
+            # No connection to be had (the pool has waited its timeout already), or an error
+            # of a live connection: raised. A dead connection: the read again, below.
+            if db.connection is None or not dbpool.broken(db):
                 raise
-        # Dead before it ran: back to the pool (which drops it), and the read again on a
-        # connection the pool checks.
+        # Back to the pool (which drops a dead one), and the read again on a connection the
+        # pool checks.
         db.close()
     db.ensure_connection()
     return _execute(sql, params, fetch, db)
@@ -661,11 +666,14 @@ def _send_riding(rider: Rider, sql: str, params: Sequence, db):
     except DatabaseError:
         # The counter went down with the read's statement (cancelled, timed out): taken alone
         # now, as it would have been had it been sent first, if the connection still takes
-        # statements (past the limit ``done`` raises: the caller's 429); else the read's error.
-        try:
-            counted = _send(rider.sql(_own_transaction(db)), rider.params, _first, db)
-        except DatabaseError:
-            counted = None
+        # statements (past the limit ``done`` raises: the caller's 429); else the read's error
+        # — at once: with no connection to be had, the pool has waited its timeout already.
+        counted = None
+        if db.connection is not None and not dbpool.broken(db):
+            try:
+                counted = _send(rider.sql(_own_transaction(db)), rider.params, _first, db)
+            except DatabaseError:
+                counted = None
         if counted is not None:
             rider.done(counted)
         raise
