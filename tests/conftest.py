@@ -10,21 +10,15 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 from django.db.backends.signals import connection_created
-from django.dispatch import receiver
 from django.utils import timezone
 
 from memories import services
 from tests.factories import SYSTEM, anonymous_client, make_keyed_client, make_tenant
+from tests.helpers import audit_tables_may_be_flushed
 
-
-@receiver(connection_created)
-def _audit_tables_may_be_flushed(sender, connection, **kwargs):
-    # Transactional tests end with `flush`, a TRUNCATE of every table, which the audit
-    # tables' append-only trigger refuses unless the session says so (audit migration 0005).
-    # Only TRUNCATE reads this; UPDATE and DELETE stay refused.
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SET zeromem.audit_mode = 'flush'")
+# Transactional tests end with `flush`, which the audit tables refuse unless each session says
+# so (tests/helpers.py audit_tables_may_be_flushed).
+connection_created.connect(audit_tables_may_be_flushed)
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,16 @@ from audit.models import AuditEvent
 from memories.models import Memory, MemoryVersion
 
 
+def audit_tables_may_be_flushed(sender, connection, **kwargs):
+    """``connection_created`` receiver (tests/conftest.py connects it): transactional tests end
+    with `flush`, a TRUNCATE of every table, which the audit tables' append-only trigger
+    refuses unless the session says so (audit migration 0005). Only TRUNCATE reads this;
+    UPDATE and DELETE stay refused."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET zeromem.audit_mode = 'flush'")
+
+
 def start_thread(
     work: Callable[[], object], failures: list, *, done: threading.Event | None = None
 ) -> threading.Thread:

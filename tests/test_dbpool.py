@@ -21,8 +21,8 @@ from psycopg_pool import ConnectionPool
 
 from audit import limits
 from audit.models import AuditEvent
-from tests.conftest import _audit_tables_may_be_flushed
 from tests.factories import make_key
+from tests.helpers import audit_tables_may_be_flushed
 from tests.test_tool_lane import LANE, call
 from zeromem import dbpool
 from zeromem.dbpool import FreshCheck, SkippableCheck, fresh_check_installed
@@ -235,12 +235,12 @@ def test_a_read_on_a_connection_that_died_in_the_pool_runs_again_on_a_checked_on
         # sends one of its own, which then finds it dead.)
         quiet = round_ % 2 == 0
         if quiet:
-            connection_created.disconnect(_audit_tables_may_be_flushed)
+            connection_created.disconnect(audit_tables_may_be_flushed)
         try:
             status, body = _read(lane_key)
         finally:
             if quiet:
-                connection_created.connect(_audit_tables_may_be_flushed)
+                connection_created.connect(audit_tables_may_be_flushed)
         assert (status, body["status"], body["value"]) == ("200 OK", "ok", "kept"), (round_, body)
         assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.read").count() == before + 1
         assert checks.count > checked  # the read went again on a connection the pool checked
@@ -289,11 +289,11 @@ def test_a_connection_whose_backend_has_ended_gets_nothing_sent(checks, monkeypa
             "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = current_database() "
             "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
         )
-    connection_created.disconnect(_audit_tables_may_be_flushed)  # as in production: nothing at checkout
+    connection_created.disconnect(audit_tables_may_be_flushed)  # as in production: nothing at checkout
     try:
         assert hotsql.fetchone("SELECT 1", []) == (1,)
     finally:
-        connection_created.connect(_audit_tables_may_be_flushed)
+        connection_created.connect(audit_tables_may_be_flushed)
     assert sent == ["SELECT 1"]  # once, on the checked connection
     assert checks.count >= 1
     connection.close()
