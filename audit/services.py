@@ -187,14 +187,17 @@ def audit_record(
         else f.get_db_prep_save(fields[name], db)
         for f, name, text, default in columns
     ]
-    if hotsql.fetchone_later(sql, params, db):
+    if hotsql.fetchone_later(sql, params, db, done=_count_written):
         # Its commit's answer is read where the caller's hotsql.answered_later() block ends
-        # (the tool-call lane, before it answers): no id meanwhile.
-        event_id = None
-    else:
-        event_id = hotsql.fetchone(sql, params, db)[0]
-    _written.set(_written.get() + 1)
+        # (the tool-call lane, before it answers), and only then counted: no id meanwhile.
+        return None
+    event_id = hotsql.fetchone(sql, params, db)[0]
+    _count_written()
     return event_id
+
+
+def _count_written() -> None:
+    _written.set(_written.get() + 1)
 
 
 def _flush_waived(db=connection) -> bool:

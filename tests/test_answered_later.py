@@ -11,9 +11,11 @@ import json
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import DataError, connection
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from audit.models import AuditEvent
+from audit.services import events_written
 from memories.api import lane
 from tests.factories import make_key, write
 from tests.test_tool_lane import DJANGO, LANE, call, seen_by_client
@@ -72,17 +74,42 @@ def test_a_reads_event_is_committed_while_its_answer_is_rendered(tenant_a, pendi
     assert _events(tenant_a, "memory.read")[-1][:2] == ("not_found", "user:u1:none")
 
 
-def test_a_refused_calls_event_then_the_rate_counter_alone_go_in_order(tenant_a, pending_seen):
-    """A call refused while it is parsed (an unknown argument) records its event before any
-    read: sent later, then read first when the rate counter, held for a read that never came,
-    goes alone as the riding block ends."""
+def test_a_refused_calls_event_is_committed_while_its_refusal_is_rendered(tenant_a, pending_seen):
+    """A call refused while it is parsed (an unknown argument) records a ``tool.call`` event:
+    sent later too when it is the call's last statement (a tool that does not ride the rate
+    counter, which is taken before). A riding tool's refusal waits for the counter still held,
+    which goes first, alone: its event is sent at once."""
     _key, raw = make_key(tenant_a)
     assert call(DJANGO, raw, _read())[0] == "200 OK"
     before = len(_events(tenant_a, "tool.call"))
-    status, _headers, content = call(LANE, raw, {"name": "memory_read", "arguments": {"key": KEY, "nope": 1}})
-    assert status == "400 Bad Request" and json.loads(content)["error"]["field"] == "nope"
-    assert len(_events(tenant_a, "tool.call")) == before + 1
+    pending_seen.clear()
+    for name, arguments in (("memory_list", {"prefix": "user:"}), ("memory_read", {"key": KEY})):
+        status, _headers, content = call(LANE, raw, {"name": name, "arguments": {**arguments, "nope": 1}})
+        assert status == "400 Bad Request" and json.loads(content)["error"]["field"] == "nope"
+    assert pending_seen == [True, False]
+    assert len(_events(tenant_a, "tool.call")) == before + 2
     assert not getattr(connection, hotsql._LATER, None)
+
+
+def test_a_statement_is_counted_done_only_once_its_answer_is_read():
+    connection.ensure_connection()
+    done = []
+    with hotsql.answered_later():
+        assert hotsql.fetchone_later("SELECT 1", [], done=lambda: done.append(1))
+        assert done == []
+    assert done == [1]
+
+
+def test_a_statement_that_fails_later_is_the_error_raised_whatever_came_after_it():
+    """Had it failed where it was sent, nothing after it would have run: its error is the one
+    raised (the block's chained to it), and the connection is free again."""
+    connection.ensure_connection()
+    with pytest.raises(DataError) as raised:
+        with hotsql.answered_later():
+            assert hotsql.fetchone_later("SELECT 1 / %s", [0])
+            raise ValueError("what came after")
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert hotsql.fetchone("SELECT 2", []) == (2,)
 
 
 @pytest.fixture
@@ -135,3 +162,71 @@ def test_a_read_whose_event_fails_is_answered_as_the_django_view_answers_it(
     # The connection is fine for the next request.
     status, _headers, content = call(LANE, raw_b, _read())
     assert status == "200 OK"
+
+
+def test_an_event_that_failed_is_not_counted_as_written(tenant_a, events_refused):
+    """events_written() (a surface running several operations compares it) counts an event
+    sent later once it has committed (found by review: it was counted when sent)."""
+    write(tenant_a, "fact:refused", "v")
+    _key, raw = make_key(tenant_a)
+    assert call(DJANGO, raw, _read())[0] == "200 OK"
+    rows, before = AuditEvent.objects.count(), events_written()
+    assert call(LANE, raw, _read("fact:refused"))[0] == "503 Service Unavailable"
+    assert (AuditEvent.objects.count(), events_written()) == (rows, before)
+    assert call(LANE, raw, _read())[0] == "200 OK"
+    assert (AuditEvent.objects.count(), events_written()) == (rows + 1, before + 1)
+
+
+@pytest.fixture
+def django_cursor_while_pending(monkeypatch):
+    """Every Django cursor made, or autocommit changed, while a statement is pending (it would
+    find the connection busy)."""
+    seen = []
+    cursor, set_autocommit = BaseDatabaseWrapper._cursor, BaseDatabaseWrapper.set_autocommit
+
+    def watched(name, method):
+        def call_(self, *args, **kwargs):
+            if getattr(self, hotsql._LATER, None):
+                seen.append(name)
+            return method(self, *args, **kwargs)
+
+        return call_
+
+    monkeypatch.setattr(BaseDatabaseWrapper, "_cursor", watched("cursor", cursor))
+    monkeypatch.setattr(BaseDatabaseWrapper, "set_autocommit", watched("autocommit", set_autocommit))
+    return seen
+
+
+# Every cheap tool's answers: success, not found, conflict, refusals (from the review).
+CALLS = [
+    _read(),
+    _read("user:u1:none"),
+    {"name": "memory_read", "arguments": {"key": KEY, "max_chars": 2}},
+    {"name": "memory_read", "arguments": {"key": "  "}},
+    {"name": "memory_read", "arguments": {"key": KEY, "nope": 1}},
+    {"name": "memory_list", "arguments": {"prefix": "user:"}},
+    {"name": "memory_list", "arguments": {"prefix": "user:", "limit": 0}},
+    {"name": "memory_delete", "arguments": {"key": "user:u1:none"}},
+    {"name": "memory_delete", "arguments": {"key": "user:u1:del"}},
+    {"name": "memory_write", "arguments": {"key": "user:u1:w", "value": "x"}},
+    {"name": "memory_write", "arguments": {"key": "user:u1:w", "value": "y"}},
+    {"name": "memory_write", "arguments": {"key": "", "value": "y"}},
+    {"name": "memory_update", "arguments": {"key": "user:u1:w", "value": "z", "expected_version": 1}},
+    {"name": "memory_update", "arguments": {"key": "user:u1:w", "value": "z"}},
+    {"name": "memory_update", "arguments": {"key": "user:u1:none", "value": "z"}},
+    {"name": "memory_summarize", "arguments": {"prefix": ""}},
+    {"name": "memory_summarize", "arguments": {"prefix": "user:u1:"}},
+    {"name": "nope", "arguments": {}},
+    {"name": ["x"]},
+    {"type": "function", "function": {"name": "memory_list", "arguments": "{}"}},
+]
+
+
+def test_nothing_but_hotsql_touches_the_connection_while_a_statement_is_pending(tenant_a, django_cursor_while_pending):
+    write(tenant_a, KEY, "zh-CN")
+    write(tenant_a, "user:u1:del", "x")
+    _key, raw = make_key(tenant_a)
+    assert call(DJANGO, raw, _read())[0] == "200 OK"
+    statuses = [call(LANE, raw, body)[0] for body in CALLS]
+    assert django_cursor_while_pending == []
+    assert statuses.count("200 OK") >= 10 and any(s.startswith("400") for s in statuses)

@@ -493,13 +493,15 @@ def answered_later() -> Iterator[None]:
     setattr(db, _LATER, pending)
     try:
         yield
-    except BaseException:
-        # The block's own error goes on; the statement's answer is read all the same (the
-        # connection must be free again), and its error, if any, is the lesser news.
+    except BaseException as exc:
+        # The statement's answer is read all the same (the connection must be free again). Had
+        # it failed where it was sent, nothing after it would have run: its error is raised,
+        # unless the block's is an interrupt (KeyboardInterrupt, SystemExit), which goes on.
         try:
             _read_later(db)
-        except Exception:  # noqa: BLE001, S110 - the block's error is the one raised
-            pass
+        except Exception as failed:
+            if isinstance(exc, Exception):
+                raise failed from exc
         raise
     else:
         _read_later(db)
@@ -507,11 +509,11 @@ def answered_later() -> Iterator[None]:
         setattr(db, _LATER, None)
 
 
-def fetchone_later(sql: str, params: Sequence, db=None) -> bool:
+def fetchone_later(sql: str, params: Sequence, db=None, *, done: Callable[[], None] | None = None) -> bool:
     """Inside :func:`answered_later`, send ``sql`` — a statement that is a transaction of its
     own (autocommit, no transaction, nothing held or riding), whose answer the caller does not
-    need — and return True: its answer is read later. Otherwise send nothing and return False
-    (the caller sends it as usual)."""
+    need — and return True: its answer is read later, and ``done()`` called once it has
+    succeeded. Otherwise send nothing and return False (the caller sends it as usual)."""
     if db is None:
         db = connections[DEFAULT_DB_ALIAS]
     pending = getattr(db, _LATER, None)
@@ -541,11 +543,15 @@ def fetchone_later(sql: str, params: Sequence, db=None) -> bool:
         with db.wrap_database_errors, conn.lock:
             state = next(gen)
     except StopIteration:
-        return True  # answered already
+        state = None  # answered already
     except BaseException:
         _drop_kept_cursor(conn, sql)
         raise
-    pending.append((conn, cursor, gen, state, sql))
+    if state is None:
+        if done is not None:
+            done()
+        return True
+    pending.append((conn, gen, state, sql, done))
     return True
 
 
@@ -553,13 +559,15 @@ def _read_later(db) -> None:
     pending = getattr(db, _LATER, None)
     if not pending:
         return
-    conn, cursor, gen, state, sql = pending.pop()
+    conn, gen, state, sql, done = pending.pop()
     try:
         with db.wrap_database_errors, conn.lock:
             conn.wait(_resumed(gen, state))
     except BaseException:
         _drop_kept_cursor(conn, sql)
         raise
+    if done is not None:
+        done()
 
 
 def _resumed(gen, state):
