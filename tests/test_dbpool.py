@@ -139,16 +139,20 @@ def test_by_default_the_pool_keeps_djangos_check_and_with_a_fresh_time_takes_thi
 
 
 class _Checks:
-    """Counts the pool's own checks (the empty query) that run, under SkippableCheck."""
+    """Counts the pool's own checks (the empty query) that run, under SkippableCheck, for this
+    thread's checkouts (another thread, renewing this process's tenant slots, may check one
+    out meanwhile)."""
 
     def __init__(self):
         assert dbpool.read_checks(connection)  # puts SkippableCheck around the pool's check
         self.wrapper = connection.pool._check
         self.inner = self.wrapper.check
         self.count = 0
+        me = threading.get_ident()
 
         def counted(conn):
-            self.count += 1
+            if threading.get_ident() == me:
+                self.count += 1
             return self.inner(conn)
 
         self.wrapper.check = counted
@@ -360,11 +364,19 @@ def database_unreachable(monkeypatch):
 
 def _pool_asked(monkeypatch, read) -> int:
     """How many times ``read`` asks the pool for a connection (each a wait of its timeout when
-    none can be had) before it raises."""
+    none can be had) before it raises — in this thread (another, renewing this process's
+    tenant slots, may ask meanwhile)."""
     pool = connection.pool
     asked = []
     getconn = pool.getconn
-    monkeypatch.setattr(pool, "getconn", lambda *args, **kwargs: asked.append(1) or getconn(*args, **kwargs))
+    me = threading.get_ident()
+
+    def counted(*args, **kwargs):
+        if threading.get_ident() == me:
+            asked.append(1)
+        return getconn(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "getconn", counted)
     with pytest.raises(OperationalError):
         read()
     monkeypatch.setattr(pool, "getconn", getconn)

@@ -2,6 +2,8 @@
 memory it builds from its row is the one the ORM builds, and the cursors hotsql keeps per
 connection and statement are dropped when their connection or statement fails."""
 
+import threading
+
 import pytest
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
 from django.db.models.signals import post_init
@@ -108,7 +110,10 @@ def test_each_pooled_connection_keeps_its_cursors_from_one_checkout_to_the_next(
         services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
     made = []
     server_bound = hotsql._server_bound
-    monkeypatch.setattr(hotsql, "_server_bound", lambda conn: made.append(conn) or server_bound(conn))
+    me = threading.get_ident()  # (another thread may run statements meanwhile: the slots' renewal)
+    monkeypatch.setattr(
+        hotsql, "_server_bound", lambda conn: (threading.get_ident() == me and made.append(conn)) or server_bound(conn)
+    )
     seen = set()
     for _ in range(rounds):
         connection.close()
