@@ -119,7 +119,7 @@ def _execute(sql: str, params: Sequence, fetch, db):
         conn = db.connection
         prepared = getattr(conn, "prepare_threshold", None) is not None and not tracing.on()
         if prepared and not db.allow_thread_sharing:
-            cursor = _kept_cursor(db, conn, sql)
+            cursor = _kept_cursor(conn, sql)
             try:
                 cursor.execute(sql, params, prepare=True)
                 return fetch(cursor)
@@ -149,7 +149,7 @@ _KEPT = "_zeromem_hotsql_cursors"
 _KEPT_MAX = 64
 
 
-def _kept_cursor(db, conn, sql: str):
+def _kept_cursor(conn, sql: str):
     kept = conn.__dict__.get(_KEPT)
     if kept is None:
         kept = conn.__dict__[_KEPT] = {}
@@ -524,17 +524,15 @@ def fetchone_later(sql: str, params: Sequence, db=None, *, done: Callable[[], No
         or conn is None
         or getattr(db, _HELD, None)
         or getattr(db, _RIDER, None) is not None
-        or db.queries_logged
-        or db.execute_wrappers
+        or not _unwatched_postgres(db)
         or db.allow_thread_sharing
         or getattr(conn, "prepare_threshold", None) is None
-        or tracing.on()
         or not _own_transaction(db)
     ):
         return False
     db.validate_thread_sharing()
     db.validate_no_broken_transaction()
-    cursor = _kept_cursor(db, conn, sql)
+    cursor = _kept_cursor(conn, sql)
     # What cursor.execute() runs, driven only until it first waits: the statement is sent
     # (prepared, as _execute sends it), its answer not yet read (psycopg's generator, resumed
     # by _read_later where it stopped).
