@@ -19,7 +19,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -154,6 +154,43 @@ def audit_record(
     Returns the event's id — None inside ``hotsql.answered_later()`` when the INSERT is a
     transaction of its own (its answer read when that block ends)."""
     db = connections[DEFAULT_DB_ALIAS]  # the wrapper, once: each proxied attribute was a lookup
+    sql, params = _event_statement(
+        db,
+        tenant=tenant,
+        actor=actor,
+        action=action,
+        outcome=outcome,
+        target=target,
+        subject=subject,
+        count=count,
+        version=version,
+        detail=detail,
+        actor_filter=actor_filter,
+    )
+    if hotsql.fetchone_later(sql, params, db, done=_count_written):
+        # Its commit's answer is read where the caller's hotsql.answered_later() block ends
+        # (the tool-call lane, before it answers), and only then counted: no id meanwhile.
+        return None
+    event_id = hotsql.fetchone(sql, params, db)[0]
+    _count_written()
+    return event_id
+
+
+def _event_statement(
+    db,
+    *,
+    tenant: Tenant | None,
+    actor: Actor,
+    action: str,
+    outcome: str,
+    target: str,
+    subject: str,
+    count: int | None,
+    version: int | None,
+    detail: dict | None,
+    actor_filter: str,
+) -> tuple[str, list]:
+    """The INSERT of one event and its parameters, its digest computed (audit_record's)."""
     fields = {
         "uid": uuid.uuid4(),
         "tenant_id": tenant.pk if tenant is not None else None,
@@ -187,13 +224,7 @@ def audit_record(
         else f.get_db_prep_save(fields[name], db)
         for f, name, text, default in columns
     ]
-    if hotsql.fetchone_later(sql, params, db, done=_count_written):
-        # Its commit's answer is read where the caller's hotsql.answered_later() block ends
-        # (the tool-call lane, before it answers), and only then counted: no id meanwhile.
-        return None
-    event_id = hotsql.fetchone(sql, params, db)[0]
-    _count_written()
-    return event_id
+    return sql, params
 
 
 def _count_written() -> None:
@@ -329,6 +360,42 @@ class AuditedOperation:
             raise RuntimeError(f"{self.action}: write_now needs one recorded event, not yet written")
         self._write(self._row)
         self._written = True
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the operation has recorded its event (written or not yet)."""
+        return self._row is not None
+
+    @contextmanager
+    def riding_read(self, *, expect: Sequence[tuple[str, object]], **row) -> Iterator[None]:
+        """Record the event as ``row`` (:meth:`record`'s fields) for a read whose row is
+        expected to hold ``expect`` — (column, value) pairs — and send it with the block's read
+        (zeromem/kernel/hotsql.py "An event that rides the read it records"): written with it,
+        in its transaction, only when the row holds them; else nothing is recorded and the
+        caller records what it found, as without this. A no-op where the event cannot ride."""
+        if self._row is not None:
+            raise RuntimeError(f"{self.action}: one operation records one event")
+        full = {
+            "outcome": AuditEvent.Outcome.OK,
+            "target": self.target,
+            "subject": "",
+            "count": None,
+            "version": None,
+            "detail": None,
+            "actor_filter": "",
+            **row,
+        }
+        db = connections[DEFAULT_DB_ALIAS]
+        sql, params = _event_statement(db, tenant=self.tenant, actor=self.actor, action=self.action, **full)
+
+        def written(event_id) -> None:
+            self._row = full
+            self._written = True
+            self.event_id = event_id
+            _count_written()
+
+        with hotsql.event_riding(hotsql.Event(sql, params, expect, written)):
+            yield
 
     def unrecord(self) -> None:
         """Take back the event recorded and not written: an attempt given up before anything

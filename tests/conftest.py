@@ -47,10 +47,11 @@ def _fresh_key_cache():
     # Each test starts with no API key verified by an earlier one (their rows are gone).
     # Nor with data keys unwrapped by an earlier one (SQLite reuses rolled-back row ids).
     from memories import keyring
-    from memories.services import key_cache
+    from memories.services import key_cache, last_seen
 
     key_cache.forget()
     keyring.forget_cache()
+    last_seen.clear()  # nor with memories an earlier test read or wrote
     yield
     key_cache.forget()
     keyring.forget_cache()

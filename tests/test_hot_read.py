@@ -60,7 +60,9 @@ def _kept() -> dict:
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="cursors are kept only for prepared statements")
 @pytest.mark.django_db(transaction=True)  # the connection is closed and opened again
-def test_a_statement_runs_again_on_its_kept_cursor_until_its_connection_or_statement_fails(tenant_a):
+def test_a_statement_runs_again_on_its_kept_cursor_until_its_connection_or_statement_fails(tenant_a, settings):
+    # Reads of two statements each (a read of a key seen lately is one: test_read_one_statement.py).
+    settings.ZEROMEM_READ_ONE_STATEMENT = False
     write(tenant_a, KEY, "zh-CN")
     services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
     kept = dict(_kept())

@@ -45,10 +45,14 @@ def _reads(tenant, outcome="ok") -> int:
 
 
 @on_postgres
-@pytest.mark.parametrize("riding, trips", [(True, 2), (False, 3)])
-def test_a_laned_read_is_two_round_trips(transactional_db, tenant_a, riding, trips, monkeypatch, settings):
+@pytest.mark.parametrize("riding, trips, missing_trips", [(True, 2, 2), (False, 2, 3)])
+def test_a_laned_read_is_two_round_trips(
+    transactional_db, tenant_a, riding, trips, missing_trips, monkeypatch, settings
+):
     """Outside any transaction, as a server runs it: the counter with the SELECT, then the
-    audit INSERT (three with the counter sent first, as every other tool call sends it)."""
+    audit INSERT. With the counter sent first, as every other tool call sends it: the counter,
+    then the SELECT with its event (the key was read lately), or three for a key with no memory
+    (tests/test_read_one_statement.py)."""
     settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600  # as served: tokens-returned totals written now and then
     if not riding:
         monkeypatch.setattr(lane, "RIDING_TOOLS", frozenset())
@@ -68,7 +72,7 @@ def test_a_laned_read_is_two_round_trips(transactional_db, tenant_a, riding, tri
     with RoundTrips() as sent:
         status, _headers, content = call(LANE, raw, {"name": "memory_read", "arguments": {"key": "user:u1:none"}})
     assert status == "200 OK" and b'"status":"not_found"' in content
-    assert sent.count == trips
+    assert sent.count == missing_trips
     assert _count(key) == counted + 2 and _reads(tenant_a, "not_found") == 2
     usage.flush()  # the totals held back, while the tenant is there
 
@@ -216,10 +220,13 @@ def rest(raw, *, method="GET", query="", path=MEMORY):
 
 
 @on_postgres
-@pytest.mark.parametrize("riding, trips", [(True, 2), (False, 3)])
-def test_a_rest_read_is_two_round_trips(transactional_db, tenant_a, riding, trips, monkeypatch, settings):
+@pytest.mark.parametrize("riding, trips, missing_trips", [(True, 2, 2), (False, 2, 3)])
+def test_a_rest_read_is_two_round_trips(
+    transactional_db, tenant_a, riding, trips, missing_trips, monkeypatch, settings
+):
     """Django's whole request, as served (no statement watched): the counter with the
-    memory's SELECT, then the audit INSERT — three with the throttle taking the counter first."""
+    memory's SELECT, then the audit INSERT. With the throttle taking the counter first: the
+    counter, then the SELECT with its event — three for a key with no memory."""
     settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
     if not riding:
         monkeypatch.setattr(RidingRateLimit, "rate_limit_rides", lambda self, request, api_key: False)
@@ -236,7 +243,7 @@ def test_a_rest_read_is_two_round_trips(transactional_db, tenant_a, riding, trip
     with RoundTrips() as sent:
         status, _headers, content = rest(raw, path="/api/v1/memories/user:u1:none")
     assert status == "404 Not Found" and b'"code":"not_found"' in content
-    assert sent.count == trips
+    assert sent.count == missing_trips
     assert _count(key) == counted + 2 and _reads(tenant_a, "not_found") == 2
     usage.flush()
 
@@ -501,10 +508,11 @@ def _mcp_actor(key):
 
 
 @on_postgres
-@pytest.mark.parametrize("riding, trips", [(True, 2), (False, 3)])
-def test_an_mcp_read_is_two_round_trips(transactional_db, tenant_a, riding, trips, monkeypatch):
+@pytest.mark.parametrize("riding, trips, write_trips", [(True, 2, 2), (False, 2, 3)])
+def test_an_mcp_read_is_two_round_trips(transactional_db, tenant_a, riding, trips, write_trips, monkeypatch):
     """What MCP's tools/call runs in its thread (``run_call``): the counter with the SELECT,
-    then the audit INSERT — three with the counter taken first, as MCP took it before."""
+    then the audit INSERT. With the counter taken first, as MCP took it before: the counter,
+    then the SELECT with its event (the key was written lately); a write, three."""
     if not riding:
         monkeypatch.setattr(tools, "RIDING_TOOLS", frozenset())
     key, _raw = make_key(tenant_a)
@@ -521,7 +529,7 @@ def test_an_mcp_read_is_two_round_trips(transactional_db, tenant_a, riding, trip
     with RoundTrips() as sent:
         result = mcp_server.run_call(key, actor, "memory_write", {"key": "user:u1:lang", "value": "fr"})
     assert result["status"] == "ok" and result["version"] == 3
-    assert sent.count == trips
+    assert sent.count == write_trips
     assert _count(key) == counted + 2
     events = AuditEvent.objects.filter(tenant=tenant_a, surface="mcp").values_list("action", "outcome")
     expected = [("memory.read", "ok")] * 2 + [("memory.read", "not_found")] + [("memory.write", "ok")] * 2

@@ -31,7 +31,7 @@ from audit.services import AuditedOperation, audited_operation
 from memories import keyring, search, selectors
 from memories.models import Memory, MemoryVersion, Tenant
 from memories.search import embeddings
-from memories.services import retention, sensitivity
+from memories.services import last_seen, retention, sensitivity
 from memories.services.search_budget import search_budget
 from zeromem.kernel import hotsql, validation
 from zeromem.kernel.actors import Actor, require_key_allowed, require_scope, require_subject_allowed
@@ -237,6 +237,7 @@ def memory_write(
                 tenant=tenant, actor=actor, op=op, key=key, fields=fields, now=now, sensitive=sensitive
             )
             if written is not None:
+                last_seen.saw(tenant.pk, key, written.memory)
                 return written
         hotsql.send_rider()  # the rate counter (a tool write), before the transaction
         # On PostgreSQL the UPDATE (or, for a new memory, the version INSERT) is held and sent
@@ -254,6 +255,7 @@ def memory_write(
             _record_version(memory, MemoryVersion.Op.WRITE, actor, now)
             op.record(subject=memory.subject, version=memory.version, detail={"created": created})
             op.write_now()  # the audit INSERT, carrying the held statements
+        last_seen.saw(tenant.pk, key, memory)
         return MemoryResult(status="ok", key=key, memory=memory, created=created)
 
 
@@ -469,12 +471,24 @@ def memory_read(
                 max_containers=settings.ZEROMEM_VALUE_MAX_CONTAINERS,
                 field="default",
             )
-        memory = selectors.memory_get_live(tenant=tenant, key=key)
+        seen = None if refreshing else last_seen.expected(tenant.pk, key)
+        if seen is None:
+            memory = selectors.memory_get_live(tenant=tenant, key=key)
+        else:
+            # Its event goes with the SELECT, written only if the row is as last seen here.
+            version, subject = seen
+            expect = (("version", version), ("subject", subject), ("sensitive", False))
+            with op.riding_read(expect=expect, subject=subject, version=version):
+                memory = selectors.memory_get_live(tenant=tenant, key=key)
+        if not op.recorded:
+            last_seen.saw(tenant.pk, key, memory)
         if memory is None:
             raise _no_memory()
         seconds = refresh_ttl(memory) if refreshing and not isinstance(memory.value, ErasedValue) else None
         refreshed = bool(seconds) and bool(expiry_refresh(tenant=tenant, actor=actor, due=[(memory, seconds)]))
-        op.record(subject=memory.subject, version=memory.version, detail={"ttl_refreshed": 1} if refreshed else None)
+        if not op.recorded:
+            detail = {"ttl_refreshed": 1} if refreshed else None
+            op.record(subject=memory.subject, version=memory.version, detail=detail)
         if isinstance(memory.value, ErasedValue):
             raise Erased()
         sliced = _value_slice(memory.value, max_chars=max_chars, offset=offset) if cut else None

@@ -1,0 +1,176 @@
+"""A read of a key this process read or wrote lately sends its audit event with its SELECT, as
+one statement (zeromem/kernel/hotsql.py "An event that rides the read it records";
+memories/services/last_seen.py): the event is written only if the row still holds the version
+and subject last seen, and is then the event the read would have written after it. A row that
+changed, went or turned sensitive is read as it is, and its event (what the read found) follows
+as before. The memory read always comes from the database.
+
+Transactional tests: the event rides only a read that is a transaction of its own."""
+
+import contextlib
+
+import pytest
+from django.db import connection, transaction
+
+from audit import chain
+from audit.models import AuditEvent
+from audit.services import audit_seal, event_fields, events_written
+from audit.verify import audit_verify
+from memories import services
+from memories.models import Memory
+from memories.services import last_seen
+from tests.factories import SYSTEM, write
+from tests.helpers import RoundTrips
+from zeromem.kernel.errors import NotFound
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="one statement on PostgreSQL only"),
+    pytest.mark.django_db(transaction=True),
+]
+
+KEY = "user:u1:lang"
+FIELDS = ("outcome", "target", "subject", "version", "surface", "actor_kind", "actor_id", "count", "detail")
+
+
+def _read(tenant, key: str = KEY):
+    """The service's read, as a served request runs it (no transaction), and what it sent."""
+    with RoundTrips() as sent:
+        try:
+            result = services.memory_read(tenant=tenant, actor=SYSTEM, key=key)
+        except NotFound:
+            result = None
+    return result, sent
+
+
+@pytest.fixture(autouse=True)
+def _prepared(tenant_a):
+    """Each statement of a read prepared on the connection (its first run is two round trips):
+    the one with the event, the SELECT alone, the event alone."""
+    write(tenant_a, "warm:up", 1)
+    for key in ("warm:up", "warm:up", "warm:none"):
+        with contextlib.suppress(NotFound):
+            services.memory_read(tenant=tenant_a, actor=SYSTEM, key=key)
+    last_seen.clear()
+    services.memory_read(tenant=tenant_a, actor=SYSTEM, key="warm:up")
+
+
+def _reads(tenant) -> list[dict]:
+    events = AuditEvent.objects.filter(tenant=tenant, action="memory.read").exclude(target__startswith="warm:")
+    return list(events.order_by("id").values())
+
+
+def _change_elsewhere(memory: Memory, **columns) -> None:
+    """What another process's write does to the row (this process never sees it)."""
+    sets = ", ".join(f"{name} = %s" for name in columns)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE memories_memory SET {sets} WHERE id = %s", [*columns.values(), memory.pk])  # noqa: S608
+
+
+def test_a_read_of_a_key_written_here_is_one_round_trip_with_its_event(tenant_a, settings):
+    m = write(tenant_a, KEY, "zh-CN", subject="u1")
+    written = events_written()
+    result, sent = _read(tenant_a)
+    assert result.memory.value == "zh-CN" and result.memory.version == m.version
+    assert sent.count == 1
+    assert events_written() == written + 1
+    (event,) = _reads(tenant_a)
+    assert (event["outcome"], event["target"], event["subject"], event["version"]) == ("ok", KEY, "u1", m.version)
+    # The same event, field for field, as a read that sends it after its SELECT.
+    settings.ZEROMEM_READ_ONE_STATEMENT = False
+    _again, sent_after = _read(tenant_a)
+    assert sent_after.count == 2
+    first, second = _reads(tenant_a)
+    assert {f: first[f] for f in FIELDS} == {f: second[f] for f in FIELDS}
+    # Its digest covers what it holds, and the log verifies once sealed.
+    assert first["digest"] == chain.digest(event_fields(first))
+    audit_seal(tenant_id=tenant_a.pk)
+    assert audit_verify(tenant_id=tenant_a.pk).ok
+
+
+def test_reads_again_are_one_round_trip_each(tenant_a):
+    write(tenant_a, KEY, "zh-CN")
+    last_seen.clear()  # as in another process: first read, then seen
+    _result, first = _read(tenant_a)
+    assert first.count == 2
+    for _ in range(3):
+        result, sent = _read(tenant_a)
+        assert result.memory.value == "zh-CN" and sent.count == 1
+    assert len(_reads(tenant_a)) == 4
+
+
+def test_a_row_changed_elsewhere_is_read_as_it_is_and_its_event_says_what_was_read(tenant_a):
+    m = write(tenant_a, KEY, "zh-CN", subject="u1")
+    _change_elsewhere(m, value='"de-DE"', version=m.version + 1)
+    result, sent = _read(tenant_a)
+    assert result.memory.value == "de-DE" and result.memory.version == m.version + 1
+    assert sent.count == 2  # the event with the SELECT was not written; the read's own followed
+    (event,) = _reads(tenant_a)
+    assert (event["outcome"], event["version"]) == ("ok", m.version + 1)
+    # Seen now: the next read is one statement again.
+    result, sent = _read(tenant_a)
+    assert sent.count == 1 and result.memory.version == m.version + 1
+    assert [e["version"] for e in _reads(tenant_a)] == [m.version + 1] * 2
+
+
+def test_a_subject_changed_elsewhere_is_in_the_event(tenant_a):
+    m = write(tenant_a, KEY, "zh-CN", subject="u1")
+    _change_elsewhere(m, subject="u2")  # same version
+    result, sent = _read(tenant_a)
+    assert result.memory.subject == "u2" and sent.count == 2
+    (event,) = _reads(tenant_a)
+    assert (event["subject"], event["version"]) == ("u2", m.version)
+
+
+def test_a_memory_gone_elsewhere_is_not_found_and_audited_so(tenant_a):
+    m = write(tenant_a, KEY, "zh-CN")
+    _change_elsewhere(m, deleted_at=m.updated_at)
+    result, sent = _read(tenant_a)
+    assert result is None and sent.count == 2
+    assert [(e["outcome"], e["version"]) for e in _reads(tenant_a)] == [("not_found", None)]
+    assert last_seen.expected(tenant_a.pk, KEY) is None
+
+
+def test_an_expired_memory_is_not_found(tenant_a):
+    m = write(tenant_a, KEY, "zh-CN", ttl_seconds=3600)
+    _change_elsewhere(m, expires_at=m.updated_at)  # expired since (no new version)
+    result, sent = _read(tenant_a)
+    assert result is None and [e["outcome"] for e in _reads(tenant_a)] == ["not_found"]
+
+
+def test_a_sensitive_memory_sends_its_event_after_the_read(tenant_a):
+    write(tenant_a, KEY, "zh-CN", sensitive=True)
+    assert last_seen.expected(tenant_a.pk, KEY) is None
+    for _ in range(2):
+        result, sent = _read(tenant_a)
+        assert result.memory.value == "zh-CN" and sent.count == 2
+    assert last_seen.expected(tenant_a.pk, KEY) is None
+    assert [e["outcome"] for e in _reads(tenant_a)] == ["ok", "ok"]
+
+
+def test_each_tenant_reads_its_own_row_and_writes_its_own_event(tenant_a, tenant_b):
+    a = write(tenant_a, KEY, "zh-CN", subject="alice")
+    b = write(tenant_b, KEY, "fr-FR", subject="bob")
+    write(tenant_b, KEY, "fr-CA", subject="bob")  # B's row is at another version
+    result, sent = _read(tenant_b)
+    assert result.memory.value == "fr-CA" and result.memory.tenant_id == tenant_b.pk and sent.count == 1
+    result, sent = _read(tenant_a)
+    assert result.memory.value == "zh-CN" and sent.count == 1
+    assert [(e["subject"], e["version"]) for e in _reads(tenant_a)] == [("alice", a.version)]
+    assert [(e["subject"], e["version"]) for e in _reads(tenant_b)] == [("bob", b.version + 1)]
+
+
+def test_inside_a_transaction_the_event_follows_the_read(tenant_a):
+    write(tenant_a, KEY, "zh-CN")
+    with RoundTrips() as sent, transaction.atomic():
+        result = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    assert result.memory.value == "zh-CN" and sent.count == 4  # BEGIN, the SELECT, the event, COMMIT
+    assert len(_reads(tenant_a)) == 1
+
+
+def test_off_every_read_sends_its_event_after_its_select(tenant_a, settings):
+    settings.ZEROMEM_READ_ONE_STATEMENT = False
+    write(tenant_a, KEY, "zh-CN")
+    for _ in range(2):
+        _result, sent = _read(tenant_a)
+        assert sent.count == 2
