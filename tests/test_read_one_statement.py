@@ -18,7 +18,7 @@ from audit.services import audit_seal, event_fields, events_written
 from audit.verify import audit_verify
 from memories import services
 from memories.models import Memory
-from memories.services import last_seen
+from memories.services import last_seen, usage
 from tests.factories import SYSTEM, write
 from tests.helpers import RoundTrips
 from zeromem.kernel.errors import NotFound
@@ -174,3 +174,32 @@ def test_off_every_read_sends_its_event_after_its_select(tenant_a, settings):
     for _ in range(2):
         _result, sent = _read(tenant_a)
         assert sent.count == 2
+
+
+def test_with_the_rate_counter_riding_the_event_is_made_once_and_follows(tenant_a, settings, monkeypatch):
+    """A tool read without Redis: the counter rides the SELECT, so the event cannot (its row
+    lock would be held through the event's flush). The event is then made once, after the
+    read — not made for the SELECT, dropped and made again."""
+    from audit import services as audit_services
+    from tests.factories import make_key
+    from tests.test_tool_lane import LANE, call
+
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10_000
+    settings.ZEROMEM_TOOL_LANE = True
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600  # as served: tokens-returned totals written now and then
+    _key, raw = make_key(tenant_a)
+    write(tenant_a, KEY, "zh-CN")
+    read = {"name": "memory_read", "arguments": {"key": KEY}}
+    for _ in range(2):  # the key verified by Django, then the lane's statements prepared
+        assert call(LANE, raw, read)[0] == "200 OK"
+    assert last_seen.expected(tenant_a.pk, KEY) is not None
+    made = []
+    statement = audit_services._event_statement
+    monkeypatch.setattr(audit_services, "_event_statement", lambda *a, **k: made.append(1) or statement(*a, **k))
+    with RoundTrips() as sent:
+        status, _headers, content = call(LANE, raw, read)
+    assert status == "200 OK" and b'"value":"zh-CN"' in content
+    assert made == [1] and sent.count == 2  # the counter with the SELECT, then the event
+    assert len(_reads(tenant_a)) == 3
+    usage.flush()  # the totals held back, while the tenant is there

@@ -472,7 +472,7 @@ def memory_read(
                 field="default",
             )
         seen = None if refreshing else last_seen.expected(tenant.pk, key)
-        if seen is None:
+        if seen is None or not hotsql.event_may_ride():
             memory = selectors.memory_get_live(tenant=tenant, key=key)
         else:
             # Its event goes with the SELECT, written only if the row is as last seen here.

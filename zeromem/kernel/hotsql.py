@@ -733,20 +733,28 @@ class Event(NamedTuple):
     done: Callable[[object], None]  # given the event's id, once inserted
 
 
+def event_may_ride(db=None) -> bool:
+    """Whether an event held now (:func:`event_riding`) could ride the next read: PostgreSQL,
+    unwatched (no ``DEBUG``, ``CaptureQueriesContext``, execute wrappers, tracing), outside any
+    transaction, nothing held, no rate counter riding, no event held already. No query."""
+    if db is None:
+        db = connections[DEFAULT_DB_ALIAS]
+    return (
+        getattr(db, _EVENT, None) is None
+        and getattr(db, _HELD, None) is None
+        and getattr(db, _RIDER, None) is None
+        and _unwatched_postgres(db)
+        and _own_transaction(db)
+    )
+
+
 @contextlib.contextmanager
 def event_riding(event: Event) -> Iterator[bool]:
     """Hold ``event`` for the next :func:`fetchone` of this block (see above): sent with it
-    when it is a plain ``SELECT``, else dropped, never sent alone. Yields whether it is held:
-    not on SQLite, whenever statements are watched (``DEBUG``, ``CaptureQueriesContext``,
-    execute wrappers, tracing), inside a transaction, while statements are held, or nested."""
+    when it is a plain ``SELECT``, else dropped, never sent alone. Yields whether it is held
+    (:func:`event_may_ride`; a caller asks that first, before building the event)."""
     db = connections[DEFAULT_DB_ALIAS]
-    if (
-        getattr(db, _EVENT, None) is not None
-        or getattr(db, _HELD, None) is not None
-        or not _unwatched_postgres(db)
-        or not _own_transaction(db)
-        or _VALUES.search(event.sql) is None
-    ):
+    if not event_may_ride(db) or _VALUES.search(event.sql) is None:
         yield False
         return
     setattr(db, _EVENT, event)
