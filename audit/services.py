@@ -240,8 +240,9 @@ def _flush_waived(db=connection) -> bool:
     return (
         settings.ZEROMEM_AUDIT_READ_EVENTS_ASYNC
         and db.vendor == "postgresql"
-        and not db.in_atomic_block
-        and db.get_autocommit()
+        # Without checking a connection out when none is yet (the event built before the read
+        # that checks one out: get_autocommit() would, with the pool's check).
+        and hotsql.own_transaction(db)
         and not hotsql.holds_statements(db)
     )
 

@@ -10,7 +10,7 @@ Transactional tests: the event rides only a read that is a transaction of its ow
 import contextlib
 
 import pytest
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 
 from audit import chain
 from audit.models import AuditEvent
@@ -21,6 +21,7 @@ from memories.models import Memory
 from memories.services import last_seen, usage
 from tests.factories import SYSTEM, write
 from tests.helpers import RoundTrips
+from zeromem.kernel import hotsql
 from zeromem.kernel.errors import NotFound
 
 pytestmark = [
@@ -203,3 +204,81 @@ def test_with_the_rate_counter_riding_the_event_is_made_once_and_follows(tenant_
     assert made == [1] and sent.count == 2  # the counter with the SELECT, then the event
     assert len(_reads(tenant_a)) == 3
     usage.flush()  # the totals held back, while the tenant is there
+
+
+@pytest.fixture
+def pool_checks(settings):
+    """The pool's own checks (its empty query) run for this thread's checkouts."""
+    from tests.test_dbpool import _Checks
+
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
+    usage.flush()
+    connection.ensure_connection()
+    counted = _Checks()
+    yield counted
+    counted.restore()
+
+
+@pytest.mark.parametrize("one_statement", [False, True])
+def test_with_read_events_async_the_read_is_still_its_connections_check(tenant_a, settings, pool_checks, one_statement):
+    """ZEROMEM_AUDIT_READ_EVENTS_ASYNC: the event, built before the read, asked the connection
+    whether it was in autocommit — checking one out, with the pool's check, before the read
+    that would have been the check (found by review). Its flush-waived INSERT rides too."""
+    settings.ZEROMEM_AUDIT_READ_EVENTS_ASYNC = True
+    settings.ZEROMEM_READ_ONE_STATEMENT = one_statement
+    write(tenant_a, KEY, "zh-CN", subject="u1")
+    services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)  # statements prepared
+    before = pool_checks.count
+    connection.close()  # as a served request: the connection back in the pool
+    result = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    assert result.memory.value == "zh-CN" and len(_reads(tenant_a)) == 2
+    assert pool_checks.count == before
+
+
+def test_a_plain_row_sealed_and_shredded_elsewhere_is_one_not_found_event(tenant_a):
+    """Sealed elsewhere without a new version (the re-encryption job), then its subject
+    forgotten: the riding event expects the row plain, so it is not written, and the read is
+    one not_found event (without that condition: an ok event and a not_found one)."""
+    m = write(tenant_a, KEY, "zh-CN", subject="u1")
+    assert last_seen.expected(tenant_a.pk, KEY) == (m.version, "u1")
+    envelope = '{"zmenc": 1, "k": 987654321, "c": "AAAA"}'  # its data key is gone: erased
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE memories_memory SET sensitive = true, value = %s::jsonb WHERE id = %s", [envelope, m.pk])
+    with contextlib.suppress(NotFound):
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    assert [e["outcome"] for e in _reads(tenant_a)] == ["not_found"]
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_a_read_whose_connection_dies_goes_again_without_its_event(tenant_a, monkeypatch, settings, committed):
+    """The read's statement is its connection's check; a dead connection sends the read again
+    on a checked one — the SELECT alone, its event following. Had the statement run (committed)
+    before its answer was lost, the read has two events with their own uids, and the log still
+    verifies; never one event copied (same uid: a copy the verifier reports as tampering)."""
+    settings.DB_POOL_READ_CHECKS = True
+    write(tenant_a, KEY, "zh-CN", subject="u1")
+    services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    before = len(_reads(tenant_a))
+    real = hotsql._execute
+    sent = []
+
+    def execute(sql, params, fetch, db):
+        sent.append(sql)
+        if len(sent) == 1:
+            if committed:
+                real(sql, params, fetch, db)  # it runs and commits; its answer is lost below
+            db.connection.close()  # the connection dead: before it ran, or with its answer lost
+            raise OperationalError("server closed the connection unexpectedly")
+        return real(sql, params, fetch, db)
+
+    monkeypatch.setattr(hotsql, "_execute", execute)
+    connection.close()  # the read is the first statement on its connection
+    result = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    monkeypatch.undo()
+    assert result.memory.value == "zh-CN"
+    assert "zm_event" in sent[0] and "zm_event" not in sent[1]  # the SELECT alone, then its event
+    events = _reads(tenant_a)[before:]
+    assert len(events) == (2 if committed else 1)
+    assert len({e["uid"] for e in events}) == len(events)
+    audit_seal(tenant_id=tenant_a.pk)
+    assert audit_verify(tenant_id=tenant_a.pk).ok

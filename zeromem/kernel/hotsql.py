@@ -80,11 +80,12 @@ def _run(sql: str, params: Sequence, fetch, db=None):
     return _send(sql, params, fetch, db)
 
 
-def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False):
+def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False, again=None):
     # What connection.cursor() checks, on the driver's own cursor (Django's whenever
     # statements are being watched); ``fetch(cursor)`` is the answer. ``reads``: the statement
     # only reads (the rate counter riding it aside), so it may be the check of the connection
-    # it is the first statement on (zeromem/dbpool.py).
+    # it is the first statement on (zeromem/dbpool.py). ``again``: (sql, params, fetch) sent
+    # instead when it goes again on a checked connection (a read's event riding it stays out).
     if db is None:
         db = connections[DEFAULT_DB_ALIAS]
     if getattr(db, _LATER, None):
@@ -110,6 +111,8 @@ def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False):
         # Back to the pool (which drops a dead one), and the read again on a connection the
         # pool checks.
         db.close()
+        if again is not None:
+            sql, params, fetch = again
     db.ensure_connection()
     return _execute(sql, params, fetch, db)
 
@@ -645,6 +648,12 @@ def _release_rider(db) -> None:
     _send_rider(rider, db)
 
 
+def own_transaction(db) -> bool:
+    """Whether a statement sent now on ``db`` is a transaction of its own (autocommit, no
+    atomic block), without checking a connection out when none is (see below)."""
+    return _own_transaction(db)
+
+
 def _own_transaction(db) -> bool:
     if db.connection is None:
         # Not checked out yet (get_autocommit() would check it out now, and the pool check it):
@@ -717,9 +726,16 @@ def _send_riding(rider: Rider, sql: str, params: Sequence, db):
 # the counter's row lock would then be held until the event's commit — through its WAL flush —
 # and every other request of the same key would queue behind it (measured: reads at 16 clients
 # of one key fell from 0.53× to 0.32× /healthz's throughput). The counter rides the SELECT and
-# the event follows, as before. A point read whose connection dies after it was sent is sent
-# again on a checked one (``_send``'s ``reads``); had the first one committed before its answer
-# was lost, the read has two events (the same request id) — recorded twice, never unrecorded.
+# the event follows, as before.
+#
+# A point read whose connection turns out dead once it was sent goes again on a checked one
+# (``_send``'s ``reads``): this statement goes again as the SELECT alone, and the caller writes
+# the event of what it finds. Had the first statement committed before its answer was lost (its
+# backend ended in the microseconds between), the read has two events, each with its own uid,
+# under one request id — recorded twice, never unrecorded, and the log still verifies (the same
+# statement sent twice would have written one event twice, uid included: a copy the verifier
+# reports as tampering). A backend that ended while idle in the pool is caught before anything
+# is sent (``dbpool.unread_input``).
 
 _EVENT = "_zeromem_riding_event"
 _event_sql: dict[tuple, str] = {}
@@ -773,10 +789,19 @@ def _send_with_event(event: Event, sql: str, params: Sequence, db):
             _event_sql.clear()
         combined = _event_sql[shape] = _with_event(*shape)
     values = [*params, *event.params, *(value for _column, value in event.expect)]
-    event_id, found, *row = _send(combined, values, _first, db, reads=True)
+    # Sent again on a checked connection (its own died under it): the SELECT alone — the
+    # event, had it been written before the answer was lost, is not written a second time
+    # with the same uid; the caller writes the event of what it finds, as with no event riding.
+    event_id, found, *row = _send(combined, values, _first, db, reads=True, again=(sql, params, _alone))
     if event_id is not None:
         event.done(event_id)
     return None if found is None else tuple(row)
+
+
+def _alone(cursor) -> tuple:
+    # The answer of the read sent without its event, in the shape of the statement with it.
+    row = cursor.fetchone()
+    return (None, None) if row is None else (None, 1, *row)
 
 
 def _with_event(insert: str, sql: str, columns: tuple) -> str:
