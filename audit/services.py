@@ -326,7 +326,15 @@ class AuditedOperation:
         self._written = False
         self.event_id: int | None = None  # once written
 
-    def record(
+    def record(self, **fields) -> None:
+        """How the operation ended (once): :meth:`_row_of`'s fields. The event is written when
+        the operation ends: in its transaction, or for a :class:`NotFound`/:class:`Conflict`
+        raised after this call, right after the rollback, with these fields."""
+        if self._row is not None:
+            raise RuntimeError(f"{self.action}: one operation records one event")
+        self._row = self._row_of(**fields)
+
+    def _row_of(
         self,
         *,
         outcome: str = AuditEvent.Outcome.OK,
@@ -336,13 +344,8 @@ class AuditedOperation:
         version: int | None = None,
         detail: dict | None = None,
         actor_filter: str = "",
-    ) -> None:
-        """How the operation ended (once). The event is written when the operation ends: in
-        its transaction, or for a :class:`NotFound`/:class:`Conflict` raised after this call,
-        right after the rollback, with these fields."""
-        if self._row is not None:
-            raise RuntimeError(f"{self.action}: one operation records one event")
-        self._row = {
+    ) -> dict:
+        return {
             "outcome": outcome,
             "target": self.target if target is None else target,
             "subject": subject,
@@ -376,16 +379,7 @@ class AuditedOperation:
         caller records what it found, as without this. A no-op where the event cannot ride."""
         if self._row is not None:
             raise RuntimeError(f"{self.action}: one operation records one event")
-        full = {
-            "outcome": AuditEvent.Outcome.OK,
-            "target": self.target,
-            "subject": "",
-            "count": None,
-            "version": None,
-            "detail": None,
-            "actor_filter": "",
-            **row,
-        }
+        full = self._row_of(**row)
         db = connections[DEFAULT_DB_ALIAS]
         sql, params = _event_statement(db, tenant=self.tenant, actor=self.actor, action=self.action, **full)
 

@@ -332,7 +332,7 @@ def alone_in_one_statement(*models) -> bool:
         and settings.ZEROMEM_WRITE_ONE_STATEMENT
         and getattr(db, _HELD, None) is None
         and _unwatched_postgres(db)
-        and _own_transaction(db)
+        and own_transaction(db)
     )
 
 
@@ -536,7 +536,7 @@ def fetchone_later(sql: str, params: Sequence, db=None, *, done: Callable[[], No
         or not _unwatched_postgres(db)
         or db.allow_thread_sharing
         or getattr(conn, "prepare_threshold", None) is None
-        or not _own_transaction(db)
+        or not own_transaction(db)
     ):
         return False
     db.validate_thread_sharing()
@@ -650,11 +650,7 @@ def _release_rider(db) -> None:
 
 def own_transaction(db) -> bool:
     """Whether a statement sent now on ``db`` is a transaction of its own (autocommit, no
-    atomic block), without checking a connection out when none is (see below)."""
-    return _own_transaction(db)
-
-
-def _own_transaction(db) -> bool:
+    atomic block), without checking a connection out when none is."""
     if db.connection is None:
         # Not checked out yet (get_autocommit() would check it out now, and the pool check it):
         # it will be in autocommit as configured, outside any atomic block (which connects).
@@ -663,7 +659,7 @@ def _own_transaction(db) -> bool:
 
 
 def _send_rider(rider: Rider, db) -> None:
-    rider.done(_send(rider.sql(_own_transaction(db)), rider.params, _first, db))
+    rider.done(_send(rider.sql(own_transaction(db)), rider.params, _first, db))
 
 
 def _rideable(sql: str) -> bool:
@@ -672,7 +668,7 @@ def _rideable(sql: str) -> bool:
 
 
 def _send_riding(rider: Rider, sql: str, params: Sequence, db):
-    own = rider.sql(_own_transaction(db))
+    own = rider.sql(own_transaction(db))
     combined = _riding_sql.get((own, sql))
     if combined is None:
         if len(_riding_sql) >= _RIDING_SQL_MAX:
@@ -692,7 +688,7 @@ def _send_riding(rider: Rider, sql: str, params: Sequence, db):
         counted = None
         if db.connection is not None and not dbpool.broken(db):
             try:
-                counted = _send(rider.sql(_own_transaction(db)), rider.params, _first, db)
+                counted = _send(rider.sql(own_transaction(db)), rider.params, _first, db)
             except DatabaseError:
                 counted = None
         if counted is not None:
@@ -760,7 +756,7 @@ def event_may_ride(db=None) -> bool:
         and getattr(db, _HELD, None) is None
         and getattr(db, _RIDER, None) is None
         and _unwatched_postgres(db)
-        and _own_transaction(db)
+        and own_transaction(db)
     )
 
 
