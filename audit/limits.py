@@ -98,7 +98,7 @@ def hit_riding(bucket: str, *, limit: int, window: int = 60, cost: int = 1) -> I
             raise OverLimit(Hit(count=count, retry_after=start + window - now))
 
     sql = functools.partial(_upsert_sql, connection.vendor)
-    with hotsql.riding(hotsql.Rider(sql, [bucket[:200], start, cost], counted)):
+    with hotsql.riding(hotsql.Rider(sql, [bucket[:200], start, cost], counted, limit=limit)):
         yield
 
 
@@ -127,9 +127,9 @@ def _db_hit(bucket: str, start: int, cost: int) -> int:
 
 def _drop_closed_windows(start: int) -> None:
     # A bucket's first hit in a window: old windows go (index ratecounter_window).
+    # Through hotsql: a read's event may be pending on the connection (answered later).
     table = connection.ops.quote_name(RateCounter._meta.db_table)
-    with connection.cursor() as cursor:
-        cursor.execute(f"DELETE FROM {table} WHERE window_start < %s", [start - KEEP_SECONDS])  # nosec B608
+    hotsql.execute(f"DELETE FROM {table} WHERE window_start < %s", [start - KEEP_SECONDS])  # nosec B608
 
 
 @cache

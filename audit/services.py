@@ -384,12 +384,20 @@ class AuditedOperation:
         sql, params = _event_statement(db, tenant=self.tenant, actor=self.actor, action=self.action, **full)
 
         def written(event_id) -> None:
+            # Piped (hotsql): first None — the read's row says the event is being written —
+            # then its id, once read.
+            if not self._written:
+                _count_written()
             self._row = full
             self._written = True
             self.event_id = event_id
-            _count_written()
 
-        with hotsql.event_riding(hotsql.Event(sql, params, expect, written)):
+        def lost() -> None:
+            # The event the read's row announced was not written (its transaction failed to
+            # commit after its row was sent): written now, as an event of its own.
+            self._write(full)
+
+        with hotsql.event_riding(hotsql.Event(sql, params, expect, written, lost)):
             yield
 
     def unrecord(self) -> None:

@@ -434,9 +434,11 @@ def fresh_memory_table() -> None:
 
 
 class RoundTrips:
-    """The messages a block sends to PostgreSQL, from libpq's protocol trace: every simple
-    ``Query`` (BEGIN, COMMIT, SAVEPOINT) and every ``Sync`` (an extended-protocol statement)
-    is one wait for the server's answer."""
+    """The messages a block sends to PostgreSQL, from libpq's protocol trace. ``count``: the
+    round trips — the times the client sent something that asks for an answer (a simple
+    ``Query``: BEGIN, COMMIT, SAVEPOINT; a ``Sync``: an extended-protocol statement) and then
+    read the server's. Statements sent together (libpq's pipeline mode: several ``Sync`` before
+    any answer is read) are one round trip; ``syncs`` counts each."""
 
     def __enter__(self):
         connection.ensure_connection()
@@ -451,7 +453,15 @@ class RoundTrips:
     def __exit__(self, *exc):
         connection.connection.pgconn.untrace()
         self._file.seek(0)
-        self.sent = [line.split("\t") for line in self._file.read().splitlines() if line.startswith("F\t")]
+        lines = [line.split("\t") for line in self._file.read().splitlines() if line[:2] in ("F\t", "B\t")]
         self._file.close()
-        self.count = sum(1 for parts in self.sent if parts[2].startswith(("Query", "Sync")))
+        self.sent = [parts for parts in lines if parts[0] == "F"]
+        self.syncs = sum(1 for parts in self.sent if parts[2].startswith(("Query", "Sync")))
+        self.count, asking = 0, False
+        for parts in lines:
+            if parts[0] == "F":
+                asking = asking or parts[2].startswith(("Query", "Sync"))
+            elif asking:  # the server's answer read: one round trip
+                self.count, asking = self.count + 1, False
+        self.count += asking  # sent, its answer not read in the block
         self.statements = [p[3] for p in self.sent if p[2].startswith("Query") or p[2].startswith("Parse")]

@@ -177,10 +177,12 @@ def test_off_every_read_sends_its_event_after_its_select(tenant_a, settings):
         assert sent.count == 2
 
 
-def test_with_the_rate_counter_riding_the_event_is_made_once_and_follows(tenant_a, settings, monkeypatch):
-    """A tool read without Redis: the counter rides the SELECT, so the event cannot (its row
-    lock would be held through the event's flush). The event is then made once, after the
-    read — not made for the SELECT, dropped and made again."""
+def test_with_the_rate_counter_riding_the_event_is_made_once_and_piped(tenant_a, settings, monkeypatch):
+    """A tool read without Redis: the counter rides the SELECT, so the event cannot go in the
+    same statement (its row lock would be held through the event's flush): it goes in the same
+    round trip, as a transaction of its own (zeromem/kernel/hotsql.py "A read and its event in
+    one round trip"). The event is made once — not made for the SELECT, dropped and made
+    again."""
     from audit import services as audit_services
     from tests.factories import make_key
     from tests.test_tool_lane import LANE, call
@@ -201,7 +203,8 @@ def test_with_the_rate_counter_riding_the_event_is_made_once_and_follows(tenant_
     with RoundTrips() as sent:
         status, _headers, content = call(LANE, raw, read)
     assert status == "200 OK" and b'"value":"zh-CN"' in content
-    assert made == [1] and sent.count == 2  # the counter with the SELECT, then the event
+    # The counter with the SELECT, and the event, sent together: two transactions, one round trip.
+    assert made == [1] and (sent.count, sent.syncs) == (1, 2)
     assert len(_reads(tenant_a)) == 3
     usage.flush()  # the totals held back, while the tenant is there
 

@@ -42,8 +42,13 @@ def fetchone(sql: str, params: Sequence, db=None) -> tuple | None:
     event = getattr(db, _EVENT, None)
     if event is not None:
         setattr(db, _EVENT, None)  # one chance: the next statement, whatever it is
-        if _rideable(sql) and not getattr(db, _HELD, None) and getattr(db, _RIDER, None) is None:
-            return _send_with_event(event, sql, params, db)
+        if _rideable(sql) and not getattr(db, _HELD, None):
+            rider = getattr(db, _RIDER, None)
+            if _pipelines(db) and (rider is None or rider.limit is not None):
+                setattr(db, _RIDER, None)
+                return _send_piped(event, rider, sql, params, db)
+            if rider is None:
+                return _send_with_event(event, sql, params, db)
     rider = getattr(db, _RIDER, None)
     if rider is not None:
         if _rideable(sql) and not getattr(db, _HELD, None):
@@ -558,23 +563,32 @@ def fetchone_later(sql: str, params: Sequence, db=None, *, done: Callable[[], No
         if done is not None:
             done()
         return True
-    pending.append((conn, gen, state, sql, done))
+    pending.append(_Later(conn, gen, state, sql, done))
     return True
+
+
+class _Later(NamedTuple):
+    conn: object
+    gen: object
+    state: object
+    sql: str
+    done: Callable[[], None] | None
+
+    def finish(self, db) -> None:
+        try:
+            with db.wrap_database_errors, self.conn.lock:
+                self.conn.wait(_resumed(self.gen, self.state))
+        except BaseException:
+            _drop_kept_cursor(self.conn, self.sql)
+            raise
+        if self.done is not None:
+            self.done()
 
 
 def _read_later(db) -> None:
     pending = getattr(db, _LATER, None)
-    if not pending:
-        return
-    conn, gen, state, sql, done = pending.pop()
-    try:
-        with db.wrap_database_errors, conn.lock:
-            conn.wait(_resumed(gen, state))
-    except BaseException:
-        _drop_kept_cursor(conn, sql)
-        raise
-    if done is not None:
-        done()
+    while pending:  # one finishing may send another (an event written after all): read too
+        pending.pop().finish(db)
 
 
 def _resumed(gen, state):
@@ -612,6 +626,9 @@ class Rider(NamedTuple):
     params: Sequence
     done: Callable[[tuple], None]  # given its row (RETURNING); may raise
     width: int = 1  # the columns it returns
+    # The highest ``count`` (a column it returns) its ``done`` lets pass, when it says one: a
+    # read's event may then go with the read (:func:`_send_piped`).
+    limit: int | None = None
 
 
 @contextlib.contextmanager
@@ -681,21 +698,25 @@ def _send_riding(rider: Rider, sql: str, params: Sequence, db):
     try:
         row = _send(combined, [*rider.params, *params], _first, db, reads=True)
     except DatabaseError:
-        # The counter went down with the read's statement (cancelled, timed out): taken alone
-        # now, as it would have been had it been sent first, if the connection still takes
-        # statements (past the limit ``done`` raises: the caller's 429); else the read's error
-        # — at once: with no connection to be had, the pool has waited its timeout already.
-        counted = None
-        if db.connection is not None and not dbpool.broken(db):
-            try:
-                counted = _send(rider.sql(own_transaction(db)), rider.params, _first, db)
-            except DatabaseError:
-                counted = None
-        if counted is not None:
-            rider.done(counted)
+        _count_alone(rider, db)
         raise
     rider.done(row[: rider.width])
     return None if row[rider.width] is None else row[rider.width + 1 :]
+
+
+def _count_alone(rider: Rider, db) -> None:
+    # The counter went down with the read's statement (cancelled, timed out): taken alone now,
+    # as it would have been had it been sent first, if the connection still takes statements
+    # (past the limit ``done`` raises: the caller's 429); else the read's error is raised — at
+    # once: with no connection to be had, the pool has waited its timeout already.
+    counted = None
+    if db.connection is not None and not dbpool.broken(db):
+        try:
+            counted = _send(rider.sql(own_transaction(db)), rider.params, _first, db)
+        except DatabaseError:
+            counted = None
+    if counted is not None:
+        rider.done(counted)
 
 
 # --- An event that rides the read it records ----------------------------------------------
@@ -742,7 +763,12 @@ class Event(NamedTuple):
     sql: str  # INSERT INTO … (…) VALUES (%s, …) RETURNING its id
     params: Sequence
     expect: Sequence[tuple[str, object]]  # (column of the row read, value it must hold)
-    done: Callable[[object], None]  # given the event's id, once inserted
+    # Given the event's id once it is inserted; piped (:func:`_send_piped`), given None first,
+    # as the read's row says the event is being written (its id follows, when it is read).
+    done: Callable[[object], None]
+    # Piped: called when the event the read's row announced was not written after all (the
+    # read's transaction failed to commit once its row was sent): the caller writes it now.
+    lost: Callable[[], None] | None = None
 
 
 def event_may_ride(db=None) -> bool:
@@ -751,12 +777,13 @@ def event_may_ride(db=None) -> bool:
     transaction, nothing held, no rate counter riding, no event held already. No query."""
     if db is None:
         db = connections[DEFAULT_DB_ALIAS]
+    rider = getattr(db, _RIDER, None)
     return (
         getattr(db, _EVENT, None) is None
         and getattr(db, _HELD, None) is None
-        and getattr(db, _RIDER, None) is None
         and _unwatched_postgres(db)
         and own_transaction(db)
+        and (rider is None or (rider.limit is not None and _pipelines(db)))
     )
 
 
@@ -814,6 +841,319 @@ def _with_event(insert: str, sql: str, columns: tuple) -> str:
         f"zm_event AS ({event}) SELECT (SELECT zm_event.id FROM zm_event), zm_read.* "
         "FROM (SELECT 1) AS zm_one LEFT JOIN zm_read ON true"
     )
+
+
+# --- A read and its event in one round trip: two transactions, pipelined -------------------
+#
+# With the event inside the read's statement (above) the read's row comes back only once the
+# event has committed, through its WAL flush: nothing else can happen meanwhile. And with the
+# rate counter in that statement its row lock would be held through the flush. Inside
+# :func:`answered_later` (the tool-call lane) the read and its event go instead as two
+# statements of libpq's pipeline mode, sent together (one round trip), each a transaction of
+# its own (a Sync after each):
+#
+#   T1  the read (with the counter riding it, when it does), which also sets a setting of the
+#       session, ``zm.read``, to a token drawn for this read — only when its row holds every
+#       value expected and the counter is within its limit: ``set_config('zm.read', CASE WHEN …
+#       THEN %s ELSE '' END, false)``, a column of its answer;
+#   T2  the event's INSERT … SELECT …, of one row only ``WHERE current_setting('zm.read') =``
+#       that token.
+#
+# T2 runs once T1 has committed (the counter's lock is gone, its commit does not wait for the
+# flush) and writes the event only when T1 did commit with the row as expected: then it is
+# exactly the event the read would have written after it, and the caller knows it from T1's
+# answer (the token came back) — its own ``done(None)`` — without waiting for T2. A failed T1
+# rolls its setting back, so T2 writes nothing; a setting left from an earlier read holds
+# another token. T2's answer (the event's id) is read when the block ends, while the caller
+# has built the read's answer meanwhile: the event's commit and flush overlap the work after
+# the read, instead of following it. Otherwise (no token) nothing of the event is written and
+# the caller records what it found, as without this.
+#
+# The statements are prepared once per connection, named and remembered by psycopg's own
+# bookkeeping as its cursors' are (psycopg deallocates them all when a transaction on the
+# connection rolls back), and sent with the connection's own adaptation (psycopg's
+# Transformer: the dumpers and loaders a cursor would use). A connection checked out for this
+# read without the pool's check that turns out dead is caught before anything is sent
+# (``dbpool.unread_input``); one that dies once they are sent sends the read again on a
+# checked connection, alone: the caller writes the event of what it finds (had T2 committed
+# before the answer was lost, the read has two events, each with its own uid: recorded twice,
+# never unrecorded). Only this module's statements may run while T2's answer is pending
+# (Django's cursor would find the connection in pipeline mode): as for :func:`answered_later`.
+
+_MARK = "zm.read"
+_PIPED = "_zeromem_hotsql_piped"  # on the psycopg connection: _Piped
+_piped_sql: dict[tuple, tuple[str, str]] = {}
+
+
+def _pipelines(db) -> bool:
+    """Whether a read and its event may go pipelined now (see above): PostgreSQL, unwatched,
+    inside :func:`answered_later` with nothing pending, prepared statements on (not through
+    PgBouncer), a connection of this thread's own, outside any transaction."""
+    pending = getattr(db, _LATER, None)
+    if pending is None or pending or db.allow_thread_sharing or not _unwatched_postgres(db):
+        return False
+    conn = db.connection
+    if conn is not None:
+        prepares = getattr(conn, "prepare_threshold", None) is not None
+    else:
+        prepares = db.settings_dict.get("OPTIONS", {}).get("prepare_threshold", 5) is not None
+    return prepares and own_transaction(db)
+
+
+class _Piped:
+    """What one psycopg connection keeps for piped statements: the adaptation context and each
+    statement's converted query (its parameters dumped again for each call)."""
+
+    def __init__(self, conn):
+        from psycopg.adapt import Transformer
+
+        self.tx = Transformer(conn)
+        self.queries: dict[str, object] = {}
+
+    def query(self, sql: str, params: Sequence):
+        from psycopg._queries import PostgresQuery
+
+        q = self.queries.get(sql)
+        if q is None:
+            if len(self.queries) >= _KEPT_MAX:
+                self.queries.clear()
+            q = self.queries[sql] = PostgresQuery(self.tx)
+            q.convert(sql, params)
+        else:
+            q.dump(params)
+        return q
+
+
+def _send_prepared(conn, q) -> tuple:
+    """Queue ``q`` in the pipeline, prepared, and a Sync after it (its own transaction). The
+    statement's name comes from psycopg's own bookkeeping (``conn._prepared``, as its cursors'
+    ``prepare=True``): psycopg deallocates every prepared statement of a connection when a
+    transaction on it rolls back (``DEALLOCATE ALL``), and forgets them then — ours with them."""
+    from psycopg._preparing import Prepare
+
+    pgconn = conn.pgconn
+    prep, name = conn._prepared.get(q, True)
+    if prep is Prepare.SHOULD:
+        pgconn.send_prepare(name, q.query, param_types=q.types)
+    pgconn.send_query_prepared(name, q.params, param_formats=q.formats)
+    pgconn.pipeline_sync()
+    return conn._prepared.maybe_add_to_cache(q, prep, name), prep, name
+
+
+def _prepared_as(conn, sent: tuple, result) -> None:
+    # psycopg's bookkeeping told how the statement ran (a failed one is prepared again).
+    key, prep, name = sent
+    if key is not None:
+        conn._prepared.validate(key, prep, name, [result] if result is not None else [])
+
+
+def _piped_statements(event: Event, rider: Rider | None, sql: str, own: str | None) -> tuple[str, str]:
+    columns = tuple(column for column, _value in event.expect)
+    shape = (event.sql, sql, columns, own)
+    found = _piped_sql.get(shape)
+    if found is not None:
+        return found
+    if len(_piped_sql) >= _RIDING_SQL_MAX:
+        _piped_sql.clear()
+    # Every part is a compiled statement of this module's callers, a column name the caller took
+    # from its model, or this module's own: no input reaches them.
+    if rider is None:
+        where = " AND ".join(f"zm_select.{c} IS NOT DISTINCT FROM %s" for c in columns) or "true"
+        read = (
+            f"SELECT zm_select.*, set_config('{_MARK}', CASE WHEN {where} THEN %s ELSE '' END, false) "  # nosec B608
+            f"FROM ({sql}) AS zm_select"
+        )
+    else:
+        where = " AND ".join(
+            ["zm_read.zm_found IS NOT NULL", "zm_rider.count <= %s"]
+            + [f"zm_read.{c} IS NOT DISTINCT FROM %s" for c in columns]
+        )
+        read = (
+            f"WITH zm_rider AS ({own}) SELECT zm_rider.*, zm_read.*, "  # nosec B608
+            f"set_config('{_MARK}', CASE WHEN {where} THEN %s ELSE '' END, false) FROM zm_rider LEFT JOIN LATERAL "
+            f"(SELECT 1 AS zm_found, zm_select.* FROM ({sql}) AS zm_select) AS zm_read ON true"
+        )
+    values = _VALUES.search(event.sql)
+    insert = (
+        f"{event.sql[: values.start()]} SELECT {values.group(1)} "  # nosec B608
+        f"WHERE current_setting('{_MARK}', true) = %s RETURNING {event.sql[values.end() :]}"
+    )
+    found = _piped_sql[shape] = (read, insert)
+    return found
+
+
+def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, db):
+    import uuid
+
+    own = rider.sql(own_transaction(db)) if rider is not None else None
+    read, insert = _piped_statements(event, rider, sql, own)
+    token = uuid.uuid4().hex
+    expected = [value for _column, value in event.expect]
+    if rider is None:
+        read_params = [*expected, token, *params]
+    else:
+        read_params = [*rider.params, rider.limit, *expected, token, *params]
+    insert_params = [*event.params, token]
+    db.close_if_health_check_failed()
+    # The read as its connection's check (``_send``'s ``reads``): checked out without the pool's
+    # empty query when it is the request's first statement.
+    unchecked = db.connection is None and dbpool.read_checks(db)
+    try:
+        if unchecked:
+            with dbpool.check_skipped():
+                db.ensure_connection()
+            dead = dbpool.unread_input(db)  # its backend has said goodbye: nothing is sent
+        else:
+            db.ensure_connection()
+            dead = False
+        if not dead:
+            return _piped(event, rider, (read, read_params), (insert, insert_params), token, db)
+        db.connection.close()  # the pool drops it
+    except DatabaseError:
+        if not (unchecked and db.connection is not None and dbpool.broken(db)):
+            if rider is not None:  # as _send_riding: the counter taken alone if it went down
+                _count_alone(rider, db)
+            raise
+    # A dead connection: back to the pool (which drops it), and the read again, alone, on a
+    # connection the pool checks; the caller writes the event of what it finds.
+    db.close()
+    db.ensure_connection()
+    if rider is not None:
+        return _send_riding(rider, sql, params, db)
+    return _send(sql, params, _first, db)
+
+
+def _piped(event: Event, rider: Rider | None, read: tuple, insert: tuple, token: str, db):
+    from psycopg.generators import send
+
+    db.validate_thread_sharing()
+    db.validate_no_broken_transaction()
+    conn = db.connection
+    kept = conn.__dict__.get(_PIPED)
+    if kept is None:
+        kept = conn.__dict__[_PIPED] = _Piped(conn)
+    pgconn = conn.pgconn
+    with db.wrap_database_errors:
+        with conn.lock:
+            pgconn.enter_pipeline_mode()
+            try:
+                sent1 = _send_prepared(conn, kept.query(*read))
+                sent2 = _send_prepared(conn, kept.query(*insert))
+                conn.wait(send(pgconn))
+                results = conn.wait(_segment(pgconn))
+            except BaseException:
+                _abandon(conn)
+                raise
+        answer = _answer_of(results, kept, conn, sent1)
+    pending = _PipedEvent(conn, sent2, event)
+    if not isinstance(answer, tuple):
+        # T1 failed: T2 wrote nothing (the token was not set). Its answer is read now, the
+        # connection left as it was, and the read's error raised.
+        pending.finish(db)
+        with db.wrap_database_errors:
+            raise answer
+    (row,) = answer
+    width = rider.width if rider is not None else 0
+    pending.marked = row is not None and row[-1] == token
+    getattr(db, _LATER).append(pending)
+    if rider is not None:
+        rider.done(row[:width])  # may raise (past the limit): T2 writes nothing then
+        if row[width] is None:
+            return None
+    elif row is None:
+        return None
+    if pending.marked:
+        event.done(None)
+    return row[width + 1 : -1] if rider is not None else row[:-1]
+
+
+def _segment(pgconn):
+    # The results of the pipeline up to its next Sync (psycopg's generators: the GIL released
+    # while waiting).
+    from psycopg import pq
+    from psycopg.generators import fetch_many
+
+    results = []
+    while True:
+        got = yield from fetch_many(pgconn)
+        if not got:
+            continue
+        if got[0].status == pq.ExecStatus.PIPELINE_SYNC:
+            return results
+        results.extend(got)
+
+
+def _answer_of(results, kept: _Piped, conn, sent: tuple):
+    """T1's answer: (its first row or None,), or the error to raise."""
+    from psycopg import errors, pq
+
+    answer, error = None, None
+    for result in results:
+        status = result.status
+        if status == pq.ExecStatus.TUPLES_OK:
+            _prepared_as(conn, sent, result)
+            if result.ntuples == 0:
+                answer = (None,)
+            else:
+                kept.tx.set_pgresult(result)
+                answer = (kept.tx.load_row(0, tuple),)
+        elif status in (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.PIPELINE_ABORTED):
+            _prepared_as(conn, sent, result)
+            if error is None and status == pq.ExecStatus.FATAL_ERROR:
+                error = errors.error_from_result(result, encoding=conn.pgconn._encoding)
+    if error is not None:
+        return error
+    return answer or errors.InternalError("the read's statement gave no answer")
+
+
+def _abandon(conn) -> None:
+    # A pipeline whose sending or reading failed (the network, an interrupt): left if it can
+    # be; with answers still outstanding the connection is closed (the pool drops it), never
+    # handed on mid-pipeline.
+    try:
+        conn.pgconn.exit_pipeline_mode()
+    except Exception:  # noqa: BLE001 - answers outstanding, or a connection gone
+        conn.close()
+
+
+class _PipedEvent:
+    """T2, whose answer is read when the caller's :func:`answered_later` block ends (or before
+    the next statement of this module)."""
+
+    def __init__(self, conn, sent: tuple, event: Event):
+        self.conn = conn
+        self.sent = sent
+        self.event = event
+        self.marked = False  # T1's row came back with the token: T2 is writing the event
+
+    def finish(self, db) -> None:
+        from psycopg import errors, pq
+
+        conn = self.conn
+        with db.wrap_database_errors, conn.lock:
+            try:
+                results = conn.wait(_segment(conn.pgconn))
+            except BaseException:
+                _abandon(conn)
+                raise
+            conn.pgconn.exit_pipeline_mode()
+            event_id, error = None, None
+            for result in results:
+                status = result.status
+                if status == pq.ExecStatus.TUPLES_OK:
+                    _prepared_as(conn, self.sent, result)
+                    if result.ntuples:
+                        event_id = int(result.get_value(0, 0))
+                elif status in (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.PIPELINE_ABORTED):
+                    _prepared_as(conn, self.sent, result)
+                    if error is None and status == pq.ExecStatus.FATAL_ERROR:
+                        error = errors.error_from_result(result, encoding=conn.pgconn._encoding)
+            if error is not None and self.marked:
+                raise error
+        if event_id is not None:
+            self.event.done(event_id)
+        elif self.marked and self.event.lost is not None:
+            self.event.lost()
 
 
 # --- Instances without Model.__init__ ---------------------------------------------------------

@@ -1,0 +1,251 @@
+"""A tool read of a key this process read or wrote lately sends its SELECT (with the rate counter
+riding it) and its audit event together, as two transactions in one round trip
+(zeromem/kernel/hotsql.py "A read and its event in one round trip"): the event is written only
+when the read's own transaction committed with the row as last seen and the counter within its
+limit, and is then the event the read would have written after it. Its answer is read once the
+call's answer is built. Everything else — a row changed elsewhere, a read past the limit, a
+read whose statement failed, a connection that died — ends with the events it had before.
+
+Transactional tests: the read is a transaction of its own, as served."""
+
+import psycopg
+import pytest
+from django.db import OperationalError, connection
+
+from audit.models import AuditEvent, RateCounter
+from audit.services import audit_seal
+from audit.verify import audit_verify
+from memories import services
+from memories.services import last_seen, usage
+from tests.factories import SYSTEM, make_key, write
+from tests.helpers import RoundTrips
+from tests.test_tool_lane import LANE, call
+from zeromem.kernel import hotsql
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="libpq's pipeline mode: PostgreSQL only"),
+    pytest.mark.django_db(transaction=True),
+]
+
+KEY = "user:u1:lang"
+READ = {"name": "memory_read", "arguments": {"key": KEY}}
+FIELDS = ("outcome", "target", "subject", "version", "surface", "actor_kind", "actor_id", "count", "detail")
+
+
+@pytest.fixture(autouse=True)
+def _lane_settings(settings):
+    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10  # the lane takes only keys this process verified
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10_000
+    settings.ZEROMEM_TOOL_LANE = True
+    settings.ZEROMEM_REDIS_URL = ""
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600  # as served: tokens-returned totals written now and then
+    yield
+    usage.flush()  # the totals held back, while the tenant is there
+
+
+@pytest.fixture
+def raw(tenant_a):
+    """A key the lane takes, its statements prepared on the connection, and KEY written."""
+    _key, raw = make_key(tenant_a)
+    write(tenant_a, KEY, "zh-CN", subject="u1")
+    for _ in range(3):  # Django's (the key verified, then cached), then the lane's
+        assert call(LANE, raw, READ)[0] == "200 OK"
+    assert last_seen.expected(tenant_a.pk, KEY) is not None
+    return raw
+
+
+def _reads(tenant) -> list[AuditEvent]:
+    return list(AuditEvent.objects.filter(tenant=tenant, action="memory.read").order_by("id"))
+
+
+def _counted(_tenant) -> int:
+    return sum(RateCounter.objects.filter(bucket__startswith="key:").values_list("count", flat=True))
+
+
+def test_a_laned_read_is_one_round_trip_of_two_transactions_and_writes_its_event(tenant_a, raw):
+    before, counted = len(_reads(tenant_a)), _counted(tenant_a)
+    with RoundTrips() as sent:
+        status, _headers, content = call(LANE, raw, READ)
+    assert status == "200 OK" and b'"value":"zh-CN"' in content
+    assert (sent.count, sent.syncs) == (1, 2)  # sent together; each its own transaction
+    assert _counted(tenant_a) == counted + 1
+    events = _reads(tenant_a)[before:]
+    assert len(events) == 1
+    # The event a read sends after its SELECT, field for field (the lane's reads before it).
+    piped, earlier = events[0], _reads(tenant_a)[before - 1]
+    assert [getattr(piped, f) for f in FIELDS] == [getattr(earlier, f) for f in FIELDS]
+    assert (piped.outcome, piped.target, piped.subject) == ("ok", KEY, "u1")
+    audit_seal(tenant_id=tenant_a.pk)
+    assert audit_verify(tenant_id=tenant_a.pk).ok
+
+
+def test_the_events_answer_is_read_when_the_call_is_answered(tenant_a, raw):
+    """The service returns with the event's answer still to be read: the block's end reads it
+    (the call's answer is built meanwhile), and the connection takes statements again."""
+    with hotsql.answered_later(), hotsql.riding(_rider()):
+        result = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+        pending = list(getattr(connection, hotsql._LATER))
+    assert result.memory.value == "zh-CN"
+    assert [type(p).__name__ for p in pending] == ["_PipedEvent"]
+    assert not getattr(connection, hotsql._LATER, None)
+    assert connection.connection.pgconn.pipeline_status == 0  # pipeline mode left
+    assert _reads(tenant_a)[-1].outcome == "ok"
+    with connection.cursor() as cursor:  # Django's cursor finds the connection free
+        cursor.execute("SELECT 1")
+
+
+def _rider(limit: int = 10_000):
+    """The rate counter as the lane's read holds it (audit.limits.hit_riding), of a bucket of
+    this module's own."""
+    from audit import limits
+
+    return hotsql.Rider(
+        lambda own: limits._upsert_sql(connection.vendor, own), ["piped-test", 0, 1], lambda row: None, limit=limit
+    )
+
+
+def test_a_row_changed_elsewhere_is_read_as_it_is_and_its_event_says_so(tenant_a, raw):
+    (m,) = [services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY).memory]
+    with connection.cursor() as cursor:  # another process's write: this one never sees it
+        cursor.execute("UPDATE memories_memory SET version = version + 1, subject = 'u2' WHERE id = %s", [m.pk])
+    before = len(_reads(tenant_a))
+    status, _headers, content = call(LANE, raw, READ)
+    assert status == "200 OK" and b'"value":"zh-CN"' in content
+    (event,) = _reads(tenant_a)[before:]
+    assert (event.outcome, event.subject, event.version) == ("ok", "u2", m.version + 1)
+
+
+def test_a_memory_gone_elsewhere_is_one_not_found_event(tenant_a, raw):
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE memories_memory SET deleted_at = now() WHERE key = %s", [KEY])
+    before = len(_reads(tenant_a))
+    status, _headers, content = call(LANE, raw, READ)
+    assert status == "200 OK" and b'"status":"not_found"' in content
+    assert [e.outcome for e in _reads(tenant_a)[before:]] == ["not_found"]
+
+
+def test_past_the_limit_the_read_is_refused_and_its_event_not_written(tenant_a, raw, settings):
+    before = len(_reads(tenant_a))
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = _counted(tenant_a)  # the next call is one too many
+    with RoundTrips() as sent:
+        status, _headers, content = call(LANE, raw, READ)
+    assert status == "429 Too Many Requests" and b"zh-CN" not in content
+    assert sent.syncs >= 2  # the event went with the read: it did not write itself
+    assert len(_reads(tenant_a)) == before
+
+
+def test_a_read_whose_statement_fails_writes_no_event_and_leaves_the_connection_usable(tenant_a, raw):
+    """The read's transaction fails (its counter row locked elsewhere past lock_timeout): the
+    event, sent with it, writes nothing; the call is answered 503; the next read is as ever."""
+    from django.db import connections
+
+    before = len(_reads(tenant_a))
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute("SELECT 1 FROM audit_ratecounter WHERE bucket LIKE 'key:%%' FOR UPDATE")
+            assert cursor.fetchall()
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '100ms'")
+        status, _headers, content = call(LANE, raw, READ)
+        assert status == "503 Service Unavailable" and b"zh-CN" not in content
+        assert len(_reads(tenant_a)) == before
+    finally:
+        with other.cursor() as cursor:
+            cursor.execute("ROLLBACK")
+        other.close()
+    assert connection.connection.pgconn.pipeline_status == 0
+    with connection.cursor() as cursor:
+        cursor.execute("RESET lock_timeout")
+    status, _headers, content = call(LANE, raw, READ)
+    assert status == "200 OK" and b'"value":"zh-CN"' in content
+    assert [e.outcome for e in _reads(tenant_a)[before:]] == ["ok"]
+
+
+def test_an_event_announced_and_not_written_is_written_after_it(tenant_a, raw, monkeypatch):
+    """The read's row came back with its token, and the event's INSERT then wrote nothing (its
+    transaction's commit failed after the row was sent): the event is written on its own
+    before the call is answered — recorded once, never lost."""
+    real = hotsql._piped_statements
+
+    def statements(*args):
+        read, insert = real(*args)
+        return read, insert.replace("current_setting('zm.read', true) = %s", "%s::text IS NULL")
+
+    monkeypatch.setattr(hotsql, "_piped_statements", statements)
+    before = len(_reads(tenant_a))
+    with RoundTrips() as sent:
+        status, _headers, _content = call(LANE, raw, READ)
+    assert status == "200 OK" and sent.count >= 2  # the read and its event (nothing), the event again
+    events = _reads(tenant_a)[before:]
+    assert [(e.outcome, e.subject) for e in events] == [("ok", "u1")]
+    audit_seal(tenant_id=tenant_a.pk)
+    assert audit_verify(tenant_id=tenant_a.pk).ok
+
+
+def test_a_dead_connection_sends_the_read_again_alone(tenant_a, raw, monkeypatch, settings):
+    """The read is the first statement on its connection (no pool check); the connection is dead
+    once both are sent: the read goes again on a checked connection, without its event, and the
+    call records the event of what it found — one event."""
+    settings.DB_POOL_READ_CHECKS = True
+    real = hotsql._piped
+    calls = []
+
+    def piped(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            connection.connection.close()
+            raise OperationalError("server closed the connection unexpectedly")
+        return real(*args)
+
+    monkeypatch.setattr(hotsql, "_piped", piped)
+    before = len(_reads(tenant_a))
+    connection.close()  # back in the pool, as between served requests
+    with hotsql.answered_later(), hotsql.riding(_rider()):
+        result = services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    assert result.memory.value == "zh-CN"
+    assert calls == [1]  # not piped again: the read alone, then its event
+    assert [e.outcome for e in _reads(tenant_a)[before:]] == ["ok"]
+
+
+def test_without_prepared_statements_the_event_follows_the_read(tenant_a, raw):
+    """PgBouncer in transaction mode (DB_PREPARED_STATEMENTS off): nothing is piped."""
+    connection.ensure_connection()
+    conn = connection.connection
+    conn.prepare_threshold = None
+    try:
+        with RoundTrips() as sent:
+            status, _headers, _content = call(LANE, raw, READ)
+    finally:
+        conn.prepare_threshold = 5
+    assert status == "200 OK" and (sent.count, sent.syncs) == (2, 2)
+
+
+def test_each_tenant_reads_its_own_row_and_writes_its_own_event(tenant_a, tenant_b, raw):
+    write(tenant_b, KEY, "fr-FR", subject="bob")
+    _key_b, raw_b = make_key(tenant_b)
+    for _ in range(3):
+        assert call(LANE, raw_b, READ)[0] == "200 OK"
+    a_before, b_before = len(_reads(tenant_a)), len(_reads(tenant_b))
+    assert b'"value":"zh-CN"' in call(LANE, raw, READ)[2]
+    assert b'"value":"fr-FR"' in call(LANE, raw_b, READ)[2]
+    assert [e.subject for e in _reads(tenant_a)[a_before:]] == ["u1"]
+    assert [e.subject for e in _reads(tenant_b)[b_before:]] == ["bob"]
+
+
+def test_a_psycopg_error_in_the_pipeline_is_djangos(tenant_a, raw, monkeypatch):
+    """A driver error while the pipeline is sent is raised as Django's (503 upstream), and the
+    connection is left out of pipeline mode."""
+
+    def broken(pgconn):
+        raise psycopg.OperationalError("network gone")
+        yield  # pragma: no cover - a generator
+
+    monkeypatch.setattr(hotsql, "_segment", broken)
+    with pytest.raises(OperationalError), hotsql.answered_later(), hotsql.riding(_rider()):
+        services.memory_read(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    conn = connection.connection
+    assert conn.closed or conn.pgconn.pipeline_status == 0  # answers outstanding: closed
+    connection.close()  # as a request's end does: the pool drops a closed connection
