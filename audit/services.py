@@ -381,7 +381,14 @@ class AuditedOperation:
             raise RuntimeError(f"{self.action}: one operation records one event")
         full = self._row_of(**row)
         db = connections[DEFAULT_DB_ALIAS]
-        sql, params = _event_statement(db, tenant=self.tenant, actor=self.actor, action=self.action, **full)
+        sql, _columns = _insert_sql(db.vendor, _flush_waived(db))
+
+        def params() -> list:
+            # Built when sent (its uid, time and digest then): piped, while the read runs.
+            built, values = _event_statement(db, tenant=self.tenant, actor=self.actor, action=self.action, **full)
+            if built != sql:
+                raise RuntimeError(f"{self.action}: the event's statement changed while it was held")
+            return values
 
         def written(event_id) -> None:
             # Piped (hotsql): first None — the read's row says the event is being written —

@@ -761,7 +761,8 @@ _VALUES = re.compile(r" VALUES \(((?:%s, )*%s)\) RETURNING ")
 
 class Event(NamedTuple):
     sql: str  # INSERT INTO … (…) VALUES (%s, …) RETURNING its id
-    params: Sequence
+    # Its parameters, built when it is sent (piped: while the read's statement runs).
+    params: Callable[[], Sequence]
     expect: Sequence[tuple[str, object]]  # (column of the row read, value it must hold)
     # Given the event's id once it is inserted; piped (:func:`_send_piped`), given None first,
     # as the read's row says the event is being written (its id follows, when it is read).
@@ -811,7 +812,7 @@ def _send_with_event(event: Event, sql: str, params: Sequence, db):
         if len(_event_sql) >= _RIDING_SQL_MAX:
             _event_sql.clear()
         combined = _event_sql[shape] = _with_event(*shape)
-    values = [*params, *event.params, *(value for _column, value in event.expect)]
+    values = [*params, *event.params(), *(value for _column, value in event.expect)]
     # Sent again on a checked connection (its own died under it): the SELECT alone — the
     # event, had it been written before the answer was lost, is not written a second time
     # with the same uid; the caller writes the event of what it finds, as with no event riding.
@@ -993,7 +994,6 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
         read_params = [*expected, token, *params]
     else:
         read_params = [*rider.params, rider.limit, *expected, token, *params]
-    insert_params = [*event.params, token]
     db.close_if_health_check_failed()
     # The read as its connection's check (``_send``'s ``reads``): checked out without the pool's
     # empty query when it is the request's first statement.
@@ -1007,7 +1007,7 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
             db.ensure_connection()
             dead = False
         if not dead:
-            return _piped(event, rider, (read, read_params), (insert, insert_params), token, db)
+            return _piped(event, rider, (read, read_params), insert, token, db)
         db.connection.close()  # the pool drops it
     except DatabaseError:
         if not (unchecked and db.connection is not None and dbpool.broken(db)):
@@ -1023,7 +1023,7 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
     return _send(sql, params, _first, db)
 
 
-def _piped(event: Event, rider: Rider | None, read: tuple, insert: tuple, token: str, db):
+def _piped(event: Event, rider: Rider | None, read: tuple, insert: str, token: str, db):
     from psycopg.generators import send
 
     db.validate_thread_sharing()
@@ -1037,8 +1037,10 @@ def _piped(event: Event, rider: Rider | None, read: tuple, insert: tuple, token:
         with conn.lock:
             pgconn.enter_pipeline_mode()
             try:
+                # The read goes at once (a Sync flushes what is queued); the event is built
+                # while it runs, and follows it.
                 sent1 = _send_prepared(conn, kept.query(*read))
-                sent2 = _send_prepared(conn, kept.query(*insert))
+                sent2 = _send_prepared(conn, kept.query(insert, [*event.params(), token]))
                 conn.wait(send(pgconn))
                 results = conn.wait(_segment(pgconn))
             except BaseException:
