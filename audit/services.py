@@ -391,17 +391,21 @@ class AuditedOperation:
             return values
 
         def written(event_id) -> None:
-            # Piped (hotsql): first None — the read's row says the event is being written —
-            # then its id, once read.
+            # Piped (hotsql): None — the read's row says the event is being written — and its
+            # id once read (in either order: the id may be read first, by a statement sent
+            # before the row is handed on).
             if not self._written:
                 _count_written()
             self._row = full
             self._written = True
-            self.event_id = event_id
+            if event_id is not None:
+                self.event_id = event_id
 
         def lost() -> None:
             # The event the read's row announced was not written (its transaction failed to
-            # commit after its row was sent): written now, as an event of its own.
+            # commit after its row was sent): written now, as an event of its own (counted
+            # once: it was when announced).
+            _written.set(_written.get() - 1)
             self._write(full)
 
         with hotsql.event_riding(hotsql.Event(sql, params, expect, written, lost)):

@@ -184,13 +184,15 @@ def kept_cursors(conn) -> dict:
 
 def drop_kept_cursors() -> None:
     """Close the cursors kept on this thread's default connection (if it has one checked
-    out). A cursor copies its connection's adapters when it is made: a loader or dumper
-    registered on the connection later (nothing in ZeroMem does; a test counting what psycopg
-    loads does) reaches the hot statements once their kept cursors are gone."""
+    out), and drop its piped statements' adaptation context. A cursor copies its connection's
+    adapters when it is made: a loader or dumper registered on the connection later (nothing
+    in ZeroMem does; a test counting what psycopg loads does) reaches the hot statements once
+    their kept cursors are gone."""
     conn = connections[DEFAULT_DB_ALIAS].connection
     if conn is not None:
         for cursor in conn.__dict__.pop(_KEPT, {}).values():
             _close_quietly(cursor)
+        conn.__dict__.pop(_PIPED, None)  # the piped statements' adaptation context, likewise
 
 
 def _drop_kept_cursor(conn, sql: str) -> None:
@@ -585,6 +587,12 @@ class _Later(NamedTuple):
             self.done()
 
 
+def read_pending(db=None) -> None:
+    """Read now the answer of any statement answered later (:func:`answered_later`, a piped
+    read's event): raised here if it failed."""
+    _read_later(connections[DEFAULT_DB_ALIAS] if db is None else db)
+
+
 def _read_later(db) -> None:
     pending = getattr(db, _LATER, None)
     while pending:  # one finishing may send another (an event written after all): read too
@@ -893,6 +901,8 @@ def _pipelines(db) -> bool:
     pending = getattr(db, _LATER, None)
     if pending is None or pending or db.allow_thread_sharing or not _unwatched_postgres(db):
         return False
+    if settings.ZEROMEM_PGBOUNCER:  # in transaction mode T1 and T2 may reach two server sessions
+        return False
     conn = db.connection
     if conn is not None:
         prepares = getattr(conn, "prepare_threshold", None) is not None
@@ -1007,13 +1017,19 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
             db.ensure_connection()
             dead = False
         if not dead:
-            return _piped(event, rider, (read, read_params), insert, token, db)
-        db.connection.close()  # the pool drops it
+            row = _piped(event, rider, (read, read_params), insert, token, db)
+        else:
+            db.connection.close()  # the pool drops it
     except DatabaseError:
         if not (unchecked and db.connection is not None and dbpool.broken(db)):
             if rider is not None:  # as _send_riding: the counter taken alone if it went down
                 _count_alone(rider, db)
             raise
+    else:
+        if not dead:
+            # The read committed: its row handed on outside the ``except`` above (a counter's
+            # ``done`` that fails must not count the call again, as in _send_riding).
+            return _piped_answer(event, rider, row, token, db)
     # A dead connection: back to the pool (which drops it), and the read again, alone, on a
     # connection the pool checks; the caller writes the event of what it finds.
     db.close()
@@ -1046,8 +1062,13 @@ def _piped(event: Event, rider: Rider | None, read: tuple, insert: str, token: s
             except BaseException:
                 _abandon(conn)
                 raise
-        answer = _answer_of(results, kept, conn, sent1)
     pending = _PipedEvent(conn, sent2, event)
+    try:
+        with db.wrap_database_errors:
+            answer = _answer_of(results, kept, conn, sent1)
+    except BaseException:
+        pending.finish(db)  # a row that fails to load: T2's answer read, out of pipeline mode
+        raise
     if not isinstance(answer, tuple):
         # T1 failed: T2 wrote nothing (the token was not set). Its answer is read now, the
         # connection left as it was, and the read's error raised.
@@ -1055,18 +1076,34 @@ def _piped(event: Event, rider: Rider | None, read: tuple, insert: str, token: s
         with db.wrap_database_errors:
             raise answer
     (row,) = answer
-    width = rider.width if rider is not None else 0
     pending.marked = row is not None and row[-1] == token
-    getattr(db, _LATER).append(pending)
+    if pending.marked:
+        getattr(db, _LATER).append(pending)  # the event's commit overlaps the answer's building
+    else:
+        # No event written: T2's answer read now, so whatever the caller does with a row not
+        # as expected (a sealed value opened: the key store's ORM query; its own event) finds
+        # the connection out of pipeline mode.
+        pending.finish(db)
+    return row
+
+
+def _piped_answer(event: Event, rider: Rider | None, row, token: str, db):
+    width = rider.width if rider is not None else 0
     if rider is not None:
         rider.done(row[:width])  # may raise (past the limit): T2 writes nothing then
         if row[width] is None:
             return None
     elif row is None:
         return None
-    if pending.marked:
+    if row[-1] == token:
         event.done(None)
     return row[width + 1 : -1] if rider is not None else row[:-1]
+
+
+def psycopg_errors():
+    from psycopg import errors
+
+    return errors
 
 
 def _segment(pgconn):
@@ -1075,11 +1112,15 @@ def _segment(pgconn):
     from psycopg import pq
     from psycopg.generators import fetch_many
 
-    results = []
+    results, empty = [], 0
     while True:
         got = yield from fetch_many(pgconn)
         if not got:
+            empty += 1  # a query's end read; twice in a row: nothing is coming
+            if empty > 1:
+                raise psycopg_errors().InternalError("the pipeline's Sync never came")
             continue
+        empty = 0
         if got[0].status == pq.ExecStatus.PIPELINE_SYNC:
             return results
         results.extend(got)
@@ -1138,7 +1179,11 @@ class _PipedEvent:
             except BaseException:
                 _abandon(conn)
                 raise
-            conn.pgconn.exit_pipeline_mode()
+            try:
+                conn.pgconn.exit_pipeline_mode()
+            except BaseException:
+                _abandon(conn)  # something else queued meanwhile: never handed on mid-pipeline
+                raise
             event_id, error = None, None
             for result in results:
                 status = result.status
