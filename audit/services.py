@@ -393,19 +393,16 @@ class AuditedOperation:
         def written(event_id) -> None:
             # Piped (hotsql): None — the read's row says the event is being written — and its
             # id once read (in either order: the id may be read first, by a statement sent
-            # before the row is handed on).
-            if not self._written:
-                _count_written()
+            # before the row is handed on). Counted written (events_written) once committed.
             self._row = full
             self._written = True
-            if event_id is not None:
+            if event_id is not None and self.event_id is None:
                 self.event_id = event_id
+                _count_written()
 
         def lost() -> None:
             # The event the read's row announced was not written (its transaction failed to
-            # commit after its row was sent): written now, as an event of its own (counted
-            # once: it was when announced).
-            _written.set(_written.get() - 1)
+            # commit after its row was sent): written now, as an event of its own.
             self._write(full)
 
         with hotsql.event_riding(hotsql.Event(sql, params, expect, written, lost)):
