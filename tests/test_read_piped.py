@@ -19,6 +19,7 @@ from memories import keyring, services
 from memories.services import last_seen, usage
 from tests.factories import SYSTEM, make_key, write
 from tests.helpers import RoundTrips
+from tests.test_read_rider import _lane_settings  # noqa: F401 - the lane's settings (autouse)
 from tests.test_tool_lane import LANE, call
 from zeromem.kernel import hotsql
 
@@ -34,12 +35,10 @@ FIELDS = ("outcome", "target", "subject", "version", "surface", "actor_kind", "a
 
 
 @pytest.fixture(autouse=True)
-def _lane_settings(settings):
-    settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10  # the lane takes only keys this process verified
-    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10_000
-    settings.ZEROMEM_TOOL_LANE = True
-    settings.ZEROMEM_REDIS_URL = ""
-    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600  # as served: tokens-returned totals written now and then
+def _usage_held(settings):
+    """The lane's settings (tests/test_read_rider.py), and tokens-returned totals written now
+    and then, as served."""
+    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
     yield
     usage.flush()  # the totals held back, while the tenant is there
 

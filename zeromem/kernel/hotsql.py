@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -27,6 +28,11 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, DataError, connections
 from django.db.models import signals
 from django.db.models.sql import InsertQuery
+from psycopg import errors as pg_errors
+from psycopg import generators, pq
+from psycopg._preparing import Prepare
+from psycopg._queries import PostgresQuery
+from psycopg.adapt import Transformer
 
 from zeromem import dbpool
 from zeromem.kernel import tracing
@@ -916,14 +922,10 @@ class _Piped:
     statement's converted query (its parameters dumped again for each call)."""
 
     def __init__(self, conn):
-        from psycopg.adapt import Transformer
-
         self.tx = Transformer(conn)
         self.queries: dict[str, object] = {}
 
     def query(self, sql: str, params: Sequence):
-        from psycopg._queries import PostgresQuery
-
         q = self.queries.get(sql)
         if q is None:
             if len(self.queries) >= _KEPT_MAX:
@@ -940,8 +942,6 @@ def _send_prepared(conn, q) -> tuple:
     statement's name comes from psycopg's own bookkeeping (``conn._prepared``, as its cursors'
     ``prepare=True``): psycopg deallocates every prepared statement of a connection when a
     transaction on it rolls back (``DEALLOCATE ALL``), and forgets them then — ours with them."""
-    from psycopg._preparing import Prepare
-
     pgconn = conn.pgconn
     prep, name = conn._prepared.get(q, True)
     if prep is Prepare.SHOULD:
@@ -949,13 +949,6 @@ def _send_prepared(conn, q) -> tuple:
     pgconn.send_query_prepared(name, q.params, param_formats=q.formats)
     pgconn.pipeline_sync()
     return conn._prepared.maybe_add_to_cache(q, prep, name), prep, name
-
-
-def _prepared_as(conn, sent: tuple, result) -> None:
-    # psycopg's bookkeeping told how the statement ran (a failed one is prepared again).
-    key, prep, name = sent
-    if key is not None:
-        conn._prepared.validate(key, prep, name, [result] if result is not None else [])
 
 
 def _piped_statements(event: Event, rider: Rider | None, sql: str, own: str | None) -> tuple[str, str]:
@@ -994,8 +987,6 @@ def _piped_statements(event: Event, rider: Rider | None, sql: str, own: str | No
 
 
 def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, db):
-    import uuid
-
     own = rider.sql(own_transaction(db)) if rider is not None else None
     read, insert = _piped_statements(event, rider, sql, own)
     token = uuid.uuid4().hex
@@ -1040,8 +1031,6 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
 
 
 def _piped(event: Event, rider: Rider | None, read: tuple, insert: str, token: str, db):
-    from psycopg.generators import send
-
     db.validate_thread_sharing()
     db.validate_no_broken_transaction()
     conn = db.connection
@@ -1057,7 +1046,7 @@ def _piped(event: Event, rider: Rider | None, read: tuple, insert: str, token: s
                 # while it runs, and follows it.
                 sent1 = _send_prepared(conn, kept.query(*read))
                 sent2 = _send_prepared(conn, kept.query(insert, [*event.params(), token]))
-                conn.wait(send(pgconn))
+                conn.wait(generators.send(pgconn))
                 results = conn.wait(_segment(pgconn))
             except BaseException:
                 _abandon(conn)
@@ -1100,25 +1089,16 @@ def _piped_answer(event: Event, rider: Rider | None, row, token: str, db):
     return row[width + 1 : -1] if rider is not None else row[:-1]
 
 
-def psycopg_errors():
-    from psycopg import errors
-
-    return errors
-
-
 def _segment(pgconn):
     # The results of the pipeline up to its next Sync (psycopg's generators: the GIL released
     # while waiting).
-    from psycopg import pq
-    from psycopg.generators import fetch_many
-
     results, empty = [], 0
     while True:
-        got = yield from fetch_many(pgconn)
+        got = yield from generators.fetch_many(pgconn)
         if not got:
             empty += 1  # a query's end read; twice in a row: nothing is coming
             if empty > 1:
-                raise psycopg_errors().InternalError("the pipeline's Sync never came")
+                raise pg_errors.InternalError("the pipeline's Sync never came")
             continue
         empty = 0
         if got[0].status == pq.ExecStatus.PIPELINE_SYNC:
@@ -1126,27 +1106,34 @@ def _segment(pgconn):
         results.extend(got)
 
 
-def _answer_of(results, kept: _Piped, conn, sent: tuple):
-    """T1's answer: (its first row or None,), or the error to raise."""
-    from psycopg import errors, pq
-
-    answer, error = None, None
+def _outcome(results, conn, sent: tuple):
+    """A piped statement's rows (its PGresult) or None, and its error or None; psycopg's
+    bookkeeping told how it ran (a failed statement is prepared again)."""
+    key, prep, name = sent
+    rows, error = None, None
     for result in results:
         status = result.status
-        if status == pq.ExecStatus.TUPLES_OK:
-            _prepared_as(conn, sent, result)
-            if result.ntuples == 0:
-                answer = (None,)
-            else:
-                kept.tx.set_pgresult(result)
-                answer = (kept.tx.load_row(0, tuple),)
-        elif status in (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.PIPELINE_ABORTED):
-            _prepared_as(conn, sent, result)
-            if error is None and status == pq.ExecStatus.FATAL_ERROR:
-                error = errors.error_from_result(result, encoding=conn.pgconn._encoding)
+        if status in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.PIPELINE_ABORTED):
+            if key is not None:
+                conn._prepared.validate(key, prep, name, [result])
+            if status == pq.ExecStatus.TUPLES_OK:
+                rows = result
+            elif error is None and status == pq.ExecStatus.FATAL_ERROR:
+                error = pg_errors.error_from_result(result, encoding=conn.pgconn._encoding)
+    return rows, error
+
+
+def _answer_of(results, kept: _Piped, conn, sent: tuple):
+    """T1's answer: (its first row or None,), or the error to raise."""
+    rows, error = _outcome(results, conn, sent)
     if error is not None:
         return error
-    return answer or errors.InternalError("the read's statement gave no answer")
+    if rows is None:
+        return pg_errors.InternalError("the read's statement gave no answer")
+    if rows.ntuples == 0:
+        return (None,)
+    kept.tx.set_pgresult(rows)
+    return (kept.tx.load_row(0, tuple),)
 
 
 def _abandon(conn) -> None:
@@ -1170,8 +1157,6 @@ class _PipedEvent:
         self.marked = False  # T1's row came back with the token: T2 is writing the event
 
     def finish(self, db) -> None:
-        from psycopg import errors, pq
-
         conn = self.conn
         with db.wrap_database_errors, conn.lock:
             try:
@@ -1184,17 +1169,8 @@ class _PipedEvent:
             except BaseException:
                 _abandon(conn)  # something else queued meanwhile: never handed on mid-pipeline
                 raise
-            event_id, error = None, None
-            for result in results:
-                status = result.status
-                if status == pq.ExecStatus.TUPLES_OK:
-                    _prepared_as(conn, self.sent, result)
-                    if result.ntuples:
-                        event_id = int(result.get_value(0, 0))
-                elif status in (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.PIPELINE_ABORTED):
-                    _prepared_as(conn, self.sent, result)
-                    if error is None and status == pq.ExecStatus.FATAL_ERROR:
-                        error = errors.error_from_result(result, encoding=conn.pgconn._encoding)
+            rows, error = _outcome(results, conn, self.sent)
+            event_id = int(rows.get_value(0, 0)) if rows is not None and rows.ntuples else None
             if error is not None and self.marked:
                 raise error
         if event_id is not None:
