@@ -259,7 +259,7 @@ def test_a_row_made_sensitive_elsewhere_is_read_with_the_connection_out_of_pipel
     does not match, so no event rides, and T2's answer is read at once — building the row's
     instance opens its sealed value, and a cold data-key cache loads the key with Django's
     ORM (found by review: while T2 was pending in pipeline mode, a 503)."""
-    seen = last_seen.expected(tenant_a.pk, KEY)
+    seen = last_seen._seen[(tenant_a.pk, KEY)]
     write(tenant_a, KEY, "4111 1111", subject="u1", sensitive=True)
     last_seen._seen[(tenant_a.pk, KEY)] = seen  # another process's write: this one never saw it
     keyring.forget_cache()  # the data key not cached here (another process sealed under it)
@@ -278,7 +278,7 @@ def test_a_row_made_sensitive_elsewhere_is_read_with_the_connection_out_of_pipel
 def test_a_sensitive_row_made_elsewhere_stays_unreadable_through_the_lane(tenant_a, raw):
     """The same, three times (before the fix a failed read left last_seen as it was and the
     data key uncached: every later lane read of the key in this process failed)."""
-    seen = last_seen.expected(tenant_a.pk, KEY)
+    seen = last_seen._seen[(tenant_a.pk, KEY)]
     write(tenant_a, KEY, "4111 1111", subject="u1", sensitive=True)
     last_seen._seen[(tenant_a.pk, KEY)] = seen
     keyring.forget_cache()

@@ -520,6 +520,10 @@ ZEROMEM_WRITE_WITHOUT_LOCK = env.bool("ZEROMEM_WRITE_WITHOUT_LOCK", default=True
 # A read of a key this process read or wrote lately sends its audit event with its SELECT, as
 # one statement, written only if the row is still as last seen (README "The hot path").
 ZEROMEM_READ_ONE_STATEMENT = env.bool("ZEROMEM_READ_ONE_STATEMENT", default=True)
+# On the tool-call lane, a write over a key this process read or wrote lately sends the rate
+# counter and its statement together, pipelined (one round trip, no SELECT), the statement
+# writing only if the row is still as last seen (README "The hot path"). Off: read, then write.
+ZEROMEM_WRITE_PIPED = env.bool("ZEROMEM_WRITE_PIPED", default=True)
 # End-user portal (memories/portal/): how long a portal link stays valid before its first open, and
 # how long the page stays open after it. ZEROMEM_PUBLIC_URL (e.g. https://memory.example.com)
 # is the origin links are built with; empty: the origin the API request came to.

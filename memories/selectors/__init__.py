@@ -174,6 +174,20 @@ def _instance(plan: _Plan, row: tuple, db=None) -> Memory:
 _new_memory = object.__new__
 
 
+def memory_loaded(attnames: tuple[str, ...], values: tuple) -> Memory:
+    """A memory loaded with only ``attnames`` (a plain value among them, never a sealed one):
+    as :func:`_instance` builds one from its row, the other fields deferred (read from the
+    database if asked for)."""
+    if not _built_directly():
+        return Memory.from_db(DEFAULT_DB_ALIAS, attnames, values)
+    new = _new_memory(Memory)
+    state = new._state = ModelState()
+    state.adding = False
+    state.db = DEFAULT_DB_ALIAS
+    new.__dict__.update(zip(attnames, values, strict=True))
+    return new
+
+
 def _built_directly() -> bool:
     """Whether building a Memory from its row needs nothing but its attributes: its
     ``from_db`` is ``OpensSealedValues.from_db`` over ``Model.from_db``, and its ``__init__``

@@ -237,7 +237,6 @@ def memory_write(
                 tenant=tenant, actor=actor, op=op, key=key, fields=fields, now=now, sensitive=sensitive
             )
             if written is not None:
-                last_seen.saw(tenant.pk, key, written.memory)
                 return written
         hotsql.send_rider()  # the rate counter (a tool write), before the transaction
         # On PostgreSQL the UPDATE (or, for a new memory, the version INSERT) is held and sent
@@ -271,12 +270,24 @@ def _write_over_as_read(
     key (a new one, or an expired one to trash), a value turning sensitive (its history is
     sealed with it), a sensitive value moving to another subject (sealed under that subject's
     key: the subject's lock against a forget's shred, keyring._subject_lock, is held only in a
-    transaction), or a row that changed between the read and the UPDATE."""
+    transaction), or a row that changed between the read and the UPDATE.
+
+    On the tool-call lane, a key this process saw lately is not read first: its UPDATE, while
+    the row is as last seen, goes with the rate counter in one round trip
+    (:func:`_write_over_as_seen`)."""
+    if hotsql.write_may_pipe():
+        seen = last_seen.as_seen(tenant.pk, key)
+        if seen is not None:
+            written = _write_over_as_seen(
+                seen, tenant=tenant, actor=actor, op=op, key=key, fields=fields, now=now, sensitive=sensitive
+            )
+            if written is not None:
+                return written
     current = selectors.memory_get_live(tenant=tenant, key=key)
     if current is None:
         return None
     as_read = _as_read(current)
-    read_subject = current.subject
+    read_subject, read_version = current.subject, current.version
     written, turned = _replacing(current, tenant=tenant, key=key, fields=fields, sensitive=sensitive)
     if turned or (current.sensitive and current.subject != read_subject):
         # Sealed under another subject's key: only a transaction holds that subject's lock
@@ -287,7 +298,53 @@ def _write_over_as_read(
     )
     if not sent:
         return None
+    last_seen.saw(tenant.pk, key, current, found=read_version)
     return MemoryResult(status="ok", key=key, memory=current, created=False)
+
+
+def _write_over_as_seen(
+    seen: Memory,
+    *,
+    tenant: Tenant,
+    actor: Actor,
+    op: AuditedOperation,
+    key: str,
+    fields: dict,
+    now,
+    sensitive: bool | None,
+) -> MemoryResult | None:
+    """:func:`_write_over_as_read` over the row as this process last saw it (``seen``:
+    memories.services.last_seen), not read first: its UPDATE, version row and event as one
+    statement, sent with the rate counter (zeromem/kernel/hotsql.py "A write and the rate
+    counter in one round trip"), writing only while the row holds the version, expiry, subject
+    and tags seen, not trashed, plain. The memory returned holds what the write set and what
+    the UPDATE checked; its other fields are read from the database if asked for. None, nothing
+    written, when it had expired when last seen or its value turns sensitive (nothing sent: the
+    caller reads the row), or when the row is not as seen (the call counted; the key turns
+    cold)."""
+    if seen.expires_at is not None and seen.expires_at <= now:
+        return None  # not live: a write over it trashes it and makes a new memory (_upsert)
+    as_seen = (*_as_read(seen), ("subject", seen.subject), ("tags", seen.tags))
+    written, turned = _replacing(seen, tenant=tenant, key=key, fields=fields, sensitive=sensitive)
+    if turned:
+        return None
+    found = seen.version - 1
+    sent = _sent_as_read(
+        seen,
+        written,
+        as_seen,
+        op=op,
+        actor=actor,
+        now=now,
+        kind=MemoryVersion.Op.WRITE,
+        detail={"created": False},
+        piped=True,
+    )
+    if not sent:
+        last_seen.missed(tenant.pk, key)
+        return None
+    last_seen.saw(tenant.pk, key, seen, found=found)
+    return MemoryResult(status="ok", key=key, memory=seen, created=False)
 
 
 def _as_read(memory: Memory) -> tuple:
@@ -304,13 +361,23 @@ def _as_read(memory: Memory) -> tuple:
 
 
 def _sent_as_read(
-    memory: Memory, names, as_read: tuple, *, op, actor: Actor, now, kind: str, detail: dict | None = None
+    memory: Memory,
+    names,
+    as_read: tuple,
+    *,
+    op,
+    actor: Actor,
+    now,
+    kind: str,
+    detail: dict | None = None,
+    piped: bool = False,
 ) -> bool:
     """``memory``'s UPDATE of ``names`` (and its version) while the row is still ``as_read``,
     its version row and the operation's event, as one statement: True once written; False,
-    nothing written and the event taken back, when the row changed since it was read."""
+    nothing written and the event taken back, when the row changed since it was read.
+    ``piped``: with the rate counter held, in one round trip (hotsql.holding)."""
     try:
-        with hotsql.holding():
+        with hotsql.holding(piped=piped):
             hotsql.update(memory, [*names, "version"], as_read=as_read)
             _record_version(memory, kind, actor, now)
             op.record(subject=memory.subject, version=memory.version, detail=detail)

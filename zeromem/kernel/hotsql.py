@@ -56,12 +56,15 @@ def fetchone(sql: str, params: Sequence, db=None) -> tuple | None:
             if rider is None:
                 return _send_with_event(event, sql, params, db)
     rider = getattr(db, _RIDER, None)
+    held = getattr(db, _HELD, None)
     if rider is not None:
-        if _rideable(sql) and not getattr(db, _HELD, None):
+        if _rideable(sql) and not held:
             setattr(db, _RIDER, None)
             return _send_riding(rider, sql, params, db)
+        if held and _carries(sql) and _guarded(held) and write_may_pipe(db):
+            setattr(db, _RIDER, None)
+            return _send_write_piped(rider, held, (sql, params), db)
         _release_rider(db)
-    held = getattr(db, _HELD, None)
     if held:
         return _send_held(held, (sql, params) if _carries(sql) else None)
     return _send(sql, params, _first, db, reads=_rideable(sql))
@@ -317,7 +320,7 @@ def update(obj, names: Sequence[str], *, as_read: Sequence[tuple[str, object]] =
             params.append(field.get_db_prep_value(value, db))
     if held is not None:
         matched = _ONE_MATCHED if as_read else "count(*)"
-        held.append((sql + " RETURNING 1", params, [matched], lambda row: _updated(obj, row[0])))
+        held.append((sql + _RETURNING_ONE, params, [matched], lambda row: _updated(obj, row[0])))
         return
     _updated(obj, execute(sql, params))
 
@@ -325,6 +328,7 @@ def update(obj, names: Sequence[str], *, as_read: Sequence[tuple[str, object]] =
 # A held UPDATE of a row as read answers this: 1 when it matched its row; when it matched none,
 # a division by zero, which fails the one statement (nothing of it is written).
 _ONE_MATCHED = "1 / count(*)"
+_RETURNING_ONE = " RETURNING 1"
 _DIVISION_BY_ZERO = "22012"
 
 
@@ -414,16 +418,20 @@ _HELD = "_zeromem_held_statements"
 
 
 @contextlib.contextmanager
-def holding() -> Iterator[None]:
+def holding(*, piped: bool = False) -> Iterator[None]:
     """Hold :func:`update`'s and :func:`insert`'s statements until the next :func:`fetchone`
     (see above); any other statement of this module sends them first, and at the end of the
     block anything still held is sent (an exception drops it: the transaction rolls back).
     Only this module's statements may run after the first held one (Django's cursor would
     overtake them). A no-op on SQLite, with ``ZEROMEM_WRITE_ONE_STATEMENT`` off, or whenever
     statements are watched (``DEBUG``, ``CaptureQueriesContext``, execute wrappers, tracing):
-    then each is sent at once, as before."""
+    then each is sent at once, as before.
+
+    A rate counter held (:func:`riding`) is sent first, alone — or, with ``piped`` and
+    :func:`write_may_pipe`, kept to go with the statement in one round trip ("A write and the
+    rate counter in one round trip", below)."""
     db = connections[DEFAULT_DB_ALIAS]
-    if getattr(db, _RIDER, None) is not None:
+    if getattr(db, _RIDER, None) is not None and not (piped and write_may_pipe(db)):
         _release_rider(db)
     if not settings.ZEROMEM_WRITE_ONE_STATEMENT or getattr(db, _HELD, None) is not None or not _unwatched_postgres(db):
         yield
@@ -456,34 +464,55 @@ def _carries(sql: str) -> bool:
 
 
 def _send_held(held: list, last: tuple[str, Sequence] | None):
+    db = connections[DEFAULT_DB_ALIAS]
+    if getattr(db, _RIDER, None) is not None:
+        _release_rider(db)  # the rate counter kept for a piped write (holding): first, alone
     items = list(held)
     held.clear()
+    sql, params, width = _held_statement(items, last)
+    try:
+        row = _send(sql, params, _first, db)
+    except DataError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == _DIVISION_BY_ZERO and _guarded(items):
+            raise RowChanged() from exc
+        raise
+    return _held_answer(items, row, width, last)
+
+
+def _held_statement(items: list, last: tuple[str, Sequence] | None, token: str | None = None):
+    """The held statements and ``last`` as one: its SQL, its parameters and how many columns
+    the held ones add to ``last``'s. With ``token``, an UPDATE of a row as read matches it only
+    while the session's ``zm.read`` is ``token`` (a piped write, below)."""
     parts, params, extra = [], [], []
     for i, (sql, item_params, columns, _done) in enumerate(items):
+        if token is not None and _ONE_MATCHED in columns:
+            sql = f"{sql.removesuffix(_RETURNING_ONE)} AND current_setting('{_MARK}', true) = %s{_RETURNING_ONE}"
+            item_params = [*item_params, token]
         parts.append(f"h{i} AS ({sql})")
         params.extend(item_params)
         # Column names this module quoted from the models (or count(*)): no input reaches them.
         extra.extend(f"(SELECT {c} FROM h{i})" for c in columns)  # nosec B608
     if last is None:
-        main, n = "SELECT " + ", ".join(extra), 0
+        main = "SELECT " + ", ".join(extra)
     else:
-        main, n = f"{last[0]}, {', '.join(extra)}", None
+        main = f"{last[0]}, {', '.join(extra)}"
         params.extend(last[1])
-    try:
-        row = _send(f"WITH {', '.join(parts)} {main}", params, _first)
-    except DataError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) == _DIVISION_BY_ZERO and any(
-            _ONE_MATCHED in columns for _sql, _params, columns, _done in items
-        ):
-            raise RowChanged() from exc
-        raise
-    if n is None:
-        n = len(row) - len(extra)
+    return f"WITH {', '.join(parts)} {main}", params, len(extra)
+
+
+def _held_answer(items: list, row: tuple, width: int, last):
+    # Each held statement's columns to its ``done``; ``last``'s own row returned.
+    n = len(row) - width
     rest = row[n:]
     for _sql, _params, columns, done in items:
         done(rest[: len(columns)])
         rest = rest[len(columns) :]
     return row[:n] if last is not None else None
+
+
+def _guarded(items: list) -> bool:
+    # An UPDATE of a row as read among them: it fails the statement when it matches no row.
+    return any(_ONE_MATCHED in columns for _sql, _params, columns, _done in items)
 
 
 # --- A statement answered later -----------------------------------------------------------
@@ -1177,6 +1206,133 @@ class _PipedEvent:
             self.event.done(event_id)
         elif self.marked and self.event.lost is not None:
             self.event.lost()
+
+
+# --- A write and the rate counter in one round trip: two transactions, pipelined -------------
+#
+# A write over a live memory outside any transaction is the rate counter riding the memory's
+# SELECT, then its UPDATE — only while the row is as read — with its version row and event as
+# one statement: two round trips. When the caller knows the row without reading it — as this
+# process last saw it (memories/services/last_seen.py), which the UPDATE's own conditions check
+# — the SELECT is not needed, and inside :func:`answered_later` (the tool-call lane) the counter
+# and the statement go as two statements of libpq's pipeline mode, sent together, each a
+# transaction of its own, as a read and its event do (above):
+#
+#   T1  the counter (:func:`riding`), which also sets ``zm.read`` to a token drawn for this
+#       write — only when the count is within its limit;
+#   T2  the write's statement (:func:`holding`), its UPDATE matching its row only while
+#       ``current_setting('zm.read')`` is that token: else it matches none, and the statement
+#       fails as a row changed since it was read fails it (nothing of it written).
+#
+# T2 runs once T1 has committed (the counter's lock is gone; its commit does not wait for the
+# flush). Both answers are read at once: past the limit the counter's ``done`` raises (T2 wrote
+# nothing); a row not as the caller expected raises :class:`RowChanged` — the call counted, T2
+# nothing written — and the caller reads the row and writes over it as before (the counter is
+# not sent again). A connection checked out for the write without the pool's check is checked
+# as a read's is, before anything is sent (``dbpool.unread_input``); one that dies once they are
+# sent raises (the write unacknowledged, as any write whose connection dies).
+
+
+def write_may_pipe(db=None) -> bool:
+    """Whether a write's statements held now (:func:`holding` ``piped``) would go pipelined
+    with the rate counter held (see above): a counter with a limit held, PostgreSQL,
+    unwatched, inside :func:`answered_later` with nothing pending, prepared statements on,
+    outside any transaction, ``ZEROMEM_WRITE_ONE_STATEMENT`` and ``ZEROMEM_WRITE_PIPED`` on.
+    No query."""
+    if db is None:
+        db = connections[DEFAULT_DB_ALIAS]
+    rider = getattr(db, _RIDER, None)
+    return (
+        rider is not None
+        and rider.limit is not None
+        and settings.ZEROMEM_WRITE_PIPED
+        and settings.ZEROMEM_WRITE_ONE_STATEMENT
+        and _pipelines(db)
+    )
+
+
+_counter_sql: dict[str, str] = {}
+
+
+def _counter_statement(own: str) -> str:
+    found = _counter_sql.get(own)
+    if found is None:
+        if len(_counter_sql) >= _RIDING_SQL_MAX:
+            _counter_sql.clear()
+        # The counter's statement is this module's caller's compiled one: no input reaches it.
+        found = _counter_sql[own] = (
+            f"WITH zm_rider AS ({own}) SELECT zm_rider.*, "  # nosec B608
+            f"set_config('{_MARK}', CASE WHEN zm_rider.count <= %s THEN %s ELSE '' END, false) FROM zm_rider"
+        )
+    return found
+
+
+def _send_write_piped(rider: Rider, held: list, last: tuple[str, Sequence], db):
+    items = list(held)
+    held.clear()
+    token = uuid.uuid4().hex
+    counter = (_counter_statement(rider.sql(True)), [*rider.params, rider.limit, token])
+    written = _held_statement(items, last, token)
+    db.close_if_health_check_failed()
+    try:
+        if db.connection is None and dbpool.read_checks(db):
+            # As a read's: checked out without the pool's round trip, if its backend has not
+            # said goodbye (nothing is sent then: it goes, and one the pool checks comes).
+            with dbpool.check_skipped():
+                db.ensure_connection()
+            if dbpool.unread_input(db):
+                db.connection.close()
+                db.close()
+        db.ensure_connection()
+        counted, row = _pipe_two(counter, written[:2], db)
+    except DatabaseError:
+        _count_alone(rider, db)  # (a dead connection: nothing counted, the error raised)
+        raise
+    if not isinstance(counted, tuple):
+        # T1 failed (T2 wrote nothing: the token was not set): counted alone, if it can be.
+        _count_alone(rider, db)
+        with db.wrap_database_errors:
+            raise counted
+    rider.done(counted[: rider.width])  # past the limit: raises (T2 wrote nothing)
+    if not isinstance(row, tuple):
+        if getattr(row, "sqlstate", None) == _DIVISION_BY_ZERO and _guarded(items):
+            raise RowChanged() from row
+        with db.wrap_database_errors:
+            raise row
+    return _held_answer(items, row, written[2], last)
+
+
+def _pipe_two(first: tuple[str, Sequence], second: tuple[str, Sequence], db) -> tuple:
+    """``first`` and ``second``, each a transaction of its own, sent together in pipeline
+    mode: the first row of each, or its error (psycopg's)."""
+    db.validate_thread_sharing()
+    db.validate_no_broken_transaction()
+    conn = db.connection
+    kept = conn.__dict__.get(_PIPED)
+    if kept is None:
+        kept = conn.__dict__[_PIPED] = _Piped(conn)
+    pgconn = conn.pgconn
+    with db.wrap_database_errors, conn.lock:
+        pgconn.enter_pipeline_mode()
+        try:
+            sent = [_send_prepared(conn, kept.query(*first)), _send_prepared(conn, kept.query(*second))]
+            conn.wait(generators.send(pgconn))
+            results = [conn.wait(_segment(pgconn)), conn.wait(_segment(pgconn))]
+            pgconn.exit_pipeline_mode()
+        except BaseException:
+            _abandon(conn)
+            raise
+        answers = []
+        for got, one in zip(results, sent, strict=True):
+            rows, error = _outcome(got, conn, one)
+            if error is None and rows is None:
+                error = pg_errors.InternalError("a piped statement gave no answer")
+            if error is not None:
+                answers.append(error)
+            else:
+                kept.tx.set_pgresult(rows)
+                answers.append(kept.tx.load_row(0, tuple) if rows.ntuples else None)
+    return tuple(answers)
 
 
 # --- Instances without Model.__init__ ---------------------------------------------------------
