@@ -1304,7 +1304,8 @@ def _send_write_piped(rider: Rider, held: list, last: tuple[str, Sequence], db):
 
 def _pipe_two(first: tuple[str, Sequence], second: tuple[str, Sequence], db) -> tuple:
     """``first`` and ``second``, each a transaction of its own, sent together in pipeline
-    mode: the first row of each, or its error (psycopg's)."""
+    mode: the first row of each, or its error (psycopg's; a statement that returned no row
+    fails as one)."""
     db.validate_thread_sharing()
     db.validate_no_broken_transaction()
     conn = db.connection
@@ -1325,13 +1326,13 @@ def _pipe_two(first: tuple[str, Sequence], second: tuple[str, Sequence], db) -> 
         answers = []
         for got, one in zip(results, sent, strict=True):
             rows, error = _outcome(got, conn, one)
-            if error is None and rows is None:
-                error = pg_errors.InternalError("a piped statement gave no answer")
+            if error is None and (rows is None or not rows.ntuples):
+                error = pg_errors.InternalError("a piped statement returned no row")
             if error is not None:
                 answers.append(error)
             else:
                 kept.tx.set_pgresult(rows)
-                answers.append(kept.tx.load_row(0, tuple) if rows.ntuples else None)
+                answers.append(kept.tx.load_row(0, tuple))
     return tuple(answers)
 
 
