@@ -232,3 +232,151 @@ def test_through_pgbouncer_a_write_reads_the_row_first(tenant_a, raw, settings):
     with RoundTrips() as sent:
         assert call(LANE, raw, _write_call("en"))[0] == "200 OK"
     assert sent.count == 2
+
+
+def test_a_piped_write_while_an_init_receiver_listens(tenant_a, raw):
+    """With a pre_init/post_init receiver on Memory the memory as seen is built through
+    Memory.from_db, which takes its values in the model's field order (found by review: each
+    value in another field's place, every such write a 500)."""
+    from django.db.models.signals import post_init
+
+    def receiver(sender, instance, **kwargs):
+        pass
+
+    post_init.connect(receiver, sender=Memory)
+    try:
+        seen = last_seen.as_seen(tenant_a.pk, KEY)
+        assert (seen.version, seen.tags, seen.sensitive, seen.expires_at) == (4, ["lang"], False, None)
+        status, _headers, content = call(LANE, raw, _write_call("en"))
+    finally:
+        post_init.disconnect(receiver, sender=Memory)
+    assert status == "200 OK", content
+    assert json.loads(content)["version"] == 5
+    stored = _stored(tenant_a)
+    assert (stored.value, stored.version, stored.tags) == ("en", 5, ["lang"])
+
+
+def test_writes_refused_again_and_again_do_not_pile_up_prepared_statements(tenant_a, raw, settings, limiter_minute):
+    """A piped statement whose first run on a connection fails (past the limit, every time)
+    keeps its name: psycopg forgot a statement whose first run failed, while the server kept it
+    prepared — one more per refused write, for as long as the connection lived (found by
+    review)."""
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 1  # this minute's window has its calls already
+    before = _prepared_writes()
+    # Each with a TTL: a statement of its own (a parameter of another type), never run before.
+    statuses = [call(LANE, raw, _write_call(f"x{i}", ttl_seconds=600))[0] for i in range(6)]
+    assert statuses == ["429 Too Many Requests"] * 6
+    assert len(_prepared_writes()) <= len(before) + 1
+
+
+def _prepared_writes() -> list:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE 'WITH h0 AS (UPDATE%%'")
+        return cursor.fetchall()
+
+
+def _other_session():
+    import psycopg
+
+    s = connection.settings_dict
+    return psycopg.connect(
+        host=s["HOST"] or None, port=s["PORT"] or None, user=s["USER"], dbname=s["NAME"], password=s["PASSWORD"] or None
+    )
+
+
+def test_a_write_timed_out_behind_a_row_lock_leaves_everything_as_it_was(tenant_a, raw):
+    other = _other_session()
+    other.execute("BEGIN")
+    other.execute("SELECT 1 FROM memories_memory WHERE tenant_id = %s AND key = %s FOR UPDATE", [tenant_a.pk, KEY])
+    counted, history, events = _counted(), _history(tenant_a), _writes(tenant_a)
+    with connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = '300ms'")
+    try:
+        status, _headers, content = call(LANE, raw, _write_call("en"))
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET statement_timeout")
+        other.rollback()
+        other.close()
+    assert status == "503 Service Unavailable", content
+    assert (_counted(), _history(tenant_a), _writes(tenant_a)) == (counted + 1, history, events)
+    assert connection.connection.pgconn.pipeline_status == 0
+    status, _headers, content = call(LANE, raw, _write_call("de"))
+    assert status == "200 OK", content
+    assert _history(tenant_a)[-1] == (5, "de")
+    assert _counted() == counted + 2
+
+
+def test_three_threads_writing_one_key_lose_and_double_nothing(tenant_a, raw):
+    import threading
+
+    from django.db import connections
+
+    errors, statuses = [], []
+    counted = _counted()
+
+    def run(n):
+        try:
+            for i in range(15):
+                status, _h, content = call(LANE, raw, _write_call(f"t{n}-{i}"))
+                statuses.append(status)
+                if status != "200 OK":
+                    errors.append(content)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    history = _history(tenant_a)
+    assert [v for v, _ in history] == list(range(1, 5 + 45))
+    stored = _stored(tenant_a)
+    assert stored.version == 4 + 45 and stored.value == history[-1][1]
+    oks = [e for e in _writes(tenant_a) if e[0] == "ok"]
+    assert sorted(e[1] for e in oks) == list(range(1, 5 + 45))
+    assert _counted() == counted + 45
+
+
+def test_a_connection_lost_once_the_write_is_sent_is_a_503_and_the_write_lands_at_most_once(tenant_a, raw, monkeypatch):
+    """Unacknowledged: PostgreSQL may have run what it had read before it saw the client gone."""
+    history, events = _history(tenant_a), _writes(tenant_a)
+    segment = hotsql._segment
+
+    def cut(pgconn):
+        pgconn.finish()  # sent, and the connection gone before its answers are read
+        return segment(pgconn)
+
+    monkeypatch.setattr(hotsql, "_segment", cut)
+    status, _headers, content = call(LANE, raw, _write_call("en"))
+    monkeypatch.undo()
+    connection.close()  # (a server's request ends so; this test goes on on a new one)
+    assert status == "503 Service Unavailable", content
+    after, written = _history(tenant_a), _writes(tenant_a)
+    assert (after, written) in [
+        (history, events),
+        (history + [(5, "en")], events + [("ok", 5, "u1", {"created": False})]),
+    ]
+
+
+def test_after_an_update_a_write_goes_piped_and_after_a_delete_it_reads_first(tenant_a, raw):
+    update = {"name": "memory_update", "arguments": {"key": KEY, "value": "de"}}
+    assert call(LANE, raw, update)[0] == "200 OK"
+    with RoundTrips() as sent:
+        assert call(LANE, raw, _write_call("en"))[0] == "200 OK"
+    assert (sent.count, sent.syncs) == (1, 2)  # the update left the row as this process saw it
+    services.memory_delete(tenant=tenant_a, actor=SYSTEM, key=KEY)
+    assert last_seen.as_seen(tenant_a.pk, KEY) is None
+    status, _headers, content = call(LANE, raw, _write_call("fr"))
+    assert status == "200 OK" and json.loads(content)["created"] is True
+    old = MemoryVersion.objects.filter(tenant=tenant_a).exclude(memory=_stored(tenant_a)).order_by("version")
+    assert [(v.version, v.op, v.value) for v in old][-3:] == [
+        (5, "update", "de"),
+        (6, "write", "en"),
+        (7, "delete", "en"),
+    ]
+    assert (_stored(tenant_a).value, _stored(tenant_a).version) == ("fr", 1)

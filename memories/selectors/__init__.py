@@ -179,7 +179,10 @@ def memory_loaded(attnames: tuple[str, ...], values: tuple) -> Memory:
     as :func:`_instance` builds one from its row, the other fields deferred (read from the
     database if asked for)."""
     if not _built_directly():
-        return Memory.from_db(DEFAULT_DB_ALIAS, attnames, values)
+        # Model.from_db takes the values in the model's field order, not attnames'.
+        given = dict(zip(attnames, values, strict=True))
+        names = tuple(f.attname for f in Memory._meta.concrete_fields if f.attname in given)
+        return Memory.from_db(DEFAULT_DB_ALIAS, names, tuple(given[name] for name in names))
     new = _new_memory(Memory)
     state = new._state = ModelState()
     state.adding = False

@@ -835,9 +835,11 @@ def _update_as_read(
         fields.update(search.index_fields(tenant_id=tenant.pk, key=key, value=None if secret else plain, tags=tags))
     for name, given in fields.items():
         setattr(current, name, given)
+    read_version = current.version
     current.version += 1
     if not _sent_as_read(current, fields, as_read, op=op, actor=actor, now=now, kind=MemoryVersion.Op.UPDATE):
         return None
+    last_seen.saw(tenant.pk, key, current, found=read_version)  # a tool write of it next: no read first
     return MemoryResult(status="ok", key=key, memory=current)
 
 
@@ -867,6 +869,7 @@ def memory_delete(
         embeddings.embeddings_delete(memory_ids=[memory.pk])
         _record_version(memory, MemoryVersion.Op.DELETE, actor, now)
         op.record(subject=memory.subject, version=memory.version)
+        last_seen.saw(tenant.pk, key, None)
         return MemoryResult(status="ok", key=key, memory=memory)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, DataError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, DataError, OperationalError, connections
 from django.db.models import signals
 from django.db.models.sql import InsertQuery
 from psycopg import errors as pg_errors
@@ -1137,18 +1137,22 @@ def _segment(pgconn):
 
 def _outcome(results, conn, sent: tuple):
     """A piped statement's rows (its PGresult) or None, and its error or None; psycopg's
-    bookkeeping told how it ran (a failed statement is prepared again)."""
+    bookkeeping told how it ran. A statement prepared now is the server's once its Parse
+    succeeded, however its run went: psycopg is told so (told of the run's failure, it forgets
+    the name while the server keeps the statement, and prepares it again under a new one — one
+    more on the server at every failing run: a write refused past the limit, every time)."""
     key, prep, name = sent
     rows, error = None, None
+    told = key is None
     for result in results:
         status = result.status
-        if status in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.PIPELINE_ABORTED):
-            if key is not None:
-                conn._prepared.validate(key, prep, name, [result])
-            if status == pq.ExecStatus.TUPLES_OK:
-                rows = result
-            elif error is None and status == pq.ExecStatus.FATAL_ERROR:
-                error = pg_errors.error_from_result(result, encoding=conn.pgconn._encoding)
+        if not told and status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.TUPLES_OK):
+            conn._prepared.validate(key, prep, name, [result])  # the Parse's (prepared now), or the run's
+            told = True
+        if status == pq.ExecStatus.TUPLES_OK:
+            rows = result
+        elif error is None and status == pq.ExecStatus.FATAL_ERROR:
+            error = pg_errors.error_from_result(result, encoding=conn.pgconn._encoding)
     return rows, error
 
 
@@ -1285,8 +1289,14 @@ def _send_write_piped(rider: Rider, held: list, last: tuple[str, Sequence], db):
                 db.close()
         db.ensure_connection()
         counted, row = _pipe_two(counter, written[:2], db)
-    except DatabaseError:
-        _count_alone(rider, db)  # (a dead connection: nothing counted, the error raised)
+    except DatabaseError as exc:
+        if dbpool.broken(db):
+            # Whatever the driver made of it (a pipeline cut short): the connection is gone, the
+            # write unacknowledged — answered as any lost connection is (503).
+            if isinstance(exc, OperationalError):
+                raise
+            raise OperationalError("the connection to the database was lost during the write") from exc
+        _count_alone(rider, db)
         raise
     if not isinstance(counted, tuple):
         # T1 failed (T2 wrote nothing: the token was not set): counted alone, if it can be.
