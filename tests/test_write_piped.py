@@ -380,3 +380,19 @@ def test_after_an_update_a_write_goes_piped_and_after_a_delete_it_reads_first(te
         (7, "delete", "en"),
     ]
     assert (_stored(tenant_a).value, _stored(tenant_a).version) == ("fr", 1)
+
+
+def test_a_write_that_fails_while_its_statement_is_built_is_counted_and_writes_nothing(tenant_a, raw, monkeypatch):
+    """An error while the statement is built (the counter kept to go with it): the counter goes
+    alone (the call counted once), nothing is written, the connection is out of pipeline mode."""
+    from audit import services as audit_services
+
+    counted, history, events = _counted(), _history(tenant_a), _writes(tenant_a)
+    monkeypatch.setattr(audit_services, "_event_statement", lambda *a, **k: 1 / 0)
+    status, _headers, _content = call(LANE, raw, _write_call("en"))
+    monkeypatch.undo()
+    assert status == "500 Internal Server Error"
+    assert connection.connection.pgconn.pipeline_status == 0
+    assert (_counted(), _history(tenant_a), _writes(tenant_a)) == (counted + 1, history, events)
+    assert call(LANE, raw, _write_call("de"))[0] == "200 OK"
+    assert _history(tenant_a)[-1] == (5, "de")
