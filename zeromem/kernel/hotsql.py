@@ -1059,13 +1059,20 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
     return _send(sql, params, _first, db)
 
 
-def _piped(event: Event, rider: Rider | None, read: tuple, insert: str, token: str, db):
+def _pipe_of(db) -> tuple:
+    """The connection of ``db``, checked as for any statement of this module, and what it keeps
+    for piped statements (:class:`_Piped`)."""
     db.validate_thread_sharing()
     db.validate_no_broken_transaction()
     conn = db.connection
     kept = conn.__dict__.get(_PIPED)
     if kept is None:
         kept = conn.__dict__[_PIPED] = _Piped(conn)
+    return conn, kept
+
+
+def _piped(event: Event, rider: Rider | None, read: tuple, insert: str, token: str, db):
+    conn, kept = _pipe_of(db)
     pgconn = conn.pgconn
     with db.wrap_database_errors:
         with conn.lock:
@@ -1316,12 +1323,7 @@ def _pipe_two(first: tuple[str, Sequence], second: tuple[str, Sequence], db) -> 
     """``first`` and ``second``, each a transaction of its own, sent together in pipeline
     mode: the first row of each, or its error (psycopg's; a statement that returned no row
     fails as one)."""
-    db.validate_thread_sharing()
-    db.validate_no_broken_transaction()
-    conn = db.connection
-    kept = conn.__dict__.get(_PIPED)
-    if kept is None:
-        kept = conn.__dict__[_PIPED] = _Piped(conn)
+    conn, kept = _pipe_of(db)
     pgconn = conn.pgconn
     with db.wrap_database_errors, conn.lock:
         pgconn.enter_pipeline_mode()
