@@ -6,6 +6,7 @@ that has events (``on_delete=PROTECT``)."""
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 from django.db import connection
 from django.db.models import ProtectedError
@@ -14,13 +15,19 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import Memory, MemoryVersion, Tenant
 from tests.factories import SYSTEM, make_tenant, write
-from tests.helpers import other_session
 
 
 def _holding_the_tenant_row(tenant):
     """Another session that holds the tenant's row ``FOR UPDATE`` (which a foreign key check's
     ``FOR KEY SHARE`` waits for)."""
-    other = other_session()
+    settings = connection.settings_dict
+    other = psycopg.connect(
+        host=settings["HOST"] or None,
+        port=settings["PORT"] or None,
+        user=settings["USER"],
+        dbname=settings["NAME"],
+        password=settings["PASSWORD"] or None,
+    )
     other.execute("SELECT 1 FROM memories_tenant WHERE id = %s FOR UPDATE", [tenant.pk])
     return other
 

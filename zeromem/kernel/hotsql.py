@@ -61,8 +61,7 @@ def fetchone(sql: str, params: Sequence, db=None) -> tuple | None:
         if _rideable(sql) and not held:
             setattr(db, _RIDER, None)
             return _send_riding(rider, sql, params, db)
-        if held and _carries(sql) and _guarded(held):
-            # Held statements and a counter: holding(piped) kept it, write_may_pipe said so.
+        if held and _carries(sql) and _guarded(held) and write_may_pipe(db):
             setattr(db, _RIDER, None)
             return _send_write_piped(rider, held, (sql, params), db)
         _release_rider(db)
@@ -112,8 +111,12 @@ def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False, ag
     db.close_if_health_check_failed()
     if reads and db.connection is None and dbpool.read_checks(db):
         try:
-            if _checked_out_unchecked(db):
+            with dbpool.check_skipped():
+                db.ensure_connection()  # (a connection_created receiver may send a statement)
+            if not dbpool.unread_input(db):
                 return _execute(sql, params, fetch, db)
+            # Its backend has said goodbye (nothing sent): closed, the pool drops it.
+            db.connection.close()
         except DatabaseError:
             # No connection to be had (the pool has waited its timeout already), or an error
             # of a live connection: raised. A dead connection: the read again, below.
@@ -126,18 +129,6 @@ def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False, ag
             sql, params, fetch = again
     db.ensure_connection()
     return _execute(sql, params, fetch, db)
-
-
-def _checked_out_unchecked(db) -> bool:
-    """Check a connection out for a statement that is its own check, without the pool's round
-    trip: False — nothing sent, the connection closed (the pool drops it) — when its backend
-    has said goodbye (``dbpool.unread_input``)."""
-    with dbpool.check_skipped():
-        db.ensure_connection()  # (a connection_created receiver may send a statement)
-    if dbpool.unread_input(db):
-        db.connection.close()
-        return False
-    return True
 
 
 def _execute(sql: str, params: Sequence, fetch, db):
@@ -1039,12 +1030,16 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
     unchecked = db.connection is None and dbpool.read_checks(db)
     try:
         if unchecked:
-            dead = not _checked_out_unchecked(db)
+            with dbpool.check_skipped():
+                db.ensure_connection()
+            dead = dbpool.unread_input(db)  # its backend has said goodbye: nothing is sent
         else:
             db.ensure_connection()
             dead = False
         if not dead:
             row = _piped(event, rider, (read, read_params), insert, token, db)
+        else:
+            db.connection.close()  # the pool drops it
     except DatabaseError:
         if not (unchecked and db.connection is not None and dbpool.broken(db)):
             if rider is not None:  # as _send_riding: the counter taken alone if it went down
@@ -1169,12 +1164,12 @@ def _outcome(results, conn, sent: tuple):
 
 
 def _answer_of(results, kept: _Piped, conn, sent: tuple):
-    """A piped statement's answer (T1's): (its first row or None,), or the error to raise."""
+    """T1's answer: (its first row or None,), or the error to raise."""
     rows, error = _outcome(results, conn, sent)
     if error is not None:
         return error
     if rows is None:
-        return pg_errors.InternalError("a piped statement gave no answer")
+        return pg_errors.InternalError("the read's statement gave no answer")
     if rows.ntuples == 0:
         return (None,)
     kept.tx.set_pgresult(rows)
@@ -1291,8 +1286,14 @@ def _send_write_piped(rider: Rider, held: list, last: tuple[str, Sequence], db):
     written = _held_statement(items, last, token)
     db.close_if_health_check_failed()
     try:
-        if db.connection is None and dbpool.read_checks(db) and not _checked_out_unchecked(db):
-            db.close()  # as a read's: its backend said goodbye; one the pool checks instead
+        if db.connection is None and dbpool.read_checks(db):
+            # As a read's: checked out without the pool's round trip, if its backend has not
+            # said goodbye (nothing is sent then: it goes, and one the pool checks comes).
+            with dbpool.check_skipped():
+                db.ensure_connection()
+            if dbpool.unread_input(db):
+                db.connection.close()
+                db.close()
         db.ensure_connection()
         counted, row = _pipe_two(counter, written[:2], db)
     except DatabaseError as exc:
@@ -1334,14 +1335,16 @@ def _pipe_two(first: tuple[str, Sequence], second: tuple[str, Sequence], db) -> 
         except BaseException:
             _abandon(conn)
             raise
-    answers = []
-    for got, one in zip(results, sent, strict=True):
-        with db.wrap_database_errors:
-            answer = _answer_of(got, kept, conn, one)
-        if isinstance(answer, tuple):  # both statements return a row: none is a failure
-            (answer,) = answer
-            answer = pg_errors.InternalError("a piped statement returned no row") if answer is None else answer
-        answers.append(answer)
+        answers = []
+        for got, one in zip(results, sent, strict=True):
+            rows, error = _outcome(got, conn, one)
+            if error is None and (rows is None or not rows.ntuples):
+                error = pg_errors.InternalError("a piped statement returned no row")
+            if error is not None:
+                answers.append(error)
+            else:
+                kept.tx.set_pgresult(rows)
+                answers.append(kept.tx.load_row(0, tuple))
     return tuple(answers)
 
 
