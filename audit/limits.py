@@ -58,6 +58,13 @@ class Hit:
     retry_after: float  # seconds until the window ends
 
 
+def clock() -> float:
+    """The limiter's clock (seconds since the epoch): what windows are counted in, and what
+    a tally's flush takes as the current minute, so that both agree (a flush on another
+    clock once took a window that was still counting for closed)."""
+    return time.time()
+
+
 def hit(bucket: str, *, window: int = 60, cost: int = 1, tally: str = "", now: float | None = None) -> Hit:
     """Count ``cost`` against ``bucket``'s current window. ``tally``: a prefix of ``bucket``
     under which the window is remembered for :func:`drain_tallies`. One round trip."""

@@ -559,7 +559,7 @@ def audit_refusals_flush(*, now: float | None = None) -> int:
     """Write one ``invalid`` event (``count`` = the refusals, ``detail`` = code and minute) in
     its tenant's log per source and closed minute of refusals over a tenant's limits
     (:func:`_tally_refusal`); each minute once, whoever flushes. Returns the events written."""
-    now = time.time() if now is None else now
+    now = limits.clock() if now is None else now
     with transaction.atomic():
         tallies = limits.drain_tallies(REFUSAL_TALLY, before=int(now // 60) * 60)
         sources = [(json.loads(bucket[len(REFUSAL_TALLY) :]), start, count) for bucket, start, count in tallies]
@@ -634,7 +634,7 @@ def audit_auth_failures_flush(*, now: float | None = None) -> int:
     """Write one tenant-less ``auth.failed`` event (``count`` = the failures) per source
     and closed minute of unverified failed authentications; each minute once, whoever
     flushes (the next failure, or the every-minute schedule). Returns the events written."""
-    now = time.time() if now is None else now
+    now = limits.clock() if now is None else now
     with transaction.atomic():
         tallies = limits.drain_tallies(AUTH_FAILURE_TALLY, before=int(now // 60) * 60)
         for bucket, start, count in tallies:

@@ -21,6 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from audit import limits
 from audit.models import AuditEvent
+from memories.models import Memory
 from tests.factories import make_key
 from tests.helpers import audit_tables_may_be_flushed
 from tests.test_tool_lane import LANE, call
@@ -205,6 +206,40 @@ def _terminate_pooled_backends() -> int:
         )
 
 
+IDLE = 6  # dead idle connections met one by one: psycopg_pool's back-off, 1 + 2 + 4 s > its timeout
+
+
+def _pool_holding(idle: int) -> None:
+    """The pool holds at least ``idle`` idle connections (as after a busy minute)."""
+    pool = connection.pool
+    taken = [pool.getconn() for _ in range(idle)]
+    for conn in taken:
+        pool.putconn(conn)
+
+
+def _pooled_backends_ended() -> None:
+    """End the pooled connections of a test that opened some without the tests'
+    connection_created receiver, and wait until the pool holds live ones again: the test's
+    flush checks a connection out (with psycopg_pool's 1, 2, 4 … s back-off between dead
+    ones, it once waited past the pool's timeout)."""
+    _terminate_pooled_backends()
+    _until_backends_gone()
+    connection.pool.check()
+
+
+def _until_backends_gone() -> None:
+    """Wait (at most 5 s) until the test database's other sessions have exited."""
+    with _own_connection() as admin:
+        for _ in range(500):
+            others = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            ).fetchone()[0]
+            if not others:
+                return
+            time.sleep(0.01)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_read_first_in_a_request_is_its_connections_check_and_anything_else_is_checked(lane_key, checks, settings):
     """As served, a tool read checks its connection out without the empty query (two round
@@ -232,7 +267,8 @@ def test_a_read_on_a_connection_that_died_in_the_pool_runs_again_on_a_checked_on
     for round_ in range(6):
         before = AuditEvent.objects.filter(tenant=tenant_a, action="memory.read").count()
         connection.close()  # back to the pool, idle, with the others
-        assert _terminate_pooled_backends() >= 1
+        _pool_holding(IDLE)
+        assert _terminate_pooled_backends() >= IDLE
         checked = checks.count
         # Half the rounds as in production, where nothing runs at checkout: the read is the
         # first statement the dead connection gets. (The tests' connection_created receiver
@@ -250,7 +286,38 @@ def test_a_read_on_a_connection_that_died_in_the_pool_runs_again_on_a_checked_on
         assert checks.count > checked  # the read went again on a connection the pool checked
     # The connections opened without the receiver go: the test's flush needs its setting.
     connection.close()
+    _pooled_backends_ended()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("receiver", [True, False], ids=["receiver", "quiet"])
+def test_a_write_on_a_connection_that_died_in_the_pool_is_written_once_on_a_checked_one(
+    lane_key, checks, tenant_a, receiver
+):
+    """A restart with several idle connections in the pool: the tool write (piped, as
+    served) finds its connection's backend gone before sending anything, and is written on a
+    live connection — not after meeting each dead one in turn (503 past the pool's timeout)."""
+    assert _read(lane_key)[0] == "200 OK"  # the key seen: the next write is piped
+    connection.close()
+    _pool_holding(IDLE)
     _terminate_pooled_backends()
+    _until_backends_gone()  # their last words sent: the write finds its connection dead
+    if not receiver:
+        connection_created.disconnect(audit_tables_may_be_flushed)
+    try:
+        connection.close()
+        status, _headers, content = call(
+            LANE, lane_key, {"name": "memory_write", "arguments": {"key": "fact:a", "value": "again"}}
+        )
+    finally:
+        if not receiver:
+            connection_created.connect(audit_tables_may_be_flushed)
+    assert status == "200 OK", content
+    memory = Memory.objects.get(tenant=tenant_a, key="fact:a")
+    assert (memory.value, memory.version) == ("again", 2)
+    assert AuditEvent.objects.filter(tenant=tenant_a, action="memory.write", outcome="ok").count() == 2
+    connection.close()
+    _pooled_backends_ended()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -301,7 +368,7 @@ def test_a_connection_whose_backend_has_ended_gets_nothing_sent(checks, monkeypa
     assert sent == ["SELECT 1"]  # once, on the checked connection
     assert checks.count >= 1
     connection.close()
-    _terminate_pooled_backends()  # the connection opened without the receiver goes
+    _pooled_backends_ended()  # the connection opened without the receiver goes
 
 
 @pytest.mark.django_db(transaction=True)

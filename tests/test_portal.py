@@ -201,7 +201,7 @@ def test_an_altered_link_is_refused_with_400(api, seeded, alter):
     assert AuditEvent.objects.filter(action="portal.open", outcome="invalid", detail__code="link_altered").count() == 2
 
 
-def test_trying_made_up_links_is_throttled_per_address_and_then_writes_nothing(api, seeded, settings):
+def test_trying_made_up_links_is_throttled_per_address_and_then_writes_nothing(api, seeded, settings, limiter_minute):
     # Anyone may try tokens: each refusal was one audit row, without end, in a log nothing
     # may delete. Past the failed-authentication limit of the address: 429, nothing written.
     settings.ZEROMEM_AUTH_FAILURES_PER_MINUTE = 5

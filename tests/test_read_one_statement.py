@@ -25,6 +25,7 @@ from zeromem.kernel import hotsql
 from zeromem.kernel.errors import NotFound
 
 pytestmark = [
+    pytest.mark.usefixtures("limiter_minute"),  # one minute: no closed windows dropped midway
     pytest.mark.postgres,
     pytest.mark.skipif(connection.vendor != "postgresql", reason="one statement on PostgreSQL only"),
     pytest.mark.django_db(transaction=True),

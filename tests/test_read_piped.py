@@ -291,18 +291,15 @@ def _first_hit_whose_closed_windows_cannot_be_dropped(tenant_a, raw):
     deletes the closed windows (audit.limits._drop_closed_windows) and fails (lock_timeout on a
     closed window's row locked elsewhere) — after T1 committed the counter and T2 the event.
     (status, the key's counts, the read events written)."""
-    import time
-
     from django.db import connections
 
+    from audit import limits
     from audit.models import RateCounter
     from memories.models import ApiKey
 
     key = ApiKey.objects.get(tenant=tenant_a)
     bucket = f"key:{key.pk}"
-    start = int(time.time() // 60) * 60
-    if start + 60 - time.time() < 5:
-        time.sleep(start + 60 - time.time() + 0.1)  # not across a minute's end
+    start = int(limits.clock() // 60) * 60  # the minute tests/conftest.py limiter_minute holds
     RateCounter.objects.filter(bucket=bucket).delete()  # the next call is the minute's first
     RateCounter.objects.create(bucket="review-old", window_start=start - 7200, count=1)
     other = connections.create_connection("default")

@@ -29,7 +29,9 @@ READ = {"name": "memory_read", "arguments": {"key": "user:u1:lang"}}
 
 
 @pytest.fixture(autouse=True)
-def _lane_settings(settings):
+def _lane_settings(settings, limiter_minute):
+    # limiter_minute: a test's calls all count in one minute (a minute's first hit also drops
+    # the closed windows: one more statement, which round-trip counts would see).
     settings.ZEROMEM_API_KEY_CACHE_SECONDS = 10  # the lane takes only keys this process verified
     settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 10_000
     settings.ZEROMEM_TOOL_LANE = True

@@ -152,6 +152,22 @@ def test_calls_over_the_keys_rate_limit_are_counted_on_rest_and_mcp(api, tenant_
     ]
 
 
+def test_the_flush_takes_the_minute_from_the_limiters_clock(api, tenant_a, store, settings, monkeypatch):
+    """The limiter's clock (audit.limits.clock) alone set back a minute and more, the wall
+    clock left as it is: the refusals still make one event. Before, the flush that a
+    minute's first refusal runs took the wall clock's minute, found the limiter's minute closed
+    and drained each refusal as it came (a CI run wrote six events of count 1 for one of 6)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(limits, "time", SimpleNamespace(time=lambda: MINUTE + 1.0))
+    settings.ZEROMEM_RATE_LIMIT_PER_MINUTE = 2
+    assert [api.call("memory_list")[0] for _ in range(5)] == [200, 200, 429, 429, 429]
+    assert not _refusals(tenant_a).exists()
+    assert audit_refusals_flush() == 0  # the limiter's minute is still open
+    assert audit_refusals_flush(now=MINUTE + 60) == 1
+    assert [(e.action, e.count) for e in _refusals(tenant_a)] == [("tool.call", 3)]
+
+
 def test_a_refused_call_in_a_batch_is_counted_and_the_batch_answers(api, tenant_a, over_budget, settings, clock):
     settings.ZEROMEM_REDIS_URL = ""
     over_budget(tenant_a)

@@ -111,24 +111,47 @@ def _send(sql: str, params: Sequence, fetch, db=None, *, reads: bool = False, ag
     db.close_if_health_check_failed()
     if reads and db.connection is None and dbpool.read_checks(db):
         try:
-            with dbpool.check_skipped():
-                db.ensure_connection()  # (a connection_created receiver may send a statement)
-            if not dbpool.unread_input(db):
+            if _checked_out_unchecked(db):
                 return _execute(sql, params, fetch, db)
-            # Its backend has said goodbye (nothing sent): closed, the pool drops it.
-            db.connection.close()
         except DatabaseError:
             # No connection to be had (the pool has waited its timeout already), or an error
             # of a live connection: raised. A dead connection: the read again, below.
             if db.connection is None or not dbpool.broken(db):
                 raise
-        # Back to the pool (which drops a dead one), and the read again on a connection the
-        # pool checks.
-        db.close()
+            _dead_dropped(db)
+        # The read again on a connection the pool checks.
         if again is not None:
             sql, params, fetch = again
     db.ensure_connection()
     return _execute(sql, params, fetch, db)
+
+
+def _checked_out_unchecked(db) -> bool:
+    """Check a connection out for a statement that is its own check, without the pool's round
+    trip. False when it turns out dead before the statement is sent — its backend has said
+    goodbye (``dbpool.unread_input``), or a ``connection_created`` receiver's statement found
+    it broken: then it is dropped (:func:`_dead_dropped`), and the caller checks one out with
+    the pool's check."""
+    try:
+        with dbpool.check_skipped():
+            db.ensure_connection()
+        dead = dbpool.unread_input(db)
+    except DatabaseError:
+        if db.connection is None or not dbpool.broken(db):
+            raise
+        dead = True
+    if dead:
+        _dead_dropped(db)
+    return not dead
+
+
+def _dead_dropped(db) -> None:
+    """The dead connection of ``db`` back to the pool, which drops it; the pool's other idle
+    connections checked (``dbpool.idle_checked``: a restart ends them all)."""
+    if db.connection is not None:
+        db.connection.close()
+    db.close()
+    dbpool.idle_checked(db)
 
 
 def _execute(sql: str, params: Sequence, fetch, db):
@@ -1030,29 +1053,26 @@ def _send_piped(event: Event, rider: Rider | None, sql: str, params: Sequence, d
     unchecked = db.connection is None and dbpool.read_checks(db)
     try:
         if unchecked:
-            with dbpool.check_skipped():
-                db.ensure_connection()
-            dead = dbpool.unread_input(db)  # its backend has said goodbye: nothing is sent
+            dead = not _checked_out_unchecked(db)  # a dead one dropped, nothing sent
         else:
             db.ensure_connection()
             dead = False
         if not dead:
             row = _piped(event, rider, (read, read_params), insert, token, db)
-        else:
-            db.connection.close()  # the pool drops it
     except DatabaseError:
         if not (unchecked and db.connection is not None and dbpool.broken(db)):
             if rider is not None:  # as _send_riding: the counter taken alone if it went down
                 _count_alone(rider, db)
             raise
+        _dead_dropped(db)  # it died under the read
+        dead = True
     else:
         if not dead:
             # The read committed: its row handed on outside the ``except`` above (a counter's
             # ``done`` that fails must not count the call again, as in _send_riding).
             return _piped_answer(event, rider, row, token, db)
-    # A dead connection: back to the pool (which drops it), and the read again, alone, on a
-    # connection the pool checks; the caller writes the event of what it finds.
-    db.close()
+    # A dead connection (dropped): the read again, alone, on a connection the pool checks;
+    # the caller writes the event of what it finds.
     db.ensure_connection()
     if rider is not None:
         return _send_riding(rider, sql, params, db)
@@ -1287,13 +1307,9 @@ def _send_write_piped(rider: Rider, held: list, last: tuple[str, Sequence], db):
     db.close_if_health_check_failed()
     try:
         if db.connection is None and dbpool.read_checks(db):
-            # As a read's: checked out without the pool's round trip, if its backend has not
-            # said goodbye (nothing is sent then: it goes, and one the pool checks comes).
-            with dbpool.check_skipped():
-                db.ensure_connection()
-            if dbpool.unread_input(db):
-                db.connection.close()
-                db.close()
+            # As a read's: checked out without the pool's round trip, if it is not dead (it is
+            # dropped then, nothing sent, and one the pool checks comes).
+            _checked_out_unchecked(db)
         db.ensure_connection()
         counted, row = _pipe_two(counter, written[:2], db)
     except DatabaseError as exc:
