@@ -203,17 +203,20 @@ def list_id_bounds(*, tenant, filters: AuditFilters) -> tuple[int | None, int | 
     """(below, above): every event matching the time filters has ``above < id < below``
     (None: no bound), so a page of the review list starts its window at ``until`` and stops at
     ``since`` instead of reading windows of events outside the range. Two reads of the
-    (tenant, occurred_at) index, one row each: the first event a day past ``until`` (by
-    ``ID_CLOCK_MARGIN``), the last a day before ``since``."""
+    (tenant, occurred_at) index, one row each (an incremental sort orders an instant's ties
+    by id): the first event a day past ``until`` (by ``ID_CLOCK_MARGIN``), the last a day
+    before ``since``."""
     events = AuditEvent.objects.for_tenant(tenant)
     below = above = None
     # A day past 9999-12-31 (or before 0001-01-01) is outside the calendar, and no event is
     # there: no bound on that side (the sum overflowed, a 500).
     if filters.until and (later_than := _shifted(filters.until, ID_CLOCK_MARGIN)) is not None:
-        later = events.filter(occurred_at__gte=later_than).order_by("occurred_at")
+        # Ties broken by id (events of one instant): the tightest bound, the same every time
+        # (by the instant alone, PostgreSQL answered whichever row its heap held first).
+        later = events.filter(occurred_at__gte=later_than).order_by("occurred_at", "id")
         below = later.values_list("id", flat=True).first()
     if filters.since and (earlier_than := _shifted(filters.since, -ID_CLOCK_MARGIN)) is not None:
-        earlier = events.filter(occurred_at__lt=earlier_than).order_by("-occurred_at")
+        earlier = events.filter(occurred_at__lt=earlier_than).order_by("-occurred_at", "-id")
         above = earlier.values_list("id", flat=True).first()
     return below, above
 
