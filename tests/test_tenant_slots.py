@@ -101,15 +101,17 @@ def test_a_live_process_keeps_its_slot_past_the_lease_and_a_dead_ones_lapses(sto
     here, forgotten by this one) frees itself within the lease — not after ten minutes."""
     import time
 
-    settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS = 1
+    # 2 s: renewed every 0.67 s, so only a heartbeat stalled 1.3 s lets it lapse (with 1 s, a
+    # 0.7 s stall on a loaded machine would).
+    settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS = 2
     lease = settings.ZEROMEM_TENANT_SLOT_LEASE_SECONDS
     kept = limits.slot_acquire("tenant:beat", limit=1, lease=lease)
     assert kept
-    time.sleep(2.5)  # 2.5 leases
+    time.sleep(2.5 * lease)  # 2.5 leases
     assert limits.slot_acquire("tenant:beat", limit=1, lease=lease) is None  # renewed: still held
     with limits._held_lock:
         limits._held.pop(kept)  # its process "dies": nobody renews it
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 3 * lease
     taken = None
     while taken is None and time.monotonic() < deadline:
         taken = limits.slot_acquire("tenant:beat", limit=1, lease=lease)
