@@ -433,6 +433,17 @@ def fresh_memory_table() -> None:
         cursor.execute("TRUNCATE memories_memory CASCADE")
 
 
+def other_session(**kwargs):
+    """A psycopg connection of its own to the test database (PostgreSQL), as another process
+    would have: outside Django, in a transaction unless ``autocommit=True``."""
+    import psycopg  # PostgreSQL's tests only
+
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return psycopg.connect(**params, **kwargs)
+
+
 class RoundTrips:
     """The messages a block sends to PostgreSQL, from libpq's protocol trace. ``count``: the
     round trips — the times the client sent something that asks for an answer (a simple

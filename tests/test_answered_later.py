@@ -9,7 +9,6 @@ Transactional tests: the lane sends an event later only when it is a transaction
 
 import json
 
-import psycopg
 import pytest
 from django.db import DataError, connection
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -18,6 +17,7 @@ from audit.models import AuditEvent
 from audit.services import events_written
 from memories.api import lane
 from tests.factories import make_key, write
+from tests.helpers import other_session
 from tests.test_tool_lane import DJANGO, LANE, call, seen_by_client
 from zeromem.kernel import hotsql
 
@@ -118,10 +118,7 @@ def events_refused():
     """A trigger that cancels the INSERT of a read's event of the key ``fact:refused`` (as a
     statement timeout would): the read's event fails after its SELECT answered."""
     table = connection.ops.quote_name(AuditEvent._meta.db_table)
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    with psycopg.connect(**params, autocommit=True) as admin:
+    with other_session(autocommit=True) as admin:
         admin.execute(
             "CREATE FUNCTION zm_test_refuse_event() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
             "RAISE EXCEPTION 'refused by the test' USING ERRCODE = 'query_canceled'; END $$"

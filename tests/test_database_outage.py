@@ -10,11 +10,11 @@ import asyncio
 import json
 import socket
 
-import psycopg
 import pytest
 from django.db import connection
 
 from tests.factories import KeyedClient, make_key, make_tenant
+from tests.helpers import other_session
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -77,10 +77,7 @@ def test_the_api_serves_again_once_the_database_is_back(api: KeyedClient, reques
 
 def _terminate_other_backends() -> int:
     """End every other session of the test database, from a connection of our own."""
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    with psycopg.connect(**params, autocommit=True) as admin:
+    with other_session(autocommit=True) as admin:
         rows = admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"

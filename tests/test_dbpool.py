@@ -23,7 +23,7 @@ from audit import limits
 from audit.models import AuditEvent
 from memories.models import Memory
 from tests.factories import make_key
-from tests.helpers import audit_tables_may_be_flushed
+from tests.helpers import audit_tables_may_be_flushed, other_session
 from tests.test_tool_lane import LANE, call
 from zeromem import dbpool
 from zeromem.dbpool import FreshCheck, SkippableCheck, fresh_check_installed
@@ -33,10 +33,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.skipif(connection.vendor != "pos
 
 
 def _own_connection() -> psycopg.Connection:
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    return psycopg.connect(**params, autocommit=True)
+    return other_session(autocommit=True)
 
 
 class _Sent:

@@ -6,7 +6,6 @@ that has events (``on_delete=PROTECT``)."""
 
 from __future__ import annotations
 
-import psycopg
 import pytest
 from django.db import connection
 from django.db.models import ProtectedError
@@ -15,19 +14,13 @@ from audit.models import AuditEvent
 from memories import services
 from memories.models import Memory, MemoryVersion, Tenant
 from tests.factories import SYSTEM, make_tenant, write
+from tests.helpers import other_session
 
 
 def _holding_the_tenant_row(tenant):
     """Another session that holds the tenant's row ``FOR UPDATE`` (which a foreign key check's
     ``FOR KEY SHARE`` waits for)."""
-    settings = connection.settings_dict
-    other = psycopg.connect(
-        host=settings["HOST"] or None,
-        port=settings["PORT"] or None,
-        user=settings["USER"],
-        dbname=settings["NAME"],
-        password=settings["PASSWORD"] or None,
-    )
+    other = other_session()
     other.execute("SELECT 1 FROM memories_tenant WHERE id = %s FOR UPDATE", [tenant.pk])
     return other
 

@@ -18,9 +18,10 @@ from audit.services import audit_seal
 from audit.verify import audit_verify
 from memories import services
 from memories.models import Memory, MemoryVersion
-from memories.services import last_seen, usage
+from memories.services import last_seen
 from tests.factories import SYSTEM, make_key, write
-from tests.helpers import RoundTrips
+from tests.helpers import RoundTrips, other_session
+from tests.test_read_piped import _rider, _usage_held  # noqa: F401 - _usage_held: autouse
 from tests.test_read_rider import _lane_settings  # noqa: F401 - the lane's settings (autouse)
 from tests.test_tool_lane import LANE, call
 from zeromem.kernel import hotsql
@@ -36,13 +37,6 @@ KEY = "user:u1:lang"
 
 def _write_call(value, **arguments):
     return {"name": "memory_write", "arguments": {"key": KEY, "value": value, **arguments}}
-
-
-@pytest.fixture(autouse=True)
-def _usage_held(settings):
-    settings.ZEROMEM_USAGE_FLUSH_SECONDS = 3600
-    yield
-    usage.flush()  # the totals held back, while the tenant is there
 
 
 @pytest.fixture
@@ -116,16 +110,6 @@ def test_the_memory_returned_reads_its_other_fields_from_the_database(tenant_a, 
     assert (memory.version, memory.value, memory.tags, memory.subject) == (5, "en", ["lang"], "u1")
     assert (memory.category, memory.importance) == ("preference", 7)  # deferred: read when asked
     assert memory.created_at == _stored(tenant_a).created_at
-
-
-def _rider(limit: int = 10_000):
-    """The rate counter as the lane holds it (audit.limits.hit_riding), of a bucket of this
-    module's own."""
-    from audit import limits
-
-    return hotsql.Rider(
-        lambda own: limits._upsert_sql(connection.vendor, own), ["piped-write", 0, 1], lambda row: None, limit=limit
-    )
 
 
 def test_a_row_written_elsewhere_is_written_over_as_it_is_and_the_key_turns_cold(tenant_a, raw):
@@ -275,17 +259,8 @@ def _prepared_writes() -> list:
         return cursor.fetchall()
 
 
-def _other_session():
-    import psycopg
-
-    s = connection.settings_dict
-    return psycopg.connect(
-        host=s["HOST"] or None, port=s["PORT"] or None, user=s["USER"], dbname=s["NAME"], password=s["PASSWORD"] or None
-    )
-
-
 def test_a_write_timed_out_behind_a_row_lock_leaves_everything_as_it_was(tenant_a, raw):
-    other = _other_session()
+    other = other_session()
     other.execute("BEGIN")
     other.execute("SELECT 1 FROM memories_memory WHERE tenant_id = %s AND key = %s FOR UPDATE", [tenant_a.pk, KEY])
     counted, history, events = _counted(), _history(tenant_a), _writes(tenant_a)

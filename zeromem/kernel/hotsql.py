@@ -1184,12 +1184,12 @@ def _outcome(results, conn, sent: tuple):
 
 
 def _answer_of(results, kept: _Piped, conn, sent: tuple):
-    """T1's answer: (its first row or None,), or the error to raise."""
+    """A piped statement's answer (T1's): (its first row or None,), or the error to raise."""
     rows, error = _outcome(results, conn, sent)
     if error is not None:
         return error
     if rows is None:
-        return pg_errors.InternalError("the read's statement gave no answer")
+        return pg_errors.InternalError("a piped statement gave no answer")
     if rows.ntuples == 0:
         return (None,)
     kept.tx.set_pgresult(rows)
@@ -1351,16 +1351,14 @@ def _pipe_two(first: tuple[str, Sequence], second: tuple[str, Sequence], db) -> 
         except BaseException:
             _abandon(conn)
             raise
-        answers = []
-        for got, one in zip(results, sent, strict=True):
-            rows, error = _outcome(got, conn, one)
-            if error is None and (rows is None or not rows.ntuples):
-                error = pg_errors.InternalError("a piped statement returned no row")
-            if error is not None:
-                answers.append(error)
-            else:
-                kept.tx.set_pgresult(rows)
-                answers.append(kept.tx.load_row(0, tuple))
+    answers = []
+    for got, one in zip(results, sent, strict=True):
+        with db.wrap_database_errors:
+            answer = _answer_of(got, kept, conn, one)
+        if isinstance(answer, tuple):  # both statements return a row: none is a failure
+            (answer,) = answer
+            answer = pg_errors.InternalError("a piped statement returned no row") if answer is None else answer
+        answers.append(answer)
     return tuple(answers)
 
 
