@@ -53,11 +53,14 @@ def exists(table: str) -> bool:
 def test_the_migration_partitions_the_event_table_with_months_ahead_and_a_default(db):
     names = [p.name for p in partitions.partitions()]
     month = partitions.month_start(datetime.now(UTC))
+    turned = datetime.now(UTC) - month < timedelta(hours=3)  # maybe since the test database was made
+    if turned and partitions.partition_name(partitions.add_months(month, partitions.MONTHS_AHEAD)) not in names:
+        month = partitions.add_months(month, -1)
     for n in range(partitions.MONTHS_AHEAD + 1):
         assert partitions.partition_name(partitions.add_months(month, n)) in names
     assert names[-1] == partitions.DEFAULT
-    # Nothing to do on a second run.
-    assert partitions.ensure_partitions() == {"created": [], "blocked": [], "busy": []}
+    # Nothing to do on a second run (in the month the migration ran in).
+    assert partitions.ensure_partitions(now=month) == {"created": [], "blocked": [], "busy": []}
 
 
 def test_appends_across_a_month_boundary_land_in_two_partitions_and_verify(db, monkeypatch):
