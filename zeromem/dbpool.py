@@ -177,14 +177,17 @@ def unread_input(db) -> bool:
     return _readable(db.connection)
 
 
-def idle_checked(db) -> None:
-    """A connection of ``db``'s pool turned out dead: check the pool's idle connections now
-    (psycopg_pool's ``check()``: an empty query each, the dead ones replaced), before the
-    read goes again on a checked connection. A restart ends them all, and psycopg_pool's
-    ``getconn`` meets dead ones one at a time with a back-off of 1, 2, 4 … s between: with
-    four idle connections dead the read waited 7 s, past the pool's 5 s timeout, and answered
-    503. Now the checkout finds a live connection, or waits for a new one without a back-off.
-    Costs an empty query per idle connection, only when a dead one was found."""
-    pool = getattr(db, "pool", None)
-    if pool is not None:
-        pool.check()
+def restart_suspected(pool) -> None:
+    """A connection of ``pool`` turned out dead under a hot-path statement: replace the pool's
+    idle connections (psycopg_pool's ``drain()``: closed, and as many new ones opened by its
+    workers; those checked out now are closed when they come back), before the statement goes
+    again on a checked connection. A restart ends them all, and psycopg_pool's ``getconn``
+    meets dead ones one at a time with a back-off of 1, 2, 4 … s between: with four idle
+    connections dead the read waited 7 s, past the pool's 5 s timeout, and answered 503. Now
+    the checkout waits for a new connection instead, within the pool's timeout. No round trip
+    in this thread (a dead network's stalls stay the pool's workers'); the pool does not grow.
+    One idle connection ended alone (an operator's ``pg_terminate_backend``) costs the others
+    a reconnect too: a few milliseconds of the workers' time, once. ``pool``: the dead
+    connection's own (None, or closed since: nothing to do)."""
+    if pool is not None and not pool.closed:
+        pool.drain()

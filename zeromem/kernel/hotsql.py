@@ -146,12 +146,14 @@ def _checked_out_unchecked(db) -> bool:
 
 
 def _dead_dropped(db) -> None:
-    """The dead connection of ``db`` back to the pool, which drops it; the pool's other idle
-    connections checked (``dbpool.idle_checked``: a restart ends them all)."""
+    """The dead connection of ``db`` back to its pool, which drops it; the pool's idle
+    connections replaced (``dbpool.restart_suspected``: a restart ends them all)."""
+    pool = None
     if db.connection is not None:
+        pool = getattr(db.connection, "_pool", None)  # psycopg_pool's, while checked out
         db.connection.close()
     db.close()
-    dbpool.idle_checked(db)
+    dbpool.restart_suspected(pool)
 
 
 def _execute(sql: str, params: Sequence, fetch, db):
