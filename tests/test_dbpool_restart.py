@@ -90,10 +90,7 @@ class _Proxy:
         self.stalled = None
         self.listener.close()
         for s in self.sockets:
-            try:
-                s.close()
-            except OSError:
-                pass
+            _closed(s)
 
     def _accept(self):
         while True:
@@ -125,10 +122,20 @@ class _Proxy:
             pass
         finally:
             for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
+                _closed(s)
+
+
+def _closed(sock):
+    # shutdown() first: a socket closed while the other pump is blocked reading it stays open
+    # (the read holds it) and its backend with it — past the test, the test database's drop.
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def _reset(sock):
