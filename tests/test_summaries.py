@@ -1288,6 +1288,7 @@ def test_an_llm_error_without_retry_after_is_an_ordinary_failure(api, session, l
 def test_an_llm_summary_of_megabytes_is_stored_cut_to_the_summary_budget(
     api, session, llm, settings, django_capture_on_commit_callbacks
 ):
+    settings.ZEROMEM_LLM_TIMEOUT_SECONDS = 5  # 900 KB to read: the fixture's 0.3 s ran out in a loaded CI run
     llm.mode = "content"
     llm.content = "界" * 150_000  # 900 KB as JSON escapes
     job = job_of(start(api, django_capture_on_commit_callbacks, prefix=session))
